@@ -1,0 +1,287 @@
+package openai
+
+import (
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+)
+
+func TestPromptShapes(t *testing.T) {
+	for _, tc := range []struct {
+		in     string
+		texts  int
+		tokens []int // lengths
+		bad    bool
+	}{
+		{in: `"hello"`, texts: 1},
+		{in: `["a","b"]`, texts: 2},
+		{in: `[1,2,3]`, tokens: []int{3}},
+		{in: `[[1,2],[3]]`, tokens: []int{2, 1}},
+		{in: `[]`, bad: true},
+		{in: `[[]]`, bad: true},
+		{in: `["a",1]`, bad: true},
+		{in: `[1,"a"]`, bad: true},
+		{in: `[-1]`, bad: true},
+		{in: `[1.5]`, bad: true},
+		{in: `[4294967296]`, bad: true},
+		{in: `[4294967295]`, tokens: []int{1}},
+		{in: `{}`, bad: true},
+		{in: `12`, bad: true},
+		{in: `null`, bad: true},
+	} {
+		var p Prompt
+		err := json.Unmarshal([]byte(tc.in), &p)
+		if tc.bad {
+			if err == nil {
+				t.Errorf("%s: want error, got %+v", tc.in, p)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("%s: %v", tc.in, err)
+			continue
+		}
+		if len(p.Texts) != tc.texts || len(p.Tokens) != len(tc.tokens) {
+			t.Errorf("%s: got %+v", tc.in, p)
+		}
+		for i, n := range tc.tokens {
+			if len(p.Tokens[i]) != n {
+				t.Errorf("%s: prompt %d has %d ids", tc.in, i, len(p.Tokens[i]))
+			}
+		}
+		// Round trip.
+		b, _ := json.Marshal(p)
+		var q Prompt
+		if err := json.Unmarshal(b, &q); err != nil || q.Len() != p.Len() {
+			t.Errorf("%s: round trip %s: %v", tc.in, b, err)
+		}
+	}
+}
+
+func TestContentShapes(t *testing.T) {
+	var m Message
+	if err := json.Unmarshal([]byte(`{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"}]}`), &m); err != nil {
+		t.Fatal(err)
+	}
+	if m.Content.Text != "ab" || m.Content.Parts != 3 {
+		t.Fatalf("%+v", m.Content)
+	}
+	if err := json.Unmarshal([]byte(`{"role":"assistant","content":null}`), &m); err != nil || !m.Content.Null {
+		t.Fatalf("null content: %v %+v", err, m.Content)
+	}
+	if err := json.Unmarshal([]byte(`{"role":"user","content":5}`), &m); err == nil {
+		t.Fatal("numeric content accepted")
+	}
+	if err := json.Unmarshal([]byte(`{"role":"user","content":[{"text":"x"}]}`), &m); err == nil {
+		t.Fatal("part without type accepted")
+	}
+}
+
+func TestDecodeAndValidate(t *testing.T) {
+	for _, tc := range []struct {
+		body  string
+		param string
+		ok    bool
+	}{
+		{body: `{"model":"m","messages":[{"role":"user","content":"hi"}]}`, ok: true},
+		{body: ``, param: ""},
+		{body: `[1]`, param: ""},
+		{body: `{"model":"m",`, param: ""},
+		{body: `{"model":"m","messages":[]}`, param: "messages"},
+		{body: `{"messages":[{"role":"user","content":"hi"}]}`, param: "model"},
+		{body: `{"model":"m","messages":[{"role":"wizard","content":"hi"}]}`, param: "messages[0].role"},
+		{body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":0}`, param: "max_tokens"},
+		{body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":"x"}`, param: "max_tokens"},
+		{body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":3}`, param: "temperature"},
+		{body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream_options":{"include_usage":true}}`, param: "stream_options"},
+		{body: `{"model":"m","messages":[{"role":"user","content":"hi"}]} {}`, param: ""},
+		{body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"x":1}],"kv_transfer_params":{}}`, ok: true},
+	} {
+		var r ChatRequest
+		e := Decode([]byte(tc.body), &r)
+		if e == nil {
+			e = r.Validate()
+		}
+		if tc.ok {
+			if e != nil {
+				t.Errorf("%s: unexpected %v", tc.body, e.Message)
+			}
+			continue
+		}
+		if e == nil {
+			t.Errorf("%s: accepted", tc.body)
+			continue
+		}
+		if e.Status != http.StatusBadRequest {
+			t.Errorf("%s: status %d", tc.body, e.Status)
+		}
+		got := ""
+		if e.Param != nil {
+			got = *e.Param
+		}
+		if got != tc.param {
+			t.Errorf("%s: param %q, want %q (%s)", tc.body, got, tc.param, e.Message)
+		}
+	}
+	var c CompletionRequest
+	if e := Decode([]byte(`{"model":"m","prompt":[1,-2]}`), &c); e == nil || e.Param == nil || *e.Param != "prompt" {
+		t.Fatalf("bad token id: %+v", e)
+	}
+	if e := Decode([]byte(`{"model":"m","prompt":[1,2],"stream":true,"max_tokens":3}`), &c); e != nil || c.Validate() != nil {
+		t.Fatalf("valid completion rejected: %v", e)
+	}
+}
+
+func TestWriteError(t *testing.T) {
+	rec := httptest.NewRecorder()
+	WriteError(rec, NewError(http.StatusNotFound, "The model `x` does not exist.", "model", CodeModelNotFound))
+	if rec.Code != 404 || rec.Header().Get("Content-Type") != "application/json" {
+		t.Fatalf("%d %v", rec.Code, rec.Header())
+	}
+	var body struct {
+		Error struct {
+			Message, Type string
+			Param, Code   *string
+		}
+	}
+	if err := json.Unmarshal(rec.Body.Bytes(), &body); err != nil {
+		t.Fatal(err)
+	}
+	if body.Error.Type != "invalid_request_error" || *body.Error.Code != CodeModelNotFound || *body.Error.Param != "model" {
+		t.Fatalf("%s", rec.Body)
+	}
+	rec = httptest.NewRecorder()
+	WriteError(rec, NewError(503, "none", "", ""))
+	if !strings.Contains(rec.Body.String(), `"param":null`) || !strings.Contains(rec.Body.String(), `"code":null`) {
+		t.Fatalf("%s", rec.Body)
+	}
+}
+
+func TestRenderChatPrefixProperty(t *testing.T) {
+	turn1 := []Message{{Role: "system", Content: Content{Text: "be brief"}}, {Role: "user", Content: Content{Text: "hi"}}}
+	turn2 := append(append([]Message{}, turn1...), Message{Role: "assistant", Content: Content{Text: "hello"}}, Message{Role: "user", Content: Content{Text: "more"}})
+	a, b := RenderChat(turn1), RenderChat(turn2)
+	if !strings.HasPrefix(b, a) {
+		t.Fatalf("turn 2 rendering does not extend turn 1:\n%q\n%q", a, b)
+	}
+}
+
+func TestEventReader(t *testing.T) {
+	in := ": comment\n\nevent: x\ndata: {\"a\":1}\n\ndata: line1\r\ndata: line2\r\n\r\ndata:[DONE]\n\ndata: after\n\n"
+	er := NewEventReader(strings.NewReader(in), 0)
+	var got []string
+	for {
+		d, err := er.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, string(d))
+	}
+	if len(got) != 2 || got[0] != `{"a":1}` || got[1] != "line1\nline2" || !er.Done() {
+		t.Fatalf("got %q done=%v", got, er.Done())
+	}
+	// Truncated stream.
+	er = NewEventReader(strings.NewReader("data: {\"a\":1}\n\ndata: {\"b\""), 0)
+	if _, err := er.Next(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := er.Next(); !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Fatalf("truncated: %v", err)
+	}
+	// Oversized line.
+	er = NewEventReader(strings.NewReader("data: "+strings.Repeat("x", 5000)+"\n\n"), 1024)
+	if _, err := er.Next(); !errors.Is(err, ErrEventTooLarge) {
+		t.Fatalf("oversized: %v", err)
+	}
+	// Clean EOF without [DONE].
+	er = NewEventReader(strings.NewReader("data: 1\n\n"), 0)
+	er.Next()
+	if _, err := er.Next(); err != io.EOF || er.Done() {
+		t.Fatalf("clean eof: %v", err)
+	}
+}
+
+func TestStreamChunkLenient(t *testing.T) {
+	for _, tc := range []struct {
+		in     string
+		output bool
+		cached int
+	}{
+		{`{"choices":[{"index":0,"delta":{"content":"x"}}]}`, true, 0},
+		{`{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`, false, 0},
+		{`{"choices":[{"index":0,"text":"y"}]}`, true, 0},
+		{`{"choices":null,"usage":{"prompt_tokens":10,"completion_tokens":2,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":8}}}`, false, 8},
+		{`{"usage":{"prompt_tokens":10}}`, false, 0},
+	} {
+		var c StreamChunk
+		if err := json.Unmarshal([]byte(tc.in), &c); err != nil {
+			t.Fatalf("%s: %v", tc.in, err)
+		}
+		if c.HasOutput() != tc.output || c.Usage.Cached() != tc.cached {
+			t.Errorf("%s: output %v cached %d", tc.in, c.HasOutput(), c.Usage.Cached())
+		}
+	}
+}
+
+func FuzzPrompt(f *testing.F) {
+	for _, s := range []string{`"x"`, `["a","b"]`, `[1,2]`, `[[1],[2,3]]`, `[]`, `[1.0e3]`, `[[1],"a"]`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var p Prompt
+		if err := json.Unmarshal(b, &p); err != nil {
+			return
+		}
+		if p.Len() == 0 || (len(p.Texts) > 0 && len(p.Tokens) > 0) {
+			t.Fatalf("accepted %q as %+v", b, p)
+		}
+		for _, ids := range p.Tokens {
+			if len(ids) == 0 {
+				t.Fatalf("empty token list accepted from %q", b)
+			}
+		}
+	})
+}
+
+func FuzzChatRequest(f *testing.F) {
+	f.Add([]byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true}}`))
+	f.Add([]byte(`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var r ChatRequest
+		if e := Decode(b, &r); e != nil {
+			if e.Status != 400 {
+				t.Fatalf("decode error status %d", e.Status)
+			}
+			return
+		}
+		if e := r.Validate(); e != nil && e.Status != 400 {
+			t.Fatalf("validate status %d", e.Status)
+		}
+		_ = RenderChat(r.Messages)
+	})
+}
+
+func FuzzEventReader(f *testing.F) {
+	f.Add([]byte("data: {}\n\ndata: [DONE]\n\n"))
+	f.Add([]byte("data: a\r\ndata: b\r\n\r\n:c\n\n"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		er := NewEventReader(strings.NewReader(string(b)), 256)
+		for i := 0; i < len(b)+2; i++ {
+			d, err := er.Next()
+			if err != nil {
+				return
+			}
+			if len(d) > len(b) {
+				t.Fatalf("event longer than input")
+			}
+		}
+		t.Fatalf("reader did not terminate")
+	})
+}

@@ -1,0 +1,315 @@
+package openai
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"net/http"
+	"strings"
+)
+
+// StreamOptions is the "stream_options" object. IncludeUsage asks for an extra
+// final chunk carrying usage; ContinuousUsageStats is vLLM's extension that
+// puts cumulative usage in every chunk.
+type StreamOptions struct {
+	IncludeUsage         bool `json:"include_usage"`
+	ContinuousUsageStats bool `json:"continuous_usage_stats,omitempty"`
+}
+
+// Message is one chat message. Content may arrive as a string, as an array of
+// parts (only "text" parts carry text; others are kept out of Content.Text but
+// counted in Content.Parts), or null (an assistant turn with tool calls).
+type Message struct {
+	Role       string          `json:"role"`
+	Content    Content         `json:"content"`
+	Name       string          `json:"name,omitempty"`
+	ToolCalls  json.RawMessage `json:"tool_calls,omitempty"`
+	ToolCallID string          `json:"tool_call_id,omitempty"`
+}
+
+// Content is a message's content: the concatenated text of its text parts.
+type Content struct {
+	Text  string
+	Parts int // number of parts when sent as an array; 0 for a plain string
+	Null  bool
+}
+
+// UnmarshalJSON accepts a string, null, or an array of {"type","text",...}
+// parts.
+func (c *Content) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	switch {
+	case len(b) == 0 || string(b) == "null":
+		*c = Content{Null: true}
+		return nil
+	case b[0] == '"':
+		*c = Content{}
+		return json.Unmarshal(b, &c.Text)
+	case b[0] == '[':
+		var parts []struct {
+			Type string  `json:"type"`
+			Text *string `json:"text"`
+		}
+		if err := json.Unmarshal(b, &parts); err != nil {
+			return err
+		}
+		var sb strings.Builder
+		for i, p := range parts {
+			if p.Type == "" {
+				return fmt.Errorf("content part %d has no type", i)
+			}
+			if p.Type == "text" {
+				if p.Text == nil {
+					return fmt.Errorf("text content part %d has no text", i)
+				}
+				sb.WriteString(*p.Text)
+			}
+		}
+		*c = Content{Text: sb.String(), Parts: len(parts)}
+		return nil
+	}
+	return errors.New("content must be a string, an array of content parts or null")
+}
+
+// MarshalJSON writes the text as a string (null if it was null).
+func (c Content) MarshalJSON() ([]byte, error) {
+	if c.Null {
+		return []byte("null"), nil
+	}
+	return json.Marshal(c.Text)
+}
+
+// ChatRequest is the body of POST /v1/chat/completions (the fields the gateway
+// and the simulator read).
+type ChatRequest struct {
+	Model               string         `json:"model"`
+	Messages            []Message      `json:"messages"`
+	Stream              bool           `json:"stream,omitempty"`
+	StreamOptions       *StreamOptions `json:"stream_options,omitempty"`
+	MaxTokens           *int           `json:"max_tokens,omitempty"`
+	MaxCompletionTokens *int           `json:"max_completion_tokens,omitempty"`
+	N                   *int           `json:"n,omitempty"`
+	Temperature         *float64       `json:"temperature,omitempty"`
+	TopP                *float64       `json:"top_p,omitempty"`
+	User                string         `json:"user,omitempty"`
+	IgnoreEOS           bool           `json:"ignore_eos,omitempty"`
+	CacheSalt           string         `json:"cache_salt,omitempty"`
+}
+
+// CompletionRequest is the body of POST /v1/completions.
+type CompletionRequest struct {
+	Model         string         `json:"model"`
+	Prompt        Prompt         `json:"prompt"`
+	Stream        bool           `json:"stream,omitempty"`
+	StreamOptions *StreamOptions `json:"stream_options,omitempty"`
+	MaxTokens     *int           `json:"max_tokens,omitempty"`
+	N             *int           `json:"n,omitempty"`
+	Temperature   *float64       `json:"temperature,omitempty"`
+	TopP          *float64       `json:"top_p,omitempty"`
+	Echo          bool           `json:"echo,omitempty"`
+	User          string         `json:"user,omitempty"`
+	IgnoreEOS     bool           `json:"ignore_eos,omitempty"`
+	CacheSalt     string         `json:"cache_salt,omitempty"`
+}
+
+// Prompt is a completion prompt: a string, a list of strings, a list of token
+// ids, or a list of token-id lists. Exactly one of Texts and Tokens is set.
+type Prompt struct {
+	Texts  []string
+	Tokens [][]uint32
+}
+
+// Len returns the number of prompts.
+func (p Prompt) Len() int { return len(p.Texts) + len(p.Tokens) }
+
+// UnmarshalJSON accepts the four OpenAI prompt shapes and rejects mixed lists,
+// empty lists, and token ids that are negative, fractional or above 2^32-1.
+func (p *Prompt) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	*p = Prompt{}
+	if len(b) == 0 || string(b) == "null" {
+		return errors.New("prompt is required")
+	}
+	if b[0] == '"' {
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+		p.Texts = []string{s}
+		return nil
+	}
+	if b[0] != '[' {
+		return errors.New("prompt must be a string, an array of strings, an array of token ids or an array of token-id arrays")
+	}
+	var items []json.RawMessage
+	if err := json.Unmarshal(b, &items); err != nil {
+		return err
+	}
+	if len(items) == 0 {
+		return errors.New("prompt must not be an empty array")
+	}
+	switch first := bytes.TrimSpace(items[0]); {
+	case len(first) > 0 && first[0] == '"':
+		p.Texts = make([]string, len(items))
+		for i, it := range items {
+			if err := json.Unmarshal(it, &p.Texts[i]); err != nil {
+				return fmt.Errorf("prompt[%d]: all elements must be strings", i)
+			}
+		}
+	case len(first) > 0 && first[0] == '[':
+		p.Tokens = make([][]uint32, len(items))
+		for i, it := range items {
+			ids, err := parseTokenIDs(it)
+			if err != nil {
+				return fmt.Errorf("prompt[%d]: %w", i, err)
+			}
+			p.Tokens[i] = ids
+		}
+	default:
+		ids, err := parseTokenIDs(b)
+		if err != nil {
+			return fmt.Errorf("prompt: %w", err)
+		}
+		p.Tokens = [][]uint32{ids}
+	}
+	return nil
+}
+
+// MarshalJSON writes the prompt back in its most compact shape.
+func (p Prompt) MarshalJSON() ([]byte, error) {
+	switch {
+	case len(p.Texts) == 1:
+		return json.Marshal(p.Texts[0])
+	case len(p.Texts) > 1:
+		return json.Marshal(p.Texts)
+	case len(p.Tokens) == 1:
+		return json.Marshal(p.Tokens[0])
+	default:
+		return json.Marshal(p.Tokens)
+	}
+}
+
+func parseTokenIDs(b []byte) ([]uint32, error) {
+	var nums []json.Number
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.UseNumber()
+	if err := d.Decode(&nums); err != nil {
+		return nil, errors.New("token ids must be an array of integers")
+	}
+	if len(nums) == 0 {
+		return nil, errors.New("token-id array must not be empty")
+	}
+	ids := make([]uint32, len(nums))
+	for i, n := range nums {
+		v, err := n.Int64()
+		if err != nil || v < 0 || v > math.MaxUint32 {
+			return nil, fmt.Errorf("token id %q at %d is not an integer in [0, 2^32)", n.String(), i)
+		}
+		ids[i] = uint32(v)
+	}
+	return ids, nil
+}
+
+// roles accepted in chat messages.
+var roles = map[string]bool{"system": true, "developer": true, "user": true, "assistant": true, "tool": true, "function": true}
+
+// Validate checks the fields the OpenAI API constrains and returns a 400
+// error naming the first offending field, or nil.
+func (r *ChatRequest) Validate() *Error {
+	if r.Model == "" {
+		return Errorf("model", "you must provide a model parameter")
+	}
+	if len(r.Messages) == 0 {
+		return Errorf("messages", "messages must be a non-empty array")
+	}
+	for i, m := range r.Messages {
+		if !roles[m.Role] {
+			return Errorf(fmt.Sprintf("messages[%d].role", i), fmt.Sprintf("invalid role %q", m.Role))
+		}
+		if m.Content.Null && m.Role != "assistant" {
+			return Errorf(fmt.Sprintf("messages[%d].content", i), "content is required for role "+m.Role)
+		}
+	}
+	if err := validateSampling(r.MaxTokens, r.N, r.Temperature, r.TopP, r.Stream, r.StreamOptions); err != nil {
+		return err
+	}
+	if r.MaxCompletionTokens != nil && *r.MaxCompletionTokens < 1 {
+		return Errorf("max_completion_tokens", "max_completion_tokens must be at least 1")
+	}
+	return nil
+}
+
+// Validate checks the completion request; see ChatRequest.Validate.
+func (r *CompletionRequest) Validate() *Error {
+	if r.Model == "" {
+		return Errorf("model", "you must provide a model parameter")
+	}
+	if r.Prompt.Len() == 0 {
+		return Errorf("prompt", "prompt is required")
+	}
+	return validateSampling(r.MaxTokens, r.N, r.Temperature, r.TopP, r.Stream, r.StreamOptions)
+}
+
+func validateSampling(maxTokens, n *int, temperature, topP *float64, stream bool, so *StreamOptions) *Error {
+	if maxTokens != nil && *maxTokens < 1 {
+		return Errorf("max_tokens", "max_tokens must be at least 1")
+	}
+	if n != nil && (*n < 1 || *n > 128) {
+		return Errorf("n", "n must be between 1 and 128")
+	}
+	if temperature != nil && (*temperature < 0 || *temperature > 2 || math.IsNaN(*temperature)) {
+		return Errorf("temperature", "temperature must be between 0 and 2")
+	}
+	if topP != nil && (*topP <= 0 || *topP > 1 || math.IsNaN(*topP)) {
+		return Errorf("top_p", "top_p must be in (0, 1]")
+	}
+	if so != nil && !stream {
+		return Errorf("stream_options", "stream_options is only allowed when stream is true")
+	}
+	return nil
+}
+
+// DecodeError turns a json decoding error into a 400 error naming the field
+// when the decoder knows it.
+func DecodeError(err error) *Error {
+	var typeErr *json.UnmarshalTypeError
+	var syntaxErr *json.SyntaxError
+	switch {
+	case errors.As(err, &typeErr):
+		field := typeErr.Field
+		return NewError(http.StatusBadRequest, fmt.Sprintf("invalid type for %q: expected %s", field, typeErr.Type), field, CodeInvalidValue)
+	case errors.As(err, &syntaxErr):
+		return NewError(http.StatusBadRequest, fmt.Sprintf("request body is not valid JSON (offset %d): %v", syntaxErr.Offset, err), "", CodeInvalidJSON)
+	case errors.Is(err, errTrailing):
+		return NewError(http.StatusBadRequest, "request body has data after the JSON object", "", CodeInvalidJSON)
+	}
+	msg := err.Error()
+	param := ""
+	if i := strings.Index(msg, "prompt"); i >= 0 {
+		param = "prompt"
+	}
+	return NewError(http.StatusBadRequest, "invalid request body: "+strings.TrimPrefix(msg, "json: "), param, CodeInvalidJSON)
+}
+
+var errTrailing = errors.New("trailing data")
+
+// Decode parses body (one JSON object, nothing after it) into v and returns a
+// 400 error describing the problem, or nil.
+func Decode(body []byte, v any) *Error {
+	if len(bytes.TrimSpace(body)) == 0 {
+		return NewError(http.StatusBadRequest, "request body is empty", "", CodeInvalidJSON)
+	}
+	if b := bytes.TrimSpace(body); b[0] != '{' {
+		return NewError(http.StatusBadRequest, "request body must be a JSON object", "", CodeInvalidJSON)
+	}
+	d := json.NewDecoder(bytes.NewReader(body))
+	if err := d.Decode(v); err != nil {
+		return DecodeError(err)
+	}
+	if d.More() {
+		return DecodeError(errTrailing)
+	}
+	return nil
+}
