@@ -1,0 +1,607 @@
+package sim
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/infergate/infergate/prefix"
+)
+
+// Defaults of Config, matching vLLM v1 online serving on a large GPU.
+const (
+	DefaultBlockSize           = 16   // vLLM --block-size
+	DefaultMaxNumSeqs          = 256  // vLLM --max-num-seqs
+	DefaultMaxNumBatchedTokens = 8192 // vLLM --max-num-batched-tokens (chunked prefill)
+)
+
+// Config configures an Engine. Zero fields take defaults.
+type Config struct {
+	// Profile is the model and hardware; zero (Layers == 0) means DefaultProfile().
+	Profile Profile `yaml:"profile"`
+	// BlockSize is the KV-cache page size in tokens (default 16).
+	BlockSize int `yaml:"block_size"`
+	// NumBlocks is the KV capacity in blocks; 0 derives it from Profile.NumBlocks.
+	NumBlocks int `yaml:"num_blocks"`
+	// MaxNumSeqs bounds the running set (default 256).
+	MaxNumSeqs int `yaml:"max_num_seqs"`
+	// MaxNumBatchedTokens is the per-step token budget shared by decodes and
+	// prefill chunks (default 8192).
+	MaxNumBatchedTokens int `yaml:"max_num_batched_tokens"`
+	// Seed seeds the pseudo-random output tokens.
+	Seed uint64 `yaml:"seed"`
+	// OutputVocab is the set of token ids output tokens are drawn from. nil means
+	// ids 1000..1999. A front that renders text sets it to ids whose decoded text
+	// re-tokenizes to the same ids, so that multi-turn prompts hit the cached
+	// output blocks as they do on a real engine.
+	OutputVocab []uint32 `yaml:"-"`
+}
+
+// WithDefaults returns c with zero fields replaced by their defaults.
+func (c Config) WithDefaults() Config {
+	if c.Profile.Layers == 0 {
+		c.Profile = DefaultProfile()
+	}
+	if c.BlockSize == 0 {
+		c.BlockSize = DefaultBlockSize
+	}
+	if c.NumBlocks == 0 {
+		c.NumBlocks = c.Profile.NumBlocks(c.BlockSize)
+	}
+	if c.MaxNumSeqs == 0 {
+		c.MaxNumSeqs = DefaultMaxNumSeqs
+	}
+	if c.MaxNumBatchedTokens == 0 {
+		c.MaxNumBatchedTokens = DefaultMaxNumBatchedTokens
+	}
+	if len(c.OutputVocab) == 0 {
+		c.OutputVocab = defaultVocab
+	}
+	return c
+}
+
+var defaultVocab = func() []uint32 {
+	v := make([]uint32, 1000)
+	for i := range v {
+		v[i] = uint32(1000 + i)
+	}
+	return v
+}()
+
+// Validate reports whether c (after defaults) describes a runnable engine.
+func (c Config) Validate() error {
+	c = c.WithDefaults()
+	if err := c.Profile.Validate(); err != nil {
+		return err
+	}
+	var errs []error
+	if c.BlockSize < 1 {
+		errs = append(errs, fmt.Errorf("block_size must be >= 1, got %d", c.BlockSize))
+	}
+	if c.NumBlocks < 1 {
+		errs = append(errs, fmt.Errorf("num_blocks must be >= 1, got %d (does the model fit the GPUs?)", c.NumBlocks))
+	}
+	if c.MaxNumSeqs < 1 {
+		errs = append(errs, fmt.Errorf("max_num_seqs must be >= 1, got %d", c.MaxNumSeqs))
+	}
+	if c.MaxNumBatchedTokens < 1 {
+		errs = append(errs, fmt.Errorf("max_num_batched_tokens must be >= 1, got %d", c.MaxNumBatchedTokens))
+	}
+	return errors.Join(errs...)
+}
+
+// Request is one generation request given to an Engine.
+type Request struct {
+	// ID identifies the request in Outputs and Abort; it must be unique among
+	// unfinished requests.
+	ID string
+	// Tokens is the prompt. The engine copies it.
+	Tokens []uint32
+	// MaxTokens is the exact number of tokens to generate (the engine has no EOS).
+	MaxTokens int
+	// Extra is the adapter / cache-salt identity (0 for none), used as the
+	// parent hash of the first block, so requests with different Extra share no
+	// cached blocks.
+	Extra uint64
+}
+
+// Output is what one step produced for one request.
+type Output struct {
+	ID string
+	// NewTokens is 1 when the step sampled a token for the request, else 0
+	// (the engine only reports requests that produced a token or finished).
+	NewTokens int
+	// Token is the id of the sampled token (valid when NewTokens == 1).
+	Token uint32
+	// FirstToken is set on the request's first output token.
+	FirstToken bool
+	// Finished is set when the request has produced MaxTokens tokens.
+	Finished bool
+	// PromptTokens is the prompt length.
+	PromptTokens int
+	// CachedTokens is the number of prompt tokens served from the prefix cache
+	// when the request was first scheduled. This is vLLM's num_cached_tokens,
+	// which reports the first admission and is not updated on re-admission after
+	// a preemption (vllm/v1/core/sched/scheduler.py).
+	CachedTokens int
+	// OutputTokens is the number of tokens generated so far, this one included.
+	OutputTokens int
+}
+
+// StepResult is the outcome of one engine step.
+type StepResult struct {
+	// Duration is the simulated time the step takes; its outputs happen at now+Duration.
+	Duration time.Duration
+	// Outputs lists requests that produced a token in the step. The slice is
+	// owned by the Engine and reused: it is valid until the next call to Step.
+	Outputs []Output
+	// Cost is the work the step did.
+	Cost StepCost
+}
+
+// Stats is a snapshot of engine state and cumulative counters.
+type Stats struct {
+	Running, Waiting int
+	// KVUsage is the fraction of blocks held by at least one request (0..1).
+	// Cached blocks in the free queue count as free, as in vLLM's kv_cache_usage_perc.
+	KVUsage   float64
+	NumBlocks int
+	BlockSize int
+	// PrefixQueries and PrefixHits are cumulative prompt tokens looked up in and
+	// found in the prefix cache, at first admission only (vLLM counts
+	// re-admissions after preemption separately).
+	PrefixQueries, PrefixHits int64
+	Preemptions               int64
+	// PromptTokens counts prompts when their first token is produced;
+	// GenerationTokens counts output tokens.
+	PromptTokens, GenerationTokens int64
+	// PrefillTokens counts tokens computed in prefill (prompt chunks and
+	// recomputation after preemption): the work prefix caching saves.
+	PrefillTokens int64
+	// BusyTime is the simulated time spent in steps (for utilisation).
+	BusyTime time.Duration
+}
+
+// Errors returned by Engine.Add.
+var (
+	ErrDuplicateID  = errors.New("sim: duplicate request id")
+	ErrEmptyPrompt  = errors.New("sim: empty prompt")
+	ErrBadMaxTokens = errors.New("sim: max tokens must be >= 1")
+	ErrTooLong      = errors.New("sim: request exceeds the maximum model length")
+	ErrNoCapacity   = errors.New("sim: request exceeds the KV cache capacity")
+)
+
+// seq is the engine's state of one request.
+type seq struct {
+	id          string
+	tokens      []uint32 // prompt followed by generated tokens
+	promptLen   int
+	maxTokens   int
+	extra       uint64
+	seed        uint64
+	hashes      []uint64      // chained hashes of the full blocks of tokens
+	blocks      []int32       // KV blocks, in sequence order
+	numCachedBl int           // leading blocks registered in the prefix cache
+	computed    int           // tokens whose KV is computed (vLLM num_computed_tokens)
+	cached      int           // prefix-cache hit tokens at first admission; -1 before
+	admitted    bool          // has been scheduled at least once
+	arrival     time.Duration // simulated time of Add
+}
+
+func (s *seq) output() int { return len(s.tokens) - s.promptLen }
+
+type scheduled struct {
+	s *seq
+	n int
+}
+
+// Engine is a simulated vLLM v1 engine core: a continuous-batching scheduler
+// over a paged KV cache with automatic prefix caching, timed by a roofline
+// model of the Profile. It is a pure state machine: no goroutines, no I/O, no
+// clock; simulated time is passed in. It is not safe for concurrent use.
+type Engine struct {
+	cfg     Config
+	pool    *blockPool
+	waiting queue  // FCFS
+	running []*seq // in admission order; the tail is preempted first
+	byID    map[string]*seq
+	sched   []scheduled
+	out     []Output
+	hit     []int32
+	stats   Stats
+}
+
+// NewEngine returns an idle engine. It panics if cfg.Validate fails; callers
+// taking configuration from users should call Validate first.
+func NewEngine(cfg Config) *Engine {
+	if err := cfg.Validate(); err != nil {
+		panic(fmt.Sprintf("sim.NewEngine: %v", err))
+	}
+	cfg = cfg.WithDefaults()
+	return &Engine{
+		cfg:   cfg,
+		pool:  newBlockPool(cfg.NumBlocks),
+		byID:  make(map[string]*seq),
+		stats: Stats{NumBlocks: cfg.NumBlocks, BlockSize: cfg.BlockSize},
+	}
+}
+
+// Config returns the engine's configuration with defaults applied.
+func (e *Engine) Config() Config { return e.cfg }
+
+// Add queues a request at simulated time now. It fails if the ID is in use,
+// the prompt is empty, MaxTokens < 1, prompt+MaxTokens exceeds the profile's
+// MaxModelLen, or the request could not fit the KV cache even alone (which
+// would otherwise preempt itself forever).
+func (e *Engine) Add(r *Request, now time.Duration) error {
+	if err := e.cfg.CheckRequest(len(r.Tokens), r.MaxTokens); err != nil {
+		return err
+	}
+	if _, dup := e.byID[r.ID]; dup {
+		return fmt.Errorf("%w: %q", ErrDuplicateID, r.ID)
+	}
+	total := len(r.Tokens) + r.MaxTokens
+	bs := e.cfg.BlockSize
+	s := &seq{
+		id:        r.ID,
+		tokens:    make([]uint32, len(r.Tokens), total),
+		promptLen: len(r.Tokens),
+		maxTokens: r.MaxTokens,
+		extra:     r.Extra,
+		cached:    -1,
+		arrival:   now,
+		hashes:    make([]uint64, 0, total/bs),
+	}
+	copy(s.tokens, r.Tokens)
+	s.hashes = prefix.Hashes(s.hashes, s.tokens, bs, r.Extra)
+	s.seed = e.promptSeed(s)
+	e.byID[r.ID] = s
+	e.waiting.pushBack(s)
+	return nil
+}
+
+// CheckRequest reports whether a request of promptTokens and maxTokens can be
+// served by an engine of this configuration (defaults applied): the prompt is
+// not empty, maxTokens >= 1, prompt+maxTokens fits the profile's MaxModelLen,
+// and the request fits the KV cache alone — otherwise it would preempt itself
+// forever. The last sampled token is never fed back, so a request holds at
+// most promptTokens+maxTokens-1 tokens of KV. Engine.Add performs the same checks.
+func (c Config) CheckRequest(promptTokens, maxTokens int) error {
+	c = c.WithDefaults()
+	switch {
+	case promptTokens < 1:
+		return ErrEmptyPrompt
+	case maxTokens < 1:
+		return ErrBadMaxTokens
+	}
+	total := promptTokens + maxTokens
+	if m := c.Profile.MaxModelLen; m > 0 && total > m {
+		return fmt.Errorf("%w: %d prompt + %d output tokens > %d", ErrTooLong, promptTokens, maxTokens, m)
+	}
+	bs := c.BlockSize
+	if need := (total - 1 + bs - 1) / bs; need > c.NumBlocks {
+		return fmt.Errorf("%w: needs %d blocks of %d tokens, the cache has %d", ErrNoCapacity, need, bs, c.NumBlocks)
+	}
+	return nil
+}
+
+// Abort removes a request, waiting or running, and releases its blocks.
+// Unknown or finished IDs are ignored.
+func (e *Engine) Abort(id string) {
+	s, ok := e.byID[id]
+	if !ok {
+		return
+	}
+	delete(e.byID, id)
+	if i := slices.Index(e.running, s); i >= 0 {
+		e.running = slices.Delete(e.running, i, i+1)
+		e.freeBlocks(s)
+		return
+	}
+	e.waiting.remove(s)
+}
+
+// HasWork reports whether any request is waiting or running.
+func (e *Engine) HasWork() bool { return len(e.running) > 0 || e.waiting.len() > 0 }
+
+// Stats returns current gauges and cumulative counters.
+func (e *Engine) Stats() Stats {
+	st := e.stats
+	st.Running = len(e.running)
+	st.Waiting = e.waiting.len()
+	st.KVUsage = float64(e.pool.used()) / float64(len(e.pool.blocks))
+	return st
+}
+
+// Step schedules and runs one engine step starting at simulated time now and
+// returns its duration and outputs. The scheduler follows vLLM v1
+// (vllm/v1/core/sched/scheduler.py, Scheduler.schedule):
+//
+//  1. Running requests, in admission order, each get min(remaining, budget)
+//     tokens: one for a decode, a chunk for an unfinished prefill. If their
+//     blocks cannot be allocated, the most recently admitted running request is
+//     preempted (blocks freed, back to the head of the waiting queue, to be
+//     recomputed) until allocation succeeds or the request preempted itself.
+//  2. If nothing was preempted, waiting requests are admitted FCFS while the
+//     budget lasts and fewer than MaxNumSeqs run: each looks up its longest
+//     cached prefix of full blocks (at most prompt-1 tokens), then gets a
+//     chunk of the rest. Admission stops at the first request whose blocks
+//     cannot be allocated.
+//
+// A request whose computed tokens reach its length samples one token; one that
+// has MaxTokens tokens finishes and releases its blocks.
+//
+// The engine keeps no clock: now only marks the step's start for the caller's
+// bookkeeping; the step's outputs happen at now + Duration.
+func (e *Engine) Step(now time.Duration) StepResult {
+	e.sched = e.sched[:0]
+	e.out = e.out[:0]
+	budget := e.cfg.MaxNumBatchedTokens
+	preempted := false
+
+	for i := 0; i < len(e.running) && budget > 0; {
+		s := e.running[i]
+		n := min(len(s.tokens)-s.computed, budget)
+		if n <= 0 {
+			i++
+			continue
+		}
+		ok := false
+		for {
+			if e.allocate(s, n, nil) {
+				ok = true
+				break
+			}
+			victim := e.running[len(e.running)-1]
+			e.running = e.running[:len(e.running)-1]
+			e.preempt(victim)
+			preempted = true
+			if victim == s {
+				break
+			}
+		}
+		if !ok {
+			break
+		}
+		e.sched = append(e.sched, scheduled{s, n})
+		budget -= n
+		i++
+	}
+
+	if !preempted {
+		for e.waiting.len() > 0 && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs {
+			s := e.waiting.front()
+			hit := e.findCached(s)
+			computed := len(hit) * e.cfg.BlockSize
+			n := min(len(s.tokens)-computed, budget)
+			if !e.allocate(s, n, hit) {
+				break
+			}
+			e.waiting.popFront()
+			e.running = append(e.running, s)
+			s.computed = computed
+			if !s.admitted {
+				s.admitted = true
+				s.cached = computed
+				e.stats.PrefixQueries += int64(len(s.tokens))
+				e.stats.PrefixHits += int64(computed)
+			}
+			e.sched = append(e.sched, scheduled{s, n})
+			budget -= n
+		}
+	}
+
+	var cost StepCost
+	for _, sc := range e.sched {
+		cost.Add(sc.n, sc.s.computed)
+		if !(sc.n == 1 && sc.s.output() > 0 && sc.s.computed == len(sc.s.tokens)-1) {
+			e.stats.PrefillTokens += int64(sc.n)
+		}
+	}
+	finished := false
+	for _, sc := range e.sched {
+		s := sc.s
+		s.computed += sc.n
+		if s.computed < len(s.tokens) {
+			continue // partial prefill chunk: the sampled token is discarded
+		}
+		tok := e.sample(s)
+		s.tokens = append(s.tokens, tok)
+		out := s.output()
+		if out == 1 {
+			e.stats.PromptTokens += int64(s.promptLen)
+		}
+		e.stats.GenerationTokens++
+		done := out >= s.maxTokens
+		e.out = append(e.out, Output{
+			ID:           s.id,
+			NewTokens:    1,
+			Token:        tok,
+			FirstToken:   out == 1,
+			Finished:     done,
+			PromptTokens: s.promptLen,
+			CachedTokens: max(s.cached, 0),
+			OutputTokens: out,
+		})
+		if done {
+			e.freeBlocks(s)
+			delete(e.byID, s.id)
+			s.computed = -1 // marks finished for the compaction below
+			finished = true
+		}
+	}
+	if finished {
+		e.running = slices.DeleteFunc(e.running, func(s *seq) bool { return s.computed < 0 })
+	}
+	d := e.cfg.Profile.StepTime(cost)
+	e.stats.BusyTime += d
+	return StepResult{Duration: d, Outputs: e.out, Cost: cost}
+}
+
+// findCached returns the blocks of the longest cached prefix of s, capped so
+// that at least one token is computed (vLLM get_computed_blocks uses
+// max_cache_hit_length = num_tokens - 1). The slice is scratch space.
+func (e *Engine) findCached(s *seq) []int32 {
+	e.hit = e.hit[:0]
+	if s.computed > 0 || len(s.blocks) > 0 {
+		return e.hit
+	}
+	e.ensureHashes(s, len(s.tokens))
+	maxBlocks := (len(s.tokens) - 1) / e.cfg.BlockSize
+	for _, h := range s.hashes[:min(maxBlocks, len(s.hashes))] {
+		id := e.pool.lookup(h)
+		if id == noBlock {
+			break
+		}
+		e.hit = append(e.hit, id)
+	}
+	return e.hit
+}
+
+// allocate gives s the blocks to hold n more tokens beyond its computed ones,
+// after taking the prefix-cache hit blocks (when admitting), and registers
+// the blocks that become full in the prefix cache (vLLM
+// KVCacheManager.allocate_slots). It reports false, changing nothing, when the
+// free queue is too short.
+func (e *Engine) allocate(s *seq, n int, hit []int32) bool {
+	bs := e.cfg.BlockSize
+	computed := s.computed + len(hit)*bs // hit is only given at admission, when s.computed is 0
+	need := (computed+n+bs-1)/bs - len(s.blocks) - len(hit)
+	evictable := 0 // hit blocks now in the free queue also consume free blocks
+	for _, id := range hit {
+		if e.pool.blocks[id].ref == 0 {
+			evictable++
+		}
+	}
+	if max(need, 0)+evictable > e.pool.numFree {
+		return false
+	}
+	if len(hit) > 0 {
+		e.pool.touch(hit)
+		s.blocks = append(s.blocks, hit...)
+		s.numCachedBl = len(hit)
+	}
+	if need > 0 {
+		s.blocks = e.pool.allocate(s.blocks, need)
+	}
+	full := min(computed+n, len(s.tokens)) / bs
+	if full > s.numCachedBl {
+		e.ensureHashes(s, full*bs)
+		for i := s.numCachedBl; i < full; i++ {
+			e.pool.register(s.blocks[i], s.hashes[i])
+		}
+		s.numCachedBl = full
+	}
+	return true
+}
+
+// ensureHashes extends s.hashes to cover the full blocks of s.tokens[:upTo].
+func (e *Engine) ensureHashes(s *seq, upTo int) {
+	bs := e.cfg.BlockSize
+	have := len(s.hashes)
+	if (have+1)*bs > upTo {
+		return
+	}
+	parent := s.extra
+	if have > 0 {
+		parent = s.hashes[have-1]
+	}
+	s.hashes = prefix.Hashes(s.hashes, s.tokens[have*bs:upTo], bs, parent)
+}
+
+// promptSeed derives the seed of the output stream of s from its whole prompt
+// (the last full block's chained hash and the partial tail), its Extra and the
+// engine seed, so identical requests get identical outputs, like greedy decoding.
+func (e *Engine) promptSeed(s *seq) uint64 {
+	parent := s.extra
+	if n := len(s.hashes); n > 0 {
+		parent = s.hashes[n-1]
+	}
+	var buf [8 + 4*DefaultBlockSize]byte
+	var d xxhash.Digest
+	d.ResetWithSeed(e.cfg.Seed)
+	binary.LittleEndian.PutUint64(buf[:8], parent)
+	_, _ = d.Write(buf[:8])
+	tail := s.tokens[len(s.hashes)*e.cfg.BlockSize:]
+	for len(tail) > 0 {
+		n := min(len(tail), DefaultBlockSize)
+		for i, t := range tail[:n] {
+			binary.LittleEndian.PutUint32(buf[4*i:], t)
+		}
+		_, _ = d.Write(buf[:4*n])
+		tail = tail[n:]
+	}
+	return d.Sum64()
+}
+
+// preempt frees the blocks of a running request (already removed from
+// e.running) and puts it back at the head of the waiting queue, to recompute
+// its prompt and generated tokens (vLLM recompute preemption).
+func (e *Engine) preempt(s *seq) {
+	e.freeBlocks(s)
+	s.computed = 0
+	e.stats.Preemptions++
+	e.waiting.pushFront(s)
+}
+
+// freeBlocks releases the blocks of s in reverse order, so that its tail
+// blocks are evicted before its prefix (vLLM SingleTypeKVCacheManager.free).
+func (e *Engine) freeBlocks(s *seq) {
+	slices.Reverse(s.blocks)
+	e.pool.release(s.blocks)
+	s.blocks = s.blocks[:0]
+	s.numCachedBl = 0
+}
+
+// sample returns the next output token of s: a deterministic function of the
+// prompt, Extra, the seed and the position.
+func (e *Engine) sample(s *seq) uint32 {
+	x := s.seed + uint64(s.output()+1)*0x9e3779b97f4a7c15
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9
+	x = (x ^ (x >> 27)) * 0x94d049bb133111eb
+	x ^= x >> 31
+	v := e.cfg.OutputVocab
+	return v[x%uint64(len(v))]
+}
+
+// queue is a FIFO of requests that also supports pushing to the front, with
+// amortised O(1) operations at both ends.
+type queue struct {
+	buf  []*seq
+	head int
+}
+
+func (q *queue) len() int        { return len(q.buf) - q.head }
+func (q *queue) front() *seq     { return q.buf[q.head] }
+func (q *queue) pushBack(s *seq) { q.buf = append(q.buf, s) }
+
+func (q *queue) popFront() {
+	q.buf[q.head] = nil
+	q.head++
+	if q.head == len(q.buf) {
+		q.buf, q.head = q.buf[:0], 0
+	} else if q.head >= 1024 && q.head*2 >= len(q.buf) {
+		n := copy(q.buf, q.buf[q.head:])
+		clear(q.buf[n:])
+		q.buf, q.head = q.buf[:n], 0
+	}
+}
+
+func (q *queue) pushFront(s *seq) {
+	if q.head > 0 {
+		q.head--
+		q.buf[q.head] = s
+		return
+	}
+	q.buf = slices.Insert(q.buf, 0, s)
+}
+
+func (q *queue) remove(s *seq) {
+	if i := slices.Index(q.buf[q.head:], s); i >= 0 {
+		q.buf = slices.Delete(q.buf, q.head+i, q.head+i+1)
+	}
+}

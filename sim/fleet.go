@@ -1,0 +1,96 @@
+package sim
+
+import (
+	"fmt"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+)
+
+// Fleet is a set of simulated engines, each a Server on its own loopback
+// listener: the embedded default fleet of `infergate up`.
+type Fleet struct {
+	// URLs are the engines' base URLs ("http://127.0.0.1:PORT"), in order.
+	URLs []string
+	// Servers are the engines, in the order of URLs.
+	Servers []*Server
+
+	https []*http.Server
+	wg    sync.WaitGroup
+	once  sync.Once
+}
+
+// StartFleet starts n engines configured by cfg on 127.0.0.1 ephemeral ports.
+// Replicas share the seed, so a prompt gets the same output on any of them.
+func StartFleet(n int, cfg ServerConfig) (*Fleet, error) {
+	if n < 1 {
+		return nil, fmt.Errorf("sim: fleet size must be >= 1, got %d", n)
+	}
+	f := &Fleet{}
+	for i := range n {
+		s, err := newServer(cfg, i)
+		if err != nil {
+			f.Close()
+			return nil, err
+		}
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			f.Close()
+			return nil, fmt.Errorf("sim: engine %d: %w", i, err)
+		}
+		s.Start()
+		hs := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 10 * time.Second}
+		f.Servers = append(f.Servers, s)
+		f.https = append(f.https, hs)
+		f.URLs = append(f.URLs, "http://"+ln.Addr().String())
+		f.wg.Add(1)
+		go func() {
+			defer f.wg.Done()
+			_ = hs.Serve(ln) // http.ErrServerClosed after Close
+		}()
+	}
+	return f, nil
+}
+
+// KVBlocks is the KV capacity of each engine, in blocks.
+func (f *Fleet) KVBlocks() int {
+	if len(f.Servers) == 0 {
+		return 0
+	}
+	return f.Servers[0].EngineConfig().NumBlocks
+}
+
+// BlockSize is the KV block size of each engine, in tokens.
+func (f *Fleet) BlockSize() int {
+	if len(f.Servers) == 0 {
+		return 0
+	}
+	return f.Servers[0].EngineConfig().BlockSize
+}
+
+// Utilization is the engines' mean Server.Utilization (0..1).
+func (f *Fleet) Utilization() float64 {
+	if len(f.Servers) == 0 {
+		return 0
+	}
+	var sum float64
+	for _, s := range f.Servers {
+		sum += s.Utilization()
+	}
+	return sum / float64(len(f.Servers))
+}
+
+// Close stops every engine (failing in-flight requests), closes the listeners
+// and connections, and waits for the serving goroutines. Idempotent.
+func (f *Fleet) Close() {
+	f.once.Do(func() {
+		for _, s := range f.Servers {
+			s.Close()
+		}
+		for _, hs := range f.https {
+			_ = hs.Close()
+		}
+		f.wg.Wait()
+	})
+}

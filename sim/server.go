@@ -1,0 +1,751 @@
+package sim
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/prefix"
+)
+
+// Server defaults.
+const (
+	// DefaultModel is the served model name when neither ServerConfig.Model nor
+	// the profile's Model is set.
+	DefaultModel = "meta-llama/Llama-3.1-70B-Instruct"
+	// DefaultMaxTokens is the output length of a request that sets neither
+	// max_tokens nor max_completion_tokens. (vLLM would generate up to the
+	// context limit; a simulator needs a bounded default.)
+	DefaultMaxTokens = 128
+	// MaxRequestBytes bounds a request body; larger bodies get 413.
+	MaxRequestBytes = 32 << 20
+)
+
+// ServerConfig configures a Server.
+type ServerConfig struct {
+	// Engine configures the simulated engine.
+	Engine Config `yaml:"engine"`
+	// Model is the served model name clients must send; default
+	// Engine.Profile.Model, else DefaultModel.
+	Model string `yaml:"model"`
+	// TimeScale is simulated seconds per wall second (default 1): at 10 the
+	// server runs ten times faster than the hardware it models.
+	TimeScale float64 `yaml:"time_scale"`
+	// Seed seeds output tokens (unless Engine.Seed is set) and response ids.
+	Seed int64 `yaml:"seed"`
+}
+
+// Server is a vLLM-compatible OpenAI HTTP front over a simulated Engine.
+//
+// One driver goroutine (Start) owns the engine: it steps while there is work,
+// after each step sleeps until the wall-clock deadline
+// start + (virtual_now + step)/TimeScale — absolute deadlines, so sleep error
+// does not accumulate — then delivers the step's tokens to the request
+// streams. When idle it blocks until a request arrives and moves the virtual
+// clock up to the wall-derived time. Requests arriving during a step join the
+// next one, as in vLLM. If the host is too slow to keep up, virtual time lags
+// the wall clock; reported latencies stay those of the modelled hardware.
+type Server struct {
+	cfg       ServerConfig
+	eng       Config // engine config with defaults
+	tok       *prefix.Tokenizer
+	words     map[uint32]string
+	metrics   *metrics
+	snap      atomic.Pointer[Stats]
+	handler   http.Handler
+	created   int64 // unix seconds, for /v1/models
+	idPrefix  uint64
+	nextID    atomic.Uint64
+	submit    chan *call
+	cancel    chan *call
+	quit      chan struct{}
+	done      chan struct{}
+	startOnce sync.Once
+	closeOnce sync.Once
+	started   atomic.Bool
+	startWall atomic.Int64 // driver start, unix nanoseconds
+}
+
+// NewServer validates cfg, loads the tokenizer and builds the handler. The
+// engine does not run until Start.
+func NewServer(cfg ServerConfig) (*Server, error) { return newServer(cfg, 0) }
+
+// newServer builds server number index of a fleet; the index only varies the
+// response ids, so that replicas given the same prompt answer alike (as greedy
+// decoding does) but never reuse each other's ids.
+func newServer(cfg ServerConfig, index int) (*Server, error) {
+	if cfg.TimeScale == 0 {
+		cfg.TimeScale = 1
+	}
+	if !(cfg.TimeScale > 0) {
+		return nil, fmt.Errorf("sim: time scale must be > 0, got %v", cfg.TimeScale)
+	}
+	if cfg.Engine.Seed == 0 {
+		cfg.Engine.Seed = uint64(cfg.Seed)
+	}
+	if err := cfg.Engine.Validate(); err != nil {
+		return nil, fmt.Errorf("sim: %w", err)
+	}
+	tok, err := prefix.NewTokenizer()
+	if err != nil {
+		return nil, fmt.Errorf("sim: %w", err)
+	}
+	vocab, words, err := wordVocab(tok)
+	if err != nil {
+		return nil, err
+	}
+	if len(cfg.Engine.OutputVocab) == 0 {
+		cfg.Engine.OutputVocab = vocab
+	}
+	eng := cfg.Engine.WithDefaults()
+	if cfg.Model == "" {
+		cfg.Model = eng.Profile.Model
+	}
+	if cfg.Model == "" {
+		cfg.Model = DefaultModel
+	}
+	s := &Server{
+		cfg:      cfg,
+		eng:      eng,
+		tok:      tok,
+		words:    words,
+		created:  time.Now().Unix(),
+		idPrefix: mix64(uint64(cfg.Seed) ^ uint64(index)<<32),
+		submit:   make(chan *call),
+		cancel:   make(chan *call),
+		quit:     make(chan struct{}),
+		done:     make(chan struct{}),
+	}
+	s.snap.Store(&Stats{NumBlocks: eng.NumBlocks, BlockSize: eng.BlockSize})
+	s.metrics = newMetrics(cfg.Model, eng, &s.snap)
+
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/completions", s.handleCompletions)
+	mux.HandleFunc("POST /v1/chat/completions", s.handleChat)
+	mux.HandleFunc("GET /v1/models", s.handleModels)
+	mux.HandleFunc("GET /health", s.handleHealth)
+	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{}))
+	s.handler = mux
+	return s, nil
+}
+
+// Handler returns the HTTP handler: POST /v1/completions, POST
+// /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+func (s *Server) Handler() http.Handler { return s.handler }
+
+// Model returns the served model name.
+func (s *Server) Model() string { return s.cfg.Model }
+
+// EngineConfig returns the engine configuration with defaults applied.
+func (s *Server) EngineConfig() Config { return s.eng }
+
+// Stats returns the engine snapshot published after the latest step.
+func (s *Server) Stats() Stats { return *s.snap.Load() }
+
+// Utilization returns the fraction of simulated time since Start that the
+// engine spent executing steps (0..1; 0 before Start).
+func (s *Server) Utilization() float64 {
+	t0 := s.startWall.Load()
+	if t0 == 0 {
+		return 0
+	}
+	elapsed := float64(time.Since(time.Unix(0, t0))) * s.cfg.TimeScale
+	if elapsed <= 0 {
+		return 0
+	}
+	return min(1, float64(s.Stats().BusyTime)/elapsed)
+}
+
+// Start starts the driver goroutine. Calling it again, or after Close, does nothing.
+func (s *Server) Start() {
+	s.startOnce.Do(func() {
+		select {
+		case <-s.quit:
+			return
+		default:
+		}
+		s.started.Store(true)
+		go s.drive()
+	})
+}
+
+// Close stops the driver, failing in-flight requests (streams get an error
+// event then [DONE]; others a 503), and waits for it to exit. Handlers still
+// running return promptly. Close is idempotent.
+func (s *Server) Close() {
+	s.closeOnce.Do(func() {
+		close(s.quit)
+		s.startOnce.Do(func() {}) // a later Start does nothing
+		if !s.started.Load() {
+			close(s.done)
+		}
+	})
+	<-s.done
+}
+
+// event is what the driver tells a request's handler: a token, or the end.
+type event struct {
+	text     string
+	first    bool
+	finished bool
+	usage    openai.Usage
+	err      *openai.Error
+}
+
+// call is one request between its handler and the driver. The driver appends
+// events under mu and signals notify (capacity 1); the handler drains them.
+type call struct {
+	id  string
+	req Request
+
+	mu     sync.Mutex
+	events []event
+	notify chan struct{}
+
+	// Owned by the driver.
+	arrival, last time.Duration
+}
+
+func (c *call) push(ev event) {
+	c.mu.Lock()
+	c.events = append(c.events, ev)
+	c.mu.Unlock()
+	select {
+	case c.notify <- struct{}{}:
+	default:
+	}
+}
+
+func (c *call) take(buf []event) []event {
+	c.mu.Lock()
+	buf = append(buf[:0], c.events...)
+	c.events = c.events[:0]
+	c.mu.Unlock()
+	return buf
+}
+
+var errShutdown = openai.NewError(http.StatusServiceUnavailable, "the simulated engine is shutting down", "", "")
+
+// drive is the driver goroutine: the only code touching the Engine.
+func (s *Server) drive() {
+	defer close(s.done)
+	e := NewEngine(s.eng)
+	calls := make(map[string]*call)
+	start := time.Now()
+	s.startWall.Store(start.UnixNano())
+	var vnow time.Duration
+	publish := func() {
+		st := e.Stats()
+		s.snap.Store(&st)
+	}
+	wallVirtual := func() time.Duration {
+		return time.Duration(float64(time.Since(start)) * s.cfg.TimeScale)
+	}
+	add := func(c *call, at time.Duration) {
+		if err := e.Add(&c.req, at); err != nil {
+			// Handlers check requests first; this is a bug guard.
+			c.push(event{err: openai.NewError(http.StatusInternalServerError, err.Error(), "", ""), finished: true})
+			return
+		}
+		c.arrival = at
+		calls[c.id] = c
+		publish()
+	}
+	abort := func(c *call) {
+		if calls[c.id] == c {
+			e.Abort(c.id)
+			delete(calls, c.id)
+			s.metrics.success.WithLabelValues("abort").Inc()
+			publish()
+		}
+	}
+	shutdown := func() {
+		for _, c := range calls {
+			c.push(event{err: errShutdown, finished: true})
+		}
+	}
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+
+	for {
+		if !e.HasWork() {
+			publish()
+			select {
+			case c := <-s.submit:
+				vnow = max(vnow, wallVirtual())
+				add(c, vnow)
+			case c := <-s.cancel:
+				abort(c)
+			case <-s.quit:
+				shutdown()
+				return
+			}
+			continue
+		}
+		res := e.Step(vnow)
+		end := vnow + res.Duration
+		deadline := start.Add(time.Duration(float64(end) / s.cfg.TimeScale))
+	wait:
+		for {
+			d := time.Until(deadline)
+			if d <= 0 {
+				break
+			}
+			timer.Reset(d)
+			select {
+			case <-timer.C:
+				break wait
+			case c := <-s.submit:
+				add(c, min(max(wallVirtual(), vnow), end))
+			case c := <-s.cancel:
+				abort(c)
+			case <-s.quit:
+				shutdown()
+				return
+			}
+		}
+		vnow = end
+		// Publish before delivering, so a client that has seen a token also
+		// sees the engine state that produced it.
+		publish()
+		s.deliver(calls, res.Outputs, end)
+	drain:
+		for {
+			select {
+			case c := <-s.submit:
+				add(c, vnow)
+			case c := <-s.cancel:
+				abort(c)
+			default:
+				break drain
+			}
+		}
+	}
+}
+
+// deliver hands a step's outputs, completed at simulated time at, to their
+// requests and records latency metrics in simulated seconds.
+func (s *Server) deliver(calls map[string]*call, outs []Output, at time.Duration) {
+	for _, o := range outs {
+		c := calls[o.ID]
+		if c == nil || o.NewTokens == 0 {
+			continue
+		}
+		if o.FirstToken {
+			s.metrics.ttft.Observe((at - c.arrival).Seconds())
+		} else {
+			s.metrics.itl.Observe((at - c.last).Seconds())
+		}
+		c.last = at
+		ev := event{text: s.words[o.Token], first: o.FirstToken, finished: o.Finished, usage: usage(o)}
+		if o.Finished {
+			s.metrics.e2e.Observe((at - c.arrival).Seconds())
+			s.metrics.success.WithLabelValues("length").Inc()
+			delete(calls, o.ID)
+		}
+		c.push(ev)
+	}
+}
+
+func usage(o Output) openai.Usage {
+	return openai.Usage{
+		PromptTokens:        o.PromptTokens,
+		CompletionTokens:    o.OutputTokens,
+		TotalTokens:         o.PromptTokens + o.OutputTokens,
+		PromptTokensDetails: &openai.PromptTokensDetails{CachedTokens: o.CachedTokens},
+	}
+}
+
+// genRequest is what the two generation endpoints have in common.
+type genRequest struct {
+	chat          bool
+	id            string
+	model         string
+	tokens        []uint32
+	maxTokens     int
+	stream        bool
+	streamOptions *openai.StreamOptions
+	cacheSalt     string
+}
+
+func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
+	var req openai.ChatRequest
+	if e := s.decode(w, r, &req); e != nil {
+		openai.WriteError(w, e)
+		return
+	}
+	if e := req.Validate(); e != nil {
+		openai.WriteError(w, e)
+		return
+	}
+	maxTokens := req.MaxTokens
+	if req.MaxCompletionTokens != nil {
+		maxTokens = req.MaxCompletionTokens
+	}
+	g := genRequest{
+		chat:          true,
+		id:            s.newID("chatcmpl-"),
+		model:         req.Model,
+		tokens:        s.tok.Encode(openai.RenderChat(req.Messages)),
+		maxTokens:     orDefault(maxTokens, DefaultMaxTokens),
+		stream:        req.Stream,
+		streamOptions: req.StreamOptions,
+		cacheSalt:     req.CacheSalt,
+	}
+	if e := s.check(&g, req.N); e != nil {
+		openai.WriteError(w, e)
+		return
+	}
+	s.serve(w, r, &g)
+}
+
+func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
+	var req openai.CompletionRequest
+	if e := s.decode(w, r, &req); e != nil {
+		openai.WriteError(w, e)
+		return
+	}
+	if e := req.Validate(); e != nil {
+		openai.WriteError(w, e)
+		return
+	}
+	if req.Prompt.Len() != 1 {
+		openai.WriteError(w, openai.Errorf("prompt", "the simulator serves one prompt per request; got a batch of "+fmt.Sprint(req.Prompt.Len())))
+		return
+	}
+	if req.Echo {
+		openai.WriteError(w, openai.Errorf("echo", "echo is not supported by the simulator"))
+		return
+	}
+	g := genRequest{
+		id:            s.newID("cmpl-"),
+		model:         req.Model,
+		maxTokens:     orDefault(req.MaxTokens, DefaultMaxTokens),
+		stream:        req.Stream,
+		streamOptions: req.StreamOptions,
+		cacheSalt:     req.CacheSalt,
+	}
+	if len(req.Prompt.Texts) == 1 {
+		g.tokens = s.tok.Encode(req.Prompt.Texts[0])
+	} else {
+		g.tokens = req.Prompt.Tokens[0]
+		if v := s.eng.Profile.VocabSize; v > 0 {
+			for _, t := range g.tokens {
+				if int64(t) >= int64(v) {
+					openai.WriteError(w, openai.Errorf("prompt", fmt.Sprintf("token id %d is out of vocabulary (size %d)", t, v)))
+					return
+				}
+			}
+		}
+	}
+	if e := s.check(&g, req.N); e != nil {
+		openai.WriteError(w, e)
+		return
+	}
+	s.serve(w, r, &g)
+}
+
+// decode reads a JSON body of at most MaxRequestBytes into v.
+func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) *openai.Error {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, MaxRequestBytes))
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			return openai.NewError(http.StatusRequestEntityTooLarge,
+				fmt.Sprintf("request body exceeds %d bytes", tooBig.Limit), "", openai.CodeRequestTooLarge)
+		}
+		return openai.NewError(http.StatusBadRequest, "reading request body: "+err.Error(), "", "")
+	}
+	return openai.Decode(body, v)
+}
+
+// check validates what the engine and the simulator require.
+func (s *Server) check(g *genRequest, n *int) *openai.Error {
+	if g.model != s.cfg.Model {
+		return openai.NewError(http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", g.model), "model", openai.CodeModelNotFound)
+	}
+	if n != nil && *n != 1 {
+		return openai.Errorf("n", "the simulator generates one choice per request (n must be 1)")
+	}
+	if err := s.eng.CheckRequest(len(g.tokens), g.maxTokens); err != nil {
+		msg := err.Error()
+		switch {
+		case errors.Is(err, ErrTooLong):
+			msg = fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
+				s.eng.Profile.MaxModelLen, len(g.tokens)+g.maxTokens, len(g.tokens), g.maxTokens)
+		case errors.Is(err, ErrEmptyPrompt):
+			msg = "the prompt must not be empty"
+		}
+		return openai.Errorf("", strings.TrimPrefix(msg, "sim: "))
+	}
+	return nil
+}
+
+// serve submits the request to the driver and writes the response.
+func (s *Server) serve(w http.ResponseWriter, r *http.Request, g *genRequest) {
+	if !s.started.Load() {
+		openai.WriteError(w, openai.NewError(http.StatusServiceUnavailable, "the simulated engine is not running", "", ""))
+		return
+	}
+	c := &call{
+		id:     g.id,
+		req:    Request{ID: g.id, Tokens: g.tokens, MaxTokens: g.maxTokens, Extra: prefix.Seed(g.cacheSalt)},
+		notify: make(chan struct{}, 1),
+	}
+	ctx := r.Context()
+	select {
+	case s.submit <- c:
+	case <-ctx.Done():
+		return
+	case <-s.done:
+		openai.WriteError(w, errShutdown)
+		return
+	}
+	var out responder
+	if g.stream {
+		out = newStreamResponder(w, s, g)
+	} else {
+		out = &fullResponder{w: w, s: s, g: g}
+	}
+	var buf []event
+	for {
+		select {
+		case <-c.notify:
+		case <-ctx.Done():
+			select {
+			case s.cancel <- c:
+			case <-s.done:
+			}
+			return
+		case <-s.done:
+			// The driver pushed its last events before exiting: deliver them.
+			buf = c.take(buf)
+			if !out.events(buf) {
+				out.fail(errShutdown)
+			}
+			return
+		}
+		buf = c.take(buf)
+		if out.events(buf) {
+			return
+		}
+	}
+}
+
+// responder writes one response from the request's events.
+type responder interface {
+	// events writes evs and reports whether the response is complete.
+	events(evs []event) bool
+	// fail ends the response with an error.
+	fail(e *openai.Error)
+}
+
+// fullResponder collects a non-streaming response.
+type fullResponder struct {
+	w    http.ResponseWriter
+	s    *Server
+	g    *genRequest
+	text strings.Builder
+}
+
+func (f *fullResponder) events(evs []event) bool {
+	for _, ev := range evs {
+		if ev.err != nil {
+			f.fail(ev.err)
+			return true
+		}
+		f.text.WriteString(ev.text)
+		if !ev.finished {
+			continue
+		}
+		u := ev.usage
+		reason := "length"
+		var body any
+		if f.g.chat {
+			body = openai.ChatCompletion{
+				ID: f.g.id, Object: openai.ObjectChatCompletion, Created: time.Now().Unix(), Model: f.g.model,
+				Choices: []openai.ChatChoice{{Message: openai.ChatMessage{Role: "assistant", Content: f.text.String()}, FinishReason: &reason}},
+				Usage:   &u,
+			}
+		} else {
+			body = openai.Completion{
+				ID: f.g.id, Object: openai.ObjectTextCompletion, Created: time.Now().Unix(), Model: f.g.model,
+				Choices: []openai.CompletionChoice{{Text: f.text.String(), FinishReason: &reason}},
+				Usage:   &u,
+			}
+		}
+		writeJSON(f.w, http.StatusOK, body)
+		return true
+	}
+	return false
+}
+
+func (f *fullResponder) fail(e *openai.Error) { openai.WriteError(f.w, e) }
+
+// streamResponder writes Server-Sent Events like vLLM (PROTOCOLS.md §5.4): a
+// role chunk before the first chat token, one chunk per token flushed at once,
+// finish_reason on the last token's chunk, an optional usage chunk with empty
+// choices, then [DONE].
+type streamResponder struct {
+	w       http.ResponseWriter
+	flusher http.Flusher
+	g       *genRequest
+	created int64
+	buf     []byte
+}
+
+func newStreamResponder(w http.ResponseWriter, s *Server, g *genRequest) *streamResponder {
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("Connection", "keep-alive")
+	w.WriteHeader(http.StatusOK)
+	f, _ := w.(http.Flusher)
+	sr := &streamResponder{w: w, flusher: f, g: g, created: time.Now().Unix()}
+	sr.flush()
+	return sr
+}
+
+func (sr *streamResponder) flush() {
+	if sr.flusher != nil {
+		sr.flusher.Flush()
+	}
+}
+
+// send writes one "data:" event holding v as JSON.
+func (sr *streamResponder) send(v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return
+	}
+	sr.buf = append(sr.buf[:0], "data: "...)
+	sr.buf = append(sr.buf, b...)
+	sr.buf = append(sr.buf, "\n\n"...)
+	_, _ = sr.w.Write(sr.buf)
+}
+
+func (sr *streamResponder) events(evs []event) bool {
+	g := sr.g
+	continuous := g.streamOptions != nil && g.streamOptions.ContinuousUsageStats
+	for _, ev := range evs {
+		if ev.err != nil {
+			sr.fail(ev.err)
+			return true
+		}
+		var reason *string
+		if ev.finished {
+			r := "length"
+			reason = &r
+		}
+		var u *openai.Usage
+		if continuous {
+			uu := ev.usage
+			u = &uu
+		}
+		text := ev.text
+		if g.chat {
+			if ev.first {
+				empty := ""
+				sr.send(openai.ChatChunk{ID: g.id, Object: openai.ObjectChatCompletionChunk, Created: sr.created, Model: g.model,
+					Choices: []openai.ChatChunkChoice{{Delta: openai.Delta{Role: "assistant", Content: &empty}}}})
+			}
+			sr.send(openai.ChatChunk{ID: g.id, Object: openai.ObjectChatCompletionChunk, Created: sr.created, Model: g.model,
+				Choices: []openai.ChatChunkChoice{{Delta: openai.Delta{Content: &text}, FinishReason: reason}}, Usage: u})
+		} else {
+			sr.send(openai.Completion{ID: g.id, Object: openai.ObjectTextCompletion, Created: sr.created, Model: g.model,
+				Choices: []openai.CompletionChoice{{Text: text, FinishReason: reason}}, Usage: u})
+		}
+		if ev.finished {
+			if g.streamOptions != nil && g.streamOptions.IncludeUsage {
+				uu := ev.usage
+				if g.chat {
+					sr.send(openai.ChatChunk{ID: g.id, Object: openai.ObjectChatCompletionChunk, Created: sr.created, Model: g.model,
+						Choices: []openai.ChatChunkChoice{}, Usage: &uu})
+				} else {
+					sr.send(openai.Completion{ID: g.id, Object: openai.ObjectTextCompletion, Created: sr.created, Model: g.model,
+						Choices: []openai.CompletionChoice{}, Usage: &uu})
+				}
+			}
+			sr.done()
+			return true
+		}
+	}
+	sr.flush()
+	return false
+}
+
+// fail sends the error as an event, then [DONE], as vLLM does for mid-stream errors.
+func (sr *streamResponder) fail(e *openai.Error) {
+	sr.send(openai.ErrorResponse{Error: e})
+	sr.done()
+}
+
+func (sr *streamResponder) done() {
+	_, _ = io.WriteString(sr.w, "data: [DONE]\n\n")
+	sr.flush()
+}
+
+func (s *Server) handleModels(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, openai.ModelList{Object: openai.ObjectList, Data: []openai.Model{{
+		ID: s.cfg.Model, Object: openai.ObjectModel, Created: s.created, OwnedBy: "vllm",
+		Root: s.cfg.Model, MaxModelLen: s.eng.Profile.MaxModelLen,
+	}}})
+}
+
+// handleHealth answers 200 with an empty body while the engine runs (like
+// vLLM's /health), 503 otherwise.
+func (s *Server) handleHealth(w http.ResponseWriter, _ *http.Request) {
+	select {
+	case <-s.done:
+		w.WriteHeader(http.StatusServiceUnavailable)
+		return
+	default:
+	}
+	if !s.started.Load() {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		openai.WriteError(w, openai.NewError(http.StatusInternalServerError, err.Error(), "", ""))
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(b)
+}
+
+// newID returns prefix followed by 32 hex digits, unique within the server
+// and reproducible for a given Seed.
+func (s *Server) newID(prefix string) string {
+	n := s.nextID.Add(1)
+	return fmt.Sprintf("%s%016x%016x", prefix, s.idPrefix, mix64(s.idPrefix^n))
+}
+
+// mix64 is the splitmix64 finalizer.
+func mix64(x uint64) uint64 {
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9
+	x = (x ^ (x >> 27)) * 0x94d049bb133111eb
+	return x ^ (x >> 31)
+}
+
+func orDefault(p *int, def int) int {
+	if p == nil {
+		return def
+	}
+	return *p
+}
