@@ -15,8 +15,10 @@ type Error struct {
 	Message string  `json:"message"`
 	Type    string  `json:"type"`
 	Param   *string `json:"param"`
-	Code    *string `json:"code"`
-	Status  int     `json:"-"`
+	// Code is a string for gateway errors; engines may send an integer
+	// (vLLM: the HTTP status) or null.
+	Code   any `json:"code"`
+	Status int `json:"-"`
 }
 
 // Error implements error.
@@ -46,7 +48,7 @@ func NewError(status int, message, param, code string) *Error {
 		e.Param = &param
 	}
 	if code != "" {
-		e.Code = &code
+		e.Code = code
 	}
 	return e
 }

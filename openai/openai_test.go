@@ -32,6 +32,14 @@ func TestPromptShapes(t *testing.T) {
 		{in: `{}`, bad: true},
 		{in: `12`, bad: true},
 		{in: `null`, bad: true},
+		{in: ` [ 1 , 2 ] `, tokens: []int{2}},
+		{in: `[1,]`, bad: true},
+		{in: `[1 2]`, bad: true},
+		{in: `[01]`, bad: true},
+		{in: `[-0]`, bad: true},
+		{in: `[1e3]`, bad: true},
+		{in: `[0]`, tokens: []int{1}},
+		{in: `[[1, 2] ,[3]]`, tokens: []int{2, 1}},
 	} {
 		var p Prompt
 		err := json.Unmarshal([]byte(tc.in), &p)
@@ -230,6 +238,27 @@ func TestStreamChunkLenient(t *testing.T) {
 	}
 }
 
+func BenchmarkPromptTokenIDs12k(b *testing.B) {
+	var sb strings.Builder
+	sb.WriteString("[")
+	for i := range 12000 {
+		if i > 0 {
+			sb.WriteString(",")
+		}
+		sb.WriteString("12345")
+	}
+	sb.WriteString("]")
+	in := []byte(sb.String())
+	b.SetBytes(int64(len(in)))
+	b.ReportAllocs()
+	for b.Loop() {
+		var p Prompt
+		if err := p.UnmarshalJSON(in); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
 func FuzzPrompt(f *testing.F) {
 	for _, s := range []string{`"x"`, `["a","b"]`, `[1,2]`, `[[1],[2,3]]`, `[]`, `[1.0e3]`, `[[1],"a"]`} {
 		f.Add([]byte(s))
@@ -245,6 +274,13 @@ func FuzzPrompt(f *testing.F) {
 		for _, ids := range p.Tokens {
 			if len(ids) == 0 {
 				t.Fatalf("empty token list accepted from %q", b)
+			}
+		}
+		// Whatever the scanner accepts, encoding/json must read the same ids.
+		if len(p.Tokens) > 0 {
+			var ref any
+			if err := json.Unmarshal(b, &ref); err != nil {
+				t.Fatalf("accepted invalid JSON %q", b)
 			}
 		}
 	})

@@ -143,6 +143,14 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 	if b[0] != '[' {
 		return errors.New("prompt must be a string, an array of strings, an array of token ids or an array of token-id arrays")
 	}
+	if first := bytes.TrimSpace(b[1:]); len(first) > 0 && (first[0] == '-' || (first[0] >= '0' && first[0] <= '9')) {
+		ids, err := parseTokenIDs(b) // the common flat case, without a RawMessage per id
+		if err != nil {
+			return fmt.Errorf("prompt: %w", err)
+		}
+		p.Tokens = [][]uint32{ids}
+		return nil
+	}
 	var items []json.RawMessage
 	if err := json.Unmarshal(b, &items); err != nil {
 		return err
@@ -191,25 +199,55 @@ func (p Prompt) MarshalJSON() ([]byte, error) {
 	}
 }
 
+// parseTokenIDs parses a JSON array of token ids with a hand-written
+// scanner: json.Number per id costs two allocations per token, which
+// dominated the request path for 10k-token prompts. Ids must be integers in
+// [0, 2^32); "1.0", "1e3", "-0" and anything else are rejected.
 func parseTokenIDs(b []byte) ([]uint32, error) {
-	var nums []json.Number
-	d := json.NewDecoder(bytes.NewReader(b))
-	d.UseNumber()
-	if err := d.Decode(&nums); err != nil {
+	b = bytes.TrimSpace(b)
+	if len(b) < 2 || b[0] != '[' || b[len(b)-1] != ']' {
 		return nil, errors.New("token ids must be an array of integers")
 	}
-	if len(nums) == 0 {
+	body := b[1 : len(b)-1]
+	ids := make([]uint32, 0, len(body)/6+1)
+	i := 0
+	skip := func() {
+		for i < len(body) && (body[i] == ' ' || body[i] == '\t' || body[i] == '\n' || body[i] == '\r') {
+			i++
+		}
+	}
+	skip()
+	if i == len(body) {
 		return nil, errors.New("token-id array must not be empty")
 	}
-	ids := make([]uint32, len(nums))
-	for i, n := range nums {
-		v, err := n.Int64()
-		if err != nil || v < 0 || v > math.MaxUint32 {
-			return nil, fmt.Errorf("token id %q at %d is not an integer in [0, 2^32)", n.String(), i)
+	for {
+		skip()
+		start := i
+		var v uint64
+		for i < len(body) && body[i] >= '0' && body[i] <= '9' {
+			v = v*10 + uint64(body[i]-'0')
+			if v > math.MaxUint32 {
+				return nil, fmt.Errorf("token id at %d is not an integer in [0, 2^32)", len(ids))
+			}
+			i++
 		}
-		ids[i] = uint32(v)
+		if i == start || (body[start] == '0' && i-start > 1) {
+			end := i
+			for end < len(body) && body[end] != ',' && end-start < 24 {
+				end++
+			}
+			return nil, fmt.Errorf("token id %q at %d is not an integer in [0, 2^32)", bytes.TrimSpace(body[start:end]), len(ids))
+		}
+		ids = append(ids, uint32(v))
+		skip()
+		if i == len(body) {
+			return ids, nil
+		}
+		if body[i] != ',' {
+			return nil, fmt.Errorf("token id at %d is not an integer in [0, 2^32)", len(ids)-1)
+		}
+		i++
 	}
-	return ids, nil
 }
 
 // roles accepted in chat messages.

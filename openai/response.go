@@ -1,5 +1,7 @@
 package openai
 
+import "encoding/json"
+
 // Object type strings.
 const (
 	ObjectChatCompletion      = "chat.completion"
@@ -117,23 +119,51 @@ type ModelList struct {
 	Data   []Model `json:"data"`
 }
 
-// StreamChunk is the lenient view of any streamed chunk (chat or completion)
-// that the gateway and the benchmark read: whether it carries output and what
-// usage it reports. Unknown fields are ignored; choices may be null.
+// StreamChunk is the lenient view of any streamed chunk (chat or text
+// completion) that the gateway and the benchmark read: whether it carries
+// generated tokens, the usage it reports, and whether it is an error event.
+// Unknown fields are ignored; choices may be null; the error object is kept
+// raw because engines disagree on the type of its "code" (vLLM sends the
+// integer status). Decode with json.Unmarshal after Reset; an
+// *json.UnmarshalTypeError leaves the other fields usable.
 type StreamChunk struct {
 	Choices []struct {
-		Text         string  `json:"text"`
-		Delta        *Delta  `json:"delta"`
+		Text  string `json:"text"`
+		Delta *struct {
+			Content          *string         `json:"content"`
+			Reasoning        *string         `json:"reasoning"`
+			ReasoningContent *string         `json:"reasoning_content"`
+			ToolCalls        json.RawMessage `json:"tool_calls"`
+		} `json:"delta"`
 		FinishReason *string `json:"finish_reason"`
 	} `json:"choices"`
-	Usage *Usage `json:"usage"`
-	Error *Error `json:"error"`
+	Usage *Usage          `json:"usage"`
+	Error json.RawMessage `json:"error"`
 }
 
-// HasOutput reports whether the chunk carries generated text (a token).
+// Reset empties c for reuse, zeroing the choices' backing array (the JSON
+// decoder reuses elements without clearing fields absent from the input).
+func (c *StreamChunk) Reset() {
+	clear(c.Choices[:cap(c.Choices)])
+	*c = StreamChunk{Choices: c.Choices[:0]}
+}
+
+// IsError reports whether the chunk is an error event ({"error": {...}}).
+func (c *StreamChunk) IsError() bool {
+	return len(c.Error) > 0 && string(c.Error) != "null"
+}
+
+// HasOutput reports whether the chunk carries generated tokens: text,
+// content, reasoning (vLLM "reasoning", SGLang/DeepSeek "reasoning_content")
+// or tool-call deltas.
 func (c *StreamChunk) HasOutput() bool {
 	for _, ch := range c.Choices {
-		if ch.Text != "" || (ch.Delta != nil && ch.Delta.Content != nil && *ch.Delta.Content != "") {
+		if ch.Text != "" {
+			return true
+		}
+		if d := ch.Delta; d != nil && ((d.Content != nil && *d.Content != "") ||
+			(d.Reasoning != nil && *d.Reasoning != "") || (d.ReasoningContent != nil && *d.ReasoningContent != "") ||
+			(len(d.ToolCalls) > 0 && string(d.ToolCalls) != "null" && string(d.ToolCalls) != "[]")) {
 			return true
 		}
 	}

@@ -8,8 +8,9 @@ import (
 	"io"
 )
 
-// MaxEventBytes bounds one SSE line read by EventReader (1 MiB); a longer
-// line from an engine is an error, never an unbounded buffer.
+// MaxEventBytes bounds one SSE line, and one event's joined data, read by
+// EventReader (1 MiB); more from an engine is an error, never an unbounded
+// buffer.
 const MaxEventBytes = 1 << 20
 
 // ErrEventTooLarge is returned for an SSE line over the reader's limit.
@@ -70,12 +71,23 @@ func (er *EventReader) Next() ([]byte, error) {
 		if string(field) != "data" {
 			continue
 		}
+		if len(er.data)+len(value)+1 > er.max {
+			return nil, fmt.Errorf("%w (event data over %d bytes)", ErrEventTooLarge, er.max)
+		}
 		if have {
 			er.data = append(er.data, '\n')
 		}
 		er.data = append(er.data, value...)
 		have = true
 	}
+}
+
+// Reset makes er read a new stream from r, keeping its buffers (so a pooled
+// reader costs no allocation per stream).
+func (er *EventReader) Reset(r io.Reader) {
+	er.r.Reset(r)
+	er.data = er.data[:0]
+	er.done = false
 }
 
 // Done reports whether the [DONE] sentinel was read.

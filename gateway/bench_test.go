@@ -1,0 +1,140 @@
+package gateway
+
+import (
+	"bytes"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/infergate/infergate/sched"
+)
+
+// cannedEngine is an in-memory upstream: it answers every request with a
+// fixed body, so a benchmark measures the gateway alone.
+type cannedEngine struct {
+	header http.Header
+	body   []byte
+}
+
+func (c *cannedEngine) RoundTrip(req *http.Request) (*http.Response, error) {
+	return &http.Response{
+		StatusCode: http.StatusOK, Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: 1,
+		Header: c.header, Body: io.NopCloser(bytes.NewReader(c.body)), ContentLength: int64(len(c.body)),
+		Request: req,
+	}, nil
+}
+
+// discardWriter is a reusable http.ResponseWriter and http.Flusher.
+type discardWriter struct {
+	h      http.Header
+	status int
+	n      int
+}
+
+func (w *discardWriter) Header() http.Header         { return w.h }
+func (w *discardWriter) WriteHeader(status int)      { w.status = status }
+func (w *discardWriter) Write(p []byte) (int, error) { w.n += len(p); return len(p), nil }
+func (w *discardWriter) Flush()                      {}
+
+// nopBody is a resettable request body.
+type nopBody struct{ bytes.Reader }
+
+func (*nopBody) Close() error { return nil }
+
+// BenchmarkRequestPath measures the gateway's own work per request (read,
+// decode, validate, tokenize/hash, pick, build the upstream request, relay,
+// account) against an in-memory engine: no sockets.
+func BenchmarkRequestPath(b *testing.B) {
+	const nonStream = `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Hello world"},"finish_reason":"stop"}],"usage":{"prompt_tokens":40,"completion_tokens":3,"total_tokens":43,"prompt_tokens_details":{"cached_tokens":32}}}`
+	var sse strings.Builder
+	for i := 0; i < 16; i++ {
+		sse.WriteString(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"tok"},"logprobs":null,"finish_reason":null}]}` + "\n\n")
+	}
+	sse.WriteString(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":16,"total_tokens":56}}` + "\n\ndata: [DONE]\n\n")
+
+	system := strings.Repeat("You are a helpful assistant that answers briefly. ", 40) // ~400 tokens
+	chat := `{"model":"m","max_tokens":16,"messages":[{"role":"system","content":"` + system + `"},{"role":"user","content":"What is the capital of France?"}]}`
+	cases := []struct {
+		name, policy, path, body string
+		stream                   bool
+	}{
+		{"completion-token-ids/prefix", sched.Prefix, pathCompletions, tokenPrompt(1024, 32, 1), false},
+		{"chat/prefix", sched.Prefix, pathChat, chat, false},
+		{"chat/round-robin", sched.RoundRobin, pathChat, chat, false},
+		{"chat-stream-16-events/prefix", sched.Prefix, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true},
+		{"chat-stream-16-events/round-robin", sched.RoundRobin, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true},
+	}
+	for _, tc := range cases {
+		b.Run(tc.name, func(b *testing.B) {
+			cfg := testConfig(tc.policy)
+			cfg.HealthCheckPath = healthCheckOff
+			for i := range 4 {
+				cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: "http://10.0.0." + string(rune('1'+i)) + ":8000", Model: "m", KVBlocks: 100000})
+			}
+			g, err := New(cfg, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer g.Close()
+			eng := &cannedEngine{header: http.Header{"Content-Type": {"application/json"}}, body: []byte(nonStream)}
+			if tc.stream {
+				eng = &cannedEngine{header: http.Header{"Content-Type": {"text/event-stream"}}, body: []byte(sse.String())}
+			}
+			g.rt = eng
+			h := g.Handler()
+			body := []byte(tc.body)
+			req := httptest.NewRequest(http.MethodPost, tc.path, nil)
+			req.Header.Set("Content-Type", "application/json")
+			rb := &nopBody{}
+			w := &discardWriter{h: http.Header{}}
+			b.SetBytes(int64(len(body)))
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				rb.Reset(body)
+				req.Body, req.ContentLength = rb, int64(len(body))
+				clear(w.h)
+				w.status = 0
+				h.ServeHTTP(w, req)
+				if w.status != http.StatusOK {
+					b.Fatalf("status %d", w.status)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkLoopback compares a client calling a trivial engine directly with
+// the same call through the gateway, over real loopback HTTP; the
+// difference is the gateway's added latency per request (a 2-core machine
+// runs client, gateway and engine together, so this is an upper bound).
+func BenchmarkLoopback(b *testing.B) {
+	e := newFakeEngine(b, "e0")
+	cfg := testConfig(sched.Prefix, e)
+	cfg.HealthCheckPath = healthCheckOff
+	_, url := startGateway(b, cfg)
+	c := testClient(b)
+	for _, tc := range []struct{ name, base, body string }{
+		{"direct", e.URL(), chatBody},
+		{"gateway", url, chatBody},
+		{"direct-stream", e.URL(), streamBody(false)},
+		{"gateway-stream", url, streamBody(false)},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				resp, err := c.Post(tc.base+pathChat, "application/json", strings.NewReader(tc.body))
+				if err != nil {
+					b.Fatal(err)
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != 200 {
+					b.Fatalf("status %d", resp.StatusCode)
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,270 @@
+package gateway
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+
+	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sched"
+)
+
+// Defaults of Config and EndpointConfig (see README.md for the rationale).
+const (
+	DefaultListen                = "127.0.0.1:8080"
+	DefaultMaxBodyBytes          = 16 << 20 // bytes
+	DefaultConnectTimeout        = 5 * time.Second
+	DefaultResponseHeaderTimeout = 10 * time.Minute
+	DefaultIdleConnTimeout       = 90 * time.Second
+	DefaultMaxIdleConnsPerHost   = 1024
+	DefaultEjectDuration         = 10 * time.Second
+	DefaultHealthCheckInterval   = 5 * time.Second
+	DefaultHealthCheckTimeout    = 2 * time.Second
+	DefaultHealthCheckPath       = "/health"
+	// DefaultKVBlocks is the KV capacity (blocks) assumed for an endpoint
+	// whose kv_blocks is 0 and whose /metrics does not report
+	// vllm:cache_config_info.
+	DefaultKVBlocks = 65536
+)
+
+// Config is the gateway's configuration (YAML; see README.md for every key).
+// Zero values take the defaults of WithDefaults.
+type Config struct {
+	// Listen is the address the gateway serves on (default "127.0.0.1:8080").
+	Listen string `yaml:"listen"`
+	// Routing selects and tunes the scheduling policy, one instance per model
+	// pool.
+	Routing sched.Config `yaml:"routing"`
+	// Endpoints are the engines behind the gateway.
+	Endpoints []EndpointConfig `yaml:"endpoints"`
+	// MaxBodyBytes bounds a request body (bytes, default 16 MiB); larger
+	// bodies get 413 request_too_large.
+	MaxBodyBytes int64 `yaml:"max_body_bytes"`
+
+	// ConnectTimeout bounds dialing an endpoint, TLS handshake included
+	// (default 5s).
+	ConnectTimeout time.Duration `yaml:"connect_timeout"`
+	// ResponseHeaderTimeout bounds the wait for an endpoint's response
+	// headers after the request was sent (default 10m; engines send the
+	// headers of a non-streaming completion only when it is done, so this
+	// must exceed the longest generation). Expiry answers 504.
+	ResponseHeaderTimeout time.Duration `yaml:"response_header_timeout"`
+	// IdleConnTimeout is how long an idle upstream connection is kept
+	// (default 90s).
+	IdleConnTimeout time.Duration `yaml:"idle_conn_timeout"`
+	// MaxIdleConnsPerHost is the number of idle upstream connections kept per
+	// endpoint (default 1024: many concurrent streams to few hosts).
+	MaxIdleConnsPerHost int `yaml:"max_idle_conns_per_host"`
+
+	// EjectDuration is how long an endpoint is taken out of rotation after a
+	// connection failure (passive health; default 10s). After it, the next
+	// successful health check restores the endpoint.
+	EjectDuration time.Duration `yaml:"eject_duration"`
+	// HealthCheckInterval is the period of the active health check of each
+	// endpoint (default 5s).
+	HealthCheckInterval time.Duration `yaml:"health_check_interval"`
+	// HealthCheckTimeout bounds one health probe and the start-up /metrics
+	// read of an endpoint (default 2s).
+	HealthCheckTimeout time.Duration `yaml:"health_check_timeout"`
+	// HealthCheckPath is the path probed with GET on each endpoint; a 2xx
+	// answer means healthy (default "/health", vLLM's and llama.cpp's). Set
+	// it to "-" to disable probing: endpoints are then always healthy except
+	// during an ejection.
+	HealthCheckPath string `yaml:"health_check_path"`
+}
+
+// EndpointConfig describes one engine.
+type EndpointConfig struct {
+	// URL is the engine's base URL, e.g. "http://127.0.0.1:8001" (http or
+	// https; a path, if any, is prefixed to the request paths).
+	URL string `yaml:"url"`
+	// Model is the model name the engine serves (the request's "model").
+	Model string `yaml:"model"`
+	// KVBlocks is the engine's KV capacity in blocks of BlockSize tokens
+	// (vLLM's num_gpu_blocks). 0 reads vllm:cache_config_info from the
+	// endpoint's /metrics at start, falling back to DefaultKVBlocks.
+	KVBlocks int `yaml:"kv_blocks"`
+	// BlockSize is the engine's KV block size in tokens (default 16).
+	BlockSize int `yaml:"block_size"`
+}
+
+// LoadConfig reads a YAML configuration file. Unknown keys are an error. The
+// result is not defaulted or validated; New does both.
+func LoadConfig(path string) (Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return Config{}, fmt.Errorf("load gateway config: %w", err)
+	}
+	var c Config
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	if err := dec.Decode(&c); err != nil && !errors.Is(err, io.EOF) {
+		return Config{}, fmt.Errorf("load gateway config %s: %w", path, err)
+	}
+	return c, nil
+}
+
+// WithDefaults returns c with zero fields set to their defaults.
+func (c Config) WithDefaults() Config {
+	if c.Listen == "" {
+		c.Listen = DefaultListen
+	}
+	if c.Routing.Policy == "" {
+		c.Routing.Policy = sched.Prefix
+	}
+	c.Routing.Prefix = c.Routing.Prefix.WithDefaults()
+	if c.MaxBodyBytes == 0 {
+		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if c.ConnectTimeout == 0 {
+		c.ConnectTimeout = DefaultConnectTimeout
+	}
+	if c.ResponseHeaderTimeout == 0 {
+		c.ResponseHeaderTimeout = DefaultResponseHeaderTimeout
+	}
+	if c.IdleConnTimeout == 0 {
+		c.IdleConnTimeout = DefaultIdleConnTimeout
+	}
+	if c.MaxIdleConnsPerHost == 0 {
+		c.MaxIdleConnsPerHost = DefaultMaxIdleConnsPerHost
+	}
+	if c.EjectDuration == 0 {
+		c.EjectDuration = DefaultEjectDuration
+	}
+	if c.HealthCheckInterval == 0 {
+		c.HealthCheckInterval = DefaultHealthCheckInterval
+	}
+	if c.HealthCheckTimeout == 0 {
+		c.HealthCheckTimeout = DefaultHealthCheckTimeout
+	}
+	if c.HealthCheckPath == "" {
+		c.HealthCheckPath = DefaultHealthCheckPath
+	}
+	eps := make([]EndpointConfig, len(c.Endpoints))
+	for i, e := range c.Endpoints {
+		if e.BlockSize == 0 {
+			e.BlockSize = prefix.DefaultBlockSize
+		}
+		eps[i] = e
+	}
+	c.Endpoints = eps
+	return c
+}
+
+// Validate reports every invalid setting of a defaulted configuration.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+
+	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
+		bad("listen %q: %v", c.Listen, err)
+	}
+	if _, err := sched.New(c.Routing, nil); err != nil {
+		bad("routing: %w", err)
+	}
+	if c.MaxBodyBytes <= 0 {
+		bad("max_body_bytes %d: must be positive", c.MaxBodyBytes)
+	}
+	for _, d := range []struct {
+		key string
+		v   time.Duration
+	}{
+		{"connect_timeout", c.ConnectTimeout},
+		{"response_header_timeout", c.ResponseHeaderTimeout},
+		{"idle_conn_timeout", c.IdleConnTimeout},
+		{"eject_duration", c.EjectDuration},
+		{"health_check_interval", c.HealthCheckInterval},
+		{"health_check_timeout", c.HealthCheckTimeout},
+	} {
+		if d.v <= 0 {
+			bad("%s %v: must be positive", d.key, d.v)
+		}
+	}
+	if c.MaxIdleConnsPerHost < 0 {
+		bad("max_idle_conns_per_host %d: must be >= 0", c.MaxIdleConnsPerHost)
+	}
+	if c.HealthCheckPath != healthCheckOff && !strings.HasPrefix(c.HealthCheckPath, "/") {
+		bad("health_check_path %q: must start with / (or be %q to disable probing)", c.HealthCheckPath, healthCheckOff)
+	}
+
+	if len(c.Endpoints) == 0 {
+		bad("endpoints: at least one endpoint is required")
+	}
+	type shape struct{ kvBlocks, blockSize int }
+	byURL := map[string]shape{}
+	seen := map[[2]string]bool{}
+	perModel := map[string]int{}
+	for i, e := range c.Endpoints {
+		at := fmt.Sprintf("endpoints[%d]", i)
+		base, err := normalizeURL(e.URL)
+		if err != nil {
+			bad("%s.url: %w", at, err)
+			continue
+		}
+		if e.Model == "" {
+			bad("%s.model: required", at)
+		}
+		if e.KVBlocks < 0 {
+			bad("%s.kv_blocks %d: must be >= 0", at, e.KVBlocks)
+		}
+		if e.BlockSize < 1 {
+			bad("%s.block_size %d: must be at least 1", at, e.BlockSize)
+		}
+		key := [2]string{base, e.Model}
+		if seen[key] {
+			bad("%s: duplicate endpoint %s for model %q", at, base, e.Model)
+		}
+		seen[key] = true
+		perModel[e.Model]++
+		s := shape{e.KVBlocks, e.BlockSize}
+		if prev, ok := byURL[base]; ok && prev != s {
+			bad("%s: endpoint %s is listed again with different kv_blocks/block_size", at, base)
+		}
+		byURL[base] = s
+	}
+	if c.Routing.Policy == sched.Prefix {
+		for m, n := range perModel {
+			if n > prefix.MaxEndpoints {
+				bad("model %q: %d endpoints, the prefix policy supports at most %d per model", m, n, prefix.MaxEndpoints)
+			}
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("invalid gateway config: %w", errors.Join(errs...))
+	}
+	return nil
+}
+
+// healthCheckOff is the HealthCheckPath value that disables probing.
+const healthCheckOff = "-"
+
+// normalizeURL validates an endpoint base URL and returns it without a
+// trailing slash.
+func normalizeURL(raw string) (string, error) {
+	if raw == "" {
+		return "", errors.New("required")
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "", err
+	}
+	switch {
+	case u.Scheme != "http" && u.Scheme != "https":
+		return "", fmt.Errorf("%q: scheme must be http or https", raw)
+	case u.Host == "":
+		return "", fmt.Errorf("%q: no host", raw)
+	case u.User != nil:
+		return "", fmt.Errorf("%q: credentials in the URL are not supported", raw)
+	case u.RawQuery != "" || u.Fragment != "":
+		return "", fmt.Errorf("%q: must not have a query or fragment", raw)
+	}
+	return strings.TrimRight(u.Scheme+"://"+u.Host+u.EscapedPath(), "/"), nil
+}

@@ -1,0 +1,184 @@
+package gateway
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+)
+
+// endpoint is one engine (one base URL). Pools of different models may share
+// it (an engine serving several models or LoRA adapters), so its in-flight
+// count is the engine's whole load as the gateway sees it.
+type endpoint struct {
+	name string // the configured URL, normalized: the metrics label
+	base string // URL prefix requests are sent to (== name)
+
+	kvBlocks  int // engine KV capacity (blocks of blockSize tokens)
+	blockSize int // engine KV block size (tokens)
+
+	// ready is true while the endpoint is healthy and not ejected.
+	ready atomic.Bool
+	// ejectedUntil is the end of the current ejection (unix ns); the health
+	// checker does not restore the endpoint before it.
+	ejectedUntil atomic.Int64
+	// inFlight counts requests sent and not finished (requests).
+	inFlight atomic.Int64
+}
+
+// eject takes the endpoint out of rotation for d after a connection failure
+// at now.
+func (ep *endpoint) eject(now time.Time, d time.Duration) {
+	ep.ejectedUntil.Store(now.Add(d).UnixNano())
+	ep.ready.Store(false)
+}
+
+// checkHealth probes the endpoint once and updates its readiness: a failed
+// probe takes it out of rotation, a successful one restores it unless an
+// ejection is still running. path healthCheckOff skips the probe.
+func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
+	ok := true
+	if g.cfg.HealthCheckPath != healthCheckOff {
+		ok = g.probe(ctx, ep) == nil
+	}
+	if ctx.Err() != nil {
+		return // shutting down: leave the state as it was
+	}
+	if ok && time.Now().UnixNano() < ep.ejectedUntil.Load() {
+		return
+	}
+	ep.ready.Store(ok)
+}
+
+// probe sends GET <base><health path> and returns nil for a 2xx answer.
+func (g *Gateway) probe(ctx context.Context, ep *endpoint) error {
+	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, ep.base+g.cfg.HealthCheckPath, nil)
+	if err != nil {
+		return fmt.Errorf("health check %s: %w", ep.name, err)
+	}
+	resp, err := g.transport.RoundTrip(req)
+	if err != nil {
+		return fmt.Errorf("health check %s: %w", ep.name, err)
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // keep the connection reusable
+	_ = resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		return fmt.Errorf("health check %s: status %d", ep.name, resp.StatusCode)
+	}
+	return nil
+}
+
+// healthLoop checks ep every interval until ctx is done.
+func (g *Gateway) healthLoop(ctx context.Context, ep *endpoint) {
+	defer g.wg.Done()
+	t := time.NewTicker(g.cfg.HealthCheckInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			g.checkHealth(ctx, ep)
+		}
+	}
+}
+
+// cacheConfig is what vllm:cache_config_info reports.
+type cacheConfig struct {
+	numGPUBlocks int // blocks
+	blockSize    int // tokens per block
+}
+
+// fetchCacheConfig reads vllm:cache_config_info{num_gpu_blocks,block_size}
+// from the endpoint's /metrics.
+func (g *Gateway) fetchCacheConfig(ctx context.Context, base string) (cacheConfig, error) {
+	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/metrics", nil)
+	if err != nil {
+		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)
+	}
+	resp, err := g.transport.RoundTrip(req)
+	if err != nil {
+		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return cacheConfig{}, fmt.Errorf("read %s/metrics: status %d", base, resp.StatusCode)
+	}
+	cc, err := parseCacheConfig(io.LimitReader(resp.Body, 32<<20))
+	if err != nil {
+		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)
+	}
+	return cc, nil
+}
+
+// parseCacheConfig scans Prometheus text exposition for the first
+// vllm:cache_config_info sample with positive num_gpu_blocks and block_size
+// labels.
+func parseCacheConfig(r io.Reader) (cacheConfig, error) {
+	const name = "vllm:cache_config_info{"
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, name) {
+			continue
+		}
+		labels := parseLabels(line[len(name):])
+		blocks, err1 := strconv.Atoi(labels["num_gpu_blocks"])
+		size, err2 := strconv.Atoi(labels["block_size"])
+		if err1 == nil && err2 == nil && blocks > 0 && size > 0 {
+			return cacheConfig{numGPUBlocks: blocks, blockSize: size}, nil
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return cacheConfig{}, err
+	}
+	return cacheConfig{}, fmt.Errorf("no vllm:cache_config_info with num_gpu_blocks and block_size")
+}
+
+// parseLabels parses `k="v",k2="v2"}` (the text after a metric's "{") into a
+// map, unescaping \\, \" and \n. It stops at the closing brace.
+func parseLabels(s string) map[string]string {
+	out := map[string]string{}
+	for {
+		s = strings.TrimLeft(s, " ,")
+		if s == "" || s[0] == '}' {
+			return out
+		}
+		eq := strings.IndexByte(s, '=')
+		if eq < 0 || eq+1 >= len(s) || s[eq+1] != '"' {
+			return out
+		}
+		key := strings.TrimSpace(s[:eq])
+		s = s[eq+2:]
+		var v strings.Builder
+		i := 0
+		for ; i < len(s) && s[i] != '"'; i++ {
+			if s[i] == '\\' && i+1 < len(s) {
+				i++
+				switch s[i] {
+				case 'n':
+					v.WriteByte('\n')
+				default:
+					v.WriteByte(s[i])
+				}
+				continue
+			}
+			v.WriteByte(s[i])
+		}
+		if i >= len(s) {
+			return out
+		}
+		out[key] = v.String()
+		s = s[i+1:]
+	}
+}

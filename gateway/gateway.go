@@ -1,0 +1,383 @@
+// Package gateway is infergate's HTTP front door: it serves the
+// OpenAI-compatible API, parses and validates each request once, tokenizes
+// and hashes the prompt once, asks the model pool's sched.Policy for an
+// endpoint, and proxies the request there, streaming Server-Sent Events
+// through with an immediate flush per event while measuring time to first
+// token, inter-token latency and prefix-cache hits. See README.md for the
+// request lifecycle, configuration, metrics and error codes.
+package gateway
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"math"
+	"net"
+	"net/http"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sched"
+)
+
+// Gateway routes and proxies OpenAI-compatible requests to a fleet of
+// engines. It is safe for concurrent use; Close stops its health checks.
+type Gateway struct {
+	cfg        Config
+	policyName string
+	pools      map[string]*pool
+	endpoints  []*endpoint
+
+	transport *http.Transport
+	// rt sends upstream requests (transport, or a fake in benchmarks).
+	rt http.RoundTripper
+
+	tokenizer *prefix.Tokenizer // nil when no policy needs hashes
+	metrics   *metrics
+	unknown   *routeMetrics // model "unknown", no endpoint
+
+	handler        http.Handler
+	metricsHandler http.Handler
+	modelsBody     []byte
+	retryAfter     string // seconds, for 503 no_endpoint_available
+
+	reqIDPrefix string
+	reqIDSeq    atomic.Uint64
+
+	exchanges sync.Pool // *exchange
+
+	stop      context.CancelFunc
+	wg        sync.WaitGroup
+	closeOnce sync.Once
+}
+
+// pool is the endpoints serving one model and the policy that picks among
+// them. Entry i of endpoints, routes and every snapshot is the same endpoint.
+type pool struct {
+	model     string
+	policy    sched.Policy
+	endpoints []*endpoint
+	routes    []*routeMetrics // per endpoint
+	none      *routeMetrics   // errors before an endpoint was picked
+	blockSize int             // routing block size (tokens)
+	seed      uint64          // prefix.Seed(model + "\x00"): no cache salt
+	snapshots sync.Pool       // *[]sched.Endpoint
+}
+
+// snapshot returns the pool's endpoints as the scheduler sees them now
+// (readiness and in-flight counts read from atomics) in a pooled slice;
+// return it with release.
+func (p *pool) snapshot() *[]sched.Endpoint {
+	sp, _ := p.snapshots.Get().(*[]sched.Endpoint)
+	if sp == nil {
+		s := make([]sched.Endpoint, len(p.endpoints))
+		sp = &s
+	}
+	s := *sp
+	for i, ep := range p.endpoints {
+		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load(), InFlight: int(ep.inFlight.Load())}
+	}
+	return sp
+}
+
+func (p *pool) release(sp *[]sched.Endpoint) { p.snapshots.Put(sp) }
+
+// New builds a gateway for cfg (defaulted and validated here), registering
+// its metrics on reg (nil: a new private registry that also carries the Go
+// and process collectors; /metrics serves reg when it is a
+// prometheus.Gatherer, else the default gatherer). For endpoints with
+// kv_blocks 0 it reads the engine's /metrics, and it probes every endpoint
+// once before returning, so New takes up to HealthCheckTimeout. Endpoints
+// that are down at start join when their health check first succeeds.
+func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	var gatherer prometheus.Gatherer = prometheus.DefaultGatherer
+	if reg == nil {
+		r := prometheus.NewRegistry()
+		r.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		reg, gatherer = r, r
+	} else if gt, ok := reg.(prometheus.Gatherer); ok {
+		gatherer = gt
+	}
+
+	g := &Gateway{cfg: cfg, pools: map[string]*pool{}}
+	g.transport = newTransport(cfg)
+	g.rt = g.transport
+	g.retryAfter = strconv.Itoa(max(1, int(math.Ceil(cfg.HealthCheckInterval.Seconds()))))
+	var idb [6]byte
+	_, _ = rand.Read(idb[:])
+	g.reqIDPrefix = "ig-" + hex.EncodeToString(idb[:]) + "-"
+
+	// One endpoint per URL, shared by the pools of every model it serves.
+	byURL := map[string]*endpoint{}
+	for _, ec := range cfg.Endpoints {
+		base, _ := normalizeURL(ec.URL) // validated
+		if byURL[base] == nil {
+			ep := &endpoint{name: base, base: base, kvBlocks: ec.KVBlocks, blockSize: ec.BlockSize}
+			byURL[base] = ep
+			g.endpoints = append(g.endpoints, ep)
+		}
+	}
+	g.discover()
+
+	fleet := newFleetCollector(g.endpoints)
+	m, err := newMetrics(reg, fleet)
+	if err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
+	}
+	g.metrics = m
+
+	routingBlock := cfg.Routing.Prefix.BlockSize
+	var models []string
+	for _, ec := range cfg.Endpoints {
+		base, _ := normalizeURL(ec.URL)
+		p := g.pools[ec.Model]
+		if p == nil {
+			p = &pool{model: ec.Model, blockSize: routingBlock, seed: prefix.Seed(ec.Model + "\x00")}
+			g.pools[ec.Model] = p
+			models = append(models, ec.Model)
+		}
+		p.endpoints = append(p.endpoints, byURL[base])
+	}
+	for _, model := range models {
+		p := g.pools[model]
+		capacity := make([]int, len(p.endpoints))
+		for i, ep := range p.endpoints {
+			capacity[i] = max(1, ep.kvBlocks*ep.blockSize/routingBlock)
+		}
+		if p.policy, err = sched.New(cfg.Routing, capacity); err != nil {
+			g.transport.CloseIdleConnections()
+			return nil, fmt.Errorf("routing policy for model %q: %w", model, err)
+		}
+		g.policyName = p.policy.Name()
+		p.none = m.route(model, "", g.policyName)
+		for _, ep := range p.endpoints {
+			p.routes = append(p.routes, m.route(model, ep.name, g.policyName))
+		}
+		if p.policy.NeedsHashes() && g.tokenizer == nil {
+			if g.tokenizer, err = prefix.NewTokenizer(); err != nil {
+				g.transport.CloseIdleConnections()
+				return nil, fmt.Errorf("gateway: %w", err)
+			}
+		}
+	}
+	g.unknown = m.route(unknownModel, "", g.policyName)
+
+	slices.Sort(models)
+	list := openai.ModelList{Object: openai.ObjectList, Data: make([]openai.Model, len(models))}
+	created := time.Now().Unix()
+	for i, model := range models {
+		list.Data[i] = openai.Model{ID: model, Object: openai.ObjectModel, Created: created, OwnedBy: "infergate", Root: model}
+	}
+	if g.modelsBody, err = json.Marshal(list); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, fmt.Errorf("gateway: encode model list: %w", err)
+	}
+	g.metricsHandler = promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{})
+	g.handler = http.HandlerFunc(g.route)
+
+	ctx, stop := context.WithCancel(context.Background())
+	g.stop = stop
+	for _, ep := range g.endpoints {
+		g.wg.Add(1)
+		go g.healthLoop(ctx, ep)
+	}
+	return g, nil
+}
+
+// discover fills in the KV capacity of endpoints configured with kv_blocks 0
+// from their vllm:cache_config_info and probes every endpoint once, all
+// concurrently, within HealthCheckTimeout.
+func (g *Gateway) discover() {
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	for _, ep := range g.endpoints {
+		wg.Go(func() {
+			if ep.kvBlocks == 0 {
+				ep.kvBlocks = DefaultKVBlocks
+				if cc, err := g.fetchCacheConfig(ctx, ep.base); err == nil {
+					ep.kvBlocks, ep.blockSize = cc.numGPUBlocks, cc.blockSize
+				}
+			}
+			g.checkHealth(ctx, ep)
+		})
+	}
+	wg.Wait()
+}
+
+// newTransport returns the one upstream transport: many concurrent streams
+// to few hosts, no compression (SSE must be parsed as it arrives), no proxy
+// from the environment (engines are reached directly).
+func newTransport(cfg Config) *http.Transport {
+	dialer := &net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second}
+	return &http.Transport{
+		DialContext:           dialer.DialContext,
+		ForceAttemptHTTP2:     true,
+		MaxIdleConns:          0, // no global limit; per host below
+		MaxIdleConnsPerHost:   cfg.MaxIdleConnsPerHost,
+		IdleConnTimeout:       cfg.IdleConnTimeout,
+		TLSHandshakeTimeout:   cfg.ConnectTimeout,
+		ResponseHeaderTimeout: cfg.ResponseHeaderTimeout,
+		ExpectContinueTimeout: 0,
+		DisableCompression:    true,
+		WriteBufferSize:       32 << 10,
+		ReadBufferSize:        32 << 10,
+	}
+}
+
+// Handler returns the gateway's HTTP handler (all routes).
+func (g *Gateway) Handler() http.Handler { return g.handler }
+
+// Server returns an http.Server for the gateway on cfg.Listen with timeouts
+// suited to long streams: headers must arrive within 10s and idle
+// keep-alive connections close after 2 minutes, but there is no write
+// timeout (a generation may stream for minutes).
+func (g *Gateway) Server() *http.Server {
+	return &http.Server{
+		Addr:              g.cfg.Listen,
+		Handler:           g.handler,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		MaxHeaderBytes:    1 << 20,
+	}
+}
+
+// Config returns the gateway's effective (defaulted) configuration, with
+// discovered KV capacities filled in.
+func (g *Gateway) Config() Config {
+	c := g.cfg
+	c.Endpoints = slices.Clone(c.Endpoints)
+	for i, ec := range c.Endpoints {
+		base, _ := normalizeURL(ec.URL)
+		for _, ep := range g.endpoints {
+			if ep.name == base {
+				c.Endpoints[i].KVBlocks, c.Endpoints[i].BlockSize = ep.kvBlocks, ep.blockSize
+			}
+		}
+	}
+	return c
+}
+
+// Close stops the health checks and closes idle upstream connections. It
+// does not wait for requests in flight (shut the http.Server down first).
+// Safe to call more than once.
+func (g *Gateway) Close() {
+	g.closeOnce.Do(func() {
+		g.stop()
+		g.wg.Wait()
+		g.transport.CloseIdleConnections()
+	})
+}
+
+// Paths served.
+const (
+	pathChat        = "/v1/chat/completions"
+	pathCompletions = "/v1/completions"
+	pathModels      = "/v1/models"
+	pathMetrics     = "/metrics"
+	pathHealthz     = "/healthz"
+	pathReadyz      = "/readyz"
+)
+
+// route dispatches on the exact path, answering OpenAI errors for wrong
+// methods (405) and unknown paths (404).
+func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
+	switch r.URL.Path {
+	case pathChat:
+		if g.allow(w, r, http.MethodPost) {
+			g.serveInference(w, r, kindChat)
+		}
+	case pathCompletions:
+		if g.allow(w, r, http.MethodPost) {
+			g.serveInference(w, r, kindCompletion)
+		}
+	case pathModels:
+		if g.allow(w, r, http.MethodGet) {
+			writeJSON(w, http.StatusOK, g.modelsBody)
+		}
+	case pathMetrics:
+		if g.allow(w, r, http.MethodGet) {
+			g.metricsHandler.ServeHTTP(w, r)
+		}
+	case pathHealthz:
+		if g.allow(w, r, http.MethodGet) {
+			writeJSON(w, http.StatusOK, []byte(`{"status":"ok"}`))
+		}
+	case pathReadyz:
+		if g.allow(w, r, http.MethodGet) {
+			g.serveReadyz(w)
+		}
+	default:
+		openai.WriteError(w, openai.NewError(http.StatusNotFound,
+			fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path), "", "not_found"))
+	}
+}
+
+// allow answers 405 unless r's method is method (GET also admits HEAD).
+func (g *Gateway) allow(w http.ResponseWriter, r *http.Request, method string) bool {
+	if r.Method == method || (method == http.MethodGet && r.Method == http.MethodHead) {
+		return true
+	}
+	allowed := method
+	if method == http.MethodGet {
+		allowed = "GET, HEAD"
+	}
+	w.Header().Set("Allow", allowed)
+	openai.WriteError(w, openai.NewError(http.StatusMethodNotAllowed,
+		fmt.Sprintf("Method %s is not allowed for %s (use %s).", r.Method, r.URL.Path, method), "", "method_not_allowed"))
+	if r.URL.Path == pathChat || r.URL.Path == pathCompletions {
+		g.metrics.count(g.unknown, http.StatusMethodNotAllowed)
+	}
+	return false
+}
+
+// readiness is the body of GET /readyz.
+type readiness struct {
+	Status    string `json:"status"`
+	Ready     int    `json:"ready_endpoints"`
+	Endpoints int    `json:"endpoints"`
+	Reason    string `json:"reason,omitempty"`
+}
+
+// serveReadyz answers 200 while at least one endpoint is in rotation, else
+// 503 with the reason.
+func (g *Gateway) serveReadyz(w http.ResponseWriter) {
+	rd := readiness{Status: "ready", Endpoints: len(g.endpoints)}
+	for _, ep := range g.endpoints {
+		if ep.ready.Load() {
+			rd.Ready++
+		}
+	}
+	status := http.StatusOK
+	if rd.Ready == 0 {
+		status = http.StatusServiceUnavailable
+		rd.Status = "not ready"
+		rd.Reason = fmt.Sprintf("no endpoint is ready (0 of %d healthy and not ejected)", rd.Endpoints)
+	}
+	body, _ := json.Marshal(rd)
+	writeJSON(w, status, body)
+}
+
+// writeJSON writes a JSON body with status.
+func writeJSON(w http.ResponseWriter, status int, body []byte) {
+	h := w.Header()
+	h.Set("Content-Type", "application/json")
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}

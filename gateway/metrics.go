@@ -1,0 +1,148 @@
+package gateway
+
+import (
+	"fmt"
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// unknownModel is the model label of requests whose model is not configured
+// (or could not be read), keeping label cardinality bounded.
+const unknownModel = "unknown"
+
+// Status codes recorded in infergate_requests_total besides HTTP statuses.
+const (
+	// codeClientClosed is recorded when the client went away before the
+	// response was complete (nginx's 499 "client closed request").
+	codeClientClosed = 499
+)
+
+// latencyBuckets suit LLM latencies: 1 ms to 10 min, roughly ×2.5 apart
+// (seconds).
+var latencyBuckets = []float64{
+	0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+	1, 2.5, 5, 10, 20, 40, 80, 160, 320, 600,
+}
+
+// itlBuckets suit inter-token gaps: 0.5 ms to 10 s (seconds).
+var itlBuckets = []float64{
+	0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04,
+	0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+}
+
+// metrics are the gateway's Prometheus collectors.
+type metrics struct {
+	requests  *prometheus.CounterVec   // model, endpoint, policy, code
+	ttft      *prometheus.HistogramVec // model, endpoint, policy
+	itl       *prometheus.HistogramVec
+	e2e       *prometheus.HistogramVec
+	prompt    *prometheus.CounterVec
+	cached    *prometheus.CounterVec
+	generated *prometheus.CounterVec
+	predicted *prometheus.CounterVec
+}
+
+func newMetrics(reg prometheus.Registerer, fleet *fleetCollector) (*metrics, error) {
+	base := []string{"model", "endpoint", "policy"}
+	hist := func(name, help string, buckets []float64) *prometheus.HistogramVec {
+		return prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "infergate", Name: name, Help: help, Buckets: buckets,
+		}, base)
+	}
+	counter := func(name, help string) *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: name, Help: help}, base)
+	}
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "infergate", Name: "requests_total",
+			Help: "Inference requests by model, endpoint, policy and HTTP status code (499: client closed the request).",
+		}, []string{"model", "endpoint", "policy", "code"}),
+		ttft: hist("time_to_first_token_seconds",
+			"Time from receiving a streaming request to relaying its first output token (seconds).", latencyBuckets),
+		itl: hist("inter_token_latency_seconds",
+			"Gap between consecutive output events of a stream (seconds).", itlBuckets),
+		e2e: hist("e2e_request_latency_seconds",
+			"Time from receiving a request to the end of its response, successful requests only (seconds).", latencyBuckets),
+		prompt:    counter("prompt_tokens_total", "Prompt tokens reported by the engines' usage (tokens)."),
+		cached:    counter("cached_prompt_tokens_total", "Prompt tokens the engines served from their prefix cache (usage.prompt_tokens_details.cached_tokens; tokens)."),
+		generated: counter("generation_tokens_total", "Completion tokens reported by the engines' usage (tokens)."),
+		predicted: counter("prefix_predicted_matched_tokens_total", "Prompt tokens the routing policy predicted the chosen endpoint holds (matched blocks × routing block size; tokens)."),
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.ttft, m.itl, m.e2e, m.prompt, m.cached, m.generated, m.predicted, fleet} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("register gateway metrics: %w", err)
+		}
+	}
+	return m, nil
+}
+
+// routeMetrics are the children of the per-(model, endpoint) metrics,
+// resolved once at start so the request path does no label lookups.
+type routeMetrics struct {
+	ok                       prometheus.Counter // requests_total{code="200"}
+	ttft, itl, e2e           prometheus.Observer
+	prompt, cached, generate prometheus.Counter
+	predicted                prometheus.Counter
+	labels                   [3]string // model, endpoint, policy
+}
+
+func (m *metrics) route(model, endpoint, policy string) *routeMetrics {
+	return &routeMetrics{
+		ok:        m.requests.WithLabelValues(model, endpoint, policy, "200"),
+		ttft:      m.ttft.WithLabelValues(model, endpoint, policy),
+		itl:       m.itl.WithLabelValues(model, endpoint, policy),
+		e2e:       m.e2e.WithLabelValues(model, endpoint, policy),
+		prompt:    m.prompt.WithLabelValues(model, endpoint, policy),
+		cached:    m.cached.WithLabelValues(model, endpoint, policy),
+		generate:  m.generated.WithLabelValues(model, endpoint, policy),
+		predicted: m.predicted.WithLabelValues(model, endpoint, policy),
+		labels:    [3]string{model, endpoint, policy},
+	}
+}
+
+// count records one finished request with status code.
+func (m *metrics) count(rm *routeMetrics, code int) {
+	if code == 200 {
+		rm.ok.Inc()
+		return
+	}
+	m.requests.WithLabelValues(rm.labels[0], rm.labels[1], rm.labels[2], strconv.Itoa(code)).Inc()
+}
+
+// fleetCollector exposes the endpoints' in-flight counts and readiness at
+// scrape time, straight from the atomics the request path maintains, so the
+// request path pays nothing for these gauges.
+type fleetCollector struct {
+	endpoints []*endpoint
+	inFlight  *prometheus.Desc
+	ready     *prometheus.Desc
+}
+
+func newFleetCollector(eps []*endpoint) *fleetCollector {
+	return &fleetCollector{
+		endpoints: eps,
+		inFlight: prometheus.NewDesc("infergate_endpoint_in_flight_requests",
+			"Requests the gateway has sent to the endpoint that have not finished (requests).", []string{"endpoint"}, nil),
+		ready: prometheus.NewDesc("infergate_endpoint_ready",
+			"1 if the endpoint is in rotation (healthy and not ejected), else 0.", []string{"endpoint"}, nil),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *fleetCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.inFlight
+	ch <- c.ready
+}
+
+// Collect implements prometheus.Collector.
+func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, ep := range c.endpoints {
+		ready := 0.0
+		if ep.ready.Load() {
+			ready = 1
+		}
+		ch <- prometheus.MustNewConstMetric(c.inFlight, prometheus.GaugeValue, float64(ep.inFlight.Load()), ep.name)
+		ch <- prometheus.MustNewConstMetric(c.ready, prometheus.GaugeValue, ready, ep.name)
+	}
+}

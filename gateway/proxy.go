@@ -1,0 +1,578 @@
+package gateway
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"mime"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sched"
+)
+
+// apiKind is the inference API a request came in on.
+type apiKind uint8
+
+const (
+	kindChat apiKind = iota
+	kindCompletion
+)
+
+func (k apiKind) path() string {
+	if k == kindChat {
+		return pathChat
+	}
+	return pathCompletions
+}
+
+// Bounds of what the gateway buffers per request (bytes).
+const (
+	// maxUsageScan bounds the non-streaming response prefix kept to read
+	// "usage" from; a larger response is relayed whole but not accounted.
+	maxUsageScan = 4 << 20
+	// maxErrorBody bounds an engine's error body read for relaying.
+	maxErrorBody = 1 << 20
+	// maxPooledBuffer is the largest buffer returned to the exchange pool.
+	maxPooledBuffer = 1 << 20
+)
+
+// Gateway-specific error codes besides openai's.
+const (
+	codeUpstreamTimeout = "upstream_timeout"
+)
+
+// exchange is the per-request scratch state, pooled so that the request path
+// allocates little beyond what JSON decoding and net/http need.
+type exchange struct {
+	body    []byte // the client's request body
+	upBody  []byte // the body sent upstream when it differs from body
+	chat    openai.ChatRequest
+	comp    openai.CompletionRequest
+	sreq    sched.Request
+	hashes  []uint64
+	chunk   openai.StreamChunk
+	out     []byte // one SSE event being written
+	capture []byte // non-streaming response prefix, for usage
+	copyBuf []byte // relay buffer
+
+	// Read from the decoded request.
+	model        string
+	salt         string
+	stream       bool
+	includeUsage bool
+}
+
+func (g *Gateway) getExchange() *exchange {
+	if x, _ := g.exchanges.Get().(*exchange); x != nil {
+		return x
+	}
+	return &exchange{copyBuf: make([]byte, 32<<10)}
+}
+
+func (g *Gateway) putExchange(x *exchange) {
+	x.chat = openai.ChatRequest{}
+	x.comp = openai.CompletionRequest{}
+	x.sreq = sched.Request{}
+	x.model, x.salt = "", ""
+	x.chunk.Reset()
+	if cap(x.body) > maxPooledBuffer {
+		x.body = nil
+	}
+	if cap(x.upBody) > maxPooledBuffer {
+		x.upBody = nil
+	}
+	if cap(x.capture) > maxPooledBuffer {
+		x.capture = nil
+	}
+	if cap(x.out) > maxPooledBuffer {
+		x.out = nil
+	}
+	g.exchanges.Put(x)
+}
+
+// readBody reads the request body into x.body, at most limit bytes.
+func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64) *openai.Error {
+	tooLarge := func() *openai.Error {
+		return openai.NewError(http.StatusRequestEntityTooLarge,
+			fmt.Sprintf("Request body is larger than the limit of %d bytes.", limit), "", openai.CodeRequestTooLarge)
+	}
+	if r.ContentLength > limit {
+		return tooLarge()
+	}
+	buf := x.body[:0]
+	if n := int(r.ContentLength); n > 0 && cap(buf) < n {
+		buf = make([]byte, 0, n)
+	} else if cap(buf) == 0 {
+		buf = make([]byte, 0, 4<<10)
+	}
+	rd := http.MaxBytesReader(w, r.Body, limit)
+	for {
+		if len(buf) == cap(buf) {
+			buf = append(buf, 0)[:len(buf)]
+		}
+		n, err := rd.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+n]
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			x.body = buf
+			var mbe *http.MaxBytesError
+			if errors.As(err, &mbe) {
+				return tooLarge()
+			}
+			return openai.NewError(http.StatusBadRequest, "Could not read the request body: "+err.Error(), "", openai.CodeInvalidJSON)
+		}
+	}
+	x.body = buf
+	return nil
+}
+
+// decode parses and validates the body once into the typed request. It
+// sets x.model (even when validation fails, if the JSON was readable), and
+// returns the 400 error to answer, or nil.
+func (x *exchange) decode(kind apiKind) *openai.Error {
+	var so *openai.StreamOptions
+	if kind == kindChat {
+		if e := openai.Decode(x.body, &x.chat); e != nil {
+			return e
+		}
+		x.model, x.salt, x.stream, so = x.chat.Model, x.chat.CacheSalt, x.chat.Stream, x.chat.StreamOptions
+	} else {
+		if e := openai.Decode(x.body, &x.comp); e != nil {
+			return e
+		}
+		x.model, x.salt, x.stream, so = x.comp.Model, x.comp.CacheSalt, x.comp.Stream, x.comp.StreamOptions
+	}
+	x.includeUsage = so != nil && so.IncludeUsage
+	if kind == kindChat {
+		return x.chat.Validate()
+	}
+	return x.comp.Validate()
+}
+
+// promptTokens returns the token ids routing hashes: the ids as given for a
+// token-id prompt, else the tokenized text (chat: the canonical rendering of
+// the messages). For a batch of prompts, the first one stands for the batch.
+func (x *exchange) promptTokens(kind apiKind, g *Gateway) []uint32 {
+	switch {
+	case kind == kindChat:
+		return g.tokenizer.Encode(openai.RenderChat(x.chat.Messages))
+	case len(x.comp.Prompt.Tokens) > 0:
+		return x.comp.Prompt.Tokens[0]
+	case len(x.comp.Prompt.Texts) > 0:
+		return g.tokenizer.Encode(x.comp.Prompt.Texts[0])
+	}
+	return nil
+}
+
+// requestID returns the client's X-Request-Id if it is a sane token, else a
+// new process-unique id.
+func (g *Gateway) requestID(r *http.Request) string {
+	if v := r.Header["X-Request-Id"]; len(v) == 1 && saneRequestID(v[0]) {
+		return v[0]
+	}
+	return g.reqIDPrefix + strconv.FormatUint(g.reqIDSeq.Add(1), 36)
+}
+
+// fail answers e and counts it.
+func (g *Gateway) fail(w http.ResponseWriter, rm *routeMetrics, e *openai.Error) {
+	openai.WriteError(w, e)
+	g.metrics.count(rm, e.Status)
+}
+
+// serveInference is the request path of POST /v1/chat/completions and
+// /v1/completions: read, decode, validate, hash, pick, proxy.
+func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind apiKind) {
+	start := time.Now()
+	x := g.getExchange()
+	defer g.putExchange(x)
+	reqID := g.requestID(r)
+	w.Header()["X-Request-Id"] = []string{reqID}
+
+	if e := x.readBody(w, r, g.cfg.MaxBodyBytes); e != nil {
+		g.fail(w, g.unknown, e)
+		return
+	}
+	verr := x.decode(kind)
+	p := g.pools[x.model]
+	rm := g.unknown
+	if p != nil {
+		rm = p.none
+	}
+	if verr != nil {
+		g.fail(w, rm, verr)
+		return
+	}
+	if p == nil {
+		g.fail(w, rm, openai.NewError(http.StatusNotFound,
+			fmt.Sprintf("The model `%s` does not exist.", x.model), "model", openai.CodeModelNotFound))
+		return
+	}
+
+	x.sreq = sched.Request{Model: x.model}
+	if p.policy.NeedsHashes() {
+		tokens := x.promptTokens(kind, g)
+		seed := p.seed
+		if x.salt != "" {
+			seed = prefix.Seed(x.model + "\x00" + x.salt)
+		}
+		x.hashes = prefix.Hashes(x.hashes[:0], tokens, p.blockSize, seed)
+		x.sreq.Hashes, x.sreq.PromptTokens = x.hashes, len(tokens)
+	}
+	snap := p.snapshot()
+	d := p.policy.Pick(&x.sreq, *snap)
+	p.release(snap)
+	if d.Endpoint < 0 || d.Endpoint >= len(p.endpoints) {
+		w.Header().Set("Retry-After", g.retryAfter)
+		g.fail(w, rm, openai.NewError(http.StatusServiceUnavailable,
+			fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", x.model), "", openai.CodeNoEndpoint))
+		return
+	}
+	ep, rm := p.endpoints[d.Endpoint], p.routes[d.Endpoint]
+	ep.inFlight.Add(1)
+	defer ep.inFlight.Add(-1)
+	if d.MatchedBlocks > 0 {
+		rm.predicted.Add(float64(d.MatchedBlocks * p.blockSize))
+	}
+
+	g.proxy(w, r, x, kind, ep, rm, reqID, start)
+}
+
+// proxy forwards the request to ep and relays the answer.
+func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind,
+	ep *endpoint, rm *routeMetrics, reqID string, start time.Time) {
+	body := x.body
+	strip := false
+	if x.stream && !x.includeUsage {
+		if b, err := withIncludeUsage(x.upBody[:0], body); err == nil {
+			x.upBody, body, strip = b, b, true
+		}
+	}
+	target := ep.base + kind.path()
+	if r.URL.RawQuery != "" {
+		target += "?" + r.URL.RawQuery
+	}
+	req, err := http.NewRequestWithContext(r.Context(), http.MethodPost, target, bytes.NewReader(body))
+	if err != nil {
+		g.fail(w, rm, openai.NewError(http.StatusBadGateway, "Could not build the upstream request.", "", openai.CodeUpstream))
+		return
+	}
+	req.Header = upstreamHeader(r.Header, reqID, r.RemoteAddr)
+
+	resp, err := g.rt.RoundTrip(req)
+	if err != nil {
+		switch {
+		case r.Context().Err() != nil:
+			g.metrics.count(rm, codeClientClosed)
+		case isResponseTimeout(err):
+			slog.Warn("gateway: upstream response timeout", "endpoint", ep.name, "request_id", reqID, "err", err)
+			g.fail(w, rm, openai.NewError(http.StatusGatewayTimeout,
+				"The model server did not answer in time.", "", codeUpstreamTimeout))
+		default:
+			slog.Warn("gateway: upstream connection failed; ejecting endpoint", "endpoint", ep.name,
+				"request_id", reqID, "eject_for", g.cfg.EjectDuration, "err", err)
+			ep.eject(time.Now(), g.cfg.EjectDuration)
+			g.fail(w, rm, openai.NewError(http.StatusBadGateway,
+				"The model server could not be reached.", "", openai.CodeUpstream))
+		}
+		return
+	}
+	defer resp.Body.Close()
+
+	switch {
+	case resp.StatusCode/100 != 2:
+		g.relayError(w, resp, rm)
+	case x.stream && isEventStream(resp.Header):
+		g.relayStream(w, r, resp, x, rm, reqID, start, strip)
+	default:
+		g.relayBody(w, r, resp, x, rm, start)
+	}
+}
+
+// isResponseTimeout reports whether err is the transport's response-header
+// timeout (a timeout that is not a dial timeout).
+func isResponseTimeout(err error) bool {
+	var ne net.Error
+	if !errors.As(err, &ne) || !ne.Timeout() {
+		return false
+	}
+	var op *net.OpError
+	return !(errors.As(err, &op) && op.Op == "dial")
+}
+
+func isEventStream(h http.Header) bool {
+	mt, _, _ := mime.ParseMediaType(h.Get("Content-Type"))
+	return mt == "text/event-stream"
+}
+
+// relayError relays an engine's non-2xx answer: its status and body when the
+// body is JSON (engines speak OpenAI errors), else a 502 wrapping it.
+func (g *Gateway) relayError(w http.ResponseWriter, resp *http.Response, rm *routeMetrics) {
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody+1))
+	if err == nil && len(body) <= maxErrorBody && json.Valid(body) {
+		writeJSON(w, resp.StatusCode, body)
+		g.metrics.count(rm, resp.StatusCode)
+		return
+	}
+	snippet := strings.ToValidUTF8(string(body[:min(len(body), 256)]), "")
+	g.fail(w, rm, openai.NewError(http.StatusBadGateway,
+		fmt.Sprintf("The model server answered %d: %s", resp.StatusCode, strings.TrimSpace(snippet)), "", openai.CodeUpstream))
+}
+
+// relayBody relays a non-streaming answer as it arrives, keeping up to
+// maxUsageScan bytes of it to read usage from at the end.
+func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
+	rm *routeMetrics, start time.Time) {
+	copyResponseHeader(w.Header(), resp.Header, true)
+	w.WriteHeader(resp.StatusCode)
+	x.capture = x.capture[:0]
+	overflow := false
+	for {
+		n, rerr := resp.Body.Read(x.copyBuf)
+		if n > 0 {
+			if !overflow {
+				if len(x.capture)+n > maxUsageScan {
+					overflow = true
+				} else {
+					x.capture = append(x.capture, x.copyBuf[:n]...)
+				}
+			}
+			if _, werr := w.Write(x.copyBuf[:n]); werr != nil {
+				g.metrics.count(rm, codeClientClosed)
+				return
+			}
+		}
+		if rerr == io.EOF {
+			break
+		}
+		if rerr != nil {
+			if r.Context().Err() != nil {
+				g.metrics.count(rm, codeClientClosed)
+				return
+			}
+			g.metrics.count(rm, http.StatusBadGateway)
+			// The status line is out: abort the connection so the client
+			// sees a truncated response, never a silently short one.
+			panic(http.ErrAbortHandler)
+		}
+	}
+	var u struct {
+		Usage *openai.Usage `json:"usage"`
+	}
+	if !overflow {
+		_ = json.Unmarshal(x.capture, &u)
+	}
+	g.finish(rm, resp.StatusCode, u.Usage, start)
+}
+
+// finish accounts a request answered with code, its usage (nil if not
+// reported) and, for a 2xx, its end-to-end latency.
+func (g *Gateway) finish(rm *routeMetrics, code int, u *openai.Usage, start time.Time) {
+	if code/100 == 2 {
+		rm.e2e.Observe(time.Since(start).Seconds())
+	}
+	if u != nil {
+		rm.prompt.Add(float64(max(u.PromptTokens, 0)))
+		rm.generate.Add(float64(max(u.CompletionTokens, 0)))
+		rm.cached.Add(float64(max(u.Cached(), 0)))
+	}
+	g.metrics.count(rm, code)
+}
+
+var (
+	sseData = []byte("data: ")
+	sseEnd  = []byte("\n\n")
+	sseDone = []byte("data: [DONE]\n\n")
+)
+
+// relayStream relays an SSE answer event by event with a flush after each,
+// measuring time to first token and inter-token gaps and reading usage.
+// With strip, the usage-only chunk the gateway asked for on the client's
+// behalf is dropped. An upstream failure mid-stream ends the stream with an
+// error event, never a silent truncation.
+func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
+	rm *routeMetrics, reqID string, start time.Time, strip bool) {
+	h := w.Header()
+	copyResponseHeader(h, resp.Header, false)
+	if h.Get("Cache-Control") == "" {
+		h.Set("Cache-Control", "no-cache")
+	}
+	h.Set("X-Accel-Buffering", "no")
+	w.WriteHeader(resp.StatusCode)
+	rc := http.NewResponseController(w)
+	if err := rc.Flush(); err != nil {
+		g.metrics.count(rm, codeClientClosed)
+		return
+	}
+
+	var (
+		usage     *openai.Usage // the latest reported (cumulative) usage
+		last      time.Time     // when the previous output event was relayed
+		streamErr bool          // the engine sent an error event
+	)
+	er := openai.NewEventReader(resp.Body, 0)
+	for {
+		data, err := er.Next()
+		if err != nil {
+			if r.Context().Err() != nil {
+				g.metrics.count(rm, codeClientClosed)
+				return
+			}
+			code := http.StatusOK
+			if err == io.EOF && er.Done() {
+				if _, werr := w.Write(sseDone); werr != nil {
+					g.metrics.count(rm, codeClientClosed)
+					return
+				}
+				_ = rc.Flush()
+				if streamErr {
+					code = http.StatusBadGateway
+				}
+			} else {
+				msg := "The model server's stream ended without [DONE]."
+				if err != io.EOF {
+					msg = "The model server's stream failed: " + err.Error()
+				}
+				slog.Warn("gateway: upstream stream failed", "endpoint", rm.labels[1],
+					"request_id", reqID, "err", err)
+				writeStreamError(w, rc, msg)
+				code = http.StatusBadGateway
+			}
+			g.finish(rm, code, usage, start)
+			return
+		}
+
+		now := time.Now()
+		if c := x.parseChunk(data); c != nil {
+			if c.Usage != nil {
+				usage = c.Usage // freshly allocated by Unmarshal: safe to keep
+			}
+			hasErr := c.IsError()
+			streamErr = streamErr || hasErr
+			if strip && len(c.Choices) == 0 && c.Usage != nil && !hasErr {
+				continue
+			}
+			if c.HasOutput() {
+				if last.IsZero() {
+					rm.ttft.Observe(now.Sub(start).Seconds())
+				} else {
+					rm.itl.Observe(now.Sub(last).Seconds())
+				}
+				last = now
+			}
+		}
+		x.out = appendEvent(x.out[:0], data)
+		if _, err := w.Write(x.out); err != nil {
+			g.metrics.count(rm, codeClientClosed)
+			return
+		}
+		if err := rc.Flush(); err != nil {
+			g.metrics.count(rm, codeClientClosed)
+			return
+		}
+	}
+}
+
+// parseChunk decodes one event's data into x.chunk, best effort: a field of
+// an unexpected type is skipped, not fatal. It returns nil if data is not a
+// JSON object.
+func (x *exchange) parseChunk(data []byte) *openai.StreamChunk {
+	x.chunk.Reset()
+	if err := json.Unmarshal(data, &x.chunk); err != nil {
+		var te *json.UnmarshalTypeError
+		if !errors.As(err, &te) {
+			return nil
+		}
+	}
+	return &x.chunk
+}
+
+// appendEvent appends data as one SSE event: "data: " before every line
+// (a multi-line payload stays one event) and a blank line after.
+func appendEvent(dst, data []byte) []byte {
+	dst = append(dst, sseData...)
+	for {
+		i := bytes.IndexByte(data, '\n')
+		if i < 0 {
+			break
+		}
+		dst = append(append(dst, data[:i+1]...), sseData...)
+		data = data[i+1:]
+	}
+	return append(append(dst, data...), sseEnd...)
+}
+
+// writeStreamError ends a stream with an OpenAI error event and [DONE], as
+// vLLM does when generation fails mid-stream.
+func writeStreamError(w io.Writer, rc *http.ResponseController, msg string) {
+	b, _ := json.Marshal(openai.ErrorResponse{Error: openai.NewError(http.StatusBadGateway, msg, "", openai.CodeUpstream)})
+	ev := make([]byte, 0, len(b)+len(sseData)+len(sseEnd)+len(sseDone))
+	ev = append(append(append(append(ev, sseData...), b...), sseEnd...), sseDone...)
+	_, _ = w.Write(ev)
+	_ = rc.Flush()
+}
+
+// withIncludeUsage appends to dst the JSON object body with
+// stream_options.include_usage set to true, every other key (top-level and
+// inside stream_options) kept as sent. body must be one valid JSON object
+// (openai.Decode checked it). Without a stream_options key the body is kept
+// byte for byte and the key is spliced in before the closing brace;
+// otherwise stream_options is edited through a map of raw values.
+func withIncludeUsage(dst, body []byte) ([]byte, error) {
+	if !bytes.Contains(body, []byte(`"stream_options"`)) {
+		end := bytes.LastIndexByte(body, '}')
+		if end < 0 {
+			return nil, errors.New("inject include_usage: body is not a JSON object")
+		}
+		inner := bytes.TrimSpace(body[:end])
+		dst = append(dst, body[:end]...)
+		if len(inner) > 0 && inner[len(inner)-1] != '{' {
+			dst = append(dst, ',')
+		}
+		dst = append(dst, `"stream_options":{"include_usage":true}`...)
+		return append(dst, body[end:]...), nil
+	}
+	var top map[string]json.RawMessage
+	if err := json.Unmarshal(body, &top); err != nil {
+		return nil, fmt.Errorf("inject include_usage: %w", err)
+	}
+	so := map[string]json.RawMessage{}
+	if raw, ok := top["stream_options"]; ok && !bytes.Equal(bytes.TrimSpace(raw), []byte("null")) {
+		if err := json.Unmarshal(raw, &so); err != nil {
+			return nil, fmt.Errorf("inject include_usage: stream_options: %w", err)
+		}
+	}
+	so["include_usage"] = json.RawMessage("true")
+	b, err := marshalRaw(so)
+	if err != nil {
+		return nil, fmt.Errorf("inject include_usage: %w", err)
+	}
+	top["stream_options"] = b
+	out, err := marshalRaw(top)
+	if err != nil {
+		return nil, fmt.Errorf("inject include_usage: %w", err)
+	}
+	return append(dst, out...), nil
+}
+
+// marshalRaw encodes m without HTML escaping (so raw values keep their
+// bytes) and without the encoder's trailing newline.
+func marshalRaw(m map[string]json.RawMessage) ([]byte, error) {
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(m); err != nil {
+		return nil, err
+	}
+	return bytes.TrimSuffix(buf.Bytes(), []byte("\n")), nil
+}
