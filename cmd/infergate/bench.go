@@ -1,0 +1,141 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/trace"
+)
+
+func newBenchCmd() *cobra.Command {
+	var (
+		target    string
+		compare   string
+		engines   int
+		tracePath string
+		requests  int
+		speedup   float64
+		timeScale float64
+		model     string
+		profile   string
+		outPath   string
+		recPath   string
+	)
+	cmd := &cobra.Command{
+		Use:   "bench",
+		Short: "Replay a real trace against an endpoint, or compare routing policies",
+		Long: `Replay a Mooncake-format trace open-loop at its timestamps (divided by --speedup):
+each request is a streaming /v1/completions call whose prompt is the trace's
+token ids (equal hash ids give equal token blocks), with max_tokens set to the
+trace's output length and ignore_eos. Per request it records TTFT, inter-token
+latency, end-to-end latency, prompt and cached tokens.
+
+--target URL replays against any OpenAI-compatible endpoint. --compare POLICIES
+starts, for each policy, a fresh simulated fleet of --engines engines running
+--speedup times faster than real time (so the engines see the trace's real
+load) behind a fresh gateway, replays the same requests and prints one table.
+Latencies are reported in engine time: wall-clock measurements multiplied by the
+fleet's time scale.`,
+		Example: `  infergate bench --compare round-robin,least-request,prefix --engines 8 \
+    --trace ../shared/data/mooncake_conversation_trace.jsonl --requests 2000 --out r.json
+  infergate bench --target http://127.0.0.1:8080 --trace trace.jsonl --requests 200`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if (target == "") == (compare == "") {
+				return errors.New("give exactly one of --target URL or --compare POLICIES")
+			}
+			if tracePath == "" {
+				return errors.New("--trace FILE is required (Mooncake hash-id JSONL)")
+			}
+			recs, err := trace.LoadMooncake(tracePath)
+			if err != nil {
+				return err
+			}
+			var recOut *os.File
+			if recPath != "" {
+				if recOut, err = os.Create(recPath); err != nil {
+					return err
+				}
+				defer recOut.Close()
+			}
+			started := time.Now()
+			var report bench.Report
+			if target != "" {
+				if model == "" {
+					model = sim.DefaultModel
+				}
+				opts := bench.ReplayOptions{Target: target, Model: model, Records: recs, Requests: requests,
+					Speedup: speedup, TimeScale: timeScale, Label: "target", Progress: os.Stderr}
+				if recOut != nil {
+					opts.Output = recOut
+				}
+				rs, err := bench.Replay(cmd.Context(), opts)
+				if err != nil {
+					return err
+				}
+				report.Runs = append(report.Runs, bench.Summarize(target, rs))
+			} else {
+				prof, ok := sim.Profiles()[profile]
+				if !ok {
+					return fmt.Errorf("unknown profile %q (have %s)", profile, strings.Join(profileNames(), ", "))
+				}
+				policies := strings.Split(compare, ",")
+				for _, p := range policies {
+					if _, err := sched.New(sched.Config{Policy: p}, []int{1}); err != nil {
+						return err
+					}
+				}
+				if model == "" {
+					model = prof.Model
+				}
+				opts := bench.CompareOptions{Policies: policies, Engines: engines, Engine: sim.Config{Profile: prof},
+					Records: recs, Requests: requests, Speedup: speedup, Model: model, Progress: os.Stderr}
+				if recOut != nil {
+					opts.Output = recOut
+				}
+				if report, err = bench.Compare(cmd.Context(), opts); err != nil {
+					return err
+				}
+			}
+			if err := report.WriteTable(cmd.OutOrStdout()); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "\ncompleted in %s (wall clock)\n", time.Since(started).Round(time.Second))
+			if outPath != "" {
+				f, err := os.Create(outPath)
+				if err != nil {
+					return err
+				}
+				if err := report.WriteJSON(f); err != nil {
+					f.Close()
+					return err
+				}
+				if err := f.Close(); err != nil {
+					return err
+				}
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&target, "target", "", "base URL of an OpenAI-compatible endpoint to replay against")
+	f.StringVar(&compare, "compare", "", "comma-separated routing policies to compare on fresh simulated fleets ("+strings.Join(sched.Names(), ",")+")")
+	f.IntVar(&engines, "engines", 8, "simulated engines per fleet (--compare)")
+	f.StringVar(&tracePath, "trace", "", "Mooncake-format trace (JSONL with timestamp, input_length, output_length, hash_ids)")
+	f.IntVar(&requests, "requests", 0, "replay only the first N requests (0 = all)")
+	f.Float64Var(&speedup, "speedup", 10, "replay the trace this many times faster; in --compare also the fleet's time scale")
+	f.Float64Var(&timeScale, "time-scale", 1, "the target's simulated seconds per wall second, to report engine time (--target)")
+	f.StringVar(&model, "model", "", "model name to request (default: the profile's model)")
+	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile for --compare: "+strings.Join(profileNames(), ", "))
+	f.StringVarP(&outPath, "out", "o", "", "write the summary as JSON to this file")
+	f.StringVar(&recPath, "records", "", "write per-request records as JSONL to this file")
+	return cmd
+}

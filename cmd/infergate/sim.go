@@ -1,0 +1,62 @@
+package main
+
+import (
+	"fmt"
+	"net"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/infergate/infergate/sim"
+)
+
+func newSimCmd() *cobra.Command {
+	var (
+		listen    string
+		profile   string
+		model     string
+		timeScale float64
+		ecfg      sim.Config
+	)
+	cmd := &cobra.Command{
+		Use:   "sim",
+		Short: "Run one simulated vLLM-compatible engine",
+		Long: `Serve one simulated engine with vLLM's OpenAI-compatible API, SSE format, usage
+with cached_tokens and vLLM's Prometheus metric names. Inside: a paged KV cache
+with prefix caching, continuous batching with chunked prefill, and a roofline
+latency model of the chosen model-and-GPU profile.`,
+		Example: `  infergate sim --listen 127.0.0.1:8001
+  infergate sim --profile llama-3.1-8b-h100 --time-scale 10`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			prof, ok := sim.Profiles()[profile]
+			if !ok {
+				return fmt.Errorf("unknown profile %q (have %s)", profile, strings.Join(profileNames(), ", "))
+			}
+			ecfg.Profile = prof
+			if model == "" {
+				model = prof.Model
+			}
+			srv, err := sim.NewServer(sim.ServerConfig{Engine: ecfg, Model: model, TimeScale: timeScale})
+			if err != nil {
+				return err
+			}
+			srv.Start()
+			defer srv.Close()
+			log := newLogger(cmd)
+			return listenAndServe(cmd.Context(), log, listen, srv.Handler(), func(a net.Addr) {
+				log.Info("simulated engine listening", "addr", "http://"+a.String(), "profile", prof.Name, "model", model, "time_scale", timeScale)
+			})
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&listen, "listen", "127.0.0.1:8001", "address to serve on")
+	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
+	f.StringVar(&model, "model", "", "served model name (default: the profile's model)")
+	f.Float64Var(&timeScale, "time-scale", 1, "simulated seconds per wall-clock second")
+	f.IntVar(&ecfg.BlockSize, "block-size", 0, "KV block size in tokens (default 16)")
+	f.IntVar(&ecfg.NumBlocks, "num-gpu-blocks", 0, "KV cache capacity in blocks (default: derived from the profile)")
+	f.IntVar(&ecfg.MaxNumSeqs, "max-num-seqs", 0, "maximum running requests per step (default 256)")
+	f.IntVar(&ecfg.MaxNumBatchedTokens, "max-num-batched-tokens", 0, "token budget per step (default 8192)")
+	return cmd
+}
