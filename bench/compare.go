@@ -1,0 +1,189 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/trace"
+)
+
+// DefaultEngines is the fleet size Compare uses when CompareOptions.Engines is 0.
+const DefaultEngines = 4
+
+// shutdownTimeout bounds the graceful shutdown of a run's gateway server.
+const shutdownTimeout = 10 * time.Second
+
+// CompareOptions configures Compare.
+type CompareOptions struct {
+	// Policies are the routing policies to compare, run in this order
+	// (default: sched.Names()).
+	Policies []string
+	// Engines is the number of simulated engines per fleet (default 4).
+	Engines int
+	// Engine is the engine model of every simulated engine (zero: sim's
+	// defaults).
+	Engine sim.Config
+	// Records are the requests to replay, in arrival order.
+	Records []trace.Record
+	// Requests limits each run to the first Requests records (0: all).
+	Requests int
+	// OutputTokens, if > 0, replaces every record's output length (tokens);
+	// see ReplayOptions.OutputTokens.
+	OutputTokens int
+	// Speedup runs the simulated fleet Speedup times faster than real time
+	// (its TimeScale) and compresses arrivals by the same factor, so a run
+	// takes about 1/Speedup of the trace's span in wall time while reporting
+	// engine time (dimensionless; 0 means 1).
+	Speedup float64
+	// Model is the served model name (default: the engine profile's model,
+	// else sim.DefaultModel).
+	Model string
+	// Seed seeds the simulated engines and the policies' tie-breaking.
+	Seed int64
+	// Progress receives per-run progress (see ReplayOptions.Progress); nil
+	// for none.
+	Progress io.Writer
+	// Output, if set, receives every request's Record as a JSON line, with
+	// Record.Policy naming the run.
+	Output io.Writer
+}
+
+// Compare replays the same records once per policy, each time through a
+// fresh simulated fleet (sim.StartFleet) behind a fresh gateway routing with
+// that policy and served on a loopback port, and returns one Summary per
+// policy, with the fleet's mean engine utilisation. The gateway knows each
+// engine's KV capacity and block size from the fleet, routes on blocks of
+// the engines' size, and does not probe the in-process engines' health.
+// Every run is torn down before the next starts, so runs do not share caches
+// or connections. Policy names are checked before the first run. It stops at
+// the first run that cannot be set up or is cancelled, returning the
+// summaries completed so far with the error.
+func Compare(ctx context.Context, opts CompareOptions) (Report, error) {
+	if opts.Speedup == 0 {
+		opts.Speedup = 1
+	}
+	if !(opts.Speedup > 0) || math.IsInf(opts.Speedup, 0) {
+		return Report{}, fmt.Errorf("bench: speedup %v must be positive and finite", opts.Speedup)
+	}
+	if opts.Engines == 0 {
+		opts.Engines = DefaultEngines
+	}
+	if opts.Engines < 0 {
+		return Report{}, fmt.Errorf("bench: %d engines", opts.Engines)
+	}
+	if len(opts.Policies) == 0 {
+		opts.Policies = sched.Names()
+	}
+	for _, p := range opts.Policies {
+		if _, err := sched.New(sched.Config{Policy: p}, nil); err != nil {
+			return Report{}, fmt.Errorf("bench: %w", err)
+		}
+	}
+	if opts.Model == "" {
+		opts.Model = opts.Engine.WithDefaults().Profile.Model
+	}
+	if opts.Model == "" {
+		opts.Model = sim.DefaultModel
+	}
+	var rep Report
+	for _, p := range opts.Policies {
+		s, err := compareOne(ctx, opts, p)
+		if err != nil {
+			return rep, fmt.Errorf("bench: policy %s: %w", p, err)
+		}
+		rep.Runs = append(rep.Runs, s)
+	}
+	return rep, nil
+}
+
+// compareOne runs one policy on a fresh fleet and gateway.
+func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summary, err error) {
+	fleet, err := sim.StartFleet(opts.Engines, sim.ServerConfig{
+		Engine:    opts.Engine,
+		Model:     opts.Model,
+		TimeScale: opts.Speedup,
+		Seed:      opts.Seed,
+	})
+	if err != nil {
+		return Summary{}, fmt.Errorf("start fleet: %w", err)
+	}
+	defer fleet.Close()
+
+	blockSize := fleet.BlockSize()
+	eps := make([]gateway.EndpointConfig, len(fleet.URLs))
+	for i, u := range fleet.URLs {
+		eps[i] = gateway.EndpointConfig{URL: u, Model: opts.Model, KVBlocks: fleet.KVBlocks(), BlockSize: blockSize}
+	}
+	routing := sched.Config{Policy: policy, Seed: uint64(opts.Seed)}
+	routing.Prefix.BlockSize = blockSize
+	gw, err := gateway.New(gateway.Config{
+		Listen:    "127.0.0.1:0", // unused: served on ln below
+		Routing:   routing,
+		Endpoints: eps,
+		// The fleet is in-process and up until Close: active probes could
+		// only eject engines falsely when the host is saturated (a probe
+		// timing out is then the benchmark's own CPU load, not the engine).
+		// Passive ejection on connection failures stays on.
+		HealthCheckPath: "-",
+	}, prometheus.NewRegistry())
+	if err != nil {
+		return Summary{}, fmt.Errorf("start gateway: %w", err)
+	}
+	defer gw.Close()
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return Summary{}, fmt.Errorf("listen: %w", err)
+	}
+	srv := gw.Server()
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
+		defer cancel()
+		serr := srv.Shutdown(sctx)
+		if serr != nil {
+			_ = srv.Close()
+		}
+		if e := <-served; !errors.Is(e, http.ErrServerClosed) && serr == nil {
+			serr = e
+		}
+		if serr != nil && err == nil {
+			err = fmt.Errorf("gateway server: %w", serr)
+		}
+	}()
+
+	client := NewClient()
+	defer client.CloseIdleConnections()
+	recs, err := Replay(ctx, ReplayOptions{
+		Target:       "http://" + ln.Addr().String(),
+		Model:        opts.Model,
+		Records:      opts.Records,
+		Requests:     opts.Requests,
+		OutputTokens: opts.OutputTokens,
+		Speedup:      opts.Speedup,
+		TimeScale:    opts.Speedup,
+		Client:       client,
+		Label:        policy,
+		Progress:     opts.Progress,
+		Output:       opts.Output,
+	})
+	if err != nil {
+		return Summary{}, err
+	}
+	s := Summarize(policy, recs)
+	util := fleet.Utilization()
+	s.MeanEngineUtilization = &util
+	return s, nil
+}

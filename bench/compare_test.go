@@ -1,0 +1,240 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/trace"
+)
+
+const mooncakePath = "../../shared/data/mooncake_conversation_trace.jsonl"
+
+// The end-to-end comparison replays the first e2eRequests Mooncake requests
+// (102 s of trace) at e2eSpeedup, about 8.5 s of wall time per policy plus
+// the tail: some 25 s in all under -race on two cores, a pace the host keeps
+// up with (a saturated host makes the simulated engines lag, queues grow and
+// the prefix policy starts trading affinity for load).
+const (
+	e2eRequests = 300
+	e2eSpeedup  = 12
+	// e2eKVBlocks (16-token blocks, 4.2M tokens) per engine holds the whole
+	// window (4.3M prompt tokens across the fleet), as a pooled KV store like
+	// Mooncake's would: hit rates then measure routing, not eviction. With
+	// the profile's own capacity (~440k tokens per engine) blocks live about
+	// 40 s at this load, shorter than most turn gaps of the trace.
+	e2eKVBlocks = 1 << 18
+)
+
+// TestCompareMooncake is the end-to-end check: the real trace through four
+// simulated engines behind the gateway, once with prefix-aware routing and
+// once round-robin.
+//
+// The first 300 requests are a cold start: they can reuse only 8.1% of their
+// prompt tokens (trace.InfiniteCacheHitRate), 3.8 points of it the system
+// prompt every request begins with, which round-robin hits as well; the rest
+// is 21 conversation continuations, a few of 13-20k tokens dominating the
+// token-weighted rate. Whether round-robin sends a continuation where its
+// previous turn went depends on the order in which requests sharing a
+// 1-second trace timestamp reach the gateway (round-robin measured 3.8-6.2%,
+// 5.8% in exact trace order, up to 6.7% in shuffled orders), and the prefix
+// policy rightly sends a continuation elsewhere when its engine is
+// overloaded (prefix measured 6.8-8.1%). A fixed ratio of hit rates, such as
+// 1.5x, is therefore not robust on this window. The test asserts what is:
+// prefix routing beats round-robin's hit rate and serves at least 1.5x as
+// many continuations from cache (19-21 against round-robin's 1-10 measured;
+// in a model with shuffled arrivals and 10% load diversions either check
+// fails in about 1 run of 1000).
+func TestCompareMooncake(t *testing.T) {
+	if testing.Short() {
+		t.Skip("end-to-end replay; skipped with -short")
+	}
+	if _, err := os.Stat(mooncakePath); err != nil {
+		t.Skipf("Mooncake trace not available: %v", err)
+	}
+	recs, err := trace.LoadMooncake(mooncakePath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recs = recs[:e2eRequests]
+	ceiling := trace.InfiniteCacheHitRate(recs)
+	goroutines := runtime.NumGoroutine()
+
+	var out, prog bytes.Buffer
+	start := time.Now()
+	rep, err := Compare(context.Background(), CompareOptions{
+		Policies: []string{sched.Prefix, sched.RoundRobin},
+		Engines:  4,
+		Engine:   sim.Config{Profile: sim.Llama8BH100(), NumBlocks: e2eKVBlocks},
+		Records:  recs,
+		Speedup:  e2eSpeedup,
+		Seed:     1,
+		Progress: &prog,
+		Output:   &out,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var table bytes.Buffer
+	_ = rep.WriteTable(&table)
+	t.Logf("%d requests in %v wall; reuse ceiling %.1f%%\n%s%s", len(recs),
+		time.Since(start).Round(time.Millisecond), 100*ceiling, prog.String(), table.String())
+
+	if len(rep.Runs) != 2 {
+		t.Fatalf("%d runs, want 2", len(rep.Runs))
+	}
+	px, rr := rep.Runs[0], rep.Runs[1]
+	if px.Policy != sched.Prefix || rr.Policy != sched.RoundRobin {
+		t.Fatalf("runs %q, %q", px.Policy, rr.Policy)
+	}
+	for _, s := range rep.Runs {
+		if s.Requests != e2eRequests || s.Errors != 0 {
+			t.Errorf("%s: %d requests, %d errors; want %d, 0", s.Policy, s.Requests, s.Errors, e2eRequests)
+		}
+		if u := s.MeanEngineUtilization; u == nil || *u <= 0 || *u > 1 {
+			t.Errorf("%s: utilisation %v, want in (0, 1]", s.Policy, u)
+		}
+		if s.TTFT.P50 <= 0 || s.E2E.P50 < s.TTFT.P50 || s.OutputTokPerS <= 0 || s.PromptTokens == 0 {
+			t.Errorf("%s: implausible measurements %+v", s.Policy, s)
+		}
+	}
+	// 16-token engine blocks can reuse a cut last 512-token block too, so
+	// the engines may report slightly more than the 512-token ceiling.
+	if px.HitRate > ceiling+0.01 {
+		t.Errorf("prefix hit rate %.4f above the trace's ceiling %.4f: cached tokens miscounted?", px.HitRate, ceiling)
+	}
+	if px.HitRate <= rr.HitRate {
+		t.Errorf("prefix hit rate %.4f is not above round-robin's %.4f", px.HitRate, rr.HitRate)
+	}
+	possible := continuations(recs)
+	hits := continuationHits(t, out.Bytes())
+	t.Logf("continuations served from cache: prefix %d, round-robin %d, of %d", hits[px.Policy], hits[rr.Policy], possible)
+	if 3*hits[px.Policy] < 2*possible || 2*hits[px.Policy] < 3*hits[rr.Policy] {
+		t.Errorf("continuations served from cache: prefix %d, round-robin %d, of %d; want prefix >= 2/3 of them and >= 1.5 x round-robin",
+			hits[px.Policy], hits[rr.Policy], possible)
+	}
+	if px.PrefillTokensComputed >= rr.PrefillTokensComputed {
+		t.Errorf("prefix computed %d prefill tokens, round-robin %d", px.PrefillTokensComputed, rr.PrefillTokensComputed)
+	}
+	if n := strings.Count(out.String(), "\n"); n != 2*e2eRequests {
+		t.Errorf("%d per-request records, want %d", n, 2*e2eRequests)
+	}
+
+	checkGoroutines(t, goroutines)
+}
+
+// checkGoroutines fails t if more goroutines run than before, once those
+// that are ending have had up to 10 s to go.
+func checkGoroutines(t *testing.T, before int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := runtime.NumGoroutine(); n > before {
+		buf := make([]byte, 1<<20)
+		t.Errorf("%d goroutines after Compare, %d before:\n%s", n, before, buf[:runtime.Stack(buf, true)])
+	}
+}
+
+func TestCompareOptionErrors(t *testing.T) {
+	recs := []trace.Record{{InputLength: 1, OutputLength: 1, HashIDs: []int64{0}}}
+	if _, err := Compare(context.Background(), CompareOptions{Records: recs, Speedup: -1}); err == nil {
+		t.Error("negative speedup: want an error")
+	}
+	if _, err := Compare(context.Background(), CompareOptions{Records: recs, Engines: -2}); err == nil {
+		t.Error("negative engines: want an error")
+	}
+	rep, err := Compare(context.Background(), CompareOptions{Records: recs, Engines: 1, Policies: []string{"no-such-policy"}, Speedup: 100})
+	if err == nil || !strings.Contains(err.Error(), "no-such-policy") || len(rep.Runs) != 0 {
+		t.Errorf("unknown policy: %v, %+v", err, rep)
+	}
+}
+
+// continuations counts the records that can reuse more than the shared
+// system-prompt block: their second block id appeared in an earlier record.
+func continuations(recs []trace.Record) int {
+	seen := map[int64]bool{}
+	n := 0
+	for _, r := range recs {
+		if len(r.HashIDs) > 1 && seen[r.HashIDs[1]] {
+			n++
+		}
+		for _, id := range r.HashIDs {
+			seen[id] = true
+		}
+	}
+	return n
+}
+
+// continuationHits counts, per policy, the successful requests of a JSONL
+// record stream whose cached tokens go beyond the shared 512-token
+// system-prompt block.
+func continuationHits(t *testing.T, jsonl []byte) map[string]int {
+	t.Helper()
+	hits := map[string]int{}
+	dec := json.NewDecoder(bytes.NewReader(jsonl))
+	for dec.More() {
+		var r Record
+		if err := dec.Decode(&r); err != nil {
+			t.Fatalf("per-request records: %v", err)
+		}
+		if r.Error == "" && r.CachedTokens > trace.MooncakeBlockTokens {
+			hits[r.Policy]++
+		}
+	}
+	return hits
+}
+
+// TestCompareSmall runs the whole Compare path on a tiny synthetic trace:
+// two policies, two engines, requests that share prefixes.
+func TestCompareSmall(t *testing.T) {
+	var recs []trace.Record
+	for i := range 8 {
+		recs = append(recs, trace.Record{
+			Timestamp:    time.Duration(i) * 100 * time.Millisecond,
+			InputLength:  1100,
+			OutputLength: 3,
+			HashIDs:      []int64{0, int64(1 + i%2), int64(10 + i)},
+		})
+	}
+	goroutines := runtime.NumGoroutine()
+	var out bytes.Buffer
+	rep, err := Compare(context.Background(), CompareOptions{
+		Policies: []string{sched.Prefix, sched.RoundRobin},
+		Engines:  2,
+		Engine:   sim.Config{Profile: sim.Llama8BH100()},
+		Records:  recs,
+		Requests: 6,
+		Speedup:  10,
+		Model:    "m",
+		Output:   &out,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Runs) != 2 || rep.Runs[0].Policy != sched.Prefix || rep.Runs[1].Policy != sched.RoundRobin {
+		t.Fatalf("runs %+v", rep.Runs)
+	}
+	for _, s := range rep.Runs {
+		if s.Requests != 6 || s.Errors != 0 || s.OutputTokens != 18 || s.PromptTokens != 6*1100 || s.MeanEngineUtilization == nil {
+			t.Errorf("%s: %+v", s.Policy, s)
+		}
+	}
+	// Every request after the first two shares 1024 tokens with an earlier
+	// one; prefix routing finds them all.
+	if px := rep.Runs[0]; px.CachedTokens < 4*1024 {
+		t.Errorf("prefix cached %d tokens, want >= %d", px.CachedTokens, 4*1024)
+	}
+	if n := strings.Count(out.String(), "\n"); n != 12 {
+		t.Errorf("%d per-request records, want 12", n)
+	}
+	checkGoroutines(t, goroutines)
+}

@@ -1,0 +1,397 @@
+// Package bench replays request traces against OpenAI-compatible endpoints and
+// measures what users and operators care about: time to first token (TTFT),
+// inter-token latency (ITL), end-to-end latency, throughput and the prefix-cache
+// hit rate the engines report. Compare runs the same trace through a simulated
+// fleet behind the gateway once per routing policy and reports them side by
+// side. See README.md for the measurement method and the JSON schema.
+//
+// # Time domain
+//
+// Every latency and duration this package reports is in engine time: the wall
+// time measured by the client multiplied by TimeScale, the target's simulated
+// seconds per wall second. Against real engines TimeScale is 1 and engine time
+// is wall time. A simulated fleet run TimeScale times faster than real time
+// (sim.ServerConfig.TimeScale) is replayed with arrivals compressed by the same
+// factor (Speedup), so that in engine time requests arrive exactly at their
+// trace timestamps and latencies read as they would on the modelled hardware.
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/trace"
+)
+
+// Record is the measurement of one replayed request. Times are milliseconds
+// of engine time (wall time × TimeScale; see the package comment).
+type Record struct {
+	// Policy is the routing policy of the run (Compare only; "" otherwise).
+	Policy string `json:"policy,omitempty"`
+	// Index is the request's position in the replayed records.
+	Index int `json:"index"`
+	// ArrivalMs is when the request was sent, from the start of the replay
+	// (ms, engine time). The schedule is Timestamp − first Timestamp, so a
+	// value above it shows the client falling behind.
+	ArrivalMs float64 `json:"arrival_ms"`
+	// TTFTMs is the time from sending the request to receiving the first
+	// chunk that carries output (ms, engine time); 0 if none arrived.
+	TTFTMs float64 `json:"ttft_ms"`
+	// ITLMs holds the gaps between consecutive output-carrying chunks (ms,
+	// engine time), one per chunk after the first.
+	ITLMs []float64 `json:"itl_ms"`
+	// E2EMs is the time from sending the request to the end of the response
+	// (ms, engine time), or to the failure for an errored request.
+	E2EMs float64 `json:"e2e_ms"`
+	// PromptTokens is usage.prompt_tokens as the engine reported it, or the
+	// number of tokens sent when usage was missing (tokens).
+	PromptTokens int `json:"prompt_tokens"`
+	// CachedTokens is usage.prompt_tokens_details.cached_tokens, the prompt
+	// tokens served from the engine's prefix cache (tokens; 0 if unreported).
+	CachedTokens int `json:"cached_tokens"`
+	// OutputTokens is usage.completion_tokens, or the number of
+	// output-carrying chunks when usage was missing (tokens).
+	OutputTokens int `json:"output_tokens"`
+	// NoUsage is true when the stream carried no usage chunk.
+	NoUsage bool `json:"no_usage,omitempty"`
+	// Status is the HTTP status code (0 when no response arrived).
+	Status int `json:"status"`
+	// Error describes the failure; "" for a successful request.
+	Error string `json:"error,omitempty"`
+}
+
+// ReplayOptions configures Replay.
+type ReplayOptions struct {
+	// Target is the base URL of an OpenAI-compatible server, such as
+	// "http://127.0.0.1:8000"; requests go to Target + "/v1/completions".
+	Target string
+	// Model is the "model" field of every request.
+	Model string
+	// Records are the requests to replay, in arrival order.
+	Records []trace.Record
+	// Requests limits the replay to the first Requests records (0: all).
+	Requests int
+	// OutputTokens, if > 0, replaces every record's output length (tokens),
+	// like benchmark_serving's --sharegpt-output-len: for runs about
+	// prompts and routing rather than decoding.
+	OutputTokens int
+	// Speedup compresses arrivals: record i is sent
+	// (Timestamp_i − Timestamp_0)/Speedup of wall time after the start
+	// (dimensionless; 0 means 1).
+	Speedup float64
+	// TimeScale is the target's engine seconds per wall second: 1 for real
+	// engines (the default when 0), the fleet's TimeScale for a simulated one.
+	TimeScale float64
+	// Client sends the requests; nil uses NewClient() and closes its idle
+	// connections at the end.
+	Client *http.Client
+	// APIKey, if set, is sent as "Authorization: Bearer <APIKey>".
+	APIKey string
+	// Label names the run in progress output and in Record.Policy.
+	Label string
+	// Progress receives a progress bar when it is a terminal, otherwise one
+	// line at the end; nil for none.
+	Progress io.Writer
+	// Output, if set, receives every Record as one JSON line, in record order,
+	// when the replay ends.
+	Output io.Writer
+}
+
+// maxErrorBody bounds how much of an error response is read (bytes).
+const maxErrorBody = 64 << 10
+
+// NewClient returns an HTTP client tuned for load generation: no overall
+// timeout (streams run as long as generation does; cancel with the context),
+// keep-alive connections pooled without a small per-host cap, no compression
+// (SSE is latency-sensitive) and larger socket buffers for multi-megabyte
+// token-id prompts.
+func NewClient() *http.Client {
+	return &http.Client{Transport: &http.Transport{
+		Proxy: http.ProxyFromEnvironment,
+		DialContext: (&net.Dialer{
+			Timeout:   30 * time.Second,
+			KeepAlive: 30 * time.Second,
+		}).DialContext,
+		MaxIdleConns:        0, // no global cap
+		MaxIdleConnsPerHost: 4096,
+		IdleConnTimeout:     90 * time.Second,
+		DisableCompression:  true,
+		WriteBufferSize:     64 << 10,
+		ReadBufferSize:      64 << 10,
+	}}
+}
+
+// Replay sends the records open-loop (each at its scheduled time, whether or
+// not earlier ones have finished) as streaming POST /v1/completions requests
+// whose prompt is the record's synthetic token ids (trace.Record.Tokens),
+// max_tokens its output length (at least 1), with ignore_eos and
+// stream_options.include_usage set. Each request runs in its own goroutine, so
+// concurrency is bounded by the trace itself; prompts are built when sent.
+//
+// It returns one Record per request sent, in record order. Request failures
+// are reported in Record.Error, not as an error. If ctx ends, unsent requests
+// are dropped, in-flight ones are cancelled (and recorded as errors), and the
+// records of the requests sent are returned with ctx's error.
+func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
+	u, err := url.Parse(opts.Target)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("bench: target %q: want an http(s)://host[:port] base URL", opts.Target)
+	}
+	speedup, scale := opts.Speedup, opts.TimeScale
+	if speedup == 0 {
+		speedup = 1
+	}
+	if scale == 0 {
+		scale = 1
+	}
+	if !(speedup > 0) || math.IsInf(speedup, 0) || !(scale > 0) || math.IsInf(scale, 0) {
+		return nil, fmt.Errorf("bench: speedup %v and time scale %v must be positive and finite", opts.Speedup, opts.TimeScale)
+	}
+	recs := opts.Records
+	if opts.Requests > 0 && opts.Requests < len(recs) {
+		recs = recs[:opts.Requests]
+	}
+	client := opts.Client
+	if client == nil {
+		client = NewClient()
+		defer client.CloseIdleConnections()
+	}
+	endpoint := strings.TrimSuffix(opts.Target, "/") + "/v1/completions"
+	modelJSON, err := json.Marshal(opts.Model)
+	if err != nil {
+		return nil, fmt.Errorf("bench: model name: %w", err)
+	}
+
+	prog := newProgress(opts.Progress, len(recs), opts.Label)
+	out := make([]Record, len(recs))
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+
+	var wg sync.WaitGroup
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	sent := 0
+	start := time.Now()
+dispatch:
+	for i, rec := range recs {
+		due := time.Duration(float64(rec.Timestamp-recs[0].Timestamp) / speedup)
+		if wait := due - time.Since(start); wait > 0 {
+			timer.Reset(wait)
+			select {
+			case <-ctx.Done():
+				timer.Stop()
+				break dispatch
+			case <-timer.C:
+			}
+		}
+		if ctx.Err() != nil {
+			break
+		}
+		if opts.OutputTokens > 0 {
+			rec.OutputLength = opts.OutputTokens
+		}
+		sent++
+		wg.Go(func() {
+			r := &out[i]
+			*r = send(ctx, client, endpoint, modelJSON, opts, rec, start, scale)
+			r.Index, r.Policy = i, opts.Label
+			prog.done(r.Error != "")
+		})
+	}
+	wg.Wait()
+	err = ctx.Err()
+	if err != nil {
+		err = context.Cause(ctx)
+	}
+	out = out[:sent]
+	prog.finish(out, scale)
+
+	if opts.Output != nil {
+		if werr := writeRecords(opts.Output, out); werr != nil && err == nil {
+			err = fmt.Errorf("bench: write records: %w", werr)
+		}
+	}
+	return out, err
+}
+
+// writeRecords writes recs as JSON lines.
+func writeRecords(w io.Writer, recs []Record) error {
+	enc := json.NewEncoder(w)
+	for i := range recs {
+		if err := enc.Encode(&recs[i]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// send performs one request and measures it.
+func send(ctx context.Context, client *http.Client, endpoint string, modelJSON []byte, opts ReplayOptions, rec trace.Record, start time.Time, scale float64) Record {
+	ms := func(d time.Duration) float64 { return d.Seconds() * 1000 * scale }
+
+	body := requestBody(modelJSON, rec)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, endpoint, bytes.NewReader(body))
+	if err != nil {
+		return Record{Error: err.Error()}
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "text/event-stream")
+	if opts.APIKey != "" {
+		req.Header.Set("Authorization", "Bearer "+opts.APIKey)
+	}
+
+	t0 := time.Now()
+	r := Record{ArrivalMs: ms(t0.Sub(start))}
+	fail := func(err error) Record {
+		r.E2EMs = ms(time.Since(t0))
+		r.Error = err.Error()
+		return r
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return fail(err)
+	}
+	defer resp.Body.Close()
+	r.Status = resp.StatusCode
+	if resp.StatusCode != http.StatusOK {
+		return fail(statusError(resp))
+	}
+
+	var (
+		er      = openai.NewEventReader(resp.Body, 0)
+		chunk   openai.StreamChunk
+		usage   *openai.Usage
+		last    time.Time
+		outputs int
+	)
+	for {
+		data, err := er.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return fail(fmt.Errorf("read stream: %w", err))
+		}
+		now := time.Now()
+		chunk.Reset()
+		if err := json.Unmarshal(data, &chunk); err != nil {
+			var te *json.UnmarshalTypeError
+			if !errors.As(err, &te) { // a type mismatch leaves the rest usable
+				return fail(fmt.Errorf("bad stream chunk: %w", err))
+			}
+		}
+		if chunk.IsError() {
+			msg, ok := errorMessage(data)
+			if !ok {
+				msg = string(chunk.Error)
+			}
+			return fail(fmt.Errorf("stream error: %s", msg))
+		}
+		if chunk.Usage != nil {
+			usage = chunk.Usage
+		}
+		if !chunk.HasOutput() {
+			continue
+		}
+		if outputs == 0 {
+			r.TTFTMs = ms(now.Sub(t0))
+		} else {
+			r.ITLMs = append(r.ITLMs, ms(now.Sub(last)))
+		}
+		last = now
+		outputs++
+	}
+	r.E2EMs = ms(time.Since(t0))
+	if !er.Done() {
+		return fail(errors.New("stream ended without [DONE]"))
+	}
+	if usage != nil {
+		r.PromptTokens, r.CachedTokens, r.OutputTokens = usage.PromptTokens, usage.Cached(), usage.CompletionTokens
+	} else {
+		r.PromptTokens, r.OutputTokens, r.NoUsage = rec.InputLength, outputs, true
+	}
+	if outputs == 0 {
+		return fail(errors.New("stream carried no output"))
+	}
+	return r
+}
+
+// requestBody renders the streaming completion request for rec:
+//
+//	{"model":M,"prompt":[ids],"max_tokens":N,"stream":true,
+//	 "stream_options":{"include_usage":true},"ignore_eos":true}
+//
+// modelJSON is the model name already encoded as a JSON string. The body is
+// written by hand: the prompt dominates it (up to about a megabyte), and
+// appending digits directly is several times cheaper than encoding/json.
+func requestBody(modelJSON []byte, rec trace.Record) []byte {
+	tokens := rec.Tokens(make([]uint32, 0, rec.InputLength))
+	b := make([]byte, 0, 7*len(tokens)+len(modelJSON)+128)
+	b = append(b, `{"model":`...)
+	b = append(b, modelJSON...)
+	b = append(b, `,"prompt":[`...)
+	for i, t := range tokens {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = strconv.AppendUint(b, uint64(t), 10)
+	}
+	b = append(b, `],"max_tokens":`...)
+	b = strconv.AppendInt(b, int64(max(rec.OutputLength, 1)), 10) // vLLM rejects max_tokens < 1
+	b = append(b, `,"stream":true,"stream_options":{"include_usage":true},"ignore_eos":true}`...)
+	return b
+}
+
+// statusError turns a non-200 response into an error naming the status and,
+// when the body is an OpenAI error object, its message.
+func statusError(resp *http.Response) error {
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+	if msg, ok := errorMessage(b); ok {
+		return fmt.Errorf("HTTP %d: %s", resp.StatusCode, msg)
+	}
+	msg := strings.TrimSpace(string(b))
+	if len(msg) > 200 {
+		msg = strings.ToValidUTF8(msg[:200], "") + "…"
+	}
+	if msg == "" {
+		return fmt.Errorf("HTTP %d", resp.StatusCode)
+	}
+	return fmt.Errorf("HTTP %d: %s", resp.StatusCode, msg)
+}
+
+// errorMessage extracts the message of an error body or event in any of the
+// shapes engines send: OpenAI's {"error": {"message": ...}} (whatever the type
+// of "code": vLLM sends the HTTP status as an integer) or older vLLM's flat
+// {"object": "error", "message": ...}.
+func errorMessage(b []byte) (string, bool) {
+	var e struct {
+		Error *struct {
+			Message string `json:"message"`
+		} `json:"error"`
+		Object  string `json:"object"`
+		Message string `json:"message"`
+	}
+	if json.Unmarshal(b, &e) != nil {
+		return "", false
+	}
+	switch {
+	case e.Error != nil && e.Error.Message != "":
+		return e.Error.Message, true
+	case e.Object == "error" && e.Message != "":
+		return e.Message, true
+	}
+	return "", false
+}

@@ -1,0 +1,164 @@
+package bench
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"slices"
+	"text/tabwriter"
+)
+
+// Latency summarizes a latency distribution (ms, engine time). Every field is
+// 0 when there are no samples.
+type Latency struct {
+	P50  float64 `json:"p50"`
+	P90  float64 `json:"p90"`
+	P99  float64 `json:"p99"`
+	Mean float64 `json:"mean"`
+}
+
+// Summary aggregates one run's Records. Latencies are milliseconds and
+// durations seconds of engine time (see the package comment). Token sums,
+// hit rate and latencies count successful requests only.
+type Summary struct {
+	// Policy is the routing policy (or run label).
+	Policy string `json:"policy"`
+	// Requests is the number of requests sent.
+	Requests int `json:"requests"`
+	// Errors is the number of requests that failed.
+	Errors int `json:"errors"`
+	// HitRate is CachedTokens / PromptTokens: the fraction of prompt tokens
+	// the engines reported as prefix-cache hits (0 with no prompt tokens).
+	HitRate float64 `json:"hit_rate"`
+	// TTFT is the time to first token over requests (ms).
+	TTFT Latency `json:"ttft_ms"`
+	// ITL is the inter-token latency over all gaps between output chunks of
+	// all requests, as vLLM's benchmark_serving pools them (ms).
+	ITL Latency `json:"itl_ms"`
+	// E2E is the end-to-end request latency (ms).
+	E2E Latency `json:"e2e_ms"`
+	// OutputTokPerS is OutputTokens / DurationS (tokens per engine second).
+	OutputTokPerS float64 `json:"output_tok_per_s"`
+	// PromptTokens is Σ prompt tokens as the engines reported them (tokens).
+	PromptTokens int64 `json:"prompt_tokens"`
+	// CachedTokens is Σ cached prompt tokens as reported (tokens).
+	CachedTokens int64 `json:"cached_tokens"`
+	// PrefillTokensComputed is PromptTokens − CachedTokens: the prompt tokens
+	// the fleet had to compute (tokens).
+	PrefillTokensComputed int64 `json:"prefill_tokens_computed"`
+	// OutputTokens is Σ generated tokens (tokens).
+	OutputTokens int64 `json:"output_tokens"`
+	// DurationS is the replay's length, from its start to the end of its last
+	// request (s).
+	DurationS float64 `json:"duration_s"`
+	// MeanEngineUtilization is the mean fraction of engine time the fleet's
+	// engines spent stepping, in [0, 1]; nil when unknown (a --target run).
+	MeanEngineUtilization *float64 `json:"mean_engine_utilization,omitempty"`
+}
+
+// Summarize aggregates recs into a Summary labelled policy.
+func Summarize(policy string, recs []Record) Summary {
+	s := Summary{Policy: policy, Requests: len(recs)}
+	var ttft, e2e, itl []float64
+	for i := range recs {
+		r := &recs[i]
+		s.DurationS = max(s.DurationS, (r.ArrivalMs+r.E2EMs)/1000)
+		if r.Error != "" {
+			s.Errors++
+			continue
+		}
+		s.PromptTokens += int64(r.PromptTokens)
+		s.CachedTokens += int64(r.CachedTokens)
+		s.OutputTokens += int64(r.OutputTokens)
+		ttft = append(ttft, r.TTFTMs)
+		e2e = append(e2e, r.E2EMs)
+		itl = append(itl, r.ITLMs...)
+	}
+	s.PrefillTokensComputed = s.PromptTokens - s.CachedTokens
+	if s.PromptTokens > 0 {
+		s.HitRate = float64(s.CachedTokens) / float64(s.PromptTokens)
+	}
+	if s.DurationS > 0 {
+		s.OutputTokPerS = float64(s.OutputTokens) / s.DurationS
+	}
+	s.TTFT, s.ITL, s.E2E = summarizeLatency(ttft), summarizeLatency(itl), summarizeLatency(e2e)
+	return s
+}
+
+// summarizeLatency sorts xs in place and returns its percentiles and mean.
+func summarizeLatency(xs []float64) Latency {
+	if len(xs) == 0 {
+		return Latency{}
+	}
+	slices.Sort(xs)
+	var sum float64
+	for _, x := range xs {
+		sum += x
+	}
+	return Latency{
+		P50:  Percentile(xs, 50),
+		P90:  Percentile(xs, 90),
+		P99:  Percentile(xs, 99),
+		Mean: sum / float64(len(xs)),
+	}
+}
+
+// Percentile returns the p-th percentile (p in [0, 100]) of sorted, an
+// ascending slice, by linear interpolation between closest ranks: with
+// h = (n−1)·p/100, it is sorted[⌊h⌋] + (h−⌊h⌋)·(sorted[⌊h⌋+1] − sorted[⌊h⌋]).
+// This is NumPy's default ("linear") method, the one vLLM's benchmark_serving
+// uses via np.percentile. It returns 0 for an empty slice; p outside [0, 100]
+// is clamped.
+func Percentile(sorted []float64, p float64) float64 {
+	n := len(sorted)
+	if n == 0 {
+		return 0
+	}
+	p = min(max(p, 0), 100)
+	h := float64(n-1) * p / 100
+	lo := int(math.Floor(h))
+	if lo >= n-1 {
+		return sorted[n-1]
+	}
+	return sorted[lo] + (h-float64(lo))*(sorted[lo+1]-sorted[lo])
+}
+
+// Report is the outcome of a benchmark: one Summary per run, in run order.
+// Its JSON form is {"runs": [Summary, ...]}.
+type Report struct {
+	Runs []Summary `json:"runs"`
+}
+
+// WriteJSON writes r as indented JSON.
+func (r Report) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r)
+}
+
+// WriteTable writes r as an aligned text table, one row per run: policy,
+// requests, errors, hit rate (%), TTFT p50/p90/p99 (ms), ITL p50/p99 (ms),
+// output throughput (tokens/s), prefill tokens computed, and mean engine
+// utilisation (%, "-" when unknown).
+func (r Report) WriteTable(w io.Writer) error {
+	// Numbers align right; the policy column is padded to align left.
+	pw := len("policy")
+	for _, s := range r.Runs {
+		pw = max(pw, len(s.Policy))
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(tw, "%-*s\t", pw, "policy")
+	fmt.Fprintln(tw, "requests\terrors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tout tok/s\tprefill tok\tutil %\t")
+	for _, s := range r.Runs {
+		util := "-"
+		if s.MeanEngineUtilization != nil {
+			util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
+		}
+		fmt.Fprintf(tw, "%-*s\t%d\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%d\t%s\t\n",
+			pw, s.Policy, s.Requests, s.Errors, s.HitRate*100,
+			s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.ITL.P50, s.ITL.P99,
+			s.OutputTokPerS, s.PrefillTokensComputed, util)
+	}
+	return tw.Flush()
+}
