@@ -51,6 +51,9 @@ type CompareOptions struct {
 	Model string
 	// Seed seeds the simulated engines and the policies' tie-breaking.
 	Seed int64
+	// Routing tunes the policies (its Policy field is replaced by each run's
+	// policy; a zero Prefix.BlockSize means the engines' block size).
+	Routing sched.Config
 	// Progress receives per-run progress (see ReplayOptions.Progress); nil
 	// for none.
 	Progress io.Writer
@@ -125,8 +128,14 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 	for i, u := range fleet.URLs {
 		eps[i] = gateway.EndpointConfig{URL: u, Model: opts.Model, KVBlocks: fleet.KVBlocks(), BlockSize: blockSize}
 	}
-	routing := sched.Config{Policy: policy, Seed: uint64(opts.Seed)}
-	routing.Prefix.BlockSize = blockSize
+	routing := opts.Routing
+	routing.Policy = policy
+	if routing.Seed == 0 {
+		routing.Seed = uint64(opts.Seed)
+	}
+	if routing.Prefix.BlockSize == 0 {
+		routing.Prefix.BlockSize = blockSize
+	}
 	gw, err := gateway.New(gateway.Config{
 		Listen:    "127.0.0.1:0", // unused: served on ln below
 		Routing:   routing,
@@ -185,5 +194,12 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 	s := Summarize(policy, recs)
 	util := fleet.Utilization()
 	s.MeanEngineUtilization = &util
+	var prefill, preempt int64
+	for _, srv := range fleet.Servers {
+		st := srv.Stats()
+		prefill += st.PrefillTokens
+		preempt += st.Preemptions
+	}
+	s.EnginePrefillTokens, s.Preemptions = &prefill, &preempt
 	return s, nil
 }

@@ -55,6 +55,12 @@ type Summary struct {
 	// MeanEngineUtilization is the mean fraction of engine time the fleet's
 	// engines spent stepping, in [0, 1]; nil when unknown (a --target run).
 	MeanEngineUtilization *float64 `json:"mean_engine_utilization,omitempty"`
+	// EnginePrefillTokens is the prefill tokens the simulated engines
+	// computed, including recomputation after preemption (tokens); nil when
+	// unknown (a --target run).
+	EnginePrefillTokens *int64 `json:"engine_prefill_tokens,omitempty"`
+	// Preemptions counts the simulated engines' preemptions; nil when unknown.
+	Preemptions *int64 `json:"preemptions,omitempty"`
 }
 
 // Summarize aggregates recs into a Summary labelled policy.

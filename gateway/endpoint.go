@@ -29,13 +29,27 @@ type endpoint struct {
 	ejectedUntil atomic.Int64
 	// inFlight counts requests sent and not finished (requests).
 	inFlight atomic.Int64
+	// onDown are called when the endpoint leaves rotation (set up before
+	// serving, read-only after): they make the pools' policies forget what
+	// the engine's cache was believed to hold.
+	onDown []func()
+}
+
+// setReady records readiness and runs the onDown hooks on a ready→unready
+// transition.
+func (ep *endpoint) setReady(ok bool) {
+	if was := ep.ready.Swap(ok); was && !ok {
+		for _, f := range ep.onDown {
+			f()
+		}
+	}
 }
 
 // eject takes the endpoint out of rotation for d after a connection failure
 // at now.
 func (ep *endpoint) eject(now time.Time, d time.Duration) {
 	ep.ejectedUntil.Store(now.Add(d).UnixNano())
-	ep.ready.Store(false)
+	ep.setReady(false)
 }
 
 // checkHealth probes the endpoint once and updates its readiness: a failed
@@ -52,7 +66,7 @@ func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	if ok && time.Now().UnixNano() < ep.ejectedUntil.Load() {
 		return
 	}
-	ep.ready.Store(ok)
+	ep.setReady(ok)
 }
 
 // probe sends GET <base><health path> and returns nil for a 2xx answer.

@@ -164,6 +164,11 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 			g.transport.CloseIdleConnections()
 			return nil, fmt.Errorf("routing policy for model %q: %w", model, err)
 		}
+		if f, ok := p.policy.(sched.Forgetter); ok {
+			for i, ep := range p.endpoints {
+				ep.onDown = append(ep.onDown, func() { f.Forget(i) })
+			}
+		}
 		g.policyName = p.policy.Name()
 		p.none = m.route(model, "", g.policyName)
 		for _, ep := range p.endpoints {

@@ -91,8 +91,8 @@ func newPrefixPolicy(cfg PrefixConfig, capacity []int, rng *lockedRand) (*prefix
 func (*prefixPolicy) Name() string      { return Prefix }
 func (*prefixPolicy) NeedsHashes() bool { return true }
 
-// Index exposes the policy's approximate index (for tests and telemetry).
-func (p *prefixPolicy) Index() *prefix.Index { return p.index }
+// Forget implements Forgetter: endpoint i's blocks are dropped from the index.
+func (p *prefixPolicy) Forget(i int) { p.index.Clear(i) }
 
 func (p *prefixPolicy) Pick(req *Request, eps []Endpoint) Decision {
 	var buf [prefix.MaxEndpoints]int

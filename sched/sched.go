@@ -56,6 +56,15 @@ type Policy interface {
 	NeedsHashes() bool
 }
 
+// Forgetter is implemented by policies that keep per-endpoint state an
+// engine restart invalidates (the prefix policy's index). The gateway calls
+// Forget when it takes an endpoint out of rotation after a failure, since an
+// engine that failed has likely lost its KV cache.
+type Forgetter interface {
+	// Forget drops what the policy believes endpoint i holds.
+	Forget(i int)
+}
+
 // Policy names accepted by New.
 const (
 	RoundRobin   = "round-robin"

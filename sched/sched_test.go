@@ -219,3 +219,17 @@ func BenchmarkPrefixPick(b *testing.B) {
 		i++
 	}
 }
+
+func TestPrefixForget(t *testing.T) {
+	p := mustNew(t, Config{Policy: Prefix}, 2)
+	eps := ready(2)
+	toks := tokens(1600, 1)
+	home := p.Pick(req(toks), eps).Endpoint
+	if d := p.Pick(req(toks), eps); d.Endpoint != home || d.MatchedBlocks != 100 {
+		t.Fatalf("no affinity: %+v", d)
+	}
+	p.(Forgetter).Forget(home)
+	if d := p.Pick(req(toks), eps); d.MatchedBlocks != 0 {
+		t.Fatalf("still matched %d blocks after Forget", d.MatchedBlocks)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
@@ -28,6 +29,7 @@ func newBenchCmd() *cobra.Command {
 		profile   string
 		outPath   string
 		recPath   string
+		cfgPath   string
 	)
 	cmd := &cobra.Command{
 		Use:   "bench",
@@ -96,7 +98,15 @@ fleet's time scale.`,
 				if model == "" {
 					model = prof.Model
 				}
-				opts := bench.CompareOptions{Policies: policies, Engines: engines, Engine: sim.Config{Profile: prof},
+				var routing sched.Config
+				if cfgPath != "" {
+					gc, err := gateway.LoadConfig(cfgPath)
+					if err != nil {
+						return err
+					}
+					routing = gc.Routing
+				}
+				opts := bench.CompareOptions{Routing: routing, Policies: policies, Engines: engines, Engine: sim.Config{Profile: prof},
 					Records: recs, Requests: requests, Speedup: speedup, Model: model, Progress: os.Stderr}
 				if recOut != nil {
 					opts.Output = recOut
@@ -136,6 +146,7 @@ fleet's time scale.`,
 	f.StringVar(&model, "model", "", "model name to request (default: the profile's model)")
 	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile for --compare: "+strings.Join(profileNames(), ", "))
 	f.StringVarP(&outPath, "out", "o", "", "write the summary as JSON to this file")
+	f.StringVarP(&cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the compared policies (--compare)")
 	f.StringVar(&recPath, "records", "", "write per-request records as JSONL to this file")
 	return cmd
 }
