@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -857,4 +858,27 @@ func (s scraped) value(name, sel string) float64 {
 		}
 	}
 	return sum
+}
+
+func TestEjectionForgetsPrefixIndex(t *testing.T) {
+	var downs atomic.Int32
+	ep := &endpoint{onDown: []func(){func() { downs.Add(1) }}}
+	ep.setReady(false) // never ready: no transition
+	ep.setReady(true)
+	ep.eject(time.Now(), time.Second)
+	ep.eject(time.Now(), time.Second) // already out: no second call
+	ep.setReady(true)
+	ep.setReady(false)
+	if n := downs.Load(); n != 2 {
+		t.Fatalf("onDown ran %d times, want 2 (one per ready→unready transition)", n)
+	}
+
+	cfg := testConfig(sched.Prefix)
+	cfg.Endpoints = []EndpointConfig{{URL: closedURL(t), Model: "m"}, {URL: closedURL(t), Model: "m"}}
+	g, _ := startGateway(t, cfg)
+	for i, e := range g.endpoints {
+		if len(e.onDown) != 1 {
+			t.Errorf("endpoint %d has %d onDown hooks, want 1 (prefix policy forgets)", i, len(e.onDown))
+		}
+	}
 }

@@ -15,8 +15,8 @@ type PrefixConfig struct {
 	// BalanceAbsThreshold and BalanceRelThreshold define "overloaded": the
 	// best-matching endpoint is skipped for the least-loaded one when its
 	// in-flight requests exceed the least-loaded endpoint's by more than
-	// BalanceAbsThreshold (default 4 requests) AND by a factor of more than
-	// BalanceRelThreshold (default 1.5). Same two-threshold form as SGLang's
+	// BalanceAbsThreshold (default 12 requests) AND by a factor of more than
+	// BalanceRelThreshold (default 2). Same two-threshold form as SGLang's
 	// router (balance_abs_threshold, balance_rel_threshold).
 	BalanceAbsThreshold int     `yaml:"balance_abs_threshold"`
 	BalanceRelThreshold float64 `yaml:"balance_rel_threshold"`
@@ -29,8 +29,8 @@ type PrefixConfig struct {
 
 // Defaults of PrefixConfig.
 const (
-	DefaultBalanceAbsThreshold = 4
-	DefaultBalanceRelThreshold = 1.5
+	DefaultBalanceAbsThreshold = 12
+	DefaultBalanceRelThreshold = 2.0
 	DefaultMinMatchGain        = 0.05
 )
 

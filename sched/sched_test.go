@@ -145,22 +145,22 @@ func TestPrefixYieldsWhenOverloaded(t *testing.T) {
 	home := p.Pick(req(toks), eps).Endpoint
 	other := 1 - home
 	// Within the margin: stay home.
-	eps[home].InFlight, eps[other].InFlight = 4, 0
+	eps[home].InFlight, eps[other].InFlight = 12, 0
 	if d := p.Pick(req(toks), eps); d.Endpoint != home {
-		t.Fatalf("left home at load 4 vs 0 (abs threshold 4)")
+		t.Fatalf("left home at load 12 vs 0 (abs threshold 12)")
 	}
 	// Over both thresholds: go to the least loaded.
-	eps[home].InFlight, eps[other].InFlight = 10, 5
+	eps[home].InFlight, eps[other].InFlight = 30, 10
 	if d := p.Pick(req(toks), eps); d.Endpoint != other {
-		t.Fatalf("stayed on overloaded endpoint (10 vs 5)")
+		t.Fatalf("stayed on overloaded endpoint (30 vs 10)")
 	}
 	// Absolute gap large but relative gap small: stay (fresh prompt, one holder).
 	eps[0].InFlight, eps[1].InFlight = 0, 0
 	toks2 := tokens(1600, 50000)
 	home2 := p.Pick(req(toks2), eps).Endpoint
-	eps[home2].InFlight, eps[1-home2].InFlight = 40, 34
+	eps[home2].InFlight, eps[1-home2].InFlight = 40, 24
 	if d := p.Pick(req(toks2), eps); d.Endpoint != home2 {
-		t.Fatalf("left home at 40 vs 34 (relative threshold 1.5)")
+		t.Fatalf("left home at 40 vs 24 (relative threshold 2)")
 	}
 }
 
