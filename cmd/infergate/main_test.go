@@ -1,0 +1,234 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestMain lets the test binary act as the infergate binary, so the tests
+// below run real infergate processes without a separate build step.
+func TestMain(m *testing.M) {
+	if os.Getenv("INFERGATE_TEST_MAIN") == "1" {
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// proc is a running infergate process whose output is scanned for a line.
+type proc struct {
+	cmd   *exec.Cmd
+	lines chan string
+	out   *bytes.Buffer
+}
+
+func start(t *testing.T, args ...string) *proc {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], args...)
+	cmd.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
+	pr, pw := io.Pipe()
+	cmd.Stdout, cmd.Stderr = pw, pw
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &proc{cmd: cmd, lines: make(chan string, 1024), out: &bytes.Buffer{}}
+	go func() {
+		sc := bufio.NewScanner(pr)
+		for sc.Scan() {
+			select {
+			case p.lines <- sc.Text():
+			default:
+			}
+		}
+		close(p.lines)
+	}()
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+		pw.Close()
+	})
+	return p
+}
+
+// await returns the first submatch of re in the process's output.
+func (p *proc) await(t *testing.T, re *regexp.Regexp) string {
+	t.Helper()
+	timeout := time.After(30 * time.Second)
+	for {
+		select {
+		case l, ok := <-p.lines:
+			if !ok {
+				t.Fatalf("process exited before printing %v; output:\n%s", re, p.out)
+			}
+			p.out.WriteString(l + "\n")
+			if m := re.FindStringSubmatch(l); m != nil {
+				return m[1]
+			}
+		case <-timeout:
+			t.Fatalf("timed out waiting for %v; output:\n%s", re, p.out)
+		}
+	}
+}
+
+// stop sends SIGTERM and requires a clean exit.
+func (p *proc) stop(t *testing.T) {
+	t.Helper()
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		for range p.lines { // drain so the process never blocks on output
+		}
+	}()
+	go func() { done <- p.cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("exit after SIGTERM: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("no exit within 20 s of SIGTERM")
+	}
+}
+
+func postJSON(t *testing.T, url, body string) (int, map[string]any) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var v map[string]any
+	b, _ := io.ReadAll(resp.Body)
+	if err := json.Unmarshal(b, &v); err != nil {
+		t.Fatalf("%s: %v: %s", url, err, b)
+	}
+	return resp.StatusCode, v
+}
+
+func cachedTokens(v map[string]any) float64 {
+	u, _ := v["usage"].(map[string]any)
+	d, _ := u["prompt_tokens_details"].(map[string]any)
+	c, _ := d["cached_tokens"].(float64)
+	return c
+}
+
+var apiRe = regexp.MustCompile(`OpenAI API at (http://[0-9.:]+)/v1`)
+
+// TestUpEndToEnd runs `infergate up` as a real process: the printed address
+// answers a chat, a second turn hits the prefix cache, errors are OpenAI
+// errors, and SIGTERM shuts it down cleanly.
+func TestUpEndToEnd(t *testing.T) {
+	p := start(t, "up", "--engines", "2", "--listen", "127.0.0.1:0", "--time-scale", "100")
+	base := p.await(t, apiRe)
+	model := "meta-llama/Llama-3.1-70B-Instruct"
+	sys := strings.Repeat("You are a careful assistant who answers in full sentences. ", 40)
+	turn1 := fmt.Sprintf(`{"model":%q,"messages":[{"role":"system","content":%q},{"role":"user","content":"Hello!"}],"max_tokens":8}`, model, sys)
+	code, v := postJSON(t, base+"/v1/chat/completions", turn1)
+	if code != 200 {
+		t.Fatalf("chat: %d %v", code, v)
+	}
+	reply := v["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["content"].(string)
+	turn2 := fmt.Sprintf(`{"model":%q,"messages":[{"role":"system","content":%q},{"role":"user","content":"Hello!"},{"role":"assistant","content":%q},{"role":"user","content":"More, please."}],"max_tokens":8}`, model, sys, reply)
+	code, v = postJSON(t, base+"/v1/chat/completions", turn2)
+	if code != 200 || cachedTokens(v) < 400 {
+		t.Fatalf("turn 2: %d, cached %v (want the ~500-token history cached): %v", code, cachedTokens(v), v)
+	}
+	code, v = postJSON(t, base+"/v1/chat/completions", `{"model":"nope","messages":[{"role":"user","content":"x"}]}`)
+	if e, _ := v["error"].(map[string]any); code != 404 || e["code"] != "model_not_found" {
+		t.Fatalf("unknown model: %d %v", code, v)
+	}
+	p.stop(t)
+}
+
+// TestServeSimBench runs two `infergate sim` processes, `infergate serve` in
+// front of them and `infergate bench --target` through it.
+func TestServeSimBench(t *testing.T) {
+	addrRe := regexp.MustCompile(`addr=(http://[0-9.:]+)`)
+	var eps []string
+	for range 2 {
+		s := start(t, "sim", "--listen", "127.0.0.1:0", "--time-scale", "100", "--model", "m")
+		eps = append(eps, "--endpoint", s.await(t, addrRe)+"=m")
+		defer s.stop(t)
+	}
+	g := start(t, append([]string{"serve", "--listen", "127.0.0.1:0", "--policy", "prefix"}, eps...)...)
+	base := g.await(t, addrRe)
+	defer g.stop(t)
+
+	// A three-request hash-id trace: the second and third continue the first.
+	dir := t.TempDir()
+	tr := filepath.Join(dir, "trace.jsonl")
+	lines := `{"timestamp": 0, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1, 2]}
+{"timestamp": 500, "input_length": 2000, "output_length": 4, "hash_ids": [0, 1, 2, 3]}
+{"timestamp": 1000, "input_length": 2500, "output_length": 4, "hash_ids": [0, 1, 2, 3, 4]}
+`
+	if err := os.WriteFile(tr, []byte(lines), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(dir, "r.json")
+	b := exec.Command(os.Args[0], "bench", "--target", base, "--model", "m", "--trace", tr, "--speedup", "10", "--time-scale", "100", "--out", out)
+	b.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
+	if msg, err := b.CombinedOutput(); err != nil {
+		t.Fatalf("bench: %v\n%s", err, msg)
+	}
+	var rep struct {
+		Runs []struct {
+			Requests, Errors int
+			HitRate          float64 `json:"hit_rate"`
+		}
+	}
+	raw, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(raw, &rep); err != nil || len(rep.Runs) != 1 {
+		t.Fatalf("report %s: %v", raw, err)
+	}
+	r := rep.Runs[0]
+	// Requests 2 and 3 reuse 1024 and 1536 (whole 512-token blocks) of the
+	// 6000 prompt tokens only if prefix routing kept them together.
+	if r.Requests != 3 || r.Errors != 0 || r.HitRate < 0.35 {
+		t.Fatalf("bench run %+v: want 3 requests, 0 errors, hit rate >= 0.35", r)
+	}
+}
+
+func TestHelpAndVersion(t *testing.T) {
+	for _, sub := range []string{"up", "serve", "sim", "bench", "version"} {
+		c := exec.Command(os.Args[0], sub, "--help")
+		c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
+		msg, err := c.CombinedOutput()
+		if err != nil || !strings.Contains(string(msg), "Usage:") {
+			t.Errorf("%s --help: %v\n%s", sub, err, msg)
+		}
+	}
+	c := exec.Command(os.Args[0], "version")
+	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
+	if msg, err := c.CombinedOutput(); err != nil || !strings.HasPrefix(string(msg), "infergate ") {
+		t.Errorf("version: %v %s", err, msg)
+	}
+	c = exec.Command(os.Args[0], "serve")
+	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
+	if msg, err := c.CombinedOutput(); err == nil || !strings.Contains(string(msg), "no endpoints") {
+		t.Errorf("serve without endpoints should fail clearly: %v %s", err, msg)
+	}
+}
