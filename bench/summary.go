@@ -61,6 +61,8 @@ type Summary struct {
 	EnginePrefillTokens *int64 `json:"engine_prefill_tokens,omitempty"`
 	// Preemptions counts the simulated engines' preemptions; nil when unknown.
 	Preemptions *int64 `json:"preemptions,omitempty"`
+	// FirstError is the error of the first failed request ("" if none).
+	FirstError string `json:"first_error,omitempty"`
 }
 
 // Summarize aggregates recs into a Summary labelled policy.
@@ -71,6 +73,9 @@ func Summarize(policy string, recs []Record) Summary {
 		r := &recs[i]
 		s.DurationS = max(s.DurationS, (r.ArrivalMs+r.E2EMs)/1000)
 		if r.Error != "" {
+			if s.Errors == 0 {
+				s.FirstError = r.Error
+			}
 			s.Errors++
 			continue
 		}

@@ -105,7 +105,7 @@ func TestSummaryJSONKeys(t *testing.T) {
 	want := []string{
 		"cached_tokens", "duration_s",
 		"e2e_ms.mean", "e2e_ms.p50", "e2e_ms.p90", "e2e_ms.p99",
-		"errors", "hit_rate",
+		"errors", "first_error", "hit_rate",
 		"itl_ms.mean", "itl_ms.p50", "itl_ms.p90", "itl_ms.p99",
 		"mean_engine_utilization", "output_tok_per_s", "output_tokens",
 		"policy", "prefill_tokens_computed", "prompt_tokens", "requests",

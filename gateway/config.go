@@ -21,6 +21,7 @@ import (
 const (
 	DefaultListen                = "127.0.0.1:8080"
 	DefaultMaxBodyBytes          = 16 << 20 // bytes
+	DefaultBodyReadTimeout       = 30 * time.Second
 	DefaultConnectTimeout        = 5 * time.Second
 	DefaultResponseHeaderTimeout = 10 * time.Minute
 	DefaultIdleConnTimeout       = 90 * time.Second
@@ -48,6 +49,10 @@ type Config struct {
 	// MaxBodyBytes bounds a request body (bytes, default 16 MiB); larger
 	// bodies get 413 request_too_large.
 	MaxBodyBytes int64 `yaml:"max_body_bytes"`
+	// BodyReadTimeout bounds reading one request body (default 30s), so a
+	// client that sends headers and then trickles or stalls the body
+	// (slowloris) cannot hold a connection; expiry answers 408.
+	BodyReadTimeout time.Duration `yaml:"body_read_timeout"`
 
 	// ConnectTimeout bounds dialing an endpoint, TLS handshake included
 	// (default 5s).
@@ -123,6 +128,9 @@ func (c Config) WithDefaults() Config {
 	c.Routing.Prefix = c.Routing.Prefix.WithDefaults()
 	if c.MaxBodyBytes == 0 {
 		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if c.BodyReadTimeout == 0 {
+		c.BodyReadTimeout = DefaultBodyReadTimeout
 	}
 	if c.ConnectTimeout == 0 {
 		c.ConnectTimeout = DefaultConnectTimeout

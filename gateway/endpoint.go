@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"strconv"
 	"strings"
@@ -29,26 +30,31 @@ type endpoint struct {
 	ejectedUntil atomic.Int64
 	// inFlight counts requests sent and not finished (requests).
 	inFlight atomic.Int64
+	// wentDown is set when the endpoint left rotation after a failure, so
+	// its recovery is logged (and start-up is not).
+	wentDown atomic.Bool
 	// onDown are called when the endpoint leaves rotation (set up before
 	// serving, read-only after): they make the pools' policies forget what
 	// the engine's cache was believed to hold.
 	onDown []func()
 }
 
-// setReady records readiness and runs the onDown hooks on a ready→unready
-// transition.
-func (ep *endpoint) setReady(ok bool) {
-	if was := ep.ready.Swap(ok); was && !ok {
+// setReady records readiness, runs the onDown hooks on a ready→unready
+// transition, and returns the previous readiness.
+func (ep *endpoint) setReady(ok bool) (was bool) {
+	if was = ep.ready.Swap(ok); was && !ok {
 		for _, f := range ep.onDown {
 			f()
 		}
 	}
+	return was
 }
 
 // eject takes the endpoint out of rotation for d after a connection failure
 // at now.
 func (ep *endpoint) eject(now time.Time, d time.Duration) {
 	ep.ejectedUntil.Store(now.Add(d).UnixNano())
+	ep.wentDown.Store(true)
 	ep.setReady(false)
 }
 
@@ -66,7 +72,12 @@ func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	if ok && time.Now().UnixNano() < ep.ejectedUntil.Load() {
 		return
 	}
-	ep.setReady(ok)
+	switch was := ep.setReady(ok); {
+	case !ok && !ep.wentDown.Swap(true):
+		slog.Warn("gateway: endpoint failed its health check; out of rotation", "endpoint", ep.name, "path", g.cfg.HealthCheckPath)
+	case !was && ok && ep.wentDown.Swap(false):
+		slog.Info("gateway: endpoint healthy again; back in rotation", "endpoint", ep.name)
+	}
 }
 
 // probe sends GET <base><health path> and returns nil for a 2xx answer.

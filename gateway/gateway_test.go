@@ -882,3 +882,40 @@ func TestEjectionForgetsPrefixIndex(t *testing.T) {
 		}
 	}
 }
+
+func TestContentEncodingRejected(t *testing.T) {
+	_, url := startGateway(t, testConfig(sched.RoundRobin, newFakeEngine(t, "e0")))
+	req, _ := http.NewRequest(http.MethodPost, url+pathChat, strings.NewReader(chatBody))
+	req.Header.Set("Content-Encoding", "gzip")
+	resp, err := testClient(t).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusUnsupportedMediaType || !strings.Contains(string(body), `"error"`) {
+		t.Fatalf("status %d body %s, want 415 OpenAI error", resp.StatusCode, body)
+	}
+}
+
+func TestStalledBodyTimesOut(t *testing.T) {
+	cfg := testConfig(sched.RoundRobin, newFakeEngine(t, "e0"))
+	cfg.BodyReadTimeout = 200 * time.Millisecond
+	_, url := startGateway(t, cfg)
+	conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	// Promise 100 bytes, send 10, then stall.
+	fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":", pathChat)
+	_ = conn.SetReadDeadline(time.Now().Add(20 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("no response to a stalled body: %v", err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusRequestTimeout || !strings.Contains(string(body), "request_timeout") {
+		t.Fatalf("status %d body %s, want 408 request_timeout", resp.StatusCode, body)
+	}
+}

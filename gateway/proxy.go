@@ -10,6 +10,7 @@ import (
 	"mime"
 	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -99,8 +100,17 @@ func (g *Gateway) putExchange(x *exchange) {
 	g.exchanges.Put(x)
 }
 
-// readBody reads the request body into x.body, at most limit bytes.
-func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64) *openai.Error {
+// readBody reads the request body into x.body, at most limit bytes, within
+// timeout (the connection's read deadline is set for the body and cleared
+// after, so a stalled body answers 408 and long streaming responses are not
+// affected).
+func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) *openai.Error {
+	if ce := r.Header.Get("Content-Encoding"); ce != "" && !strings.EqualFold(ce, "identity") {
+		return openai.NewError(http.StatusUnsupportedMediaType,
+			fmt.Sprintf("Content-Encoding %q is not supported; send the JSON body uncompressed.", ce), "", openai.CodeInvalidJSON)
+	}
+	rc := http.NewResponseController(w)
+	deadline := rc.SetReadDeadline(time.Now().Add(timeout)) == nil
 	tooLarge := func() *openai.Error {
 		return openai.NewError(http.StatusRequestEntityTooLarge,
 			fmt.Sprintf("Request body is larger than the limit of %d bytes.", limit), "", openai.CodeRequestTooLarge)
@@ -130,10 +140,20 @@ func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64)
 			if errors.As(err, &mbe) {
 				return tooLarge()
 			}
+			// The rest of the body will not be read: close the connection
+			// after the reply rather than have the server drain it.
+			w.Header().Set("Connection", "close")
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				return openai.NewError(http.StatusRequestTimeout,
+					fmt.Sprintf("The request body was not received within %s.", timeout), "", "request_timeout")
+			}
 			return openai.NewError(http.StatusBadRequest, "Could not read the request body: "+err.Error(), "", openai.CodeInvalidJSON)
 		}
 	}
 	x.body = buf
+	if deadline {
+		_ = rc.SetReadDeadline(time.Time{}) // the response may stream for long
+	}
 	return nil
 }
 
@@ -160,17 +180,24 @@ func (x *exchange) decode(kind apiKind) *openai.Error {
 	return x.comp.Validate()
 }
 
+// maxRoutingTextBytes bounds the prompt text tokenized for routing (512 KiB,
+// about 128k tokens of English): BPE tokenization needs memory many times
+// its input, and blocks past a model's context length are never reused.
+const maxRoutingTextBytes = 512 << 10
+
 // promptTokens returns the token ids routing hashes: the ids as given for a
 // token-id prompt, else the tokenized text (chat: the canonical rendering of
 // the messages). For a batch of prompts, the first one stands for the batch.
 func (x *exchange) promptTokens(kind apiKind, g *Gateway) []uint32 {
 	switch {
 	case kind == kindChat:
-		return g.tokenizer.Encode(openai.RenderChat(x.chat.Messages))
+		ids, _ := g.tokenizer.EncodePrefix(x.chat.Prompt(), maxRoutingTextBytes)
+		return ids
 	case len(x.comp.Prompt.Tokens) > 0:
 		return x.comp.Prompt.Tokens[0]
 	case len(x.comp.Prompt.Texts) > 0:
-		return g.tokenizer.Encode(x.comp.Prompt.Texts[0])
+		ids, _ := g.tokenizer.EncodePrefix(x.comp.Prompt.Texts[0], maxRoutingTextBytes)
+		return ids
 	}
 	return nil
 }
@@ -199,7 +226,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	reqID := g.requestID(r)
 	w.Header()["X-Request-Id"] = []string{reqID}
 
-	if e := x.readBody(w, r, g.cfg.MaxBodyBytes); e != nil {
+	if e := x.readBody(w, r, g.cfg.MaxBodyBytes, g.cfg.BodyReadTimeout); e != nil {
 		g.fail(w, g.unknown, e)
 		return
 	}

@@ -1,31 +1,64 @@
 package openai
 
-import "strings"
+import (
+	"bytes"
+	"encoding/json"
+	"strings"
+)
 
-// RenderChat renders messages canonically as one prompt string, in the
+// RenderChat renders a chat request canonically as one prompt string, in the
 // Llama-3 chat template's layout (meta-llama/llama-models, "prompt format"):
 //
-//	<|begin_of_text|><|start_header_id|>ROLE<|end_header_id|>\n\nCONTENT<|eot_id|>...
+//	<|begin_of_text|>[<|start_header_id|>tools<|end_header_id|>\n\nTOOLS<|eot_id|>]
+//	<|start_header_id|>ROLE<|end_header_id|>\n\nCONTENT[TOOL_CALLS]<|eot_id|>...
 //	<|start_header_id|>assistant<|end_header_id|>\n\n
 //
-// The rendering of a conversation is a prefix of the rendering of any longer
-// conversation that extends it with the assistant's reply and a new user
-// turn, which is what makes multi-turn chats hit the prefix cache.
-func RenderChat(msgs []Message) string {
-	n := len("<|begin_of_text|>") + 64
+// TOOLS is the request's "tools" array and TOOL_CALLS an assistant message's
+// "tool_calls", both as compact JSON, so an agent's tool definitions and call
+// history count as prompt tokens and as shared prefix. The rendering of a
+// conversation is a prefix of the rendering of any longer conversation that
+// extends it with the assistant's reply and a new turn, which is what makes
+// multi-turn chats hit the prefix cache. It is not the served model's own
+// template: engines render with theirs; the gateway only needs a stable,
+// prefix-preserving rendering to hash.
+func RenderChat(tools json.RawMessage, msgs []Message) string {
+	n := len("<|begin_of_text|>") + 64 + len(tools)
 	for _, m := range msgs {
-		n += len(m.Content.Text) + len(m.Role) + 48
+		n += len(m.Content.Text) + len(m.Role) + len(m.ToolCalls) + 48
 	}
 	var b strings.Builder
 	b.Grow(n)
 	b.WriteString("<|begin_of_text|>")
+	if present(tools) {
+		b.WriteString("<|start_header_id|>tools<|end_header_id|>\n\n")
+		writeCompact(&b, tools)
+		b.WriteString("<|eot_id|>")
+	}
 	for _, m := range msgs {
 		b.WriteString("<|start_header_id|>")
 		b.WriteString(m.Role)
 		b.WriteString("<|end_header_id|>\n\n")
 		b.WriteString(m.Content.Text)
+		if present(m.ToolCalls) {
+			writeCompact(&b, m.ToolCalls)
+		}
 		b.WriteString("<|eot_id|>")
 	}
 	b.WriteString("<|start_header_id|>assistant<|end_header_id|>\n\n")
 	return b.String()
+}
+
+func present(raw json.RawMessage) bool {
+	return len(raw) > 0 && string(raw) != "null"
+}
+
+// writeCompact writes raw JSON without insignificant whitespace, so the same
+// tools sent with different formatting render (and hash) the same.
+func writeCompact(b *strings.Builder, raw json.RawMessage) {
+	var buf bytes.Buffer
+	if json.Compact(&buf, raw) != nil {
+		b.Write(raw)
+		return
+	}
+	b.Write(buf.Bytes())
 }

@@ -170,11 +170,25 @@ func TestWriteError(t *testing.T) {
 }
 
 func TestRenderChatPrefixProperty(t *testing.T) {
+	tools := json.RawMessage(`[ {"type": "function", "function": {"name": "search"}} ]`)
 	turn1 := []Message{{Role: "system", Content: Content{Text: "be brief"}}, {Role: "user", Content: Content{Text: "hi"}}}
-	turn2 := append(append([]Message{}, turn1...), Message{Role: "assistant", Content: Content{Text: "hello"}}, Message{Role: "user", Content: Content{Text: "more"}})
-	a, b := RenderChat(turn1), RenderChat(turn2)
+	turn2 := append(append([]Message{}, turn1...),
+		Message{Role: "assistant", Content: Content{Null: true}, ToolCalls: json.RawMessage(`[{"id":"c1","type":"function","function":{"name":"search","arguments":"{}"}}]`)},
+		Message{Role: "tool", Content: Content{Text: "result"}, ToolCallID: "c1"},
+		Message{Role: "user", Content: Content{Text: "more"}})
+	a, b := RenderChat(tools, turn1), RenderChat(tools, turn2)
 	if !strings.HasPrefix(b, a) {
 		t.Fatalf("turn 2 rendering does not extend turn 1:\n%q\n%q", a, b)
+	}
+	if !strings.Contains(a, `[{"type":"function","function":{"name":"search"}}]`) || !strings.Contains(b, `"arguments":"{}"`) {
+		t.Fatalf("tools or tool calls not rendered compactly: %q", b)
+	}
+	if RenderChat(nil, turn1) == a {
+		t.Fatal("tools do not change the rendering")
+	}
+	req := ChatRequest{Messages: turn1, Tools: tools}
+	if req.Prompt() != a {
+		t.Fatal("ChatRequest.Prompt differs from RenderChat")
 	}
 }
 
@@ -300,7 +314,7 @@ func FuzzChatRequest(f *testing.F) {
 		if e := r.Validate(); e != nil && e.Status != 400 {
 			t.Fatalf("validate status %d", e.Status)
 		}
-		_ = RenderChat(r.Messages)
+		_ = r.Prompt()
 	})
 }
 

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"net/http"
+	"reflect"
 	"strings"
 )
 
@@ -96,7 +97,14 @@ type ChatRequest struct {
 	User                string         `json:"user,omitempty"`
 	IgnoreEOS           bool           `json:"ignore_eos,omitempty"`
 	CacheSalt           string         `json:"cache_salt,omitempty"`
+	// Tools is the "tools" array, kept raw: it is rendered into the prompt
+	// (see RenderChat) and passed through to the engine untouched.
+	Tools json.RawMessage `json:"tools,omitempty"`
 }
+
+// Prompt renders the request's tools and messages as one prompt string
+// (RenderChat).
+func (r *ChatRequest) Prompt() string { return RenderChat(r.Tools, r.Messages) }
 
 // CompletionRequest is the body of POST /v1/completions.
 type CompletionRequest struct {
@@ -227,7 +235,11 @@ func parseTokenIDs(b []byte) ([]uint32, error) {
 		for i < len(body) && body[i] >= '0' && body[i] <= '9' {
 			v = v*10 + uint64(body[i]-'0')
 			if v > math.MaxUint32 {
-				return nil, fmt.Errorf("token id at %d is not an integer in [0, 2^32)", len(ids))
+				end := i
+				for end < len(body) && body[end] >= '0' && body[end] <= '9' && end-start < 24 {
+					end++
+				}
+				return nil, fmt.Errorf("token id %s at %d is not an integer in [0, 2^32)", body[start:end], len(ids))
 			}
 			i++
 		}
@@ -236,7 +248,7 @@ func parseTokenIDs(b []byte) ([]uint32, error) {
 			for end < len(body) && body[end] != ',' && end-start < 24 {
 				end++
 			}
-			return nil, fmt.Errorf("token id %q at %d is not an integer in [0, 2^32)", bytes.TrimSpace(body[start:end]), len(ids))
+			return nil, fmt.Errorf("token id %s at %d is not an integer in [0, 2^32)", bytes.TrimSpace(body[start:end]), len(ids))
 		}
 		ids = append(ids, uint32(v))
 		skip()
@@ -317,7 +329,7 @@ func DecodeError(err error) *Error {
 	switch {
 	case errors.As(err, &typeErr):
 		field := typeErr.Field
-		return NewError(http.StatusBadRequest, fmt.Sprintf("invalid type for %q: expected %s", field, typeErr.Type), field, CodeInvalidValue)
+		return NewError(http.StatusBadRequest, fmt.Sprintf("invalid type for %q: expected %s, got %s", field, jsonKind(typeErr.Type), typeErr.Value), field, CodeInvalidValue)
 	case errors.As(err, &syntaxErr):
 		return NewError(http.StatusBadRequest, fmt.Sprintf("request body is not valid JSON (offset %d): %v", syntaxErr.Offset, err), "", CodeInvalidJSON)
 	case errors.Is(err, errTrailing):
@@ -332,6 +344,34 @@ func DecodeError(err error) *Error {
 }
 
 var errTrailing = errors.New("trailing data")
+
+// jsonKind names the JSON kind a Go type decodes from, for error messages
+// that should not expose Go type names.
+func jsonKind(t reflect.Type) string {
+	if t == nil {
+		return "a value"
+	}
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch t.Kind() {
+	case reflect.String:
+		return "a string"
+	case reflect.Bool:
+		return "a boolean"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		return "an integer"
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "a non-negative integer"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.Struct, reflect.Map:
+		return "an object"
+	}
+	return "a value"
+}
 
 // Decode parses body (one JSON object, nothing after it) into v and returns a
 // 400 error describing the problem, or nil.

@@ -1,7 +1,9 @@
 package prefix
 
 import (
+	"strings"
 	"testing"
+	"unicode/utf8"
 )
 
 func seq(n int, start uint32) []uint32 {
@@ -106,5 +108,34 @@ func TestTokenizer(t *testing.T) {
 	// Invalid UTF-8 never fails.
 	if len(tk.Encode("ok \xff\xfe bad")) == 0 {
 		t.Fatal("invalid utf-8 gave no tokens")
+	}
+}
+
+func TestEncodePrefix(t *testing.T) {
+	tk, err := NewTokenizer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := ""
+	for len(text) < 10000 {
+		text += "the quick brown fox jumps over the lazy dog. "
+	}
+	full := tk.Encode(text)
+	ids, cut := tk.EncodePrefix(text, 5000)
+	if !cut || len(ids) == 0 || len(ids) >= len(full) {
+		t.Fatalf("cut %v, %d of %d tokens", cut, len(ids), len(full))
+	}
+	for i := range len(ids) - 2 {
+		if ids[i] != full[i] {
+			t.Fatalf("token %d differs from the full encoding", i)
+		}
+	}
+	if ids, cut := tk.EncodePrefix("short", 5000); cut || len(ids) != 1 {
+		t.Fatalf("short text: %v %v", ids, cut)
+	}
+	// No space to cut at: stays on a rune boundary.
+	ids, _ = tk.EncodePrefix(strings.Repeat("é", 3000), 1001)
+	if s := tk.Decode(ids); !utf8.ValidString(s) || len(s) > 1001 {
+		t.Fatalf("cut split a rune or overran: %d bytes", len(s))
 	}
 }

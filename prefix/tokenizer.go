@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"unicode/utf8"
 
 	"github.com/tiktoken-go/tokenizer"
 )
@@ -55,6 +56,27 @@ func (t *Tokenizer) Encode(text string) []uint32 {
 		out[i] = uint32(id)
 	}
 	return out
+}
+
+// EncodePrefix encodes at most the first maxBytes bytes of text and reports
+// whether it cut the text. The cut is moved back to the last ASCII space or
+// newline within the final 1 KiB (else to a rune boundary), so it does not
+// split a word and the tokens are those of the full text's prefix except
+// possibly the last few. BPE tokenizers need memory many times the input
+// size, so the gateway tokenizes only as much of a prompt as routing can use.
+func (t *Tokenizer) EncodePrefix(text string, maxBytes int) (ids []uint32, cut bool) {
+	if maxBytes <= 0 || len(text) <= maxBytes {
+		return t.Encode(text), false
+	}
+	end := maxBytes
+	if i := strings.LastIndexAny(text[max(0, end-1024):end], " \n"); i >= 0 {
+		end = max(0, end-1024) + i
+	} else {
+		for end > 0 && !utf8.RuneStart(text[end]) {
+			end--
+		}
+	}
+	return t.Encode(text[:end]), true
 }
 
 // Decode returns the text of token ids; ids outside the vocabulary are

@@ -395,7 +395,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		chat:          true,
 		id:            s.newID("chatcmpl-"),
 		model:         req.Model,
-		tokens:        s.tok.Encode(openai.RenderChat(req.Messages)),
+		tokens:        s.encode(req.Prompt()),
 		maxTokens:     orDefault(maxTokens, DefaultMaxTokens),
 		stream:        req.Stream,
 		streamOptions: req.StreamOptions,
@@ -435,7 +435,7 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		cacheSalt:     req.CacheSalt,
 	}
 	if len(req.Prompt.Texts) == 1 {
-		g.tokens = s.tok.Encode(req.Prompt.Texts[0])
+		g.tokens = s.encode(req.Prompt.Texts[0])
 	} else {
 		g.tokens = req.Prompt.Tokens[0]
 		if v := s.eng.Profile.VocabSize; v > 0 {
@@ -469,6 +469,27 @@ func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) *openai.E
 }
 
 // check validates what the engine and the simulator require.
+// maxBytesPerToken bounds how much prompt text is tokenized per token of
+// context: English averages about 4 bytes per cl100k token, so text longer
+// than 16 bytes per token of the model's context cannot fit, and tokenizing
+// it in full would only cost memory (BPE needs many times its input).
+const maxBytesPerToken = 16
+
+// encode tokenizes a text prompt. Text too long to fit the context is cut at
+// maxBytesPerToken × MaxModelLen bytes and marked with one extra token past
+// the limit, so check answers the usual context-length error.
+func (s *Server) encode(text string) []uint32 {
+	limit := s.eng.Profile.MaxModelLen
+	if limit <= 0 {
+		return s.tok.Encode(text)
+	}
+	ids, cut := s.tok.EncodePrefix(text, maxBytesPerToken*limit)
+	for cut && len(ids) <= limit {
+		ids = append(ids, 0)
+	}
+	return ids
+}
+
 func (s *Server) check(g *genRequest, n *int) *openai.Error {
 	if g.model != s.cfg.Model {
 		return openai.NewError(http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", g.model), "model", openai.CodeModelNotFound)

@@ -40,7 +40,9 @@ token ids (equal hash ids give equal token blocks), with max_tokens set to the
 trace's output length and ignore_eos. Per request it records TTFT, inter-token
 latency, end-to-end latency, prompt and cached tokens.
 
---target URL replays against any OpenAI-compatible endpoint. --compare POLICIES
+--target URL replays against an OpenAI-compatible endpoint that accepts token-id
+prompts and ignore_eos (vLLM, SGLang, infergate sim or a gateway in front of
+them); the URL may end in /v1. --compare POLICIES
 starts, for each policy, a fresh simulated fleet of --engines engines running
 --speedup times faster than real time (so the engines see the trace's real
 load) behind a fresh gateway, replays the same requests and prints one table.
@@ -71,6 +73,8 @@ fleet's time scale.`,
 			started := time.Now()
 			var report bench.Report
 			if target != "" {
+				// Accept the usual OpenAI base URL form (".../v1") as well.
+				target = strings.TrimSuffix(strings.TrimSuffix(target, "/"), "/v1")
 				if model == "" {
 					model = sim.DefaultModel
 				}
@@ -118,6 +122,13 @@ fleet's time scale.`,
 			if err := report.WriteTable(cmd.OutOrStdout()); err != nil {
 				return err
 			}
+			failed := false
+			for _, r := range report.Runs {
+				if r.Errors > 0 && r.FirstError != "" {
+					fmt.Fprintf(cmd.ErrOrStderr(), "%s: %d of %d requests failed; first error: %s\n", r.Policy, r.Errors, r.Requests, r.FirstError)
+				}
+				failed = failed || (r.Requests > 0 && r.Errors == r.Requests)
+			}
 			fmt.Fprintf(cmd.OutOrStdout(), "\ncompleted in %s (wall clock)\n", time.Since(started).Round(time.Second))
 			if outPath != "" {
 				f, err := os.Create(outPath)
@@ -131,6 +142,9 @@ fleet's time scale.`,
 				if err := f.Close(); err != nil {
 					return err
 				}
+			}
+			if failed {
+				return errors.New("every request of a run failed")
 			}
 			return nil
 		},

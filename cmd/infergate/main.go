@@ -39,7 +39,13 @@ llama.cpp, Ollama, TGI, or its own simulator), sending each request to the
 engine most likely to hold its prompt prefix in KV cache, balanced against load.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		Version:       buildVersion(),
+		PersistentPreRun: func(cmd *cobra.Command, _ []string) {
+			// One log format for every package (the gateway logs through slog's default).
+			slog.SetDefault(newLogger(cmd))
+		},
 	}
+	root.CompletionOptions.DisableDefaultCmd = true
 	root.AddCommand(newUpCmd(), newServeCmd(), newSimCmd(), newBenchCmd(), newVersionCmd())
 	return root
 }

@@ -78,7 +78,10 @@ Config example:
     policy: prefix            # prefix | round-robin | least-request | random
   endpoints:
     - {url: http://10.0.0.1:8000, model: meta-llama/Llama-3.1-70B-Instruct}
-    - {url: http://10.0.0.2:8000, model: meta-llama/Llama-3.1-70B-Instruct, kv_blocks: 28000}`,
+    - {url: http://10.0.0.2:8000, model: meta-llama/Llama-3.1-70B-Instruct, kv_blocks: 28000}
+
+Every key (timeouts, health checks, body limits, prefix tuning), the metrics
+and the error codes are listed in gateway/README.md.`,
 		Example: `  infergate serve -c gateway.yaml
   infergate serve --endpoint http://127.0.0.1:8001=my-model --endpoint http://127.0.0.1:8002=my-model --policy prefix`,
 		Args: cobra.NoArgs,

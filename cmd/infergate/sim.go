@@ -29,6 +29,9 @@ latency model of the chosen model-and-GPU profile.`,
   infergate sim --profile llama-3.1-8b-h100 --time-scale 10`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if !(timeScale > 0) {
+				return fmt.Errorf("--time-scale %v: must be > 0", timeScale)
+			}
 			prof, ok := sim.Profiles()[profile]
 			if !ok {
 				return fmt.Errorf("unknown profile %q (have %s)", profile, strings.Join(profileNames(), ", "))

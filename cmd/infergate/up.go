@@ -33,6 +33,9 @@ cache-aware routing shows its effect without a GPU.`,
   infergate up --engines 8 --policy round-robin --listen 127.0.0.1:9000`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if !(timeScale > 0) {
+				return fmt.Errorf("--time-scale %v: must be > 0", timeScale)
+			}
 			prof, ok := sim.Profiles()[profile]
 			if !ok {
 				return fmt.Errorf("unknown profile %q (have %s)", profile, strings.Join(profileNames(), ", "))
