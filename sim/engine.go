@@ -39,6 +39,10 @@ type Config struct {
 	// re-tokenizes to the same ids, so that multi-turn prompts hit the cached
 	// output blocks as they do on a real engine.
 	OutputVocab []uint32 `yaml:"-"`
+	// KVEvents makes the engine record vLLM KV-cache events (BlockStored,
+	// BlockRemoved, AllBlocksCleared) in StepResult.Events; see kvevents.go.
+	// Off, recording costs nothing.
+	KVEvents bool `yaml:"kv_events"`
 }
 
 // WithDefaults returns c with zero fields replaced by their defaults.
@@ -141,6 +145,12 @@ type StepResult struct {
 	Outputs []Output
 	// Cost is the work the step did.
 	Cost StepCost
+	// Events are the KV-cache events of the step, in the order the block pool
+	// produced them (evictions of an allocation before the stores it makes
+	// room for), preceded by those of ResetPrefixCache calls made since the
+	// previous Step. nil unless Config.KVEvents. Owned by the Engine: valid
+	// until the next call to Step, ResetPrefixCache or TakeKVEvents.
+	Events []KVEvent
 }
 
 // Stats is a snapshot of engine state and cumulative counters.
@@ -213,6 +223,7 @@ type Engine struct {
 	out     []Output
 	hit     []int32
 	stats   Stats
+	kv      *kvEventLog // nil unless cfg.KVEvents
 }
 
 // NewEngine returns an idle engine. It panics if cfg.Validate fails; callers
@@ -222,12 +233,17 @@ func NewEngine(cfg Config) *Engine {
 		panic(fmt.Sprintf("sim.NewEngine: %v", err))
 	}
 	cfg = cfg.WithDefaults()
-	return &Engine{
+	e := &Engine{
 		cfg:   cfg,
 		pool:  newBlockPool(cfg.NumBlocks),
 		byID:  make(map[string]*seq),
 		stats: Stats{NumBlocks: cfg.NumBlocks, BlockSize: cfg.BlockSize},
 	}
+	if cfg.KVEvents {
+		e.kv = &kvEventLog{}
+		e.pool.ev = e.kv
+	}
+	return e
 }
 
 // Config returns the engine's configuration with defaults applied.
@@ -342,6 +358,9 @@ func (e *Engine) Step(now time.Duration) StepResult {
 	e.out = e.out[:0]
 	budget := e.cfg.MaxNumBatchedTokens
 	preempted := false
+	if e.kv != nil {
+		e.kv.begin()
+	}
 
 	for i := 0; i < len(e.running) && budget > 0; {
 		s := e.running[i]
@@ -439,7 +458,7 @@ func (e *Engine) Step(now time.Duration) StepResult {
 	}
 	d := e.cfg.Profile.StepTime(cost)
 	e.stats.BusyTime += d
-	return StepResult{Duration: d, Outputs: e.out, Cost: cost}
+	return StepResult{Duration: d, Outputs: e.out, Cost: cost, Events: e.kv.take()}
 }
 
 // findCached returns the blocks of the longest cached prefix of s, capped so
@@ -493,6 +512,9 @@ func (e *Engine) allocate(s *seq, n int, hit []int32) bool {
 		e.ensureHashes(s, full*bs)
 		for i := s.numCachedBl; i < full; i++ {
 			e.pool.register(s.blocks[i], s.hashes[i])
+		}
+		if e.kv != nil {
+			e.kv.stored(s, s.numCachedBl, full, bs)
 		}
 		s.numCachedBl = full
 	}

@@ -37,6 +37,7 @@ type blockPool struct {
 	head, tail int32
 	numFree    int
 	index      map[uint64]int32 // hash → first block of its chain
+	ev         *kvEventLog      // records BlockRemoved on eviction; nil when KV events are off
 }
 
 func newBlockPool(n int) *blockPool {
@@ -117,6 +118,9 @@ func (p *blockPool) evict(id int32) {
 		return
 	}
 	b.cached = false
+	if p.ev != nil {
+		p.ev.removed(b.hash)
+	}
 	first := p.index[b.hash]
 	switch {
 	case first == id && b.dupNext == noBlock:

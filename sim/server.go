@@ -42,6 +42,9 @@ type ServerConfig struct {
 	TimeScale float64 `yaml:"time_scale"`
 	// Seed seeds output tokens (unless Engine.Seed is set) and response ids.
 	Seed int64 `yaml:"seed"`
+	// KVEvents configures the vLLM KV-cache event publisher (off by default);
+	// see kvevents.go and README "KV events".
+	KVEvents KVEventsConfig `yaml:"kv_events"`
 }
 
 // Server is a vLLM-compatible OpenAI HTTP front over a simulated Engine.
@@ -67,6 +70,8 @@ type Server struct {
 	nextID    atomic.Uint64
 	submit    chan *call
 	cancel    chan *call
+	control   chan *engineCall
+	kvpub     *KVEventPublisher // nil unless KVEvents.Enable
 	quit      chan struct{}
 	done      chan struct{}
 	startOnce sync.Once
@@ -95,6 +100,12 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 	if err := cfg.Engine.Validate(); err != nil {
 		return nil, fmt.Errorf("sim: %w", err)
 	}
+	if cfg.KVEvents.Enable {
+		if err := cfg.KVEvents.Validate(); err != nil {
+			return nil, fmt.Errorf("sim: %w", err)
+		}
+		cfg.Engine.KVEvents = true
+	}
 	tok, err := prefix.NewTokenizer()
 	if err != nil {
 		return nil, fmt.Errorf("sim: %w", err)
@@ -122,6 +133,7 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 		idPrefix: mix64(uint64(cfg.Seed) ^ uint64(index)<<32),
 		submit:   make(chan *call),
 		cancel:   make(chan *call),
+		control:  make(chan *engineCall),
 		quit:     make(chan struct{}),
 		done:     make(chan struct{}),
 	}
@@ -135,6 +147,14 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 	mux.HandleFunc("GET /health", s.handleHealth)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{}))
 	s.handler = mux
+	if cfg.KVEvents.Enable {
+		kc := cfg.KVEvents
+		kc.Endpoint = offsetEndpointPort(kc.WithDefaults().Endpoint, index)
+		kc.ReplayEndpoint = offsetEndpointPort(kc.ReplayEndpoint, index)
+		if s.kvpub, err = NewKVEventPublisher(kc); err != nil {
+			return nil, err
+		}
+	}
 	return s, nil
 }
 
@@ -179,14 +199,19 @@ func (s *Server) Start() {
 }
 
 // Close stops the driver, failing in-flight requests (streams get an error
-// event then [DONE]; others a 503), and waits for it to exit. Handlers still
-// running return promptly. Close is idempotent.
+// event then [DONE]; others a 503), and waits for it to exit, then closes the
+// KV-event publisher. Handlers still running return promptly. Close is
+// idempotent.
 func (s *Server) Close() {
 	s.closeOnce.Do(func() {
 		close(s.quit)
 		s.startOnce.Do(func() {}) // a later Start does nothing
 		if !s.started.Load() {
 			close(s.done)
+		}
+		<-s.done
+		if s.kvpub != nil {
+			_ = s.kvpub.Close()
 		}
 	})
 	<-s.done
@@ -285,6 +310,8 @@ func (s *Server) drive() {
 				add(c, vnow)
 			case c := <-s.cancel:
 				abort(c)
+			case c := <-s.control:
+				s.runEngineCall(e, c, max(vnow, wallVirtual()))
 			case <-s.quit:
 				shutdown()
 				return
@@ -293,6 +320,7 @@ func (s *Server) drive() {
 		}
 		res := e.Step(vnow)
 		end := vnow + res.Duration
+		kvBatch := s.kvEncode(res.Events, end) // the events are only valid until the engine is used again
 		deadline := start.Add(time.Duration(float64(end) / s.cfg.TimeScale))
 	wait:
 		for {
@@ -308,6 +336,9 @@ func (s *Server) drive() {
 				add(c, min(max(wallVirtual(), vnow), end))
 			case c := <-s.cancel:
 				abort(c)
+			case c := <-s.control:
+				kvBatch = s.kvEnqueue(kvBatch) // the step's events precede the call's
+				s.runEngineCall(e, c, end)     // after the step, whose events it follows
 			case <-s.quit:
 				shutdown()
 				return
@@ -317,6 +348,7 @@ func (s *Server) drive() {
 		// Publish before delivering, so a client that has seen a token also
 		// sees the engine state that produced it.
 		publish()
+		s.kvEnqueue(kvBatch)
 		s.deliver(calls, res.Outputs, end)
 	drain:
 		for {
@@ -325,6 +357,8 @@ func (s *Server) drive() {
 				add(c, vnow)
 			case c := <-s.cancel:
 				abort(c)
+			case c := <-s.control:
+				s.runEngineCall(e, c, vnow)
 			default:
 				break drain
 			}
