@@ -1,43 +1,65 @@
 package sim
 
 import (
+	"bytes"
+	"embed"
 	"errors"
 	"fmt"
+	"io/fs"
+	"maps"
 	"math"
+	"os"
+	"path"
+	"slices"
+	"strings"
+	"sync"
 	"time"
+
+	"gopkg.in/yaml.v3"
 )
 
 // Profile describes a model served on a group of GPUs: the architecture numbers
-// that size the KV cache and the work of a step, and the hardware numbers that
-// turn that work into time.
+// that size the KV cache and the work of a step, the hardware numbers that turn
+// that work into time, and the efficiency factors fitted to measured vLLM runs
+// (sim/CALIBRATION.md).
 //
 // The latency model is a roofline (Williams et al. 2009) applied per engine step,
 // as in "LLM Inference Unveiled: Survey and Roofline Model Insights" (Yuan et al.
 // 2024, arXiv:2402.16363) and kipply's "Transformer Inference Arithmetic"
 // (kipp.ly/transformer-inference-arithmetic). See StepTime for the formula.
 //
-// All sizes are in bytes, all rates per second, per GPU unless stated.
+// Built-in profiles are YAML files in sim/profiles, embedded at build time;
+// LoadProfile reads a user's own. All sizes are in bytes, all rates per second,
+// per GPU unless stated.
 type Profile struct {
 	// Name is the key of the profile in Profiles(), e.g. "llama-3.1-70b-4xh100".
 	Name string `yaml:"name"`
 	// Model is the Hugging Face id of the model, used as the default served name.
 	Model string `yaml:"model"`
+	// GPU names the accelerator, e.g. "H100-SXM5-80GB" (informational).
+	GPU string `yaml:"gpu"`
 
 	// Layers is the number of transformer layers (num_hidden_layers).
 	Layers int `yaml:"layers"`
 	// HiddenSize is the model dimension (hidden_size).
 	HiddenSize int `yaml:"hidden_size"`
-	// NumHeads is the number of attention (query) heads.
+	// NumHeads is the number of attention (query) heads (num_attention_heads).
 	NumHeads int `yaml:"num_attention_heads"`
 	// NumKVHeads is the number of key/value heads (grouped-query attention).
 	NumKVHeads int `yaml:"num_key_value_heads"`
-	// HeadDim is the dimension of one attention head.
+	// HeadDim is the dimension of one attention head. NumHeads × HeadDim is the
+	// query/attention width, which need not equal HiddenSize (Qwen3-32B: 8192 vs 5120).
 	HeadDim int `yaml:"head_dim"`
-	// IntermediateSize is the MLP inner dimension (informational: Params is authoritative).
+	// IntermediateSize is the gated MLP inner dimension (intermediate_size).
 	IntermediateSize int `yaml:"intermediate_size"`
-	// VocabSize is the vocabulary size (informational).
+	// VocabSize is the vocabulary size (vocab_size).
 	VocabSize int `yaml:"vocab_size"`
-	// Params is the total parameter count (embedding and LM head included).
+	// TieWordEmbeddings is true when the LM head shares the embedding matrix
+	// (tie_word_embeddings); false stores, and counts in Params, both.
+	TieWordEmbeddings bool `yaml:"tie_word_embeddings"`
+	// Params is the total parameter count (embedding and LM head included), as
+	// published for the model. Validate checks it against the count implied by
+	// the architecture (ArchParams) to catch a mistyped dimension.
 	Params float64 `yaml:"params"`
 	// BytesPerParam is the weight storage size: 2 for bf16/fp16, 1 for fp8.
 	BytesPerParam float64 `yaml:"bytes_per_param"`
@@ -79,92 +101,115 @@ const Gibibyte = 1 << 30
 
 // Hardware constants of an NVIDIA H100 SXM5 80GB, from the NVIDIA H100 Tensor
 // Core GPU datasheet: 989 TFLOP/s dense BF16 (1979 with sparsity), 3.35 TB/s
-// HBM3, 80 GB.
+// HBM3, 80 GB. The same numbers appear in sim/profiles/*h100*.yaml.
 const (
 	H100FLOPS     = 989e12
 	H100Bandwidth = 3.35e12
 	H100Memory    = 80 * Gibibyte
 )
 
-// DefaultProfile is Llama-3.1-70B(-Instruct) in bf16 on 4×H100-80GB SXM with
-// tensor parallelism 4. Architecture from the model's config.json.
-//
-// The efficiency constants (PrefillMFU 0.30, DecodeBandwidthEfficiency 0.65,
-// StepOverhead 3 ms) are chosen so that an 8k-token prompt prefills in about
-// 1.05 s and a decode step at batch 16 with 8k context takes about 24 ms, in
-// line with published vLLM numbers for this setup. They are first estimates,
-// to be calibrated against measured engines in a later issue.
-func DefaultProfile() Profile {
-	return Profile{
-		Name:                      "llama-3.1-70b-4xh100",
-		Model:                     "meta-llama/Llama-3.1-70B-Instruct",
-		Layers:                    80,
-		HiddenSize:                8192,
-		NumHeads:                  64,
-		NumKVHeads:                8,
-		HeadDim:                   128,
-		IntermediateSize:          28672,
-		VocabSize:                 128256,
-		Params:                    70.6e9,
-		BytesPerParam:             2,
-		KVBytesPerElem:            2,
-		MaxModelLen:               131072,
-		TensorParallel:            4,
-		GPUFLOPS:                  H100FLOPS,
-		GPUBandwidth:              H100Bandwidth,
-		GPUMemory:                 H100Memory,
-		GPUMemoryUtilization:      0.9,
-		ActivationReserve:         0.05,
-		PrefillMFU:                0.30,
-		DecodeBandwidthEfficiency: 0.65,
-		StepOverhead:              3 * time.Millisecond,
-	}
-}
-
-// Llama8BH100 is Llama-3.1-8B(-Instruct) in bf16 on one H100-80GB SXM. Without
-// tensor-parallel communication the achieved MFU is higher than for the 70B
-// TP4 profile (0.45 vs 0.30); the constants are first estimates, to be
-// calibrated later.
-func Llama8BH100() Profile {
-	return Profile{
-		Name:                      "llama-3.1-8b-h100",
-		Model:                     "meta-llama/Llama-3.1-8B-Instruct",
-		Layers:                    32,
-		HiddenSize:                4096,
-		NumHeads:                  32,
-		NumKVHeads:                8,
-		HeadDim:                   128,
-		IntermediateSize:          14336,
-		VocabSize:                 128256,
-		Params:                    8.03e9,
-		BytesPerParam:             2,
-		KVBytesPerElem:            2,
-		MaxModelLen:               131072,
-		TensorParallel:            1,
-		GPUFLOPS:                  H100FLOPS,
-		GPUBandwidth:              H100Bandwidth,
-		GPUMemory:                 H100Memory,
-		GPUMemoryUtilization:      0.9,
-		ActivationReserve:         0.05,
-		PrefillMFU:                0.45,
-		DecodeBandwidthEfficiency: 0.70,
-		StepOverhead:              2 * time.Millisecond,
-	}
-}
-
 // DefaultProfileName is the key of DefaultProfile in Profiles().
 const DefaultProfileName = "llama-3.1-70b-4xh100"
 
-// Profiles returns the built-in profiles by name. The map is freshly built on
-// every call, so callers may modify it.
-func Profiles() map[string]Profile {
-	return map[string]Profile{
-		DefaultProfileName:  DefaultProfile(),
-		"llama-3.1-8b-h100": Llama8BH100(),
+//go:embed profiles/*.yaml
+var profileFS embed.FS
+
+// builtin holds the embedded profiles, parsed and validated once.
+var builtin = sync.OnceValues(func() (map[string]Profile, error) {
+	entries, err := fs.Glob(profileFS, "profiles/*.yaml")
+	if err != nil {
+		return nil, err
 	}
+	ps := make(map[string]Profile, len(entries))
+	for _, name := range entries {
+		data, err := profileFS.ReadFile(name)
+		if err != nil {
+			return nil, err
+		}
+		p, err := ParseProfile(data)
+		if err != nil {
+			return nil, fmt.Errorf("embedded %s: %w", name, err)
+		}
+		if want := strings.TrimSuffix(path.Base(name), ".yaml"); p.Name != want {
+			return nil, fmt.Errorf("embedded %s: name %q does not match the file name", name, p.Name)
+		}
+		ps[p.Name] = p
+	}
+	if _, ok := ps[DefaultProfileName]; !ok {
+		return nil, fmt.Errorf("embedded profiles: default %q missing", DefaultProfileName)
+	}
+	return ps, nil
+})
+
+// mustBuiltin returns the embedded profiles; they are checked by tests, so an
+// error here is a build defect and panics.
+func mustBuiltin() map[string]Profile {
+	ps, err := builtin()
+	if err != nil {
+		panic("sim: " + err.Error())
+	}
+	return ps
 }
 
+// Profiles returns the built-in profiles by name, loaded from the YAML files
+// embedded from sim/profiles (each documents its sources). The map is freshly
+// built on every call, so callers may modify it.
+func Profiles() map[string]Profile {
+	return maps.Clone(mustBuiltin())
+}
+
+// ProfileNames returns the names of the built-in profiles, sorted.
+func ProfileNames() []string {
+	return slices.Sorted(maps.Keys(mustBuiltin()))
+}
+
+// DefaultProfile is Llama-3.1-70B(-Instruct) in bf16 on 4×H100-80GB SXM with
+// tensor parallelism 4 (sim/profiles/llama-3.1-70b-4xh100.yaml). With the
+// calibrated constants an 8k-token prompt prefills in about 1.0 s and a decode
+// step at batch 16 with 8k context takes about 27 ms; see sim/CALIBRATION.md.
+func DefaultProfile() Profile { return mustBuiltin()[DefaultProfileName] }
+
+// Llama8BH100 is Llama-3.1-8B(-Instruct) in bf16 on one H100-80GB SXM
+// (sim/profiles/llama-3.1-8b-h100.yaml).
+func Llama8BH100() Profile { return mustBuiltin()["llama-3.1-8b-h100"] }
+
+// ParseProfile decodes a profile from YAML (the format of sim/profiles/*.yaml)
+// and validates it. Unknown keys are errors, so a misspelt field is not
+// silently left zero.
+func ParseProfile(data []byte) (Profile, error) {
+	var p Profile
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	if err := dec.Decode(&p); err != nil {
+		return Profile{}, fmt.Errorf("decode profile: %w", err)
+	}
+	if err := p.Validate(); err != nil {
+		return Profile{}, err
+	}
+	return p, nil
+}
+
+// LoadProfile reads and validates a user's profile YAML file. See
+// sim/profiles/*.yaml for the format and the meaning of each key.
+func LoadProfile(file string) (Profile, error) {
+	data, err := os.ReadFile(file)
+	if err != nil {
+		return Profile{}, err
+	}
+	p, err := ParseProfile(data)
+	if err != nil {
+		return Profile{}, fmt.Errorf("%s: %w", file, err)
+	}
+	return p, nil
+}
+
+// archParamsTolerance is how far Params may be from ArchParams (relative):
+// published counts are rounded (70.6e9) and omit nothing else of note (norm
+// weights are under 0.01%).
+const archParamsTolerance = 0.02
+
 // Validate reports whether the profile can size a KV cache and time a step.
+// Every problem is listed, each naming the YAML key at fault.
 func (p Profile) Validate() error {
 	var errs []error
 	pos := func(name string, v float64) {
@@ -172,10 +217,16 @@ func (p Profile) Validate() error {
 			errs = append(errs, fmt.Errorf("%s must be > 0, got %v", name, v))
 		}
 	}
+	if p.Name == "" {
+		errs = append(errs, errors.New("name must be set"))
+	}
 	pos("layers", float64(p.Layers))
 	pos("hidden_size", float64(p.HiddenSize))
+	pos("num_attention_heads", float64(p.NumHeads))
 	pos("num_key_value_heads", float64(p.NumKVHeads))
 	pos("head_dim", float64(p.HeadDim))
+	pos("intermediate_size", float64(p.IntermediateSize))
+	pos("vocab_size", float64(p.VocabSize))
 	pos("params", p.Params)
 	pos("bytes_per_param", p.BytesPerParam)
 	pos("tensor_parallel", float64(p.TensorParallel))
@@ -184,22 +235,69 @@ func (p Profile) Validate() error {
 	pos("gpu_memory", p.GPUMemory)
 	pos("prefill_mfu", p.PrefillMFU)
 	pos("decode_bandwidth_efficiency", p.DecodeBandwidthEfficiency)
+	if p.NumHeads > 0 && p.NumKVHeads > 0 && p.NumHeads%p.NumKVHeads != 0 {
+		errs = append(errs, fmt.Errorf("num_attention_heads (%d) must be a multiple of num_key_value_heads (%d)", p.NumHeads, p.NumKVHeads))
+	}
 	if p.GPUMemoryUtilization <= 0 || p.GPUMemoryUtilization > 1 {
 		errs = append(errs, fmt.Errorf("gpu_memory_utilization must be in (0,1], got %v", p.GPUMemoryUtilization))
 	}
 	if p.ActivationReserve < 0 || p.ActivationReserve >= 1 {
 		errs = append(errs, fmt.Errorf("activation_reserve must be in [0,1), got %v", p.ActivationReserve))
 	}
-	if p.PrefillMFU > 1 || p.DecodeBandwidthEfficiency > 1 {
-		errs = append(errs, errors.New("efficiency factors must be <= 1"))
+	if p.PrefillMFU > 1 {
+		errs = append(errs, fmt.Errorf("prefill_mfu must be <= 1, got %v", p.PrefillMFU))
 	}
-	if p.StepOverhead < 0 || p.MaxModelLen < 0 || p.KVBytesPerElem < 0 {
-		errs = append(errs, errors.New("step_overhead, max_model_len and kv_bytes_per_elem must not be negative"))
+	if p.DecodeBandwidthEfficiency > 1 {
+		errs = append(errs, fmt.Errorf("decode_bandwidth_efficiency must be <= 1, got %v", p.DecodeBandwidthEfficiency))
+	}
+	if p.StepOverhead < 0 {
+		errs = append(errs, fmt.Errorf("step_overhead must not be negative, got %v", p.StepOverhead))
+	}
+	if p.MaxModelLen < 0 {
+		errs = append(errs, fmt.Errorf("max_model_len must not be negative, got %d", p.MaxModelLen))
+	}
+	if p.KVBytesPerElem < 0 {
+		errs = append(errs, fmt.Errorf("kv_bytes_per_elem must not be negative, got %v", p.KVBytesPerElem))
+	}
+	if len(errs) == 0 {
+		if a := p.ArchParams(); math.Abs(p.Params-a) > archParamsTolerance*a {
+			errs = append(errs, fmt.Errorf("params %.4g disagrees with the architecture, which implies %.4g (layers × (attention + MLP) + embeddings): check the dimensions", p.Params, a))
+		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("profile %q: %w", p.Name, err)
 	}
 	return nil
+}
+
+// qDim is the attention width NumHeads × HeadDim (8192 for Llama-3.1-70B and
+// for Qwen3-32B, whose hidden size is 5120).
+func (p Profile) qDim() float64 { return float64(p.NumHeads) * float64(p.HeadDim) }
+
+// LayerMatmulParams is the weight count of the matrix multiplications of one
+// transformer layer: Q (hidden×qDim), K and V (hidden×kv_heads·head_dim each),
+// O (qDim×hidden) and the gated MLP (3×hidden×intermediate). Norm weights are
+// negligible and omitted. Llama-3.1-70B: 855.6M; Llama-3.1-8B: 218.1M;
+// Qwen3-32B: 487.6M.
+func (p Profile) LayerMatmulParams() float64 {
+	h := float64(p.HiddenSize)
+	kv := float64(p.NumKVHeads) * float64(p.HeadDim)
+	return 2*h*p.qDim() + 2*h*kv + 3*h*float64(p.IntermediateSize)
+}
+
+// EmbeddingParams is vocab_size × hidden_size, the size of the embedding table
+// (and of the LM head).
+func (p Profile) EmbeddingParams() float64 { return float64(p.VocabSize) * float64(p.HiddenSize) }
+
+// ArchParams is the parameter count implied by the architecture: layers ×
+// LayerMatmulParams plus the embedding table, plus the LM head unless tied.
+// Llama-3.1-70B: 70.55e9; Llama-3.1-8B: 8.03e9; Qwen3-32B: 32.76e9.
+func (p Profile) ArchParams() float64 {
+	n := float64(p.Layers)*p.LayerMatmulParams() + p.EmbeddingParams()
+	if !p.TieWordEmbeddings {
+		n += p.EmbeddingParams()
+	}
+	return n
 }
 
 // KVBytesPerToken is the KV-cache size of one token over all layers and all
@@ -214,7 +312,19 @@ func (p Profile) KVBytesPerToken() float64 {
 }
 
 // WeightBytes is the size of the weights over all ranks: params × bytes per param.
+// It is what the weights occupy in GPU memory.
 func (p Profile) WeightBytes() float64 { return p.Params * p.BytesPerParam }
+
+// StreamedWeightBytes is the weight bytes one step reads from HBM: all weights
+// except an untied embedding table, of which a step only gathers the rows of
+// its tokens. Llama-3.1-70B bf16: 139.1e9 B of 141.2e9.
+func (p Profile) StreamedWeightBytes() float64 {
+	n := p.Params
+	if !p.TieWordEmbeddings {
+		n -= p.EmbeddingParams()
+	}
+	return n * p.BytesPerParam
+}
 
 // KVCacheBytes is the memory left for the KV cache over all ranks:
 // TP × memory × utilisation − weights − activation reserve (ActivationReserve × TP × memory).
@@ -238,11 +348,21 @@ func (p Profile) NumBlocks(blockSize int) int {
 	return int(n)
 }
 
+// NumBlocksAt is NumBlocks with gpu_memory_utilization replaced by util
+// (vLLM --gpu-memory-utilization).
+func (p Profile) NumBlocksAt(util float64, blockSize int) int {
+	p.GPUMemoryUtilization = util
+	return p.NumBlocks(blockSize)
+}
+
 // StepCost is the work of one engine step, summed over the sequences it runs.
 // Build it with Add, one call per scheduled sequence.
 type StepCost struct {
 	// Tokens is Σ nᵢ, the tokens computed in the step (prefill chunks and decodes).
 	Tokens int
+	// Seqs is the number of sequences in the step; each computes one row of
+	// logits (vLLM evaluates the LM head only at the last position of each).
+	Seqs int
 	// AttnPairs is Σ nᵢ × (cᵢ + (nᵢ+1)/2): query–key pairs of causal attention, where
 	// cᵢ is the number of tokens of sequence i already in the KV cache (cached
 	// prefix and earlier chunks included) and the (nᵢ+1)/2 term is the mean causal
@@ -256,29 +376,52 @@ type StepCost struct {
 func (c *StepCost) Add(newTokens, context int) {
 	n := float64(newTokens)
 	c.Tokens += newTokens
+	c.Seqs++
 	c.AttnPairs += n * (float64(context) + (n+1)/2)
 	c.KVTokens += context + newTokens
 }
 
-// StepTime is the duration of one engine step (a roofline):
+// FLOPs is the floating-point work of a step over all ranks:
 //
-//	t = StepOverhead + max(FLOPs / (TP × GPUFLOPS × PrefillMFU),
-//	                       bytes / (TP × GPUBandwidth × DecodeBandwidthEfficiency))
-//	FLOPs = 2 × Params × Tokens + 4 × Layers × HiddenSize × AttnPairs
-//	bytes = WeightBytes + KVBytesPerToken × KVTokens
+//	FLOPs = 2 × Layers × LayerMatmulParams × Tokens      (projections and MLP)
+//	      + 2 × HiddenSize × VocabSize × Seqs             (LM head, one row per sequence)
+//	      + 4 × Layers × NumHeads × HeadDim × AttnPairs   (QKᵀ and AV)
 //
-// 2·N FLOPs per token for the matmuls (kipply; Kaplan et al. 2020) and 4·L·d per
-// query–key pair for QKᵀ and AV; each step reads every weight once and the KV of
-// every scheduled sequence (Yuan et al. 2024, §3). An empty step takes zero time.
+// Two FLOPs per weight per token (a multiply and an add; Kaplan et al. 2020,
+// kipply), no work for the embedding lookup, and for attention 2·qDim per
+// query–key pair for each of QKᵀ and AV, with qDim = NumHeads × HeadDim, not
+// HiddenSize (they differ for Qwen3).
+func (p Profile) FLOPs(c StepCost) float64 {
+	return 2*float64(p.Layers)*p.LayerMatmulParams()*float64(c.Tokens) +
+		2*p.EmbeddingParams()*float64(c.Seqs) +
+		4*float64(p.Layers)*p.qDim()*c.AttnPairs
+}
+
+// BytesMoved is the HBM traffic of a step over all ranks: every streamed weight
+// once, plus the K and V of every token the step attends to or writes:
+//
+//	bytes = StreamedWeightBytes + KVBytesPerToken × KVTokens
+func (p Profile) BytesMoved(c StepCost) float64 {
+	return p.StreamedWeightBytes() + p.KVBytesPerToken()*float64(c.KVTokens)
+}
+
+// StepTime is the duration of one engine step, a roofline over the whole batch
+// and the only latency formula of the simulator:
+//
+//	t = StepOverhead + max(FLOPs(c) / (TP × GPUFLOPS × PrefillMFU),
+//	                       BytesMoved(c) / (TP × GPUBandwidth × DecodeBandwidthEfficiency))
+//
+// A prefill-heavy step is compute-bound, a decode step memory-bound; the fixed
+// overhead covers scheduling, sampling, launches and all-reduce latency
+// (Yuan et al. 2024, §3). The efficiency factors and the overhead are fitted to
+// published vLLM measurements (sim/CALIBRATION.md). An empty step takes zero time.
 func (p Profile) StepTime(c StepCost) time.Duration {
 	if c.Tokens == 0 {
 		return 0
 	}
 	tp := float64(p.TensorParallel)
-	flops := 2*p.Params*float64(c.Tokens) + 4*float64(p.Layers)*float64(p.HiddenSize)*c.AttnPairs
-	compute := flops / (tp * p.GPUFLOPS * p.PrefillMFU)
-	bytes := p.WeightBytes() + p.KVBytesPerToken()*float64(c.KVTokens)
-	memory := bytes / (tp * p.GPUBandwidth * p.DecodeBandwidthEfficiency)
+	compute := p.FLOPs(c) / (tp * p.GPUFLOPS * p.PrefillMFU)
+	memory := p.BytesMoved(c) / (tp * p.GPUBandwidth * p.DecodeBandwidthEfficiency)
 	return p.StepOverhead + time.Duration(math.Max(compute, memory)*float64(time.Second))
 }
 

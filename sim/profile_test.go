@@ -1,6 +1,11 @@
 package sim
 
 import (
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -106,13 +111,16 @@ func TestEngineStepUsesLatencyModel(t *testing.T) {
 	}
 }
 
-func TestProfileYAML(t *testing.T) {
-	src := `
+const customYAML = `
 name: custom
+model: meta-llama/Llama-3.1-8B-Instruct
 layers: 32
 hidden_size: 4096
+num_attention_heads: 32
 num_key_value_heads: 8
 head_dim: 128
+intermediate_size: 14336
+vocab_size: 128256
 params: 8.03e9
 bytes_per_param: 2
 tensor_parallel: 1
@@ -121,19 +129,145 @@ gpu_bandwidth: 3.35e12
 gpu_memory: 85899345920
 gpu_memory_utilization: 0.9
 activation_reserve: 0.05
-prefill_mfu: 0.45
-decode_bandwidth_efficiency: 0.7
-step_overhead: 2ms
+prefill_mfu: 0.317
+decode_bandwidth_efficiency: 0.727
+step_overhead: 1ms
 `
-	var p Profile
-	if err := yaml.Unmarshal([]byte(src), &p); err != nil {
-		t.Fatal(err)
-	}
-	if err := p.Validate(); err != nil {
+
+func TestProfileYAML(t *testing.T) {
+	p, err := ParseProfile([]byte(customYAML))
+	if err != nil {
 		t.Fatal(err)
 	}
 	want := Llama8BH100()
-	if p.StepOverhead != 2*time.Millisecond || p.NumBlocks(16) != want.NumBlocks(16) {
+	if p.StepOverhead != time.Millisecond || p.NumBlocks(16) != want.NumBlocks(16) {
 		t.Fatalf("decoded %+v", p)
+	}
+	if p.PrefillTime(8192, 0) != want.PrefillTime(8192, 0) || p.DecodeTime(16, 8192) != want.DecodeTime(16, 8192) {
+		t.Fatal("a copy of the built-in 8B profile must time steps identically")
+	}
+
+	f := filepath.Join(t.TempDir(), "custom.yaml")
+	if err := os.WriteFile(f, []byte(customYAML), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if q, err := LoadProfile(f); err != nil || q != p {
+		t.Fatalf("LoadProfile: %+v, %v", q, err)
+	}
+	if _, err := LoadProfile(filepath.Join(t.TempDir(), "missing.yaml")); err == nil {
+		t.Fatal("LoadProfile of a missing file succeeded")
+	}
+	// The raw yaml.v3 decoding other code may do still works.
+	var r Profile
+	if err := yaml.Unmarshal([]byte(customYAML), &r); err != nil || r != p {
+		t.Fatalf("yaml.Unmarshal: %+v, %v", r, err)
+	}
+}
+
+func TestProfileValidationErrors(t *testing.T) {
+	cases := []struct {
+		edit func(string) string
+		want string
+	}{
+		{func(s string) string { return strings.Replace(s, "layers: 32", "layrs: 32", 1) }, "field layrs not found"},
+		{func(s string) string { return strings.Replace(s, "hidden_size: 4096", "hidden_size: 0", 1) }, "hidden_size must be > 0"},
+		{func(s string) string {
+			return strings.Replace(s, "intermediate_size: 14336", "intermediate_size: 13336", 1)
+		}, "params 8.03e+09 disagrees with the architecture"},
+		{func(s string) string {
+			return strings.Replace(s, "num_key_value_heads: 8", "num_key_value_heads: 5", 1)
+		}, "multiple of num_key_value_heads"},
+		{func(s string) string { return strings.Replace(s, "prefill_mfu: 0.317", "prefill_mfu: 1.5", 1) }, "prefill_mfu must be <= 1"},
+		{func(s string) string {
+			return strings.Replace(s, "gpu_memory_utilization: 0.9", "gpu_memory_utilization: 0", 1)
+		}, "gpu_memory_utilization must be in (0,1]"},
+		{func(s string) string { return strings.Replace(s, "step_overhead: 1ms", "step_overhead: -1ms", 1) }, "step_overhead must not be negative"},
+		{func(s string) string { return strings.Replace(s, "step_overhead: 1ms", "step_overhead: soon", 1) }, "decode profile"},
+		{func(s string) string { return strings.Replace(s, "name: custom\n", "", 1) }, "name must be set"},
+	}
+	for _, c := range cases {
+		_, err := ParseProfile([]byte(c.edit(customYAML)))
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("want error containing %q, got %v", c.want, err)
+		}
+	}
+}
+
+// TestDerivedQuantities pins the architecture-derived numbers the docstrings quote.
+func TestDerivedQuantities(t *testing.T) {
+	ps := Profiles()
+	for _, c := range []struct {
+		name               string
+		layer, arch        float64 // LayerMatmulParams, ArchParams
+		kvPerToken         float64
+		blocksLo, blocksHi int
+	}{
+		{"llama-3.1-8b-h100", 218.1e6, 8.030e9, 131072, 27000, 27300},
+		{"llama-3.1-70b-4xh100", 855.6e6, 70.55e9, 327680, 28700, 28850},
+		{"llama-3.1-70b-8xh200", 855.6e6, 70.55e9, 327680, 150000, 170000},
+		{"qwen3-32b-2xh100", 487.6e6, 32.76e9, 262144, 19000, 19300},
+	} {
+		p := ps[c.name]
+		if math.Abs(p.LayerMatmulParams()-c.layer) > 0.001*c.layer || math.Abs(p.ArchParams()-c.arch) > 0.001*c.arch {
+			t.Errorf("%s: layer %.4g arch %.4g params, want %.4g %.4g", c.name, p.LayerMatmulParams(), p.ArchParams(), c.layer, c.arch)
+		}
+		if p.KVBytesPerToken() != c.kvPerToken {
+			t.Errorf("%s: KV %v B/token, want %v", c.name, p.KVBytesPerToken(), c.kvPerToken)
+		}
+		if b := p.NumBlocks(16); b < c.blocksLo || b > c.blocksHi {
+			t.Errorf("%s: %d blocks of 16, want %d–%d", c.name, b, c.blocksLo, c.blocksHi)
+		}
+		if p.NumBlocksAt(0.95, 16) <= p.NumBlocks(16) || p.NumBlocksAt(p.GPUMemoryUtilization, 16) != p.NumBlocks(16) {
+			t.Errorf("%s: NumBlocksAt does not follow gpu_memory_utilization", c.name)
+		}
+	}
+}
+
+// TestAttentionUsesQDim checks the attention term scales with num_heads ×
+// head_dim, not hidden_size: Qwen3-32B attends over 8192 dims with a 5120 model.
+func TestAttentionUsesQDim(t *testing.T) {
+	q := Profiles()["qwen3-32b-2xh100"]
+	var a, b StepCost
+	a.Add(1024, 0)
+	b.Add(1024, 4096)
+	extra := q.FLOPs(b) - q.FLOPs(a) // only the attention term differs
+	want := 4 * float64(q.Layers) * 64 * 128 * (1024 * 4096)
+	if math.Abs(extra-want) > 1e-6*want {
+		t.Fatalf("attention FLOPs for 1024×4096 extra pairs = %.4g, want %.4g (4·L·heads·head_dim·pairs)", extra, want)
+	}
+	// No embedding lookup in the FLOPs; the LM head counts once per sequence.
+	var c StepCost
+	c.Add(1, 0)
+	lin := 2*float64(q.Layers)*q.LayerMatmulParams() + 2*q.EmbeddingParams() + 4*float64(q.Layers)*8192
+	if f := q.FLOPs(c); math.Abs(f-lin) > 1e-9*lin {
+		t.Fatalf("one-token FLOPs %.6g, want %.6g", f, lin)
+	}
+}
+
+func TestProfileNamesMatchFiles(t *testing.T) {
+	names := ProfileNames()
+	for _, want := range []string{"llama-3.1-8b-h100", "llama-3.1-70b-4xh100", "llama-3.1-70b-8xh200", "qwen3-32b-2xh100"} {
+		if !slices.Contains(names, want) {
+			t.Errorf("profile %q missing from %v", want, names)
+		}
+	}
+	if !slices.IsSorted(names) {
+		t.Errorf("ProfileNames not sorted: %v", names)
+	}
+	ps := Profiles()
+	delete(ps, DefaultProfileName)
+	if _, ok := Profiles()[DefaultProfileName]; !ok {
+		t.Fatal("Profiles() must return a fresh map")
+	}
+}
+
+// TestProfileTable prints the headline numbers of every built-in profile
+// (the table in sim/CALIBRATION.md).
+func TestProfileTable(t *testing.T) {
+	for _, name := range ProfileNames() {
+		p := Profiles()[name]
+		t.Logf("%-22s TP%d  %6d blocks of 16  prefill 8k %8v  decode b16@8k %8v  decode b1@1k %8v",
+			name, p.TensorParallel, p.NumBlocks(16), p.PrefillTime(8192, 0).Round(time.Millisecond),
+			p.DecodeTime(16, 8192).Round(10*time.Microsecond), p.DecodeTime(1, 1024).Round(10*time.Microsecond))
 	}
 }
