@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"fmt"
 	"net"
 	"strings"
@@ -17,6 +18,8 @@ func newSimCmd() *cobra.Command {
 		model     string
 		timeScale float64
 		ecfg      sim.Config
+		kvEvents  string
+		profFile  string
 	)
 	cmd := &cobra.Command{
 		Use:   "sim",
@@ -32,15 +35,19 @@ latency model of the chosen model-and-GPU profile.`,
 			if !(timeScale > 0) {
 				return fmt.Errorf("--time-scale %v: must be > 0", timeScale)
 			}
-			prof, ok := sim.Profiles()[profile]
-			if !ok {
-				return fmt.Errorf("unknown profile %q (have %s)", profile, strings.Join(profileNames(), ", "))
+			prof, err := resolveProfile(profile, profFile)
+			if err != nil {
+				return err
 			}
 			ecfg.Profile = prof
+			kv, err := parseKVEvents(kvEvents)
+			if err != nil {
+				return err
+			}
 			if model == "" {
 				model = prof.Model
 			}
-			srv, err := sim.NewServer(sim.ServerConfig{Engine: ecfg, Model: model, TimeScale: timeScale})
+			srv, err := sim.NewServer(sim.ServerConfig{Engine: ecfg, Model: model, TimeScale: timeScale, KVEvents: kv})
 			if err != nil {
 				return err
 			}
@@ -49,6 +56,13 @@ latency model of the chosen model-and-GPU profile.`,
 			log := newLogger(cmd)
 			return listenAndServe(cmd.Context(), log, listen, srv.Handler(), func(a net.Addr) {
 				log.Info("simulated engine listening", "addr", "http://"+a.String(), "profile", prof.Name, "model", model, "time_scale", timeScale)
+				if p := srv.KVEventPublisher(); p != nil {
+					args := []any{"endpoint", p.Addr(), "encoding", p.Config().Encoding, "topic", p.Config().Topic}
+					if r := p.ReplayAddr(); r != nil {
+						args = append(args, "replay", r)
+					}
+					log.Info("publishing KV events", args...)
+				}
 			})
 		},
 	}
@@ -57,9 +71,39 @@ latency model of the chosen model-and-GPU profile.`,
 	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
 	f.StringVar(&model, "model", "", "served model name (default: the profile's model)")
 	f.Float64Var(&timeScale, "time-scale", 1, "simulated seconds per wall-clock second")
+	f.StringVar(&profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile; see sim/profiles/)")
+	f.StringVar(&kvEvents, "kv-events-config", "", `vLLM's --kv-events-config JSON, e.g. '{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557"}' (plus "encoding": "array"|"map")`)
 	f.IntVar(&ecfg.BlockSize, "block-size", 0, "KV block size in tokens (default 16)")
 	f.IntVar(&ecfg.NumBlocks, "num-gpu-blocks", 0, "KV cache capacity in blocks (default: derived from the profile)")
 	f.IntVar(&ecfg.MaxNumSeqs, "max-num-seqs", 0, "maximum running requests per step (default 256)")
 	f.IntVar(&ecfg.MaxNumBatchedTokens, "max-num-batched-tokens", 0, "token budget per step (default 8192)")
 	return cmd
+}
+
+// resolveProfile returns the profile from file if given, else the built-in
+// profile called name.
+func resolveProfile(name, file string) (sim.Profile, error) {
+	if file != "" {
+		return sim.LoadProfile(file)
+	}
+	prof, ok := sim.Profiles()[name]
+	if !ok {
+		return sim.Profile{}, fmt.Errorf("unknown profile %q (have %s)", name, strings.Join(profileNames(), ", "))
+	}
+	return prof, nil
+}
+
+// parseKVEvents parses a --kv-events-config JSON object (vLLM's field names);
+// "" means disabled.
+func parseKVEvents(s string) (sim.KVEventsConfig, error) {
+	var c sim.KVEventsConfig
+	if s == "" {
+		return c, nil
+	}
+	d := json.NewDecoder(strings.NewReader(s))
+	d.DisallowUnknownFields()
+	if err := d.Decode(&c); err != nil {
+		return c, fmt.Errorf("--kv-events-config: %w", err)
+	}
+	return c, nil
 }

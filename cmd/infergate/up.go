@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"net"
-	"sort"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -21,6 +20,8 @@ func newUpCmd() *cobra.Command {
 		profile   string
 		model     string
 		timeScale float64
+		kvEvents  string
+		profFile  string
 	)
 	cmd := &cobra.Command{
 		Use:   "up",
@@ -36,9 +37,13 @@ cache-aware routing shows its effect without a GPU.`,
 			if !(timeScale > 0) {
 				return fmt.Errorf("--time-scale %v: must be > 0", timeScale)
 			}
-			prof, ok := sim.Profiles()[profile]
-			if !ok {
-				return fmt.Errorf("unknown profile %q (have %s)", profile, strings.Join(profileNames(), ", "))
+			prof, err := resolveProfile(profile, profFile)
+			if err != nil {
+				return err
+			}
+			kv, err := parseKVEvents(kvEvents)
+			if err != nil {
+				return err
 			}
 			if engines < 1 || engines > 64 {
 				return fmt.Errorf("--engines %d: want 1..64", engines)
@@ -50,6 +55,7 @@ cache-aware routing shows its effect without a GPU.`,
 				Engine:    sim.Config{Profile: prof},
 				Model:     model,
 				TimeScale: timeScale,
+				KVEvents:  kv,
 			})
 			if err != nil {
 				return err
@@ -88,14 +94,9 @@ cache-aware routing shows its effect without a GPU.`,
 	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
 	f.StringVar(&model, "model", "", "served model name (default: the profile's model)")
 	f.Float64Var(&timeScale, "time-scale", 1, "simulated seconds per wall-clock second")
+	f.StringVar(&profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile; see sim/profiles/)")
+	f.StringVar(&kvEvents, "kv-events-config", "", "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
 	return cmd
 }
 
-func profileNames() []string {
-	var names []string
-	for n := range sim.Profiles() {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	return names
-}
+func profileNames() []string { return sim.ProfileNames() }
