@@ -1,0 +1,224 @@
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/trace"
+)
+
+// conversationTrace synthesizes a multi-turn trace in Mooncake's form:
+// convs conversations of turns turns each, every prompt opening with a
+// shared one-block system prompt (hash id 0); each turn repeats the previous
+// turn's blocks and adds 1-3 new ones (the reply and the next message), the
+// first turn has 3-10 blocks of its own. Conversations start in the first
+// 30 s and turns follow 4-12 s apart; arrivals are then spread to be at
+// least minGap apart, so that their order is unambiguous on the wire.
+func conversationTrace(convs, turns int, minGap time.Duration, seed uint64) []trace.Record {
+	rng := rand.New(rand.NewPCG(seed, 2))
+	next := int64(1)
+	var recs []trace.Record
+	for range convs {
+		ids := []int64{0}
+		for range 3 + rng.IntN(8) {
+			ids = append(ids, next)
+			next++
+		}
+		at := time.Duration(rng.IntN(30_000)) * time.Millisecond
+		for turn := range turns {
+			if turn > 0 {
+				at += time.Duration(4000+rng.IntN(8000)) * time.Millisecond
+				for range 1 + rng.IntN(3) {
+					ids = append(ids, next)
+					next++
+				}
+			}
+			recs = append(recs, trace.Record{
+				Timestamp:    at,
+				InputLength:  len(ids)*trace.MooncakeBlockTokens - rng.IntN(trace.MooncakeBlockTokens),
+				OutputLength: 16 + rng.IntN(33),
+				HashIDs:      slices.Clone(ids),
+			})
+		}
+	}
+	slices.SortStableFunc(recs, func(a, b trace.Record) int { return int(a.Timestamp - b.Timestamp) })
+	for i := 1; i < len(recs); i++ {
+		recs[i].Timestamp = max(recs[i].Timestamp, recs[i-1].Timestamp+minGap)
+	}
+	return recs
+}
+
+// Twin run settings: 24 conversations × 5 turns (120 requests, 0.8M prompt
+// tokens, ~85 s of trace) on 4 engines of the default profile (70B on
+// 4×H100: a cold 8k-token prefill takes ~1 s, a decode step ~20 ms), about
+// a third loaded; the real-time fleet runs twinScale() times faster than
+// real time (~9 s of wall time per run; ~18 s under the race detector).
+const (
+	twinConvs  = 24
+	twinTurns  = 5
+	twinGap    = 250 * time.Millisecond
+	twinEngine = 4
+	// twinMaxOffsetWall bounds the real world's wire overhead per request
+	// (ms of wall time).
+	twinMaxOffsetWall = 30
+)
+
+// twinScale is the real-time fleet's time scale: 10, or 5 under the race
+// detector, which slows the wire path (JSON of ~50 KB token-id bodies) about
+// fivefold: at 10 its jitter, ~10 ms of wall time, would be 100 ms of engine
+// time, the per-request tolerance itself.
+func twinScale() float64 {
+	if raceEnabled {
+		return 5
+	}
+	return 10
+}
+
+// realRun replays recs through a real-time fleet behind the gateway over
+// loopback and returns the per-request records.
+func realRun(t *testing.T, policy string, recs []trace.Record) []Record {
+	t.Helper()
+	var out bytes.Buffer
+	_, err := Compare(context.Background(), CompareOptions{
+		Policies: []string{policy},
+		Engines:  twinEngine,
+		Records:  recs,
+		Speedup:  twinScale(),
+		Seed:     1,
+		Output:   &out,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []Record
+	sc := bufio.NewScanner(&out)
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		var r Record
+		if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, r)
+	}
+	if len(got) != len(recs) {
+		t.Fatalf("%d records from the real-time run, want %d", len(got), len(recs))
+	}
+	return got
+}
+
+func virtualRun(t *testing.T, policy string, recs []trace.Record) VirtualRun {
+	t.Helper()
+	run, err := ReplayVirtual(context.Background(), VirtualOptions{
+		Policy: policy, Engines: twinEngine, Records: recs, Seed: 1,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return run
+}
+
+// TestTwinRealVirtual runs the same trace through the real-time world
+// (sim.StartFleet engines behind the real gateway, bench.Replay over
+// loopback, time scale 10; 5 under the race detector) and through
+// sim.VirtualFleet, and checks that the two agree.
+//
+// The real client measures TTFT from sending the request, so real TTFTs carry
+// the wire overhead (HTTP and JSON decoding in the gateway and the engine) times the time scale; the virtual world has none. The offset is
+// estimated as the median real−virtual TTFT difference under round-robin and
+// must be under 30 ms of wall time (measured ~2 ms without and ~10 ms with
+// the race detector on a loaded 2-core host).
+//
+// Round-robin, where routing is identical in both worlds (arrivals are at
+// least 250 ms apart, 25-50 ms of wall time, so they reach the gateway in trace
+// order): per request, |real − offset − virtual| must be within
+// max(15%, 100 ms) of the virtual TTFT for at least 90% of requests (120/120
+// measured, with and without the race detector; max |Δ| 45-64 ms), and within 1.2 s
+// for all: a request that reaches a real engine a few milliseconds late can
+// miss the start of a step and wait for the whole step, which may be a long
+// prefill (a cold 8k-token chunk takes ~1.05 s). Prompt, cached and output
+// tokens must agree exactly.
+//
+// Prefix: in-flight counts can legitimately differ at a decision (a request
+// finishing around another's arrival), so routing may differ; the runs must
+// agree in aggregate: hit rate within 2 points, TTFT p50 and p90 (real minus
+// the offset) within max(20%, 100 ms).
+func TestTwinRealVirtual(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real-time replays; skipped with -short")
+	}
+	recs := conversationTrace(twinConvs, twinTurns, twinGap, 1)
+
+	real := realRun(t, sched.RoundRobin, recs)
+	virt := virtualRun(t, sched.RoundRobin, recs)
+	deltas := make([]float64, len(recs))
+	for i := range recs {
+		r, v := real[i], virt.Records[i]
+		if r.Error != "" || v.Error != "" {
+			t.Fatalf("request %d: real error %q, virtual error %q", i, r.Error, v.Error)
+		}
+		deltas[i] = r.TTFTMs - v.TTFTMs
+	}
+	sorted := slices.Sorted(slices.Values(deltas))
+	offset := Percentile(sorted, 50)
+	var (
+		within, tokMismatch int
+		maxAbs, sumAbs      float64
+	)
+	for i := range recs {
+		r, v := real[i], virt.Records[i]
+		d := math.Abs(deltas[i] - offset)
+		maxAbs = max(maxAbs, d)
+		sumAbs += d
+		if d <= max(0.15*v.TTFTMs, 100) {
+			within++
+		}
+		if d > 1200 {
+			t.Errorf("request %d: real TTFT %.0f ms (offset %.0f), virtual %.0f ms", i, r.TTFTMs, offset, v.TTFTMs)
+		}
+		if r.CachedTokens != v.CachedTokens || r.PromptTokens != v.PromptTokens || r.OutputTokens != v.OutputTokens {
+			tokMismatch++
+		}
+	}
+	rs, vs := Summarize("real", real), virt.Summary
+	t.Logf("round-robin: TTFT real−virtual ms: p1 %.0f p50 (offset) %.0f p99 %.0f; after the offset mean |Δ| %.1f, max |Δ| %.0f; %d/%d within max(15%%, 100 ms)",
+		sorted[0], offset, Percentile(sorted, 99), sumAbs/float64(len(recs)), maxAbs, within, len(recs))
+	t.Logf("round-robin: hit rate real %.1f%% virtual %.1f%%; TTFT p50/p90 real %.0f/%.0f virtual %.0f/%.0f ms; ITL p50 real %.1f virtual %.1f ms",
+		rs.HitRate*100, vs.HitRate*100, rs.TTFT.P50, rs.TTFT.P90, vs.TTFT.P50, vs.TTFT.P90, rs.ITL.P50, vs.ITL.P50)
+	if maxOffset := twinMaxOffsetWall * twinScale(); offset < 0 || offset > maxOffset {
+		t.Errorf("real−virtual TTFT offset %.0f ms, want within [0, %v] ms", offset, maxOffset)
+	}
+	if within < len(recs)*9/10 {
+		t.Errorf("only %d of %d TTFTs within max(15%%, 100 ms)", within, len(recs))
+	}
+	if tokMismatch > 0 {
+		t.Errorf("%d requests differ in prompt, cached or output tokens", tokMismatch)
+	}
+
+	real = realRun(t, sched.Prefix, recs)
+	virt = virtualRun(t, sched.Prefix, recs)
+	rs, vs = Summarize("real", real), virt.Summary
+	t.Logf("prefix: hit rate real %.1f%% virtual %.1f%%; TTFT p50/p90/p99 real %.0f/%.0f/%.0f virtual %.0f/%.0f/%.0f ms",
+		rs.HitRate*100, vs.HitRate*100, rs.TTFT.P50, rs.TTFT.P90, rs.TTFT.P99, vs.TTFT.P50, vs.TTFT.P90, vs.TTFT.P99)
+	if rs.Errors+vs.Errors > 0 {
+		t.Fatalf("errors: real %q, virtual %q", rs.FirstError, vs.FirstError)
+	}
+	if math.Abs(rs.HitRate-vs.HitRate) > 0.02 {
+		t.Errorf("prefix hit rate: real %.1f%%, virtual %.1f%%", rs.HitRate*100, vs.HitRate*100)
+	}
+	for _, q := range []struct {
+		name string
+		r, v float64
+	}{{"p50", rs.TTFT.P50 - offset, vs.TTFT.P50}, {"p90", rs.TTFT.P90 - offset, vs.TTFT.P90}} {
+		if math.Abs(q.r-q.v) > max(0.2*q.v, 100) {
+			t.Errorf("prefix TTFT %s: real %.0f ms (less the offset), virtual %.0f ms", q.name, q.r, q.v)
+		}
+	}
+}

@@ -1,0 +1,156 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/trace"
+)
+
+// VirtualOptions configures ReplayVirtual. Its fields mean what the fields
+// of the same names in CompareOptions mean, for one policy.
+type VirtualOptions struct {
+	// Policy is the routing policy name (default sched.Prefix).
+	Policy string
+	// Engines is the number of simulated engines (default 4).
+	Engines int
+	// Engine is the engine model of every engine (zero: sim's defaults).
+	Engine sim.Config
+	// Records are the requests to replay, in arrival order.
+	Records []trace.Record
+	// Requests limits the run to the first Requests records (0: all).
+	Requests int
+	// OutputTokens, if > 0, replaces every record's output length (tokens).
+	OutputTokens int
+	// Model is the served model name (default: the engine profile's model,
+	// else sim.DefaultModel); it seeds routing hashes as in the gateway.
+	Model string
+	// Seed seeds the engines' outputs (unless Engine.Seed is set) and the
+	// policy's tie-breaking (unless Routing.Seed is set), as in Compare.
+	Seed int64
+	// Routing tunes the policy (its Policy field is replaced by Policy; a
+	// zero Prefix.BlockSize means the engines' block size).
+	Routing sched.Config
+	// SkipITL leaves Record.ITLMs empty (Summary.ITL is then zero), saving
+	// memory on very large traces.
+	SkipITL bool
+}
+
+// VirtualRun is the outcome of ReplayVirtual.
+type VirtualRun struct {
+	// Records are the per-request measurements, in record order, in the
+	// units and time domain of Replay's (ms of engine time; ArrivalMs is the
+	// trace schedule, which a virtual client always keeps).
+	Records []Record
+	// Engine is the index of the engine each record was routed to (-1: none).
+	Engine []int
+	// Summary aggregates Records, with the fleet's utilisation, prefill
+	// tokens and preemptions, like a Compare run.
+	Summary Summary
+	// Stats are the engines' final Stats, in engine order.
+	Stats []sim.Stats
+	// Wall is the wall time the simulation took.
+	Wall time.Duration
+}
+
+// ReplayVirtual replays records through a sim.VirtualFleet: the same engine
+// model and routing policy as Compare, in virtual time, with no network and
+// no sleeping. Arrivals follow the trace exactly (Timestamp − first
+// Timestamp); prompts are the records' synthetic tokens (trace.Record.Tokens,
+// built at arrival) and max_tokens the output length (at least 1), as Replay
+// sends them. ctx is checked before the run only: a run is not interruptible.
+func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error) {
+	if err := ctx.Err(); err != nil {
+		return VirtualRun{}, err
+	}
+	if opts.Engines == 0 {
+		opts.Engines = DefaultEngines
+	}
+	if opts.Policy == "" {
+		opts.Policy = sched.Prefix
+	}
+	eng := opts.Engine
+	if eng.Seed == 0 {
+		eng.Seed = uint64(opts.Seed)
+	}
+	routing := opts.Routing
+	routing.Policy = opts.Policy
+	if routing.Seed == 0 {
+		routing.Seed = uint64(opts.Seed)
+	}
+	recs := opts.Records
+	if opts.Requests > 0 && opts.Requests < len(recs) {
+		recs = recs[:opts.Requests]
+	}
+	fleet, err := sim.NewVirtualFleet(sim.VirtualConfig{
+		Engines: opts.Engines,
+		Engine:  eng,
+		Model:   opts.Model,
+		Routing: routing,
+		SkipITL: opts.SkipITL,
+	})
+	if err != nil {
+		return VirtualRun{}, fmt.Errorf("bench: %w", err)
+	}
+	reqs := make([]sim.VirtualRequest, len(recs))
+	for i := range recs {
+		rec := &recs[i]
+		out := rec.OutputLength
+		if opts.OutputTokens > 0 {
+			out = opts.OutputTokens
+		}
+		reqs[i] = sim.VirtualRequest{
+			Arrival:   rec.Timestamp - recs[0].Timestamp,
+			Prompt:    rec.Tokens,
+			MaxTokens: max(out, 1), // as Replay sends it
+		}
+	}
+	start := time.Now()
+	res, err := fleet.Run(reqs)
+	wall := time.Since(start)
+	if err != nil {
+		return VirtualRun{}, fmt.Errorf("bench: %w", err)
+	}
+	run := VirtualRun{
+		Records: make([]Record, len(res)),
+		Engine:  make([]int, len(res)),
+		Stats:   fleet.Stats(),
+		Wall:    wall,
+	}
+	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+	for i := range res {
+		r := &res[i]
+		out := &run.Records[i]
+		*out = Record{Policy: opts.Policy, Index: i, ArrivalMs: ms(r.Arrival), Status: 200}
+		run.Engine[i] = r.Engine
+		if r.Err != nil {
+			out.Status, out.Error = 400, r.Err.Error()
+			if r.Engine < 0 {
+				out.Status = 503
+			}
+			continue
+		}
+		out.TTFTMs, out.E2EMs = ms(r.TTFT()), ms(r.E2E())
+		out.PromptTokens, out.CachedTokens, out.OutputTokens = r.PromptTokens, r.CachedTokens, r.OutputTokens
+		if len(r.ITL) > 0 {
+			out.ITLMs = make([]float64, len(r.ITL))
+			for j, g := range r.ITL {
+				out.ITLMs[j] = ms(g)
+			}
+		}
+		r.ITL = nil
+	}
+	run.Summary = Summarize(opts.Policy, run.Records)
+	util := fleet.Utilization()
+	var prefill, preempt int64
+	for _, st := range run.Stats {
+		prefill += st.PrefillTokens
+		preempt += st.Preemptions
+	}
+	run.Summary.MeanEngineUtilization = &util
+	run.Summary.EnginePrefillTokens, run.Summary.Preemptions = &prefill, &preempt
+	return run, nil
+}

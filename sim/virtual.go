@@ -1,0 +1,412 @@
+package sim
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+	"time"
+
+	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sched"
+)
+
+// VirtualConfig configures a VirtualFleet.
+type VirtualConfig struct {
+	// Engines is the number of engines (at least 1).
+	Engines int
+	// Engine configures every engine (zero fields take Config defaults).
+	Engine Config
+	// Model is the model name routing hashes are seeded with, as the gateway
+	// seeds them: prefix.Seed(Model + "\x00"). Default: the engine profile's
+	// model, else DefaultModel.
+	Model string
+	// Policy picks an engine for each request from the gateway-side snapshot
+	// (readiness and in-flight counts). nil builds one from Routing.
+	Policy sched.Policy
+	// Routing builds the policy when Policy is nil, sized as the gateway sizes
+	// it: engine i can hold NumBlocks × BlockSize / routing block size prompt
+	// blocks. Routing.Prefix.BlockSize is also the block size routing hashes
+	// use (0: the engines' block size, as bench.Compare sets it), with a
+	// given Policy too.
+	Routing sched.Config
+	// SkipITL leaves VirtualResult.ITL nil, saving one duration per output
+	// token for very large replays.
+	SkipITL bool
+}
+
+// VirtualRequest is one request of a virtual-time replay.
+type VirtualRequest struct {
+	// Arrival is when the request reaches the gateway (simulated time).
+	// Requests must be given in non-decreasing Arrival order.
+	Arrival time.Duration
+	// Tokens is the prompt. When nil, Prompt is called instead.
+	Tokens []uint32
+	// Prompt appends the prompt to dst and returns the extended slice. It is
+	// called once, at the request's arrival, and the result is not kept past
+	// routing and Engine.Add (which copies it): prompts can be synthesized
+	// lazily, so that only the unfinished requests' tokens are in memory.
+	Prompt func(dst []uint32) []uint32
+	// MaxTokens is the exact number of tokens to generate.
+	MaxTokens int
+}
+
+// VirtualResult is the outcome of one VirtualRequest. Times are simulated.
+type VirtualResult struct {
+	// Engine is the index of the engine the policy chose (-1 if none).
+	Engine int
+	// Arrival is the request's arrival time.
+	Arrival time.Duration
+	// FirstToken is when the first output token was delivered (the end of the
+	// step that sampled it).
+	FirstToken time.Duration
+	// Finish is when the last output token was delivered.
+	Finish time.Duration
+	// ITL holds the gaps between consecutive output tokens (OutputTokens−1
+	// of them; nil with VirtualConfig.SkipITL).
+	ITL []time.Duration
+	// PromptTokens and CachedTokens are the prompt length and its prefix-cache
+	// hit at first admission, as the engine reports them in usage.
+	PromptTokens, CachedTokens int
+	// OutputTokens is the number of tokens generated.
+	OutputTokens int
+	// MatchedBlocks is the number of routing blocks the policy expected the
+	// chosen engine to hold (sched.Decision.MatchedBlocks).
+	MatchedBlocks int
+	// Err is why the request was not served (no endpoint, or the engine
+	// rejected it as Engine.Add does); nil on success.
+	Err error
+}
+
+// TTFT is the time to first token.
+func (r *VirtualResult) TTFT() time.Duration { return r.FirstToken - r.Arrival }
+
+// E2E is the end-to-end latency, from arrival to the last token.
+func (r *VirtualResult) E2E() time.Duration { return r.Finish - r.Arrival }
+
+// ErrNoEndpoint is VirtualResult.Err when the policy picked no engine.
+var ErrNoEndpoint = errors.New("sim: no endpoint available")
+
+// VirtualFleet runs Engines in virtual time: a discrete-event loop with no
+// goroutines, no sleeping and no clock, routing each request with a
+// sched.Policy over gateway-side in-flight counts as the live gateway does.
+// Event semantics are those of the real-time Server driver:
+//
+//   - An engine idle when a request is added starts a step with it at once,
+//     at the arrival time. A request arriving while the engine is mid-step
+//     joins its waiting queue and is considered by the next step, which
+//     starts when the current one ends.
+//   - A step's outputs are delivered at its end (start + Duration). A request
+//     is finished for the gateway (its in-flight count drops) when its last
+//     token is delivered.
+//
+// Ties are resolved deterministically: at one instant, step ends are
+// delivered first (engines in index order), then arrivals are routed in
+// request order, then the engines whose step just ended and that still have
+// work start their next step — so a request arriving exactly at a step's end
+// joins the next step, as the driver's post-delivery drain does. Two requests
+// arriving at once at an idle engine are not batched: the first starts a step
+// alone, as with the real driver, which steps as soon as a request arrives.
+//
+// A VirtualFleet is not safe for concurrent use.
+type VirtualFleet struct {
+	cfg       VirtualConfig
+	policy    sched.Policy
+	seed      uint64 // routing hash seed
+	blockSize int    // routing block size
+	engines   []virtualEngine
+	snap      []sched.Endpoint
+	heap      stepHeap
+	pending   []int32
+	now       time.Duration
+	nextID    int // id of the next request (across Runs)
+
+	// Per Run.
+	reqs   []VirtualRequest
+	res    []VirtualResult
+	base   int
+	prompt []uint32
+	hashes []uint64
+	req    Request
+	sreq   sched.Request
+}
+
+type virtualEngine struct {
+	e        *Engine
+	inFlight int
+	busy     bool // a step is in progress; it ends at end
+	pending  bool // its step ended now and the next starts after this instant's arrivals
+	end      time.Duration
+	outs     []Output // the step's outputs, delivered at end (owned by e)
+}
+
+// NewVirtualFleet returns a fleet of cfg.Engines idle engines at time 0.
+func NewVirtualFleet(cfg VirtualConfig) (*VirtualFleet, error) {
+	if cfg.Engines < 1 {
+		return nil, fmt.Errorf("sim: fleet size must be >= 1, got %d", cfg.Engines)
+	}
+	if err := cfg.Engine.Validate(); err != nil {
+		return nil, fmt.Errorf("sim: %w", err)
+	}
+	eng := cfg.Engine.WithDefaults()
+	if cfg.Model == "" {
+		cfg.Model = eng.Profile.Model
+	}
+	if cfg.Model == "" {
+		cfg.Model = DefaultModel
+	}
+	if cfg.Routing.Prefix.BlockSize == 0 {
+		cfg.Routing.Prefix.BlockSize = eng.BlockSize
+	}
+	bs := cfg.Routing.Prefix.BlockSize
+	if bs < 1 {
+		return nil, fmt.Errorf("sim: routing block size %d: must be at least 1", bs)
+	}
+	policy := cfg.Policy
+	if policy == nil {
+		capacity := make([]int, cfg.Engines)
+		for i := range capacity {
+			capacity[i] = max(1, eng.NumBlocks*eng.BlockSize/bs)
+		}
+		var err error
+		if policy, err = sched.New(cfg.Routing, capacity); err != nil {
+			return nil, fmt.Errorf("sim: %w", err)
+		}
+	}
+	f := &VirtualFleet{
+		cfg:       cfg,
+		policy:    policy,
+		seed:      prefix.Seed(cfg.Model + "\x00"),
+		blockSize: bs,
+		engines:   make([]virtualEngine, cfg.Engines),
+		snap:      make([]sched.Endpoint, cfg.Engines),
+	}
+	for i := range f.engines {
+		f.engines[i].e = NewEngine(eng)
+		f.snap[i] = sched.Endpoint{Name: "virtual-" + strconv.Itoa(i), Ready: true}
+	}
+	return f, nil
+}
+
+// Policy returns the routing policy in use.
+func (f *VirtualFleet) Policy() sched.Policy { return f.policy }
+
+// Now is the simulated time of the last event processed: after Run, when the
+// last request finished (or the last arrival, if later).
+func (f *VirtualFleet) Now() time.Duration { return f.now }
+
+// Stats returns every engine's Stats, in engine order (BusyTime included).
+func (f *VirtualFleet) Stats() []Stats {
+	st := make([]Stats, len(f.engines))
+	for i := range f.engines {
+		st[i] = f.engines[i].e.Stats()
+	}
+	return st
+}
+
+// Utilization is the engines' mean busy fraction of [0, Now] (0..1).
+func (f *VirtualFleet) Utilization() float64 {
+	if f.now <= 0 {
+		return 0
+	}
+	var busy time.Duration
+	for i := range f.engines {
+		busy += f.engines[i].e.Stats().BusyTime
+	}
+	return float64(busy) / float64(f.now) / float64(len(f.engines))
+}
+
+// InFlight returns the gateway-side in-flight count of engine i.
+func (f *VirtualFleet) InFlight(i int) int { return f.engines[i].inFlight }
+
+// Run replays reqs, which must be in non-decreasing Arrival order and not
+// before Now, and advances the fleet until every engine is idle. It returns
+// one result per request, in request order; requests the fleet could not
+// serve carry Err. The fleet keeps its state (caches, policy index, clock)
+// for a later Run.
+func (f *VirtualFleet) Run(reqs []VirtualRequest) ([]VirtualResult, error) {
+	for i := range reqs {
+		if reqs[i].Arrival < 0 || (i > 0 && reqs[i].Arrival < reqs[i-1].Arrival) {
+			return nil, fmt.Errorf("sim: request %d arrives at %v, out of order", i, reqs[i].Arrival)
+		}
+		if reqs[i].Tokens == nil && reqs[i].Prompt == nil {
+			return nil, fmt.Errorf("sim: request %d has neither Tokens nor Prompt", i)
+		}
+	}
+	if len(reqs) > 0 && reqs[0].Arrival < f.now {
+		return nil, fmt.Errorf("sim: request 0 arrives at %v, before the fleet's time %v", reqs[0].Arrival, f.now)
+	}
+	f.reqs, f.res = reqs, make([]VirtualResult, len(reqs))
+	f.base = f.nextID
+	f.nextID += len(reqs)
+	defer func() { f.reqs, f.res = nil, nil }()
+
+	const never = time.Duration(math.MaxInt64)
+	next := 0
+	for next < len(reqs) || f.heap.len() > 0 {
+		t := never
+		if f.heap.len() > 0 {
+			t = f.engines[f.heap.top()].end
+		}
+		if next < len(reqs) && reqs[next].Arrival < t {
+			t = reqs[next].Arrival
+		}
+		f.now = t
+		// 1. Deliver the steps ending now.
+		f.pending = f.pending[:0]
+		for f.heap.len() > 0 && f.engines[f.heap.top()].end == t {
+			i := f.heap.pop(f.engines)
+			ve := &f.engines[i]
+			ve.busy = false
+			f.deliver(ve, t)
+			if ve.e.HasWork() {
+				ve.pending = true
+				f.pending = append(f.pending, i)
+			}
+		}
+		// 2. Route the arrivals of this instant.
+		for next < len(reqs) && reqs[next].Arrival == t {
+			f.arrive(next, &reqs[next], t)
+			next++
+		}
+		// 3. Engines whose step just ended start the next one.
+		for _, i := range f.pending {
+			f.engines[i].pending = false
+			f.step(i, t)
+		}
+	}
+	f.prompt = f.prompt[:0]
+	return f.res, nil
+}
+
+// arrive routes request k at time t and adds it to the chosen engine,
+// starting a step at once if the engine is idle.
+func (f *VirtualFleet) arrive(k int, vr *VirtualRequest, t time.Duration) {
+	r := &f.res[k]
+	r.Arrival, r.Engine = t, -1
+	tokens := vr.Tokens
+	if tokens == nil {
+		f.prompt = vr.Prompt(f.prompt[:0])
+		tokens = f.prompt
+	}
+	f.sreq = sched.Request{Model: f.cfg.Model}
+	if f.policy.NeedsHashes() {
+		f.hashes = prefix.Hashes(f.hashes[:0], tokens, f.blockSize, f.seed)
+		f.sreq.Hashes, f.sreq.PromptTokens = f.hashes, len(tokens)
+	}
+	for i := range f.engines {
+		f.snap[i].InFlight = f.engines[i].inFlight
+	}
+	d := f.policy.Pick(&f.sreq, f.snap)
+	if d.Endpoint < 0 || d.Endpoint >= len(f.engines) {
+		r.Err = ErrNoEndpoint
+		return
+	}
+	r.Engine, r.MatchedBlocks = d.Endpoint, d.MatchedBlocks
+	ve := &f.engines[d.Endpoint]
+	f.req = Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: vr.MaxTokens}
+	err := ve.e.Add(&f.req, t)
+	f.req.Tokens = nil
+	if err != nil {
+		r.Err = err
+		return
+	}
+	ve.inFlight++
+	if !ve.busy && !ve.pending {
+		f.step(int32(d.Endpoint), t)
+	}
+}
+
+// step starts a step of engine i at time t.
+func (f *VirtualFleet) step(i int32, t time.Duration) {
+	ve := &f.engines[i]
+	res := ve.e.Step(t)
+	ve.busy, ve.end, ve.outs = true, t+res.Duration, res.Outputs
+	f.heap.push(f.engines, i)
+}
+
+// deliver hands the outputs of ve's step, ending at t, to their requests.
+func (f *VirtualFleet) deliver(ve *virtualEngine, t time.Duration) {
+	for _, o := range ve.outs {
+		if o.NewTokens == 0 {
+			continue
+		}
+		k := f.index(o.ID)
+		r := &f.res[k]
+		if o.FirstToken {
+			r.FirstToken = t
+			r.PromptTokens, r.CachedTokens = o.PromptTokens, o.CachedTokens
+			if m := f.reqs[k].MaxTokens; !f.cfg.SkipITL && m > 1 {
+				r.ITL = make([]time.Duration, 0, m-1)
+			}
+		} else if !f.cfg.SkipITL {
+			r.ITL = append(r.ITL, t-r.Finish)
+		}
+		r.Finish = t
+		r.OutputTokens = o.OutputTokens
+		if o.Finished {
+			ve.inFlight--
+		}
+	}
+	ve.outs = nil
+}
+
+// index parses the decimal request id given in arrive back to a result index.
+func (f *VirtualFleet) index(id string) int {
+	n := 0
+	for i := 0; i < len(id); i++ {
+		n = n*10 + int(id[i]-'0')
+	}
+	return n - f.base
+}
+
+// stepHeap is a binary min-heap of engine indices ordered by step end, then
+// index (deterministic ties).
+type stepHeap struct{ h []int32 }
+
+func (h *stepHeap) len() int   { return len(h.h) }
+func (h *stepHeap) top() int32 { return h.h[0] }
+
+func stepBefore(es []virtualEngine, a, b int32) bool {
+	if es[a].end != es[b].end {
+		return es[a].end < es[b].end
+	}
+	return a < b
+}
+
+func (h *stepHeap) push(es []virtualEngine, i int32) {
+	h.h = append(h.h, i)
+	j := len(h.h) - 1
+	for j > 0 {
+		p := (j - 1) / 2
+		if !stepBefore(es, h.h[j], h.h[p]) {
+			break
+		}
+		h.h[j], h.h[p] = h.h[p], h.h[j]
+		j = p
+	}
+}
+
+func (h *stepHeap) pop(es []virtualEngine) int32 {
+	top := h.h[0]
+	n := len(h.h) - 1
+	h.h[0] = h.h[n]
+	h.h = h.h[:n]
+	j := 0
+	for {
+		l := 2*j + 1
+		if l >= n {
+			break
+		}
+		c := l
+		if r := l + 1; r < n && stepBefore(es, h.h[r], h.h[l]) {
+			c = r
+		}
+		if !stepBefore(es, h.h[c], h.h[j]) {
+			break
+		}
+		h.h[j], h.h[c] = h.h[c], h.h[j]
+		j = c
+	}
+	return top
+}
