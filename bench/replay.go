@@ -220,15 +220,15 @@ dispatch:
 	prog.finish(out, scale)
 
 	if opts.Output != nil {
-		if werr := writeRecords(opts.Output, out); werr != nil && err == nil {
+		if werr := WriteRecords(opts.Output, out); werr != nil && err == nil {
 			err = fmt.Errorf("bench: write records: %w", werr)
 		}
 	}
 	return out, err
 }
 
-// writeRecords writes recs as JSON lines.
-func writeRecords(w io.Writer, recs []Record) error {
+// WriteRecords writes recs as JSON lines (the --records format).
+func WriteRecords(w io.Writer, recs []Record) error {
 	enc := json.NewEncoder(w)
 	for i := range recs {
 		if err := enc.Encode(&recs[i]); err != nil {

@@ -232,3 +232,45 @@ func TestHelpAndVersion(t *testing.T) {
 		t.Errorf("serve without endpoints should fail clearly: %v %s", err, msg)
 	}
 }
+
+// TestBenchCompareVirtual runs `bench --compare --virtual` on a small trace:
+// the continuations hit the cache under prefix and the JSON has both runs.
+func TestBenchCompareVirtual(t *testing.T) {
+	dir := t.TempDir()
+	tr := filepath.Join(dir, "trace.jsonl")
+	var lines strings.Builder
+	for i := range 40 {
+		// 10 conversations, 4 turns each, each turn extending the last.
+		conv, turn := i%10, i/10
+		ids := []string{"0"}
+		for k := 0; k <= turn+1; k++ {
+			ids = append(ids, fmt.Sprint(1000*(conv+1)+k))
+		}
+		fmt.Fprintf(&lines, `{"timestamp": %d, "input_length": %d, "output_length": 8, "hash_ids": [%s]}`+"\n",
+			i*2000, 512*len(ids), strings.Join(ids, ", "))
+	}
+	if err := os.WriteFile(tr, []byte(lines.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(dir, "r.json")
+	c := exec.Command(os.Args[0], "bench", "--compare", "round-robin,prefix", "--virtual", "--engines", "4", "--trace", tr, "--out", out)
+	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
+	if msg, err := c.CombinedOutput(); err != nil {
+		t.Fatalf("bench: %v\n%s", err, msg)
+	}
+	var rep struct {
+		Runs []struct {
+			Policy           string
+			Requests, Errors int
+			HitRate          float64 `json:"hit_rate"`
+		}
+	}
+	raw, _ := os.ReadFile(out)
+	if err := json.Unmarshal(raw, &rep); err != nil || len(rep.Runs) != 2 {
+		t.Fatalf("report %s: %v", raw, err)
+	}
+	rr, px := rep.Runs[0], rep.Runs[1]
+	if rr.Errors+px.Errors != 0 || px.Requests != 40 || px.HitRate <= rr.HitRate || px.HitRate < 0.5 {
+		t.Fatalf("round-robin %+v, prefix %+v: want prefix hit rate > round-robin's and >= 0.5", rr, px)
+	}
+}
