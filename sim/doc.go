@@ -13,5 +13,8 @@
 // Server puts a vLLM-compatible OpenAI HTTP front on an Engine, driven in real
 // time scaled by TimeScale: /v1/completions, /v1/chat/completions (SSE
 // streaming like vLLM), /v1/models, /health and /metrics with vLLM's metric
-// names. See README.md for the model, its constants and its sources.
+// names. LoRA adapters (Config.LoRA) are served as separate models with their
+// own prefix-cache identity, vLLM's max_loras scheduling constraint and a
+// simulated load latency. See README.md for the model, its constants and its
+// sources.
 package sim

@@ -43,6 +43,8 @@ type Config struct {
 	// BlockRemoved, AllBlocksCleared) in StepResult.Events; see kvevents.go.
 	// Off, recording costs nothing.
 	KVEvents bool `yaml:"kv_events"`
+	// LoRA enables LoRA adapters (off when LoRA.Adapters is empty); see lora.go.
+	LoRA LoRAConfig `yaml:"lora"`
 }
 
 // WithDefaults returns c with zero fields replaced by their defaults.
@@ -65,6 +67,7 @@ func (c Config) WithDefaults() Config {
 	if len(c.OutputVocab) == 0 {
 		c.OutputVocab = defaultVocab
 	}
+	c.LoRA = c.LoRA.WithDefaults()
 	return c
 }
 
@@ -95,6 +98,9 @@ func (c Config) Validate() error {
 	if c.MaxNumBatchedTokens < 1 {
 		errs = append(errs, fmt.Errorf("max_num_batched_tokens must be >= 1, got %d", c.MaxNumBatchedTokens))
 	}
+	if err := c.LoRA.Validate(); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 
@@ -107,10 +113,14 @@ type Request struct {
 	Tokens []uint32
 	// MaxTokens is the exact number of tokens to generate (the engine has no EOS).
 	MaxTokens int
-	// Extra is the adapter / cache-salt identity (0 for none), used as the
-	// parent hash of the first block, so requests with different Extra share no
-	// cached blocks.
+	// Extra is the cache-salt identity (0 for none; the HTTP front uses
+	// prefix.Seed(cache_salt)). Together with LoRA it makes the parent hash of
+	// the first block (RootHash(LoRA, Extra)), so requests with different
+	// Extra or LoRA share no cached blocks.
 	Extra uint64
+	// LoRA names the adapter the request runs under ("" for the base model);
+	// it must be one of Config.LoRA.Adapters.
+	LoRA string
 }
 
 // Output is what one step produced for one request.
@@ -134,6 +144,10 @@ type Output struct {
 	CachedTokens int
 	// OutputTokens is the number of tokens generated so far, this one included.
 	OutputTokens int
+	// Scheduled is the simulated time the request was first scheduled: the
+	// start of the step that first admitted it (vLLM's SCHEDULED event;
+	// queue time = Scheduled − arrival).
+	Scheduled time.Duration
 }
 
 // StepResult is the outcome of one engine step.
@@ -151,6 +165,9 @@ type StepResult struct {
 	// previous Step. nil unless Config.KVEvents. Owned by the Engine: valid
 	// until the next call to Step, ResetPrefixCache or TakeKVEvents.
 	Events []KVEvent
+	// LoRALoads is the number of adapters loaded for the step; Duration
+	// includes LoRALoads × LoRAConfig.LoadLatency.
+	LoRALoads int
 }
 
 // Stats is a snapshot of engine state and cumulative counters.
@@ -174,6 +191,21 @@ type Stats struct {
 	PrefillTokens int64
 	// BusyTime is the simulated time spent in steps (for utilisation).
 	BusyTime time.Duration
+	// CachedPromptTokens counts prefix-cache hit tokens of prompts when their
+	// first token is produced (vLLM prompt_tokens_cached).
+	CachedPromptTokens int64
+
+	// WaitingDeferred is the number of waiting requests that could not be
+	// admitted now whatever the free KV blocks and token budget, because
+	// their adapter would exceed LoRAConfig.MaxLoras (vLLM
+	// num_requests_waiting_by_reason{reason="deferred"}); the other
+	// Waiting − WaitingDeferred wait for capacity.
+	WaitingDeferred int
+	// RunningLoRAs and WaitingLoRAs are the distinct adapters of running and
+	// of waiting requests, sorted (nil when LoRA is disabled or none).
+	RunningLoRAs, WaitingLoRAs []string
+	// LoRALoads counts adapter loads (each cost LoRAConfig.LoadLatency).
+	LoRALoads int64
 }
 
 // Errors returned by Engine.Add.
@@ -191,7 +223,9 @@ type seq struct {
 	tokens      []uint32 // prompt followed by generated tokens
 	promptLen   int
 	maxTokens   int
-	extra       uint64
+	root        uint64 // parent hash of block 0: RootHash(lora, Request.Extra)
+	lora        string // adapter, "" for the base model
+	loraID      int    // LoRAConfig.AdapterID(lora); 0 for the base model
 	seed        uint64
 	hashes      []uint64      // chained hashes of the full blocks of tokens
 	blocks      []int32       // KV blocks, in sequence order
@@ -200,6 +234,7 @@ type seq struct {
 	cached      int           // prefix-cache hit tokens at first admission; -1 before
 	admitted    bool          // has been scheduled at least once
 	arrival     time.Duration // simulated time of Add
+	scheduledAt time.Duration // start of the step that first admitted it
 }
 
 func (s *seq) output() int { return len(s.tokens) - s.promptLen }
@@ -224,6 +259,7 @@ type Engine struct {
 	hit     []int32
 	stats   Stats
 	kv      *kvEventLog // nil unless cfg.KVEvents
+	lora    *loraState  // nil unless cfg.LoRA.Enabled()
 }
 
 // NewEngine returns an idle engine. It panics if cfg.Validate fails; callers
@@ -243,6 +279,9 @@ func NewEngine(cfg Config) *Engine {
 		e.kv = &kvEventLog{}
 		e.pool.ev = e.kv
 	}
+	if cfg.LoRA.Enabled() {
+		e.lora = newLoRAState(cfg.LoRA)
+	}
 	return e
 }
 
@@ -251,11 +290,14 @@ func (e *Engine) Config() Config { return e.cfg }
 
 // Add queues a request at simulated time now. It fails if the ID is in use,
 // the prompt is empty, MaxTokens < 1, prompt+MaxTokens exceeds the profile's
-// MaxModelLen, or the request could not fit the KV cache even alone (which
-// would otherwise preempt itself forever).
+// MaxModelLen, the request could not fit the KV cache even alone (which
+// would otherwise preempt itself forever), or it names an unknown adapter.
 func (e *Engine) Add(r *Request, now time.Duration) error {
 	if err := e.cfg.CheckRequest(len(r.Tokens), r.MaxTokens); err != nil {
 		return err
+	}
+	if r.LoRA != "" && e.cfg.LoRA.AdapterID(r.LoRA) == 0 {
+		return fmt.Errorf("%w: %q", ErrUnknownLoRA, r.LoRA)
 	}
 	if _, dup := e.byID[r.ID]; dup {
 		return fmt.Errorf("%w: %q", ErrDuplicateID, r.ID)
@@ -267,13 +309,15 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 		tokens:    make([]uint32, len(r.Tokens), total),
 		promptLen: len(r.Tokens),
 		maxTokens: r.MaxTokens,
-		extra:     r.Extra,
+		root:      RootHash(r.LoRA, r.Extra),
+		lora:      r.LoRA,
+		loraID:    e.cfg.LoRA.AdapterID(r.LoRA),
 		cached:    -1,
 		arrival:   now,
 		hashes:    make([]uint64, 0, total/bs),
 	}
 	copy(s.tokens, r.Tokens)
-	s.hashes = prefix.Hashes(s.hashes, s.tokens, bs, r.Extra)
+	s.hashes = prefix.Hashes(s.hashes, s.tokens, bs, s.root)
 	s.seed = e.promptSeed(s)
 	e.byID[r.ID] = s
 	e.waiting.pushBack(s)
@@ -316,6 +360,9 @@ func (e *Engine) Abort(id string) {
 	if i := slices.Index(e.running, s); i >= 0 {
 		e.running = slices.Delete(e.running, i, i+1)
 		e.freeBlocks(s)
+		if e.lora != nil {
+			e.lora.stop(s.lora)
+		}
 		return
 	}
 	e.waiting.remove(s)
@@ -330,6 +377,27 @@ func (e *Engine) Stats() Stats {
 	st.Running = len(e.running)
 	st.Waiting = e.waiting.len()
 	st.KVUsage = float64(e.pool.used()) / float64(len(e.pool.blocks))
+	if e.lora != nil {
+		st.LoRALoads = e.lora.loads
+		st.RunningLoRAs = e.lora.runningAdapters()
+		var waiting map[string]bool
+		for _, s := range e.waiting.buf[e.waiting.head:] {
+			if s.lora == "" {
+				continue
+			}
+			if !e.lora.admissible(s.lora) {
+				st.WaitingDeferred++
+			}
+			if !waiting[s.lora] {
+				if waiting == nil {
+					waiting = make(map[string]bool)
+				}
+				waiting[s.lora] = true
+				st.WaitingLoRAs = append(st.WaitingLoRAs, s.lora)
+			}
+		}
+		slices.Sort(st.WaitingLoRAs)
+	}
 	return st
 }
 
@@ -346,7 +414,10 @@ func (e *Engine) Stats() Stats {
 //     budget lasts and fewer than MaxNumSeqs run: each looks up its longest
 //     cached prefix of full blocks (at most prompt-1 tokens), then gets a
 //     chunk of the rest. Admission stops at the first request whose blocks
-//     cannot be allocated.
+//     cannot be allocated. With LoRA, a request whose adapter would make more
+//     than MaxLoras distinct adapters run is skipped — it keeps its place in
+//     the queue and later requests may pass it — as vLLM skips it; an adapter
+//     that is not loaded adds LoadLatency to the step that admits it.
 //
 // A request whose computed tokens reach its length samples one token; one that
 // has MaxTokens tokens finishes and releases its blocks.
@@ -391,20 +462,29 @@ func (e *Engine) Step(now time.Duration) StepResult {
 		i++
 	}
 
+	loads := 0
 	if !preempted {
-		for e.waiting.len() > 0 && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs {
-			s := e.waiting.front()
+		for i := 0; i < e.waiting.len() && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs; {
+			s := e.waiting.at(i)
+			if e.lora != nil && !e.lora.admissible(s.lora) {
+				i++ // deferred: would exceed max_loras (vLLM skips it, keeping its place)
+				continue
+			}
 			hit := e.findCached(s)
 			computed := len(hit) * e.cfg.BlockSize
 			n := min(len(s.tokens)-computed, budget)
 			if !e.allocate(s, n, hit) {
 				break
 			}
-			e.waiting.popFront()
+			e.waiting.removeAt(i)
 			e.running = append(e.running, s)
+			if e.lora != nil && e.lora.start(s.lora) {
+				loads++
+			}
 			s.computed = computed
 			if !s.admitted {
 				s.admitted = true
+				s.scheduledAt = now
 				s.cached = computed
 				e.stats.PrefixQueries += int64(len(s.tokens))
 				e.stats.PrefixHits += int64(computed)
@@ -433,6 +513,7 @@ func (e *Engine) Step(now time.Duration) StepResult {
 		out := s.output()
 		if out == 1 {
 			e.stats.PromptTokens += int64(s.promptLen)
+			e.stats.CachedPromptTokens += int64(max(s.cached, 0))
 		}
 		e.stats.GenerationTokens++
 		done := out >= s.maxTokens
@@ -445,9 +526,13 @@ func (e *Engine) Step(now time.Duration) StepResult {
 			PromptTokens: s.promptLen,
 			CachedTokens: max(s.cached, 0),
 			OutputTokens: out,
+			Scheduled:    s.scheduledAt,
 		})
 		if done {
 			e.freeBlocks(s)
+			if e.lora != nil {
+				e.lora.stop(s.lora)
+			}
 			delete(e.byID, s.id)
 			s.computed = -1 // marks finished for the compaction below
 			finished = true
@@ -456,9 +541,9 @@ func (e *Engine) Step(now time.Duration) StepResult {
 	if finished {
 		e.running = slices.DeleteFunc(e.running, func(s *seq) bool { return s.computed < 0 })
 	}
-	d := e.cfg.Profile.StepTime(cost)
+	d := e.cfg.Profile.StepTime(cost) + time.Duration(loads)*e.cfg.LoRA.LoadLatency
 	e.stats.BusyTime += d
-	return StepResult{Duration: d, Outputs: e.out, Cost: cost, Events: e.kv.take()}
+	return StepResult{Duration: d, Outputs: e.out, Cost: cost, Events: e.kv.take(), LoRALoads: loads}
 }
 
 // findCached returns the blocks of the longest cached prefix of s, capped so
@@ -528,7 +613,7 @@ func (e *Engine) ensureHashes(s *seq, upTo int) {
 	if (have+1)*bs > upTo {
 		return
 	}
-	parent := s.extra
+	parent := s.root
 	if have > 0 {
 		parent = s.hashes[have-1]
 	}
@@ -536,10 +621,11 @@ func (e *Engine) ensureHashes(s *seq, upTo int) {
 }
 
 // promptSeed derives the seed of the output stream of s from its whole prompt
-// (the last full block's chained hash and the partial tail), its Extra and the
-// engine seed, so identical requests get identical outputs, like greedy decoding.
+// (the last full block's chained hash and the partial tail), its Extra and
+// adapter, and the engine seed, so identical requests get identical outputs,
+// like greedy decoding.
 func (e *Engine) promptSeed(s *seq) uint64 {
-	parent := s.extra
+	parent := s.root
 	if n := len(s.hashes); n > 0 {
 		parent = s.hashes[n-1]
 	}
@@ -565,6 +651,9 @@ func (e *Engine) promptSeed(s *seq) uint64 {
 // its prompt and generated tokens (vLLM recompute preemption).
 func (e *Engine) preempt(s *seq) {
 	e.freeBlocks(s)
+	if e.lora != nil {
+		e.lora.stop(s.lora)
+	}
 	s.computed = 0
 	e.stats.Preemptions++
 	e.waiting.pushFront(s)
@@ -598,8 +687,18 @@ type queue struct {
 }
 
 func (q *queue) len() int        { return len(q.buf) - q.head }
-func (q *queue) front() *seq     { return q.buf[q.head] }
+func (q *queue) at(i int) *seq   { return q.buf[q.head+i] }
 func (q *queue) pushBack(s *seq) { q.buf = append(q.buf, s) }
+
+// removeAt removes the i-th request from the front; O(1) for the front,
+// O(n) otherwise (only when LoRA made the scheduler skip requests).
+func (q *queue) removeAt(i int) {
+	if i == 0 {
+		q.popFront()
+		return
+	}
+	q.buf = slices.Delete(q.buf, q.head+i, q.head+i+1)
+}
 
 func (q *queue) popFront() {
 	q.buf[q.head] = nil

@@ -56,7 +56,7 @@ func (t KVEventType) String() string {
 }
 
 // Constant fields of the simulator's events. The simulator models one
-// full-attention KV-cache group on the GPU, without LoRA adapters.
+// full-attention KV-cache group on the GPU.
 const (
 	// KVMediumGPU is BlockStored/BlockRemoved.medium (vLLM MEDIUM_GPU).
 	KVMediumGPU = "GPU"
@@ -65,8 +65,8 @@ const (
 )
 
 // KVEvent is one KV-cache event of the simulated block pool. The medium
-// ("GPU"), group index (0), KV-cache spec kind ("full_attention") and the
-// absent LoRA fields are constants of the simulator and not stored.
+// ("GPU"), group index (0) and KV-cache spec kind ("full_attention") are
+// constants of the simulator and not stored.
 type KVEvent struct {
 	Type KVEventType
 	// BlockHashes are the chained prefix-cache hashes of the stored blocks, in
@@ -85,6 +85,13 @@ type KVEvent struct {
 	TokenIDs []uint32
 	// BlockSize is the block size in tokens (BlockStored only).
 	BlockSize int
+	// LoRAName and LoRAID identify the adapter of the request that stored
+	// the blocks ("" and 0 for the base model; BlockStored only). They are
+	// published as lora_name and lora_id (null for the base model), and the
+	// name as every block's extra_keys entry [lora_name], as vLLM does
+	// (vllm/v1/core/block_pool.py cache_full_blocks).
+	LoRAName string
+	LoRAID   int
 }
 
 // kvEventLog records the events of one step (and of ResetPrefixCache calls
@@ -132,6 +139,8 @@ func (l *kvEventLog) stored(s *seq, from, to, blockSize int) {
 		BlockHashes: l.hashes[h0:len(l.hashes):len(l.hashes)],
 		TokenIDs:    l.tokens[t0:len(l.tokens):len(l.tokens)],
 		BlockSize:   blockSize,
+		LoRAName:    s.lora,
+		LoRAID:      s.loraID,
 	}
 	if from > 0 {
 		ev.ParentBlockHash, ev.HasParent = s.hashes[from-1], true
@@ -226,8 +235,10 @@ const (
 // Events carry the fields of the newest vLLM declaration, in its order:
 //
 //	BlockStored      block_hashes, parent_block_hash, token_ids, block_size,
-//	                 lora_id (null), medium ("GPU"), lora_name (null),
-//	                 extra_keys ([null] per block), group_idx (0),
+//	                 lora_id (adapter id or null), medium ("GPU"),
+//	                 lora_name (adapter name or null), extra_keys (one
+//	                 entry per block: [lora_name] for an adapter, else
+//	                 null), group_idx (0),
 //	                 kv_cache_spec_kind ("full_attention"),
 //	                 kv_cache_spec_sliding_window (null: the default, omitted)
 //	BlockRemoved     block_hashes, medium ("GPU"), group_idx (null: omitted)
@@ -287,15 +298,30 @@ func appendKVEvent(dst []byte, ev *KVEvent, asMap bool) []byte {
 		dst = field(dst, "block_size")
 		dst = mpInt(dst, int64(ev.BlockSize))
 		dst = field(dst, "lora_id")
-		dst = mpNil(dst)
+		if ev.LoRAName != "" {
+			dst = mpInt(dst, int64(ev.LoRAID))
+		} else {
+			dst = mpNil(dst)
+		}
 		dst = field(dst, "medium")
 		dst = mpStr(dst, KVMediumGPU)
 		dst = field(dst, "lora_name")
-		dst = mpNil(dst)
-		dst = field(dst, "extra_keys") // one null per block: no extra hash keys
+		if ev.LoRAName != "" {
+			dst = mpStr(dst, ev.LoRAName)
+		} else {
+			dst = mpNil(dst)
+		}
+		// One entry per block: the block's extra hash keys, [lora_name] for an
+		// adapter (the cache salt is folded into the root hash instead), else null.
+		dst = field(dst, "extra_keys")
 		dst = mpArray(dst, len(ev.BlockHashes))
 		for range ev.BlockHashes {
-			dst = mpNil(dst)
+			if ev.LoRAName != "" {
+				dst = mpArray(dst, 1)
+				dst = mpStr(dst, ev.LoRAName)
+			} else {
+				dst = mpNil(dst)
+			}
 		}
 		dst = field(dst, "group_idx")
 		dst = mpInt(dst, 0)

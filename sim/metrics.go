@@ -2,62 +2,145 @@ package sim
 
 import (
 	"strconv"
+	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Histogram buckets of vLLM v1 (vllm/v1/metrics/loggers.py), in seconds.
+// Histogram buckets of vLLM v1 (vllm/v1/metrics/loggers.py, PrometheusStatLogger).
 var (
+	// ttftBuckets: vllm:time_to_first_token_seconds, in seconds.
 	ttftBuckets = []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
 		1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0}
+	// itlBuckets: vllm:inter_token_latency_seconds and
+	// vllm:request_time_per_output_token_seconds, in seconds.
 	itlBuckets = []float64{0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
 		1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0}
+	// e2eBuckets: request_latency_buckets, shared by vllm:e2e_request_latency_seconds
+	// and the request_{queue,prefill,decode,inference}_time_seconds phases, in seconds.
 	e2eBuckets = []float64{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
 		40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0}
+	// iterationTokenBuckets: vllm:iteration_tokens_total, in tokens per step.
+	iterationTokenBuckets = []float64{1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}
+	// paramsNBuckets: vllm:request_params_n.
+	paramsNBuckets = []float64{1, 2, 5, 10, 20}
 )
 
-// metrics is the vLLM-named Prometheus surface of a Server (PROTOCOLS.md §2.1),
-// on a private registry. Gauges and counters read the engine snapshot the
-// driver publishes after each step, so a scrape never waits for the engine.
-// Histograms are observed by the driver in simulated seconds.
+// buckets125 returns 1, 2, 5, 10, 20, 50, … up to max inclusive (vLLM
+// build_1_2_5_buckets(max_model_len), the buckets of the per-request token
+// histograms).
+func buckets125(max int) []float64 {
+	var b []float64
+	for e := 1; ; e *= 10 {
+		for _, m := range [3]int{1, 2, 5} {
+			v := m * e
+			if v > max {
+				return b
+			}
+			b = append(b, float64(v))
+		}
+	}
+}
+
+// maxLoRAInfoSeries bounds the label sets of vllm:lora_requests_info kept
+// for exposition. vLLM keeps every label set it ever set (readers take the
+// sample with the largest value); the simulator drops the least recently
+// set ones beyond this many, which no such reader can notice.
+const maxLoRAInfoSeries = 64
+
+// metrics is the vLLM-named Prometheus surface of a Server (PROTOCOLS.md
+// §2.1; names, help, types, labels and buckets from vllm/v1/metrics/loggers.py),
+// on a private registry. Engine metrics carry the labels model_name and
+// engine="0". Counters are registered with their exposed _total name, since
+// client_golang does not append it as prometheus_client does.
+//
+// Gauges and counters read the engine snapshot the driver publishes after
+// each step, so a scrape never waits for the engine. Histograms are observed
+// by the driver, all times in simulated seconds.
 type metrics struct {
-	reg     *prometheus.Registry
-	ttft    prometheus.Histogram
-	itl     prometheus.Histogram
-	e2e     prometheus.Histogram
+	reg *prometheus.Registry
+
+	// Per-token and per-request latencies (simulated seconds).
+	ttft, itl, tpot, e2e             prometheus.Histogram
+	queue, prefill, decode, inferenc prometheus.Histogram
+	// Per-request and per-step token counts.
+	promptTokens, genTokens, maxTokensParam, maxGenTokens, paramsN prometheus.Histogram
+	iterationTokens                                                prometheus.Histogram
+
 	success *prometheus.CounterVec
+
+	// LoRA (nil when disabled).
+	loraInfo   *prometheus.GaugeVec
+	maxLora    string
+	loraSeries map[[2]string]int64 // (waiting, running) → sequence of its last Set
+	loraSetSeq int64
 }
 
 func newMetrics(model string, cfg Config, snap *atomic.Pointer[Stats]) *metrics {
 	reg := prometheus.NewRegistry()
 	labels := prometheus.Labels{"model_name": model, "engine": "0"}
+	with := func(k, v string) prometheus.Labels {
+		l := prometheus.Labels{k: v}
+		for lk, lv := range labels {
+			l[lk] = lv
+		}
+		return l
+	}
 	stat := func() *Stats { return snap.Load() }
-	gauge := func(name, help string, f func(*Stats) float64) {
-		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: labels},
+	gauge := func(name, help string, l prometheus.Labels, f func(*Stats) float64) {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: l},
 			func() float64 { return f(stat()) }))
 	}
 	counter := func(name, help string, f func(*Stats) float64) {
 		reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: labels},
 			func() float64 { return f(stat()) }))
 	}
-	gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+
+	// Scheduler state.
+	gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
 		func(s *Stats) float64 { return float64(s.Running) })
-	gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+	gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
 		func(s *Stats) float64 { return float64(s.Waiting) })
-	gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+	const byReasonHelp = "Number of requests waiting to be processed, by reason (capacity: blocked on KV cache or token budget; deferred: held back by a scheduling constraint, here max_loras)."
+	gauge("vllm:num_requests_waiting_by_reason", byReasonHelp, with("reason", "capacity"),
+		func(s *Stats) float64 { return float64(s.Waiting - s.WaitingDeferred) })
+	gauge("vllm:num_requests_waiting_by_reason", byReasonHelp, with("reason", "deferred"),
+		func(s *Stats) float64 { return float64(s.WaitingDeferred) })
+	const sleepHelp = "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2."
+	for _, st := range [...]string{"awake", "weights_offloaded", "discard_all"} {
+		v := 0.0
+		if st == "awake" {
+			v = 1 // the simulator never sleeps
+		}
+		gauge("vllm:engine_sleep_state", sleepHelp, with("sleep_state", st), func(*Stats) float64 { return v })
+	}
+	gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
 		func(s *Stats) float64 { return s.KVUsage })
+
+	// Counters.
 	counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.",
 		func(s *Stats) float64 { return float64(s.PrefixQueries) })
 	counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.",
 		func(s *Stats) float64 { return float64(s.PrefixHits) })
+	counter("vllm:external_prefix_cache_queries_total",
+		"External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+		func(*Stats) float64 { return 0 }) // no KV connector
+	counter("vllm:external_prefix_cache_hits_total",
+		"External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+		func(*Stats) float64 { return 0 })
 	counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.",
 		func(s *Stats) float64 { return float64(s.PromptTokens) })
+	counter("vllm:prompt_tokens_cached_total", "Number of cached prompt tokens (local + external).",
+		func(s *Stats) float64 { return float64(s.CachedPromptTokens) })
 	counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
 		func(s *Stats) float64 { return float64(s.GenerationTokens) })
-	counter("vllm:num_preemptions_total", "Cumulative number of preemptions from the engine.",
+	counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
 		func(s *Stats) float64 { return float64(s.Preemptions) })
 
+	// Cache config: an info gauge permanently 1 (vLLM log_metrics_info,
+	// labels from CacheConfig.metrics_info() plus engine, no model_name).
 	info := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "vllm:cache_config_info",
 		Help: "Information of the LLMEngine CacheConfig",
@@ -73,18 +156,127 @@ func newMetrics(model string, cfg Config, snap *atomic.Pointer[Stats]) *metrics 
 	info.Set(1)
 	reg.MustRegister(info)
 
+	hist := func(name, help string, buckets []float64) prometheus.Histogram {
+		h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, ConstLabels: labels, Buckets: buckets})
+		reg.MustRegister(h)
+		return h
+	}
+	maxLen := cfg.Profile.MaxModelLen
+	if maxLen <= 0 {
+		maxLen = cfg.NumBlocks * cfg.BlockSize
+	}
+	tokenBuckets := buckets125(maxLen)
 	m := &metrics{
 		reg: reg,
-		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "vllm:time_to_first_token_seconds",
-			Help: "Histogram of time to first token in seconds (simulated time).", ConstLabels: labels, Buckets: ttftBuckets}),
-		itl: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "vllm:inter_token_latency_seconds",
-			Help: "Histogram of inter-token latency in seconds (simulated time).", ConstLabels: labels, Buckets: itlBuckets}),
-		e2e: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "vllm:e2e_request_latency_seconds",
-			Help: "Histogram of e2e request latency in seconds (simulated time).", ConstLabels: labels, Buckets: e2eBuckets}),
+		ttft: hist("vllm:time_to_first_token_seconds",
+			"Histogram of time to first token in seconds.", ttftBuckets),
+		itl: hist("vllm:inter_token_latency_seconds",
+			"Histogram of inter-token latency in seconds.", itlBuckets),
+		tpot: hist("vllm:request_time_per_output_token_seconds",
+			"Histogram of time_per_output_token_seconds per request.", itlBuckets),
+		e2e: hist("vllm:e2e_request_latency_seconds",
+			"Histogram of e2e request latency in seconds.", e2eBuckets),
+		queue: hist("vllm:request_queue_time_seconds",
+			"Histogram of time spent in WAITING phase for request.", e2eBuckets),
+		inferenc: hist("vllm:request_inference_time_seconds",
+			"Histogram of time spent in RUNNING phase for request.", e2eBuckets),
+		prefill: hist("vllm:request_prefill_time_seconds",
+			"Histogram of time spent in PREFILL phase for request.", e2eBuckets),
+		decode: hist("vllm:request_decode_time_seconds",
+			"Histogram of time spent in DECODE phase for request.", e2eBuckets),
+		promptTokens: hist("vllm:request_prompt_tokens",
+			"Number of prefill tokens processed.", tokenBuckets),
+		genTokens: hist("vllm:request_generation_tokens",
+			"Number of generation tokens processed.", tokenBuckets),
+		maxTokensParam: hist("vllm:request_params_max_tokens",
+			"Histogram of the max_tokens request parameter.", tokenBuckets),
+		maxGenTokens: hist("vllm:request_max_num_generation_tokens",
+			"Histogram of maximum number of requested generation tokens.", tokenBuckets),
+		paramsN: hist("vllm:request_params_n",
+			"Histogram of the n request parameter.", paramsNBuckets),
+		iterationTokens: hist("vllm:iteration_tokens_total",
+			"Histogram of number of tokens per engine_step.", iterationTokenBuckets),
 		success: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "vllm:request_success_total",
 			Help: "Count of successfully processed requests.", ConstLabels: labels}, []string{"finished_reason"}),
 	}
-	reg.MustRegister(m.ttft, m.itl, m.e2e, m.success)
-	m.success.WithLabelValues("length") // expose the series before the first request
+	reg.MustRegister(m.success)
+	// Expose the series before the first request, as vLLM does for every
+	// FinishReason; the simulator produces "length" and "abort".
+	for _, r := range [...]string{"stop", "length", "abort"} {
+		m.success.WithLabelValues(r)
+	}
+
+	if cfg.LoRA.Enabled() {
+		// vLLM registers it with exactly these three labels (no model_name,
+		// no engine) and set_to_current_time() on every stats record.
+		m.loraInfo = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "vllm:lora_requests_info",
+			Help: "Running stats on lora requests.",
+		}, []string{"max_lora", "waiting_lora_adapters", "running_lora_adapters"})
+		reg.MustRegister(m.loraInfo)
+		m.maxLora = strconv.Itoa(cfg.LoRA.MaxLoras)
+		m.loraSeries = make(map[[2]string]int64)
+		m.setLoRAInfo(&Stats{}, time.Now())
+	}
 	return m
+}
+
+// firstToken records what vLLM records when a request's first token comes
+// out: its TTFT (simulated seconds), n (always 1) and the maximum number of
+// tokens it may generate.
+func (m *metrics) firstToken(ttft time.Duration, maxTokens int) {
+	m.ttft.Observe(ttft.Seconds())
+	m.paramsN.Observe(1)
+	m.maxGenTokens.Observe(float64(maxTokens))
+}
+
+// finished records the per-request histograms of a finished request, from
+// its simulated arrival, first scheduling, first-token and last-token times
+// (vllm/v1/metrics/stats.py, IterationStats.update_from_finished_request):
+// queue = scheduled − arrival, prefill = first − scheduled,
+// decode = end − first, inference = end − scheduled, e2e = end − arrival,
+// time per output token = decode / (generated − 1) (0 for one token).
+// maxTokensParam is the request's max_tokens, 0 when the client did not set
+// it (vLLM then records nothing).
+func (m *metrics) finished(arrival, scheduled, first, end time.Duration, prompt, generated, maxTokensParam int) {
+	m.success.WithLabelValues("length").Inc()
+	m.e2e.Observe((end - arrival).Seconds())
+	m.queue.Observe((scheduled - arrival).Seconds())
+	m.prefill.Observe((first - scheduled).Seconds())
+	m.decode.Observe((end - first).Seconds())
+	m.inferenc.Observe((end - scheduled).Seconds())
+	tpot := 0.0
+	if generated > 1 {
+		tpot = (end - first).Seconds() / float64(generated-1)
+	}
+	m.tpot.Observe(tpot)
+	m.promptTokens.Observe(float64(prompt))
+	m.genTokens.Observe(float64(generated))
+	if maxTokensParam > 0 {
+		m.maxTokensParam.Observe(float64(maxTokensParam))
+	}
+}
+
+// setLoRAInfo sets vllm:lora_requests_info for the adapters in st to the
+// wall-clock time now in Unix seconds (vLLM Gauge.set_to_current_time), and
+// drops the oldest label sets beyond maxLoRAInfoSeries. Only the driver calls it.
+func (m *metrics) setLoRAInfo(st *Stats, now time.Time) {
+	if m.loraInfo == nil {
+		return
+	}
+	key := [2]string{strings.Join(st.WaitingLoRAs, ","), strings.Join(st.RunningLoRAs, ",")}
+	m.loraSetSeq++
+	if _, ok := m.loraSeries[key]; !ok && len(m.loraSeries) >= maxLoRAInfoSeries {
+		var oldest [2]string
+		first := true
+		for k, seq := range m.loraSeries {
+			if first || seq < m.loraSeries[oldest] {
+				oldest, first = k, false
+			}
+		}
+		delete(m.loraSeries, oldest)
+		m.loraInfo.DeleteLabelValues(m.maxLora, oldest[0], oldest[1])
+	}
+	m.loraSeries[key] = m.loraSetSeq
+	m.loraInfo.WithLabelValues(m.maxLora, key[0], key[1]).Set(float64(now.UnixNano()) / 1e9)
 }

@@ -124,6 +124,9 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 	if cfg.Model == "" {
 		cfg.Model = DefaultModel
 	}
+	if eng.LoRA.AdapterID(cfg.Model) != 0 {
+		return nil, fmt.Errorf("sim: LoRA adapter %q has the served model's name", cfg.Model)
+	}
 	s := &Server{
 		cfg:      cfg,
 		eng:      eng,
@@ -231,13 +234,17 @@ type event struct {
 type call struct {
 	id  string
 	req Request
+	// maxTokensParam is the client's max_tokens (0 when absent), for
+	// vllm:request_params_max_tokens.
+	maxTokensParam int
 
 	mu     sync.Mutex
 	events []event
 	notify chan struct{}
 
-	// Owned by the driver.
-	arrival, last time.Duration
+	// Owned by the driver: simulated times of Add, of the first token and of
+	// the latest token.
+	arrival, first, last time.Duration
 }
 
 func (c *call) push(ev event) {
@@ -271,6 +278,7 @@ func (s *Server) drive() {
 	publish := func() {
 		st := e.Stats()
 		s.snap.Store(&st)
+		s.metrics.setLoRAInfo(&st, time.Now())
 	}
 	wallVirtual := func() time.Duration {
 		return time.Duration(float64(time.Since(start)) * s.cfg.TimeScale)
@@ -367,23 +375,35 @@ func (s *Server) drive() {
 }
 
 // deliver hands a step's outputs, completed at simulated time at, to their
-// requests and records latency metrics in simulated seconds.
+// requests and records metrics, latencies in simulated seconds.
 func (s *Server) deliver(calls map[string]*call, outs []Output, at time.Duration) {
+	if len(outs) > 0 {
+		// vLLM IterationStats: prompt tokens of requests that produced their
+		// first token in the step, plus the tokens generated.
+		tokens := 0
+		for _, o := range outs {
+			if o.FirstToken {
+				tokens += o.PromptTokens
+			}
+			tokens += o.NewTokens
+		}
+		s.metrics.iterationTokens.Observe(float64(tokens))
+	}
 	for _, o := range outs {
 		c := calls[o.ID]
 		if c == nil || o.NewTokens == 0 {
 			continue
 		}
 		if o.FirstToken {
-			s.metrics.ttft.Observe((at - c.arrival).Seconds())
+			s.metrics.firstToken(at-c.arrival, c.req.MaxTokens)
+			c.first = at
 		} else {
 			s.metrics.itl.Observe((at - c.last).Seconds())
 		}
 		c.last = at
 		ev := event{text: s.words[o.Token], first: o.FirstToken, finished: o.Finished, usage: usage(o)}
 		if o.Finished {
-			s.metrics.e2e.Observe((at - c.arrival).Seconds())
-			s.metrics.success.WithLabelValues("length").Inc()
+			s.metrics.finished(c.arrival, o.Scheduled, c.first, at, o.PromptTokens, o.OutputTokens, c.maxTokensParam)
 			delete(calls, o.ID)
 		}
 		c.push(ev)
@@ -401,14 +421,16 @@ func usage(o Output) openai.Usage {
 
 // genRequest is what the two generation endpoints have in common.
 type genRequest struct {
-	chat          bool
-	id            string
-	model         string
-	tokens        []uint32
-	maxTokens     int
-	stream        bool
-	streamOptions *openai.StreamOptions
-	cacheSalt     string
+	chat           bool
+	id             string
+	model          string // as requested: the base model or an adapter
+	adapter        string // LoRA adapter, "" for the base model (set by check)
+	tokens         []uint32
+	maxTokens      int
+	maxTokensParam int // the client's max_tokens, 0 when absent
+	stream         bool
+	streamOptions  *openai.StreamOptions
+	cacheSalt      string
 }
 
 func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
@@ -426,14 +448,15 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		maxTokens = req.MaxCompletionTokens
 	}
 	g := genRequest{
-		chat:          true,
-		id:            s.newID("chatcmpl-"),
-		model:         req.Model,
-		tokens:        s.encode(req.Prompt()),
-		maxTokens:     orDefault(maxTokens, DefaultMaxTokens),
-		stream:        req.Stream,
-		streamOptions: req.StreamOptions,
-		cacheSalt:     req.CacheSalt,
+		chat:           true,
+		id:             s.newID("chatcmpl-"),
+		model:          req.Model,
+		tokens:         s.encode(req.Prompt()),
+		maxTokens:      orDefault(maxTokens, DefaultMaxTokens),
+		maxTokensParam: orDefault(maxTokens, 0),
+		stream:         req.Stream,
+		streamOptions:  req.StreamOptions,
+		cacheSalt:      req.CacheSalt,
 	}
 	if e := s.check(&g, req.N); e != nil {
 		openai.WriteError(w, e)
@@ -461,12 +484,13 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	g := genRequest{
-		id:            s.newID("cmpl-"),
-		model:         req.Model,
-		maxTokens:     orDefault(req.MaxTokens, DefaultMaxTokens),
-		stream:        req.Stream,
-		streamOptions: req.StreamOptions,
-		cacheSalt:     req.CacheSalt,
+		id:             s.newID("cmpl-"),
+		model:          req.Model,
+		maxTokens:      orDefault(req.MaxTokens, DefaultMaxTokens),
+		maxTokensParam: orDefault(req.MaxTokens, 0),
+		stream:         req.Stream,
+		streamOptions:  req.StreamOptions,
+		cacheSalt:      req.CacheSalt,
 	}
 	if len(req.Prompt.Texts) == 1 {
 		g.tokens = s.encode(req.Prompt.Texts[0])
@@ -524,8 +548,16 @@ func (s *Server) encode(text string) []uint32 {
 	return ids
 }
 
+// check resolves the requested model to the base model or one of its LoRA
+// adapters (404 if neither) and validates what the engine and the simulator
+// require.
 func (s *Server) check(g *genRequest, n *int) *openai.Error {
-	if g.model != s.cfg.Model {
+	switch {
+	case g.model == s.cfg.Model:
+		g.adapter = ""
+	case s.eng.LoRA.AdapterID(g.model) != 0:
+		g.adapter = g.model
+	default:
 		return openai.NewError(http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", g.model), "model", openai.CodeModelNotFound)
 	}
 	if n != nil && *n != 1 {
@@ -552,9 +584,11 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, g *genRequest) {
 		return
 	}
 	c := &call{
-		id:     g.id,
-		req:    Request{ID: g.id, Tokens: g.tokens, MaxTokens: g.maxTokens, Extra: prefix.Seed(g.cacheSalt)},
-		notify: make(chan struct{}, 1),
+		id: g.id,
+		req: Request{ID: g.id, Tokens: g.tokens, MaxTokens: g.maxTokens,
+			Extra: prefix.Seed(g.cacheSalt), LoRA: g.adapter},
+		maxTokensParam: g.maxTokensParam,
+		notify:         make(chan struct{}, 1),
 	}
 	ctx := r.Context()
 	select {
@@ -749,11 +783,24 @@ func (sr *streamResponder) done() {
 	sr.flush()
 }
 
+// handleModels lists the base model, then each LoRA adapter as its own entry
+// whose parent is the base model (vLLM OpenAIServingModels.show_available_models:
+// adapter cards have root = the adapter's path, here its name, and no
+// max_model_len).
 func (s *Server) handleModels(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, openai.ModelList{Object: openai.ObjectList, Data: []openai.Model{{
+	data := make([]openai.Model, 0, 1+len(s.eng.LoRA.Adapters))
+	data = append(data, openai.Model{
 		ID: s.cfg.Model, Object: openai.ObjectModel, Created: s.created, OwnedBy: "vllm",
 		Root: s.cfg.Model, MaxModelLen: s.eng.Profile.MaxModelLen,
-	}}})
+	})
+	for _, a := range s.eng.LoRA.Adapters {
+		parent := s.cfg.Model
+		data = append(data, openai.Model{
+			ID: a, Object: openai.ObjectModel, Created: s.created, OwnedBy: "vllm",
+			Root: a, Parent: &parent,
+		})
+	}
+	writeJSON(w, http.StatusOK, openai.ModelList{Object: openai.ObjectList, Data: data})
 }
 
 // handleHealth answers 200 with an empty body while the engine runs (like
