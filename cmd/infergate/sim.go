@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/infergate/infergate/sim"
 )
@@ -77,6 +78,7 @@ latency model of the chosen model-and-GPU profile.`,
 	f.IntVar(&ecfg.NumBlocks, "num-gpu-blocks", 0, "KV cache capacity in blocks (default: derived from the profile)")
 	f.IntVar(&ecfg.MaxNumSeqs, "max-num-seqs", 0, "maximum running requests per step (default 256)")
 	f.IntVar(&ecfg.MaxNumBatchedTokens, "max-num-batched-tokens", 0, "token budget per step (default 8192)")
+	addLoRAFlags(f, &ecfg.LoRA)
 	return cmd
 }
 
@@ -106,4 +108,12 @@ func parseKVEvents(s string) (sim.KVEventsConfig, error) {
 		return c, fmt.Errorf("--kv-events-config: %w", err)
 	}
 	return c, nil
+}
+
+// addLoRAFlags binds vLLM-style LoRA flags to c.
+func addLoRAFlags(f *pflag.FlagSet, c *sim.LoRAConfig) {
+	f.StringSliceVar(&c.Adapters, "lora-modules", nil, "LoRA adapter names served besides the base model (comma-separated; enables LoRA)")
+	f.IntVar(&c.MaxLoras, "max-loras", 0, "adapters that may run in one batch (default 1)")
+	f.IntVar(&c.MaxCPULoras, "max-cpu-loras", 0, "adapters kept loaded (default --max-loras)")
+	f.DurationVar(&c.LoadLatency, "lora-load-latency", 0, "simulated time to load a non-resident adapter (default 50ms)")
 }

@@ -22,6 +22,7 @@ func newUpCmd() *cobra.Command {
 		timeScale float64
 		kvEvents  string
 		profFile  string
+		lora      sim.LoRAConfig
 	)
 	cmd := &cobra.Command{
 		Use:   "up",
@@ -52,7 +53,7 @@ cache-aware routing shows its effect without a GPU.`,
 				model = prof.Model
 			}
 			fleet, err := sim.StartFleet(engines, sim.ServerConfig{
-				Engine:    sim.Config{Profile: prof},
+				Engine:    sim.Config{Profile: prof, LoRA: lora},
 				Model:     model,
 				TimeScale: timeScale,
 				KVEvents:  kv,
@@ -63,7 +64,9 @@ cache-aware routing shows its effect without a GPU.`,
 			defer fleet.Close()
 			cfg := gateway.Config{Listen: listen, Routing: sched.Config{Policy: policy}}
 			for _, u := range fleet.URLs {
-				cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: u, Model: model, KVBlocks: fleet.KVBlocks(), BlockSize: fleet.BlockSize()})
+				for _, m := range append([]string{model}, lora.Adapters...) {
+					cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: u, Model: m, KVBlocks: fleet.KVBlocks(), BlockSize: fleet.BlockSize()})
+				}
 			}
 			g, err := gateway.New(cfg, nil)
 			if err != nil {
@@ -95,6 +98,7 @@ cache-aware routing shows its effect without a GPU.`,
 	f.StringVar(&model, "model", "", "served model name (default: the profile's model)")
 	f.Float64Var(&timeScale, "time-scale", 1, "simulated seconds per wall-clock second")
 	f.StringVar(&profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile; see sim/profiles/)")
+	addLoRAFlags(f, &lora)
 	f.StringVar(&kvEvents, "kv-events-config", "", "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
 	return cmd
 }
