@@ -45,6 +45,12 @@ type Record struct {
 	// ceil(InputLength/MooncakeBlockTokens) of them; equal ids at equal
 	// positions mean equal prefixes.
 	HashIDs []int64
+	// TokenIDs, if non-nil, is the literal prompt (InputLength token ids),
+	// for workloads built from real text; Tokens returns it instead of
+	// synthesizing from HashIDs. HashIDs must then still describe the same
+	// prefix sharing (ContentHashIDs derives them from the tokens). Nil for
+	// hash-id traces. Treat it as read-only: records may share it.
+	TokenIDs []uint32
 }
 
 // mooncakeLine is the JSON shape of one trace line. Pointers detect missing
@@ -173,7 +179,12 @@ const (
 // is cut to InputLength. Hence records with equal ids at equal positions get
 // equal token prefixes, and distinct ids give unrelated blocks, so an engine's
 // prefix cache sees exactly the sharing the trace describes.
+//
+// A record with TokenIDs set appends those instead.
 func (r Record) Tokens(dst []uint32) []uint32 {
+	if r.TokenIDs != nil {
+		return append(dst, r.TokenIDs...)
+	}
 	left := r.InputLength
 	for _, id := range r.HashIDs {
 		n := min(left, MooncakeBlockTokens)
