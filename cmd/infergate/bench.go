@@ -13,7 +13,6 @@ import (
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
-	"github.com/infergate/infergate/trace"
 )
 
 func newBenchCmd() *cobra.Command {
@@ -21,7 +20,7 @@ func newBenchCmd() *cobra.Command {
 		target    string
 		compare   string
 		engines   int
-		tracePath string
+		wl        workloadFlags
 		requests  int
 		speedup   float64
 		timeScale float64
@@ -57,10 +56,7 @@ fleet's time scale.`,
 			if (target == "") == (compare == "") {
 				return errors.New("give exactly one of --target URL or --compare POLICIES")
 			}
-			if tracePath == "" {
-				return errors.New("--trace FILE is required (Mooncake hash-id JSONL)")
-			}
-			recs, err := trace.LoadMooncake(tracePath)
+			recs, err := wl.load()
 			if err != nil {
 				return err
 			}
@@ -169,7 +165,7 @@ fleet's time scale.`,
 	f.StringVar(&target, "target", "", "base URL of an OpenAI-compatible endpoint to replay against")
 	f.StringVar(&compare, "compare", "", "comma-separated routing policies to compare on fresh simulated fleets ("+strings.Join(sched.Names(), ",")+")")
 	f.IntVar(&engines, "engines", 8, "simulated engines per fleet (--compare)")
-	f.StringVar(&tracePath, "trace", "", "Mooncake-format trace (JSONL with timestamp, input_length, output_length, hash_ids)")
+	wl.register(f)
 	f.IntVar(&requests, "requests", 0, "replay only the first N requests (0 = all)")
 	f.Float64Var(&speedup, "speedup", 10, "replay the trace this many times faster; in --compare also the fleet's time scale")
 	f.Float64Var(&timeScale, "time-scale", 1, "the target's simulated seconds per wall second, to report engine time (--target)")

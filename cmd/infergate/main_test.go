@@ -274,3 +274,35 @@ func TestBenchCompareVirtual(t *testing.T) {
 		t.Fatalf("round-robin %+v, prefix %+v: want prefix hit rate > round-robin's and >= 0.5", rr, px)
 	}
 }
+
+// TestBenchWorkloads runs the generated shared-prefix workload through
+// `bench --compare --virtual`: requests of a group share their system prompt,
+// so most prompt tokens hit under prefix routing.
+func TestBenchWorkloads(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "r.json")
+	c := exec.Command(os.Args[0], "bench", "--compare", "prefix", "--virtual", "--engines", "2", "--workload", "shared-prefix",
+		"--sp-groups", "4", "--sp-prompts-per-group", "8", "--sp-system-tokens", "2048", "--sp-question-tokens", "128", "--sp-rate", "5", "--out", out)
+	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
+	if msg, err := c.CombinedOutput(); err != nil {
+		t.Fatalf("bench: %v\n%s", err, msg)
+	}
+	var rep struct {
+		Runs []struct {
+			Requests, Errors int
+			HitRate          float64 `json:"hit_rate"`
+		}
+	}
+	raw, _ := os.ReadFile(out)
+	if err := json.Unmarshal(raw, &rep); err != nil || len(rep.Runs) != 1 {
+		t.Fatalf("report %s: %v", raw, err)
+	}
+	// 32 requests of 2176 tokens; 4 groups share 2048 tokens each: ceiling (28×2048)/(32×2176) ≈ 0.82.
+	if r := rep.Runs[0]; r.Requests != 32 || r.Errors != 0 || r.HitRate < 0.7 {
+		t.Fatalf("shared-prefix run %+v: want 32 requests, 0 errors, hit rate >= 0.7", r)
+	}
+	c = exec.Command(os.Args[0], "bench", "--compare", "prefix", "--virtual", "--workload", "nope")
+	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
+	if msg, err := c.CombinedOutput(); err == nil || !strings.Contains(string(msg), "--workload") {
+		t.Fatalf("unknown workload: %v %s", err, msg)
+	}
+}

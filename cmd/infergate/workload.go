@@ -1,0 +1,99 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/spf13/pflag"
+
+	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/trace"
+)
+
+// Workload kinds accepted by --workload (see trace/README.md).
+const (
+	workloadMooncake     = "mooncake"
+	workloadAzure        = "azure"
+	workloadSharedPrefix = "shared-prefix"
+	workloadChat         = "chat"
+)
+
+// workloadFlags selects and parameterises the requests bench and plan replay.
+type workloadFlags struct {
+	kind   string
+	path   string
+	azure  trace.PrefixModel
+	shared trace.SharedPrefixOptions
+	chat   trace.ChatOptions
+	mtb    string
+	sonnet string
+}
+
+func (w *workloadFlags) register(f *pflag.FlagSet) {
+	w.azure = trace.DefaultPrefixModel()
+	w.shared = trace.DefaultSharedPrefixOptions()
+	w.chat = trace.DefaultChatOptions()
+	f.StringVar(&w.kind, "workload", workloadMooncake, "requests to replay: mooncake (--trace JSONL), azure (--trace CSV + a synthetic prefix model), shared-prefix (generated), chat (MT-bench sessions)")
+	f.StringVar(&w.path, "trace", "", "trace file: Mooncake hash-id JSONL, or the Azure 2023 CSV with --workload azure")
+	f.IntVar(&w.azure.SystemPromptTokens, "azure-system-tokens", w.azure.SystemPromptTokens, "azure: shared system-prompt tokens prepended to every request (synthetic)")
+	f.Float64Var(&w.azure.SessionProb, "azure-session-prob", w.azure.SessionProb, "azure: probability a request continues an earlier one (synthetic)")
+	f.IntVar(&w.shared.Groups, "sp-groups", w.shared.Groups, "shared-prefix: groups (distinct system prompts)")
+	f.IntVar(&w.shared.PromptsPerGroup, "sp-prompts-per-group", w.shared.PromptsPerGroup, "shared-prefix: prompts per group")
+	f.IntVar(&w.shared.SystemPromptTokens, "sp-system-tokens", w.shared.SystemPromptTokens, "shared-prefix: system-prompt tokens")
+	f.IntVar(&w.shared.QuestionTokens, "sp-question-tokens", w.shared.QuestionTokens, "shared-prefix: question tokens")
+	f.IntVar(&w.shared.OutputTokens, "sp-output-tokens", w.shared.OutputTokens, "shared-prefix: output tokens")
+	f.Float64Var(&w.shared.Rate, "sp-rate", w.shared.Rate, "shared-prefix: Poisson arrival rate in requests/s (0 = all at once)")
+	f.IntVar(&w.chat.Sessions, "chat-sessions", w.chat.Sessions, "chat: number of two-turn sessions")
+	f.StringVar(&w.mtb, "mtbench", "", "chat: MT-bench question.jsonl (default ../shared/data/fastchat_mtbench_question.jsonl)")
+	f.StringVar(&w.sonnet, "sonnet", "", "chat: text for the shared system prompt (default ../shared/data/vllm_sonnet.txt)")
+}
+
+// load builds the records of the selected workload, in arrival order.
+func (w *workloadFlags) load() ([]trace.Record, error) {
+	switch w.kind {
+	case workloadMooncake:
+		if w.path == "" {
+			return nil, errors.New("--trace FILE is required (Mooncake hash-id JSONL)")
+		}
+		return trace.LoadMooncake(w.path)
+	case workloadAzure:
+		if w.path == "" {
+			return nil, errors.New("--workload azure needs --trace azure_llm2023_conv.csv")
+		}
+		return trace.LoadAzure(w.path, w.azure)
+	case workloadSharedPrefix:
+		return trace.SharedPrefix(w.shared)
+	case workloadChat:
+		data := filepath.Join("..", "shared", "data")
+		mtb, sonnet := w.mtb, w.sonnet
+		if mtb == "" {
+			mtb = filepath.Join(data, "fastchat_mtbench_question.jsonl")
+		}
+		if sonnet == "" {
+			sonnet = filepath.Join(data, "vllm_sonnet.txt")
+		}
+		qs, err := trace.LoadMTBench(mtb)
+		if err != nil {
+			return nil, err
+		}
+		text, err := os.ReadFile(sonnet)
+		if err != nil {
+			return nil, fmt.Errorf("chat workload: %w", err)
+		}
+		tok, err := prefix.NewTokenizer()
+		if err != nil {
+			return nil, err
+		}
+		sessions, err := trace.ChatSessions(qs, string(text), tok, w.chat)
+		if err != nil {
+			return nil, err
+		}
+		// Open loop: each turn after the previous one's estimated latency
+		// (0.5 s + 30 ms per output token) plus the think time.
+		return trace.Flatten(sessions, trace.LinearLatency(500*time.Millisecond, 30*time.Millisecond)), nil
+	}
+	return nil, fmt.Errorf("--workload %q: want mooncake, azure, shared-prefix or chat", w.kind)
+}
