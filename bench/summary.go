@@ -63,6 +63,25 @@ type Summary struct {
 	Preemptions *int64 `json:"preemptions,omitempty"`
 	// FirstError is the error of the first failed request ("" if none).
 	FirstError string `json:"first_error,omitempty"`
+	// Goodput counts the requests that met a per-request SLO; nil when the
+	// run was not judged against one (plan sets it; Summarize does not).
+	Goodput *Goodput `json:"goodput,omitempty"`
+}
+
+// Goodput is the part of a run's requests that met every per-request target
+// of a service-level objective (see package plan for how an SLO applies to a
+// single request). A failed request never meets it.
+type Goodput struct {
+	// SLO is the objective the requests were judged against, as written
+	// (e.g. "ttft_p90=2s,itl_p99=100ms").
+	SLO string `json:"slo"`
+	// Requests is the number of requests that met every target.
+	Requests int `json:"requests"`
+	// Share is Requests / Summary.Requests, in [0, 1] (0 with no requests).
+	Share float64 `json:"share"`
+	// PerS is Requests / Summary.DurationS (requests per engine second):
+	// vLLM benchmark_serving's request_goodput (0 when DurationS is 0).
+	PerS float64 `json:"req_per_s"`
 }
 
 // Summarize aggregates recs into a Summary labelled policy.

@@ -2,7 +2,8 @@
 // door that routes each request to the engine most likely to hold its prompt's
 // KV cache. Subcommands: up (gateway plus a simulated fleet), serve (gateway in
 // front of real engines), sim (one simulated vLLM-compatible engine), bench
-// (trace replay and policy comparison), version.
+// (trace replay and policy comparison), plan (fleet sizing in virtual time),
+// version.
 package main
 
 import (
@@ -46,7 +47,7 @@ engine most likely to hold its prompt prefix in KV cache, balanced against load.
 		},
 	}
 	root.CompletionOptions.DisableDefaultCmd = true
-	root.AddCommand(newUpCmd(), newServeCmd(), newSimCmd(), newBenchCmd(), newVersionCmd())
+	root.AddCommand(newUpCmd(), newServeCmd(), newSimCmd(), newBenchCmd(), newPlanCmd(), newVersionCmd())
 	return root
 }
 

@@ -1,0 +1,157 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/plan"
+	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
+)
+
+func newPlanCmd() *cobra.Command {
+	var (
+		wl       workloadFlags
+		profFile string
+		profile  string
+		engines  string
+		policies string
+		sloText  string
+		requests int
+		model    string
+		cfgPath  string
+		outPath  string
+		workers  int
+		seed     int64
+	)
+	cmd := &cobra.Command{
+		Use:   "plan",
+		Short: "Size a fleet for a trace and an SLO by virtual-time simulation",
+		Long: `Replay a Mooncake-format trace in virtual time (the same engine model and the
+same routing policies as the gateway, no network, no sleeping) on every fleet
+size of --engines with every policy of --policy, judge each run against --slo,
+and recommend the smallest fleet that meets it, with the best policy at that
+size (highest goodput, then lowest TTFT p90). Prints one table row per run and
+the recommendation; exits non-zero when no fleet in the range meets the SLO.
+
+--engines: comma-separated items, each N, a..b (a, 2a, 4a, ... up to b, plus b:
+4..32 is 4,8,16,32) or a..b/s (a, a+s, ... up to b, plus b: 4..16/4 is
+4,8,12,16).
+
+--slo: comma-separated metric_pXX=duration targets, metric one of ttft, itl,
+tpot, e2e (e.g. ttft_p90=2s,itl_p99=100ms; metric_max is p100), each checked
+at fleet level: the run's XX-th percentile must not exceed the duration (ITL
+pools every gap of every request). Optionally goodput>=X (a share, or 90%)
+also requires that share of requests to meet every target on its own.
+Goodput is reported in any case: the share of requests whose TTFT, TPOT and
+E2E are within their targets and whose own ITL XX-th percentile is within the
+ITL target; a failed request meets none. See plan/README.md.
+
+Latencies are simulated engine time. The model ignores network and gateway
+overhead, and engines never fail.`,
+		Example: `  infergate plan --trace ../shared/data/mooncake_conversation_trace.jsonl \
+    --engines 4..32 --policy prefix,least-request --slo ttft_p90=2s,itl_p99=100ms --out plan.json
+  infergate plan --trace trace.jsonl --engines 2..12/2 --slo ttft_p99=5s,goodput>=0.95 --requests 2000`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if sloText == "" {
+				return errors.New("--slo is required, e.g. --slo ttft_p90=2s,itl_p99=100ms")
+			}
+			slo, err := plan.ParseSLO(sloText)
+			if err != nil {
+				return fmt.Errorf("--slo: %w", err)
+			}
+			sizes, err := plan.ParseEngines(engines)
+			if err != nil {
+				return fmt.Errorf("--engines: %w", err)
+			}
+			var pols []string
+			for p := range strings.SplitSeq(policies, ",") {
+				p = strings.TrimSpace(p)
+				if _, err := sched.New(sched.Config{Policy: p}, []int{1}); err != nil {
+					return fmt.Errorf("--policy: %w", err)
+				}
+				pols = append(pols, p)
+			}
+			if requests < 0 {
+				return fmt.Errorf("--requests %d: must not be negative", requests)
+			}
+			prof, err := resolveProfile(profile, profFile)
+			if err != nil {
+				return err
+			}
+			if model == "" {
+				model = prof.Model
+			}
+			var routing sched.Config
+			if cfgPath != "" {
+				gc, err := gateway.LoadConfig(cfgPath)
+				if err != nil {
+					return err
+				}
+				routing = gc.Routing
+			}
+			recs, err := wl.load()
+			if err != nil {
+				return err
+			}
+			stderr := cmd.ErrOrStderr()
+			res, err := plan.Run(cmd.Context(), plan.Options{
+				Records: recs, Requests: requests, Engines: sizes, Policies: pols,
+				Engine: sim.Config{Profile: prof}, Model: model, Routing: routing, Seed: seed,
+				SLO: slo, Workers: workers,
+				Progress: func(r plan.Row) {
+					verdict := "meets the SLO"
+					if !r.MeetsSLO {
+						verdict = "misses: " + strings.Join(r.Failed(slo.MinGoodput), ", ")
+					}
+					fmt.Fprintf(stderr, "plan: %d engines, %s: %s wall, %s\n", r.Engines, r.Policy,
+						time.Duration(r.WallS*float64(time.Second)).Round(10*time.Millisecond), verdict)
+				},
+			})
+			if err != nil {
+				return err
+			}
+			out := cmd.OutOrStdout()
+			if err := res.WriteTable(out); err != nil {
+				return err
+			}
+			fmt.Fprintf(out, "swept %d runs of %d requests in %s (wall clock, %d at once)\n",
+				len(res.Rows), res.Requests, time.Duration(res.WallS*float64(time.Second)).Round(100*time.Millisecond), res.Workers)
+			if outPath != "" {
+				f, err := os.Create(outPath)
+				if err != nil {
+					return err
+				}
+				if err := res.WriteJSON(f); err != nil {
+					f.Close()
+					return err
+				}
+				if err := f.Close(); err != nil {
+					return err
+				}
+			}
+			return res.Err()
+		},
+	}
+	f := cmd.Flags()
+	wl.register(f)
+	f.StringVar(&profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile)")
+	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
+	f.StringVar(&engines, "engines", "4..32", "fleet sizes to sweep: N, a..b (doubling, plus b), a..b/s (step s, plus b), comma-separated")
+	f.StringVar(&policies, "policy", sched.Prefix+","+sched.LeastRequest, "comma-separated routing policies to sweep ("+strings.Join(sched.Names(), ",")+")")
+	f.StringVar(&sloText, "slo", "", "objective: metric_pXX=duration,... (metrics ttft, itl, tpot, e2e) and optionally goodput>=X")
+	f.IntVar(&requests, "requests", 0, "replay only the first N requests (0 = all)")
+	f.StringVar(&model, "model", "", "model name routing hashes are seeded with (default: the profile's model)")
+	f.StringVarP(&cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the policies")
+	f.StringVarP(&outPath, "out", "o", "", "write the sweep and the recommendation as JSON to this file")
+	f.IntVar(&workers, "workers", 0, "runs to simulate at once (0 = one per CPU)")
+	f.Int64Var(&seed, "seed", 0, "seed of the engines' outputs and the policies' tie-breaking")
+	return cmd
+}

@@ -1,0 +1,407 @@
+// Package plan sizes a fleet for a trace: it replays the trace in virtual
+// time (bench.ReplayVirtual: the same engine model and the same sched
+// policies as the live gateway, with no network and no sleeping) once per
+// fleet size and routing policy, judges every run against a service-level
+// objective, and recommends the smallest fleet that meets it, with the best
+// policy at that size. See README.md for the method and its caveats.
+//
+// Latencies are milliseconds and durations seconds of simulated engine time,
+// as in package bench; wall times are real seconds.
+package plan
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"text/tabwriter"
+	"time"
+
+	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/trace"
+)
+
+// ErrNoFleet is returned by Result.Err when no swept fleet meets the SLO.
+var ErrNoFleet = errors.New("no fleet in range meets the SLO")
+
+// Options configures Run.
+type Options struct {
+	// Records are the trace's requests, in arrival order.
+	Records []trace.Record
+	// Requests limits every run to the first Requests records (0: all).
+	Requests int
+	// Engines are the fleet sizes to sweep (see ParseEngines), at least one.
+	Engines []int
+	// Policies are the routing policies to sweep (sched.Names), at least one;
+	// their order breaks ties in the recommendation.
+	Policies []string
+	// Engine is the engine model of every engine (zero: sim's defaults).
+	Engine sim.Config
+	// Model is the served model name, which seeds routing hashes (default:
+	// the engine profile's model).
+	Model string
+	// Routing tunes the policies (its Policy field is set per run).
+	Routing sched.Config
+	// Seed seeds the engines and the policies' tie-breaking, as in
+	// bench.VirtualOptions; every run uses the same seed.
+	Seed int64
+	// SLO is the objective every run is judged against.
+	SLO SLO
+	// Workers is how many runs proceed at once (0: GOMAXPROCS). Each run is
+	// single-goroutine, so more workers than cores only adds memory.
+	Workers int
+	// Progress, if set, is called once per finished run, from one goroutine
+	// at a time, in completion order.
+	Progress func(Row)
+}
+
+// Row is one run of the sweep: one fleet size with one policy.
+type Row struct {
+	// Engines is the fleet size.
+	Engines int `json:"engines"`
+	// Policy is the routing policy.
+	Policy string `json:"policy"`
+	// Summary aggregates the run (latencies in ms, hit rate, output tok/s,
+	// utilisation); Summary.Goodput is set.
+	Summary bench.Summary `json:"summary"`
+	// Checks are the fleet-level verdicts, one per SLO target, in order.
+	Checks []Check `json:"checks"`
+	// MeetsSLO is true when every check is OK and, if the SLO sets
+	// MinGoodput, Summary.Goodput.Share >= MinGoodput.
+	MeetsSLO bool `json:"meets_slo"`
+	// WallS is the wall time of the run, simulation and evaluation (s).
+	WallS float64 `json:"wall_s"`
+}
+
+// Failed returns the reasons r misses its SLO, e.g. "ttft_p90=3.1s>2s" or
+// "goodput=85.0%<90%" (minGoodput is SLO.MinGoodput); empty when it meets it.
+func (r Row) Failed(minGoodput float64) []string {
+	var out []string
+	for _, c := range r.Checks {
+		if !c.OK {
+			out = append(out, fmt.Sprintf("%s=%s>%s", c.Target, fmtMs(c.ObservedMs), fmtMs(c.LimitMs)))
+		}
+	}
+	if g := r.Summary.Goodput; minGoodput > 0 && g != nil && g.Share < minGoodput {
+		out = append(out, fmt.Sprintf("goodput=%.1f%%<%g%%", g.Share*100, minGoodput*100))
+	}
+	return out
+}
+
+// Recommendation is the smallest swept fleet that meets the SLO.
+type Recommendation struct {
+	// Engines is the fleet size.
+	Engines int `json:"engines"`
+	// Policy is the best policy at that size: of those meeting the SLO, the
+	// highest goodput share, then the lowest TTFT p90, then the first given.
+	Policy string `json:"policy"`
+	// Row is the index of its run in Result.Rows.
+	Row int `json:"row"`
+}
+
+// Result is the outcome of a sweep. Its JSON form is what `infergate plan
+// --out` writes.
+type Result struct {
+	// SLO is the objective, as ParseSLO reads it.
+	SLO string `json:"slo"`
+	// MinGoodput is SLO.MinGoodput (0: none).
+	MinGoodput float64 `json:"min_goodput,omitempty"`
+	// Requests is the number of requests replayed per run.
+	Requests int `json:"requests"`
+	// Engines and Policies are the swept values, in sweep order.
+	Engines  []int    `json:"engines"`
+	Policies []string `json:"policies"`
+	// Rows are the runs, by fleet size, then policy in the given order.
+	Rows []Row `json:"rows"`
+	// Recommendation is the smallest fleet meeting the SLO; nil when none
+	// in the range does.
+	Recommendation *Recommendation `json:"recommendation"`
+	// WallS is the wall time of the whole sweep (s).
+	WallS float64 `json:"wall_s"`
+	// Workers is the number of runs that proceeded at once.
+	Workers int `json:"workers"`
+}
+
+// Run sweeps every (fleet size, policy) pair of opts, judges each run against
+// opts.SLO and recommends the smallest fleet meeting it. Runs are independent
+// and proceed on up to opts.Workers goroutines; the result does not depend on
+// their number. ctx is checked between runs (a run itself is not
+// interruptible). The error is for invalid options or a failed run; a sweep in
+// which no fleet meets the SLO succeeds with a nil Recommendation.
+func Run(ctx context.Context, opts Options) (Result, error) {
+	if len(opts.Engines) == 0 {
+		return Result{}, errors.New("plan: no fleet sizes to sweep")
+	}
+	if len(opts.Policies) == 0 {
+		return Result{}, errors.New("plan: no policies to sweep")
+	}
+	if len(opts.SLO.Targets) == 0 {
+		return Result{}, errors.New("plan: the SLO has no latency target")
+	}
+	if len(opts.Records) == 0 {
+		return Result{}, errors.New("plan: empty trace")
+	}
+	for _, n := range opts.Engines {
+		if n < 1 {
+			return Result{}, fmt.Errorf("plan: fleet size %d: must be at least 1", n)
+		}
+	}
+	// Build each policy for the largest fleet up front, so that a policy
+	// that cannot take that many endpoints fails now, not mid-sweep.
+	largest := slices.Max(opts.Engines)
+	for _, p := range opts.Policies {
+		cfg := opts.Routing
+		cfg.Policy = p
+		if _, err := sched.New(cfg, slices.Repeat([]int{1}, largest)); err != nil {
+			return Result{}, fmt.Errorf("plan: policy %s on %d engines: %w", p, largest, err)
+		}
+	}
+	recs := opts.Records
+	if opts.Requests > 0 && opts.Requests < len(recs) {
+		recs = recs[:opts.Requests]
+	}
+	res := Result{
+		SLO: opts.SLO.String(), MinGoodput: opts.SLO.MinGoodput, Requests: len(recs),
+		Engines: opts.Engines, Policies: opts.Policies,
+		Rows: make([]Row, len(opts.Engines)*len(opts.Policies)),
+	}
+	workers := opts.Workers
+	if workers <= 0 {
+		workers = runtime.GOMAXPROCS(0)
+	}
+	workers = min(workers, len(res.Rows))
+	res.Workers = workers
+
+	start := time.Now()
+	jobs := make(chan int)
+	var (
+		wg       sync.WaitGroup
+		mu       sync.Mutex // guards firstErr and Progress calls
+		firstErr error
+	)
+	for range workers {
+		wg.Go(func() {
+			for k := range jobs {
+				row, err := runOne(ctx, opts, recs, opts.Engines[k/len(opts.Policies)], opts.Policies[k%len(opts.Policies)])
+				mu.Lock()
+				if err != nil && firstErr == nil {
+					firstErr = err
+				}
+				if err == nil {
+					res.Rows[k] = row
+					if opts.Progress != nil {
+						opts.Progress(row)
+					}
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	for _, k := range dispatchOrder(opts.Engines, opts.Policies) {
+		mu.Lock()
+		stop := firstErr != nil
+		mu.Unlock()
+		if stop || ctx.Err() != nil {
+			break
+		}
+		jobs <- k
+	}
+	close(jobs)
+	wg.Wait()
+	if firstErr != nil {
+		return Result{}, firstErr
+	}
+	if err := ctx.Err(); err != nil {
+		return Result{}, err
+	}
+	res.WallS = time.Since(start).Seconds()
+	res.Recommendation = recommend(res.Rows, len(opts.Policies))
+	return res, nil
+}
+
+// dispatchOrder returns the row indices in the order to start them: longest
+// runs first, so that the pool does not end on one long run. On the Mooncake
+// conversation trace a run's wall time depends mostly on the policy — one that
+// hashes prompts (prefix) takes about twice as long as one that does not — and
+// little on the fleet size, so hashing policies go first, then larger fleets.
+func dispatchOrder(engines []int, policies []string) []int {
+	hashes := make([]bool, len(policies))
+	for j, p := range policies {
+		if pol, err := sched.New(sched.Config{Policy: p}, []int{1}); err == nil {
+			hashes[j] = pol.NeedsHashes()
+		}
+	}
+	order := make([]int, 0, len(engines)*len(policies))
+	for _, first := range []bool{true, false} {
+		for i := len(engines) - 1; i >= 0; i-- {
+			for j := range policies {
+				if hashes[j] == first {
+					order = append(order, i*len(policies)+j)
+				}
+			}
+		}
+	}
+	return order
+}
+
+// runOne replays recs on engines engines with policy and judges the run.
+func runOne(ctx context.Context, opts Options, recs []trace.Record, engines int, policy string) (Row, error) {
+	start := time.Now()
+	run, err := bench.ReplayVirtual(ctx, bench.VirtualOptions{
+		Policy: policy, Engines: engines, Engine: opts.Engine, Records: recs,
+		Model: opts.Model, Seed: opts.Seed, Routing: opts.Routing,
+	})
+	if err != nil {
+		return Row{}, fmt.Errorf("plan: %d engines, %s: %w", engines, policy, err)
+	}
+	checks, good := Evaluate(opts.SLO, run.Records, run.Summary.DurationS)
+	row := Row{Engines: engines, Policy: policy, Summary: run.Summary, Checks: checks, MeetsSLO: true}
+	row.Summary.Goodput = &good
+	for _, c := range checks {
+		row.MeetsSLO = row.MeetsSLO && c.OK
+	}
+	if opts.SLO.MinGoodput > 0 && good.Share < opts.SLO.MinGoodput {
+		row.MeetsSLO = false
+	}
+	row.WallS = time.Since(start).Seconds()
+	return row, nil
+}
+
+// recommend picks, at the smallest fleet size with a run meeting the SLO,
+// the best such run (see Recommendation.Policy); nil if no run meets it.
+// rows are grouped by size, npol policies per size, in policy order.
+func recommend(rows []Row, npol int) *Recommendation {
+	for base := 0; base < len(rows); base += npol {
+		best := -1
+		for k := base; k < base+npol; k++ {
+			if !rows[k].MeetsSLO {
+				continue
+			}
+			if best < 0 || better(&rows[k], &rows[best]) {
+				best = k
+			}
+		}
+		if best >= 0 {
+			return &Recommendation{Engines: rows[best].Engines, Policy: rows[best].Policy, Row: best}
+		}
+	}
+	return nil
+}
+
+// better reports whether a beats b at the same size: higher goodput share,
+// then lower TTFT p90.
+func better(a, b *Row) bool {
+	ga, gb := a.Summary.Goodput.Share, b.Summary.Goodput.Share
+	if ga != gb {
+		return ga > gb
+	}
+	return a.Summary.TTFT.P90 < b.Summary.TTFT.P90
+}
+
+// Err is nil when a fleet meets the SLO, else ErrNoFleet.
+func (r *Result) Err() error {
+	if r.Recommendation == nil {
+		return ErrNoFleet
+	}
+	return nil
+}
+
+// WriteJSON writes r as indented JSON.
+func (r *Result) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r)
+}
+
+// WriteTable writes the sweep as an aligned table, one row per run: fleet
+// size, policy, failed requests, hit rate (%), TTFT p50/p90/p99 (ms), ITL
+// p50/p99 (ms, pooled), E2E p90 (ms), output throughput (tokens per engine
+// second), mean engine utilisation (%), goodput (% of requests meeting every
+// target), and whether the run meets the SLO (with the missed targets), then
+// the recommendation line (see Verdict).
+func (r *Result) WriteTable(w io.Writer) error {
+	pw := len("policy")
+	for _, p := range r.Policies {
+		pw = max(pw, len(p))
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(tw, "engines\t%-*s\t", pw, "policy")
+	fmt.Fprintln(tw, "errors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tE2E p90 ms\tout tok/s\tutil %\tgoodput %\t  meets SLO")
+	for _, row := range r.Rows {
+		s := row.Summary
+		util, good := "-", "-"
+		if s.MeanEngineUtilization != nil {
+			util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
+		}
+		if s.Goodput != nil {
+			good = fmt.Sprintf("%.1f", s.Goodput.Share*100)
+		}
+		meets := "yes"
+		if !row.MeetsSLO {
+			meets = "no (" + strings.Join(row.Failed(r.MinGoodput), ", ") + ")"
+		}
+		fmt.Fprintf(tw, "%d\t%-*s\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%.0f\t%s\t%s\t  %s\n",
+			row.Engines, pw, row.Policy, s.Errors, s.HitRate*100, s.TTFT.P50, s.TTFT.P90, s.TTFT.P99,
+			s.ITL.P50, s.ITL.P99, s.E2E.P90, s.OutputTokPerS, util, good, meets)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintf(w, "\n%s\n", r.Verdict())
+	return err
+}
+
+// Verdict is the recommendation line: "recommendation: 8 engines, policy
+// prefix (goodput 97.1%, TTFT p90 1.42s, ...)", or ErrNoFleet's text with the
+// swept range.
+func (r *Result) Verdict() string {
+	if r.Recommendation == nil {
+		return fmt.Sprintf("%s (SLO %s; swept %s engines × %s)", ErrNoFleet, r.SLO, joinInts(r.Engines), strings.Join(r.Policies, ","))
+	}
+	row := r.Rows[r.Recommendation.Row]
+	s := row.Summary
+	return fmt.Sprintf("recommendation: %d engines, policy %s (SLO %s: goodput %.1f%%, TTFT p90 %s, ITL p99 %s, hit rate %.1f%%, utilisation %s)",
+		row.Engines, row.Policy, r.SLO, s.Goodput.Share*100, fmtMs(s.TTFT.P90), fmtMs(s.ITL.P99), s.HitRate*100, fmtUtil(s.MeanEngineUtilization))
+}
+
+// fmtMs formats a latency in ms as a rounded duration ("1.42s", "87.3ms");
+// "inf" for the infinitely slow.
+func fmtMs(v float64) string {
+	if v >= math.MaxFloat64 {
+		return "inf"
+	}
+	d := time.Duration(v * float64(time.Millisecond))
+	switch {
+	case d >= 10*time.Second:
+		return d.Round(100 * time.Millisecond).String()
+	case d >= time.Second:
+		return d.Round(10 * time.Millisecond).String()
+	case d >= time.Millisecond:
+		return d.Round(100 * time.Microsecond).String()
+	}
+	return d.Round(time.Microsecond).String()
+}
+
+func fmtUtil(u *float64) string {
+	if u == nil {
+		return "unknown"
+	}
+	return fmt.Sprintf("%.1f%%", *u*100)
+}
+
+func joinInts(xs []int) string {
+	s := make([]string, len(xs))
+	for i, x := range xs {
+		s[i] = strconv.Itoa(x)
+	}
+	return strings.Join(s, ",")
+}
