@@ -71,9 +71,31 @@ type mooncakeLine struct {
 // output_length < 0, negative hash ids, and a hash_ids count other than
 // ceil(input_length/512).
 func ReadMooncake(r io.Reader) ([]Record, error) {
+	var recs []Record
+	err := readLines(r, "mooncake trace", func(line int, b []byte) error {
+		rec, err := parseMooncakeLine(b)
+		if err != nil {
+			return err
+		}
+		if n := len(recs); n > 0 && rec.Timestamp < recs[n-1].Timestamp {
+			return fmt.Errorf("timestamp %v is before the previous request's %v (trace must be sorted)",
+				rec.Timestamp, recs[n-1].Timestamp)
+		}
+		recs = append(recs, rec)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return recs, nil
+}
+
+// readLines calls fn with each non-blank line of r (trimmed, valid until fn
+// returns) and its 1-based number, reading lines of at most MaxLineBytes. An
+// error from fn or the reader is returned prefixed with what and the line.
+func readLines(r io.Reader, what string, fn func(line int, b []byte) error) error {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 64<<10), MaxLineBytes)
-	var recs []Record
 	line := 0
 	for sc.Scan() {
 		line++
@@ -81,23 +103,17 @@ func ReadMooncake(r io.Reader) ([]Record, error) {
 		if len(b) == 0 {
 			continue
 		}
-		rec, err := parseMooncakeLine(b)
-		if err != nil {
-			return nil, fmt.Errorf("mooncake trace line %d: %w", line, err)
+		if err := fn(line, b); err != nil {
+			return fmt.Errorf("%s line %d: %w", what, line, err)
 		}
-		if n := len(recs); n > 0 && rec.Timestamp < recs[n-1].Timestamp {
-			return nil, fmt.Errorf("mooncake trace line %d: timestamp %v is before the previous request's %v (trace must be sorted)",
-				line, rec.Timestamp, recs[n-1].Timestamp)
-		}
-		recs = append(recs, rec)
 	}
 	if err := sc.Err(); err != nil {
 		if errors.Is(err, bufio.ErrTooLong) {
-			return nil, fmt.Errorf("mooncake trace line %d: longer than %d bytes", line+1, MaxLineBytes)
+			return fmt.Errorf("%s line %d: longer than %d bytes", what, line+1, MaxLineBytes)
 		}
-		return nil, fmt.Errorf("mooncake trace line %d: %w", line+1, err)
+		return fmt.Errorf("%s line %d: %w", what, line+1, err)
 	}
-	return recs, nil
+	return nil
 }
 
 func parseMooncakeLine(b []byte) (Record, error) {

@@ -1,8 +1,6 @@
 package trace
 
 import (
-	"bufio"
-	"bytes"
 	"cmp"
 	"encoding/json"
 	"errors"
@@ -33,39 +31,32 @@ type Question struct {
 // skipped). It rejects, naming the 1-based line, malformed JSON, a missing
 // question_id, no turns, and an empty turn.
 func ReadMTBench(r io.Reader) ([]Question, error) {
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 0, 64<<10), MaxLineBytes)
 	var qs []Question
-	line := 0
-	for sc.Scan() {
-		line++
-		b := bytes.TrimSpace(sc.Bytes())
-		if len(b) == 0 {
-			continue
-		}
+	err := readLines(r, "mt-bench", func(_ int, b []byte) error {
 		var q struct {
 			Question
 			ID *int `json:"question_id"`
 		}
 		if err := json.Unmarshal(b, &q); err != nil {
-			return nil, fmt.Errorf("mt-bench line %d: %w", line, err)
+			return err
 		}
 		switch {
 		case q.ID == nil:
-			return nil, fmt.Errorf(`mt-bench line %d: missing "question_id"`, line)
+			return errors.New(`missing "question_id"`)
 		case len(q.Turns) == 0:
-			return nil, fmt.Errorf(`mt-bench line %d: no "turns"`, line)
+			return errors.New(`no "turns"`)
 		}
 		for i, t := range q.Turns {
 			if t == "" {
-				return nil, fmt.Errorf("mt-bench line %d: turn %d is empty", line, i+1)
+				return fmt.Errorf("turn %d is empty", i+1)
 			}
 		}
 		q.Question.ID = *q.ID
 		qs = append(qs, q.Question)
-	}
-	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("mt-bench line %d: %w", line+1, err)
+		return nil
+	})
+	if err != nil {
+		return nil, err
 	}
 	return qs, nil
 }

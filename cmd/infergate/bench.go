@@ -10,7 +10,6 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/infergate/infergate/bench"
-	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 )
@@ -26,6 +25,7 @@ func newBenchCmd() *cobra.Command {
 		timeScale float64
 		model     string
 		profile   string
+		profFile  string
 		outPath   string
 		recPath   string
 		cfgPath   string
@@ -86,26 +86,20 @@ fleet's time scale.`,
 				}
 				report.Runs = append(report.Runs, bench.Summarize(target, rs))
 			} else {
-				prof, ok := sim.Profiles()[profile]
-				if !ok {
-					return fmt.Errorf("unknown profile %q (have %s)", profile, strings.Join(profileNames(), ", "))
+				prof, err := resolveProfile(profile, profFile)
+				if err != nil {
+					return err
 				}
-				policies := strings.Split(compare, ",")
-				for _, p := range policies {
-					if _, err := sched.New(sched.Config{Policy: p}, []int{1}); err != nil {
-						return err
-					}
+				policies, err := parsePolicies(compare)
+				if err != nil {
+					return fmt.Errorf("--compare: %w", err)
 				}
 				if model == "" {
 					model = prof.Model
 				}
-				var routing sched.Config
-				if cfgPath != "" {
-					gc, err := gateway.LoadConfig(cfgPath)
-					if err != nil {
-						return err
-					}
-					routing = gc.Routing
+				routing, err := loadRouting(cfgPath)
+				if err != nil {
+					return err
 				}
 				opts := bench.CompareOptions{Routing: routing, Policies: policies, Engines: engines, Engine: sim.Config{Profile: prof},
 					Records: recs, Requests: requests, Speedup: speedup, Model: model, Progress: os.Stderr}
@@ -171,6 +165,7 @@ fleet's time scale.`,
 	f.Float64Var(&timeScale, "time-scale", 1, "the target's simulated seconds per wall second, to report engine time (--target)")
 	f.StringVar(&model, "model", "", "model name to request (default: the profile's model)")
 	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile for --compare: "+strings.Join(profileNames(), ", "))
+	f.StringVar(&profFile, "profile-file", "", "engine profile from a YAML file for --compare (overrides --profile)")
 	f.StringVarP(&outPath, "out", "o", "", "write the summary as JSON to this file")
 	f.StringVarP(&cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the compared policies (--compare)")
 	f.BoolVar(&virtual, "virtual", false, "with --compare: run the same engine model and policies in virtual time (discrete events, no sleeping, no HTTP): seconds instead of minutes")

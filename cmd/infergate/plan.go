@@ -9,7 +9,6 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/plan"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
@@ -71,13 +70,9 @@ overhead, and engines never fail.`,
 			if err != nil {
 				return fmt.Errorf("--engines: %w", err)
 			}
-			var pols []string
-			for p := range strings.SplitSeq(policies, ",") {
-				p = strings.TrimSpace(p)
-				if _, err := sched.New(sched.Config{Policy: p}, []int{1}); err != nil {
-					return fmt.Errorf("--policy: %w", err)
-				}
-				pols = append(pols, p)
+			pols, err := parsePolicies(policies)
+			if err != nil {
+				return fmt.Errorf("--policy: %w", err)
 			}
 			if requests < 0 {
 				return fmt.Errorf("--requests %d: must not be negative", requests)
@@ -89,13 +84,9 @@ overhead, and engines never fail.`,
 			if model == "" {
 				model = prof.Model
 			}
-			var routing sched.Config
-			if cfgPath != "" {
-				gc, err := gateway.LoadConfig(cfgPath)
-				if err != nil {
-					return err
-				}
-				routing = gc.Routing
+			routing, err := loadRouting(cfgPath)
+			if err != nil {
+				return err
 			}
 			recs, err := wl.load()
 			if err != nil {

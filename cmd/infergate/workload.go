@@ -5,11 +5,14 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/spf13/pflag"
 
+	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/trace"
 )
 
@@ -96,4 +99,29 @@ func (w *workloadFlags) load() ([]trace.Record, error) {
 		return trace.Flatten(sessions, trace.LinearLatency(500*time.Millisecond, 30*time.Millisecond)), nil
 	}
 	return nil, fmt.Errorf("--workload %q: want mooncake, azure, shared-prefix or chat", w.kind)
+}
+
+// parsePolicies splits a comma-separated policy list and checks every name.
+func parsePolicies(list string) ([]string, error) {
+	var out []string
+	for p := range strings.SplitSeq(list, ",") {
+		p = strings.TrimSpace(p)
+		if _, err := sched.New(sched.Config{Policy: p}, []int{1}); err != nil {
+			return nil, err
+		}
+		out = append(out, p)
+	}
+	return out, nil
+}
+
+// loadRouting returns the routing section of a gateway config file ("" = defaults).
+func loadRouting(path string) (sched.Config, error) {
+	if path == "" {
+		return sched.Config{}, nil
+	}
+	gc, err := gateway.LoadConfig(path)
+	if err != nil {
+		return sched.Config{}, err
+	}
+	return gc.Routing, nil
 }
