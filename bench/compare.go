@@ -60,6 +60,10 @@ type CompareOptions struct {
 	// Output, if set, receives every request's Record as a JSON line, with
 	// Record.Policy naming the run.
 	Output io.Writer
+	// OnRun, if set, is called after each run with its Summary, Records and
+	// the prompt tokens each engine counted (HTMLRun.EnginePromptTokens);
+	// the gateway does not say which engine served a request.
+	OnRun func(HTMLRun)
 }
 
 // Compare replays the same records once per policy, each time through a
@@ -195,11 +199,16 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 	util := fleet.Utilization()
 	s.MeanEngineUtilization = &util
 	var prefill, preempt int64
-	for _, srv := range fleet.Servers {
+	prompts := make([]int64, len(fleet.Servers))
+	for i, srv := range fleet.Servers {
 		st := srv.Stats()
 		prefill += st.PrefillTokens
 		preempt += st.Preemptions
+		prompts[i] = st.PromptTokens
 	}
 	s.EnginePrefillTokens, s.Preemptions = &prefill, &preempt
+	if opts.OnRun != nil {
+		opts.OnRun(HTMLRun{Summary: s, Records: recs, EnginePromptTokens: prompts})
+	}
 	return s, nil
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"time"
@@ -30,6 +31,7 @@ func newBenchCmd() *cobra.Command {
 		recPath   string
 		cfgPath   string
 		virtual   bool
+		htmlPath  string
 	)
 	cmd := &cobra.Command{
 		Use:   "bench",
@@ -69,6 +71,7 @@ fleet's time scale.`,
 			}
 			started := time.Now()
 			var report bench.Report
+			var htmlRuns []bench.HTMLRun
 			if target != "" {
 				// Accept the usual OpenAI base URL form (".../v1") as well.
 				target = strings.TrimSuffix(strings.TrimSuffix(target, "/"), "/v1")
@@ -85,6 +88,9 @@ fleet's time scale.`,
 					return err
 				}
 				report.Runs = append(report.Runs, bench.Summarize(target, rs))
+				if htmlPath != "" {
+					htmlRuns = append(htmlRuns, bench.HTMLRun{Summary: report.Runs[0], Records: rs})
+				}
 			} else {
 				prof, err := resolveProfile(profile, profFile)
 				if err != nil {
@@ -106,6 +112,9 @@ fleet's time scale.`,
 				if recOut != nil {
 					opts.Output = recOut
 				}
+				if htmlPath != "" {
+					opts.OnRun = func(r bench.HTMLRun) { htmlRuns = append(htmlRuns, r) }
+				}
 				if virtual {
 					for _, p := range policies {
 						run, err := bench.ReplayVirtual(cmd.Context(), bench.VirtualOptions{Policy: p, Engines: engines,
@@ -120,6 +129,9 @@ fleet's time scale.`,
 						}
 						fmt.Fprintf(os.Stderr, "%s: %d requests in virtual time, %s wall\n", p, len(run.Records), run.Wall.Round(time.Millisecond))
 						report.Runs = append(report.Runs, run.Summary)
+						if htmlPath != "" {
+							htmlRuns = append(htmlRuns, bench.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})
+						}
 					}
 				} else if report, err = bench.Compare(cmd.Context(), opts); err != nil {
 					return err
@@ -149,6 +161,19 @@ fleet's time scale.`,
 					return err
 				}
 			}
+			if htmlPath != "" {
+				title := "infergate bench: " + target
+				if target == "" {
+					mode := "real time"
+					if virtual {
+						mode = "virtual time"
+					}
+					title = fmt.Sprintf("infergate bench: %s on %d engines (%s)", compare, engines, mode)
+				}
+				if err := writeFile(htmlPath, func(w io.Writer) error { return bench.WriteHTML(w, title, htmlRuns) }); err != nil {
+					return err
+				}
+			}
 			if failed {
 				return errors.New("every request of a run failed")
 			}
@@ -169,6 +194,20 @@ fleet's time scale.`,
 	f.StringVarP(&outPath, "out", "o", "", "write the summary as JSON to this file")
 	f.StringVarP(&cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the compared policies (--compare)")
 	f.BoolVar(&virtual, "virtual", false, "with --compare: run the same engine model and policies in virtual time (discrete events, no sleeping, no HTTP): seconds instead of minutes")
+	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report (summary table, latency CDFs, time series, per-engine share) to this file")
 	f.StringVar(&recPath, "records", "", "write per-request records as JSONL to this file")
 	return cmd
+}
+
+// writeFile creates path and writes it with write, reporting the first error.
+func writeFile(path string, write func(io.Writer) error) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := write(f); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"time"
@@ -28,6 +29,7 @@ func newPlanCmd() *cobra.Command {
 		outPath  string
 		workers  int
 		seed     int64
+		htmlPath string
 	)
 	cmd := &cobra.Command{
 		Use:   "plan",
@@ -128,6 +130,11 @@ overhead, and engines never fail.`,
 					return err
 				}
 			}
+			if htmlPath != "" {
+				if err := writeFile(htmlPath, func(w io.Writer) error { return res.WriteHTML(w) }); err != nil {
+					return err
+				}
+			}
 			return res.Err()
 		},
 	}
@@ -143,6 +150,7 @@ overhead, and engines never fail.`,
 	f.StringVarP(&cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the policies")
 	f.StringVarP(&outPath, "out", "o", "", "write the sweep and the recommendation as JSON to this file")
 	f.IntVar(&workers, "workers", 0, "runs to simulate at once (0 = one per CPU)")
+	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report (sweep table, TTFT p90 and goodput vs engines, recommendation) to this file")
 	f.Int64Var(&seed, "seed", 0, "seed of the engines' outputs and the policies' tie-breaking")
 	return cmd
 }
