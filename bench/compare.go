@@ -60,6 +60,14 @@ type CompareOptions struct {
 	// Output, if set, receives every request's Record as a JSON line, with
 	// Record.Policy naming the run.
 	Output io.Writer
+	// Warmup, Concurrency and Sessions are passed to every run's Replay (see
+	// ReplayOptions): warm-up exclusion and closed-loop replay.
+	Warmup      Warmup
+	Concurrency int
+	Sessions    []trace.Session
+	// RateRPS, if > 0, is recorded in every Summary (Summary.RateRPS): the
+	// rate the caller re-timed Records to (see Retime).
+	RateRPS float64
 	// OnRun, if set, is called after each run with its Summary, Records and
 	// the prompt tokens each engine counted (HTMLRun.EnginePromptTokens);
 	// the gateway does not say which engine served a request.
@@ -191,11 +199,15 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 		Label:        policy,
 		Progress:     opts.Progress,
 		Output:       opts.Output,
+		Warmup:       opts.Warmup,
+		Concurrency:  opts.Concurrency,
+		Sessions:     opts.Sessions,
 	})
 	if err != nil {
 		return Summary{}, err
 	}
 	s := Summarize(policy, recs)
+	s.RateRPS = opts.RateRPS
 	util := fleet.Utilization()
 	s.MeanEngineUtilization = &util
 	var prefill, preempt int64

@@ -71,6 +71,9 @@ type Record struct {
 	Status int `json:"status"`
 	// Error describes the failure; "" for a successful request.
 	Error string `json:"error,omitempty"`
+	// Warmup is true for a warm-up request (see Warmup): sent, but left out
+	// of the Summary, the HTML report and goodput.
+	Warmup bool `json:"warmup,omitempty"`
 }
 
 // ReplayOptions configures Replay.
@@ -108,6 +111,21 @@ type ReplayOptions struct {
 	// Output, if set, receives every Record as one JSON line, in record order,
 	// when the replay ends.
 	Output io.Writer
+	// Warmup marks the warm-up requests (Record.Warmup) before Output is
+	// written; Summarize leaves them out.
+	Warmup Warmup
+	// Concurrency, if > 0, replays closed-loop instead of at the
+	// timestamps: Concurrency users each send the next unsent record as soon
+	// as their previous request has finished, until every record is sent.
+	// With Sessions it bounds the sessions active at once instead.
+	Concurrency int
+	// Sessions, if set, replaces Records with a session-aware closed loop:
+	// session s starts at Start/Speedup of wall time (or later, once fewer
+	// than Concurrency sessions are active when Concurrency > 0), and sends
+	// each next turn when the previous turn's response has fully arrived
+	// plus ThinkTime/Speedup. Records are numbered session-major (session 0's
+	// turns, then session 1's, ...); Requests limits the turns in that order.
+	Sessions []trace.Session
 }
 
 // maxErrorBody bounds how much of an error response is read (bytes).
@@ -140,6 +158,8 @@ func NewClient() *http.Client {
 // max_tokens its output length (at least 1), with ignore_eos and
 // stream_options.include_usage set. Each request runs in its own goroutine, so
 // concurrency is bounded by the trace itself; prompts are built when sent.
+// opts.Concurrency and opts.Sessions select a closed loop instead (see their
+// fields); opts.Warmup marks the warm-up requests.
 //
 // It returns one Record per request sent, in record order. Request failures
 // are reported in Record.Error, not as an error. If ctx ends, unsent requests
@@ -160,6 +180,12 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
 	if !(speedup > 0) || math.IsInf(speedup, 0) || !(scale > 0) || math.IsInf(scale, 0) {
 		return nil, fmt.Errorf("bench: speedup %v and time scale %v must be positive and finite", opts.Speedup, opts.TimeScale)
 	}
+	if err := opts.Warmup.Validate(); err != nil {
+		return nil, err
+	}
+	if opts.Concurrency < 0 {
+		return nil, fmt.Errorf("bench: concurrency %d: must not be negative", opts.Concurrency)
+	}
 	recs := opts.Records
 	if opts.Requests > 0 && opts.Requests < len(recs) {
 		recs = recs[:opts.Requests]
@@ -175,16 +201,69 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
 		return nil, fmt.Errorf("bench: model name: %w", err)
 	}
 
-	prog := newProgress(opts.Progress, len(recs), opts.Label)
-	out := make([]Record, len(recs))
+	total := len(recs)
+	if opts.Sessions != nil {
+		total = 0
+		for _, ss := range opts.Sessions {
+			total += len(ss.Turns)
+		}
+		if opts.Requests > 0 {
+			total = min(total, opts.Requests)
+		}
+	}
+	prog := newProgress(opts.Progress, total, opts.Label)
+	out := make([]Record, total)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 
+	start := time.Now()
+	do := func(i int, rec trace.Record) {
+		if opts.OutputTokens > 0 {
+			rec.OutputLength = opts.OutputTokens
+		}
+		r := &out[i]
+		*r = send(ctx, client, endpoint, modelJSON, opts, rec, start, scale)
+		r.Index, r.Policy = i, opts.Label
+		prog.done(r.Error != "")
+	}
+	switch {
+	case opts.Sessions != nil:
+		sent := sessionLoop(ctx, opts.Concurrency, opts.Sessions, total, speedup, start, do)
+		n := 0
+		for i := range out {
+			if sent[i] {
+				out[n] = out[i]
+				n++
+			}
+		}
+		out = out[:n]
+	case opts.Concurrency > 0:
+		out = out[:closedLoop(ctx, opts.Concurrency, recs, do)]
+	default:
+		out = out[:openLoop(ctx, recs, speedup, start, do)]
+	}
+	err = ctx.Err()
+	if err != nil {
+		err = context.Cause(ctx)
+	}
+	opts.Warmup.Mark(out)
+	prog.finish(out, scale)
+
+	if opts.Output != nil {
+		if werr := WriteRecords(opts.Output, out); werr != nil && err == nil {
+			err = fmt.Errorf("bench: write records: %w", werr)
+		}
+	}
+	return out, err
+}
+
+// openLoop sends record i at (Timestamp_i − Timestamp_0)/speedup after
+// start, each in its own goroutine, and returns how many it sent.
+func openLoop(ctx context.Context, recs []trace.Record, speedup float64, start time.Time, do func(int, trace.Record)) int {
 	var wg sync.WaitGroup
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	sent := 0
-	start := time.Now()
 dispatch:
 	for i, rec := range recs {
 		due := time.Duration(float64(rec.Timestamp-recs[0].Timestamp) / speedup)
@@ -200,31 +279,11 @@ dispatch:
 		if ctx.Err() != nil {
 			break
 		}
-		if opts.OutputTokens > 0 {
-			rec.OutputLength = opts.OutputTokens
-		}
 		sent++
-		wg.Go(func() {
-			r := &out[i]
-			*r = send(ctx, client, endpoint, modelJSON, opts, rec, start, scale)
-			r.Index, r.Policy = i, opts.Label
-			prog.done(r.Error != "")
-		})
+		wg.Go(func() { do(i, rec) })
 	}
 	wg.Wait()
-	err = ctx.Err()
-	if err != nil {
-		err = context.Cause(ctx)
-	}
-	out = out[:sent]
-	prog.finish(out, scale)
-
-	if opts.Output != nil {
-		if werr := WriteRecords(opts.Output, out); werr != nil && err == nil {
-			err = fmt.Errorf("bench: write records: %w", werr)
-		}
-	}
-	return out, err
+	return sent
 }
 
 // WriteRecords writes recs as JSON lines (the --records format).

@@ -24,8 +24,15 @@ type Latency struct {
 type Summary struct {
 	// Policy is the routing policy (or run label).
 	Policy string `json:"policy"`
-	// Requests is the number of requests sent.
+	// RateRPS is the Poisson arrival rate the run's requests were re-timed
+	// to (requests/s; a --rate sweep); 0 (absent) when the trace's own
+	// timestamps (or a closed loop) were used.
+	RateRPS float64 `json:"rate_rps,omitempty"`
+	// Requests is the number of requests measured: sent and not warm-up.
 	Requests int `json:"requests"`
+	// WarmupRequests is the number of warm-up requests sent before the
+	// measured ones and left out of every other field (absent when 0).
+	WarmupRequests int `json:"warmup_requests,omitempty"`
 	// Errors is the number of requests that failed.
 	Errors int `json:"errors"`
 	// HitRate is CachedTokens / PromptTokens: the fraction of prompt tokens
@@ -50,7 +57,8 @@ type Summary struct {
 	// OutputTokens is Σ generated tokens (tokens).
 	OutputTokens int64 `json:"output_tokens"`
 	// DurationS is the replay's length, from its start to the end of its last
-	// request (s).
+	// request (s). With warm-up requests it is the measured window instead:
+	// from the first measured request's arrival to the end of the last one.
 	DurationS float64 `json:"duration_s"`
 	// MeanEngineUtilization is the mean fraction of engine time the fleet's
 	// engines spent stepping, in [0, 1]; nil when unknown (a --target run).
@@ -84,13 +92,25 @@ type Goodput struct {
 	PerS float64 `json:"req_per_s"`
 }
 
-// Summarize aggregates recs into a Summary labelled policy.
+// Summarize aggregates recs into a Summary labelled policy, leaving out
+// warm-up records (Record.Warmup) except to count them.
 func Summarize(policy string, recs []Record) Summary {
-	s := Summary{Policy: policy, Requests: len(recs)}
+	s := Summary{Policy: policy}
 	var ttft, e2e, itl []float64
+	all := len(recs)
+	recs = Measured(recs)
+	s.WarmupRequests = all - len(recs)
+	startMs := 0.0 // the measured window's start
+	if s.WarmupRequests > 0 && len(recs) > 0 {
+		startMs = recs[0].ArrivalMs
+		for i := range recs {
+			startMs = min(startMs, recs[i].ArrivalMs)
+		}
+	}
+	s.Requests = len(recs)
 	for i := range recs {
 		r := &recs[i]
-		s.DurationS = max(s.DurationS, (r.ArrivalMs+r.E2EMs)/1000)
+		s.DurationS = max(s.DurationS, (r.ArrivalMs+r.E2EMs-startMs)/1000)
 		if r.Error != "" {
 			if s.Errors == 0 {
 				s.FirstError = r.Error
@@ -170,23 +190,33 @@ func (r Report) WriteJSON(w io.Writer) error {
 // WriteTable writes r as an aligned text table, one row per run: policy,
 // requests, errors, hit rate (%), TTFT p50/p90/p99 (ms), ITL p50/p99 (ms),
 // output throughput (tokens/s), prefill tokens computed, and mean engine
-// utilisation (%, "-" when unknown).
+// utilisation (%, "-" when unknown); a rate column (req/s) follows the
+// policy when any run has RateRPS set.
 func (r Report) WriteTable(w io.Writer) error {
 	// Numbers align right; the policy column is padded to align left.
 	pw := len("policy")
+	rate := false
 	for _, s := range r.Runs {
 		pw = max(pw, len(s.Policy))
+		rate = rate || s.RateRPS > 0
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(tw, "%-*s\t", pw, "policy")
+	if rate {
+		fmt.Fprint(tw, "rate\t")
+	}
 	fmt.Fprintln(tw, "requests\terrors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tout tok/s\tprefill tok\tutil %\t")
 	for _, s := range r.Runs {
 		util := "-"
 		if s.MeanEngineUtilization != nil {
 			util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
 		}
-		fmt.Fprintf(tw, "%-*s\t%d\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%d\t%s\t\n",
-			pw, s.Policy, s.Requests, s.Errors, s.HitRate*100,
+		fmt.Fprintf(tw, "%-*s\t", pw, s.Policy)
+		if rate {
+			fmt.Fprintf(tw, "%g\t", s.RateRPS)
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%d\t%s\t\n",
+			s.Requests, s.Errors, s.HitRate*100,
 			s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.ITL.P50, s.ITL.P99,
 			s.OutputTokPerS, s.PrefillTokensComputed, util)
 	}

@@ -34,6 +34,11 @@ type VirtualOptions struct {
 	// Routing tunes the policy (its Policy field is replaced by Policy; a
 	// zero Prefix.BlockSize means the engines' block size).
 	Routing sched.Config
+	// Warmup marks the warm-up records (Record.Warmup), which Summary
+	// leaves out.
+	Warmup Warmup
+	// RateRPS, if > 0, is recorded in Summary.RateRPS (see Retime).
+	RateRPS float64
 	// SkipITL leaves Record.ITLMs empty (Summary.ITL is then zero), saving
 	// memory on very large traces.
 	SkipITL bool
@@ -62,8 +67,15 @@ type VirtualRun struct {
 // Timestamp); prompts are the records' synthetic tokens (trace.Record.Tokens,
 // built at arrival) and max_tokens the output length (at least 1), as Replay
 // sends them. ctx is checked before the run only: a run is not interruptible.
+//
+// Closed-loop replay (ReplayOptions.Concurrency, Sessions) is not available
+// in virtual time: sim.VirtualFleet.Run takes every arrival up front and runs
+// until the fleet is idle, so an arrival cannot depend on an earlier finish.
 func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error) {
 	if err := ctx.Err(); err != nil {
+		return VirtualRun{}, err
+	}
+	if err := opts.Warmup.Validate(); err != nil {
 		return VirtualRun{}, err
 	}
 	if opts.Engines == 0 {
@@ -143,7 +155,9 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 		}
 		r.ITL = nil
 	}
+	opts.Warmup.Mark(run.Records)
 	run.Summary = Summarize(opts.Policy, run.Records)
+	run.Summary.RateRPS = opts.RateRPS
 	util := fleet.Utilization()
 	var prefill, preempt int64
 	for _, st := range run.Stats {

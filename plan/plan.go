@@ -54,6 +54,9 @@ type Options struct {
 	// Seed seeds the engines and the policies' tie-breaking, as in
 	// bench.VirtualOptions; every run uses the same seed.
 	Seed int64
+	// Warmup excludes every run's warm-up requests from its Summary and
+	// goodput (see bench.Warmup).
+	Warmup bench.Warmup
 	// SLO is the objective every run is judged against.
 	SLO SLO
 	// Workers is how many runs proceed at once (0: GOMAXPROCS). Each run is
@@ -258,12 +261,12 @@ func runOne(ctx context.Context, opts Options, recs []trace.Record, engines int,
 	start := time.Now()
 	run, err := bench.ReplayVirtual(ctx, bench.VirtualOptions{
 		Policy: policy, Engines: engines, Engine: opts.Engine, Records: recs,
-		Model: opts.Model, Seed: opts.Seed, Routing: opts.Routing,
+		Model: opts.Model, Seed: opts.Seed, Routing: opts.Routing, Warmup: opts.Warmup,
 	})
 	if err != nil {
 		return Row{}, fmt.Errorf("plan: %d engines, %s: %w", engines, policy, err)
 	}
-	checks, good := Evaluate(opts.SLO, run.Records, run.Summary.DurationS)
+	checks, good := Evaluate(opts.SLO, bench.Measured(run.Records), run.Summary.DurationS)
 	row := Row{Engines: engines, Policy: policy, Summary: run.Summary, Checks: checks, MeetsSLO: true}
 	row.Summary.Goodput = &good
 	for _, c := range checks {

@@ -13,25 +13,36 @@ import (
 	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/trace"
 )
+
+// rateSeed seeds the Poisson arrivals of a --rate sweep, so every rate and
+// every run of the command re-times the workload the same way.
+const rateSeed = 1
 
 func newBenchCmd() *cobra.Command {
 	var (
-		target    string
-		compare   string
-		engines   int
-		wl        workloadFlags
-		requests  int
-		speedup   float64
-		timeScale float64
-		model     string
-		profile   string
-		profFile  string
-		outPath   string
-		recPath   string
-		cfgPath   string
-		virtual   bool
-		htmlPath  string
+		target      string
+		compare     string
+		engines     int
+		wl          workloadFlags
+		requests    int
+		speedup     float64
+		timeScale   float64
+		model       string
+		profile     string
+		profFile    string
+		outPath     string
+		recPath     string
+		cfgPath     string
+		virtual     bool
+		htmlPath    string
+		warm        warmupFlags
+		rateList    string
+		concurrency int
+		prof        sim.Profile
+		policies    []string
+		routing     sched.Config
 	)
 	cmd := &cobra.Command{
 		Use:   "bench",
@@ -49,7 +60,23 @@ starts, for each policy, a fresh simulated fleet of --engines engines running
 --speedup times faster than real time (so the engines see the trace's real
 load) behind a fresh gateway, replays the same requests and prints one table.
 Latencies are reported in engine time: wall-clock measurements multiplied by the
-fleet's time scale.`,
+fleet's time scale.
+
+--warmup N / --warmup-duration D send the first N requests (or those sent in the
+first D of engine time) but leave them out of the summary, the HTML report and
+goodput; --records keeps them, marked "warmup": true.
+
+--rate 1,2,4,8 re-times the workload's arrivals as a Poisson process at each
+rate (req/s; fixed seed, same requests in the same order) and runs once per
+rate (per policy with --compare, also --virtual); the table gains a rate column.
+
+--concurrency N replays closed loop, in real time only (--target, --compare;
+not --virtual, whose fleet needs every arrival up front): N users each send the
+next request as soon as their previous one finished, ignoring timestamps. With
+--workload chat it is session-aware: a session's next turn is sent when the
+previous answer has fully arrived plus the think time (both divided by
+--speedup), with at most N sessions active at once (sessions start at their
+start times, or later when N are active).`,
 		Example: `  infergate bench --compare round-robin,least-request,prefix --engines 8 \
     --trace ../shared/data/mooncake_conversation_trace.jsonl --requests 2000 --out r.json
   infergate bench --target http://127.0.0.1:8080 --trace trace.jsonl --requests 200`,
@@ -58,7 +85,31 @@ fleet's time scale.`,
 			if (target == "") == (compare == "") {
 				return errors.New("give exactly one of --target URL or --compare POLICIES")
 			}
-			recs, err := wl.load()
+			if err := warm.w.Validate(); err != nil {
+				return err
+			}
+			if concurrency < 0 {
+				return fmt.Errorf("--concurrency %d: must not be negative", concurrency)
+			}
+			rates, err := parseRates(rateList)
+			if err != nil {
+				return err
+			}
+			switch {
+			case concurrency > 0 && virtual:
+				return errors.New("--concurrency needs real time: the virtual fleet takes every arrival up front, so it cannot send a request when an earlier one finishes (drop --virtual)")
+			case concurrency > 0 && rates != nil:
+				return errors.New("--concurrency (closed loop) and --rate (open-loop arrivals) exclude each other")
+			}
+			var (
+				recs     []trace.Record
+				sessions []trace.Session
+			)
+			if concurrency > 0 && wl.kind == workloadChat {
+				sessions, err = wl.sessions()
+			} else {
+				recs, err = wl.load()
+			}
 			if err != nil {
 				return err
 			}
@@ -72,53 +123,35 @@ fleet's time scale.`,
 			started := time.Now()
 			var report bench.Report
 			var htmlRuns []bench.HTMLRun
-			if target != "" {
-				// Accept the usual OpenAI base URL form (".../v1") as well.
-				target = strings.TrimSuffix(strings.TrimSuffix(target, "/"), "/v1")
-				if model == "" {
-					model = sim.DefaultModel
-				}
-				opts := bench.ReplayOptions{Target: target, Model: model, Records: recs, Requests: requests,
-					Speedup: speedup, TimeScale: timeScale, Label: "target", Progress: os.Stderr}
-				if recOut != nil {
-					opts.Output = recOut
-				}
-				rs, err := bench.Replay(cmd.Context(), opts)
-				if err != nil {
-					return err
-				}
-				report.Runs = append(report.Runs, bench.Summarize(target, rs))
+			addHTML := func(r bench.HTMLRun) {
 				if htmlPath != "" {
-					htmlRuns = append(htmlRuns, bench.HTMLRun{Summary: report.Runs[0], Records: rs})
+					htmlRuns = append(htmlRuns, bench.MeasuredRun(r))
 				}
-			} else {
-				prof, err := resolveProfile(profile, profFile)
-				if err != nil {
-					return err
-				}
-				policies, err := parsePolicies(compare)
-				if err != nil {
-					return fmt.Errorf("--compare: %w", err)
-				}
-				if model == "" {
-					model = prof.Model
-				}
-				routing, err := loadRouting(cfgPath)
-				if err != nil {
-					return err
-				}
-				opts := bench.CompareOptions{Routing: routing, Policies: policies, Engines: engines, Engine: sim.Config{Profile: prof},
-					Records: recs, Requests: requests, Speedup: speedup, Model: model, Progress: os.Stderr}
-				if recOut != nil {
-					opts.Output = recOut
-				}
-				if htmlPath != "" {
-					opts.OnRun = func(r bench.HTMLRun) { htmlRuns = append(htmlRuns, r) }
+			}
+			// runAt replays recs (re-timed to rate req/s when rate > 0).
+			runAt := func(recs []trace.Record, rate float64) error {
+				if target != "" {
+					opts := bench.ReplayOptions{Target: target, Model: model, Records: recs, Requests: requests,
+						Speedup: speedup, TimeScale: timeScale, Label: "target", Progress: os.Stderr,
+						Warmup: warm.w, Concurrency: concurrency, Sessions: sessions}
+					if recOut != nil {
+						opts.Output = recOut
+					}
+					rs, err := bench.Replay(cmd.Context(), opts)
+					if err != nil {
+						return err
+					}
+					s := bench.Summarize(target, rs)
+					s.RateRPS = rate
+					report.Runs = append(report.Runs, s)
+					addHTML(bench.HTMLRun{Summary: s, Records: rs})
+					return nil
 				}
 				if virtual {
 					for _, p := range policies {
 						run, err := bench.ReplayVirtual(cmd.Context(), bench.VirtualOptions{Policy: p, Engines: engines,
-							Engine: opts.Engine, Records: recs, Requests: requests, Model: model, Routing: routing})
+							Engine: sim.Config{Profile: prof}, Records: recs, Requests: requests, Model: model, Routing: routing,
+							Warmup: warm.w, RateRPS: rate})
 						if err != nil {
 							return err
 						}
@@ -129,12 +162,55 @@ fleet's time scale.`,
 						}
 						fmt.Fprintf(os.Stderr, "%s: %d requests in virtual time, %s wall\n", p, len(run.Records), run.Wall.Round(time.Millisecond))
 						report.Runs = append(report.Runs, run.Summary)
-						if htmlPath != "" {
-							htmlRuns = append(htmlRuns, bench.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})
-						}
+						addHTML(bench.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})
 					}
-				} else if report, err = bench.Compare(cmd.Context(), opts); err != nil {
+					return nil
+				}
+				opts := bench.CompareOptions{Routing: routing, Policies: policies, Engines: engines, Engine: sim.Config{Profile: prof},
+					Records: recs, Requests: requests, Speedup: speedup, Model: model, Progress: os.Stderr,
+					Warmup: warm.w, Concurrency: concurrency, Sessions: sessions, RateRPS: rate, OnRun: addHTML}
+				if recOut != nil {
+					opts.Output = recOut
+				}
+				rep, err := bench.Compare(cmd.Context(), opts)
+				report.Runs = append(report.Runs, rep.Runs...)
+				return err
+			}
+			if target != "" {
+				// Accept the usual OpenAI base URL form (".../v1") as well.
+				target = strings.TrimSuffix(strings.TrimSuffix(target, "/"), "/v1")
+				if model == "" {
+					model = sim.DefaultModel
+				}
+			} else {
+				if prof, err = resolveProfile(profile, profFile); err != nil {
 					return err
+				}
+				if policies, err = parsePolicies(compare); err != nil {
+					return fmt.Errorf("--compare: %w", err)
+				}
+				if model == "" {
+					model = prof.Model
+				}
+				if routing, err = loadRouting(cfgPath); err != nil {
+					return err
+				}
+			}
+			if rates == nil {
+				if err := runAt(recs, 0); err != nil {
+					return err
+				}
+			}
+			if requests > 0 && requests < len(recs) {
+				recs = recs[:requests]
+			}
+			for _, rate := range rates {
+				rt, err := bench.Retime(recs, rate, rateSeed)
+				if err != nil {
+					return err
+				}
+				if err := runAt(rt, rate); err != nil {
+					return fmt.Errorf("rate %g req/s: %w", rate, err)
 				}
 			}
 			if err := report.WriteTable(cmd.OutOrStdout()); err != nil {
@@ -196,6 +272,9 @@ fleet's time scale.`,
 	f.BoolVar(&virtual, "virtual", false, "with --compare: run the same engine model and policies in virtual time (discrete events, no sleeping, no HTTP): seconds instead of minutes")
 	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report (summary table, latency CDFs, time series, per-engine share) to this file")
 	f.StringVar(&recPath, "records", "", "write per-request records as JSONL to this file")
+	warm.register(f)
+	f.StringVar(&rateList, "rate", "", "request-rate sweep: comma-separated rates (req/s, e.g. 1,2,4,8); the workload's arrivals are re-timed as a Poisson process at each rate (fixed seed, same requests in the same order) and run once per rate (per policy with --compare)")
+	f.IntVar(&concurrency, "concurrency", 0, "closed loop (real time only, not --virtual): N users each send their next request as soon as the previous one finished, ignoring timestamps; with --workload chat, at most N sessions active at once, each turn sent when the previous answer has arrived plus the think time")
 	return cmd
 }
 

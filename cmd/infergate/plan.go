@@ -18,6 +18,7 @@ import (
 func newPlanCmd() *cobra.Command {
 	var (
 		wl       workloadFlags
+		warm     warmupFlags
 		profFile string
 		profile  string
 		engines  string
@@ -98,7 +99,7 @@ overhead, and engines never fail.`,
 			res, err := plan.Run(cmd.Context(), plan.Options{
 				Records: recs, Requests: requests, Engines: sizes, Policies: pols,
 				Engine: sim.Config{Profile: prof}, Model: model, Routing: routing, Seed: seed,
-				SLO: slo, Workers: workers,
+				SLO: slo, Workers: workers, Warmup: warm.w,
 				Progress: func(r plan.Row) {
 					verdict := "meets the SLO"
 					if !r.MeetsSLO {
@@ -140,6 +141,7 @@ overhead, and engines never fail.`,
 	}
 	f := cmd.Flags()
 	wl.register(f)
+	warm.register(f)
 	f.StringVar(&profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile)")
 	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
 	f.StringVar(&engines, "engines", "4..32", "fleet sizes to sweep: N, a..b (doubling, plus b), a..b/s (step s, plus b), comma-separated")

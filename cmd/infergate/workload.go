@@ -3,13 +3,16 @@ package main
 import (
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/spf13/pflag"
 
+	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
@@ -70,27 +73,7 @@ func (w *workloadFlags) load() ([]trace.Record, error) {
 	case workloadSharedPrefix:
 		return trace.SharedPrefix(w.shared)
 	case workloadChat:
-		data := filepath.Join("..", "shared", "data")
-		mtb, sonnet := w.mtb, w.sonnet
-		if mtb == "" {
-			mtb = filepath.Join(data, "fastchat_mtbench_question.jsonl")
-		}
-		if sonnet == "" {
-			sonnet = filepath.Join(data, "vllm_sonnet.txt")
-		}
-		qs, err := trace.LoadMTBench(mtb)
-		if err != nil {
-			return nil, err
-		}
-		text, err := os.ReadFile(sonnet)
-		if err != nil {
-			return nil, fmt.Errorf("chat workload: %w", err)
-		}
-		tok, err := prefix.NewTokenizer()
-		if err != nil {
-			return nil, err
-		}
-		sessions, err := trace.ChatSessions(qs, string(text), tok, w.chat)
+		sessions, err := w.sessions()
 		if err != nil {
 			return nil, err
 		}
@@ -99,6 +82,60 @@ func (w *workloadFlags) load() ([]trace.Record, error) {
 		return trace.Flatten(sessions, trace.LinearLatency(500*time.Millisecond, 30*time.Millisecond)), nil
 	}
 	return nil, fmt.Errorf("--workload %q: want mooncake, azure, shared-prefix or chat", w.kind)
+}
+
+// sessions builds the chat workload's sessions, keeping their structure for
+// a session-aware closed loop (bench --concurrency); other workloads have
+// none.
+func (w *workloadFlags) sessions() ([]trace.Session, error) {
+	if w.kind != workloadChat {
+		return nil, fmt.Errorf("--workload %s has no sessions (only chat does)", w.kind)
+	}
+	data := filepath.Join("..", "shared", "data")
+	mtb, sonnet := w.mtb, w.sonnet
+	if mtb == "" {
+		mtb = filepath.Join(data, "fastchat_mtbench_question.jsonl")
+	}
+	if sonnet == "" {
+		sonnet = filepath.Join(data, "vllm_sonnet.txt")
+	}
+	qs, err := trace.LoadMTBench(mtb)
+	if err != nil {
+		return nil, err
+	}
+	text, err := os.ReadFile(sonnet)
+	if err != nil {
+		return nil, fmt.Errorf("chat workload: %w", err)
+	}
+	tok, err := prefix.NewTokenizer()
+	if err != nil {
+		return nil, err
+	}
+	return trace.ChatSessions(qs, string(text), tok, w.chat)
+}
+
+// warmupFlags are --warmup and --warmup-duration.
+type warmupFlags struct{ w bench.Warmup }
+
+func (w *warmupFlags) register(f *pflag.FlagSet) {
+	f.IntVar(&w.w.Requests, "warmup", 0, "send the first N requests but leave them out of the summary, HTML report and goodput (records keep them, marked \"warmup\": true)")
+	f.DurationVar(&w.w.Duration, "warmup-duration", 0, "like --warmup, for the requests sent in this first span of the run (engine time, e.g. 60s)")
+}
+
+// parseRates splits a comma-separated list of request rates (req/s).
+func parseRates(list string) ([]float64, error) {
+	if list == "" {
+		return nil, nil
+	}
+	var out []float64
+	for p := range strings.SplitSeq(list, ",") {
+		r, err := strconv.ParseFloat(strings.TrimSpace(p), 64)
+		if err != nil || !(r > 0) || math.IsInf(r, 0) {
+			return nil, fmt.Errorf("--rate %q: want positive request rates (req/s), comma-separated", p)
+		}
+		out = append(out, r)
+	}
+	return out, nil
 }
 
 // parsePolicies splits a comma-separated policy list and checks every name.

@@ -1,0 +1,204 @@
+package bench
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/infergate/infergate/trace"
+)
+
+// Warmup selects the requests of a run that are sent (they warm caches and
+// load the fleet) but excluded from its Summary, HTML report and goodput.
+// Records keep them, with Record.Warmup set. A request is warm-up if it is
+// among the first Requests requests sent (by ArrivalMs, ties in record order)
+// or if it was sent before Duration of engine time from the start of the run.
+// The zero Warmup excludes nothing.
+type Warmup struct {
+	// Requests is the number of earliest-sent requests to exclude.
+	Requests int
+	// Duration excludes the requests sent before it (engine time).
+	Duration time.Duration
+}
+
+// Validate reports a negative field.
+func (w Warmup) Validate() error {
+	if w.Requests < 0 || w.Duration < 0 {
+		return fmt.Errorf("bench: warm-up %d requests / %v: must not be negative", w.Requests, w.Duration)
+	}
+	return nil
+}
+
+// Mark sets Record.Warmup on the warm-up requests of recs (see Warmup) and
+// clears it on the others.
+func (w Warmup) Mark(recs []Record) {
+	order := make([]int, len(recs))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(recs[a].ArrivalMs, recs[b].ArrivalMs) })
+	limit := float64(w.Duration) / float64(time.Millisecond)
+	for rank, i := range order {
+		recs[i].Warmup = rank < w.Requests || recs[i].ArrivalMs < limit
+	}
+}
+
+// Measured returns the records of recs that are not warm-up, in order. It
+// returns recs itself when none is warm-up.
+func Measured(recs []Record) []Record {
+	if !slices.ContainsFunc(recs, func(r Record) bool { return r.Warmup }) {
+		return recs
+	}
+	out := make([]Record, 0, len(recs))
+	for _, r := range recs {
+		if !r.Warmup {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// MeasuredRun returns run with its warm-up records (and their Engine
+// entries) removed, for the HTML report.
+func MeasuredRun(run HTMLRun) HTMLRun {
+	if !slices.ContainsFunc(run.Records, func(r Record) bool { return r.Warmup }) {
+		return run
+	}
+	recs := make([]Record, 0, len(run.Records))
+	var eng []int
+	for i, r := range run.Records {
+		if r.Warmup {
+			continue
+		}
+		recs = append(recs, r)
+		if run.Engine != nil {
+			eng = append(eng, run.Engine[i])
+		}
+	}
+	run.Records, run.Engine = recs, eng
+	return run
+}
+
+// Retime returns copies of recs (token slices shared), in the same order and
+// with the same content, whose Timestamps are re-drawn as a Poisson process
+// of rate requests per second: the first at 0, then exponential gaps of mean
+// 1/rate drawn from a PCG generator seeded with seed, so equal arguments give
+// equal arrivals. rate must be positive and finite.
+func Retime(recs []trace.Record, rate float64, seed uint64) ([]trace.Record, error) {
+	if !(rate > 0) || math.IsInf(rate, 0) {
+		return nil, fmt.Errorf("bench: rate %v req/s: must be positive and finite", rate)
+	}
+	r := rand.New(rand.NewPCG(seed, 0x52415445)) // "RATE"
+	out := make([]trace.Record, len(recs))
+	var t float64 // seconds
+	for i, rec := range recs {
+		if i > 0 {
+			t += r.ExpFloat64() / rate
+		}
+		rec.Timestamp = time.Duration(t * float64(time.Second))
+		out[i] = rec
+	}
+	return out, nil
+}
+
+// closedLoop sends recs closed-loop: conc users, each sending the next
+// unsent record as soon as its previous request finished, until every
+// record is sent. out[i] receives record i's measurement.
+func closedLoop(ctx context.Context, conc int, recs []trace.Record, do func(i int, rec trace.Record)) int {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range min(conc, len(recs)) {
+		wg.Go(func() {
+			for ctx.Err() == nil {
+				i := int(next.Add(1) - 1)
+				if i >= len(recs) {
+					return
+				}
+				do(i, recs[i])
+			}
+		})
+	}
+	wg.Wait()
+	return min(int(next.Load()), len(recs))
+}
+
+// sessionLoop drives sessions closed-loop: session s starts at
+// Start/speedup of wall time after start, or later when conc sessions (0:
+// no bound) are already active; each next turn is sent when the previous
+// turn's response has ended plus ThinkTime/speedup. Turns are numbered
+// session-major from 0 (base[s] is session s's first index). It returns the
+// indexes of the turns sent.
+func sessionLoop(ctx context.Context, conc int, sessions []trace.Session, limit int, speedup float64, start time.Time, do func(i int, rec trace.Record)) []bool {
+	total := 0
+	base := make([]int, len(sessions))
+	for s, ss := range sessions {
+		base[s] = total
+		total += len(ss.Turns)
+	}
+	if limit > 0 && limit < total {
+		total = limit
+	}
+	sent := make([]bool, total)
+	var sem chan struct{}
+	if conc > 0 {
+		sem = make(chan struct{}, conc)
+	}
+	sleep := func(d time.Duration) bool {
+		if d <= 0 {
+			return ctx.Err() == nil
+		}
+		t := time.NewTimer(d)
+		defer t.Stop()
+		select {
+		case <-ctx.Done():
+			return false
+		case <-t.C:
+			return true
+		}
+	}
+	var wg sync.WaitGroup
+	order := make([]int, len(sessions))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(sessions[a].Start, sessions[b].Start) })
+	for _, s := range order {
+		if base[s] >= total {
+			continue
+		}
+		if !sleep(time.Duration(float64(sessions[s].Start)/speedup) - time.Since(start)) {
+			break
+		}
+		if sem != nil {
+			select {
+			case sem <- struct{}{}:
+			case <-ctx.Done():
+			}
+			if ctx.Err() != nil {
+				break
+			}
+		}
+		ss := sessions[s]
+		wg.Go(func() {
+			if sem != nil {
+				defer func() { <-sem }()
+			}
+			for k, rec := range ss.Turns {
+				i := base[s] + k
+				if i >= total || (k > 0 && !sleep(time.Duration(float64(ss.ThinkTime)/speedup))) {
+					return
+				}
+				sent[i] = true
+				do(i, rec)
+			}
+		})
+	}
+	wg.Wait()
+	return sent
+}
