@@ -225,15 +225,7 @@ start times, or later when N are active).`,
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "\ncompleted in %s (wall clock)\n", time.Since(started).Round(time.Second))
 			if outPath != "" {
-				f, err := os.Create(outPath)
-				if err != nil {
-					return err
-				}
-				if err := report.WriteJSON(f); err != nil {
-					f.Close()
-					return err
-				}
-				if err := f.Close(); err != nil {
+				if err := writeFile(outPath, report.WriteJSON); err != nil {
 					return err
 				}
 			}

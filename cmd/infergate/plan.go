@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"strings"
 	"time"
 
@@ -119,15 +118,7 @@ overhead, and engines never fail.`,
 			fmt.Fprintf(out, "swept %d runs of %d requests in %s (wall clock, %d at once)\n",
 				len(res.Rows), res.Requests, time.Duration(res.WallS*float64(time.Second)).Round(100*time.Millisecond), res.Workers)
 			if outPath != "" {
-				f, err := os.Create(outPath)
-				if err != nil {
-					return err
-				}
-				if err := res.WriteJSON(f); err != nil {
-					f.Close()
-					return err
-				}
-				if err := f.Close(); err != nil {
+				if err := writeFile(outPath, res.WriteJSON); err != nil {
 					return err
 				}
 			}
