@@ -85,6 +85,27 @@ type Row struct {
 	WallS float64 `json:"wall_s"`
 }
 
+// cells formats r as one table row (the columns of WriteTable and the HTML
+// report, in order); minGoodput is SLO.MinGoodput.
+func (r Row) cells(minGoodput float64) []string {
+	s := r.Summary
+	util, good := "-", "-"
+	if s.MeanEngineUtilization != nil {
+		util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
+	}
+	if s.Goodput != nil {
+		good = fmt.Sprintf("%.1f", s.Goodput.Share*100)
+	}
+	meets := "yes"
+	if !r.MeetsSLO {
+		meets = "no (" + strings.Join(r.Failed(minGoodput), ", ") + ")"
+	}
+	return []string{strconv.Itoa(r.Engines), r.Policy, strconv.Itoa(s.Errors),
+		fmt.Sprintf("%.1f", s.HitRate*100), fmt.Sprintf("%.0f", s.TTFT.P50), fmt.Sprintf("%.0f", s.TTFT.P90),
+		fmt.Sprintf("%.0f", s.TTFT.P99), fmt.Sprintf("%.1f", s.ITL.P50), fmt.Sprintf("%.1f", s.ITL.P99),
+		fmt.Sprintf("%.0f", s.E2E.P90), fmt.Sprintf("%.0f", s.OutputTokPerS), util, good, meets}
+}
+
 // Failed returns the reasons r misses its SLO, e.g. "ttft_p90=3.1s>2s" or
 // "goodput=85.0%<90%" (minGoodput is SLO.MinGoodput); empty when it meets it.
 func (r Row) Failed(minGoodput float64) []string {
@@ -340,21 +361,10 @@ func (r *Result) WriteTable(w io.Writer) error {
 	fmt.Fprintf(tw, "engines\t%-*s\t", pw, "policy")
 	fmt.Fprintln(tw, "errors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tE2E p90 ms\tout tok/s\tutil %\tgoodput %\t  meets SLO")
 	for _, row := range r.Rows {
-		s := row.Summary
-		util, good := "-", "-"
-		if s.MeanEngineUtilization != nil {
-			util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
-		}
-		if s.Goodput != nil {
-			good = fmt.Sprintf("%.1f", s.Goodput.Share*100)
-		}
-		meets := "yes"
-		if !row.MeetsSLO {
-			meets = "no (" + strings.Join(row.Failed(r.MinGoodput), ", ") + ")"
-		}
-		fmt.Fprintf(tw, "%d\t%-*s\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%.0f\t%s\t%s\t  %s\n",
-			row.Engines, pw, row.Policy, s.Errors, s.HitRate*100, s.TTFT.P50, s.TTFT.P90, s.TTFT.P99,
-			s.ITL.P50, s.ITL.P99, s.E2E.P90, s.OutputTokPerS, util, good, meets)
+		c := row.cells(r.MinGoodput)
+		c[1] = fmt.Sprintf("%-*s", pw, c[1])
+		c[len(c)-1] = "  " + c[len(c)-1]
+		fmt.Fprintln(tw, strings.Join(c, "\t"))
 	}
 	if err := tw.Flush(); err != nil {
 		return err

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"io"
 	"strconv"
-	"strings"
 
 	"github.com/infergate/infergate/bench"
 )
@@ -21,22 +20,8 @@ func (r *Result) WriteHTML(w io.Writer) error {
 		ttft[j].Name, good[j].Name = p, p
 	}
 	for k, row := range r.Rows {
+		t.Rows = append(t.Rows, row.cells(r.MinGoodput))
 		s := row.Summary
-		util, g := "-", "-"
-		if s.MeanEngineUtilization != nil {
-			util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
-		}
-		if s.Goodput != nil {
-			g = fmt.Sprintf("%.1f", s.Goodput.Share*100)
-		}
-		meets := "yes"
-		if !row.MeetsSLO {
-			meets = "no (" + strings.Join(row.Failed(r.MinGoodput), ", ") + ")"
-		}
-		t.Rows = append(t.Rows, []string{strconv.Itoa(row.Engines), row.Policy, strconv.Itoa(s.Errors),
-			fmt.Sprintf("%.1f", s.HitRate*100), fmt.Sprintf("%.0f", s.TTFT.P50), fmt.Sprintf("%.0f", s.TTFT.P90),
-			fmt.Sprintf("%.0f", s.TTFT.P99), fmt.Sprintf("%.1f", s.ITL.P50), fmt.Sprintf("%.1f", s.ITL.P99),
-			fmt.Sprintf("%.0f", s.E2E.P90), fmt.Sprintf("%.0f", s.OutputTokPerS), util, g, meets})
 		if len(r.Policies) == 0 {
 			continue
 		}
