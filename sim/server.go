@@ -439,10 +439,6 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, e)
 		return
 	}
-	if e := req.Validate(); e != nil {
-		openai.WriteError(w, e)
-		return
-	}
 	maxTokens := req.MaxTokens
 	if req.MaxCompletionTokens != nil {
 		maxTokens = req.MaxCompletionTokens
@@ -468,10 +464,6 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 	var req openai.CompletionRequest
 	if e := s.decode(w, r, &req); e != nil {
-		openai.WriteError(w, e)
-		return
-	}
-	if e := req.Validate(); e != nil {
 		openai.WriteError(w, e)
 		return
 	}
@@ -512,8 +504,8 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 	s.serve(w, r, &g)
 }
 
-// decode reads a JSON body of at most MaxRequestBytes into v.
-func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) *openai.Error {
+// decode reads a JSON body of at most MaxRequestBytes into v and validates it.
+func (s *Server) decode(w http.ResponseWriter, r *http.Request, v interface{ Validate() *openai.Error }) *openai.Error {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, MaxRequestBytes))
 	if err != nil {
 		var tooBig *http.MaxBytesError
@@ -523,10 +515,12 @@ func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) *openai.E
 		}
 		return openai.NewError(http.StatusBadRequest, "reading request body: "+err.Error(), "", "")
 	}
-	return openai.Decode(body, v)
+	if e := openai.Decode(body, v); e != nil {
+		return e
+	}
+	return v.Validate()
 }
 
-// check validates what the engine and the simulator require.
 // maxBytesPerToken bounds how much prompt text is tokenized per token of
 // context: English averages about 4 bytes per cl100k token, so text longer
 // than 16 bytes per token of the model's context cannot fit, and tokenizing
@@ -551,6 +545,7 @@ func (s *Server) encode(text string) []uint32 {
 // check resolves the requested model to the base model or one of its LoRA
 // adapters (404 if neither) and validates what the engine and the simulator
 // require.
+// check validates what the engine and the simulator require.
 func (s *Server) check(g *genRequest, n *int) *openai.Error {
 	switch {
 	case g.model == s.cfg.Model:
