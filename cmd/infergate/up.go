@@ -14,15 +14,10 @@ import (
 
 func newUpCmd() *cobra.Command {
 	var (
-		engines   int
-		listen    string
-		policy    string
-		profile   string
-		model     string
-		timeScale float64
-		kvEvents  string
-		profFile  string
-		lora      sim.LoRAConfig
+		engines int
+		listen  string
+		policy  string
+		ef      engineFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "up",
@@ -35,29 +30,15 @@ cache-aware routing shows its effect without a GPU.`,
   infergate up --engines 8 --policy round-robin --listen 127.0.0.1:9000`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if !(timeScale > 0) {
-				return fmt.Errorf("--time-scale %v: must be > 0", timeScale)
-			}
-			prof, err := resolveProfile(profile, profFile)
-			if err != nil {
-				return err
-			}
-			kv, err := parseKVEvents(kvEvents)
+			scfg, err := ef.serverConfig()
 			if err != nil {
 				return err
 			}
 			if engines < 1 || engines > 64 {
 				return fmt.Errorf("--engines %d: want 1..64", engines)
 			}
-			if model == "" {
-				model = prof.Model
-			}
-			fleet, err := sim.StartFleet(engines, sim.ServerConfig{
-				Engine:    sim.Config{Profile: prof, LoRA: lora},
-				Model:     model,
-				TimeScale: timeScale,
-				KVEvents:  kv,
-			})
+			prof, model, lora := scfg.Engine.Profile, scfg.Model, scfg.Engine.LoRA
+			fleet, err := sim.StartFleet(engines, scfg)
 			if err != nil {
 				return err
 			}
@@ -79,7 +60,7 @@ cache-aware routing shows its effect without a GPU.`,
 				base := "http://" + a.String()
 				fmt.Fprintf(out, "infergate %s is up: OpenAI API at %s/v1 (policy %s)\n", buildVersion(), base, policy)
 				fmt.Fprintf(out, "  fleet: %d simulated engines, profile %s, model %q, time scale %gx, %d KV blocks each\n",
-					engines, prof.Name, model, timeScale, fleet.KVBlocks())
+					engines, prof.Name, model, scfg.TimeScale, fleet.KVBlocks())
 				for i, u := range fleet.URLs {
 					fmt.Fprintf(out, "    engine %d: %s (metrics %s/metrics)\n", i, u, u)
 				}
@@ -94,13 +75,6 @@ cache-aware routing shows its effect without a GPU.`,
 	f.IntVar(&engines, "engines", 4, "number of simulated engines")
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
 	f.StringVar(&policy, "policy", sched.Prefix, "routing policy: "+strings.Join(sched.Names(), ", "))
-	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
-	f.StringVar(&model, "model", "", "served model name (default: the profile's model)")
-	f.Float64Var(&timeScale, "time-scale", 1, "simulated seconds per wall-clock second")
-	f.StringVar(&profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile; see sim/profiles/)")
-	addLoRAFlags(f, &lora)
-	f.StringVar(&kvEvents, "kv-events-config", "", "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
+	ef.register(f, false, "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
 	return cmd
 }
-
-func profileNames() []string { return sim.ProfileNames() }

@@ -1,0 +1,95 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+
+	"github.com/spf13/pflag"
+
+	"github.com/infergate/infergate/sim"
+)
+
+// engineFlags are the simulated-engine flags `sim` and `up` share.
+type engineFlags struct {
+	profile   string
+	profFile  string
+	model     string
+	timeScale float64
+	kvEvents  string
+	engine    sim.Config
+}
+
+// register binds the flags; tuning adds the KV-cache and batching knobs.
+// kvHelp is the --kv-events-config help text.
+func (e *engineFlags) register(f *pflag.FlagSet, tuning bool, kvHelp string) {
+	f.StringVar(&e.profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
+	f.StringVar(&e.model, "model", "", "served model name (default: the profile's model)")
+	f.Float64Var(&e.timeScale, "time-scale", 1, "simulated seconds per wall-clock second")
+	f.StringVar(&e.profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile; see sim/profiles/)")
+	f.StringVar(&e.kvEvents, "kv-events-config", "", kvHelp)
+	if tuning {
+		f.IntVar(&e.engine.BlockSize, "block-size", 0, "KV block size in tokens (default 16)")
+		f.IntVar(&e.engine.NumBlocks, "num-gpu-blocks", 0, "KV cache capacity in blocks (default: derived from the profile)")
+		f.IntVar(&e.engine.MaxNumSeqs, "max-num-seqs", 0, "maximum running requests per step (default 256)")
+		f.IntVar(&e.engine.MaxNumBatchedTokens, "max-num-batched-tokens", 0, "token budget per step (default 8192)")
+	}
+	c := &e.engine.LoRA
+	f.StringSliceVar(&c.Adapters, "lora-modules", nil, "LoRA adapter names served besides the base model (comma-separated; enables LoRA)")
+	f.IntVar(&c.MaxLoras, "max-loras", 0, "adapters that may run in one batch (default 1)")
+	f.IntVar(&c.MaxCPULoras, "max-cpu-loras", 0, "adapters kept loaded (default --max-loras)")
+	f.DurationVar(&c.LoadLatency, "lora-load-latency", 0, "simulated time to load a non-resident adapter (default 50ms)")
+}
+
+// serverConfig validates the flags and returns the engine server config
+// (Model defaulting to the profile's model).
+func (e *engineFlags) serverConfig() (sim.ServerConfig, error) {
+	if !(e.timeScale > 0) {
+		return sim.ServerConfig{}, fmt.Errorf("--time-scale %v: must be > 0", e.timeScale)
+	}
+	prof, err := resolveProfile(e.profile, e.profFile)
+	if err != nil {
+		return sim.ServerConfig{}, err
+	}
+	kv, err := parseKVEvents(e.kvEvents)
+	if err != nil {
+		return sim.ServerConfig{}, err
+	}
+	ecfg := e.engine
+	ecfg.Profile = prof
+	model := e.model
+	if model == "" {
+		model = prof.Model
+	}
+	return sim.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv}, nil
+}
+
+// resolveProfile returns the profile from file if given, else the built-in
+// profile called name.
+func resolveProfile(name, file string) (sim.Profile, error) {
+	if file != "" {
+		return sim.LoadProfile(file)
+	}
+	prof, ok := sim.Profiles()[name]
+	if !ok {
+		return sim.Profile{}, fmt.Errorf("unknown profile %q (have %s)", name, strings.Join(profileNames(), ", "))
+	}
+	return prof, nil
+}
+
+// parseKVEvents parses a --kv-events-config JSON object (vLLM's field names);
+// "" means disabled.
+func parseKVEvents(s string) (sim.KVEventsConfig, error) {
+	var c sim.KVEventsConfig
+	if s == "" {
+		return c, nil
+	}
+	d := json.NewDecoder(strings.NewReader(s))
+	d.DisallowUnknownFields()
+	if err := d.Decode(&c); err != nil {
+		return c, fmt.Errorf("--kv-events-config: %w", err)
+	}
+	return c, nil
+}
+
+func profileNames() []string { return sim.ProfileNames() }
