@@ -17,8 +17,9 @@ const MaxEndpoints = 64
 // than C distinct blocks). It learns only from routing decisions, not from the
 // engines, hence "approximate"; the precise index fed by KV events is separate.
 //
-// Memory: about 100 bytes per (endpoint, block) entry (a map slot in the
-// global table and in the endpoint's LRU, plus a 24-byte list node).
+// Memory: 57 bytes per (endpoint, block) entry measured for 200k blocks on
+// one endpoint (map slots in the global table and the endpoint's LRU plus a
+// 16-byte list node; TestIndexBytesPerBlock holds it under 128).
 // Safe for concurrent use; one mutex, held for O(blocks) map operations.
 type Index struct {
 	mu     sync.Mutex

@@ -2,6 +2,7 @@ package prefix
 
 import (
 	"math/rand/v2"
+	"runtime"
 	"testing"
 )
 
@@ -178,4 +179,24 @@ func BenchmarkIndexMatch(b *testing.B) {
 	for b.Loop() {
 		ix.Match(h, m)
 	}
+}
+
+// TestIndexBytesPerBlock measures the index's heap cost per (endpoint, block)
+// entry and holds it to the bound stated in Index's doc comment.
+func TestIndexBytesPerBlock(t *testing.T) {
+	const n = 200_000
+	hashes := Hashes(nil, seq(n*16, 0), 16, 0)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	ix, _ := NewIndex([]int{n})
+	ix.Insert(0, hashes)
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	per := float64(after.HeapAlloc-before.HeapAlloc) / n
+	t.Logf("%.1f bytes per indexed block (%d blocks)", per, ix.Len(0))
+	if per > 128 {
+		t.Fatalf("%.1f bytes per indexed block, over the documented 128", per)
+	}
+	runtime.KeepAlive(ix)
 }
