@@ -101,7 +101,9 @@ func Compare(ctx context.Context, opts CompareOptions) (Report, error) {
 		opts.Policies = sched.Names()
 	}
 	for _, p := range opts.Policies {
-		if _, err := sched.New(sched.Config{Policy: p}, nil); err != nil {
+		cfg := opts.Routing
+		cfg.Policy = p
+		if err := sched.Validate(cfg); err != nil {
 			return Report{}, fmt.Errorf("bench: %w", err)
 		}
 	}
@@ -212,12 +214,15 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 	s.MeanEngineUtilization = &util
 	var prefill, preempt int64
 	prompts := make([]int64, len(fleet.Servers))
+	started := make([]int64, len(fleet.Servers))
 	for i, srv := range fleet.Servers {
 		st := srv.Stats()
 		prefill += st.PrefillTokens
 		preempt += st.Preemptions
 		prompts[i] = st.PromptTokens
+		started[i] = st.Prompts
 	}
+	s.setShares(started)
 	s.EnginePrefillTokens, s.Preemptions = &prefill, &preempt
 	if opts.OnRun != nil {
 		opts.OnRun(HTMLRun{Summary: s, Records: recs, EnginePromptTokens: prompts})

@@ -69,6 +69,18 @@ type Summary struct {
 	EnginePrefillTokens *int64 `json:"engine_prefill_tokens,omitempty"`
 	// Preemptions counts the simulated engines' preemptions; nil when unknown.
 	Preemptions *int64 `json:"preemptions,omitempty"`
+	// EndpointShareMax and EndpointShareMin are the largest and smallest
+	// fractions of the run's requests one engine served (prompts the engine
+	// started, warm-up included), in [0, 1]; nil when unknown (a --target
+	// run). A perfectly even split gives 1/engines for both.
+	EndpointShareMax *float64 `json:"endpoint_share_max,omitempty"`
+	EndpointShareMin *float64 `json:"endpoint_share_min,omitempty"`
+	// PredictedHitRate is the prompt tokens the policy predicted cached
+	// (its prefix index's matched blocks × block size) over the prompt
+	// tokens, and PredictionMAE the mean absolute error between predicted
+	// and reported cached tokens per request (tokens); nil when unknown.
+	PredictedHitRate *float64 `json:"predicted_hit_rate,omitempty"`
+	PredictionMAE    *float64 `json:"prediction_mae_tokens,omitempty"`
 	// FirstError is the error of the first failed request ("" if none).
 	FirstError string `json:"first_error,omitempty"`
 	// Goodput counts the requests that met a per-request SLO; nil when the
@@ -136,6 +148,23 @@ func Summarize(policy string, recs []Record) Summary {
 	return s
 }
 
+// setShares sets EndpointShareMax/Min from per-engine request counts.
+func (s *Summary) setShares(counts []int64) {
+	var total int64
+	for _, c := range counts {
+		total += c
+	}
+	if total == 0 || len(counts) == 0 {
+		return
+	}
+	lo, hi := counts[0], counts[0]
+	for _, c := range counts {
+		lo, hi = min(lo, c), max(hi, c)
+	}
+	mx, mn := float64(hi)/float64(total), float64(lo)/float64(total)
+	s.EndpointShareMax, s.EndpointShareMin = &mx, &mn
+}
+
 // summarizeLatency sorts xs in place and returns its percentiles and mean.
 func summarizeLatency(xs []float64) Latency {
 	if len(xs) == 0 {
@@ -178,6 +207,11 @@ func Percentile(sorted []float64, p float64) float64 {
 // Its JSON form is {"runs": [Summary, ...]}.
 type Report struct {
 	Runs []Summary `json:"runs"`
+	// Reference hit rates of the replayed records, when computed (see
+	// PooledCacheHitRate and trace.InfiniteCacheHitRate): one cache with the
+	// whole fleet's KV capacity, and an infinite one.
+	PooledHitRate   *float64 `json:"pooled_hit_rate,omitempty"`
+	InfiniteHitRate *float64 `json:"infinite_hit_rate,omitempty"`
 }
 
 // WriteJSON writes r as indented JSON.
@@ -205,20 +239,38 @@ func (r Report) WriteTable(w io.Writer) error {
 	if rate {
 		fmt.Fprint(tw, "rate\t")
 	}
-	fmt.Fprintln(tw, "requests\terrors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tout tok/s\tprefill tok\tutil %\t")
+	fmt.Fprintln(tw, "requests\terrors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tout tok/s\tprefill tok\tutil %\tshare max/min %\t")
 	for _, s := range r.Runs {
 		util := "-"
 		if s.MeanEngineUtilization != nil {
 			util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
 		}
+		share := "-"
+		if s.EndpointShareMax != nil && s.EndpointShareMin != nil {
+			share = fmt.Sprintf("%.1f/%.1f", *s.EndpointShareMax*100, *s.EndpointShareMin*100)
+		}
 		fmt.Fprintf(tw, "%-*s\t", pw, s.Policy)
 		if rate {
 			fmt.Fprintf(tw, "%g\t", s.RateRPS)
 		}
-		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%d\t%s\t\n",
+		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%d\t%s\t%s\t\n",
 			s.Requests, s.Errors, s.HitRate*100,
 			s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.ITL.P50, s.ITL.P99,
-			s.OutputTokPerS, s.PrefillTokensComputed, util)
+			s.OutputTokPerS, s.PrefillTokensComputed, util, share)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if r.PooledHitRate != nil || r.InfiniteHitRate != nil {
+		line := "reference hit %:"
+		if r.PooledHitRate != nil {
+			line += fmt.Sprintf(" pooled cache (one engine with the fleet's KV capacity) %.1f", *r.PooledHitRate*100)
+		}
+		if r.InfiniteHitRate != nil {
+			line += fmt.Sprintf(", infinite cache %.1f", *r.InfiniteHitRate*100)
+		}
+		_, err := fmt.Fprintln(w, line)
+		return err
+	}
+	return nil
 }

@@ -149,10 +149,10 @@ func TestWriteTable(t *testing.T) {
 			t.Errorf("header lacks %q: %s", want, lines[0])
 		}
 	}
-	if f := strings.Fields(lines[1]); f[0] != "prefix" || f[3] != "45.0" || f[len(f)-1] != "73.4" || f[len(f)-2] != "2200" {
+	if f := strings.Fields(lines[1]); f[0] != "prefix" || f[3] != "45.0" || f[len(f)-2] != "73.4" || f[len(f)-3] != "2200" || f[len(f)-1] != "-" {
 		t.Errorf("prefix row %q", lines[1])
 	}
-	if f := strings.Fields(lines[2]); f[0] != "round-robin" || f[len(f)-1] != "-" {
+	if f := strings.Fields(lines[2]); f[0] != "round-robin" || f[len(f)-2] != "-" {
 		t.Errorf("round-robin row %q", lines[2])
 	}
 	buf.Reset()

@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/infergate/infergate/sched"
@@ -160,9 +161,30 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 	run.Summary.RateRPS = opts.RateRPS
 	util := fleet.Utilization()
 	var prefill, preempt int64
-	for _, st := range run.Stats {
+	served := make([]int64, len(run.Stats))
+	for i, st := range run.Stats {
 		prefill += st.PrefillTokens
 		preempt += st.Preemptions
+		served[i] = st.Prompts
+	}
+	run.Summary.setShares(served)
+	blockSize := fleet.BlockSize()
+	var predicted, mae float64
+	var prompt, n int
+	for i := range res {
+		r := &res[i]
+		if r.Err != nil || run.Records[i].Warmup {
+			continue
+		}
+		p := float64(min(r.MatchedBlocks*blockSize, r.PromptTokens))
+		predicted += p
+		mae += math.Abs(p - float64(r.CachedTokens))
+		prompt += r.PromptTokens
+		n++
+	}
+	if n > 0 && fleet.Policy().NeedsHashes() {
+		ph, m := predicted/float64(max(prompt, 1)), mae/float64(n)
+		run.Summary.PredictedHitRate, run.Summary.PredictionMAE = &ph, &m
 	}
 	run.Summary.MeanEngineUtilization = &util
 	run.Summary.EnginePrefillTokens, run.Summary.Preemptions = &prefill, &preempt

@@ -175,7 +175,7 @@ func (c Config) Validate() error {
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		bad("listen %q: %v", c.Listen, err)
 	}
-	if _, err := sched.New(c.Routing, nil); err != nil {
+	if err := sched.Validate(c.Routing); err != nil {
 		bad("routing: %w", err)
 	}
 	if c.MaxBodyBytes <= 0 {
@@ -238,10 +238,10 @@ func (c Config) Validate() error {
 		}
 		byURL[base] = s
 	}
-	if c.Routing.Policy == sched.Prefix {
+	if c.Routing.Policy != sched.RoundRobin && c.Routing.Policy != sched.LeastRequest && c.Routing.Policy != sched.Random {
 		for m, n := range perModel {
 			if n > prefix.MaxEndpoints {
-				bad("model %q: %d endpoints, the prefix policy supports at most %d per model", m, n, prefix.MaxEndpoints)
+				bad("model %q: %d endpoints, the %s policy supports at most %d per model", m, n, c.Routing.Policy, prefix.MaxEndpoints)
 			}
 		}
 	}

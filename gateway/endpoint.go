@@ -30,6 +30,12 @@ type endpoint struct {
 	ejectedUntil atomic.Int64
 	// inFlight counts requests sent and not finished (requests).
 	inFlight atomic.Int64
+	// inFlightTokens sums the prompt tokens of those requests (tokens; only
+	// known for policies that tokenize).
+	inFlightTokens atomic.Int64
+	// pendingPrefill sums, over requests sent that have not produced their
+	// first token, the prompt tokens not predicted cached (tokens).
+	pendingPrefill atomic.Int64
 	// wentDown is set when the endpoint left rotation after a failure, so
 	// its recovery is logged (and start-up is not).
 	wentDown atomic.Bool

@@ -86,7 +86,8 @@ func (p *pool) snapshot() *[]sched.Endpoint {
 	}
 	s := *sp
 	for i, ep := range p.endpoints {
-		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load(), InFlight: int(ep.inFlight.Load())}
+		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load(), InFlight: int(ep.inFlight.Load()),
+			InFlightTokens: int(ep.inFlightTokens.Load()), PendingPrefillTokens: int(ep.pendingPrefill.Load())}
 	}
 	return sp
 }

@@ -65,7 +65,13 @@ type exchange struct {
 	capture []byte // non-streaming response prefix, for usage
 	copyBuf []byte // relay buffer
 
+	// pendingEP and pending: the prefill backlog this request added to its
+	// endpoint, released at its first token (prefillDone).
+	pendingEP *endpoint
+	pending   int64
+
 	// Read from the decoded request.
+	user         string
 	model        string
 	salt         string
 	stream       bool
@@ -83,7 +89,8 @@ func (g *Gateway) putExchange(x *exchange) {
 	x.chat = openai.ChatRequest{}
 	x.comp = openai.CompletionRequest{}
 	x.sreq = sched.Request{}
-	x.model, x.salt = "", ""
+	x.model, x.salt, x.user = "", "", ""
+	x.pendingEP, x.pending = nil, 0
 	x.chunk.Reset()
 	if cap(x.body) > maxPooledBuffer {
 		x.body = nil
@@ -167,11 +174,13 @@ func (x *exchange) decode(kind apiKind) *openai.Error {
 			return e
 		}
 		x.model, x.salt, x.stream, so = x.chat.Model, x.chat.CacheSalt, x.chat.Stream, x.chat.StreamOptions
+		x.user = x.chat.User
 	} else {
 		if e := openai.Decode(x.body, &x.comp); e != nil {
 			return e
 		}
 		x.model, x.salt, x.stream, so = x.comp.Model, x.comp.CacheSalt, x.comp.Stream, x.comp.StreamOptions
+		x.user = x.comp.User
 	}
 	x.includeUsage = so != nil && so.IncludeUsage
 	if kind == kindChat {
@@ -246,7 +255,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 		return
 	}
 
-	x.sreq = sched.Request{Model: x.model}
+	x.sreq = sched.Request{Model: x.model, SessionKey: sessionKey(r, x)}
 	if p.policy.NeedsHashes() {
 		tokens := x.promptTokens(kind, g)
 		seed := p.seed
@@ -268,11 +277,40 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	ep, rm := p.endpoints[d.Endpoint], p.routes[d.Endpoint]
 	ep.inFlight.Add(1)
 	defer ep.inFlight.Add(-1)
+	if n := int64(x.sreq.PromptTokens); n > 0 {
+		ep.inFlightTokens.Add(n)
+		defer ep.inFlightTokens.Add(-n)
+		x.pendingEP, x.pending = ep, max(1, n-int64(d.MatchedBlocks*p.blockSize))
+		ep.pendingPrefill.Add(x.pending)
+		defer x.prefillDone()
+	}
 	if d.MatchedBlocks > 0 {
 		rm.predicted.Add(float64(d.MatchedBlocks * p.blockSize))
 	}
 
 	g.proxy(w, r, x, kind, ep, rm, reqID, start)
+}
+
+// prefillDone releases the request's share of its endpoint's prefill backlog
+// (at its first token, or when it ends without one). Idempotent.
+func (x *exchange) prefillDone() {
+	if x.pending != 0 {
+		x.pendingEP.pendingPrefill.Add(-x.pending)
+		x.pending = 0
+	}
+}
+
+// SessionHeader is the request header that names a conversation for the
+// session-affinity scorer; without it the OpenAI "user" field is used.
+const SessionHeader = "X-Session-Id"
+
+// sessionKey is the request's session for routing: the X-Session-Id header,
+// else the "user" field, else "".
+func sessionKey(r *http.Request, x *exchange) string {
+	if v := r.Header.Get(SessionHeader); v != "" {
+		return v
+	}
+	return x.user
 }
 
 // proxy forwards the request to ep and relays the answer.
@@ -491,6 +529,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 			if c.HasOutput() {
 				if last.IsZero() {
+					x.prefillDone()
 					rm.ttft.Observe(now.Sub(start).Seconds())
 				} else {
 					rm.itl.Observe(now.Sub(last).Seconds())

@@ -5,9 +5,7 @@
 package sched
 
 import (
-	"fmt"
 	"math/rand/v2"
-	"sort"
 	"sync"
 )
 
@@ -20,6 +18,37 @@ type Endpoint struct {
 	// InFlight is the number of requests the gateway has sent to the endpoint
 	// that have not finished (gateway-side accounting, requests).
 	InFlight int
+	// InFlightTokens is the sum of the prompt tokens of those requests
+	// (gateway-side accounting, tokens).
+	InFlightTokens int
+	// PendingPrefillTokens is the sum, over in-flight requests that have not
+	// produced their first token, of their prompt tokens the scheduler did not
+	// expect the endpoint to hold (prompt − predicted matched tokens): the
+	// prefill backlog ahead of a new request (gateway-side accounting, tokens).
+	PendingPrefillTokens int
+	// PrefillTokensPerSecond is the endpoint's prefill throughput (tokens/s)
+	// from its engine profile or learned online; 0 when unknown.
+	PrefillTokensPerSecond float64
+
+	// Metrics is true when the engine-reported fields below are fresh
+	// (scraped from the engine's metrics endpoint); false for engines that
+	// export none, whose load scorers fall back to gateway-side accounting.
+	Metrics bool
+	// Waiting and Running are the engine's queued and running requests
+	// (vllm:num_requests_waiting / _running and their peers).
+	Waiting, Running int
+	// KVUtil is the engine's KV-cache utilisation, a fraction in [0, 1]
+	// (vllm:kv_cache_usage_perc).
+	KVUtil float64
+
+	// Adapters are the LoRA adapters the endpoint has loaded (running or
+	// waiting, vllm:lora_requests_info); MaxAdapters is its adapter slot
+	// count (max_lora), 0 when unknown.
+	Adapters    []string
+	MaxAdapters int
+	// Models lists the model names (bases and adapters) the endpoint serves;
+	// nil means every model of its pool.
+	Models []string
 }
 
 // Request is the scheduler's view of one request.
@@ -31,6 +60,13 @@ type Request struct {
 	Hashes []uint64
 	// PromptTokens is the prompt length in tokens.
 	PromptTokens int
+	// Adapter is the LoRA adapter requested ("" for the base model).
+	Adapter string
+	// SessionKey identifies a conversation for session affinity (the
+	// X-Session-Id header, else the OpenAI "user" field; "" for none).
+	SessionKey string
+	// Priority orders admission (higher first); routing ignores it today.
+	Priority int
 }
 
 // Decision is a policy's pick.
@@ -73,41 +109,36 @@ const (
 	Prefix       = "prefix"
 )
 
-// Names lists the policy names New accepts, default first.
-func Names() []string { return []string{Prefix, RoundRobin, LeastRequest, Random} }
+// Names lists the built-in policy names, default first: the rule policies
+// and the built-in profiles.
+func Names() []string {
+	return []string{Prefix, RoundRobin, LeastRequest, Random, PowerOfTwo, CacheAware, PrecisePrefix}
+}
 
 // Config selects and tunes a policy (YAML key "routing").
 type Config struct {
-	// Policy is one of Names(); default "prefix".
+	// Policy is one of Names() or a key of Profiles; default "prefix".
 	Policy string `yaml:"policy"`
-	// Seed seeds tie-breaking and the random policy (0 = fixed default seed).
+	// Seed seeds tie-breaking and the random choices (0 = fixed default seed).
 	Seed uint64 `yaml:"seed"`
-	// Prefix tunes the prefix policy.
+	// Prefix tunes the prefix policy and the block size of every index.
 	Prefix PrefixConfig `yaml:"prefix"`
+	// Profiles are user-composed profiles (see ProfileConfig), selectable
+	// by name in Policy.
+	Profiles map[string]ProfileConfig `yaml:"profiles"`
+	// HotSpot tunes the hot-spot filter.
+	HotSpot HotSpotConfig `yaml:"hot_spot"`
+	// Session tunes the session scorer.
+	Session SessionConfig `yaml:"session"`
+	// Cost tunes the cost scorer.
+	Cost CostConfig `yaml:"cost"`
 }
 
 // New builds the configured policy for a pool whose endpoint i can hold about
-// capacity[i] prompt blocks (of Config.Prefix.BlockSize tokens). It returns an
-// error for an unknown policy name or invalid prefix settings.
+// capacity[i] prompt blocks (of Config.Prefix.BlockSize tokens) and that has
+// no precise index; see NewPolicy.
 func New(cfg Config, capacity []int) (Policy, error) {
-	seed := cfg.Seed
-	if seed == 0 {
-		seed = 0x1f0a
-	}
-	r := newLockedRand(seed)
-	switch cfg.Policy {
-	case RoundRobin:
-		return &roundRobin{}, nil
-	case LeastRequest:
-		return &leastRequest{rng: r}, nil
-	case Random:
-		return &random{rng: r}, nil
-	case Prefix, "":
-		return newPrefixPolicy(cfg.Prefix, capacity, r)
-	}
-	names := Names()
-	sort.Strings(names)
-	return nil, fmt.Errorf("unknown routing policy %q (want one of %v)", cfg.Policy, names)
+	return NewPolicy(cfg, Pool{Capacity: capacity})
 }
 
 // lockedRand is a seeded PCG behind a mutex: deterministic for a given seed
@@ -126,6 +157,13 @@ func (l *lockedRand) IntN(n int) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.r.IntN(n)
+}
+
+// Float64 returns a uniform float64 in [0, 1).
+func (l *lockedRand) Float64() float64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.r.Float64()
 }
 
 // roundRobin cycles through the ready endpoints.

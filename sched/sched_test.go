@@ -20,7 +20,11 @@ func mustNew(t *testing.T, cfg Config, n int) Policy {
 	for i := range caps {
 		caps[i] = 10000
 	}
-	p, err := New(cfg, caps)
+	pool := Pool{Capacity: caps}
+	if UsesPrecise(cfg) {
+		pool.Precise = nopMatch{}
+	}
+	p, err := NewPolicy(cfg, pool)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -186,6 +186,8 @@ type Stats struct {
 	// PromptTokens counts prompts when their first token is produced;
 	// GenerationTokens counts output tokens.
 	PromptTokens, GenerationTokens int64
+	// Prompts counts requests whose first token was produced (requests).
+	Prompts int64
 	// PrefillTokens counts tokens computed in prefill (prompt chunks and
 	// recomputation after preemption): the work prefix caching saves.
 	PrefillTokens int64
@@ -513,6 +515,7 @@ func (e *Engine) Step(now time.Duration) StepResult {
 		out := s.output()
 		if out == 1 {
 			e.stats.PromptTokens += int64(s.promptLen)
+			e.stats.Prompts++
 			e.stats.CachedPromptTokens += int64(max(s.cached, 0))
 		}
 		e.stats.GenerationTokens++

@@ -124,6 +124,7 @@ type VirtualFleet struct {
 	// Per Run.
 	reqs   []VirtualRequest
 	res    []VirtualResult
+	pend   []int32 // per request: its share of pendingPrefill until its first token
 	base   int
 	prompt []uint32
 	hashes []uint64
@@ -134,10 +135,14 @@ type VirtualFleet struct {
 type virtualEngine struct {
 	e        *Engine
 	inFlight int
-	busy     bool // a step is in progress; it ends at end
-	pending  bool // its step ended now and the next starts after this instant's arrivals
-	end      time.Duration
-	outs     []Output // the step's outputs, delivered at end (owned by e)
+	// Gateway-side token accounting, as the live gateway keeps it: prompt
+	// tokens in flight, and prompt tokens not predicted cached of requests
+	// that have not produced their first token.
+	inFlightTokens, pendingPrefill int
+	busy                           bool // a step is in progress; it ends at end
+	pending                        bool // its step ended now and the next starts after this instant's arrivals
+	end                            time.Duration
+	outs                           []Output // the step's outputs, delivered at end (owned by e)
 }
 
 // NewVirtualFleet returns a fleet of cfg.Engines idle engines at time 0.
@@ -188,6 +193,9 @@ func NewVirtualFleet(cfg VirtualConfig) (*VirtualFleet, error) {
 	return f, nil
 }
 
+// BlockSize is the routing block size (tokens per hashed block).
+func (f *VirtualFleet) BlockSize() int { return f.blockSize }
+
 // Policy returns the routing policy in use.
 func (f *VirtualFleet) Policy() sched.Policy { return f.policy }
 
@@ -237,9 +245,10 @@ func (f *VirtualFleet) Run(reqs []VirtualRequest) ([]VirtualResult, error) {
 		return nil, fmt.Errorf("sim: request 0 arrives at %v, before the fleet's time %v", reqs[0].Arrival, f.now)
 	}
 	f.reqs, f.res = reqs, make([]VirtualResult, len(reqs))
+	f.pend = make([]int32, len(reqs))
 	f.base = f.nextID
 	f.nextID += len(reqs)
-	defer func() { f.reqs, f.res = nil, nil }()
+	defer func() { f.reqs, f.res, f.pend = nil, nil, nil }()
 
 	const never = time.Duration(math.MaxInt64)
 	next := 0
@@ -295,7 +304,10 @@ func (f *VirtualFleet) arrive(k int, vr *VirtualRequest, t time.Duration) {
 		f.sreq.Hashes, f.sreq.PromptTokens = f.hashes, len(tokens)
 	}
 	for i := range f.engines {
-		f.snap[i].InFlight = f.engines[i].inFlight
+		ve := &f.engines[i]
+		f.snap[i].InFlight = ve.inFlight
+		f.snap[i].InFlightTokens = ve.inFlightTokens
+		f.snap[i].PendingPrefillTokens = ve.pendingPrefill
 	}
 	d := f.policy.Pick(&f.sreq, f.snap)
 	if d.Endpoint < 0 || d.Endpoint >= len(f.engines) {
@@ -312,6 +324,10 @@ func (f *VirtualFleet) arrive(k int, vr *VirtualRequest, t time.Duration) {
 		return
 	}
 	ve.inFlight++
+	ve.inFlightTokens += len(tokens)
+	pend := max(1, len(tokens)-d.MatchedBlocks*f.blockSize)
+	f.pend[k] = int32(pend)
+	ve.pendingPrefill += pend
 	if !ve.busy && !ve.pending {
 		f.step(int32(d.Endpoint), t)
 	}
@@ -334,6 +350,7 @@ func (f *VirtualFleet) deliver(ve *virtualEngine, t time.Duration) {
 		k := f.index(o.ID)
 		r := &f.res[k]
 		if o.FirstToken {
+			ve.pendingPrefill -= int(f.pend[k])
 			r.FirstToken = t
 			r.PromptTokens, r.CachedTokens = o.PromptTokens, o.CachedTokens
 			if m := f.reqs[k].MaxTokens; !f.cfg.SkipITL && m > 1 {
@@ -346,6 +363,7 @@ func (f *VirtualFleet) deliver(ve *virtualEngine, t time.Duration) {
 		r.OutputTokens = o.OutputTokens
 		if o.Finished {
 			ve.inFlight--
+			ve.inFlightTokens -= r.PromptTokens
 		}
 	}
 	ve.outs = nil

@@ -186,14 +186,14 @@ start times, or later when N are active).`,
 				if prof, err = resolveProfile(profile, profFile); err != nil {
 					return err
 				}
-				if policies, err = parsePolicies(compare); err != nil {
-					return fmt.Errorf("--compare: %w", err)
-				}
 				if model == "" {
 					model = prof.Model
 				}
 				if routing, err = loadRouting(cfgPath); err != nil {
 					return err
+				}
+				if policies, err = parsePolicies(compare, routing); err != nil {
+					return fmt.Errorf("--compare: %w", err)
 				}
 			}
 			if rates == nil {
@@ -212,6 +212,9 @@ start times, or later when N are active).`,
 				if err := runAt(rt, rate); err != nil {
 					return fmt.Errorf("rate %g req/s: %w", rate, err)
 				}
+			}
+			if target == "" && len(recs) > 0 && rates == nil {
+				setReferences(&report, recs, requests, engines, prof)
 			}
 			if err := report.WriteTable(cmd.OutOrStdout()); err != nil {
 				return err
@@ -281,4 +284,23 @@ func writeFile(path string, write func(io.Writer) error) error {
 		return err
 	}
 	return f.Close()
+}
+
+// setReferences adds the pooled-cache and (for traces with block hash ids)
+// infinite-cache reference hit rates of the first requests records to
+// report, for a fleet of engines engines of profile prof.
+func setReferences(report *bench.Report, recs []trace.Record, requests, engines int, prof sim.Profile) {
+	if requests > 0 && requests < len(recs) {
+		recs = recs[:requests]
+	}
+	if engines <= 0 {
+		engines = bench.DefaultEngines
+	}
+	ec := sim.Config{Profile: prof}.WithDefaults()
+	pooled := bench.PooledCacheHitRate(recs, engines*ec.NumBlocks, ec.BlockSize)
+	report.PooledHitRate = &pooled
+	if len(recs[0].HashIDs) > 0 {
+		inf := trace.InfiniteCacheHitRate(recs)
+		report.InfiniteHitRate = &inf
+	}
 }

@@ -72,10 +72,6 @@ overhead, and engines never fail.`,
 			if err != nil {
 				return fmt.Errorf("--engines: %w", err)
 			}
-			pols, err := parsePolicies(policies)
-			if err != nil {
-				return fmt.Errorf("--policy: %w", err)
-			}
 			if requests < 0 {
 				return fmt.Errorf("--requests %d: must not be negative", requests)
 			}
@@ -89,6 +85,10 @@ overhead, and engines never fail.`,
 			routing, err := loadRouting(cfgPath)
 			if err != nil {
 				return err
+			}
+			pols, err := parsePolicies(policies, routing)
+			if err != nil {
+				return fmt.Errorf("--policy: %w", err)
 			}
 			recs, err := wl.load()
 			if err != nil {

@@ -138,12 +138,14 @@ func parseRates(list string) ([]float64, error) {
 	return out, nil
 }
 
-// parsePolicies splits a comma-separated policy list and checks every name.
-func parsePolicies(list string) ([]string, error) {
+// parsePolicies splits a comma-separated policy list and checks every name
+// against the built-in policies and routing's profiles.
+func parsePolicies(list string, routing sched.Config) ([]string, error) {
 	var out []string
 	for p := range strings.SplitSeq(list, ",") {
 		p = strings.TrimSpace(p)
-		if _, err := sched.New(sched.Config{Policy: p}, []int{1}); err != nil {
+		routing.Policy = p
+		if err := sched.Validate(routing); err != nil {
 			return nil, err
 		}
 		out = append(out, p)

@@ -1,0 +1,236 @@
+package sched
+
+import (
+	"sync"
+)
+
+// The scheduling framework: a Profile runs a request through Filters, then
+// weighted Scorers, then a Picker, the shape of the Kubernetes scheduler
+// framework as the Gateway API Inference Extension / llm-d endpoint picker use
+// it (llm-d/llm-d-router pkg/epp/framework/interface/scheduling/plugins.go):
+//
+//	candidates = ready endpoints of the pool
+//	for each filter:  candidates = filter(candidates)   (a filter never empties the set; see Filter)
+//	total[e] = Σ_s weight_s · score_s(e),   score_s(e) ∈ [0, 1]
+//	chosen = picker(candidates, total)
+//	for each learner: learn(chosen)
+//
+// Scores in [0, 1] make weights comparable: a weight is how many "whole
+// endpoints' worth" of preference a scorer can express. Everything runs on a
+// Cycle, one per decision, reused from a pool so that a decision allocates
+// nothing in steady state.
+
+// Filter removes endpoints that cannot or should not serve the request.
+type Filter interface {
+	// Name is the filter's configuration name.
+	Name() string
+	// Filter returns the subset of cands (endpoint indexes into c.Eps) to
+	// keep, written in place into cands' backing array. A filter that would
+	// remove every candidate returns cands unchanged when it is a preference
+	// (hot-spot, adapter capacity) and an empty slice when it is a hard
+	// constraint (readiness, model served); the Profile then picks nothing.
+	Filter(c *Cycle, cands []int) []int
+}
+
+// Scorer rates candidates in [0, 1]; higher is better.
+type Scorer interface {
+	// Name is the scorer's configuration name.
+	Name() string
+	// Score writes scores[k] ∈ [0, 1] for endpoint cands[k], for every k.
+	Score(c *Cycle, cands []int, scores []float64)
+}
+
+// Picker chooses one candidate from the weighted total scores.
+type Picker interface {
+	// Name is the picker's configuration name.
+	Name() string
+	// Pick returns an index k into cands (total[k] is cands[k]'s score), or
+	// -1 if cands is empty.
+	Pick(c *Cycle, cands []int, total []float64) int
+}
+
+// Learner is implemented by plugins that keep state from decisions (the
+// approximate prefix index, the session table). Learn runs after the pick.
+type Learner interface {
+	Learn(c *Cycle, chosen int)
+}
+
+// Cycle is one scheduling decision's state: the request, the snapshot and
+// values plugins share within the decision (the prefix match, computed once).
+// It is owned by one goroutine for the duration of Profile.Pick.
+type Cycle struct {
+	// Req is the request being scheduled.
+	Req *Request
+	// Eps is the snapshot of the pool's endpoints; indexes are stable.
+	Eps []Endpoint
+
+	p *Profile
+	// matched[e] is the number of leading prompt blocks endpoint e is
+	// believed to hold per the profile's match source; valid once
+	// matchedDone.
+	matched     []int
+	matchedDone bool
+	// Matches of other sources (a profile with both prefix scorers).
+	other    []int
+	otherSrc MatchSource
+	cands    []int
+	total    []float64
+	scores   []float64
+}
+
+// Matched returns, for every endpoint of c.Eps, the number of leading prompt
+// blocks (of the profile's block size) the profile's prefix index believes it
+// holds: the precise index when the profile has one, else the approximate
+// index, else all zeros. Computed on first use and shared by every plugin of
+// the decision. The slice is valid until the decision ends.
+func (c *Cycle) Matched() []int {
+	if c.matchedDone {
+		return c.matched
+	}
+	c.matchedDone = true
+	m := c.matched[:len(c.Eps)]
+	clear(m)
+	if c.p.match != nil && len(c.Req.Hashes) > 0 {
+		c.p.match.Match(c.Req.Hashes, m)
+	}
+	return m
+}
+
+// MatchedBy is Matched for a given source (computed once per decision and
+// source; the profile's primary source shares Matched's buffer).
+func (c *Cycle) MatchedBy(src MatchSource) []int {
+	if src == c.p.match {
+		return c.Matched()
+	}
+	if c.otherSrc != src {
+		c.otherSrc = src
+		m := c.other[:len(c.Eps)]
+		clear(m)
+		if len(c.Req.Hashes) > 0 {
+			src.Match(c.Req.Hashes, m)
+		}
+	}
+	return c.other[:len(c.Eps)]
+}
+
+// IntN returns a uniform int in [0, n) from the profile's seeded generator.
+func (c *Cycle) IntN(n int) int { return c.p.rng.IntN(n) }
+
+// Float64 returns a uniform float64 in [0, 1) from the profile's seeded
+// generator.
+func (c *Cycle) Float64() float64 { return c.p.rng.Float64() }
+
+// MatchSource answers prefix matches: matched[e] = leading blocks of hashes
+// endpoint e holds, for e < len(matched). *prefix.Index implements it; the
+// precise index does through PreciseSource.
+type MatchSource interface {
+	Match(hashes []uint64, matched []int)
+}
+
+// WeightedScorer is a scorer with its weight (≥ 0).
+type WeightedScorer struct {
+	Scorer Scorer
+	Weight float64
+}
+
+// Profile is a composed scheduling policy: filters, weighted scorers, a
+// picker, and the learners among its plugins. It implements Policy and is
+// safe for concurrent use.
+type Profile struct {
+	name     string
+	filters  []Filter
+	scorers  []WeightedScorer
+	picker   Picker
+	learners []Learner
+	match    MatchSource // source of Cycle.Matched; nil: none
+	hashes   bool        // some plugin reads Request.Hashes
+	forget   []func(int)
+	rng      *lockedRand
+	cycles   sync.Pool // *Cycle
+}
+
+// Name returns the profile's name.
+func (p *Profile) Name() string { return p.name }
+
+// NeedsHashes implements Policy.
+func (p *Profile) NeedsHashes() bool { return p.hashes }
+
+// Forget implements Forgetter: plugins with per-endpoint state (the
+// approximate index, the session table) drop what they hold for endpoint i.
+func (p *Profile) Forget(i int) {
+	for _, f := range p.forget {
+		f(i)
+	}
+}
+
+// Pick implements Policy: filter, score, pick, learn. Decision.MatchedBlocks
+// is Cycle.Matched for the chosen endpoint. It allocates nothing once the
+// profile has served a decision of the same pool size.
+func (p *Profile) Pick(req *Request, eps []Endpoint) Decision {
+	c, _ := p.cycles.Get().(*Cycle)
+	if c == nil {
+		c = &Cycle{p: p}
+	}
+	defer p.cycles.Put(c)
+	n := len(eps)
+	if cap(c.cands) < n {
+		c.cands = make([]int, n)
+		c.total = make([]float64, n)
+		c.scores = make([]float64, n)
+		c.matched = make([]int, n)
+		c.other = make([]int, n)
+	}
+	c.Req, c.Eps, c.matchedDone, c.otherSrc = req, eps, false, nil
+	defer func() { c.Req, c.Eps, c.otherSrc = nil, nil, nil }()
+
+	cands := c.cands[:0]
+	for i := range eps {
+		if eps[i].Ready {
+			cands = append(cands, i)
+		}
+	}
+	for _, f := range p.filters {
+		if len(cands) == 0 {
+			break
+		}
+		cands = f.Filter(c, cands)
+	}
+	if len(cands) == 0 {
+		return Decision{Endpoint: -1}
+	}
+	total := c.total[:len(cands)]
+	clear(total)
+	scores := c.scores[:len(cands)]
+	for _, ws := range p.scorers {
+		if ws.Weight == 0 {
+			continue
+		}
+		ws.Scorer.Score(c, cands, scores)
+		for k, s := range scores {
+			total[k] += ws.Weight * clamp01(s)
+		}
+	}
+	k := p.picker.Pick(c, cands, total)
+	if k < 0 {
+		return Decision{Endpoint: -1}
+	}
+	chosen := cands[k]
+	d := Decision{Endpoint: chosen}
+	if p.match != nil {
+		d.MatchedBlocks = c.Matched()[chosen]
+	}
+	for _, l := range p.learners {
+		l.Learn(c, chosen)
+	}
+	return d
+}
+
+func clamp01(x float64) float64 {
+	switch {
+	case x > 1:
+		return 1
+	case x >= 0:
+		return x
+	}
+	return 0 // negative or NaN
+}

@@ -1,0 +1,419 @@
+package sched
+
+import (
+	"math"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"gopkg.in/yaml.v3"
+
+	"github.com/infergate/infergate/prefix"
+)
+
+func newProfileT(t testing.TB, cfg Config, pool Pool) *Profile {
+	t.Helper()
+	p, err := NewPolicy(cfg, pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pr, ok := p.(*Profile)
+	if !ok {
+		t.Fatalf("%s is %T, not a profile", cfg.Policy, p)
+	}
+	return pr
+}
+
+func caps(n, c int) []int {
+	out := make([]int, n)
+	for i := range out {
+		out[i] = c
+	}
+	return out
+}
+
+func only(name string, sc ...ScorerConfig) Config {
+	return Config{Policy: name, Profiles: map[string]ProfileConfig{name: {Scorers: sc}}}
+}
+
+func TestProfileConfigErrors(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		pc   ProfileConfig
+		want string
+	}{
+		{"noscorer", ProfileConfig{}, "no scorers"},
+		{"badfilter", ProfileConfig{Filters: []string{"x"}, Scorers: []ScorerConfig{{Type: ScorerQueue, Weight: 1}}}, `unknown filter "x"`},
+		{"badscorer", ProfileConfig{Scorers: []ScorerConfig{{Type: "y", Weight: 1}}}, `unknown scorer "y"`},
+		{"badweight", ProfileConfig{Scorers: []ScorerConfig{{Type: ScorerQueue, Weight: -1}}}, "weight -1"},
+		{"nanweight", ProfileConfig{Scorers: []ScorerConfig{{Type: ScorerQueue, Weight: math.NaN()}}}, "weight NaN"},
+		{"badpicker", ProfileConfig{Scorers: []ScorerConfig{{Type: ScorerQueue, Weight: 1}}, Picker: "z"}, `unknown picker "z"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := NewPolicy(Config{Policy: "p", Profiles: map[string]ProfileConfig{"p": tc.pc}}, Pool{Capacity: caps(2, 10)})
+			if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), `"p"`) {
+				t.Fatalf("err = %v, want it to name the profile and contain %q", err, tc.want)
+			}
+		})
+	}
+	if _, err := NewPolicy(Config{Policy: PrecisePrefix}, Pool{Capacity: caps(2, 10)}); err == nil || !strings.Contains(err.Error(), "KV events") {
+		t.Fatalf("precise-prefix without an index: %v", err)
+	}
+	if err := Validate(Config{Policy: PrecisePrefix}); err != nil {
+		t.Fatalf("Validate(precise-prefix) = %v", err)
+	}
+	if err := Validate(Config{Policy: "nope"}); err == nil {
+		t.Fatal("Validate accepted an unknown policy")
+	}
+}
+
+func TestProfileYAML(t *testing.T) {
+	src := `
+policy: mine
+hot_spot: {abs: 3, rel: 1.5}
+session: {max_sessions: 10}
+cost: {prefill_tokens_per_second: 5000}
+profiles:
+  mine:
+    filters: [model, adapter-capacity, hot-spot]
+    scorers:
+      - {type: prefix, weight: 2}
+      - {type: session, weight: 3}
+      - {type: cost, weight: 1}
+      - {type: queue, weight: 0.5}
+      - {type: kv-utilization, weight: 0.5}
+      - {type: in-flight-tokens, weight: 0.5}
+      - {type: lora, weight: 1}
+    picker: power-of-two
+`
+	var cfg Config
+	dec := yaml.NewDecoder(strings.NewReader(src))
+	dec.KnownFields(true)
+	if err := dec.Decode(&cfg); err != nil {
+		t.Fatal(err)
+	}
+	p := newProfileT(t, cfg, Pool{Capacity: caps(4, 100)})
+	if p.Name() != "mine" || !p.NeedsHashes() || len(p.filters) != 3 || len(p.scorers) != 7 || p.picker.Name() != PickerPowerOfTwo {
+		t.Fatalf("profile %+v", p)
+	}
+	if h := p.filters[2].(hotSpotFilter).cfg; h.Abs != 3 || h.Rel != 1.5 {
+		t.Fatalf("hot spot %+v", h)
+	}
+	if UsesPrecise(cfg) || !UsesPrecise(Config{Policy: PrecisePrefix}) {
+		t.Fatal("UsesPrecise")
+	}
+}
+
+func TestFilters(t *testing.T) {
+	eps := []Endpoint{
+		{Ready: true, Models: []string{"m", "a1"}, Adapters: []string{"a1"}, MaxAdapters: 1, InFlight: 20},
+		{Ready: true, Models: nil, Adapters: []string{"a2"}, MaxAdapters: 1, InFlight: 5},
+		{Ready: true, Models: []string{"other"}, InFlight: 0},
+		{Ready: true, Adapters: nil, MaxAdapters: 2, InFlight: 9},
+	}
+	c := &Cycle{Req: &Request{Model: "m", Adapter: "a1"}, Eps: eps}
+	got := modelFilter{}.Filter(c, []int{0, 1, 2, 3})
+	if want := []int{0, 1, 3}; !equalInts(got, want) {
+		t.Fatalf("model filter %v, want %v", got, want)
+	}
+	got = adapterCapacityFilter{}.Filter(c, []int{0, 1, 3})
+	if want := []int{0, 3}; !equalInts(got, want) {
+		t.Fatalf("adapter filter %v, want %v", got, want)
+	}
+	// Preference: nobody fits → keep all.
+	c.Req.Adapter = "a3"
+	if got = (adapterCapacityFilter{}).Filter(c, []int{0, 1}); !equalInts(got, []int{0, 1}) {
+		t.Fatalf("adapter filter emptied the set: %v", got)
+	}
+	c.Req.Adapter = ""
+	got = hotSpotFilter{cfg: HotSpotConfig{Abs: 8, Rel: 2}}.Filter(c, []int{0, 1, 2, 3})
+	// Least loaded 0: 20 and 9 exceed it by more than 8 (and 2×0) → hot.
+	if want := []int{1, 2}; !equalInts(got, want) {
+		t.Fatalf("hot spot %v, want %v", got, want)
+	}
+}
+
+func equalInts(a, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func TestScorers(t *testing.T) {
+	eps := []Endpoint{
+		{Ready: true, InFlight: 4, InFlightTokens: 400, Metrics: true, Waiting: 2, KVUtil: 0.9, Adapters: []string{"a"}, MaxAdapters: 1, PendingPrefillTokens: 0},
+		{Ready: true, InFlight: 0, InFlightTokens: 0, Metrics: true, Waiting: 0, KVUtil: 0.1, MaxAdapters: 1, PendingPrefillTokens: 3000},
+		{Ready: true, InFlight: 2, InFlightTokens: 200, Metrics: false, Adapters: []string{"b"}, MaxAdapters: 1, PendingPrefillTokens: 1000},
+	}
+	cands := []int{0, 1, 2}
+	sc := make([]float64, 3)
+	p := newProfileT(t, only("x", ScorerConfig{Type: ScorerPrefix, Weight: 1}, ScorerConfig{Type: ScorerCost, Weight: 1}), Pool{Capacity: caps(3, 1000)})
+	toks := tokens(160, 1)
+	r := &Request{Hashes: prefix.Hashes(nil, toks, 16, 0), PromptTokens: 160, Adapter: "a"}
+	p.scorers[0].Scorer.(*prefixScorer).ix.Insert(0, r.Hashes[:5])
+	c := &Cycle{p: p, Req: r, Eps: eps, matched: make([]int, 3), other: make([]int, 3)}
+
+	check := func(name string, s Scorer, want ...float64) {
+		t.Helper()
+		s.Score(c, cands, sc)
+		for k := range want {
+			if math.Abs(sc[k]-want[k]) > 1e-9 {
+				t.Fatalf("%s scores %v, want %v", name, sc, want)
+			}
+		}
+	}
+	check("queue", queueScorer{}, 0, 1, 0) // waiting 2, 0; gateway in-flight 2 for the scrape-less one
+	check("kv", kvUtilScorer{}, 0.1, 0.9, 1)
+	check("tokens", inFlightTokensScorer{}, 0, 1, 0.5)
+	check("lora", loraScorer{}, 1, 0.5, 0)
+	check("prefix", p.scorers[0].Scorer, 0.5, 0, 0)
+	// cost: own = 160−80 = 80 on 0; 160 on 1 (+3000), 160 on 2 (+1000).
+	check("cost", p.scorers[1].Scorer, 1, 80.0/3160, 80.0/1160)
+
+	ss := &sessionScorer{table: newSessionTable(2)}
+	c.Req.SessionKey = "s1"
+	check("session-first", ss, 0, 0, 0)
+	ss.Learn(c, 2)
+	check("session-home", ss, 0, 0, 1)
+	ss.forget(2)
+	check("session-forgot", ss, 0, 0, 0)
+	ss.Learn(c, 1)
+	for _, k := range []string{"s2", "s3"} { // capacity 2: s1 evicted
+		c.Req.SessionKey = k
+		ss.Learn(c, 0)
+	}
+	c.Req.SessionKey = "s1"
+	check("session-evicted", ss, 0, 0, 0)
+	c.Req.SessionKey = "s3"
+	check("session-kept", ss, 1, 0, 0)
+}
+
+func TestPickers(t *testing.T) {
+	p := newProfileT(t, only("x", ScorerConfig{Type: ScorerQueue, Weight: 1}), Pool{Capacity: caps(4, 10)})
+	c := &Cycle{p: p}
+	cands := []int{0, 1, 2, 3}
+	counts := make([]int, 4)
+	for range 4000 {
+		counts[maxScorePicker{}.Pick(c, cands, []float64{0.2, 0.9, 0.9, 0.1})]++
+	}
+	if counts[0]+counts[3] != 0 || counts[1] < 1800 || counts[2] < 1800 {
+		t.Fatalf("max-score tie-break %v", counts)
+	}
+	clear(counts)
+	for range 10000 {
+		counts[weightedRandomPicker{}.Pick(c, cands, []float64{1, 3, 0, 0})]++
+	}
+	if counts[2]+counts[3] != 0 || counts[1] < 7200 || counts[1] > 7800 {
+		t.Fatalf("weighted random %v (want ≈ 2500/7500)", counts)
+	}
+	clear(counts)
+	for range 12000 {
+		counts[powerOfTwoPicker{}.Pick(c, cands, []float64{0, 1, 2, 3})]++
+	}
+	// P(pick k) = P(k sampled and the other lower): 0, 1/6, 2/6, 3/6.
+	for k, want := range []float64{0, 2000, 4000, 6000} {
+		if math.Abs(float64(counts[k])-want) > 400 {
+			t.Fatalf("power of two %v", counts)
+		}
+	}
+	if (maxScorePicker{}).Pick(c, nil, nil) != -1 || (weightedRandomPicker{}).Pick(c, nil, nil) != -1 || (powerOfTwoPicker{}).Pick(c, nil, nil) != -1 {
+		t.Fatal("pickers on no candidates")
+	}
+}
+
+func TestProfileNoReady(t *testing.T) {
+	for _, name := range []string{PowerOfTwo, CacheAware} {
+		p := newProfileT(t, Config{Policy: name}, Pool{Capacity: caps(3, 10)})
+		eps := ready(3)
+		for i := range eps {
+			eps[i].Ready = false
+		}
+		if d := p.Pick(req(tokens(64, 1)), eps); d.Endpoint != -1 {
+			t.Fatalf("%s picked %d with nothing ready", name, d.Endpoint)
+		}
+		eps[1].Ready = true
+		if d := p.Pick(req(tokens(64, 1)), eps); d.Endpoint != 1 {
+			t.Fatalf("%s picked %d, only 1 is ready", name, d.Endpoint)
+		}
+	}
+	// The model filter is hard: nobody serves the model → no pick.
+	p := newProfileT(t, Config{Policy: CacheAware}, Pool{Capacity: caps(2, 10)})
+	eps := ready(2)
+	eps[0].Models, eps[1].Models = []string{"a"}, []string{"b"}
+	if d := p.Pick(&Request{Model: "c"}, eps); d.Endpoint != -1 {
+		t.Fatalf("picked %d for an unserved model", d.Endpoint)
+	}
+}
+
+func TestCacheAwareFollowsSessions(t *testing.T) {
+	p := newProfileT(t, Config{Policy: CacheAware}, Pool{Capacity: caps(4, 10000)})
+	eps := ready(4)
+	home := make([]int, 8)
+	sessions := make([][]uint32, 8)
+	for s := range sessions {
+		sessions[s] = tokens(1600, uint32(s)*100000)
+		d := p.Pick(req(sessions[s]), eps)
+		home[s] = d.Endpoint
+		eps[d.Endpoint].InFlight++
+	}
+	for s := range sessions {
+		follow := append(append([]uint32{}, sessions[s]...), tokens(200, 7)...)
+		d := p.Pick(req(follow), eps)
+		if d.Endpoint != home[s] || d.MatchedBlocks != 100 {
+			t.Fatalf("session %d → %d (matched %d), home %d", s, d.Endpoint, d.MatchedBlocks, home[s])
+		}
+	}
+	// Forget drops the index: the session no longer matches.
+	p.Forget(home[0])
+	follow := append(append([]uint32{}, sessions[0]...), tokens(200, 7)...)
+	if d := p.Pick(req(follow), eps); d.MatchedBlocks != 0 && d.Endpoint == home[0] {
+		t.Fatalf("matched %d after Forget", d.MatchedBlocks)
+	}
+}
+
+// TestHotSpotSkewedWorkload: 90% of requests share one 8k-token prefix (then
+// a short unique suffix), 10% are unique. Requests stay in flight for 32
+// arrivals. Without the hot-spot filter the cache-aware profile piles the
+// shared-prefix requests on the first endpoint that held the prefix; with it,
+// no endpoint takes more than its fair share plus a small margin.
+func TestHotSpotSkewedWorkload(t *testing.T) {
+	const (
+		n        = 8
+		requests = 4000
+		life     = 32
+	)
+	shared := tokens(8192, 1)
+	run := func(filters []string) (maxShare float64, counts []int) {
+		cfg := Config{Policy: "p", Seed: 7, HotSpot: HotSpotConfig{Abs: 2, Rel: 1.5}, Profiles: map[string]ProfileConfig{"p": {
+			Filters: filters,
+			Scorers: []ScorerConfig{{Type: ScorerPrefix, Weight: 1}, {Type: ScorerCost, Weight: 1}},
+		}}}
+		p := newProfileT(t, cfg, Pool{Capacity: caps(n, 100000)})
+		eps := ready(n)
+		counts = make([]int, n)
+		type inflight struct{ ep, pending int }
+		var q []inflight
+		toks := make([]uint32, 0, 8192+64)
+		for i := range requests {
+			toks = toks[:0]
+			if i%10 != 9 {
+				toks = append(toks, shared...)
+			} else {
+				toks = append(toks, tokens(8192, uint32(i)*10000+500000)...)
+			}
+			toks = append(toks, tokens(64, uint32(i)*1000+90000000)...)
+			r := req(toks)
+			d := p.Pick(r, eps)
+			counts[d.Endpoint]++
+			pend := len(toks) - 16*d.MatchedBlocks
+			eps[d.Endpoint].InFlight++
+			eps[d.Endpoint].PendingPrefillTokens += pend
+			q = append(q, inflight{d.Endpoint, pend})
+			if len(q) > life {
+				f := q[0]
+				q = q[1:]
+				eps[f.ep].InFlight--
+				eps[f.ep].PendingPrefillTokens -= f.pending
+			}
+		}
+		for _, c := range counts {
+			maxShare = max(maxShare, float64(c)/requests)
+		}
+		return maxShare, counts
+	}
+	unprotected, uc := run(nil)
+	protected, pc := run([]string{FilterHotSpot})
+	t.Logf("max share without hot-spot filter %.3f %v; with %.3f %v (fair %.3f)", unprotected, uc, protected, pc, 1.0/n)
+	// Fair share 1/8 = 12.5%; in-flight per endpoint is held within
+	// max(abs, (rel−1)·least) = 2 of the least loaded (of 32 in flight, 4
+	// each), so the share may exceed fair by about 2/32 at most.
+	if margin := 1.0/n + 2.0/life; protected > margin {
+		t.Fatalf("with the hot-spot filter an endpoint took %.3f of requests (fair share + margin = %.3f): %v", protected, margin, pc)
+	}
+	if unprotected < 0.3 {
+		t.Fatalf("test workload is not skewed enough: without the filter max share is only %.3f", unprotected)
+	}
+}
+
+func TestProfileAllocFree(t *testing.T) {
+	if raceEnabled {
+		t.Skip("sync.Pool drops items under the race detector")
+	}
+	p := newProfileT(t, Config{Policy: CacheAware}, Pool{Capacity: caps(16, 100000)})
+	eps := ready(16)
+	r := req(tokens(12000, 1))
+	p.Pick(r, eps)
+	if n := testing.AllocsPerRun(50, func() { p.Pick(r, eps) }); n != 0 {
+		t.Fatalf("Pick allocates %.0f times", n)
+	}
+}
+
+// BenchmarkDecision64x1M is one scheduling decision of the cache-aware and
+// precise-prefix profiles (filters, prefix + cost + LoRA scorers, max-score
+// picker, and for cache-aware the index update) with 64 endpoints whose
+// indexes hold 1,000,000 blocks in all, on a 12k-token prompt (750 blocks)
+// whose first 2,000 tokens every endpoint holds and whose rest one endpoint
+// holds. Reports p99-ns over the timed decisions.
+func BenchmarkDecision64x1M(b *testing.B) {
+	const n, perEndpoint = 64, 1_000_000 / 64
+	ix, _ := prefix.NewIndex(caps(n, perEndpoint))
+	for e := range n {
+		// Fill each endpoint with distinct 750-block prompts.
+		for k := 0; k < perEndpoint/750+1; k++ {
+			ix.Insert(e, prefix.Hashes(nil, tokens(12000, uint32(e*1000+k)*20000+1_000_000_000), 16, 0))
+		}
+	}
+	reqs := make([]*Request, 64)
+	for i := range reqs {
+		reqs[i] = req(append(tokens(2000, 0), tokens(10000, uint32(i+1)*100000)...))
+		for e := range n {
+			ix.Insert(e, reqs[i].Hashes[:125])
+		}
+		ix.Insert(i%n, reqs[i].Hashes)
+	}
+	for _, name := range []string{CacheAware, PrecisePrefix} {
+		b.Run(name, func(b *testing.B) {
+			p := newProfileT(b, Config{Policy: name}, Pool{Capacity: caps(n, perEndpoint), Precise: ix})
+			if name == CacheAware {
+				// Share the filled index with the approximate scorer.
+				p.scorers[0].Scorer.(*prefixScorer).ix = ix
+				p.match = ix
+				p.learners[0] = p.scorers[0].Scorer.(*prefixScorer)
+			}
+			eps := ready(n)
+			for i := range eps {
+				eps[i].InFlight = i % 5
+				eps[i].PendingPrefillTokens = (i % 7) * 1000
+			}
+			benchDecisions(b, func(i int) { p.Pick(reqs[i%len(reqs)], eps) })
+		})
+	}
+}
+
+// benchDecisions times each call of f and reports the 99th percentile
+// (p99-ns) besides ns/op; the samples slice is allocated before the timer.
+func benchDecisions(b *testing.B, f func(i int)) {
+	samples := make([]time.Duration, 0, 1<<16)
+	f(0)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		t0 := time.Now()
+		f(i)
+		if len(samples) < cap(samples) {
+			samples = append(samples, time.Since(t0))
+		}
+	}
+	b.StopTimer()
+	slices.Sort(samples)
+	if len(samples) > 0 {
+		b.ReportMetric(float64(samples[len(samples)*99/100]), "p99-ns")
+	}
+}

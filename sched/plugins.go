@@ -1,0 +1,535 @@
+package sched
+
+import (
+	"math"
+	"slices"
+	"sync"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/infergate/infergate/prefix"
+)
+
+// Plugin names, as written in a profile's YAML. Each has a section in
+// README.md (formula, inputs, defaults, source).
+const (
+	// Filters.
+	FilterModel           = "model"
+	FilterAdapterCapacity = "adapter-capacity"
+	FilterHotSpot         = "hot-spot"
+	// Scorers.
+	ScorerPrefix         = "prefix"
+	ScorerPrecisePrefix  = "precise-prefix"
+	ScorerQueue          = "queue"
+	ScorerKVUtilization  = "kv-utilization"
+	ScorerInFlightTokens = "in-flight-tokens"
+	ScorerSession        = "session"
+	ScorerLoRA           = "lora"
+	ScorerCost           = "cost"
+	// Pickers.
+	PickerMaxScore       = "max-score"
+	PickerWeightedRandom = "weighted-random"
+	PickerPowerOfTwo     = "power-of-two"
+)
+
+// ---- filters ----
+
+// modelFilter keeps endpoints that serve the requested model (or adapter):
+// Endpoint.Models nil means "every model of the pool". Hard constraint.
+type modelFilter struct{}
+
+func (modelFilter) Name() string { return FilterModel }
+
+func (modelFilter) Filter(c *Cycle, cands []int) []int {
+	want := c.Req.Model
+	if c.Req.Adapter != "" {
+		want = c.Req.Adapter
+	}
+	out := cands[:0]
+	for _, i := range cands {
+		if m := c.Eps[i].Models; m == nil || slices.Contains(m, want) {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// adapterCapacityFilter drops, for an adapter request, the endpoints that have
+// not loaded the adapter and have no free adapter slot (loading it there
+// would evict another adapter or queue behind max_loras). Preference: if no
+// endpoint qualifies, every candidate is kept.
+type adapterCapacityFilter struct{}
+
+func (adapterCapacityFilter) Name() string { return FilterAdapterCapacity }
+
+func (adapterCapacityFilter) Filter(c *Cycle, cands []int) []int {
+	a := c.Req.Adapter
+	if a == "" {
+		return cands
+	}
+	fits := func(ep *Endpoint) bool {
+		return ep.MaxAdapters == 0 || len(ep.Adapters) < ep.MaxAdapters || slices.Contains(ep.Adapters, a)
+	}
+	n := 0
+	for _, i := range cands {
+		if fits(&c.Eps[i]) {
+			n++
+		}
+	}
+	if n == 0 || n == len(cands) {
+		return cands
+	}
+	out := cands[:0]
+	for _, i := range cands {
+		if fits(&c.Eps[i]) {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// HotSpotConfig bounds how far an endpoint's load may run ahead of the least
+// loaded candidate before cache affinity stops counting (YAML
+// routing.hot_spot). Load is requests in flight from this gateway.
+type HotSpotConfig struct {
+	// Abs (default 32 requests) and Rel (default 3.0): an endpoint is hot
+	// when its load exceeds the least-loaded candidate's by more than Abs AND
+	// is more than Rel times it. SGLang router's balance_abs_threshold /
+	// balance_rel_threshold form.
+	Abs int     `yaml:"abs"`
+	Rel float64 `yaml:"rel"`
+}
+
+// Defaults of HotSpotConfig: loose, because the cost scorer already weighs
+// load; the filter is the backstop when affinity would still pile work on
+// one endpoint. Chosen on the Mooncake trace (sched/README.md): the prefix
+// policy's tighter 12 / 2.0 cost the cache-aware profile about a point of
+// hit rate for no gain in TTFT.
+const (
+	DefaultHotSpotAbs = 32
+	DefaultHotSpotRel = 3.0
+)
+
+func (h HotSpotConfig) withDefaults() HotSpotConfig {
+	if h.Abs == 0 {
+		h.Abs = DefaultHotSpotAbs
+	}
+	if h.Rel == 0 {
+		h.Rel = DefaultHotSpotRel
+	}
+	return h
+}
+
+// hotSpotFilter removes hot endpoints (see HotSpotConfig). The least-loaded
+// candidate is never hot, so the set never empties.
+type hotSpotFilter struct{ cfg HotSpotConfig }
+
+func (hotSpotFilter) Name() string { return FilterHotSpot }
+
+func (f hotSpotFilter) Filter(c *Cycle, cands []int) []int {
+	least := math.MaxInt
+	for _, i := range cands {
+		least = min(least, c.Eps[i].InFlight)
+	}
+	out := cands[:0]
+	for _, i := range cands {
+		l := c.Eps[i].InFlight
+		if !(l-least > f.cfg.Abs && float64(l) > f.cfg.Rel*float64(least)) {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// ---- scorers ----
+
+// prefixScorer: matched leading blocks / prompt blocks, from the approximate
+// index, which learns every decision of the profile.
+type prefixScorer struct{ ix *prefix.Index }
+
+func (*prefixScorer) Name() string { return ScorerPrefix }
+
+func (s *prefixScorer) Score(c *Cycle, cands []int, scores []float64) {
+	matchFraction(c, c.MatchedBy(s.ix), cands, scores)
+}
+
+// Learn records the prompt's blocks as held by the chosen endpoint.
+func (s *prefixScorer) Learn(c *Cycle, chosen int) { s.ix.Insert(chosen, c.Req.Hashes) }
+
+// preciseScorer: matched leading blocks / prompt blocks, from the index the
+// engines' KV events feed.
+type preciseScorer struct{ src MatchSource }
+
+func (*preciseScorer) Name() string { return ScorerPrecisePrefix }
+
+func (s *preciseScorer) Score(c *Cycle, cands []int, scores []float64) {
+	matchFraction(c, c.MatchedBy(s.src), cands, scores)
+}
+
+func matchFraction(c *Cycle, matched []int, cands []int, scores []float64) {
+	n := len(c.Req.Hashes)
+	for k, i := range cands {
+		if n == 0 {
+			scores[k] = 0
+			continue
+		}
+		scores[k] = float64(matched[i]) / float64(n)
+	}
+}
+
+// minMaxLow scores a "lower is better" quantity q by (max − q)/(max − min),
+// 1 for every candidate when all are equal (the GIE queue scorer's form).
+func minMaxLow(cands []int, scores []float64, q func(i int) float64) {
+	lo, hi := math.Inf(1), math.Inf(-1)
+	for k, i := range cands {
+		v := q(i)
+		scores[k] = v
+		lo, hi = min(lo, v), max(hi, v)
+	}
+	for k := range cands {
+		if hi == lo {
+			scores[k] = 1
+		} else {
+			scores[k] = (hi - scores[k]) / (hi - lo)
+		}
+	}
+}
+
+// queueScorer prefers short queues: the engine's waiting requests when its
+// metrics are fresh, else the gateway's in-flight count.
+type queueScorer struct{}
+
+func (queueScorer) Name() string { return ScorerQueue }
+
+func (queueScorer) Score(c *Cycle, cands []int, scores []float64) {
+	minMaxLow(cands, scores, func(i int) float64 {
+		ep := &c.Eps[i]
+		if ep.Metrics {
+			return float64(ep.Waiting)
+		}
+		return float64(ep.InFlight)
+	})
+}
+
+// kvUtilScorer: 1 − KV-cache utilisation (fresh metrics only; 1 otherwise).
+type kvUtilScorer struct{}
+
+func (kvUtilScorer) Name() string { return ScorerKVUtilization }
+
+func (kvUtilScorer) Score(c *Cycle, cands []int, scores []float64) {
+	for k, i := range cands {
+		ep := &c.Eps[i]
+		if ep.Metrics {
+			scores[k] = 1 - ep.KVUtil
+		} else {
+			scores[k] = 1
+		}
+	}
+}
+
+// inFlightTokensScorer prefers endpoints with fewer prompt tokens in flight.
+type inFlightTokensScorer struct{}
+
+func (inFlightTokensScorer) Name() string { return ScorerInFlightTokens }
+
+func (inFlightTokensScorer) Score(c *Cycle, cands []int, scores []float64) {
+	minMaxLow(cands, scores, func(i int) float64 { return float64(c.Eps[i].InFlightTokens) })
+}
+
+// SessionConfig bounds the session-affinity table (YAML routing.session).
+type SessionConfig struct {
+	// MaxSessions is how many sessions are remembered, least recently routed
+	// forgotten first (default 100,000; about 40 bytes each).
+	MaxSessions int `yaml:"max_sessions"`
+}
+
+// DefaultMaxSessions is SessionConfig.MaxSessions's default.
+const DefaultMaxSessions = 100_000
+
+// sessionScorer scores 1 the endpoint that last served the request's session
+// and 0 the others (0 for all without a session key or on a first turn).
+type sessionScorer struct {
+	mu    sync.Mutex
+	table *sessionTable
+}
+
+func (*sessionScorer) Name() string { return ScorerSession }
+
+func (s *sessionScorer) Score(c *Cycle, cands []int, scores []float64) {
+	home := -1
+	if c.Req.SessionKey != "" {
+		s.mu.Lock()
+		home = s.table.get(xxhash.Sum64String(c.Req.SessionKey))
+		s.mu.Unlock()
+	}
+	for k, i := range cands {
+		scores[k] = 0
+		if i == home {
+			scores[k] = 1
+		}
+	}
+}
+
+func (s *sessionScorer) Learn(c *Cycle, chosen int) {
+	if c.Req.SessionKey == "" {
+		return
+	}
+	s.mu.Lock()
+	s.table.put(xxhash.Sum64String(c.Req.SessionKey), chosen)
+	s.mu.Unlock()
+}
+
+func (s *sessionScorer) forget(e int) {
+	s.mu.Lock()
+	s.table.dropEndpoint(e)
+	s.mu.Unlock()
+}
+
+// loraScorer: for an adapter request, 1 where the adapter is loaded, 0.5
+// where a slot is free (or slots are unknown), 0 where loading it would evict
+// another adapter. Base-model requests score 1 everywhere.
+type loraScorer struct{}
+
+func (loraScorer) Name() string { return ScorerLoRA }
+
+func (loraScorer) Score(c *Cycle, cands []int, scores []float64) {
+	a := c.Req.Adapter
+	for k, i := range cands {
+		ep := &c.Eps[i]
+		switch {
+		case a == "" || slices.Contains(ep.Adapters, a):
+			scores[k] = 1
+		case ep.MaxAdapters == 0 || len(ep.Adapters) < ep.MaxAdapters:
+			scores[k] = 0.5
+		default:
+			scores[k] = 0
+		}
+	}
+}
+
+// CostConfig tunes the cost scorer (YAML routing.cost).
+type CostConfig struct {
+	// PrefillTokensPerSecond is the prefill throughput assumed for endpoints
+	// that report none (default 10,000 tokens/s). Only ratios between
+	// endpoints matter for the score, so in a homogeneous fleet it cancels.
+	PrefillTokensPerSecond float64 `yaml:"prefill_tokens_per_second"`
+}
+
+// DefaultPrefillTokensPerSecond is CostConfig.PrefillTokensPerSecond's default.
+const DefaultPrefillTokensPerSecond = 10_000
+
+// costScorer estimates each endpoint's TTFT for the request as the time to
+// drain its prefill backlog plus the request's own uncached prefill:
+//
+//	TTFT_e ≈ (PendingPrefillTokens_e + max(1, P − B·m_e)) / rate_e
+//
+// (P prompt tokens, m_e matched blocks of B tokens, rate_e the endpoint's
+// prefill tokens/s) and scores min_e TTFT_e / TTFT_e ∈ (0, 1]: 1 for the
+// fastest, 0.5 for one twice as slow. The prefill term dominates TTFT under
+// chunked prefill (vLLM v1 schedules waiting prompts behind running decodes
+// within a token budget), which is why decode load is left out.
+type costScorer struct {
+	rate      float64
+	blockSize int
+}
+
+func (*costScorer) Name() string { return ScorerCost }
+
+func (s *costScorer) Score(c *Cycle, cands []int, scores []float64) {
+	matched := c.Matched()
+	p := float64(c.Req.PromptTokens)
+	best := math.Inf(1)
+	for k, i := range cands {
+		ep := &c.Eps[i]
+		rate := ep.PrefillTokensPerSecond
+		if rate <= 0 {
+			rate = s.rate
+		}
+		own := max(1, p-float64(s.blockSize*matched[i]))
+		t := (float64(ep.PendingPrefillTokens) + own) / rate
+		scores[k] = t
+		best = min(best, t)
+	}
+	for k := range cands {
+		scores[k] = best / scores[k]
+	}
+}
+
+// ---- pickers ----
+
+// maxScorePicker takes the highest total; ties (within 1e-9) uniformly at
+// random.
+type maxScorePicker struct{}
+
+func (maxScorePicker) Name() string { return PickerMaxScore }
+
+func (maxScorePicker) Pick(c *Cycle, cands []int, total []float64) int {
+	best, ties := -1, 0
+	for k := range cands {
+		switch {
+		case best < 0 || total[k] > total[best]+1e-9:
+			best, ties = k, 1
+		case total[k] >= total[best]-1e-9:
+			ties++
+			if c.IntN(ties) == 0 {
+				best = k
+			}
+		}
+	}
+	return best
+}
+
+// weightedRandomPicker picks candidate k with probability total[k] / Σ total
+// (uniformly when every total is 0).
+type weightedRandomPicker struct{}
+
+func (weightedRandomPicker) Name() string { return PickerWeightedRandom }
+
+func (weightedRandomPicker) Pick(c *Cycle, cands []int, total []float64) int {
+	if len(cands) == 0 {
+		return -1
+	}
+	sum := 0.0
+	for _, t := range total {
+		sum += t
+	}
+	if sum <= 0 {
+		return c.IntN(len(cands))
+	}
+	x := c.Float64() * sum
+	for k, t := range total {
+		if x < t {
+			return k
+		}
+		x -= t
+	}
+	return len(cands) - 1
+}
+
+// powerOfTwoPicker samples two distinct candidates uniformly and takes the
+// higher total (ties: the first sampled), the "power of two choices" of
+// Mitzenmacher (IEEE TPDS 2001).
+type powerOfTwoPicker struct{}
+
+func (powerOfTwoPicker) Name() string { return PickerPowerOfTwo }
+
+func (powerOfTwoPicker) Pick(c *Cycle, cands []int, total []float64) int {
+	switch len(cands) {
+	case 0:
+		return -1
+	case 1:
+		return 0
+	}
+	a := c.IntN(len(cands))
+	b := c.IntN(len(cands) - 1)
+	if b >= a {
+		b++
+	}
+	if total[b] > total[a] {
+		return b
+	}
+	return a
+}
+
+// ---- session table ----
+
+// sessionTable is a bounded LRU map from session hash to endpoint.
+type sessionTable struct {
+	cap   int
+	slot  map[uint64]int32
+	nodes []sessionNode
+	head  int32
+	tail  int32
+}
+
+type sessionNode struct {
+	key        uint64
+	ep         int32
+	prev, next int32
+}
+
+func newSessionTable(capacity int) *sessionTable {
+	return &sessionTable{cap: max(capacity, 1), slot: make(map[uint64]int32), head: -1, tail: -1}
+}
+
+func (t *sessionTable) get(k uint64) int {
+	if i, ok := t.slot[k]; ok {
+		return int(t.nodes[i].ep)
+	}
+	return -1
+}
+
+func (t *sessionTable) put(k uint64, ep int) {
+	if i, ok := t.slot[k]; ok {
+		t.nodes[i].ep = int32(ep)
+		t.unlink(i)
+		t.pushFront(i)
+		return
+	}
+	var i int32
+	if len(t.nodes) < t.cap {
+		t.nodes = append(t.nodes, sessionNode{})
+		i = int32(len(t.nodes) - 1)
+	} else {
+		i = t.tail
+		if t.nodes[i].ep >= 0 {
+			delete(t.slot, t.nodes[i].key)
+		}
+		t.unlink(i)
+	}
+	t.nodes[i].key, t.nodes[i].ep = k, int32(ep)
+	t.slot[k] = i
+	t.pushFront(i)
+}
+
+// dropEndpoint forgets the sessions homed on endpoint e (they are re-homed on
+// their next turn).
+func (t *sessionTable) dropEndpoint(e int) {
+	for k, i := range t.slot {
+		if t.nodes[i].ep == int32(e) {
+			t.nodes[i].ep = -1
+			delete(t.slot, k)
+			t.unlink(i)
+			t.pushBack(i)
+		}
+	}
+	// Freed nodes (ep −1) sit at the tail and are reused first.
+}
+
+func (t *sessionTable) unlink(i int32) {
+	n := &t.nodes[i]
+	if n.prev >= 0 {
+		t.nodes[n.prev].next = n.next
+	} else {
+		t.head = n.next
+	}
+	if n.next >= 0 {
+		t.nodes[n.next].prev = n.prev
+	} else {
+		t.tail = n.prev
+	}
+}
+
+func (t *sessionTable) pushFront(i int32) {
+	n := &t.nodes[i]
+	n.prev, n.next = -1, t.head
+	if t.head >= 0 {
+		t.nodes[t.head].prev = i
+	}
+	t.head = i
+	if t.tail < 0 {
+		t.tail = i
+	}
+}
+
+func (t *sessionTable) pushBack(i int32) {
+	n := &t.nodes[i]
+	n.next, n.prev = -1, t.tail
+	if t.tail >= 0 {
+		t.nodes[t.tail].next = i
+	}
+	t.tail = i
+	if t.head < 0 {
+		t.head = i
+	}
+}

@@ -1,0 +1,290 @@
+package sched
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"sort"
+
+	"github.com/infergate/infergate/prefix"
+)
+
+// ProfileConfig composes a scheduling profile (YAML routing.profiles.NAME):
+//
+//	routing:
+//	  policy: my-profile
+//	  profiles:
+//	    my-profile:
+//	      filters: [model, adapter-capacity, hot-spot]
+//	      scorers:
+//	        - {type: prefix, weight: 2}
+//	        - {type: cost, weight: 1}
+//	      picker: max-score
+//
+// Readiness is always filtered first. Unknown names are errors.
+type ProfileConfig struct {
+	// Filters run in order (names: model, adapter-capacity, hot-spot).
+	Filters []string `yaml:"filters"`
+	// Scorers and their weights (≥ 0; names: prefix, precise-prefix, queue,
+	// kv-utilization, in-flight-tokens, session, lora, cost).
+	Scorers []ScorerConfig `yaml:"scorers"`
+	// Picker: max-score (default), weighted-random or power-of-two.
+	Picker string `yaml:"picker"`
+}
+
+// ScorerConfig is one weighted scorer of a profile.
+type ScorerConfig struct {
+	Type   string  `yaml:"type"`
+	Weight float64 `yaml:"weight"`
+}
+
+// Built-in profile names (besides the rule policies of sched.go).
+const (
+	// PowerOfTwo samples two endpoints and takes the one with the shorter
+	// queue: a load-only baseline.
+	PowerOfTwo = "power-of-two"
+	// CacheAware is the weighted form of prefix routing on the approximate
+	// index: prefix match plus the cost (estimated TTFT) scorer, hot spots
+	// filtered.
+	CacheAware = "cache-aware"
+	// PrecisePrefix is CacheAware on the index fed by the engines' KV
+	// events; it needs a pool whose endpoints publish them.
+	PrecisePrefix = "precise-prefix"
+)
+
+// builtinProfiles are the profiles every configuration knows.
+var builtinProfiles = map[string]ProfileConfig{
+	PowerOfTwo: {
+		Scorers: []ScorerConfig{{Type: ScorerQueue, Weight: 1}},
+		Picker:  PickerPowerOfTwo,
+	},
+	CacheAware: {
+		Filters: []string{FilterModel, FilterAdapterCapacity, FilterHotSpot},
+		Scorers: []ScorerConfig{
+			{Type: ScorerPrefix, Weight: 2},
+			{Type: ScorerCost, Weight: 1},
+			{Type: ScorerLoRA, Weight: 0.5},
+		},
+		Picker: PickerMaxScore,
+	},
+	PrecisePrefix: {
+		Filters: []string{FilterModel, FilterAdapterCapacity, FilterHotSpot},
+		Scorers: []ScorerConfig{
+			{Type: ScorerPrecisePrefix, Weight: 2},
+			{Type: ScorerCost, Weight: 1},
+			{Type: ScorerLoRA, Weight: 0.5},
+		},
+		Picker: PickerMaxScore,
+	},
+}
+
+// Pool is what a policy is told about its pool when it is built.
+type Pool struct {
+	// Capacity[i] is about how many prompt blocks (of the routing block
+	// size) endpoint i's KV cache holds; its length is the pool size.
+	Capacity []int
+	// Precise is the pool's precise prefix index (fed by KV events), or nil
+	// when its endpoints publish none. Profiles with a precise-prefix scorer
+	// need it.
+	Precise MatchSource
+}
+
+// ErrNoPrecise is returned by NewPolicy for a profile with a precise-prefix
+// scorer on a pool without a precise index.
+var ErrNoPrecise = errors.New("precise-prefix scorer needs the endpoints' KV events (kv_events in the endpoint config)")
+
+// NewPolicy builds cfg.Policy for pool: a rule policy (round-robin,
+// least-request, random, prefix), a built-in profile (power-of-two,
+// cache-aware, precise-prefix) or a profile of cfg.Profiles (which may
+// override a built-in's name). Errors name the offending setting.
+func NewPolicy(cfg Config, pool Pool) (Policy, error) {
+	seed := cfg.Seed
+	if seed == 0 {
+		seed = 0x1f0a
+	}
+	r := newLockedRand(seed)
+	if pc, ok := cfg.Profiles[cfg.Policy]; ok {
+		return newProfile(cfg.Policy, pc, cfg, pool, r)
+	}
+	switch cfg.Policy {
+	case RoundRobin:
+		return &roundRobin{}, nil
+	case LeastRequest:
+		return &leastRequest{rng: r}, nil
+	case Random:
+		return &random{rng: r}, nil
+	case Prefix, "":
+		return newPrefixPolicy(cfg.Prefix, pool.Capacity, r)
+	}
+	if pc, ok := builtinProfiles[cfg.Policy]; ok {
+		return newProfile(cfg.Policy, pc, cfg, pool, r)
+	}
+	names := append(Names(), slices.Collect(mapKeys(cfg.Profiles))...)
+	sort.Strings(names)
+	return nil, fmt.Errorf("unknown routing policy %q (want one of %v)", cfg.Policy, names)
+}
+
+// Validate checks cfg without a pool: the policy name, every profile of
+// cfg.Profiles and the tuning sections.
+func Validate(cfg Config) error {
+	pool := Pool{Precise: nopMatch{}}
+	for name := range cfg.Profiles {
+		c := cfg
+		c.Policy = name
+		if _, err := NewPolicy(c, pool); err != nil {
+			return err
+		}
+	}
+	_, err := NewPolicy(cfg, pool)
+	return err
+}
+
+// UsesPrecise reports whether cfg's policy scores with the precise index.
+func UsesPrecise(cfg Config) bool {
+	pc, ok := cfg.Profiles[cfg.Policy]
+	if !ok {
+		pc, ok = builtinProfiles[cfg.Policy]
+	}
+	if !ok {
+		return false
+	}
+	for _, s := range pc.Scorers {
+		if s.Type == ScorerPrecisePrefix && s.Weight > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+type nopMatch struct{}
+
+func (nopMatch) Match([]uint64, []int) {}
+
+func mapKeys[V any](m map[string]V) func(func(string) bool) {
+	return func(yield func(string) bool) {
+		for k := range m {
+			if !yield(k) {
+				return
+			}
+		}
+	}
+}
+
+func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedRand) (*Profile, error) {
+	pcfg := cfg.Prefix.WithDefaults()
+	if err := pcfg.Validate(); err != nil {
+		return nil, err
+	}
+	p := &Profile{name: name, rng: r}
+	where := func(format string, a ...any) error {
+		return fmt.Errorf("routing profile %q: %s", name, fmt.Sprintf(format, a...))
+	}
+	for _, f := range pc.Filters {
+		switch f {
+		case FilterModel:
+			p.filters = append(p.filters, modelFilter{})
+		case FilterAdapterCapacity:
+			p.filters = append(p.filters, adapterCapacityFilter{})
+		case FilterHotSpot:
+			h := cfg.HotSpot.withDefaults()
+			if h.Abs < 0 || h.Rel < 1 {
+				return nil, where("hot_spot abs %d must be >= 0 and rel %g >= 1", h.Abs, h.Rel)
+			}
+			p.filters = append(p.filters, hotSpotFilter{cfg: h})
+		default:
+			return nil, where("unknown filter %q (want model, adapter-capacity, hot-spot)", f)
+		}
+	}
+	if len(pc.Scorers) == 0 {
+		return nil, where("no scorers")
+	}
+	var approx *prefix.Index
+	usesApprox := func() (*prefix.Index, error) {
+		if approx == nil {
+			ix, err := prefix.NewIndex(pool.Capacity)
+			if err != nil {
+				return nil, err
+			}
+			approx = ix
+			p.forget = append(p.forget, ix.Clear)
+		}
+		return approx, nil
+	}
+	var precise, needCost bool
+	for _, sc := range pc.Scorers {
+		if sc.Weight < 0 || sc.Weight != sc.Weight {
+			return nil, where("scorer %q weight %g must be >= 0", sc.Type, sc.Weight)
+		}
+		var s Scorer
+		switch sc.Type {
+		case ScorerPrefix:
+			ix, err := usesApprox()
+			if err != nil {
+				return nil, where("%v", err)
+			}
+			ps := &prefixScorer{ix: ix}
+			p.learners = append(p.learners, ps)
+			s = ps
+			p.hashes = true
+		case ScorerPrecisePrefix:
+			if pool.Precise == nil {
+				return nil, where("%v", ErrNoPrecise)
+			}
+			s = &preciseScorer{src: pool.Precise}
+			precise, p.hashes = true, true
+		case ScorerQueue:
+			s = queueScorer{}
+		case ScorerKVUtilization:
+			s = kvUtilScorer{}
+		case ScorerInFlightTokens:
+			s = inFlightTokensScorer{}
+		case ScorerSession:
+			n := cfg.Session.MaxSessions
+			if n == 0 {
+				n = DefaultMaxSessions
+			}
+			if n < 0 {
+				return nil, where("session.max_sessions %d must be > 0", n)
+			}
+			ss := &sessionScorer{table: newSessionTable(n)}
+			p.learners = append(p.learners, ss)
+			p.forget = append(p.forget, ss.forget)
+			s = ss
+		case ScorerLoRA:
+			s = loraScorer{}
+		case ScorerCost:
+			rate := cfg.Cost.PrefillTokensPerSecond
+			if rate == 0 {
+				rate = DefaultPrefillTokensPerSecond
+			}
+			if rate < 0 || rate != rate {
+				return nil, where("cost.prefill_tokens_per_second %g must be > 0", rate)
+			}
+			s = &costScorer{rate: rate, blockSize: pcfg.BlockSize}
+			needCost = true
+		default:
+			return nil, where("unknown scorer %q (want prefix, precise-prefix, queue, kv-utilization, in-flight-tokens, session, lora, cost)", sc.Type)
+		}
+		p.scorers = append(p.scorers, WeightedScorer{Scorer: s, Weight: sc.Weight})
+	}
+	switch {
+	case precise:
+		p.match = pool.Precise
+	case approx != nil:
+		p.match = approx
+	}
+	if needCost && p.match != nil {
+		p.hashes = true
+	}
+	switch pc.Picker {
+	case PickerMaxScore, "":
+		p.picker = maxScorePicker{}
+	case PickerWeightedRandom:
+		p.picker = weightedRandomPicker{}
+	case PickerPowerOfTwo:
+		p.picker = powerOfTwoPicker{}
+	default:
+		return nil, where("unknown picker %q (want max-score, weighted-random, power-of-two)", pc.Picker)
+	}
+	return p, nil
+}
