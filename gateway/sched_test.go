@@ -1,0 +1,73 @@
+package gateway
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/infergate/infergate/sched"
+)
+
+// TestSessionAffinity: a profile scoring only session affinity keeps each
+// session (X-Session-Id header, else the "user" field) on one endpoint.
+func TestSessionAffinity(t *testing.T) {
+	engines := []*fakeEngine{newFakeEngine(t, "e0"), newFakeEngine(t, "e1"), newFakeEngine(t, "e2"), newFakeEngine(t, "e3")}
+	cfg := testConfig("sticky", engines...)
+	cfg.Routing.Profiles = map[string]sched.ProfileConfig{"sticky": {
+		Scorers: []sched.ScorerConfig{{Type: sched.ScorerSession, Weight: 1}},
+	}}
+	_, url := startGateway(t, cfg)
+	c := testClient(t)
+	homes := map[string]bool{}
+	for s := range 6 {
+		key := fmt.Sprintf("sess-%d", s)
+		var home string
+		for turn := range 5 {
+			resp, b := post(t, c, url+pathChat, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`, SessionHeader, key)
+			if resp.StatusCode != 200 {
+				t.Fatalf("status %d: %s", resp.StatusCode, b)
+			}
+			got := resp.Header.Get("X-Engine")
+			if turn == 0 {
+				home = got
+				homes[got] = true
+			} else if got != home {
+				t.Fatalf("session %s turn %d went to %s, home %s", key, turn, got, home)
+			}
+		}
+	}
+	if len(homes) < 2 {
+		t.Errorf("6 sessions all homed on %v: first turns should spread", homes)
+	}
+	// The "user" field is the fallback key.
+	body := `{"model":"m","user":"alice","messages":[{"role":"user","content":"hi"}]}`
+	first := routeOf(t, c, url, pathChat, body)
+	for range 4 {
+		if got := routeOf(t, c, url, pathChat, body); got != first {
+			t.Fatalf("user alice moved from %s to %s", first, got)
+		}
+	}
+}
+
+// TestCacheAwareProfile: the weighted cache-aware profile routes prompts
+// sharing a long prefix together and releases its token accounting.
+func TestCacheAwareProfile(t *testing.T) {
+	engines := []*fakeEngine{newFakeEngine(t, "e0"), newFakeEngine(t, "e1"), newFakeEngine(t, "e2")}
+	g, url := startGateway(t, testConfig(sched.CacheAware, engines...))
+	c := testClient(t)
+	first := routeOf(t, c, url, pathCompletions, tokenPrompt(512, 40, 1))
+	for i := 2; i < 6; i++ {
+		if got := routeOf(t, c, url, pathCompletions, tokenPrompt(512, 40, uint32(i))); got != first {
+			t.Fatalf("prompt %d with the shared 512-token prefix went to %s, not %s", i, got, first)
+		}
+	}
+	resp, b := post(t, c, url+pathCompletions, tokenPrompt(512, 40, 9)[:len(tokenPrompt(512, 40, 9))-1]+`,"stream":true}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("stream: %d %s", resp.StatusCode, b)
+	}
+	p := g.pools["m"]
+	for i, ep := range p.endpoints {
+		if n, m := ep.inFlightTokens.Load(), ep.pendingPrefill.Load(); n != 0 || m != 0 {
+			t.Errorf("endpoint %d: %d in-flight tokens, %d pending prefill tokens after every request ended", i, n, m)
+		}
+	}
+}
