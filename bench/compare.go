@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	kinds "github.com/infergate/infergate/fleet"
 	"io"
 	"math"
 	"net"
@@ -124,6 +125,21 @@ func Compare(ctx context.Context, opts CompareOptions) (Report, error) {
 	return rep, nil
 }
 
+// FleetEndpoints is the gateway endpoint configuration of a simulated fleet
+// serving model: capacity and block size from the engines, and their KV
+// event publishers when they have them.
+func FleetEndpoints(fleet *sim.Fleet, model string) []gateway.EndpointConfig {
+	pub, replay := fleet.KVEventEndpoints()
+	eps := make([]gateway.EndpointConfig, len(fleet.URLs))
+	for i, u := range fleet.URLs {
+		eps[i] = gateway.EndpointConfig{URL: u, Model: model, KVBlocks: fleet.KVBlocks(), BlockSize: fleet.BlockSize(), Kind: kinds.Sim}
+		if pub[i] != "" {
+			eps[i].KVEvents = &gateway.KVEventsConfig{Endpoint: pub[i], ReplayEndpoint: replay[i]}
+		}
+	}
+	return eps
+}
+
 // compareOne runs one policy on a fresh fleet and gateway.
 func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summary, err error) {
 	fleet, err := sim.StartFleet(opts.Engines, sim.ServerConfig{
@@ -131,6 +147,10 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 		Model:     opts.Model,
 		TimeScale: opts.Speedup,
 		Seed:      opts.Seed,
+		// Every engine publishes KV events on loopback and the gateway
+		// subscribes, for the precise-prefix policy and for the precise
+		// index's prediction error under any policy.
+		KVEvents: sim.KVEventsConfig{Enable: true},
 	})
 	if err != nil {
 		return Summary{}, fmt.Errorf("start fleet: %w", err)
@@ -138,10 +158,7 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 	defer fleet.Close()
 
 	blockSize := fleet.BlockSize()
-	eps := make([]gateway.EndpointConfig, len(fleet.URLs))
-	for i, u := range fleet.URLs {
-		eps[i] = gateway.EndpointConfig{URL: u, Model: opts.Model, KVBlocks: fleet.KVBlocks(), BlockSize: blockSize}
-	}
+	eps := FleetEndpoints(fleet, opts.Model)
 	routing := opts.Routing
 	routing.Policy = policy
 	if routing.Seed == 0 {

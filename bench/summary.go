@@ -81,6 +81,11 @@ type Summary struct {
 	// and reported cached tokens per request (tokens); nil when unknown.
 	PredictedHitRate *float64 `json:"predicted_hit_rate,omitempty"`
 	PredictionMAE    *float64 `json:"prediction_mae_tokens,omitempty"`
+	// PrecisePredictedHitRate and PrecisePredictionMAE are the same for the
+	// precise index fed by the engines' KV events, queried for the chosen
+	// engine at routing time whatever the policy (virtual runs only).
+	PrecisePredictedHitRate *float64 `json:"precise_predicted_hit_rate,omitempty"`
+	PrecisePredictionMAE    *float64 `json:"precise_prediction_mae_tokens,omitempty"`
 	// FirstError is the error of the first failed request ("" if none).
 	FirstError string `json:"first_error,omitempty"`
 	// Goodput counts the requests that met a per-request SLO; nil when the

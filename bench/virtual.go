@@ -104,6 +104,8 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 		Model:   opts.Model,
 		Routing: routing,
 		SkipITL: opts.SkipITL,
+		// The precise index's prediction is reported for every policy.
+		TrackPrecise: true,
 	})
 	if err != nil {
 		return VirtualRun{}, fmt.Errorf("bench: %w", err)
@@ -169,22 +171,30 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 	}
 	run.Summary.setShares(served)
 	blockSize := fleet.BlockSize()
-	var predicted, mae float64
+	var predicted, mae, ppredicted, pmae float64
 	var prompt, n int
 	for i := range res {
 		r := &res[i]
 		if r.Err != nil || run.Records[i].Warmup {
 			continue
 		}
-		p := float64(min(r.MatchedBlocks*blockSize, r.PromptTokens))
+		// An engine recomputes at least the last prompt token.
+		p := float64(min(r.MatchedBlocks*blockSize, r.PromptTokens-1))
 		predicted += p
 		mae += math.Abs(p - float64(r.CachedTokens))
+		pp := float64(min(max(r.PreciseMatchedBlocks, 0)*blockSize, r.PromptTokens-1))
+		ppredicted += pp
+		pmae += math.Abs(pp - float64(r.CachedTokens))
 		prompt += r.PromptTokens
 		n++
 	}
-	if n > 0 && fleet.Policy().NeedsHashes() {
-		ph, m := predicted/float64(max(prompt, 1)), mae/float64(n)
-		run.Summary.PredictedHitRate, run.Summary.PredictionMAE = &ph, &m
+	if n > 0 {
+		ph, m := ppredicted/float64(max(prompt, 1)), pmae/float64(n)
+		run.Summary.PrecisePredictedHitRate, run.Summary.PrecisePredictionMAE = &ph, &m
+		if fleet.Policy().NeedsHashes() {
+			ph, m := predicted/float64(max(prompt, 1)), mae/float64(n)
+			run.Summary.PredictedHitRate, run.Summary.PredictionMAE = &ph, &m
+		}
 	}
 	run.Summary.MeanEngineUtilization = &util
 	run.Summary.EnginePrefillTokens, run.Summary.Preemptions = &prefill, &preempt

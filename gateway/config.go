@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"github.com/infergate/infergate/fleet"
 	"io"
 	"net"
 	"net/url"
@@ -29,7 +30,10 @@ const (
 	DefaultEjectDuration         = 10 * time.Second
 	DefaultHealthCheckInterval   = 5 * time.Second
 	DefaultHealthCheckTimeout    = 2 * time.Second
-	DefaultHealthCheckPath       = "/health"
+	// DefaultScrapeInterval is the period of the engines' metrics scrape
+	// (fleet.DefaultScrapeInterval's rationale: the gateway's own in-flight
+	// accounting is exact, scraped queues only correct it).
+	DefaultScrapeInterval = time.Second
 	// DefaultKVBlocks is the KV capacity (blocks) assumed for an endpoint
 	// whose kv_blocks is 0 and whose /metrics does not report
 	// vllm:cache_config_info.
@@ -79,11 +83,16 @@ type Config struct {
 	// HealthCheckTimeout bounds one health probe and the start-up /metrics
 	// read of an endpoint (default 2s).
 	HealthCheckTimeout time.Duration `yaml:"health_check_timeout"`
-	// HealthCheckPath is the path probed with GET on each endpoint; a 2xx
-	// answer means healthy (default "/health", vLLM's and llama.cpp's). Set
-	// it to "-" to disable probing: endpoints are then always healthy except
-	// during an ejection.
+	// HealthCheckPath is the path probed with GET on every endpoint; a 2xx
+	// answer means healthy. Empty (the default) uses each endpoint kind's own
+	// path (fleet.Kind.Info: "/health" for vLLM, SGLang, llama.cpp, TGI and
+	// sim; "/api/version" for Ollama). Set it to "-" to disable probing:
+	// endpoints are then always healthy except during an ejection.
 	HealthCheckPath string `yaml:"health_check_path"`
+	// ScrapeInterval is the period of the metrics scrape of the endpoints
+	// whose kind has a metrics page (queue, KV utilisation, LoRA adapters
+	// for the load scorers); default 1s, negative disables scraping.
+	ScrapeInterval time.Duration `yaml:"scrape_interval"`
 }
 
 // EndpointConfig describes one engine.
@@ -99,6 +108,31 @@ type EndpointConfig struct {
 	KVBlocks int `yaml:"kv_blocks"`
 	// BlockSize is the engine's KV block size in tokens (default 16).
 	BlockSize int `yaml:"block_size"`
+	// Kind is the engine: vllm (default), sglang, llamacpp, ollama, tgi or
+	// sim. It sets the health path, the metrics page and names read for
+	// load (package fleet), and whether the gateway's own accounting is all
+	// there is (ollama).
+	Kind fleet.Kind `yaml:"kind"`
+	// MetricsURL overrides the metrics page URL (TGI's --prometheus-port,
+	// llama.cpp router mode's /metrics?model=ID).
+	MetricsURL string `yaml:"metrics_url"`
+	// KVEvents subscribes to the engine's KV-cache events (vLLM
+	// --kv-events-config publisher, PROTOCOLS.md §1), which feed the
+	// precise prefix index. nil: no subscription.
+	KVEvents *KVEventsConfig `yaml:"kv_events"`
+}
+
+// KVEventsConfig locates an engine's KV-event publisher.
+type KVEventsConfig struct {
+	// Endpoint is the engine's ZeroMQ PUB address the gateway dials, e.g.
+	// "tcp://10.0.0.7:5557" (vLLM's endpoint "tcp://*:5557", with its host).
+	Endpoint string `yaml:"endpoint"`
+	// ReplayEndpoint is the engine's ROUTER address for replaying missed
+	// batches ("" when the engine has none: a gap then clears the
+	// endpoint's entries in the index).
+	ReplayEndpoint string `yaml:"replay_endpoint"`
+	// Topic is the subscription prefix ("" = every topic).
+	Topic string `yaml:"topic"`
 }
 
 // LoadConfig reads a YAML configuration file. Unknown keys are an error. The
@@ -123,7 +157,7 @@ func (c Config) WithDefaults() Config {
 		c.Listen = DefaultListen
 	}
 	if c.Routing.Policy == "" {
-		c.Routing.Policy = sched.Prefix
+		c.Routing.Policy = DefaultPolicy(c.Endpoints)
 	}
 	c.Routing.Prefix = c.Routing.Prefix.WithDefaults()
 	if c.MaxBodyBytes == 0 {
@@ -153,18 +187,37 @@ func (c Config) WithDefaults() Config {
 	if c.HealthCheckTimeout == 0 {
 		c.HealthCheckTimeout = DefaultHealthCheckTimeout
 	}
-	if c.HealthCheckPath == "" {
-		c.HealthCheckPath = DefaultHealthCheckPath
+	if c.ScrapeInterval == 0 {
+		c.ScrapeInterval = DefaultScrapeInterval
 	}
 	eps := make([]EndpointConfig, len(c.Endpoints))
 	for i, e := range c.Endpoints {
 		if e.BlockSize == 0 {
 			e.BlockSize = prefix.DefaultBlockSize
 		}
+		if e.Kind == "" {
+			e.Kind = fleet.VLLM
+		}
 		eps[i] = e
 	}
 	c.Endpoints = eps
 	return c
+}
+
+// DefaultPolicy is the routing policy for endpoints when the configuration
+// names none: precise-prefix when every endpoint publishes KV events, else
+// cache-aware — the best measured on the Mooncake conversation trace
+// (sched/README.md "Evaluation").
+func DefaultPolicy(eps []EndpointConfig) string {
+	if len(eps) == 0 {
+		return sched.CacheAware
+	}
+	for _, e := range eps {
+		if e.KVEvents == nil {
+			return sched.CacheAware
+		}
+	}
+	return sched.PrecisePrefix
 }
 
 // Validate reports every invalid setting of a defaulted configuration.
@@ -199,8 +252,8 @@ func (c Config) Validate() error {
 	if c.MaxIdleConnsPerHost < 0 {
 		bad("max_idle_conns_per_host %d: must be >= 0", c.MaxIdleConnsPerHost)
 	}
-	if c.HealthCheckPath != healthCheckOff && !strings.HasPrefix(c.HealthCheckPath, "/") {
-		bad("health_check_path %q: must start with / (or be %q to disable probing)", c.HealthCheckPath, healthCheckOff)
+	if c.HealthCheckPath != "" && c.HealthCheckPath != healthCheckOff && !strings.HasPrefix(c.HealthCheckPath, "/") {
+		bad("health_check_path %q: must start with / (or be %q to disable probing, or empty for each kind's own path)", c.HealthCheckPath, healthCheckOff)
 	}
 
 	if len(c.Endpoints) == 0 {
@@ -225,6 +278,27 @@ func (c Config) Validate() error {
 		}
 		if e.BlockSize < 1 {
 			bad("%s.block_size %d: must be at least 1", at, e.BlockSize)
+		}
+		if !e.Kind.Valid() {
+			bad("%s.kind %q: want one of %v", at, e.Kind, fleet.Kinds())
+		}
+		if e.MetricsURL != "" {
+			if _, err := normalizeURL(e.MetricsURL); err != nil {
+				bad("%s.metrics_url: %w", at, err)
+			}
+		}
+		if kv := e.KVEvents; kv != nil {
+			for _, a := range []struct{ key, v string }{{"endpoint", kv.Endpoint}, {"replay_endpoint", kv.ReplayEndpoint}} {
+				if (a.v != "" || a.key == "endpoint") && !strings.HasPrefix(a.v, "tcp://") {
+					bad("%s.kv_events.%s %q: want tcp://host:port", at, a.key, a.v)
+				}
+			}
+			if e.BlockSize != c.Routing.Prefix.BlockSize {
+				bad("%s.kv_events: the engine's block_size %d must equal routing.prefix.block_size %d for the precise index",
+					at, e.BlockSize, c.Routing.Prefix.BlockSize)
+			}
+		} else if sched.UsesPrecise(c.Routing) {
+			bad("%s: routing policy %q needs kv_events on every endpoint", at, c.Routing.Policy)
 		}
 		key := [2]string{base, e.Model}
 		if seen[key] {

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"github.com/infergate/infergate/fleet"
 	"io"
 	"log/slog"
 	"net/http"
@@ -22,6 +23,12 @@ type endpoint struct {
 
 	kvBlocks  int // engine KV capacity (blocks of blockSize tokens)
 	blockSize int // engine KV block size (tokens)
+
+	kind       fleet.Kind
+	healthPath string // GET path probed; healthCheckOff: none
+	metricsURL string // "" when the kind has no metrics page
+	scrapeIdx  int    // index in the gateway's scraper, -1 when not scraped
+	kvEvents   *KVEventsConfig
 
 	// ready is true while the endpoint is healthy and not ejected.
 	ready atomic.Bool
@@ -69,7 +76,7 @@ func (ep *endpoint) eject(now time.Time, d time.Duration) {
 // ejection is still running. path healthCheckOff skips the probe.
 func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	ok := true
-	if g.cfg.HealthCheckPath != healthCheckOff {
+	if ep.healthPath != healthCheckOff {
 		ok = g.probe(ctx, ep) == nil
 	}
 	if ctx.Err() != nil {
@@ -80,7 +87,7 @@ func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	}
 	switch was := ep.setReady(ok); {
 	case !ok && !ep.wentDown.Swap(true):
-		slog.Warn("gateway: endpoint failed its health check; out of rotation", "endpoint", ep.name, "path", g.cfg.HealthCheckPath)
+		slog.Warn("gateway: endpoint failed its health check; out of rotation", "endpoint", ep.name, "path", ep.healthPath)
 	case !was && ok && ep.wentDown.Swap(false):
 		slog.Info("gateway: endpoint healthy again; back in rotation", "endpoint", ep.name)
 	}
@@ -90,7 +97,7 @@ func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 func (g *Gateway) probe(ctx context.Context, ep *endpoint) error {
 	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, ep.base+g.cfg.HealthCheckPath, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, ep.base+ep.healthPath, nil)
 	if err != nil {
 		return fmt.Errorf("health check %s: %w", ep.name, err)
 	}

@@ -13,6 +13,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"github.com/infergate/infergate/fleet"
 	"math"
 	"net"
 	"net/http"
@@ -57,6 +58,9 @@ type Gateway struct {
 
 	exchanges sync.Pool // *exchange
 
+	scraper *fleet.Scraper // nil when no endpoint has a metrics page
+	kvSubs  []kvSubscription
+
 	stop      context.CancelFunc
 	wg        sync.WaitGroup
 	closeOnce sync.Once
@@ -73,6 +77,12 @@ type pool struct {
 	blockSize int             // routing block size (tokens)
 	seed      uint64          // prefix.Seed(model + "\x00"): no cache salt
 	snapshots sync.Pool       // *[]sched.Endpoint
+	// precise is the pool's index fed by its endpoints' KV events (nil
+	// unless every endpoint publishes them); precisePolicy: the policy
+	// scores with it, so its prediction is the policy's.
+	precise       *prefix.PreciseIndex
+	precisePolicy bool
+	scraper       *fleet.Scraper
 }
 
 // snapshot returns the pool's endpoints as the scheduler sees them now
@@ -88,8 +98,31 @@ func (p *pool) snapshot() *[]sched.Endpoint {
 	for i, ep := range p.endpoints {
 		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load(), InFlight: int(ep.inFlight.Load()),
 			InFlightTokens: int(ep.inFlightTokens.Load()), PendingPrefillTokens: int(ep.pendingPrefill.Load())}
+		if ep.scrapeIdx >= 0 {
+			if l, _, ok := p.scraper.Latest(ep.scrapeIdx); ok && l.HasQueue {
+				e := &s[i]
+				e.Metrics, e.Waiting, e.Running = true, l.Waiting, l.Running
+				e.KVUtil = max(l.KVUtil, 0)
+				if l.LoRA.Known {
+					e.Adapters, e.MaxAdapters = loraAdapters(l.LoRA), l.LoRA.Max
+				}
+			}
+		}
 	}
 	return sp
+}
+
+// loraAdapters are the adapters an engine has loaded: those with running or
+// waiting requests (vllm:lora_requests_info). It allocates only when both
+// lists are non-empty.
+func loraAdapters(st fleet.LoRAState) []string {
+	switch {
+	case len(st.Waiting) == 0:
+		return st.Running
+	case len(st.Running) == 0:
+		return st.Waiting
+	}
+	return append(append(make([]string, 0, len(st.Running)+len(st.Waiting)), st.Running...), st.Waiting...)
 }
 
 func (p *pool) release(sp *[]sched.Endpoint) { p.snapshots.Put(sp) }
@@ -128,12 +161,25 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	for _, ec := range cfg.Endpoints {
 		base, _ := normalizeURL(ec.URL) // validated
 		if byURL[base] == nil {
-			ep := &endpoint{name: base, base: base, kvBlocks: ec.KVBlocks, blockSize: ec.BlockSize}
+			ep := &endpoint{name: base, base: base, kvBlocks: ec.KVBlocks, blockSize: ec.BlockSize,
+				kind: ec.Kind, healthPath: cfg.HealthCheckPath, scrapeIdx: -1, kvEvents: ec.KVEvents}
+			if ep.healthPath == "" {
+				ep.healthPath = ec.Kind.Info().HealthPath
+			}
+			if mp := ec.Kind.Info().MetricsPath; ec.MetricsURL != "" {
+				ep.metricsURL = ec.MetricsURL
+			} else if mp != "" {
+				ep.metricsURL = base + mp
+			}
 			byURL[base] = ep
 			g.endpoints = append(g.endpoints, ep)
 		}
 	}
 	g.discover()
+	if err := g.newScraper(); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
+	}
 
 	fleet := newFleetCollector(g.endpoints)
 	m, err := newMetrics(reg, fleet)
@@ -161,7 +207,17 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		for i, ep := range p.endpoints {
 			capacity[i] = max(1, ep.kvBlocks*ep.blockSize/routingBlock)
 		}
-		if p.policy, err = sched.New(cfg.Routing, capacity); err != nil {
+		p.scraper = g.scraper
+		sp := sched.Pool{Capacity: capacity}
+		if allKVEvents(p.endpoints) {
+			if p.precise, err = prefix.NewPreciseIndex(len(p.endpoints), routingBlock); err != nil {
+				g.transport.CloseIdleConnections()
+				return nil, fmt.Errorf("precise prefix index for model %q: %w", model, err)
+			}
+			sp.Precise = p.precise.On(prefix.MediumGPU)
+			p.precisePolicy = sched.UsesPrecise(cfg.Routing)
+		}
+		if p.policy, err = sched.NewPolicy(cfg.Routing, sp); err != nil {
 			g.transport.CloseIdleConnections()
 			return nil, fmt.Errorf("routing policy for model %q: %w", model, err)
 		}
@@ -175,7 +231,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		for _, ep := range p.endpoints {
 			p.routes = append(p.routes, m.route(model, ep.name, g.policyName))
 		}
-		if p.policy.NeedsHashes() && g.tokenizer == nil {
+		if (p.policy.NeedsHashes() || p.precise != nil) && g.tokenizer == nil {
 			if g.tokenizer, err = prefix.NewTokenizer(); err != nil {
 				g.transport.CloseIdleConnections()
 				return nil, fmt.Errorf("gateway: %w", err)
@@ -202,6 +258,13 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	for _, ep := range g.endpoints {
 		g.wg.Add(1)
 		go g.healthLoop(ctx, ep)
+	}
+	if g.scraper != nil {
+		g.wg.Go(func() { g.scraper.Run(ctx) })
+	}
+	if err := g.subscribeKVEvents(ctx); err != nil {
+		g.Close()
+		return nil, err
 	}
 	return g, nil
 }

@@ -41,7 +41,19 @@ type metrics struct {
 	cached    *prometheus.CounterVec
 	generated *prometheus.CounterVec
 	predicted *prometheus.CounterVec
+	predErr   *prometheus.HistogramVec // model, endpoint, policy, index
 }
+
+// Prefix index label values of infergate_prefix_prediction_error_tokens.
+const (
+	indexApproximate = iota
+	indexPrecise
+)
+
+var indexNames = [...]string{indexApproximate: "approximate", indexPrecise: "precise"}
+
+// predictionBuckets are absolute prediction errors (tokens).
+var predictionBuckets = []float64{0, 16, 64, 256, 1024, 4096, 16384, 65536}
 
 func newMetrics(reg prometheus.Registerer, fleet *fleetCollector) (*metrics, error) {
 	base := []string{"model", "endpoint", "policy"}
@@ -68,8 +80,13 @@ func newMetrics(reg prometheus.Registerer, fleet *fleetCollector) (*metrics, err
 		cached:    counter("cached_prompt_tokens_total", "Prompt tokens the engines served from their prefix cache (usage.prompt_tokens_details.cached_tokens; tokens)."),
 		generated: counter("generation_tokens_total", "Completion tokens reported by the engines' usage (tokens)."),
 		predicted: counter("prefix_predicted_matched_tokens_total", "Prompt tokens the routing policy predicted the chosen endpoint holds (matched blocks × routing block size; tokens)."),
+		predErr: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "infergate", Name: "prefix_prediction_error_tokens",
+			Help:    "Absolute difference between the prompt tokens a prefix index predicted the chosen endpoint holds and the cached tokens it reported, per request (index: approximate = learnt from routing, precise = fed by KV events; tokens).",
+			Buckets: predictionBuckets,
+		}, []string{"model", "endpoint", "policy", "index"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.ttft, m.itl, m.e2e, m.prompt, m.cached, m.generated, m.predicted, fleet} {
+	for _, c := range []prometheus.Collector{m.requests, m.ttft, m.itl, m.e2e, m.prompt, m.cached, m.generated, m.predicted, m.predErr, fleet} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register gateway metrics: %w", err)
 		}
@@ -84,11 +101,12 @@ type routeMetrics struct {
 	ttft, itl, e2e           prometheus.Observer
 	prompt, cached, generate prometheus.Counter
 	predicted                prometheus.Counter
-	labels                   [3]string // model, endpoint, policy
+	predErr                  [2]prometheus.Observer // by index
+	labels                   [3]string              // model, endpoint, policy
 }
 
 func (m *metrics) route(model, endpoint, policy string) *routeMetrics {
-	return &routeMetrics{
+	rm := &routeMetrics{
 		ok:        m.requests.WithLabelValues(model, endpoint, policy, "200"),
 		ttft:      m.ttft.WithLabelValues(model, endpoint, policy),
 		itl:       m.itl.WithLabelValues(model, endpoint, policy),
@@ -99,6 +117,12 @@ func (m *metrics) route(model, endpoint, policy string) *routeMetrics {
 		predicted: m.predicted.WithLabelValues(model, endpoint, policy),
 		labels:    [3]string{model, endpoint, policy},
 	}
+	if endpoint != "" { // no prediction without an endpoint
+		for i, name := range indexNames {
+			rm.predErr[i] = m.predErr.WithLabelValues(model, endpoint, policy, name)
+		}
+	}
+	return rm
 }
 
 // count records one finished request with status code.

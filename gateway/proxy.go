@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"mime"
 	"net"
 	"net/http"
@@ -65,6 +66,12 @@ type exchange struct {
 	capture []byte // non-streaming response prefix, for usage
 	copyBuf []byte // relay buffer
 
+	// predicted is the prompt tokens the policy predicted the endpoint holds
+	// (-1: the policy predicts nothing), from index predictedBy;
+	// precisePredicted is the precise index's prediction when it is not the
+	// policy's own (-1: none).
+	predicted, precisePredicted int
+	predictedBy                 int
 	// pendingEP and pending: the prefill backlog this request added to its
 	// endpoint, released at its first token (prefillDone).
 	pendingEP *endpoint
@@ -256,7 +263,8 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	}
 
 	x.sreq = sched.Request{Model: x.model, SessionKey: sessionKey(r, x)}
-	if p.policy.NeedsHashes() {
+	x.predicted, x.precisePredicted = -1, -1
+	if p.policy.NeedsHashes() || p.precise != nil {
 		tokens := x.promptTokens(kind, g)
 		seed := p.seed
 		if x.salt != "" {
@@ -286,6 +294,15 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	}
 	if d.MatchedBlocks > 0 {
 		rm.predicted.Add(float64(d.MatchedBlocks * p.blockSize))
+	}
+	if p.policy.NeedsHashes() {
+		x.predicted, x.predictedBy = d.MatchedBlocks*p.blockSize, indexApproximate
+		if p.precisePolicy {
+			x.predictedBy = indexPrecise
+		}
+	}
+	if p.precise != nil && !p.precisePolicy {
+		x.precisePredicted = p.preciseMatch(x.hashes, d.Endpoint) * p.blockSize
 	}
 
 	g.proxy(w, r, x, kind, ep, rm, reqID, start)
@@ -437,19 +454,30 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 	if !overflow {
 		_ = json.Unmarshal(x.capture, &u)
 	}
-	g.finish(rm, resp.StatusCode, u.Usage, start)
+	g.finish(rm, x, resp.StatusCode, u.Usage, start)
 }
 
 // finish accounts a request answered with code, its usage (nil if not
 // reported) and, for a 2xx, its end-to-end latency.
-func (g *Gateway) finish(rm *routeMetrics, code int, u *openai.Usage, start time.Time) {
+func (g *Gateway) finish(rm *routeMetrics, x *exchange, code int, u *openai.Usage, start time.Time) {
 	if code/100 == 2 {
 		rm.e2e.Observe(time.Since(start).Seconds())
 	}
 	if u != nil {
 		rm.prompt.Add(float64(max(u.PromptTokens, 0)))
 		rm.generate.Add(float64(max(u.CompletionTokens, 0)))
-		rm.cached.Add(float64(max(u.Cached(), 0)))
+		cached := max(u.Cached(), 0)
+		rm.cached.Add(float64(cached))
+		// Prediction error: what the indexes said the endpoint held vs what
+		// it reported, at most prompt − 1 tokens (an engine recomputes at
+		// least the last prompt token).
+		limit := max(u.PromptTokens-1, 0)
+		if x.predicted >= 0 && u.PromptTokens > 0 {
+			rm.predErr[x.predictedBy].Observe(math.Abs(float64(min(x.predicted, limit) - cached)))
+		}
+		if x.precisePredicted >= 0 && u.PromptTokens > 0 {
+			rm.predErr[indexPrecise].Observe(math.Abs(float64(min(x.precisePredicted, limit) - cached)))
+		}
 	}
 	g.metrics.count(rm, code)
 }
@@ -513,7 +541,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				writeStreamError(w, rc, msg)
 				code = http.StatusBadGateway
 			}
-			g.finish(rm, code, usage, start)
+			g.finish(rm, x, code, usage, start)
 			return
 		}
 

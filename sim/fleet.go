@@ -28,6 +28,10 @@ func StartFleet(n int, cfg ServerConfig) (*Fleet, error) {
 		return nil, fmt.Errorf("sim: fleet size must be >= 1, got %d", n)
 	}
 	f := &Fleet{}
+	if cfg.KVEvents.Enable && cfg.KVEvents.Endpoint == "" {
+		// Each engine publishes on its own loopback port, with replay.
+		cfg.KVEvents.Endpoint, cfg.KVEvents.ReplayEndpoint, cfg.KVEvents.Bind = "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", true
+	}
 	for i := range n {
 		s, err := newServer(cfg, i)
 		if err != nil {
@@ -51,6 +55,26 @@ func StartFleet(n int, cfg ServerConfig) (*Fleet, error) {
 		}()
 	}
 	return f, nil
+}
+
+// KVEventEndpoints returns, per engine, the addresses a subscriber dials for
+// its KV events and their replay ("tcp://127.0.0.1:PORT"; "" when the
+// engine publishes none or its socket connects rather than binds).
+func (f *Fleet) KVEventEndpoints() (pub, replay []string) {
+	pub, replay = make([]string, len(f.Servers)), make([]string, len(f.Servers))
+	for i, s := range f.Servers {
+		p := s.KVEventPublisher()
+		if p == nil {
+			continue
+		}
+		if a, ok := p.Addr().(*net.TCPAddr); ok {
+			pub[i] = dialAddr(a)
+		}
+		if a, ok := p.ReplayAddr().(*net.TCPAddr); ok {
+			replay[i] = dialAddr(a)
+		}
+	}
+	return pub, replay
 }
 
 // KVBlocks is the KV capacity of each engine, in blocks.
@@ -93,4 +117,13 @@ func (f *Fleet) Close() {
 		}
 		f.wg.Wait()
 	})
+}
+
+// dialAddr is the ZeroMQ address to dial a socket bound at a: loopback when
+// it is bound to every interface.
+func dialAddr(a *net.TCPAddr) string {
+	if a.IP == nil || a.IP.IsUnspecified() {
+		return fmt.Sprintf("tcp://127.0.0.1:%d", a.Port)
+	}
+	return "tcp://" + a.String()
 }

@@ -462,6 +462,10 @@ type KVEventsConfig struct {
 	// Encoding is the event encoding: "map" (default; vLLM after PR #42892)
 	// or "array" (before). Not a vLLM option.
 	Encoding string `yaml:"encoding" json:"encoding"`
+	// Bind makes the PUB socket bind Endpoint whatever vLLM's heuristic says
+	// (so that "tcp://127.0.0.1:0" listens on loopback only, as the embedded
+	// fleet of `infergate up` needs). Not a vLLM option.
+	Bind bool `yaml:"bind" json:"bind"`
 }
 
 // WithDefaults returns c with zero fields replaced by their defaults.
@@ -587,7 +591,7 @@ func NewKVEventPublisher(cfg KVEventsConfig) (*KVEventPublisher, error) {
 		topic:  []byte(cfg.Topic),
 		ctx:    ctx,
 		cancel: cancel,
-		dial:   !kvBindsEndpoint(cfg.Endpoint),
+		dial:   !cfg.Bind && !kvBindsEndpoint(cfg.Endpoint),
 		queue:  make(chan kvMsg, cfg.MaxQueueSize),
 		quit:   make(chan struct{}),
 		dialed: make(chan struct{}),

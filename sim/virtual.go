@@ -33,6 +33,13 @@ type VirtualConfig struct {
 	// SkipITL leaves VirtualResult.ITL nil, saving one duration per output
 	// token for very large replays.
 	SkipITL bool
+	// TrackPrecise keeps a precise prefix index (prefix.PreciseIndex) fed by
+	// the engines' KV events as a live gateway subscribed to them would, and
+	// records its prediction for every request (VirtualResult.
+	// PreciseMatchedBlocks) whatever the policy. It is implied by a policy
+	// built from Routing that scores with the precise index. The routing
+	// block size must equal the engines'.
+	TrackPrecise bool
 }
 
 // VirtualRequest is one request of a virtual-time replay.
@@ -73,6 +80,10 @@ type VirtualResult struct {
 	// MatchedBlocks is the number of routing blocks the policy expected the
 	// chosen engine to hold (sched.Decision.MatchedBlocks).
 	MatchedBlocks int
+	// PreciseMatchedBlocks is what the precise index (fed by KV events)
+	// said the chosen engine held at routing time; -1 without
+	// VirtualConfig.TrackPrecise.
+	PreciseMatchedBlocks int
 	// Err is why the request was not served (no endpoint, or the engine
 	// rejected it as Engine.Add does); nil on success.
 	Err error
@@ -112,8 +123,10 @@ var ErrNoEndpoint = errors.New("sim: no endpoint available")
 type VirtualFleet struct {
 	cfg       VirtualConfig
 	policy    sched.Policy
-	seed      uint64 // routing hash seed
-	blockSize int    // routing block size
+	precise   *prefix.PreciseIndex // nil unless tracked
+	matched   []int                // precise match scratch
+	seed      uint64               // routing hash seed
+	blockSize int                  // routing block size
 	engines   []virtualEngine
 	snap      []sched.Endpoint
 	heap      stepHeap
@@ -142,7 +155,8 @@ type virtualEngine struct {
 	busy                           bool // a step is in progress; it ends at end
 	pending                        bool // its step ended now and the next starts after this instant's arrivals
 	end                            time.Duration
-	outs                           []Output // the step's outputs, delivered at end (owned by e)
+	outs                           []Output  // the step's outputs, delivered at end (owned by e)
+	events                         []KVEvent // the step's KV events, applied at end (owned by e)
 }
 
 // NewVirtualFleet returns a fleet of cfg.Engines idle engines at time 0.
@@ -167,20 +181,37 @@ func NewVirtualFleet(cfg VirtualConfig) (*VirtualFleet, error) {
 	if bs < 1 {
 		return nil, fmt.Errorf("sim: routing block size %d: must be at least 1", bs)
 	}
+	var precise *prefix.PreciseIndex
+	if cfg.TrackPrecise || (cfg.Policy == nil && sched.UsesPrecise(cfg.Routing)) {
+		if bs != eng.BlockSize {
+			return nil, fmt.Errorf("sim: the precise prefix index needs the routing block size (%d) to equal the engines' (%d)", bs, eng.BlockSize)
+		}
+		var err error
+		if precise, err = prefix.NewPreciseIndex(cfg.Engines, bs); err != nil {
+			return nil, fmt.Errorf("sim: %w", err)
+		}
+		eng.KVEvents = true
+	}
 	policy := cfg.Policy
 	if policy == nil {
 		capacity := make([]int, cfg.Engines)
 		for i := range capacity {
 			capacity[i] = max(1, eng.NumBlocks*eng.BlockSize/bs)
 		}
+		pool := sched.Pool{Capacity: capacity}
+		if precise != nil {
+			pool.Precise = precise.On(prefix.MediumGPU)
+		}
 		var err error
-		if policy, err = sched.New(cfg.Routing, capacity); err != nil {
+		if policy, err = sched.NewPolicy(cfg.Routing, pool); err != nil {
 			return nil, fmt.Errorf("sim: %w", err)
 		}
 	}
 	f := &VirtualFleet{
 		cfg:       cfg,
 		policy:    policy,
+		precise:   precise,
+		matched:   make([]int, cfg.Engines),
 		seed:      prefix.Seed(cfg.Model + "\x00"),
 		blockSize: bs,
 		engines:   make([]virtualEngine, cfg.Engines),
@@ -267,6 +298,9 @@ func (f *VirtualFleet) Run(reqs []VirtualRequest) ([]VirtualResult, error) {
 			i := f.heap.pop(f.engines)
 			ve := &f.engines[i]
 			ve.busy = false
+			if f.precise != nil {
+				f.applyKVEvents(int(i), ve)
+			}
 			f.deliver(ve, t)
 			if ve.e.HasWork() {
 				ve.pending = true
@@ -299,7 +333,7 @@ func (f *VirtualFleet) arrive(k int, vr *VirtualRequest, t time.Duration) {
 		tokens = f.prompt
 	}
 	f.sreq = sched.Request{Model: f.cfg.Model}
-	if f.policy.NeedsHashes() {
+	if f.policy.NeedsHashes() || f.precise != nil {
 		f.hashes = prefix.Hashes(f.hashes[:0], tokens, f.blockSize, f.seed)
 		f.sreq.Hashes, f.sreq.PromptTokens = f.hashes, len(tokens)
 	}
@@ -314,7 +348,11 @@ func (f *VirtualFleet) arrive(k int, vr *VirtualRequest, t time.Duration) {
 		r.Err = ErrNoEndpoint
 		return
 	}
-	r.Engine, r.MatchedBlocks = d.Endpoint, d.MatchedBlocks
+	r.Engine, r.MatchedBlocks, r.PreciseMatchedBlocks = d.Endpoint, d.MatchedBlocks, -1
+	if f.precise != nil {
+		f.precise.Match(f.sreq.Hashes, prefix.MediumGPU, f.matched)
+		r.PreciseMatchedBlocks = f.matched[d.Endpoint]
+	}
 	ve := &f.engines[d.Endpoint]
 	f.req = Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: vr.MaxTokens}
 	err := ve.e.Add(&f.req, t)
@@ -337,8 +375,31 @@ func (f *VirtualFleet) arrive(k int, vr *VirtualRequest, t time.Duration) {
 func (f *VirtualFleet) step(i int32, t time.Duration) {
 	ve := &f.engines[i]
 	res := ve.e.Step(t)
-	ve.busy, ve.end, ve.outs = true, t+res.Duration, res.Outputs
+	ve.busy, ve.end, ve.outs, ve.events = true, t+res.Duration, res.Outputs, res.Events
 	f.heap.push(f.engines, i)
+}
+
+// applyKVEvents feeds engine i's step events to the precise index, at the
+// step's end, as the engine publishes them after the step.
+func (f *VirtualFleet) applyKVEvents(i int, ve *virtualEngine) {
+	for k := range ve.events {
+		ev := &ve.events[k]
+		switch ev.Type {
+		case KVBlockStored:
+			seed := f.seed
+			if ev.LoRAName != "" {
+				seed = prefix.Seed(ev.LoRAName + "\x00")
+			}
+			// ErrUnknownParent (parent evicted before the event): skipped,
+			// as a subscriber would.
+			_ = f.precise.Stored(i, prefix.MediumGPU, ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, seed)
+		case KVBlockRemoved:
+			f.precise.Removed(i, prefix.MediumGPU, ev.BlockHashes)
+		case KVAllBlocksCleared:
+			f.precise.Cleared(i)
+		}
+	}
+	ve.events = nil
 }
 
 // deliver hands the outputs of ve's step, ending at t, to their requests.

@@ -75,7 +75,7 @@ Config example:
 
   listen: 127.0.0.1:8080
   routing:
-    policy: prefix            # prefix | round-robin | least-request | random
+    policy: cache-aware       # cache-aware | precise-prefix | prefix | power-of-two | least-request | round-robin | random
   endpoints:
     - {url: http://10.0.0.1:8000, model: meta-llama/Llama-3.1-70B-Instruct}
     - {url: http://10.0.0.2:8000, model: meta-llama/Llama-3.1-70B-Instruct, kv_blocks: 28000}
@@ -83,7 +83,7 @@ Config example:
 Every key (timeouts, health checks, body limits, prefix tuning), the metrics
 and the error codes are listed in gateway/README.md.`,
 		Example: `  infergate serve -c gateway.yaml
-  infergate serve --endpoint http://127.0.0.1:8001=my-model --endpoint http://127.0.0.1:8002=my-model --policy prefix`,
+  infergate serve --endpoint http://127.0.0.1:8001=my-model --endpoint http://127.0.0.1:8002=my-model --policy cache-aware`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var cfg gateway.Config
@@ -97,7 +97,7 @@ and the error codes are listed in gateway/README.md.`,
 			if cmd.Flags().Changed("listen") || cfg.Listen == "" {
 				cfg.Listen = listen
 			}
-			if cmd.Flags().Changed("policy") || cfg.Routing.Policy == "" {
+			if cmd.Flags().Changed("policy") {
 				cfg.Routing.Policy = policy
 			}
 			for _, e := range endpoints {
@@ -124,7 +124,7 @@ and the error codes are listed in gateway/README.md.`,
 	f := cmd.Flags()
 	f.StringVarP(&configPath, "config", "c", "", "YAML config file")
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
-	f.StringVar(&policy, "policy", sched.Prefix, "routing policy: "+strings.Join(sched.Names(), ", "))
+	f.StringVar(&policy, "policy", "", "routing policy (default: precise-prefix when every endpoint has kv_events, else cache-aware): "+strings.Join(sched.Names(), ", "))
 	f.StringArrayVar(&endpoints, "endpoint", nil, "engine endpoint as URL=MODEL (repeatable)")
 	return cmd
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"github.com/infergate/infergate/bench"
 	"net"
 	"strings"
 
@@ -38,22 +39,26 @@ cache-aware routing shows its effect without a GPU.`,
 				return fmt.Errorf("--engines %d: want 1..64", engines)
 			}
 			prof, model, lora := scfg.Engine.Profile, scfg.Model, scfg.Engine.LoRA
+			if !scfg.KVEvents.Enable {
+				// The engines publish their KV events on loopback and the
+				// gateway subscribes: the precise-prefix policy's input.
+				scfg.KVEvents = sim.KVEventsConfig{Enable: true}
+			}
 			fleet, err := sim.StartFleet(engines, scfg)
 			if err != nil {
 				return err
 			}
 			defer fleet.Close()
 			cfg := gateway.Config{Listen: listen, Routing: sched.Config{Policy: policy}}
-			for _, u := range fleet.URLs {
-				for _, m := range append([]string{model}, lora.Adapters...) {
-					cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: u, Model: m, KVBlocks: fleet.KVBlocks(), BlockSize: fleet.BlockSize()})
-				}
+			for _, m := range append([]string{model}, lora.Adapters...) {
+				cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, m)...)
 			}
 			g, err := gateway.New(cfg, nil)
 			if err != nil {
 				return err
 			}
 			defer g.Close()
+			policy = g.Policy()
 			log := newLogger(cmd)
 			out := cmd.OutOrStdout()
 			return listenAndServe(cmd.Context(), log, listen, g.Handler(), func(a net.Addr) {
@@ -74,7 +79,7 @@ cache-aware routing shows its effect without a GPU.`,
 	f := cmd.Flags()
 	f.IntVar(&engines, "engines", 4, "number of simulated engines")
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
-	f.StringVar(&policy, "policy", sched.Prefix, "routing policy: "+strings.Join(sched.Names(), ", "))
+	f.StringVar(&policy, "policy", "", "routing policy (default precise-prefix, on the engines' KV events): "+strings.Join(sched.Names(), ", "))
 	ef.register(f, false, "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
 	return cmd
 }

@@ -1,0 +1,881 @@
+package fleet
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"reflect"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sim"
+)
+
+// ---------------------------------------------------------------------------
+// Decoder
+
+func TestDecodeKVEventBatchSimForms(t *testing.T) {
+	evs := []sim.KVEvent{
+		{Type: sim.KVBlockStored, BlockHashes: []uint64{1 << 63, 5}, HasParent: true, ParentBlockHash: 42,
+			TokenIDs: []uint32{1, 2, 3, 70000}, BlockSize: 2, LoRAName: "ad1", LoRAID: 1},
+		{Type: sim.KVBlockStored, BlockHashes: []uint64{9}, TokenIDs: []uint32{7, 8}, BlockSize: 2},
+		{Type: sim.KVBlockRemoved, BlockHashes: []uint64{5}},
+		{Type: sim.KVAllBlocksCleared},
+	}
+	want := KVEventBatch{TS: 1.5, DataParallelRank: 0, Events: []KVEvent{
+		{Type: KVBlockStored, BlockHashes: []uint64{1 << 63, 5}, HasParent: true, ParentBlockHash: 42,
+			TokenIDs: []uint32{1, 2, 3, 70000}, BlockSize: 2, LoRAName: "ad1", Medium: "GPU", GroupIdx: 0},
+		{Type: KVBlockStored, BlockHashes: []uint64{9}, TokenIDs: []uint32{7, 8}, BlockSize: 2, Medium: "GPU", GroupIdx: 0},
+		{Type: KVBlockRemoved, BlockHashes: []uint64{5}, Medium: "GPU", GroupIdx: -1},
+		{Type: KVAllBlocksCleared, GroupIdx: -1},
+	}}
+	for _, enc := range []string{sim.KVEncodingArray, sim.KVEncodingMap} {
+		got, err := DecodeKVEventBatch(sim.AppendKVEventBatch(nil, 1.5, evs, 0, enc))
+		if err != nil {
+			t.Fatalf("%s: %v", enc, err)
+		}
+		if !reflect.DeepEqual(got, want) {
+			t.Fatalf("%s:\n got %+v\nwant %+v", enc, got, want)
+		}
+	}
+}
+
+// kvMarshal encodes v with sorted map keys (so "type" comes last in events).
+func kvMarshal(t testing.TB, v any) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	enc := msgpack.NewEncoder(&buf)
+	enc.SetSortMapKeys(true)
+	if err := enc.Encode(v); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+func TestDecodeKVEventBatchVariants(t *testing.T) {
+	h32 := bytes.Repeat([]byte{0xee}, 24)
+	h32 = append(h32, 1, 2, 3, 4, 5, 6, 7, 8)
+	cases := []struct {
+		name    string
+		payload any
+		want    KVEventBatch
+	}{{
+		name: "map batch, map events, bin and int64 hashes, unknown keys",
+		payload: map[string]any{"ts": 2.0, "data_parallel_rank": int8(3), "extra": []any{1, 2}, "events": []any{
+			map[string]any{"type": "BlockStored", "block_hashes": []any{h32, []byte{1, 2}, int64(-1)},
+				"parent_block_hash": nil, "token_ids": []any{uint8(1), uint16(300), uint32(70000), int64(5), int8(7), 0},
+				"block_size": uint64(2), "medium": "cpu", "lora_name": nil, "extra_keys": []any{[]any{"x", []any{"y", 1}}, nil, nil},
+				"group_idx": nil, "future_field": map[string]any{"a": 1}},
+			map[string]any{"block_hashes": []any{uint64(7)}, "type": "BlockRemoved"},
+			map[string]any{"type": "SomethingNew", "x": 1},
+		}},
+		want: KVEventBatch{TS: 2, DataParallelRank: 3, Unknown: 1, Events: []KVEvent{
+			{Type: KVBlockStored, BlockHashes: []uint64{0x0102030405060708, 0x0102, ^uint64(0)},
+				TokenIDs: []uint32{1, 300, 70000, 5, 7, 0}, BlockSize: 2, Medium: "cpu", GroupIdx: -1},
+			{Type: KVBlockRemoved, BlockHashes: []uint64{7}, GroupIdx: -1},
+		}},
+	}, {
+		name: "array batch without rank, old 5-field BlockStored, extra positions, int ts",
+		payload: []any{int64(1700000000), []any{
+			[]any{"BlockStored", []any{uint64(11)}, uint64(10), []any{1, 2}, 2, nil},
+			[]any{"BlockRemoved", []any{uint64(11)}, "GPU", 0, "future", []any{1}},
+			[]any{"AllBlocksCleared", "future"},
+			[]any{42, "not a tag"},
+		}},
+		want: KVEventBatch{TS: 1700000000, DataParallelRank: -1, Unknown: 1, Events: []KVEvent{
+			{Type: KVBlockStored, BlockHashes: []uint64{11}, HasParent: true, ParentBlockHash: 10, TokenIDs: []uint32{1, 2}, BlockSize: 2, GroupIdx: -1},
+			{Type: KVBlockRemoved, BlockHashes: []uint64{11}, Medium: "GPU", GroupIdx: 0},
+			{Type: KVAllBlocksCleared, GroupIdx: -1},
+		}},
+	}, {
+		name:    "empty events, null rank, trailing batch fields",
+		payload: []any{1.0, []any{}, nil, "x"},
+		want:    KVEventBatch{TS: 1, DataParallelRank: -1, Events: []KVEvent{}},
+	}, {
+		name:    "long lora name",
+		payload: []any{1.0, []any{[]any{"BlockStored", []any{1}, nil, []any{1}, 1, 3, nil, strings.Repeat("a", 100)}}},
+		want: KVEventBatch{TS: 1, DataParallelRank: -1, Events: []KVEvent{
+			{Type: KVBlockStored, BlockHashes: []uint64{1}, TokenIDs: []uint32{1}, BlockSize: 1, LoRAName: strings.Repeat("a", 100), GroupIdx: -1},
+		}},
+	}}
+	for _, tc := range cases {
+		got, err := DecodeKVEventBatch(kvMarshal(t, tc.payload))
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if !reflect.DeepEqual(got, tc.want) {
+			t.Fatalf("%s:\n got %+v\nwant %+v", tc.name, got, tc.want)
+		}
+	}
+
+	deep := []any{"x"}
+	for range 100 {
+		deep = []any{deep}
+	}
+	for name, payload := range map[string][]byte{
+		"empty":            nil,
+		"not msgpack":      {0xc1},
+		"truncated":        kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", []any{1, 2, 3}}}})[:12],
+		"batch scalar":     kvMarshal(t, 5),
+		"short batch":      kvMarshal(t, []any{1.0}),
+		"map w/o events":   kvMarshal(t, map[string]any{"ts": 1.0}),
+		"ts string":        kvMarshal(t, []any{"x", []any{}}),
+		"events map":       kvMarshal(t, []any{1.0, map[string]any{}}),
+		"event scalar":     kvMarshal(t, []any{1.0, []any{7}}),
+		"empty event":      kvMarshal(t, []any{1.0, []any{[]any{}}}),
+		"hashes string":    kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", "abc"}}}),
+		"hash float":       kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", []any{1.5}}}}),
+		"hash null":        kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", []any{nil}}}}),
+		"negative token":   kvMarshal(t, []any{1.0, []any{[]any{"BlockStored", []any{1}, nil, []any{-1}, 1}}}),
+		"huge token":       kvMarshal(t, []any{1.0, []any{[]any{"BlockStored", []any{1}, nil, []any{int64(1) << 40}, 1}}}),
+		"medium int":       kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", []any{1}, 5}}}),
+		"block size str":   kvMarshal(t, []any{1.0, []any{[]any{"BlockStored", []any{1}, nil, []any{1}, "16"}}}),
+		"deep ignored":     kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", []any{1}, "GPU", 0, deep}}}),
+		"forged length":    {0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff},
+		"forged bin hash":  {0x92, 0x01, 0x91, 0x92, 0xac, 'B', 'l', 'o', 'c', 'k', 'R', 'e', 'm', 'o', 'v', 'e', 'd', 0x91, 0xc6, 0xff, 0xff, 0xff, 0xff},
+		"forged long name": {0x92, 0x01, 0x91, 0x91, 0xdb, 0x7f, 0xff, 0xff, 0xff},
+	} {
+		if b, err := DecodeKVEventBatch(payload); err == nil {
+			t.Errorf("%s: decoded %+v, want an error", name, b)
+		}
+	}
+
+	// Lengths claimed by skipped values cost nothing (found by the fuzzer: an
+	// ext32 key of 808 MB made the msgpack decoder's Skip allocate 1 MB).
+	for _, payload := range [][]byte{
+		[]byte("\x88\xc90000"), // ext32 map key
+		{0x92, 0x01, 0x91, 0x92, 0xa1, 'X', 0xdb, 0x7f, 0xff, 0xff, 0xff}, // str32 extra position
+		{0x92, 0x01, 0x91, 0x92, 0xa1, 'X', 0xc6, 0x7f, 0xff, 0xff, 0xff}, // bin32 extra position
+	} {
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		for range 10 {
+			if _, err := DecodeKVEventBatch(payload); err == nil {
+				t.Fatalf("% x decoded", payload)
+			}
+		}
+		runtime.ReadMemStats(&after)
+		if d := after.TotalAlloc - before.TotalAlloc; d > 64<<10 {
+			t.Fatalf("% x: 10 decodes allocated %d bytes", payload, d)
+		}
+	}
+}
+
+func FuzzDecodeKVEventBatch(f *testing.F) {
+	evs := []sim.KVEvent{
+		{Type: sim.KVBlockStored, BlockHashes: []uint64{1 << 63, 5}, HasParent: true, ParentBlockHash: 42,
+			TokenIDs: []uint32{1, 2, 3, 4}, BlockSize: 2, LoRAName: "ad1", LoRAID: 1},
+		{Type: sim.KVBlockRemoved, BlockHashes: []uint64{5}},
+		{Type: sim.KVAllBlocksCleared},
+	}
+	f.Add(sim.AppendKVEventBatch(nil, 1.5, evs, 0, sim.KVEncodingArray))
+	f.Add(sim.AppendKVEventBatch(nil, 1.5, evs, 0, sim.KVEncodingMap))
+	f.Add(kvMarshal(f, map[string]any{"ts": 2.0, "events": []any{
+		map[string]any{"type": "BlockStored", "block_hashes": []any{[]byte{1, 2, 3}}, "token_ids": []any{1}, "block_size": 1},
+	}}))
+	f.Fuzz(func(t *testing.T, payload []byte) {
+		b, err := DecodeKVEventBatch(payload)
+		if err != nil {
+			return
+		}
+		for _, ev := range b.Events {
+			if ev.Type < KVBlockStored || ev.Type > KVAllBlocksCleared || ev.BlockSize < 0 {
+				t.Fatalf("decoded %+v", ev)
+			}
+		}
+	})
+}
+
+// BenchmarkDecodeKVEventBatch decodes a step's batch: one BlockStored of 32
+// blocks (512 tokens) and 8 single-block BlockRemoved events.
+func BenchmarkDecodeKVEventBatch(b *testing.B) {
+	toks := kvTokens(1000, 512)
+	evs := []sim.KVEvent{kvStore(toks, 0)}
+	for i := range 8 {
+		evs = append(evs, kvRemove(toks, i))
+	}
+	for _, enc := range []string{sim.KVEncodingArray, sim.KVEncodingMap} {
+		payload := sim.AppendKVEventBatch(nil, 1, evs, 0, enc)
+		b.Run(enc, func(b *testing.B) {
+			b.SetBytes(int64(len(payload)))
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := DecodeKVEventBatch(payload); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// ---------------------------------------------------------------------------
+// ZeroMQ helpers
+
+// kvPubEndpoint is a loopback address a simulator publisher binds (vLLM's
+// heuristic binds addresses with "::" or "*"): IPv6 loopback when there is
+// one, else every interface (the tests still dial 127.0.0.1).
+func kvPubEndpoint(t *testing.T, port int) string {
+	t.Helper()
+	if ln, err := net.Listen("tcp", "[::1]:0"); err == nil {
+		ln.Close()
+		return fmt.Sprintf("tcp://[::1]:%d", port)
+	}
+	return fmt.Sprintf("tcp://*:%d", port)
+}
+
+// kvDialAddr is the address to dial the publisher p's PUB socket at.
+func kvDialAddr(p *sim.KVEventPublisher) string {
+	a := p.Addr().(*net.TCPAddr)
+	if a.IP.To4() == nil && a.IP.IsLoopback() {
+		return fmt.Sprintf("tcp://[::1]:%d", a.Port)
+	}
+	return fmt.Sprintf("tcp://127.0.0.1:%d", a.Port)
+}
+
+func kvPublisher(t *testing.T, cfg sim.KVEventsConfig) *kvPub {
+	t.Helper()
+	p, err := sim.NewKVEventPublisher(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return &kvPub{KVEventPublisher: p}
+}
+
+// kvRunning is a subscriber running in the background.
+type kvRunning struct {
+	sub    *KVEventSubscriber
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func kvRun(t *testing.T, cfg KVEventSubscriberConfig, h KVEventHandler) *kvRunning {
+	t.Helper()
+	if cfg.MinBackoff == 0 {
+		cfg.MinBackoff = 10 * time.Millisecond
+		cfg.MaxBackoff = 100 * time.Millisecond
+	}
+	sub, err := NewKVEventSubscriber(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &kvRunning{sub: sub, cancel: cancel, done: make(chan error, 1)}
+	go func() { r.done <- sub.Run(ctx, h) }()
+	t.Cleanup(func() { r.stop(t) })
+	return r
+}
+
+// stop cancels Run and checks that it returns promptly.
+func (r *kvRunning) stop(t *testing.T) {
+	t.Helper()
+	if r.cancel == nil {
+		return
+	}
+	r.cancel()
+	r.cancel = nil
+	start := time.Now()
+	select {
+	case err := <-r.done:
+		if err != context.Canceled {
+			t.Errorf("Run returned %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Run did not return after cancel")
+	}
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("Run took %v to return after cancel", d)
+	}
+}
+
+// kvPub is a simulator publisher that counts the batches it queued: the
+// next batch's sequence number.
+type kvPub struct {
+	*sim.KVEventPublisher
+	n uint64
+}
+
+func (p *kvPub) publish(ts float64, evs []sim.KVEvent) {
+	if len(evs) == 0 {
+		return
+	}
+	if !p.KVEventPublisher.Publish(ts, evs) {
+		panic("publisher dropped a batch")
+	}
+	p.n++
+}
+
+// kvSync publishes no-op batches (a BlockRemoved of a block nobody holds)
+// on p until one of them reaches rec, so that every batch published before
+// has been delivered or skipped.
+func kvSync(t *testing.T, p *kvPub, rec *kvRecorder) {
+	t.Helper()
+	noop := []sim.KVEvent{{Type: sim.KVBlockRemoved, BlockHashes: []uint64{0xdeadbeef}}}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		seq := p.n
+		p.publish(0, noop)
+		for wait := time.Now().Add(200 * time.Millisecond); time.Now().Before(wait); time.Sleep(2 * time.Millisecond) {
+			if last, ok := rec.last(); ok && last >= seq {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("batch %d not delivered", seq)
+		}
+	}
+}
+
+// kvGoroutines counts goroutines, leaving out those go-zeromq/zmq4 v0.17.0
+// leaks by itself: a PUB socket's pubMWriter.run (never stopped by Close)
+// and a connection reader blocked on its socket's full queue
+// (qreader.listen, which sends without watching the context). It returns
+// the stacks of the goroutines of this package's non-test code separately:
+// there must be none once Run has returned.
+func kvGoroutines() (n int, ours []string, stacks string) {
+	buf := make([]byte, 8<<20)
+	all := string(buf[:runtime.Stack(buf, true)])
+	var kept []string
+	for _, g := range strings.Split(all, "\n\n") {
+		if strings.Contains(g, "zmq4.(*pubMWriter).run") || strings.Contains(g, "zmq4.(*qreader).listen") {
+			continue
+		}
+		if strings.Contains(g, "fleet.(*KVEventSubscriber)") {
+			ours = append(ours, g)
+		}
+		n++
+		kept = append(kept, g)
+	}
+	return n, ours, strings.Join(kept, "\n\n")
+}
+
+func kvNoLeak(t *testing.T, before int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		n, ours, stacks := kvGoroutines()
+		if n <= before && len(ours) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d goroutines, want <= %d; %d of the subscriber:\n%s", n, before, len(ours), stacks)
+		}
+	}
+}
+
+// kvProxy forwards TCP connections from a loopback port to target and can
+// cut them: while down it closes existing and new connections at once.
+type kvProxy struct {
+	ln     net.Listener
+	target string
+	mu     sync.Mutex
+	down   bool
+	conns  map[net.Conn]bool
+	wg     sync.WaitGroup
+}
+
+func newKVProxy(t *testing.T, target string) *kvProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	px := &kvProxy{ln: ln, target: target, conns: map[net.Conn]bool{}}
+	px.wg.Add(1)
+	go px.accept()
+	t.Cleanup(px.close)
+	return px
+}
+
+func (px *kvProxy) addr() string { return "tcp://" + px.ln.Addr().String() }
+
+func (px *kvProxy) accept() {
+	defer px.wg.Done()
+	for {
+		c, err := px.ln.Accept()
+		if err != nil {
+			return
+		}
+		px.mu.Lock()
+		if px.down {
+			px.mu.Unlock()
+			c.Close()
+			continue
+		}
+		up, err := net.Dial("tcp", px.target)
+		if err != nil {
+			px.mu.Unlock()
+			c.Close()
+			continue
+		}
+		px.conns[c], px.conns[up] = true, true
+		px.mu.Unlock()
+		for _, pair := range [][2]net.Conn{{c, up}, {up, c}} {
+			px.wg.Add(1)
+			go func() {
+				defer px.wg.Done()
+				_, _ = io.Copy(pair[0], pair[1])
+				pair[0].Close()
+				pair[1].Close()
+			}()
+		}
+	}
+}
+
+// setDown cuts every connection and refuses new ones (down), or accepts again.
+func (px *kvProxy) setDown(down bool) {
+	px.mu.Lock()
+	defer px.mu.Unlock()
+	px.down = down
+	if down {
+		for c := range px.conns {
+			c.Close()
+		}
+		clear(px.conns)
+	}
+}
+
+func (px *kvProxy) close() {
+	px.ln.Close()
+	px.setDown(true)
+	px.wg.Wait()
+}
+
+// kvRecorder records what a subscriber delivers, for checks, and forwards to
+// an applier.
+type kvRecorder struct {
+	*KVEventApplier
+	mu     sync.Mutex
+	seqs   []uint64
+	resets []KVResetReason
+}
+
+func (r *kvRecorder) KVBatch(seq uint64, b *KVEventBatch) {
+	r.mu.Lock()
+	r.seqs = append(r.seqs, seq)
+	r.mu.Unlock()
+	r.KVEventApplier.KVBatch(seq, b)
+}
+
+func (r *kvRecorder) KVReset(why KVResetReason) {
+	r.mu.Lock()
+	r.resets = append(r.resets, why)
+	r.mu.Unlock()
+	r.KVEventApplier.KVReset(why)
+}
+
+// last returns the sequence number of the last batch delivered.
+func (r *kvRecorder) last() (uint64, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.seqs) == 0 {
+		return 0, false
+	}
+	return r.seqs[len(r.seqs)-1], true
+}
+
+func (r *kvRecorder) snapshot() ([]uint64, []KVResetReason) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]uint64(nil), r.seqs...), append([]KVResetReason(nil), r.resets...)
+}
+
+// ---------------------------------------------------------------------------
+// End to end against the simulator's publisher
+
+const kvModel = "test-model"
+
+func kvTokens(base, n int) []uint32 {
+	t := make([]uint32, n)
+	for i := range t {
+		t[i] = uint32(base + i)
+	}
+	return t
+}
+
+// kvMatch returns how many leading blocks of tokens (under adapter lora)
+// endpoint e of ix holds on the GPU.
+func kvMatch(ix *prefix.PreciseIndex, e int, tokens []uint32, lora string) int {
+	m := make([]int, ix.Endpoints())
+	ix.Match(prefix.Hashes(nil, tokens, 16, KVSeeds(kvModel)(lora)), prefix.MediumGPU, m)
+	return m[e]
+}
+
+// TestKVEventsFromEngine runs a simulated engine with a small cache (so it
+// evicts) and a LoRA adapter, publishes every step's events over ZeroMQ, and
+// subscribes after part of them were sent (the subscriber replays those).
+// Once everything is delivered, the index must hold exactly the engine's
+// cached blocks: every prompt matches as far as the engine would hit it.
+func TestKVEventsFromEngine(t *testing.T) {
+	for _, enc := range []string{sim.KVEncodingArray, sim.KVEncodingMap} {
+		t.Run(enc, func(t *testing.T) {
+			before, _, _ := kvGoroutines()
+			p := kvPublisher(t, sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0",
+				Encoding: enc, Topic: "kv@e1@" + kvModel})
+			ix, _ := prefix.NewPreciseIndex(2, 16)
+			rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 1, KVSeeds(kvModel))}
+
+			eng := sim.NewEngine(sim.Config{NumBlocks: 60, MaxNumBatchedTokens: 128, KVEvents: true,
+				LoRA: sim.LoRAConfig{Adapters: []string{"ad1"}, MaxLoras: 2}})
+			cached := map[uint64]int{} // the engine's cached hashes, from its own events
+			apply := func(evs []sim.KVEvent) {
+				for _, ev := range evs {
+					switch ev.Type {
+					case sim.KVBlockStored:
+						for _, h := range ev.BlockHashes {
+							cached[h]++
+						}
+					case sim.KVBlockRemoved:
+						for _, h := range ev.BlockHashes {
+							if cached[h]--; cached[h] == 0 {
+								delete(cached, h)
+							}
+						}
+					case sim.KVAllBlocksCleared:
+						clear(cached)
+					}
+				}
+			}
+			rng := rand.New(rand.NewPCG(3, 4))
+			type prompt struct {
+				toks []uint32
+				lora string
+			}
+			systems := [][]uint32{kvTokens(1000, 80), kvTokens(2000, 50), kvTokens(3000, 120)}
+			var prompts []prompt
+			var now time.Duration
+			var r *kvRunning
+			for id := 0; id < 300 || eng.HasWork(); {
+				if id < 300 && rng.IntN(2) == 0 {
+					lora := ""
+					if rng.IntN(3) == 0 {
+						lora = "ad1"
+					}
+					pr := prompt{append(append([]uint32{}, systems[rng.IntN(3)]...), kvTokens(10000+id*100, 1+rng.IntN(60))...), lora}
+					if err := eng.Add(&sim.Request{ID: fmt.Sprint(id), Tokens: pr.toks, MaxTokens: 1 + rng.IntN(30), LoRA: lora}, now); err != nil {
+						t.Fatal(err)
+					}
+					prompts = append(prompts, pr)
+					id++
+				}
+				if id == 100 && r == nil { // subscribe a third of the way in
+					r = kvRun(t, KVEventSubscriberConfig{Endpoint: kvDialAddr(p.KVEventPublisher), ReplayEndpoint: "tcp://" + p.ReplayAddr().String(), Topic: "kv@"}, rec)
+				}
+				if !eng.HasWork() {
+					continue
+				}
+				res := eng.Step(now)
+				now += res.Duration
+				apply(res.Events)
+				p.publish(now.Seconds(), res.Events)
+			}
+			kvSync(t, p, rec)
+
+			st := r.sub.Stats()
+			seqs, resets := rec.snapshot()
+			for i, s := range seqs {
+				if s != uint64(i) {
+					t.Fatalf("delivery %d has seq %d", i, s)
+				}
+			}
+			if len(resets) != 1 || resets[0] != KVResetStart {
+				t.Fatalf("resets %v", resets)
+			}
+			as := rec.Stats()
+			t.Logf("subscriber %+v; applier %+v; index %+v", st, as, ix.Stats())
+			if st.Replayed == 0 || st.Gaps != 0 || st.DecodeErrors != 0 || as.Removed == 0 || as.UnknownParents != 0 || as.Invalid != 0 {
+				t.Fatalf("subscriber %+v, applier %+v", st, as)
+			}
+			if ix.Len(1, prefix.MediumGPU) != len(cached) || ix.Len(0, prefix.MediumGPU) != 0 {
+				t.Fatalf("index holds %d blocks, the engine %d", ix.Len(1, prefix.MediumGPU), len(cached))
+			}
+			hits := 0
+			for _, pr := range prompts {
+				engine := prefix.Hashes(nil, pr.toks, 16, sim.RootHash(pr.lora, 0))
+				want := 0
+				for want < len(engine) && cached[engine[want]] > 0 {
+					want++
+				}
+				if got := kvMatch(ix, 1, pr.toks, pr.lora); got != want {
+					t.Fatalf("prompt (lora %q, %d tokens): index matches %d blocks, engine caches %d", pr.lora, len(pr.toks), got, want)
+				}
+				hits += want
+			}
+			if hits == 0 {
+				t.Fatal("nothing cached at the end")
+			}
+			// The adapter's blocks are not the base model's.
+			sys := systems[0]
+			if kvMatch(ix, 1, sys, "") > 0 && kvMatch(ix, 1, sys, "ad1") > 0 &&
+				fmt.Sprint(prefix.Hashes(nil, sys, 16, KVSeeds(kvModel)(""))) == fmt.Sprint(prefix.Hashes(nil, sys, 16, KVSeeds(kvModel)("ad1"))) {
+				t.Fatal("adapter and base model share request keys")
+			}
+			r.stop(t)
+			p.Close()
+			kvNoLeak(t, before)
+		})
+	}
+}
+
+// kvChain returns n blocks of tokens from base, their engine hashes (as the
+// simulator computes them for the base model) and a BlockStored of blocks
+// [from, n).
+func kvStore(toks []uint32, from int) sim.KVEvent {
+	h := prefix.Hashes(nil, toks, 16, 0)
+	ev := sim.KVEvent{Type: sim.KVBlockStored, BlockHashes: h[from:], TokenIDs: toks[16*from:], BlockSize: 16}
+	if from > 0 {
+		ev.ParentBlockHash, ev.HasParent = h[from-1], true
+	}
+	return ev
+}
+
+func kvRemove(toks []uint32, blocks ...int) sim.KVEvent {
+	h := prefix.Hashes(nil, toks, 16, 0)
+	ev := sim.KVEvent{Type: sim.KVBlockRemoved}
+	for _, b := range blocks {
+		ev.BlockHashes = append(ev.BlockHashes, h[b])
+	}
+	return ev
+}
+
+// TestKVEventsGap cuts the connection between subscriber and publisher while
+// batches are published: with a replay socket the subscriber fills the gap
+// after reconnecting; without one it resets the endpoint and goes on.
+func TestKVEventsGap(t *testing.T) {
+	for _, withReplay := range []bool{true, false} {
+		t.Run(fmt.Sprintf("replay=%v", withReplay), func(t *testing.T) {
+			before, _, _ := kvGoroutines()
+			cfg := sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, 0)}
+			if withReplay {
+				cfg.ReplayEndpoint = "tcp://127.0.0.1:0"
+			}
+			p := kvPublisher(t, cfg)
+			px := newKVProxy(t, strings.TrimPrefix(kvDialAddr(p.KVEventPublisher), "tcp://"))
+			ix, _ := prefix.NewPreciseIndex(1, 16)
+			rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
+			scfg := KVEventSubscriberConfig{Endpoint: px.addr()}
+			if withReplay {
+				scfg.ReplayEndpoint = "tcp://" + p.ReplayAddr().String()
+			}
+			r := kvRun(t, scfg, rec)
+
+			x, y, z := kvTokens(100, 16*8), kvTokens(5000, 16*6), kvTokens(9000, 16*4)
+			kvSync(t, p, rec) // connected
+			p.publish(1, []sim.KVEvent{kvStore(x[:16*4], 0)})
+			p.publish(2, []sim.KVEvent{kvStore(x, 4)})
+			kvSync(t, p, rec)
+			if kvMatch(ix, 0, x, "") != 8 {
+				t.Fatalf("x matches %d blocks before the gap", kvMatch(ix, 0, x, ""))
+			}
+
+			// Cut: these are lost on the wire.
+			px.setDown(true)
+			time.Sleep(50 * time.Millisecond)
+			p.publish(3, []sim.KVEvent{kvRemove(x, 7, 6, 5)})
+			p.publish(4, []sim.KVEvent{kvStore(y, 0)})
+			time.Sleep(50 * time.Millisecond)
+			px.setDown(false)
+			kvSync(t, p, rec) // reconnected: the gap is handled
+			p.publish(5, []sim.KVEvent{kvStore(z, 0)})
+			kvSync(t, p, rec)
+
+			st := r.sub.Stats()
+			seqs, resets := rec.snapshot()
+			t.Logf("subscriber %+v, resets %v", st, resets)
+			if st.Gaps == 0 || st.Connects < 2 {
+				t.Fatalf("no gap or reconnect seen: %+v", st)
+			}
+			if withReplay {
+				for i, s := range seqs {
+					if s != uint64(i) {
+						t.Fatalf("delivery %d has seq %d (%v)", i, s, seqs)
+					}
+				}
+				if fmt.Sprint(resets) != "[start]" || st.Replayed < 2 {
+					t.Fatalf("resets %v, stats %+v", resets, st)
+				}
+				if kvMatch(ix, 0, x, "") != 5 || kvMatch(ix, 0, y, "") != 6 || kvMatch(ix, 0, z, "") != 4 {
+					t.Fatalf("after replay: x %d, y %d, z %d", kvMatch(ix, 0, x, ""), kvMatch(ix, 0, y, ""), kvMatch(ix, 0, z, ""))
+				}
+			} else {
+				if fmt.Sprint(resets) != "[start gap]" || st.Replayed != 0 {
+					t.Fatalf("resets %v, stats %+v", resets, st)
+				}
+				// x was forgotten (its eviction was lost), y lost, z seen.
+				if kvMatch(ix, 0, x, "") != 0 || kvMatch(ix, 0, y, "") != 0 || kvMatch(ix, 0, z, "") != 4 {
+					t.Fatalf("after reset: x %d, y %d, z %d", kvMatch(ix, 0, x, ""), kvMatch(ix, 0, y, ""), kvMatch(ix, 0, z, ""))
+				}
+			}
+			r.stop(t)
+			p.Close()
+			px.close()
+			kvNoLeak(t, before)
+		})
+	}
+}
+
+// TestKVEventsRestart replaces the publisher by a new one at the same
+// addresses (an engine restart): its sequence numbers start over, the
+// subscriber resets the endpoint and follows the new stream.
+func TestKVEventsRestart(t *testing.T) {
+	before, _, _ := kvGoroutines()
+	p1 := kvPublisher(t, sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0", Encoding: sim.KVEncodingArray})
+	port, replay := p1.Addr().(*net.TCPAddr).Port, p1.ReplayAddr().String()
+	ix, _ := prefix.NewPreciseIndex(1, 16)
+	rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
+	r := kvRun(t, KVEventSubscriberConfig{Endpoint: kvDialAddr(p1.KVEventPublisher), ReplayEndpoint: "tcp://" + replay}, rec)
+
+	x, y := kvTokens(100, 16*5), kvTokens(7000, 16*3)
+	p1.publish(1, []sim.KVEvent{kvStore(x, 0)})
+	for range 100 { // move the old stream's sequence number well ahead
+		p1.publish(1, []sim.KVEvent{kvRemove(y, 0)})
+	}
+	kvSync(t, p1, rec)
+	if kvMatch(ix, 0, x, "") != 5 {
+		t.Fatal("x not indexed")
+	}
+	p1.Close()
+
+	p2 := kvPublisher(t, sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, port), ReplayEndpoint: "tcp://" + replay})
+	p2.publish(2, []sim.KVEvent{kvStore(y, 0)})
+	// Until the subscriber has reconnected and followed the new stream (the
+	// no-op batches keep the stream moving; the first one replays y).
+	for deadline := time.Now().Add(30 * time.Second); r.sub.Stats().Restarts == 0 || kvMatch(ix, 0, y, "") != 3; {
+		if time.Now().After(deadline) {
+			t.Fatalf("restart not followed: %+v", r.sub.Stats())
+		}
+		p2.publish(3, []sim.KVEvent{kvRemove(x, 4)}) // no-op once x is forgotten
+		time.Sleep(10 * time.Millisecond)
+	}
+	_, resets := rec.snapshot()
+	st := r.sub.Stats()
+	t.Logf("subscriber %+v, resets %v", st, resets)
+	if fmt.Sprint(resets) != "[start restart]" || st.Restarts != 1 || st.Connects < 2 {
+		t.Fatalf("resets %v, stats %+v", resets, st)
+	}
+	if kvMatch(ix, 0, x, "") != 0 || kvMatch(ix, 0, y, "") != 3 {
+		t.Fatalf("after restart: x %d, y %d", kvMatch(ix, 0, x, ""), kvMatch(ix, 0, y, ""))
+	}
+	r.stop(t)
+	p2.Close()
+	kvNoLeak(t, before)
+}
+
+// TestKVEventsMalformed feeds a subscriber from a bare PUB socket: a message
+// of the wrong shape is skipped, an undecodable payload resets the endpoint.
+func TestKVEventsMalformed(t *testing.T) {
+	before, _, _ := kvGoroutines()
+	pub := zmq4.NewPub(context.Background())
+	if err := pub.Listen("tcp://127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	ix, _ := prefix.NewPreciseIndex(1, 16)
+	rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
+	r := kvRun(t, KVEventSubscriberConfig{Endpoint: "tcp://" + pub.Addr().String()}, rec)
+	x := kvTokens(100, 32)
+	seq := func(n uint64) []byte { return binary.BigEndian.AppendUint64(nil, n) }
+	good := func(n uint64) zmq4.Msg {
+		return zmq4.NewMsgFrom([]byte("t"), seq(n), sim.AppendKVEventBatch(nil, 1, []sim.KVEvent{kvStore(x, 0)}, 0, ""))
+	}
+	// Slow joiner: send seq 0 until it arrives.
+	for deadline := time.Now().Add(30 * time.Second); r.sub.Stats().Batches == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("nothing received")
+		}
+		if err := pub.SendMulti(good(0)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The repeats of seq 0 read as restarts; count from here.
+	restarts := r.sub.Stats().Restarts
+	msgs := []zmq4.Msg{
+		zmq4.NewMsgFrom([]byte("t"), []byte{1, 2}, []byte{0x90}), // short seq frame
+		zmq4.NewMsgFrom([]byte("t"), seq(1)),                     // two frames
+		zmq4.NewMsgFrom([]byte("t"), seq(1), []byte{0xc1}),       // not msgpack
+		good(2),
+	}
+	for _, m := range msgs {
+		if err := pub.SendMulti(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for deadline := time.Now().Add(30 * time.Second); r.sub.Stats().DecodeErrors == 0 || kvMatch(ix, 0, x, "") != 2; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("stats %+v", r.sub.Stats())
+		}
+	}
+	st := r.sub.Stats()
+	_, resets := rec.snapshot()
+	if st.Malformed != 2 || st.DecodeErrors != 1 || st.Restarts != restarts || resets[len(resets)-1] != KVResetDecode {
+		t.Fatalf("stats %+v, resets %v", st, resets)
+	}
+	r.stop(t)
+	pub.Close()
+	kvNoLeak(t, before)
+}
+
+// TestKVEventSubscriberNoEngine: nothing listens; Run keeps redialing with
+// backoff and returns promptly when cancelled.
+func TestKVEventSubscriberNoEngine(t *testing.T) {
+	before, _, _ := kvGoroutines()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ep := "tcp://" + ln.Addr().String()
+	ln.Close()
+	ix, _ := prefix.NewPreciseIndex(1, 16)
+	r := kvRun(t, KVEventSubscriberConfig{Endpoint: ep, ReplayEndpoint: ep}, NewKVEventApplier(ix, 0, KVSeeds(kvModel)))
+	time.Sleep(300 * time.Millisecond)
+	if st := r.sub.Stats(); st.Connects != 0 || st.Resets != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+	r.stop(t)
+	kvNoLeak(t, before)
+
+	for _, bad := range []KVEventSubscriberConfig{{}, {Endpoint: "127.0.0.1:5557"}, {Endpoint: "udp://x:1"}, {Endpoint: "tcp://x:1", ReplayEndpoint: "x"}} {
+		if _, err := NewKVEventSubscriber(bad); err == nil {
+			t.Errorf("%+v accepted", bad)
+		}
+	}
+	s, _ := NewKVEventSubscriber(KVEventSubscriberConfig{Endpoint: "tcp://x:1"})
+	if c := s.Config(); c.MinBackoff != DefaultKVMinBackoff || c.MaxBackoff != DefaultKVMaxBackoff || c.ReplayTimeout != DefaultKVReplayTimeout {
+		t.Fatalf("defaults %+v", c)
+	}
+}
+
+func TestKVEventApplierSkips(t *testing.T) {
+	ix, _ := prefix.NewPreciseIndex(1, 16)
+	a := NewKVEventApplier(ix, 0, KVSeeds(kvModel))
+	x := kvTokens(1, 32)
+	h := prefix.Hashes(nil, x, 16, 0)
+	a.KVBatch(0, &KVEventBatch{Events: []KVEvent{
+		{Type: KVBlockStored, BlockHashes: h[1:], ParentBlockHash: h[0], HasParent: true, TokenIDs: x[16:], BlockSize: 16}, // unknown parent
+		{Type: KVBlockStored, BlockHashes: h, TokenIDs: x, BlockSize: 32},                                                  // other block size
+		{Type: KVBlockStored, BlockHashes: h, TokenIDs: x[:20], BlockSize: 16},                                             // bad token count
+		{Type: KVBlockStored, BlockHashes: h, TokenIDs: x, Medium: "nvme"},                                                 // block size absent
+		{Type: KVBlockRemoved, BlockHashes: h[:1], Medium: "NVMe"},
+	}})
+	st := a.Stats()
+	if st.UnknownParents != 1 || st.BlockSizeMismatch != 1 || st.Invalid != 1 || st.Stored != 1 || st.Removed != 1 || st.OtherMedia != 2 {
+		t.Fatalf("stats %+v", st)
+	}
+	if ix.Len(0, prefix.MediumOther) != 1 || ix.Len(0, prefix.MediumGPU) != 0 {
+		t.Fatalf("lens: other %d", ix.Len(0, prefix.MediumOther))
+	}
+	a.KVBatch(1, &KVEventBatch{Events: []KVEvent{{Type: KVAllBlocksCleared}}})
+	if ix.Len(0, prefix.MediumOther) != 0 || a.Stats().Cleared != 1 {
+		t.Fatal("not cleared")
+	}
+}

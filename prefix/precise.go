@@ -1,0 +1,436 @@
+package prefix
+
+import (
+	"errors"
+	"fmt"
+	"math/bits"
+	"strings"
+	"sync"
+	"sync/atomic"
+)
+
+// Medium is a KV-cache tier an engine reports blocks in: the medium field of
+// vLLM's BlockStored and BlockRemoved events (PROTOCOLS.md §1.4; "GPU" for
+// the GPU block pool, "CPU" from the offloading connectors).
+type Medium uint8
+
+// Media a PreciseIndex keeps apart. Names are matched case-insensitively by
+// ParseMedium; a name it does not know is MediumOther.
+const (
+	MediumGPU Medium = iota
+	MediumCPU
+	MediumDisk
+	MediumOther
+	// NumMedia is the number of media.
+	NumMedia = 4
+)
+
+// ParseMedium returns the medium named name, case-insensitively: "" (the
+// event's medium was null) and "GPU" are MediumGPU, "CPU" MediumCPU, "DISK"
+// MediumDisk. Any other name is MediumOther, and known is false.
+func ParseMedium(name string) (m Medium, known bool) {
+	switch {
+	case name == "" || strings.EqualFold(name, "GPU"):
+		return MediumGPU, true
+	case strings.EqualFold(name, "CPU"):
+		return MediumCPU, true
+	case strings.EqualFold(name, "DISK"):
+		return MediumDisk, true
+	}
+	return MediumOther, false
+}
+
+// String returns "GPU", "CPU", "DISK" or "OTHER".
+func (m Medium) String() string {
+	switch m {
+	case MediumGPU:
+		return "GPU"
+	case MediumCPU:
+		return "CPU"
+	case MediumDisk:
+		return "DISK"
+	case MediumOther:
+		return "OTHER"
+	}
+	return fmt.Sprintf("Medium(%d)", uint8(m))
+}
+
+// ErrUnknownParent is returned by PreciseIndex.Stored when the event's parent
+// block is not known on that endpoint: its request key cannot be computed, so
+// the event is skipped (as llm-d does).
+var ErrUnknownParent = errors.New("prefix: stored blocks' parent block is unknown")
+
+// preciseShards is the number of shards of each medium's block table, picked
+// by the top 6 bits of the request key.
+const preciseShards = 64
+
+// PreciseIndex is the gateway's precise prefix index: which endpoint holds
+// which blocks, in which medium, as the engines report it in their KV-cache
+// events (fleet.KVEventSubscriber feeds it), not as guessed from routing.
+//
+// It keeps two keys per block, like llm-d's KV-cache manager (PROTOCOLS.md
+// §1.7). The engines' block hashes ("engine keys") are opaque: they depend on
+// the engine's hash algorithm and its per-process seed. The index's own
+// "request keys" are Hashes over the event's token ids, chained from the
+// parent block's request key, the first block of a sequence from a root seed
+// the caller gives (Seed of the model or adapter name), so a prompt's
+// Hashes — computed by the gateway from the prompt alone — look blocks up
+// directly. Per endpoint it maps engine key → request key (to chain the next
+// event from its parent and to evict), and counts, per medium, the engine
+// blocks behind each request key: vLLM does not de-duplicate identical
+// blocks, and engine keys that differ only in what request keys leave out
+// (a cache salt, multimodal inputs) share one request key. The endpoint's
+// bit for a block is set in a medium while that count is positive.
+//
+// Block tables are sharded 64 ways by request key, each shard behind its own
+// RWMutex, so Match (read locks, one block at a time) is never held up for
+// longer than a writer's update of one block; writers of one endpoint take
+// that endpoint's mutex first.
+//
+// Limits: request keys see only tokens and the root seed, so blocks that
+// differ only in a cache salt or in multimodal inputs (vLLM's extra_keys) are
+// one block to the index, and a prompt may be credited with blocks the
+// engine would not hit for it. The engines' block size must be the index's
+// (llm-d also maps one engine block to several request blocks and back).
+//
+// Memory: 82 bytes per (endpoint, block) measured for 200k blocks on one
+// endpoint (map slots in the endpoint's engine → request map, in its
+// per-request-key counts and in the shared block table;
+// TestPreciseIndexBytesPerBlock holds it under 128). Of these, about 24 are
+// the block table's, paid once per distinct block however many endpoints
+// hold it (measured: 70 bytes per (endpoint, block) when 2 endpoints hold
+// the same blocks, 65 with 4).
+//
+// Safe for concurrent use.
+type PreciseIndex struct {
+	blockSize int
+	shards    [preciseShards]preciseShard
+	eps       []preciseEndpoint
+
+	storedEvents, removedEvents, clears atomic.Uint64
+	unknownParents, unknownRemovals     atomic.Uint64
+	blocks                              atomic.Int64
+}
+
+type preciseShard struct {
+	mu     sync.RWMutex
+	owners [NumMedia]map[uint64]uint64 // request key -> bitmask of endpoints
+	_      [64]byte                    // keep hot shards off each other's cache lines
+}
+
+// mediaCounts counts blocks per medium (saturating at 65535).
+type mediaCounts [NumMedia]uint16
+
+// engEntry is one engine key of an endpoint: its request key and how many
+// blocks with that engine key the endpoint holds in each medium.
+type engEntry struct {
+	req uint64
+	n   mediaCounts
+}
+
+type preciseEndpoint struct {
+	mu     sync.Mutex
+	eng    map[uint64]engEntry    // engine key -> request key, counts
+	held   map[uint64]mediaCounts // request key -> engine blocks per medium
+	blocks [NumMedia]int          // request keys with a positive count, per medium
+	keys   []uint64               // scratch: request keys of one event
+}
+
+// PreciseStats are a PreciseIndex's cumulative event counters and its size.
+type PreciseStats struct {
+	// StoredEvents and RemovedEvents count applied Stored and Removed calls;
+	// Clears counts Cleared and Forget calls.
+	StoredEvents, RemovedEvents, Clears uint64
+	// UnknownParents counts Stored calls skipped because their parent block
+	// was unknown on the endpoint.
+	UnknownParents uint64
+	// UnknownRemovals counts removed engine keys the endpoint did not hold in
+	// that medium (ignored).
+	UnknownRemovals uint64
+	// Blocks is the number of (endpoint, medium, request key) entries held.
+	Blocks int64
+}
+
+// NewPreciseIndex returns an empty index over endpoints endpoints (at most
+// MaxEndpoints) whose blocks are blockSize tokens long (the block size the
+// gateway hashes prompts with, which must equal the engines' block size).
+func NewPreciseIndex(endpoints, blockSize int) (*PreciseIndex, error) {
+	if endpoints < 0 || endpoints > MaxEndpoints {
+		return nil, fmt.Errorf("precise prefix index: %d endpoints, want 0 to %d", endpoints, MaxEndpoints)
+	}
+	if blockSize <= 0 {
+		return nil, fmt.Errorf("precise prefix index: block size %d, want > 0", blockSize)
+	}
+	ix := &PreciseIndex{blockSize: blockSize, eps: make([]preciseEndpoint, endpoints)}
+	for i := range ix.shards {
+		for m := range ix.shards[i].owners {
+			ix.shards[i].owners[m] = make(map[uint64]uint64)
+		}
+	}
+	for e := range ix.eps {
+		ix.eps[e].reset()
+	}
+	return ix, nil
+}
+
+func (ep *preciseEndpoint) reset() {
+	ep.eng = make(map[uint64]engEntry)
+	ep.held = make(map[uint64]mediaCounts)
+	ep.blocks = [NumMedia]int{}
+}
+
+// Endpoints returns the number of endpoints the index tracks.
+func (ix *PreciseIndex) Endpoints() int { return len(ix.eps) }
+
+// BlockSize returns the block size in tokens.
+func (ix *PreciseIndex) BlockSize() int { return ix.blockSize }
+
+func (ix *PreciseIndex) shard(req uint64) *preciseShard { return &ix.shards[req>>58] }
+
+func (ix *PreciseIndex) check(e int, m Medium) error {
+	if e < 0 || e >= len(ix.eps) {
+		return fmt.Errorf("precise prefix index: endpoint %d out of range [0, %d)", e, len(ix.eps))
+	}
+	if m >= NumMedia {
+		return fmt.Errorf("precise prefix index: unknown medium %d", m)
+	}
+	return nil
+}
+
+// Stored records a BlockStored event of endpoint e: the blocks with engine
+// keys engineHashes, whose tokens (concatenated) are tokens, are now held in
+// medium m. len(tokens) must be len(engineHashes) × BlockSize. The first
+// block's request key is chained from the request key of the parent block
+// (engine key parent) when hasParent, else from seed (the root: Seed of the
+// model or adapter name the blocks were computed under). If the parent is not
+// held by e in any medium, nothing is recorded and ErrUnknownParent is
+// returned.
+func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent uint64, hasParent bool, tokens []uint32, seed uint64) error {
+	if err := ix.check(e, m); err != nil {
+		return err
+	}
+	if len(tokens) != len(engineHashes)*ix.blockSize {
+		return fmt.Errorf("precise prefix index: %d tokens for %d blocks of %d", len(tokens), len(engineHashes), ix.blockSize)
+	}
+	ep := &ix.eps[e]
+	bit := uint64(1) << e
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	if hasParent {
+		p, ok := ep.eng[parent]
+		if !ok {
+			ix.unknownParents.Add(1)
+			return ErrUnknownParent
+		}
+		seed = p.req
+	}
+	ep.keys = Hashes(ep.keys[:0], tokens, ix.blockSize, seed)
+	for i, h := range engineHashes {
+		req := ep.keys[i]
+		ent, ok := ep.eng[h]
+		if ok && ent.req != req {
+			// The engine reused an engine key for other tokens: trust the
+			// newer event and drop what the old mapping held.
+			ix.dropEngineKey(ep, bit, h, ent)
+			ok = false
+		}
+		if !ok {
+			ent = engEntry{req: req}
+		}
+		c := ep.held[req]
+		if ent.n[m] == ^uint16(0) || c[m] == ^uint16(0) {
+			continue // saturated: a later removal may forget the block early
+		}
+		ent.n[m]++
+		ep.eng[h] = ent
+		if c[m] == 0 {
+			ix.setBit(m, req, bit)
+			ep.blocks[m]++
+			ix.blocks.Add(1)
+		}
+		c[m]++
+		ep.held[req] = c
+	}
+	ix.storedEvents.Add(1)
+	return nil
+}
+
+// Removed records a BlockRemoved event of endpoint e: one block per engine
+// key of engineHashes is no longer held in medium m. Keys e does not hold in
+// m are ignored (and counted). An out-of-range e or m is ignored.
+func (ix *PreciseIndex) Removed(e int, m Medium, engineHashes []uint64) {
+	if ix.check(e, m) != nil {
+		return
+	}
+	ep := &ix.eps[e]
+	bit := uint64(1) << e
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	for _, h := range engineHashes {
+		ent, ok := ep.eng[h]
+		if !ok || ent.n[m] == 0 {
+			ix.unknownRemovals.Add(1)
+			continue
+		}
+		ent.n[m]--
+		if ent.n == (mediaCounts{}) {
+			delete(ep.eng, h)
+		} else {
+			ep.eng[h] = ent
+		}
+		ix.release(ep, bit, m, ent.req, 1)
+	}
+	ix.removedEvents.Add(1)
+}
+
+// release takes n blocks of request key req in medium m away from ep,
+// clearing its bit when none is left. ep.mu is held.
+func (ix *PreciseIndex) release(ep *preciseEndpoint, bit uint64, m Medium, req uint64, n uint16) {
+	c := ep.held[req]
+	if c[m] <= n { // < only after saturation
+		if c[m] > 0 {
+			ix.clearBit(m, req, bit)
+			ep.blocks[m]--
+			ix.blocks.Add(-1)
+		}
+		c[m] = 0
+	} else {
+		c[m] -= n
+	}
+	if c == (mediaCounts{}) {
+		delete(ep.held, req)
+	} else {
+		ep.held[req] = c
+	}
+}
+
+// dropEngineKey forgets engine key h of ep and every block it held. ep.mu is held.
+func (ix *PreciseIndex) dropEngineKey(ep *preciseEndpoint, bit uint64, h uint64, ent engEntry) {
+	for m, n := range ent.n {
+		if n > 0 {
+			ix.release(ep, bit, Medium(m), ent.req, n)
+		}
+	}
+	delete(ep.eng, h)
+}
+
+// Cleared records an AllBlocksCleared event of endpoint e: it holds nothing,
+// in any medium. An out-of-range e is ignored.
+func (ix *PreciseIndex) Cleared(e int) {
+	if e < 0 || e >= len(ix.eps) {
+		return
+	}
+	ep := &ix.eps[e]
+	bit := uint64(1) << e
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	var n int64
+	for req, c := range ep.held {
+		for m, k := range c {
+			if k > 0 {
+				ix.clearBit(Medium(m), req, bit)
+				n++
+			}
+		}
+	}
+	ix.blocks.Add(-n)
+	ep.reset()
+	ix.clears.Add(1)
+}
+
+// Forget drops everything known about endpoint e, for example when its event
+// stream lost batches or its engine restarted: forgetting is safe, believing
+// stale state is not. It is Cleared under another name.
+func (ix *PreciseIndex) Forget(e int) { ix.Cleared(e) }
+
+func (ix *PreciseIndex) setBit(m Medium, req, bit uint64) {
+	s := ix.shard(req)
+	s.mu.Lock()
+	s.owners[m][req] |= bit
+	s.mu.Unlock()
+}
+
+func (ix *PreciseIndex) clearBit(m Medium, req, bit uint64) {
+	s := ix.shard(req)
+	s.mu.Lock()
+	if v := s.owners[m][req] &^ bit; v == 0 {
+		delete(s.owners[m], req)
+	} else {
+		s.owners[m][req] = v
+	}
+	s.mu.Unlock()
+}
+
+// Match sets matched[e] to the number of leading blocks of hashes (request
+// keys: Hashes of a prompt under the seed its blocks are stored with) that
+// endpoint e holds in medium m, for every e < len(matched) (extra entries
+// are left alone). It scans hashes in order and stops when no endpoint is
+// left: engines do not evict prefix-closed, so a block's presence says
+// nothing about its predecessors and the scan cannot bisect. It allocates
+// nothing; it takes one shard read lock per block looked up.
+func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
+	n := min(len(matched), len(ix.eps))
+	for e := range n {
+		matched[e] = 0
+	}
+	if n == 0 || len(hashes) == 0 || m >= NumMedia {
+		return
+	}
+	alive := uint64(1)<<n - 1
+	if n == 64 {
+		alive = ^uint64(0)
+	}
+	for i, h := range hashes {
+		s := ix.shard(h)
+		s.mu.RLock()
+		held := s.owners[m][h] & alive
+		s.mu.RUnlock()
+		for dropped := alive &^ held; dropped != 0; dropped &= dropped - 1 {
+			matched[bits.TrailingZeros64(dropped)] = i
+		}
+		alive = held
+		if alive == 0 {
+			return
+		}
+	}
+	for ; alive != 0; alive &= alive - 1 {
+		matched[bits.TrailingZeros64(alive)] = len(hashes)
+	}
+}
+
+// Len returns the number of distinct blocks (request keys) endpoint e holds
+// in medium m.
+func (ix *PreciseIndex) Len(e int, m Medium) int {
+	if ix.check(e, m) != nil {
+		return 0
+	}
+	ep := &ix.eps[e]
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	return ep.blocks[m]
+}
+
+// Stats returns the index's counters.
+func (ix *PreciseIndex) Stats() PreciseStats {
+	return PreciseStats{
+		StoredEvents:    ix.storedEvents.Load(),
+		RemovedEvents:   ix.removedEvents.Load(),
+		Clears:          ix.clears.Load(),
+		UnknownParents:  ix.unknownParents.Load(),
+		UnknownRemovals: ix.unknownRemovals.Load(),
+		Blocks:          ix.blocks.Load(),
+	}
+}
+
+// On returns a view of the index for medium m whose Match has the shape of
+// Index.Match (the scheduler's MatchSource).
+func (ix *PreciseIndex) On(m Medium) MediumView { return MediumView{ix: ix, m: m} }
+
+// MediumView is PreciseIndex restricted to one medium.
+type MediumView struct {
+	ix *PreciseIndex
+	m  Medium
+}
+
+// Match is PreciseIndex.Match on the view's medium.
+func (v MediumView) Match(hashes []uint64, matched []int) { v.ix.Match(hashes, v.m, matched) }

@@ -1,0 +1,596 @@
+package prefix
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"sync"
+	"testing"
+)
+
+// preciseEngineKeys stands for an engine's own block hashes of tokens: a hash space
+// unrelated to the index's request keys (another seed), salted like a cache
+// salt or vLLM's per-process NONE_HASH.
+func preciseEngineKeys(tokens []uint32, salt uint64) []uint64 {
+	return Hashes(nil, tokens, 16, 0x5eed^salt*0x9e3779b97f4a7c15)
+}
+
+func preciseStore(t testing.TB, ix *PreciseIndex, e int, m Medium, eng []uint64, parent uint64, hasParent bool, toks []uint32, seed uint64) {
+	t.Helper()
+	if err := ix.Stored(e, m, eng, parent, hasParent, toks, seed); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestPreciseStoredChainsAcrossEvents(t *testing.T) {
+	ix, err := NewPreciseIndex(3, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const seed = 77
+	toks := seq(16*10, 1)
+	eng := preciseEngineKeys(toks, 0)
+	req := Hashes(nil, toks, 16, seed)
+
+	// Endpoint 0 stores blocks 0-3, then 4-9 with parent block 3: like vLLM,
+	// one event per request and step.
+	preciseStore(t, ix, 0, MediumGPU, eng[:4], 0, false, toks[:64], seed)
+	preciseStore(t, ix, 0, MediumGPU, eng[4:], eng[3], true, toks[64:], seed)
+	// Endpoint 1 stores the first 5 blocks in three events.
+	preciseStore(t, ix, 1, MediumGPU, eng[:1], 0, false, toks[:16], seed)
+	preciseStore(t, ix, 1, MediumGPU, eng[1:3], eng[0], true, toks[16:48], seed)
+	preciseStore(t, ix, 1, MediumGPU, eng[3:5], eng[2], true, toks[48:80], seed)
+
+	m := make([]int, 3)
+	ix.Match(req, MediumGPU, m)
+	if fmt.Sprint(m) != "[10 5 0]" {
+		t.Fatalf("match %v, want [10 5 0]", m)
+	}
+	// Another root seed (another model or adapter): no match.
+	ix.Match(Hashes(nil, toks, 16, seed+1), MediumGPU, m)
+	if fmt.Sprint(m) != "[0 0 0]" {
+		t.Fatalf("match under another seed %v", m)
+	}
+	// A prompt diverging after block 6.
+	other := append(append([]uint32{}, toks[:16*7]...), seq(16*3, 90000)...)
+	ix.Match(Hashes(nil, other, 16, seed), MediumGPU, m)
+	if fmt.Sprint(m) != "[7 5 0]" {
+		t.Fatalf("diverging prompt: match %v, want [7 5 0]", m)
+	}
+	if ix.Len(0, MediumGPU) != 10 || ix.Len(1, MediumGPU) != 5 || ix.Len(2, MediumGPU) != 0 {
+		t.Fatalf("lens %d %d %d", ix.Len(0, MediumGPU), ix.Len(1, MediumGPU), ix.Len(2, MediumGPU))
+	}
+	if st := ix.Stats(); st.StoredEvents != 5 || st.Blocks != 15 || st.UnknownParents != 0 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestPreciseUnknownParentSkipped(t *testing.T) {
+	ix, _ := NewPreciseIndex(2, 16)
+	toks := seq(16*4, 1)
+	eng := preciseEngineKeys(toks, 0)
+	// Endpoint 1 knows block 0; endpoint 0 does not: its event is skipped.
+	preciseStore(t, ix, 1, MediumGPU, eng[:1], 0, false, toks[:16], 0)
+	err := ix.Stored(0, MediumGPU, eng[1:], eng[0], true, toks[16:], 0)
+	if !errors.Is(err, ErrUnknownParent) {
+		t.Fatalf("err %v, want ErrUnknownParent", err)
+	}
+	if ix.Len(0, MediumGPU) != 0 || ix.Stats().UnknownParents != 1 || ix.Stats().StoredEvents != 1 {
+		t.Fatalf("after skip: len %d, stats %+v", ix.Len(0, MediumGPU), ix.Stats())
+	}
+	// A parent held in another medium is known: the engine key → request key
+	// map is per endpoint, not per medium.
+	preciseStore(t, ix, 0, MediumCPU, eng[:1], 0, false, toks[:16], 0)
+	preciseStore(t, ix, 0, MediumGPU, eng[1:], eng[0], true, toks[16:], 0)
+	m := make([]int, 2)
+	req := Hashes(nil, toks, 16, 0)
+	ix.Match(req, MediumGPU, m)
+	if m[0] != 0 || m[1] != 1 {
+		t.Fatalf("GPU match %v: endpoint 0 lacks block 0 on GPU", m)
+	}
+	ix.Match(req[1:], MediumGPU, m) // blocks 1-3 by themselves
+	if m[0] != 3 {
+		t.Fatalf("GPU match of blocks 1-3: %v", m)
+	}
+	// Bad arguments.
+	if ix.Stored(0, MediumGPU, eng[:2], 0, false, toks[:16], 0) == nil {
+		t.Fatal("token count mismatch accepted")
+	}
+	if ix.Stored(2, MediumGPU, eng[:1], 0, false, toks[:16], 0) == nil || ix.Stored(0, NumMedia, eng[:1], 0, false, toks[:16], 0) == nil {
+		t.Fatal("bad endpoint or medium accepted")
+	}
+}
+
+func TestPreciseRemoveAndClear(t *testing.T) {
+	ix, _ := NewPreciseIndex(2, 16)
+	toks := seq(16*6, 1)
+	eng := preciseEngineKeys(toks, 0)
+	req := Hashes(nil, toks, 16, 0)
+	for e := range 2 {
+		preciseStore(t, ix, e, MediumGPU, eng, 0, false, toks, 0)
+	}
+	// Evict block 2 of endpoint 0: the chain breaks there, later blocks stay.
+	ix.Removed(0, MediumGPU, eng[2:3])
+	m := make([]int, 2)
+	ix.Match(req, MediumGPU, m)
+	if fmt.Sprint(m) != "[2 6]" {
+		t.Fatalf("after removing block 2: %v", m)
+	}
+	ix.Match(req[3:], MediumGPU, m)
+	if m[0] != 3 {
+		t.Fatalf("blocks 3-5 of endpoint 0: %d", m[0])
+	}
+	// Removing what is not held is counted and ignored.
+	ix.Removed(0, MediumGPU, []uint64{eng[2], 12345})
+	ix.Removed(0, MediumCPU, eng[:1])
+	if st := ix.Stats(); st.UnknownRemovals != 3 || st.RemovedEvents != 3 {
+		t.Fatalf("stats %+v", st)
+	}
+	// Block 2 stored again, chained from block 1.
+	preciseStore(t, ix, 0, MediumGPU, eng[2:3], eng[1], true, toks[32:48], 0)
+	ix.Match(req, MediumGPU, m)
+	if m[0] != 6 {
+		t.Fatalf("after re-store: %v", m)
+	}
+	ix.Cleared(1)
+	ix.Match(req, MediumGPU, m)
+	if fmt.Sprint(m) != "[6 0]" || ix.Len(1, MediumGPU) != 0 {
+		t.Fatalf("after clearing 1: %v", m)
+	}
+	// After a clear the endpoint's engine keys are forgotten: a chained event
+	// is skipped.
+	if err := ix.Stored(1, MediumGPU, eng[1:2], eng[0], true, toks[16:32], 0); !errors.Is(err, ErrUnknownParent) {
+		t.Fatalf("chained store after clear: %v", err)
+	}
+	ix.Forget(0)
+	ix.Match(req, MediumGPU, m)
+	if fmt.Sprint(m) != "[0 0]" || ix.Stats().Blocks != 0 {
+		t.Fatalf("after forgetting 0: %v, %+v", m, ix.Stats())
+	}
+	for s := range ix.shards {
+		for md := range ix.shards[s].owners {
+			if len(ix.shards[s].owners[md]) != 0 {
+				t.Fatal("block table not empty after clearing every endpoint")
+			}
+		}
+	}
+}
+
+func TestPreciseDuplicatesAndSharedRequestKeys(t *testing.T) {
+	ix, _ := NewPreciseIndex(1, 16)
+	toks := seq(32, 1)
+	a, b := preciseEngineKeys(toks, 1), preciseEngineKeys(toks, 2) // e.g. two cache salts
+	req := Hashes(nil, toks, 16, 0)
+	preciseStore(t, ix, 0, MediumGPU, a, 0, false, toks, 0)
+	preciseStore(t, ix, 0, MediumGPU, a, 0, false, toks, 0) // vLLM duplicate blocks
+	preciseStore(t, ix, 0, MediumGPU, b, 0, false, toks, 0)
+	m := make([]int, 1)
+	check := func(want int) {
+		t.Helper()
+		if ix.Match(req, MediumGPU, m); m[0] != want {
+			t.Fatalf("match %d, want %d", m[0], want)
+		}
+	}
+	check(2)
+	ix.Removed(0, MediumGPU, a)
+	check(2) // one copy of a left
+	ix.Removed(0, MediumGPU, a)
+	check(2) // b holds the same request keys
+	ix.Removed(0, MediumGPU, b[1:])
+	check(1)
+	ix.Removed(0, MediumGPU, b[:1])
+	check(0)
+	if ix.Len(0, MediumGPU) != 0 || len(ix.eps[0].eng) != 0 || len(ix.eps[0].held) != 0 {
+		t.Fatalf("state left: %d engine keys, %d request keys", len(ix.eps[0].eng), len(ix.eps[0].held))
+	}
+}
+
+func TestPreciseMediaSeparate(t *testing.T) {
+	ix, _ := NewPreciseIndex(2, 16)
+	toks := seq(16*4, 1)
+	eng := preciseEngineKeys(toks, 0)
+	req := Hashes(nil, toks, 16, 0)
+	preciseStore(t, ix, 0, MediumGPU, eng, 0, false, toks, 0)
+	preciseStore(t, ix, 0, MediumCPU, eng[:2], 0, false, toks[:32], 0)
+	preciseStore(t, ix, 1, MediumDisk, eng[:3], 0, false, toks[:48], 0)
+	preciseStore(t, ix, 1, MediumOther, eng[:1], 0, false, toks[:16], 0)
+	m := make([]int, 2)
+	for md, want := range map[Medium]string{MediumGPU: "[4 0]", MediumCPU: "[2 0]", MediumDisk: "[0 3]", MediumOther: "[0 1]"} {
+		if ix.Match(req, md, m); fmt.Sprint(m) != want {
+			t.Errorf("%v: %v, want %s", md, m, want)
+		}
+	}
+	ix.Removed(0, MediumGPU, eng[:1]) // GPU eviction; the CPU copy stays
+	if ix.Match(req, MediumGPU, m); m[0] != 0 {
+		t.Fatalf("GPU after eviction %v", m)
+	}
+	if ix.Match(req, MediumCPU, m); m[0] != 2 {
+		t.Fatalf("CPU after GPU eviction %v", m)
+	}
+	ix.Cleared(0) // all media
+	for md := range Medium(NumMedia) {
+		if ix.Len(0, md) != 0 {
+			t.Fatalf("%v not cleared", md)
+		}
+	}
+	if ix.Len(1, MediumDisk) != 3 {
+		t.Fatal("clearing 0 touched 1")
+	}
+	for name, want := range map[string]Medium{"": MediumGPU, "gpu": MediumGPU, "GPU": MediumGPU, "Cpu": MediumCPU, "disk": MediumDisk, "nvme": MediumOther} {
+		if got, known := ParseMedium(name); got != want || known != (want != MediumOther) {
+			t.Errorf("ParseMedium(%q) = %v, %v", name, got, known)
+		}
+	}
+}
+
+func TestPreciseBadConstruction(t *testing.T) {
+	if _, err := NewPreciseIndex(65, 16); err == nil {
+		t.Fatal("65 endpoints accepted")
+	}
+	if _, err := NewPreciseIndex(1, 0); err == nil {
+		t.Fatal("block size 0 accepted")
+	}
+	ix, _ := NewPreciseIndex(64, 16)
+	toks := seq(16, 1)
+	preciseStore(t, ix, 63, MediumGPU, preciseEngineKeys(toks, 0), 0, false, toks, 0)
+	m := make([]int, 70)
+	m[69] = -1
+	ix.Match(Hashes(nil, toks, 16, 0), MediumGPU, m)
+	if m[63] != 1 || m[69] != -1 {
+		t.Fatalf("64 endpoints: %v", m)
+	}
+	ix.Removed(64, MediumGPU, nil)
+	ix.Cleared(-1)
+	if ix.Len(64, MediumGPU) != 0 {
+		t.Fatal("out-of-range Len")
+	}
+}
+
+// TestPreciseAgainstModel drives the index with random stores, evictions and
+// clears on 5 endpoints and 2 media, over documents sharing prefixes and two
+// engine salts (so engine keys differ where request keys agree), and checks
+// every Match, Len and skip against a brute-force model that keeps, per
+// (endpoint, medium), the multiset of engine keys held and recomputes request
+// keys from each document's full token prefix.
+func TestPreciseAgainstModel(t *testing.T) {
+	const (
+		eps    = 5
+		media  = 2
+		blocks = 12
+	)
+	rng := rand.New(rand.NewPCG(1, 2))
+	// Documents: three shared roots, each with a few tails.
+	type doc struct {
+		toks []uint32
+		req  []uint64
+		eng  [2][]uint64 // per salt
+	}
+	var docs []doc
+	for r := range 3 {
+		root := seq(16*4, uint32(1000*r))
+		for tail := range 4 {
+			toks := append(append([]uint32{}, root...), seq(16*(blocks-4), uint32(100000+1000*(4*r+tail)))...)
+			d := doc{toks: toks, req: Hashes(nil, toks, 16, 9)}
+			for s := range 2 {
+				d.eng[s] = preciseEngineKeys(toks, uint64(s))
+			}
+			docs = append(docs, d)
+		}
+	}
+	engToReq := map[uint64]uint64{}
+	for _, d := range docs {
+		for s := range 2 {
+			for i, h := range d.eng[s] {
+				engToReq[h] = d.req[i]
+			}
+		}
+	}
+	held := make([][media]map[uint64]int, eps) // engine key -> count
+	for e := range held {
+		for md := range media {
+			held[e][md] = map[uint64]int{}
+		}
+	}
+	knows := func(e int, h uint64) bool {
+		for md := range media {
+			if held[e][md][h] > 0 {
+				return true
+			}
+		}
+		return false
+	}
+	ix, _ := NewPreciseIndex(eps, 16)
+	m := make([]int, eps)
+	for step := range 20000 {
+		e, md := rng.IntN(eps), rng.IntN(media)
+		switch op := rng.IntN(100); {
+		case op < 55: // store blocks [from, to) of a document
+			d := docs[rng.IntN(len(docs))]
+			s := rng.IntN(2)
+			from := rng.IntN(blocks)
+			if rng.IntN(3) == 0 {
+				from = 0
+			}
+			to := from + 1 + rng.IntN(blocks-from)
+			var parent uint64
+			if from > 0 {
+				parent = d.eng[s][from-1]
+			}
+			err := ix.Stored(e, Medium(md), d.eng[s][from:to], parent, from > 0, d.toks[16*from:16*to], 9)
+			if from > 0 && !knows(e, parent) {
+				if !errors.Is(err, ErrUnknownParent) {
+					t.Fatalf("step %d: unknown parent not reported: %v", step, err)
+				}
+				break
+			}
+			if err != nil {
+				t.Fatalf("step %d: %v", step, err)
+			}
+			for _, h := range d.eng[s][from:to] {
+				held[e][md][h]++
+			}
+		case op < 93: // evict some held engine keys (and a few unknown ones)
+			var keys []uint64
+			for h := range held[e][md] {
+				if rng.IntN(4) == 0 {
+					keys = append(keys, h)
+				}
+			}
+			if rng.IntN(5) == 0 {
+				keys = append(keys, rng.Uint64())
+			}
+			ix.Removed(e, Medium(md), keys)
+			for _, h := range keys {
+				if held[e][md][h] > 0 {
+					if held[e][md][h]--; held[e][md][h] == 0 {
+						delete(held[e][md], h)
+					}
+				}
+			}
+		case op < 95:
+			ix.Cleared(e)
+			for md := range media {
+				clear(held[e][md])
+			}
+		}
+		// Check a random document prefix on both media.
+		d := docs[rng.IntN(len(docs))]
+		q := d.req[:rng.IntN(blocks+1)]
+		for md := range media {
+			ix.Match(q, Medium(md), m)
+			for e := range eps {
+				have := map[uint64]bool{}
+				for h := range held[e][md] {
+					have[engToReq[h]] = true
+				}
+				want := 0
+				for want < len(q) && have[q[want]] {
+					want++
+				}
+				if m[e] != want {
+					t.Fatalf("step %d medium %d endpoint %d: match %d, model %d", step, md, e, m[e], want)
+				}
+				if ix.Len(e, Medium(md)) != len(have) {
+					t.Fatalf("step %d: Len %d, model %d", step, ix.Len(e, Medium(md)), len(have))
+				}
+			}
+		}
+	}
+	st := ix.Stats()
+	t.Logf("%+v", st)
+	if st.UnknownParents == 0 || st.UnknownRemovals == 0 || st.Blocks == 0 {
+		t.Fatalf("workload missed a path: %+v", st)
+	}
+}
+
+// TestPreciseConcurrent runs one writer per endpoint (stores, evictions,
+// clears) against readers, then checks the final state; run with -race.
+func TestPreciseConcurrent(t *testing.T) {
+	const eps = 8
+	ix, _ := NewPreciseIndex(eps, 16)
+	toks := seq(16*64, 1)
+	eng := preciseEngineKeys(toks, 0)
+	req := Hashes(nil, toks, 16, 0)
+	stop := make(chan struct{})
+	var readers sync.WaitGroup
+	for range 2 {
+		readers.Add(1)
+		go func() {
+			defer readers.Done()
+			m := make([]int, eps)
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				ix.Match(req, MediumGPU, m)
+				for e, n := range m {
+					if n < 0 || n > len(req) {
+						t.Errorf("endpoint %d matched %d", e, n)
+					}
+				}
+				_ = ix.Stats()
+			}
+		}()
+	}
+	var writers sync.WaitGroup
+	for e := range eps {
+		writers.Add(1)
+		go func() {
+			defer writers.Done()
+			rng := rand.New(rand.NewPCG(uint64(e), 3))
+			for range 300 {
+				ix.Cleared(e)
+				n := 1 + rng.IntN(len(eng))
+				if err := ix.Stored(e, MediumGPU, eng[:n], 0, false, toks[:16*n], 0); err != nil {
+					t.Error(err)
+					return
+				}
+				ix.Removed(e, MediumGPU, eng[rng.IntN(n):n])
+			}
+			// Final state: endpoint e holds the first e+1 blocks.
+			ix.Cleared(e)
+			if err := ix.Stored(e, MediumGPU, eng[:e+1], 0, false, toks[:16*(e+1)], 0); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	writers.Wait()
+	close(stop)
+	readers.Wait()
+	m := make([]int, eps)
+	ix.Match(req, MediumGPU, m)
+	for e := range eps {
+		if m[e] != e+1 || ix.Len(e, MediumGPU) != e+1 {
+			t.Fatalf("endpoint %d: match %d, len %d, want %d", e, m[e], ix.Len(e, MediumGPU), e+1)
+		}
+	}
+	if st := ix.Stats(); st.Blocks != eps*(eps+1)/2 {
+		t.Fatalf("blocks %d", st.Blocks)
+	}
+}
+
+// TestPreciseIndexBytesPerBlock measures the heap cost per (endpoint, block)
+// entry and holds it to the bound stated in PreciseIndex's doc comment.
+func TestPreciseIndexBytesPerBlock(t *testing.T) {
+	const n = 200_000
+	toks := seq(n*16, 0)
+	eng := preciseEngineKeys(toks, 0)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	ix, _ := NewPreciseIndex(1, 16)
+	// Events of 50 blocks each, chained.
+	for i := 0; i < n; i += 50 {
+		var parent uint64
+		if i > 0 {
+			parent = eng[i-1]
+		}
+		preciseStore(t, ix, 0, MediumGPU, eng[i:i+50], parent, i > 0, toks[16*i:16*(i+50)], 0)
+	}
+	ix.eps[0].keys = nil // scratch, not per block
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	per := float64(after.HeapAlloc-before.HeapAlloc) / n
+	t.Logf("%.1f bytes per indexed block (%d blocks)", per, ix.Len(0, MediumGPU))
+	if per > 128 {
+		t.Fatalf("%.1f bytes per indexed block, over the documented 128", per)
+	}
+	runtime.KeepAlive(ix)
+	runtime.KeepAlive(toks)
+	runtime.KeepAlive(eng)
+}
+
+// preciseBenchFixture is a precise index of 64 endpoints and about 1M
+// distinct blocks, with 750-block (12k-token) prompts held as:
+//   - typical: every endpoint holds its first 125 blocks (a shared system
+//     prompt), endpoints 1-3 hold 400, endpoint 0 all 750 (as in the
+//     approximate index's 64x1M benchmarks);
+//   - staggered: endpoint e holds the first 750·(e+1)/64 blocks;
+//   - full: every endpoint holds all 750 (no endpoint drops out: the scan
+//     runs to the end with 64 survivors, the worst case);
+//   - miss: held by none;
+//
+// and unique filler chains up to 1M blocks.
+type preciseBenchFixture struct {
+	ix                             *PreciseIndex
+	typical, staggered, full, miss []uint64
+}
+
+var (
+	preciseBenchOnce sync.Once
+	preciseBench     preciseBenchFixture
+)
+
+func preciseBenchIndex(b *testing.B) preciseBenchFixture {
+	preciseBenchOnce.Do(func() {
+		const (
+			eps     = 64
+			total   = 1_000_000
+			promptN = 750
+			chunk   = 250
+		)
+		ix, _ := NewPreciseIndex(eps, 16)
+		held := 0
+		prompt := func(start uint32, blocks func(e int) int) []uint64 {
+			toks := seq(promptN*16, start)
+			eng := preciseEngineKeys(toks, 0)
+			for e := range eps {
+				if n := blocks(e); n > 0 {
+					preciseStore(b, ix, e, MediumGPU, eng[:n], 0, false, toks[:16*n], 0)
+				}
+			}
+			held += promptN
+			return Hashes(nil, toks, 16, 0)
+		}
+		preciseBench.typical = prompt(1, func(e int) int {
+			switch {
+			case e == 0:
+				return promptN
+			case e <= 3:
+				return 400
+			}
+			return 125
+		})
+		preciseBench.staggered = prompt(100_000, func(e int) int { return promptN * (e + 1) / eps })
+		preciseBench.full = prompt(200_000, func(int) int { return promptN })
+		preciseBench.miss = Hashes(nil, seq(promptN*16, 300_000), 16, 0)
+		per := (total - held) / eps
+		ftoks := make([]uint32, chunk*16)
+		for e := range eps {
+			for done := 0; done < per; done += chunk {
+				n := min(chunk, per-done)
+				for i := range ftoks[:16*n] {
+					ftoks[i] = uint32(1_000_000 + e*per*16 + done*16 + i)
+				}
+				preciseStore(b, ix, e, MediumGPU, preciseEngineKeys(ftoks[:16*n], 7), 0, false, ftoks[:16*n], 0)
+			}
+		}
+		preciseBench.ix = ix
+	})
+	return preciseBench
+}
+
+// BenchmarkPreciseMatch64x1M matches 750-block prompts against 64 endpoints
+// and 1M blocks (see preciseBenchFixture), one goroutine, then "parallel"
+// (the staggered prompt from every P).
+func BenchmarkPreciseMatch64x1M(b *testing.B) {
+	f := preciseBenchIndex(b)
+	distinct := 0
+	for s := range f.ix.shards {
+		distinct += len(f.ix.shards[s].owners[MediumGPU])
+	}
+	b.Logf("%d distinct blocks, %d (endpoint, block) entries", distinct, f.ix.Stats().Blocks)
+	m := make([]int, 64)
+	for _, c := range []struct {
+		name   string
+		prompt []uint64
+		check  func() bool
+	}{
+		{"typical", f.typical, func() bool { return m[0] == 750 && m[1] == 400 && m[63] == 125 }},
+		{"staggered", f.staggered, func() bool { return m[0] == 11 && m[63] == 750 }},
+		{"full", f.full, func() bool { return m[0] == 750 && m[63] == 750 }},
+		{"miss", f.miss, func() bool { return m[0] == 0 && m[63] == 0 }},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				f.ix.Match(c.prompt, MediumGPU, m)
+			}
+			if !c.check() {
+				b.Fatalf("match %v", m)
+			}
+		})
+	}
+	b.Run("parallel", func(b *testing.B) {
+		b.ReportAllocs()
+		b.RunParallel(func(pb *testing.PB) {
+			m := make([]int, 64)
+			for pb.Next() {
+				f.ix.Match(f.staggered, MediumGPU, m)
+			}
+		})
+	})
+}
