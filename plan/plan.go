@@ -185,7 +185,11 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 	for _, p := range opts.Policies {
 		cfg := opts.Routing
 		cfg.Policy = p
-		if _, err := sched.New(cfg, slices.Repeat([]int{1}, largest)); err != nil {
+		pool := sched.Pool{Capacity: slices.Repeat([]int{1}, largest)}
+		if sched.UsesPrecise(cfg) {
+			pool.Precise = noMatch{} // the virtual fleet feeds a real one
+		}
+		if _, err := sched.NewPolicy(cfg, pool); err != nil {
 			return Result{}, fmt.Errorf("plan: policy %s on %d engines: %w", p, largest, err)
 		}
 	}
@@ -230,7 +234,7 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 			}
 		})
 	}
-	for _, k := range dispatchOrder(opts.Engines, opts.Policies) {
+	for _, k := range dispatchOrder(opts.Engines, opts.Policies, opts.Routing) {
 		mu.Lock()
 		stop := firstErr != nil
 		mu.Unlock()
@@ -257,10 +261,11 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 // conversation trace a run's wall time depends mostly on the policy — one that
 // hashes prompts (prefix) takes about twice as long as one that does not — and
 // little on the fleet size, so hashing policies go first, then larger fleets.
-func dispatchOrder(engines []int, policies []string) []int {
+func dispatchOrder(engines []int, policies []string, routing sched.Config) []int {
 	hashes := make([]bool, len(policies))
 	for j, p := range policies {
-		if pol, err := sched.New(sched.Config{Policy: p}, []int{1}); err == nil {
+		routing.Policy = p
+		if pol, err := sched.NewPolicy(routing, sched.Pool{Capacity: []int{1}, Precise: noMatch{}}); err == nil {
 			hashes[j] = pol.NeedsHashes()
 		}
 	}
@@ -418,3 +423,9 @@ func joinInts(xs []int) string {
 	}
 	return strings.Join(s, ",")
 }
+
+// noMatch stands in for a precise index when only checking a policy's
+// configuration.
+type noMatch struct{}
+
+func (noMatch) Match([]uint64, []int) {}
