@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math/bits"
 	"sync"
+	"sync/atomic"
+	"unsafe"
 )
 
 // MaxEndpoints is the number of endpoints one Index can track (one bit each in
@@ -17,14 +19,78 @@ const MaxEndpoints = 64
 // than C distinct blocks). It learns only from routing decisions, not from the
 // engines, hence "approximate"; the precise index fed by KV events is separate.
 //
-// Memory: 57 bytes per (endpoint, block) entry measured for 200k blocks on
-// one endpoint (map slots in the global table and the endpoint's LRU plus a
-// 16-byte list node; TestIndexBytesPerBlock holds it under 128).
-// Safe for concurrent use; one mutex, held for O(blocks) map operations.
+// # Layout and memory
+//
+// The owners table maps a block hash to the bitmask of endpoints holding it
+// and to a digest of the prefix it ends (see Match). It is split into 64
+// shards by the top bits of a mix of the hash, each an open-addressing Robin
+// Hood table (backward-shift deletion, no tombstones, at most 7/8 full) of
+// 24-byte slots. Every endpoint has an exact LRU: 24-byte nodes (hash, digest,
+// links) in a slice that grows to capacity and is then reused, found through
+// its own Robin Hood table of 8-byte slots (32-bit tag, node number; at most
+// 7/8 full), plus 9 KiB of update scratch once it has been inserted into.
+// TestIndexBytesPerBlock measures 66 bytes per (endpoint, block) entry for
+// 200,000 blocks on one endpoint (24 node, 10.5 LRU slot, 31.5 owners slot)
+// and 71 for the same blocks spread over 64 endpoints, and holds both under
+// 80. Since tables double, the cost of a full LRU at other sizes ranges from
+// about 61 to 97 bytes (the tables between 7/16 and 7/8 full); a block held
+// by several endpoints pays the owners slot once.
+// Memory is bounded by the capacities: an endpoint's LRU never exceeds its
+// capacity and the owners table never holds more than the sum of the
+// capacities. Clear keeps the endpoint's memory for reuse.
+//
+// # Locking
+//
+// Each endpoint's LRU has its own mutex and each owners shard its own
+// RWMutex. Insert and Clear hold their endpoint's mutex throughout and take
+// shard write locks one at a time (lock order: endpoint, then shard; no
+// goroutine ever holds two shard locks), applying their owner updates in
+// batches of up to 512 grouped by shard, so an Insert of n new blocks takes
+// at most 64 shard locks per 256 blocks rather than 2n. Match takes only
+// shard read locks, one lookup at a time, so Matches run in parallel with
+// each other and with Inserts of other endpoints. A Match concurrent with an
+// Insert or Clear is therefore not a snapshot: it may see some of that call's
+// updates and not others. Without concurrent writers its result is exactly
+// the linear definition below.
+//
+// # Match by bisection
+//
+// Match's answer for endpoint e is the number of leading blocks of the prompt
+// that e holds (the linear definition). Hashes are chained (block i's hash
+// identifies the whole prefix up to i) and Insert touches a prompt from its
+// last block to its first, so whenever e holds block i of a prompt it holds
+// blocks 0..i-1 too: the Insert that last touched block i touched them all
+// afterwards, so they are fresher in e's LRU and are evicted after it, and
+// Clear drops everything at once. Along a prompt, the set of endpoints
+// holding block i therefore only shrinks as i grows, and each endpoint's
+// matched length is where it leaves that set. Match finds those points by
+// bisection: it compares the sets at the two ends of a range, stops if they
+// are equal (nothing changes in between) and otherwise splits the range, so
+// it costs O(d log n) lookups for d distinct match lengths among n blocks
+// instead of n (2 lookups when one endpoint holds the whole prompt).
+//
+// The argument needs real chains, which the API cannot promise: a caller may
+// Match a slice with a hole or Insert a slice that does not start at a root,
+// and then the sets are not monotone. Both are caught, so the answer stays
+// exact: every owners entry stores the digest (a sum of a non-linear mix of
+// the hashes) of the prefix it ended in the Insert that created it, each LRU
+// node the digest of the Insert that added it, and any later Insert touching
+// the block with a different prefix digest marks the entry conflicting.
+// Match accepts a bisection answer only if, at the last held block of each
+// reported length, the entry's digest equals the digest of the query's own
+// prefix up to there (one pass of arithmetic over the query, no lookups).
+// That proves that every endpoint holding that block holds the query's whole
+// prefix up to it: its last touch of the block came from an Insert of that
+// same prefix, which touched the rest of it afterwards. Otherwise Match falls
+// back to the linear scan. Only a 64-bit digest collision between two
+// different prefixes could defeat the check; prompts made by Hashes never
+// need the fallback (TestIndexBisectionAgainstModel), misuse always gets the
+// linear answer (TestIndexNonChainAgainstModel).
 type Index struct {
-	mu     sync.Mutex
-	owners map[uint64]uint64 // block hash -> bitmask of endpoints holding it
-	lrus   []lru
+	shards [numShards]ownerShard
+	eps    []endpoint
+	// linear counts Matches that fell back to the linear scan.
+	linear atomic.Uint64
 }
 
 // NewIndex returns an index over len(capacity) endpoints, endpoint e holding
@@ -34,35 +100,142 @@ func NewIndex(capacity []int) (*Index, error) {
 	if len(capacity) > MaxEndpoints {
 		return nil, fmt.Errorf("prefix index: %d endpoints, at most %d per pool", len(capacity), MaxEndpoints)
 	}
-	ix := &Index{owners: make(map[uint64]uint64), lrus: make([]lru, len(capacity))}
+	ix := &Index{eps: make([]endpoint, len(capacity))}
 	for e, c := range capacity {
-		ix.lrus[e].init(max(c, 1))
+		ix.eps[e].lru.init(int32(min(max(c, 1), maxLRU)))
 	}
 	return ix, nil
 }
 
 // Endpoints returns the number of endpoints the index tracks.
-func (ix *Index) Endpoints() int { return len(ix.lrus) }
+func (ix *Index) Endpoints() int { return len(ix.eps) }
 
 // Match sets matched[e] to the number of leading blocks of hashes that
 // endpoint e is believed to hold, for every e < len(matched) (extra entries
 // are left alone). It does not change recency. It allocates nothing.
 func (ix *Index) Match(hashes []uint64, matched []int) {
-	n := min(len(matched), len(ix.lrus))
-	for e := range n {
+	n := min(len(matched), len(ix.eps))
+	matched = matched[:n]
+	for e := range matched {
 		matched[e] = 0
 	}
 	if n == 0 || len(hashes) == 0 {
 		return
 	}
-	alive := uint64(1)<<n - 1
-	if n == 64 {
-		alive = ^uint64(0)
+	alive := ^uint64(0) >> (64 - n)
+	m0, d0 := ix.lookup(hashes[0])
+	m0 &= alive
+	if m0 == 0 {
+		return
 	}
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
+	s := bisection{hashes: hashes, matched: matched}
+	last := len(hashes) - 1
+	if last > 0 {
+		mN, dN := ix.lookup(hashes[last])
+		mN &= m0
+		s.split(ix, 0, m0, d0, last, mN)
+		if mN != 0 {
+			s.end(last, mN, dN)
+		}
+	} else {
+		s.end(0, m0, d0)
+	}
+	if !s.verify() {
+		ix.linear.Add(1)
+		ix.matchLinear(hashes, matched, alive)
+	}
+}
+
+// bisection is Match's state; it lives on Match's stack.
+// The index is passed to split, not kept here: lookup's receiver escapes
+// (sync.RWMutex), and a field here would drag matched to the heap with it.
+type bisection struct {
+	hashes  []uint64
+	matched []int
+	// checks lists, in increasing pos, the last held block of every
+	// reported length and the digest its owners entry had when read.
+	checks  [MaxEndpoints]check
+	nchecks int
+}
+
+type check struct {
+	pos int
+	dig uint64
+}
+
+// split settles the endpoints that hold block lo of the prompt (mlo, its
+// entry's digest dlo) but not block hi (mhi, a subset of mlo): each gets the
+// length at which it stops holding. The masks split reads in between are
+// clamped to lie between their neighbours', which only matters if a
+// concurrent Insert or Clear changed them during the Match.
+//
+// It is iterative: an explicit stack holds the right halves still to
+// settle, left halves first, so checks stay in increasing pos.
+func (s *bisection) split(ix *Index, lo int, mlo, dlo uint64, hi int, mhi uint64) {
+	type span struct {
+		lo       int
+		mlo, dlo uint64
+		hi       int
+		mhi      uint64
+	}
+	var stack [64]span // depth ≤ log2(len(hashes)) + 1
+	n := 0
+	for {
+		for mlo != mhi {
+			if hi == lo+1 {
+				// mlo &^ mhi is a subset of the raw mask read at lo: anything
+				// clamped in came from a mask at or after hi.
+				s.end(lo, mlo&^mhi, dlo)
+				break
+			}
+			mid := lo + (hi-lo)/2
+			raw, d := ix.lookup(s.hashes[mid])
+			mm := raw&mlo | mhi
+			stack[n] = span{mid, mm, d, hi, mhi} // settle [mid, hi] after [lo, mid]
+			n++
+			hi, mhi = mid, mm
+		}
+		if n == 0 {
+			return
+		}
+		n--
+		sp := stack[n]
+		lo, mlo, dlo, hi, mhi = sp.lo, sp.mlo, sp.dlo, sp.hi, sp.mhi
+	}
+}
+
+// end reports that the endpoints in set hold blocks 0..pos and not pos+1, as
+// read at pos with digest dig, pending verify.
+func (s *bisection) end(pos int, set, dig uint64) {
+	for ; set != 0; set &= set - 1 {
+		s.matched[bits.TrailingZeros64(set)] = pos + 1
+	}
+	s.checks[s.nchecks] = check{pos, dig}
+	s.nchecks++
+}
+
+// verify reports whether every reported length is proven: the digest of the
+// query's prefix up to each checked position equals the one its entry stores.
+func (s *bisection) verify() bool {
+	var sum uint64
+	j := 0
+	for _, c := range s.checks[:s.nchecks] {
+		for ; j <= c.pos; j++ {
+			sum += digestMix(s.hashes[j])
+		}
+		if c.dig != sum|1 {
+			return false
+		}
+	}
+	return true
+}
+
+// matchLinear is the definition of Match: one lookup per block until no
+// endpoint is left.
+func (ix *Index) matchLinear(hashes []uint64, matched []int, alive uint64) {
 	for i, h := range hashes {
-		held := ix.owners[h] & alive
+		held, _ := ix.lookup(h)
+		held &= alive
 		for dropped := alive &^ held; dropped != 0; dropped &= dropped - 1 {
 			matched[bits.TrailingZeros64(dropped)] = i
 		}
@@ -76,106 +249,557 @@ func (ix *Index) Match(hashes []uint64, matched []int) {
 	}
 }
 
+// lookup returns block h's owners mask and prefix digest (0, 0 if absent).
+func (ix *Index) lookup(h uint64) (mask, dig uint64) {
+	m := mix(h)
+	sh := &ix.shards[m>>(64-shardBits)]
+	sh.mu.RLock()
+	mask, dig = sh.get(h, m)
+	sh.mu.RUnlock()
+	return mask, dig
+}
+
 // Insert records that endpoint e now holds every block of hashes, making them
 // its most recently used; the least recently used blocks beyond its capacity
 // are forgotten. Blocks are touched from last to first, so the shared head of
 // a prompt is the freshest and a prefix is forgotten tail-first, as vLLM frees
 // a finished request's blocks in reverse order (vllm/v1/core/block_pool.py).
-// An out-of-range e is ignored.
+// An out-of-range e is ignored. Once e's LRU is full it allocates nothing.
 func (ix *Index) Insert(e int, hashes []uint64) {
-	if e < 0 || e >= len(ix.lrus) {
+	if e < 0 || e >= len(ix.eps) || len(hashes) == 0 {
 		return
 	}
-	bit := uint64(1) << e
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
-	l := &ix.lrus[e]
-	for i := len(hashes) - 1; i >= 0; i-- {
-		h := hashes[i]
-		if evicted, ok := l.touch(h); ok {
-			if m := ix.owners[evicted] &^ bit; m == 0 {
-				delete(ix.owners, evicted)
-			} else {
-				ix.owners[evicted] = m
-			}
-		}
-		ix.owners[h] |= bit
+	var sum uint64 // digest of hashes[:i+1]
+	for _, h := range hashes {
+		sum += digestMix(h)
 	}
+	ep := &ix.eps[e]
+	bit := uint64(1) << e
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	b := ep.batch()
+	l := &ep.lru
+	for i := len(hashes) - 1; i >= 0; i-- {
+		if b.n > len(b.ops)-2 {
+			ix.flush(b, bit)
+		}
+		if (len(hashes)-1-i)%prefetchRun == 0 {
+			b.sink += l.prefetch(hashes[max(i+1-prefetchRun, 0) : i+1])
+		}
+		h := hashes[i]
+		dig := sum | 1
+		sum -= digestMix(h)
+		m := mix(h)
+		_, node := l.find(h, m)
+		if node >= 0 {
+			l.moveFront(node)
+			if l.nodes[node].dig != dig {
+				b.add(h, opConflict)
+			}
+			continue
+		}
+		if l.full() {
+			old := l.tail
+			ev := l.nodes[old].hash
+			b.add(ev, opRemove)
+			l.unlink(old)
+			l.remove(ev)
+			l.nodes[old] = lruNode{hash: h, dig: dig}
+			l.put(m, old)
+			l.pushFront(old)
+		} else {
+			l.grow()
+			node = int32(len(l.nodes))
+			l.nodes = append(l.nodes, lruNode{hash: h, dig: dig})
+			l.put(m, node)
+			l.pushFront(node)
+		}
+		b.add(h, dig)
+	}
+	ix.flush(b, bit)
 }
 
 // Clear forgets every block of endpoint e (for example after the engine
 // restarted or its cache was reset). An out-of-range e is ignored.
 func (ix *Index) Clear(e int) {
-	if e < 0 || e >= len(ix.lrus) {
+	if e < 0 || e >= len(ix.eps) {
 		return
 	}
+	ep := &ix.eps[e]
 	bit := uint64(1) << e
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
-	l := &ix.lrus[e]
-	for h := range l.slot {
-		if m := ix.owners[h] &^ bit; m == 0 {
-			delete(ix.owners, h)
-		} else {
-			ix.owners[h] = m
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	if len(ep.lru.nodes) == 0 {
+		return
+	}
+	b := ep.batch()
+	for i := range ep.lru.nodes {
+		b.add(ep.lru.nodes[i].hash, opRemove)
+		if b.n == len(b.ops) {
+			ix.flush(b, bit)
 		}
 	}
-	l.init(l.cap)
+	ix.flush(b, bit)
+	ep.lru.reset()
 }
 
 // Len returns the number of blocks endpoint e is believed to hold.
 func (ix *Index) Len(e int) int {
-	if e < 0 || e >= len(ix.lrus) {
+	if e < 0 || e >= len(ix.eps) {
 		return 0
 	}
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
-	return len(ix.lrus[e].slot)
+	ep := &ix.eps[e]
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	return len(ep.lru.nodes)
+}
+
+// distinct returns the number of blocks held by at least one endpoint.
+func (ix *Index) distinct() int {
+	n := 0
+	for i := range ix.shards {
+		sh := &ix.shards[i]
+		sh.mu.RLock()
+		n += sh.n
+		sh.mu.RUnlock()
+	}
+	return n
+}
+
+// flush applies b's pending owner updates for the endpoint with bit bit,
+// visiting each shard once, in the order they were queued within a shard (all
+// updates of one hash fall in one shard, so the result is as if applied one
+// by one).
+func (ix *Index) flush(b *opBatch, bit uint64) {
+	if b.n == 0 {
+		return
+	}
+	var head, tail [numShards]int16
+	for i := range head {
+		head[i] = -1
+	}
+	for i := int16(0); i < int16(b.n); i++ {
+		s := mix(b.ops[i].key) >> (64 - shardBits)
+		b.next[i] = -1
+		if t := tail[s]; head[s] >= 0 {
+			b.next[t] = i
+		} else {
+			head[s] = i
+		}
+		tail[s] = i
+	}
+	for s, i := range head {
+		if i < 0 {
+			continue
+		}
+		sh := &ix.shards[s]
+		sh.mu.Lock()
+		if len(sh.slots) > 0 {
+			// Load every op's home slot first, so that their cache misses
+			// overlap instead of queueing behind each probe loop.
+			end := uint64(len(sh.slots) - 1)
+			for j := i; j >= 0; j = b.next[j] {
+				b.sink += sh.slots[sh.pos(mix(b.ops[j].key))&end].mask
+			}
+		}
+		for ; i >= 0; i = b.next[i] {
+			op := b.ops[i]
+			switch op.dig {
+			case opRemove:
+				sh.remove(op.key, bit)
+			case opConflict:
+				sh.conflict(op.key)
+			default:
+				sh.add(op.key, bit, op.dig)
+			}
+		}
+		sh.mu.Unlock()
+	}
+	b.n = 0
+}
+
+// mix spreads a block hash over 64 bits for table positions: the top
+// shardBits pick the owners shard, the next bits the slot; an LRU table uses
+// the top bits for the slot and the top 32 as the tag.
+func mix(h uint64) uint64 {
+	return (h ^ h>>32) * 0x9e3779b97f4a7c15
+}
+
+// digestMix is the non-linear mix summed into prefix digests (splitmix64's
+// finalizer), so that different sets of hashes do not sum alike by structure.
+func digestMix(h uint64) uint64 {
+	h = (h ^ h>>30) * 0xbf58476d1ce4e5b9
+	h = (h ^ h>>27) * 0x94d049bb133111eb
+	return h ^ h>>31
+}
+
+const (
+	shardBits = 6
+	numShards = 1 << shardBits
+	// maxLRU bounds an endpoint's capacity so that node numbers fit the
+	// 32-bit half of an LRU slot.
+	maxLRU = 1 << 30
+)
+
+// ownerShard is one shard of the owners table, padded to whole cache lines so
+// that neighbouring shards' locks do not share one.
+type ownerShard struct {
+	ownerTable
+	_ [128 - unsafe.Sizeof(ownerTable{})%128]byte
+}
+
+type ownerTable struct {
+	mu    sync.RWMutex
+	slots []ownerSlot // power-of-two length; mask 0 marks an empty slot
+	n     int
+	shift uint // 64 - log2(len(slots))
+}
+
+type ownerSlot struct {
+	key  uint64
+	mask uint64 // endpoints holding key; never 0 in a used slot
+	dig  uint64 // digest of the prefix key ends (odd), 0 if conflicting
+}
+
+// pos returns the home slot of a hash whose mix is m (the bits after the
+// shard bits).
+func (t *ownerTable) pos(m uint64) uint64 { return m << shardBits >> t.shift }
+
+// dist returns how far slot p's entry s sits from its home.
+func (t *ownerTable) dist(p uint64, s *ownerSlot) uint64 {
+	return (p - t.pos(mix(s.key))) & uint64(len(t.slots)-1)
+}
+
+// The table is Robin Hood hashed: an entry never sits farther from its home
+// than the entries before it in its probe run would allow them, so a lookup
+// stops at the first entry closer to its home than the key would be, and a
+// deletion shifts the run back only up to the first entry at its home.
+
+// get returns key's mask and digest (0, 0 if absent); m is mix(key).
+func (t *ownerTable) get(key, m uint64) (mask, dig uint64) {
+	if t.n == 0 {
+		return 0, 0
+	}
+	end := uint64(len(t.slots) - 1)
+	p := t.pos(m)
+	for d := uint64(0); ; d++ {
+		s := &t.slots[p]
+		if s.mask == 0 {
+			return 0, 0
+		}
+		if s.key == key {
+			return s.mask, s.dig
+		}
+		if t.dist(p, s) < d {
+			return 0, 0
+		}
+		p = (p + 1) & end
+	}
+}
+
+// find returns key's slot position, or -1 if absent.
+func (t *ownerTable) find(key uint64) int {
+	if t.n == 0 {
+		return -1
+	}
+	end := uint64(len(t.slots) - 1)
+	p := t.pos(mix(key))
+	for d := uint64(0); ; d++ {
+		s := &t.slots[p]
+		if s.mask == 0 {
+			return -1
+		}
+		if s.key == key {
+			return int(p)
+		}
+		if t.dist(p, s) < d {
+			return -1
+		}
+		p = (p + 1) & end
+	}
+}
+
+// add sets bit in key's mask; a new entry takes digest dig, an existing one
+// with another digest becomes conflicting.
+func (t *ownerTable) add(key, bit, dig uint64) {
+	if (t.n+1)*8 > len(t.slots)*7 {
+		t.grow()
+	}
+	end := uint64(len(t.slots) - 1)
+	p := t.pos(mix(key))
+	for d := uint64(0); ; d++ {
+		s := &t.slots[p]
+		if s.mask == 0 {
+			*s = ownerSlot{key: key, mask: bit, dig: dig}
+			t.n++
+			return
+		}
+		if s.key == key {
+			s.mask |= bit
+			if s.dig != dig {
+				s.dig = 0
+			}
+			return
+		}
+		if sd := t.dist(p, s); sd < d {
+			// key is absent; it takes this slot and the resident moves on.
+			old := *s
+			*s = ownerSlot{key: key, mask: bit, dig: dig}
+			t.n++
+			t.push(old, (p+1)&end, sd+1)
+			return
+		}
+		p = (p + 1) & end
+	}
+}
+
+// push places absent entry e, probing from slot p at distance d from its
+// home, displacing entries nearer their homes.
+func (t *ownerTable) push(e ownerSlot, p, d uint64) {
+	end := uint64(len(t.slots) - 1)
+	for ; ; p, d = (p+1)&end, d+1 {
+		s := &t.slots[p]
+		if s.mask == 0 {
+			*s = e
+			return
+		}
+		if sd := t.dist(p, s); sd < d {
+			e, *s = *s, e
+			d = sd
+		}
+	}
+}
+
+func (t *ownerTable) conflict(key uint64) {
+	if p := t.find(key); p >= 0 {
+		t.slots[p].dig = 0
+	}
+}
+
+// remove clears bit from key's mask and deletes the entry when no endpoint
+// is left (no tombstones).
+func (t *ownerTable) remove(key, bit uint64) {
+	i := t.find(key)
+	if i < 0 {
+		return
+	}
+	p := uint64(i)
+	if t.slots[p].mask &^= bit; t.slots[p].mask != 0 {
+		return
+	}
+	t.n--
+	end := uint64(len(t.slots) - 1)
+	for {
+		q := (p + 1) & end
+		s := &t.slots[q]
+		if s.mask == 0 || t.dist(q, s) == 0 {
+			t.slots[p] = ownerSlot{}
+			return
+		}
+		t.slots[p] = *s
+		p = q
+	}
+}
+
+func (t *ownerTable) grow() {
+	size := max(2*len(t.slots), 16)
+	old := t.slots
+	t.slots = make([]ownerSlot, size)
+	t.shift = uint(64 - bits.TrailingZeros(uint(size)))
+	for _, s := range old {
+		if s.mask != 0 {
+			t.push(s, t.pos(mix(s.key)), 0)
+		}
+	}
+}
+
+// endpoint is one endpoint's LRU and scratch, padded like ownerShard.
+type endpoint struct {
+	endpointState
+	_ [128 - unsafe.Sizeof(endpointState{})%128]byte
+}
+
+type endpointState struct {
+	mu  sync.Mutex
+	lru lru
+	ops *opBatch // allocated on first Insert
+}
+
+func (ep *endpointState) batch() *opBatch {
+	if ep.ops == nil {
+		ep.ops = new(opBatch)
+	}
+	return ep.ops
+}
+
+// opBatch queues owner updates of one endpoint for flush.
+type opBatch struct {
+	n    int
+	sink uint64 // prefetching loads' results, kept so they are not elided
+	ops  [512]ownerOp
+	next [512]int16 // per-shard chains built by flush
+}
+
+// ownerOp is an owner update: add with digest dig (odd), or one of:
+const (
+	opConflict = 0 // mark the entry conflicting
+	opRemove   = 2 // clear the endpoint's bit
+)
+
+type ownerOp struct{ key, dig uint64 }
+
+func (b *opBatch) add(key, dig uint64) {
+	b.ops[b.n] = ownerOp{key, dig}
+	b.n++
 }
 
 // lru is a fixed-capacity LRU set of block hashes: an intrusive doubly linked
-// list over a node slice (no allocation once full) plus a hash -> slot map.
+// list over a node slice (no allocation once full) plus an open-addressing
+// table of slots, each the top 32 bits of the hash's mix (a tag) over the
+// node number plus one (0 marks an empty slot).
 type lru struct {
-	cap        int
-	slot       map[uint64]int32
+	cap        int32
 	nodes      []lruNode
 	head, tail int32 // most and least recently used; -1 when empty
+	slots      []uint64
+	shift      uint // 64 - log2(len(slots))
 }
 
 type lruNode struct {
 	hash       uint64
+	dig        uint64 // prefix digest of the Insert that added it
 	prev, next int32
 }
 
-func (l *lru) init(capacity int) {
+func (l *lru) init(capacity int32) {
 	l.cap = capacity
-	l.slot = make(map[uint64]int32)
-	l.nodes = l.nodes[:0]
 	l.head, l.tail = -1, -1
 }
 
-// touch makes h the most recently used entry, inserting it if absent. If that
-// pushed the set over capacity, it returns the evicted hash and true.
-func (l *lru) touch(h uint64) (evicted uint64, ok bool) {
-	if i, found := l.slot[h]; found {
-		l.unlink(i)
-		l.pushFront(i)
-		return 0, false
+// reset empties the set, keeping its memory for reuse.
+func (l *lru) reset() {
+	l.nodes = l.nodes[:0]
+	clear(l.slots)
+	l.head, l.tail = -1, -1
+}
+
+func (l *lru) full() bool { return int32(len(l.nodes)) == l.cap }
+
+// The slot table is Robin Hood hashed like ownerTable; a slot's home is its
+// top bits, as the tag is the mix's top 32 bits.
+
+// find returns h's slot position and node, or -1 if absent. m is mix(h).
+func (l *lru) find(h, m uint64) (uint64, int32) {
+	if len(l.slots) == 0 {
+		return 0, -1
 	}
-	var i int32
-	if len(l.nodes) < l.cap {
-		l.nodes = append(l.nodes, lruNode{})
-		i = int32(len(l.nodes) - 1)
-	} else {
-		i = l.tail
-		evicted, ok = l.nodes[i].hash, true
-		delete(l.slot, evicted)
-		l.unlink(i)
+	end := uint64(len(l.slots) - 1)
+	tag := m >> 32
+	p := m >> l.shift
+	for d := uint64(0); ; d++ {
+		s := l.slots[p]
+		if s == 0 {
+			return p, -1
+		}
+		if s>>32 == tag {
+			if i := int32(uint32(s)) - 1; l.nodes[i].hash == h {
+				return p, i
+			}
+		}
+		if (p-s>>l.shift)&end < d {
+			return p, -1
+		}
+		p = (p + 1) & end
 	}
-	l.nodes[i].hash = h
-	l.slot[h] = i
+}
+
+// put adds a slot for node i, whose hash (absent) has mix m.
+func (l *lru) put(m uint64, i int32) {
+	end := uint64(len(l.slots) - 1)
+	e := m>>32<<32 | uint64(i+1)
+	for p, d := m>>l.shift, uint64(0); ; p, d = (p+1)&end, d+1 {
+		s := l.slots[p]
+		if s == 0 {
+			l.slots[p] = e
+			return
+		}
+		if sd := (p - s>>l.shift) & end; sd < d {
+			l.slots[p], e, d = e, s, sd
+		}
+	}
+}
+
+// prefetchRun is how many blocks ahead Insert loads LRU slots.
+const prefetchRun = 32
+
+// prefetch loads the home slots of hashes and, if the set is full, of as
+// many least recently used entries (the next victims), so that the cache
+// misses of the next len(hashes) touches overlap. Its result only keeps the
+// loads from being elided.
+func (l *lru) prefetch(hashes []uint64) uint64 {
+	if len(l.slots) == 0 {
+		return 0
+	}
+	var sink uint64
+	for _, h := range hashes {
+		sink += l.slots[mix(h)>>l.shift]
+	}
+	if l.full() {
+		v := l.tail
+		for range hashes {
+			if v < 0 {
+				break
+			}
+			n := &l.nodes[v]
+			sink += l.slots[mix(n.hash)>>l.shift]
+			v = n.prev
+		}
+	}
+	return sink
+}
+
+// remove deletes h's slot (h must be present).
+func (l *lru) remove(h uint64) {
+	p, _ := l.find(h, mix(h))
+	end := uint64(len(l.slots) - 1)
+	for {
+		q := (p + 1) & end
+		s := l.slots[q]
+		if s == 0 || s>>l.shift == q {
+			l.slots[p] = 0
+			return
+		}
+		l.slots[p] = s
+		p = q
+	}
+}
+
+// grow makes room for one more node: it enlarges the node slice (doubling,
+// up to capacity) and the slot table (keeping it at most 7/8 full).
+func (l *lru) grow() {
+	n := len(l.nodes)
+	if n == cap(l.nodes) {
+		nodes := make([]lruNode, n, min(max(2*n, 16), int(l.cap)))
+		copy(nodes, l.nodes)
+		l.nodes = nodes
+	}
+	if (n+1)*8 <= len(l.slots)*7 {
+		return
+	}
+	size := max(2*len(l.slots), 16)
+	l.slots = make([]uint64, size)
+	l.shift = uint(64 - bits.TrailingZeros(uint(size)))
+	for i := range l.nodes {
+		l.put(mix(l.nodes[i].hash), int32(i))
+	}
+}
+
+func (l *lru) moveFront(i int32) {
+	if l.head == i {
+		return
+	}
+	l.unlink(i)
 	l.pushFront(i)
-	return evicted, ok
 }
 
 func (l *lru) unlink(i int32) {

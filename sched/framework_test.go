@@ -355,42 +355,70 @@ func TestProfileAllocFree(t *testing.T) {
 	}
 }
 
-// BenchmarkDecision64x1M is one scheduling decision of the cache-aware and
-// precise-prefix profiles (filters, prefix + cost + LoRA scorers, max-score
-// picker, and for cache-aware the index update) with 64 endpoints whose
+// BenchmarkDecision64x1M is one scheduling decision with 64 endpoints whose
 // indexes hold 1,000,000 blocks in all, on a 12k-token prompt (750 blocks)
 // whose first 2,000 tokens every endpoint holds and whose rest one endpoint
-// holds. Reports p99-ns over the timed decisions.
+// holds: filters, prefix + cost + LoRA scorers and the max-score picker.
+// cache-aware/decide is the scoring path alone (the approximate index's
+// update disabled), cache-aware/decide+learn adds the update of the chosen
+// endpoint's 750 blocks, precise-prefix reads an index fed as KV events
+// would. Reports p99-ns over the timed decisions.
 func BenchmarkDecision64x1M(b *testing.B) {
 	const n, perEndpoint = 64, 1_000_000 / 64
 	ix, _ := prefix.NewIndex(caps(n, perEndpoint))
+	px, _ := prefix.NewPreciseIndex(n, 16)
+	var engineKey uint64
+	store := func(e int, toks []uint32) {
+		keys := make([]uint64, len(toks)/16)
+		for i := range keys {
+			engineKey++
+			keys[i] = engineKey
+		}
+		_ = px.Stored(e, prefix.MediumGPU, keys, 0, false, toks, 0)
+	}
 	for e := range n {
 		// Fill each endpoint with distinct 750-block prompts.
 		for k := 0; k < perEndpoint/750+1; k++ {
-			ix.Insert(e, prefix.Hashes(nil, tokens(12000, uint32(e*1000+k)*20000+1_000_000_000), 16, 0))
+			toks := tokens(12000, uint32(e*1000+k)*20000+1_000_000_000)
+			ix.Insert(e, prefix.Hashes(nil, toks, 16, 0))
+			store(e, toks)
 		}
 	}
 	reqs := make([]*Request, 64)
 	for i := range reqs {
-		reqs[i] = req(append(tokens(2000, 0), tokens(10000, uint32(i+1)*100000)...))
+		toks := append(tokens(2000, 0), tokens(10000, uint32(i+1)*100000)...)
+		reqs[i] = req(toks)
 		for e := range n {
 			ix.Insert(e, reqs[i].Hashes[:125])
+			store(e, toks[:2000])
 		}
 		ix.Insert(i%n, reqs[i].Hashes)
+		store(i%n, toks)
 	}
-	for _, name := range []string{CacheAware, PrecisePrefix} {
-		b.Run(name, func(b *testing.B) {
-			p := newProfileT(b, Config{Policy: name}, Pool{Capacity: caps(n, perEndpoint), Precise: ix})
-			if name == CacheAware {
+	b.Logf("approximate index: %d blocks on endpoint 0; precise index: %+v", ix.Len(0), px.Stats())
+	eps := ready(n)
+	for i := range eps {
+		eps[i].InFlight = i % 5
+		eps[i].PendingPrefillTokens = (i % 7) * 1000
+	}
+	for _, tc := range []struct {
+		name, policy string
+		learn        bool
+	}{
+		{"cache-aware/decide", CacheAware, false},
+		{"cache-aware/decide+learn", CacheAware, true},
+		{"precise-prefix/decide", PrecisePrefix, false},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			p := newProfileT(b, Config{Policy: tc.policy}, Pool{Capacity: caps(n, perEndpoint), Precise: px.On(prefix.MediumGPU)})
+			if tc.policy == CacheAware {
 				// Share the filled index with the approximate scorer.
-				p.scorers[0].Scorer.(*prefixScorer).ix = ix
-				p.match = ix
-				p.learners[0] = p.scorers[0].Scorer.(*prefixScorer)
-			}
-			eps := ready(n)
-			for i := range eps {
-				eps[i].InFlight = i % 5
-				eps[i].PendingPrefillTokens = (i % 7) * 1000
+				ps := p.scorers[0].Scorer.(*prefixScorer)
+				ps.ix, p.match = ix, ix
+				p.learners = nil
+				if tc.learn {
+					p.learners = []Learner{ps}
+				}
 			}
 			benchDecisions(b, func(i int) { p.Pick(reqs[i%len(reqs)], eps) })
 		})
