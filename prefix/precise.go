@@ -93,13 +93,12 @@ const preciseShards = 64
 // engine would not hit for it. The engines' block size must be the index's
 // (llm-d also maps one engine block to several request blocks and back).
 //
-// Memory: 82 bytes per (endpoint, block) measured for 200k blocks on one
+// Memory: 111 bytes per (endpoint, block) measured for 200k blocks on one
 // endpoint (map slots in the endpoint's engine → request map, in its
-// per-request-key counts and in the shared block table;
-// TestPreciseIndexBytesPerBlock holds it under 128). Of these, about 24 are
-// the block table's, paid once per distinct block however many endpoints
-// hold it (measured: 70 bytes per (endpoint, block) when 2 endpoints hold
-// the same blocks, 65 with 4).
+// per-request-key entries — counts, kids counts and parent link for hole
+// tracking — and in the shared block table; TestPreciseIndexBytesPerBlock
+// holds it under 128). About 24 of them are the block table's, paid once per
+// distinct block however many endpoints hold it.
 //
 // Safe for concurrent use.
 type PreciseIndex struct {
@@ -130,11 +129,34 @@ type engEntry struct {
 
 type preciseEndpoint struct {
 	mu     sync.Mutex
-	eng    map[uint64]engEntry    // engine key -> request key, counts
-	held   map[uint64]mediaCounts // request key -> engine blocks per medium
-	blocks [NumMedia]int          // request keys with a positive count, per medium
-	keys   []uint64               // scratch: request keys of one event
+	eng    map[uint64]engEntry  // engine key -> request key, counts
+	held   map[uint64]heldEntry // request key -> engine blocks per medium, chain links
+	blocks [NumMedia]int        // request keys with a positive count, per medium
+	keys   []uint64             // scratch: request keys of one event
+	// holes[m] counts the request keys held in medium m whose parent is not
+	// held there (a prefix with a gap: the engine evicted an ancestor but
+	// kept a descendant). While it is 0 the endpoint's blocks are
+	// prefix-closed and Match may bisect; written under mu, read by Match.
+	holes [NumMedia]atomic.Int64
+	// saturated[m] is set when a kids count saturated in medium m: holes[m]
+	// is then unreliable, and Match scans the endpoint linearly until reset.
+	saturated [NumMedia]atomic.Bool
 }
+
+// heldEntry is one request key of an endpoint: how many engine blocks with
+// it the endpoint holds per medium, how many of its children (request keys
+// chained from it) are held per medium, and its own parent.
+type heldEntry struct {
+	c    mediaCounts
+	kids mediaCounts // saturating: a saturated count makes the endpoint holey until cleared
+	// parent is the request key it is chained from; rootParent when it is
+	// chained from a seed; 0 while unknown (an entry created only to count
+	// the kids of a key the endpoint does not hold).
+	parent uint64
+}
+
+// rootParent marks a request key chained from a seed, not from a block.
+const rootParent = ^uint64(0)
 
 // PreciseStats are a PreciseIndex's cumulative event counters and its size.
 type PreciseStats struct {
@@ -175,8 +197,70 @@ func NewPreciseIndex(endpoints, blockSize int) (*PreciseIndex, error) {
 
 func (ep *preciseEndpoint) reset() {
 	ep.eng = make(map[uint64]engEntry)
-	ep.held = make(map[uint64]mediaCounts)
+	ep.held = make(map[uint64]heldEntry)
 	ep.blocks = [NumMedia]int{}
+	for m := range ep.holes {
+		ep.holes[m].Store(0)
+		ep.saturated[m].Store(false)
+	}
+}
+
+// gained records that request key req (chained from parent, or from a seed
+// when root) became held in medium m: its held children stop being holes,
+// and it is one itself if its parent is not held. ep.mu is held.
+func (ep *preciseEndpoint) gained(m Medium, req uint64, h *heldEntry) {
+	if h.kids[m] != ^uint16(0) {
+		ep.holes[m].Add(-int64(h.kids[m]))
+	}
+	if h.parent == rootParent {
+		return
+	}
+	p := ep.held[h.parent]
+	if p.c[m] == 0 {
+		ep.holes[m].Add(1)
+	}
+	if p.kids[m] == ^uint16(0)-1 {
+		// Saturating: from now on this parent's kids are not counted, so
+		// hole counts are unreliable and the endpoint is matched linearly
+		// until it is cleared.
+		ep.saturated[m].Store(true)
+	}
+	if p.kids[m] != ^uint16(0) {
+		p.kids[m]++
+	}
+	ep.held[h.parent] = p
+}
+
+// lost records that request key req stopped being held in medium m: its
+// held children become holes, and if it was a hole that hole is gone.
+// ep.mu is held.
+func (ep *preciseEndpoint) lost(m Medium, h *heldEntry) {
+	if h.kids[m] != ^uint16(0) {
+		ep.holes[m].Add(int64(h.kids[m]))
+	}
+	if h.parent == rootParent {
+		return
+	}
+	p, ok := ep.held[h.parent]
+	if !ok {
+		return
+	}
+	if p.c[m] == 0 {
+		ep.holes[m].Add(-1)
+	}
+	if p.kids[m] != ^uint16(0) {
+		p.kids[m]--
+	}
+	ep.put(h.parent, p)
+}
+
+// put stores h under req, or deletes it when it records nothing. ep.mu is held.
+func (ep *preciseEndpoint) put(req uint64, h heldEntry) {
+	if h.c == (mediaCounts{}) && h.kids == (mediaCounts{}) {
+		delete(ep.held, req)
+		return
+	}
+	ep.held[req] = h
 }
 
 // Endpoints returns the number of endpoints the index tracks.
@@ -227,6 +311,13 @@ func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent ui
 	ep.keys = Hashes(ep.keys[:0], tokens, ix.blockSize, seed)
 	for i, h := range engineHashes {
 		req := ep.keys[i]
+		parentReq := rootParent
+		switch {
+		case i > 0:
+			parentReq = ep.keys[i-1]
+		case hasParent:
+			parentReq = seed // the parent block's request key
+		}
 		ent, ok := ep.eng[h]
 		if ok && ent.req != req {
 			// The engine reused an engine key for other tokens: trust the
@@ -237,19 +328,23 @@ func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent ui
 		if !ok {
 			ent = engEntry{req: req}
 		}
-		c := ep.held[req]
-		if ent.n[m] == ^uint16(0) || c[m] == ^uint16(0) {
+		he := ep.held[req]
+		if he.parent == 0 {
+			he.parent = parentReq
+		}
+		if ent.n[m] == ^uint16(0) || he.c[m] == ^uint16(0) {
 			continue // saturated: a later removal may forget the block early
 		}
 		ent.n[m]++
 		ep.eng[h] = ent
-		if c[m] == 0 {
+		he.c[m]++
+		ep.held[req] = he
+		if he.c[m] == 1 {
 			ix.setBit(m, req, bit)
 			ep.blocks[m]++
 			ix.blocks.Add(1)
+			ep.gained(m, req, &he)
 		}
-		c[m]++
-		ep.held[req] = c
 	}
 	ix.storedEvents.Add(1)
 	return nil
@@ -286,22 +381,21 @@ func (ix *PreciseIndex) Removed(e int, m Medium, engineHashes []uint64) {
 // release takes n blocks of request key req in medium m away from ep,
 // clearing its bit when none is left. ep.mu is held.
 func (ix *PreciseIndex) release(ep *preciseEndpoint, bit uint64, m Medium, req uint64, n uint16) {
-	c := ep.held[req]
-	if c[m] <= n { // < only after saturation
-		if c[m] > 0 {
+	he := ep.held[req]
+	if he.c[m] <= n { // < only after saturation
+		if he.c[m] > 0 {
 			ix.clearBit(m, req, bit)
 			ep.blocks[m]--
 			ix.blocks.Add(-1)
+			he.c[m] = 0
+			ep.held[req] = he
+			ep.lost(m, &he)
+			he = ep.held[req] // lost touched req itself only on a hash cycle
 		}
-		c[m] = 0
 	} else {
-		c[m] -= n
+		he.c[m] -= n
 	}
-	if c == (mediaCounts{}) {
-		delete(ep.held, req)
-	} else {
-		ep.held[req] = c
-	}
+	ep.put(req, he)
 }
 
 // dropEngineKey forgets engine key h of ep and every block it held. ep.mu is held.
@@ -325,8 +419,8 @@ func (ix *PreciseIndex) Cleared(e int) {
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	var n int64
-	for req, c := range ep.held {
-		for m, k := range c {
+	for req, h := range ep.held {
+		for m, k := range h.c {
 			if k > 0 {
 				ix.clearBit(Medium(m), req, bit)
 				n++
@@ -364,27 +458,58 @@ func (ix *PreciseIndex) clearBit(m Medium, req, bit uint64) {
 // Match sets matched[e] to the number of leading blocks of hashes (request
 // keys: Hashes of a prompt under the seed its blocks are stored with) that
 // endpoint e holds in medium m, for every e < len(matched) (extra entries
-// are left alone). It scans hashes in order and stops when no endpoint is
-// left: engines do not evict prefix-closed, so a block's presence says
-// nothing about its predecessors and the scan cannot bisect. It allocates
-// nothing; it takes one shard read lock per block looked up.
+// are left alone). It allocates nothing.
+//
+// Engines usually evict prefix-closed — vLLM frees a finished request's
+// blocks tail first, so a parent is always at least as recently used as its
+// child (vllm/v1/core/block_pool.py free_blocks) — but not always (a shared
+// ancestor can be evicted while a descendant is still in use elsewhere). The
+// index counts, per endpoint and medium, the held blocks whose parent is not
+// held ("holes", kept exact by Stored/Removed). Endpoints without holes hold
+// prefix-closed sets, so for them owners(h_i) is non-increasing along the
+// prompt and Match bisects: O(distinct lengths × log n) lookups instead of
+// n. Endpoints with holes get the linear scan, which stops at the first gap
+// as the engine's own prefix lookup does. Each lookup takes one shard read
+// lock; under concurrent updates the result mixes states from before and
+// after them, as any unlocked read would.
 func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 	n := min(len(matched), len(ix.eps))
-	for e := range n {
+	matched = matched[:n]
+	for e := range matched {
 		matched[e] = 0
 	}
 	if n == 0 || len(hashes) == 0 || m >= NumMedia {
 		return
 	}
-	alive := uint64(1)<<n - 1
-	if n == 64 {
-		alive = ^uint64(0)
+	alive := ^uint64(0) >> (64 - n)
+	var holey uint64
+	for e := range n {
+		if ix.eps[e].holes[m].Load() != 0 || ix.eps[e].saturated[m].Load() {
+			holey |= 1 << e
+		}
 	}
+	if closed := alive &^ holey; closed != 0 {
+		ix.matchBisect(hashes, m, matched, closed)
+	}
+	if holey != 0 {
+		ix.matchLinear(hashes, m, matched, holey)
+	}
+}
+
+// lookup returns the owners of request key h in medium m.
+func (ix *PreciseIndex) lookup(m Medium, h uint64) uint64 {
+	s := ix.shard(h)
+	s.mu.RLock()
+	v := s.owners[m][h]
+	s.mu.RUnlock()
+	return v
+}
+
+// matchLinear is the definition of Match for the endpoints in alive: one
+// lookup per block until none is left.
+func (ix *PreciseIndex) matchLinear(hashes []uint64, m Medium, matched []int, alive uint64) {
 	for i, h := range hashes {
-		s := ix.shard(h)
-		s.mu.RLock()
-		held := s.owners[m][h] & alive
-		s.mu.RUnlock()
+		held := ix.lookup(m, h) & alive
 		for dropped := alive &^ held; dropped != 0; dropped &= dropped - 1 {
 			matched[bits.TrailingZeros64(dropped)] = i
 		}
@@ -395,6 +520,52 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 	}
 	for ; alive != 0; alive &= alive - 1 {
 		matched[bits.TrailingZeros64(alive)] = len(hashes)
+	}
+}
+
+// matchBisect is Match for endpoints (in set) whose blocks are
+// prefix-closed: it settles, by bisection, where each stops holding the
+// prompt. Masks read in between are clamped between their neighbours', which
+// only matters when updates run concurrently.
+func (ix *PreciseIndex) matchBisect(hashes []uint64, m Medium, matched []int, set uint64) {
+	m0 := ix.lookup(m, hashes[0]) & set
+	if m0 == 0 {
+		return
+	}
+	last := len(hashes) - 1
+	mN := m0
+	if last > 0 {
+		mN = ix.lookup(m, hashes[last]) & m0
+	}
+	for s := mN; s != 0; s &= s - 1 {
+		matched[bits.TrailingZeros64(s)] = len(hashes)
+	}
+	type span struct {
+		lo, hi   int
+		mlo, mhi uint64
+	}
+	var stack [64]span // depth ≤ log2(len(hashes)) + 1
+	k := 0
+	lo, hi, mlo, mhi := 0, last, m0, mN
+	for {
+		for mlo != mhi {
+			if hi == lo+1 {
+				for s := mlo &^ mhi; s != 0; s &= s - 1 {
+					matched[bits.TrailingZeros64(s)] = lo + 1
+				}
+				break
+			}
+			mid := lo + (hi-lo)/2
+			mm := ix.lookup(m, hashes[mid])&mlo | mhi
+			stack[k] = span{mid, hi, mm, mhi} // [mid, hi] after [lo, mid]
+			k++
+			hi, mhi = mid, mm
+		}
+		if k == 0 {
+			return
+		}
+		k--
+		lo, hi, mlo, mhi = stack[k].lo, stack[k].hi, stack[k].mlo, stack[k].mhi
 	}
 }
 

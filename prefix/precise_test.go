@@ -279,6 +279,13 @@ func TestPreciseAgainstModel(t *testing.T) {
 		}
 	}
 	engToReq := map[uint64]uint64{}
+	parentOf := map[uint64]uint64{} // request key -> parent request key (absent: root)
+	for _, d := range docs {
+		for i := 1; i < len(d.req); i++ {
+			parentOf[d.req[i]] = d.req[i-1]
+		}
+	}
+	bisected := 0
 	for _, d := range docs {
 		for s := range 2 {
 			for i, h := range d.eng[s] {
@@ -374,11 +381,26 @@ func TestPreciseAgainstModel(t *testing.T) {
 				if ix.Len(e, Medium(md)) != len(have) {
 					t.Fatalf("step %d: Len %d, model %d", step, ix.Len(e, Medium(md)), len(have))
 				}
+				holes := 0
+				for k := range have {
+					if p, ok := parentOf[k]; ok && !have[p] {
+						holes++
+					}
+				}
+				if got := ix.eps[e].holes[md].Load(); got != int64(holes) {
+					t.Fatalf("step %d medium %d endpoint %d: %d holes counted, model %d", step, md, e, got, holes)
+				}
+				if holes == 0 && len(have) > 0 {
+					bisected++
+				}
 			}
 		}
 	}
 	st := ix.Stats()
-	t.Logf("%+v", st)
+	t.Logf("%+v; %d checks on prefix-closed, non-empty endpoints (bisected)", st, bisected)
+	if bisected < 1000 {
+		t.Fatalf("only %d checks took the bisection path", bisected)
+	}
 	if st.UnknownParents == 0 || st.UnknownRemovals == 0 || st.Blocks == 0 {
 		t.Fatalf("workload missed a path: %+v", st)
 	}
