@@ -445,3 +445,38 @@ func benchDecisions(b *testing.B, f func(i int)) {
 		b.ReportMetric(float64(samples[len(samples)*99/100]), "p99-ns")
 	}
 }
+
+// TestIdleFleetSpreadsNewSessions: on an idle fleet, new conversations that
+// share only a chat template's first block are not piled onto the endpoint
+// that happens to hold that block (the e2e test against Ollama found this:
+// a 2-slot engine then thrashes); they spread, while a follow-up still goes
+// home.
+func TestIdleFleetSpreadsNewSessions(t *testing.T) {
+	for _, name := range []string{CacheAware, PrecisePrefix} {
+		ix, _ := prefix.NewIndex(caps(4, 100000))
+		p := newProfileT(t, Config{Policy: name}, Pool{Capacity: caps(4, 100000), Precise: ix})
+		eps := ready(4)
+		counts := make([]int, 4)
+		var firstHome int
+		var first []uint32
+		for s := range 40 {
+			toks := append(tokens(16, 7), tokens(2000, uint32(s+1)*100000)...)
+			r := req(toks)
+			d := p.Pick(r, eps)
+			counts[d.Endpoint]++
+			ix.Insert(d.Endpoint, r.Hashes) // what the engine now holds
+			if s == 0 {
+				firstHome, first = d.Endpoint, toks
+			}
+		}
+		for e, n := range counts {
+			if n < 4 {
+				t.Fatalf("%s: endpoint %d got %d of 40 new sessions: %v", name, e, n, counts)
+			}
+		}
+		follow := append(append([]uint32{}, first...), tokens(100, 3)...)
+		if d := p.Pick(req(follow), eps); d.Endpoint != firstHome {
+			t.Fatalf("%s: follow-up went to %d, home %d", name, d.Endpoint, firstHome)
+		}
+	}
+}

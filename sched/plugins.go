@@ -143,14 +143,18 @@ func (f hotSpotFilter) Filter(c *Cycle, cands []int) []int {
 
 // ---- scorers ----
 
-// prefixScorer: matched leading blocks / prompt blocks, from the approximate
-// index, which learns every decision of the profile.
-type prefixScorer struct{ ix *prefix.Index }
+// prefixScorer: matched leading blocks beyond the least any candidate
+// matches, as a fraction of the prompt's blocks (0 below minGain), from the
+// approximate index, which learns every decision of the profile.
+type prefixScorer struct {
+	ix      *prefix.Index
+	minGain float64
+}
 
 func (*prefixScorer) Name() string { return ScorerPrefix }
 
 func (s *prefixScorer) Score(c *Cycle, cands []int, scores []float64) {
-	matchFraction(c, c.MatchedBy(s.ix), cands, scores)
+	matchGain(c, c.MatchedBy(s.ix), cands, scores, s.minGain)
 }
 
 // Learn records the prompt's blocks as held by the chosen endpoint.
@@ -158,22 +162,40 @@ func (s *prefixScorer) Learn(c *Cycle, chosen int) { s.ix.Insert(chosen, c.Req.H
 
 // preciseScorer: matched leading blocks / prompt blocks, from the index the
 // engines' KV events feed.
-type preciseScorer struct{ src MatchSource }
+type preciseScorer struct {
+	src     MatchSource
+	minGain float64
+}
 
 func (*preciseScorer) Name() string { return ScorerPrecisePrefix }
 
 func (s *preciseScorer) Score(c *Cycle, cands []int, scores []float64) {
-	matchFraction(c, c.MatchedBy(s.src), cands, scores)
+	matchGain(c, c.MatchedBy(s.src), cands, scores, s.minGain)
 }
 
-func matchFraction(c *Cycle, matched []int, cands []int, scores []float64) {
+// matchGain scores each candidate by the prompt blocks it holds beyond the
+// candidate that holds the fewest, as a fraction of the prompt's n blocks:
+//
+//	score(e) = (m(e) − min m) / n,  0 when below minGain
+//
+// A prefix every candidate holds (a shared system prompt) gives no
+// preference, and neither does a sliver (one chat-template block) that is
+// not worth piling sessions onto one endpoint for (ARCHITECTURE.md,
+// "starvation from a universal prefix").
+func matchGain(c *Cycle, matched []int, cands []int, scores []float64, minGain float64) {
 	n := len(c.Req.Hashes)
+	least := math.MaxInt
+	for _, i := range cands {
+		least = min(least, matched[i])
+	}
 	for k, i := range cands {
+		scores[k] = 0
 		if n == 0 {
-			scores[k] = 0
 			continue
 		}
-		scores[k] = float64(matched[i]) / float64(n)
+		if g := float64(matched[i]-least) / float64(n); g >= minGain {
+			scores[k] = g
+		}
 	}
 }
 
@@ -357,26 +379,32 @@ func (s *costScorer) Score(c *Cycle, cands []int, scores []float64) {
 
 // ---- pickers ----
 
-// maxScorePicker takes the highest total; ties (within 1e-9) uniformly at
-// random.
-type maxScorePicker struct{}
+// maxScorePicker takes the highest total; totals within tol of the best
+// are ties, broken uniformly at random (so that differences too small to
+// matter — one block of a long prompt — do not pile work on one endpoint).
+type maxScorePicker struct{ tol float64 }
 
 func (maxScorePicker) Name() string { return PickerMaxScore }
 
-func (maxScorePicker) Pick(c *Cycle, cands []int, total []float64) int {
-	best, ties := -1, 0
-	for k := range cands {
-		switch {
-		case best < 0 || total[k] > total[best]+1e-9:
-			best, ties = k, 1
-		case total[k] >= total[best]-1e-9:
+func (p maxScorePicker) Pick(c *Cycle, cands []int, total []float64) int {
+	if len(cands) == 0 {
+		return -1
+	}
+	top := math.Inf(-1)
+	for _, t := range total {
+		top = max(top, t)
+	}
+	tol := max(p.tol, 1e-9)
+	pick, ties := -1, 0
+	for k, t := range total {
+		if t >= top-tol {
 			ties++
 			if c.IntN(ties) == 0 {
-				best = k
+				pick = k
 			}
 		}
 	}
-	return best
+	return pick
 }
 
 // weightedRandomPicker picks candidate k with probability total[k] / Σ total

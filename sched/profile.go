@@ -222,7 +222,7 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedR
 			if err != nil {
 				return nil, where("%v", err)
 			}
-			ps := &prefixScorer{ix: ix}
+			ps := &prefixScorer{ix: ix, minGain: pcfg.MinMatchGain}
 			p.learners = append(p.learners, ps)
 			s = ps
 			p.hashes = true
@@ -230,7 +230,7 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedR
 			if pool.Precise == nil {
 				return nil, where("%v", ErrNoPrecise)
 			}
-			s = &preciseScorer{src: pool.Precise}
+			s = &preciseScorer{src: pool.Precise, minGain: pcfg.MinMatchGain}
 			precise, p.hashes = true, true
 		case ScorerQueue:
 			s = queueScorer{}
@@ -278,7 +278,14 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedR
 	}
 	switch pc.Picker {
 	case PickerMaxScore, "":
-		p.picker = maxScorePicker{}
+		tol := cfg.TieTolerance
+		if tol == 0 {
+			tol = DefaultTieTolerance
+		}
+		if tol < 0 || tol != tol {
+			return nil, where("tie_tolerance %g must be >= 0", tol)
+		}
+		p.picker = maxScorePicker{tol: tol}
 	case PickerWeightedRandom:
 		p.picker = weightedRandomPicker{}
 	case PickerPowerOfTwo:

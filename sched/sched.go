@@ -132,7 +132,16 @@ type Config struct {
 	Session SessionConfig `yaml:"session"`
 	// Cost tunes the cost scorer.
 	Cost CostConfig `yaml:"cost"`
+	// TieTolerance is how close to the best total a candidate's total must
+	// be for the max-score picker to count it as a tie (default 0.02, in
+	// units of scorer weight).
+	TieTolerance float64 `yaml:"tie_tolerance"`
 }
+
+// DefaultTieTolerance is Config.TieTolerance's default: a cost difference
+// of 2% of one weight unit, e.g. one 16-token block of an 800-token prompt,
+// does not break a tie.
+const DefaultTieTolerance = 0.02
 
 // New builds the configured policy for a pool whose endpoint i can hold about
 // capacity[i] prompt blocks (of Config.Prefix.BlockSize tokens) and that has
