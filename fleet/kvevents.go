@@ -808,7 +808,19 @@ func (s *KVEventSubscriber) Run(ctx context.Context, h KVEventHandler) error {
 type kvStream struct {
 	started bool   // a batch was delivered since the last reset
 	next    uint64 // the sequence number expected next
+	// dupFrom: after the catch-up on joining, live messages with seq in
+	// [dupFrom, next) are the replayed batches again (queued while the
+	// replay ran), not a restart; valid while dup is set, which the first
+	// live message at or past next clears.
+	dupFrom uint64
+	dup     bool
 }
+
+// kvJoinDelay is how long after dialling the subscriber waits before it
+// asks the replay socket for what it missed: long enough for the
+// subscription to reach the publisher (ZeroMQ's "slow joiner"), so that
+// nothing published around the join falls between replay and live stream.
+const kvJoinDelay = 100 * time.Millisecond
 
 // session dials the PUB socket and handles messages until the connection
 // drops or ctx is done. It reports whether any message arrived.
@@ -822,6 +834,15 @@ func (s *KVEventSubscriber) session(ctx context.Context, h KVEventHandler, st *k
 		return false
 	}
 	s.connects.Add(1)
+	st.dup = false // a new connection: a lower seq now means a restart
+	if s.cfg.ReplayEndpoint != "" {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(kvJoinDelay):
+		}
+		s.joinCatchUp(ctx, h, st)
+	}
 	for {
 		msg, err := sub.Recv()
 		if err != nil {
@@ -849,6 +870,12 @@ func kvClose(sock zmq4.Socket) {
 
 // receive handles one live message.
 func (s *KVEventSubscriber) receive(ctx context.Context, h KVEventHandler, st *kvStream, seq uint64, payload []byte) {
+	if st.dup {
+		if seq >= st.dupFrom && seq < st.next {
+			return // delivered by the catch-up on joining
+		}
+		st.dup = false
+	}
 	b, err := DecodeKVEventBatch(payload)
 	switch {
 	case !st.started:
@@ -885,6 +912,36 @@ func (s *KVEventSubscriber) deliver(h KVEventHandler, seq uint64, b *KVEventBatc
 	s.events.Add(uint64(len(b.Events)))
 	s.unknown.Add(uint64(b.Unknown))
 	h.KVBatch(seq, b)
+}
+
+// joinCatchUp asks the replay socket, right after joining, for every batch
+// from the one expected next (0 on a fresh stream) to the newest: without
+// it, batches published before the subscription took effect stay missing
+// until the engine publishes again (and an idle engine may not for a long
+// time). A hole before the first batch returned resets the handler.
+func (s *KVEventSubscriber) joinCatchUp(ctx context.Context, h KVEventHandler, st *kvStream) {
+	from := uint64(0)
+	if st.started {
+		from = st.next
+	}
+	got, err := s.replay(ctx, from, kvReplayEnd)
+	if ctx.Err() != nil || err != nil || len(got) == 0 {
+		return
+	}
+	if st.started {
+		// Batches missed while disconnected: recovered, or (when the
+		// buffer no longer reaches back to them) a reset.
+		s.gaps.Add(1)
+		if got[0].seq != from {
+			s.reset(h, KVResetGap)
+		}
+	}
+	for i := range got {
+		s.replayed.Add(1)
+		s.deliver(h, got[i].seq, &got[i].b)
+	}
+	st.started, st.next = true, got[len(got)-1].seq+1
+	st.dupFrom, st.dup = got[0].seq, true
 }
 
 // catchUp delivers the batches [from, to) from the replay socket. When the
@@ -924,8 +981,9 @@ const kvReplayEnd = ^uint64(0)
 
 // replay asks the replay socket for the batches from seq from on and returns
 // the contiguous run of them that ends at to-1 (nil with an error when there
-// is none). It reads the reply to its end marker, ignoring batches from to
-// on, so that the DEALER is drained when it closes.
+// is none), or with to = kvReplayEnd the contiguous run that ends at the
+// newest buffered batch. It reads the reply to its end marker, ignoring
+// batches from to on, so that the DEALER is drained when it closes.
 func (s *KVEventSubscriber) replay(ctx context.Context, from, to uint64) ([]kvSeqBatch, error) {
 	rctx, cancel := context.WithTimeout(ctx, s.cfg.ReplayTimeout)
 	defer cancel()
@@ -965,6 +1023,9 @@ func (s *KVEventSubscriber) replay(ctx context.Context, from, to uint64) ([]kvSe
 			got = got[:0]
 		}
 		got = append(got, kvSeqBatch{seq, b})
+	}
+	if to == kvReplayEnd {
+		return got, nil
 	}
 	if len(got) == 0 || got[len(got)-1].seq != to-1 {
 		return nil, errors.New("kv events replay: the engine's buffer does not reach the gap")

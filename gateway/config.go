@@ -93,6 +93,22 @@ type Config struct {
 	// whose kind has a metrics page (queue, KV utilisation, LoRA adapters
 	// for the load scorers); default 1s, negative disables scraping.
 	ScrapeInterval time.Duration `yaml:"scrape_interval"`
+
+	// Retry resends a request that failed before any byte reached the
+	// client to another endpoint (resilience.go).
+	Retry RetryConfig `yaml:"retry"`
+	// Outlier is passive outlier detection: consecutive errors eject an
+	// endpoint for a back-off that doubles per ejection.
+	Outlier OutlierConfig `yaml:"outlier"`
+	// CircuitBreaker bounds the requests in flight to one endpoint.
+	CircuitBreaker CircuitBreakerConfig `yaml:"circuit_breaker"`
+	// Admission bounds the requests in flight per model, queueing the
+	// excess by priority (admission.go).
+	Admission AdmissionConfig `yaml:"admission"`
+
+	// EdgeConfig holds API keys, TLS, trusted proxies, header limits and
+	// client timeouts (limits.go, auth.go, tls.go); its keys are top-level.
+	EdgeConfig `yaml:",inline"`
 }
 
 // EndpointConfig describes one engine.
@@ -190,6 +206,9 @@ func (c Config) WithDefaults() Config {
 	if c.ScrapeInterval == 0 {
 		c.ScrapeInterval = DefaultScrapeInterval
 	}
+	c.Retry, c.Outlier = c.Retry.withDefaults(), c.Outlier.withDefaults()
+	c.CircuitBreaker, c.Admission = c.CircuitBreaker.withDefaults(), c.Admission.withDefaults()
+	c.EdgeConfig = c.EdgeConfig.withDefaults()
 	eps := make([]EndpointConfig, len(c.Endpoints))
 	for i, e := range c.Endpoints {
 		if e.BlockSize == 0 {
@@ -252,6 +271,8 @@ func (c Config) Validate() error {
 	if c.MaxIdleConnsPerHost < 0 {
 		bad("max_idle_conns_per_host %d: must be >= 0", c.MaxIdleConnsPerHost)
 	}
+	errs = append(errs, c.validateResilience()...)
+	errs = append(errs, c.EdgeConfig.validate()...)
 	if c.HealthCheckPath != "" && c.HealthCheckPath != healthCheckOff && !strings.HasPrefix(c.HealthCheckPath, "/") {
 		bad("health_check_path %q: must start with / (or be %q to disable probing, or empty for each kind's own path)", c.HealthCheckPath, healthCheckOff)
 	}

@@ -50,6 +50,12 @@ type endpoint struct {
 	// serving, read-only after): they make the pools' policies forget what
 	// the engine's cache was believed to hold.
 	onDown []func()
+	// outlier is the passive outlier detection state (resilience.go).
+	outlier outlierState
+	// gates are the admission controls of the pools the endpoint serves,
+	// woken when it frees a slot or changes readiness (set up before
+	// serving).
+	gates []*admission
 }
 
 // setReady records readiness, runs the onDown hooks on a ready→unready
@@ -59,6 +65,9 @@ func (ep *endpoint) setReady(ok bool) (was bool) {
 		for _, f := range ep.onDown {
 			f()
 		}
+	}
+	if was != ok {
+		ep.wakeGates()
 	}
 	return was
 }

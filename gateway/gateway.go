@@ -47,6 +47,9 @@ type Gateway struct {
 	tokenizer *prefix.Tokenizer // nil when no policy needs hashes
 	metrics   *metrics
 	unknown   *routeMetrics // model "unknown", no endpoint
+	res       *resilienceMetrics
+
+	edge // API keys, TLS, trusted proxies (limits.go)
 
 	handler        http.Handler
 	metricsHandler http.Handler
@@ -83,6 +86,10 @@ type pool struct {
 	precise       *prefix.PreciseIndex
 	precisePolicy bool
 	scraper       *fleet.Scraper
+	// gate is the pool's admission control; budget bounds its retries
+	// (admission.go, retry.go).
+	gate   *admission
+	budget retryBudget
 }
 
 // snapshot returns the pool's endpoints as the scheduler sees them now
@@ -239,6 +246,10 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		}
 	}
 	g.unknown = m.route(unknownModel, "", g.policyName)
+	if err := g.setupResilience(reg); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
+	}
 
 	slices.Sort(models)
 	list := openai.ModelList{Object: openai.ObjectList, Data: make([]openai.Model, len(models))}
@@ -249,6 +260,10 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	if g.modelsBody, err = json.Marshal(list); err != nil {
 		g.transport.CloseIdleConnections()
 		return nil, fmt.Errorf("gateway: encode model list: %w", err)
+	}
+	if err := g.initEdge(reg); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
 	}
 	g.metricsHandler = promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{})
 	g.handler = http.HandlerFunc(g.route)
@@ -306,6 +321,9 @@ func newTransport(cfg Config) *http.Transport {
 		DisableCompression:    true,
 		WriteBufferSize:       32 << 10,
 		ReadBufferSize:        32 << 10,
+		// An engine's headers are small; a hostile or broken one cannot
+		// make the gateway buffer more than this (net/http's default: 10 MB).
+		MaxResponseHeaderBytes: maxUpstreamHeaderBytes,
 	}
 }
 
@@ -313,16 +331,20 @@ func newTransport(cfg Config) *http.Transport {
 func (g *Gateway) Handler() http.Handler { return g.handler }
 
 // Server returns an http.Server for the gateway on cfg.Listen with timeouts
-// suited to long streams: headers must arrive within 10s and idle
-// keep-alive connections close after 2 minutes, but there is no write
-// timeout (a generation may stream for minutes).
+// suited to long streams: headers must arrive within read_header_timeout
+// and idle keep-alive connections close after idle_timeout, but there is no
+// overall write timeout (a generation may stream for minutes; the handler
+// bounds each write by write_timeout instead). With TLS configured,
+// TLSConfig is set: serve with ServeTLS(ln, "", "") or
+// ListenAndServeTLS("", "").
 func (g *Gateway) Server() *http.Server {
 	return &http.Server{
 		Addr:              g.cfg.Listen,
 		Handler:           g.handler,
-		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       2 * time.Minute,
-		MaxHeaderBytes:    1 << 20,
+		ReadHeaderTimeout: g.cfg.ReadHeaderTimeout,
+		IdleTimeout:       g.cfg.IdleTimeout,
+		MaxHeaderBytes:    serverHeaderBytes(g.cfg.MaxHeaderBytes),
+		TLSConfig:         g.tlsConfig,
 	}
 }
 
@@ -364,20 +386,25 @@ const (
 )
 
 // route dispatches on the exact path, answering OpenAI errors for wrong
-// methods (405) and unknown paths (404).
+// methods (405) and unknown paths (404), after the edge checks (header size,
+// API key: limits.go).
 func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
+	key, ok := g.checkEdge(w, r)
+	if !ok {
+		return
+	}
 	switch r.URL.Path {
 	case pathChat:
 		if g.allow(w, r, http.MethodPost) {
-			g.serveInference(w, r, kindChat)
+			g.serveInference(w, r, kindChat, key)
 		}
 	case pathCompletions:
 		if g.allow(w, r, http.MethodPost) {
-			g.serveInference(w, r, kindCompletion)
+			g.serveInference(w, r, kindCompletion, key)
 		}
 	case pathModels:
 		if g.allow(w, r, http.MethodGet) {
-			writeJSON(w, http.StatusOK, g.modelsBody)
+			writeJSON(w, http.StatusOK, g.modelsBodyFor(key))
 		}
 	case pathMetrics:
 		if g.allow(w, r, http.MethodGet) {

@@ -340,7 +340,9 @@ func TestRoutingByPrefix(t *testing.T) {
 
 func TestHeadersForwarded(t *testing.T) {
 	e := newFakeEngine(t, "e0")
-	_, url := startGateway(t, testConfig(sched.RoundRobin, e))
+	cfg := testConfig(sched.RoundRobin, e)
+	cfg.TrustedProxies = []string{"127.0.0.1"} // keep and extend the client's X-Forwarded-For
+	_, url := startGateway(t, cfg)
 	conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
 	if err != nil {
 		t.Fatal(err)
@@ -513,7 +515,9 @@ func TestClientCancelCancelsUpstream(t *testing.T) {
 
 func TestReadinessAndEjection(t *testing.T) {
 	e := newFakeEngine(t, "e0")
-	g, url := startGateway(t, testConfig(sched.Prefix, e))
+	cfg := testConfig(sched.Prefix, e)
+	cfg.Outlier.ConsecutiveErrors = 1 // eject at the first lost connection
+	g, url := startGateway(t, cfg)
 	c := testClient(t)
 	ready := func() int {
 		resp, err := c.Get(url + pathReadyz)
@@ -541,7 +545,8 @@ func TestReadinessAndEjection(t *testing.T) {
 	e.down.Store(false)
 	waitFor(t, "readyz 200 after recovery", func() bool { return ready() == 200 })
 
-	// Passive health: a connection failure answers 502 and ejects it.
+	// Passive health: a lost connection answers 502 and (one error in a
+	// row being the threshold here) ejects it.
 	e.mode.Store(int32(modeDrop))
 	resp, body = post(t, c, url+pathChat, chatBody)
 	if resp.StatusCode != 502 || codeStr(decodeError(t, body).Code) != openai.CodeUpstream {

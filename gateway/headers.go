@@ -19,18 +19,59 @@ func isHopByHop(k string) bool {
 
 // dropUpstream reports whether client header k is not forwarded to an
 // engine: hop-by-hop headers, credentials meant for the gateway
-// (Authorization, Cookie), headers the gateway sets itself (Host,
-// Content-Length, X-Request-Id, X-Forwarded-For) and Accept-Encoding and
-// Expect (the gateway parses the engine's response as it streams, so it asks
-// for identity encoding, and it holds the whole body already).
+// (Authorization, X-Api-Key, Api-Key, Cookie), headers the gateway sets
+// itself (Host, Content-Length, X-Request-Id, X-Forwarded-For), the
+// gateway's internal namespace X-Infergate-* (so a client cannot forge what
+// the gateway may tell engines), and Accept-Encoding and Expect (the gateway
+// parses the engine's response as it streams, so it asks for identity
+// encoding, and it holds the whole body already). The other forwarding
+// headers are removed at the edge unless the peer is a trusted proxy
+// (scrubForwarding). X-Session-Id is kept: it is the client's own
+// conversation id, no credential, and a second-tier router or an engine
+// with session-aware caching may use it.
 func dropUpstream(k string) bool {
 	switch k {
-	case "Authorization", "Cookie", "Host", "Content-Length", "Accept-Encoding", "Expect",
+	case "Authorization", "X-Api-Key", "Api-Key", "Cookie", "Host", "Content-Length", "Accept-Encoding", "Expect",
 		"X-Request-Id", "X-Forwarded-For":
 		return true
 	}
-	return isHopByHop(k)
+	return isHopByHop(k) || strings.HasPrefix(k, "X-Infergate-")
 }
+
+// isForwarding reports whether canonical header key k says where a request
+// came from: X-Forwarded-*, Forwarded (RFC 7239) and X-Real-Ip.
+func isForwarding(k string) bool {
+	return strings.HasPrefix(k, "X-Forwarded-") || k == "Forwarded" || k == "X-Real-Ip"
+}
+
+// scrubForwarding makes the request's forwarding headers the gateway's own:
+// from a peer that is not a trusted proxy every forwarding header the
+// client sent is removed (upstreamHeader then sets X-Forwarded-For to the
+// peer alone); X-Forwarded-Proto is set to the scheme the client used
+// unless a trusted proxy sent one.
+func scrubForwarding(h http.Header, trusted, https bool) {
+	if !trusted {
+		for k := range h {
+			if isForwarding(k) {
+				delete(h, k)
+			}
+		}
+	}
+	if _, ok := h["X-Forwarded-Proto"]; !ok {
+		if https {
+			h["X-Forwarded-Proto"] = protoHTTPS
+		} else {
+			h["X-Forwarded-Proto"] = protoHTTP
+		}
+	}
+}
+
+// Shared X-Forwarded-Proto values (header value slices are never mutated in
+// place; Add would copy).
+var (
+	protoHTTP  = []string{"http"}
+	protoHTTPS = []string{"https"}
+)
 
 // listedInConnection reports whether k is named by one of the Connection
 // header values conn (case-insensitively).
@@ -73,13 +114,17 @@ func upstreamHeader(in http.Header, requestID, remoteAddr string) http.Header {
 
 // copyResponseHeader copies the engine's end-to-end response headers into
 // dst, leaving out hop-by-hop headers, those the Connection header names,
-// X-Request-Id (the gateway sets it; vLLM echoes it) and Content-Length when
-// the body is re-framed (streaming).
+// X-Request-Id (the gateway sets it; vLLM echoes it), Content-Length when
+// the body is re-framed (streaming) and X-Ratelimit-* headers the gateway
+// set itself (the key's limits, not the engine's).
 func copyResponseHeader(dst, src http.Header, keepLength bool) {
 	conn := src["Connection"]
 	for k, vs := range src {
 		if isHopByHop(k) || k == "X-Request-Id" || (!keepLength && k == "Content-Length") ||
 			(conn != nil && listedInConnection(conn, k)) {
+			continue
+		}
+		if _, own := dst[k]; own && strings.HasPrefix(k, "X-Ratelimit-") {
 			continue
 		}
 		dst[k] = append(dst[k], vs...)

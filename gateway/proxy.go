@@ -66,6 +66,19 @@ type exchange struct {
 	capture []byte // non-streaming response prefix, for usage
 	copyBuf []byte // relay buffer
 
+	// er reads the engine's SSE stream; reset per stream, so its 16 KiB
+	// buffer is pooled.
+	er *openai.EventReader
+
+	// Retries (retry.go): an engine's error answer held for relaying, and
+	// the endpoints that failed this request.
+	errBody  []byte
+	excluded []bool
+
+	// edge is the key's token reservation and the client write deadline
+	// (limits.go).
+	edge exchangeEdge
+
 	// predicted is the prompt tokens the policy predicted the endpoint holds
 	// (-1: the policy predicts nothing), from index predictedBy;
 	// precisePredicted is the precise index's prediction when it is not the
@@ -110,6 +123,13 @@ func (g *Gateway) putExchange(x *exchange) {
 	}
 	if cap(x.out) > maxPooledBuffer {
 		x.out = nil
+	}
+	if cap(x.errBody) > maxPooledBuffer {
+		x.errBody = nil
+	}
+	x.edge = exchangeEdge{}
+	if x.er != nil {
+		x.er.Reset(nil) // drop the finished stream
 	}
 	g.exchanges.Put(x)
 }
@@ -234,8 +254,9 @@ func (g *Gateway) fail(w http.ResponseWriter, rm *routeMetrics, e *openai.Error)
 }
 
 // serveInference is the request path of POST /v1/chat/completions and
-// /v1/completions: read, decode, validate, hash, pick, proxy.
-func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind apiKind) {
+// /v1/completions: read, decode, validate, admit the key (model access, rate
+// limits; key nil when authentication is off), hash, pick, proxy.
+func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind apiKind, key *principal) {
 	start := time.Now()
 	x := g.getExchange()
 	defer g.putExchange(x)
@@ -256,6 +277,10 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 		g.fail(w, rm, verr)
 		return
 	}
+	if e := g.admit(w, x, kind, key); e != nil {
+		g.fail(w, rm, e)
+		return
+	}
 	if p == nil {
 		g.fail(w, rm, openai.NewError(http.StatusNotFound,
 			fmt.Sprintf("The model `%s` does not exist.", x.model), "model", openai.CodeModelNotFound))
@@ -273,39 +298,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 		x.hashes = prefix.Hashes(x.hashes[:0], tokens, p.blockSize, seed)
 		x.sreq.Hashes, x.sreq.PromptTokens = x.hashes, len(tokens)
 	}
-	snap := p.snapshot()
-	d := p.policy.Pick(&x.sreq, *snap)
-	p.release(snap)
-	if d.Endpoint < 0 || d.Endpoint >= len(p.endpoints) {
-		w.Header().Set("Retry-After", g.retryAfter)
-		g.fail(w, rm, openai.NewError(http.StatusServiceUnavailable,
-			fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", x.model), "", openai.CodeNoEndpoint))
-		return
-	}
-	ep, rm := p.endpoints[d.Endpoint], p.routes[d.Endpoint]
-	ep.inFlight.Add(1)
-	defer ep.inFlight.Add(-1)
-	if n := int64(x.sreq.PromptTokens); n > 0 {
-		ep.inFlightTokens.Add(n)
-		defer ep.inFlightTokens.Add(-n)
-		x.pendingEP, x.pending = ep, max(1, n-int64(d.MatchedBlocks*p.blockSize))
-		ep.pendingPrefill.Add(x.pending)
-		defer x.prefillDone()
-	}
-	if d.MatchedBlocks > 0 {
-		rm.predicted.Add(float64(d.MatchedBlocks * p.blockSize))
-	}
-	if p.policy.NeedsHashes() {
-		x.predicted, x.predictedBy = d.MatchedBlocks*p.blockSize, indexApproximate
-		if p.precisePolicy {
-			x.predictedBy = indexPrecise
-		}
-	}
-	if p.precise != nil && !p.precisePolicy {
-		x.precisePredicted = p.preciseMatch(x.hashes, d.Endpoint) * p.blockSize
-	}
-
-	g.proxy(w, r, x, kind, ep, rm, reqID, start)
+	g.serveRouted(w, r, x, kind, p, reqID, start)
 }
 
 // prefillDone releases the request's share of its endpoint's prefill backlog
@@ -328,57 +321,6 @@ func sessionKey(r *http.Request, x *exchange) string {
 		return v
 	}
 	return x.user
-}
-
-// proxy forwards the request to ep and relays the answer.
-func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind,
-	ep *endpoint, rm *routeMetrics, reqID string, start time.Time) {
-	body := x.body
-	strip := false
-	if x.stream && !x.includeUsage {
-		if b, err := withIncludeUsage(x.upBody[:0], body); err == nil {
-			x.upBody, body, strip = b, b, true
-		}
-	}
-	target := ep.base + kind.path()
-	if r.URL.RawQuery != "" {
-		target += "?" + r.URL.RawQuery
-	}
-	req, err := http.NewRequestWithContext(r.Context(), http.MethodPost, target, bytes.NewReader(body))
-	if err != nil {
-		g.fail(w, rm, openai.NewError(http.StatusBadGateway, "Could not build the upstream request.", "", openai.CodeUpstream))
-		return
-	}
-	req.Header = upstreamHeader(r.Header, reqID, r.RemoteAddr)
-
-	resp, err := g.rt.RoundTrip(req)
-	if err != nil {
-		switch {
-		case r.Context().Err() != nil:
-			g.metrics.count(rm, codeClientClosed)
-		case isResponseTimeout(err):
-			slog.Warn("gateway: upstream response timeout", "endpoint", ep.name, "request_id", reqID, "err", err)
-			g.fail(w, rm, openai.NewError(http.StatusGatewayTimeout,
-				"The model server did not answer in time.", "", codeUpstreamTimeout))
-		default:
-			slog.Warn("gateway: upstream connection failed; ejecting endpoint", "endpoint", ep.name,
-				"request_id", reqID, "eject_for", g.cfg.EjectDuration, "err", err)
-			ep.eject(time.Now(), g.cfg.EjectDuration)
-			g.fail(w, rm, openai.NewError(http.StatusBadGateway,
-				"The model server could not be reached.", "", openai.CodeUpstream))
-		}
-		return
-	}
-	defer resp.Body.Close()
-
-	switch {
-	case resp.StatusCode/100 != 2:
-		g.relayError(w, resp, rm)
-	case x.stream && isEventStream(resp.Header):
-		g.relayStream(w, r, resp, x, rm, reqID, start, strip)
-	default:
-		g.relayBody(w, r, resp, x, rm, start)
-	}
 }
 
 // isResponseTimeout reports whether err is the transport's response-header
@@ -412,15 +354,29 @@ func (g *Gateway) relayError(w http.ResponseWriter, resp *http.Response, rm *rou
 }
 
 // relayBody relays a non-streaming answer as it arrives, keeping up to
-// maxUsageScan bytes of it to read usage from at the end.
+// maxUsageScan bytes of it to read usage from at the end. The status line
+// waits for the first read, so an answer that fails before its first byte
+// is returned as a failure to retry. It returns the status accounted, or
+// codeAbort when the body broke off after the status line was sent (the
+// caller then aborts the client's connection).
 func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
-	rm *routeMetrics, start time.Time) {
-	copyResponseHeader(w.Header(), resp.Header, true)
-	w.WriteHeader(resp.StatusCode)
+	rm *routeMetrics, start time.Time) (*failure, int) {
 	x.capture = x.capture[:0]
 	overflow := false
-	for {
+	for first := true; ; first = false {
 		n, rerr := resp.Body.Read(x.copyBuf)
+		if first {
+			if n == 0 && rerr != nil && rerr != io.EOF {
+				if r.Context().Err() != nil {
+					g.metrics.count(rm, codeClientClosed)
+					return nil, codeClientClosed
+				}
+				return &failure{reason: reasonReset, rm: rm, err: openai.NewError(http.StatusBadGateway,
+					"The model server's answer failed before its first byte: "+rerr.Error(), "", openai.CodeUpstream)}, 0
+			}
+			copyResponseHeader(w.Header(), resp.Header, true)
+			w.WriteHeader(resp.StatusCode)
+		}
 		if n > 0 {
 			if !overflow {
 				if len(x.capture)+n > maxUsageScan {
@@ -429,9 +385,10 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 					x.capture = append(x.capture, x.copyBuf[:n]...)
 				}
 			}
+			g.extendWriteDeadline(w, x, time.Now())
 			if _, werr := w.Write(x.copyBuf[:n]); werr != nil {
 				g.metrics.count(rm, codeClientClosed)
-				return
+				return nil, codeClientClosed
 			}
 		}
 		if rerr == io.EOF {
@@ -440,12 +397,13 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 		if rerr != nil {
 			if r.Context().Err() != nil {
 				g.metrics.count(rm, codeClientClosed)
-				return
+				return nil, codeClientClosed
 			}
 			g.metrics.count(rm, http.StatusBadGateway)
-			// The status line is out: abort the connection so the client
-			// sees a truncated response, never a silently short one.
-			panic(http.ErrAbortHandler)
+			// The status line is out: the caller aborts the connection so
+			// the client sees a truncated response, never a silently short
+			// one.
+			return nil, codeAbort
 		}
 	}
 	var u struct {
@@ -455,11 +413,13 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 		_ = json.Unmarshal(x.capture, &u)
 	}
 	g.finish(rm, x, resp.StatusCode, u.Usage, start)
+	return nil, resp.StatusCode
 }
 
 // finish accounts a request answered with code, its usage (nil if not
 // reported) and, for a 2xx, its end-to-end latency.
 func (g *Gateway) finish(rm *routeMetrics, x *exchange, code int, u *openai.Usage, start time.Time) {
+	x.settleTokens(u)
 	if code/100 == 2 {
 		rm.e2e.Observe(time.Since(start).Seconds())
 	}
@@ -492,9 +452,31 @@ var (
 // measuring time to first token and inter-token gaps and reading usage.
 // With strip, the usage-only chunk the gateway asked for on the client's
 // behalf is dropped. An upstream failure mid-stream ends the stream with an
-// error event, never a silent truncation.
+// error event, never a silent truncation. The status line waits for the
+// first event: a stream that fails before it is returned as a failure to
+// retry, nothing having reached the client. It returns the status accounted
+// (502 for a stream that failed or carried an engine's error event).
 func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
-	rm *routeMetrics, reqID string, start time.Time, strip bool) {
+	rm *routeMetrics, reqID string, start time.Time, strip bool) (*failure, int) {
+	fr := &flushOnRead{r: resp.Body}
+	if x.er == nil {
+		x.er = openai.NewEventReader(fr, 0)
+	} else {
+		x.er.Reset(fr) // pooled: no 16 KiB buffer per stream
+	}
+	er := x.er
+	data, err := er.Next()
+	if err != nil && !(err == io.EOF && er.Done()) {
+		if r.Context().Err() != nil {
+			g.metrics.count(rm, codeClientClosed)
+			return nil, codeClientClosed
+		}
+		msg := "The model server's stream ended before its first event."
+		if err != io.EOF {
+			msg = "The model server's stream failed before its first event: " + err.Error()
+		}
+		return &failure{reason: reasonReset, rm: rm, err: openai.NewError(http.StatusBadGateway, msg, "", openai.CodeUpstream)}, 0
+	}
 	h := w.Header()
 	copyResponseHeader(h, resp.Header, false)
 	if h.Get("Cache-Control") == "" {
@@ -503,31 +485,27 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 	h.Set("X-Accel-Buffering", "no")
 	w.WriteHeader(resp.StatusCode)
 	rc := http.NewResponseController(w)
-	if err := rc.Flush(); err != nil {
-		g.metrics.count(rm, codeClientClosed)
-		return
-	}
+	fr.rc = rc
 
 	var (
 		usage     *openai.Usage // the latest reported (cumulative) usage
 		last      time.Time     // when the previous output event was relayed
 		streamErr bool          // the engine sent an error event
 	)
-	er := openai.NewEventReader(resp.Body, 0)
-	for {
-		data, err := er.Next()
+	for ; ; data, err = er.Next() {
 		if err != nil {
-			if r.Context().Err() != nil {
+			if r.Context().Err() != nil || fr.err != nil {
 				g.metrics.count(rm, codeClientClosed)
-				return
+				return nil, codeClientClosed
 			}
 			code := http.StatusOK
 			if err == io.EOF && er.Done() {
 				if _, werr := w.Write(sseDone); werr != nil {
 					g.metrics.count(rm, codeClientClosed)
-					return
+					return nil, codeClientClosed
 				}
-				_ = rc.Flush()
+				// Not flushed here: the handler returns at once and net/http
+				// writes [DONE] with the final chunk in one syscall.
 				if streamErr {
 					code = http.StatusBadGateway
 				}
@@ -542,20 +520,19 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				code = http.StatusBadGateway
 			}
 			g.finish(rm, x, code, usage, start)
-			return
+			return nil, code
 		}
 
 		now := time.Now()
-		if c := x.parseChunk(data); c != nil {
-			if c.Usage != nil {
-				usage = c.Usage // freshly allocated by Unmarshal: safe to keep
+		if c, ok := x.viewChunk(data); ok {
+			if c.usage != nil {
+				usage = c.usage // freshly allocated: safe to keep
 			}
-			hasErr := c.IsError()
-			streamErr = streamErr || hasErr
-			if strip && len(c.Choices) == 0 && c.Usage != nil && !hasErr {
+			streamErr = streamErr || c.isError
+			if strip && c.choices == 0 && c.usage != nil && !c.isError {
 				continue
 			}
-			if c.HasOutput() {
+			if c.output {
 				if last.IsZero() {
 					x.prefillDone()
 					rm.ttft.Observe(now.Sub(start).Seconds())
@@ -566,15 +543,36 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 		}
 		x.out = appendEvent(x.out[:0], data)
+		g.extendWriteDeadline(w, x, now)
 		if _, err := w.Write(x.out); err != nil {
 			g.metrics.count(rm, codeClientClosed)
-			return
+			return nil, codeClientClosed
 		}
-		if err := rc.Flush(); err != nil {
-			g.metrics.count(rm, codeClientClosed)
-			return
+		fr.pending = true // flushed before the next read that may wait
+	}
+}
+
+// flushOnRead wraps an engine's stream so that the relay flushes the client's
+// response only when it is about to read from the engine: events that
+// arrived together leave in one write (one syscall, not one per event), and
+// no event is ever held while the gateway waits for the engine. err is the
+// flush's error (the client went away).
+type flushOnRead struct {
+	r       io.Reader
+	rc      *http.ResponseController
+	pending bool
+	err     error
+}
+
+func (f *flushOnRead) Read(p []byte) (int, error) {
+	if f.pending {
+		f.pending = false
+		if err := f.rc.Flush(); err != nil {
+			f.err = err
+			return 0, err
 		}
 	}
+	return f.r.Read(p)
 }
 
 // parseChunk decodes one event's data into x.chunk, best effort: a field of

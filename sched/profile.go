@@ -47,8 +47,9 @@ const (
 	// index: prefix match plus the cost (estimated TTFT) scorer, hot spots
 	// filtered.
 	CacheAware = "cache-aware"
-	// PrecisePrefix is CacheAware on the index fed by the engines' KV
-	// events; it needs a pool whose endpoints publish them.
+	// PrecisePrefix is CacheAware led by the index fed by the engines' KV
+	// events (the approximate index assisting); it needs a pool whose
+	// endpoints publish them.
 	PrecisePrefix = "precise-prefix"
 )
 
@@ -69,8 +70,14 @@ var builtinProfiles = map[string]ProfileConfig{
 	},
 	PrecisePrefix: {
 		Filters: []string{FilterModel, FilterAdapterCapacity, FilterHotSpot},
+		// The approximate index rides along at a lower weight: it learns
+		// from the decision itself, so a follow-up that arrives before the
+		// engine's KV events for its predecessor (they come after the
+		// engine's step) still finds its home; once the events arrive the
+		// precise index outweighs it, eviction included.
 		Scorers: []ScorerConfig{
-			{Type: ScorerPrecisePrefix, Weight: 2},
+			{Type: ScorerPrecisePrefix, Weight: 1.5},
+			{Type: ScorerPrefix, Weight: 0.5},
 			{Type: ScorerCost, Weight: 1},
 			{Type: ScorerLoRA, Weight: 0.5},
 		},

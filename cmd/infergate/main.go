@@ -47,7 +47,7 @@ engine most likely to hold its prompt prefix in KV cache, balanced against load.
 		},
 	}
 	root.CompletionOptions.DisableDefaultCmd = true
-	root.AddCommand(newUpCmd(), newServeCmd(), newSimCmd(), newBenchCmd(), newPlanCmd(), newVersionCmd())
+	root.AddCommand(newUpCmd(), newServeCmd(), newSimCmd(), newBenchCmd(), newPlanCmd(), newKeysCmd(), newVersionCmd())
 	return root
 }
 

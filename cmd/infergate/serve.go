@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"strings"
 	"time"
 
@@ -24,22 +25,33 @@ const shutdownGrace = 10 * time.Second
 // gracefully. ready, if not nil, is called with the bound address once the
 // listener is open (so ":0" works).
 func listenAndServe(ctx context.Context, log *slog.Logger, addr string, h http.Handler, ready func(net.Addr)) error {
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return fmt.Errorf("listen %s: %w", addr, err)
-	}
-	srv := &http.Server{
+	return serveUntilDone(ctx, log, addr, &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       120 * time.Second,
 		MaxHeaderBytes:    64 << 10,
-		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}, ready)
+}
+
+// serveUntilDone serves srv on addr (TLS when srv.TLSConfig is set) until
+// ctx is cancelled, then shuts down gracefully; ready as for listenAndServe.
+func serveUntilDone(ctx context.Context, log *slog.Logger, addr string, srv *http.Server, ready func(net.Addr)) error {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("listen %s: %w", addr, err)
 	}
+	srv.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelWarn)
 	if ready != nil {
 		ready(ln.Addr())
 	}
 	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(ln) }()
+	go func() {
+		if srv.TLSConfig != nil {
+			errc <- srv.ServeTLS(ln, "", "") // the certificate comes from TLSConfig
+			return
+		}
+		errc <- srv.Serve(ln)
+	}()
 	select {
 	case err := <-errc:
 		return err
@@ -63,6 +75,10 @@ func newServeCmd() *cobra.Command {
 		listen     string
 		policy     string
 		endpoints  []string
+		tlsCert    string
+		tlsKey     string
+		keysFile   string
+		pprofAddr  string
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -80,8 +96,12 @@ Config example:
     - {url: http://10.0.0.1:8000, model: meta-llama/Llama-3.1-70B-Instruct}
     - {url: http://10.0.0.2:8000, model: meta-llama/Llama-3.1-70B-Instruct, kv_blocks: 28000}
 
-Every key (timeouts, health checks, body limits, prefix tuning), the metrics
-and the error codes are listed in gateway/README.md.`,
+Every key (timeouts, health checks, body limits, prefix tuning, API keys, TLS),
+the metrics and the error codes are listed in gateway/README.md.
+
+API keys: auth.keys_file (or --keys-file) and/or the INFERGATE_API_KEYS
+environment variable (same format, ';' between entries); hash a key with
+'infergate keys hash'. Without keys the gateway is open.`,
 		Example: `  infergate serve -c gateway.yaml
   infergate serve --endpoint http://127.0.0.1:8001=my-model --endpoint http://127.0.0.1:8002=my-model --policy cache-aware`,
 		Args: cobra.NoArgs,
@@ -110,14 +130,35 @@ and the error codes are listed in gateway/README.md.`,
 			if len(cfg.Endpoints) == 0 {
 				return errors.New("no endpoints: give -c config.yaml or --endpoint URL=MODEL")
 			}
+			if err := applyEdgeFlags(cmd, &cfg, tlsCert, tlsKey, keysFile); err != nil {
+				return err
+			}
+			if pprofAddr != "" {
+				if err := gateway.CheckLoopback(pprofAddr); err != nil {
+					return fmt.Errorf("--pprof: %w (profiling is served on loopback only)", err)
+				}
+			}
 			log := newLogger(cmd)
 			g, err := gateway.New(cfg, nil)
 			if err != nil {
 				return err
 			}
 			defer g.Close()
-			return listenAndServe(cmd.Context(), log, cfg.Listen, g.Handler(), func(a net.Addr) {
-				log.Info("gateway listening", "addr", "http://"+a.String(), "policy", cfg.Routing.Policy, "endpoints", len(cfg.Endpoints))
+			warnExposure(log, cfg.Listen, g)
+			if pprofAddr != "" {
+				stop, err := startPprof(log, pprofAddr)
+				if err != nil {
+					return err
+				}
+				defer stop()
+			}
+			scheme := "http://"
+			if g.TLSEnabled() {
+				scheme = "https://"
+			}
+			return serveUntilDone(cmd.Context(), log, cfg.Listen, g.Server(), func(a net.Addr) {
+				log.Info("gateway listening", "addr", scheme+a.String(), "policy", g.Policy(), "endpoints", len(cfg.Endpoints),
+					"auth", g.AuthEnabled())
 			})
 		},
 	}
@@ -126,5 +167,42 @@ and the error codes are listed in gateway/README.md.`,
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
 	f.StringVar(&policy, "policy", "", "routing policy (default: precise-prefix when every endpoint has kv_events, else cache-aware): "+strings.Join(sched.Names(), ", "))
 	f.StringArrayVar(&endpoints, "endpoint", nil, "engine endpoint as URL=MODEL (repeatable)")
+	f.StringVar(&tlsCert, "tls-cert", "", "PEM certificate chain: serve HTTPS (overrides tls.cert_file; needs --tls-key)")
+	f.StringVar(&tlsKey, "tls-key", "", "PEM private key for --tls-cert (overrides tls.key_file)")
+	f.StringVar(&keysFile, "keys-file", "", "API keys file (overrides auth.keys_file; see 'infergate keys')")
+	f.StringVar(&pprofAddr, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default)")
 	return cmd
+}
+
+// applyEdgeFlags applies the TLS and keys-file flags and the
+// INFERGATE_API_KEYS environment variable to cfg.
+func applyEdgeFlags(cmd *cobra.Command, cfg *gateway.Config, tlsCert, tlsKey, keysFile string) error {
+	if cmd.Flags().Changed("tls-cert") || cmd.Flags().Changed("tls-key") {
+		cfg.TLS.CertFile, cfg.TLS.KeyFile = tlsCert, tlsKey
+	}
+	if keysFile != "" {
+		cfg.Auth.KeysFile = keysFile
+	}
+	if v, ok := os.LookupEnv(gateway.EnvAPIKeys); ok {
+		if err := cfg.Auth.AddKeys(v, gateway.EnvAPIKeys); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// warnExposure logs a warning when the gateway listens beyond loopback
+// without API keys, or with keys but without TLS.
+func warnExposure(log *slog.Logger, listen string, g *gateway.Gateway) {
+	if gateway.IsLoopbackListen(listen) {
+		return
+	}
+	switch {
+	case !g.AuthEnabled():
+		log.Warn("listening on a non-loopback address without API keys: anyone who can reach it can use the engines "+
+			"(set auth.keys_file or "+gateway.EnvAPIKeys+")", "listen", listen)
+	case !g.TLSEnabled():
+		log.Warn("API keys are required but TLS is off: keys cross the network in clear text unless a TLS proxy fronts the gateway "+
+			"(set tls.cert_file/tls.key_file or --tls-cert/--tls-key)", "listen", listen)
+	}
 }

@@ -1,0 +1,351 @@
+package gateway
+
+import (
+	"container/heap"
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/infergate/infergate/openai"
+)
+
+// codeOverloaded is the OpenAI error code of a 429 from admission control
+// (the admission queue is full, or the request waited in it too long): the
+// code OpenAI sends with its own 429s.
+const codeOverloaded = "rate_limit_exceeded"
+
+// admissionRetryAfter is the Retry-After of an admission 429 (seconds):
+// queues drain in seconds, and clients add their own back-off.
+const admissionRetryAfter = "1"
+
+// Admission outcomes besides admitted.
+var (
+	errQueueFull    = errors.New("admission queue full")
+	errQueueTimeout = errors.New("admission queue timeout")
+	errNoEndpoint   = errors.New("no endpoint ready")
+)
+
+// admission is one pool's admission control: at most maxInFlight requests
+// admitted at once, and only while some ready endpoint has a free
+// circuit-breaker slot; the others wait in a bounded priority queue (higher
+// priority first, FIFO within a priority) for at most timeout. A waiter is
+// woken by a channel send when admitted; it starts no goroutine.
+type admission struct {
+	endpoints   []*endpoint
+	limit       int // circuit-breaker slots per endpoint
+	maxInFlight int
+	maxQueue    int // < 0: no queue
+	timeout     time.Duration
+
+	mu       sync.Mutex
+	inFlight int // admitted, not released
+	queue    waitQueue
+	seq      uint64
+
+	// pending counts admitted requests that have not taken their first
+	// endpoint slot yet (they are owed one).
+	pending atomic.Int64
+	// waiting mirrors len(queue), active mirrors inFlight (read without mu).
+	waiting atomic.Int64
+	active  atomic.Int64
+
+	wait                 prometheus.Observer
+	rejectFull, rejectTO prometheus.Counter
+}
+
+// waiter is one queued request.
+type waiter struct {
+	priority int
+	seq      uint64
+	index    int           // in the heap; -1 once popped
+	ready    chan struct{} // capacity 1: admitted or failed
+	granted  bool          // admitted (under mu)
+	err      error         // failed while queued (under mu)
+}
+
+// waitQueue is a max-heap on (priority, -seq).
+type waitQueue []*waiter
+
+func (q waitQueue) Len() int { return len(q) }
+func (q waitQueue) Less(i, j int) bool {
+	if q[i].priority != q[j].priority {
+		return q[i].priority > q[j].priority
+	}
+	return q[i].seq < q[j].seq
+}
+func (q waitQueue) Swap(i, j int) {
+	q[i], q[j] = q[j], q[i]
+	q[i].index, q[j].index = i, j
+}
+func (q *waitQueue) Push(v any) {
+	w := v.(*waiter)
+	w.index = len(*q)
+	*q = append(*q, w)
+}
+func (q *waitQueue) Pop() any {
+	old := *q
+	n := len(old) - 1
+	w := old[n]
+	old[n] = nil
+	w.index = -1
+	*q = old[:n]
+	return w
+}
+
+// capacityLocked reports whether one more request can be admitted now, and
+// whether any endpoint is ready at all.
+func (a *admission) capacityLocked() (ok, anyReady bool) {
+	room := int64(0)
+	for _, ep := range a.endpoints {
+		if ep.ready.Load() {
+			anyReady = true
+			room += max(0, int64(a.limit)-ep.inFlight.Load())
+		}
+	}
+	return a.inFlight < a.maxInFlight && room > a.pending.Load(), anyReady
+}
+
+func (a *admission) admitLocked() {
+	a.inFlight++
+	a.active.Store(int64(a.inFlight))
+	a.pending.Add(1)
+}
+
+// dispatchLocked admits queued requests while there is capacity, and fails
+// them all when no endpoint is ready.
+func (a *admission) dispatchLocked() {
+	for len(a.queue) > 0 {
+		ok, anyReady := a.capacityLocked()
+		if !anyReady {
+			for len(a.queue) > 0 {
+				w := heap.Pop(&a.queue).(*waiter)
+				w.err = errNoEndpoint
+				w.ready <- struct{}{}
+			}
+			break
+		}
+		if !ok {
+			break
+		}
+		w := heap.Pop(&a.queue).(*waiter)
+		w.granted = true
+		a.admitLocked()
+		w.ready <- struct{}{}
+	}
+	a.waiting.Store(int64(len(a.queue)))
+}
+
+// acquire admits the request, waiting in the queue if need be. It returns
+// nil once admitted (release must follow), errNoEndpoint, errQueueFull,
+// errQueueTimeout or ctx's error.
+func (a *admission) acquire(ctx context.Context, priority int) error {
+	a.mu.Lock()
+	a.dispatchLocked()
+	ok, anyReady := a.capacityLocked()
+	switch {
+	case !anyReady:
+		a.mu.Unlock()
+		return errNoEndpoint
+	case ok && len(a.queue) == 0:
+		a.admitLocked()
+		a.mu.Unlock()
+		return nil
+	case len(a.queue) >= a.maxQueue: // also a.maxQueue < 0
+		a.mu.Unlock()
+		a.rejectFull.Inc()
+		return errQueueFull
+	}
+	a.seq++
+	w := &waiter{priority: priority, seq: a.seq, ready: make(chan struct{}, 1)}
+	heap.Push(&a.queue, w)
+	a.waiting.Store(int64(len(a.queue)))
+	// Capacity freed between the check above and waiting's update would
+	// have found waiting 0 and not woken anyone: check again.
+	a.dispatchLocked()
+	a.mu.Unlock()
+
+	queued := time.Now()
+	timer := time.NewTimer(a.timeout)
+	defer timer.Stop()
+	var err error
+	select {
+	case <-w.ready:
+	case <-ctx.Done():
+		err = ctx.Err()
+	case <-timer.C:
+		err = errQueueTimeout
+	}
+	a.mu.Lock()
+	switch {
+	case w.granted && err == nil:
+	case w.granted && err == errQueueTimeout:
+		err = nil // admitted as the timer fired: take it
+	case w.granted: // admitted, but the client is gone
+		a.releaseLocked()
+	case w.err != nil:
+		err = w.err
+	default:
+		heap.Remove(&a.queue, w.index)
+		a.waiting.Store(int64(len(a.queue)))
+	}
+	a.mu.Unlock()
+	a.wait.Observe(time.Since(queued).Seconds())
+	if err == errQueueTimeout {
+		a.rejectTO.Inc()
+	}
+	return err
+}
+
+// picked records that an admitted request took its first endpoint slot (or
+// found none).
+func (a *admission) picked() {
+	a.pending.Add(-1)
+	a.wake()
+}
+
+// release ends an admitted request.
+func (a *admission) release() {
+	a.mu.Lock()
+	a.releaseLocked()
+	a.mu.Unlock()
+}
+
+func (a *admission) releaseLocked() {
+	a.inFlight--
+	a.active.Store(int64(a.inFlight))
+	a.dispatchLocked()
+}
+
+// wake admits waiters if capacity allows (after an endpoint slot was freed
+// or an endpoint changed readiness). Free when nobody waits.
+func (a *admission) wake() {
+	if a.waiting.Load() == 0 {
+		return
+	}
+	a.mu.Lock()
+	a.dispatchLocked()
+	a.mu.Unlock()
+}
+
+// admitQueued runs admission control for a request of pool p; false when it was
+// answered (503 no endpoint, 429 queue full or timed out, or the client
+// left while queued).
+func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, priority int) bool {
+	err := p.gate.acquire(r.Context(), priority)
+	switch {
+	case err == nil:
+		return true
+	case errors.Is(err, errNoEndpoint):
+		w.Header().Set("Retry-After", g.retryAfter)
+		g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable,
+			fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", p.model), "", openai.CodeNoEndpoint))
+	case errors.Is(err, errQueueFull):
+		w.Header().Set("Retry-After", admissionRetryAfter)
+		g.fail(w, p.none, openai.NewError(http.StatusTooManyRequests,
+			fmt.Sprintf("Model `%s` is overloaded: too many requests are waiting; retry later.", p.model), "", codeOverloaded))
+	case errors.Is(err, errQueueTimeout):
+		w.Header().Set("Retry-After", admissionRetryAfter)
+		g.fail(w, p.none, openai.NewError(http.StatusTooManyRequests,
+			fmt.Sprintf("Model `%s` is overloaded: the request waited %s without being admitted; retry later.",
+				p.model, g.cfg.Admission.QueueTimeout), "", codeOverloaded))
+	default: // the client went away while queued
+		g.metrics.count(p.none, codeClientClosed)
+	}
+	return false
+}
+
+// resilienceMetrics are the collectors of retries, ejections and admission.
+type resilienceMetrics struct {
+	retries       *prometheus.CounterVec   // model, endpoint (failed), reason
+	retriesDenied *prometheus.CounterVec   // model, reason
+	ejections     *prometheus.CounterVec   // endpoint, reason
+	rejections    *prometheus.CounterVec   // model, reason
+	queueWait     *prometheus.HistogramVec // model
+	gauges        *admissionCollector
+}
+
+func newResilienceMetrics(reg prometheus.Registerer, g *Gateway) (*resilienceMetrics, error) {
+	m := &resilienceMetrics{
+		retries: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "retries_total",
+			Help: "Requests resent to another endpoint, by model, the endpoint that failed and the failure (connect_failure, connection_lost, 5xx)."},
+			[]string{"model", "endpoint", "reason"}),
+		retriesDenied: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "retries_denied_total",
+			Help: "Retryable failures answered without a retry: the retry budget was spent (budget) or no other endpoint could take the request (no_endpoint)."},
+			[]string{"model", "reason"}),
+		ejections: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "endpoint_ejections_total",
+			Help: "Passive ejections of an endpoint by the failure that triggered them (connect_failure at once; others after outlier.consecutive_errors in a row)."},
+			[]string{"endpoint", "reason"}),
+		rejections: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "admission_rejections_total",
+			Help: "Requests refused by admission control with 429, by model and reason (queue_full, queue_timeout)."},
+			[]string{"model", "reason"}),
+		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "infergate", Name: "admission_queue_wait_seconds",
+			Help: "Time requests spent in the admission queue, admitted or not (only requests that queued; seconds).", Buckets: latencyBuckets},
+			[]string{"model"}),
+		gauges: &admissionCollector{g: g,
+			queue: prometheus.NewDesc("infergate_admission_queue_length",
+				"Requests waiting in the model's admission queue.", []string{"model"}, nil),
+			active: prometheus.NewDesc("infergate_admission_in_flight_requests",
+				"Requests of the model admitted and not finished.", []string{"model"}, nil),
+		},
+	}
+	for _, c := range []prometheus.Collector{m.retries, m.retriesDenied, m.ejections, m.rejections, m.queueWait, m.gauges} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("register gateway metrics: %w", err)
+		}
+	}
+	return m, nil
+}
+
+// admissionCollector exposes the admission queues' lengths and admitted
+// counts at scrape time.
+type admissionCollector struct {
+	g             *Gateway
+	queue, active *prometheus.Desc
+}
+
+// Describe implements prometheus.Collector.
+func (c *admissionCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.queue
+	ch <- c.active
+}
+
+// Collect implements prometheus.Collector.
+func (c *admissionCollector) Collect(ch chan<- prometheus.Metric) {
+	for model, p := range c.g.pools {
+		ch <- prometheus.MustNewConstMetric(c.queue, prometheus.GaugeValue, float64(p.gate.waiting.Load()), model)
+		ch <- prometheus.MustNewConstMetric(c.active, prometheus.GaugeValue, float64(p.gate.active.Load()), model)
+	}
+}
+
+// setupResilience registers the resilience metrics and gives every pool its
+// admission gate (called by New once the pools are built).
+func (g *Gateway) setupResilience(reg prometheus.Registerer) error {
+	m, err := newResilienceMetrics(reg, g)
+	if err != nil {
+		return err
+	}
+	g.res = m
+	limit := g.cfg.CircuitBreaker.MaxRequests
+	for model, p := range g.pools {
+		maxInFlight := g.cfg.Admission.MaxInFlight
+		if maxInFlight == 0 {
+			maxInFlight = limit * len(p.endpoints)
+		}
+		p.gate = &admission{endpoints: p.endpoints, limit: limit, maxInFlight: maxInFlight,
+			maxQueue: g.cfg.Admission.MaxQueue, timeout: g.cfg.Admission.QueueTimeout,
+			wait:       m.queueWait.WithLabelValues(model),
+			rejectFull: m.rejections.WithLabelValues(model, "queue_full"),
+			rejectTO:   m.rejections.WithLabelValues(model, "queue_timeout"),
+		}
+		for _, ep := range p.endpoints {
+			ep.gates = append(ep.gates, p.gate)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,396 @@
+package gateway
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/sched"
+)
+
+// Test keys and their hashes.
+const (
+	keyAlice = "sk-alice-0123456789abcdef"
+	keyBob   = "sk-bob-fedcba9876543210"
+)
+
+func TestHashKey(t *testing.T) {
+	// printf %s test | sha256sum
+	if got := HashKey("test"); got != "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08" {
+		t.Fatalf("HashKey(test) = %s", got)
+	}
+}
+
+func TestParseKeys(t *testing.T) {
+	ha, hb := HashKey(keyAlice), HashKey(keyBob)
+	bare := strings.TrimPrefix(hb, "sha256:")
+	tests := []struct {
+		name, in string
+		semi     bool
+		want     []APIKey
+	}{
+		{"yaml keys", "# tenants\nkeys:\n  - name: alice\n    hash: " + ha + "\n    models: [m, other]\n    requests_per_minute: 60\n    tokens_per_minute: 1000\n  - {name: bob, key: " + keyBob + "}\n", false,
+			[]APIKey{{Name: "alice", Hash: ha, Models: []string{"m", "other"}, RequestsPerMinute: 60, TokensPerMinute: 1000}, {Name: "bob", Hash: hb}}},
+		{"yaml list", "- name: alice\n  hash: " + ha + "\n", false, []APIKey{{Name: "alice", Hash: ha}}},
+		{"lines", "# name hash options\n\nalice " + ha + " models=m,other rpm=60 tpm=1000  # trailing comment\nbob " + bare + "\n", false,
+			[]APIKey{{Name: "alice", Hash: ha, Models: []string{"m", "other"}, RequestsPerMinute: 60, TokensPerMinute: 1000}, {Name: "bob", Hash: bare}}},
+		{"plain and semicolons", "alice plain:" + keyAlice + " rpm=5; bob plain:" + keyBob, true,
+			[]APIKey{{Name: "alice", Hash: ha, RequestsPerMinute: 5}, {Name: "bob", Hash: hb}}},
+		{"rotation: one name, two keys", "alice " + ha + " rpm=5\nalice " + hb + " rpm=5\n", false,
+			[]APIKey{{Name: "alice", Hash: ha, RequestsPerMinute: 5}, {Name: "alice", Hash: hb, RequestsPerMinute: 5}}},
+		{"empty", "# nothing\n\n", false, nil},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := ParseKeys([]byte(tc.in), tc.semi)
+			if err != nil {
+				t.Fatal(err)
+			}
+			gj, _ := json.Marshal(got)
+			wj, _ := json.Marshal(tc.want)
+			if len(got) != len(tc.want) || !bytes.Equal(gj, wj) {
+				t.Fatalf("got %s\nwant %s", gj, wj)
+			}
+			for _, k := range got {
+				if strings.Contains(k.Hash, keyAlice) || strings.Contains(k.Hash, keyBob) {
+					t.Fatal("plaintext key kept")
+				}
+			}
+		})
+	}
+
+	bad := []struct{ name, in, want string }{
+		{"bad name", "al ice " + ha, "option"},
+		{"name chars", "al/ice " + ha, "name"},
+		{"short hash", "alice sha256:abcd", "hash"},
+		{"not hex", "alice sha256:" + strings.Repeat("zz", 32), "hexadecimal"},
+		{"duplicate key", "alice " + ha + "\nbob " + ha, "same key as alice"},
+		{"same name, other grant", "alice " + ha + " rpm=5\nalice " + hb + " rpm=6", "listed again"},
+		{"unknown option", "alice " + ha + " burst=5", "unknown option"},
+		{"negative limit", "alice " + ha + " rpm=-1", "requests_per_minute"},
+		{"not a number", "alice " + ha + " tpm=lots", "not an integer"},
+		{"no hash", "alice", "want NAME HASH"},
+		{"empty plain", "alice plain:", "empty"},
+		{"yaml unknown field", "keys:\n  - {name: alice, hash: " + ha + ", rpm: 5}\n", "rpm"},
+		{"yaml key and hash", "keys:\n  - {name: alice, hash: " + ha + ", key: x}\n", "not both"},
+		{"yaml empty model", "keys:\n  - {name: alice, hash: " + ha + ", models: ['']}\n", "empty model"},
+	}
+	for _, tc := range bad {
+		t.Run("invalid/"+tc.name, func(t *testing.T) {
+			_, err := ParseKeys([]byte(tc.in), false)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %v, want one containing %q", err, tc.want)
+			}
+			if strings.Contains(err.Error(), keyAlice) {
+				t.Fatal("error shows a key")
+			}
+		})
+	}
+}
+
+// authConfig returns a two-model gateway config (models m and other, one
+// engine each) with keys: alice (model m only), bob (all models).
+func authConfig(t *testing.T, e, f *fakeEngine) Config {
+	cfg := testConfig(sched.RoundRobin, e)
+	cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: f.URL(), Model: "other", KVBlocks: 1000})
+	if err := cfg.Auth.AddKeys("alice plain:"+keyAlice+" models=m; bob plain:"+keyBob, "test"); err != nil {
+		t.Fatal(err)
+	}
+	return cfg
+}
+
+// send issues method path with body and headers (name, value pairs) and
+// returns the response with its body read.
+func send(t *testing.T, c *http.Client, method, url, body string, hdr ...string) (*http.Response, []byte) {
+	t.Helper()
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var buf bytes.Buffer
+	_, _ = buf.ReadFrom(resp.Body)
+	return resp, buf.Bytes()
+}
+
+func TestAuthentication(t *testing.T) {
+	e, f := newFakeEngine(t, "e0"), newFakeEngine(t, "e1")
+	_, url := startGateway(t, authConfig(t, e, f))
+	c := testClient(t)
+
+	refused := []struct {
+		name    string
+		hdr     []string
+		missing bool
+	}{
+		{"no key", nil, true},
+		{"wrong key", []string{"Authorization", "Bearer sk-nope"}, false},
+		{"empty bearer", []string{"Authorization", "Bearer "}, true},
+		{"basic scheme", []string{"Authorization", "Basic " + keyAlice}, true},
+		{"key without scheme", []string{"Authorization", keyAlice}, true},
+		{"hash instead of key", []string{"Authorization", "Bearer " + HashKey(keyAlice)}, false},
+		{"wrong x-api-key", []string{"X-Api-Key", "sk-nope"}, false},
+	}
+	for _, tc := range refused {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, path := range []string{pathChat, pathModels, "/v1/anything"} {
+				method := http.MethodPost
+				if path == pathModels {
+					method = http.MethodGet
+				}
+				resp, body := send(t, c, method, url+path, chatBody, tc.hdr...)
+				if resp.StatusCode != http.StatusUnauthorized {
+					t.Fatalf("%s: status %d, want 401: %s", path, resp.StatusCode, body)
+				}
+				oe := decodeError(t, body)
+				if oe.Type != "invalid_request_error" || codeStr(oe.Code) != codeInvalidAPIKey {
+					t.Errorf("%s: error %+v", path, oe)
+				}
+				if tc.missing != strings.Contains(oe.Message, "didn't provide") {
+					t.Errorf("%s: message %q", path, oe.Message)
+				}
+				if resp.Header.Get("WWW-Authenticate") == "" {
+					t.Errorf("%s: no WWW-Authenticate", path)
+				}
+			}
+		})
+	}
+	if n := e.requests.Load() + f.requests.Load(); n != 0 {
+		t.Fatalf("engines saw %d unauthenticated requests", n)
+	}
+
+	for _, hdr := range [][]string{
+		{"Authorization", "Bearer " + keyAlice},
+		{"Authorization", "bearer   " + keyAlice + " "},
+		{"X-Api-Key", keyAlice},
+	} {
+		resp, body := send(t, c, http.MethodPost, url+pathChat, chatBody, append(hdr, "Content-Type", "application/json")...)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%v: status %d: %s", hdr, resp.StatusCode, body)
+		}
+		h, _ := e.last()
+		for _, k := range []string{"Authorization", "X-Api-Key"} {
+			if v := h.Get(k); v != "" {
+				t.Errorf("%s reached the engine: %q", k, v)
+			}
+		}
+	}
+
+	// Probes and metrics stay open.
+	for _, path := range []string{pathHealthz, pathReadyz, pathMetrics} {
+		if resp, body := send(t, c, http.MethodGet, url+path, ""); resp.StatusCode != 200 {
+			t.Errorf("GET %s without a key: %d %s", path, resp.StatusCode, body)
+		}
+	}
+	m := scrape(t, c, url)
+	if v := m.value("infergate_auth_failures_total", `reason="missing"`); v < 1 {
+		t.Errorf("auth_failures_total{missing} = %v", v)
+	}
+	if v := m.value("infergate_requests_total", `code="401"`); v < 1 {
+		t.Errorf("requests_total{code=401} = %v", v)
+	}
+}
+
+func TestModelAccess(t *testing.T) {
+	e, f := newFakeEngine(t, "e0"), newFakeEngine(t, "e1")
+	_, url := startGateway(t, authConfig(t, e, f))
+	c := testClient(t)
+	alice := []string{"Authorization", "Bearer " + keyAlice}
+	bob := []string{"Authorization", "Bearer " + keyBob}
+	other := `{"model":"other","messages":[{"role":"user","content":"x"}]}`
+	missing := `{"model":"gpt-9","messages":[{"role":"user","content":"x"}]}`
+
+	// A model the key may not use reads exactly like one that does not
+	// exist (OpenAI's 404 model_not_found), so keys cannot probe the list.
+	for _, body := range []string{other, missing} {
+		resp, b := send(t, c, http.MethodPost, url+pathChat, body, alice...)
+		oe := decodeError(t, b)
+		if resp.StatusCode != 404 || codeStr(oe.Code) != openai.CodeModelNotFound || str(oe.Param) != "model" ||
+			!strings.Contains(oe.Message, "does not exist or you do not have access to it") {
+			t.Errorf("alice %s: %d %+v", body, resp.StatusCode, oe)
+		}
+	}
+	if f.requests.Load() != 0 {
+		t.Fatal("a refused request reached the engine")
+	}
+	if resp, b := send(t, c, http.MethodPost, url+pathChat, other, bob...); resp.StatusCode != 200 {
+		t.Fatalf("bob: %d %s", resp.StatusCode, b)
+	}
+
+	models := func(hdr []string) []string {
+		resp, b := send(t, c, http.MethodGet, url+pathModels, "", hdr...)
+		if resp.StatusCode != 200 {
+			t.Fatalf("models: %d %s", resp.StatusCode, b)
+		}
+		var list openai.ModelList
+		if err := json.Unmarshal(b, &list); err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, m := range list.Data {
+			ids = append(ids, m.ID)
+		}
+		return ids
+	}
+	if got := models(alice); len(got) != 1 || got[0] != "m" {
+		t.Errorf("alice sees models %v, want [m]", got)
+	}
+	if got := models(bob); len(got) != 2 {
+		t.Errorf("bob sees models %v, want both", got)
+	}
+}
+
+func TestAuthFailsClosed(t *testing.T) {
+	cfg := testConfig(sched.RoundRobin, newFakeEngine(t, "e0"))
+	if err := cfg.Auth.AddKeys("  \n", "env"); err != nil {
+		t.Fatal(err)
+	}
+	g, url := startGateway(t, cfg)
+	if !g.AuthEnabled() {
+		t.Fatal("an empty key list turned authentication off")
+	}
+	if resp, _ := send(t, testClient(t), http.MethodPost, url+pathChat, chatBody, "Authorization", "Bearer x"); resp.StatusCode != 401 {
+		t.Fatalf("status %d, want 401", resp.StatusCode)
+	}
+}
+
+func TestKeysFile(t *testing.T) {
+	e := newFakeEngine(t, "e0")
+	dir := t.TempDir()
+	path := filepath.Join(dir, "keys.yaml")
+	if err := os.WriteFile(path, []byte("keys:\n  - {name: svc, hash: "+HashKey(keyAlice)+"}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg := testConfig(sched.RoundRobin, e)
+	cfg.Auth.KeysFile = path
+	cfg.Auth.ProtectMetrics = true
+	_, url := startGateway(t, cfg)
+	c := testClient(t)
+	if resp, b := send(t, c, http.MethodPost, url+pathChat, chatBody, "Authorization", "Bearer "+keyAlice); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if resp, _ := send(t, c, http.MethodGet, url+pathMetrics, ""); resp.StatusCode != 401 {
+		t.Errorf("metrics without a key: %d, want 401 (protect_metrics)", resp.StatusCode)
+	}
+	if resp, _ := send(t, c, http.MethodGet, url+pathMetrics, "", "Authorization", "Bearer "+keyAlice); resp.StatusCode != 200 {
+		t.Errorf("metrics with a key: %d", resp.StatusCode)
+	}
+
+	cfg.Auth.KeysFile = filepath.Join(dir, "missing.yaml")
+	if _, err := New(cfg, nil); err == nil || !strings.Contains(err.Error(), "keys_file") {
+		t.Errorf("missing keys file: %v", err)
+	}
+	_ = os.WriteFile(path, []byte("alice sha256:12"), 0o600)
+	cfg.Auth.KeysFile = path
+	if _, err := New(cfg, nil); err == nil || !strings.Contains(err.Error(), "hash") {
+		t.Errorf("bad keys file: %v", err)
+	}
+}
+
+// logCapture collects log records at every level.
+type logCapture struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *logCapture) Enabled(context.Context, slog.Level) bool { return true }
+func (l *logCapture) Handle(_ context.Context, r slog.Record) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.buf.WriteString(r.Message)
+	r.Attrs(func(a slog.Attr) bool {
+		l.buf.WriteString(" " + a.Key + "=" + a.Value.String())
+		return true
+	})
+	l.buf.WriteByte('\n')
+	return nil
+}
+func (l *logCapture) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l *logCapture) WithGroup(string) slog.Handler      { return l }
+
+func TestKeysNeverLogged(t *testing.T) {
+	lc := &logCapture{}
+	prev := slog.Default()
+	slog.SetDefault(slog.New(lc))
+	t.Cleanup(func() { slog.SetDefault(prev) })
+
+	e, f := newFakeEngine(t, "e0"), newFakeEngine(t, "e1")
+	cfg := authConfig(t, e, f)
+	cfg.Auth.Keys = append(cfg.Auth.Keys, APIKey{Name: "ghost", Hash: HashKey("sk-ghost"), Models: []string{"not-served"}})
+	_, url := startGateway(t, cfg)
+	c := testClient(t)
+	send(t, c, http.MethodPost, url+pathChat, chatBody, "Authorization", "Bearer sk-wrong-secret")
+	send(t, c, http.MethodPost, url+pathChat, chatBody, "Authorization", "Bearer "+keyAlice)
+	e.mode.Store(int32(modeMidFail)) // provoke a warning that names the request
+	send(t, c, http.MethodPost, url+pathChat, streamBody(false), "Authorization", "Bearer "+keyAlice)
+
+	lc.mu.Lock()
+	logs := lc.buf.String()
+	lc.mu.Unlock()
+	for _, secret := range []string{keyAlice, "sk-wrong-secret", "sk-ghost"} {
+		if strings.Contains(logs, secret) {
+			t.Errorf("log shows key %q:\n%s", secret, logs)
+		}
+	}
+	if !strings.Contains(logs, "key=ghost") {
+		t.Errorf("the warning about key ghost's model names the key: %s", logs)
+	}
+	if !strings.Contains(logs, "API key invalid") {
+		t.Errorf("no debug record of the refused key: %s", logs)
+	}
+}
+
+func FuzzParseKeys(f *testing.F) {
+	h := HashKey("k")
+	for _, s := range []string{
+		"keys:\n  - {name: a, hash: " + h + ", models: [m], requests_per_minute: 1, tokens_per_minute: 2}\n",
+		"- name: a\n  key: secret\n",
+		"a " + h + " models=m,n rpm=1 tpm=2 # c\n",
+		"a plain:x; b plain:y",
+		"[{name: a, hash: " + h + "}]",
+		"{keys: []}",
+	} {
+		f.Add([]byte(s), false)
+		f.Add([]byte(s), true)
+	}
+	f.Fuzz(func(t *testing.T, data []byte, semi bool) {
+		keys, err := ParseKeys(data, semi)
+		if err != nil {
+			return
+		}
+		// What ParseKeys accepts, the keyring must accept.
+		kr, err := loadKeys(AuthConfig{Keys: keys})
+		if err != nil {
+			t.Fatalf("accepted keys rejected by loadKeys: %v", err)
+		}
+		for _, k := range keys {
+			if !validKeyName(k.Name) {
+				t.Fatalf("accepted name %q", k.Name)
+			}
+			if _, err := parseHash(k.Hash); err != nil {
+				t.Fatalf("accepted hash %q", k.Hash)
+			}
+			if k.RequestsPerMinute < 0 || k.TokensPerMinute < 0 {
+				t.Fatalf("accepted negative limits %+v", k)
+			}
+		}
+		if len(kr.byHash) != len(keys) {
+			t.Fatalf("%d keys, %d hashes", len(keys), len(kr.byHash))
+		}
+	})
+}

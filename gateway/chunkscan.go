@@ -1,0 +1,431 @@
+package gateway
+
+import (
+	"encoding/json"
+	"strings"
+
+	"github.com/infergate/infergate/openai"
+)
+
+// chunkView is what the stream relay reads from one SSE event: how many
+// choices it has, whether it carries output (openai.StreamChunk.HasOutput),
+// whether it is an error event, and the usage it reports.
+type chunkView struct {
+	choices int
+	output  bool
+	isError bool
+	usage   *openai.Usage
+}
+
+// viewChunk reads an event's data. ok is false when data is not JSON the
+// gateway understands (it is then relayed as is, unaccounted). The common
+// shapes are read by scanChunk without encoding/json (a fifth of the
+// gateway's CPU time per streamed request went to decoding chunks with it);
+// anything scanChunk is not sure about goes through parseChunk, whose answer
+// scanChunk reproduces exactly (FuzzScanChunk checks it).
+func (x *exchange) viewChunk(data []byte) (v chunkView, ok bool) {
+	if v, decided := scanChunk(data); decided {
+		return v, true
+	}
+	c := x.parseChunk(data)
+	if c == nil {
+		return chunkView{}, false
+	}
+	return chunkView{choices: len(c.Choices), output: c.HasOutput(), isError: c.IsError(), usage: c.Usage}, true
+}
+
+// scanChunk reads the view of a chunk without encoding/json. decided is
+// false when it cannot be sure to match json.Unmarshal into
+// openai.StreamChunk: invalid JSON, a known key spelled in another case or
+// with escapes or non-ASCII bytes (json matches keys case-insensitively), a
+// known key repeated, a known field of an unexpected type, nesting over
+// maxScanDepth. The caller then decodes with encoding/json.
+func scanChunk(data []byte) (v chunkView, decided bool) {
+	s := chunkScanner{b: data}
+	s.ws()
+	if !s.is('{') {
+		return v, false
+	}
+	var seenChoices, seenUsage, seenError bool
+	ok := s.object(func(key []byte) bool {
+		switch string(key) {
+		case "choices":
+			if seenChoices {
+				return false
+			}
+			seenChoices = true
+			return s.choices(&v)
+		case "usage":
+			if seenUsage {
+				return false
+			}
+			seenUsage = true
+			start := s.i
+			if s.literal("null") {
+				v.usage = nil
+				return true
+			}
+			if !s.is('{') || !s.skip(1) {
+				return false
+			}
+			u := new(openai.Usage)
+			if err := json.Unmarshal(data[start:s.i], u); err != nil {
+				if _, typeErr := err.(*json.UnmarshalTypeError); !typeErr {
+					return false
+				}
+			}
+			v.usage = u
+			return true
+		case "error":
+			if seenError {
+				return false
+			}
+			seenError = true
+			start := s.i
+			if !s.skip(1) {
+				return false
+			}
+			raw := data[start:s.i]
+			v.isError = len(raw) > 0 && string(raw) != "null"
+			return true
+		}
+		return !foldsTo(key, "choices", "usage", "error") && s.skip(1)
+	})
+	if !ok {
+		return chunkView{}, false
+	}
+	s.ws()
+	return v, s.i == len(s.b)
+}
+
+// maxScanDepth bounds the nesting scanChunk follows (deeper: undecided).
+const maxScanDepth = 32
+
+// chunkScanner is a validating JSON scanner over b from i.
+type chunkScanner struct {
+	b []byte
+	i int
+}
+
+func (s *chunkScanner) ws() {
+	for s.i < len(s.b) {
+		switch s.b[s.i] {
+		case ' ', '\t', '\n', '\r':
+			s.i++
+		default:
+			return
+		}
+	}
+}
+
+// is reports whether the next byte is c (without consuming it).
+func (s *chunkScanner) is(c byte) bool { return s.i < len(s.b) && s.b[s.i] == c }
+
+// literal consumes lit if it is next.
+func (s *chunkScanner) literal(lit string) bool {
+	if len(s.b)-s.i >= len(lit) && string(s.b[s.i:s.i+len(lit)]) == lit {
+		s.i += len(lit)
+		return true
+	}
+	return false
+}
+
+// object scans an object at '{', calling member for each key with the
+// scanner at the start of the key's value (after the colon and
+// whitespace); member consumes the value. Keys with escapes or non-ASCII
+// bytes are refused.
+func (s *chunkScanner) object(member func(key []byte) bool) bool {
+	s.i++ // '{'
+	s.ws()
+	if s.is('}') {
+		s.i++
+		return true
+	}
+	for {
+		if !s.is('"') {
+			return false
+		}
+		key, plain, ok := s.str()
+		if !ok || !plain {
+			return false
+		}
+		for _, c := range key {
+			if c >= 0x80 {
+				return false
+			}
+		}
+		s.ws()
+		if !s.is(':') {
+			return false
+		}
+		s.i++
+		s.ws()
+		if !member(key) {
+			return false
+		}
+		s.ws()
+		switch {
+		case s.is(','):
+			s.i++
+			s.ws()
+		case s.is('}'):
+			s.i++
+			return true
+		default:
+			return false
+		}
+	}
+}
+
+// str scans a string at '"' and returns its raw contents; plain is false
+// when it has escapes. ok is false for an invalid string.
+func (s *chunkScanner) str() (raw []byte, plain, ok bool) {
+	s.i++ // '"'
+	start := s.i
+	plain = true
+	for s.i < len(s.b) {
+		c := s.b[s.i]
+		switch {
+		case c == '"':
+			raw = s.b[start:s.i]
+			s.i++
+			return raw, plain, true
+		case c < 0x20:
+			return nil, false, false
+		case c == '\\':
+			plain = false
+			if s.i+1 >= len(s.b) {
+				return nil, false, false
+			}
+			switch s.b[s.i+1] {
+			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+				s.i += 2
+			case 'u':
+				if s.i+6 > len(s.b) {
+					return nil, false, false
+				}
+				for _, h := range s.b[s.i+2 : s.i+6] {
+					if !('0' <= h && h <= '9' || 'a' <= h && h <= 'f' || 'A' <= h && h <= 'F') {
+						return nil, false, false
+					}
+				}
+				s.i += 6
+			default:
+				return nil, false, false
+			}
+		default:
+			s.i++
+		}
+	}
+	return nil, false, false
+}
+
+// number scans a JSON number.
+func (s *chunkScanner) number() bool {
+	digits := func() int {
+		n := 0
+		for s.i < len(s.b) && '0' <= s.b[s.i] && s.b[s.i] <= '9' {
+			s.i++
+			n++
+		}
+		return n
+	}
+	if s.is('-') {
+		s.i++
+	}
+	switch {
+	case s.is('0'):
+		s.i++
+	case digits() == 0:
+		return false
+	}
+	if s.is('.') {
+		s.i++
+		if digits() == 0 {
+			return false
+		}
+	}
+	if s.is('e') || s.is('E') {
+		s.i++
+		if s.is('+') || s.is('-') {
+			s.i++
+		}
+		if digits() == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// skip scans any value at depth (1: a top-level member's value).
+func (s *chunkScanner) skip(depth int) bool {
+	if s.i >= len(s.b) || depth > maxScanDepth {
+		return false
+	}
+	switch c := s.b[s.i]; {
+	case c == '{':
+		return s.object(func([]byte) bool { return s.skip(depth + 1) })
+	case c == '[':
+		return s.array(func() bool { return s.skip(depth + 1) })
+	case c == '"':
+		_, _, ok := s.str()
+		return ok
+	case c == 't':
+		return s.literal("true")
+	case c == 'f':
+		return s.literal("false")
+	case c == 'n':
+		return s.literal("null")
+	case c == '-' || '0' <= c && c <= '9':
+		return s.number()
+	}
+	return false
+}
+
+// array scans an array at '[', calling elem for each element with the
+// scanner at its start.
+func (s *chunkScanner) array(elem func() bool) bool {
+	s.i++ // '['
+	s.ws()
+	if s.is(']') {
+		s.i++
+		return true
+	}
+	for {
+		if !elem() {
+			return false
+		}
+		s.ws()
+		switch {
+		case s.is(','):
+			s.i++
+			s.ws()
+		case s.is(']'):
+			s.i++
+			return true
+		default:
+			return false
+		}
+	}
+}
+
+// choices scans the "choices" value: null, or an array of objects.
+func (s *chunkScanner) choices(v *chunkView) bool {
+	if s.literal("null") {
+		v.choices, v.output = 0, false
+		return true
+	}
+	if !s.is('[') {
+		return false
+	}
+	n, output := 0, false
+	ok := s.array(func() bool {
+		if !s.is('{') {
+			return false
+		}
+		n++
+		var seenText, seenDelta, seenFinish bool
+		return s.object(func(key []byte) bool {
+			switch string(key) {
+			case "text":
+				if seenText {
+					return false
+				}
+				seenText = true
+				out, ok := s.optString()
+				output = output || out
+				return ok
+			case "delta":
+				if seenDelta {
+					return false
+				}
+				seenDelta = true
+				out, ok := s.delta()
+				output = output || out
+				return ok
+			case "finish_reason":
+				if seenFinish {
+					return false
+				}
+				seenFinish = true
+				_, ok := s.optString()
+				return ok
+			}
+			return !foldsTo(key, "text", "delta", "finish_reason") && s.skip(3)
+		})
+	})
+	v.choices, v.output = n, output
+	return ok
+}
+
+// optString scans a string or null; nonEmpty reports a non-empty string
+// (a string with any content decodes to a non-empty one).
+func (s *chunkScanner) optString() (nonEmpty, ok bool) {
+	if s.literal("null") {
+		return false, true
+	}
+	if !s.is('"') {
+		return false, false
+	}
+	raw, _, ok := s.str()
+	return len(raw) > 0, ok
+}
+
+// delta scans a choice's "delta": null, or an object whose content,
+// reasoning and reasoning_content are strings or null and whose tool_calls
+// is any value.
+func (s *chunkScanner) delta() (output, ok bool) {
+	if s.literal("null") {
+		return false, true
+	}
+	if !s.is('{') {
+		return false, false
+	}
+	var seen [4]bool
+	ok = s.object(func(key []byte) bool {
+		k := -1
+		switch string(key) {
+		case "content":
+			k = 0
+		case "reasoning":
+			k = 1
+		case "reasoning_content":
+			k = 2
+		case "tool_calls":
+			k = 3
+		default:
+			return !foldsTo(key, "content", "reasoning", "reasoning_content", "tool_calls") && s.skip(4)
+		}
+		if seen[k] {
+			return false
+		}
+		seen[k] = true
+		if k == 3 {
+			start := s.i
+			if !s.skip(4) {
+				return false
+			}
+			raw := string(s.b[start:s.i])
+			output = output || (raw != "null" && raw != "[]")
+			return true
+		}
+		out, ok := s.optString()
+		output = output || out
+		return ok
+	})
+	return output, ok
+}
+
+// foldsTo reports whether key matches one of names case-insensitively,
+// as encoding/json matches keys to fields (the exact spellings were
+// handled already).
+func foldsTo(key []byte, names ...string) bool {
+	for _, n := range names {
+		// Keys are ASCII here (others are refused), so only equal lengths
+		// can match.
+		if len(key) == len(n) && strings.EqualFold(string(key), n) {
+			return true
+		}
+	}
+	return false
+}

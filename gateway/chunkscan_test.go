@@ -1,0 +1,112 @@
+package gateway
+
+import (
+	"reflect"
+	"testing"
+)
+
+// slowView is the view through encoding/json alone (parseChunk).
+func slowView(data []byte) (chunkView, bool) {
+	x := &exchange{}
+	c := x.parseChunk(data)
+	if c == nil {
+		return chunkView{}, false
+	}
+	return chunkView{choices: len(c.Choices), output: c.HasOutput(), isError: c.IsError(), usage: c.Usage}, true
+}
+
+// chunkSeeds are events as engines send them, and awkward variants.
+var chunkSeeds = []string{
+	`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`,
+	`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hel"},"logprobs":null,"finish_reason":null}]}`,
+	`{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" world","logprobs":null,"finish_reason":null}]}`,
+	`{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null}]}`,
+	`{"id":"x","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":3,"total_tokens":43,"prompt_tokens_details":{"cached_tokens":32}}}`,
+	`{"choices":[{"delta":{"reasoning":"hm"}}]}`,
+	`{"choices":[{"delta":{"reasoning_content":"hm"}}]}`,
+	`{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"a\":1}"}}]}}]}`,
+	`{"choices":[{"delta":{"tool_calls":[]}}]}`,
+	`{"choices":[{"delta":{"tool_calls":[ ]}}]}`,
+	`{"choices":[{"delta":{"tool_calls":null,"content":null}}]}`,
+	`{"error":{"message":"engine died","type":"InternalServerError","param":null,"code":500}}`,
+	`{"error":null,"choices":null}`,
+	`{"Choices":[{"text":"a"}]}`,
+	`{"choices":[{"TEXT":"a"}]}`,
+	`{"ch\u006fices":[{"text":"a"}]}`,
+	`{"choices":[{"text":"a"}],"choices":[]}`,
+	`{"choices":[{"text":"\u00e9\n"}]}`,
+	`{"choices":[{"text":5}]}`,
+	`{"choices":[null,{"text":"a"}]}`,
+	`{"choices":"nope","usage":{"prompt_tokens":"x","completion_tokens":2}}`,
+	`{"usage":5}`,
+	`{"choices":[{"text":"a"}]} trailing`,
+	` {"choices" : [ {"text" : "a" } ] } `,
+	`[1,2]`,
+	`null`,
+	`"str"`,
+	`{"a":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}`,
+	`{"a":-0.5e+10,"b":true,"c":false,"d":"\"\\\/\b\f\n\r\t"}`,
+	`{"a":01}`,
+	`{"a":"` + "\x01" + `"}`,
+	`{"choices":[{"text":"a",}]}`,
+	"{\"choices\":[{\"text\":\"\xff\xfe\"}]}",
+	`{"choices":[{"delta":{},"text":""}],"usage":null}`,
+}
+
+func TestScanChunk(t *testing.T) {
+	decided := 0
+	for _, s := range chunkSeeds {
+		want, wantOK := slowView([]byte(s))
+		got, gotOK := (&exchange{}).viewChunk([]byte(s))
+		if gotOK != wantOK || !reflect.DeepEqual(got, want) {
+			t.Errorf("%s:\n view %+v %v\n json %+v %v", s, got, gotOK, want, wantOK)
+		}
+		if _, d := scanChunk([]byte(s)); d {
+			decided++
+		}
+	}
+	// The engines' ordinary events must take the fast path.
+	for _, s := range chunkSeeds[:12] {
+		if _, d := scanChunk([]byte(s)); !d {
+			t.Errorf("not decided by the scanner: %s", s)
+		}
+	}
+	t.Logf("%d of %d seeds decided by the scanner", decided, len(chunkSeeds))
+}
+
+// FuzzScanChunk: whenever the scanner decides, it agrees with
+// encoding/json.
+func FuzzScanChunk(f *testing.F) {
+	for _, s := range chunkSeeds {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		got, decided := scanChunk(data)
+		if !decided {
+			return
+		}
+		want, ok := slowView(data)
+		if !ok || !reflect.DeepEqual(got, want) {
+			t.Fatalf("%q:\n scan %+v\n json %+v (ok %v)", data, got, want, ok)
+		}
+	})
+}
+
+func BenchmarkViewChunk(b *testing.B) {
+	data := []byte(chunkSeeds[1])
+	b.Run("scan", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, ok := scanChunk(data); !ok {
+				b.Fatal("undecided")
+			}
+		}
+	})
+	b.Run("json", func(b *testing.B) {
+		b.ReportAllocs()
+		x := &exchange{}
+		for b.Loop() {
+			_ = x.parseChunk(data)
+		}
+	})
+}

@@ -1,0 +1,484 @@
+package gateway
+
+import (
+	"crypto/tls"
+	"fmt"
+	"log/slog"
+	"math"
+	"net"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/infergate/infergate/openai"
+)
+
+// Defaults of EdgeConfig.
+const (
+	// DefaultMaxHeaderBytes bounds a request's header block (64 KiB: Envoy's
+	// default is 60 KiB, nginx's 4 × 8 KiB; OpenAI clients send < 2 KiB).
+	DefaultMaxHeaderBytes = 64 << 10
+	// DefaultReadHeaderTimeout bounds receiving a request's headers (and the
+	// TLS handshake).
+	DefaultReadHeaderTimeout = 10 * time.Second
+	// DefaultIdleTimeout closes idle client keep-alive connections.
+	DefaultIdleTimeout = 2 * time.Minute
+	// DefaultWriteTimeout is the longest one write to a client may block
+	// (a client that stops reading a stream is dropped after it).
+	DefaultWriteTimeout = time.Minute
+)
+
+// EdgeConfig is the part of Config about the gateway's front: who may call
+// it, over what, and how much a client may send or hold (README "Security"
+// and "Limits"). Config embeds it, so its keys are top-level YAML keys.
+type EdgeConfig struct {
+	// Auth configures API keys; without keys the gateway is open.
+	Auth AuthConfig `yaml:"auth"`
+	// TLS terminates HTTPS on Listen when CertFile and KeyFile are set.
+	TLS TLSConfig `yaml:"tls"`
+	// TrustedProxies are the peers (CIDRs or addresses) whose
+	// X-Forwarded-For / -Proto / -Host, Forwarded and X-Real-Ip headers are
+	// passed on (X-Forwarded-For with the peer appended). From any other
+	// peer those headers are dropped and the gateway sets X-Forwarded-For
+	// to the peer's address and X-Forwarded-Proto to http or https.
+	TrustedProxies []string `yaml:"trusted_proxies"`
+	// MaxHeaderBytes bounds a request's header block (bytes, default 64
+	// KiB): over it the gateway answers an OpenAI-format 431; over twice it
+	// net/http stops reading and answers its own plain-text 431.
+	MaxHeaderBytes int `yaml:"max_header_bytes"`
+	// ReadHeaderTimeout bounds receiving a request's headers, TLS handshake
+	// included (default 10s).
+	ReadHeaderTimeout time.Duration `yaml:"read_header_timeout"`
+	// IdleTimeout closes client keep-alive connections idle this long
+	// (default 2m).
+	IdleTimeout time.Duration `yaml:"idle_timeout"`
+	// WriteTimeout is the longest one write of a response to the client may
+	// block (default 1m; negative: no limit). It is a per-write stall limit,
+	// not a bound on the whole response, so long streams are unaffected; a
+	// client that stops reading is disconnected and its upstream request
+	// canceled.
+	WriteTimeout time.Duration `yaml:"write_timeout"`
+}
+
+// withDefaults fills zero fields.
+func (e EdgeConfig) withDefaults() EdgeConfig {
+	if e.MaxHeaderBytes == 0 {
+		e.MaxHeaderBytes = DefaultMaxHeaderBytes
+	}
+	if e.ReadHeaderTimeout == 0 {
+		e.ReadHeaderTimeout = DefaultReadHeaderTimeout
+	}
+	if e.IdleTimeout == 0 {
+		e.IdleTimeout = DefaultIdleTimeout
+	}
+	if e.WriteTimeout == 0 {
+		e.WriteTimeout = DefaultWriteTimeout
+	}
+	return e
+}
+
+// maxUpstreamHeaderBytes bounds an engine's response headers (bytes); more
+// fails the attempt like a broken connection.
+const maxUpstreamHeaderBytes = 1 << 20
+
+// maxHeaderLimit bounds max_header_bytes (64 MiB).
+const maxHeaderLimit = 64 << 20
+
+// validate reports the edge settings' errors (keys are checked when New
+// loads them).
+func (e EdgeConfig) validate() []error {
+	var errs []error
+	if e.MaxHeaderBytes < 1024 || e.MaxHeaderBytes > maxHeaderLimit {
+		errs = append(errs, fmt.Errorf("max_header_bytes %d: want 1024 to %d", e.MaxHeaderBytes, maxHeaderLimit))
+	}
+	if e.ReadHeaderTimeout < 0 {
+		errs = append(errs, fmt.Errorf("read_header_timeout %v: must be positive", e.ReadHeaderTimeout))
+	}
+	if e.IdleTimeout < 0 {
+		errs = append(errs, fmt.Errorf("idle_timeout %v: must be positive", e.IdleTimeout))
+	}
+	if _, err := parseTrusted(e.TrustedProxies); err != nil {
+		errs = append(errs, err)
+	}
+	if err := e.TLS.validate(); err != nil {
+		errs = append(errs, err)
+	}
+	return errs
+}
+
+// parseTrusted parses trusted_proxies entries: CIDRs or single addresses.
+func parseTrusted(list []string) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, s := range list {
+		if p, err := netip.ParsePrefix(s); err == nil {
+			out = append(out, p.Masked())
+			continue
+		}
+		a, err := netip.ParseAddr(s)
+		if err != nil {
+			return nil, fmt.Errorf("trusted_proxies %q: want a CIDR (10.0.0.0/8) or an address", s)
+		}
+		out = append(out, netip.PrefixFrom(a, a.BitLen()))
+	}
+	return out, nil
+}
+
+// edge is the gateway's front-door state (embedded in Gateway).
+type edge struct {
+	keys      *keyring       // nil: authentication off
+	trusted   []netip.Prefix // peers whose forwarding headers are kept
+	tlsConfig *tls.Config    // nil: plain HTTP
+
+	authFailures *prometheus.CounterVec // reason
+	rateLimited  *prometheus.CounterVec // key, limit
+}
+
+// initEdge loads the API keys and the TLS certificate and registers the
+// edge's metrics. It runs in New after the model list is built.
+func (g *Gateway) initEdge(reg prometheus.Registerer) error {
+	var err error
+	if g.trusted, err = parseTrusted(g.cfg.TrustedProxies); err != nil {
+		return err
+	}
+	if g.cfg.TLS.Enabled() {
+		if g.tlsConfig, err = newTLSConfig(g.cfg.TLS); err != nil {
+			return err
+		}
+	}
+	if g.cfg.Auth.Enabled() {
+		if g.keys, err = loadKeys(g.cfg.Auth); err != nil {
+			return err
+		}
+		if err := g.keys.initModelLists(g.modelsBody); err != nil {
+			return fmt.Errorf("gateway: model lists: %w", err)
+		}
+		if len(g.keys.principals) == 0 {
+			slog.Warn("gateway: authentication is on but no API key is configured: every API request will be refused")
+		}
+		for _, p := range g.keys.principals {
+			for m := range p.models {
+				if g.pools[m] == nil {
+					slog.Warn("gateway: API key allows a model no endpoint serves", "key", p.name, "model", m)
+				}
+			}
+		}
+	}
+	g.authFailures = prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "auth_failures_total",
+		Help: "API requests refused with 401, by reason (missing, invalid)."}, []string{"reason"})
+	g.rateLimited = prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "rate_limited_total",
+		Help: "Requests refused with 429 by a key's rate limit, by key name and limit (requests, tokens)."}, []string{"key", "limit"})
+	for _, c := range []prometheus.Collector{g.authFailures, g.rateLimited} {
+		if err := reg.Register(c); err != nil {
+			return fmt.Errorf("gateway: register metrics: %w", err)
+		}
+	}
+	return nil
+}
+
+// AuthEnabled reports whether API keys are required.
+func (g *Gateway) AuthEnabled() bool { return g.keys != nil }
+
+// TLSEnabled reports whether Server terminates TLS (serve it with
+// ServeTLS(ln, "", "") or ListenAndServeTLS("", "")).
+func (g *Gateway) TLSEnabled() bool { return g.tlsConfig != nil }
+
+// serverHeaderBytes is http.Server.MaxHeaderBytes for a max_header_bytes
+// limit: twice it, so that headers between the limit and twice it reach the
+// handler and get the OpenAI-format 431 (net/http answers plain text beyond).
+func serverHeaderBytes(limit int) int { return 2 * limit }
+
+// headerBytes is the size of r's header block as sent on HTTP/1.1: request
+// line, Host and every header line with its ": " and CRLF.
+func headerBytes(r *http.Request) int {
+	n := len(r.Method) + len(r.RequestURI) + len(r.Proto) + 4 + len("Host: \r\n") + len(r.Host)
+	for k, vs := range r.Header {
+		for _, v := range vs {
+			n += len(k) + len(v) + 4
+		}
+	}
+	return n
+}
+
+// codeHeaderTooLarge is the code of a 431.
+const codeHeaderTooLarge = "request_header_too_large"
+
+// checkEdge runs first for every request: header size (431), then the API
+// key (401) on protected paths. It returns the principal (nil when
+// authentication is off or the path is open) and false once it has
+// answered.
+func (g *Gateway) checkEdge(w http.ResponseWriter, r *http.Request) (*principal, bool) {
+	if n := headerBytes(r); n > g.cfg.MaxHeaderBytes {
+		w.Header().Set("Connection", "close")
+		openai.WriteError(w, openai.NewError(http.StatusRequestHeaderFieldsTooLarge,
+			fmt.Sprintf("Request headers are %d bytes, over the limit of %d bytes.", n, g.cfg.MaxHeaderBytes), "", codeHeaderTooLarge))
+		if r.URL.Path == pathChat || r.URL.Path == pathCompletions {
+			g.metrics.count(g.unknown, http.StatusRequestHeaderFieldsTooLarge)
+		}
+		return nil, false
+	}
+	if r.URL.Path == pathChat || r.URL.Path == pathCompletions {
+		scrubForwarding(r.Header, g.peerTrusted(r.RemoteAddr), r.TLS != nil)
+	}
+	return g.authenticate(w, r)
+}
+
+// peerTrusted reports whether the connection's peer is a trusted proxy.
+func (g *Gateway) peerTrusted(remoteAddr string) bool {
+	if len(g.trusted) == 0 {
+		return false
+	}
+	ap, err := netip.ParseAddrPort(remoteAddr)
+	if err != nil {
+		return false
+	}
+	a := ap.Addr().Unmap()
+	for _, p := range g.trusted {
+		if p.Contains(a) {
+			return true
+		}
+	}
+	return false
+}
+
+// extendWriteDeadline makes sure the next write to the client has at least
+// half of WriteTimeout to complete, moving the connection's write deadline
+// at most once per half timeout (a write that blocks longer than that means
+// the client stopped reading). Call it right before writing response bytes;
+// the server clears the deadline after the handler.
+func (g *Gateway) extendWriteDeadline(w http.ResponseWriter, x *exchange, now time.Time) {
+	d := g.cfg.WriteTimeout
+	if d <= 0 || now.Add(d/2).Before(x.edge.writeDeadline) {
+		return
+	}
+	x.edge.writeDeadline = now.Add(d)
+	_ = http.NewResponseController(w).SetWriteDeadline(x.edge.writeDeadline)
+}
+
+// exchangeEdge is the per-request edge state kept in the exchange.
+type exchangeEdge struct {
+	limits        *keyLimits // the key's limits, nil when none
+	reserved      float64    // tokens charged at admission, to settle against usage
+	writeDeadline time.Time  // the client connection's current write deadline
+}
+
+// admit checks, after the body is decoded, that the key may use the model
+// (404 model_not_found otherwise, as OpenAI answers) and takes the request
+// and its estimated tokens from the key's rate limits (429 otherwise). It
+// sets the x-ratelimit-* headers.
+func (g *Gateway) admit(w http.ResponseWriter, x *exchange, kind apiKind, p *principal) *openai.Error {
+	if p == nil {
+		return nil
+	}
+	if !p.allows(x.model) {
+		return modelNotAllowed(x.model)
+	}
+	kl := p.limits
+	if kl == nil {
+		return nil
+	}
+	est := x.tokenEstimate(kind)
+	now := time.Now()
+	kl.mu.Lock()
+	okReq, waitReq := kl.req.check(now, 1)
+	okTok, waitTok := kl.tok.check(now, est)
+	tooLarge := kl.tok.limit > 0 && est > kl.tok.limit
+	if okReq && okTok {
+		kl.req.take(1)
+		kl.tok.take(est)
+	}
+	h := w.Header()
+	kl.req.setHeaders(h, &requestHeaderNames)
+	kl.tok.setHeaders(h, &tokenHeaderNames)
+	kl.mu.Unlock()
+
+	switch {
+	case tooLarge:
+		g.rateLimited.WithLabelValues(p.name, "tokens").Inc()
+		return &openai.Error{Message: fmt.Sprintf("Request too large for key %s on tokens per min (TPM): Limit %.0f, Requested %.0f (prompt estimate plus max_tokens). Send a smaller request.",
+			p.name, kl.tok.limit, est), Type: "tokens", Code: codeRateLimitExceeded, Status: http.StatusTooManyRequests}
+	case !okReq || !okTok:
+		limit, b, wait := "requests", &kl.req, waitReq
+		if okReq {
+			limit, b, wait = "tokens", &kl.tok, waitTok
+		}
+		g.rateLimited.WithLabelValues(p.name, limit).Inc()
+		secs := max(1, int(math.Ceil(wait.Seconds())))
+		h.Set("Retry-After", strconv.Itoa(secs))
+		h.Set("Retry-After-Ms", strconv.FormatInt(max(1, wait.Milliseconds()), 10))
+		unit := "RPM"
+		if limit == "tokens" {
+			unit = "TPM"
+		}
+		return &openai.Error{Message: fmt.Sprintf("Rate limit reached for key %s on %s per min (%s): Limit %.0f. Please try again in %s.",
+			p.name, limit, unit, b.limit, wait.Round(time.Millisecond)), Type: limit, Code: codeRateLimitExceeded, Status: http.StatusTooManyRequests}
+	}
+	if kl.tok.limit > 0 {
+		x.edge.limits, x.edge.reserved = kl, est
+	}
+	return nil
+}
+
+// tokenEstimate is what a request is charged against tokens_per_minute at
+// admission: the prompt (token ids counted exactly; text as body bytes / 4)
+// plus max_tokens × n × prompts when max_tokens is given. The charge is
+// settled against the engine's reported usage when the response ends.
+func (x *exchange) tokenEstimate(kind apiKind) float64 {
+	var prompt, maxTok, n, prompts float64 = 0, 0, 1, 1
+	var mt, nc *int
+	if kind == kindChat {
+		mt, nc = x.chat.MaxTokens, x.chat.N
+		if x.chat.MaxCompletionTokens != nil {
+			mt = x.chat.MaxCompletionTokens
+		}
+		prompt = float64(len(x.body) / 4)
+	} else {
+		mt, nc = x.comp.MaxTokens, x.comp.N
+		if ids := x.comp.Prompt.Tokens; len(ids) > 0 {
+			for _, p := range ids {
+				prompt += float64(len(p))
+			}
+		} else {
+			prompt = float64(len(x.body) / 4)
+		}
+		prompts = float64(max(1, x.comp.Prompt.Len()))
+	}
+	if mt != nil && *mt > 0 {
+		maxTok = float64(*mt)
+	}
+	if nc != nil && *nc > 1 {
+		n = float64(*nc)
+	}
+	return max(1, prompt+maxTok*n*prompts)
+}
+
+// settleTokens charges the difference between a request's reported usage
+// and what admission charged (a refund when it used less). Without usage
+// (a failed or canceled request) the admission charge stands. Idempotent.
+func (x *exchange) settleTokens(u *openai.Usage) {
+	kl := x.edge.limits
+	if kl == nil || u == nil {
+		return
+	}
+	used := u.TotalTokens
+	if used <= 0 {
+		used = u.PromptTokens + u.CompletionTokens
+	}
+	kl.mu.Lock()
+	kl.tok.adjust(float64(max(used, 0)) - x.edge.reserved)
+	kl.mu.Unlock()
+	x.edge.limits, x.edge.reserved = nil, 0
+}
+
+// keyLimits are one key's token buckets (one per key name: memory is
+// bounded by the keys configured).
+type keyLimits struct {
+	mu  sync.Mutex
+	req bucket // requests
+	tok bucket // tokens
+}
+
+// newKeyLimits returns the buckets for the per-minute limits (0: none), or
+// nil when the key has no limit.
+func newKeyLimits(rpm, tpm int) *keyLimits {
+	if rpm <= 0 && tpm <= 0 {
+		return nil
+	}
+	return &keyLimits{req: newBucket(rpm), tok: newBucket(tpm)}
+}
+
+// bucket is a token bucket holding up to limit units and refilled at limit
+// per minute; starting full. Its level may go negative (to −limit at most)
+// when usage reported after a response exceeds what admission charged, so
+// the excess delays the key's next requests. limit 0: unlimited.
+type bucket struct {
+	limit float64
+	level float64
+	last  time.Time
+}
+
+func newBucket(perMinute int) bucket {
+	return bucket{limit: float64(max(perMinute, 0)), level: float64(max(perMinute, 0))}
+}
+
+// refill adds what accrued since the last refill.
+func (b *bucket) refill(now time.Time) {
+	if !b.last.IsZero() {
+		if dt := now.Sub(b.last); dt > 0 {
+			b.level = min(b.limit, b.level+dt.Minutes()*b.limit)
+		}
+	}
+	b.last = now
+}
+
+// check refills and reports whether n units are available now, else how
+// long until they are.
+func (b *bucket) check(now time.Time, n float64) (bool, time.Duration) {
+	if b.limit <= 0 {
+		return true, 0
+	}
+	b.refill(now)
+	if b.level >= n {
+		return true, 0
+	}
+	need := min(n, b.limit) - b.level
+	return false, time.Duration(need / b.limit * float64(time.Minute))
+}
+
+// take removes n units (after a successful check).
+func (b *bucket) take(n float64) {
+	if b.limit > 0 {
+		b.level -= n
+	}
+}
+
+// adjust removes delta units (negative: returns them), keeping the level
+// within [−limit, limit].
+func (b *bucket) adjust(delta float64) {
+	if b.limit > 0 {
+		b.level = max(-b.limit, min(b.limit, b.level-delta))
+	}
+}
+
+// Header names of OpenAI's rate-limit headers, per limit kind.
+var (
+	requestHeaderNames = [3]string{"X-Ratelimit-Limit-Requests", "X-Ratelimit-Remaining-Requests", "X-Ratelimit-Reset-Requests"}
+	tokenHeaderNames   = [3]string{"X-Ratelimit-Limit-Tokens", "X-Ratelimit-Remaining-Tokens", "X-Ratelimit-Reset-Tokens"}
+)
+
+// setHeaders sets OpenAI's x-ratelimit-limit-, -remaining- and -reset-
+// headers named by names (reset: the time until the bucket is full again,
+// as a Go duration like OpenAI's "6m0s" or "20ms").
+func (b *bucket) setHeaders(h http.Header, names *[3]string) {
+	if b.limit <= 0 {
+		return
+	}
+	remaining := max(0, math.Floor(b.level))
+	reset := time.Duration((b.limit - b.level) / b.limit * float64(time.Minute)).Round(time.Millisecond)
+	h[names[0]] = []string{strconv.FormatFloat(b.limit, 'f', 0, 64)}
+	h[names[1]] = []string{strconv.FormatFloat(remaining, 'f', 0, 64)}
+	h[names[2]] = []string{reset.String()}
+}
+
+// CheckLoopback reports an error unless addr ("host:port") is on loopback:
+// a loopback IP or "localhost".
+func CheckLoopback(addr string) error {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return err
+	}
+	if host == "localhost" {
+		return nil
+	}
+	if a, err := netip.ParseAddr(host); err != nil || !a.IsLoopback() {
+		return fmt.Errorf("%q is not a loopback address", addr)
+	}
+	return nil
+}
+
+// IsLoopbackListen reports whether a listen address only accepts loopback
+// connections (an empty host, "0.0.0.0" or "::" listen everywhere).
+func IsLoopbackListen(addr string) bool { return CheckLoopback(addr) == nil }

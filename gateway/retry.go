@@ -1,0 +1,273 @@
+package gateway
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/sched"
+)
+
+// PriorityHeader is the request header that orders admission: an integer,
+// higher first (default 0); requests of equal priority are admitted in
+// arrival order.
+const PriorityHeader = "X-Priority"
+
+// AttemptsHeader is set on a response that needed more than one attempt:
+// the number of attempts (endpoints tried).
+const AttemptsHeader = "X-Infergate-Attempts"
+
+// codeAbort is relayBody's result for a body that broke off after the
+// status line was sent (accounted as 502).
+const codeAbort = -1
+
+// failure is an attempt that failed before any byte of its answer reached
+// the client: it may be retried elsewhere, and is answered when it is not.
+type failure struct {
+	reason string        // reason* constant
+	rm     *routeMetrics // the endpoint that failed
+	// status and body are an engine's JSON error answer, relayed as is when
+	// body is non-nil (it aliases x.errBody); otherwise err is answered.
+	status int
+	body   []byte
+	err    *openai.Error
+}
+
+// requestPriority reads PriorityHeader (0 when absent or not an integer).
+func requestPriority(r *http.Request) int {
+	v := r.Header.Get(PriorityHeader)
+	if v == "" {
+		return 0
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(v))
+	if err != nil {
+		return 0
+	}
+	return n
+}
+
+// serveRouted is the request's lifecycle once its model's pool is known:
+// admission (queueing when the pool is full), pick, proxy, and retries on
+// other endpoints of failures that reached the client with no byte.
+func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool,
+	reqID string, start time.Time) {
+	x.sreq.Priority = requestPriority(r)
+	if !g.admitQueued(w, r, p, x.sreq.Priority) {
+		return
+	}
+	defer p.gate.release()
+
+	excluded := x.excludedFor(len(p.endpoints))
+	var (
+		last     *failure
+		retrying bool // holds a retry-budget token
+	)
+	defer func() {
+		if retrying {
+			p.budget.done()
+		}
+	}()
+	for attempt := 1; ; attempt++ {
+		i, d := g.pickExcluding(p, &x.sreq, excluded)
+		if attempt == 1 {
+			p.gate.picked()
+		}
+		if i < 0 {
+			if last == nil {
+				w.Header().Set("Retry-After", g.retryAfter)
+				g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable,
+					fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", x.model), "", openai.CodeNoEndpoint))
+				return
+			}
+			g.res.retriesDenied.WithLabelValues(p.model, "no_endpoint").Inc()
+			g.answerFailure(w, last)
+			return
+		}
+		if attempt > 1 {
+			g.res.retries.WithLabelValues(p.model, last.rm.labels[1], last.reason).Inc()
+			w.Header()[AttemptsHeader] = []string{strconv.Itoa(attempt)}
+		}
+		f := g.attempt(w, r, x, kind, p, i, d, reqID, start)
+		if f == nil {
+			return
+		}
+		last = f
+		excluded[i] = true
+		switch {
+		case r.Context().Err() != nil:
+			g.metrics.count(f.rm, codeClientClosed)
+			return
+		case attempt >= g.cfg.Retry.MaxAttempts:
+			g.answerFailure(w, f)
+			return
+		case !retrying:
+			if !p.budget.take(p.gate.active.Load(), g.cfg.Retry.BudgetPercent, g.cfg.Retry.MinRetryConcurrency) {
+				g.res.retriesDenied.WithLabelValues(p.model, "budget").Inc()
+				g.answerFailure(w, f)
+				return
+			}
+			retrying = true
+		}
+	}
+}
+
+// excludedFor returns x's per-request endpoint exclusion flags, n of them,
+// all false.
+func (x *exchange) excludedFor(n int) []bool {
+	if cap(x.excluded) < n {
+		x.excluded = make([]bool, n)
+	}
+	x.excluded = x.excluded[:n]
+	clear(x.excluded)
+	return x.excluded
+}
+
+// answerFailure answers a failure that is not retried.
+func (g *Gateway) answerFailure(w http.ResponseWriter, f *failure) {
+	if f.body != nil {
+		writeJSON(w, f.status, f.body)
+		g.metrics.count(f.rm, f.status)
+		return
+	}
+	g.fail(w, f.rm, f.err)
+}
+
+// attempt sends the request to endpoint i of p (whose circuit-breaker slot
+// pickExcluding took) and relays the answer. It returns nil when the
+// request was answered (successfully or not: it is then accounted), or the
+// failure to retry or answer when nothing reached the client.
+func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool, i int,
+	d sched.Decision, reqID string, start time.Time) *failure {
+	ep, rm := p.endpoints[i], p.routes[i]
+	defer ep.releaseSlot()
+	if n := int64(x.sreq.PromptTokens); n > 0 {
+		ep.inFlightTokens.Add(n)
+		defer ep.inFlightTokens.Add(-n)
+		x.pendingEP, x.pending = ep, max(1, n-int64(d.MatchedBlocks*p.blockSize))
+		ep.pendingPrefill.Add(x.pending)
+		defer x.prefillDone()
+	}
+	if d.MatchedBlocks > 0 {
+		rm.predicted.Add(float64(d.MatchedBlocks * p.blockSize))
+	}
+	x.predicted, x.precisePredicted = -1, -1
+	if p.policy.NeedsHashes() {
+		x.predicted, x.predictedBy = d.MatchedBlocks*p.blockSize, indexApproximate
+		if p.precisePolicy {
+			x.predictedBy = indexPrecise
+		}
+	}
+	if p.precise != nil && !p.precisePolicy {
+		x.precisePredicted = p.preciseMatch(x.hashes, i) * p.blockSize
+	}
+
+	body := x.body
+	strip := false
+	if x.stream && !x.includeUsage {
+		if b, err := withIncludeUsage(x.upBody[:0], body); err == nil {
+			x.upBody, body, strip = b, b, true
+		}
+	}
+	target := ep.base + kind.path()
+	if r.URL.RawQuery != "" {
+		target += "?" + r.URL.RawQuery
+	}
+	req, err := http.NewRequestWithContext(r.Context(), http.MethodPost, target, bytes.NewReader(body))
+	if err != nil {
+		g.fail(w, rm, openai.NewError(http.StatusBadGateway, "Could not build the upstream request.", "", openai.CodeUpstream))
+		return nil
+	}
+	req.Header = upstreamHeader(r.Header, reqID, r.RemoteAddr)
+
+	resp, err := g.rt.RoundTrip(req)
+	if err != nil {
+		switch {
+		case r.Context().Err() != nil:
+			g.metrics.count(rm, codeClientClosed)
+			return nil
+		case isResponseTimeout(err):
+			slog.Warn("gateway: upstream response timeout", "endpoint", ep.name, "request_id", reqID, "err", err)
+			g.outlierFailure(ep, reasonTimeout, time.Now())
+			g.fail(w, rm, openai.NewError(http.StatusGatewayTimeout,
+				"The model server did not answer in time.", "", codeUpstreamTimeout))
+			return nil
+		}
+		reason := reasonReset
+		if isDialError(err) {
+			reason = reasonConnect
+		}
+		slog.Warn("gateway: upstream connection failed", "endpoint", ep.name, "request_id", reqID,
+			"reason", reason, "err", err)
+		g.outlierFailure(ep, reason, time.Now())
+		return &failure{reason: reason, rm: rm, err: openai.NewError(http.StatusBadGateway,
+			"The model server could not be reached.", "", openai.CodeUpstream)}
+	}
+	defer resp.Body.Close()
+
+	if resp.StatusCode >= 500 {
+		g.outlierFailure(ep, reason5xx, time.Now())
+		return g.serverError(resp, x, rm)
+	}
+	var (
+		f    *failure
+		code int
+	)
+	switch {
+	case resp.StatusCode/100 != 2:
+		ep.outlierSuccess() // the engine answered: a client error is not its failure
+		g.relayError(w, resp, rm)
+		return nil
+	case x.stream && isEventStream(resp.Header):
+		f, code = g.relayStream(w, r, resp, x, rm, reqID, start, strip)
+	default:
+		if f, code = g.relayBody(w, r, resp, x, rm, start); code == codeAbort {
+			g.outlierFailure(ep, reasonStream, time.Now())
+			// The status line is out: abort the connection so the client
+			// sees a truncated response, never a silently short one.
+			panic(http.ErrAbortHandler)
+		}
+	}
+	switch {
+	case f != nil:
+		g.outlierFailure(ep, f.reason, time.Now())
+	case code == http.StatusBadGateway:
+		g.outlierFailure(ep, reasonStream, time.Now())
+	case code != codeClientClosed:
+		ep.outlierSuccess()
+	}
+	return f
+}
+
+// serverError reads an engine's 5xx answer into a failure: relayed as is if
+// it is JSON (at most maxErrorBody bytes), else a 502 wrapping it.
+func (g *Gateway) serverError(resp *http.Response, x *exchange, rm *routeMetrics) *failure {
+	f := &failure{reason: reason5xx, rm: rm}
+	buf := bytes.NewBuffer(x.errBody[:0])
+	_, err := buf.ReadFrom(io.LimitReader(resp.Body, maxErrorBody+1))
+	x.errBody = buf.Bytes()
+	body := x.errBody
+	if err == nil && len(body) <= maxErrorBody && json.Valid(body) {
+		f.status, f.body = resp.StatusCode, body
+		return f
+	}
+	snippet := strings.ToValidUTF8(string(body[:min(len(body), 256)]), "")
+	f.err = openai.NewError(http.StatusBadGateway,
+		fmt.Sprintf("The model server answered %d: %s", resp.StatusCode, strings.TrimSpace(snippet)), "", openai.CodeUpstream)
+	return f
+}
+
+// isDialError reports whether err is a failure to connect (refused, no
+// route, dial timeout): the engine is not there.
+func isDialError(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
+}
