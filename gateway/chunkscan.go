@@ -429,3 +429,72 @@ func foldsTo(key []byte, names ...string) bool {
 	}
 	return false
 }
+
+// memberSpan returns the byte range [from, to) of the top-level member name
+// of the JSON object data: from its key's opening quote to the end of its
+// value. ok is false when data is not an object the scanner can walk or has
+// no such member.
+func memberSpan(data []byte, name string) (from, to int, ok bool) {
+	s := chunkScanner{b: data}
+	s.ws()
+	if !s.is('{') {
+		return 0, 0, false
+	}
+	s.i++
+	s.ws()
+	for s.is('"') {
+		from = s.i
+		key, plain, ok := s.str()
+		if !ok {
+			return 0, 0, false
+		}
+		s.ws()
+		if !s.is(':') {
+			return 0, 0, false
+		}
+		s.i++
+		s.ws()
+		if !s.skip(1) {
+			return 0, 0, false
+		}
+		if plain && string(key) == name {
+			return from, s.i, true
+		}
+		s.ws()
+		if !s.is(',') {
+			return 0, 0, false
+		}
+		s.i++
+		s.ws()
+	}
+	return 0, 0, false
+}
+
+// withoutMember appends to dst the JSON object data less its member spanning
+// [from, to) (see memberSpan) and the comma that separated it from a
+// neighbour.
+func withoutMember(dst, data []byte, from, to int) []byte {
+	end := to
+	for end < len(data) && isJSONSpace(data[end]) {
+		end++
+	}
+	if end < len(data) && data[end] == ',' {
+		// A member follows: drop the comma after this one.
+		end++
+		for end < len(data) && isJSONSpace(data[end]) {
+			end++
+		}
+		return append(append(dst, data[:from]...), data[end:]...)
+	}
+	// The last member: drop the comma before it, if any.
+	start := from
+	for start > 0 && isJSONSpace(data[start-1]) {
+		start--
+	}
+	if start > 0 && data[start-1] == ',' {
+		start--
+	}
+	return append(append(dst, data[:start]...), data[to:]...)
+}
+
+func isJSONSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\n' || c == '\r' }

@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"encoding/json"
 	"reflect"
 	"testing"
 )
@@ -109,4 +110,31 @@ func BenchmarkViewChunk(b *testing.B) {
 			_ = x.parseChunk(data)
 		}
 	})
+}
+
+func TestWithoutMember(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{`{"id":"x","choices":[{"text":"a"}],"usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}}`, `{"id":"x","choices":[{"text":"a"}]}`},
+		{`{"usage":null, "id":"x","choices":[]}`, `{"id":"x","choices":[]}`},
+		{`{"id":"x", "usage" : {"a":[1,{"b":"}"}]} , "model":"m"}`, `{"id":"x", "model":"m"}`},
+		{`{"usage":{}}`, `{}`},
+	} {
+		from, to, ok := memberSpan([]byte(tc.in), "usage")
+		if !ok {
+			t.Fatalf("%s: no usage member found", tc.in)
+		}
+		got := string(withoutMember(nil, []byte(tc.in), from, to))
+		if got != tc.want {
+			t.Errorf("%s:\n got %s\nwant %s", tc.in, got, tc.want)
+		}
+		var v map[string]any
+		if err := json.Unmarshal([]byte(got), &v); err != nil {
+			t.Errorf("%s: result is not JSON: %v", got, err)
+		}
+	}
+	for _, in := range []string{`{"id":"x"}`, `[1]`, `{"a":`, `{"usager":1}`, `{"x":{"usage":1}}`} {
+		if _, _, ok := memberSpan([]byte(in), "usage"); ok {
+			t.Errorf("%s: found a top-level usage member", in)
+		}
+	}
 }

@@ -65,6 +65,8 @@ type exchange struct {
 	out     []byte // one SSE event being written
 	capture []byte // non-streaming response prefix, for usage
 	copyBuf []byte // relay buffer
+	// stripped holds a chunk less the usage member the gateway asked for.
+	stripped []byte
 
 	// er reads the engine's SSE stream; reset per stream, so its 16 KiB
 	// buffer is pooled.
@@ -112,6 +114,9 @@ func (g *Gateway) putExchange(x *exchange) {
 	x.model, x.salt, x.user = "", "", ""
 	x.pendingEP, x.pending = nil, 0
 	x.chunk.Reset()
+	if cap(x.stripped) > maxPooledBuffer {
+		x.stripped = nil
+	}
 	if cap(x.body) > maxPooledBuffer {
 		x.body = nil
 	}
@@ -443,9 +448,10 @@ func (g *Gateway) finish(rm *routeMetrics, x *exchange, code int, u *openai.Usag
 }
 
 var (
-	sseData = []byte("data: ")
-	sseEnd  = []byte("\n\n")
-	sseDone = []byte("data: [DONE]\n\n")
+	usageKey = []byte(`"usage"`)
+	sseData  = []byte("data: ")
+	sseEnd   = []byte("\n\n")
+	sseDone  = []byte("data: [DONE]\n\n")
 )
 
 // relayStream relays an SSE answer event by event with a flush after each,
@@ -531,6 +537,14 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			streamErr = streamErr || c.isError
 			if strip && c.choices == 0 && c.usage != nil && !c.isError {
 				continue
+			}
+			if strip && c.choices > 0 && bytes.Contains(data, usageKey) {
+				// Some engines (Ollama) add a usage member to every chunk
+				// once include_usage is on; the client did not ask for it.
+				if from, to, ok := memberSpan(data, "usage"); ok {
+					x.stripped = withoutMember(x.stripped[:0], data, from, to)
+					data = x.stripped
+				}
 			}
 			if c.output {
 				if last.IsZero() {
