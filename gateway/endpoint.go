@@ -7,6 +7,7 @@ import (
 	"github.com/infergate/infergate/fleet"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -43,6 +44,9 @@ type endpoint struct {
 	// pendingPrefill sums, over requests sent that have not produced their
 	// first token, the prompt tokens not predicted cached (tokens).
 	pendingPrefill atomic.Int64
+	// prefillRate is the endpoint's effective prefill throughput learnt
+	// from observed TTFTs (float64 bits of tokens/s; 0 until observed).
+	prefillRate atomic.Uint64
 	// wentDown is set when the endpoint left rotation after a failure, so
 	// its recovery is logged (and start-up is not).
 	wentDown atomic.Bool
@@ -229,3 +233,32 @@ func parseLabels(s string) map[string]string {
 		s = s[i+1:]
 	}
 }
+
+// prefillRateAlpha is the weight of a new observation in the prefill-rate
+// moving average.
+const prefillRateAlpha = 0.05
+
+// observePrefill folds one streamed request into the endpoint's prefill
+// rate: tokens (the backlog it waited behind plus its own uncached prompt)
+// prefilled in ttft. The effective rate includes queueing behind decodes
+// and the network, which is what a TTFT estimate needs.
+func (ep *endpoint) observePrefill(tokens int64, ttft time.Duration) {
+	if tokens <= 0 || ttft <= 0 {
+		return
+	}
+	obs := float64(tokens) / ttft.Seconds()
+	for {
+		old := ep.prefillRate.Load()
+		cur := math.Float64frombits(old)
+		next := obs
+		if cur > 0 {
+			next = cur + prefillRateAlpha*(obs-cur)
+		}
+		if ep.prefillRate.CompareAndSwap(old, math.Float64bits(next)) {
+			return
+		}
+	}
+}
+
+// learntPrefillRate returns the learnt prefill rate (tokens/s), 0 if none.
+func (ep *endpoint) learntPrefillRate() float64 { return math.Float64frombits(ep.prefillRate.Load()) }

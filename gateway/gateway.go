@@ -104,7 +104,8 @@ func (p *pool) snapshot() *[]sched.Endpoint {
 	s := *sp
 	for i, ep := range p.endpoints {
 		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load(), InFlight: int(ep.inFlight.Load()),
-			InFlightTokens: int(ep.inFlightTokens.Load()), PendingPrefillTokens: int(ep.pendingPrefill.Load())}
+			InFlightTokens: int(ep.inFlightTokens.Load()), PendingPrefillTokens: int(ep.pendingPrefill.Load()),
+			PrefillTokensPerSecond: ep.learntPrefillRate()}
 		if ep.scrapeIdx >= 0 {
 			if l, _, ok := p.scraper.Latest(ep.scrapeIdx); ok && l.HasQueue {
 				e := &s[i]

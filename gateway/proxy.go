@@ -91,6 +91,10 @@ type exchange struct {
 	// endpoint, released at its first token (prefillDone).
 	pendingEP *endpoint
 	pending   int64
+	// ahead is the endpoint's prefill backlog including this request when
+	// it was sent at sent: what its first token waited for.
+	ahead int64
+	sent  time.Time
 
 	// Read from the decoded request.
 	user         string
@@ -548,6 +552,9 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 			if c.output {
 				if last.IsZero() {
+					if x.pending != 0 {
+						x.pendingEP.observePrefill(x.ahead, now.Sub(x.sent))
+					}
 					x.prefillDone()
 					rm.ttft.Observe(now.Sub(start).Seconds())
 				} else {

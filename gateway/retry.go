@@ -153,7 +153,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 		ep.inFlightTokens.Add(n)
 		defer ep.inFlightTokens.Add(-n)
 		x.pendingEP, x.pending = ep, max(1, n-int64(d.MatchedBlocks*p.blockSize))
-		ep.pendingPrefill.Add(x.pending)
+		x.ahead, x.sent = ep.pendingPrefill.Add(x.pending), time.Now()
 		defer x.prefillDone()
 	}
 	if d.MatchedBlocks > 0 {

@@ -176,6 +176,12 @@ func TestScorers(t *testing.T) {
 	check("prefix", p.scorers[0].Scorer, 0.5, 0, 0)
 	// cost: own = 160−80 = 80 on 0; 160 on 1 (+3000), 160 on 2 (+1000).
 	check("cost", p.scorers[1].Scorer, 1, 80.0/3160, 80.0/1160)
+	// With every endpoint's rate known, time replaces tokens: endpoint 1
+	// is 40× faster, so its 3,160 tokens take less time than 0's 80.
+	eps[0].PrefillTokensPerSecond, eps[1].PrefillTokensPerSecond, eps[2].PrefillTokensPerSecond = 1000, 40000, 1000
+	check("cost-rates", p.scorers[1].Scorer, (3160.0/40000)/(80.0/1000), 1, (3160.0/40000)/(1160.0/1000))
+	eps[2].PrefillTokensPerSecond = 0 // one unknown: all use the default
+	check("cost-partial", p.scorers[1].Scorer, 1, 80.0/3160, 80.0/1160)
 
 	ss := &sessionScorer{table: newSessionTable(2)}
 	c.Req.SessionKey = "s1"

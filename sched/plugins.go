@@ -361,11 +361,17 @@ func (s *costScorer) Score(c *Cycle, cands []int, scores []float64) {
 	matched := c.Matched()
 	p := float64(c.Req.PromptTokens)
 	best := math.Inf(1)
+	// Per-endpoint rates only when every candidate has one: a fleet half
+	// learnt would compare learnt rates with the configured guess.
+	known := true
+	for _, i := range cands {
+		known = known && c.Eps[i].PrefillTokensPerSecond > 0
+	}
 	for k, i := range cands {
 		ep := &c.Eps[i]
-		rate := ep.PrefillTokensPerSecond
-		if rate <= 0 {
-			rate = s.rate
+		rate := s.rate
+		if known {
+			rate = ep.PrefillTokensPerSecond
 		}
 		own := max(1, p-float64(s.blockSize*matched[i]))
 		t := (float64(ep.PendingPrefillTokens) + own) / rate
