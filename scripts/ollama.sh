@@ -3,6 +3,9 @@
 #
 #   scripts/ollama.sh build   build Ollama into the cache if missing; print its path
 #   scripts/ollama.sh path    print the cached binary's path (exit 1 if not built)
+#   scripts/ollama.sh up [N]  build if needed, generate the tiny model, start N (2)
+#                             instances on loopback, print a gateway config for
+#                             them on stdout; Ctrl-C stops them all
 #
 # The binary lives outside the repository, keyed by version and CPU flags:
 #   ${INFERGATE_CACHE:-$HOME/.cache/infergate}/ollama/<version>-<march>/ollama
@@ -36,7 +39,7 @@ log() { printf 'ollama.sh: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 usage() {
-  sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -202,6 +205,10 @@ case "${1:-}" in
   build) build ;;
   path)
     if [ -x "$BIN" ]; then echo "$BIN"; else log "not built: $BIN (run: $0 build)"; exit 1; fi ;;
+  up)
+    build >/dev/null
+    cd "$(dirname "$0")/.."
+    INFERGATE_OLLAMA="$BIN" exec go run ./scripts/ollama-up -n "${2:-2}" ;;
   -h|--help|help|"") usage ;;
   *) log "unknown command '$1'"; usage ;;
 esac
