@@ -12,8 +12,8 @@ import (
 	"github.com/infergate/infergate/sim"
 )
 
-// TestPrecisePrefixOnSimFleet runs the default policy for endpoints that
-// publish KV events (precise-prefix) in front of real simulated engines: the
+// TestPrecisePrefixOnSimFleet runs precise-prefix in front of real
+// simulated engines that publish KV events: the
 // gateway subscribes over ZeroMQ, the precise index learns what the engine
 // cached, and a follow-up sharing the prompt goes to that engine and is
 // served from its cache as predicted.
@@ -25,13 +25,14 @@ func TestPrecisePrefixOnSimFleet(t *testing.T) {
 	defer f.Close()
 	pub, replay := f.KVEventEndpoints()
 	cfg := Config{HealthCheckInterval: time.Second}
+	cfg.Routing.Policy = sched.PrecisePrefix
 	for i, u := range f.URLs {
 		cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: u, Model: "m", Kind: fleet.Sim,
 			KVEvents: &KVEventsConfig{Endpoint: pub[i], ReplayEndpoint: replay[i]}})
 	}
 	g, url := startGateway(t, cfg)
-	if g.Policy() != sched.PrecisePrefix {
-		t.Fatalf("default policy with KV events is %q, want %q", g.Policy(), sched.PrecisePrefix)
+	if got := DefaultPolicy(cfg.Endpoints); got != sched.CacheAware {
+		t.Fatalf("default policy %q, want %q", got, sched.CacheAware)
 	}
 	c := testClient(t)
 	sys := strings.Repeat("You are a careful assistant who answers in full sentences. ", 40)

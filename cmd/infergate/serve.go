@@ -165,7 +165,7 @@ environment variable (same format, ';' between entries); hash a key with
 	f := cmd.Flags()
 	f.StringVarP(&configPath, "config", "c", "", "YAML config file")
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
-	f.StringVar(&policy, "policy", "", "routing policy (default: precise-prefix when every endpoint has kv_events, else cache-aware): "+strings.Join(sched.Names(), ", "))
+	f.StringVar(&policy, "policy", "", "routing policy (default cache-aware; precise-prefix needs kv_events on every endpoint): "+strings.Join(sched.Names(), ", "))
 	f.StringArrayVar(&endpoints, "endpoint", nil, "engine endpoint as URL=MODEL (repeatable)")
 	f.StringVar(&tlsCert, "tls-cert", "", "PEM certificate chain: serve HTTPS (overrides tls.cert_file; needs --tls-key)")
 	f.StringVar(&tlsKey, "tls-key", "", "PEM private key for --tls-cert (overrides tls.key_file)")

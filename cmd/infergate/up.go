@@ -79,7 +79,7 @@ cache-aware routing shows its effect without a GPU.`,
 	f := cmd.Flags()
 	f.IntVar(&engines, "engines", 4, "number of simulated engines")
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
-	f.StringVar(&policy, "policy", "", "routing policy (default precise-prefix, on the engines' KV events): "+strings.Join(sched.Names(), ", "))
+	f.StringVar(&policy, "policy", "", "routing policy (default cache-aware; precise-prefix uses the engines' KV events): "+strings.Join(sched.Names(), ", "))
 	ef.register(f, false, "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
 	return cmd
 }
