@@ -45,6 +45,7 @@ type Gateway struct {
 	rt http.RoundTripper
 
 	tokenizer *prefix.Tokenizer // nil when no policy needs hashes
+	segments  *prefix.SegmentCache
 	metrics   *metrics
 	unknown   *routeMetrics // model "unknown", no endpoint
 	res       *resilienceMetrics
@@ -244,6 +245,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 				g.transport.CloseIdleConnections()
 				return nil, fmt.Errorf("gateway: %w", err)
 			}
+			g.segments = prefix.NewSegmentCache(g.tokenizer, 0)
 		}
 	}
 	g.unknown = m.route(unknownModel, "", g.policyName)

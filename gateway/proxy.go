@@ -67,6 +67,8 @@ type exchange struct {
 	copyBuf []byte // relay buffer
 	// stripped holds a chunk less the usage member the gateway asked for.
 	stripped []byte
+	segs     []string // a chat's rendered segments (openai.AppendChatSegments)
+	toks     []uint32 // a chat's routing tokens
 
 	// er reads the engine's SSE stream; reset per stream, so its 16 KiB
 	// buffer is pooled.
@@ -120,6 +122,11 @@ func (g *Gateway) putExchange(x *exchange) {
 	x.chunk.Reset()
 	if cap(x.stripped) > maxPooledBuffer {
 		x.stripped = nil
+	}
+	clear(x.segs) // do not keep the request's text alive in the pool
+	x.segs = x.segs[:0]
+	if cap(x.toks) > maxPooledBuffer/4 {
+		x.toks = nil
 	}
 	if cap(x.body) > maxPooledBuffer {
 		x.body = nil
@@ -233,11 +240,23 @@ const maxRoutingTextBytes = 512 << 10
 // promptTokens returns the token ids routing hashes: the ids as given for a
 // token-id prompt, else the tokenized text (chat: the canonical rendering of
 // the messages). For a batch of prompts, the first one stands for the batch.
-func (x *exchange) promptTokens(kind apiKind, g *Gateway) []uint32 {
+//
+// exact asks for the tokens of the whole rendered prompt, as an engine with
+// the same tokenizer computes them (the precise index matches the engines'
+// own tokens); otherwise a chat is tokenized message by message through the
+// segment cache, whose ids differ at message boundaries but are the same for
+// the same messages, which is all the approximate index needs.
+func (x *exchange) promptTokens(kind apiKind, g *Gateway, exact bool) []uint32 {
 	switch {
-	case kind == kindChat:
+	case kind == kindChat && exact:
 		ids, _ := g.tokenizer.EncodePrefix(x.chat.Prompt(), maxRoutingTextBytes)
 		return ids
+	case kind == kindChat:
+		// Message by message, through the segment cache: a conversation's
+		// system prompt and earlier turns are tokenized once, not per turn.
+		x.segs = openai.AppendChatSegments(x.segs[:0], x.chat.Tools, x.chat.Messages)
+		x.toks, _ = g.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
+		return x.toks
 	case len(x.comp.Prompt.Tokens) > 0:
 		return x.comp.Prompt.Tokens[0]
 	case len(x.comp.Prompt.Texts) > 0:
@@ -299,7 +318,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	x.sreq = sched.Request{Model: x.model, SessionKey: sessionKey(r, x)}
 	x.predicted, x.precisePredicted = -1, -1
 	if p.policy.NeedsHashes() || p.precise != nil {
-		tokens := x.promptTokens(kind, g)
+		tokens := x.promptTokens(kind, g, p.precise != nil)
 		seed := p.seed
 		if x.salt != "" {
 			seed = prefix.Seed(x.model + "\x00" + x.salt)

@@ -62,3 +62,34 @@ func writeCompact(b *strings.Builder, raw json.RawMessage) {
 	}
 	b.Write(buf.Bytes())
 }
+
+// AppendChatSegments renders the same text as RenderChat, cut into
+// segments — the prefix with the tools block, one per message, and the
+// closing assistant header — appended to dst in order; their concatenation
+// is RenderChat's result. Segments let a caller tokenize (and cache) each
+// message on its own: an earlier turn or a system prompt repeated by every
+// request renders to the same segment every time.
+func AppendChatSegments(dst []string, tools json.RawMessage, msgs []Message) []string {
+	var b strings.Builder
+	b.WriteString("<|begin_of_text|>")
+	if present(tools) {
+		b.WriteString("<|start_header_id|>tools<|end_header_id|>\n\n")
+		writeCompact(&b, tools)
+		b.WriteString("<|eot_id|>")
+	}
+	dst = append(dst, b.String())
+	for _, m := range msgs {
+		var b strings.Builder
+		b.Grow(len(m.Content.Text) + len(m.Role) + len(m.ToolCalls) + 48)
+		b.WriteString("<|start_header_id|>")
+		b.WriteString(m.Role)
+		b.WriteString("<|end_header_id|>\n\n")
+		b.WriteString(m.Content.Text)
+		if present(m.ToolCalls) {
+			writeCompact(&b, m.ToolCalls)
+		}
+		b.WriteString("<|eot_id|>")
+		dst = append(dst, b.String())
+	}
+	return append(dst, "<|start_header_id|>assistant<|end_header_id|>\n\n")
+}

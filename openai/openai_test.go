@@ -335,3 +335,18 @@ func FuzzEventReader(f *testing.F) {
 		t.Fatalf("reader did not terminate")
 	})
 }
+
+func TestAppendChatSegmentsConcatenates(t *testing.T) {
+	msgs := []Message{{Role: "system", Content: Content{Text: "Be brief."}}, {Role: "user", Content: Content{Text: "Hi"}},
+		{Role: "assistant", Content: Content{Text: "Hello"}, ToolCalls: json.RawMessage(`[{"id":"1"}]`)}}
+	tools := json.RawMessage(`[{"type":"function","function":{"name":"f"}}]`)
+	for _, tl := range []json.RawMessage{nil, tools} {
+		segs := AppendChatSegments(nil, tl, msgs)
+		if len(segs) != len(msgs)+2 {
+			t.Fatalf("%d segments for %d messages", len(segs), len(msgs))
+		}
+		if got, want := strings.Join(segs, ""), RenderChat(tl, msgs); got != want {
+			t.Fatalf("segments join to\n%q\nnot\n%q", got, want)
+		}
+	}
+}

@@ -1,0 +1,72 @@
+package prefix
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestSegmentCache(t *testing.T) {
+	tok, err := NewTokenizer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := NewSegmentCache(tok, 2000)
+	sys := strings.Repeat("You are a careful assistant who answers in full sentences. ", 20)
+	segs := []string{"<|begin_of_text|>", "<|start_header_id|>system<|end_header_id|>\n\n" + sys + "<|eot_id|>", "short", "<|start_header_id|>assistant<|end_header_id|>\n\n"}
+	first, cut := c.AppendTokens(nil, segs, 0)
+	if cut {
+		t.Fatal("cut without a limit")
+	}
+	// Per segment: equal to tokenizing each segment alone.
+	var want []uint32
+	for _, s := range segs {
+		want = append(want, tok.Encode(s)...)
+	}
+	if !equalIDs(first, want) {
+		t.Fatalf("cached tokenization differs from per-segment tokenization")
+	}
+	again, _ := c.AppendTokens(nil, segs, 0)
+	if !equalIDs(first, again) {
+		t.Fatal("second tokenization differs")
+	}
+	hits, misses, held := c.Stats()
+	if hits != 1 || misses != 1 || held == 0 {
+		t.Fatalf("stats: %d hits, %d misses, %d tokens (want 1, 1, >0)", hits, misses, held)
+	}
+	// Bounded: many distinct long segments never hold more than maxTokens.
+	for i := range 50 {
+		c.AppendTokens(nil, []string{strings.Repeat("word"+string(rune('a'+i%26)), 100) + strings.Repeat("x", i)}, 0)
+		if _, _, held := c.Stats(); held > 2000 {
+			t.Fatalf("cache holds %d tokens, bound 2000", held)
+		}
+	}
+	// A byte limit cuts inside the segment that crosses it.
+	cutIDs, cut := c.AppendTokens(nil, segs, 100)
+	if !cut || len(cutIDs) >= len(first) {
+		t.Fatalf("limit 100 bytes: cut=%v, %d of %d ids", cut, len(cutIDs), len(first))
+	}
+}
+
+func equalIDs(a, b []uint32) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func BenchmarkSegmentCacheChat(b *testing.B) {
+	tok, _ := NewTokenizer()
+	c := NewSegmentCache(tok, 0)
+	sys := strings.Repeat("You are a careful assistant who answers in full sentences. ", 40)
+	segs := []string{"<|begin_of_text|>", sys, strings.Repeat("An earlier turn of the conversation. ", 30), "What next?", "<|start_header_id|>assistant<|end_header_id|>\n\n"}
+	var dst []uint32
+	b.ReportAllocs()
+	for b.Loop() {
+		dst, _ = c.AppendTokens(dst[:0], segs, 0)
+	}
+}
