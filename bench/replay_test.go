@@ -151,10 +151,15 @@ func TestReplay(t *testing.T) {
 		if r.TTFTMs < 200 || r.E2EMs < r.TTFTMs {
 			t.Errorf("record %d: ttft %v ms e2e %v ms, want ttft >= 200 (20 ms wall × 10) and e2e >= ttft", i, r.TTFTMs, r.E2EMs)
 		}
+		// Only the sum of the gaps is bounded: a client descheduled on a
+		// loaded machine may read two events in one go (a ~0 ms gap),
+		// but the first-to-last span still covers the server's sleeps.
+		var span float64
 		for _, g := range r.ITLMs {
-			if g < 50 {
-				t.Errorf("record %d: gap %v ms < 50 (5 ms wall × 10)", i, g)
-			}
+			span += g
+		}
+		if want := 50 * float64(len(r.ITLMs)); span < want {
+			t.Errorf("record %d: gaps sum to %v ms < %v (5 ms wall × 10 per gap)", i, span, want)
 		}
 		// Speedup = TimeScale: in engine time requests arrive no earlier
 		// than their trace timestamps.
