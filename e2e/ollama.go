@@ -18,7 +18,6 @@
 package e2e
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -603,60 +602,12 @@ func (i *Instance) Chat(ctx context.Context, req ChatRequest) (*ChatResult, erro
 		res.PromptTokens, res.CompletionTokens = out.Usage.PromptTokens, out.Usage.CompletionTokens
 		return res, nil
 	}
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 4<<20)
-	var text strings.Builder
-	done := false
-	for sc.Scan() {
-		line := sc.Text()
-		data, ok := strings.CutPrefix(line, "data:")
-		if !ok {
-			continue
-		}
-		data = strings.TrimSpace(data)
-		if res.Chunks == 0 {
-			res.TTFT = time.Since(start)
-		}
-		if data == "[DONE]" {
-			done = true
-			break
-		}
-		res.Chunks++
-		var ev struct {
-			Choices []struct {
-				Delta        Message `json:"delta"`
-				FinishReason *string `json:"finish_reason"`
-			} `json:"choices"`
-			Usage *usage `json:"usage"`
-			Error *struct {
-				Message string `json:"message"`
-			} `json:"error"`
-		}
-		if err := json.Unmarshal([]byte(data), &ev); err != nil {
-			return nil, fmt.Errorf("e2e: chat: bad event %q: %w", data, err)
-		}
-		if ev.Error != nil {
-			return nil, fmt.Errorf("e2e: chat: stream error: %s", ev.Error.Message)
-		}
-		for _, c := range ev.Choices {
-			text.WriteString(c.Delta.Content)
-			if c.FinishReason != nil && *c.FinishReason != "" {
-				res.FinishReason = *c.FinishReason
-			}
-		}
-		if ev.Usage != nil {
-			res.PromptTokens, res.CompletionTokens = ev.Usage.PromptTokens, ev.Usage.CompletionTokens
-		}
+	sr, first, err := readChatStream(resp.Body, start, nil)
+	if err != nil {
+		return nil, err
 	}
-	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("e2e: chat: stream: %w", err)
-	}
-	if !done {
-		return nil, errors.New("e2e: chat: stream ended without [DONE]")
-	}
-	res.Total = time.Since(start)
-	res.Text = text.String()
-	return res, nil
+	return &ChatResult{Text: sr.Text, FinishReason: sr.FinishReason, PromptTokens: sr.PromptTokens,
+		CompletionTokens: sr.CompletionTokens, Chunks: sr.Events, TTFT: first, Total: sr.Total}, nil
 }
 
 // RenderPrompt renders messages with gguf.ChatTemplate, as Ollama does before

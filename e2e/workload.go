@@ -403,9 +403,20 @@ func StreamChat(ctx context.Context, client *http.Client, baseURL string, body [
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 		return nil, fmt.Errorf("e2e: chat: HTTP %d: %s", resp.StatusCode, bytes.TrimSpace(msg))
 	}
-	res := &StreamResult{}
+	res, _, err := readChatStream(resp.Body, start, onFirst)
+	return res, err
+}
+
+// readChatStream reads a streamed chat completion's SSE body until [DONE]:
+// the text, finish reason and usage, the data events, the time from start to
+// the first event with content (TTFT; the whole stream when none has any;
+// onFirst, if not nil, is called then) and to the first data event of any
+// kind (firstEvent). An error event, bad JSON or a stream without [DONE] is
+// an error.
+func readChatStream(body io.Reader, start time.Time, onFirst func()) (res *StreamResult, firstEvent time.Duration, err error) {
+	res = &StreamResult{}
 	var text strings.Builder
-	sc := bufio.NewScanner(resp.Body)
+	sc := bufio.NewScanner(body)
 	sc.Buffer(make([]byte, 64<<10), 4<<20)
 	done := false
 	for sc.Scan() {
@@ -414,6 +425,9 @@ func StreamChat(ctx context.Context, client *http.Client, baseURL string, body [
 			continue
 		}
 		data = strings.TrimSpace(data)
+		if firstEvent == 0 {
+			firstEvent = time.Since(start)
+		}
 		if data == "[DONE]" {
 			done = true
 			break
@@ -433,10 +447,10 @@ func StreamChat(ctx context.Context, client *http.Client, baseURL string, body [
 			} `json:"error"`
 		}
 		if err := json.Unmarshal([]byte(data), &ev); err != nil {
-			return nil, fmt.Errorf("e2e: chat: bad event %q: %w", data, err)
+			return nil, 0, fmt.Errorf("e2e: chat: bad event %q: %w", data, err)
 		}
 		if ev.Error != nil {
-			return nil, fmt.Errorf("e2e: chat: stream error: %s", ev.Error.Message)
+			return nil, 0, fmt.Errorf("e2e: chat: stream error: %s", ev.Error.Message)
 		}
 		for _, c := range ev.Choices {
 			if c.Delta.Content != "" && res.TTFT == 0 {
@@ -455,17 +469,17 @@ func StreamChat(ctx context.Context, client *http.Client, baseURL string, body [
 		}
 	}
 	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("e2e: chat: stream: %w", err)
+		return nil, 0, fmt.Errorf("e2e: chat: stream: %w", err)
 	}
 	if !done {
-		return nil, errors.New("e2e: chat: stream ended without [DONE]")
+		return nil, 0, errors.New("e2e: chat: stream ended without [DONE]")
 	}
 	res.Total = time.Since(start)
 	if res.TTFT == 0 { // no content at all (the model stopped at once)
 		res.TTFT = res.Total
 	}
 	res.Text = text.String()
-	return res, nil
+	return res, firstEvent, nil
 }
 
 // RunOptions parameterises RunSessions. Zero fields take the defaults.
