@@ -43,6 +43,7 @@ ROUNDS="${ROUNDS:-3}" # the targets in turn, ROUNDS times; the table shows media
 BASELINE_BIN="${BASELINE_BIN:-}"
 if [ -n "$BASELINE_BIN" ] && [[ " $TARGETS " != *" baseline "* ]]; then TARGETS="$TARGETS baseline"; fi
 PROFILE="${PROFILE:-0}"
+# PROXY_ENV="K=V ..." is set for the infergate processes only (e.g. GOMAXPROCS=1).
 NGINX="${NGINX:-$(command -v nginx || echo /usr/sbin/nginx)}"
 OUT="${OUT:-$(mktemp -d /tmp/infergate-overhead.XXXXXX)}"
 mkdir -p "$OUT"
@@ -170,7 +171,7 @@ EOF
     if [ "$PROFILE" = 1 ] && [ "$target" = prefix ] && [ "$round" = "$ROUNDS" ]; then
       extra=(--pprof "127.0.0.1:$((proxy_port + 1))")
     fi
-    "$bin" serve --listen "127.0.0.1:$proxy_port" --policy "$policy" "${endpoint_flags[@]}" "${extra[@]}" \
+    env ${PROXY_ENV:-} "$bin" serve --listen "127.0.0.1:$proxy_port" --policy "$policy" "${endpoint_flags[@]}" "${extra[@]}" \
       >"$OUT/infergate-$target.log" 2>&1 &
     pids+=($!)
     wait_http "http://127.0.0.1:$proxy_port/readyz"
