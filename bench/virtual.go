@@ -16,6 +16,11 @@ import (
 type VirtualOptions struct {
 	// Policy is the routing policy name (default sched.Prefix).
 	Policy string
+	// TrackPrecise keeps the precise prefix index (fed by the engines' KV
+	// events) under any policy, to report its prediction error
+	// (Summary.PrecisePredictedHitRate, PrecisePredictionMAE); it costs
+	// about a Match per request and the events' application.
+	TrackPrecise bool
 	// Engines is the number of simulated engines (default 4).
 	Engines int
 	// Engine is the engine model of every engine (zero: sim's defaults).
@@ -104,8 +109,7 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 		Model:   opts.Model,
 		Routing: routing,
 		SkipITL: opts.SkipITL,
-		// The precise index's prediction is reported for every policy.
-		TrackPrecise: true,
+		TrackPrecise: opts.TrackPrecise,
 	})
 	if err != nil {
 		return VirtualRun{}, fmt.Errorf("bench: %w", err)
@@ -188,7 +192,7 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 		prompt += r.PromptTokens
 		n++
 	}
-	if n > 0 {
+	if n > 0 && (opts.TrackPrecise || sched.UsesPrecise(routing)) {
 		ph, m := ppredicted/float64(max(prompt, 1)), pmae/float64(n)
 		run.Summary.PrecisePredictedHitRate, run.Summary.PrecisePredictionMAE = &ph, &m
 		if fleet.Policy().NeedsHashes() {

@@ -747,6 +747,12 @@ func (c *capReader) Read(p []byte) (int, error) {
 // metrics page, or the Load is older than 3 intervals (stale: the last
 // scrapes failed). A single failed scrape keeps the previous Load.
 func (s *Scraper) Latest(i int) (load Load, at time.Time, ok bool) {
+	return s.LatestAt(i, s.now())
+}
+
+// LatestAt is Latest judged at now (a caller reading many endpoints reads
+// the clock once).
+func (s *Scraper) LatestAt(i int, now time.Time) (load Load, at time.Time, ok bool) {
 	if i < 0 || i >= len(s.states) {
 		return UnknownLoad(), time.Time{}, false
 	}
@@ -754,7 +760,7 @@ func (s *Scraper) Latest(i int) (load Load, at time.Time, ok bool) {
 	if r == nil || r.at.IsZero() {
 		return UnknownLoad(), time.Time{}, false
 	}
-	if s.now().Sub(r.at) > staleIntervals*s.cfg.Interval {
+	if now.Sub(r.at) > staleIntervals*s.cfg.Interval {
 		return UnknownLoad(), r.at, false
 	}
 	return r.load, r.at, true

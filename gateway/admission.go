@@ -242,9 +242,7 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, p
 	case err == nil:
 		return true
 	case errors.Is(err, errNoEndpoint):
-		w.Header().Set("Retry-After", g.retryAfter)
-		g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable,
-			fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", p.model), "", openai.CodeNoEndpoint))
+		g.failNoEndpoint(w, p)
 	case errors.Is(err, errQueueFull):
 		w.Header().Set("Retry-After", admissionRetryAfter)
 		g.fail(w, p.none, openai.NewError(http.StatusTooManyRequests,
@@ -258,6 +256,14 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, p
 		g.metrics.count(p.none, codeClientClosed)
 	}
 	return false
+}
+
+// failNoEndpoint answers 503 no_endpoint_available for p's model, with
+// Retry-After (the health-check interval).
+func (g *Gateway) failNoEndpoint(w http.ResponseWriter, p *pool) {
+	w.Header().Set("Retry-After", g.retryAfter)
+	g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable,
+		fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", p.model), "", openai.CodeNoEndpoint))
 }
 
 // resilienceMetrics are the collectors of retries, ejections and admission.

@@ -432,42 +432,28 @@ func foldsTo(key []byte, names ...string) bool {
 
 // memberSpan returns the byte range [from, to) of the top-level member name
 // of the JSON object data: from its key's opening quote to the end of its
-// value. ok is false when data is not an object the scanner can walk or has
-// no such member.
+// value. ok is false when data is not an object the scanner can walk (see
+// object) or has no such member.
 func memberSpan(data []byte, name string) (from, to int, ok bool) {
 	s := chunkScanner{b: data}
 	s.ws()
 	if !s.is('{') {
 		return 0, 0, false
 	}
-	s.i++
-	s.ws()
-	for s.is('"') {
-		from = s.i
-		key, plain, ok := s.str()
-		if !ok {
-			return 0, 0, false
+	found := false
+	walked := s.object(func(key []byte) bool {
+		if !found && string(key) == name {
+			// key is data[from+1 : from+1+len(key)]: find from by capacity.
+			from, found = cap(data)-cap(key)-1, true
+			if !s.skip(1) {
+				return false
+			}
+			to = s.i
+			return true
 		}
-		s.ws()
-		if !s.is(':') {
-			return 0, 0, false
-		}
-		s.i++
-		s.ws()
-		if !s.skip(1) {
-			return 0, 0, false
-		}
-		if plain && string(key) == name {
-			return from, s.i, true
-		}
-		s.ws()
-		if !s.is(',') {
-			return 0, 0, false
-		}
-		s.i++
-		s.ws()
-	}
-	return 0, 0, false
+		return s.skip(1)
+	})
+	return from, to, walked && found
 }
 
 // withoutMember appends to dst the JSON object data less its member spanning

@@ -30,6 +30,15 @@ const (
 	DefaultEjectDuration         = 10 * time.Second
 	DefaultHealthCheckInterval   = 5 * time.Second
 	DefaultHealthCheckTimeout    = 2 * time.Second
+	// DefaultPolicy is the routing policy when the configuration names
+	// none: cache-aware, the best measured on the Mooncake conversation
+	// trace in real time (sched/README.md "Evaluation": ≥ 90% of the
+	// pooled-cache hit rate with TTFT p99 below least-request's in every
+	// run). precise-prefix reaches a higher hit rate and better p50/p90 but
+	// in real time mostly a worse p99, so it is opt-in even where endpoints
+	// publish KV events (the gateway still subscribes to them then, for the
+	// precise index's prediction-error metric).
+	DefaultPolicy = sched.CacheAware
 	// DefaultScrapeInterval is the period of the engines' metrics scrape
 	// (fleet.DefaultScrapeInterval's rationale: the gateway's own in-flight
 	// accounting is exact, scraped queues only correct it).
@@ -173,7 +182,7 @@ func (c Config) WithDefaults() Config {
 		c.Listen = DefaultListen
 	}
 	if c.Routing.Policy == "" {
-		c.Routing.Policy = DefaultPolicy(c.Endpoints)
+		c.Routing.Policy = DefaultPolicy
 	}
 	c.Routing.Prefix = c.Routing.Prefix.WithDefaults()
 	if c.MaxBodyBytes == 0 {
@@ -221,20 +230,6 @@ func (c Config) WithDefaults() Config {
 	}
 	c.Endpoints = eps
 	return c
-}
-
-// DefaultPolicy is the routing policy for endpoints when the configuration
-// names none: cache-aware, the best measured on the Mooncake conversation
-// trace in real time (sched/README.md "Evaluation": ≥ 90% of the pooled-cache
-// hit rate with TTFT p99 below least-request's in every run). precise-prefix
-// reaches a higher hit rate and better p50/p90 but, in real time, a worse
-// p99 than least-request, so it is not the default yet even where the
-// endpoints publish KV events (the gateway still subscribes to them then,
-// for the precise index's prediction-error metric). eps is for future
-// defaults that depend on the fleet.
-func DefaultPolicy(eps []EndpointConfig) string {
-	_ = eps
-	return sched.CacheAware
 }
 
 // Validate reports every invalid setting of a defaulted configuration.

@@ -103,12 +103,16 @@ func (p *pool) snapshot() *[]sched.Endpoint {
 		sp = &s
 	}
 	s := *sp
+	var now time.Time
+	if p.scraper != nil {
+		now = time.Now()
+	}
 	for i, ep := range p.endpoints {
 		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load(), InFlight: int(ep.inFlight.Load()),
 			InFlightTokens: int(ep.inFlightTokens.Load()), PendingPrefillTokens: int(ep.pendingPrefill.Load()),
 			PrefillTokensPerSecond: ep.learntPrefillRate()}
 		if ep.scrapeIdx >= 0 {
-			if l, _, ok := p.scraper.Latest(ep.scrapeIdx); ok && l.HasQueue {
+			if l, _, ok := p.scraper.LatestAt(ep.scrapeIdx, now); ok && l.HasQueue {
 				e := &s[i]
 				e.Metrics, e.Waiting, e.Running = true, l.Waiting, l.Running
 				e.KVUtil = max(l.KVUtil, 0)

@@ -31,9 +31,6 @@ func TestPrecisePrefixOnSimFleet(t *testing.T) {
 			KVEvents: &KVEventsConfig{Endpoint: pub[i], ReplayEndpoint: replay[i]}})
 	}
 	g, url := startGateway(t, cfg)
-	if got := DefaultPolicy(cfg.Endpoints); got != sched.CacheAware {
-		t.Fatalf("default policy %q, want %q", got, sched.CacheAware)
-	}
 	c := testClient(t)
 	sys := strings.Repeat("You are a careful assistant who answers in full sentences. ", 40)
 	chat := func(q string) (cached int) {

@@ -316,7 +316,6 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	}
 
 	x.sreq = sched.Request{Model: x.model, SessionKey: sessionKey(r, x)}
-	x.predicted, x.precisePredicted = -1, -1
 	if p.policy.NeedsHashes() || p.precise != nil {
 		tokens := x.promptTokens(kind, g, p.precise != nil)
 		seed := p.seed

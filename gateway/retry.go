@@ -83,9 +83,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 		}
 		if i < 0 {
 			if last == nil {
-				w.Header().Set("Retry-After", g.retryAfter)
-				g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable,
-					fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", x.model), "", openai.CodeNoEndpoint))
+				g.failNoEndpoint(w, p)
 				return
 			}
 			g.res.retriesDenied.WithLabelValues(p.model, "no_endpoint").Inc()

@@ -94,3 +94,15 @@ func TestObservePrefill(t *testing.T) {
 		t.Fatalf("empty observations moved the rate to %v", r)
 	}
 }
+
+// TestDefaultPolicy: an unset policy becomes the measured default, which
+// must be a valid built-in (sched/README.md "Evaluation" chose it).
+func TestDefaultPolicy(t *testing.T) {
+	c := Config{}.WithDefaults()
+	if c.Routing.Policy != DefaultPolicy || DefaultPolicy != sched.CacheAware {
+		t.Fatalf("default policy %q (DefaultPolicy %q), want %q", c.Routing.Policy, DefaultPolicy, sched.CacheAware)
+	}
+	if err := sched.Validate(c.Routing); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -133,12 +133,18 @@ func (f hotSpotFilter) Filter(c *Cycle, cands []int) []int {
 	}
 	out := cands[:0]
 	for _, i := range cands {
-		l := c.Eps[i].InFlight
-		if !(l-least > f.cfg.Abs && float64(l) > f.cfg.Rel*float64(least)) {
+		if !overloaded(c.Eps[i].InFlight, least, f.cfg.Abs, f.cfg.Rel) {
 			out = append(out, i)
 		}
 	}
 	return out
+}
+
+// overloaded is SGLang's two-threshold imbalance test (sgl-router
+// cache_aware.rs): load exceeds least by more than abs AND by a factor of
+// more than rel.
+func overloaded(load, least, abs int, rel float64) bool {
+	return load-least > abs && float64(load) > rel*float64(least)
 }
 
 // ---- scorers ----
@@ -261,7 +267,8 @@ func (inFlightTokensScorer) Score(c *Cycle, cands []int, scores []float64) {
 // SessionConfig bounds the session-affinity table (YAML routing.session).
 type SessionConfig struct {
 	// MaxSessions is how many sessions are remembered, least recently routed
-	// forgotten first (default 100,000; about 40 bytes each).
+	// forgotten first (default 100,000; each costs a 24-byte list node and
+	// a map slot, estimated, not measured).
 	MaxSessions int `yaml:"max_sessions"`
 }
 

@@ -109,8 +109,7 @@ func (p *prefixPolicy) Pick(req *Request, eps []Endpoint) Decision {
 		gain := matched[best] - matched[least]
 		enough := float64(gain) >= p.cfg.MinMatchGain*float64(len(req.Hashes)) && gain > 0
 		lb, ll := eps[best].InFlight, eps[least].InFlight
-		overloaded := lb-ll > p.cfg.BalanceAbsThreshold && float64(lb) > p.cfg.BalanceRelThreshold*float64(ll)
-		if enough && !overloaded {
+		if enough && !overloaded(lb, ll, p.cfg.BalanceAbsThreshold, p.cfg.BalanceRelThreshold) {
 			chosen = best
 		}
 	}

@@ -149,7 +149,7 @@ start times, or later when N are active).`,
 				}
 				if virtual {
 					for _, p := range policies {
-						run, err := bench.ReplayVirtual(cmd.Context(), bench.VirtualOptions{Policy: p, Engines: engines,
+						run, err := bench.ReplayVirtual(cmd.Context(), bench.VirtualOptions{Policy: p, Engines: engines, TrackPrecise: true,
 							Engine: sim.Config{Profile: prof}, Records: recs, Requests: requests, Model: model, Routing: routing,
 							Warmup: warm.w, RateRPS: rate})
 						if err != nil {
