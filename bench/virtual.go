@@ -104,11 +104,11 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 		recs = recs[:opts.Requests]
 	}
 	fleet, err := sim.NewVirtualFleet(sim.VirtualConfig{
-		Engines: opts.Engines,
-		Engine:  eng,
-		Model:   opts.Model,
-		Routing: routing,
-		SkipITL: opts.SkipITL,
+		Engines:      opts.Engines,
+		Engine:       eng,
+		Model:        opts.Model,
+		Routing:      routing,
+		SkipITL:      opts.SkipITL,
 		TrackPrecise: opts.TrackPrecise,
 	})
 	if err != nil {
