@@ -54,17 +54,28 @@ func BenchmarkRequestPath(b *testing.B) {
 	}
 	sse.WriteString(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":16,"total_tokens":56}}` + "\n\ndata: [DONE]\n\n")
 
+	// What bench/overhead drives: a 16-token-id streaming completion, 8
+	// output tokens and the usage chunk, as the simulator writes them.
+	var compSSE strings.Builder
+	for i := 0; i < 8; i++ {
+		compSSE.WriteString(`data: {"id":"cmpl-e220a8397b1dcdafffefd5449e9ae733","object":"text_completion","created":1796015034,"model":"m","choices":[{"index":0,"text":" see","logprobs":null,"finish_reason":null}]}` + "\n\n")
+	}
+	compSSE.WriteString(`data: {"id":"cmpl-e220a8397b1dcdafffefd5449e9ae733","object":"text_completion","created":1796015034,"model":"m","choices":[],"usage":{"prompt_tokens":16,"completion_tokens":8,"total_tokens":24,"prompt_tokens_details":{"cached_tokens":0}}}` + "\n\ndata: [DONE]\n\n")
+	compStream := `{"model":"m","prompt":[8921,331,70125,4417,9,120,55,8812,301,7,66542,12,904,18,3300,42],"max_tokens":8,"stream":true,"ignore_eos":true,"stream_options":{"include_usage":true}}`
+
 	system := strings.Repeat("You are a helpful assistant that answers briefly. ", 40) // ~400 tokens
 	chat := `{"model":"m","max_tokens":16,"messages":[{"role":"system","content":"` + system + `"},{"role":"user","content":"What is the capital of France?"}]}`
 	cases := []struct {
 		name, policy, path, body string
 		stream                   bool
+		sse                      string
 	}{
-		{"completion-token-ids/prefix", sched.Prefix, pathCompletions, tokenPrompt(1024, 32, 1), false},
-		{"chat/prefix", sched.Prefix, pathChat, chat, false},
-		{"chat/round-robin", sched.RoundRobin, pathChat, chat, false},
-		{"chat-stream-16-events/prefix", sched.Prefix, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true},
-		{"chat-stream-16-events/round-robin", sched.RoundRobin, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true},
+		{"completion-stream-8-events/prefix", sched.Prefix, pathCompletions, compStream, true, compSSE.String()},
+		{"completion-token-ids/prefix", sched.Prefix, pathCompletions, tokenPrompt(1024, 32, 1), false, ""},
+		{"chat/prefix", sched.Prefix, pathChat, chat, false, ""},
+		{"chat/round-robin", sched.RoundRobin, pathChat, chat, false, ""},
+		{"chat-stream-16-events/prefix", sched.Prefix, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, ""},
+		{"chat-stream-16-events/round-robin", sched.RoundRobin, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, ""},
 	}
 	for _, tc := range cases {
 		b.Run(tc.name, func(b *testing.B) {
@@ -80,7 +91,11 @@ func BenchmarkRequestPath(b *testing.B) {
 			defer g.Close()
 			eng := &cannedEngine{header: http.Header{"Content-Type": {"application/json"}}, body: []byte(nonStream)}
 			if tc.stream {
-				eng = &cannedEngine{header: http.Header{"Content-Type": {"text/event-stream"}}, body: []byte(sse.String())}
+				events := tc.sse
+				if events == "" {
+					events = sse.String()
+				}
+				eng = &cannedEngine{header: http.Header{"Content-Type": {"text/event-stream"}}, body: []byte(events)}
 			}
 			g.rt = eng
 			h := g.Handler()

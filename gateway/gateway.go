@@ -40,8 +40,11 @@ type Gateway struct {
 	pools      map[string]*pool
 	endpoints  []*endpoint
 
+	// transport serves health checks, metric scrapes and https engines;
+	// up sends the request path's upstream requests (upstream.go).
 	transport *http.Transport
-	// rt sends upstream requests (transport, or a fake in benchmarks).
+	up        *upstreamClient
+	// rt sends upstream requests (up, or a fake in benchmarks).
 	rt http.RoundTripper
 
 	tokenizer *prefix.Tokenizer // nil when no policy needs hashes
@@ -163,7 +166,8 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 
 	g := &Gateway{cfg: cfg, pools: map[string]*pool{}}
 	g.transport = newTransport(cfg)
-	g.rt = g.transport
+	g.up = newUpstreamClient(cfg, g.transport)
+	g.rt = g.up
 	g.retryAfter = strconv.Itoa(max(1, int(math.Ceil(cfg.HealthCheckInterval.Seconds()))))
 	var idb [6]byte
 	_, _ = rand.Read(idb[:])
@@ -378,7 +382,7 @@ func (g *Gateway) Close() {
 	g.closeOnce.Do(func() {
 		g.stop()
 		g.wg.Wait()
-		g.transport.CloseIdleConnections()
+		g.up.CloseIdleConnections() // the transport's too
 	})
 }
 

@@ -238,6 +238,13 @@ func one(ctx context.Context, c *http.Client, url string, body []byte, apiKey st
 		}
 		if bytes.Equal(data, doneData) {
 			s.e2e = time.Since(t0)
+			// Read to the end of the body, as OpenAI's SDKs do: closing
+			// it earlier makes net/http drop the connection whenever the
+			// last chunk ("0\r\n\r\n") comes in a later packet than
+			// [DONE], and the next request pays for a new connection.
+			if _, err := io.Copy(io.Discard, io.LimitReader(br, 1<<20)); err != nil {
+				s.err = fmt.Errorf("after [DONE]: %v", err)
+			}
 			return s
 		}
 		if s.ttft == 0 {

@@ -1,0 +1,463 @@
+package gateway
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+)
+
+// upstreamClient is the gateway's HTTP/1.1 client for engines reached over
+// plain http:// — the request path's one hop that is neither routing nor
+// relaying, so it is kept lean: the request is written and the response read
+// by the handler's own goroutine on a pooled keep-alive connection
+// (net/http's Transport hands each request to a write goroutine and each
+// response from a read goroutine per connection; profiling the proxy under
+// load put ~15% of the gateway's CPU there). The response is parsed by
+// net/http (http.ReadResponse: status line, headers, chunked and
+// Content-Length framing), so only connection management is ours. Requests
+// to https:// endpoints, and any request whose body length is unknown, go
+// to the fallback transport (TLS, HTTP/2).
+//
+// Behaviour kept from the Transport it replaces (Config fields): dial timeout
+// (connect_timeout), response header timeout (response_header_timeout), idle
+// connections per host (max_idle_conns_per_host) closed after
+// idle_conn_timeout, response headers bounded (maxUpstreamHeaderBytes), and
+// the context cancels a request at once (a client that disconnects closes
+// its upstream connection). A reused connection that the engine closed
+// while idle is found before use (a non-blocking peek when it has been idle
+// for more than staleProbeAfter) or, in the rare race, when the request
+// fails on it before any byte of the response: the request is then sent
+// once more on a new connection, as net/http does for requests whose body
+// it can rewind.
+type upstreamClient struct {
+	dialer        net.Dialer
+	fallback      http.RoundTripper
+	maxIdle       int
+	idleTimeout   time.Duration
+	headerTimeout time.Duration
+
+	mu     sync.Mutex
+	idle   map[string][]*upConn // per host:port, most recently used last
+	nIdle  int
+	reaper *time.Timer // armed while any connection is idle
+}
+
+// staleProbeAfter is how long a connection may sit idle before it is probed
+// for a close by the engine before reuse (one non-blocking recv).
+const staleProbeAfter = 500 * time.Millisecond
+
+func newUpstreamClient(cfg Config, fallback http.RoundTripper) *upstreamClient {
+	return &upstreamClient{
+		dialer:        net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second},
+		fallback:      fallback,
+		maxIdle:       cfg.MaxIdleConnsPerHost,
+		idleTimeout:   cfg.IdleConnTimeout,
+		headerTimeout: cfg.ResponseHeaderTimeout,
+		idle:          map[string][]*upConn{},
+	}
+}
+
+// upConn is one keep-alive connection to an engine.
+type upConn struct {
+	c      net.Conn
+	key    string
+	lr     limitedConnReader
+	br     *bufio.Reader
+	bw     *bufio.Writer
+	idleAt time.Time
+	reused bool
+}
+
+// limitedConnReader reads from a connection, at most n bytes (the response
+// header budget while headers are read; unlimited for the body), counting
+// what it read.
+type limitedConnReader struct {
+	c    net.Conn
+	n    int64
+	read int64
+}
+
+var errUpstreamHeaderTooLarge = fmt.Errorf("upstream response headers larger than %d bytes", maxUpstreamHeaderBytes)
+
+func (l *limitedConnReader) Read(p []byte) (int, error) {
+	if l.n <= 0 {
+		return 0, errUpstreamHeaderTooLarge
+	}
+	if int64(len(p)) > l.n {
+		p = p[:l.n]
+	}
+	n, err := l.c.Read(p)
+	l.n -= int64(n)
+	l.read += int64(n)
+	return n, err
+}
+
+// RoundTrip sends req and returns the engine's response, whose body the
+// caller must read to EOF (the connection then returns to the pool) or
+// close (the connection is then closed). Errors: the dial's *net.OpError
+// (Op "dial"), a timeout (net.Error) when the response headers do not come
+// within response_header_timeout, the context's error when it is done, else
+// the connection's read or write error.
+func (u *upstreamClient) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.URL.Scheme != "http" || (req.Body != nil && req.Body != http.NoBody && req.ContentLength <= 0) {
+		return u.fallback.RoundTrip(req)
+	}
+	key := req.URL.Host
+	if req.URL.Port() == "" {
+		key = net.JoinHostPort(req.URL.Hostname(), "80")
+	}
+	ctx := req.Context()
+	for try := 0; ; try++ {
+		pc, err := u.get(ctx, key, try > 0)
+		if err != nil {
+			return nil, err
+		}
+		if try > 0 {
+			if req.GetBody == nil {
+				pc.c.Close()
+				return nil, errors.New("upstream connection closed; request body cannot be resent")
+			}
+			if req.Body, err = req.GetBody(); err != nil {
+				pc.c.Close()
+				return nil, err
+			}
+		}
+		resp, err := u.roundTrip(ctx, pc, req)
+		if err == nil {
+			return resp, nil
+		}
+		var st staleConnError
+		if try == 0 && errors.As(err, &st) && ctx.Err() == nil {
+			continue // the engine closed the idle connection: once more, on a new one
+		}
+		if e := ctx.Err(); e != nil {
+			return nil, e
+		}
+		return nil, err
+	}
+}
+
+// staleConnError is a failure on a reused connection before any byte of the
+// response was read: the engine had closed it.
+type staleConnError struct{ err error }
+
+func (e staleConnError) Error() string { return e.err.Error() }
+func (e staleConnError) Unwrap() error { return e.err }
+
+func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Request) (*http.Response, error) {
+	var stop func() bool
+	if ctx.Done() != nil {
+		c := pc.c
+		stop = context.AfterFunc(ctx, func() { _ = c.SetDeadline(aLongTimeAgo) })
+	}
+	pc.lr.read = 0
+	fail := func(err error) (*http.Response, error) {
+		if stop != nil {
+			stop()
+		}
+		pc.c.Close()
+		if pc.reused && pc.lr.read == 0 && !isTimeout(err) {
+			return nil, staleConnError{err}
+		}
+		return nil, err
+	}
+	if err := writeRequest(pc.bw, req); err != nil {
+		return fail(err)
+	}
+	pc.lr.n, pc.lr.read = maxUpstreamHeaderBytes, 0
+	if u.headerTimeout > 0 {
+		_ = pc.c.SetReadDeadline(time.Now().Add(u.headerTimeout))
+	}
+	var resp *http.Response
+	for {
+		var err error
+		if resp, err = http.ReadResponse(pc.br, req); err != nil {
+			return fail(err)
+		}
+		if resp.StatusCode >= 200 || resp.StatusCode < 100 {
+			break
+		}
+		if resp.StatusCode == http.StatusSwitchingProtocols {
+			return fail(errors.New("upstream answered 101 Switching Protocols"))
+		}
+		// 1xx informational (103 Early Hints, an unasked 100 Continue):
+		// the final answer follows.
+	}
+	pc.lr.n = math.MaxInt64
+	if u.headerTimeout > 0 {
+		_ = pc.c.SetReadDeadline(time.Time{})
+	}
+	resp.Body = &upBody{u: u, pc: pc, body: resp.Body, stop: stop, close: resp.Close}
+	return resp, nil
+}
+
+// isTimeout reports whether err is a timeout (the response header deadline).
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// aLongTimeAgo is a deadline in the past: blocked reads and writes on the
+// connection return at once.
+var aLongTimeAgo = time.Unix(1, 0)
+
+// writeRequest writes req in HTTP/1.1 (request line, Host, Content-Length,
+// req.Header in map order, body) and flushes. Header values have CR and LF
+// replaced by spaces, as net/http's Header.Write does.
+func writeRequest(bw *bufio.Writer, req *http.Request) error {
+	method := req.Method
+	if method == "" {
+		method = http.MethodGet
+	}
+	bw.WriteString(method)
+	bw.WriteByte(' ')
+	bw.WriteString(req.URL.RequestURI())
+	bw.WriteString(" HTTP/1.1\r\nHost: ")
+	host := req.Host
+	if host == "" {
+		host = req.URL.Host
+	}
+	bw.WriteString(host)
+	bw.WriteString("\r\n")
+	if req.ContentLength > 0 {
+		bw.WriteString("Content-Length: ")
+		var nb [20]byte
+		bw.Write(appendInt(nb[:0], req.ContentLength))
+		bw.WriteString("\r\n")
+	}
+	for k, vs := range req.Header {
+		switch k {
+		case "Host", "Content-Length", "Transfer-Encoding", "Connection", "Trailer":
+			continue
+		}
+		for _, v := range vs {
+			bw.WriteString(k)
+			bw.WriteString(": ")
+			if strings.ContainsAny(v, "\r\n") {
+				v = strings.NewReplacer("\r", " ", "\n", " ").Replace(v)
+			}
+			bw.WriteString(v)
+			bw.WriteString("\r\n")
+		}
+	}
+	if _, ok := req.Header["User-Agent"]; !ok {
+		bw.WriteString("User-Agent: infergate\r\n")
+	}
+	bw.WriteString("\r\n")
+	if req.Body != nil && req.Body != http.NoBody {
+		n, err := io.Copy(bw, req.Body)
+		req.Body.Close()
+		if err != nil {
+			return err
+		}
+		if n != req.ContentLength {
+			return fmt.Errorf("upstream request body: %d bytes, Content-Length %d", n, req.ContentLength)
+		}
+	}
+	return bw.Flush()
+}
+
+func appendInt(b []byte, n int64) []byte {
+	if n == 0 {
+		return append(b, '0')
+	}
+	var d [20]byte
+	i := len(d)
+	for n > 0 {
+		i--
+		d[i] = byte('0' + n%10)
+		n /= 10
+	}
+	return append(b, d[i:]...)
+}
+
+// upBody is an engine's response body on a pooled connection: read to EOF,
+// it gives the connection back; closed before, it closes it.
+type upBody struct {
+	u     *upstreamClient
+	pc    *upConn
+	body  io.ReadCloser
+	stop  func() bool
+	close bool // the engine asked to close the connection
+	done  bool
+}
+
+func (b *upBody) Read(p []byte) (int, error) {
+	if b.done {
+		return 0, io.EOF
+	}
+	n, err := b.body.Read(p)
+	if err != nil {
+		b.release(err == io.EOF)
+	}
+	return n, err
+}
+
+// Close closes the body. Closed before its end while its request is still
+// wanted (an SSE stream is closed at [DONE], often just before the chunked
+// body's last chunk arrives), the rest is read in the background — at most
+// drainMaxBytes within drainTimeout, as net/http's server drains request
+// bodies — so that the connection can be reused; otherwise, and when the
+// request's context has ended, the connection is closed.
+func (b *upBody) Close() error {
+	if b.done {
+		return nil
+	}
+	if b.stop != nil && !b.stop() {
+		b.stop = nil
+		b.release(false) // cancelled: the connection is closed at once
+		return nil
+	}
+	b.stop = nil
+	b.done = true
+	if b.close {
+		b.pc.c.Close()
+		return nil
+	}
+	go b.drain()
+	return nil
+}
+
+// Bounds of the background read of a body closed before its end.
+const (
+	drainMaxBytes = 64 << 10
+	drainTimeout  = 250 * time.Millisecond
+)
+
+func (b *upBody) drain() {
+	_ = b.pc.c.SetReadDeadline(time.Now().Add(drainTimeout))
+	n, err := io.Copy(io.Discard, io.LimitReader(b.body, drainMaxBytes+1))
+	if err != nil || n > drainMaxBytes || b.pc.br.Buffered() != 0 || b.pc.c.SetReadDeadline(time.Time{}) != nil {
+		b.pc.c.Close()
+		return
+	}
+	b.u.put(b.pc)
+}
+
+func (b *upBody) release(reuse bool) {
+	b.done = true
+	if b.stop != nil && !b.stop() {
+		reuse = false // the context ended: the deadline is poisoned
+	}
+	if reuse && !b.close && b.pc.br.Buffered() == 0 {
+		b.u.put(b.pc)
+		return
+	}
+	b.pc.c.Close()
+}
+
+// get returns an idle connection to key (the most recently used; stale or
+// expired ones are closed on the way), or dials a new one (always with
+// fresh).
+func (u *upstreamClient) get(ctx context.Context, key string, fresh bool) (*upConn, error) {
+	if !fresh {
+		now := time.Now()
+		for {
+			u.mu.Lock()
+			list := u.idle[key]
+			if len(list) == 0 {
+				u.mu.Unlock()
+				break
+			}
+			pc := list[len(list)-1]
+			list[len(list)-1] = nil
+			u.idle[key] = list[:len(list)-1]
+			u.nIdle--
+			u.mu.Unlock()
+			idle := now.Sub(pc.idleAt)
+			if (u.idleTimeout > 0 && idle > u.idleTimeout) || (idle > staleProbeAfter && peerClosed(pc.c)) {
+				pc.c.Close()
+				continue
+			}
+			pc.reused = true
+			return pc, nil
+		}
+	}
+	c, err := u.dialer.DialContext(ctx, "tcp", key)
+	if err != nil {
+		return nil, err
+	}
+	pc := &upConn{c: c, key: key}
+	pc.lr.c = c
+	pc.br = bufio.NewReaderSize(&pc.lr, 32<<10)
+	pc.bw = bufio.NewWriterSize(c, 32<<10)
+	return pc, nil
+}
+
+// put makes pc idle, or closes it when its host already keeps maxIdle.
+func (u *upstreamClient) put(pc *upConn) {
+	pc.idleAt = time.Now()
+	u.mu.Lock()
+	list := u.idle[pc.key]
+	if u.maxIdle > 0 && len(list) >= u.maxIdle {
+		u.mu.Unlock()
+		pc.c.Close()
+		return
+	}
+	u.idle[pc.key] = append(list, pc)
+	u.nIdle++
+	if u.reaper == nil && u.idleTimeout > 0 {
+		u.reaper = time.AfterFunc(u.idleTimeout, u.reap)
+	}
+	u.mu.Unlock()
+}
+
+// reap closes connections idle longer than idleTimeout; it runs while any
+// connection is idle.
+func (u *upstreamClient) reap() {
+	now := time.Now()
+	var expired []*upConn
+	u.mu.Lock()
+	for key, list := range u.idle {
+		n := 0 // oldest first: expired ones form a prefix
+		for n < len(list) && now.Sub(list[n].idleAt) > u.idleTimeout {
+			n++
+		}
+		if n > 0 {
+			expired = append(expired, list[:n]...)
+			list = append(list[:0], list[n:]...)
+			clear(list[len(list):cap(list)])
+			u.idle[key] = list
+			u.nIdle -= n
+		}
+	}
+	if u.nIdle > 0 {
+		u.reaper.Reset(u.idleTimeout)
+	} else {
+		u.reaper = nil
+	}
+	u.mu.Unlock()
+	for _, pc := range expired {
+		pc.c.Close()
+	}
+}
+
+// CloseIdleConnections closes every idle connection (and the fallback's).
+func (u *upstreamClient) CloseIdleConnections() {
+	u.mu.Lock()
+	var all []*upConn
+	for key, list := range u.idle {
+		all = append(all, list...)
+		delete(u.idle, key)
+	}
+	u.nIdle = 0
+	if u.reaper != nil {
+		u.reaper.Stop()
+		u.reaper = nil
+	}
+	u.mu.Unlock()
+	for _, pc := range all {
+		pc.c.Close()
+	}
+	if ci, ok := u.fallback.(interface{ CloseIdleConnections() }); ok {
+		ci.CloseIdleConnections()
+	}
+}

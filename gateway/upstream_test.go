@@ -1,0 +1,489 @@
+package gateway
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// upstreamTestConfig is the upstream client's configuration in these tests.
+func upstreamTestConfig() Config {
+	return Config{ConnectTimeout: 2 * time.Second, ResponseHeaderTimeout: 5 * time.Second,
+		IdleConnTimeout: time.Minute, MaxIdleConnsPerHost: 16}
+}
+
+func newTestUpstream(t *testing.T, cfg Config) *upstreamClient {
+	t.Helper()
+	u := newUpstreamClient(cfg, http.DefaultTransport)
+	t.Cleanup(u.CloseIdleConnections)
+	return u
+}
+
+func postTo(t *testing.T, ctx context.Context, url, body string) *http.Request {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	return req
+}
+
+// countingServer is an httptest server that counts the connections it
+// accepted and echoes each request's method, URI, a header and body.
+func countingServer(t *testing.T, h http.HandlerFunc) (*httptest.Server, *atomic.Int64) {
+	t.Helper()
+	var conns atomic.Int64
+	if h == nil {
+		h = func(w http.ResponseWriter, r *http.Request) {
+			b, _ := io.ReadAll(r.Body)
+			fmt.Fprintf(w, "%s %s %s %s len=%d", r.Method, r.URL.RequestURI(), r.Header.Get("X-Test"), b, r.ContentLength)
+		}
+	}
+	s := httptest.NewUnstartedServer(h)
+	s.Config.ConnState = func(_ net.Conn, st http.ConnState) {
+		if st == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	s.Start()
+	t.Cleanup(s.Close)
+	return s, &conns
+}
+
+func readAll(t *testing.T, resp *http.Response) string {
+	t.Helper()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return string(b)
+}
+
+func TestUpstreamReusesConnections(t *testing.T) {
+	s, conns := countingServer(t, nil)
+	u := newTestUpstream(t, upstreamTestConfig())
+	for i := range 20 {
+		req := postTo(t, context.Background(), s.URL+"/v1/completions?x=1", fmt.Sprintf(`{"n":%d}`, i))
+		req.Header.Set("X-Test", "a\r\nInjected: yes") // CR LF cannot split headers
+		resp, err := u.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := fmt.Sprintf(`POST /v1/completions?x=1 a  Injected: yes {"n":%d} len=%d`, i, len(fmt.Sprintf(`{"n":%d}`, i)))
+		if got := readAll(t, resp); got != want {
+			t.Fatalf("answer %q, want %q", got, want)
+		}
+	}
+	if n := conns.Load(); n != 1 {
+		t.Fatalf("%d connections for 20 sequential requests, want 1", n)
+	}
+}
+
+func TestUpstreamStreamsChunkedBodies(t *testing.T) {
+	s, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := range 3 {
+			fmt.Fprintf(w, "data: %d\n\n", i)
+			w.(http.Flusher).Flush()
+		}
+		fmt.Fprint(w, "data: [DONE]\n\n")
+	})
+	u := newTestUpstream(t, upstreamTestConfig())
+	for range 5 {
+		resp, err := u.RoundTrip(postTo(t, context.Background(), s.URL, "{}"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := readAll(t, resp); got != "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n" {
+			t.Fatalf("body %q", got)
+		}
+	}
+	if n := conns.Load(); n != 1 {
+		t.Fatalf("%d connections, want 1", n)
+	}
+}
+
+// A body closed before its end (a relay stops at [DONE]) is drained in the
+// background and its connection reused.
+func TestUpstreamDrainsBodyClosedEarly(t *testing.T) {
+	release := make(chan struct{})
+	s, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, "data: [DONE]\n\n")
+		w.(http.Flusher).Flush()
+		<-release // the final chunk comes after the client closed the body
+	})
+	u := newTestUpstream(t, upstreamTestConfig())
+	for range 3 {
+		resp, err := u.RoundTrip(postTo(t, context.Background(), s.URL, "{}"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 14)
+		if _, err := io.ReadFull(resp.Body, buf); err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		release <- struct{}{}
+		waitFor(t, "the drained connection back in the pool", func() bool { return idleCount(u) == 1 })
+	}
+	if n := conns.Load(); n != 1 {
+		t.Fatalf("%d connections, want 1", n)
+	}
+}
+
+// A body closed early whose rest does not come within drainTimeout costs
+// its connection, not a goroutine.
+func TestUpstreamDrainGivesUp(t *testing.T) {
+	done := make(chan struct{})
+	t.Cleanup(func() { close(done) })
+	s, _ := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, "data: x\n\n")
+		w.(http.Flusher).Flush()
+		select {
+		case <-done:
+		case <-r.Context().Done():
+		}
+	})
+	u := newTestUpstream(t, upstreamTestConfig())
+	resp, err := u.RoundTrip(postTo(t, context.Background(), s.URL, "{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	time.Sleep(drainTimeout + 100*time.Millisecond)
+	if n := idleCount(u); n != 0 {
+		t.Fatalf("%d idle connections, want 0", n)
+	}
+}
+
+func idleCount(u *upstreamClient) int {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.nIdle
+}
+
+// rawServer accepts connections on loopback and hands each to serve.
+func rawServer(t *testing.T, serve func(c net.Conn)) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Go(func() { defer c.Close(); serve(c) })
+		}
+	})
+	return "http://" + ln.Addr().String()
+}
+
+// readRequest reads one request from c (nil at EOF).
+func readRawRequest(br *bufio.Reader) *http.Request {
+	req, err := http.ReadRequest(br)
+	if err != nil {
+		return nil
+	}
+	_, _ = io.Copy(io.Discard, req.Body)
+	return req
+}
+
+// An engine that closes a keep-alive connection after each answer, without
+// saying so: the next request finds it closed (by the probe, or by failing
+// on it before any byte) and goes out on a new connection.
+func TestUpstreamStaleConnectionRetried(t *testing.T) {
+	var accepted atomic.Int64
+	url := rawServer(t, func(c net.Conn) {
+		accepted.Add(1)
+		if readRawRequest(bufio.NewReader(c)) == nil {
+			return
+		}
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+	})
+	u := newTestUpstream(t, upstreamTestConfig())
+	for i := range 6 {
+		if i%2 == 1 {
+			time.Sleep(staleProbeAfter + 50*time.Millisecond) // the probe's case
+		} else {
+			time.Sleep(20 * time.Millisecond) // the close has landed; no probe
+		}
+		resp, err := u.RoundTrip(postTo(t, context.Background(), url, "{}"))
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		if got := readAll(t, resp); got != "ok" {
+			t.Fatalf("body %q", got)
+		}
+	}
+	if n := accepted.Load(); n != 6 {
+		t.Fatalf("%d connections, want 6", n)
+	}
+}
+
+// A request that fails on a new connection is not sent again.
+func TestUpstreamFreshConnectionFailureNotRetried(t *testing.T) {
+	var accepted atomic.Int64
+	url := rawServer(t, func(c net.Conn) {
+		accepted.Add(1)
+		readRawRequest(bufio.NewReader(c)) // and close without an answer
+	})
+	u := newTestUpstream(t, upstreamTestConfig())
+	if _, err := u.RoundTrip(postTo(t, context.Background(), url, "{}")); err == nil {
+		t.Fatal("no error for a connection closed without an answer")
+	}
+	if n := accepted.Load(); n != 1 {
+		t.Fatalf("%d connections, want 1 (no resend on a fresh connection)", n)
+	}
+}
+
+func TestUpstreamResponseHeaderTimeout(t *testing.T) {
+	url := rawServer(t, func(c net.Conn) {
+		readRawRequest(bufio.NewReader(c))
+		time.Sleep(400 * time.Millisecond)
+	})
+	cfg := upstreamTestConfig()
+	cfg.ResponseHeaderTimeout = 100 * time.Millisecond
+	u := newTestUpstream(t, cfg)
+	_, err := u.RoundTrip(postTo(t, context.Background(), url, "{}"))
+	if err == nil || !isResponseTimeout(err) {
+		t.Fatalf("err %v, want a response timeout", err)
+	}
+}
+
+// The header timeout bounds the headers only: a body may take longer.
+func TestUpstreamHeaderTimeoutSparesTheBody(t *testing.T) {
+	s, _ := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(200)
+		w.(http.Flusher).Flush()
+		time.Sleep(300 * time.Millisecond)
+		io.WriteString(w, "late")
+	})
+	cfg := upstreamTestConfig()
+	cfg.ResponseHeaderTimeout = 100 * time.Millisecond
+	u := newTestUpstream(t, cfg)
+	resp, err := u.RoundTrip(postTo(t, context.Background(), s.URL, "{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := readAll(t, resp); got != "late" {
+		t.Fatalf("body %q", got)
+	}
+}
+
+// Cancelling the context aborts a request waiting for headers and a body
+// being read, at once, and the connection is not reused.
+func TestUpstreamCancel(t *testing.T) {
+	var accepted atomic.Int64
+	hold := make(chan struct{})
+	url := rawServer(t, func(c net.Conn) {
+		accepted.Add(1)
+		br := bufio.NewReader(c)
+		req := readRawRequest(br)
+		if req == nil {
+			return
+		}
+		if req.URL.Path == "/body" {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+		}
+		select {
+		case <-hold:
+		case <-time.After(10 * time.Second):
+		}
+	})
+	t.Cleanup(func() { close(hold) }) // before rawServer's cleanup waits
+	u := newTestUpstream(t, upstreamTestConfig())
+
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(50*time.Millisecond, cancel)
+	start := time.Now()
+	if _, err := u.RoundTrip(postTo(t, ctx, url+"/headers", "{}")); !errors.Is(err, context.Canceled) {
+		t.Fatalf("err %v, want context.Canceled", err)
+	}
+	if d := time.Since(start); d > 3*time.Second {
+		t.Fatalf("cancel took %s", d)
+	}
+
+	ctx, cancel = context.WithCancel(context.Background())
+	resp, err := u.RoundTrip(postTo(t, ctx, url+"/body", "{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.AfterFunc(50*time.Millisecond, cancel)
+	if _, err := io.ReadAll(resp.Body); err == nil {
+		t.Fatal("reading a cancelled body: no error")
+	}
+	resp.Body.Close()
+	if n := idleCount(u); n != 0 {
+		t.Fatalf("%d idle connections after cancels, want 0", n)
+	}
+}
+
+func TestUpstreamHostileAnswers(t *testing.T) {
+	cases := []struct {
+		name, answer string
+		wantErr      bool
+		wantBody     string
+	}{
+		{"huge-headers", "HTTP/1.1 200 OK\r\nX-Big: " + strings.Repeat("a", maxUpstreamHeaderBytes+10) + "\r\n\r\n", true, ""},
+		{"not-http", "SSH-2.0-OpenSSH\r\n\r\n", true, ""},
+		{"switching-protocols", "HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n", true, ""},
+		{"early-hints-then-200", "HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", false, "ok"},
+		{"close-delimited", "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil-eof", false, "until-eof"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			url := rawServer(t, func(c net.Conn) {
+				if readRawRequest(bufio.NewReader(c)) != nil {
+					io.WriteString(c, tc.answer)
+				}
+			})
+			u := newTestUpstream(t, upstreamTestConfig())
+			resp, err := u.RoundTrip(postTo(t, context.Background(), url, "{}"))
+			if tc.wantErr {
+				if err == nil {
+					resp.Body.Close()
+					t.Fatal("no error")
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := readAll(t, resp); got != tc.wantBody {
+				t.Fatalf("body %q, want %q", got, tc.wantBody)
+			}
+			if n := idleCount(u); n != 0 && resp.Close {
+				t.Fatalf("a connection the engine closes was kept (%d idle)", n)
+			}
+		})
+	}
+}
+
+func TestUpstreamIdleLimitsAndReaping(t *testing.T) {
+	s, _ := countingServer(t, nil)
+	cfg := upstreamTestConfig()
+	cfg.MaxIdleConnsPerHost = 2
+	cfg.IdleConnTimeout = 200 * time.Millisecond
+	u := newTestUpstream(t, cfg)
+	var resps []*http.Response
+	for range 4 { // 4 at once: 4 connections
+		resp, err := u.RoundTrip(postTo(t, context.Background(), s.URL, "{}"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resps = append(resps, resp)
+	}
+	for _, resp := range resps {
+		readAll(t, resp)
+	}
+	if n := idleCount(u); n != 2 {
+		t.Fatalf("%d idle, want max_idle_conns_per_host 2", n)
+	}
+	waitFor(t, "idle connections reaped", func() bool { return idleCount(u) == 0 })
+}
+
+func TestUpstreamDialError(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	u := newTestUpstream(t, upstreamTestConfig())
+	_, err = u.RoundTrip(postTo(t, context.Background(), "http://"+addr, "{}"))
+	if err == nil || !isDialError(err) {
+		t.Fatalf("err %v, want a dial error", err)
+	}
+}
+
+// https endpoints go through the fallback transport.
+func TestUpstreamHTTPSFallback(t *testing.T) {
+	s := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "tls") }))
+	t.Cleanup(s.Close)
+	u := newUpstreamClient(upstreamTestConfig(), s.Client().Transport)
+	t.Cleanup(u.CloseIdleConnections)
+	resp, err := u.RoundTrip(postTo(t, context.Background(), s.URL, "{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := readAll(t, resp); got != "tls" {
+		t.Fatalf("body %q", got)
+	}
+}
+
+// Many concurrent requests share a bounded set of connections (race
+// detector food).
+func TestUpstreamConcurrent(t *testing.T) {
+	s, conns := countingServer(t, nil)
+	u := newTestUpstream(t, upstreamTestConfig())
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Go(func() {
+			for i := range 50 {
+				body := fmt.Sprintf(`{"w":%d,"i":%d}`, w, i)
+				resp, err := u.RoundTrip(postTo(t, context.Background(), s.URL+"/p", body))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if !bytes.Contains(b, []byte(body)) {
+					t.Errorf("answer %q lacks %q", b, body)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if n := conns.Load(); n > 8 {
+		t.Fatalf("%d connections for 8 concurrent clients", n)
+	}
+}
+
+func TestPeerClosedProbe(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	pair := func() (client, server net.Conn) {
+		c, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := ln.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close(); s.Close() })
+		return c, s
+	}
+	c, srv := pair()
+	if peerClosed(c) {
+		t.Fatal("an open, quiet connection probed as closed")
+	}
+	srv.Close()
+	waitFor(t, "the engine's close", func() bool { return peerClosed(c) })
+
+	c, srv = pair()
+	io.WriteString(srv, "x") // bytes nobody asked for: unusable
+	waitFor(t, "the unsolicited byte", func() bool { return peerClosed(c) })
+}
