@@ -1,7 +1,6 @@
 package gateway
 
 import (
-	"encoding/json"
 	"strings"
 
 	"github.com/infergate/infergate/openai"
@@ -60,22 +59,13 @@ func scanChunk(data []byte) (v chunkView, decided bool) {
 				return false
 			}
 			seenUsage = true
-			start := s.i
 			if s.literal("null") {
 				v.usage = nil
 				return true
 			}
-			if !s.is('{') || !s.skip(1) {
-				return false
-			}
-			u := new(openai.Usage)
-			if err := json.Unmarshal(data[start:s.i], u); err != nil {
-				if _, typeErr := err.(*json.UnmarshalTypeError); !typeErr {
-					return false
-				}
-			}
+			u, ok := s.usage()
 			v.usage = u
-			return true
+			return ok
 		case "error":
 			if seenError {
 				return false
@@ -185,6 +175,10 @@ func (s *chunkScanner) str() (raw []byte, plain, ok bool) {
 	plain = true
 	for s.i < len(s.b) {
 		c := s.b[s.i]
+		if plainStringByte[c] {
+			s.i++
+			continue
+		}
 		switch {
 		case c == '"':
 			raw = s.b[start:s.i]
@@ -219,6 +213,15 @@ func (s *chunkScanner) str() (raw []byte, plain, ok bool) {
 	}
 	return nil, false, false
 }
+
+// plainStringByte marks the bytes a JSON string holds as they are: all but
+// control characters, '"' and '\\'.
+var plainStringByte = func() (t [256]bool) {
+	for c := 0x20; c < 256; c++ {
+		t[c] = c != '"' && c != '\\'
+	}
+	return t
+}()
 
 // number scans a JSON number.
 func (s *chunkScanner) number() bool {
@@ -356,6 +359,96 @@ func (s *chunkScanner) choices(v *chunkView) bool {
 	})
 	v.choices, v.output = n, output
 	return ok
+}
+
+// usage scans a "usage" object whose members prompt_tokens,
+// completion_tokens, total_tokens (integers or null) and
+// prompt_tokens_details (null, or an object whose cached_tokens is an
+// integer or null) appear at most once each; other members are skipped, as
+// encoding/json skips them. Anything else (a number with a fraction or
+// exponent, a known key in another spelling) is left undecided.
+func (s *chunkScanner) usage() (*openai.Usage, bool) {
+	if !s.is('{') {
+		return nil, false
+	}
+	u := new(openai.Usage)
+	var seen [4]bool
+	ok := s.object(func(key []byte) bool {
+		k := -1
+		switch string(key) {
+		case "prompt_tokens":
+			k = 0
+		case "completion_tokens":
+			k = 1
+		case "total_tokens":
+			k = 2
+		case "prompt_tokens_details":
+			k = 3
+		default:
+			return !foldsTo(key, "prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details") && s.skip(2)
+		}
+		if seen[k] {
+			return false
+		}
+		seen[k] = true
+		switch k {
+		case 0:
+			return s.optInt(&u.PromptTokens)
+		case 1:
+			return s.optInt(&u.CompletionTokens)
+		case 2:
+			return s.optInt(&u.TotalTokens)
+		}
+		if s.literal("null") {
+			u.PromptTokensDetails = nil
+			return true
+		}
+		if !s.is('{') {
+			return false
+		}
+		d := new(openai.PromptTokensDetails)
+		u.PromptTokensDetails = d
+		seenCached := false
+		return s.object(func(key []byte) bool {
+			if string(key) != "cached_tokens" {
+				return !foldsTo(key, "cached_tokens") && s.skip(3)
+			}
+			if seenCached {
+				return false
+			}
+			seenCached = true
+			return s.optInt(&d.CachedTokens)
+		})
+	})
+	return u, ok
+}
+
+// optInt scans an integer into *dst, or null (dst unchanged, as
+// encoding/json leaves it). Integers of up to 18 digits only; others are
+// undecided.
+func (s *chunkScanner) optInt(dst *int) bool {
+	if s.literal("null") {
+		return true
+	}
+	neg := s.is('-')
+	if neg {
+		s.i++
+	}
+	start, n := s.i, 0
+	for s.i < len(s.b) && '0' <= s.b[s.i] && s.b[s.i] <= '9' {
+		n = n*10 + int(s.b[s.i]-'0')
+		s.i++
+	}
+	digits := s.i - start
+	if digits == 0 || digits > 18 || (digits > 1 && s.b[start] == '0') ||
+		s.is('.') || s.is('e') || s.is('E') {
+		return false
+	}
+	if neg {
+		n = -n
+	}
+	*dst = n
+	return true
 }
 
 // optString scans a string or null; nonEmpty reports a non-empty string

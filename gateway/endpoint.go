@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -21,6 +22,8 @@ import (
 type endpoint struct {
 	name string // the configured URL, normalized: the metrics label
 	base string // URL prefix requests are sent to (== name)
+	// urls are base + each apiKind's path, parsed once (read-only).
+	urls [2]*url.URL
 
 	kvBlocks  int // engine KV capacity (blocks of blockSize tokens)
 	blockSize int // engine KV block size (tokens)
@@ -87,6 +90,18 @@ func (ep *endpoint) eject(now time.Time, d time.Duration) {
 // checkHealth probes the endpoint once and updates its readiness: a failed
 // probe takes it out of rotation, a successful one restores it unless an
 // ejection is still running. path healthCheckOff skips the probe.
+// url returns the URL of kind's path on the endpoint with the client's raw
+// query, if any (a copy then; the parsed URL is shared).
+func (ep *endpoint) url(kind apiKind, rawQuery string) *url.URL {
+	u := ep.urls[kind]
+	if rawQuery == "" {
+		return u
+	}
+	q := *u
+	q.RawQuery = rawQuery
+	return &q
+}
+
 func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	ok := true
 	if ep.healthPath != healthCheckOff {

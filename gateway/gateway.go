@@ -17,6 +17,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"net/url"
 	"slices"
 	"strconv"
 	"sync"
@@ -187,6 +188,14 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 				ep.metricsURL = ec.MetricsURL
 			} else if mp != "" {
 				ep.metricsURL = base + mp
+			}
+			for _, kind := range []apiKind{kindChat, kindCompletion} {
+				u, err := url.Parse(base + kind.path())
+				if err != nil {
+					g.transport.CloseIdleConnections()
+					return nil, fmt.Errorf("endpoint %s: %w", base, err)
+				}
+				ep.urls[kind] = u
 			}
 			byURL[base] = ep
 			g.endpoints = append(g.endpoints, ep)

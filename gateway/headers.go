@@ -86,12 +86,20 @@ func listedInConnection(conn []string, k string) bool {
 	return false
 }
 
-// upstreamHeader returns the headers sent to the engine: the client's
-// end-to-end headers (value slices shared, not copied: nothing mutates
-// them), X-Request-Id, X-Forwarded-For with the client's address appended,
-// and Content-Type application/json if the client sent none.
-func upstreamHeader(in http.Header, requestID, remoteAddr string) http.Header {
-	out := make(http.Header, len(in)+3)
+// upstreamHeader returns the headers sent to the engine, in out (cleared
+// first; made when nil, so a pooled map is reused): the client's end-to-end
+// headers (value slices shared, not copied: nothing mutates them),
+// X-Request-Id (the one-element requestID), X-Forwarded-For with the
+// client's address appended, and Content-Type application/json if the
+// client sent none.
+// contentTypeJSON is a shared header value: never modified.
+var contentTypeJSON = []string{"application/json"}
+
+func upstreamHeader(out, in http.Header, requestID []string, remoteAddr string) http.Header {
+	if out == nil {
+		out = make(http.Header, len(in)+3)
+	}
+	clear(out)
 	conn := in["Connection"]
 	for k, vs := range in {
 		if dropUpstream(k) || (conn != nil && listedInConnection(conn, k)) {
@@ -99,7 +107,7 @@ func upstreamHeader(in http.Header, requestID, remoteAddr string) http.Header {
 		}
 		out[k] = vs
 	}
-	out["X-Request-Id"] = []string{requestID}
+	out["X-Request-Id"] = requestID
 	if ip, _, err := net.SplitHostPort(remoteAddr); err == nil {
 		if prior := in["X-Forwarded-For"]; len(prior) > 0 {
 			ip = strings.Join(prior, ", ") + ", " + ip
@@ -107,7 +115,7 @@ func upstreamHeader(in http.Header, requestID, remoteAddr string) http.Header {
 		out["X-Forwarded-For"] = []string{ip}
 	}
 	if _, ok := out["Content-Type"]; !ok {
-		out["Content-Type"] = []string{"application/json"}
+		out["Content-Type"] = contentTypeJSON
 	}
 	return out
 }

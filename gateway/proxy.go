@@ -8,7 +8,6 @@ import (
 	"io"
 	"log/slog"
 	"math"
-	"mime"
 	"net"
 	"net/http"
 	"os"
@@ -74,6 +73,12 @@ type exchange struct {
 	// buffer is pooled.
 	er *openai.EventReader
 
+	// upHeader holds the upstream request's headers (upstreamHeader) and
+	// reqID the request id as a header value; both live only while the
+	// upstream request is written.
+	upHeader http.Header
+	reqID    [1]string
+
 	// Retries (retry.go): an engine's error answer held for relaying, and
 	// the endpoints that failed this request.
 	errBody  []byte
@@ -113,6 +118,12 @@ func (g *Gateway) getExchange() *exchange {
 	return &exchange{copyBuf: make([]byte, 32<<10)}
 }
 
+// requestIDValue returns id as a one-element header value held by x.
+func (x *exchange) requestIDValue(id string) []string {
+	x.reqID[0] = id
+	return x.reqID[:]
+}
+
 func (g *Gateway) putExchange(x *exchange) {
 	x.chat = openai.ChatRequest{}
 	x.comp = openai.CompletionRequest{}
@@ -144,6 +155,8 @@ func (g *Gateway) putExchange(x *exchange) {
 		x.errBody = nil
 	}
 	x.edge = exchangeEdge{}
+	clear(x.upHeader) // the client's header values
+	x.reqID[0] = ""
 	if x.er != nil {
 		x.er.Reset(nil) // drop the finished stream
 	}
@@ -361,9 +374,14 @@ func isResponseTimeout(err error) bool {
 	return !(errors.As(err, &op) && op.Op == "dial")
 }
 
+// isEventStream reports whether the media type of h's Content-Type is
+// text/event-stream (case-insensitive, parameters ignored).
 func isEventStream(h http.Header) bool {
-	mt, _, _ := mime.ParseMediaType(h.Get("Content-Type"))
-	return mt == "text/event-stream"
+	v := h.Get("Content-Type")
+	if i := strings.IndexByte(v, ';'); i >= 0 {
+		v = v[:i]
+	}
+	return strings.EqualFold(strings.TrimSpace(v), "text/event-stream")
 }
 
 // relayError relays an engine's non-2xx answer: its status and body when the
@@ -469,6 +487,12 @@ func (g *Gateway) finish(rm *routeMetrics, x *exchange, code int, u *openai.Usag
 	g.metrics.count(rm, code)
 }
 
+// Shared header values: never modified.
+var (
+	noCache          = []string{"no-cache"}
+	accelBufferingNo = []string{"no"}
+)
+
 var (
 	usageKey = []byte(`"usage"`)
 	sseData  = []byte("data: ")
@@ -507,10 +531,10 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 	}
 	h := w.Header()
 	copyResponseHeader(h, resp.Header, false)
-	if h.Get("Cache-Control") == "" {
-		h.Set("Cache-Control", "no-cache")
+	if _, ok := h["Cache-Control"]; !ok {
+		h["Cache-Control"] = noCache
 	}
-	h.Set("X-Accel-Buffering", "no")
+	h["X-Accel-Buffering"] = accelBufferingNo
 	w.WriteHeader(resp.StatusCode)
 	rc := http.NewResponseController(w)
 	fr.rc = rc

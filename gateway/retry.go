@@ -175,16 +175,17 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 			x.upBody, body, strip = b, b, true
 		}
 	}
-	target := ep.base + kind.path()
-	if r.URL.RawQuery != "" {
-		target += "?" + r.URL.RawQuery
-	}
-	req, err := http.NewRequestWithContext(r.Context(), http.MethodPost, target, bytes.NewReader(body))
+	// The URL was parsed when the endpoint was configured: the request is
+	// built with an empty one, which cannot fail to parse.
+	req, err := http.NewRequestWithContext(r.Context(), http.MethodPost, "", bytes.NewReader(body))
 	if err != nil {
 		g.fail(w, rm, openai.NewError(http.StatusBadGateway, "Could not build the upstream request.", "", openai.CodeUpstream))
 		return nil
 	}
-	req.Header = upstreamHeader(r.Header, reqID, r.RemoteAddr)
+	req.URL = ep.url(kind, r.URL.RawQuery)
+	req.Host = req.URL.Host
+	x.upHeader = upstreamHeader(x.upHeader, r.Header, x.requestIDValue(reqID), r.RemoteAddr)
+	req.Header = x.upHeader
 
 	resp, err := g.rt.RoundTrip(req)
 	if err != nil {
