@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -347,6 +348,64 @@ func TestAppendChatSegmentsConcatenates(t *testing.T) {
 		}
 		if got, want := strings.Join(segs, ""), RenderChat(tl, msgs); got != want {
 			t.Fatalf("segments join to\n%q\nnot\n%q", got, want)
+		}
+	}
+}
+
+// stdDecode is the reference for Decode: encoding/json, which rejects
+// anything after the object. (Decode used json.Decoder and More before it
+// moved to segmentio's drop-in decoder, and so accepted a stray "]" or "}"
+// after the object: More reports false there.)
+func stdDecode(body []byte, v any) error { return json.Unmarshal(body, v) }
+
+// FuzzDecodeAgreesWithStdlib checks that Decode accepts exactly the request
+// bodies encoding/json accepts and reads them into the same values.
+func FuzzDecodeAgreesWithStdlib(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true}}`,
+		`{"model":"m","messages":[{"role":"system","content":[{"type":"text","text":"a"}]},{"role":"user","content":"b","name":"x"}],"max_tokens":5,"temperature":0.5,"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}]}`,
+		`{"model":"m","prompt":[1,2,3],"max_tokens":8,"stream":true,"ignore_eos":true}`,
+		`{"model":"m","prompt":"hello","n":2,"top_p":1,"user":"u","cache_salt":"s"}`,
+		`{"MODEL":"m","Prompt":["a","b"],"model":"n"}`,
+		`{"model":"m","prompt":[[1],[2,3]],"max_tokens":1e2}`,
+		`{"model":"m\u00e9\ud800","prompt":"\xff"}`,
+		`{"model":1}`, `{"model":"m"} {}`, `{"model":"m",}`, `[]`, `{"stream":"yes"}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var chat, chatRef ChatRequest
+		var comp, compRef CompletionRequest
+		for _, c := range []struct {
+			got, want any
+		}{{&chat, &chatRef}, {&comp, &compRef}} {
+			e := Decode(b, c.got)
+			err := stdDecode(b, c.want)
+			if (e == nil) != (err == nil) {
+				t.Fatalf("%q: Decode error %v, encoding/json error %v", b, e, err)
+			}
+			if e == nil && !reflect.DeepEqual(c.got, c.want) {
+				t.Fatalf("%q:\n Decode        %+v\n encoding/json %+v", b, c.got, c.want)
+			}
+		}
+	})
+}
+
+// Decode's messages come from encoding/json (see Decode): field names,
+// JSON kinds and offsets, never raw input.
+func TestDecodeErrorMessages(t *testing.T) {
+	for body, want := range map[string]string{
+		`{"model":1}`:                           `invalid type for "model": expected a string, got number`,
+		`{"model":"m","messages":[{"role":7}]}`: `invalid type for "messages.role": expected a string, got number`,
+		`{"model":"m",}`:                        `request body is not valid JSON (offset 14)`,
+		`{"model":"m"`:                          `request body is not valid JSON (offset 12): unexpected end of JSON input`,
+		`{"model":"m"}]`:                        `request body has data after the JSON object`,
+		`{"model":"m","messages":[]} {"x":1}`:   `request body has data after the JSON object`,
+	} {
+		var r ChatRequest
+		e := Decode([]byte(body), &r)
+		if e == nil || !strings.HasPrefix(e.Message, want) {
+			t.Errorf("%s: error %v, want %q", body, e, want)
 		}
 	}
 }
