@@ -1,11 +1,11 @@
 package openai
 
 import (
-	segjson "github.com/segmentio/encoding/json"
 	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
+	segjson "github.com/segmentio/encoding/json"
 	"math"
 	"net/http"
 	"reflect"
