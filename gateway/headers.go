@@ -135,7 +135,11 @@ func copyResponseHeader(dst, src http.Header, keepLength bool) {
 		if _, own := dst[k]; own && strings.HasPrefix(k, "X-Ratelimit-") {
 			continue
 		}
-		dst[k] = append(dst[k], vs...)
+		if prior, ok := dst[k]; ok {
+			dst[k] = append(prior, vs...)
+		} else {
+			dst[k] = vs // shared: src is the engine's answer, not kept or modified
+		}
 	}
 }
 
