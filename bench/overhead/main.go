@@ -48,13 +48,15 @@ type Result struct {
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: overhead run [flags] | overhead table RESULTS [PROXY-CPU]")
+		fmt.Fprintln(os.Stderr, "usage: overhead run [flags] | overhead table RESULTS [PROXY-CPU] | overhead reverseproxy [flags]")
 		os.Exit(2)
 	}
 	var err error
 	switch os.Args[1] {
 	case "run":
 		err = runCmd(os.Args[2:])
+	case "reverseproxy":
+		err = reverseProxyCmd(os.Args[2:])
 	case "table":
 		switch len(os.Args) {
 		case 3:
@@ -65,7 +67,7 @@ func main() {
 			err = errors.New("usage: overhead table RESULTS [PROXY-CPU]")
 		}
 	default:
-		err = fmt.Errorf("unknown command %q (want run or table)", os.Args[1])
+		err = fmt.Errorf("unknown command %q (want run, table or reverseproxy)", os.Args[1])
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "overhead:", err)

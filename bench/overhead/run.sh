@@ -11,6 +11,9 @@
 #   round-robin   infergate serve --policy round-robin
 #   prefix        infergate serve --policy prefix
 #   cache-aware   infergate serve --policy cache-aware (the default)
+#   go-reverseproxy  (opt-in) a plain Go reverse proxy: net/http server,
+#                 httputil.ReverseProxy, http.Transport, round-robin — what
+#                 Go costs before any gateway logic
 # and prints req/s, end-to-end p50/p99 and the latency each proxy adds over
 # direct, with ratios against nginx, and each proxy's CPU time per request.
 # The targets run in turn ROUNDS times (default 3) and the table shows
@@ -162,6 +165,14 @@ EOF
     pids+=($!)
     wait_http "http://127.0.0.1:$proxy_port/health"
     load nginx "http://127.0.0.1:$proxy_port" "${pids[-1]}"
+    stop_last
+    ;;
+  go-reverseproxy)
+    "$WORK/overhead" reverseproxy --listen "127.0.0.1:$proxy_port" \
+      --endpoints "$(IFS=,; echo "${engine_urls[*]}")" >"$OUT/go-reverseproxy.log" 2>&1 &
+    pids+=($!)
+    wait_http "http://127.0.0.1:$proxy_port/health"
+    load go-reverseproxy "http://127.0.0.1:$proxy_port" "${pids[-1]}"
     stop_last
     ;;
   *)
