@@ -170,6 +170,16 @@ func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Re
 		return nil, err
 	}
 	if err := writeRequest(pc.bw, req); err != nil {
+		// An engine may answer (413, 400) and close before it has read the
+		// whole body: prefer its answer to the write error, as net/http's
+		// Transport does.
+		if resp := earlyAnswer(ctx, pc, req); resp != nil {
+			if stop != nil {
+				stop()
+			}
+			resp.Body = &upBody{u: u, pc: pc, body: resp.Body, close: true}
+			return resp, nil
+		}
 		return fail(err)
 	}
 	pc.lr.n, pc.lr.read = maxUpstreamHeaderBytes, 0
@@ -197,6 +207,25 @@ func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Re
 	}
 	resp.Body = &upBody{u: u, pc: pc, body: resp.Body, stop: stop, close: resp.Close}
 	return resp, nil
+}
+
+// earlyAnswerWait bounds the wait for an answer after a failed write.
+const earlyAnswerWait = time.Second
+
+// earlyAnswer reads, within earlyAnswerWait, an answer the engine sent
+// before a write of the request failed; nil if there is none.
+func earlyAnswer(ctx context.Context, pc *upConn, req *http.Request) *http.Response {
+	if ctx.Err() != nil {
+		return nil
+	}
+	pc.lr.n, pc.lr.read = maxUpstreamHeaderBytes, 0
+	_ = pc.c.SetReadDeadline(time.Now().Add(earlyAnswerWait))
+	resp, err := http.ReadResponse(pc.br, req)
+	if err != nil || resp.StatusCode < 200 {
+		return nil
+	}
+	pc.lr.n = math.MaxInt64
+	return resp // the connection is closed after it (the body may be partial)
 }
 
 // isTimeout reports whether err is a timeout (the response header deadline).

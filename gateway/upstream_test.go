@@ -487,3 +487,31 @@ func TestPeerClosedProbe(t *testing.T) {
 	io.WriteString(srv, "x") // bytes nobody asked for: unusable
 	waitFor(t, "the unsolicited byte", func() bool { return peerClosed(c) })
 }
+
+// An engine that answers 413 and closes without reading a large body: its
+// answer is relayed, not the write error.
+func TestUpstreamEarlyAnswerBeforeBodyRead(t *testing.T) {
+	url := rawServer(t, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		for { // the headers only
+			line, err := br.ReadString('\n')
+			if err != nil || line == "\r\n" {
+				break
+			}
+		}
+		io.WriteString(c, "HTTP/1.1 413 Request Entity Too Large\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n{\"error\":\"big\"}")
+		if tc, ok := c.(*net.TCPConn); ok {
+			tc.CloseWrite()
+		}
+		time.Sleep(200 * time.Millisecond)
+	})
+	u := newTestUpstream(t, upstreamTestConfig())
+	body := strings.Repeat("x", 64<<20) // more than the socket buffers hold
+	resp, err := u.RoundTrip(postTo(t, context.Background(), url, body))
+	if err != nil {
+		t.Fatalf("err %v, want the engine's 413", err)
+	}
+	if got := readAll(t, resp); resp.StatusCode != 413 || got != `{"error":"big"}` {
+		t.Fatalf("status %d body %q", resp.StatusCode, got)
+	}
+}
