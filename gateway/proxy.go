@@ -575,7 +575,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			return nil, code
 		}
 
-		now := time.Now()
+		now := fr.at // when this event's bytes arrived
 		if c, ok := x.viewChunk(data); ok {
 			if c.usage != nil {
 				usage = c.usage // freshly allocated: safe to keep
@@ -620,11 +620,16 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 // arrived together leave in one write (one syscall, not one per event), and
 // no event is ever held while the gateway waits for the engine. err is the
 // flush's error (the client went away).
+//
+// at is when the latest read from the engine returned bytes: the arrival
+// time of the events they held (one clock read per read, not per event;
+// events that arrive together are a few hundred nanoseconds apart).
 type flushOnRead struct {
 	r       io.Reader
 	rc      *http.ResponseController
 	pending bool
 	err     error
+	at      time.Time
 }
 
 func (f *flushOnRead) Read(p []byte) (int, error) {
@@ -635,7 +640,11 @@ func (f *flushOnRead) Read(p []byte) (int, error) {
 			return 0, err
 		}
 	}
-	return f.r.Read(p)
+	n, err := f.r.Read(p)
+	if n > 0 {
+		f.at = time.Now()
+	}
+	return n, err
 }
 
 // parseChunk decodes one event's data into x.chunk, best effort: a field of
