@@ -28,14 +28,20 @@ const admissionRetryAfter = "1"
 var (
 	errQueueFull    = errors.New("admission queue full")
 	errQueueTimeout = errors.New("admission queue timeout")
-	errNoEndpoint   = errors.New("no endpoint ready")
+	// errQueueDisplaced: a queued request made room for one of higher
+	// priority that found the queue full.
+	errQueueDisplaced = errors.New("admission queue: displaced by a higher priority")
+	errNoEndpoint     = errors.New("no endpoint ready")
 )
 
 // admission is one pool's admission control: at most maxInFlight requests
 // admitted at once, and only while some ready endpoint has a free
 // circuit-breaker slot; the others wait in a bounded priority queue (higher
-// priority first, FIFO within a priority) for at most timeout. A waiter is
-// woken by a channel send when admitted; it starts no goroutine.
+// priority first, FIFO within a priority) for at most timeout. A request
+// that finds the queue full takes the place of the lowest-priority waiter
+// (the latest to arrive among equals) if its own priority is higher; that
+// waiter is answered 429 at once. A waiter is woken by a channel send when
+// admitted; it starts no goroutine.
 type admission struct {
 	endpoints   []*endpoint
 	limit       int // circuit-breaker slots per endpoint
@@ -55,8 +61,8 @@ type admission struct {
 	waiting atomic.Int64
 	active  atomic.Int64
 
-	wait                 prometheus.Observer
-	rejectFull, rejectTO prometheus.Counter
+	wait                                  prometheus.Observer
+	rejectFull, rejectTO, rejectDisplaced prometheus.Counter
 }
 
 // waiter is one queued request.
@@ -156,7 +162,7 @@ func (a *admission) acquire(ctx context.Context, priority int) error {
 		a.admitLocked()
 		a.mu.Unlock()
 		return nil
-	case len(a.queue) >= a.maxQueue: // also a.maxQueue < 0
+	case a.maxQueue < 0 || (len(a.queue) >= a.maxQueue && !a.displaceLocked(priority)):
 		a.mu.Unlock()
 		a.rejectFull.Inc()
 		return errQueueFull
@@ -200,6 +206,31 @@ func (a *admission) acquire(ctx context.Context, priority int) error {
 		a.rejectTO.Inc()
 	}
 	return err
+}
+
+// displaceLocked makes room in a full queue for a request of priority:
+// the lowest-priority waiter, the latest among equals, is failed with
+// errQueueDisplaced if its priority is lower. It reports whether it made
+// room. O(queue length), on a full queue only.
+func (a *admission) displaceLocked(priority int) bool {
+	if len(a.queue) == 0 {
+		return false
+	}
+	low := a.queue[0]
+	for _, w := range a.queue[1:] {
+		if w.priority < low.priority || (w.priority == low.priority && w.seq > low.seq) {
+			low = w
+		}
+	}
+	if low.priority >= priority {
+		return false
+	}
+	heap.Remove(&a.queue, low.index)
+	low.err = errQueueDisplaced
+	low.ready <- struct{}{}
+	a.waiting.Store(int64(len(a.queue)))
+	a.rejectDisplaced.Inc()
+	return true
 }
 
 // picked records that an admitted request took its first endpoint slot (or
@@ -247,6 +278,11 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, p
 		w.Header().Set("Retry-After", admissionRetryAfter)
 		g.fail(w, p.none, openai.NewError(http.StatusTooManyRequests,
 			fmt.Sprintf("Model `%s` is overloaded: too many requests are waiting; retry later.", p.model), "", codeOverloaded))
+	case errors.Is(err, errQueueDisplaced):
+		w.Header().Set("Retry-After", admissionRetryAfter)
+		g.fail(w, p.none, openai.NewError(http.StatusTooManyRequests,
+			fmt.Sprintf("Model `%s` is overloaded: a request of higher priority took this one's place in the full queue; retry later.",
+				p.model), "", codeOverloaded))
 	case errors.Is(err, errQueueTimeout):
 		w.Header().Set("Retry-After", admissionRetryAfter)
 		g.fail(w, p.none, openai.NewError(http.StatusTooManyRequests,
@@ -288,7 +324,7 @@ func newResilienceMetrics(reg prometheus.Registerer, g *Gateway) (*resilienceMet
 			Help: "Passive ejections of an endpoint by the failure that triggered them (connect_failure at once; others after outlier.consecutive_errors in a row)."},
 			[]string{"endpoint", "reason"}),
 		rejections: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "admission_rejections_total",
-			Help: "Requests refused by admission control with 429, by model and reason (queue_full, queue_timeout)."},
+			Help: "Requests refused by admission control with 429, by model and reason (queue_full, queue_timeout, displaced: a queued request that made room for one of higher priority)."},
 			[]string{"model", "reason"}),
 		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "infergate", Name: "admission_queue_wait_seconds",
 			Help: "Time requests spent in the admission queue, admitted or not (only requests that queued; seconds).", Buckets: latencyBuckets},
@@ -345,9 +381,10 @@ func (g *Gateway) setupResilience(reg prometheus.Registerer) error {
 		}
 		p.gate = &admission{endpoints: p.endpoints, limit: limit, maxInFlight: maxInFlight,
 			maxQueue: g.cfg.Admission.MaxQueue, timeout: g.cfg.Admission.QueueTimeout,
-			wait:       m.queueWait.WithLabelValues(model),
-			rejectFull: m.rejections.WithLabelValues(model, "queue_full"),
-			rejectTO:   m.rejections.WithLabelValues(model, "queue_timeout"),
+			wait:            m.queueWait.WithLabelValues(model),
+			rejectFull:      m.rejections.WithLabelValues(model, "queue_full"),
+			rejectTO:        m.rejections.WithLabelValues(model, "queue_timeout"),
+			rejectDisplaced: m.rejections.WithLabelValues(model, "displaced"),
 		}
 		for _, ep := range p.endpoints {
 			ep.gates = append(ep.gates, p.gate)

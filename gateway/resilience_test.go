@@ -636,6 +636,57 @@ func TestAdmissionQueueCapacity(t *testing.T) {
 	}
 }
 
+// A request that finds the queue full takes the place of a lower-priority
+// waiter (the latest among the lowest), which is answered 429 at once; one
+// of equal or lower priority is refused.
+func TestAdmissionDisplacesLowerPriority(t *testing.T) {
+	q := queueSetup(t, AdmissionConfig{MaxQueue: 3})
+	p := q.g.pools["m"]
+	ctx, cancel := contextWithCancel(t)
+	defer cancel()
+	var queued []<-chan result
+	for i, prio := range []string{"1", "0", "0"} {
+		queued = append(queued, sendAsync(ctx, q.c, q.url+pathChat, chatBody, "X-Request-Id", fmt.Sprintf("q%d", i), PriorityHeader, prio))
+		waitFor(t, "queued", func() bool { return p.gate.waiting.Load() == int64(i+1) })
+	}
+	// Priority 0 on a full queue of priorities 1, 0, 0: refused.
+	if r := await(t, sendAsync(ctx, q.c, q.url+pathChat, chatBody, PriorityHeader, "0")); r.status != http.StatusTooManyRequests {
+		t.Fatalf("equal priority on a full queue: %d", r.status)
+	}
+	// Priority 5: q2 (priority 0, the later of the two) makes room.
+	high := sendAsync(ctx, q.c, q.url+pathChat, chatBody, "X-Request-Id", "high", PriorityHeader, "5")
+	r := await(t, queued[2])
+	if r.status != http.StatusTooManyRequests || r.header.Get("Retry-After") != admissionRetryAfter {
+		t.Fatalf("displaced waiter: %d Retry-After=%q %s", r.status, r.header.Get("Retry-After"), r.body)
+	}
+	if e := decodeError(t, r.body); codeStr(e.Code) != codeOverloaded || !strings.Contains(e.Message, "higher priority") {
+		t.Errorf("displaced error %+v", e)
+	}
+	if n := p.gate.waiting.Load(); n != 3 {
+		t.Fatalf("queue length %d after displacement, want 3", n)
+	}
+	close(q.release)
+	for _, ch := range []<-chan result{q.blocker, high, queued[0], queued[1]} {
+		if r := await(t, ch); r.status != 200 {
+			t.Errorf("status %d %s", r.status, r.body)
+		}
+	}
+	var got []string // the blocker's arrival was read by queueSetup
+	for range 3 {
+		got = append(got, <-q.order)
+	}
+	if want := "high q0 q1"; strings.Join(got, " ") != want {
+		t.Errorf("admission order %v, want %s", got, want)
+	}
+	m := scrape(t, q.c, q.url)
+	if v := m.value("infergate_admission_rejections_total", `reason="displaced"`); v != 1 {
+		t.Errorf("rejections{displaced} = %v, want 1", v)
+	}
+	if v := m.value("infergate_admission_rejections_total", `reason="queue_full"`); v != 1 {
+		t.Errorf("rejections{queue_full} = %v, want 1", v)
+	}
+}
+
 func TestAdmissionCancelLeavesQueue(t *testing.T) {
 	q := queueSetup(t, AdmissionConfig{})
 	g, url, c, e, release, blocker := q.g, q.url, q.c, q.e, q.release, q.blocker
