@@ -79,6 +79,10 @@ type APIKey struct {
 	// TokensPerMinute limits the key's prompt + completion tokens (0: no
 	// limit).
 	TokensPerMinute int `yaml:"tokens_per_minute"`
+	// MaxPriority caps the admission priority of the key's requests: an
+	// X-Priority header above it is lowered to it (nil: no cap), so a
+	// client cannot jump the queue beyond what its key was granted.
+	MaxPriority *int `yaml:"max_priority"`
 }
 
 // HashKey returns the stored form of a plaintext key: "sha256:<hex>".
@@ -180,6 +184,7 @@ type yamlKey struct {
 	Models            []string `yaml:"models"`
 	RequestsPerMinute int      `yaml:"requests_per_minute"`
 	TokensPerMinute   int      `yaml:"tokens_per_minute"`
+	MaxPriority       *int     `yaml:"max_priority"`
 }
 
 func parseKeysYAML(data []byte) ([]APIKey, error) {
@@ -209,7 +214,7 @@ func parseKeysYAML(data []byte) ([]APIKey, error) {
 			k.Hash = HashKey(k.Key)
 		}
 		keys = append(keys, APIKey{Name: k.Name, Hash: k.Hash, Models: k.Models,
-			RequestsPerMinute: k.RequestsPerMinute, TokensPerMinute: k.TokensPerMinute})
+			RequestsPerMinute: k.RequestsPerMinute, TokensPerMinute: k.TokensPerMinute, MaxPriority: k.MaxPriority})
 	}
 	return keys, nil
 }
@@ -243,7 +248,7 @@ func parseKeysLines(data []byte, semicolons bool) ([]APIKey, error) {
 			}
 			at := fmt.Sprintf("line %d", n+1)
 			if len(fields) < 2 {
-				return nil, fmt.Errorf("keys %s: want NAME HASH [models=a,b] [rpm=N] [tpm=N]", at)
+				return nil, fmt.Errorf("keys %s: want NAME HASH [models=a,b] [rpm=N] [tpm=N] [max_priority=N]", at)
 			}
 			k := APIKey{Name: fields[0], Hash: fields[1]}
 			if plain, ok := strings.CutPrefix(fields[1], "plain:"); ok {
@@ -274,8 +279,14 @@ func parseKeysLines(data []byte, semicolons bool) ([]APIKey, error) {
 					} else {
 						k.TokensPerMinute = v
 					}
+				case "max_priority":
+					v, err := strconv.Atoi(val)
+					if err != nil {
+						return nil, fmt.Errorf("keys %s (%s): %s=%q: not an integer", at, k.Name, name, val)
+					}
+					k.MaxPriority = &v
 				default:
-					return nil, fmt.Errorf("keys %s (%s): unknown option %q (want models, rpm, tpm)", at, k.Name, name)
+					return nil, fmt.Errorf("keys %s (%s): unknown option %q (want models, rpm, tpm, max_priority)", at, k.Name, name)
 				}
 			}
 			keys = append(keys, k)
@@ -319,7 +330,7 @@ func validateKeys(keys []APIKey) error {
 			}
 		}
 		if prev, ok := byName[k.Name]; ok && !sameGrant(prev, k) {
-			errs = append(errs, fmt.Errorf("%s: listed again with different models or limits (entries sharing a name share them)", at))
+			errs = append(errs, fmt.Errorf("%s: listed again with different models, limits or max_priority (entries sharing a name share them)", at))
 		}
 		byName[k.Name] = k
 	}
@@ -331,7 +342,8 @@ func sameGrant(a, b APIKey) bool {
 	slices.Sort(am)
 	slices.Sort(bm)
 	return slices.Equal(slices.Compact(am), slices.Compact(bm)) &&
-		a.RequestsPerMinute == b.RequestsPerMinute && a.TokensPerMinute == b.TokensPerMinute
+		a.RequestsPerMinute == b.RequestsPerMinute && a.TokensPerMinute == b.TokensPerMinute &&
+		(a.MaxPriority == nil) == (b.MaxPriority == nil) && (a.MaxPriority == nil || *a.MaxPriority == *b.MaxPriority)
 }
 
 // principal is an authenticated client: one per key name.
@@ -339,6 +351,9 @@ type principal struct {
 	name   string
 	models map[string]bool // nil: every model
 	limits *keyLimits      // nil: no limit
+	// capPriority: the key's requests queue at most at maxPriority.
+	capPriority bool
+	maxPriority int
 	// modelsBody is GET /v1/models for this principal (nil: the full list).
 	modelsBody []byte
 }
@@ -383,6 +398,9 @@ func loadKeys(a AuthConfig) (*keyring, error) {
 		p := byName[k.Name]
 		if p == nil {
 			p = &principal{name: k.Name, limits: newKeyLimits(k.RequestsPerMinute, k.TokensPerMinute)}
+			if k.MaxPriority != nil {
+				p.capPriority, p.maxPriority = true, *k.MaxPriority
+			}
 			if len(k.Models) > 0 {
 				p.models = make(map[string]bool, len(k.Models))
 				for _, m := range k.Models {

@@ -47,6 +47,8 @@ func TestParseKeys(t *testing.T) {
 		{"rotation: one name, two keys", "alice " + ha + " rpm=5\nalice " + hb + " rpm=5\n", false,
 			[]APIKey{{Name: "alice", Hash: ha, RequestsPerMinute: 5}, {Name: "alice", Hash: hb, RequestsPerMinute: 5}}},
 		{"empty", "# nothing\n\n", false, nil},
+		{"max_priority", "alice " + ha + " max_priority=-2\n", false, []APIKey{{Name: "alice", Hash: ha, MaxPriority: ptr(-2)}}},
+		{"yaml max_priority", "keys:\n  - {name: alice, hash: " + ha + ", max_priority: 3}\n", false, []APIKey{{Name: "alice", Hash: ha, MaxPriority: ptr(3)}}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -74,6 +76,8 @@ func TestParseKeys(t *testing.T) {
 		{"not hex", "alice sha256:" + strings.Repeat("zz", 32), "hexadecimal"},
 		{"duplicate key", "alice " + ha + "\nbob " + ha, "same key as alice"},
 		{"same name, other grant", "alice " + ha + " rpm=5\nalice " + hb + " rpm=6", "listed again"},
+		{"same name, other max_priority", "alice " + ha + " max_priority=1\nalice " + hb, "listed again"},
+		{"max_priority not a number", "alice " + ha + " max_priority=high", "not an integer"},
 		{"unknown option", "alice " + ha + " burst=5", "unknown option"},
 		{"negative limit", "alice " + ha + " rpm=-1", "requests_per_minute"},
 		{"not a number", "alice " + ha + " tpm=lots", "not an integer"},
@@ -394,3 +398,5 @@ func FuzzParseKeys(f *testing.F) {
 		}
 	})
 }
+
+func ptr[T any](v T) *T { return &v }

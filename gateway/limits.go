@@ -260,9 +260,12 @@ func (g *Gateway) extendWriteDeadline(w http.ResponseWriter, x *exchange, now ti
 
 // exchangeEdge is the per-request edge state kept in the exchange.
 type exchangeEdge struct {
-	limits        *keyLimits // the key's limits, nil when none
-	reserved      float64    // tokens charged at admission, to settle against usage
-	writeDeadline time.Time  // the client connection's current write deadline
+	limits *keyLimits // the key's limits, nil when none
+	// capPriority: the key caps the request's priority at maxPriority.
+	capPriority   bool
+	maxPriority   int
+	reserved      float64   // tokens charged at admission, to settle against usage
+	writeDeadline time.Time // the client connection's current write deadline
 }
 
 // admit checks, after the body is decoded, that the key may use the model
@@ -273,6 +276,7 @@ func (g *Gateway) admit(w http.ResponseWriter, x *exchange, kind apiKind, p *pri
 	if p == nil {
 		return nil
 	}
+	x.edge.capPriority, x.edge.maxPriority = p.capPriority, p.maxPriority
 	if !p.allows(x.model) {
 		return modelNotAllowed(x.model)
 	}

@@ -687,6 +687,49 @@ func TestAdmissionDisplacesLowerPriority(t *testing.T) {
 	}
 }
 
+// A key's max_priority caps the X-Priority its requests queue with: capped
+// at 1, a request asking for 9 queues behind one of priority 2.
+func TestAdmissionKeyMaxPriority(t *testing.T) {
+	release := make(chan struct{})
+	order := make(chan string, 16)
+	e := newFuncEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		order <- r.Header.Get("X-Request-Id")
+		if r.Header.Get("X-Request-Id") == "blocker" {
+			blockUntil(release)(w, r)
+			return
+		}
+		okJSON(w, r)
+	})
+	cfg := resilienceConfig(sched.RoundRobin, e.URL())
+	cfg.CircuitBreaker.MaxRequests = 1
+	if err := cfg.Auth.AddKeys("low plain:"+keyAlice+" max_priority=1; ops plain:"+keyBob, "test"); err != nil {
+		t.Fatal(err)
+	}
+	g, url := startGateway(t, cfg)
+	p := g.pools["m"]
+	c := testClient(t)
+	ctx, cancel := contextWithCancel(t)
+	defer cancel()
+	auth := func(key string) string { return "Bearer " + key }
+	blocker := sendAsync(ctx, c, url+pathChat, chatBody, "X-Request-Id", "blocker", "Authorization", auth(keyBob))
+	if id := <-order; id != "blocker" {
+		t.Fatalf("first at the engine: %q", id)
+	}
+	capped := sendAsync(ctx, c, url+pathChat, chatBody, "X-Request-Id", "capped", "Authorization", auth(keyAlice), PriorityHeader, "9")
+	waitFor(t, "queued", func() bool { return p.gate.waiting.Load() == 1 })
+	ops := sendAsync(ctx, c, url+pathChat, chatBody, "X-Request-Id", "ops", "Authorization", auth(keyBob), PriorityHeader, "2")
+	waitFor(t, "queued", func() bool { return p.gate.waiting.Load() == 2 })
+	close(release)
+	for _, ch := range []<-chan result{blocker, capped, ops} {
+		if r := await(t, ch); r.status != 200 {
+			t.Fatalf("status %d %s", r.status, r.body)
+		}
+	}
+	if got := []string{<-order, <-order}; got[0] != "ops" || got[1] != "capped" {
+		t.Errorf("admission order %v, want [ops capped] (capped's 9 lowered to its key's 1)", got)
+	}
+}
+
 func TestAdmissionCancelLeavesQueue(t *testing.T) {
 	q := queueSetup(t, AdmissionConfig{})
 	g, url, c, e, release, blocker := q.g, q.url, q.c, q.e, q.release, q.blocker

@@ -61,6 +61,9 @@ func requestPriority(r *http.Request) int {
 func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool,
 	reqID string, start time.Time) {
 	x.sreq.Priority = requestPriority(r)
+	if x.edge.capPriority && x.sreq.Priority > x.edge.maxPriority {
+		x.sreq.Priority = x.edge.maxPriority // the key's grant
+	}
 	if !g.admitQueued(w, r, p, x.sreq.Priority) {
 		return
 	}
