@@ -36,7 +36,8 @@ import (
 // for more than staleProbeAfter) or, in the rare race, when the request
 // fails on it before any byte of the response: the request is then sent
 // once more on a new connection, as net/http does for requests whose body
-// it can rewind.
+// it can rewind. An engine that answers before reading the whole body (413)
+// has its answer relayed rather than the failed write's error.
 type upstreamClient struct {
 	dialer        net.Dialer
 	fallback      http.RoundTripper
