@@ -374,21 +374,12 @@ func (s *chunkScanner) usage() (*openai.Usage, bool) {
 	u := new(openai.Usage)
 	var seen [4]bool
 	ok := s.object(func(key []byte) bool {
-		k := -1
-		switch string(key) {
-		case "prompt_tokens":
-			k = 0
-		case "completion_tokens":
-			k = 1
-		case "total_tokens":
-			k = 2
-		case "prompt_tokens_details":
-			k = 3
-		default:
-			return !foldsTo(key, "prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details") && s.skip(2)
-		}
-		if seen[k] {
+		k, ok := knownKey(key, "prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details")
+		switch {
+		case !ok || (k >= 0 && seen[k]):
 			return false
+		case k < 0:
+			return s.skip(2)
 		}
 		seen[k] = true
 		switch k {
@@ -476,21 +467,12 @@ func (s *chunkScanner) delta() (output, ok bool) {
 	}
 	var seen [4]bool
 	ok = s.object(func(key []byte) bool {
-		k := -1
-		switch string(key) {
-		case "content":
-			k = 0
-		case "reasoning":
-			k = 1
-		case "reasoning_content":
-			k = 2
-		case "tool_calls":
-			k = 3
-		default:
-			return !foldsTo(key, "content", "reasoning", "reasoning_content", "tool_calls") && s.skip(4)
-		}
-		if seen[k] {
+		k, ok := knownKey(key, "content", "reasoning", "reasoning_content", "tool_calls")
+		switch {
+		case !ok || (k >= 0 && seen[k]):
 			return false
+		case k < 0:
+			return s.skip(4)
 		}
 		seen[k] = true
 		if k == 3 {
@@ -507,6 +489,19 @@ func (s *chunkScanner) delta() (output, ok bool) {
 		return ok
 	})
 	return output, ok
+}
+
+// knownKey returns the index of key among names, spelled exactly, or -1 for
+// a key the caller skips. ok is false for a key that only folds to one of
+// names (encoding/json would match it case-insensitively: the scan is then
+// undecided).
+func knownKey(key []byte, names ...string) (k int, ok bool) {
+	for i, n := range names {
+		if string(key) == n {
+			return i, true
+		}
+	}
+	return -1, !foldsTo(key, names...)
 }
 
 // foldsTo reports whether key matches one of names case-insensitively,
