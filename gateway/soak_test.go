@@ -69,8 +69,8 @@ func TestSoakStreaming(t *testing.T) {
 		return sample{runtime.NumGoroutine(), ms.HeapAlloc}
 	}
 	settle := func() sample {
-		c.CloseIdleConnections()           // client → gateway keep-alives
-		g.transport.CloseIdleConnections() // gateway → engine keep-alives
+		c.CloseIdleConnections()    // client → gateway keep-alives
+		g.up.CloseIdleConnections() // gateway → engine keep-alives (and the transport's)
 		time.Sleep(100 * time.Millisecond)
 		runtime.GC()
 		return take()

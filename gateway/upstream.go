@@ -31,13 +31,14 @@ import (
 // connections per host (max_idle_conns_per_host) closed after
 // idle_conn_timeout, response headers bounded (maxUpstreamHeaderBytes), and
 // the context cancels a request at once (a client that disconnects closes
-// its upstream connection). A reused connection that the engine closed
-// while idle is found before use (a non-blocking peek when it has been idle
-// for more than staleProbeAfter) or, in the rare race, when the request
-// fails on it before any byte of the response: the request is then sent
-// once more on a new connection, as net/http does for requests whose body
-// it can rewind. An engine that answers before reading the whole body (413)
-// has its answer relayed rather than the failed write's error.
+// its upstream connection). A pooled connection is probed before reuse (one
+// non-blocking MSG_PEEK recv): one the engine closed, or that holds bytes
+// nobody asked for (a late 408), is dropped. A request whose write fails on
+// a reused connection before any byte of it was sent is sent once more on a
+// new connection, as net/http does (nothingWrittenError); once any byte is
+// out, a failure is returned to the caller (retry.go decides), never resent
+// here. An engine that answers before reading the whole body (413) has its
+// answer relayed rather than the failed write's error.
 type upstreamClient struct {
 	dialer        net.Dialer
 	fallback      http.RoundTripper
@@ -49,11 +50,10 @@ type upstreamClient struct {
 	idle   map[string][]*upConn // per host:port, most recently used last
 	nIdle  int
 	reaper *time.Timer // armed while any connection is idle
+	// closeIdle: CloseIdleConnections ran and no connection was dialled
+	// since; connections that become idle are closed (as net/http does).
+	closeIdle bool
 }
-
-// staleProbeAfter is how long a connection may sit idle before it is probed
-// for a close by the engine before reuse (one non-blocking recv).
-const staleProbeAfter = 500 * time.Millisecond
 
 func newUpstreamClient(cfg Config, fallback http.RoundTripper) *upstreamClient {
 	return &upstreamClient{
@@ -71,19 +71,41 @@ type upConn struct {
 	c      net.Conn
 	key    string
 	lr     limitedConnReader
+	cw     countingConnWriter
 	br     *bufio.Reader
 	bw     *bufio.Writer
 	idleAt time.Time
 	reused bool
 }
 
+// countingConnWriter writes to a connection, counting the bytes the kernel
+// took (a request none of whose bytes left can be resent).
+type countingConnWriter struct {
+	c       net.Conn
+	written int64
+}
+
+func (w *countingConnWriter) Write(p []byte) (int, error) {
+	n, err := w.c.Write(p)
+	w.written += int64(n)
+	return n, err
+}
+
+// setReadDeadline sets the connection's read deadline, keeping a
+// cancellation that landed meanwhile: the context's AfterFunc poisons the
+// deadline from another goroutine, and a later set would undo it.
+func (pc *upConn) setReadDeadline(ctx context.Context, t time.Time) {
+	_ = pc.c.SetReadDeadline(t)
+	if ctx.Err() != nil {
+		_ = pc.c.SetDeadline(aLongTimeAgo)
+	}
+}
+
 // limitedConnReader reads from a connection, at most n bytes (the response
-// header budget while headers are read; unlimited for the body), counting
-// what it read.
+// header budget while headers are read; unlimited for the body).
 type limitedConnReader struct {
-	c    net.Conn
-	n    int64
-	read int64
+	c net.Conn
+	n int64
 }
 
 var errUpstreamHeaderTooLarge = fmt.Errorf("upstream response headers larger than %d bytes", maxUpstreamHeaderBytes)
@@ -97,7 +119,6 @@ func (l *limitedConnReader) Read(p []byte) (int, error) {
 	}
 	n, err := l.c.Read(p)
 	l.n -= int64(n)
-	l.read += int64(n)
 	return n, err
 }
 
@@ -119,6 +140,9 @@ func (u *upstreamClient) RoundTrip(req *http.Request) (*http.Response, error) {
 	for try := 0; ; try++ {
 		pc, err := u.get(ctx, key, try > 0)
 		if err != nil {
+			if req.Body != nil {
+				req.Body.Close()
+			}
 			return nil, err
 		}
 		if try > 0 {
@@ -137,7 +161,7 @@ func (u *upstreamClient) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		var st staleConnError
 		if try == 0 && errors.As(err, &st) && ctx.Err() == nil {
-			continue // the engine closed the idle connection: once more, on a new one
+			continue // nothing was sent: once more, on a new connection
 		}
 		if e := ctx.Err(); e != nil {
 			return nil, e
@@ -146,8 +170,11 @@ func (u *upstreamClient) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 }
 
-// staleConnError is a failure on a reused connection before any byte of the
-// response was read: the engine had closed it.
+// probeIdle is peerClosed; tests replace it to reach the resend path.
+var probeIdle = peerClosed
+
+// staleConnError is a write failure on a reused connection before any byte
+// of the request was sent: the engine had closed it.
 type staleConnError struct{ err error }
 
 func (e staleConnError) Error() string { return e.err.Error() }
@@ -159,33 +186,39 @@ func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Re
 		c := pc.c
 		stop = context.AfterFunc(ctx, func() { _ = c.SetDeadline(aLongTimeAgo) })
 	}
-	pc.lr.read = 0
+	pc.cw.written = 0
 	fail := func(err error) (*http.Response, error) {
 		if stop != nil {
 			stop()
 		}
 		pc.c.Close()
-		if pc.reused && pc.lr.read == 0 && !isTimeout(err) {
-			return nil, staleConnError{err}
-		}
 		return nil, err
 	}
 	if err := writeRequest(pc.bw, req); err != nil {
+		var fe bodyFramingError
+		switch {
+		case errors.As(err, &fe) || pc.cw.written == 0:
+			if pc.reused && pc.cw.written == 0 && fe == (bodyFramingError{}) && !isTimeout(err) {
+				return fail(staleConnError{err})
+			}
+			return fail(err) // nothing the engine could have answered
+		}
 		// An engine may answer (413, 400) and close before it has read the
 		// whole body: prefer its answer to the write error, as net/http's
 		// Transport does.
 		if resp := earlyAnswer(ctx, pc, req); resp != nil {
-			if stop != nil {
-				stop()
+			if stop != nil && !stop() {
+				resp.Body.Close()
+				return fail(ctx.Err()) // cancelled meanwhile
 			}
 			resp.Body = &upBody{u: u, pc: pc, body: resp.Body, close: true}
 			return resp, nil
 		}
 		return fail(err)
 	}
-	pc.lr.n, pc.lr.read = maxUpstreamHeaderBytes, 0
+	pc.lr.n = maxUpstreamHeaderBytes
 	if u.headerTimeout > 0 {
-		_ = pc.c.SetReadDeadline(time.Now().Add(u.headerTimeout))
+		pc.setReadDeadline(ctx, time.Now().Add(u.headerTimeout))
 	}
 	var resp *http.Response
 	for {
@@ -204,9 +237,9 @@ func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Re
 	}
 	pc.lr.n = math.MaxInt64
 	if u.headerTimeout > 0 {
-		_ = pc.c.SetReadDeadline(time.Time{})
+		pc.setReadDeadline(ctx, time.Time{})
 	}
-	resp.Body = &upBody{u: u, pc: pc, body: resp.Body, stop: stop, close: resp.Close}
+	resp.Body = &upBody{u: u, pc: pc, body: resp.Body, stop: stop, close: resp.Close || req.Close}
 	return resp, nil
 }
 
@@ -219,13 +252,14 @@ func earlyAnswer(ctx context.Context, pc *upConn, req *http.Request) *http.Respo
 	if ctx.Err() != nil {
 		return nil
 	}
-	pc.lr.n, pc.lr.read = maxUpstreamHeaderBytes, 0
-	_ = pc.c.SetReadDeadline(time.Now().Add(earlyAnswerWait))
+	pc.lr.n = maxUpstreamHeaderBytes
+	pc.setReadDeadline(ctx, time.Now().Add(earlyAnswerWait))
 	resp, err := http.ReadResponse(pc.br, req)
 	if err != nil || resp.StatusCode < 200 {
 		return nil
 	}
 	pc.lr.n = math.MaxInt64
+	pc.setReadDeadline(ctx, time.Time{})
 	return resp // the connection is closed after it (the body may be partial)
 }
 
@@ -239,9 +273,12 @@ func isTimeout(err error) bool {
 // connection return at once.
 var aLongTimeAgo = time.Unix(1, 0)
 
-// writeRequest writes req in HTTP/1.1 (request line, Host, Content-Length,
-// req.Header in map order, body) and flushes. Header values have CR and LF
-// replaced by spaces, as net/http's Header.Write does.
+// writeRequest writes req in HTTP/1.1 (request line, Host, Content-Length —
+// 0 for a POST, PUT or PATCH without a body —, Connection: close when
+// req.Close, req.Header in map order, then exactly ContentLength bytes of
+// body) and flushes. Header values have CR and LF replaced by spaces, as
+// net/http's Header.Write does; a body longer or shorter than ContentLength
+// is an error, never a second request on the wire.
 func writeRequest(bw *bufio.Writer, req *http.Request) error {
 	method := req.Method
 	if method == "" {
@@ -257,11 +294,17 @@ func writeRequest(bw *bufio.Writer, req *http.Request) error {
 	}
 	bw.WriteString(host)
 	bw.WriteString("\r\n")
-	if req.ContentLength > 0 {
+	switch {
+	case req.ContentLength > 0:
 		bw.WriteString("Content-Length: ")
 		var nb [20]byte
 		bw.Write(appendInt(nb[:0], req.ContentLength))
 		bw.WriteString("\r\n")
+	case method == http.MethodPost || method == http.MethodPut || method == http.MethodPatch:
+		bw.WriteString("Content-Length: 0\r\n")
+	}
+	if req.Close {
+		bw.WriteString("Connection: close\r\n")
 	}
 	for k, vs := range req.Header {
 		switch k {
@@ -283,17 +326,49 @@ func writeRequest(bw *bufio.Writer, req *http.Request) error {
 	}
 	bw.WriteString("\r\n")
 	if req.Body != nil && req.Body != http.NoBody {
-		n, err := io.Copy(bw, req.Body)
+		body := &readErrReader{r: req.Body}
+		n, err := io.CopyN(bw, body, max(req.ContentLength, 0))
+		switch {
+		case body.err != nil:
+			err = bodyFramingError{fmt.Errorf("upstream request body: %w", body.err)}
+		case err == io.EOF:
+			err = bodyFramingError{fmt.Errorf("upstream request body: %d bytes, Content-Length %d", n, req.ContentLength)}
+		case err == nil:
+			var one [1]byte
+			if m, _ := io.ReadFull(req.Body, one[:]); m > 0 {
+				err = bodyFramingError{fmt.Errorf("upstream request body longer than its Content-Length %d", req.ContentLength)}
+			}
+		}
 		req.Body.Close()
 		if err != nil {
-			return err
-		}
-		if n != req.ContentLength {
-			return fmt.Errorf("upstream request body: %d bytes, Content-Length %d", n, req.ContentLength)
+			return err // a bodyFramingError, or the connection's write error
 		}
 	}
 	return bw.Flush()
 }
+
+// readErrReader records the error of its reader other than io.EOF (to
+// tell a body that failed to read from a connection that failed to write).
+type readErrReader struct {
+	r   io.Reader
+	err error
+}
+
+func (r *readErrReader) Read(p []byte) (int, error) {
+	n, err := r.r.Read(p)
+	if err != nil && err != io.EOF {
+		r.err = err
+	}
+	return n, err
+}
+
+// bodyFramingError is a request body that does not match its
+// Content-Length, or that failed to read: nothing of it reached the engine
+// (the buffered request is dropped with the connection).
+type bodyFramingError struct{ err error }
+
+func (e bodyFramingError) Error() string { return e.err.Error() }
+func (e bodyFramingError) Unwrap() error { return e.err }
 
 func appendInt(b []byte, n int64) []byte {
 	if n == 0 {
@@ -402,8 +477,7 @@ func (u *upstreamClient) get(ctx context.Context, key string, fresh bool) (*upCo
 			u.idle[key] = list[:len(list)-1]
 			u.nIdle--
 			u.mu.Unlock()
-			idle := now.Sub(pc.idleAt)
-			if (u.idleTimeout > 0 && idle > u.idleTimeout) || (idle > staleProbeAfter && peerClosed(pc.c)) {
+			if (u.idleTimeout > 0 && now.Sub(pc.idleAt) > u.idleTimeout) || probeIdle(pc.c) {
 				pc.c.Close()
 				continue
 			}
@@ -411,14 +485,17 @@ func (u *upstreamClient) get(ctx context.Context, key string, fresh bool) (*upCo
 			return pc, nil
 		}
 	}
+	u.mu.Lock()
+	u.closeIdle = false
+	u.mu.Unlock()
 	c, err := u.dialer.DialContext(ctx, "tcp", key)
 	if err != nil {
 		return nil, err
 	}
 	pc := &upConn{c: c, key: key}
-	pc.lr.c = c
+	pc.lr.c, pc.cw.c = c, c
 	pc.br = bufio.NewReaderSize(&pc.lr, 32<<10)
-	pc.bw = bufio.NewWriterSize(c, 32<<10)
+	pc.bw = bufio.NewWriterSize(&pc.cw, 32<<10)
 	return pc, nil
 }
 
@@ -427,7 +504,7 @@ func (u *upstreamClient) put(pc *upConn) {
 	pc.idleAt = time.Now()
 	u.mu.Lock()
 	list := u.idle[pc.key]
-	if u.maxIdle > 0 && len(list) >= u.maxIdle {
+	if u.closeIdle || (u.maxIdle > 0 && len(list) >= u.maxIdle) {
 		u.mu.Unlock()
 		pc.c.Close()
 		return
@@ -445,6 +522,7 @@ func (u *upstreamClient) put(pc *upConn) {
 func (u *upstreamClient) reap() {
 	now := time.Now()
 	var expired []*upConn
+	next := u.idleTimeout // until the oldest remaining connection expires
 	u.mu.Lock()
 	for key, list := range u.idle {
 		n := 0 // oldest first: expired ones form a prefix
@@ -458,9 +536,12 @@ func (u *upstreamClient) reap() {
 			u.idle[key] = list
 			u.nIdle -= n
 		}
+		if len(list) > 0 {
+			next = min(next, u.idleTimeout-now.Sub(list[0].idleAt))
+		}
 	}
 	if u.nIdle > 0 {
-		u.reaper.Reset(u.idleTimeout)
+		u.reaper.Reset(max(next, time.Millisecond))
 	} else {
 		u.reaper = nil
 	}
@@ -479,6 +560,7 @@ func (u *upstreamClient) CloseIdleConnections() {
 		delete(u.idle, key)
 	}
 	u.nIdle = 0
+	u.closeIdle = true
 	if u.reaper != nil {
 		u.reaper.Stop()
 		u.reaper = nil

@@ -207,9 +207,9 @@ func readRawRequest(br *bufio.Reader) *http.Request {
 }
 
 // An engine that closes a keep-alive connection after each answer, without
-// saying so: the next request finds it closed (by the probe, or by failing
-// on it before any byte) and goes out on a new connection.
-func TestUpstreamStaleConnectionRetried(t *testing.T) {
+// saying so: the probe finds each closed before reuse and the next request
+// goes out on a new connection.
+func TestUpstreamClosedIdleConnectionProbed(t *testing.T) {
 	var accepted atomic.Int64
 	url := rawServer(t, func(c net.Conn) {
 		accepted.Add(1)
@@ -220,11 +220,7 @@ func TestUpstreamStaleConnectionRetried(t *testing.T) {
 	})
 	u := newTestUpstream(t, upstreamTestConfig())
 	for i := range 6 {
-		if i%2 == 1 {
-			time.Sleep(staleProbeAfter + 50*time.Millisecond) // the probe's case
-		} else {
-			time.Sleep(20 * time.Millisecond) // the close has landed; no probe
-		}
+		time.Sleep(20 * time.Millisecond) // the close has landed
 		resp, err := u.RoundTrip(postTo(t, context.Background(), url, "{}"))
 		if err != nil {
 			t.Fatalf("request %d: %v", i, err)
@@ -235,6 +231,259 @@ func TestUpstreamStaleConnectionRetried(t *testing.T) {
 	}
 	if n := accepted.Load(); n != 6 {
 		t.Fatalf("%d connections, want 6", n)
+	}
+}
+
+// Without the probe (the race it cannot close), a request whose write fails
+// on a reused connection before any byte left (the engine reset it) is sent
+// once more on a new connection.
+func TestUpstreamResendWhenNothingWritten(t *testing.T) {
+	probeIdle = func(net.Conn) bool { return false }
+	t.Cleanup(func() { probeIdle = peerClosed })
+	var accepted atomic.Int64
+	url := rawServer(t, func(c net.Conn) {
+		accepted.Add(1)
+		if readRawRequest(bufio.NewReader(c)) == nil {
+			return
+		}
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		c.(*net.TCPConn).SetLinger(0) // close with a reset
+	})
+	u := newTestUpstream(t, upstreamTestConfig())
+	for i := range 4 {
+		resp, err := u.RoundTrip(postTo(t, context.Background(), url, "{}"))
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		if got := readAll(t, resp); got != "ok" {
+			t.Fatalf("body %q", got)
+		}
+		time.Sleep(50 * time.Millisecond) // the reset has landed
+	}
+	if n := accepted.Load(); n != 4 {
+		t.Fatalf("%d connections, want 4", n)
+	}
+}
+
+// A request fully written on a reused connection that the engine then drops
+// without an answer (it crashed while generating) is not sent again here: the
+// error goes to the caller, whose retry policy decides (net/http does the
+// same for a POST).
+func TestUpstreamNoResendAfterWrite(t *testing.T) {
+	probeIdle = func(net.Conn) bool { return false }
+	t.Cleanup(func() { probeIdle = peerClosed })
+	var received atomic.Int64
+	url := rawServer(t, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		for {
+			req := readRawRequest(br)
+			if req == nil {
+				return
+			}
+			if req.URL.Path == "/generate" {
+				received.Add(1)
+				time.Sleep(100 * time.Millisecond)
+				return // dies without an answer
+			}
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	u := newTestUpstream(t, upstreamTestConfig())
+	resp, err := u.RoundTrip(postTo(t, context.Background(), url+"/warm", "{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	if resp, err = u.RoundTrip(postTo(t, context.Background(), url+"/generate", `{"prompt":"x"}`)); err == nil {
+		readAll(t, resp)
+		t.Fatal("no error for a request the engine dropped")
+	}
+	if n := received.Load(); n != 1 {
+		t.Fatalf("the engine received the request %d times, want 1", n)
+	}
+}
+
+// Bytes an engine sends on an idle connection (a late 408) are never taken
+// as the next request's answer.
+func TestUpstreamUnsolicitedBytesDropConnection(t *testing.T) {
+	url := rawServer(t, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		if readRawRequest(br) == nil {
+			return
+		}
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		time.Sleep(20 * time.Millisecond)
+		io.WriteString(c, "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+		readRawRequest(br)
+	})
+	u := newTestUpstream(t, upstreamTestConfig())
+	for i := range 2 {
+		resp, err := u.RoundTrip(postTo(t, context.Background(), url, "{}"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := readAll(t, resp); resp.StatusCode != 200 || got != "ok" {
+			t.Fatalf("request %d: %d %q", i, resp.StatusCode, got)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// A connection whose read (a drain) ends after CloseIdleConnections is
+// closed, not pooled: Gateway.Close leaves no connection behind.
+func TestUpstreamNoPoolingAfterCloseIdle(t *testing.T) {
+	url := rawServer(t, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		for readRawRequest(br) != nil {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n12345")
+			time.Sleep(50 * time.Millisecond)
+			io.WriteString(c, "67890")
+		}
+	})
+	u := newTestUpstream(t, upstreamTestConfig())
+	resp, err := u.RoundTrip(postTo(t, context.Background(), url, "{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 5)
+	if _, err := io.ReadFull(resp.Body, buf); err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close() // drains in the background
+	u.CloseIdleConnections()
+	time.Sleep(150 * time.Millisecond)
+	u.mu.Lock()
+	idle, armed := u.nIdle, u.reaper != nil
+	u.mu.Unlock()
+	if idle != 0 || armed {
+		t.Fatalf("after CloseIdleConnections: %d idle, reaper armed %v", idle, armed)
+	}
+}
+
+// cancelConn wraps a connection to land a context cancellation at an exact
+// point of a request: after its write, or after the first read.
+type cancelConn struct {
+	net.Conn
+	afterWrite, afterRead func()
+	poisoned              chan struct{}
+	once                  sync.Once
+}
+
+func (w *cancelConn) Write(p []byte) (int, error) {
+	n, err := w.Conn.Write(p)
+	if f := w.afterWrite; f != nil {
+		w.afterWrite = nil
+		f()
+	}
+	return n, err
+}
+
+func (w *cancelConn) Read(p []byte) (int, error) {
+	n, err := w.Conn.Read(p)
+	if f := w.afterRead; f != nil && n > 0 {
+		w.afterRead = nil
+		f()
+	}
+	return n, err
+}
+
+func (w *cancelConn) SetDeadline(t time.Time) error {
+	err := w.Conn.SetDeadline(t)
+	if t.Before(time.Now()) {
+		w.once.Do(func() { close(w.poisoned) })
+	}
+	return err
+}
+
+// A cancellation that lands between the request's write and the header
+// deadline's set, or between the headers and the deadline's clear, is kept:
+// the request ends at once, not at the header timeout or the engine's end.
+func TestUpstreamCancelNotLostToDeadlines(t *testing.T) {
+	for _, at := range []string{"after-write", "after-headers"} {
+		t.Run(at, func(t *testing.T) {
+			hold := make(chan struct{})
+			url := rawServer(t, func(c net.Conn) {
+				readRawRequest(bufio.NewReader(c))
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
+				select {
+				case <-hold:
+				case <-time.After(5 * time.Second):
+				}
+			})
+			t.Cleanup(func() { close(hold) })
+			cfg := upstreamTestConfig()
+			cfg.ResponseHeaderTimeout = 3 * time.Second
+			u := newTestUpstream(t, cfg)
+			c, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.Close() })
+			w := &cancelConn{Conn: c, poisoned: make(chan struct{})}
+			pc := &upConn{c: w, key: "k"}
+			pc.lr.c, pc.cw.c = w, w
+			pc.br = bufio.NewReaderSize(&pc.lr, 32<<10)
+			pc.bw = bufio.NewWriterSize(&pc.cw, 32<<10)
+			ctx, cancel := context.WithCancel(context.Background())
+			land := func() { cancel(); <-w.poisoned }
+			if at == "after-write" {
+				w.afterWrite = land
+			} else {
+				w.afterRead = land
+			}
+			start := time.Now()
+			resp, err := u.roundTrip(ctx, pc, postTo(t, ctx, url, "{}"))
+			if err == nil {
+				_, err = io.ReadAll(resp.Body)
+				resp.Body.Close()
+			}
+			if err == nil {
+				t.Fatal("a cancelled request completed")
+			}
+			if d := time.Since(start); d > time.Second {
+				t.Fatalf("cancellation took %s", d)
+			}
+		})
+	}
+}
+
+// The request on the wire: Content-Length 0 for an empty POST, Connection:
+// close when asked, and a body longer than its Content-Length refused
+// rather than sent as a second request.
+func TestUpstreamRequestFraming(t *testing.T) {
+	got := make(chan string, 4)
+	url := rawServer(t, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		for {
+			req, err := http.ReadRequest(br)
+			if err != nil {
+				return
+			}
+			b, _ := io.ReadAll(req.Body)
+			got <- fmt.Sprintf("cl=%d close=%v body=%q", req.ContentLength, req.Close, b)
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+		}
+	})
+	u := newTestUpstream(t, upstreamTestConfig())
+	req, _ := http.NewRequest(http.MethodPost, url, nil)
+	req.Close = true
+	resp, err := u.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	if g := <-got; g != `cl=0 close=true body=""` {
+		t.Errorf("empty POST: %s", g)
+	}
+	req = postTo(t, context.Background(), url, "{}extra")
+	req.ContentLength = 2 // shorter than the body
+	if _, err := u.RoundTrip(req); err == nil || !strings.Contains(err.Error(), "longer") {
+		t.Errorf("body longer than Content-Length: err %v", err)
+	}
+	select {
+	case g := <-got:
+		t.Errorf("the engine received %s", g)
+	case <-time.After(100 * time.Millisecond):
 	}
 }
 
