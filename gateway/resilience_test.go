@@ -516,6 +516,14 @@ type queued struct {
 // queueSetup builds the scene with admission tuned by adm.
 func queueSetup(t *testing.T, adm AdmissionConfig) *queued {
 	t.Helper()
+	return queueSetupWith(t, adm, nil)
+}
+
+// queueSetupWith is queueSetup with the config edited by edit (when not nil)
+// and the blocked request sent with the extra headers hdr (name, value
+// pairs).
+func queueSetupWith(t *testing.T, adm AdmissionConfig, edit func(*Config), hdr ...string) *queued {
+	t.Helper()
 	release := make(chan struct{})
 	order := make(chan string, 64)
 	e := newFuncEngine(t, func(w http.ResponseWriter, r *http.Request) {
@@ -529,11 +537,14 @@ func queueSetup(t *testing.T, adm AdmissionConfig) *queued {
 	cfg := resilienceConfig(sched.RoundRobin, e.URL())
 	cfg.CircuitBreaker.MaxRequests = 1
 	cfg.Admission = adm
+	if edit != nil {
+		edit(&cfg)
+	}
 	g, url := startGateway(t, cfg)
 	c := testClient(t)
 	ctx, cancel := contextWithCancel(t)
 	t.Cleanup(cancel)
-	blocker := sendAsync(ctx, c, url+pathChat, chatBody, "X-Request-Id", "blocker")
+	blocker := sendAsync(ctx, c, url+pathChat, chatBody, append([]string{"X-Request-Id", "blocker"}, hdr...)...)
 	if id := <-order; id != "blocker" {
 		t.Fatalf("first at the engine: %q", id)
 	}
@@ -690,42 +701,26 @@ func TestAdmissionDisplacesLowerPriority(t *testing.T) {
 // A key's max_priority caps the X-Priority its requests queue with: capped
 // at 1, a request asking for 9 queues behind one of priority 2.
 func TestAdmissionKeyMaxPriority(t *testing.T) {
-	release := make(chan struct{})
-	order := make(chan string, 16)
-	e := newFuncEngine(t, func(w http.ResponseWriter, r *http.Request) {
-		order <- r.Header.Get("X-Request-Id")
-		if r.Header.Get("X-Request-Id") == "blocker" {
-			blockUntil(release)(w, r)
-			return
+	auth := func(key string) string { return "Bearer " + key }
+	q := queueSetupWith(t, AdmissionConfig{}, func(cfg *Config) {
+		if err := cfg.Auth.AddKeys("low plain:"+keyAlice+" max_priority=1; ops plain:"+keyBob, "test"); err != nil {
+			t.Fatal(err)
 		}
-		okJSON(w, r)
-	})
-	cfg := resilienceConfig(sched.RoundRobin, e.URL())
-	cfg.CircuitBreaker.MaxRequests = 1
-	if err := cfg.Auth.AddKeys("low plain:"+keyAlice+" max_priority=1; ops plain:"+keyBob, "test"); err != nil {
-		t.Fatal(err)
-	}
-	g, url := startGateway(t, cfg)
-	p := g.pools["m"]
-	c := testClient(t)
+	}, "Authorization", auth(keyBob))
+	p := q.g.pools["m"]
 	ctx, cancel := contextWithCancel(t)
 	defer cancel()
-	auth := func(key string) string { return "Bearer " + key }
-	blocker := sendAsync(ctx, c, url+pathChat, chatBody, "X-Request-Id", "blocker", "Authorization", auth(keyBob))
-	if id := <-order; id != "blocker" {
-		t.Fatalf("first at the engine: %q", id)
-	}
-	capped := sendAsync(ctx, c, url+pathChat, chatBody, "X-Request-Id", "capped", "Authorization", auth(keyAlice), PriorityHeader, "9")
+	capped := sendAsync(ctx, q.c, q.url+pathChat, chatBody, "X-Request-Id", "capped", "Authorization", auth(keyAlice), PriorityHeader, "9")
 	waitFor(t, "queued", func() bool { return p.gate.waiting.Load() == 1 })
-	ops := sendAsync(ctx, c, url+pathChat, chatBody, "X-Request-Id", "ops", "Authorization", auth(keyBob), PriorityHeader, "2")
+	ops := sendAsync(ctx, q.c, q.url+pathChat, chatBody, "X-Request-Id", "ops", "Authorization", auth(keyBob), PriorityHeader, "2")
 	waitFor(t, "queued", func() bool { return p.gate.waiting.Load() == 2 })
-	close(release)
-	for _, ch := range []<-chan result{blocker, capped, ops} {
+	close(q.release)
+	for _, ch := range []<-chan result{q.blocker, capped, ops} {
 		if r := await(t, ch); r.status != 200 {
 			t.Fatalf("status %d %s", r.status, r.body)
 		}
 	}
-	if got := []string{<-order, <-order}; got[0] != "ops" || got[1] != "capped" {
+	if got := []string{<-q.order, <-q.order}; got[0] != "ops" || got[1] != "capped" {
 		t.Errorf("admission order %v, want [ops capped] (capped's 9 lowered to its key's 1)", got)
 	}
 }
