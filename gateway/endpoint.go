@@ -87,9 +87,6 @@ func (ep *endpoint) eject(now time.Time, d time.Duration) {
 	ep.setReady(false)
 }
 
-// checkHealth probes the endpoint once and updates its readiness: a failed
-// probe takes it out of rotation, a successful one restores it unless an
-// ejection is still running. path healthCheckOff skips the probe.
 // url returns the URL of kind's path on the endpoint with the client's raw
 // query, if any (a copy then; the parsed URL is shared).
 func (ep *endpoint) url(kind apiKind, rawQuery string) *url.URL {
@@ -102,6 +99,9 @@ func (ep *endpoint) url(kind apiKind, rawQuery string) *url.URL {
 	return &q
 }
 
+// checkHealth probes the endpoint once and updates its readiness: a failed
+// probe takes it out of rotation, a successful one restores it unless an
+// ejection is still running. path healthCheckOff skips the probe.
 func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	ok := true
 	if ep.healthPath != healthCheckOff {

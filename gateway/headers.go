@@ -86,15 +86,15 @@ func listedInConnection(conn []string, k string) bool {
 	return false
 }
 
+// contentTypeJSON is a shared header value: never modified.
+var contentTypeJSON = []string{"application/json"}
+
 // upstreamHeader returns the headers sent to the engine, in out (cleared
 // first; made when nil, so a pooled map is reused): the client's end-to-end
 // headers (value slices shared, not copied: nothing mutates them),
 // X-Request-Id (the one-element requestID), X-Forwarded-For with the
 // client's address appended, and Content-Type application/json if the
 // client sent none.
-// contentTypeJSON is a shared header value: never modified.
-var contentTypeJSON = []string{"application/json"}
-
 func upstreamHeader(out, in http.Header, requestID []string, remoteAddr string) http.Header {
 	if out == nil {
 		out = make(http.Header, len(in)+3)
