@@ -153,18 +153,26 @@ func (s *chunkScanner) object(member func(key []byte) bool) bool {
 		if !member(key) {
 			return false
 		}
-		s.ws()
-		switch {
-		case s.is(','):
-			s.i++
-			s.ws()
-		case s.is('}'):
-			s.i++
-			return true
-		default:
-			return false
+		if more, ok := s.sep('}'); !more {
+			return ok
 		}
 	}
+}
+
+// sep consumes what follows a member or an element: a comma (more follow)
+// or close (the end, ok). Anything else is invalid: more and ok are false.
+func (s *chunkScanner) sep(close byte) (more, ok bool) {
+	s.ws()
+	switch {
+	case s.is(','):
+		s.i++
+		s.ws()
+		return true, true
+	case s.is(close):
+		s.i++
+		return false, true
+	}
+	return false, false
 }
 
 // str scans a string at '"' and returns its raw contents; plain is false
@@ -298,16 +306,8 @@ func (s *chunkScanner) array(elem func() bool) bool {
 		if !elem() {
 			return false
 		}
-		s.ws()
-		switch {
-		case s.is(','):
-			s.i++
-			s.ws()
-		case s.is(']'):
-			s.i++
-			return true
-		default:
-			return false
+		if more, ok := s.sep(']'); !more {
+			return ok
 		}
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -76,6 +77,15 @@ type upConn struct {
 	bw     *bufio.Writer
 	idleAt time.Time
 	reused bool
+}
+
+// newUpConn wraps a new connection to key with its 32 KiB buffers.
+func newUpConn(c net.Conn, key string) *upConn {
+	pc := &upConn{c: c, key: key}
+	pc.lr.c, pc.cw.c = c, c
+	pc.br = bufio.NewReaderSize(&pc.lr, 32<<10)
+	pc.bw = bufio.NewWriterSize(&pc.cw, 32<<10)
+	return pc
 }
 
 // countingConnWriter writes to a connection, counting the bytes the kernel
@@ -298,7 +308,7 @@ func writeRequest(bw *bufio.Writer, req *http.Request) error {
 	case req.ContentLength > 0:
 		bw.WriteString("Content-Length: ")
 		var nb [20]byte
-		bw.Write(appendInt(nb[:0], req.ContentLength))
+		bw.Write(strconv.AppendInt(nb[:0], req.ContentLength, 10))
 		bw.WriteString("\r\n")
 	case method == http.MethodPost || method == http.MethodPut || method == http.MethodPatch:
 		bw.WriteString("Content-Length: 0\r\n")
@@ -369,20 +379,6 @@ type bodyFramingError struct{ err error }
 
 func (e bodyFramingError) Error() string { return e.err.Error() }
 func (e bodyFramingError) Unwrap() error { return e.err }
-
-func appendInt(b []byte, n int64) []byte {
-	if n == 0 {
-		return append(b, '0')
-	}
-	var d [20]byte
-	i := len(d)
-	for n > 0 {
-		i--
-		d[i] = byte('0' + n%10)
-		n /= 10
-	}
-	return append(b, d[i:]...)
-}
 
 // upBody is an engine's response body on a pooled connection: read to EOF,
 // it gives the connection back; closed before, it closes it.
@@ -492,11 +488,7 @@ func (u *upstreamClient) get(ctx context.Context, key string, fresh bool) (*upCo
 	if err != nil {
 		return nil, err
 	}
-	pc := &upConn{c: c, key: key}
-	pc.lr.c, pc.cw.c = c, c
-	pc.br = bufio.NewReaderSize(&pc.lr, 32<<10)
-	pc.bw = bufio.NewWriterSize(&pc.cw, 32<<10)
-	return pc, nil
+	return newUpConn(c, key), nil
 }
 
 // put makes pc idle, or closes it when its host already keeps maxIdle.

@@ -206,10 +206,10 @@ func readRawRequest(br *bufio.Reader) *http.Request {
 	return req
 }
 
-// An engine that closes a keep-alive connection after each answer, without
-// saying so: the probe finds each closed before reuse and the next request
-// goes out on a new connection.
-func TestUpstreamClosedIdleConnectionProbed(t *testing.T) {
+// oneAnswerPerConnection serves "ok" to one request per connection and
+// closes it without saying so (with a reset when reset), counting the
+// connections it accepted.
+func oneAnswerPerConnection(t *testing.T, reset bool) (string, *atomic.Int64) {
 	var accepted atomic.Int64
 	url := rawServer(t, func(c net.Conn) {
 		accepted.Add(1)
@@ -217,18 +217,42 @@ func TestUpstreamClosedIdleConnectionProbed(t *testing.T) {
 			return
 		}
 		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		if reset {
+			c.(*net.TCPConn).SetLinger(0)
+		}
 	})
-	u := newTestUpstream(t, upstreamTestConfig())
-	for i := range 6 {
-		time.Sleep(20 * time.Millisecond) // the close has landed
+	return url, &accepted
+}
+
+// sendOK sends n requests to url one after another, pause before each,
+// and checks each is answered "ok".
+func sendOK(t *testing.T, u *upstreamClient, url string, n int, pause time.Duration) {
+	t.Helper()
+	for i := range n {
+		time.Sleep(pause)
 		resp, err := u.RoundTrip(postTo(t, context.Background(), url, "{}"))
 		if err != nil {
 			t.Fatalf("request %d: %v", i, err)
 		}
 		if got := readAll(t, resp); got != "ok" {
-			t.Fatalf("body %q", got)
+			t.Fatalf("request %d: body %q", i, got)
 		}
 	}
+}
+
+// withoutProbe turns the idle-connection probe off for the test (to reach
+// the race it cannot close).
+func withoutProbe(t *testing.T) {
+	probeIdle = func(net.Conn) bool { return false }
+	t.Cleanup(func() { probeIdle = peerClosed })
+}
+
+// An engine that closes a keep-alive connection after each answer, without
+// saying so: the probe finds each closed before reuse and the next request
+// goes out on a new connection.
+func TestUpstreamClosedIdleConnectionProbed(t *testing.T) {
+	url, accepted := oneAnswerPerConnection(t, false)
+	sendOK(t, newTestUpstream(t, upstreamTestConfig()), url, 6, 20*time.Millisecond) // the close has landed
 	if n := accepted.Load(); n != 6 {
 		t.Fatalf("%d connections, want 6", n)
 	}
@@ -238,28 +262,9 @@ func TestUpstreamClosedIdleConnectionProbed(t *testing.T) {
 // on a reused connection before any byte left (the engine reset it) is sent
 // once more on a new connection.
 func TestUpstreamResendWhenNothingWritten(t *testing.T) {
-	probeIdle = func(net.Conn) bool { return false }
-	t.Cleanup(func() { probeIdle = peerClosed })
-	var accepted atomic.Int64
-	url := rawServer(t, func(c net.Conn) {
-		accepted.Add(1)
-		if readRawRequest(bufio.NewReader(c)) == nil {
-			return
-		}
-		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-		c.(*net.TCPConn).SetLinger(0) // close with a reset
-	})
-	u := newTestUpstream(t, upstreamTestConfig())
-	for i := range 4 {
-		resp, err := u.RoundTrip(postTo(t, context.Background(), url, "{}"))
-		if err != nil {
-			t.Fatalf("request %d: %v", i, err)
-		}
-		if got := readAll(t, resp); got != "ok" {
-			t.Fatalf("body %q", got)
-		}
-		time.Sleep(50 * time.Millisecond) // the reset has landed
-	}
+	withoutProbe(t)
+	url, accepted := oneAnswerPerConnection(t, true)
+	sendOK(t, newTestUpstream(t, upstreamTestConfig()), url, 4, 50*time.Millisecond) // the reset has landed
 	if n := accepted.Load(); n != 4 {
 		t.Fatalf("%d connections, want 4", n)
 	}
@@ -270,8 +275,7 @@ func TestUpstreamResendWhenNothingWritten(t *testing.T) {
 // error goes to the caller, whose retry policy decides (net/http does the
 // same for a POST).
 func TestUpstreamNoResendAfterWrite(t *testing.T) {
-	probeIdle = func(net.Conn) bool { return false }
-	t.Cleanup(func() { probeIdle = peerClosed })
+	withoutProbe(t)
 	var received atomic.Int64
 	url := rawServer(t, func(c net.Conn) {
 		br := bufio.NewReader(c)
@@ -420,10 +424,7 @@ func TestUpstreamCancelNotLostToDeadlines(t *testing.T) {
 			}
 			t.Cleanup(func() { c.Close() })
 			w := &cancelConn{Conn: c, poisoned: make(chan struct{})}
-			pc := &upConn{c: w, key: "k"}
-			pc.lr.c, pc.cw.c = w, w
-			pc.br = bufio.NewReaderSize(&pc.lr, 32<<10)
-			pc.bw = bufio.NewWriterSize(&pc.cw, 32<<10)
+			pc := newUpConn(w, "k")
 			ctx, cancel := context.WithCancel(context.Background())
 			land := func() { cancel(); <-w.poisoned }
 			if at == "after-write" {
