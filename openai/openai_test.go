@@ -374,6 +374,9 @@ func FuzzDecodeAgreesWithStdlib(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
+		if hasCaseVariantKey(b) {
+			return // Decode matches keys exactly, encoding/json in any case (TestDecodeMatchesKeysExactly)
+		}
 		var chat, chatRef ChatRequest
 		var comp, compRef CompletionRequest
 		for _, c := range []struct {
@@ -389,6 +392,140 @@ func FuzzDecodeAgreesWithStdlib(f *testing.F) {
 			}
 		}
 	})
+}
+
+// requestKeys are the JSON names of every field Decode can fill, at any
+// depth (content parts' "type" and "text" included).
+var requestKeys = func() map[string]bool {
+	keys := map[string]bool{"type": true, "text": true}
+	seen := map[reflect.Type]bool{}
+	var walk func(t reflect.Type)
+	walk = func(t reflect.Type) {
+		for t.Kind() == reflect.Pointer || t.Kind() == reflect.Slice {
+			t = t.Elem()
+		}
+		if t.Kind() != reflect.Struct || seen[t] {
+			return
+		}
+		seen[t] = true
+		for i := 0; i < t.NumField(); i++ {
+			f := t.Field(i)
+			if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name != "" && name != "-" {
+				keys[name] = true
+			}
+			walk(f.Type)
+		}
+	}
+	walk(reflect.TypeOf(ChatRequest{}))
+	walk(reflect.TypeOf(CompletionRequest{}))
+	return keys
+}()
+
+// hasCaseVariantKey reports whether b (if valid JSON) has an object key, at
+// any depth, that encoding/json would match to a field in another case
+// ("Model", "MAX_TOKENS", or with the Kelvin sign for "k").
+func hasCaseVariantKey(b []byte) bool {
+	dec := json.NewDecoder(strings.NewReader(string(b)))
+	dec.UseNumber()
+	var objects []bool // per open container: is it an object?
+	expectKey := false // the next token is an object key
+	inObject := func() bool { return len(objects) > 0 && objects[len(objects)-1] }
+	for {
+		tok, err := dec.Token()
+		if err != nil {
+			return false
+		}
+		switch v := tok.(type) {
+		case json.Delim:
+			if v == '{' || v == '[' {
+				objects = append(objects, v == '{')
+				expectKey = v == '{'
+				continue
+			}
+			objects = objects[:len(objects)-1]
+			expectKey = inObject() // the closed container was a value
+		case string:
+			if expectKey {
+				for k := range requestKeys {
+					if v != k && strings.EqualFold(v, k) {
+						return true
+					}
+				}
+				expectKey = false
+				continue
+			}
+			expectKey = inObject()
+		default:
+			expectKey = inObject()
+		}
+	}
+}
+
+// Keys match fields by exact name, as the engines (Python's json, pydantic)
+// read them: a case variant is an unknown field, ignored and passed on, so
+// the gateway and the engine see the same model, limits and stream mode.
+func TestDecodeMatchesKeysExactly(t *testing.T) {
+	var c CompletionRequest
+	if e := Decode([]byte(`{"model":"m1","Model":"m2","prompt":"hi","max_tokens":5000,"Max_Tokens":1,"stream":true,"Stream":false,"MODEL":7}`), &c); e != nil {
+		t.Fatal(e)
+	}
+	if c.Model != "m1" || c.MaxTokens == nil || *c.MaxTokens != 5000 || !c.Stream {
+		t.Fatalf("got model %q, max_tokens %v, stream %v; want m1, 5000, true", c.Model, c.MaxTokens, c.Stream)
+	}
+	var r ChatRequest
+	if e := Decode([]byte(`{"model":"m","mod\u0065l":"n","messages":[{"role":"user","content":"x","Content":"y"},{"role":"user","content":[{"type":"text","text":"a","Text":"b"}]}]}`), &r); e != nil {
+		t.Fatal(e)
+	}
+	if r.Model != "n" || r.Messages[0].Content.Text != "x" || r.Messages[1].Content.Text != "a" {
+		t.Fatalf("got model %q, contents %q, %q; want n, x, a", r.Model, r.Messages[0].Content.Text, r.Messages[1].Content.Text)
+	}
+	for _, b := range []string{`{"Model":"m"}`, `{"model":"m","stream":true,"STREAM":false}`} {
+		if !hasCaseVariantKey([]byte(b)) {
+			t.Errorf("hasCaseVariantKey(%s) = false", b)
+		}
+	}
+	for _, b := range []string{`{"model":"Model"}`, `{"model":"m","x":{"a":["Model"]},"messages":[]}`, `{"model":`} {
+		if hasCaseVariantKey([]byte(b)) {
+			t.Errorf("hasCaseVariantKey(%s) = true", b)
+		}
+	}
+}
+
+// A valid JSON value the request may not have is invalid_value naming its
+// field; a message without content is refused like one with null content.
+func TestDecodeValueErrors(t *testing.T) {
+	for body, param := range map[string]string{
+		`{"model":"m","prompt":[-1]}`:                                         "prompt",
+		`{"model":"m","prompt":[]}`:                                           "prompt",
+		`{"model":"m","prompt":[[1],[4294967296]]}`:                           "prompt",
+		`{"model":"m","prompt":5}`:                                            "prompt",
+		`{"model":"m","messages":[{"role":"user","content":5}]}`:              "messages.content",
+		`{"model":"m","messages":[{"role":"user","content":[{"text":"a"}]}]}`: "messages.content",
+		`{"model":"m","messages":[{"role":"user","content":[5]}]}`:            "messages.content",
+	} {
+		var v any = &CompletionRequest{}
+		if strings.Contains(body, "messages") {
+			v = &ChatRequest{}
+		}
+		e := Decode([]byte(body), v)
+		if e == nil || e.Code != CodeInvalidValue || e.Param == nil || *e.Param != param {
+			t.Errorf("%s: got %+v, want invalid_value for %q", body, e, param)
+		}
+	}
+	for body, bad := range map[string]bool{
+		`{"model":"m","messages":[{"role":"user"}]}`:                      true,
+		`{"model":"m","messages":[{"role":"user","content":null}]}`:       true,
+		`{"model":"m","messages":[{"role":"user","content":""}]}`:         false,
+		`{"model":"m","messages":[{"role":"assistant","tool_calls":[]}]}`: false,
+	} {
+		var r ChatRequest
+		if e := Decode([]byte(body), &r); e != nil {
+			t.Fatalf("%s: %v", body, e)
+		}
+		if e := r.Validate(); (e != nil) != bad {
+			t.Errorf("%s: Validate() = %v, want error %v", body, e, bad)
+		}
+	}
 }
 
 // Decode's messages come from encoding/json (see Decode): field names,

@@ -36,6 +36,9 @@ type Content struct {
 	Text  string
 	Parts int // number of parts when sent as an array; 0 for a plain string
 	Null  bool
+	// given is set when the message had a "content" key at all (decoded by
+	// UnmarshalJSON), so a missing content is told from an empty string.
+	given bool
 }
 
 // UnmarshalJSON accepts a string, null, or an array of {"type","text",...}
@@ -44,35 +47,62 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 	b = bytes.TrimSpace(b)
 	switch {
 	case len(b) == 0 || string(b) == "null":
-		*c = Content{Null: true}
+		*c = Content{Null: true, given: true}
 		return nil
 	case b[0] == '"':
-		*c = Content{}
+		*c = Content{given: true}
 		return json.Unmarshal(b, &c.Text)
 	case b[0] == '[':
 		var parts []struct {
 			Type string  `json:"type"`
 			Text *string `json:"text"`
 		}
-		if err := json.Unmarshal(b, &parts); err != nil {
+		if err := unmarshalExact(b, &parts); err != nil {
+			var te *json.UnmarshalTypeError
+			if errors.As(err, &te) {
+				return &valueError{param: "messages.content", msg: "content parts must be objects with a string \"type\" (and \"text\" for text parts)"}
+			}
 			return err
 		}
 		var sb strings.Builder
 		for i, p := range parts {
 			if p.Type == "" {
-				return fmt.Errorf("content part %d has no type", i)
+				return &valueError{param: "messages.content", msg: fmt.Sprintf("content part %d has no type", i)}
 			}
 			if p.Type == "text" {
 				if p.Text == nil {
-					return fmt.Errorf("text content part %d has no text", i)
+					return &valueError{param: "messages.content", msg: fmt.Sprintf("text content part %d has no text", i)}
 				}
 				sb.WriteString(*p.Text)
 			}
 		}
-		*c = Content{Text: sb.String(), Parts: len(parts)}
+		*c = Content{Text: sb.String(), Parts: len(parts), given: true}
 		return nil
 	}
-	return errors.New("content must be a string, an array of content parts or null")
+	return &valueError{param: "messages.content", msg: "content must be a string, an array of content parts or null"}
+}
+
+// valueError is a request value that is valid JSON but not allowed (a token
+// id out of range, content of the wrong shape): DecodeError answers it as
+// 400 invalid_value naming param.
+type valueError struct{ param, msg string }
+
+func (e *valueError) Error() string { return e.msg }
+
+// exactKeys makes segmentio/encoding/json match object keys to struct fields
+// by exact (case-sensitive) name, as the engines do (vLLM's pydantic models
+// and Python's json read "model", never "Model"); encoding/json would match
+// any case variant, and a body with both would be read one way by the
+// gateway (model access, token limits, streaming) and another by the engine.
+const exactKeys = segjson.DontMatchCaseInsensitiveStructFields
+
+// unmarshalExact decodes b (one JSON value) into v with exact key matching.
+func unmarshalExact(b []byte, v any) error {
+	rest, err := segjson.Parse(b, v, exactKeys)
+	if err == nil && len(bytes.TrimLeft(rest, " \t\r\n")) > 0 {
+		err = errTrailing
+	}
+	return err
 }
 
 // MarshalJSON writes the text as a string (null if it was null).
@@ -139,7 +169,7 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 	b = bytes.TrimSpace(b)
 	*p = Prompt{}
 	if len(b) == 0 || string(b) == "null" {
-		return errors.New("prompt is required")
+		return &valueError{param: "prompt", msg: "prompt is required"}
 	}
 	if b[0] == '"' {
 		var s string
@@ -150,12 +180,12 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 		return nil
 	}
 	if b[0] != '[' {
-		return errors.New("prompt must be a string, an array of strings, an array of token ids or an array of token-id arrays")
+		return &valueError{param: "prompt", msg: "prompt must be a string, an array of strings, an array of token ids or an array of token-id arrays"}
 	}
 	if first := bytes.TrimSpace(b[1:]); len(first) > 0 && (first[0] == '-' || (first[0] >= '0' && first[0] <= '9')) {
 		ids, err := parseTokenIDs(b) // the common flat case, without a RawMessage per id
 		if err != nil {
-			return fmt.Errorf("prompt: %w", err)
+			return &valueError{param: "prompt", msg: "prompt: " + err.Error()}
 		}
 		p.Tokens = [][]uint32{ids}
 		return nil
@@ -165,14 +195,14 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 		return err
 	}
 	if len(items) == 0 {
-		return errors.New("prompt must not be an empty array")
+		return &valueError{param: "prompt", msg: "prompt must not be an empty array"}
 	}
 	switch first := bytes.TrimSpace(items[0]); {
 	case len(first) > 0 && first[0] == '"':
 		p.Texts = make([]string, len(items))
 		for i, it := range items {
 			if err := json.Unmarshal(it, &p.Texts[i]); err != nil {
-				return fmt.Errorf("prompt[%d]: all elements must be strings", i)
+				return &valueError{param: "prompt", msg: fmt.Sprintf("prompt[%d]: all elements must be strings", i)}
 			}
 		}
 	case len(first) > 0 && first[0] == '[':
@@ -180,14 +210,14 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 		for i, it := range items {
 			ids, err := parseTokenIDs(it)
 			if err != nil {
-				return fmt.Errorf("prompt[%d]: %w", i, err)
+				return &valueError{param: "prompt", msg: fmt.Sprintf("prompt[%d]: %v", i, err)}
 			}
 			p.Tokens[i] = ids
 		}
 	default:
 		ids, err := parseTokenIDs(b)
 		if err != nil {
-			return fmt.Errorf("prompt: %w", err)
+			return &valueError{param: "prompt", msg: "prompt: " + err.Error()}
 		}
 		p.Tokens = [][]uint32{ids}
 	}
@@ -279,7 +309,7 @@ func (r *ChatRequest) Validate() *Error {
 		if !roles[m.Role] {
 			return Errorf(fmt.Sprintf("messages[%d].role", i), fmt.Sprintf("invalid role %q", m.Role))
 		}
-		if m.Content.Null && m.Role != "assistant" {
+		if (m.Content.Null || !m.Content.given) && m.Role != "assistant" {
 			return Errorf(fmt.Sprintf("messages[%d].content", i), "content is required for role "+m.Role)
 		}
 	}
@@ -327,7 +357,10 @@ func validateSampling(maxTokens, n *int, temperature, topP *float64, stream bool
 func DecodeError(err error) *Error {
 	var typeErr *json.UnmarshalTypeError
 	var syntaxErr *json.SyntaxError
+	var valErr *valueError
 	switch {
+	case errors.As(err, &valErr):
+		return NewError(http.StatusBadRequest, valErr.msg, valErr.param, CodeInvalidValue)
 	case errors.As(err, &typeErr):
 		field := typeErr.Field
 		return NewError(http.StatusBadRequest, fmt.Sprintf("invalid type for %q: expected %s, got %s", field, jsonKind(typeErr.Type), typeErr.Value), field, CodeInvalidValue)
@@ -378,7 +411,10 @@ func jsonKind(t reflect.Type) string {
 // 400 error describing the problem, or nil. It decodes with
 // github.com/segmentio/encoding/json, a drop-in for encoding/json that reads
 // requests in about two thirds of the time (the request path's largest cost
-// after sockets), and accepts exactly what encoding/json accepts (fuzzed).
+// after sockets), and accepts exactly what encoding/json accepts (fuzzed),
+// with one deliberate difference: object keys match fields by exact name
+// (exactKeys), as the engines read them, so {"model":"a","Model":"b"} is
+// model "a" for the gateway and the engine alike.
 func Decode(body []byte, v any) *Error {
 	if len(bytes.TrimSpace(body)) == 0 {
 		return NewError(http.StatusBadRequest, "request body is empty", "", CodeInvalidJSON)
@@ -386,12 +422,14 @@ func Decode(body []byte, v any) *Error {
 	if b := bytes.TrimSpace(body); b[0] != '{' {
 		return NewError(http.StatusBadRequest, "request body must be a JSON object", "", CodeInvalidJSON)
 	}
-	rest, err := segjson.Parse(body, v, 0)
+	rest, err := segjson.Parse(body, v, exactKeys)
 	if err != nil {
 		// segmentio's errors say less than encoding/json's (no offset, raw
 		// input for the type): on this cold path, decode again with
 		// encoding/json for the message. FuzzDecodeAgreesWithStdlib holds
-		// both to the same verdict.
+		// both to the same verdict (on bodies without case-variant keys,
+		// which encoding/json would also match: there its message may name
+		// such a key's field).
 		if serr := json.Unmarshal(body, v); serr != nil {
 			err = serr
 		}
