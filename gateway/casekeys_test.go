@@ -1,0 +1,47 @@
+package gateway
+
+import (
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/infergate/infergate/sched"
+)
+
+// The engines read JSON keys by exact name (Python's json, pydantic), so the
+// gateway must too: with encoding/json's case-insensitive matching, a body
+// carrying "model" and "Model" was checked against the key's allow-list by
+// one and served by the engine for the other, and "Max_Tokens" slipped
+// under a token limit.
+func TestCaseVariantKeysCannotBypassLimits(t *testing.T) {
+	e, f := newFakeEngine(t, "e0"), newFakeEngine(t, "e1")
+	_, url := startGateway(t, authConfig(t, e, f)) // alice: model m only
+	c := testClient(t)
+	alice := []string{"Authorization", "Bearer " + keyAlice, "Content-Type", "application/json"}
+
+	resp, b := send(t, c, http.MethodPost, url+pathChat,
+		`{"model":"other","Model":"m","messages":[{"role":"user","content":"x"}]}`, alice...)
+	if resp.StatusCode != http.StatusNotFound {
+		t.Fatalf(`alice asking for "other" (and "Model":"m"): %d %s, want 404`, resp.StatusCode, b)
+	}
+	resp, b = send(t, c, http.MethodPost, url+pathChat,
+		`{"model":"m","Model":"other","messages":[{"role":"user","content":"x"}]}`, alice...)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf(`alice asking for "m" (and "Model":"other"): %d %s`, resp.StatusCode, b)
+	}
+	if n := f.requests.Load(); n != 0 {
+		t.Fatalf("model other's engine served %d of alice's requests", n)
+	}
+
+	cfg := testConfig(sched.RoundRobin, e)
+	if err := cfg.Auth.AddKeys("carol plain:"+keyAlice+" tpm=100", "test"); err != nil {
+		t.Fatal(err)
+	}
+	_, url = startGateway(t, cfg)
+	ids := strings.TrimSuffix(strings.Repeat("7,", 40), ",")
+	resp, b = send(t, c, http.MethodPost, url+pathCompletions,
+		`{"model":"m","prompt":[`+ids+`],"max_tokens":1000,"Max_Tokens":1}`, alice...)
+	if resp.StatusCode != http.StatusTooManyRequests || !strings.Contains(string(b), "Request too large") {
+		t.Fatalf(`max_tokens 1000 (and "Max_Tokens":1) under tpm=100: %d %s, want 429 too large`, resp.StatusCode, b)
+	}
+}
