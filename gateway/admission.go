@@ -41,7 +41,8 @@ var (
 // that finds the queue full takes the place of the lowest-priority waiter
 // (the latest to arrive among equals) if its own priority is higher; that
 // waiter is answered 429 at once. A waiter is woken by a channel send when
-// admitted; it starts no goroutine.
+// admitted; it starts no goroutine. Once drained (shutdown), it admits
+// nothing more: the waiters and every later request get errShuttingDown.
 type admission struct {
 	endpoints   []*endpoint
 	limit       int // circuit-breaker slots per endpoint
@@ -53,6 +54,7 @@ type admission struct {
 	inFlight int // admitted, not released
 	queue    waitQueue
 	seq      uint64
+	draining bool // drain was called
 
 	// pending counts admitted requests that have not taken their first
 	// endpoint slot yet (they are owed one).
@@ -63,6 +65,7 @@ type admission struct {
 
 	wait                                  prometheus.Observer
 	rejectFull, rejectTO, rejectDisplaced prometheus.Counter
+	rejectShutdown                        prometheus.Counter
 }
 
 // waiter is one queued request.
@@ -149,9 +152,14 @@ func (a *admission) dispatchLocked() {
 
 // acquire admits the request, waiting in the queue if need be. It returns
 // nil once admitted (release must follow), errNoEndpoint, errQueueFull,
-// errQueueTimeout or ctx's error.
+// errQueueTimeout, errQueueDisplaced, errShuttingDown or ctx's error.
 func (a *admission) acquire(ctx context.Context, priority int) error {
 	a.mu.Lock()
+	if a.draining {
+		a.mu.Unlock()
+		a.rejectShutdown.Inc()
+		return errShuttingDown
+	}
 	a.dispatchLocked()
 	ok, anyReady := a.capacityLocked()
 	switch {
@@ -202,10 +210,27 @@ func (a *admission) acquire(ctx context.Context, priority int) error {
 	}
 	a.mu.Unlock()
 	a.wait.Observe(time.Since(queued).Seconds())
-	if err == errQueueTimeout {
+	switch err {
+	case errQueueTimeout:
 		a.rejectTO.Inc()
+	case errShuttingDown:
+		a.rejectShutdown.Inc()
 	}
 	return err
+}
+
+// drain refuses every request from now on and fails the waiters with
+// errShuttingDown at once; admitted requests are not affected.
+func (a *admission) drain() {
+	a.mu.Lock()
+	a.draining = true
+	for len(a.queue) > 0 {
+		w := heap.Pop(&a.queue).(*waiter)
+		w.err = errShuttingDown
+		w.ready <- struct{}{}
+	}
+	a.waiting.Store(0)
+	a.mu.Unlock()
 }
 
 // displaceLocked makes room in a full queue for a request of priority:
@@ -265,8 +290,8 @@ func (a *admission) wake() {
 }
 
 // admitQueued runs admission control for a request of pool p; false when it was
-// answered (503 no endpoint, 429 queue full or timed out, or the client
-// left while queued).
+// answered (503 no endpoint, 503 shutting down, 429 queue full or timed
+// out, or the client left while queued).
 func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, priority int) bool {
 	err := p.gate.acquire(r.Context(), priority)
 	switch {
@@ -274,6 +299,8 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, p
 		return true
 	case errors.Is(err, errNoEndpoint):
 		g.failNoEndpoint(w, p)
+	case errors.Is(err, errShuttingDown):
+		g.failShuttingDown(w, p.none)
 	case errors.Is(err, errQueueFull):
 		w.Header().Set("Retry-After", admissionRetryAfter)
 		g.fail(w, p.none, openai.NewError(http.StatusTooManyRequests,
@@ -288,8 +315,8 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, p
 		g.fail(w, p.none, openai.NewError(http.StatusTooManyRequests,
 			fmt.Sprintf("Model `%s` is overloaded: the request waited %s without being admitted; retry later.",
 				p.model, g.cfg.Admission.QueueTimeout), "", codeOverloaded))
-	default: // the client went away while queued
-		g.metrics.count(p.none, codeClientClosed)
+	default: // the client went away while queued (or Abort ended the wait)
+		g.canceled(w, r, p.none)
 	}
 	return false
 }
@@ -324,7 +351,7 @@ func newResilienceMetrics(reg prometheus.Registerer, g *Gateway) (*resilienceMet
 			Help: "Passive ejections of an endpoint by the failure that triggered them (connect_failure at once; others after outlier.consecutive_errors in a row)."},
 			[]string{"endpoint", "reason"}),
 		rejections: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "admission_rejections_total",
-			Help: "Requests refused by admission control with 429, by model and reason (queue_full, queue_timeout, displaced: a queued request that made room for one of higher priority)."},
+			Help: "Requests refused by admission control, by model and reason: 429 queue_full, queue_timeout, displaced (a queued request that made room for one of higher priority); 503 shutdown (queued, or arriving, when the gateway began shutting down)."},
 			[]string{"model", "reason"}),
 		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "infergate", Name: "admission_queue_wait_seconds",
 			Help: "Time requests spent in the admission queue, admitted or not (only requests that queued; seconds).", Buckets: latencyBuckets},
@@ -385,6 +412,7 @@ func (g *Gateway) setupResilience(reg prometheus.Registerer) error {
 			rejectFull:      m.rejections.WithLabelValues(model, "queue_full"),
 			rejectTO:        m.rejections.WithLabelValues(model, "queue_timeout"),
 			rejectDisplaced: m.rejections.WithLabelValues(model, "displaced"),
+			rejectShutdown:  m.rejections.WithLabelValues(model, "shutdown"),
 		}
 		for _, ep := range p.endpoints {
 			ep.gates = append(ep.gates, p.gate)

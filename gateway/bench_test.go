@@ -100,7 +100,8 @@ func BenchmarkRequestPath(b *testing.B) {
 			g.rt = eng
 			h := g.Handler()
 			body := []byte(tc.body)
-			req := httptest.NewRequest(http.MethodPost, tc.path, nil)
+			// The context a server built by Gateway.Server gives requests.
+			req := httptest.NewRequest(http.MethodPost, tc.path, nil).WithContext(g.BaseContext(nil))
 			req.Header.Set("Content-Type", "application/json")
 			rb := &nopBody{}
 			w := &discardWriter{h: http.Header{}}

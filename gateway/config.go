@@ -30,6 +30,11 @@ const (
 	DefaultEjectDuration         = 10 * time.Second
 	DefaultHealthCheckInterval   = 5 * time.Second
 	DefaultHealthCheckTimeout    = 2 * time.Second
+	// DefaultShutdownGrace is how long requests in flight get to finish
+	// after SIGTERM: 25 s, so that with the 2 s for the final writes the
+	// shutdown ends within Kubernetes' default terminationGracePeriodSeconds
+	// (30 s) before the kubelet's SIGKILL.
+	DefaultShutdownGrace = 25 * time.Second
 	// DefaultPolicy is the routing policy when the configuration names
 	// none: cache-aware, the best measured on the Mooncake conversation
 	// trace in real time (sched/README.md "Evaluation": ≥ 90% of the
@@ -114,6 +119,12 @@ type Config struct {
 	// Admission bounds the requests in flight per model, queueing the
 	// excess by priority (admission.go).
 	Admission AdmissionConfig `yaml:"admission"`
+
+	// ShutdownGrace is how long requests in flight get to finish after the
+	// server is told to stop (SIGTERM; default 25s) before they are ended
+	// with an explicit error (Gateway.Abort). The gateway itself does not
+	// use it: `infergate serve` and `up` do (shutdown.go, README "Shutdown").
+	ShutdownGrace time.Duration `yaml:"shutdown_grace"`
 
 	// EdgeConfig holds API keys, TLS, trusted proxies, header limits and
 	// client timeouts (limits.go, auth.go, tls.go); its keys are top-level.
@@ -215,6 +226,9 @@ func (c Config) WithDefaults() Config {
 	if c.ScrapeInterval == 0 {
 		c.ScrapeInterval = DefaultScrapeInterval
 	}
+	if c.ShutdownGrace == 0 {
+		c.ShutdownGrace = DefaultShutdownGrace
+	}
 	c.Retry, c.Outlier = c.Retry.withDefaults(), c.Outlier.withDefaults()
 	c.CircuitBreaker, c.Admission = c.CircuitBreaker.withDefaults(), c.Admission.withDefaults()
 	c.EdgeConfig = c.EdgeConfig.withDefaults()
@@ -256,6 +270,7 @@ func (c Config) Validate() error {
 		{"eject_duration", c.EjectDuration},
 		{"health_check_interval", c.HealthCheckInterval},
 		{"health_check_timeout", c.HealthCheckTimeout},
+		{"shutdown_grace", c.ShutdownGrace},
 	} {
 		if d.v <= 0 {
 			bad("%s %v: must be positive", d.key, d.v)

@@ -65,6 +65,7 @@ func TestClientHeadersScrubbed(t *testing.T) {
 		"X-Real-Ip", "1.2.3.4",
 		"X-Infergate-Endpoint", "http://evil.example",
 		"X-Infergate-Priority", "0",
+		PriorityHeader, "5", // the gateway's own admission header (capped by a key's max_priority)
 		"X-Session-Id", "conv-42",
 		"X-Custom", "kept",
 	}
@@ -80,7 +81,7 @@ func TestClientHeadersScrubbed(t *testing.T) {
 				t.Fatalf("%d %s", resp.StatusCode, b)
 			}
 			h, _ := e.last()
-			for _, k := range []string{"Authorization", "X-Api-Key", "Api-Key", "Cookie", "X-Infergate-Endpoint", "X-Infergate-Priority"} {
+			for _, k := range []string{"Authorization", "X-Api-Key", "Api-Key", "Cookie", "X-Infergate-Endpoint", "X-Infergate-Priority", PriorityHeader} {
 				if v, ok := h[k]; ok {
 					t.Errorf("%s reached the engine: %q", k, v)
 				}

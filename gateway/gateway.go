@@ -72,6 +72,13 @@ type Gateway struct {
 	stop      context.CancelFunc
 	wg        sync.WaitGroup
 	closeOnce sync.Once
+
+	// Shutdown (shutdown.go): draining is set by Drain; base is the
+	// requests' base context, canceled by abort (Abort) with
+	// errShuttingDown.
+	draining atomic.Bool
+	base     context.Context
+	abort    context.CancelCauseFunc
 }
 
 // pool is the endpoints serving one model and the policy that picks among
@@ -166,6 +173,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	}
 
 	g := &Gateway{cfg: cfg, pools: map[string]*pool{}}
+	g.initShutdown()
 	g.transport = newTransport(cfg)
 	g.up = newUpstreamClient(cfg, g.transport)
 	g.rt = g.up
@@ -356,11 +364,13 @@ func (g *Gateway) Handler() http.Handler { return g.handler }
 // overall write timeout (a generation may stream for minutes; the handler
 // bounds each write by write_timeout instead). With TLS configured,
 // TLSConfig is set: serve with ServeTLS(ln, "", "") or
-// ListenAndServeTLS("", "").
+// ListenAndServeTLS("", ""). Its BaseContext is the gateway's, so Abort
+// reaches every request in flight (see Drain and Abort for shutting down).
 func (g *Gateway) Server() *http.Server {
 	return &http.Server{
 		Addr:              g.cfg.Listen,
 		Handler:           g.handler,
+		BaseContext:       g.BaseContext,
 		ReadHeaderTimeout: g.cfg.ReadHeaderTimeout,
 		IdleTimeout:       g.cfg.IdleTimeout,
 		MaxHeaderBytes:    serverHeaderBytes(g.cfg.MaxHeaderBytes),
@@ -470,8 +480,8 @@ type readiness struct {
 	Reason    string `json:"reason,omitempty"`
 }
 
-// serveReadyz answers 200 while at least one endpoint is in rotation, else
-// 503 with the reason.
+// serveReadyz answers 200 while at least one endpoint is in rotation and
+// the gateway is not shutting down, else 503 with the reason.
 func (g *Gateway) serveReadyz(w http.ResponseWriter) {
 	rd := readiness{Status: "ready", Endpoints: len(g.endpoints)}
 	for _, ep := range g.endpoints {
@@ -480,7 +490,12 @@ func (g *Gateway) serveReadyz(w http.ResponseWriter) {
 		}
 	}
 	status := http.StatusOK
-	if rd.Ready == 0 {
+	switch {
+	case g.draining.Load():
+		status = http.StatusServiceUnavailable
+		rd.Status = "not ready"
+		rd.Reason = "shutting down"
+	case rd.Ready == 0:
 		status = http.StatusServiceUnavailable
 		rd.Status = "not ready"
 		rd.Reason = fmt.Sprintf("no endpoint is ready (0 of %d healthy and not ejected)", rd.Endpoints)

@@ -67,7 +67,7 @@ func TestRequestErrors(t *testing.T) {
 		{"empty body", pathCompletions, ``, 400, "<nil>", openai.CodeInvalidJSON, ""},
 		{"messages wrong type", pathChat, `{"model":"m","messages":"hi"}`, 400, "messages", openai.CodeInvalidValue, ""},
 		{"max_tokens wrong type", pathCompletions, `{"model":"m","prompt":"hi","max_tokens":"5"}`, 400, "max_tokens", openai.CodeInvalidValue, ""},
-		{"prompt wrong type", pathCompletions, `{"model":"m","prompt":{"a":1}}`, 400, "prompt", openai.CodeInvalidJSON, ""},
+		{"prompt wrong type", pathCompletions, `{"model":"m","prompt":{"a":1}}`, 400, "prompt", openai.CodeInvalidValue, ""},
 		{"invalid value", pathChat, `{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3}`, 400, "temperature", openai.CodeInvalidValue, ""},
 		{"missing model", pathChat, `{"messages":[{"role":"user","content":"x"}]}`, 400, "model", openai.CodeInvalidValue, ""},
 		{"unknown model", pathChat, `{"model":"gpt-9","messages":[{"role":"user","content":"x"}]}`, 404, "model", openai.CodeModelNotFound, "The model `gpt-9` does not exist."},

@@ -22,7 +22,10 @@ func isHopByHop(k string) bool {
 // (Authorization, X-Api-Key, Api-Key, Cookie), headers the gateway sets
 // itself (Host, Content-Length, X-Request-Id, X-Forwarded-For), the
 // gateway's internal namespace X-Infergate-* (so a client cannot forge what
-// the gateway may tell engines), and Accept-Encoding and Expect (the gateway
+// the gateway may tell engines), the gateway's own admission header
+// X-Priority (capped by the key's max_priority inside the gateway; an
+// engine or second-tier router must not see the uncapped value), and
+// Accept-Encoding and Expect (the gateway
 // parses the engine's response as it streams, so it asks for identity
 // encoding, and it holds the whole body already). The other forwarding
 // headers are removed at the edge unless the peer is a trusted proxy
@@ -32,7 +35,7 @@ func isHopByHop(k string) bool {
 func dropUpstream(k string) bool {
 	switch k {
 	case "Authorization", "X-Api-Key", "Api-Key", "Cookie", "Host", "Content-Length", "Accept-Encoding", "Expect",
-		"X-Request-Id", "X-Forwarded-For":
+		"X-Request-Id", "X-Forwarded-For", PriorityHeader:
 		return true
 	}
 	return isHopByHop(k) || strings.HasPrefix(k, "X-Infergate-")

@@ -299,6 +299,10 @@ func (g *Gateway) fail(w http.ResponseWriter, rm *routeMetrics, e *openai.Error)
 // limits; key nil when authentication is off), hash, pick, proxy.
 func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind apiKind, key *principal) {
 	start := time.Now()
+	r, unbind := g.bindShutdown(r)
+	if unbind != nil {
+		defer unbind()
+	}
 	x := g.getExchange()
 	defer g.putExchange(x)
 	reqID := g.requestID(r)
@@ -318,6 +322,11 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 		g.fail(w, rm, verr)
 		return
 	}
+	priority, perr := requestPriority(r)
+	if perr != nil {
+		g.fail(w, rm, perr)
+		return
+	}
 	if e := g.admit(w, x, kind, key); e != nil {
 		g.fail(w, rm, e)
 		return
@@ -328,7 +337,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 		return
 	}
 
-	x.sreq = sched.Request{Model: x.model, SessionKey: sessionKey(r, x)}
+	x.sreq = sched.Request{Model: x.model, SessionKey: sessionKey(r, x), Priority: priority}
 	if p.policy.NeedsHashes() || p.precise != nil {
 		tokens := x.promptTokens(kind, g, p.precise != nil)
 		seed := p.seed
@@ -386,8 +395,12 @@ func isEventStream(h http.Header) bool {
 
 // relayError relays an engine's non-2xx answer: its status and body when the
 // body is JSON (engines speak OpenAI errors), else a 502 wrapping it.
-func (g *Gateway) relayError(w http.ResponseWriter, resp *http.Response, rm *routeMetrics) {
+func (g *Gateway) relayError(w http.ResponseWriter, r *http.Request, resp *http.Response, rm *routeMetrics) {
 	body, err := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody+1))
+	if err != nil && r.Context().Err() != nil {
+		g.canceled(w, r, rm)
+		return
+	}
 	if err == nil && len(body) <= maxErrorBody && json.Valid(body) {
 		writeJSON(w, resp.StatusCode, body)
 		g.metrics.count(rm, resp.StatusCode)
@@ -403,7 +416,9 @@ func (g *Gateway) relayError(w http.ResponseWriter, resp *http.Response, rm *rou
 // waits for the first read, so an answer that fails before its first byte
 // is returned as a failure to retry. It returns the status accounted, or
 // codeAbort when the body broke off after the status line was sent (the
-// caller then aborts the client's connection).
+// caller then aborts the client's connection). A request canceled (client
+// gone, or ended by Abort before its first byte) returns codeClientClosed:
+// no verdict on the engine.
 func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
 	rm *routeMetrics, start time.Time) (*failure, int) {
 	x.capture = x.capture[:0]
@@ -413,7 +428,7 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 		if first {
 			if n == 0 && rerr != nil && rerr != io.EOF {
 				if r.Context().Err() != nil {
-					g.metrics.count(rm, codeClientClosed)
+					g.canceled(w, r, rm)
 					return nil, codeClientClosed
 				}
 				return &failure{reason: reasonReset, rm: rm, err: openai.NewError(http.StatusBadGateway,
@@ -441,6 +456,12 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 		}
 		if rerr != nil {
 			if r.Context().Err() != nil {
+				if shuttingDown(r) {
+					// Ended by Abort: the client sees a truncated
+					// response, as for an engine failure.
+					g.metrics.count(rm, http.StatusServiceUnavailable)
+					return nil, codeAbort
+				}
 				g.metrics.count(rm, codeClientClosed)
 				return nil, codeClientClosed
 			}
@@ -507,7 +528,9 @@ var (
 // error event, never a silent truncation. The status line waits for the
 // first event: a stream that fails before it is returned as a failure to
 // retry, nothing having reached the client. It returns the status accounted
-// (502 for a stream that failed or carried an engine's error event).
+// (502 for a stream that failed or carried an engine's error event), or
+// codeClientClosed for a request canceled (client gone, or ended by Abort:
+// then the stream ends with a shutting_down error event and [DONE]).
 func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
 	rm *routeMetrics, reqID string, start time.Time, strip bool) (*failure, int) {
 	fr := &flushOnRead{r: resp.Body}
@@ -520,7 +543,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 	data, err := er.Next()
 	if err != nil && !(err == io.EOF && er.Done()) {
 		if r.Context().Err() != nil {
-			g.metrics.count(rm, codeClientClosed)
+			g.canceled(w, r, rm)
 			return nil, codeClientClosed
 		}
 		msg := "The model server's stream ended before its first event."
@@ -546,7 +569,16 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 	)
 	for ; ; data, err = er.Next() {
 		if err != nil {
-			if r.Context().Err() != nil || fr.err != nil {
+			// Ended by Abort (the client still there): unless the stream was
+			// complete, the client is told, as for an engine failure
+			// mid-stream.
+			shutdown := fr.err == nil && r.Context().Err() != nil && shuttingDown(r)
+			switch {
+			case shutdown && !(err == io.EOF && er.Done()):
+				writeStreamError(w, rc, shutdownError())
+				g.finish(rm, x, http.StatusServiceUnavailable, usage, start)
+				return nil, codeClientClosed // no verdict on the engine
+			case !shutdown && (r.Context().Err() != nil || fr.err != nil):
 				g.metrics.count(rm, codeClientClosed)
 				return nil, codeClientClosed
 			}
@@ -568,7 +600,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				}
 				slog.Warn("gateway: upstream stream failed", "endpoint", rm.labels[1],
 					"request_id", reqID, "err", err)
-				writeStreamError(w, rc, msg)
+				writeStreamError(w, rc, openai.NewError(http.StatusBadGateway, msg, "", openai.CodeUpstream))
 				code = http.StatusBadGateway
 			}
 			g.finish(rm, x, code, usage, start)
@@ -676,10 +708,10 @@ func appendEvent(dst, data []byte) []byte {
 	return append(append(dst, data...), sseEnd...)
 }
 
-// writeStreamError ends a stream with an OpenAI error event and [DONE], as
-// vLLM does when generation fails mid-stream.
-func writeStreamError(w io.Writer, rc *http.ResponseController, msg string) {
-	b, _ := json.Marshal(openai.ErrorResponse{Error: openai.NewError(http.StatusBadGateway, msg, "", openai.CodeUpstream)})
+// writeStreamError ends a stream with an OpenAI error event for e and
+// [DONE], as vLLM does when generation fails mid-stream.
+func writeStreamError(w io.Writer, rc *http.ResponseController, e *openai.Error) {
+	b, _ := json.Marshal(openai.ErrorResponse{Error: e})
 	ev := make([]byte, 0, len(b)+len(sseData)+len(sseEnd)+len(sseDone))
 	ev = append(append(append(append(ev, sseData...), b...), sseEnd...), sseDone...)
 	_, _ = w.Write(ev)

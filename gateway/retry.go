@@ -42,17 +42,37 @@ type failure struct {
 	err    *openai.Error
 }
 
-// requestPriority reads PriorityHeader (0 when absent or not an integer).
-func requestPriority(r *http.Request) int {
-	v := r.Header.Get(PriorityHeader)
+// requestPriority reads PriorityHeader: 0 when absent (or empty), else a
+// decimal integer (an optional sign, digits, within int); anything else —
+// not an integer, out of range, or the header repeated with different
+// values — is a 400 naming the header.
+func requestPriority(r *http.Request) (int, *openai.Error) {
+	vs := r.Header[PriorityHeader]
+	if len(vs) == 0 {
+		return 0, nil
+	}
+	for _, v := range vs[1:] {
+		if v != vs[0] {
+			return 0, openai.NewError(http.StatusBadRequest,
+				fmt.Sprintf("The %s header is given %d times with different values; send it once, as an integer (higher is admitted first).",
+					PriorityHeader, len(vs)), PriorityHeader, openai.CodeInvalidValue)
+		}
+	}
+	v := strings.TrimSpace(vs[0])
 	if v == "" {
-		return 0
+		return 0, nil
 	}
-	n, err := strconv.Atoi(strings.TrimSpace(v))
+	n, err := strconv.Atoi(v)
 	if err != nil {
-		return 0
+		v := vs[0]
+		if len(v) > 64 {
+			v = v[:64] + "…"
+		}
+		return 0, openai.NewError(http.StatusBadRequest,
+			fmt.Sprintf("Invalid %s header %q: want an integer (higher is admitted first; default 0).", PriorityHeader, v),
+			PriorityHeader, openai.CodeInvalidValue)
 	}
-	return n
+	return n, nil
 }
 
 // serveRouted is the request's lifecycle once its model's pool is known:
@@ -60,7 +80,6 @@ func requestPriority(r *http.Request) int {
 // other endpoints of failures that reached the client with no byte.
 func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool,
 	reqID string, start time.Time) {
-	x.sreq.Priority = requestPriority(r)
 	if x.edge.capPriority && x.sreq.Priority > x.edge.maxPriority {
 		x.sreq.Priority = x.edge.maxPriority // the key's grant
 	}
@@ -105,7 +124,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 		excluded[i] = true
 		switch {
 		case r.Context().Err() != nil:
-			g.metrics.count(f.rm, codeClientClosed)
+			g.canceled(w, r, f.rm) // nothing reached the client
 			return
 		case attempt >= g.cfg.Retry.MaxAttempts:
 			g.answerFailure(w, f)
@@ -194,7 +213,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	if err != nil {
 		switch {
 		case r.Context().Err() != nil:
-			g.metrics.count(rm, codeClientClosed)
+			g.canceled(w, r, rm) // 499, or 503 when ended by Abort
 			return nil
 		case isResponseTimeout(err):
 			slog.Warn("gateway: upstream response timeout", "endpoint", ep.name, "request_id", reqID, "err", err)
@@ -226,13 +245,15 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	switch {
 	case resp.StatusCode/100 != 2:
 		ep.outlierSuccess() // the engine answered: a client error is not its failure
-		g.relayError(w, resp, rm)
+		g.relayError(w, r, resp, rm)
 		return nil
 	case x.stream && isEventStream(resp.Header):
 		f, code = g.relayStream(w, r, resp, x, rm, reqID, start, strip)
 	default:
 		if f, code = g.relayBody(w, r, resp, x, rm, start); code == codeAbort {
-			g.outlierFailure(ep, reasonStream, time.Now())
+			if r.Context().Err() == nil { // not ended by Abort
+				g.outlierFailure(ep, reasonStream, time.Now())
+			}
 			// The status line is out: abort the connection so the client
 			// sees a truncated response, never a silently short one.
 			panic(http.ErrAbortHandler)

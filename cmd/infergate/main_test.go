@@ -91,6 +91,12 @@ func (p *proc) stop(t *testing.T) {
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
+	p.exited(t)
+}
+
+// exited requires the process to exit cleanly within 20 s (SIGTERM sent).
+func (p *proc) exited(t *testing.T) {
+	t.Helper()
 	done := make(chan error, 1)
 	go func() {
 		for range p.lines { // drain so the process never blocks on output
@@ -137,9 +143,9 @@ var apiRe = regexp.MustCompile(`OpenAI API at (http://[0-9.:]+)/v1`)
 
 // TestUpEndToEnd runs `infergate up` as a real process: the printed address
 // answers a chat, a second turn hits the prefix cache, errors are OpenAI
-// errors, and SIGTERM shuts it down cleanly.
+// errors, and SIGTERM shuts it down cleanly (within --shutdown-grace).
 func TestUpEndToEnd(t *testing.T) {
-	p := start(t, "up", "--engines", "2", "--listen", "127.0.0.1:0", "--time-scale", "100")
+	p := start(t, "up", "--engines", "2", "--listen", "127.0.0.1:0", "--time-scale", "100", "--shutdown-grace", "5s")
 	base := p.await(t, apiRe)
 	model := "meta-llama/Llama-3.1-70B-Instruct"
 	sys := strings.Repeat("You are a careful assistant who answers in full sentences. ", 40)
@@ -158,7 +164,9 @@ func TestUpEndToEnd(t *testing.T) {
 	if e, _ := v["error"].(map[string]any); code != 404 || e["code"] != "model_not_found" {
 		t.Fatalf("unknown model: %d %v", code, v)
 	}
-	p.stop(t)
+	if g := p.stopLogging(t, graceRe); g != "5s" {
+		t.Errorf("shutdown grace %s, want 5s (--shutdown-grace)", g)
+	}
 }
 
 // TestServeSimBench runs two `infergate sim` processes, `infergate serve` in

@@ -17,25 +17,53 @@ import (
 	"github.com/infergate/infergate/sched"
 )
 
-// shutdownGrace is how long in-flight requests get to finish after SIGINT or
-// SIGTERM before their connections are closed.
-const shutdownGrace = 10 * time.Second
+// finalWriteWindow is how long the handlers of requests ended at the expiry
+// of the shutdown grace get to write their last words (a 503, a stream's
+// error event and [DONE]) before the connections are closed.
+const finalWriteWindow = 2 * time.Second
 
-// listenAndServe serves h on addr until ctx is cancelled, then shuts down
-// gracefully. ready, if not nil, is called with the bound address once the
-// listener is open (so ":0" works).
+// drainer is a handler that takes part in a shutdown (the gateway): Drain
+// at the signal, Abort when the grace has expired.
+type drainer interface {
+	Drain()
+	Abort()
+}
+
+// shutdown says how serveUntilDone stops: grace for the requests in flight,
+// and the drainer to tell (nil: none).
+type shutdown struct {
+	grace time.Duration
+	drain drainer
+}
+
+// listenAndServe serves h (not a gateway) on addr until ctx is cancelled,
+// then shuts down gracefully within the default grace. ready, if not nil,
+// is called with the bound address once the listener is open (so ":0"
+// works).
 func listenAndServe(ctx context.Context, log *slog.Logger, addr string, h http.Handler, ready func(net.Addr)) error {
 	return serveUntilDone(ctx, log, addr, &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       120 * time.Second,
 		MaxHeaderBytes:    64 << 10,
-	}, ready)
+	}, shutdown{grace: gateway.DefaultShutdownGrace}, ready)
+}
+
+// serveGateway serves g on addr (g.Server(), TLS when configured) until ctx
+// is cancelled, then shuts it down within its shutdown_grace; ready as for
+// listenAndServe.
+func serveGateway(ctx context.Context, log *slog.Logger, addr string, g *gateway.Gateway, ready func(net.Addr)) error {
+	return serveUntilDone(ctx, log, addr, g.Server(), shutdown{grace: g.Config().ShutdownGrace, drain: g}, ready)
 }
 
 // serveUntilDone serves srv on addr (TLS when srv.TLSConfig is set) until
-// ctx is cancelled, then shuts down gracefully; ready as for listenAndServe.
-func serveUntilDone(ctx context.Context, log *slog.Logger, addr string, srv *http.Server, ready func(net.Addr)) error {
+// ctx is cancelled (SIGINT, SIGTERM), then shuts down: the listener is
+// closed and sd.drain drained (queued requests answered 503 at once), the
+// requests in flight get sd.grace to finish; past it they are aborted (each
+// told with an explicit error, not cut off) and get finalWriteWindow to
+// write it before the connections are closed. ready as for listenAndServe.
+func serveUntilDone(ctx context.Context, log *slog.Logger, addr string, srv *http.Server, sd shutdown,
+	ready func(net.Addr)) error {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return fmt.Errorf("listen %s: %w", addr, err)
@@ -57,11 +85,23 @@ func serveUntilDone(ctx context.Context, log *slog.Logger, addr string, srv *htt
 		return err
 	case <-ctx.Done():
 	}
-	log.Info("shutting down", "grace", shutdownGrace)
-	sctx, cancel := context.WithTimeout(context.Background(), shutdownGrace)
+	log.Info("shutting down", "grace", sd.grace)
+	if sd.drain != nil {
+		sd.drain.Drain()
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), sd.grace)
 	defer cancel()
 	if err := srv.Shutdown(sctx); err != nil {
-		_ = srv.Close()
+		if sd.drain != nil {
+			log.Warn("shutdown grace expired: ending the requests still in flight", "grace", sd.grace)
+			sd.drain.Abort()
+			fctx, fcancel := context.WithTimeout(context.Background(), finalWriteWindow)
+			err = srv.Shutdown(fctx) // returns once the aborted handlers are done
+			fcancel()
+		}
+		if err != nil {
+			_ = srv.Close()
+		}
 	}
 	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err
@@ -79,13 +119,15 @@ func newServeCmd() *cobra.Command {
 		tlsKey     string
 		keysFile   string
 		pprofAddr  string
+		grace      time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Run the gateway in front of real engines",
 		Long: `Run the gateway in front of OpenAI-compatible engines (vLLM, SGLang, llama.cpp,
 Ollama, TGI, or 'infergate sim'). Endpoints come from a YAML config (-c) and/or
---endpoint flags; flags override the file's listen address and policy.
+--endpoint flags; flags override the file's listen address, policy and
+shutdown grace.
 
 Config example:
 
@@ -98,6 +140,12 @@ Config example:
 
 Every key (timeouts, health checks, body limits, prefix tuning, API keys, TLS),
 the metrics and the error codes are listed in gateway/README.md.
+
+SIGTERM or SIGINT: the gateway stops accepting, answers requests waiting in
+an admission queue (and any new one) 503 shutting_down, and gives those in
+flight shutdown_grace (--shutdown-grace, default 25s) to finish; then it ends
+them with an explicit error (503, or a stream's error event and [DONE]) and
+exits.
 
 API keys: auth.keys_file (or --keys-file) and/or the INFERGATE_API_KEYS
 environment variable (same format, ';' between entries); hash a key with
@@ -119,6 +167,9 @@ environment variable (same format, ';' between entries); hash a key with
 			}
 			if cmd.Flags().Changed("policy") {
 				cfg.Routing.Policy = policy
+			}
+			if cmd.Flags().Changed("shutdown-grace") {
+				cfg.ShutdownGrace = grace
 			}
 			for _, e := range endpoints {
 				url, model, ok := strings.Cut(e, "=")
@@ -156,7 +207,7 @@ environment variable (same format, ';' between entries); hash a key with
 			if g.TLSEnabled() {
 				scheme = "https://"
 			}
-			return serveUntilDone(cmd.Context(), log, cfg.Listen, g.Server(), func(a net.Addr) {
+			return serveGateway(cmd.Context(), log, cfg.Listen, g, func(a net.Addr) {
 				log.Info("gateway listening", "addr", scheme+a.String(), "policy", g.Policy(), "endpoints", len(cfg.Endpoints),
 					"auth", g.AuthEnabled())
 			})
@@ -171,8 +222,12 @@ environment variable (same format, ';' between entries); hash a key with
 	f.StringVar(&tlsKey, "tls-key", "", "PEM private key for --tls-cert (overrides tls.key_file)")
 	f.StringVar(&keysFile, "keys-file", "", "API keys file (overrides auth.keys_file; see 'infergate keys')")
 	f.StringVar(&pprofAddr, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default)")
+	f.DurationVar(&grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage+" (overrides shutdown_grace)")
 	return cmd
 }
+
+// shutdownGraceUsage is the --shutdown-grace flag's help (serve and up).
+const shutdownGraceUsage = "time requests in flight get to finish after SIGTERM/SIGINT before they are ended with an explicit error"
 
 // applyEdgeFlags applies the TLS and keys-file flags and the
 // INFERGATE_API_KEYS environment variable to cfg.

@@ -5,6 +5,7 @@ import (
 	"github.com/infergate/infergate/bench"
 	"net"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -18,6 +19,7 @@ func newUpCmd() *cobra.Command {
 		engines int
 		listen  string
 		policy  string
+		grace   time.Duration
 		ef      engineFlags
 	)
 	cmd := &cobra.Command{
@@ -49,7 +51,7 @@ cache-aware routing shows its effect without a GPU.`,
 				return err
 			}
 			defer fleet.Close()
-			cfg := gateway.Config{Listen: listen, Routing: sched.Config{Policy: policy}}
+			cfg := gateway.Config{Listen: listen, Routing: sched.Config{Policy: policy}, ShutdownGrace: grace}
 			for _, m := range append([]string{model}, lora.Adapters...) {
 				cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, m)...)
 			}
@@ -61,7 +63,7 @@ cache-aware routing shows its effect without a GPU.`,
 			policy = g.Policy()
 			log := newLogger(cmd)
 			out := cmd.OutOrStdout()
-			return listenAndServe(cmd.Context(), log, listen, g.Handler(), func(a net.Addr) {
+			return serveGateway(cmd.Context(), log, listen, g, func(a net.Addr) {
 				base := "http://" + a.String()
 				fmt.Fprintf(out, "infergate %s is up: OpenAI API at %s/v1 (policy %s)\n", buildVersion(), base, policy)
 				fmt.Fprintf(out, "  fleet: %d simulated engines, profile %s, model %q, time scale %gx, %d KV blocks each\n",
@@ -80,6 +82,7 @@ cache-aware routing shows its effect without a GPU.`,
 	f.IntVar(&engines, "engines", 4, "number of simulated engines")
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
 	f.StringVar(&policy, "policy", "", "routing policy (default cache-aware; precise-prefix uses the engines' KV events): "+strings.Join(sched.Names(), ", "))
+	f.DurationVar(&grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage)
 	ef.register(f, false, "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
 	return cmd
 }
