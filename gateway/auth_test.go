@@ -257,6 +257,32 @@ func TestModelAccess(t *testing.T) {
 	if got := models(bob); len(got) != 2 {
 		t.Errorf("bob sees models %v, want both", got)
 	}
+
+	// GET /v1/models/{model} (OpenAI's retrieve model), filtered alike.
+	for _, tc := range []struct {
+		hdr    []string
+		model  string
+		status int
+	}{{alice, "m", 200}, {alice, "other", 404}, {bob, "other", 200}, {bob, "gpt-9", 404}, {bob, "org/m", 404}} {
+		resp, b := send(t, c, http.MethodGet, url+pathModels+"/"+tc.model, "", tc.hdr...)
+		if resp.StatusCode != tc.status {
+			t.Errorf("GET /v1/models/%s as %s: %d %s, want %d", tc.model, tc.hdr[1][7:12], resp.StatusCode, b, tc.status)
+			continue
+		}
+		if tc.status == 404 {
+			if oe := decodeError(t, b); codeStr(oe.Code) != openai.CodeModelNotFound {
+				t.Errorf("GET /v1/models/%s: %+v", tc.model, oe)
+			}
+			continue
+		}
+		var m openai.Model
+		if err := json.Unmarshal(b, &m); err != nil || m.ID != tc.model || m.Object != openai.ObjectModel {
+			t.Errorf("GET /v1/models/%s: %s %v", tc.model, b, err)
+		}
+	}
+	if resp, _ := send(t, c, http.MethodPost, url+pathModels+"/m", "", bob...); resp.StatusCode != http.StatusMethodNotAllowed {
+		t.Errorf("POST /v1/models/m: %d, want 405", resp.StatusCode)
+	}
 }
 
 func TestAuthFailsClosed(t *testing.T) {

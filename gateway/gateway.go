@@ -20,6 +20,7 @@ import (
 	"net/url"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -59,7 +60,8 @@ type Gateway struct {
 	handler        http.Handler
 	metricsHandler http.Handler
 	modelsBody     []byte
-	retryAfter     string // seconds, for 503 no_endpoint_available
+	modelBodies    map[string][]byte // GET /v1/models/{model}: each entry of modelsBody
+	retryAfter     string            // seconds, for 503 no_endpoint_available
 
 	reqIDPrefix string
 	reqIDSeq    atomic.Uint64
@@ -285,6 +287,13 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	for i, model := range models {
 		list.Data[i] = openai.Model{ID: model, Object: openai.ObjectModel, Created: created, OwnedBy: "infergate", Root: model}
 	}
+	g.modelBodies = make(map[string][]byte, len(list.Data))
+	for _, m := range list.Data {
+		if g.modelBodies[m.ID], err = json.Marshal(m); err != nil {
+			g.transport.CloseIdleConnections()
+			return nil, fmt.Errorf("gateway: encode model %q: %w", m.ID, err)
+		}
+	}
 	if g.modelsBody, err = json.Marshal(list); err != nil {
 		g.transport.CloseIdleConnections()
 		return nil, fmt.Errorf("gateway: encode model list: %w", err)
@@ -449,9 +458,27 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 			g.serveReadyz(w)
 		}
 	default:
+		if model, ok := strings.CutPrefix(r.URL.Path, pathModels+"/"); ok && model != "" {
+			if g.allow(w, r, http.MethodGet) {
+				g.serveModel(w, model, key)
+			}
+			return
+		}
 		openai.WriteError(w, openai.NewError(http.StatusNotFound,
 			fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path), "", "not_found"))
 	}
+}
+
+// serveModel answers GET /v1/models/{model} (OpenAI's "retrieve model"; a
+// model name may contain '/'): the model's entry of GET /v1/models, or 404
+// model_not_found, the same for a model the key may not use.
+func (g *Gateway) serveModel(w http.ResponseWriter, model string, key *principal) {
+	b, ok := g.modelBodies[model]
+	if !ok || (key != nil && key.models != nil && !key.models[model]) {
+		openai.WriteError(w, modelNotAllowed(model))
+		return
+	}
+	writeJSON(w, http.StatusOK, b)
 }
 
 // allow answers 405 unless r's method is method (GET also admits HEAD).

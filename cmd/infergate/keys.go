@@ -60,8 +60,9 @@ the first line of standard input, which keeps it out of the shell history.`,
 
 func newKeysNewCmd() *cobra.Command {
 	var (
-		models   []string
-		rpm, tpm int
+		models      []string
+		rpm, tpm    int
+		maxPriority int
 	)
 	cmd := &cobra.Command{
 		Use:   "new NAME",
@@ -69,7 +70,7 @@ func newKeysNewCmd() *cobra.Command {
 		Long: `Generate a key of 256 random bits. The key is printed once, on the first line;
 the second line is the entry for a keys file (one key per line format), which
 holds only the key's hash.`,
-		Example: `  infergate keys new team-a --models meta-llama/Llama-3.1-8B-Instruct --rpm 600 --tpm 200000`,
+		Example: `  infergate keys new team-a --models meta-llama/Llama-3.1-8B-Instruct --rpm 600 --tpm 200000 --max-priority 0`,
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var b [32]byte
@@ -87,6 +88,9 @@ holds only the key's hash.`,
 			if tpm > 0 {
 				line += " tpm=" + strconv.Itoa(tpm)
 			}
+			if cmd.Flags().Changed("max-priority") {
+				line += " max_priority=" + strconv.Itoa(maxPriority)
+			}
 			if _, err := gateway.ParseKeys([]byte(line), false); err != nil {
 				return err
 			}
@@ -100,5 +104,6 @@ holds only the key's hash.`,
 	f.StringSliceVar(&models, "models", nil, "models the key may use (comma-separated; default all)")
 	f.IntVar(&rpm, "rpm", 0, "requests per minute (0: no limit)")
 	f.IntVar(&tpm, "tpm", 0, "prompt + completion tokens per minute (0: no limit)")
+	f.IntVar(&maxPriority, "max-priority", 0, "highest X-Priority the key's requests queue with (a higher one is lowered to it; not given: no cap)")
 	return cmd
 }

@@ -48,7 +48,7 @@ func TestKeysCommands(t *testing.T) {
 	if _, err := runRoot(t, "", "keys", "hash"); err == nil {
 		t.Error("empty key hashed")
 	}
-	out, err := runRoot(t, "", "keys", "new", "team-a", "--models", "m1,m2", "--rpm", "60")
+	out, err := runRoot(t, "", "keys", "new", "team-a", "--models", "m1,m2", "--rpm", "60", "--max-priority", "-2")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,7 +58,7 @@ func TestKeysCommands(t *testing.T) {
 	}
 	keys, err := gateway.ParseKeys([]byte(lines[1]), false)
 	if err != nil || len(keys) != 1 || keys[0].Hash != gateway.HashKey(lines[0]) ||
-		keys[0].RequestsPerMinute != 60 || len(keys[0].Models) != 2 {
+		keys[0].RequestsPerMinute != 60 || len(keys[0].Models) != 2 || keys[0].MaxPriority == nil || *keys[0].MaxPriority != -2 {
 		t.Fatalf("keys-file line %q: %+v %v", lines[1], keys, err)
 	}
 	if _, err := runRoot(t, "", "keys", "new", "bad name!"); err == nil {
