@@ -491,6 +491,7 @@ func (g *Gateway) authenticate(w http.ResponseWriter, r *http.Request) (*princip
 	g.authFailures.WithLabelValues(reason).Inc()
 	slog.Debug("gateway: request refused: API key "+reason, "remote", r.RemoteAddr, "path", r.URL.Path)
 	w.Header().Set("WWW-Authenticate", `Bearer realm="infergate"`)
+	w.Header().Set("X-Request-Id", g.requestID(r)) // to match the client's report with the gateway's
 	openai.WriteError(w, authFailure(key == ""))
 	if r.URL.Path == pathChat || r.URL.Path == pathCompletions {
 		g.metrics.count(g.unknown, http.StatusUnauthorized)

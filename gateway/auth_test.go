@@ -168,8 +168,8 @@ func TestAuthentication(t *testing.T) {
 				if tc.missing != strings.Contains(oe.Message, "didn't provide") {
 					t.Errorf("%s: message %q", path, oe.Message)
 				}
-				if resp.Header.Get("WWW-Authenticate") == "" {
-					t.Errorf("%s: no WWW-Authenticate", path)
+				if resp.Header.Get("WWW-Authenticate") == "" || resp.Header.Get("X-Request-Id") == "" {
+					t.Errorf("%s: WWW-Authenticate %q, X-Request-Id %q", path, resp.Header.Get("WWW-Authenticate"), resp.Header.Get("X-Request-Id"))
 				}
 			}
 		})
