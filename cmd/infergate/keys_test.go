@@ -153,9 +153,11 @@ func TestServeWarnsWhenExposed(t *testing.T) {
 	p.await(t, regexp.MustCompile(`(non-loopback address without API keys)`))
 	p.stop(t)
 
-	cmd := exec.Command(os.Args[0], "serve", "--pprof", "0.0.0.0:6060", "--endpoint", eng.URL+"=m")
-	cmd.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
-	if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "loopback only") {
-		t.Errorf("--pprof on a non-loopback address: %v %s", err, out)
+	for _, args := range [][]string{{"serve", "--endpoint", eng.URL + "=m"}, {"up", "--listen", "127.0.0.1:0"}} {
+		cmd := exec.Command(os.Args[0], append(args, "--pprof", "0.0.0.0:6060")...)
+		cmd.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
+		if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "loopback only") {
+			t.Errorf("%s --pprof on a non-loopback address: %v %s", args[0], err, out)
+		}
 	}
 }

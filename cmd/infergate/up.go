@@ -20,6 +20,7 @@ func newUpCmd() *cobra.Command {
 		listen  string
 		policy  string
 		grace   time.Duration
+		pprofAt string
 		ef      engineFlags
 	)
 	cmd := &cobra.Command{
@@ -36,6 +37,11 @@ cache-aware routing shows its effect without a GPU.`,
 			scfg, err := ef.serverConfig()
 			if err != nil {
 				return err
+			}
+			if pprofAt != "" {
+				if err := gateway.CheckLoopback(pprofAt); err != nil {
+					return fmt.Errorf("--pprof: %w (profiling is served on loopback only)", err)
+				}
 			}
 			if engines < 1 || engines > 64 {
 				return fmt.Errorf("--engines %d: want 1..64", engines)
@@ -62,6 +68,13 @@ cache-aware routing shows its effect without a GPU.`,
 			defer g.Close()
 			policy = g.Policy()
 			log := newLogger(cmd)
+			if pprofAt != "" { // profiles the simulated engines too: they share the process
+				stop, err := startPprof(log, pprofAt)
+				if err != nil {
+					return err
+				}
+				defer stop()
+			}
 			out := cmd.OutOrStdout()
 			return serveGateway(cmd.Context(), log, listen, g, func(a net.Addr) {
 				base := "http://" + a.String()
@@ -83,6 +96,7 @@ cache-aware routing shows its effect without a GPU.`,
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
 	f.StringVar(&policy, "policy", "", "routing policy (default cache-aware; precise-prefix uses the engines' KV events): "+strings.Join(sched.Names(), ", "))
 	f.DurationVar(&grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage)
+	f.StringVar(&pprofAt, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default; the engines share the process)")
 	ef.register(f, false, "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
 	return cmd
 }
