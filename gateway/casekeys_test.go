@@ -29,6 +29,18 @@ func TestCaseVariantKeysCannotBypassLimits(t *testing.T) {
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf(`alice asking for "m" (and "Model":"other"): %d %s`, resp.StatusCode, b)
 	}
+	// A repeated key is refused: {"model":"m","model":null} is m to Go's
+	// decoder and the base model to vLLM; a repeated include_usage hid the
+	// usage from the token limit.
+	for _, body := range []string{
+		`{"model":"m","model":null,"messages":[{"role":"user","content":"x"}]}`,
+		`{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"include_usage":true,"include_usage":null}}`,
+	} {
+		resp, b := send(t, c, http.MethodPost, url+pathChat, body, alice...)
+		if oe := decodeError(t, b); resp.StatusCode != http.StatusBadRequest || codeStr(oe.Code) != "invalid_value" {
+			t.Errorf("%s: %d %s, want 400 invalid_value", body, resp.StatusCode, b)
+		}
+	}
 	if n := f.requests.Load(); n != 0 {
 		t.Fatalf("model other's engine served %d of alice's requests", n)
 	}

@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"io"
@@ -374,6 +375,14 @@ func FuzzDecodeAgreesWithStdlib(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
+		if json.Valid(b) && bytes.HasPrefix(bytes.TrimSpace(b), []byte("{")) {
+			if fast, slow := duplicateKey(b), duplicateKeyParsed(b); fast != slow {
+				t.Fatalf("%q: duplicateKey %q, parsed %q", b, fast, slow)
+			}
+			if duplicateKeyParsed(b) != "" {
+				return // refused by Decode, read by encoding/json (TestDecodeRefusesDuplicateKeys)
+			}
+		}
 		if hasCaseVariantKey(b) {
 			return // Decode matches keys exactly, encoding/json in any case (TestDecodeMatchesKeysExactly)
 		}
@@ -473,7 +482,7 @@ func TestDecodeMatchesKeysExactly(t *testing.T) {
 		t.Fatalf("got model %q, max_tokens %v, stream %v; want m1, 5000, true", c.Model, c.MaxTokens, c.Stream)
 	}
 	var r ChatRequest
-	if e := Decode([]byte(`{"model":"m","mod\u0065l":"n","messages":[{"role":"user","content":"x","Content":"y"},{"role":"user","content":[{"type":"text","text":"a","Text":"b"}]}]}`), &r); e != nil {
+	if e := Decode([]byte(`{"mod\u0065l":"n","messages":[{"role":"user","content":"x","Content":"y"},{"role":"user","content":[{"type":"text","text":"a","Text":"b"}]}]}`), &r); e != nil {
 		t.Fatal(e)
 	}
 	if r.Model != "n" || r.Messages[0].Content.Text != "x" || r.Messages[1].Content.Text != "a" {
@@ -487,6 +496,40 @@ func TestDecodeMatchesKeysExactly(t *testing.T) {
 	for _, b := range []string{`{"model":"Model"}`, `{"model":"m","x":{"a":["Model"]},"messages":[]}`, `{"model":`} {
 		if hasCaseVariantKey([]byte(b)) {
 			t.Errorf("hasCaseVariantKey(%s) = true", b)
+		}
+	}
+}
+
+// A key Decode reads, repeated at the top level or in stream_options, is
+// refused: Go and Python read repeats differently ({"model":"a","model":null}
+// is "a" to encoding/json, the base model to vLLM).
+func TestDecodeRefusesDuplicateKeys(t *testing.T) {
+	for body, key := range map[string]string{
+		`{"model":"lora-a","model":null,"messages":[{"role":"user","content":"x"}]}`:                            "model",
+		`{"model":"a","mod\u0065l":null,"prompt":"x"}`:                                                          "model",
+		`{"m\u006Fdel":"a","prompt":"caf\u00e9","model":null}`:                                                  "model",
+		`{"model":"a","prompt":"x","stream":true,"stream_options":{"include_usage":true},"stream_options":{}}`:  "stream_options",
+		`{"model":"a","prompt":"x","stream":true,"stream_options":{"include_usage":true,"include_usage":null}}`: "stream_options.include_usage",
+		`{"model":"a","prompt":"x","stream_options":{"include_usag\u0065":true,"include_usage":null}}`:          "stream_options.include_usage",
+		`{"model":"a","prompt":"x","max_tokens":5,"x":1,"max_tokens":null}`:                                     "max_tokens",
+	} {
+		for _, v := range []any{&ChatRequest{}, &CompletionRequest{}} {
+			e := Decode([]byte(body), v)
+			if e == nil || e.Code != CodeInvalidValue || e.Param == nil || *e.Param != key {
+				t.Errorf("%s into %T: %+v, want invalid_value for %q", body, v, e, key)
+			}
+		}
+	}
+	// Not repeats of a key Decode reads: accepted.
+	for _, body := range []string{
+		`{"model":"model","prompt":["model","stream"],"x":{"model":1,"model":2},"y":1,"y":2}`,
+		`{"model":"a","prompt":"\"model\": \u0041","stream_options":{"include_usage":true,"z":1,"z":2},"include_usage":false}`,
+		`{"model":"a","prompt":"caf\u00e9 \u4e2d \u006d","x":"model"}`,
+		`{"model":"a","messages":[{"role":"user","content":"model"}],"tools":[{"type":"function","function":{"name":"model","parameters":{"model":{"type":"string"}}}}]}`,
+	} {
+		var r ChatRequest
+		if e := Decode([]byte(body), &r); e != nil && e.Code == CodeInvalidValue {
+			t.Errorf("%s: %v", body, e)
 		}
 	}
 }

@@ -438,5 +438,8 @@ func Decode(body []byte, v any) *Error {
 	if len(bytes.TrimLeft(rest, " \t\r\n")) > 0 { // JSON's whitespace only
 		return DecodeError(errTrailing)
 	}
+	if k := duplicateKey(body); k != "" {
+		return NewError(http.StatusBadRequest, fmt.Sprintf("The request body has the key %q more than once; send each key once.", k), k, CodeInvalidValue)
+	}
 	return nil
 }
