@@ -57,3 +57,20 @@ func TestCaseVariantKeysCannotBypassLimits(t *testing.T) {
 		t.Fatalf(`max_tokens 1000 (and "Max_Tokens":1) under tpm=100: %d %s, want 429 too large`, resp.StatusCode, b)
 	}
 }
+
+// A stream whose body encoding/json cannot edit to ask for usage (nesting
+// over its 10000 levels, which segmentio accepts) is refused, never
+// forwarded without usage.
+func TestStreamBodyThatCannotAskForUsage(t *testing.T) {
+	e := newFakeEngine(t, "e0")
+	_, url := startGateway(t, testConfig(sched.RoundRobin, e))
+	deep := strings.Repeat("[", 10001) + strings.Repeat("]", 10001)
+	body := `{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":false},"x":` + deep + `}`
+	resp, b := send(t, testClient(t), http.MethodPost, url+pathCompletions, body, "Content-Type", "application/json")
+	if resp.StatusCode != http.StatusBadRequest {
+		t.Fatalf("%d %s, want 400", resp.StatusCode, b)
+	}
+	if n := e.requests.Load(); n != 0 {
+		t.Fatalf("the engine got %d requests", n)
+	}
+}

@@ -193,9 +193,17 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	body := x.body
 	strip := false
 	if x.stream && !x.includeUsage {
-		if b, err := withIncludeUsage(x.upBody[:0], body); err == nil {
-			x.upBody, body, strip = b, b, true
+		b, err := withIncludeUsage(x.upBody[:0], body)
+		if err != nil {
+			// openai.Decode accepted the body, encoding/json cannot edit it
+			// (nesting over its 10000 levels): never forward a stream
+			// without usage, which the key's token limit and the metrics
+			// need.
+			g.fail(w, rm, openai.NewError(http.StatusBadRequest,
+				"The request body could not be edited to ask the engine for usage ("+err.Error()+").", "", openai.CodeInvalidJSON))
+			return nil
 		}
+		x.upBody, body, strip = b, b, true
 	}
 	// The URL was parsed when the endpoint was configured: the request is
 	// built with an empty one, which cannot fail to parse.
