@@ -25,6 +25,12 @@ var version = ""
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	go func() {
+		// The first signal starts a graceful shutdown; with the handler
+		// gone, a second one ends the process at once.
+		<-ctx.Done()
+		stop()
+	}()
 	if err := newRoot().ExecuteContext(ctx); err != nil {
 		fmt.Fprintln(os.Stderr, "infergate:", err)
 		os.Exit(1)

@@ -85,7 +85,7 @@ func serveUntilDone(ctx context.Context, log *slog.Logger, addr string, srv *htt
 		return err
 	case <-ctx.Done():
 	}
-	log.Info("shutting down", "grace", sd.grace)
+	log.Info("shutting down (a second SIGINT/SIGTERM stops at once)", "grace", sd.grace)
 	if sd.drain != nil {
 		sd.drain.Drain()
 	}

@@ -283,3 +283,45 @@ func TestShutdownGraceFlags(t *testing.T) {
 		t.Errorf("a negative grace: %v %s", err, msg)
 	}
 }
+
+// TestSecondSignalStopsAtOnce: a second SIGTERM during the shutdown grace
+// ends the process at once (the first one's handler is gone).
+func TestSecondSignalStopsAtOnce(t *testing.T) {
+	engine, arrived, _ := holdingEngine(t)
+	p := start(t, "serve", "--endpoint", engine+"=m", "--listen", "127.0.0.1:0", "--shutdown-grace", "5m")
+	addr := p.await(t, regexp.MustCompile(`addr=(http://[0-9.:]+)`))
+	go func() { // held by the engine: keeps the shutdown waiting for the grace
+		req, _ := http.NewRequest(http.MethodPost, addr+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"x"}`))
+		req.Header.Set("X-Request-Id", "held")
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	<-arrived
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	p.await(t, graceRe)
+	go func() {
+		for range p.lines {
+		}
+	}()
+	done := make(chan error, 1)
+	go func() { done <- p.cmd.Wait() }()
+	tick := time.NewTicker(100 * time.Millisecond) // until the first handler is gone
+	defer tick.Stop()
+	deadline := time.After(20 * time.Second)
+	for {
+		select {
+		case err := <-done:
+			if err == nil {
+				t.Fatal("exited cleanly: the second signal was taken as the first")
+			}
+			return
+		case <-tick.C:
+			_ = p.cmd.Process.Signal(syscall.SIGTERM)
+		case <-deadline:
+			t.Fatal("still running 20 s after a second SIGTERM (grace 5m)")
+		}
+	}
+}
