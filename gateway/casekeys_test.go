@@ -1,7 +1,9 @@
 package gateway
 
 import (
+	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -72,5 +74,32 @@ func TestStreamBodyThatCannotAskForUsage(t *testing.T) {
 	}
 	if n := e.requests.Load(); n != 0 {
 		t.Fatalf("the engine got %d requests", n)
+	}
+}
+
+// A non-streaming answer over maxUsageScan is relayed from there on as it
+// arrives; one that breaks after that aborts the client's connection (a
+// truncation the client sees), and is not retried.
+func TestLargeBodyBrokenAfterRelay(t *testing.T) {
+	broken := func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", strconv.Itoa(8<<20))
+		_, _ = w.Write([]byte(`{"id":"` + strings.Repeat("x", maxUsageScan+(1<<20))))
+		panic(http.ErrAbortHandler) // the connection drops 3 MiB short
+	}
+	e, f := newFuncEngine(t, broken), newFuncEngine(t, broken)
+	_, url := startGateway(t, resilienceConfig(sched.RoundRobin, e.URL(), f.URL()))
+	c := testClient(t)
+	resp, err := c.Post(url+pathChat, "application/json", strings.NewReader(chatBody))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || err == nil || n < maxUsageScan {
+		t.Fatalf("status %d, %d bytes read, error %v; want 200, over 4 MiB, then a truncation", resp.StatusCode, n, err)
+	}
+	if got := e.requests.Load() + f.requests.Load(); got != 1 {
+		t.Errorf("the engine got %d requests, want 1 (no retry after bytes reached the client)", got)
 	}
 }

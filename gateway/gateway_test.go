@@ -467,15 +467,12 @@ func TestTruncatedUpstream(t *testing.T) {
 		t.Errorf("stream without [DONE]:\n%s", body)
 	}
 
-	// A non-streaming body cut short aborts the client's connection.
+	// A non-streaming body cut short has sent the client nothing (it is
+	// held to its end): with no other endpoint to retry on, 502.
 	e.mode.Store(int32(modeMidFail))
-	resp, err := c.Post(url+pathChat, "application/json", strings.NewReader(chatBody))
-	if err == nil {
-		_, err = io.ReadAll(resp.Body)
-		resp.Body.Close()
-	}
-	if err == nil {
-		t.Error("truncated non-streaming body read without error")
+	resp, b := post(t, c, url+pathChat, chatBody)
+	if oe := decodeError(t, b); resp.StatusCode != http.StatusBadGateway || codeStr(oe.Code) != openai.CodeUpstream {
+		t.Errorf("truncated non-streaming body: %d %s, want 502 upstream_error", resp.StatusCode, b)
 	}
 	if v := scrape(t, c, url).value("infergate_requests_total", `code="502"`); v != 2 {
 		t.Errorf("requests_total{code=502} = %v, want 2", v)

@@ -411,42 +411,37 @@ func (g *Gateway) relayError(w http.ResponseWriter, r *http.Request, resp *http.
 		fmt.Sprintf("The model server answered %d: %s", resp.StatusCode, strings.TrimSpace(snippet)), "", openai.CodeUpstream))
 }
 
-// relayBody relays a non-streaming answer as it arrives, keeping up to
-// maxUsageScan bytes of it to read usage from at the end. The status line
-// waits for the first read, so an answer that fails before its first byte
-// is returned as a failure to retry. It returns the status accounted, or
-// codeAbort when the body broke off after the status line was sent (the
-// caller then aborts the client's connection). A request canceled (client
-// gone, or ended by Abort before its first byte) returns codeClientClosed:
-// no verdict on the engine.
+// relayBody relays a non-streaming answer. The body is held in x.capture
+// until it ends and then written with its status line at once, so an answer
+// that breaks before its end has sent the client nothing: it is returned as
+// a failure to retry elsewhere, and a request ended by Abort meanwhile is
+// answered 503. Usage is read from the held body. A body over maxUsageScan
+// (4 MiB) is relayed from there on as it arrives (the status line and the
+// held part first); when it breaks after that, relayBody returns codeAbort
+// (the caller aborts the client's connection, so the client sees a
+// truncated answer, never a silently short one). A request canceled (client
+// gone) returns codeClientClosed: no verdict on the engine.
 func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
 	rm *routeMetrics, start time.Time) (*failure, int) {
 	x.capture = x.capture[:0]
-	overflow := false
-	for first := true; ; first = false {
-		n, rerr := resp.Body.Read(x.copyBuf)
-		if first {
-			if n == 0 && rerr != nil && rerr != io.EOF {
-				if r.Context().Err() != nil {
-					g.canceled(w, r, rm)
-					return nil, codeClientClosed
-				}
-				return &failure{reason: reasonReset, rm: rm, err: openai.NewError(http.StatusBadGateway,
-					"The model server's answer failed before its first byte: "+rerr.Error(), "", openai.CodeUpstream)}, 0
-			}
+	sent := false // the status line and the held body have been written
+	send := func(b []byte) bool {
+		if !sent {
 			copyResponseHeader(w.Header(), resp.Header, true)
 			w.WriteHeader(resp.StatusCode)
+			sent = true
 		}
+		g.extendWriteDeadline(w, x, time.Now())
+		_, err := w.Write(b)
+		return err == nil
+	}
+	for {
+		n, rerr := resp.Body.Read(x.copyBuf)
 		if n > 0 {
-			if !overflow {
-				if len(x.capture)+n > maxUsageScan {
-					overflow = true
-				} else {
-					x.capture = append(x.capture, x.copyBuf[:n]...)
-				}
-			}
-			g.extendWriteDeadline(w, x, time.Now())
-			if _, werr := w.Write(x.copyBuf[:n]); werr != nil {
+			switch {
+			case !sent && len(x.capture)+n <= maxUsageScan:
+				x.capture = append(x.capture, x.copyBuf[:n]...)
+			case !sent && !send(x.capture), !send(x.copyBuf[:n]):
 				g.metrics.count(rm, codeClientClosed)
 				return nil, codeClientClosed
 			}
@@ -455,27 +450,32 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 			break
 		}
 		if rerr != nil {
-			if r.Context().Err() != nil {
-				if shuttingDown(r) {
-					// Ended by Abort: the client sees a truncated
-					// response, as for an engine failure.
-					g.metrics.count(rm, http.StatusServiceUnavailable)
-					return nil, codeAbort
-				}
+			switch {
+			case !sent && r.Context().Err() != nil:
+				g.canceled(w, r, rm) // 499, or 503 when ended by Abort
+				return nil, codeClientClosed
+			case !sent:
+				return &failure{reason: reasonReset, rm: rm, err: openai.NewError(http.StatusBadGateway,
+					"The model server's answer broke off before its end: "+rerr.Error(), "", openai.CodeUpstream)}, 0
+			case shuttingDown(r):
+				g.metrics.count(rm, http.StatusServiceUnavailable)
+				return nil, codeAbort
+			case r.Context().Err() != nil:
 				g.metrics.count(rm, codeClientClosed)
 				return nil, codeClientClosed
 			}
 			g.metrics.count(rm, http.StatusBadGateway)
-			// The status line is out: the caller aborts the connection so
-			// the client sees a truncated response, never a silently short
-			// one.
 			return nil, codeAbort
 		}
 	}
 	var u struct {
 		Usage *openai.Usage `json:"usage"`
 	}
-	if !overflow {
+	if !sent {
+		if !send(x.capture) {
+			g.metrics.count(rm, codeClientClosed)
+			return nil, codeClientClosed
+		}
 		_ = json.Unmarshal(x.capture, &u)
 	}
 	g.finish(rm, x, resp.StatusCode, u.Usage, start)

@@ -249,8 +249,31 @@ func TestRetryAttemptsHeaderAndLimit(t *testing.T) {
 	}
 }
 
+// A non-streaming answer is held until its end (relayBody), so one that
+// breaks midway has sent the client nothing and is retried elsewhere.
+func TestRetryBodyBrokenBeforeItsEnd(t *testing.T) {
+	bad, good := newFakeEngine(t, "bad"), newFakeEngine(t, "good")
+	bad.mode.Store(int32(modeMidFail)) // part of the body, then the connection drops
+	_, url := startGateway(t, resilienceConfig(sched.RoundRobin, bad.URL(), good.URL()))
+	c := testClient(t)
+	for range 2 {
+		resp, b := send(t, c, http.MethodPost, url+pathChat, chatBody, "Content-Type", "application/json")
+		if resp.StatusCode != 200 || resp.Header.Get("X-Engine") != "good" || !bytes.Contains(b, []byte(`"choices"`)) {
+			t.Fatalf("%d from %q: %s", resp.StatusCode, resp.Header.Get("X-Engine"), b)
+		}
+	}
+	if n := bad.requests.Load(); n < 1 {
+		t.Fatalf("the failing engine got %d requests", n)
+	}
+	if v := scrape(t, c, url).value("infergate_retries_total", ""); v != float64(bad.requests.Load()) {
+		t.Errorf("retries_total = %v, want %d (one per broken answer)", v, bad.requests.Load())
+	}
+}
+
 func TestNoRetryAfterFirstByte(t *testing.T) {
-	for _, stream := range []bool{true, false} {
+	// Only streams: a non-streaming answer reaches the client whole or not
+	// at all (TestRetryBodyBrokenBeforeItsEnd), unless it is over 4 MiB.
+	for _, stream := range []bool{true} {
 		t.Run(fmt.Sprintf("stream=%v", stream), func(t *testing.T) {
 			bad, good := newFakeEngine(t, "bad"), newFakeEngine(t, "good")
 			bad.mode.Store(int32(modeMidFail)) // output, then the connection drops
