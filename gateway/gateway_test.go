@@ -670,12 +670,30 @@ func TestConcurrentRequests(t *testing.T) {
 	}
 }
 
-func TestNoGoroutineLeak(t *testing.T) {
-	settle := func() int {
-		runtime.GC()
-		return runtime.NumGoroutine()
+// settledGoroutines is the goroutine count after a GC.
+func settledGoroutines() int {
+	runtime.GC()
+	return runtime.NumGoroutine()
+}
+
+// requireGoroutinesBack fails the test, with every goroutine's stack,
+// unless the goroutine count is back to before within 5 s.
+func requireGoroutinesBack(t *testing.T, before int) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	n := settledGoroutines()
+	for n > before && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+		n = settledGoroutines()
 	}
-	before := settle()
+	if n > before {
+		buf := make([]byte, 1<<20)
+		t.Fatalf("goroutines: %d before, %d after\n%s", before, n, buf[:runtime.Stack(buf, true)])
+	}
+}
+
+func TestNoGoroutineLeak(t *testing.T) {
+	before := settledGoroutines()
 	func() {
 		e := newEngineNoCleanup(t, "e0")
 		defer e.srv.Close()
@@ -704,16 +722,7 @@ func TestNoGoroutineLeak(t *testing.T) {
 		}
 		cancel()
 	}()
-	deadline := time.Now().Add(5 * time.Second)
-	n := settle()
-	for n > before && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-		n = settle()
-	}
-	if n > before {
-		buf := make([]byte, 1<<20)
-		t.Fatalf("goroutines: %d before, %d after\n%s", before, n, buf[:runtime.Stack(buf, true)])
-	}
+	requireGoroutinesBack(t, before)
 }
 
 func TestConfig(t *testing.T) {

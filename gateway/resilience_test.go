@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"runtime"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -817,11 +816,7 @@ func TestConfigResilience(t *testing.T) {
 }
 
 func TestResilienceNoGoroutineLeak(t *testing.T) {
-	settle := func() int {
-		runtime.GC()
-		return runtime.NumGoroutine()
-	}
-	before := settle()
+	before := settledGoroutines()
 	func() {
 		release := make(chan struct{})
 		blocked := newEngineNoCleanup(t, "e0")
@@ -867,14 +862,5 @@ func TestResilienceNoGoroutineLeak(t *testing.T) {
 		close(release)
 		await(t, held)
 	}()
-	deadline := time.Now().Add(5 * time.Second)
-	n := settle()
-	for n > before && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-		n = settle()
-	}
-	if n > before {
-		buf := make([]byte, 1<<20)
-		t.Fatalf("goroutines: %d before, %d after\n%s", before, n, buf[:runtime.Stack(buf, true)])
-	}
+	requireGoroutinesBack(t, before)
 }

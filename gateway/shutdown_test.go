@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -288,11 +287,7 @@ func TestShutdownAbortInFlight(t *testing.T) {
 // Requests served before and ended by Abort leave no goroutine behind, on
 // both ways of serving (the plain handler ties each request to Abort).
 func TestShutdownNoGoroutineLeak(t *testing.T) {
-	settle := func() int {
-		runtime.GC()
-		return runtime.NumGoroutine()
-	}
-	before := settle()
+	before := settledGoroutines()
 	for _, base := range []bool{true, false} {
 		func() {
 			canceled := make(chan string, 8)
@@ -330,16 +325,7 @@ func TestShutdownNoGoroutineLeak(t *testing.T) {
 			}
 		}()
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	n := settle()
-	for n > before && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-		n = settle()
-	}
-	if n > before {
-		buf := make([]byte, 1<<20)
-		t.Fatalf("goroutines: %d before, %d after\n%s", before, n, buf[:runtime.Stack(buf, true)])
-	}
+	requireGoroutinesBack(t, before)
 }
 
 // X-Priority must be a plain integer: anything else is a 400 naming the
