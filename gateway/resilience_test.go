@@ -92,7 +92,7 @@ func sendAsync(ctx context.Context, c *http.Client, url, body string, hdr ...str
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
 	for i := 0; i+1 < len(hdr); i += 2 {
-		req.Header.Set(hdr[i], hdr[i+1])
+		req.Header.Add(hdr[i], hdr[i+1]) // a name given twice is sent twice
 	}
 	go func() {
 		resp, err := c.Do(req)

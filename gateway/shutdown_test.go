@@ -335,23 +335,11 @@ func TestPriorityHeaderInvalid(t *testing.T) {
 	q := queueSetup(t, AdmissionConfig{})
 	p := q.g.pools["m"]
 	send := func(values ...string) <-chan result {
-		req, _ := http.NewRequest(http.MethodPost, q.url+pathChat, strings.NewReader(chatBody))
-		req.Header.Set("Content-Type", "application/json")
+		var hdr []string
 		for _, v := range values {
-			req.Header.Add(PriorityHeader, v)
+			hdr = append(hdr, PriorityHeader, v)
 		}
-		ch := make(chan result, 1)
-		go func() {
-			resp, err := q.c.Do(req)
-			if err != nil {
-				ch <- result{err: err}
-				return
-			}
-			b, err := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			ch <- result{status: resp.StatusCode, header: resp.Header, body: b, err: err}
-		}()
-		return ch
+		return sendAsync(context.Background(), q.c, q.url+pathChat, chatBody, hdr...)
 	}
 	for _, values := range [][]string{{"abc"}, {"1.5"}, {"99999999999999999999"}, {"1", "2"}, {"1, 2"}, {"0x10"}, {"", "3"}} {
 		r := await(t, send(values...))
