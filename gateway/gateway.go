@@ -474,7 +474,7 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 // model_not_found, the same for a model the key may not use.
 func (g *Gateway) serveModel(w http.ResponseWriter, model string, key *principal) {
 	b, ok := g.modelBodies[model]
-	if !ok || (key != nil && key.models != nil && !key.models[model]) {
+	if !ok || (key != nil && !key.allows(model)) {
 		openai.WriteError(w, modelNotAllowed(model))
 		return
 	}

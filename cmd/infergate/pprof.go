@@ -13,13 +13,25 @@ import (
 	"github.com/infergate/infergate/gateway"
 )
 
+// checkPprofAddr returns an error unless addr is empty or a loopback
+// address (profiles expose memory contents and cost CPU, so they are never
+// offered to the network); commands call it before starting anything.
+func checkPprofAddr(addr string) error {
+	if addr == "" {
+		return nil
+	}
+	if err := gateway.CheckLoopback(addr); err != nil {
+		return fmt.Errorf("--pprof: %w (profiling is served on loopback only)", err)
+	}
+	return nil
+}
+
 // startPprof serves the net/http/pprof handlers on addr, which must be a
-// loopback address (profiles expose memory contents and cost CPU, so they
-// are never offered to the network). It returns a function that stops the
+// loopback address (checkPprofAddr). It returns a function that stops the
 // server.
 func startPprof(log *slog.Logger, addr string) (func(), error) {
-	if err := gateway.CheckLoopback(addr); err != nil {
-		return nil, fmt.Errorf("--pprof: %w (profiling is served on loopback only)", err)
+	if err := checkPprofAddr(addr); err != nil {
+		return nil, err
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {

@@ -184,10 +184,8 @@ environment variable (same format, ';' between entries); hash a key with
 			if err := applyEdgeFlags(cmd, &cfg, tlsCert, tlsKey, keysFile); err != nil {
 				return err
 			}
-			if pprofAddr != "" {
-				if err := gateway.CheckLoopback(pprofAddr); err != nil {
-					return fmt.Errorf("--pprof: %w (profiling is served on loopback only)", err)
-				}
+			if err := checkPprofAddr(pprofAddr); err != nil {
+				return err
 			}
 			log := newLogger(cmd)
 			g, err := gateway.New(cfg, nil)

@@ -38,10 +38,8 @@ cache-aware routing shows its effect without a GPU.`,
 			if err != nil {
 				return err
 			}
-			if pprofAt != "" {
-				if err := gateway.CheckLoopback(pprofAt); err != nil {
-					return fmt.Errorf("--pprof: %w (profiling is served on loopback only)", err)
-				}
+			if err := checkPprofAddr(pprofAt); err != nil {
+				return err
 			}
 			if engines < 1 || engines > 64 {
 				return fmt.Errorf("--engines %d: want 1..64", engines)
