@@ -438,10 +438,9 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 	for {
 		n, rerr := resp.Body.Read(x.copyBuf)
 		if n > 0 {
-			switch {
-			case !sent && len(x.capture)+n <= maxUsageScan:
+			if !sent && len(x.capture)+n <= maxUsageScan {
 				x.capture = append(x.capture, x.copyBuf[:n]...)
-			case !sent && !send(x.capture), !send(x.copyBuf[:n]):
+			} else if ok := sent || send(x.capture); !ok || !send(x.copyBuf[:n]) { // the held part first
 				g.metrics.count(rm, codeClientClosed)
 				return nil, codeClientClosed
 			}
