@@ -2,7 +2,6 @@ package bench
 
 import (
 	"context"
-	"os"
 	"runtime"
 	"testing"
 	"time"
@@ -23,9 +22,6 @@ func TestVirtualMooncakeFull(t *testing.T) {
 	}
 	if raceEnabled {
 		t.Skip("full-trace virtual replay: single-goroutine, ~7x slower under the race detector")
-	}
-	if _, err := os.Stat(mooncakePath); err != nil {
-		t.Skipf("Mooncake trace not available: %v", err)
 	}
 	recs, err := trace.LoadMooncake(mooncakePath)
 	if err != nil {
@@ -62,7 +58,7 @@ func TestVirtualMooncakeFull(t *testing.T) {
 func BenchmarkVirtualMooncake(b *testing.B) {
 	recs, err := trace.LoadMooncake(mooncakePath)
 	if err != nil {
-		b.Skipf("Mooncake trace not available: %v", err)
+		b.Fatal(err)
 	}
 	recs = recs[:2000]
 	for b.Loop() {

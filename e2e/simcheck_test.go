@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"math"
 	"net/http"
-	"os"
 	"regexp"
 	"slices"
 	"strconv"
@@ -15,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/data"
 	"github.com/infergate/infergate/gguf"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
@@ -84,7 +84,7 @@ type nativeChat struct {
 // prefill rate and decode time per token.
 func measureCalibration(t *testing.T, bin, dir string, v *gguf.Vocab) []calPoint {
 	t.Helper()
-	sonnet, err := os.ReadFile(RequireData(t, SonnetFile)[0])
+	sonnet, err := data.ReadFile(data.Sonnet)
 	if err != nil {
 		t.Fatal(err)
 	}

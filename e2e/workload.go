@@ -17,8 +17,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"path/filepath"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -28,64 +26,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/infergate/infergate/data"
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/gguf"
 	"github.com/infergate/infergate/trace"
 )
-
-// Files of the project's shared data folder used by the workload.
-const (
-	MTBenchFile = "fastchat_mtbench_question.jsonl"
-	SonnetFile  = "vllm_sonnet.txt"
-)
-
-// DataDir returns the project's shared data folder: shared/data beside the
-// repository (../shared/data from the repository root), found from this
-// source file or, failing that, from the working directory upwards.
-func DataDir() (string, error) {
-	var starts []string
-	if _, file, _, ok := runtime.Caller(0); ok {
-		starts = append(starts, filepath.Dir(file))
-	}
-	if wd, err := os.Getwd(); err == nil {
-		starts = append(starts, wd)
-	}
-	for _, dir := range starts {
-		for d := dir; ; d = filepath.Dir(d) {
-			p := filepath.Join(d, "shared", "data")
-			if st, err := os.Stat(p); err == nil && st.IsDir() {
-				return p, nil
-			}
-			if filepath.Dir(d) == d {
-				break
-			}
-		}
-	}
-	return "", errors.New("e2e: shared/data folder not found above the repository")
-}
-
-// RequireData returns the paths of the named files in DataDir, or skips the
-// test (fails it when INFERGATE_E2E_REQUIRE=1) if any is missing.
-func RequireData(t testing.TB, names ...string) []string {
-	t.Helper()
-	fail := t.Skipf
-	if os.Getenv(EnvRequire) == "1" {
-		fail = t.Fatalf
-	}
-	dir, err := DataDir()
-	if err != nil {
-		fail("skipping: %v", err)
-	}
-	paths := make([]string, len(names))
-	for i, n := range names {
-		paths[i] = filepath.Join(dir, n)
-		if _, err := os.Stat(paths[i]); err != nil {
-			fail("skipping: %v", err)
-		}
-	}
-	return paths
-}
 
 // SessionOptions parameterises ChatSessions. Zero fields take the defaults.
 type SessionOptions struct {
@@ -200,16 +146,15 @@ func ChatSessions(questions []trace.Question, sonnet string, v *gguf.Vocab, o Se
 	return sessions, nil
 }
 
-// LoadChatSessions reads the MT-bench questions and the sonnet text from the
-// shared data folder (RequireData) and builds sessions with ChatSessions.
+// LoadChatSessions reads the MT-bench questions and the sonnet text (the
+// copies in package data) and builds sessions with ChatSessions.
 func LoadChatSessions(t testing.TB, v *gguf.Vocab, o SessionOptions) []ChatSession {
 	t.Helper()
-	paths := RequireData(t, MTBenchFile, SonnetFile)
-	qs, err := trace.LoadMTBench(paths[0])
+	qs, err := trace.LoadMTBench(data.Embedded + data.MTBench)
 	if err != nil {
 		t.Fatal(err)
 	}
-	sonnet, err := os.ReadFile(paths[1])
+	sonnet, err := data.ReadFile(data.Sonnet)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -137,7 +137,7 @@ const usageCached = "usage.prompt_tokens_details.cached_tokens"
 var vllmInfo = Info{
 	Name: "vLLM",
 	// Sources: vllm/entrypoints/openai/api_server.py (GET /health, the
-	// prometheus_client /metrics mount); PROTOCOLS.md §2.1.
+	// prometheus_client /metrics mount); docs/PROTOCOLS.md §2.1.
 	MetricsPath: "/metrics",
 	HealthPath:  "/health",
 	Signals:     SignalQueue | SignalKVUtil | SignalCacheConfig | SignalPrefixCounters | SignalLoRA,
@@ -163,7 +163,7 @@ var infos = map[Kind]Info{
 		Name: "SGLang",
 		// Sources: sglang/srt/entrypoints/http_server.py (GET /health;
 		// /health_generate also runs a one-token generation); metrics only
-		// with --enable-metrics (PROTOCOLS.md §2.3; metrics collector in
+		// with --enable-metrics (docs/PROTOCOLS.md §2.3; metrics collector in
 		// python/sglang/srt/.../metrics_collector.py).
 		MetricsPath: "/metrics",
 		HealthPath:  "/health",
@@ -177,7 +177,7 @@ var infos = map[Kind]Info{
 		Name: "llama.cpp",
 		// Sources: ggml-org/llama.cpp tools/server/README.md (GET /health:
 		// 503 while the model loads, 200 {"status":"ok"} after; /metrics
-		// only with --metrics); PROTOCOLS.md §2.5. In router mode (several
+		// only with --metrics); docs/PROTOCOLS.md §2.5. In router mode (several
 		// models) /metrics needs ?model=<id>: set Endpoint.MetricsURL.
 		MetricsPath: "/metrics",
 		HealthPath:  "/health",
@@ -196,7 +196,7 @@ var infos = map[Kind]Info{
 	Ollama: {
 		Name: "Ollama",
 		// Sources: ollama docs/api.md (GET /api/version; GET / answers
-		// "Ollama is running"); no Prometheus endpoint (PROTOCOLS.md §2.6:
+		// "Ollama is running"); no Prometheus endpoint (docs/PROTOCOLS.md §2.6:
 		// issue #3144, PR #18508 unmerged as of Sep 2026, UNCERTAIN later).
 		MetricsPath:   "",
 		HealthPath:    "/api/version",
@@ -209,7 +209,7 @@ var infos = map[Kind]Info{
 	TGI: {
 		Name: "TGI",
 		// Sources: huggingface/text-generation-inference router (GET /health,
-		// GET /metrics), docs/source/reference/metrics.md; PROTOCOLS.md §2.4.
+		// GET /metrics), docs/source/reference/metrics.md; docs/PROTOCOLS.md §2.4.
 		// Newer launchers also take --prometheus-port (UNCERTAIN whether the
 		// main port still serves /metrics there): set Endpoint.MetricsURL.
 		MetricsPath: "/metrics",

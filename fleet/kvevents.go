@@ -20,7 +20,7 @@ import (
 	"github.com/infergate/infergate/prefix"
 )
 
-// KV-cache events (PROTOCOLS.md §1): an engine publishes what its prefix
+// KV-cache events (docs/PROTOCOLS.md §1): an engine publishes what its prefix
 // cache stores and evicts; the gateway subscribes and keeps a
 // prefix.PreciseIndex of it.
 //
@@ -63,7 +63,7 @@ type KVEvent struct {
 	// BlockHashes are the engine's hashes of the stored (in sequence order)
 	// or removed blocks, as unsigned 64-bit integers: integer hashes as sent
 	// (negative int64 reinterpreted), byte-string hashes by their last 8
-	// bytes big-endian (PROTOCOLS.md §1.5).
+	// bytes big-endian (docs/PROTOCOLS.md §1.5).
 	BlockHashes []uint64
 	// ParentBlockHash is the hash of the block before the first stored one;
 	// HasParent is false when it was null (the first block of a sequence).
@@ -100,7 +100,7 @@ const kvMaxDepth = 32
 var errKVTooDeep = errors.New("kv events: msgpack nesting too deep")
 
 // Field lists of the array ("array_like") encoding, position i+1 being
-// field i (position 0 is the tag); PROTOCOLS.md §1.4.
+// field i (position 0 is the tag); docs/PROTOCOLS.md §1.4.
 var (
 	kvStoredFields = [...]string{"block_hashes", "parent_block_hash", "token_ids", "block_size",
 		"lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
@@ -109,7 +109,7 @@ var (
 )
 
 // DecodeKVEventBatch decodes one msgpack KVEventBatch payload as vLLM
-// publishes it, in either encoding (PROTOCOLS.md §1.4): the batch an array
+// publishes it, in either encoding (docs/PROTOCOLS.md §1.4): the batch an array
 // [ts, events, dp_rank?] or a map {ts, events, data_parallel_rank}; each
 // event an array (tag first, fields by position, missing trailing fields
 // null, extra ones ignored) or a map (tag under "type", unknown keys
@@ -696,7 +696,7 @@ type KVEventSubscriberStats struct {
 	DecodeErrors, Malformed uint64
 }
 
-// KVEventSubscriber follows one engine's KV-event stream (PROTOCOLS.md
+// KVEventSubscriber follows one engine's KV-event stream (docs/PROTOCOLS.md
 // §1.2-1.3): a SUB socket dials the engine's PUB socket and every message
 // [topic, seq (8-byte big-endian), payload] is decoded and handed to a
 // KVEventHandler in sequence order.

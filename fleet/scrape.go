@@ -105,7 +105,7 @@ type pageSpec struct {
 }
 
 var vllmSpec = pageSpec{
-	// PROTOCOLS.md §2.1; vllm/v1/metrics/loggers.py.
+	// docs/PROTOCOLS.md §2.1; vllm/v1/metrics/loggers.py.
 	waiting: []string{"vllm:num_requests_waiting"},
 	running: []string{"vllm:num_requests_running"},
 	// kv_cache_usage_perc is a fraction despite its name; the deprecated
@@ -123,7 +123,7 @@ var specs = map[Kind]pageSpec{
 	VLLM: vllmSpec,
 	Sim:  vllmSpec,
 	SGLang: {
-		// PROTOCOLS.md §2.2–2.3; sglang metrics collector. Newer versions
+		// docs/PROTOCOLS.md §2.2–2.3; sglang metrics collector. Newer versions
 		// export page_size and num_pages as gauges; the GIE/llm-d EPP reads
 		// them as labels of sglang:cache_config_info, kept as the fallback.
 		waiting:     []string{"sglang:num_queue_reqs"},
@@ -141,12 +141,12 @@ var specs = map[Kind]pageSpec{
 		hitsSource: "device",
 	},
 	TGI: {
-		// PROTOCOLS.md §2.4: no KV, prefix or LoRA metric.
+		// docs/PROTOCOLS.md §2.4: no KV, prefix or LoRA metric.
 		waiting: []string{"tgi_queue_size"},
 		running: []string{"tgi_batch_current_size"},
 	},
 	LlamaCpp: {
-		// PROTOCOLS.md §2.5; tools/server server-task.cpp to_metrics().
+		// docs/PROTOCOLS.md §2.5; tools/server server-task.cpp to_metrics().
 		// kv_cache_usage_ratio: older builds only. prompt_tokens_total
 		// excludes cached tokens; prompt_tokens_cached_total: newer builds.
 		waiting:            []string{"llamacpp:requests_deferred"},
@@ -459,7 +459,7 @@ func withLabel(ms []*dto.Metric, name, v string) []*dto.Metric {
 
 // loraState reads vllm:lora_requests_info: the sample with the largest
 // value (vLLM sets it to the current time on each update and keeps old
-// label sets; PROTOCOLS.md §2.1).
+// label sets; docs/PROTOCOLS.md §2.1).
 func loraState(ms []*dto.Metric) LoRAState {
 	if len(ms) == 0 {
 		return LoRAState{}

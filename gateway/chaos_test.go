@@ -20,7 +20,7 @@ import (
 	"github.com/infergate/infergate/trace"
 )
 
-const mooncakeTrace = "../../shared/data/mooncake_conversation_trace.jsonl"
+const mooncakeTrace = "../data/mooncake_conversation_trace.jsonl"
 
 // Outcomes of a request in the chaos ledger.
 const (
@@ -138,7 +138,7 @@ func TestChaosKillEngine(t *testing.T) {
 	)
 	recs, err := trace.LoadMooncake(mooncakeTrace)
 	if err != nil {
-		t.Skipf("trace not available: %v", err)
+		t.Fatal(err)
 	}
 	recs = recs[:requests]
 	for i := range recs {

@@ -153,7 +153,7 @@ type EndpointConfig struct {
 	// llama.cpp router mode's /metrics?model=ID).
 	MetricsURL string `yaml:"metrics_url"`
 	// KVEvents subscribes to the engine's KV-cache events (vLLM
-	// --kv-events-config publisher, PROTOCOLS.md §1), which feed the
+	// --kv-events-config publisher, docs/PROTOCOLS.md §1), which feed the
 	// precise prefix index. nil: no subscription.
 	KVEvents *KVEventsConfig `yaml:"kv_events"`
 }

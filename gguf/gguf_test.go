@@ -353,9 +353,11 @@ func TestDefaultModel(t *testing.T) {
 
 func TestTokenizer(t *testing.T) {
 	corpus := DefaultCorpus()
-	if b, err := os.ReadFile(filepath.Join("..", "..", "shared", "data", "vllm_sonnet.txt")); err == nil {
-		corpus = append(corpus, b...)
+	b, err := os.ReadFile(filepath.Join("..", "data", "vllm_sonnet.txt"))
+	if err != nil {
+		t.Fatal(err)
 	}
+	corpus = append(corpus, b...)
 	v, err := TrainBPE(corpus, 2048)
 	if err != nil {
 		t.Fatal(err)

@@ -4,7 +4,7 @@
 // validation and the canonical chat rendering used for tokenization.
 //
 // Field sets follow the OpenAI API reference and vLLM's protocol classes
-// (vllm/entrypoints/openai/protocol.py); see ../shared/PROTOCOLS.md §5. The
+// (vllm/entrypoints/openai/protocol.py); see docs/PROTOCOLS.md §5. The
 // gateway forwards the client's original body, so fields not modelled here
 // (tools, response_format, kv_transfer_params, …) pass through untouched.
 package openai

@@ -10,7 +10,7 @@ import (
 )
 
 // Medium is a KV-cache tier an engine reports blocks in: the medium field of
-// vLLM's BlockStored and BlockRemoved events (PROTOCOLS.md §1.4; "GPU" for
+// vLLM's BlockStored and BlockRemoved events (docs/PROTOCOLS.md §1.4; "GPU" for
 // the GPU block pool, "CPU" from the offloading connectors).
 type Medium uint8
 
@@ -68,7 +68,7 @@ const preciseShards = 64
 // which blocks, in which medium, as the engines report it in their KV-cache
 // events (fleet.KVEventSubscriber feeds it), not as guessed from routing.
 //
-// It keeps two keys per block, like llm-d's KV-cache manager (PROTOCOLS.md
+// It keeps two keys per block, like llm-d's KV-cache manager (docs/PROTOCOLS.md
 // §1.7). The engines' block hashes ("engine keys") are opaque: they depend on
 // the engine's hash algorithm and its per-process seed. The index's own
 // "request keys" are Hashes over the event's token ids, chained from the

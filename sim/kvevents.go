@@ -18,7 +18,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 )
 
-// KV-cache events, as vLLM publishes them (PROTOCOLS.md §1).
+// KV-cache events, as vLLM publishes them (docs/PROTOCOLS.md §1).
 //
 // The pure core (Engine, blockPool) records the events a vLLM block pool would
 // queue — vllm/v1/core/block_pool.py: cache_full_blocks → BlockStored,
@@ -443,7 +443,7 @@ type KVEventsConfig struct {
 	// socket; reconnects automatically).
 	Endpoint string `yaml:"endpoint" json:"endpoint"`
 	// ReplayEndpoint, when set, is the address a ROUTER socket binds to
-	// answer replay requests (PROTOCOLS.md §1.3).
+	// answer replay requests (docs/PROTOCOLS.md §1.3).
 	ReplayEndpoint string `yaml:"replay_endpoint" json:"replay_endpoint"`
 	// BufferSteps is the number of past batches kept for replay (default 10000).
 	BufferSteps int `yaml:"buffer_steps" json:"buffer_steps"`

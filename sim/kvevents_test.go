@@ -21,7 +21,7 @@ import (
 )
 
 // ---------------------------------------------------------------------------
-// A KV-event subscriber written from PROTOCOLS.md §1 (not from the encoder):
+// A KV-event subscriber written from docs/PROTOCOLS.md §1 (not from the encoder):
 // payloads are decoded generically; a batch may be an array [ts, events,
 // dp_rank] or a map; an event an array (tag at index 0, fields by position,
 // missing trailing fields = null) or a map (tag under "type"); hashes uint64,
@@ -35,7 +35,7 @@ type subEvent struct {
 }
 
 // blockStoredFields and blockRemovedFields are the field orders of
-// PROTOCOLS.md §1.4 (position = index in the legacy array, 0 = tag).
+// docs/PROTOCOLS.md §1.4 (position = index in the legacy array, 0 = tag).
 var (
 	blockStoredFields = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
 		"medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
@@ -127,7 +127,7 @@ func decodeEvent(t *testing.T, v any) subEvent {
 	return ev
 }
 
-// asUint64 converts a msgpack number or bin hash per PROTOCOLS.md §1.5.
+// asUint64 converts a msgpack number or bin hash per docs/PROTOCOLS.md §1.5.
 func asUint64(t *testing.T, v any) uint64 {
 	t.Helper()
 	switch x := v.(type) {

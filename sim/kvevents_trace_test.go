@@ -3,7 +3,6 @@ package sim
 import (
 	"fmt"
 	"net/http"
-	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -12,13 +11,13 @@ import (
 	"github.com/infergate/infergate/trace"
 )
 
-const mooncakeTracePath = "../../shared/data/mooncake_conversation_trace.jsonl"
+const mooncakeTracePath = "../data/mooncake_conversation_trace.jsonl"
 
 // TestKVEventsDuringTraceReplay replays the start of the real Mooncake
 // conversation trace through one simulated engine with KV events on (array
 // encoding, the simulator binding tcp://*:0) and a KV cache small enough to
 // evict, then fetches every batch from sequence 0 through the replay socket
-// and decodes it with the PROTOCOLS.md subscriber of kvevents_test.go: every
+// and decodes it with the docs/PROTOCOLS.md subscriber of kvevents_test.go: every
 // event must decode, sequence numbers must be gap-free, and replaying the
 // stores and removals must rebuild exactly the engine's cached block set.
 func TestKVEventsDuringTraceReplay(t *testing.T) {
@@ -26,9 +25,6 @@ func TestKVEventsDuringTraceReplay(t *testing.T) {
 		t.Skip("trace replay skipped in -short mode")
 	}
 	recs, err := trace.LoadMooncake(mooncakeTracePath)
-	if os.IsNotExist(err) {
-		t.Skip("Mooncake trace not available")
-	}
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -50,7 +50,7 @@ func buckets125(max int) []float64 {
 // set ones beyond this many, which no such reader can notice.
 const maxLoRAInfoSeries = 64
 
-// metrics is the vLLM-named Prometheus surface of a Server (PROTOCOLS.md
+// metrics is the vLLM-named Prometheus surface of a Server (docs/PROTOCOLS.md
 // §2.1; names, help, types, labels and buckets from vllm/v1/metrics/loggers.py),
 // on a private registry. Engine metrics carry the labels model_name and
 // engine="0". Counters are registered with their exposed _total name, since

@@ -13,10 +13,10 @@ import (
 	dto "github.com/prometheus/client_model/go"
 )
 
-// protocolsPath is PROTOCOLS.md relative to the package directory.
-const protocolsPath = "../../shared/PROTOCOLS.md"
+// protocolsPath is docs/PROTOCOLS.md relative to the package directory.
+const protocolsPath = "../docs/PROTOCOLS.md"
 
-// parityExclusions are the vllm: names of PROTOCOLS.md §2.1 the simulator
+// parityExclusions are the vllm: names of docs/PROTOCOLS.md §2.1 the simulator
 // deliberately does not expose, each with the reason.
 var parityExclusions = map[string]string{
 	"vllm:gpu_cache_usage_perc":          "deprecated (vLLM #18354), hidden/removed in current vLLM; vllm:kv_cache_usage_perc replaces it",
@@ -27,24 +27,21 @@ var parityExclusions = map[string]string{
 }
 
 // protocolMetricNames extracts every vllm: name from the rows of the §2.1
-// table of PROTOCOLS.md (lines starting with "|").
+// table of docs/PROTOCOLS.md (lines starting with "|").
 func protocolMetricNames(t *testing.T) []string {
 	t.Helper()
 	b, err := os.ReadFile(protocolsPath)
-	if os.IsNotExist(err) {
-		t.Skipf("%s not present", protocolsPath)
-	}
 	if err != nil {
 		t.Fatal(err)
 	}
 	doc := string(b)
 	start := strings.Index(doc, "### 2.1 ")
 	if start < 0 {
-		t.Fatal("PROTOCOLS.md has no §2.1")
+		t.Fatal("docs/PROTOCOLS.md has no §2.1")
 	}
 	end := strings.Index(doc[start:], "\n### 2.2")
 	if end < 0 {
-		t.Fatal("PROTOCOLS.md §2.1 has no end")
+		t.Fatal("docs/PROTOCOLS.md §2.1 has no end")
 	}
 	var names []string
 	re := regexp.MustCompile(`vllm:[a-z_]+[a-z]`)
@@ -62,7 +59,7 @@ func protocolMetricNames(t *testing.T) []string {
 }
 
 // TestMetricsParityWithProtocols asserts that every vLLM metric of
-// PROTOCOLS.md §2.1, less the listed exclusions, is in /metrics after a
+// docs/PROTOCOLS.md §2.1, less the listed exclusions, is in /metrics after a
 // request (LoRA enabled, so vllm:lora_requests_info is present), with vLLM's
 // type and labels.
 func TestMetricsParityWithProtocols(t *testing.T) {

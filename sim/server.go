@@ -675,7 +675,7 @@ func (f *fullResponder) events(evs []event) bool {
 
 func (f *fullResponder) fail(e *openai.Error) { openai.WriteError(f.w, e) }
 
-// streamResponder writes Server-Sent Events like vLLM (PROTOCOLS.md §5.4): a
+// streamResponder writes Server-Sent Events like vLLM (docs/PROTOCOLS.md §5.4): a
 // role chunk before the first chat token, one chunk per token flushed at once,
 // finish_reason on the last token's chunk, an optional usage chunk with empty
 // choices, then [DONE].

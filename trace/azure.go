@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -133,7 +132,7 @@ func parseAzureTime(s string) (time.Time, error) {
 
 // LoadAzure reads the Azure trace file at path (see ReadAzure).
 func LoadAzure(path string, m PrefixModel) ([]Record, error) {
-	f, err := os.Open(path)
+	f, err := openPath(path)
 	if err != nil {
 		return nil, err
 	}

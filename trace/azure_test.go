@@ -2,14 +2,13 @@ package trace
 
 import (
 	"math"
-	"os"
 	"reflect"
 	"strings"
 	"testing"
 	"time"
 )
 
-const azurePath = "../../shared/data/azure_llm2023_conv.csv"
+const azurePath = "../data/azure_llm2023_conv.csv"
 
 func TestReadAzure(t *testing.T) {
 	for _, tc := range []struct {
@@ -159,9 +158,6 @@ func TestPrefixModelApplyErrors(t *testing.T) {
 }
 
 func TestLoadAzure(t *testing.T) {
-	if _, err := os.Stat(azurePath); err != nil {
-		t.Skipf("Azure trace not available: %v", err)
-	}
 	plain, err := LoadAzure(azurePath, DefaultPrefixModel())
 	if err != nil {
 		t.Fatal(err)

@@ -19,7 +19,10 @@ import (
 	"io"
 	"math"
 	"os"
+	"strings"
 	"time"
+
+	"github.com/infergate/infergate/data"
 )
 
 // MooncakeBlockTokens is the number of prompt tokens one Mooncake hash id
@@ -160,9 +163,10 @@ func parseMooncakeLine(b []byte) (Record, error) {
 	}, nil
 }
 
-// LoadMooncake reads the Mooncake trace file at path (see ReadMooncake).
+// LoadMooncake reads the Mooncake trace file at path (see ReadMooncake); a
+// path "embedded:NAME" reads the copy embedded in the binary (package data).
 func LoadMooncake(path string) ([]Record, error) {
-	f, err := os.Open(path)
+	f, err := openPath(path)
 	if err != nil {
 		return nil, err
 	}
@@ -172,6 +176,15 @@ func LoadMooncake(path string) ([]Record, error) {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return recs, nil
+}
+
+// openPath opens path, or the embedded file it names when it starts with
+// data.Embedded ("embedded:mooncake_conversation_trace.jsonl").
+func openPath(path string) (io.ReadCloser, error) {
+	if name, ok := strings.CutPrefix(path, data.Embedded); ok {
+		return data.Open(name)
+	}
+	return os.Open(path)
 }
 
 // Token ids produced by Tokens lie in [MinTokenID, MaxTokenID): above the

@@ -2,14 +2,13 @@ package trace
 
 import (
 	"math"
-	"os"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 )
 
-const mooncakePath = "../../shared/data/mooncake_conversation_trace.jsonl"
+const mooncakePath = "../data/mooncake_conversation_trace.jsonl"
 
 func TestReadMooncake(t *testing.T) {
 	in := `{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}
@@ -129,9 +128,6 @@ func TestInfiniteCacheHitRate(t *testing.T) {
 
 func loadRealTrace(t *testing.T) []Record {
 	t.Helper()
-	if _, err := os.Stat(mooncakePath); err != nil {
-		t.Skipf("Mooncake trace not available: %v", err)
-	}
 	recs, err := LoadMooncake(mooncakePath)
 	if err != nil {
 		t.Fatal(err)

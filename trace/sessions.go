@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"slices"
 	"time"
 )
@@ -63,7 +62,7 @@ func ReadMTBench(r io.Reader) ([]Question, error) {
 
 // LoadMTBench reads the MT-bench question file at path (see ReadMTBench).
 func LoadMTBench(path string) ([]Question, error) {
-	f, err := os.Open(path)
+	f, err := openPath(path)
 	if err != nil {
 		return nil, err
 	}

@@ -12,8 +12,8 @@ import (
 )
 
 const (
-	mtbenchPath = "../../shared/data/fastchat_mtbench_question.jsonl"
-	sonnetPath  = "../../shared/data/vllm_sonnet.txt"
+	mtbenchPath = "../data/fastchat_mtbench_question.jsonl"
+	sonnetPath  = "../data/vllm_sonnet.txt"
 )
 
 // byteEncoder encodes each byte as one token (1000 + byte): deterministic,
@@ -299,11 +299,11 @@ func TestContentHashIDs(t *testing.T) {
 func TestChatSessionsMTBench(t *testing.T) {
 	qs, err := LoadMTBench(mtbenchPath)
 	if err != nil {
-		t.Skipf("MT-bench questions not available: %v", err)
+		t.Fatal(err)
 	}
 	sonnet, err := os.ReadFile(sonnetPath)
 	if err != nil {
-		t.Skipf("sonnet.txt not available: %v", err)
+		t.Fatal(err)
 	}
 	if len(qs) != 80 {
 		t.Fatalf("%d questions, want 80", len(qs))

@@ -78,7 +78,7 @@ previous answer has fully arrived plus the think time (both divided by
 --speedup), with at most N sessions active at once (sessions start at their
 start times, or later when N are active).`,
 		Example: `  infergate bench --compare round-robin,least-request,prefix --engines 8 \
-    --trace ../shared/data/mooncake_conversation_trace.jsonl --requests 2000 --out r.json
+    --trace data/mooncake_conversation_trace.jsonl --requests 2000 --out r.json
   infergate bench --target http://127.0.0.1:8080 --trace trace.jsonl --requests 200`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {

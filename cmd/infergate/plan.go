@@ -56,7 +56,7 @@ ITL target; a failed request meets none. See plan/README.md.
 
 Latencies are simulated engine time. The model ignores network and gateway
 overhead, and engines never fail.`,
-		Example: `  infergate plan --trace ../shared/data/mooncake_conversation_trace.jsonl \
+		Example: `  infergate plan --trace data/mooncake_conversation_trace.jsonl \
     --engines 4..32 --policy prefix,least-request --slo ttft_p90=2s,itl_p99=100ms --out plan.json
   infergate plan --trace trace.jsonl --engines 2..12/2 --slo ttft_p99=5s,goodput>=0.95 --requests 2000`,
 		Args: cobra.NoArgs,

@@ -97,7 +97,6 @@ func TestPlanBadInput(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--slo", "ttft_p90=1s"}, "--trace FILE is required"},
 		{[]string{"--trace", tr}, "--slo is required"},
 		{[]string{"--trace", tr, "--slo", "ttft_p90=1"}, "--slo: SLO item"},
 		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--engines", "8..4"}, "--engines: engine range"},

@@ -1,11 +1,8 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"math"
-	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -13,6 +10,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/data"
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
@@ -43,7 +41,7 @@ func (w *workloadFlags) register(f *pflag.FlagSet) {
 	w.shared = trace.DefaultSharedPrefixOptions()
 	w.chat = trace.DefaultChatOptions()
 	f.StringVar(&w.kind, "workload", workloadMooncake, "requests to replay: mooncake (--trace JSONL), azure (--trace CSV + a synthetic prefix model), shared-prefix (generated), chat (MT-bench sessions)")
-	f.StringVar(&w.path, "trace", "", "trace file: Mooncake hash-id JSONL, or the Azure 2023 CSV with --workload azure")
+	f.StringVar(&w.path, "trace", "", "trace file: Mooncake hash-id JSONL, or the Azure 2023 CSV with --workload azure (default: the copy embedded in the binary, data/"+data.Mooncake+" or data/"+data.Azure+")")
 	f.IntVar(&w.azure.SystemPromptTokens, "azure-system-tokens", w.azure.SystemPromptTokens, "azure: shared system-prompt tokens prepended to every request (synthetic)")
 	f.Float64Var(&w.azure.SessionProb, "azure-session-prob", w.azure.SessionProb, "azure: probability a request continues an earlier one (synthetic)")
 	f.IntVar(&w.shared.Groups, "sp-groups", w.shared.Groups, "shared-prefix: groups (distinct system prompts)")
@@ -53,23 +51,17 @@ func (w *workloadFlags) register(f *pflag.FlagSet) {
 	f.IntVar(&w.shared.OutputTokens, "sp-output-tokens", w.shared.OutputTokens, "shared-prefix: output tokens")
 	f.Float64Var(&w.shared.Rate, "sp-rate", w.shared.Rate, "shared-prefix: Poisson arrival rate in requests/s (0 = all at once)")
 	f.IntVar(&w.chat.Sessions, "chat-sessions", w.chat.Sessions, "chat: number of two-turn sessions")
-	f.StringVar(&w.mtb, "mtbench", "", "chat: MT-bench question.jsonl (default ../shared/data/fastchat_mtbench_question.jsonl)")
-	f.StringVar(&w.sonnet, "sonnet", "", "chat: text for the shared system prompt (default ../shared/data/vllm_sonnet.txt)")
+	f.StringVar(&w.mtb, "mtbench", "", "chat: MT-bench question.jsonl (default: the embedded data/"+data.MTBench+")")
+	f.StringVar(&w.sonnet, "sonnet", "", "chat: text for the shared system prompt (default: the embedded data/"+data.Sonnet+")")
 }
 
 // load builds the records of the selected workload, in arrival order.
 func (w *workloadFlags) load() ([]trace.Record, error) {
 	switch w.kind {
 	case workloadMooncake:
-		if w.path == "" {
-			return nil, errors.New("--trace FILE is required (Mooncake hash-id JSONL)")
-		}
-		return trace.LoadMooncake(w.path)
+		return trace.LoadMooncake(w.tracePath(data.Mooncake))
 	case workloadAzure:
-		if w.path == "" {
-			return nil, errors.New("--workload azure needs --trace azure_llm2023_conv.csv")
-		}
-		return trace.LoadAzure(w.path, w.azure)
+		return trace.LoadAzure(w.tracePath(data.Azure), w.azure)
 	case workloadSharedPrefix:
 		return trace.SharedPrefix(w.shared)
 	case workloadChat:
@@ -84,6 +76,15 @@ func (w *workloadFlags) load() ([]trace.Record, error) {
 	return nil, fmt.Errorf("--workload %q: want mooncake, azure, shared-prefix or chat", w.kind)
 }
 
+// tracePath is --trace, or the embedded copy of the trace name when it is
+// not given.
+func (w *workloadFlags) tracePath(name string) string {
+	if w.path == "" {
+		return data.Embedded + name
+	}
+	return w.path
+}
+
 // sessions builds the chat workload's sessions, keeping their structure for
 // a session-aware closed loop (bench --concurrency); other workloads have
 // none.
@@ -91,19 +92,18 @@ func (w *workloadFlags) sessions() ([]trace.Session, error) {
 	if w.kind != workloadChat {
 		return nil, fmt.Errorf("--workload %s has no sessions (only chat does)", w.kind)
 	}
-	data := filepath.Join("..", "shared", "data")
 	mtb, sonnet := w.mtb, w.sonnet
 	if mtb == "" {
-		mtb = filepath.Join(data, "fastchat_mtbench_question.jsonl")
+		mtb = data.Embedded + data.MTBench
 	}
 	if sonnet == "" {
-		sonnet = filepath.Join(data, "vllm_sonnet.txt")
+		sonnet = data.Embedded + data.Sonnet
 	}
 	qs, err := trace.LoadMTBench(mtb)
 	if err != nil {
 		return nil, err
 	}
-	text, err := os.ReadFile(sonnet)
+	text, err := data.ReadPath(sonnet)
 	if err != nil {
 		return nil, fmt.Errorf("chat workload: %w", err)
 	}
