@@ -8,6 +8,7 @@ import (
 	"math"
 	"net/http"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -335,4 +336,24 @@ func TestDashboardNoGoroutineLeak(t *testing.T) {
 		g.DashboardState(time.Now())
 	}
 	requireGoroutinesBack(t, before)
+}
+
+// BenchmarkDashboardState is the cost of one poll of the state (off the
+// request path): collecting the counters and histograms of a 4-endpoint
+// pool that has served requests.
+func BenchmarkDashboardState(b *testing.B) {
+	var engines []*fakeEngine
+	for i := range 4 {
+		engines = append(engines, newFakeEngine(b, "e"+strconv.Itoa(i)))
+	}
+	g, url := startGateway(b, testConfig(sched.RoundRobin, engines...))
+	c := testClient(b)
+	for range 8 {
+		post(b, c, url+pathChat, streamBody(false))
+	}
+	now := time.Now()
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		g.DashboardState(now.Add(time.Duration(i) * time.Second))
+	}
 }

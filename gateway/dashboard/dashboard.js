@@ -172,14 +172,13 @@
     var readyCls = f.ready === f.endpoints ? 'ok' : f.ready === 0 ? 'bad' : 'warn';
     var errRate = r.requests > 0 ? r.errors / r.requests : 0;
     append(cards, [
-      card('Endpoints ready', f.ready + ' / ' + f.endpoints, '', f.ejected ? f.ejected + ' ejected' : 'none ejected', readyCls, 'fleet-ready'),
+      card('Endpoints ready', f.ready + ' / ' + f.endpoints, '', (f.ejected ? f.ejected + ' ejected' : 'none ejected') + ' · ' + fmtInt(f.ejections) + ' ejections', readyCls, 'fleet-ready'),
       card('In flight', fmtInt(f.in_flight), 'req', fmtInt(f.queue_length) + ' queued', f.queue_length > 0 ? 'warn' : '', 'fleet-in-flight'),
       card('Requests', fmtRate(r.requests_per_second), '/s', fmtInt(t.requests) + ' total', '', 'fleet-rps'),
-      card('Errors', fmtPct(errRate), '', fmtInt(r.errors) + ' recent · ' + fmtInt(t.errors) + ' total', errRate > 0.05 ? 'bad' : errRate > 0 ? 'warn' : '', 'fleet-errors'),
+      card('Errors', fmtPct(errRate), '', fmtInt(r.errors) + ' recent · ' + fmtInt(t.retries) + ' retries', errRate > 0.05 ? 'bad' : errRate > 0 ? 'warn' : '', 'fleet-errors'),
       card('Cache hit rate', fmtPct(r.cache_hit_rate), '', fmtPct(t.cache_hit_rate) + ' total', '', 'fleet-hit'),
       card('TTFT p50', fmtDur(q(r.ttft_seconds, 'p50')), '', fmtTail(r.ttft_seconds), '', 'fleet-ttft-p50'),
-      card('ITL p50', fmtDur(q(r.itl_seconds, 'p50')), '', fmtTail(r.itl_seconds), '', 'fleet-itl-p50'),
-      card('Ejections', fmtInt(f.ejections), '', fmtInt(t.retries) + ' retries', f.ejected ? 'bad' : '', 'fleet-ejections')
+      card('ITL p50', fmtDur(q(r.itl_seconds, 'p50')), '', fmtTail(r.itl_seconds), '', 'fleet-itl-p50')
     ]);
   }
 
