@@ -464,9 +464,12 @@ func authFailure(missing bool) *openai.Error {
 }
 
 // protectedPath reports whether path needs a key: the API (/v1/…) always,
-// /metrics with auth.protect_metrics; /healthz and /readyz never (probes).
+// /metrics and the dashboard's state (which shows what /metrics shows) with
+// auth.protect_metrics; /healthz, /readyz (probes) and the dashboard page
+// (no data) never.
 func (g *Gateway) protectedPath(path string) bool {
-	return strings.HasPrefix(path, "/v1/") || (path == pathMetrics && g.cfg.Auth.ProtectMetrics)
+	return strings.HasPrefix(path, "/v1/") ||
+		((path == pathMetrics || path == pathDashboardState) && g.cfg.Auth.ProtectMetrics)
 }
 
 // authenticate checks the request's key when authentication is on and the

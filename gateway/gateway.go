@@ -71,6 +71,8 @@ type Gateway struct {
 	scraper *fleet.Scraper // nil when no endpoint has a metrics page
 	kvSubs  []kvSubscription
 
+	dash dashboard // GET /dashboard's recent figures (dashboard.go)
+
 	stop      context.CancelFunc
 	wg        sync.WaitGroup
 	closeOnce sync.Once
@@ -303,6 +305,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		return nil, err
 	}
 	g.metricsHandler = promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{})
+	g.dash.init(time.Now())
 	g.handler = http.HandlerFunc(g.route)
 
 	ctx, stop := context.WithCancel(context.Background())
@@ -448,6 +451,14 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 	case pathMetrics:
 		if g.allow(w, r, http.MethodGet) {
 			g.metricsHandler.ServeHTTP(w, r)
+		}
+	case pathDashboard:
+		if g.allow(w, r, http.MethodGet) {
+			g.serveDashboard(w)
+		}
+	case pathDashboardState:
+		if g.allow(w, r, http.MethodGet) {
+			g.serveDashboardState(w)
 		}
 	case pathHealthz:
 		if g.allow(w, r, http.MethodGet) {

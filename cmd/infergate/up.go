@@ -82,7 +82,7 @@ cache-aware routing shows its effect without a GPU.`,
 				for i, u := range fleet.URLs {
 					fmt.Fprintf(out, "    engine %d: %s (metrics %s/metrics)\n", i, u, u)
 				}
-				fmt.Fprintf(out, "  metrics: %s/metrics   health: %s/healthz\n\n", base, base)
+				fmt.Fprintf(out, "  dashboard: %s/dashboard   metrics: %s/metrics   health: %s/healthz\n\n", base, base, base)
 				fmt.Fprintf(out, "Try:\n  curl -s %s/v1/chat/completions -H 'Content-Type: application/json' \\\n"+
 					"    -d '{\"model\": %q, \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'\n\n", base, model)
 				fmt.Fprintf(out, "Press Ctrl-C to stop.\n")
