@@ -401,7 +401,7 @@ func (g *Gateway) relayError(w http.ResponseWriter, r *http.Request, resp *http.
 		g.canceled(w, r, rm)
 		return
 	}
-	if err == nil && len(body) <= maxErrorBody && json.Valid(body) {
+	if err == nil && len(body) <= maxErrorBody && engineJSON(body) {
 		writeJSON(w, resp.StatusCode, body)
 		g.metrics.count(rm, resp.StatusCode)
 		return
@@ -411,11 +411,17 @@ func (g *Gateway) relayError(w http.ResponseWriter, r *http.Request, resp *http.
 		fmt.Sprintf("The model server answered %d: %s", resp.StatusCode, strings.TrimSpace(snippet)), "", openai.CodeUpstream))
 }
 
+// engineJSON reports whether an engine's body is JSON the gateway relays as
+// such: valid, and nested no deeper than openai.MaxDepth (what the gateway
+// accepts from clients; encoding/json's own bound is 10000 levels).
+func engineJSON(b []byte) bool { return json.Valid(b) && !openai.TooDeep(b) }
+
 // relayBody relays a non-streaming answer. The body is held in x.capture
 // until it ends and then written with its status line at once, so an answer
 // that breaks before its end has sent the client nothing: it is returned as
 // a failure to retry elsewhere, and a request ended by Abort meanwhile is
-// answered 503. Usage is read from the held body. A body over maxUsageScan
+// answered 503. Usage is read from the held body (unless it nests deeper
+// than openai.MaxDepth). A body over maxUsageScan
 // (4 MiB) is relayed from there on as it arrives (the status line and the
 // held part first); when it breaks after that, relayBody returns codeAbort
 // (the caller aborts the client's connection, so the client sees a
@@ -475,7 +481,9 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 			g.metrics.count(rm, codeClientClosed)
 			return nil, codeClientClosed
 		}
-		_ = json.Unmarshal(x.capture, &u)
+		if !openai.TooDeep(x.capture) {
+			_ = json.Unmarshal(x.capture, &u)
+		}
 	}
 	g.finish(rm, x, resp.StatusCode, u.Usage, start)
 	return nil, resp.StatusCode
@@ -680,9 +688,12 @@ func (f *flushOnRead) Read(p []byte) (int, error) {
 
 // parseChunk decodes one event's data into x.chunk, best effort: a field of
 // an unexpected type is skipped, not fatal. It returns nil if data is not a
-// JSON object.
+// JSON object, or nests deeper than openai.MaxDepth.
 func (x *exchange) parseChunk(data []byte) *openai.StreamChunk {
 	x.chunk.Reset()
+	if openai.TooDeep(data) {
+		return nil // an engine's JSON is bounded like a client's
+	}
 	if err := json.Unmarshal(data, &x.chunk); err != nil {
 		var te *json.UnmarshalTypeError
 		if !errors.As(err, &te) {

@@ -2,7 +2,6 @@ package gateway
 
 import (
 	"bytes"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -286,7 +285,7 @@ func (g *Gateway) serverError(resp *http.Response, x *exchange, rm *routeMetrics
 	_, err := buf.ReadFrom(io.LimitReader(resp.Body, maxErrorBody+1))
 	x.errBody = buf.Bytes()
 	body := x.errBody
-	if err == nil && len(body) <= maxErrorBody && json.Valid(body) {
+	if err == nil && len(body) <= maxErrorBody && engineJSON(body) {
 		f.status, f.body = resp.StatusCode, body
 		return f
 	}
