@@ -71,3 +71,30 @@ func TestEngineJSONDepthBounded(t *testing.T) {
 		})
 	}
 }
+
+// TestNestingAttackRefused: 2 MB of "[" in a field the gateway does not
+// type, sent to an open gateway, is a 400 invalid_json, and the gateway
+// still serves (before the bound: fatal error: stack overflow, the process
+// and every request in flight gone).
+func TestNestingAttackRefused(t *testing.T) {
+	e := newFakeEngine(t, "e0")
+	cfg := testConfig(sched.RoundRobin, e)
+	cfg.HealthCheckPath = healthCheckOff
+	_, url := startGateway(t, cfg)
+	c := testClient(t)
+	attack := strings.Repeat("[", 2<<20)
+	for _, tc := range []struct{ path, body string }{
+		{pathChat, `{"model":"m","messages":[{"role":"user","content":"hi"}],"x":` + attack + `}`},
+		{pathChat, `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a","y":` + attack + `}]}]}`},
+		{pathChat, `{"model":"m","tools":` + attack + `}`},
+		{pathCompletions, `{"model":"m","prompt":` + attack + `}`},
+	} {
+		resp, b := post(t, c, url+tc.path, tc.body)
+		if e := decodeError(t, b); resp.StatusCode != http.StatusBadRequest || codeStr(e.Code) != openai.CodeInvalidJSON {
+			t.Errorf("%s: %d %.200s, want 400 invalid_json", tc.path, resp.StatusCode, b)
+		}
+	}
+	if resp, b := post(t, c, url+pathChat, chatBody); resp.StatusCode != http.StatusOK {
+		t.Fatalf("after the attack: %d %.200s", resp.StatusCode, b)
+	}
+}
