@@ -149,6 +149,12 @@ type EndpointConfig struct {
 	// load (package fleet), and whether the gateway's own accounting is all
 	// there is (ollama).
 	Kind fleet.Kind `yaml:"kind"`
+	// MaxModelLen is the engine's context length in tokens (prompt and
+	// output; vLLM's --max-model-len). 0 reads it from the engine's
+	// GET /v1/models at start (vLLM and sim report it), falling back to
+	// DefaultMaxModelLen. A key's tokens_per_minute reserves it for a
+	// request without max_tokens.
+	MaxModelLen int `yaml:"max_model_len"`
 	// MetricsURL overrides the metrics page URL (TGI's --prometheus-port,
 	// llama.cpp router mode's /metrics?model=ID).
 	MetricsURL string `yaml:"metrics_url"`
@@ -307,6 +313,9 @@ func (c Config) Validate() error {
 		}
 		if e.BlockSize < 1 {
 			bad("%s.block_size %d: must be at least 1", at, e.BlockSize)
+		}
+		if e.MaxModelLen < 0 || e.MaxModelLen > maxModelLenLimit {
+			bad("%s.max_model_len %d: want 0 (discover) to %d", at, e.MaxModelLen, maxModelLenLimit)
 		}
 		if !e.Kind.Valid() {
 			bad("%s.kind %q: want one of %v", at, e.Kind, fleet.Kinds())

@@ -327,11 +327,16 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 		g.fail(w, rm, perr)
 		return
 	}
-	if e := g.admit(w, x, kind, key); e != nil {
+	maxModelLen := 0
+	if p != nil {
+		maxModelLen = p.maxModelLen
+	}
+	if e := g.admit(w, x, kind, key, maxModelLen); e != nil {
 		g.fail(w, rm, e)
 		return
 	}
 	if p == nil {
+		x.refundAdmission(w.Header())
 		g.fail(w, rm, openai.NewError(http.StatusNotFound,
 			fmt.Sprintf("The model `%s` does not exist.", x.model), "model", openai.CodeModelNotFound))
 		return

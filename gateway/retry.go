@@ -82,7 +82,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 	if x.edge.capPriority && x.sreq.Priority > x.edge.maxPriority {
 		x.sreq.Priority = x.edge.maxPriority // the key's grant
 	}
-	if !g.admitQueued(w, r, p, x.sreq.Priority) {
+	if !g.admitQueued(w, r, p, x) {
 		return
 	}
 	defer p.gate.release()
@@ -104,6 +104,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 		}
 		if i < 0 {
 			if last == nil {
+				x.refundAdmission(w.Header()) // never sent: not admitted
 				g.failNoEndpoint(w, p)
 				return
 			}
