@@ -67,6 +67,11 @@ type Config struct {
 	// MaxBodyBytes bounds a request body (bytes, default 16 MiB); larger
 	// bodies get 413 request_too_large.
 	MaxBodyBytes int64 `yaml:"max_body_bytes"`
+	// MaxHeldResponseBytes bounds the bytes of non-streaming answers held
+	// until their end (for retries and usage), all requests together
+	// (default 256 MiB; negative: none is held). Beyond it an answer is
+	// relayed as it arrives: not retry-safe, its usage not read.
+	MaxHeldResponseBytes int64 `yaml:"max_held_response_bytes"`
 	// BodyReadTimeout bounds reading one request body (default 30s), so a
 	// client that sends headers and then trickles or stalls the body
 	// (slowloris) cannot hold a connection; expiry answers 408.
@@ -207,6 +212,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.BodyReadTimeout == 0 {
 		c.BodyReadTimeout = DefaultBodyReadTimeout
+	}
+	if c.MaxHeldResponseBytes == 0 {
+		c.MaxHeldResponseBytes = DefaultMaxHeldResponseBytes
 	}
 	if c.ConnectTimeout == 0 {
 		c.ConnectTimeout = DefaultConnectTimeout

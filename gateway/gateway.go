@@ -54,6 +54,7 @@ type Gateway struct {
 	metrics   *metrics
 	unknown   *routeMetrics // model "unknown", no endpoint
 	res       *resilienceMetrics
+	hold      *holdBudget // bytes of non-streaming answers held (hold.go)
 
 	edge // API keys, TLS, trusted proxies (limits.go)
 
@@ -282,6 +283,10 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	}
 	g.unknown = m.route(unknownModel, "", g.policyName)
 	if err := g.setupResilience(reg); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
+	}
+	if err := g.initHold(reg); err != nil {
 		g.transport.CloseIdleConnections()
 		return nil, err
 	}

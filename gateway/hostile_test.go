@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sched"
@@ -96,5 +97,103 @@ func TestNestingAttackRefused(t *testing.T) {
 	}
 	if resp, b := post(t, c, url+pathChat, chatBody); resp.StatusCode != http.StatusOK {
 		t.Fatalf("after the attack: %d %.200s", resp.StatusCode, b)
+	}
+}
+
+// TestHoldBudget: the bytes of non-streaming answers held for retries are
+// bounded gateway-wide (max_held_response_bytes, here 1 MiB). A holds
+// 600 KiB of an unfinished answer; B's answer, which would take the total
+// past the budget, is relayed as it arrives: B's client gets the status and
+// the first 600 KiB while the engine has not finished either answer. Before
+// the budget, B was held too (each answer up to 4 MiB, however many), and
+// its client saw nothing until the engine finished.
+func TestHoldBudget(t *testing.T) {
+	const part = 600 << 10
+	release := make(chan struct{})
+	chunk := strings.Repeat("a", part)
+	eng := newServerNoCleanup(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != pathCompletions {
+			return
+		}
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"text":"`+chunk)
+		_ = http.NewResponseController(w).Flush()
+		<-release
+		_, _ = io.WriteString(w, `","usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}`)
+	}))
+	defer eng.Close()
+	cfg := testConfig(sched.RoundRobin)
+	cfg.HealthCheckPath = healthCheckOff
+	cfg.Endpoints = []EndpointConfig{{URL: eng.URL, Model: "m", KVBlocks: 1000}}
+	cfg.MaxHeldResponseBytes = 1 << 20
+	g, url := startGateway(t, cfg)
+	c := testClient(t)
+	body := `{"model":"m","prompt":"x"}`
+	ctx, cancel := contextWithCancel(t)
+	defer cancel()
+
+	a := sendAsync(ctx, c, url+pathCompletions, body)
+	waitFor(t, "A's first part held", func() bool { return g.hold.held.Load() >= part })
+
+	type headers struct {
+		resp *http.Response
+		err  error
+	}
+	bc := make(chan headers, 1)
+	go func() {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url+pathCompletions, strings.NewReader(body))
+		resp, err := c.Do(req)
+		bc <- headers{resp, err}
+	}()
+	var b headers
+	select {
+	case b = <-bc:
+	case <-time.After(10 * time.Second):
+		close(release)
+		t.Fatal("B's answer is held although the hold budget is spent")
+	}
+	if b.err != nil || b.resp.StatusCode != http.StatusOK {
+		t.Fatalf("B: %v %v", b.resp, b.err)
+	}
+	first := make([]byte, part)
+	if _, err := io.ReadFull(b.resp.Body, first); err != nil {
+		t.Fatalf("B's first part, relayed before the engine finished: %v", err)
+	}
+	if held := g.hold.held.Load(); held > cfg.MaxHeldResponseBytes {
+		t.Errorf("held %d bytes, over the budget %d", held, cfg.MaxHeldResponseBytes)
+	}
+	close(release)
+	rest, err := io.ReadAll(b.resp.Body)
+	b.resp.Body.Close()
+	want := `{"text":"` + chunk + `","usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}`
+	if err != nil || string(first)+string(rest) != want {
+		t.Errorf("B's answer: %d bytes, %v", len(first)+len(rest), err)
+	}
+	if r := await(t, a); r.status != http.StatusOK || string(r.body) != want {
+		t.Errorf("A: %d, %d bytes", r.status, len(r.body))
+	}
+	waitFor(t, "nothing held", func() bool { return g.hold.held.Load() == 0 })
+	s := scrape(t, c, url)
+	if v := s.value("infergate_response_hold_overflows_total", ""); v != 1 {
+		t.Errorf("overflows %v, want 1", v)
+	}
+	if !s.has("infergate_response_held_bytes") {
+		t.Error("no infergate_response_held_bytes")
+	}
+}
+
+func TestHoldBudgetReserve(t *testing.T) {
+	h := &holdBudget{limit: 100}
+	if !h.reserve(60) || h.reserve(41) || !h.reserve(40) || h.reserve(1) {
+		t.Fatalf("reservations against 100: held %d", h.held.Load())
+	}
+	n := int64(60)
+	h.release(&n)
+	if n != 0 || h.held.Load() != 40 {
+		t.Fatalf("after release: held %d, n %d", h.held.Load(), n)
+	}
+	if none := (&holdBudget{limit: -1}); none.reserve(1) {
+		t.Error("a negative budget holds")
 	}
 }

@@ -426,15 +426,18 @@ func engineJSON(b []byte) bool { return json.Valid(b) && !openai.TooDeep(b) }
 // that breaks before its end has sent the client nothing: it is returned as
 // a failure to retry elsewhere, and a request ended by Abort meanwhile is
 // answered 503. Usage is read from the held body (unless it nests deeper
-// than openai.MaxDepth). A body over maxUsageScan
-// (4 MiB) is relayed from there on as it arrives (the status line and the
-// held part first); when it breaks after that, relayBody returns codeAbort
-// (the caller aborts the client's connection, so the client sees a
-// truncated answer, never a silently short one). A request canceled (client
-// gone) returns codeClientClosed: no verdict on the engine.
+// than openai.MaxDepth). A body over maxUsageScan (4 MiB), or one that finds
+// the gateway-wide hold budget (max_held_response_bytes, hold.go) spent, is
+// relayed from there on as it arrives (the status line and the held part
+// first); when it breaks after that, relayBody returns codeAbort (the caller
+// aborts the client's connection, so the client sees a truncated answer,
+// never a silently short one). A request canceled (client gone) returns
+// codeClientClosed: no verdict on the engine.
 func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
 	rm *routeMetrics, start time.Time) (*failure, int) {
 	x.capture = x.capture[:0]
+	var held int64 // bytes of x.capture reserved in g.hold
+	defer g.hold.release(&held)
 	sent := false // the status line and the held body have been written
 	send := func(b []byte) bool {
 		if !sent {
@@ -449,11 +452,19 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 	for {
 		n, rerr := resp.Body.Read(x.copyBuf)
 		if n > 0 {
-			if !sent && len(x.capture)+n <= maxUsageScan {
+			fits := !sent && len(x.capture)+n <= maxUsageScan
+			if fits && g.holdMore(x, n, &held) {
 				x.capture = append(x.capture, x.copyBuf[:n]...)
-			} else if ok := sent || send(x.capture); !ok || !send(x.copyBuf[:n]) { // the held part first
-				g.metrics.count(rm, codeClientClosed)
-				return nil, codeClientClosed
+			} else {
+				if fits {
+					g.hold.overflows.Inc() // the gateway holds all it may
+				}
+				ok := sent || send(x.capture) // the held part first
+				g.hold.release(&held)
+				if !ok || !send(x.copyBuf[:n]) {
+					g.metrics.count(rm, codeClientClosed)
+					return nil, codeClientClosed
+				}
 			}
 		}
 		if rerr == io.EOF {
