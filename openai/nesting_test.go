@@ -388,17 +388,19 @@ func decodeCost(body []byte, chat bool) (alloc, stack uint64) {
 	return alloc, stack
 }
 
-// TestDecodeCostBounded: no body makes Decode allocate more than 8 bytes
-// (heap and stack together) per byte of body. Allocation is deterministic,
-// so this is no timing test. Before the element-wise decoding, 1 MiB of
+// TestDecodeCostBounded: no body makes Decode allocate more than 12 bytes
+// (heap and stack together) per byte of body: 7.6 at most in a plain
+// build (BenchmarkDecodeHostile), 10 under the race detector, whose
+// allocator does not pack tiny objects. Allocation is deterministic, so
+// this is no timing test. Before the element-wise decoding, 1 MiB of
 // empty messages cost 130 MiB, of numbers in messages 360 MiB; before the
 // depth bound, 400 KiB of "[" grew a 128 MiB stack.
 func TestDecodeCostBounded(t *testing.T) {
 	runtime.GC()
 	for _, h := range hostileBodies(1 << 20) {
 		alloc, stack := decodeCost(h.body, h.chat)
-		if perByte := float64(alloc+stack) / float64(len(h.body)); perByte > 8 {
-			t.Errorf("%s: %.1f bytes allocated per body byte (heap %d, stack %d for %d), want ≤ 8", h.name, perByte, alloc, stack, len(h.body))
+		if perByte := float64(alloc+stack) / float64(len(h.body)); perByte > 12 {
+			t.Errorf("%s: %.1f bytes allocated per body byte (heap %d, stack %d for %d), want ≤ 12", h.name, perByte, alloc, stack, len(h.body))
 		}
 	}
 }
