@@ -289,14 +289,17 @@ func (a *admission) wake() {
 	a.mu.Unlock()
 }
 
-// admitQueued runs admission control for a request of pool p; false when it was
-// answered (503 no endpoint, 503 shutting down, 429 queue full or timed
-// out, or the client left while queued).
-func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, priority int) bool {
-	err := p.gate.acquire(r.Context(), priority)
-	switch {
-	case err == nil:
+// admitQueued runs admission control for request x of pool p; false when it
+// was answered (503 no endpoint, 503 shutting down, 429 queue full or timed
+// out, or the client left while queued). A request refused here was never
+// admitted: its charge on the key's rate limits is given back.
+func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x *exchange) bool {
+	err := p.gate.acquire(r.Context(), x.sreq.Priority)
+	if err == nil {
 		return true
+	}
+	x.refundAdmission(w.Header())
+	switch {
 	case errors.Is(err, errNoEndpoint):
 		g.failNoEndpoint(w, p)
 	case errors.Is(err, errShuttingDown):

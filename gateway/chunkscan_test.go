@@ -3,7 +3,10 @@ package gateway
 import (
 	"encoding/json"
 	"reflect"
+	"strings"
 	"testing"
+
+	"github.com/infergate/infergate/openai"
 )
 
 // slowView is the view through encoding/json alone (parseChunk).
@@ -80,6 +83,13 @@ func TestScanChunk(t *testing.T) {
 func FuzzScanChunk(f *testing.F) {
 	for _, s := range chunkSeeds {
 		f.Add([]byte(s))
+	}
+	// A hostile engine's nesting: at, and past, openai.MaxDepth, in a
+	// field the gateway reads and in one it skips.
+	at := strings.Repeat("[", openai.MaxDepth-2) + strings.Repeat("]", openai.MaxDepth-2)
+	for _, v := range []string{at, deepJSON, strings.Repeat("[", 1<<16)} {
+		f.Add([]byte(`{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2},"x":` + v + `}`))
+		f.Add([]byte(`{"choices":[{"index":0,"text":"a","logprobs":` + v + `}]}`))
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		got, decided := scanChunk(data)

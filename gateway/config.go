@@ -67,6 +67,11 @@ type Config struct {
 	// MaxBodyBytes bounds a request body (bytes, default 16 MiB); larger
 	// bodies get 413 request_too_large.
 	MaxBodyBytes int64 `yaml:"max_body_bytes"`
+	// MaxHeldResponseBytes bounds the bytes of non-streaming answers held
+	// until their end (for retries and usage), all requests together
+	// (default 256 MiB; negative: none is held). Beyond it an answer is
+	// relayed as it arrives: not retry-safe, its usage not read.
+	MaxHeldResponseBytes int64 `yaml:"max_held_response_bytes"`
 	// BodyReadTimeout bounds reading one request body (default 30s), so a
 	// client that sends headers and then trickles or stalls the body
 	// (slowloris) cannot hold a connection; expiry answers 408.
@@ -149,6 +154,12 @@ type EndpointConfig struct {
 	// load (package fleet), and whether the gateway's own accounting is all
 	// there is (ollama).
 	Kind fleet.Kind `yaml:"kind"`
+	// MaxModelLen is the engine's context length in tokens (prompt and
+	// output; vLLM's --max-model-len). 0 reads it from the engine's
+	// GET /v1/models at start (vLLM and sim report it), falling back to
+	// DefaultMaxModelLen. A key's tokens_per_minute reserves it for a
+	// request without max_tokens.
+	MaxModelLen int `yaml:"max_model_len"`
 	// MetricsURL overrides the metrics page URL (TGI's --prometheus-port,
 	// llama.cpp router mode's /metrics?model=ID).
 	MetricsURL string `yaml:"metrics_url"`
@@ -201,6 +212,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.BodyReadTimeout == 0 {
 		c.BodyReadTimeout = DefaultBodyReadTimeout
+	}
+	if c.MaxHeldResponseBytes == 0 {
+		c.MaxHeldResponseBytes = DefaultMaxHeldResponseBytes
 	}
 	if c.ConnectTimeout == 0 {
 		c.ConnectTimeout = DefaultConnectTimeout
@@ -307,6 +321,9 @@ func (c Config) Validate() error {
 		}
 		if e.BlockSize < 1 {
 			bad("%s.block_size %d: must be at least 1", at, e.BlockSize)
+		}
+		if e.MaxModelLen < 0 || e.MaxModelLen > maxModelLenLimit {
+			bad("%s.max_model_len %d: want 0 (discover) to %d", at, e.MaxModelLen, maxModelLenLimit)
 		}
 		if !e.Kind.Valid() {
 			bad("%s.kind %q: want one of %v", at, e.Kind, fleet.Kinds())

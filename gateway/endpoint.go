@@ -27,6 +27,9 @@ type endpoint struct {
 
 	kvBlocks  int // engine KV capacity (blocks of blockSize tokens)
 	blockSize int // engine KV block size (tokens)
+	// maxModelLen is the engine's context length (tokens; configured,
+	// discovered from GET /v1/models, or DefaultMaxModelLen).
+	maxModelLen int
 
 	kind       fleet.Kind
 	healthPath string // GET path probed; healthCheckOff: none

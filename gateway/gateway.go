@@ -54,6 +54,7 @@ type Gateway struct {
 	metrics   *metrics
 	unknown   *routeMetrics // model "unknown", no endpoint
 	res       *resilienceMetrics
+	hold      *holdBudget // bytes of non-streaming answers held (hold.go)
 
 	edge // API keys, TLS, trusted proxies (limits.go)
 
@@ -102,6 +103,8 @@ type pool struct {
 	precise       *prefix.PreciseIndex
 	precisePolicy bool
 	scraper       *fleet.Scraper
+	// maxModelLen is the longest context of its endpoints (tokens).
+	maxModelLen int
 	// gate is the pool's admission control; budget bounds its retries
 	// (admission.go, retry.go).
 	gate   *admission
@@ -191,7 +194,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	for _, ec := range cfg.Endpoints {
 		base, _ := normalizeURL(ec.URL) // validated
 		if byURL[base] == nil {
-			ep := &endpoint{name: base, base: base, kvBlocks: ec.KVBlocks, blockSize: ec.BlockSize,
+			ep := &endpoint{name: base, base: base, kvBlocks: ec.KVBlocks, blockSize: ec.BlockSize, maxModelLen: ec.MaxModelLen,
 				kind: ec.Kind, healthPath: cfg.HealthCheckPath, scrapeIdx: -1, kvEvents: ec.KVEvents}
 			if ep.healthPath == "" {
 				ep.healthPath = ec.Kind.Info().HealthPath
@@ -211,6 +214,8 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 			}
 			byURL[base] = ep
 			g.endpoints = append(g.endpoints, ep)
+		} else {
+			byURL[base].maxModelLen = max(byURL[base].maxModelLen, ec.MaxModelLen)
 		}
 	}
 	g.discover()
@@ -244,6 +249,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		capacity := make([]int, len(p.endpoints))
 		for i, ep := range p.endpoints {
 			capacity[i] = max(1, ep.kvBlocks*ep.blockSize/routingBlock)
+			p.maxModelLen = max(p.maxModelLen, ep.maxModelLen) // a bound wherever the request goes
 		}
 		p.scraper = g.scraper
 		sp := sched.Pool{Capacity: capacity}
@@ -279,6 +285,10 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	}
 	g.unknown = m.route(unknownModel, "", g.policyName)
 	if err := g.setupResilience(reg); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
+	}
+	if err := g.initHold(reg); err != nil {
 		g.transport.CloseIdleConnections()
 		return nil, err
 	}
@@ -325,8 +335,9 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 }
 
 // discover fills in the KV capacity of endpoints configured with kv_blocks 0
-// from their vllm:cache_config_info and probes every endpoint once, all
-// concurrently, within HealthCheckTimeout.
+// from their vllm:cache_config_info, and the context length of those with
+// max_model_len 0 from their GET /v1/models, and probes every endpoint once,
+// all concurrently, within HealthCheckTimeout each.
 func (g *Gateway) discover() {
 	ctx := context.Background()
 	var wg sync.WaitGroup
@@ -336,6 +347,12 @@ func (g *Gateway) discover() {
 				ep.kvBlocks = DefaultKVBlocks
 				if cc, err := g.fetchCacheConfig(ctx, ep.base); err == nil {
 					ep.kvBlocks, ep.blockSize = cc.numGPUBlocks, cc.blockSize
+				}
+			}
+			if ep.maxModelLen == 0 {
+				ep.maxModelLen = DefaultMaxModelLen
+				if n, err := g.fetchMaxModelLen(ctx, ep.base); err == nil {
+					ep.maxModelLen = n
 				}
 			}
 			g.checkHealth(ctx, ep)
@@ -400,6 +417,7 @@ func (g *Gateway) Config() Config {
 		for _, ep := range g.endpoints {
 			if ep.name == base {
 				c.Endpoints[i].KVBlocks, c.Endpoints[i].BlockSize = ep.kvBlocks, ep.blockSize
+				c.Endpoints[i].MaxModelLen = ep.maxModelLen
 			}
 		}
 	}

@@ -135,11 +135,16 @@ type edge struct {
 
 	authFailures *prometheus.CounterVec // reason
 	rateLimited  *prometheus.CounterVec // key, limit
+
+	// clock is the rate limits' time (time.Now; tests stop it, so that
+	// no refill depends on how fast the machine runs them).
+	clock func() time.Time
 }
 
 // initEdge loads the API keys and the TLS certificate and registers the
 // edge's metrics. It runs in New after the model list is built.
 func (g *Gateway) initEdge(reg prometheus.Registerer) error {
+	g.clock = time.Now
 	var err error
 	if g.trusted, err = parseTrusted(g.cfg.TrustedProxies); err != nil {
 		return err
@@ -260,7 +265,11 @@ func (g *Gateway) extendWriteDeadline(w http.ResponseWriter, x *exchange, now ti
 
 // exchangeEdge is the per-request edge state kept in the exchange.
 type exchangeEdge struct {
-	limits *keyLimits // the key's limits, nil when none
+	// limits are the key's limits while the request holds a charge on them
+	// (nil when none): charged at admit, given back by refundAdmission when
+	// the gateway refuses the request before sending it, settled against
+	// usage by settleTokens at its end.
+	limits *keyLimits
 	// capPriority: the key caps the request's priority at maxPriority.
 	capPriority   bool
 	maxPriority   int
@@ -270,9 +279,10 @@ type exchangeEdge struct {
 
 // admit checks, after the body is decoded, that the key may use the model
 // (404 model_not_found otherwise, as OpenAI answers) and takes the request
-// and its estimated tokens from the key's rate limits (429 otherwise). It
+// and its estimated tokens from the key's rate limits (429 otherwise);
+// maxModelLen is the context length of the model's pool (0: no pool). It
 // sets the x-ratelimit-* headers.
-func (g *Gateway) admit(w http.ResponseWriter, x *exchange, kind apiKind, p *principal) *openai.Error {
+func (g *Gateway) admit(w http.ResponseWriter, x *exchange, kind apiKind, p *principal, maxModelLen int) *openai.Error {
 	if p == nil {
 		return nil
 	}
@@ -284,13 +294,19 @@ func (g *Gateway) admit(w http.ResponseWriter, x *exchange, kind apiKind, p *pri
 	if kl == nil {
 		return nil
 	}
-	est := x.tokenEstimate(kind)
-	now := time.Now()
+	est, asked := x.tokenEstimate(kind, maxModelLen)
+	// A bound from the context length (max_tokens omitted) over the whole
+	// minute is held to it: the request waits for a full bucket instead of
+	// never passing. What the client asked for itself is not.
+	tooLarge := kl.tok.limit > 0 && asked > kl.tok.limit
+	if kl.tok.limit > 0 && !tooLarge {
+		est = min(est, kl.tok.limit)
+	}
+	now := g.clock()
 	kl.mu.Lock()
 	okReq, waitReq := kl.req.check(now, 1)
 	okTok, waitTok := kl.tok.check(now, est)
-	tooLarge := kl.tok.limit > 0 && est > kl.tok.limit
-	if okReq && okTok {
+	if okReq && okTok && !tooLarge {
 		kl.req.take(1)
 		kl.tok.take(est)
 	}
@@ -320,17 +336,46 @@ func (g *Gateway) admit(w http.ResponseWriter, x *exchange, kind apiKind, p *pri
 		return &openai.Error{Message: fmt.Sprintf("Rate limit reached for key %s on %s per min (%s): Limit %.0f. Please try again in %s.",
 			p.name, limit, unit, b.limit, wait.Round(time.Millisecond)), Type: limit, Code: codeRateLimitExceeded, Status: http.StatusTooManyRequests}
 	}
-	if kl.tok.limit > 0 {
-		x.edge.limits, x.edge.reserved = kl, est
+	x.edge.limits, x.edge.reserved = kl, est
+	if kl.tok.limit <= 0 {
+		x.edge.reserved = 0
 	}
 	return nil
 }
 
+// refundAdmission gives the request's charge (1 request, its reserved
+// tokens) back to the key's limits: the gateway refused it before sending
+// it anywhere (model without endpoints, admission queue full or timed out,
+// displaced, shutdown, no endpoint, client gone while queued), so it was
+// never admitted. h, when not nil, gets the x-ratelimit-* headers again.
+// Idempotent; a no-op after settleTokens.
+func (x *exchange) refundAdmission(h http.Header) {
+	kl := x.edge.limits
+	if kl == nil {
+		return
+	}
+	kl.mu.Lock()
+	kl.req.adjust(-1)
+	kl.tok.adjust(-x.edge.reserved)
+	if h != nil {
+		kl.req.setHeaders(h, &requestHeaderNames)
+		kl.tok.setHeaders(h, &tokenHeaderNames)
+	}
+	kl.mu.Unlock()
+	x.edge.limits, x.edge.reserved = nil, 0
+}
+
 // tokenEstimate is what a request is charged against tokens_per_minute at
-// admission: the prompt (token ids counted exactly; text as body bytes / 4)
-// plus max_tokens × n × prompts when max_tokens is given. The charge is
-// settled against the engine's reported usage when the response ends.
-func (x *exchange) tokenEstimate(kind apiKind) float64 {
+// admission, a bound on the tokens it can use: the prompt (token ids
+// counted exactly; text as body bytes / 4) plus max_tokens × n × prompts
+// when max_tokens is given; without max_tokens an engine generates until
+// the context is full, so each of the n × prompts sequences is bounded by
+// maxModelLen tokens, prompt included (and never less than the prompt).
+// asked is the part the client fixed (the prompt, and max_tokens when
+// given): a request whose asked part exceeds the key's minute is too
+// large. The charge is settled against the engine's reported usage when
+// the response ends.
+func (x *exchange) tokenEstimate(kind apiKind, maxModelLen int) (est, asked float64) {
 	var prompt, maxTok, n, prompts float64 = 0, 0, 1, 1
 	var mt, nc *int
 	if kind == kindChat {
@@ -350,13 +395,17 @@ func (x *exchange) tokenEstimate(kind apiKind) float64 {
 		}
 		prompts = float64(max(1, x.comp.Prompt.Len()))
 	}
-	if mt != nil && *mt > 0 {
-		maxTok = float64(*mt)
-	}
 	if nc != nil && *nc > 1 {
 		n = float64(*nc)
 	}
-	return max(1, prompt+maxTok*n*prompts)
+	if mt == nil || *mt <= 0 {
+		// Usage counts the prompt once per prompt and every choice's
+		// completion: prompts × (p + n × (L − p)) ≤ prompts × n × L.
+		return max(1, prompt, prompts*n*float64(maxModelLen)), max(1, prompt)
+	}
+	maxTok = float64(*mt)
+	est = max(1, prompt+maxTok*n*prompts)
+	return est, est
 }
 
 // settleTokens charges the difference between a request's reported usage
@@ -367,13 +416,15 @@ func (x *exchange) settleTokens(u *openai.Usage) {
 	if kl == nil || u == nil {
 		return
 	}
-	used := u.TotalTokens
-	if used <= 0 {
-		used = u.PromptTokens + u.CompletionTokens
+	if kl.tok.limit > 0 {
+		used := u.TotalTokens
+		if used <= 0 {
+			used = u.PromptTokens + u.CompletionTokens
+		}
+		kl.mu.Lock()
+		kl.tok.adjust(float64(max(used, 0)) - x.edge.reserved)
+		kl.mu.Unlock()
 	}
-	kl.mu.Lock()
-	kl.tok.adjust(float64(max(used, 0)) - x.edge.reserved)
-	kl.mu.Unlock()
 	x.edge.limits, x.edge.reserved = nil, 0
 }
 

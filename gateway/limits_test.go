@@ -169,17 +169,30 @@ func TestTokenEstimate(t *testing.T) {
 	x.body = []byte(strings.Repeat("x", 400))
 	mt, n := 20, 3
 	x.chat = openai.ChatRequest{MaxTokens: &mt, N: &n}
-	if got := x.tokenEstimate(kindChat); got != 100+60 {
-		t.Errorf("chat: %v, want 160", got)
+	if got, asked := x.tokenEstimate(kindChat, 4096); got != 100+60 || asked != got {
+		t.Errorf("chat: %v (asked %v), want 160", got, asked)
 	}
 	mc := 5
 	x.chat.MaxCompletionTokens = &mc
-	if got := x.tokenEstimate(kindChat); got != 100+15 {
+	if got, _ := x.tokenEstimate(kindChat, 4096); got != 100+15 {
 		t.Errorf("chat with max_completion_tokens: %v, want 115", got)
 	}
 	x.comp = openai.CompletionRequest{Prompt: openai.Prompt{Tokens: [][]uint32{{1, 2, 3}, {4, 5}}}, MaxTokens: &mt}
-	if got := x.tokenEstimate(kindCompletion); got != 5+40 {
+	if got, _ := x.tokenEstimate(kindCompletion, 4096); got != 5+40 {
 		t.Errorf("token-id batch: %v, want 45", got)
+	}
+	// Without max_tokens the engine may fill the context: n × prompts
+	// sequences of up to max_model_len tokens each, the prompt included.
+	x.chat = openai.ChatRequest{N: &n}
+	if got, asked := x.tokenEstimate(kindChat, 4096); got != 3*4096 || asked != 100 {
+		t.Errorf("chat without max_tokens: %v (asked %v), want %d (asked 100)", got, asked, 3*4096)
+	}
+	x.comp.MaxTokens = nil
+	if got, asked := x.tokenEstimate(kindCompletion, 4096); got != 2*4096 || asked != 5 {
+		t.Errorf("token-id batch without max_tokens: %v (asked %v), want %d", got, asked, 2*4096)
+	}
+	if got, _ := x.tokenEstimate(kindCompletion, 2); got != 5 {
+		t.Errorf("a prompt over the context: %v, want the prompt, 5", got)
 	}
 }
 

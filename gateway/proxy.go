@@ -327,11 +327,16 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 		g.fail(w, rm, perr)
 		return
 	}
-	if e := g.admit(w, x, kind, key); e != nil {
+	maxModelLen := 0
+	if p != nil {
+		maxModelLen = p.maxModelLen
+	}
+	if e := g.admit(w, x, kind, key, maxModelLen); e != nil {
 		g.fail(w, rm, e)
 		return
 	}
 	if p == nil {
+		x.refundAdmission(w.Header())
 		g.fail(w, rm, openai.NewError(http.StatusNotFound,
 			fmt.Sprintf("The model `%s` does not exist.", x.model), "model", openai.CodeModelNotFound))
 		return
@@ -401,7 +406,7 @@ func (g *Gateway) relayError(w http.ResponseWriter, r *http.Request, resp *http.
 		g.canceled(w, r, rm)
 		return
 	}
-	if err == nil && len(body) <= maxErrorBody && json.Valid(body) {
+	if err == nil && len(body) <= maxErrorBody && engineJSON(body) {
 		writeJSON(w, resp.StatusCode, body)
 		g.metrics.count(rm, resp.StatusCode)
 		return
@@ -411,19 +416,28 @@ func (g *Gateway) relayError(w http.ResponseWriter, r *http.Request, resp *http.
 		fmt.Sprintf("The model server answered %d: %s", resp.StatusCode, strings.TrimSpace(snippet)), "", openai.CodeUpstream))
 }
 
+// engineJSON reports whether an engine's body is JSON the gateway relays as
+// such: valid, and nested no deeper than openai.MaxDepth (what the gateway
+// accepts from clients; encoding/json's own bound is 10000 levels).
+func engineJSON(b []byte) bool { return json.Valid(b) && !openai.TooDeep(b) }
+
 // relayBody relays a non-streaming answer. The body is held in x.capture
 // until it ends and then written with its status line at once, so an answer
 // that breaks before its end has sent the client nothing: it is returned as
 // a failure to retry elsewhere, and a request ended by Abort meanwhile is
-// answered 503. Usage is read from the held body. A body over maxUsageScan
-// (4 MiB) is relayed from there on as it arrives (the status line and the
-// held part first); when it breaks after that, relayBody returns codeAbort
-// (the caller aborts the client's connection, so the client sees a
-// truncated answer, never a silently short one). A request canceled (client
-// gone) returns codeClientClosed: no verdict on the engine.
+// answered 503. Usage is read from the held body (unless it nests deeper
+// than openai.MaxDepth). A body over maxUsageScan (4 MiB), or one that finds
+// the gateway-wide hold budget (max_held_response_bytes, hold.go) spent, is
+// relayed from there on as it arrives (the status line and the held part
+// first); when it breaks after that, relayBody returns codeAbort (the caller
+// aborts the client's connection, so the client sees a truncated answer,
+// never a silently short one). A request canceled (client gone) returns
+// codeClientClosed: no verdict on the engine.
 func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
 	rm *routeMetrics, start time.Time) (*failure, int) {
 	x.capture = x.capture[:0]
+	var held int64 // bytes of x.capture reserved in g.hold
+	defer g.hold.release(&held)
 	sent := false // the status line and the held body have been written
 	send := func(b []byte) bool {
 		if !sent {
@@ -438,11 +452,19 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 	for {
 		n, rerr := resp.Body.Read(x.copyBuf)
 		if n > 0 {
-			if !sent && len(x.capture)+n <= maxUsageScan {
+			fits := !sent && len(x.capture)+n <= maxUsageScan
+			if fits && g.holdMore(x, n, &held) {
 				x.capture = append(x.capture, x.copyBuf[:n]...)
-			} else if ok := sent || send(x.capture); !ok || !send(x.copyBuf[:n]) { // the held part first
-				g.metrics.count(rm, codeClientClosed)
-				return nil, codeClientClosed
+			} else {
+				if fits {
+					g.hold.overflows.Inc() // the gateway holds all it may
+				}
+				ok := sent || send(x.capture) // the held part first
+				g.hold.release(&held)
+				if !ok || !send(x.copyBuf[:n]) {
+					g.metrics.count(rm, codeClientClosed)
+					return nil, codeClientClosed
+				}
 			}
 		}
 		if rerr == io.EOF {
@@ -475,7 +497,9 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 			g.metrics.count(rm, codeClientClosed)
 			return nil, codeClientClosed
 		}
-		_ = json.Unmarshal(x.capture, &u)
+		if !openai.TooDeep(x.capture) {
+			_ = json.Unmarshal(x.capture, &u)
+		}
 	}
 	g.finish(rm, x, resp.StatusCode, u.Usage, start)
 	return nil, resp.StatusCode
@@ -680,9 +704,12 @@ func (f *flushOnRead) Read(p []byte) (int, error) {
 
 // parseChunk decodes one event's data into x.chunk, best effort: a field of
 // an unexpected type is skipped, not fatal. It returns nil if data is not a
-// JSON object.
+// JSON object, or nests deeper than openai.MaxDepth.
 func (x *exchange) parseChunk(data []byte) *openai.StreamChunk {
 	x.chunk.Reset()
+	if openai.TooDeep(data) {
+		return nil // an engine's JSON is bounded like a client's
+	}
 	if err := json.Unmarshal(data, &x.chunk); err != nil {
 		var te *json.UnmarshalTypeError
 		if !errors.As(err, &te) {

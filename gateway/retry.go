@@ -2,7 +2,6 @@ package gateway
 
 import (
 	"bytes"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -83,7 +82,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 	if x.edge.capPriority && x.sreq.Priority > x.edge.maxPriority {
 		x.sreq.Priority = x.edge.maxPriority // the key's grant
 	}
-	if !g.admitQueued(w, r, p, x.sreq.Priority) {
+	if !g.admitQueued(w, r, p, x) {
 		return
 	}
 	defer p.gate.release()
@@ -105,6 +104,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 		}
 		if i < 0 {
 			if last == nil {
+				x.refundAdmission(w.Header()) // never sent: not admitted
 				g.failNoEndpoint(w, p)
 				return
 			}
@@ -286,7 +286,7 @@ func (g *Gateway) serverError(resp *http.Response, x *exchange, rm *routeMetrics
 	_, err := buf.ReadFrom(io.LimitReader(resp.Body, maxErrorBody+1))
 	x.errBody = buf.Bytes()
 	body := x.errBody
-	if err == nil && len(body) <= maxErrorBody && json.Valid(body) {
+	if err == nil && len(body) <= maxErrorBody && engineJSON(body) {
 		f.status, f.body = resp.StatusCode, body
 		return f
 	}

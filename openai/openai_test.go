@@ -276,7 +276,8 @@ func BenchmarkPromptTokenIDs12k(b *testing.B) {
 }
 
 func FuzzPrompt(f *testing.F) {
-	for _, s := range []string{`"x"`, `["a","b"]`, `[1,2]`, `[[1],[2,3]]`, `[]`, `[1.0e3]`, `[[1],"a"]`} {
+	for _, s := range []string{`"x"`, `["a","b"]`, `[1,2]`, `[[1],[2,3]]`, `[]`, `[1.0e3]`, `[[1],"a"]`,
+		`["a",null]`, `[null,1]`, nested(MaxDepth+1, false), "[" + nested(MaxDepth, true) + "]", strings.Repeat("[", 4096)} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -305,6 +306,14 @@ func FuzzPrompt(f *testing.F) {
 func FuzzChatRequest(f *testing.F) {
 	f.Add([]byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true}}`))
 	f.Add([]byte(`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]}`))
+	for _, tc := range deepBodies { // the nesting attack, in every field that holds it
+		f.Add([]byte(tc.body(nested(MaxDepth, false))))
+		f.Add([]byte(tc.body(nested(MaxDepth+1, true))))
+		f.Add([]byte(tc.body(strings.Repeat("[", 8192))))
+	}
+	for _, h := range hostileBodies(4 << 10) {
+		f.Add(h.body)
+	}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var r ChatRequest
 		if e := Decode(b, &r); e != nil {
@@ -371,10 +380,24 @@ func FuzzDecodeAgreesWithStdlib(f *testing.F) {
 		`{"model":"m","prompt":[[1],[2,3]],"max_tokens":1e2}`,
 		`{"model":"m\u00e9\ud800","prompt":"\xff"}`,
 		`{"model":1}`, `{"model":"m"} {}`, `{"model":"m",}`, `[]`, `{"stream":"yes"}`,
+		`{"model":"m","messages":[{},null,1]}`, `{"model":"m","prompt":["a",null]}`,
 	} {
 		f.Add([]byte(s))
 	}
+	for _, tc := range deepBodies {
+		f.Add([]byte(tc.body(nested(MaxDepth-tc.level(0), true))))
+		f.Add([]byte(tc.body(nested(MaxDepth+1, false))))
+	}
 	f.Fuzz(func(t *testing.T, b []byte) {
+		if TooDeep(b) {
+			// Refused by Decode, read by encoding/json up to 10000 levels
+			// (TestDecodeRefusesDeepNesting).
+			var r ChatRequest
+			if e := Decode(b, &r); e == nil {
+				t.Fatalf("%.64q: nested deeper than %d, accepted", b, MaxDepth)
+			}
+			return
+		}
 		if json.Valid(b) && bytes.HasPrefix(bytes.TrimSpace(b), []byte("{")) {
 			if fast, slow := duplicateKey(b), duplicateKeyParsed(b); fast != slow {
 				t.Fatalf("%q: duplicateKey %q, parsed %q", b, fast, slow)

@@ -31,6 +31,75 @@ type Message struct {
 	ToolCallID string          `json:"tool_call_id,omitempty"`
 }
 
+// Messages is a chat's "messages" array. It is decoded message by message
+// into a slice sized from the element count, and a message whose role is
+// not one of roles stops it (the error Validate would give), so a body of
+// empty or null messages costs nothing per element: a valid message takes
+// at least minMessageBytes of body for its 104-byte Message.
+type Messages []Message
+
+// minMessageBytes is the shortest valid message, {"role":"assistant"} (an
+// assistant turn may have no content; every other role needs one).
+const minMessageBytes = len(`{"role":"assistant"}`)
+
+// UnmarshalJSON decodes an array of message objects (null: none).
+func (m *Messages) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	if string(b) == "null" {
+		*m = nil
+		return nil
+	}
+	if len(b) == 0 || b[0] != '[' {
+		// Field is left to the decoder, which names the field it was in.
+		return &json.UnmarshalTypeError{Value: jsonValueKind(b), Type: reflect.TypeOf(Messages{})}
+	}
+	n, err := countElements(b)
+	if err != nil {
+		return err
+	}
+	msgs := make([]Message, 0, min(n, len(b)/minMessageBytes+1))
+	err = eachElement(b, func(i int, e []byte) error {
+		if e[0] != '{' {
+			return &valueError{param: fmt.Sprintf("messages[%d]", i), msg: fmt.Sprintf("messages[%d] must be an object, not %s", i, jsonValueKind(e))}
+		}
+		msgs = append(msgs, Message{})
+		msg := &msgs[len(msgs)-1]
+		if err := unmarshalElement(e, msg); err != nil {
+			return err
+		}
+		if !roles[msg.Role] {
+			return &valueError{param: fmt.Sprintf("messages[%d].role", i), msg: fmt.Sprintf("invalid role %q", msg.Role)}
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	*m = msgs
+	return nil
+}
+
+// jsonValueKind names the kind of the JSON value b, as encoding/json's
+// UnmarshalTypeError.Value does.
+func jsonValueKind(b []byte) string {
+	if len(b) == 0 {
+		return "value"
+	}
+	switch b[0] {
+	case '{':
+		return "object"
+	case '[':
+		return "array"
+	case '"':
+		return "string"
+	case 't', 'f':
+		return "bool"
+	case 'n':
+		return "null"
+	}
+	return "number"
+}
+
 // Content is a message's content: the concatenated text of its text parts.
 type Content struct {
 	Text  string
@@ -53,19 +122,23 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 		*c = Content{given: true}
 		return json.Unmarshal(b, &c.Text)
 	case b[0] == '[':
-		var parts []struct {
+		// Part by part into one scratch value: a part costs no allocation
+		// beyond its text, however many the array holds.
+		var sb strings.Builder
+		var p struct {
 			Type string  `json:"type"`
 			Text *string `json:"text"`
 		}
-		if err := unmarshalExact(b, &parts); err != nil {
-			var te *json.UnmarshalTypeError
-			if errors.As(err, &te) {
-				return &valueError{param: "messages.content", msg: "content parts must be objects with a string \"type\" (and \"text\" for text parts)"}
+		n := 0
+		err := eachElement(b, func(i int, e []byte) error {
+			p.Type, p.Text = "", nil
+			if err := unmarshalElement(e, &p); err != nil {
+				var te *json.UnmarshalTypeError
+				if errors.As(err, &te) {
+					return &valueError{param: "messages.content", msg: "content parts must be objects with a string \"type\" (and \"text\" for text parts)"}
+				}
+				return err
 			}
-			return err
-		}
-		var sb strings.Builder
-		for i, p := range parts {
 			if p.Type == "" {
 				return &valueError{param: "messages.content", msg: fmt.Sprintf("content part %d has no type", i)}
 			}
@@ -75,8 +148,13 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 				}
 				sb.WriteString(*p.Text)
 			}
+			n++
+			return nil
+		})
+		if err != nil {
+			return err
 		}
-		*c = Content{Text: sb.String(), Parts: len(parts), given: true}
+		*c = Content{Text: sb.String(), Parts: n, given: true}
 		return nil
 	}
 	return &valueError{param: "messages.content", msg: "content must be a string, an array of content parts or null"}
@@ -105,6 +183,19 @@ func unmarshalExact(b []byte, v any) error {
 	return err
 }
 
+// unmarshalElement decodes one array element b into v with exact key
+// matching; on failure the error is encoding/json's (segmentio's name less,
+// and quote raw input), as Decode's.
+func unmarshalElement(b []byte, v any) error {
+	err := unmarshalExact(b, v)
+	if err != nil {
+		if serr := json.Unmarshal(b, v); serr != nil {
+			err = serr
+		}
+	}
+	return err
+}
+
 // MarshalJSON writes the text as a string (null if it was null).
 func (c Content) MarshalJSON() ([]byte, error) {
 	if c.Null {
@@ -117,7 +208,7 @@ func (c Content) MarshalJSON() ([]byte, error) {
 // and the simulator read).
 type ChatRequest struct {
 	Model               string         `json:"model"`
-	Messages            []Message      `json:"messages"`
+	Messages            Messages       `json:"messages"`
 	Stream              bool           `json:"stream,omitempty"`
 	StreamOptions       *StreamOptions `json:"stream_options,omitempty"`
 	MaxTokens           *int           `json:"max_tokens,omitempty"`
@@ -190,30 +281,36 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 		p.Tokens = [][]uint32{ids}
 		return nil
 	}
-	var items []json.RawMessage
-	if err := json.Unmarshal(b, &items); err != nil {
+	// Element by element into slices sized from the count: no RawMessage
+	// per element, no growth.
+	n, err := countElements(b)
+	if err != nil {
 		return err
 	}
-	if len(items) == 0 {
+	if n == 0 {
 		return &valueError{param: "prompt", msg: "prompt must not be an empty array"}
 	}
-	switch first := bytes.TrimSpace(items[0]); {
-	case len(first) > 0 && first[0] == '"':
-		p.Texts = make([]string, len(items))
-		for i, it := range items {
-			if err := json.Unmarshal(it, &p.Texts[i]); err != nil {
+	var first []byte
+	_ = eachElement(b, func(_ int, e []byte) error { first = e; return errStop })
+	switch {
+	case first[0] == '"':
+		p.Texts = make([]string, n)
+		return eachElement(b, func(i int, it []byte) error {
+			if err := unmarshalElement(it, &p.Texts[i]); err != nil {
 				return &valueError{param: "prompt", msg: fmt.Sprintf("prompt[%d]: all elements must be strings", i)}
 			}
-		}
-	case len(first) > 0 && first[0] == '[':
-		p.Tokens = make([][]uint32, len(items))
-		for i, it := range items {
+			return nil
+		})
+	case first[0] == '[':
+		p.Tokens = make([][]uint32, n)
+		return eachElement(b, func(i int, it []byte) error {
 			ids, err := parseTokenIDs(it)
 			if err != nil {
 				return &valueError{param: "prompt", msg: fmt.Sprintf("prompt[%d]: %v", i, err)}
 			}
 			p.Tokens[i] = ids
-		}
+			return nil
+		})
 	default:
 		ids, err := parseTokenIDs(b)
 		if err != nil {
@@ -223,6 +320,9 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 	}
 	return nil
 }
+
+// errStop ends an eachElement walk early.
+var errStop = errors.New("stop")
 
 // MarshalJSON writes the prompt back in its most compact shape.
 func (p Prompt) MarshalJSON() ([]byte, error) {
@@ -414,13 +514,17 @@ func jsonKind(t reflect.Type) string {
 // after sockets), and accepts exactly what encoding/json accepts (fuzzed),
 // with one deliberate difference: object keys match fields by exact name
 // (exactKeys), as the engines read them, so {"model":"a","Model":"b"} is
-// model "a" for the gateway and the engine alike.
+// model "a" for the gateway and the engine alike. A body nested deeper
+// than MaxDepth is refused before any decoder sees it (TooDeep).
 func Decode(body []byte, v any) *Error {
 	if len(bytes.TrimSpace(body)) == 0 {
 		return NewError(http.StatusBadRequest, "request body is empty", "", CodeInvalidJSON)
 	}
 	if b := bytes.TrimSpace(body); b[0] != '{' {
 		return NewError(http.StatusBadRequest, "request body must be a JSON object", "", CodeInvalidJSON)
+	}
+	if TooDeep(body) {
+		return NewError(http.StatusBadRequest, fmt.Sprintf("The request body nests arrays and objects more than %d levels deep.", MaxDepth), "", CodeInvalidJSON)
 	}
 	rest, err := segjson.Parse(body, v, exactKeys)
 	if err != nil {
@@ -430,8 +534,13 @@ func Decode(body []byte, v any) *Error {
 		// both to the same verdict (on bodies without case-variant keys,
 		// which encoding/json would also match: there its message may name
 		// such a key's field).
-		if serr := json.Unmarshal(body, v); serr != nil {
-			err = serr
+		// A valueError is the gateway's own, message included: no second
+		// decode (which would double what a hostile body costs).
+		var ve *valueError
+		if !errors.As(err, &ve) {
+			if serr := json.Unmarshal(body, v); serr != nil {
+				err = serr
+			}
 		}
 		return DecodeError(err)
 	}

@@ -253,6 +253,9 @@ func TestErrors(t *testing.T) {
 		{"/v1/completions", `{"model":"` + testModel + `","prompt":[1,2],"max_tokens":200000}`, 400, ""},
 		{"/v1/completions", `{"model":"` + testModel + `","prompt":"x","max_tokens":0}`, 400, "max_tokens"},
 		{"/v1/completions", `{"model":"` + testModel + `","prompt":"x","padding":"` + strings.Repeat("x", MaxRequestBytes) + `"}`, 413, ""},
+		// The nesting attack (openai.MaxDepth): a 400, not a stack overflow.
+		{"/v1/chat/completions", `{"model":"` + testModel + `","messages":[{"role":"user","content":"x"}],"x":` + strings.Repeat("[", 1<<20) + `}`, 400, ""},
+		{"/v1/completions", `{"model":"` + testModel + `","prompt":` + strings.Repeat("[", 1<<20) + `}`, 400, ""},
 	}
 	for _, c := range cases {
 		resp := post(t, ts, c.path, c.body)

@@ -1,0 +1,91 @@
+package gateway
+
+import (
+	"fmt"
+	"sync/atomic"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// DefaultMaxHeldResponseBytes bounds the bytes of non-streaming answers the
+// gateway holds at once, all requests together (256 MiB): each answer is
+// held until it ends (up to maxUsageScan, 4 MiB) so that one that breaks
+// can be retried with nothing sent, and without a global bound 100 clients
+// that do not read a large answer made the gateway hold 100 × 4 MiB and
+// more (683 MB measured).
+const DefaultMaxHeldResponseBytes = 256 << 20
+
+// holdBudget counts the bytes of non-streaming answers held by relayBody,
+// gateway-wide; an answer that would take it over its limit is relayed
+// from there on as it arrives (its held part first), so it is no longer
+// retry-safe. A buffer grown for an answer counts with its capacity
+// (holdMore).
+type holdBudget struct {
+	limit     int64 // bytes; ≤ 0: nothing is held
+	held      atomic.Int64
+	overflows prometheus.Counter
+}
+
+// reserve takes n bytes from the budget; false, taking nothing, when they
+// do not fit.
+func (h *holdBudget) reserve(n int64) bool {
+	for {
+		cur := h.held.Load()
+		if cur+n > h.limit {
+			return false
+		}
+		if h.held.CompareAndSwap(cur, cur+n) {
+			return true
+		}
+	}
+}
+
+// release gives back *n reserved bytes and zeroes *n.
+func (h *holdBudget) release(n *int64) {
+	if *n != 0 {
+		h.held.Add(-*n)
+		*n = 0
+	}
+}
+
+// holdMore makes room in x.capture for n more bytes, reserving them in the
+// hold budget (*held: the bytes the request has reserved); false when the
+// budget cannot take them. Within the buffer's capacity the bytes are
+// reserved as they come; beyond it the buffer grows (doubling, from 64 KiB
+// to maxUsageScan) by what the budget grants, so the reservation is the
+// memory allocated for the answer, growth included.
+func (g *Gateway) holdMore(x *exchange, n int, held *int64) bool {
+	need := len(x.capture) + n
+	want, grow := int64(need), need > cap(x.capture)
+	newCap := 0
+	if grow {
+		newCap = min(maxUsageScan, max(2*cap(x.capture), need, 64<<10))
+		want = int64(newCap)
+	}
+	if want > *held {
+		if !g.hold.reserve(want - *held) {
+			return false
+		}
+		*held = want
+	}
+	if grow {
+		x.capture = append(make([]byte, 0, newCap), x.capture...)
+	}
+	return true
+}
+
+// initHold sets up the hold budget and registers its metrics.
+func (g *Gateway) initHold(reg prometheus.Registerer) error {
+	g.hold = &holdBudget{limit: g.cfg.MaxHeldResponseBytes,
+		overflows: prometheus.NewCounter(prometheus.CounterOpts{Namespace: "infergate", Name: "response_hold_overflows_total",
+			Help: "Non-streaming answers relayed before their end because max_held_response_bytes was held (not retry-safe)."})}
+	held := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Name: "response_held_bytes",
+		Help: "Bytes of non-streaming answers held until their end, all requests together (bounded by max_held_response_bytes)."},
+		func() float64 { return float64(g.hold.held.Load()) })
+	for _, c := range []prometheus.Collector{g.hold.overflows, held} {
+		if err := reg.Register(c); err != nil {
+			return fmt.Errorf("gateway: register metrics: %w", err)
+		}
+	}
+	return nil
+}
