@@ -166,7 +166,10 @@ func (g *Gateway) putExchange(x *exchange) {
 // readBody reads the request body into x.body, at most limit bytes, within
 // timeout (the connection's read deadline is set for the body and cleared
 // after, so a stalled body answers 408 and long streaming responses are not
-// affected).
+// affected). A client that abandons the request before its body arrived
+// (its context ends: an HTTP/2 stream reset; or the connection ends before
+// the declared length) gets an error of status codeClientClosed, which is
+// accounted, not written.
 func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) *openai.Error {
 	if ce := r.Header.Get("Content-Encoding"); ce != "" && !strings.EqualFold(ce, "identity") {
 		return openai.NewError(http.StatusUnsupportedMediaType,
@@ -209,6 +212,12 @@ func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64,
 			if errors.Is(err, os.ErrDeadlineExceeded) {
 				return openai.NewError(http.StatusRequestTimeout,
 					fmt.Sprintf("The request body was not received within %s.", timeout), "", "request_timeout")
+			}
+			if r.Context().Err() != nil || errors.Is(err, io.ErrUnexpectedEOF) {
+				// The client abandoned the request (an HTTP/2 stream reset,
+				// a connection closed before the declared body): nobody is
+				// there to read an answer.
+				return openai.NewError(codeClientClosed, "The client closed the request before its body arrived.", "", "")
 			}
 			return openai.NewError(http.StatusBadRequest, "Could not read the request body: "+err.Error(), "", openai.CodeInvalidJSON)
 		}
@@ -309,6 +318,10 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	w.Header()["X-Request-Id"] = []string{reqID}
 
 	if e := x.readBody(w, r, g.cfg.MaxBodyBytes, g.cfg.BodyReadTimeout); e != nil {
+		if e.Status == codeClientClosed {
+			g.metrics.count(g.unknown, codeClientClosed) // no answer to write
+			return
+		}
 		g.fail(w, g.unknown, e)
 		return
 	}
