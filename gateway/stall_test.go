@@ -294,22 +294,27 @@ func TestStalledEndpointEjected(t *testing.T) {
 			errs <- err
 		}()
 	}
+	spread := func() string {
+		var served []int64
+		for _, e := range good {
+			served = append(served, e.requests.Load())
+		}
+		return fmt.Sprintf("stalled endpoint: %d requests, %d held now, at most %d at once; healthy endpoints served %v, %d in flight",
+			stalled.requests.Load(), stalled.cur.Load(), stalled.max.Load(), served,
+			g.endpoints[0].inFlight.Load()+g.endpoints[1].inFlight.Load()+g.endpoints[2].inFlight.Load())
+	}
 	for range clients {
 		select {
 		case err := <-errs:
 			if err != nil {
-				t.Fatal(err)
+				t.Fatalf("%v\n%s", err, spread())
 			}
 		case <-time.After(60 * time.Second):
-			t.Fatalf("requests still held after 60 s: %d in flight on the stalled endpoint", g.endpoints[stalledIdx].inFlight.Load())
+			t.Fatalf("requests still held after 60 s\n%s", spread())
 		}
 	}
 	tried := stalled.requests.Load()
-	served := make([]int64, len(good))
-	for i, e := range good {
-		served[i] = e.requests.Load()
-	}
-	t.Logf("stalled endpoint: %d requests (at most %d held at once); healthy endpoints served %v", tried, stalled.max.Load(), served)
+	t.Log(spread())
 	if tried < int64(cfg.Outlier.ConsecutiveErrors) {
 		t.Fatalf("the stalled endpoint got %d requests, fewer than the %d that eject it", tried, cfg.Outlier.ConsecutiveErrors)
 	}
