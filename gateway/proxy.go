@@ -601,7 +601,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 		last      time.Time     // when the previous output event was relayed
 		streamErr bool          // the engine sent an error event
 		started   bool          // the status line is out
-		chunks    bool          // an event was a completion chunk (choices or usage)
+		chunks    bool          // an event was a completion chunk (with choices)
 		rc        *http.ResponseController
 	)
 	x.out = x.out[:0]
@@ -691,7 +691,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				return &failure{reason: reasonErrorEvent, rm: rm, err: openai.NewError(http.StatusBadGateway,
 					"The model server reported an error before its first token: "+engineErrorMessage(data), "", openai.CodeUpstream)}, 0
 			}
-			chunks = chunks || c.choices > 0 || c.usage != nil
+			chunks = chunks || c.choices > 0
 			if c.usage != nil {
 				usage = c.usage // freshly allocated: safe to keep
 			}
