@@ -69,9 +69,10 @@ type exchange struct {
 	segs     []string // a chat's rendered segments (openai.AppendChatSegments)
 	toks     []uint32 // a chat's routing tokens
 
-	// er reads the engine's SSE stream; reset per stream, so its 16 KiB
-	// buffer is pooled.
+	// er reads the engine's SSE stream through fr; reset per stream, so its
+	// 16 KiB buffer is pooled.
 	er *openai.EventReader
+	fr flushOnRead
 
 	// upHeader holds the upstream request's headers (upstreamHeader) and
 	// reqID the request id as a header value; both live only while the
@@ -160,6 +161,7 @@ func (g *Gateway) putExchange(x *exchange) {
 	if x.er != nil {
 		x.er.Reset(nil) // drop the finished stream
 	}
+	x.fr = flushOnRead{}
 	g.exchanges.Put(x)
 }
 
@@ -584,7 +586,8 @@ const maxHeldBeforeOutput = 64 << 10
 // ends with a shutting_down error event and [DONE]).
 func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
 	rm *routeMetrics, reqID string, start time.Time, strip bool, firstBy time.Time) (*failure, int) {
-	fr := &flushOnRead{r: resp.Body}
+	x.fr = flushOnRead{r: resp.Body} // in the pooled exchange: no allocation per stream
+	fr := &x.fr
 	if dl, ok := resp.Body.(readDeadliner); ok {
 		// roundTripBy left the first-event deadline on the body.
 		fr.idle = idleDeadline{dl: dl, idle: g.cfg.StreamIdleTimeout, armed: firstBy}
