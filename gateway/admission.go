@@ -345,7 +345,7 @@ type resilienceMetrics struct {
 func newResilienceMetrics(reg prometheus.Registerer, g *Gateway) (*resilienceMetrics, error) {
 	m := &resilienceMetrics{
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "retries_total",
-			Help: "Requests resent to another endpoint, by model, the endpoint that failed and the failure (connect_failure, connection_lost, 5xx)."},
+			Help: "Requests resent to another endpoint, by model, the endpoint that failed and the failure (connect_failure, connection_lost, 5xx, timeout, error_event, bad_response)."},
 			[]string{"model", "endpoint", "reason"}),
 		retriesDenied: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "retries_denied_total",
 			Help: "Retryable failures answered without a retry: the retry budget was spent (budget) or no other endpoint could take the request (no_endpoint)."},

@@ -54,6 +54,24 @@ const (
 	DefaultKVBlocks = 65536
 )
 
+// Defaults of the upstream answer timeouts (README.md "Request lifecycle").
+const (
+	// DefaultFirstEventTimeout bounds a stream's wait for its first output
+	// event: Envoy's stream_idle_timeout default (5 min), not nginx's 60 s
+	// proxy_read_timeout, because the first token waits for the engine's
+	// queue and the prefill of up to a whole context, which under load
+	// take minutes (the Mooncake replay in README.md reaches a TTFT p99 of
+	// 160 s under round-robin), and a retry elsewhere starts both over. It
+	// is there to catch an engine that will never answer, not a slow one.
+	DefaultFirstEventTimeout = 5 * time.Minute
+	// DefaultStreamIdleTimeout bounds the silence of an answer once it has
+	// begun: nginx's proxy_read_timeout default (60 s). A decoding engine
+	// emits a token every few to a few hundred milliseconds (a preempted
+	// request is rescheduled within seconds); a minute without one is a
+	// stall.
+	DefaultStreamIdleTimeout = time.Minute
+)
+
 // Config is the gateway's configuration (YAML; see README.md for every key).
 // Zero values take the defaults of WithDefaults.
 type Config struct {
@@ -85,6 +103,23 @@ type Config struct {
 	// headers of a non-streaming completion only when it is done, so this
 	// must exceed the longest generation). Expiry answers 504.
 	ResponseHeaderTimeout time.Duration `yaml:"response_header_timeout"`
+	// FirstEventTimeout bounds a streaming attempt's wait for its first
+	// output-carrying event (the first token), from the request sent:
+	// response headers, queueing and prefill included (default 5m). SSE
+	// comments and events without output (a role chunk) do not end the
+	// wait. Expiry fails the attempt as a timeout of the endpoint (outlier
+	// detection), retried elsewhere since nothing reached the client; 504
+	// upstream_timeout when it is not.
+	FirstEventTimeout time.Duration `yaml:"first_event_timeout"`
+	// StreamIdleTimeout bounds the engine's silence once an answer has
+	// begun (default 1m): a stream's gap between output events (comments,
+	// keep-alives and events without output do not count), and a
+	// non-streaming body's gap between reads after its headers. Time the
+	// gateway spends writing to the client is not counted. A stream that
+	// stalls after its first output ends with an upstream_timeout error
+	// event; a body that stalls before any byte reached the client is
+	// retried.
+	StreamIdleTimeout time.Duration `yaml:"stream_idle_timeout"`
 	// IdleConnTimeout is how long an idle upstream connection is kept
 	// (default 90s).
 	IdleConnTimeout time.Duration `yaml:"idle_conn_timeout"`
@@ -222,6 +257,12 @@ func (c Config) WithDefaults() Config {
 	if c.ResponseHeaderTimeout == 0 {
 		c.ResponseHeaderTimeout = DefaultResponseHeaderTimeout
 	}
+	if c.FirstEventTimeout == 0 {
+		c.FirstEventTimeout = DefaultFirstEventTimeout
+	}
+	if c.StreamIdleTimeout == 0 {
+		c.StreamIdleTimeout = DefaultStreamIdleTimeout
+	}
 	if c.IdleConnTimeout == 0 {
 		c.IdleConnTimeout = DefaultIdleConnTimeout
 	}
@@ -280,6 +321,8 @@ func (c Config) Validate() error {
 	}{
 		{"connect_timeout", c.ConnectTimeout},
 		{"response_header_timeout", c.ResponseHeaderTimeout},
+		{"first_event_timeout", c.FirstEventTimeout},
+		{"stream_idle_timeout", c.StreamIdleTimeout},
 		{"idle_conn_timeout", c.IdleConnTimeout},
 		{"eject_duration", c.EjectDuration},
 		{"health_check_interval", c.HealthCheckInterval},

@@ -9,6 +9,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"encoding/json"
 	"encoding/pem"
 	"fmt"
 	"io"
@@ -230,9 +231,19 @@ func TestHostileEngine(t *testing.T) {
 				t.Errorf("%d %d bytes %.300s", status, len(body), body)
 			}
 		}},
+		// No event of a stream is a completion chunk: not a 200 with
+		// garbage or [DONE] alone, but an error (retried elsewhere).
 		{"binary and non-JSON events", true, func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("Content-Type", "text/event-stream")
 			_, _ = io.WriteString(w, "data: \xff\xfe\x00garbage\n\n: comment\nevent: x\nid: 1\nretry: 5\n\ndata: {\"choices\":\"nope\"}\n\ndata: [DONE]\n\n")
+		}, wantUpstreamError(http.StatusBadGateway, "without a completion chunk")},
+		{"non-SSE garbage, then [DONE]", true, func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			_, _ = io.WriteString(w, "<html>\n<body>502 Bad Gateway</body>\n</html>\n\ndata: [DONE]\n\n")
+		}, wantUpstreamError(http.StatusBadGateway, "without a completion chunk")},
+		{"binary events before a completion chunk", true, func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			_, _ = io.WriteString(w, "data: \xff\xfe\x00garbage\n\ndata: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\ndata: [DONE]\n\n")
 		}, func(t *testing.T, status int, body []byte, _ error) {
 			if status != 200 || !bytes.HasSuffix(body, []byte("data: [DONE]\n\n")) || !bytes.Contains(body, []byte("garbage")) {
 				t.Errorf("%d %q", status, body)
@@ -249,11 +260,19 @@ func TestHostileEngine(t *testing.T) {
 		{"stream answered as text/html", true, func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("Content-Type", "text/html")
 			_, _ = io.WriteString(w, "<html>proxy login</html>")
-		}, func(t *testing.T, status int, body []byte, _ error) {
-			if status != 200 || string(body) != "<html>proxy login</html>" {
-				t.Errorf("%d %s", status, body)
-			}
-		}},
+		}, wantUpstreamError(http.StatusBadGateway, `Content-Type "text/html"`)},
+		{"stream answered without a Content-Type", true, func(w http.ResponseWriter, r *http.Request) {
+			w.Header()["Content-Type"] = nil
+			_, _ = io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"text\":\"hi\"}]}\n\n")
+		}, wantUpstreamError(http.StatusBadGateway, "not text/event-stream")},
+		{"error event before any output", true, func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			_, _ = io.WriteString(w, `data: {"error":{"object":"error","message":"engine died","type":"BadRequestError","param":null,"code":400}}`+"\n\ndata: [DONE]\n\n")
+		}, wantUpstreamError(http.StatusBadGateway, "before its first token: engine died")},
+		{"TGI-style error event before any output", true, func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			_, _ = io.WriteString(w, `data: {"error":"Request failed during generation: Server error: CUDA out of memory","error_type":"generation"}`+"\n\n")
+		}, wantUpstreamError(http.StatusBadGateway, "CUDA out of memory")},
 		{"huge response headers", false, func(w http.ResponseWriter, r *http.Request) {
 			for i := range 40 {
 				w.Header().Set("X-Junk-"+strconv.Itoa(i), strings.Repeat("j", 32<<10))
@@ -309,6 +328,18 @@ func TestHostileEngine(t *testing.T) {
 			tc.check(t, resp.StatusCode, b, rerr)
 			waitFor(t, "in flight back to 0", func() bool { return g.endpoints[0].inFlight.Load() == 0 })
 		})
+	}
+}
+
+// wantUpstreamError checks for an OpenAI error of status whose message
+// contains msg.
+func wantUpstreamError(status int, msg string) func(t *testing.T, got int, body []byte, _ error) {
+	return func(t *testing.T, got int, body []byte, _ error) {
+		t.Helper()
+		var er openai.ErrorResponse
+		if got != status || json.Unmarshal(body, &er) != nil || er.Error == nil || !strings.Contains(er.Error.Message, msg) {
+			t.Errorf("%d %s; want %d with %q", got, body, status, msg)
+		}
 	}
 }
 

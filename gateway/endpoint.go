@@ -91,15 +91,60 @@ func (ep *endpoint) eject(now time.Time, d time.Duration) {
 }
 
 // url returns the URL of kind's path on the endpoint with the client's raw
-// query, if any (a copy then; the parsed URL is shared).
+// query, if any (a copy then; the parsed URL is shared), escaped for a
+// request line (escapeQuery).
 func (ep *endpoint) url(kind apiKind, rawQuery string) *url.URL {
 	u := ep.urls[kind]
 	if rawQuery == "" {
 		return u
 	}
 	q := *u
-	q.RawQuery = rawQuery
+	q.RawQuery = escapeQuery(rawQuery)
 	return &q
+}
+
+// escapeQuery returns raw with every byte that may not appear in a URI's
+// query (RFC 3986 §3.4: unreserved, sub-delims, ":", "@", "/", "?" and
+// %XX escapes) percent-encoded, a "%" not followed by two hex digits
+// included. An HTTP/1.1 request line cannot carry such bytes, but HTTP/2's
+// :path does (net/http accepts a query with spaces there), and the request
+// line written upstream must never be split or extended by a client's
+// bytes. A valid query (the common case) is returned as is.
+func escapeQuery(raw string) string {
+	i := 0
+	for i < len(raw) && queryByteOK(raw, i) {
+		i++
+	}
+	if i == len(raw) {
+		return raw
+	}
+	const hex = "0123456789ABCDEF"
+	b := make([]byte, 0, len(raw)+16)
+	b = append(b, raw[:i]...)
+	for ; i < len(raw); i++ {
+		if c := raw[i]; queryByteOK(raw, i) {
+			b = append(b, c)
+		} else {
+			b = append(b, '%', hex[c>>4], hex[c&15])
+		}
+	}
+	return string(b)
+}
+
+// queryByteOK reports whether raw[i] may stand as is in a query.
+func queryByteOK(raw string, i int) bool {
+	c := raw[i]
+	switch {
+	case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9':
+		return true
+	case c == '%':
+		return i+2 < len(raw) && isHex(raw[i+1]) && isHex(raw[i+2])
+	}
+	return strings.IndexByte("-._~!$&'()*+,;=:@/?", c) >= 0
+}
+
+func isHex(c byte) bool {
+	return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F'
 }
 
 // checkHealth probes the endpoint once and updates its readiness: a failed

@@ -123,15 +123,47 @@ func upstreamHeader(out, in http.Header, requestID []string, remoteAddr string) 
 	return out
 }
 
+// dropDownstream reports whether an engine's response header k (canonical)
+// is not relayed to the client because it speaks for the gateway's origin
+// or instructs a proxy in front of it, neither of which an engine may do
+// (a deny-list: engines' own informational headers, such as TGI's
+// X-Compute-Time or vLLM's timing headers, pass):
+//   - X-Infergate-*: the gateway's own namespace (X-Infergate-Attempts is
+//     the gateway's count; an engine must not forge it);
+//   - Set-Cookie, Set-Cookie2: state on the gateway's origin;
+//   - Location, Content-Location, Refresh: redirects and resource
+//     identities in the engine's URL space (leaking internal hosts, or an
+//     open redirect through the gateway);
+//   - Alt-Svc, Strict-Transport-Security, Public-Key-Pins: the transport
+//     policy of the gateway's origin;
+//   - Access-Control-*, Timing-Allow-Origin: its cross-origin policy;
+//   - X-Accel-*, X-Sendfile: control headers an nginx (or Apache) in front
+//     obeys (X-Accel-Redirect serves an internal location); the gateway
+//     sets X-Accel-Buffering on streams itself;
+//   - Server, Date: the engine's software and clock (net/http sets the
+//     gateway's Date; nginx hides both by default as well);
+//   - X-Request-Id: the gateway sets it (vLLM echoes it).
+func dropDownstream(k string) bool {
+	switch k {
+	case "Set-Cookie", "Set-Cookie2", "Location", "Content-Location", "Refresh",
+		"Alt-Svc", "Strict-Transport-Security", "Public-Key-Pins", "Timing-Allow-Origin",
+		"X-Sendfile", "Server", "Date", "X-Request-Id":
+		return true
+	}
+	return strings.HasPrefix(k, "X-Infergate-") || strings.HasPrefix(k, "Access-Control-") ||
+		strings.HasPrefix(k, "X-Accel-")
+}
+
 // copyResponseHeader copies the engine's end-to-end response headers into
 // dst, leaving out hop-by-hop headers, those the Connection header names,
-// X-Request-Id (the gateway sets it; vLLM echoes it), Content-Length when
-// the body is re-framed (streaming) and X-Ratelimit-* headers the gateway
-// set itself (the key's limits, not the engine's).
+// those dropDownstream names, Content-Length and Content-Encoding when the
+// body is re-framed (streaming: the gateway writes the events it parsed)
+// and X-Ratelimit-* headers the gateway set itself (the key's limits, not
+// the engine's).
 func copyResponseHeader(dst, src http.Header, keepLength bool) {
 	conn := src["Connection"]
 	for k, vs := range src {
-		if isHopByHop(k) || k == "X-Request-Id" || (!keepLength && k == "Content-Length") ||
+		if isHopByHop(k) || dropDownstream(k) || (!keepLength && (k == "Content-Length" || k == "Content-Encoding")) ||
 			(conn != nil && listedInConnection(conn, k)) {
 			continue
 		}

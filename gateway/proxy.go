@@ -69,9 +69,10 @@ type exchange struct {
 	segs     []string // a chat's rendered segments (openai.AppendChatSegments)
 	toks     []uint32 // a chat's routing tokens
 
-	// er reads the engine's SSE stream; reset per stream, so its 16 KiB
-	// buffer is pooled.
+	// er reads the engine's SSE stream through fr; reset per stream, so its
+	// 16 KiB buffer is pooled.
 	er *openai.EventReader
+	fr flushOnRead
 
 	// upHeader holds the upstream request's headers (upstreamHeader) and
 	// reqID the request id as a header value; both live only while the
@@ -160,13 +161,17 @@ func (g *Gateway) putExchange(x *exchange) {
 	if x.er != nil {
 		x.er.Reset(nil) // drop the finished stream
 	}
+	x.fr = flushOnRead{}
 	g.exchanges.Put(x)
 }
 
 // readBody reads the request body into x.body, at most limit bytes, within
 // timeout (the connection's read deadline is set for the body and cleared
 // after, so a stalled body answers 408 and long streaming responses are not
-// affected).
+// affected). A client that abandons the request before its body arrived
+// (its context ends: an HTTP/2 stream reset; or the connection ends before
+// the declared length) gets an error of status codeClientClosed, which is
+// accounted, not written.
 func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) *openai.Error {
 	if ce := r.Header.Get("Content-Encoding"); ce != "" && !strings.EqualFold(ce, "identity") {
 		return openai.NewError(http.StatusUnsupportedMediaType,
@@ -209,6 +214,12 @@ func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64,
 			if errors.Is(err, os.ErrDeadlineExceeded) {
 				return openai.NewError(http.StatusRequestTimeout,
 					fmt.Sprintf("The request body was not received within %s.", timeout), "", "request_timeout")
+			}
+			if r.Context().Err() != nil || errors.Is(err, io.ErrUnexpectedEOF) {
+				// The client abandoned the request (an HTTP/2 stream reset,
+				// a connection closed before the declared body): nobody is
+				// there to read an answer.
+				return openai.NewError(codeClientClosed, "The client closed the request before its body arrived.", "", "")
 			}
 			return openai.NewError(http.StatusBadRequest, "Could not read the request body: "+err.Error(), "", openai.CodeInvalidJSON)
 		}
@@ -309,6 +320,10 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	w.Header()["X-Request-Id"] = []string{reqID}
 
 	if e := x.readBody(w, r, g.cfg.MaxBodyBytes, g.cfg.BodyReadTimeout); e != nil {
+		if e.Status == codeClientClosed {
+			g.metrics.count(g.unknown, codeClientClosed) // no answer to write
+			return
+		}
 		g.fail(w, g.unknown, e)
 		return
 	}
@@ -391,11 +406,23 @@ func isResponseTimeout(err error) bool {
 // isEventStream reports whether the media type of h's Content-Type is
 // text/event-stream (case-insensitive, parameters ignored).
 func isEventStream(h http.Header) bool {
+	return strings.EqualFold(mediaType(h), "text/event-stream")
+}
+
+// isJSON reports whether the media type of h's Content-Type is
+// application/json: a whole OpenAI answer, which an engine may send to a
+// streaming request (relayed as it is).
+func isJSON(h http.Header) bool {
+	return strings.EqualFold(mediaType(h), "application/json")
+}
+
+// mediaType is h's Content-Type without parameters or spaces.
+func mediaType(h http.Header) string {
 	v := h.Get("Content-Type")
 	if i := strings.IndexByte(v, ';'); i >= 0 {
 		v = v[:i]
 	}
-	return strings.EqualFold(strings.TrimSpace(v), "text/event-stream")
+	return strings.TrimSpace(v)
 }
 
 // relayError relays an engine's non-2xx answer: its status and body when the
@@ -432,13 +459,17 @@ func engineJSON(b []byte) bool { return json.Valid(b) && !openai.TooDeep(b) }
 // first); when it breaks after that, relayBody returns codeAbort (the caller
 // aborts the client's connection, so the client sees a truncated answer,
 // never a silently short one). A request canceled (client gone) returns
-// codeClientClosed: no verdict on the engine.
+// codeClientClosed: no verdict on the engine. Each read may wait
+// stream_idle_timeout for the engine (time spent writing to the client not
+// counted); a stall is a timeout failure, retried while nothing was sent.
 func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
 	rm *routeMetrics, start time.Time) (*failure, int) {
 	x.capture = x.capture[:0]
 	var held int64 // bytes of x.capture reserved in g.hold
 	defer g.hold.release(&held)
 	sent := false // the status line and the held body have been written
+	idle := idleDeadline{idle: g.cfg.StreamIdleTimeout}
+	idle.dl, _ = resp.Body.(readDeadliner)
 	send := func(b []byte) bool {
 		if !sent {
 			copyResponseHeader(w.Header(), resp.Header, true)
@@ -450,6 +481,9 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 		return err == nil
 	}
 	for {
+		if idle.dl != nil {
+			idle.extend(time.Now()) // after any write to the client
+		}
 		n, rerr := resp.Body.Read(x.copyBuf)
 		if n > 0 {
 			fits := !sent && len(x.capture)+n <= maxUsageScan
@@ -475,6 +509,10 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 			case !sent && r.Context().Err() != nil:
 				g.canceled(w, r, rm) // 499, or 503 when ended by Abort
 				return nil, codeClientClosed
+			case !sent && isTimeout(rerr):
+				return &failure{reason: reasonTimeout, rm: rm, err: openai.NewError(http.StatusGatewayTimeout,
+					fmt.Sprintf("The model server's answer stalled: no byte within %s (stream_idle_timeout).", g.cfg.StreamIdleTimeout),
+					"", codeUpstreamTimeout)}, 0
 			case !sent:
 				return &failure{reason: reasonReset, rm: rm, err: openai.NewError(http.StatusBadGateway,
 					"The model server's answer broke off before its end: "+rerr.Error(), "", openai.CodeUpstream)}, 0
@@ -544,53 +582,81 @@ var (
 	sseDone  = []byte("data: [DONE]\n\n")
 )
 
+// maxHeldBeforeOutput bounds the events relayStream holds while it waits
+// for the first output event (bytes as they will be written): a role chunk
+// is a few hundred bytes; past the bound a stream of valid chunks is
+// started anyway, and one without any is a bad response.
+const maxHeldBeforeOutput = 64 << 10
+
 // relayStream relays an SSE answer event by event with a flush after each,
 // measuring time to first token and inter-token gaps and reading usage.
 // With strip, the usage-only chunk the gateway asked for on the client's
 // behalf is dropped. An upstream failure mid-stream ends the stream with an
-// error event, never a silent truncation. The status line waits for the
-// first event: a stream that fails before it is returned as a failure to
-// retry, nothing having reached the client. It returns the status accounted
-// (502 for a stream that failed or carried an engine's error event), or
-// codeClientClosed for a request canceled (client gone, or ended by Abort:
-// then the stream ends with a shutting_down error event and [DONE]).
+// error event, never a silent truncation.
+//
+// The status line waits for the first event that carries output (events
+// before it, a role chunk, are held and sent with it): a stream that fails
+// before it — breaks, stalls past first_event_timeout, sends an error event,
+// or ends with no completion chunk at all (garbage, or [DONE] alone) — is
+// returned as a failure to retry, nothing having reached the client. A
+// stream that ends cleanly without output (an empty generation) is relayed
+// whole. Once started, a stream with no output event for
+// stream_idle_timeout ends with an upstream_timeout error event.
+//
+// It returns the status accounted (502 for a stream that failed or carried
+// an engine's error event, 504 for one that stalled), or codeClientClosed
+// for a request canceled (client gone, or ended by Abort: then the stream
+// ends with a shutting_down error event and [DONE]).
 func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http.Response, x *exchange,
-	rm *routeMetrics, reqID string, start time.Time, strip bool) (*failure, int) {
-	fr := &flushOnRead{r: resp.Body}
+	rm *routeMetrics, reqID string, start time.Time, strip bool, firstBy time.Time) (*failure, int) {
+	x.fr = flushOnRead{r: resp.Body} // in the pooled exchange: no allocation per stream
+	fr := &x.fr
+	if dl, ok := resp.Body.(readDeadliner); ok {
+		// roundTripBy left the first-event deadline on the body.
+		fr.idle = idleDeadline{dl: dl, idle: g.cfg.StreamIdleTimeout, armed: firstBy}
+	}
 	if x.er == nil {
 		x.er = openai.NewEventReader(fr, 0)
 	} else {
 		x.er.Reset(fr) // pooled: no 16 KiB buffer per stream
 	}
 	er := x.er
-	data, err := er.Next()
-	if err != nil && !(err == io.EOF && er.Done()) {
-		if r.Context().Err() != nil {
-			g.canceled(w, r, rm)
-			return nil, codeClientClosed
-		}
-		msg := "The model server's stream ended before its first event."
-		if err != io.EOF {
-			msg = "The model server's stream failed before its first event: " + err.Error()
-		}
-		return &failure{reason: reasonReset, rm: rm, err: openai.NewError(http.StatusBadGateway, msg, "", openai.CodeUpstream)}, 0
-	}
-	h := w.Header()
-	copyResponseHeader(h, resp.Header, false)
-	if _, ok := h["Cache-Control"]; !ok {
-		h["Cache-Control"] = noCache
-	}
-	h["X-Accel-Buffering"] = accelBufferingNo
-	w.WriteHeader(resp.StatusCode)
-	rc := http.NewResponseController(w)
-	fr.rc = rc
 
 	var (
 		usage     *openai.Usage // the latest reported (cumulative) usage
 		last      time.Time     // when the previous output event was relayed
 		streamErr bool          // the engine sent an error event
+		started   bool          // the status line is out
+		chunks    bool          // an event was a completion chunk (with choices)
+		rc        *http.ResponseController
 	)
-	for ; ; data, err = er.Next() {
+	x.out = x.out[:0]
+	begin := func() {
+		h := w.Header()
+		copyResponseHeader(h, resp.Header, false)
+		if _, ok := h["Cache-Control"]; !ok {
+			h["Cache-Control"] = noCache
+		}
+		h["X-Accel-Buffering"] = accelBufferingNo
+		w.WriteHeader(resp.StatusCode)
+		rc = http.NewResponseController(w)
+		fr.rc = rc
+		started = true
+	}
+	for {
+		data, err := er.Next()
+		if err != nil && !started {
+			done := err == io.EOF && er.Done()
+			switch {
+			case r.Context().Err() != nil:
+				g.canceled(w, r, rm)
+				return nil, codeClientClosed
+			case done && chunks: // complete without output: relayed whole
+				begin()
+			default:
+				return g.streamFailure(rm, err, done, firstBy), 0
+			}
+		}
 		if err != nil {
 			// Ended by Abort (the client still there): unless the stream was
 			// complete, the client is told, as for an engine failure
@@ -598,6 +664,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			shutdown := fr.err == nil && r.Context().Err() != nil && shuttingDown(r)
 			switch {
 			case shutdown && !(err == io.EOF && er.Done()):
+				x.out = x.out[:0]
 				writeStreamError(w, rc, shutdownError())
 				g.finish(rm, x, http.StatusServiceUnavailable, usage, start)
 				return nil, codeClientClosed // no verdict on the engine
@@ -607,7 +674,9 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 			code := http.StatusOK
 			if err == io.EOF && er.Done() {
-				if _, werr := w.Write(sseDone); werr != nil {
+				// The held events of a stream that ended without output
+				// leave with [DONE].
+				if _, werr := w.Write(append(x.out, sseDone...)); werr != nil {
 					g.metrics.count(rm, codeClientClosed)
 					return nil, codeClientClosed
 				}
@@ -618,20 +687,37 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				}
 			} else {
 				msg := "The model server's stream ended without [DONE]."
-				if err != io.EOF {
+				code = http.StatusBadGateway
+				errCode := openai.CodeUpstream
+				switch {
+				case isTimeout(err):
+					wait, key := g.cfg.StreamIdleTimeout, "stream_idle_timeout"
+					if last.IsZero() {
+						wait, key = g.cfg.FirstEventTimeout, "first_event_timeout"
+					}
+					msg = fmt.Sprintf("The model server's stream stalled: no output within %s (%s).", wait, key)
+					code, errCode = http.StatusGatewayTimeout, codeUpstreamTimeout
+				case err != io.EOF:
 					msg = "The model server's stream failed: " + err.Error()
 				}
 				slog.Warn("gateway: upstream stream failed", "endpoint", rm.labels[1],
 					"request_id", reqID, "err", err)
-				writeStreamError(w, rc, openai.NewError(http.StatusBadGateway, msg, "", openai.CodeUpstream))
-				code = http.StatusBadGateway
+				writeStreamError(w, rc, openai.NewError(code, msg, "", errCode))
 			}
 			g.finish(rm, x, code, usage, start)
 			return nil, code
 		}
 
 		now := fr.at // when this event's bytes arrived
+		output := false
 		if c, ok := x.viewChunk(data); ok {
+			if c.isError && !started {
+				// An engine error before any output (vLLM's stream
+				// generator raising): nothing reached the client.
+				return &failure{reason: reasonErrorEvent, rm: rm, err: openai.NewError(http.StatusBadGateway,
+					"The model server reported an error before its first token: "+engineErrorMessage(data), "", openai.CodeUpstream)}, 0
+			}
+			chunks = chunks || c.choices > 0
 			if c.usage != nil {
 				usage = c.usage // freshly allocated: safe to keep
 			}
@@ -647,7 +733,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 					data = x.stripped
 				}
 			}
-			if c.output {
+			if output = c.output; output {
 				if last.IsZero() {
 					if x.pending != 0 {
 						x.pendingEP.observePrefill(x.ahead, now.Sub(x.sent))
@@ -660,14 +746,105 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				last = now
 			}
 		}
-		x.out = appendEvent(x.out[:0], data)
+		if !started {
+			x.out = appendEvent(x.out, data) // held until the first output
+			switch {
+			case output:
+			case len(x.out) <= maxHeldBeforeOutput:
+				continue
+			case !chunks:
+				return &failure{reason: reasonBadResponse, rm: rm, err: openai.NewError(http.StatusBadGateway,
+					fmt.Sprintf("The model server's stream sent %d bytes of events without a completion chunk.", len(x.out)),
+					"", openai.CodeUpstream)}, 0
+			}
+			begin()
+		} else {
+			x.out = appendEvent(x.out[:0], data)
+		}
 		g.extendWriteDeadline(w, x, now)
 		if _, err := w.Write(x.out); err != nil {
 			g.metrics.count(rm, codeClientClosed)
 			return nil, codeClientClosed
 		}
-		fr.pending = true // flushed before the next read that may wait
+		x.out = x.out[:0]
+		fr.pending = true  // flushed before the next read that may wait
+		fr.extend = output // and the engine given stream_idle_timeout for the next output
 	}
+}
+
+// streamFailure is the failure of a stream that ended (err; done: at
+// [DONE]) before its first output event, with its first event due by
+// firstBy.
+func (g *Gateway) streamFailure(rm *routeMetrics, err error, done bool, firstBy time.Time) *failure {
+	f := &failure{reason: reasonReset, rm: rm}
+	msg := "The model server's stream ended before its first token."
+	status, code := http.StatusBadGateway, openai.CodeUpstream
+	switch {
+	case done:
+		f.reason = reasonBadResponse
+		msg = "The model server's stream ended ([DONE]) without a completion chunk."
+	case isTimeout(err):
+		f.reason, status, code = reasonTimeout, http.StatusGatewayTimeout, codeUpstreamTimeout
+		msg = fmt.Sprintf("The model server sent no output within %s (first_event_timeout).", g.cfg.FirstEventTimeout)
+		if firstBy.IsZero() {
+			msg = "The model server's stream timed out before its first token."
+		}
+	case errors.Is(err, openai.ErrEventTooLarge):
+		f.reason = reasonBadResponse
+		msg = "The model server's stream failed before its first token: " + err.Error()
+	case err != io.EOF:
+		msg = "The model server's stream failed before its first token: " + err.Error()
+	}
+	f.err = openai.NewError(status, msg, "", code)
+	return f
+}
+
+// engineErrorMessage returns the message of an engine's error event
+// ({"error": {"message": …}} as vLLM and SGLang send it, or {"error": "…"}
+// as TGI does), at most 256 bytes of valid UTF-8.
+func engineErrorMessage(data []byte) string {
+	var ev struct {
+		Error json.RawMessage `json:"error"`
+	}
+	_ = json.Unmarshal(data, &ev)
+	msg := string(ev.Error)
+	var obj struct {
+		Message string `json:"message"`
+	}
+	var s string
+	switch {
+	case json.Unmarshal(ev.Error, &obj) == nil && obj.Message != "":
+		msg = obj.Message
+	case json.Unmarshal(ev.Error, &s) == nil:
+		msg = s
+	}
+	if len(msg) > 256 {
+		msg = msg[:256]
+	}
+	return strings.TrimSpace(strings.ToValidUTF8(msg, ""))
+}
+
+// idleDeadline keeps an upstream body's read deadline between idle and 9/8
+// idle ahead of each read it is extended for, moving it at most once per
+// idle/8 while reads come: one clock read and two comparisons per
+// extension, a deadline set (a runtime timer moved) every few seconds of a
+// stream. A deadline further ahead (a stream's first-event deadline, at its
+// first output) is brought in.
+type idleDeadline struct {
+	dl    readDeadliner // nil: the body has no deadline (nothing to do)
+	idle  time.Duration
+	armed time.Time // the deadline in force (zero: none)
+}
+
+func (d *idleDeadline) extend(now time.Time) {
+	if d.dl == nil {
+		return
+	}
+	if left := d.armed.Sub(now); !d.armed.IsZero() && left >= d.idle && left <= d.idle+d.idle/8 {
+		return
+	}
+	d.armed = now.Add(d.idle + d.idle/8)
+	_ = d.dl.SetReadDeadline(d.armed)
 }
 
 // flushOnRead wraps an engine's stream so that the relay flushes the client's
@@ -679,10 +856,16 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 // at is when the latest read from the engine returned bytes: the arrival
 // time of the events they held (one clock read per read, not per event;
 // events that arrive together are a few hundred nanoseconds apart).
+//
+// extend asks the next read to move the body's read deadline to
+// stream_idle_timeout from then (an output event was relayed): after the
+// flush, so that time spent writing to a slow client is not the engine's.
 type flushOnRead struct {
 	r       io.Reader
 	rc      *http.ResponseController
 	pending bool
+	extend  bool
+	idle    idleDeadline
 	err     error
 	at      time.Time
 }
@@ -694,6 +877,10 @@ func (f *flushOnRead) Read(p []byte) (int, error) {
 			f.err = err
 			return 0, err
 		}
+	}
+	if f.extend {
+		f.extend = false
+		f.idle.extend(time.Now())
 	}
 	n, err := f.r.Read(p)
 	if n > 0 {

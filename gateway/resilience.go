@@ -174,8 +174,13 @@ const (
 	reasonConnect = "connect_failure" // connection refused / dial failed
 	reasonReset   = "connection_lost" // connection reset or closed before the answer
 	reason5xx     = "5xx"             // the engine answered 5xx
-	reasonTimeout = "timeout"         // no response headers in time (not retried)
+	reasonTimeout = "timeout"         // no response headers, first output or next read in time
 	reasonStream  = "stream_failed"   // a stream failed after output was relayed (not retried)
+	// reasonErrorEvent: a stream's error event before its first output.
+	reasonErrorEvent = "error_event"
+	// reasonBadResponse: a 2xx that is not the answer asked for (a stream
+	// that is not SSE, or ends with no completion chunk).
+	reasonBadResponse = "bad_response"
 )
 
 // outlierSuccess records an answer that is not a failure of the endpoint.

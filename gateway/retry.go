@@ -217,7 +217,14 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	x.upHeader = upstreamHeader(x.upHeader, r.Header, x.requestIDValue(reqID), r.RemoteAddr)
 	req.Header = x.upHeader
 
-	resp, err := g.rt.RoundTrip(req)
+	// A stream's first output is due within first_event_timeout of the
+	// request, its response headers included; a non-streaming answer's
+	// headers come when it is done (response_header_timeout).
+	var firstBy time.Time
+	if x.stream {
+		firstBy = time.Now().Add(g.cfg.FirstEventTimeout)
+	}
+	resp, err := g.roundTrip(req, firstBy)
 	if err != nil {
 		switch {
 		case r.Context().Err() != nil:
@@ -226,9 +233,11 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 		case isResponseTimeout(err):
 			slog.Warn("gateway: upstream response timeout", "endpoint", ep.name, "request_id", reqID, "err", err)
 			g.outlierFailure(ep, reasonTimeout, time.Now())
-			g.fail(w, rm, openai.NewError(http.StatusGatewayTimeout,
-				"The model server did not answer in time.", "", codeUpstreamTimeout))
-			return nil
+			msg := fmt.Sprintf("The model server did not answer within %s (response_header_timeout).", g.cfg.ResponseHeaderTimeout)
+			if x.stream && g.cfg.FirstEventTimeout < g.cfg.ResponseHeaderTimeout {
+				msg = fmt.Sprintf("The model server sent no output within %s (first_event_timeout).", g.cfg.FirstEventTimeout)
+			}
+			return &failure{reason: reasonTimeout, rm: rm, err: openai.NewError(http.StatusGatewayTimeout, msg, "", codeUpstreamTimeout)}
 		}
 		reason := reasonReset
 		if isDialError(err) {
@@ -256,7 +265,13 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 		g.relayError(w, r, resp, rm)
 		return nil
 	case x.stream && isEventStream(resp.Header):
-		f, code = g.relayStream(w, r, resp, x, rm, reqID, start, strip)
+		f, code = g.relayStream(w, r, resp, x, rm, reqID, start, strip, firstBy)
+	case x.stream && !isJSON(resp.Header):
+		// Not an answer to a streaming request (a proxy's login page, a
+		// misrouted server): nothing was relayed, so it is retried.
+		f = &failure{reason: reasonBadResponse, rm: rm, err: openai.NewError(http.StatusBadGateway,
+			fmt.Sprintf("The model server answered a streaming request %d with Content-Type %q, not text/event-stream.",
+				resp.StatusCode, truncate(resp.Header.Get("Content-Type"), 64)), "", openai.CodeUpstream)}
 	default:
 		if f, code = g.relayBody(w, r, resp, x, rm, start); code == codeAbort {
 			if r.Context().Err() == nil { // not ended by Abort
@@ -272,10 +287,30 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 		g.outlierFailure(ep, f.reason, time.Now())
 	case code == http.StatusBadGateway:
 		g.outlierFailure(ep, reasonStream, time.Now())
+	case code == http.StatusGatewayTimeout: // a started stream stalled
+		g.outlierFailure(ep, reasonTimeout, time.Now())
 	case code != codeClientClosed:
 		ep.outlierSuccess()
 	}
 	return f
+}
+
+// roundTrip sends req upstream with its read deadline by (zero: none; see
+// upstreamClient.roundTripBy), or through g.rt as is when it is not the
+// gateway's own client (a benchmark's in-memory engine).
+func (g *Gateway) roundTrip(req *http.Request, by time.Time) (*http.Response, error) {
+	if u, ok := g.rt.(*upstreamClient); ok {
+		return u.roundTripBy(req, by)
+	}
+	return g.rt.RoundTrip(req)
+}
+
+// truncate returns s cut to at most n bytes of valid UTF-8.
+func truncate(s string, n int) string {
+	if len(s) > n {
+		s = s[:n]
+	}
+	return strings.ToValidUTF8(s, "")
 }
 
 // serverError reads an engine's 5xx answer into a failure: relayed as is if

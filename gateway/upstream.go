@@ -9,9 +9,11 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -139,8 +141,26 @@ func (l *limitedConnReader) Read(p []byte) (int, error) {
 // within response_header_timeout, the context's error when it is done, else
 // the connection's read or write error.
 func (u *upstreamClient) RoundTrip(req *http.Request) (*http.Response, error) {
+	return u.roundTripBy(req, time.Time{})
+}
+
+// readDeadliner is a response body whose reads can be bounded: the bodies
+// roundTripBy returns. A read past the deadline fails with a timeout
+// (net.Error); the zero time clears it.
+type readDeadliner interface {
+	SetReadDeadline(t time.Time) error
+}
+
+// roundTripBy is RoundTrip with a read deadline by (zero: none) that
+// bounds the response headers too (the earlier of by and
+// response_header_timeout) and stays in force on the body until the
+// caller moves it (the body is a readDeadliner): a stream's first event is
+// due by it. Without by, the body's reads are unbounded until the caller
+// sets a deadline. The fallback transport's bodies are bounded by a timer
+// that cancels the request (watchedBody).
+func (u *upstreamClient) roundTripBy(req *http.Request, by time.Time) (*http.Response, error) {
 	if req.URL.Scheme != "http" || (req.Body != nil && req.Body != http.NoBody && req.ContentLength <= 0) {
-		return u.fallback.RoundTrip(req)
+		return u.watchedRoundTrip(req, by)
 	}
 	key := req.URL.Host
 	if req.URL.Port() == "" {
@@ -165,7 +185,7 @@ func (u *upstreamClient) RoundTrip(req *http.Request) (*http.Response, error) {
 				return nil, err
 			}
 		}
-		resp, err := u.roundTrip(ctx, pc, req)
+		resp, err := u.roundTrip(ctx, pc, req, by)
 		if err == nil {
 			return resp, nil
 		}
@@ -190,7 +210,7 @@ type staleConnError struct{ err error }
 func (e staleConnError) Error() string { return e.err.Error() }
 func (e staleConnError) Unwrap() error { return e.err }
 
-func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Request) (*http.Response, error) {
+func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Request, by time.Time) (*http.Response, error) {
 	var stop func() bool
 	if ctx.Done() != nil {
 		c := pc.c
@@ -221,15 +241,21 @@ func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Re
 				resp.Body.Close()
 				return fail(ctx.Err()) // cancelled meanwhile
 			}
-			resp.Body = &upBody{u: u, pc: pc, body: resp.Body, close: true}
+			resp.Body = &upBody{u: u, pc: pc, ctx: ctx, body: resp.Body, close: true}
 			return resp, nil
 		}
 		return fail(err)
 	}
 	pc.lr.n = maxUpstreamHeaderBytes
+	// The header deadline is always set: a pooled connection may carry the
+	// deadline its previous body was read under.
+	headerBy := by
 	if u.headerTimeout > 0 {
-		pc.setReadDeadline(ctx, time.Now().Add(u.headerTimeout))
+		if t := time.Now().Add(u.headerTimeout); by.IsZero() || t.Before(by) {
+			headerBy = t
+		}
 	}
+	pc.setReadDeadline(ctx, headerBy)
 	var resp *http.Response
 	for {
 		var err error
@@ -246,10 +272,10 @@ func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Re
 		// the final answer follows.
 	}
 	pc.lr.n = math.MaxInt64
-	if u.headerTimeout > 0 {
-		pc.setReadDeadline(ctx, time.Time{})
+	if !headerBy.Equal(by) {
+		pc.setReadDeadline(ctx, by) // the body's: by, or none
 	}
-	resp.Body = &upBody{u: u, pc: pc, body: resp.Body, stop: stop, close: resp.Close || req.Close}
+	resp.Body = &upBody{u: u, pc: pc, ctx: ctx, body: resp.Body, stop: stop, close: resp.Close || req.Close}
 	return resp, nil
 }
 
@@ -385,10 +411,23 @@ func (e bodyFramingError) Unwrap() error { return e.err }
 type upBody struct {
 	u     *upstreamClient
 	pc    *upConn
+	ctx   context.Context // the request's
 	body  io.ReadCloser
 	stop  func() bool
 	close bool // the engine asked to close the connection
 	done  bool
+}
+
+// SetReadDeadline bounds the body's further reads (the connection's read
+// deadline; a cancellation keeps its poisoned deadline). A body already
+// read to its end or closed is left alone: its connection may serve
+// another request.
+func (b *upBody) SetReadDeadline(t time.Time) error {
+	if b.done {
+		return nil
+	}
+	b.pc.setReadDeadline(b.ctx, t)
+	return nil
 }
 
 func (b *upBody) Read(p []byte) (int, error) {
@@ -454,6 +493,90 @@ func (b *upBody) release(reuse bool) {
 	}
 	b.pc.c.Close()
 }
+
+// watchedRoundTrip sends req through the fallback transport (TLS, HTTP/2)
+// with the deadline semantics of roundTripBy, which net/http's Transport
+// has no per-request form of: a timer cancels the request's context when
+// the deadline passes (the transport then closes the stream or
+// connection), and the failure is reported as errUpstreamTimeout. One
+// context and one timer per request, on the path that pays for TLS.
+func (u *upstreamClient) watchedRoundTrip(req *http.Request, by time.Time) (*http.Response, error) {
+	parent := req.Context()
+	ctx, cancel := context.WithCancel(parent)
+	wb := &watchedBody{cancel: cancel}
+	wb.timer = time.AfterFunc(time.Hour, wb.expire)
+	if by.IsZero() {
+		wb.timer.Stop() // the transport's response_header_timeout alone
+	} else {
+		wb.timer.Reset(time.Until(by))
+	}
+	resp, err := u.fallback.RoundTrip(req.WithContext(ctx))
+	if err != nil {
+		wb.timer.Stop()
+		cancel()
+		if wb.expired.Load() && parent.Err() == nil {
+			return nil, errUpstreamTimeout
+		}
+		return nil, err
+	}
+	wb.body, resp.Body = resp.Body, wb
+	return resp, nil
+}
+
+// watchedBody is a fallback transport's response body under a read
+// deadline kept by a timer (watchedRoundTrip).
+type watchedBody struct {
+	body    io.ReadCloser
+	timer   *time.Timer
+	cancel  context.CancelFunc
+	expired atomic.Bool
+}
+
+func (b *watchedBody) expire() {
+	b.expired.Store(true)
+	b.cancel()
+}
+
+// Read reports any end of a body whose deadline passed as the timeout: the
+// transport ends a canceled body with an error or, racing the close of its
+// connection, a plain EOF.
+func (b *watchedBody) Read(p []byte) (int, error) {
+	n, err := b.body.Read(p)
+	if err != nil && b.expired.Load() {
+		err = errUpstreamTimeout
+	}
+	return n, err
+}
+
+// SetReadDeadline re-arms the timer for t (zero: stops it). A deadline
+// that has passed already ended the request.
+func (b *watchedBody) SetReadDeadline(t time.Time) error {
+	if t.IsZero() {
+		b.timer.Stop()
+	} else {
+		b.timer.Reset(time.Until(t))
+	}
+	return nil
+}
+
+func (b *watchedBody) Close() error {
+	b.timer.Stop()
+	err := b.body.Close()
+	b.cancel()
+	return err
+}
+
+// errUpstreamTimeout is a read of the fallback transport's answer past its
+// deadline. It is a net.Error timeout, and errors.Is it
+// os.ErrDeadlineExceeded, like a connection's read deadline.
+var errUpstreamTimeout error = upstreamTimeoutError{}
+
+type upstreamTimeoutError struct{}
+
+func (upstreamTimeoutError) Error() string   { return "upstream read deadline exceeded" }
+func (upstreamTimeoutError) Timeout() bool   { return true }
+func (upstreamTimeoutError) Temporary() bool { return true }
+func (upstreamTimeoutError) Unwrap() error   { return os.ErrDeadlineExceeded }
 
 // get returns an idle connection to key (the most recently used; stale or
 // expired ones are closed on the way), or dials a new one (always with

@@ -1,0 +1,91 @@
+package main
+
+import (
+	"bufio"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestStoppedEngineTimedOut is the attack run's shape with real processes:
+// `infergate serve` in front of two `infergate sim` engines, one of them
+// SIGSTOPped. The stopped engine's kernel still accepts connections and
+// takes the requests, and nothing answers them: each times out
+// (first_event_timeout for a stream, response_header_timeout otherwise)
+// and completes on the other engine, without waiting for SIGCONT. The
+// timeouts are short here so that the test is quick; what it asserts is
+// the outcome (every answer complete, the retries counted), not time.
+func TestStoppedEngineTimedOut(t *testing.T) {
+	addrRe := regexp.MustCompile(`addr=(http://[0-9.:]+)`)
+	var sims []*proc
+	args := []string{"serve", "--listen", "127.0.0.1:0", "--policy", "round-robin"}
+	for range 2 {
+		s := start(t, "sim", "--listen", "127.0.0.1:0", "--time-scale", "100", "--model", "m")
+		args = append(args, "--endpoint", s.await(t, addrRe)+"=m")
+		sims = append(sims, s)
+	}
+	// Probes and scrapes off: the stopped engine stays in rotation, as it
+	// did for the attack until requests to it failed.
+	cfg := filepath.Join(t.TempDir(), "gw.yaml")
+	if err := os.WriteFile(cfg, []byte("first_event_timeout: 2s\nresponse_header_timeout: 2s\nstream_idle_timeout: 2s\n"+
+		"health_check_path: \"-\"\nscrape_interval: -1s\nretry: {budget_percent: 100}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	g := start(t, append(args, "-c", cfg)...)
+	base := g.await(t, addrRe)
+	defer g.stop(t)
+	defer sims[0].stop(t)
+
+	stopped := sims[1].cmd.Process.Pid
+	if err := syscall.Kill(stopped, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(stopped, syscall.SIGCONT) }) // before the process is killed
+
+	c := &http.Client{Timeout: 30 * time.Second}
+	retried := 0
+	for i := range 6 {
+		stream := i%3 != 2
+		body := `{"model":"m","max_tokens":4,"stream":` + strconv.FormatBool(stream) + `,"messages":[{"role":"user","content":"hello"}]}`
+		resp, err := c.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		b, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil || resp.StatusCode != 200 || strings.Contains(string(b), `"error"`) ||
+			(stream && !strings.HasSuffix(string(b), "data: [DONE]\n\n")) || (!stream && !strings.Contains(string(b), `"choices"`)) {
+			t.Fatalf("request %d (stream %v): %d %v\n%s", i, stream, resp.StatusCode, err, b)
+		}
+		if resp.Header.Get("X-Infergate-Attempts") == "2" {
+			retried++
+		}
+	}
+	if retried == 0 {
+		t.Fatal("no request reached the stopped engine")
+	}
+	resp, err := c.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	timeouts := 0.0
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if l := sc.Text(); strings.HasPrefix(l, "infergate_retries_total{") && strings.Contains(l, `reason="timeout"`) {
+			v, _ := strconv.ParseFloat(l[strings.LastIndexByte(l, ' ')+1:], 64)
+			timeouts += v
+		}
+	}
+	if int(timeouts) != retried {
+		t.Errorf("retries_total{timeout} = %v, want %d", timeouts, retried)
+	}
+	t.Logf("%d of 6 requests reached the stopped engine, timed out and completed on the other", retried)
+}

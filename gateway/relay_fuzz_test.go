@@ -1,0 +1,120 @@
+package gateway
+
+import (
+	"bytes"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/sched"
+)
+
+// bodyEngine answers every request with status 200, contentType and body:
+// an in-memory engine whose answer the fuzzer chooses.
+type bodyEngine struct {
+	contentType string
+	body        []byte
+}
+
+func (e *bodyEngine) RoundTrip(req *http.Request) (*http.Response, error) {
+	return &http.Response{StatusCode: http.StatusOK, Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: 1,
+		Header: http.Header{"Content-Type": {e.contentType}}, Body: io.NopCloser(bytes.NewReader(e.body)),
+		ContentLength: -1, Request: req}, nil
+}
+
+// relaySeeds are engine stream bodies: what engines send, and the shapes
+// of the attack run against `infergate serve` (issue 12).
+var relaySeeds = []string{
+	roleChunk + tokenChunk + `data: {"id":"c","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}` + "\n\ndata: [DONE]\n\n",
+	// An error event before any output (vLLM's generator raising), nested
+	// and flat (older vLLM), and TGI's string form.
+	`data: {"error":{"object":"error","message":"boom","type":"BadRequestError","param":null,"code":400}}` + "\n\ndata: [DONE]\n\n",
+	`data: {"object":"error","message":"boom","type":"BadRequestError","param":null,"code":400}` + "\n\ndata: [DONE]\n\n",
+	`data: {"error":"Request failed during generation","error_type":"generation"}` + "\n\n",
+	// The role chunk, then an error, a break, or the end.
+	roleChunk + `data: {"error":{"message":"engine died","code":500}}` + "\n\ndata: [DONE]\n\n",
+	roleChunk,
+	roleChunk + "data: [DONE]\n\n",
+	// [DONE] alone; garbage then [DONE]; comments only; non-JSON events.
+	"data: [DONE]\n\n",
+	"<html><body>502 Bad Gateway</body></html>\n\ndata: [DONE]\n\n",
+	": keep-alive\n\n: keep-alive\n\n",
+	"data: \xff\xfe\x00garbage\n\ndata: {\"choices\":\"nope\"}\n\ndata: [DONE]\n\n",
+	// Output, then an error event, a break, or comments.
+	tokenChunk + `data: {"error":{"message":"engine died","code":500}}` + "\n\ndata: [DONE]\n\n",
+	tokenChunk + ":\n\n:\n\n",
+	// An empty generation; events without output before the first token.
+	roleChunk + emptyChunk + emptyChunk + tokenChunk + "data: [DONE]\n\n",
+	roleChunk + `data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":"stop"}]}` + "\n\ndata: [DONE]\n\n",
+	strings.Repeat(emptyChunk, 500) + "data: [DONE]\n\n",
+	strings.Repeat("data: {}\n\n", 8000) + "data: [DONE]\n\n",
+}
+
+// FuzzStreamRelay drives relayStream with an engine answer of the
+// fuzzer's choosing and checks what the client gets: a 200 stream ends
+// with [DONE] after at least one event and never shows an error event
+// before an output event (unless more than maxHeldBeforeOutput bytes of
+// chunks without output came first); anything else is an OpenAI error of
+// status 502 or 504.
+func FuzzStreamRelay(f *testing.F) {
+	for _, s := range relaySeeds {
+		f.Add([]byte(s), uint8(0), false)
+	}
+	f.Add([]byte("<html>proxy login</html>"), uint8(2), false)
+	f.Add([]byte(`{"id":"x","choices":[{"index":0,"text":"hi"}]}`), uint8(1), true)
+
+	cfg := testConfig(sched.RoundRobin)
+	cfg.HealthCheckPath, cfg.ScrapeInterval = healthCheckOff, -1
+	cfg.Retry.MaxAttempts = 1
+	cfg.Outlier.ConsecutiveErrors = 1 << 30 // the one endpoint stays in rotation
+	cfg.Endpoints = []EndpointConfig{{URL: "http://10.0.0.1:8000", Model: "m", KVBlocks: 1000}}
+	g, err := New(cfg, nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Cleanup(g.Close)
+	types := []string{"text/event-stream", "application/json", "text/html"}
+
+	f.Fuzz(func(t *testing.T, body []byte, ct uint8, usage bool) {
+		g.rt = &bodyEngine{contentType: types[int(ct)%len(types)], body: body}
+		req := httptest.NewRequest(http.MethodPost, pathChat, strings.NewReader(streamBody(usage)))
+		req.Header.Set("Content-Type", "application/json")
+		w := httptest.NewRecorder()
+		g.Handler().ServeHTTP(w, req)
+		got := w.Body.Bytes()
+		if ct%3 == 1 {
+			return // a JSON answer is relayed as it is
+		}
+		if w.Code != http.StatusOK {
+			var er openai.ErrorResponse
+			if json.Unmarshal(got, &er) != nil || er.Error == nil ||
+				(w.Code != http.StatusBadGateway && w.Code != http.StatusGatewayTimeout) {
+				t.Fatalf("%d %q for %q", w.Code, got, body)
+			}
+			return
+		}
+		if !bytes.HasSuffix(got, []byte("data: [DONE]\n\n")) || len(got) == len("data: [DONE]\n\n") {
+			t.Fatalf("200 stream %q for %q", got, body)
+		}
+		er := openai.NewEventReader(bytes.NewReader(got), 0)
+		var chunk openai.StreamChunk
+		output, before := false, 0
+		for {
+			data, err := er.Next()
+			if err != nil {
+				break
+			}
+			chunk.Reset()
+			_ = json.Unmarshal(data, &chunk)
+			if chunk.IsError() && !output && before <= maxHeldBeforeOutput {
+				t.Fatalf("an error event before any output in a 200 stream %q for %q", got, body)
+			}
+			output = output || chunk.HasOutput()
+			before += len(data) + len("data: \n\n")
+		}
+	})
+}
