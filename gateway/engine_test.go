@@ -285,9 +285,12 @@ func post(t testing.TB, c *http.Client, url, body string, hdr ...string) (*http.
 }
 
 // waitFor polls cond every 5 ms until it holds or 5 s pass.
+//
+// The deadline is a generous upper bound (a minute), never a timing claim:
+// on a loaded machine a scrape or a health probe can take seconds.
 func waitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(time.Minute)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)
