@@ -1260,7 +1260,12 @@ func (a *KVEventApplier) KVBatch(_ uint64, b *KVEventBatch) {
 }
 
 // KVReset forgets the endpoint's blocks.
-func (a *KVEventApplier) KVReset(KVResetReason) { a.ix.Forget(a.e) }
+func (a *KVEventApplier) KVReset(KVResetReason) { a.Forget() }
+
+// Forget forgets the endpoint's blocks now. Unlike the handler methods it
+// may be called from any goroutine (the owner calls it when the endpoint
+// leaves rotation, then KVEventSubscriber.Resync).
+func (a *KVEventApplier) Forget() { a.ix.Forget(a.e) }
 
 func (a *KVEventApplier) medium(name string) prefix.Medium {
 	m, known := prefix.ParseMedium(name)

@@ -879,3 +879,37 @@ func TestKVEventApplierSkips(t *testing.T) {
 		t.Fatal("not cleared")
 	}
 }
+
+// TestKVEventsResync: Resync ends the session, resets the handler
+// (KVResetResync) and rejoins as a new stream, whose batches the replay
+// socket delivers again from the first: the index ends up holding what the
+// engine holds.
+func TestKVEventsResync(t *testing.T) {
+	before, _, _ := kvGoroutines()
+	p := kvPublisher(t, sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0"})
+	ix, _ := prefix.NewPreciseIndex(1, 16)
+	rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
+	r := kvRun(t, KVEventSubscriberConfig{Endpoint: kvDialAddr(p.KVEventPublisher), ReplayEndpoint: "tcp://" + p.ReplayAddr().String()}, rec)
+	x := kvTokens(100, 16*6)
+	kvSync(t, p, rec)
+	p.publish(1, []sim.KVEvent{kvStore(x, 0)})
+	kvSync(t, p, rec)
+	if kvMatch(ix, 0, x, "") != 6 {
+		t.Fatal("not applied")
+	}
+	connects := r.sub.Stats().Connects
+	rec.Forget() // what the gateway does when the endpoint leaves rotation
+	r.sub.Resync()
+	for deadline := time.Now().Add(30 * time.Second); kvMatch(ix, 0, x, "") != 6; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("blocks not replayed after the resync: %+v", r.sub.Stats())
+		}
+	}
+	st := r.sub.Stats()
+	if _, resets := rec.snapshot(); !containsReset(resets, KVResetResync) || st.Resyncs != 1 || st.Connects != connects+1 {
+		t.Fatalf("resets %v, stats %+v", resets, st)
+	}
+	r.stop(t)
+	p.Close()
+	kvNoLeak(t, before)
+}

@@ -305,6 +305,10 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	g.metricsHandler = promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{})
 	g.handler = http.HandlerFunc(g.route)
 
+	if err := g.setupKVEvents(reg); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
+	}
 	ctx, stop := context.WithCancel(context.Background())
 	g.stop = stop
 	for _, ep := range g.endpoints {
@@ -314,10 +318,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	if g.scraper != nil {
 		g.wg.Go(func() { g.scraper.Run(ctx) })
 	}
-	if err := g.subscribeKVEvents(ctx); err != nil {
-		g.Close()
-		return nil, err
-	}
+	g.startKVEvents(ctx)
 	return g, nil
 }
 
