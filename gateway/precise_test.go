@@ -98,9 +98,9 @@ func TestPrecisePrefixOnSimFleet(t *testing.T) {
 type restartableEngine struct {
 	t                *testing.T
 	url, pub, replay string
-	srv      *sim.Server
-	hs       *http.Server
-	done     chan struct{}
+	srv              *sim.Server
+	hs               *http.Server
+	done             chan struct{}
 }
 
 func startRestartable(t *testing.T) *restartableEngine {
