@@ -921,9 +921,15 @@ func (s *KVEventSubscriber) safeSession(ctx context.Context, h KVEventHandler, s
 	before := s.oversized.Load()
 	defer func() {
 		if p := recover(); p != nil {
-			s.panics.Add(1)
-			slog.Error("kv events: subscriber session panicked; redialling after the backoff",
-				"endpoint", s.cfg.Endpoint, "panic", fmt.Sprint(p), "stack", string(debug.Stack()))
+			// The stack is logged once per subscriber: a hostile peer may
+			// repeat the panic at every dial.
+			if s.panics.Add(1) == 1 {
+				slog.Error("kv events: subscriber session panicked; redialling after the backoff",
+					"endpoint", s.cfg.Endpoint, "panic", fmt.Sprint(p), "stack", string(debug.Stack()))
+			} else {
+				slog.Error("kv events: subscriber session panicked again; redialling after the backoff",
+					"endpoint", s.cfg.Endpoint, "panic", fmt.Sprint(p), "panics", s.panics.Load())
+			}
 			received, failed = false, true
 		}
 	}()
@@ -1203,7 +1209,7 @@ type KVEventApplier struct {
 	seedFor func(loraName string) uint64
 
 	stored, removed, cleared      atomic.Uint64
-	unknownParents, invalid       atomic.Uint64
+	invalid                       atomic.Uint64
 	blockSizeMismatch, otherMedia atomic.Uint64
 }
 
@@ -1211,9 +1217,15 @@ type KVEventApplier struct {
 type KVEventApplierStats struct {
 	// Stored, Removed and Cleared count events applied.
 	Stored, Removed, Cleared uint64
-	// UnknownParents counts BlockStored events skipped because the index did
-	// not know their parent block (its own BlockStored was lost or skipped).
-	UnknownParents uint64
+	// UnknownParents counts BlockStored events whose parent block the index
+	// did not know on the endpoint (its own BlockStored was lost, or came
+	// before the subscription); they are kept as orphans or joined to a
+	// routed prompt (prefix.PreciseIndex). Joined counts the events joined;
+	// OrphansDropped the orphan blocks evicted or reset before a join.
+	UnknownParents, Joined, OrphansDropped uint64
+	// Evicted counts blocks the index evicted because the endpoint held more
+	// than its capacity (prefix.PreciseIndex.SetCapacity).
+	Evicted uint64
 	// BlockSizeMismatch counts BlockStored events skipped because their
 	// block size is not the index's; Invalid other skipped BlockStored events
 	// (token count not blocks × block size).
@@ -1241,12 +1253,9 @@ func (a *KVEventApplier) KVBatch(_ uint64, b *KVEventBatch) {
 				continue
 			}
 			err := a.ix.Stored(a.e, a.medium(ev.Medium), ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, a.seedFor(ev.LoRAName))
-			switch {
-			case err == nil:
+			if err == nil {
 				a.stored.Add(1)
-			case errors.Is(err, prefix.ErrUnknownParent):
-				a.unknownParents.Add(1)
-			default:
+			} else {
 				a.invalid.Add(1)
 			}
 		case KVBlockRemoved:
@@ -1277,9 +1286,10 @@ func (a *KVEventApplier) medium(name string) prefix.Medium {
 
 // Stats returns the applier's counters.
 func (a *KVEventApplier) Stats() KVEventApplierStats {
+	ix := a.ix.EndpointStats(a.e)
 	return KVEventApplierStats{
 		Stored: a.stored.Load(), Removed: a.removed.Load(), Cleared: a.cleared.Load(),
-		UnknownParents: a.unknownParents.Load(), BlockSizeMismatch: a.blockSizeMismatch.Load(),
-		Invalid: a.invalid.Load(), OtherMedia: a.otherMedia.Load(),
+		UnknownParents: ix.UnknownParents, Joined: ix.Joined, OrphansDropped: ix.OrphansDropped, Evicted: ix.Evicted,
+		BlockSizeMismatch: a.blockSizeMismatch.Load(), Invalid: a.invalid.Load(), OtherMedia: a.otherMedia.Load(),
 	}
 }

@@ -173,6 +173,11 @@ type KVEventsConfig struct {
 	// DefaultKVMaxMessageBytes, 8 MiB); a peer announcing more is
 	// disconnected before anything is allocated for it.
 	MaxMessageBytes int `yaml:"max_message_bytes"`
+	// OffloadBlocks is the engine's KV capacity in its lower tiers (CPU or
+	// disk offloading; blocks of block_size), which its events may report
+	// beside the GPU's kv_blocks: the precise index holds at most kv_blocks
+	// + OffloadBlocks of the endpoint's blocks and evicts the rest.
+	OffloadBlocks int `yaml:"offload_blocks"`
 }
 
 // LoadConfig reads a YAML configuration file. Unknown keys are an error. The
@@ -328,6 +333,9 @@ func (c Config) Validate() error {
 			}
 			if kv.MaxMessageBytes < 0 {
 				bad("%s.kv_events.max_message_bytes %d: must be >= 0", at, kv.MaxMessageBytes)
+			}
+			if kv.OffloadBlocks < 0 {
+				bad("%s.kv_events.offload_blocks %d: must be >= 0", at, kv.OffloadBlocks)
 			}
 			if e.BlockSize != c.Routing.Prefix.BlockSize {
 				bad("%s.kv_events: the engine's block_size %d must equal routing.prefix.block_size %d for the precise index",

@@ -142,9 +142,10 @@ func (g *Gateway) startKVEvents(ctx context.Context) {
 // kvCollector exposes the KV-event subscribers' and appliers' counters at
 // scrape time (they are atomics the event path maintains anyway).
 type kvCollector struct {
-	subs                     []kvSubscription
-	batches, resets, dropped *prometheus.Desc
-	stored, unknownParent    *prometheus.Desc
+	subs                          []kvSubscription
+	batches, resets, dropped      *prometheus.Desc
+	stored, unknownParent, joined *prometheus.Desc
+	orphansDropped, evicted       *prometheus.Desc
 }
 
 func newKVCollector(subs []kvSubscription) *kvCollector {
@@ -158,14 +159,21 @@ func newKVCollector(subs []kvSubscription) *kvCollector {
 			"publisher restart, undecodable batch, resync after leaving rotation, failed session.", "endpoint"),
 		dropped: d("dropped_connections_total", "KV-event connections dropped for misbehaving peers: reason=oversized "+
 			"(a frame or message over kv_events.max_message_bytes, or over 16 frames), panic (a recovered panic).", "endpoint", "reason"),
-		stored:        d("stored_events_total", "BlockStored events applied (events).", "model", "endpoint"),
-		unknownParent: d("unknown_parent_events_total", "BlockStored events whose parent block the index did not know (events).", "model", "endpoint"),
+		stored: d("stored_events_total", "BlockStored events applied (events).", "model", "endpoint"),
+		unknownParent: d("unknown_parent_events_total", "BlockStored events whose parent block the index did not know: "+
+			"kept as orphans under the engine's block hashes, or joined to a routed prompt (events).", "model", "endpoint"),
+		joined: d("orphans_joined_total", "BlockStored events with an unknown or orphan parent joined to a prompt routed "+
+			"to the endpoint (the prompt's earlier blocks are then held too; events).", "model", "endpoint"),
+		orphansDropped: d("orphan_blocks_dropped_total", "Orphan blocks (parent unknown) evicted or reset before a routed "+
+			"prompt joined them: what the index lost of the engine's cache (blocks).", "model", "endpoint"),
+		evicted: d("evicted_blocks_total", "Blocks the precise index evicted because the endpoint's events announced more "+
+			"than its KV capacity, kv_blocks + kv_events.offload_blocks (blocks).", "model", "endpoint"),
 	}
 }
 
 // Describe implements prometheus.Collector.
 func (c *kvCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.batches, c.resets, c.dropped, c.stored, c.unknownParent} {
+	for _, d := range []*prometheus.Desc{c.batches, c.resets, c.dropped, c.stored, c.unknownParent, c.joined, c.orphansDropped, c.evicted} {
 		ch <- d
 	}
 }
@@ -185,6 +193,9 @@ func (c *kvCollector) Collect(ch chan<- prometheus.Metric) {
 			as := a.Stats()
 			counter(c.stored, as.Stored, s.models[i], s.ep.name)
 			counter(c.unknownParent, as.UnknownParents, s.models[i], s.ep.name)
+			counter(c.joined, as.Joined, s.models[i], s.ep.name)
+			counter(c.orphansDropped, as.OrphansDropped, s.models[i], s.ep.name)
+			counter(c.evicted, as.Evicted, s.models[i], s.ep.name)
 		}
 	}
 }

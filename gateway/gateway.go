@@ -250,6 +250,12 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 				g.transport.CloseIdleConnections()
 				return nil, fmt.Errorf("precise prefix index for model %q: %w", model, err)
 			}
+			for i, ep := range p.endpoints {
+				// The engine's blocks in all its tiers bound what the index
+				// holds of it (its events may announce more: lost removals,
+				// a broken or hostile engine).
+				p.precise.SetCapacity(i, capacity[i]+ep.kvEvents.OffloadBlocks)
+			}
 			sp.Precise = p.precise.On(prefix.MediumGPU)
 			p.precisePolicy = sched.UsesPrecise(cfg.Routing)
 		}
