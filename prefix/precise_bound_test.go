@@ -428,3 +428,58 @@ func BenchmarkPreciseStored(b *testing.B) {
 		})
 	}
 }
+
+// FuzzPreciseIndex interprets its input as operations on a 2-endpoint
+// index with small capacities — stores (rooted, chained, from unknown
+// parents), removals, routed prompts, clears, capacity changes — and checks
+// the internal invariants after each. The seeds are the attack shapes: a
+// flood of stores far over capacity, orphan chains, joins.
+func FuzzPreciseIndex(f *testing.F) {
+	f.Add(seqBytes(0x00, 200))                     // a flood of rooted stores
+	f.Add(seqBytes(0x41, 200))                     // chained stores from unknown parents
+	f.Add([]byte{0x83, 0x41, 0x42, 0x43, 0x05}) // route, orphan events, join
+	f.Add([]byte{0xc2, 0x00, 0x01, 0x02, 0x60, 0xe0, 0x01})
+	toks := seq(16*8*8, 1)
+	docs := make([][]uint64, 8)
+	reqs := make([][]uint64, 8)
+	for d := range docs {
+		docs[d] = preciseEngineKeys(toks[16*8*d:16*8*(d+1)], 0)
+		reqs[d] = Hashes(nil, toks[16*8*d:16*8*(d+1)], 16, 0)
+	}
+	f.Fuzz(func(t *testing.T, ops []byte) {
+		ix, _ := NewPreciseIndex(2, 16)
+		ix.SetCapacity(0, 5)
+		ix.SetCapacity(1, 12)
+		for i, op := range ops {
+			e, d, from := int(op>>7), int(op>>3)&7, int(op&7)
+			switch {
+			case i%7 == 6:
+				ix.Removed(e, Medium(op&1), docs[d][from:min(8, from+2)])
+			case op&0x60 == 0x60 && i%5 == 4:
+				ix.Cleared(e)
+			case i%11 == 10:
+				ix.SetCapacity(e, int(op&15))
+			case op&0x80 != 0 && i%3 == 0:
+				ix.Routed(e, reqs[d])
+			default:
+				to := min(8, from+1+int(op>>6&1)*3)
+				var parent uint64
+				if from > 0 {
+					parent = docs[d][from-1]
+				}
+				if err := ix.Stored(e, MediumGPU, docs[d][from:to], parent, from > 0, toks[16*(8*d+from):16*(8*d+to)], 0); err != nil {
+					t.Fatal(err)
+				}
+			}
+			checkPrecise(t, ix)
+		}
+	})
+}
+
+func seqBytes(b byte, n int) []byte {
+	out := make([]byte, n)
+	for i := range out {
+		out[i] = b + byte(i)
+	}
+	return out
+}
