@@ -244,9 +244,10 @@ func TestKVEventsHostileFrames(t *testing.T) {
 		t.Run(a.name, func(t *testing.T) {
 			hp := newHostilePub(t, nil, a.attack)
 			r, rec, bo := runHostile(t, hp, maxMsg)
-			waitFor(t, "4 connections cut", func() bool { return r.sub.Stats().Oversized >= 4 })
+			// Four sessions ended (a backoff follows each).
+			waitFor(t, "4 connections cut", func() bool { return len(bo.get()) >= 4 })
 			st := r.sub.Stats()
-			if st.Connects < 4 || st.Batches != 0 || hp.accepted.Load() < 4 {
+			if st.Oversized < 4 || st.Connects < 4 || st.Batches != 0 || hp.accepted.Load() < 4 {
 				t.Fatalf("stats %+v, %d accepted", st, hp.accepted.Load())
 			}
 			checkBackoff(t, bo.get(), 4)
@@ -305,7 +306,10 @@ func TestKVEventsHostileHandshake(t *testing.T) {
 		ready := zmtpReady("PUB", []byte{1})
 		hp := newHostilePub(t, ready, func(net.Conn) {})
 		r, rec, bo := runHostile(t, hp, 1<<16)
-		waitFor(t, "3 recovered panics", func() bool { return r.sub.Stats().Panics >= 3 })
+		waitFor(t, "3 failed sessions", func() bool { return len(bo.get()) >= 3 })
+		if n := r.sub.Stats().Panics; n < 3 {
+			t.Fatalf("%d panics recovered in 3 sessions", n)
+		}
 		checkBackoff(t, bo.get(), 3)
 		if _, resets := rec.snapshot(); !containsReset(resets, KVResetFailure) {
 			t.Fatalf("resets %v", resets)
