@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"encoding/json"
+	"fmt"
 	"net"
 	"net/http"
 	"strings"
@@ -301,12 +302,15 @@ func TestPreciseAfterGatewayRestart(t *testing.T) {
 	g2, url2 := startGateway(t, cfg)
 	// Until the subscription is live (no replay: what is published before
 	// is lost), ask the engine an unrelated prompt directly.
-	other, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 1, "prompt": strings.Repeat("unrelated words ", 40)})
-	for deadline := time.Now().Add(30 * time.Second); g2.kvSubs[0].appliers[0].Stats().Stored == 0; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
+	// Each probe is new to the engine's cache, so it stores blocks.
+	for i := 0; g2.kvSubs[0].appliers[0].Stats().Stored == 0; i++ {
+		if i == 3000 {
 			t.Fatal("the subscription never saw an event")
 		}
+		other, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 1,
+			"prompt": fmt.Sprintf("probe %d: %s", i, strings.Repeat("unrelated words ", 40))})
 		post(t, c, f.URLs[0]+pathCompletions, string(other))
+		time.Sleep(10 * time.Millisecond)
 	}
 	a := g2.kvSubs[0].appliers[0]
 	for i, q := range []string{"second question", "third question", "fourth question"} {
