@@ -184,6 +184,14 @@ func FuzzDecodeKVEventBatch(f *testing.F) {
 	f.Add(kvMarshal(f, map[string]any{"ts": 2.0, "events": []any{
 		map[string]any{"type": "BlockStored", "block_hashes": []any{[]byte{1, 2, 3}}, "token_ids": []any{1}, "block_size": 1},
 	}}))
+	// Attack shapes: a flood of stored blocks far over any capacity, chained
+	// from a parent the subscriber never saw.
+	flood := make([]sim.KVEvent, 150)
+	for i := range flood {
+		flood[i] = sim.KVEvent{Type: sim.KVBlockStored, BlockHashes: []uint64{uint64(i) + 1000}, HasParent: true,
+			ParentBlockHash: uint64(i) + 999, TokenIDs: make([]uint32, 16), BlockSize: 16}
+	}
+	f.Add(sim.AppendKVEventBatch(nil, 3, flood, 0, sim.KVEncodingArray))
 	f.Fuzz(func(t *testing.T, payload []byte) {
 		b, err := DecodeKVEventBatch(payload)
 		if err != nil {
