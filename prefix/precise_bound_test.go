@@ -435,8 +435,8 @@ func BenchmarkPreciseStored(b *testing.B) {
 // the internal invariants after each. The seeds are the attack shapes: a
 // flood of stores far over capacity, orphan chains, joins.
 func FuzzPreciseIndex(f *testing.F) {
-	f.Add(seqBytes(0x00, 200))                     // a flood of rooted stores
-	f.Add(seqBytes(0x41, 200))                     // chained stores from unknown parents
+	f.Add(seqBytes(0x00, 200))                  // a flood of rooted stores
+	f.Add(seqBytes(0x41, 200))                  // chained stores from unknown parents
 	f.Add([]byte{0x83, 0x41, 0x42, 0x43, 0x05}) // route, orphan events, join
 	f.Add([]byte{0xc2, 0x00, 0x01, 0x02, 0x60, 0xe0, 0x01})
 	toks := seq(16*8*8, 1)
