@@ -8,8 +8,11 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"log/slog"
 	"math"
+	"runtime/debug"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -617,9 +620,16 @@ const (
 	KVResetRestart
 	// KVResetDecode: a batch could not be decoded.
 	KVResetDecode
+	// KVResetResync: the owner asked for it (KVEventSubscriber.Resync: the
+	// endpoint failed a health check or was ejected, and its engine may
+	// have restarted).
+	KVResetResync
+	// KVResetFailure: a session ended in a recovered panic, part way
+	// through whatever it was doing.
+	KVResetFailure
 )
 
-// String returns "start", "gap", "restart" or "decode".
+// String returns "start", "gap", "restart", "decode", "resync" or "failure".
 func (r KVResetReason) String() string {
 	switch r {
 	case KVResetStart:
@@ -630,6 +640,10 @@ func (r KVResetReason) String() string {
 		return "restart"
 	case KVResetDecode:
 		return "decode"
+	case KVResetResync:
+		return "resync"
+	case KVResetFailure:
+		return "failure"
 	}
 	return fmt.Sprintf("KVResetReason(%d)", uint8(r))
 }
@@ -673,6 +687,14 @@ type KVEventSubscriberConfig struct {
 	MinBackoff, MaxBackoff time.Duration
 	// ReplayTimeout bounds one replay request.
 	ReplayTimeout time.Duration
+	// MaxMessageBytes bounds one message from the engine, its frames
+	// together (default DefaultKVMaxMessageBytes): a connection whose peer
+	// announces more is closed before anything is allocated for it, counted
+	// in Oversized, and redialled after the backoff (zmtpguard.go).
+	MaxMessageBytes int
+	// HandshakeTimeout bounds the ZMTP greeting and handshake of a dial
+	// (default DefaultKVHandshakeTimeout).
+	HandshakeTimeout time.Duration
 }
 
 // KVEventSubscriberStats are a subscriber's cumulative counters.
@@ -694,6 +716,15 @@ type KVEventSubscriberStats struct {
 	// DecodeErrors counts payloads that failed to decode; Malformed messages
 	// that were not [topic, 8-byte seq, payload].
 	DecodeErrors, Malformed uint64
+	// Oversized counts connections (PUB or replay) closed because the peer
+	// announced a frame or message over MaxMessageBytes, or more than 16
+	// frames in one message.
+	Oversized uint64
+	// Panics counts sessions ended by a recovered panic (the handler is then
+	// reset and the engine redialled after the backoff).
+	Panics uint64
+	// Resyncs counts Resync calls.
+	Resyncs uint64
 }
 
 // KVEventSubscriber follows one engine's KV-event stream (docs/PROTOCOLS.md
@@ -718,8 +749,15 @@ type KVEventSubscriberStats struct {
 // not a restart (the sequence numbers alone cannot tell): the old life's
 // blocks then stay in the handler until its next reset, which the owner may
 // trigger from another restart signal (a changed process start time in the
-// engine's metrics, a failed health check). A connection that stays open
-// but silently dead (no FIN, no RST) is noticed only by TCP keepalive. go-zeromq
+// engine's metrics, a failed health check: Resync). A connection that stays
+// open but silently dead (no FIN, no RST) is noticed only by TCP keepalive.
+//
+// Hostile peers: every connection is dialled through the ZMTP guard
+// (zmtpguard.go), which bounds messages (MaxMessageBytes, 16 frames) and the
+// handshake (HandshakeTimeout) before go-zeromq allocates anything; a
+// session that panics is recovered. Either failure costs this subscription
+// only: the handler is reset, the failure counted (Oversized, Panics) and
+// the engine redialled after a backoff that keeps growing. go-zeromq
 // v0.17.0 may leave one of its own goroutines blocked forever when a socket
 // closes with its receive queue full; Run drains the queue when it closes a
 // socket to make that unlikely.
@@ -729,6 +767,16 @@ type KVEventSubscriber struct {
 	connects, batches, events, unknown       atomic.Uint64
 	replayed, gaps, replayFailures, restarts atomic.Uint64
 	resets, decodeErrors, malformed          atomic.Uint64
+	oversized, panics, resyncs               atomic.Uint64
+
+	// mu guards resync and cancel: Resync sets resync and ends the running
+	// session (cancel), Run forgets the stream before its next session.
+	mu     sync.Mutex
+	resync bool
+	cancel context.CancelFunc
+
+	// waited, when set (tests), is told every backoff Run waits.
+	waited func(time.Duration)
 }
 
 // NewKVEventSubscriber validates cfg and returns a subscriber; Run starts it.
@@ -758,6 +806,15 @@ func NewKVEventSubscriber(cfg KVEventSubscriberConfig) (*KVEventSubscriber, erro
 	if cfg.ReplayTimeout <= 0 {
 		cfg.ReplayTimeout = DefaultKVReplayTimeout
 	}
+	if cfg.MaxMessageBytes <= 0 {
+		cfg.MaxMessageBytes = DefaultKVMaxMessageBytes
+	}
+	if cfg.HandshakeTimeout <= 0 {
+		cfg.HandshakeTimeout = DefaultKVHandshakeTimeout
+	}
+	if err := registerGuard(); err != nil {
+		return nil, err
+	}
 	return &KVEventSubscriber{cfg: cfg}, nil
 }
 
@@ -771,6 +828,7 @@ func (s *KVEventSubscriber) Stats() KVEventSubscriberStats {
 		UnknownEvents: s.unknown.Load(), Replayed: s.replayed.Load(), Gaps: s.gaps.Load(),
 		ReplayFailures: s.replayFailures.Load(), Restarts: s.restarts.Load(), Resets: s.resets.Load(),
 		DecodeErrors: s.decodeErrors.Load(), Malformed: s.malformed.Load(),
+		Oversized: s.oversized.Load(), Panics: s.panics.Load(), Resyncs: s.resyncs.Load(),
 	}
 }
 
@@ -781,17 +839,41 @@ var kvQuiet = log.New(io.Discard, "", 0)
 // is done, redialing with backoff whenever the dial fails or the connection
 // drops; it returns ctx's error. h is called on Run's goroutine only. Run may
 // be called again after it returned; not concurrently with itself.
+//
+// A session that ends in a panic (recovered: its own, the handler's, or the
+// ZMTP library's on this goroutine) or on a peer over the message bounds
+// counts as a failure: the backoff keeps growing even if messages had
+// arrived, so a hostile peer is redialled at most every MaxBackoff.
 func (s *KVEventSubscriber) Run(ctx context.Context, h KVEventHandler) error {
 	s.reset(h, KVResetStart)
 	st := kvStream{}
 	backoff := s.cfg.MinBackoff
 	for {
-		received := s.session(ctx, h, &st)
+		if s.takeResync() {
+			s.reset(h, KVResetResync)
+			st = kvStream{}
+		}
+		sctx, cancel := context.WithCancel(ctx)
+		s.mu.Lock()
+		s.cancel = cancel
+		s.mu.Unlock()
+		received, failed := s.safeSession(sctx, h, &st)
+		s.mu.Lock()
+		s.cancel = nil
+		resync := s.resync
+		s.mu.Unlock()
+		cancel()
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if received {
+		if failed {
+			s.reset(h, KVResetFailure)
+			st = kvStream{}
+		} else if received || resync {
 			backoff = s.cfg.MinBackoff
+		}
+		if s.waited != nil {
+			s.waited(backoff)
 		}
 		t := time.NewTimer(backoff)
 		select {
@@ -802,6 +884,57 @@ func (s *KVEventSubscriber) Run(ctx context.Context, h KVEventHandler) error {
 		}
 		backoff = min(2*backoff, s.cfg.MaxBackoff)
 	}
+}
+
+// Resync makes Run forget the stream: the running session ends (its
+// connection closes, with whatever it had queued), the handler is reset
+// (KVResetResync) and the engine is dialled again as a new stream, whose
+// batches from the first one are replayed when the engine has a replay
+// socket. The owner calls it when the endpoint leaves rotation (a failed
+// health check, an ejection): an engine that restarted in place publishes
+// nothing until it serves, so its stream alone would reveal the restart
+// only after requests were routed on the old cache. Safe for concurrent use;
+// it does not wait.
+func (s *KVEventSubscriber) Resync() {
+	s.resyncs.Add(1)
+	s.mu.Lock()
+	s.resync = true
+	if s.cancel != nil {
+		s.cancel()
+	}
+	s.mu.Unlock()
+}
+
+func (s *KVEventSubscriber) takeResync() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := s.resync
+	s.resync = false
+	return r
+}
+
+// safeSession runs session, recovering a panic: it is counted and logged,
+// and reported as a failure. Panics in the library's own goroutines cannot
+// be recovered here; the ZMTP guard (zmtpguard.go) keeps the one known
+// there from happening.
+func (s *KVEventSubscriber) safeSession(ctx context.Context, h KVEventHandler, st *kvStream) (received, failed bool) {
+	before := s.oversized.Load()
+	defer func() {
+		if p := recover(); p != nil {
+			// The stack is logged once per subscriber: a hostile peer may
+			// repeat the panic at every dial.
+			if s.panics.Add(1) == 1 {
+				slog.Error("kv events: subscriber session panicked; redialling after the backoff",
+					"endpoint", s.cfg.Endpoint, "panic", fmt.Sprint(p), "stack", string(debug.Stack()))
+			} else {
+				slog.Error("kv events: subscriber session panicked again; redialling after the backoff",
+					"endpoint", s.cfg.Endpoint, "panic", fmt.Sprint(p), "panics", s.panics.Load())
+			}
+			received, failed = false, true
+		}
+	}()
+	received = s.session(ctx, h, st)
+	return received, s.oversized.Load() != before
 }
 
 // kvStream is Run's position in the stream.
@@ -825,12 +958,17 @@ const kvJoinDelay = 100 * time.Millisecond
 // session dials the PUB socket and handles messages until the connection
 // drops or ctx is done. It reports whether any message arrived.
 func (s *KVEventSubscriber) session(ctx context.Context, h KVEventHandler, st *kvStream) (received bool) {
-	sub := zmq4.NewSub(ctx, zmq4.WithLogger(kvQuiet), zmq4.WithDialerMaxRetries(0))
+	ep, err := guardedEndpoint(s.cfg.Endpoint)
+	if err != nil {
+		return false
+	}
+	sub := zmq4.NewSub(s.guarded(ctx), zmq4.WithLogger(kvQuiet), zmq4.WithDialerMaxRetries(0),
+		zmq4.WithDialerTimeout(s.cfg.HandshakeTimeout))
 	defer kvClose(sub)
 	if err := sub.SetOption(zmq4.OptionSubscribe, s.cfg.Topic); err != nil {
 		return false
 	}
-	if err := sub.Dial(s.cfg.Endpoint); err != nil {
+	if err := sub.Dial(ep); err != nil {
 		return false
 	}
 	s.connects.Add(1)
@@ -855,6 +993,13 @@ func (s *KVEventSubscriber) session(ctx context.Context, h KVEventHandler, st *k
 		}
 		s.receive(ctx, h, st, binary.BigEndian.Uint64(msg.Frames[1]), msg.Frames[2])
 	}
+}
+
+// guarded returns ctx carrying the bounds of the connections dialled under
+// it (zmtpguard.go).
+func (s *KVEventSubscriber) guarded(ctx context.Context) context.Context {
+	return withZMTPLimits(ctx, zmtpLimits{maxMessage: uint64(s.cfg.MaxMessageBytes), maxFrames: kvMaxFrames,
+		handshake: s.cfg.HandshakeTimeout, exceeded: &s.oversized})
 }
 
 // kvClose closes a socket, then drains what its connection readers queued,
@@ -985,11 +1130,16 @@ const kvReplayEnd = ^uint64(0)
 // newest buffered batch. It reads the reply to its end marker, ignoring
 // batches from to on, so that the DEALER is drained when it closes.
 func (s *KVEventSubscriber) replay(ctx context.Context, from, to uint64) ([]kvSeqBatch, error) {
+	ep, err := guardedEndpoint(s.cfg.ReplayEndpoint)
+	if err != nil {
+		return nil, err
+	}
 	rctx, cancel := context.WithTimeout(ctx, s.cfg.ReplayTimeout)
 	defer cancel()
-	d := zmq4.NewDealer(rctx, zmq4.WithLogger(kvQuiet), zmq4.WithDialerMaxRetries(0))
+	d := zmq4.NewDealer(s.guarded(rctx), zmq4.WithLogger(kvQuiet), zmq4.WithDialerMaxRetries(0),
+		zmq4.WithDialerTimeout(s.cfg.ReplayTimeout))
 	defer kvClose(d)
-	if err := d.Dial(s.cfg.ReplayEndpoint); err != nil {
+	if err := d.Dial(ep); err != nil {
 		return nil, fmt.Errorf("kv events replay: %w", err)
 	}
 	req := binary.BigEndian.AppendUint64(nil, from)
@@ -1059,7 +1209,7 @@ type KVEventApplier struct {
 	seedFor func(loraName string) uint64
 
 	stored, removed, cleared      atomic.Uint64
-	unknownParents, invalid       atomic.Uint64
+	invalid                       atomic.Uint64
 	blockSizeMismatch, otherMedia atomic.Uint64
 }
 
@@ -1067,9 +1217,15 @@ type KVEventApplier struct {
 type KVEventApplierStats struct {
 	// Stored, Removed and Cleared count events applied.
 	Stored, Removed, Cleared uint64
-	// UnknownParents counts BlockStored events skipped because the index did
-	// not know their parent block (its own BlockStored was lost or skipped).
-	UnknownParents uint64
+	// UnknownParents counts BlockStored events whose parent block the index
+	// did not know on the endpoint (its own BlockStored was lost, or came
+	// before the subscription); they are kept as orphans or joined to a
+	// routed prompt (prefix.PreciseIndex). Joined counts the events joined;
+	// OrphansDropped the orphan blocks evicted or reset before a join.
+	UnknownParents, Joined, OrphansDropped uint64
+	// Evicted counts blocks the index evicted because the endpoint held more
+	// than its capacity (prefix.PreciseIndex.SetCapacity).
+	Evicted uint64
 	// BlockSizeMismatch counts BlockStored events skipped because their
 	// block size is not the index's; Invalid other skipped BlockStored events
 	// (token count not blocks × block size).
@@ -1097,12 +1253,9 @@ func (a *KVEventApplier) KVBatch(_ uint64, b *KVEventBatch) {
 				continue
 			}
 			err := a.ix.Stored(a.e, a.medium(ev.Medium), ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, a.seedFor(ev.LoRAName))
-			switch {
-			case err == nil:
+			if err == nil {
 				a.stored.Add(1)
-			case errors.Is(err, prefix.ErrUnknownParent):
-				a.unknownParents.Add(1)
-			default:
+			} else {
 				a.invalid.Add(1)
 			}
 		case KVBlockRemoved:
@@ -1116,7 +1269,12 @@ func (a *KVEventApplier) KVBatch(_ uint64, b *KVEventBatch) {
 }
 
 // KVReset forgets the endpoint's blocks.
-func (a *KVEventApplier) KVReset(KVResetReason) { a.ix.Forget(a.e) }
+func (a *KVEventApplier) KVReset(KVResetReason) { a.Forget() }
+
+// Forget forgets the endpoint's blocks now. Unlike the handler methods it
+// may be called from any goroutine (the owner calls it when the endpoint
+// leaves rotation, then KVEventSubscriber.Resync).
+func (a *KVEventApplier) Forget() { a.ix.Forget(a.e) }
 
 func (a *KVEventApplier) medium(name string) prefix.Medium {
 	m, known := prefix.ParseMedium(name)
@@ -1128,9 +1286,10 @@ func (a *KVEventApplier) medium(name string) prefix.Medium {
 
 // Stats returns the applier's counters.
 func (a *KVEventApplier) Stats() KVEventApplierStats {
+	ix := a.ix.EndpointStats(a.e)
 	return KVEventApplierStats{
 		Stored: a.stored.Load(), Removed: a.removed.Load(), Cleared: a.cleared.Load(),
-		UnknownParents: a.unknownParents.Load(), BlockSizeMismatch: a.blockSizeMismatch.Load(),
-		Invalid: a.invalid.Load(), OtherMedia: a.otherMedia.Load(),
+		UnknownParents: ix.UnknownParents, Joined: ix.Joined, OrphansDropped: ix.OrphansDropped, Evicted: ix.Evicted,
+		BlockSizeMismatch: a.blockSizeMismatch.Load(), Invalid: a.invalid.Load(), OtherMedia: a.otherMedia.Load(),
 	}
 }

@@ -184,6 +184,14 @@ func FuzzDecodeKVEventBatch(f *testing.F) {
 	f.Add(kvMarshal(f, map[string]any{"ts": 2.0, "events": []any{
 		map[string]any{"type": "BlockStored", "block_hashes": []any{[]byte{1, 2, 3}}, "token_ids": []any{1}, "block_size": 1},
 	}}))
+	// Attack shapes: a flood of stored blocks far over any capacity, chained
+	// from a parent the subscriber never saw.
+	flood := make([]sim.KVEvent, 150)
+	for i := range flood {
+		flood[i] = sim.KVEvent{Type: sim.KVBlockStored, BlockHashes: []uint64{uint64(i) + 1000}, HasParent: true,
+			ParentBlockHash: uint64(i) + 999, TokenIDs: make([]uint32, 16), BlockSize: 16}
+	}
+	f.Add(sim.AppendKVEventBatch(nil, 3, flood, 0, sim.KVEncodingArray))
 	f.Fuzz(func(t *testing.T, payload []byte) {
 		b, err := DecodeKVEventBatch(payload)
 		if err != nil {
@@ -868,14 +876,50 @@ func TestKVEventApplierSkips(t *testing.T) {
 		{Type: KVBlockRemoved, BlockHashes: h[:1], Medium: "NVMe"},
 	}})
 	st := a.Stats()
-	if st.UnknownParents != 1 || st.BlockSizeMismatch != 1 || st.Invalid != 1 || st.Stored != 1 || st.Removed != 1 || st.OtherMedia != 2 {
+	if st.UnknownParents != 1 || st.BlockSizeMismatch != 1 || st.Invalid != 1 || st.Stored != 2 || st.Removed != 1 || st.OtherMedia != 2 {
 		t.Fatalf("stats %+v", st)
 	}
-	if ix.Len(0, prefix.MediumOther) != 1 || ix.Len(0, prefix.MediumGPU) != 0 {
-		t.Fatalf("lens: other %d", ix.Len(0, prefix.MediumOther))
+	// The first event's block, kept as an orphan on the GPU, is held there
+	// once the fourth gives its request key.
+	if ix.Len(0, prefix.MediumOther) != 1 || ix.Len(0, prefix.MediumGPU) != 1 {
+		t.Fatalf("lens: other %d, GPU %d", ix.Len(0, prefix.MediumOther), ix.Len(0, prefix.MediumGPU))
 	}
 	a.KVBatch(1, &KVEventBatch{Events: []KVEvent{{Type: KVAllBlocksCleared}}})
 	if ix.Len(0, prefix.MediumOther) != 0 || a.Stats().Cleared != 1 {
 		t.Fatal("not cleared")
 	}
+}
+
+// TestKVEventsResync: Resync ends the session, resets the handler
+// (KVResetResync) and rejoins as a new stream, whose batches the replay
+// socket delivers again from the first: the index ends up holding what the
+// engine holds.
+func TestKVEventsResync(t *testing.T) {
+	before, _, _ := kvGoroutines()
+	p := kvPublisher(t, sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0"})
+	ix, _ := prefix.NewPreciseIndex(1, 16)
+	rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
+	r := kvRun(t, KVEventSubscriberConfig{Endpoint: kvDialAddr(p.KVEventPublisher), ReplayEndpoint: "tcp://" + p.ReplayAddr().String()}, rec)
+	x := kvTokens(100, 16*6)
+	kvSync(t, p, rec)
+	p.publish(1, []sim.KVEvent{kvStore(x, 0)})
+	kvSync(t, p, rec)
+	if kvMatch(ix, 0, x, "") != 6 {
+		t.Fatal("not applied")
+	}
+	connects := r.sub.Stats().Connects
+	rec.Forget() // what the gateway does when the endpoint leaves rotation
+	r.sub.Resync()
+	for deadline := time.Now().Add(30 * time.Second); kvMatch(ix, 0, x, "") != 6; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("blocks not replayed after the resync: %+v", r.sub.Stats())
+		}
+	}
+	st := r.sub.Stats()
+	if _, resets := rec.snapshot(); !containsReset(resets, KVResetResync) || st.Resyncs != 1 || st.Connects != connects+1 {
+		t.Fatalf("resets %v, stats %+v", resets, st)
+	}
+	r.stop(t)
+	p.Close()
+	kvNoLeak(t, before)
 }

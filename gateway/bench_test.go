@@ -74,6 +74,7 @@ func BenchmarkRequestPath(b *testing.B) {
 		{"completion-token-ids/prefix", sched.Prefix, pathCompletions, tokenPrompt(1024, 32, 1), false, ""},
 		{"chat/prefix", sched.Prefix, pathChat, chat, false, ""},
 		{"chat/round-robin", sched.RoundRobin, pathChat, chat, false, ""},
+		{"chat/precise-prefix", sched.PrecisePrefix, pathChat, chat, false, ""},
 		{"chat-stream-16-events/prefix", sched.Prefix, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, ""},
 		{"chat-stream-16-events/round-robin", sched.RoundRobin, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, ""},
 	}
@@ -83,6 +84,11 @@ func BenchmarkRequestPath(b *testing.B) {
 			cfg.HealthCheckPath = healthCheckOff
 			for i := range 4 {
 				cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: "http://10.0.0." + string(rune('1'+i)) + ":8000", Model: "m", KVBlocks: 100000})
+				if tc.policy == sched.PrecisePrefix {
+					// A publisher nobody listens on: the subscriber backs
+					// off; the request path runs against the empty index.
+					cfg.Endpoints[i].KVEvents = &KVEventsConfig{Endpoint: "tcp://127.0.0.1:1"}
+				}
 			}
 			g, err := New(cfg, nil)
 			if err != nil {

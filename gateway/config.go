@@ -215,6 +215,15 @@ type KVEventsConfig struct {
 	ReplayEndpoint string `yaml:"replay_endpoint"`
 	// Topic is the subscription prefix ("" = every topic).
 	Topic string `yaml:"topic"`
+	// MaxMessageBytes bounds one message from the publisher (0: fleet's
+	// DefaultKVMaxMessageBytes, 8 MiB); a peer announcing more is
+	// disconnected before anything is allocated for it.
+	MaxMessageBytes int `yaml:"max_message_bytes"`
+	// OffloadBlocks is the engine's KV capacity in its lower tiers (CPU or
+	// disk offloading; blocks of block_size), which its events may report
+	// beside the GPU's kv_blocks: the precise index holds at most kv_blocks
+	// + OffloadBlocks of the endpoint's blocks and evicts the rest.
+	OffloadBlocks int `yaml:"offload_blocks"`
 }
 
 // LoadConfig reads a YAML configuration file. Unknown keys are an error. The
@@ -381,6 +390,12 @@ func (c Config) Validate() error {
 				if (a.v != "" || a.key == "endpoint") && !strings.HasPrefix(a.v, "tcp://") {
 					bad("%s.kv_events.%s %q: want tcp://host:port", at, a.key, a.v)
 				}
+			}
+			if kv.MaxMessageBytes < 0 {
+				bad("%s.kv_events.max_message_bytes %d: must be >= 0", at, kv.MaxMessageBytes)
+			}
+			if kv.OffloadBlocks < 0 {
+				bad("%s.kv_events.offload_blocks %d: must be >= 0", at, kv.OffloadBlocks)
 			}
 			if e.BlockSize != c.Routing.Prefix.BlockSize {
 				bad("%s.kv_events: the engine's block_size %d must equal routing.prefix.block_size %d for the precise index",

@@ -258,6 +258,12 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 				g.transport.CloseIdleConnections()
 				return nil, fmt.Errorf("precise prefix index for model %q: %w", model, err)
 			}
+			for i, ep := range p.endpoints {
+				// The engine's blocks in all its tiers bound what the index
+				// holds of it (its events may announce more: lost removals,
+				// a broken or hostile engine).
+				p.precise.SetCapacity(i, capacity[i]+ep.kvEvents.OffloadBlocks)
+			}
 			sp.Precise = p.precise.On(prefix.MediumGPU)
 			p.precisePolicy = sched.UsesPrecise(cfg.Routing)
 		}
@@ -318,6 +324,10 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	g.dash.init(time.Now())
 	g.handler = http.HandlerFunc(g.route)
 
+	if err := g.setupKVEvents(reg); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
+	}
 	ctx, stop := context.WithCancel(context.Background())
 	g.stop = stop
 	for _, ep := range g.endpoints {
@@ -327,10 +337,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	if g.scraper != nil {
 		g.wg.Go(func() { g.scraper.Run(ctx) })
 	}
-	if err := g.subscribeKVEvents(ctx); err != nil {
-		g.Close()
-		return nil, err
-	}
+	g.startKVEvents(ctx)
 	return g, nil
 }
 

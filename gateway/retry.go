@@ -189,6 +189,9 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	if p.precise != nil && !p.precisePolicy {
 		x.precisePredicted = p.preciseMatch(x.hashes, i) * p.blockSize
 	}
+	if p.precise != nil {
+		p.precise.Routed(i, x.hashes) // joins the engine's events for it (prefix/precise_join.go)
+	}
 
 	body := x.body
 	strip := false

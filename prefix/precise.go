@@ -1,7 +1,6 @@
 package prefix
 
 import (
-	"errors"
 	"fmt"
 	"math/bits"
 	"strings"
@@ -55,11 +54,6 @@ func (m Medium) String() string {
 	return fmt.Sprintf("Medium(%d)", uint8(m))
 }
 
-// ErrUnknownParent is returned by PreciseIndex.Stored when the event's parent
-// block is not known on that endpoint: its request key cannot be computed, so
-// the event is skipped (as llm-d does).
-var ErrUnknownParent = errors.New("prefix: stored blocks' parent block is unknown")
-
 // preciseShards is the number of shards of each medium's block table, picked
 // by the top 6 bits of the request key.
 const preciseShards = 64
@@ -82,6 +76,15 @@ const preciseShards = 64
 // (a cache salt, multimodal inputs) share one request key. The endpoint's
 // bit for a block is set in a medium while that count is positive.
 //
+// Blocks whose parent the index does not know (its event was lost, or the
+// gateway started after the engine cached it and there is no replay) are
+// kept under their engine keys as orphans, and joined to request keys when a
+// prompt the gateway routed to the endpoint explains them (precise_join.go).
+//
+// Each endpoint holds at most its capacity of engine keys (SetCapacity: the
+// engine's blocks in all its tiers); beyond it the least recently stored
+// leaf block is evicted as if the engine had removed it (precise_evict.go).
+//
 // Block tables are sharded 64 ways by request key, each shard behind its own
 // RWMutex, so Match (read locks, one block at a time) is never held up for
 // longer than a writer's update of one block; writers of one endpoint take
@@ -93,12 +96,13 @@ const preciseShards = 64
 // engine would not hit for it. The engines' block size must be the index's
 // (llm-d also maps one engine block to several request blocks and back).
 //
-// Memory: 111 bytes per (endpoint, block) measured for 200k blocks on one
+// Memory: 140 bytes per (endpoint, block) measured for 200k blocks on one
 // endpoint (map slots in the endpoint's engine → request map, in its
-// per-request-key entries — counts, kids counts and parent link for hole
-// tracking — and in the shared block table; TestPreciseIndexBytesPerBlock
-// holds it under 128). About 24 of them are the block table's, paid once per
-// distinct block however many endpoints hold it.
+// per-request-key entries — counts, kids counts, parent link for hole
+// tracking, engine key for eviction order — in the eviction lists, and in
+// the shared block table; TestPreciseIndexBytesPerBlock holds it under 160).
+// About 24 of them are the block table's, paid once per distinct block
+// however many endpoints hold it. An endpoint's capacity bounds its share.
 //
 // Safe for concurrent use.
 type PreciseIndex struct {
@@ -120,11 +124,19 @@ type preciseShard struct {
 // mediaCounts counts blocks per medium (saturating at 65535).
 type mediaCounts [NumMedia]uint16
 
-// engEntry is one engine key of an endpoint: its request key and how many
-// blocks with that engine key the endpoint holds in each medium.
+// engCounts counts the blocks of one engine key per medium (saturating at
+// 255: more identical blocks than that in one tier are not told apart).
+type engCounts [NumMedia]uint8
+
+const maxEngCount = ^uint8(0)
+
+// engEntry is one engine key of an endpoint: its request key, how many
+// blocks with that engine key the endpoint holds in each medium, and its
+// node in the endpoint's eviction lists.
 type engEntry struct {
-	req uint64
-	n   mediaCounts
+	req  uint64
+	n    engCounts
+	node uint32
 }
 
 type preciseEndpoint struct {
@@ -141,11 +153,16 @@ type preciseEndpoint struct {
 	// saturated[m] is set when a kids count saturated in medium m: holes[m]
 	// is then unreliable, and Match scans the endpoint linearly until reset.
 	saturated [NumMedia]atomic.Bool
+
+	evictState // precise_evict.go
+	joinState  // precise_join.go
+
+	evicted, unknownParents, joined, orphansDropped atomic.Uint64
 }
 
 // heldEntry is one request key of an endpoint: how many engine blocks with
 // it the endpoint holds per medium, how many of its children (request keys
-// chained from it) are held per medium, and its own parent.
+// chained from it) are held per medium, its own parent, and its engine key.
 type heldEntry struct {
 	c    mediaCounts
 	kids mediaCounts // saturating: a saturated count makes the endpoint holey until cleared
@@ -153,6 +170,9 @@ type heldEntry struct {
 	// chained from a seed; 0 while unknown (an entry created only to count
 	// the kids of a key the endpoint does not hold).
 	parent uint64
+	// eng is the engine key last stored under it (0: none known), whose
+	// eviction-list node moves as the key gains and loses children.
+	eng uint64
 }
 
 // rootParent marks a request key chained from a seed, not from a block.
@@ -163,8 +183,8 @@ type PreciseStats struct {
 	// StoredEvents and RemovedEvents count applied Stored and Removed calls;
 	// Clears counts Cleared and Forget calls.
 	StoredEvents, RemovedEvents, Clears uint64
-	// UnknownParents counts Stored calls skipped because their parent block
-	// was unknown on the endpoint.
+	// UnknownParents counts Stored calls whose parent block was unknown on
+	// the endpoint (neither joined nor kept as an orphan).
 	UnknownParents uint64
 	// UnknownRemovals counts removed engine keys the endpoint did not hold in
 	// that medium (ignored).
@@ -173,9 +193,26 @@ type PreciseStats struct {
 	Blocks int64
 }
 
+// PreciseEndpointStats are one endpoint's counters and sizes.
+type PreciseEndpointStats struct {
+	// EngineKeys counts the engine keys held with a request key, Orphans
+	// those kept without one (their parent unknown); Capacity bounds the two
+	// together (0: no bound).
+	EngineKeys, Orphans, Capacity int
+	// Evicted counts engine keys evicted because the endpoint held more than
+	// its capacity.
+	Evicted uint64
+	// UnknownParents counts Stored calls whose parent the endpoint did not
+	// know; Joined those (and calls chained from orphans) joined to a routed
+	// prompt; OrphansDropped the orphan engine keys evicted or forgotten
+	// before they were joined.
+	UnknownParents, Joined, OrphansDropped uint64
+}
+
 // NewPreciseIndex returns an empty index over endpoints endpoints (at most
 // MaxEndpoints) whose blocks are blockSize tokens long (the block size the
 // gateway hashes prompts with, which must equal the engines' block size).
+// Endpoints are unbounded until SetCapacity.
 func NewPreciseIndex(endpoints, blockSize int) (*PreciseIndex, error) {
 	if endpoints < 0 || endpoints > MaxEndpoints {
 		return nil, fmt.Errorf("precise prefix index: %d endpoints, want 0 to %d", endpoints, MaxEndpoints)
@@ -203,11 +240,20 @@ func (ep *preciseEndpoint) reset() {
 		ep.holes[m].Store(0)
 		ep.saturated[m].Store(false)
 	}
+	ep.resetLists()
+	ep.resetOrphans()
+}
+
+// pinned reports whether request key req has held children (in any medium).
+// ep.mu is held.
+func (ep *preciseEndpoint) pinned(req uint64) bool {
+	return ep.held[req].kids != (mediaCounts{})
 }
 
 // gained records that request key req (chained from parent, or from a seed
 // when root) became held in medium m: its held children stop being holes,
-// and it is one itself if its parent is not held. ep.mu is held.
+// and it is one itself if its parent is not held. A parent that had no
+// children is no longer a leaf. ep.mu is held.
 func (ep *preciseEndpoint) gained(m Medium, req uint64, h *heldEntry) {
 	if h.kids[m] != ^uint16(0) {
 		ep.holes[m].Add(-int64(h.kids[m]))
@@ -216,6 +262,7 @@ func (ep *preciseEndpoint) gained(m Medium, req uint64, h *heldEntry) {
 		return
 	}
 	p := ep.held[h.parent]
+	wasLeaf := p.kids == (mediaCounts{})
 	if p.c[m] == 0 {
 		ep.holes[m].Add(1)
 	}
@@ -229,11 +276,15 @@ func (ep *preciseEndpoint) gained(m Medium, req uint64, h *heldEntry) {
 		p.kids[m]++
 	}
 	ep.held[h.parent] = p
+	if wasLeaf {
+		ep.relist(p.eng, innerList, false)
+	}
 }
 
 // lost records that request key req stopped being held in medium m: its
-// held children become holes, and if it was a hole that hole is gone.
-// ep.mu is held.
+// held children become holes, and if it was a hole that hole is gone. A
+// parent left without children becomes the next leaf to evict. ep.mu is
+// held.
 func (ep *preciseEndpoint) lost(m Medium, h *heldEntry) {
 	if h.kids[m] != ^uint16(0) {
 		ep.holes[m].Add(int64(h.kids[m]))
@@ -252,6 +303,11 @@ func (ep *preciseEndpoint) lost(m Medium, h *heldEntry) {
 		p.kids[m]--
 	}
 	ep.put(h.parent, p)
+	if p.kids == (mediaCounts{}) {
+		// A parent is used at least as recently as its children: it goes
+		// right after the child that was the least recent.
+		ep.relist(p.eng, leafList, true)
+	}
 }
 
 // put stores h under req, or deletes it when it records nothing. ep.mu is held.
@@ -286,9 +342,13 @@ func (ix *PreciseIndex) check(e int, m Medium) error {
 // medium m. len(tokens) must be len(engineHashes) × BlockSize. The first
 // block's request key is chained from the request key of the parent block
 // (engine key parent) when hasParent, else from seed (the root: Seed of the
-// model or adapter name the blocks were computed under). If the parent is not
-// held by e in any medium, nothing is recorded and ErrUnknownParent is
-// returned.
+// model or adapter name the blocks were computed under).
+//
+// If the parent is not held by e in any medium, or is an orphan, the event
+// is joined to a prompt recently routed to e when one explains it (Routed;
+// the prompt's blocks before it are then held too), and its blocks are kept
+// as orphans otherwise (precise_join.go). Either way it is not an error.
+// Afterwards e holds at most its capacity (SetCapacity).
 func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent uint64, hasParent bool, tokens []uint32, seed uint64) error {
 	if err := ix.check(e, m); err != nil {
 		return err
@@ -300,17 +360,27 @@ func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent ui
 	bit := uint64(1) << e
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
+	defer ix.evict(ep, bit)
+	ix.storedEvents.Add(1)
 	if hasParent {
 		p, ok := ep.eng[parent]
 		if !ok {
-			ix.unknownParents.Add(1)
-			return ErrUnknownParent
+			_, orphan := ep.orphans[parent]
+			if !orphan {
+				ix.unknownParents.Add(1)
+				ep.unknownParents.Add(1)
+			}
+			req, joined := ix.join(ep, bit, m, parent, engineHashes, tokens)
+			if !joined {
+				ix.storeOrphans(ep, bit, m, parent, engineHashes)
+				return nil
+			}
+			p = engEntry{req: req}
 		}
 		seed = p.req
 	}
 	ep.keys = Hashes(ep.keys[:0], tokens, ix.blockSize, seed)
 	for i, h := range engineHashes {
-		req := ep.keys[i]
 		parentReq := rootParent
 		switch {
 		case i > 0:
@@ -318,36 +388,68 @@ func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent ui
 		case hasParent:
 			parentReq = seed // the parent block's request key
 		}
-		ent, ok := ep.eng[h]
-		if ok && ent.req != req {
-			// The engine reused an engine key for other tokens: trust the
-			// newer event and drop what the old mapping held.
-			ix.dropEngineKey(ep, bit, h, ent)
-			ok = false
-		}
-		if !ok {
-			ent = engEntry{req: req}
-		}
-		he := ep.held[req]
-		if he.parent == 0 {
-			he.parent = parentReq
-		}
-		if ent.n[m] == ^uint16(0) || he.c[m] == ^uint16(0) {
-			continue // saturated: a later removal may forget the block early
-		}
-		ent.n[m]++
-		ep.eng[h] = ent
-		he.c[m]++
-		ep.held[req] = he
-		if he.c[m] == 1 {
-			ix.setBit(m, req, bit)
-			ep.blocks[m]++
-			ix.blocks.Add(1)
-			ep.gained(m, req, &he)
+		ix.hold(ep, bit, m, h, ep.keys[i], parentReq)
+	}
+	if hasParent {
+		ep.touch(parent) // the request that stored the blocks used it
+	}
+	return nil
+}
+
+// hold records one block with engine key h and request key req, chained
+// from request key parentReq (rootParent: from a seed), as held by ep in
+// medium m. ep.mu is held.
+func (ix *PreciseIndex) hold(ep *preciseEndpoint, bit uint64, m Medium, h, req, parentReq uint64) {
+	ent, ok := ep.eng[h]
+	if ok && ent.req != req {
+		// The engine reused an engine key for other tokens: trust the
+		// newer event and drop what the old mapping held.
+		ix.dropEngineKey(ep, bit, h, ent)
+		ok = false
+	}
+	var adopted engCounts
+	if !ok {
+		if o, orphan := ep.orphans[h]; orphan {
+			// Known as an orphan, now with a request key: its blocks are
+			// held under it too (after this one).
+			delete(ep.orphans, h)
+			ep.freeNode(o.node)
+			adopted = o.n
 		}
 	}
-	ix.storedEvents.Add(1)
-	return nil
+	he := ep.held[req]
+	if he.parent == 0 {
+		he.parent = parentReq
+	}
+	if ent.n[m] == maxEngCount || he.c[m] == ^uint16(0) {
+		if ok {
+			ep.touch(h)
+		}
+		return // saturated: a later removal may forget the block early
+	}
+	if !ok {
+		ent = engEntry{req: req, node: ep.newNode(h)}
+	}
+	ent.n[m]++
+	ep.eng[h] = ent
+	he.c[m]++
+	he.eng = h
+	ep.held[req] = he
+	if he.c[m] == 1 {
+		ix.setBit(m, req, bit)
+		ep.blocks[m]++
+		ix.blocks.Add(1)
+		ep.gained(m, req, &he)
+	}
+	ep.touch(h)
+	if ep.synthetic > 0 && h != syntheticKey(req) {
+		ix.dropSynthetic(ep, bit, req)
+	}
+	for md, c := range adopted {
+		for range c {
+			ix.hold(ep, bit, Medium(md), h, req, parentReq)
+		}
+	}
 }
 
 // Removed records a BlockRemoved event of endpoint e: one block per engine
@@ -364,12 +466,14 @@ func (ix *PreciseIndex) Removed(e int, m Medium, engineHashes []uint64) {
 	for _, h := range engineHashes {
 		ent, ok := ep.eng[h]
 		if !ok || ent.n[m] == 0 {
-			ix.unknownRemovals.Add(1)
+			if !ep.removeOrphan(m, h) {
+				ix.unknownRemovals.Add(1)
+			}
 			continue
 		}
 		ent.n[m]--
-		if ent.n == (mediaCounts{}) {
-			delete(ep.eng, h)
+		if ent.n == (engCounts{}) {
+			ix.forgetEngineKey(ep, h, ent)
 		} else {
 			ep.eng[h] = ent
 		}
@@ -400,12 +504,26 @@ func (ix *PreciseIndex) release(ep *preciseEndpoint, bit uint64, m Medium, req u
 
 // dropEngineKey forgets engine key h of ep and every block it held. ep.mu is held.
 func (ix *PreciseIndex) dropEngineKey(ep *preciseEndpoint, bit uint64, h uint64, ent engEntry) {
+	ix.forgetEngineKey(ep, h, ent)
 	for m, n := range ent.n {
 		if n > 0 {
-			ix.release(ep, bit, Medium(m), ent.req, n)
+			ix.release(ep, bit, Medium(m), ent.req, uint16(n))
 		}
 	}
+}
+
+// forgetEngineKey deletes engine key h (entry ent) from ep's map and lists;
+// the blocks it held are the caller's to release. ep.mu is held.
+func (ix *PreciseIndex) forgetEngineKey(ep *preciseEndpoint, h uint64, ent engEntry) {
 	delete(ep.eng, h)
+	ep.freeNode(ent.node)
+	if h == syntheticKey(ent.req) {
+		ep.synthetic--
+	}
+	if he, ok := ep.held[ent.req]; ok && he.eng == h {
+		he.eng = 0
+		ep.held[ent.req] = he
+	}
 }
 
 // Cleared records an AllBlocksCleared event of endpoint e: it holds nothing,
@@ -428,14 +546,21 @@ func (ix *PreciseIndex) Cleared(e int) {
 		}
 	}
 	ix.blocks.Add(-n)
+	ep.orphansDropped.Add(uint64(len(ep.orphans)))
 	ep.reset()
 	ix.clears.Add(1)
 }
 
 // Forget drops everything known about endpoint e, for example when its event
 // stream lost batches or its engine restarted: forgetting is safe, believing
-// stale state is not. It is Cleared under another name.
-func (ix *PreciseIndex) Forget(e int) { ix.Cleared(e) }
+// stale state is not. It is Cleared under another name (the prompts routed
+// to e are forgotten too).
+func (ix *PreciseIndex) Forget(e int) {
+	if e >= 0 && e < len(ix.eps) {
+		ix.eps[e].forgetRouted()
+	}
+	ix.Cleared(e)
+}
 
 func (ix *PreciseIndex) setBit(m Medium, req, bit uint64) {
 	s := ix.shard(req)
@@ -591,6 +716,21 @@ func (ix *PreciseIndex) Stats() PreciseStats {
 		UnknownRemovals: ix.unknownRemovals.Load(),
 		Blocks:          ix.blocks.Load(),
 	}
+}
+
+// EndpointStats returns endpoint e's counters and sizes (zero for an
+// out-of-range e).
+func (ix *PreciseIndex) EndpointStats(e int) PreciseEndpointStats {
+	if e < 0 || e >= len(ix.eps) {
+		return PreciseEndpointStats{}
+	}
+	ep := &ix.eps[e]
+	ep.mu.Lock()
+	st := PreciseEndpointStats{EngineKeys: len(ep.eng), Orphans: len(ep.orphans), Capacity: ep.capacity}
+	ep.mu.Unlock()
+	st.Evicted, st.UnknownParents = ep.evicted.Load(), ep.unknownParents.Load()
+	st.Joined, st.OrphansDropped = ep.joined.Load(), ep.orphansDropped.Load()
+	return st
 }
 
 // On returns a view of the index for medium m whose Match has the shape of

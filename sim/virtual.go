@@ -190,6 +190,9 @@ func NewVirtualFleet(cfg VirtualConfig) (*VirtualFleet, error) {
 		if precise, err = prefix.NewPreciseIndex(cfg.Engines, bs); err != nil {
 			return nil, fmt.Errorf("sim: %w", err)
 		}
+		for i := range cfg.Engines {
+			precise.SetCapacity(i, eng.NumBlocks) // as the gateway bounds it
+		}
 		eng.KVEvents = true
 	}
 	policy := cfg.Policy
@@ -352,6 +355,7 @@ func (f *VirtualFleet) arrive(k int, vr *VirtualRequest, t time.Duration) {
 	if f.precise != nil {
 		f.precise.Match(f.sreq.Hashes, prefix.MediumGPU, f.matched)
 		r.PreciseMatchedBlocks = f.matched[d.Endpoint]
+		f.precise.Routed(d.Endpoint, f.sreq.Hashes) // as the gateway does
 	}
 	ve := &f.engines[d.Endpoint]
 	f.req = Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: vr.MaxTokens}
@@ -390,8 +394,8 @@ func (f *VirtualFleet) applyKVEvents(i int, ve *virtualEngine) {
 			if ev.LoRAName != "" {
 				seed = prefix.Seed(ev.LoRAName + "\x00")
 			}
-			// ErrUnknownParent (parent evicted before the event): skipped,
-			// as a subscriber would.
+			// A parent evicted before the event: kept as an orphan, as a
+			// subscriber would.
 			_ = f.precise.Stored(i, prefix.MediumGPU, ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, seed)
 		case KVBlockRemoved:
 			f.precise.Removed(i, prefix.MediumGPU, ev.BlockHashes)

@@ -1,0 +1,485 @@
+package prefix
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"testing"
+)
+
+// checkPrecise checks every endpoint's internal consistency: counts, block
+// table bits, holes and kids, eviction lists, capacity.
+func checkPrecise(t testing.TB, ix *PreciseIndex) {
+	t.Helper()
+	for e := range ix.eps {
+		ep := &ix.eps[e]
+		ep.mu.Lock()
+		err := ep.consistent(ix, e)
+		ep.mu.Unlock()
+		if err != nil {
+			t.Fatalf("endpoint %d: %v", e, err)
+		}
+	}
+}
+
+func (ep *preciseEndpoint) consistent(ix *PreciseIndex, e int) error {
+	bit := uint64(1) << e
+	// Lists: every engine key and orphan has exactly one linked node.
+	linked := map[uint64]uint32{}
+	for _, l := range []uint32{leafList, innerList} {
+		prev := l
+		for n := ep.nodes[l].next; n != l; prev, n = n, ep.nodes[n].next {
+			if ep.nodes[n].prev != prev {
+				return fmt.Errorf("list %d: node %d's prev %d, want %d", l, n, ep.nodes[n].prev, prev)
+			}
+			if _, dup := linked[ep.nodes[n].key]; dup {
+				return fmt.Errorf("key %x linked twice", ep.nodes[n].key)
+			}
+			linked[ep.nodes[n].key] = n
+			if len(linked) > len(ep.nodes) {
+				return fmt.Errorf("list %d loops", l)
+			}
+		}
+	}
+	if len(linked) != len(ep.eng)+len(ep.orphans) {
+		return fmt.Errorf("%d linked nodes, %d engine keys + %d orphans", len(linked), len(ep.eng), len(ep.orphans))
+	}
+	if ep.capacity > 0 && len(ep.eng)+len(ep.orphans) > ep.capacity {
+		return fmt.Errorf("%d engine keys + %d orphans over capacity %d", len(ep.eng), len(ep.orphans), ep.capacity)
+	}
+	counts := map[uint64]mediaCounts{}
+	synthetic := 0
+	for h, ent := range ep.eng {
+		if linked[h] != ent.node {
+			return fmt.Errorf("engine key %x: node %d, linked %d", h, ent.node, linked[h])
+		}
+		if _, o := ep.orphans[h]; o {
+			return fmt.Errorf("engine key %x is an orphan too", h)
+		}
+		if ent.n == (engCounts{}) {
+			return fmt.Errorf("engine key %x holds nothing", h)
+		}
+		if h == syntheticKey(ent.req) {
+			synthetic++
+		}
+		c := counts[ent.req]
+		for m, n := range ent.n {
+			c[m] += uint16(n)
+		}
+		counts[ent.req] = c
+	}
+	if synthetic != ep.synthetic {
+		return fmt.Errorf("%d synthetic keys, counted %d", synthetic, ep.synthetic)
+	}
+	for h, o := range ep.orphans {
+		if linked[h] != o.node || o.n == (engCounts{}) {
+			return fmt.Errorf("orphan %x: node %d linked %d, counts %v", h, o.node, linked[h], o.n)
+		}
+	}
+	for m := range Medium(NumMedia) {
+		if ep.saturated[m].Load() {
+			continue
+		}
+		blocks, holes := 0, int64(0)
+		kids := map[uint64]uint16{}
+		for req, he := range ep.held {
+			if he.c[m] != counts[req][m] {
+				return fmt.Errorf("medium %v: request key %x counts %d, engine keys %d", m, req, he.c[m], counts[req][m])
+			}
+			owned := ix.lookup(m, req)&bit != 0
+			if owned != (he.c[m] > 0) {
+				return fmt.Errorf("medium %v: request key %x count %d, bit %v", m, req, he.c[m], owned)
+			}
+			if he.c[m] == 0 {
+				continue
+			}
+			blocks++
+			if he.parent != rootParent {
+				kids[he.parent]++
+				if ep.held[he.parent].c[m] == 0 {
+					holes++
+				}
+			}
+		}
+		for req, he := range ep.held {
+			if he.kids[m] != kids[req] {
+				return fmt.Errorf("medium %v: request key %x kids %d, held children %d", m, req, he.kids[m], kids[req])
+			}
+		}
+		if blocks != ep.blocks[m] || holes != ep.holes[m].Load() {
+			return fmt.Errorf("medium %v: %d blocks, %d holes; counted %d, %d", m, blocks, holes, ep.blocks[m], ep.holes[m].Load())
+		}
+	}
+	// The engine key last stored under a request key is in the inner list
+	// exactly while the key has held children.
+	for req, he := range ep.held {
+		ent, ok := ep.eng[he.eng]
+		if he.eng == 0 || !ok || ent.req != req {
+			continue
+		}
+		inner := false
+		for n := ep.nodes[innerList].next; n != innerList; n = ep.nodes[n].next {
+			if n == ent.node {
+				inner = true
+			}
+		}
+		if inner != (he.kids != (mediaCounts{})) {
+			return fmt.Errorf("request key %x: kids %v, in the inner list %v", req, he.kids, inner)
+		}
+	}
+	return nil
+}
+
+// TestPreciseCapacityFlood is the attack: an endpoint whose events announce
+// 150× its capacity in BlockStored events. Before the bound the heap grew by
+// about 118 bytes per announced block (1.5M blocks: +178 MB); now the
+// endpoint holds its capacity and the rest is evicted and counted.
+func TestPreciseCapacityFlood(t *testing.T) {
+	const capacity, mult = 2_000, 150
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	ix, _ := NewPreciseIndex(1, 16)
+	ix.SetCapacity(0, capacity)
+	toks := make([]uint32, 16*50)
+	var parent uint64
+	for i := 0; i < capacity*mult; i += 50 {
+		for k := range toks {
+			toks[k] = uint32(i*16 + k)
+		}
+		eng := preciseEngineKeys(toks, uint64(i))
+		// Chains of 1000 blocks in events of 50, as a flood of long prompts.
+		preciseStore(t, ix, 0, MediumGPU, eng, parent, i%1000 != 0, toks, 0)
+		parent = eng[len(eng)-1]
+	}
+	ix.eps[0].keys = nil
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	grew := int64(after.HeapAlloc) - int64(before.HeapAlloc)
+	st := ix.EndpointStats(0)
+	t.Logf("%d blocks announced, capacity %d: heap %+.1f MB, %d held, %d evicted", capacity*mult, capacity, float64(grew)/1e6, st.EngineKeys, st.Evicted)
+	if st.EngineKeys != capacity || st.Evicted != capacity*(mult-1) || ix.Len(0, MediumGPU) != capacity {
+		t.Fatalf("stats %+v, len %d", st, ix.Len(0, MediumGPU))
+	}
+	if grew > capacity*1024 {
+		t.Fatalf("heap grew %d bytes for a capacity of %d blocks", grew, capacity)
+	}
+	// Leaves went first: the newest whole chains are intact (prefix-closed,
+	// no hole), the held blocks are the last ones announced.
+	if h := ix.eps[0].holes[MediumGPU].Load(); h != 0 {
+		t.Fatalf("%d holes after evicting leaves first", h)
+	}
+	checkPrecise(t, ix)
+	runtime.KeepAlive(ix)
+}
+
+// TestPreciseEvictionOrder: a shared system prompt stays while cold
+// conversations unwind from their tails, newest conversations kept.
+func TestPreciseEvictionOrder(t *testing.T) {
+	ix, _ := NewPreciseIndex(1, 16)
+	sys := seq(16*4, 1)
+	sysEng := preciseEngineKeys(sys, 0)
+	preciseStore(t, ix, 0, MediumGPU, sysEng, 0, false, sys, 0)
+	const convs, per = 10, 3
+	req := make([][]uint64, convs)
+	for c := range convs {
+		toks := append(append([]uint32{}, sys...), seq(16*per, uint32(1000*(c+1)))...)
+		eng := preciseEngineKeys(toks, 0)
+		preciseStore(t, ix, 0, MediumGPU, eng[4:], sysEng[3], true, toks[64:], 0)
+		req[c] = Hashes(nil, toks, 16, 0)
+	}
+	// 4 + 30 blocks; hold 4 + 3·3 + 2: the three newest conversations and
+	// the first two blocks of the fourth newest survive.
+	ix.SetCapacity(0, 4+3*per+2)
+	checkPrecise(t, ix)
+	m := make([]int, 1)
+	for c := range convs {
+		ix.Match(req[c], MediumGPU, m)
+		want := 4
+		switch {
+		case c >= convs-3:
+			want = 4 + per
+		case c == convs-4:
+			want = 4 + 2
+		}
+		if m[0] != want {
+			t.Fatalf("conversation %d matches %d blocks, want %d", c, m[0], want)
+		}
+	}
+	// A re-stored block counts as used: conversation 0, stored again,
+	// survives the next evictions.
+	toks := append(append([]uint32{}, sys...), seq(16*per, 1000)...)
+	eng := preciseEngineKeys(toks, 0)
+	preciseStore(t, ix, 0, MediumGPU, eng[4:], sysEng[3], true, toks[64:], 0)
+	ix.Match(req[0], MediumGPU, m)
+	if m[0] != 4+per {
+		t.Fatalf("re-stored conversation matches %d", m[0])
+	}
+	if st := ix.EndpointStats(0); st.EngineKeys != 4+3*per+2 || st.Evicted == 0 {
+		t.Fatalf("stats %+v", st)
+	}
+	checkPrecise(t, ix)
+}
+
+// TestPreciseBoundAgainstModel runs random stores (chained, orphaned,
+// joined), removals, clears and capacity changes on small endpoints, and
+// checks the internal invariants after every step.
+func TestPreciseBoundAgainstModel(t *testing.T) {
+	const eps, blocks = 3, 10
+	rng := rand.New(rand.NewPCG(7, 8))
+	type doc struct {
+		toks []uint32
+		req  []uint64
+		eng  []uint64
+	}
+	var docs []doc
+	for r := range 2 {
+		root := seq(16*3, uint32(1000*r))
+		for tail := range 4 {
+			toks := append(append([]uint32{}, root...), seq(16*(blocks-3), uint32(100000+1000*(4*r+tail)))...)
+			docs = append(docs, doc{toks: toks, req: Hashes(nil, toks, 16, 9), eng: preciseEngineKeys(toks, 0)})
+		}
+	}
+	ix, _ := NewPreciseIndex(eps, 16)
+	for e := range eps {
+		ix.SetCapacity(e, 4+6*e)
+	}
+	for step := range 20000 {
+		e, md := rng.IntN(eps), Medium(rng.IntN(2))
+		d := docs[rng.IntN(len(docs))]
+		switch op := rng.IntN(100); {
+		case op < 50:
+			from := rng.IntN(blocks)
+			if rng.IntN(3) == 0 {
+				from = 0
+			}
+			to := from + 1 + rng.IntN(blocks-from)
+			var parent uint64
+			if from > 0 {
+				parent = d.eng[from-1]
+			}
+			if rng.IntN(4) == 0 {
+				ix.Routed(e, d.req[:to+rng.IntN(blocks-to+1)])
+			}
+			if err := ix.Stored(e, md, d.eng[from:to], parent, from > 0, d.toks[16*from:16*to], 9); err != nil {
+				t.Fatal(err)
+			}
+		case op < 90:
+			var keys []uint64
+			for _, h := range d.eng {
+				if rng.IntN(3) == 0 {
+					keys = append(keys, h)
+				}
+			}
+			ix.Removed(e, md, keys)
+		case op < 92:
+			ix.Cleared(e)
+		case op < 95:
+			ix.SetCapacity(e, rng.IntN(3*blocks))
+		}
+		for e := range ix.eps {
+			ep := &ix.eps[e]
+			ep.mu.Lock()
+			err := ep.consistent(ix, e)
+			ep.mu.Unlock()
+			if err != nil {
+				t.Fatalf("step %d: endpoint %d: %v", step, e, err)
+			}
+		}
+	}
+	var st PreciseEndpointStats
+	for e := range eps {
+		s := ix.EndpointStats(e)
+		st.Evicted += s.Evicted
+		st.Joined += s.Joined
+		st.OrphansDropped += s.OrphansDropped
+		st.UnknownParents += s.UnknownParents
+	}
+	t.Logf("%+v", st)
+	if st.Evicted == 0 || st.Joined == 0 || st.OrphansDropped == 0 || st.UnknownParents == 0 {
+		t.Fatalf("workload missed a path: %+v", st)
+	}
+}
+
+// TestPreciseJoinAfterRestart is the gateway restart without a replay
+// socket: the engine holds a conversation's earlier turns, whose events the
+// index never saw. Each later turn's event chains from blocks it does not
+// know. Before joins, every one was dropped and the conversation matched 0
+// blocks for ever; now the turn's prompt, routed to the endpoint, explains
+// the event, and the next turn matches everything the engine holds.
+func TestPreciseJoinAfterRestart(t *testing.T) {
+	ix, _ := NewPreciseIndex(2, 16)
+	const seed = 5
+	m := make([]int, 2)
+	// Turn 1 (before the restart): 93 blocks cached on endpoint 1.
+	conv := seq(16*93, 1)
+	for turn := 2; turn <= 4; turn++ {
+		prev := len(conv) / 16
+		conv = append(conv, seq(16*47, uint32(100000*turn))...)
+		req := Hashes(nil, conv, 16, seed)
+		eng := preciseEngineKeys(conv, 0)
+		ix.Match(req, MediumGPU, m)
+		t.Logf("turn %d: predicted %d cached tokens on the engine, which holds %d", turn, m[1]*16, prev*16)
+		if turn > 2 && m[1] != prev {
+			t.Fatalf("turn %d: matched %d blocks, the engine holds %d", turn, m[1], prev)
+		}
+		// Routed to endpoint 1, which computes the new blocks.
+		ix.Routed(1, req)
+		preciseStore(t, ix, 1, MediumGPU, eng[prev:], eng[prev-1], true, conv[16*prev:], seed)
+		ix.Match(req, MediumGPU, m)
+		if m[1] != len(req) || m[0] != 0 {
+			t.Fatalf("turn %d: after its event, matched %v of %d", turn, m, len(req))
+		}
+	}
+	st := ix.EndpointStats(1)
+	if st.UnknownParents != 1 || st.Joined != 1 || st.Orphans != 0 {
+		t.Fatalf("stats %+v", st)
+	}
+	// The engine evicts the block the event chained from: the chain breaks
+	// there, as the engine's own prefix lookup would.
+	eng := preciseEngineKeys(conv, 0)
+	ix.Removed(1, MediumGPU, eng[92:93])
+	ix.Match(Hashes(nil, conv, 16, seed), MediumGPU, m)
+	if m[1] != 92 {
+		t.Fatalf("after removing block 92: matched %d", m[1])
+	}
+	// Real events for the blocks held under synthetic keys replace them.
+	preciseStore(t, ix, 1, MediumGPU, eng[:93], 0, false, conv[:16*93], seed)
+	ep := &ix.eps[1]
+	if ep.synthetic != 0 {
+		t.Fatalf("%d synthetic keys left after the real events", ep.synthetic)
+	}
+	ix.Match(Hashes(nil, conv, 16, seed), MediumGPU, m)
+	if m[1] != len(conv)/16 {
+		t.Fatalf("matched %d", m[1])
+	}
+	checkPrecise(t, ix)
+}
+
+// TestPreciseJoinOrphanChain: events arrive whose prompts the gateway did
+// not route (another gateway replica, a client of the engine): kept as an
+// orphan chain; a later routed turn chained from it joins the whole chain
+// under its request keys, engine keys and all.
+func TestPreciseJoinOrphanChain(t *testing.T) {
+	ix, _ := NewPreciseIndex(1, 16)
+	conv := seq(16*40, 1) // blocks 0-9 cached before the gateway started
+	eng := preciseEngineKeys(conv, 0)
+	preciseStore(t, ix, 0, MediumGPU, eng[10:20], eng[9], true, conv[160:320], 0)
+	preciseStore(t, ix, 0, MediumGPU, eng[20:30], eng[19], true, conv[320:480], 0)
+	if st := ix.EndpointStats(0); st.Orphans != 20 || st.UnknownParents != 1 || st.Joined != 0 {
+		t.Fatalf("stats %+v", st)
+	}
+	req := Hashes(nil, conv, 16, 0)
+	ix.Routed(0, req)
+	preciseStore(t, ix, 0, MediumGPU, eng[30:], eng[29], true, conv[480:], 0)
+	m := make([]int, 1)
+	ix.Match(req, MediumGPU, m)
+	st := ix.EndpointStats(0)
+	if m[0] != 40 || st.Orphans != 0 || st.Joined != 1 || ix.eps[0].synthetic != 9 {
+		t.Fatalf("matched %d, %+v, %d synthetic", m[0], st, ix.eps[0].synthetic)
+	}
+	// The joined orphans kept their engine keys: the engine's removals work.
+	ix.Removed(0, MediumGPU, eng[15:16])
+	ix.Match(req, MediumGPU, m)
+	if m[0] != 15 {
+		t.Fatalf("after removing block 15: %d", m[0])
+	}
+	checkPrecise(t, ix)
+	// A prompt that does not explain the event joins nothing.
+	ix2, _ := NewPreciseIndex(1, 16)
+	ix2.Routed(0, Hashes(nil, seq(16*40, 7), 16, 0))
+	preciseStore(t, ix2, 0, MediumGPU, eng[30:], eng[29], true, conv[480:], 0)
+	if st := ix2.EndpointStats(0); st.Joined != 0 || st.Orphans != 10 {
+		t.Fatalf("unrelated prompt joined: %+v", st)
+	}
+}
+
+// BenchmarkPreciseStored applies a step's BlockStored event (32 blocks,
+// chained from the previous step) to an endpoint of 100k held blocks at its
+// capacity, so that every event also evicts 32 blocks.
+func BenchmarkPreciseStored(b *testing.B) {
+	for _, bounded := range []bool{false, true} {
+		b.Run(fmt.Sprintf("bounded=%v", bounded), func(b *testing.B) {
+			ix, _ := NewPreciseIndex(1, 16)
+			if bounded {
+				ix.SetCapacity(0, 100_000)
+			}
+			toks := make([]uint32, 16*32)
+			var parent uint64
+			i := 0
+			store := func() {
+				for k := range toks {
+					toks[k] = uint32(i*16 + k)
+				}
+				eng := preciseEngineKeys(toks, uint64(i))
+				if err := ix.Stored(0, MediumGPU, eng, parent, i%1024 != 0, toks, 0); err != nil {
+					b.Fatal(err)
+				}
+				parent = eng[len(eng)-1]
+				i += 32
+			}
+			for i < 100_000 {
+				store()
+			}
+			b.ReportAllocs()
+			for b.Loop() {
+				store()
+			}
+		})
+	}
+}
+
+// FuzzPreciseIndex interprets its input as operations on a 2-endpoint
+// index with small capacities — stores (rooted, chained, from unknown
+// parents), removals, routed prompts, clears, capacity changes — and checks
+// the internal invariants after each. The seeds are the attack shapes: a
+// flood of stores far over capacity, orphan chains, joins.
+func FuzzPreciseIndex(f *testing.F) {
+	f.Add(seqBytes(0x00, 200))                  // a flood of rooted stores
+	f.Add(seqBytes(0x41, 200))                  // chained stores from unknown parents
+	f.Add([]byte{0x83, 0x41, 0x42, 0x43, 0x05}) // route, orphan events, join
+	f.Add([]byte{0xc2, 0x00, 0x01, 0x02, 0x60, 0xe0, 0x01})
+	toks := seq(16*8*8, 1)
+	docs := make([][]uint64, 8)
+	reqs := make([][]uint64, 8)
+	for d := range docs {
+		docs[d] = preciseEngineKeys(toks[16*8*d:16*8*(d+1)], 0)
+		reqs[d] = Hashes(nil, toks[16*8*d:16*8*(d+1)], 16, 0)
+	}
+	f.Fuzz(func(t *testing.T, ops []byte) {
+		ix, _ := NewPreciseIndex(2, 16)
+		ix.SetCapacity(0, 5)
+		ix.SetCapacity(1, 12)
+		for i, op := range ops {
+			e, d, from := int(op>>7), int(op>>3)&7, int(op&7)
+			switch {
+			case i%7 == 6:
+				ix.Removed(e, Medium(op&1), docs[d][from:min(8, from+2)])
+			case op&0x60 == 0x60 && i%5 == 4:
+				ix.Cleared(e)
+			case i%11 == 10:
+				ix.SetCapacity(e, int(op&15))
+			case op&0x80 != 0 && i%3 == 0:
+				ix.Routed(e, reqs[d])
+			default:
+				to := min(8, from+1+int(op>>6&1)*3)
+				var parent uint64
+				if from > 0 {
+					parent = docs[d][from-1]
+				}
+				if err := ix.Stored(e, MediumGPU, docs[d][from:to], parent, from > 0, toks[16*(8*d+from):16*(8*d+to)], 0); err != nil {
+					t.Fatal(err)
+				}
+			}
+			checkPrecise(t, ix)
+		}
+	})
+}
+
+func seqBytes(b byte, n int) []byte {
+	out := make([]byte, n)
+	for i := range out {
+		out[i] = b + byte(i)
+	}
+	return out
+}
