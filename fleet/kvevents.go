@@ -44,6 +44,11 @@ const (
 	KVBlockRemoved
 	// KVAllBlocksCleared: the engine's whole prefix cache was reset.
 	KVAllBlocksCleared
+	// KVTierBlocksCleared: the prefix cache of one tier (Medium; "GPU" when
+	// null) was reset, blocks in other tiers kept (vLLM with
+	// tier_scoped_clear_events, vllm/distributed/kv_events.py; Dynamo's
+	// kv-router decodes it the same way).
+	KVTierBlocksCleared
 )
 
 // String returns the vLLM class name.
@@ -55,6 +60,8 @@ func (t KVEventType) String() string {
 		return "BlockRemoved"
 	case KVAllBlocksCleared:
 		return "AllBlocksCleared"
+	case KVTierBlocksCleared:
+		return "TierBlocksCleared"
 	}
 	return fmt.Sprintf("KVEventType(%d)", uint8(t))
 }
@@ -109,6 +116,9 @@ var (
 		"lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
 		"kv_cache_spec_sliding_window"}
 	kvRemovedFields = [...]string{"block_hashes", "medium", "group_idx"}
+	// kvTierClearedFields are TierBlocksCleared's fields in array order
+	// (medium, then ownership, which the decoder skips).
+	kvTierClearedFields = [...]string{"medium"}
 )
 
 // DecodeKVEventBatch decodes one msgpack KVEventBatch payload as vLLM
@@ -424,6 +434,8 @@ func kvTag(s []byte) KVEventType {
 		return KVBlockRemoved
 	case "AllBlocksCleared":
 		return KVAllBlocksCleared
+	case "TierBlocksCleared":
+		return KVTierBlocksCleared
 	}
 	return 0
 }
@@ -457,6 +469,8 @@ func (kd *kvDecoder) event() (KVEvent, error) {
 			names = kvStoredFields[:]
 		case KVBlockRemoved:
 			names = kvRemovedFields[:]
+		case KVTierBlocksCleared:
+			names = kvTierClearedFields[:]
 		}
 		for i := range n - 1 {
 			if i < len(names) {
@@ -1263,6 +1277,9 @@ func (a *KVEventApplier) KVBatch(_ uint64, b *KVEventBatch) {
 			a.removed.Add(1)
 		case KVAllBlocksCleared:
 			a.ix.Cleared(a.e)
+			a.cleared.Add(1)
+		case KVTierBlocksCleared:
+			a.ix.ClearedMedium(a.e, a.medium(ev.Medium))
 			a.cleared.Add(1)
 		}
 	}

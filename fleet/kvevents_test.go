@@ -32,6 +32,7 @@ func TestDecodeKVEventBatchSimForms(t *testing.T) {
 		{Type: sim.KVBlockStored, BlockHashes: []uint64{9}, TokenIDs: []uint32{7, 8}, BlockSize: 2},
 		{Type: sim.KVBlockRemoved, BlockHashes: []uint64{5}},
 		{Type: sim.KVAllBlocksCleared},
+		{Type: sim.KVTierBlocksCleared},
 	}
 	want := KVEventBatch{TS: 1.5, DataParallelRank: 0, Events: []KVEvent{
 		{Type: KVBlockStored, BlockHashes: []uint64{1 << 63, 5}, HasParent: true, ParentBlockHash: 42,
@@ -39,6 +40,7 @@ func TestDecodeKVEventBatchSimForms(t *testing.T) {
 		{Type: KVBlockStored, BlockHashes: []uint64{9}, TokenIDs: []uint32{7, 8}, BlockSize: 2, Medium: "GPU", GroupIdx: 0},
 		{Type: KVBlockRemoved, BlockHashes: []uint64{5}, Medium: "GPU", GroupIdx: -1},
 		{Type: KVAllBlocksCleared, GroupIdx: -1},
+		{Type: KVTierBlocksCleared, Medium: "GPU", GroupIdx: -1},
 	}}
 	for _, enc := range []string{sim.KVEncodingArray, sim.KVEncodingMap} {
 		got, err := DecodeKVEventBatch(sim.AppendKVEventBatch(nil, 1.5, evs, 0, enc))
@@ -884,8 +886,13 @@ func TestKVEventApplierSkips(t *testing.T) {
 	if ix.Len(0, prefix.MediumOther) != 1 || ix.Len(0, prefix.MediumGPU) != 1 {
 		t.Fatalf("lens: other %d, GPU %d", ix.Len(0, prefix.MediumOther), ix.Len(0, prefix.MediumGPU))
 	}
-	a.KVBatch(1, &KVEventBatch{Events: []KVEvent{{Type: KVAllBlocksCleared}}})
-	if ix.Len(0, prefix.MediumOther) != 0 || a.Stats().Cleared != 1 {
+	// A GPU tier clear keeps the other tier; the full clear takes both.
+	a.KVBatch(1, &KVEventBatch{Events: []KVEvent{{Type: KVTierBlocksCleared, Medium: "GPU"}}})
+	if ix.Len(0, prefix.MediumOther) != 1 || ix.Len(0, prefix.MediumGPU) != 0 || a.Stats().Cleared != 1 {
+		t.Fatalf("after a GPU tier clear: other %d, GPU %d", ix.Len(0, prefix.MediumOther), ix.Len(0, prefix.MediumGPU))
+	}
+	a.KVBatch(2, &KVEventBatch{Events: []KVEvent{{Type: KVAllBlocksCleared}}})
+	if ix.Len(0, prefix.MediumOther) != 0 || a.Stats().Cleared != 2 {
 		t.Fatal("not cleared")
 	}
 }
@@ -923,3 +930,66 @@ func TestKVEventsResync(t *testing.T) {
 	p.Close()
 	kvNoLeak(t, before)
 }
+
+// TestKVEventsTierScopedClear: a publisher with vLLM's
+// tier_scoped_clear_events sends a prefix-cache reset as
+// TierBlocksCleared(medium="GPU") in a batch of its own, between the
+// batches of the events around it (three sequence numbers for one step),
+// and the subscriber's index drops the GPU blocks stored before it and keeps
+// those stored after.
+func TestKVEventsTierScopedClear(t *testing.T) {
+	p := kvPublisher(t, sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0",
+		Encoding: sim.KVEncodingMap, TierScopedClearEvents: true})
+	ix, _ := prefix.NewPreciseIndex(1, 16)
+	var mu sync.Mutex
+	var types [][]KVEventType
+	rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
+	h := kvHandlerFunc(func(seq uint64, b *KVEventBatch) {
+		mu.Lock()
+		var ts []KVEventType
+		for _, ev := range b.Events {
+			ts = append(ts, ev.Type)
+		}
+		types = append(types, ts)
+		mu.Unlock()
+		rec.KVBatch(seq, b)
+	}, rec)
+	a, b := kvTokens(1, 32), kvTokens(500, 32)
+	ha := prefix.Hashes(nil, a, 16, 7)
+	hb := prefix.Hashes(nil, b, 16, 7)
+	stored := func(hs []uint64, toks []uint32) sim.KVEvent {
+		return sim.KVEvent{Type: sim.KVBlockStored, BlockHashes: hs, TokenIDs: toks, BlockSize: 16}
+	}
+	p.publish(1, []sim.KVEvent{stored(ha, a), {Type: sim.KVAllBlocksCleared}, stored(hb, b)})
+	kvRun(t, KVEventSubscriberConfig{Endpoint: kvDialAddr(p.KVEventPublisher), ReplayEndpoint: "tcp://" + p.ReplayAddr().String()}, h)
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if last, ok := rec.last(); ok && last >= 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the three batches were not delivered")
+		}
+	}
+	mu.Lock()
+	got := fmt.Sprint(types)
+	mu.Unlock()
+	if want := fmt.Sprint([][]KVEventType{{KVBlockStored}, {KVTierBlocksCleared}, {KVBlockStored}}); got != want {
+		t.Fatalf("batches %s, want %s", got, want)
+	}
+	if kvMatch(ix, 0, a, "") != 0 || kvMatch(ix, 0, b, "") != 2 {
+		t.Fatalf("after the tier clear: a %d blocks, b %d blocks; want 0 and 2", kvMatch(ix, 0, a, ""), kvMatch(ix, 0, b, ""))
+	}
+}
+
+// kvHandlerFunc is a KVEventHandler whose batches go to f and resets to r.
+func kvHandlerFunc(f func(uint64, *KVEventBatch), r KVEventHandler) KVEventHandler {
+	return kvFuncHandler{f: f, r: r}
+}
+
+type kvFuncHandler struct {
+	f func(uint64, *KVEventBatch)
+	r KVEventHandler
+}
+
+func (h kvFuncHandler) KVBatch(seq uint64, b *KVEventBatch) { h.f(seq, b) }
+func (h kvFuncHandler) KVReset(why KVResetReason)           { h.r.KVReset(why) }

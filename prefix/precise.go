@@ -551,6 +551,43 @@ func (ix *PreciseIndex) Cleared(e int) {
 	ix.clears.Add(1)
 }
 
+// ClearedMedium records a TierBlocksCleared event of endpoint e (vLLM with
+// tier_scoped_clear_events, vllm/distributed/kv_events.py: a prefix-cache
+// reset that cleared only the GPU block pool): it holds nothing in medium
+// m, and keeps what it holds in other media. An out-of-range e or m is
+// ignored.
+func (ix *PreciseIndex) ClearedMedium(e int, m Medium) {
+	if ix.check(e, m) != nil {
+		return
+	}
+	ep := &ix.eps[e]
+	bit := uint64(1) << e
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	for h, ent := range ep.eng {
+		n := ent.n[m]
+		if n == 0 {
+			continue
+		}
+		ent.n[m] = 0
+		if ent.n == (engCounts{}) {
+			ix.forgetEngineKey(ep, h, ent)
+		} else {
+			ep.eng[h] = ent
+		}
+		ix.release(ep, bit, m, ent.req, uint16(n))
+	}
+	for h, o := range ep.orphans {
+		if n := o.n[m]; n > 0 {
+			ep.orphansDropped.Add(uint64(n))
+			for ; n > 0; n-- {
+				ep.removeOrphan(m, h)
+			}
+		}
+	}
+	ix.clears.Add(1)
+}
+
 // Forget drops everything known about endpoint e, for example when its event
 // stream lost batches or its engine restarted: forgetting is safe, believing
 // stale state is not. It is Cleared under another name (the prompts routed

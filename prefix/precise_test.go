@@ -232,6 +232,46 @@ func TestPreciseMediaSeparate(t *testing.T) {
 	}
 }
 
+// TestPreciseClearedMedium: a TierBlocksCleared of the GPU tier forgets the
+// endpoint's GPU blocks (orphans too) and keeps its CPU copies and the other
+// endpoints' blocks; later events chain again.
+func TestPreciseClearedMedium(t *testing.T) {
+	ix, _ := NewPreciseIndex(2, 16)
+	toks := seq(16*4, 1)
+	eng := preciseEngineKeys(toks, 0)
+	req := Hashes(nil, toks, 16, 0)
+	preciseStore(t, ix, 0, MediumGPU, eng, 0, false, toks, 0)
+	preciseStore(t, ix, 0, MediumCPU, eng[:2], 0, false, toks[:32], 0)
+	preciseStore(t, ix, 1, MediumGPU, eng[:3], 0, false, toks[:48], 0)
+	other := seq(16*2, 5000)
+	otherEng := preciseEngineKeys(other, 0)
+	preciseStore(t, ix, 0, MediumGPU, otherEng[1:], 0xdead, true, other[16:], 0) // an orphan
+	if st := ix.EndpointStats(0); st.Orphans != 1 {
+		t.Fatalf("orphans before the tier clear: %+v", st)
+	}
+	ix.ClearedMedium(0, MediumGPU)
+	m := make([]int, 2)
+	if ix.Match(req, MediumGPU, m); fmt.Sprint(m) != "[0 3]" {
+		t.Fatalf("GPU after the tier clear: %v, want [0 3]", m)
+	}
+	if ix.Match(req, MediumCPU, m); fmt.Sprint(m) != "[2 0]" {
+		t.Fatalf("CPU after the GPU tier clear: %v, want [2 0]", m)
+	}
+	if n := ix.Len(0, MediumGPU); n != 0 {
+		t.Fatalf("endpoint 0 still holds %d GPU blocks", n)
+	}
+	if st := ix.EndpointStats(0); st.Orphans != 0 {
+		t.Fatalf("orphans after the tier clear: %+v", st)
+	}
+	preciseStore(t, ix, 0, MediumGPU, eng[:2], 0, false, toks[:32], 0)
+	preciseStore(t, ix, 0, MediumGPU, eng[2:], eng[1], true, toks[32:], 0)
+	if ix.Match(req, MediumGPU, m); m[0] != 4 {
+		t.Fatalf("GPU after storing again: %v", m)
+	}
+	ix.ClearedMedium(5, MediumGPU) // out of range: ignored
+	ix.ClearedMedium(0, Medium(NumMedia))
+}
+
 func TestPreciseBadConstruction(t *testing.T) {
 	if _, err := NewPreciseIndex(65, 16); err == nil {
 		t.Fatal("65 endpoints accepted")

@@ -28,7 +28,7 @@ func StartFleet(n int, cfg ServerConfig) (*Fleet, error) {
 		return nil, fmt.Errorf("sim: fleet size must be >= 1, got %d", n)
 	}
 	f := &Fleet{}
-	if cfg.KVEvents.Enable && cfg.KVEvents.Endpoint == "" {
+	if cfg.KVEvents.Publishes() && cfg.KVEvents.Endpoint == "" {
 		// Each engine publishes on its own loopback port, with replay.
 		cfg.KVEvents.Endpoint, cfg.KVEvents.ReplayEndpoint, cfg.KVEvents.Bind = "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", true
 	}

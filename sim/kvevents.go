@@ -40,6 +40,10 @@ const (
 	KVBlockRemoved
 	// KVAllBlocksCleared: the whole prefix cache was reset.
 	KVAllBlocksCleared
+	// KVTierBlocksCleared: the prefix cache of one tier (Medium, "GPU" for
+	// the simulator) was reset. Published in place of AllBlocksCleared with
+	// KVEventsConfig.TierScopedClearEvents, as vLLM does.
+	KVTierBlocksCleared
 )
 
 // String returns the vLLM class name: "BlockStored", "BlockRemoved" or "AllBlocksCleared".
@@ -51,6 +55,8 @@ func (t KVEventType) String() string {
 		return "BlockRemoved"
 	case KVAllBlocksCleared:
 		return "AllBlocksCleared"
+	case KVTierBlocksCleared:
+		return "TierBlocksCleared"
 	}
 	return "KVEventType(?)"
 }
@@ -243,6 +249,7 @@ const (
 //	                 kv_cache_spec_sliding_window (null: the default, omitted)
 //	BlockRemoved     block_hashes, medium ("GPU"), group_idx (null: omitted)
 //	AllBlocksCleared (no fields)
+//	TierBlocksCleared medium ("GPU"); ownership (null: the default, omitted)
 //
 // Fields without a default (up to lora_name, and BlockRemoved.medium) are
 // always written, null included. Integers use the shortest msgpack form, as
@@ -272,6 +279,8 @@ func appendKVEvent(dst []byte, ev *KVEvent, asMap bool) []byte {
 		n = 11
 	case KVBlockRemoved:
 		n = 3
+	case KVTierBlocksCleared:
+		n = 2
 	}
 	if asMap {
 		dst = mpMap(dst, n)
@@ -330,6 +339,9 @@ func appendKVEvent(dst []byte, ev *KVEvent, asMap bool) []byte {
 	case KVBlockRemoved:
 		dst = field(dst, "block_hashes")
 		dst = mpUints(dst, ev.BlockHashes)
+		dst = field(dst, "medium")
+		dst = mpStr(dst, KVMediumGPU)
+	case KVTierBlocksCleared:
 		dst = field(dst, "medium")
 		dst = mpStr(dst, KVMediumGPU)
 	}
@@ -432,11 +444,16 @@ const (
 )
 
 // KVEventsConfig configures the KV-event publisher of a Server. It mirrors
-// vLLM's --kv-events-config JSON (same field names), plus Encoding. Zero
-// fields take defaults.
+// vLLM's --kv-events-config JSON, every field of KVEventsConfig in
+// vllm/config/kv_events.py (newest read: with tier_scoped_clear_events),
+// plus Encoding and Bind. Zero fields take defaults.
 type KVEventsConfig struct {
-	// Enable turns the publisher on (vLLM enable_kv_cache_events).
+	// Enable turns KV-cache events on (vLLM enable_kv_cache_events).
 	Enable bool `yaml:"enable_kv_cache_events" json:"enable_kv_cache_events"`
+	// Publisher is vLLM's publisher kind: "zmq", or "null" (events are
+	// recorded but published nowhere). "" is vLLM's default: "zmq" when
+	// Enable is set, else "null". Events are published when Publishes().
+	Publisher string `yaml:"publisher" json:"publisher"`
 	// Endpoint is the PUB socket address (default "tcp://*:5557"). Like vLLM,
 	// the socket binds when the address contains "*" or "::" or starts with
 	// ipc:// or inproc://, and connects otherwise (a router that binds a SUB
@@ -459,6 +476,13 @@ type KVEventsConfig struct {
 	// Topic is the first frame of every message (default ""); llm-d uses
 	// "kv@<pod>@<model>".
 	Topic string `yaml:"topic" json:"topic"`
+	// TierScopedClearEvents publishes a prefix-cache reset as
+	// TierBlocksCleared(medium="GPU"), in a batch of its own, instead of
+	// AllBlocksCleared (vLLM tier_scoped_clear_events: the reset cleared
+	// only the GPU block pool; the simulator has no other tier, and vLLM
+	// with no KV connector attached publishes the same). Subscribers must
+	// decode the tag (fleet does).
+	TierScopedClearEvents bool `yaml:"tier_scoped_clear_events" json:"tier_scoped_clear_events"`
 	// Encoding is the event encoding: "map" (default; vLLM after PR #42892)
 	// or "array" (before). Not a vLLM option.
 	Encoding string `yaml:"encoding" json:"encoding"`
@@ -468,8 +492,25 @@ type KVEventsConfig struct {
 	Bind bool `yaml:"bind" json:"bind"`
 }
 
+// Publishes reports whether events are published: Enable, and Publisher
+// "zmq" or unset (vLLM's EventPublisherFactory: a "null" publisher, or
+// events off, publishes nothing).
+func (c KVEventsConfig) Publishes() bool { return c.Enable && c.Publisher != KVPublisherNull }
+
+// Publisher kinds of KVEventsConfig.Publisher (vLLM's Literal["null", "zmq"]).
+const (
+	KVPublisherZMQ  = "zmq"
+	KVPublisherNull = "null"
+)
+
 // WithDefaults returns c with zero fields replaced by their defaults.
 func (c KVEventsConfig) WithDefaults() KVEventsConfig {
+	if c.Publisher == "" {
+		c.Publisher = KVPublisherNull
+		if c.Enable {
+			c.Publisher = KVPublisherZMQ
+		}
+	}
 	if c.Endpoint == "" {
 		c.Endpoint = DefaultKVEventsEndpoint
 	}
@@ -500,6 +541,9 @@ func (c KVEventsConfig) Validate() error {
 		case scheme != "tcp" && scheme != "ipc" && scheme != "inproc":
 			errs = append(errs, fmt.Errorf("kv events %s %q: unsupported transport %q", name, ep, scheme))
 		}
+	}
+	if c.Publisher != KVPublisherZMQ && c.Publisher != KVPublisherNull {
+		errs = append(errs, fmt.Errorf("kv events publisher must be %q or %q, got %q", KVPublisherZMQ, KVPublisherNull, c.Publisher))
 	}
 	checkEP("endpoint", c.Endpoint)
 	if c.ReplayEndpoint != "" {
@@ -670,7 +714,34 @@ func (p *KVEventPublisher) Publish(ts float64, events []KVEvent) bool {
 	if len(events) == 0 {
 		return true
 	}
+	if p.cfg.TierScopedClearEvents {
+		return p.publishTierScoped(ts, events)
+	}
 	return p.enqueue(p.encode(ts, events))
+}
+
+// publishTierScoped publishes events with every AllBlocksCleared as a
+// TierBlocksCleared(medium="GPU") in a batch of its own, the events around
+// it in batches before and after, in order (vLLM's
+// isolate_tier_clear_batches: a subscriber that cannot decode the tag then
+// loses only that batch).
+func (p *KVEventPublisher) publishTierScoped(ts float64, events []KVEvent) bool {
+	ok := true
+	start := 0
+	for i := range events {
+		if events[i].Type != KVAllBlocksCleared {
+			continue
+		}
+		if i > start {
+			ok = p.enqueue(p.encode(ts, events[start:i])) && ok
+		}
+		ok = p.enqueue(p.encode(ts, []KVEvent{{Type: KVTierBlocksCleared}})) && ok
+		start = i + 1
+	}
+	if start < len(events) {
+		ok = p.enqueue(p.encode(ts, events[start:])) && ok
+	}
+	return ok
 }
 
 // encode returns the payload of one batch (data parallel rank 0).

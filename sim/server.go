@@ -71,7 +71,7 @@ type Server struct {
 	submit    chan *call
 	cancel    chan *call
 	control   chan *engineCall
-	kvpub     *KVEventPublisher // nil unless KVEvents.Enable
+	kvpub     *KVEventPublisher // nil unless KVEvents.Publishes()
 	quit      chan struct{}
 	done      chan struct{}
 	startOnce sync.Once
@@ -100,7 +100,7 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 	if err := cfg.Engine.Validate(); err != nil {
 		return nil, fmt.Errorf("sim: %w", err)
 	}
-	if cfg.KVEvents.Enable {
+	if cfg.KVEvents.Publishes() {
 		if err := cfg.KVEvents.Validate(); err != nil {
 			return nil, fmt.Errorf("sim: %w", err)
 		}
@@ -150,7 +150,7 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 	mux.HandleFunc("GET /health", s.handleHealth)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{}))
 	s.handler = mux
-	if cfg.KVEvents.Enable {
+	if cfg.KVEvents.Publishes() {
 		kc := cfg.KVEvents
 		kc.Endpoint = offsetEndpointPort(kc.WithDefaults().Endpoint, index)
 		kc.ReplayEndpoint = offsetEndpointPort(kc.ReplayEndpoint, index)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 
@@ -87,6 +88,14 @@ func parseKVEvents(s string) (sim.KVEventsConfig, error) {
 	d := json.NewDecoder(strings.NewReader(s))
 	d.DisallowUnknownFields()
 	if err := d.Decode(&c); err != nil {
+		return c, fmt.Errorf("--kv-events-config: %w", err)
+	}
+	if d.More() {
+		return c, errors.New("--kv-events-config: data after the JSON object")
+	}
+	// vLLM's pydantic config refuses a bad field whether or not events are
+	// enabled; so does this.
+	if err := c.Validate(); err != nil {
 		return c, fmt.Errorf("--kv-events-config: %w", err)
 	}
 	return c, nil

@@ -49,6 +49,6 @@ latency model of the chosen model-and-GPU profile.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&listen, "listen", "127.0.0.1:8001", "address to serve on")
-	ef.register(f, true, `vLLM's --kv-events-config JSON, e.g. '{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557"}' (plus "encoding": "array"|"map")`)
+	ef.register(f, true, `vLLM's --kv-events-config JSON, all of its fields, e.g. '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}' (plus "encoding": "array"|"map")`)
 	return cmd
 }
