@@ -188,14 +188,18 @@ func (ep *endpoint) outlierSuccess() {
 	if ep.outlier.consecutive.Load() != 0 {
 		ep.outlier.consecutive.Store(0)
 	}
+	if ep.authFailing.Load() {
+		ep.authFailing.Store(false)
+	}
 }
 
 // outlierFailure records a failure of kind reason at now and ejects the
-// endpoint when it is a refused connection or the consecutive-error
-// threshold is reached. It reports whether this call ejected it.
+// endpoint when it is a refused connection or credentials (reasonAuth:
+// every request would fail alike) or the consecutive-error threshold is
+// reached. It reports whether this call ejected it.
 func (g *Gateway) outlierFailure(ep *endpoint, reason string, now time.Time) bool {
 	n := ep.outlier.consecutive.Add(1)
-	if reason != reasonConnect && n < int64(g.cfg.Outlier.ConsecutiveErrors) {
+	if reason != reasonConnect && reason != reasonAuth && n < int64(g.cfg.Outlier.ConsecutiveErrors) {
 		return false
 	}
 	return g.ejectOutlier(ep, reason, now)
