@@ -63,7 +63,8 @@ func (c RetryConfig) withDefaults() RetryConfig {
 }
 
 // OutlierConfig configures passive outlier detection. A connection refused
-// ejects an endpoint at once (the engine is gone); ConsecutiveErrors other
+// ejects an endpoint at once (the engine is gone), and so does a 401/403
+// (the engine refuses the gateway's credentials); ConsecutiveErrors other
 // failures in a row (5xx, connection lost, response timeout, a stream that
 // failed) eject it too. An ejection lasts eject_duration × 2^(n−1) for the
 // n-th ejection in a row, at most MaxEjectionTime; n starts again once the
