@@ -406,7 +406,7 @@ func (c Config) Validate() error {
 				bad("%s.metrics_url: %w", at, err)
 			}
 		}
-		if _, err := endpointHeader(e, lookupEnv); err != nil {
+		if _, err := endpointHeader(e, os.LookupEnv); err != nil {
 			bad("%s: %w", at, err)
 		}
 		if kv := e.KVEvents; kv != nil {

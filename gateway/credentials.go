@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"net/http"
 	"net/textproto"
-	"os"
 	"strings"
 	"time"
 
@@ -267,10 +266,6 @@ func sameCredentials(a, b EndpointConfig) bool {
 	}
 	return true
 }
-
-// lookupEnv reads the environment variables api_key_env names (a variable
-// so that a test can stand in for the environment).
-var lookupEnv = os.LookupEnv
 
 // addHeader sets the endpoint's configured headers on h (an upstream
 // request's), replacing any the client sent under the same names. The

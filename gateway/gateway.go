@@ -19,6 +19,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -198,7 +199,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	for _, ec := range cfg.Endpoints {
 		base, _ := normalizeURL(ec.URL) // validated
 		if byURL[base] == nil {
-			hdr, err := endpointHeader(ec, lookupEnv) // validated; the environment is read again here
+			hdr, err := endpointHeader(ec, os.LookupEnv) // validated; the environment is read again here
 			if err != nil {
 				g.transport.CloseIdleConnections()
 				return nil, fmt.Errorf("endpoint %s: %w", base, err)
