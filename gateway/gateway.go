@@ -56,12 +56,13 @@ type Gateway struct {
 	metrics   *metrics
 	unknown   *routeMetrics // model "unknown", no endpoint
 	res       *resilienceMetrics
-	// engineAuthFailures counts engines' refusals of the gateway's credentials
-	// (credentials.go).
-	engineAuthFailures *prometheus.CounterVec
-	hold               *holdBudget // bytes of non-streaming answers held (hold.go)
+	hold      *holdBudget // bytes of non-streaming answers held (hold.go)
 
 	edge // API keys, TLS, trusted proxies (limits.go)
+
+	// engineAuthFailures counts engines' refusals of the gateway's
+	// credentials (credentials.go).
+	engineAuthFailures *prometheus.CounterVec
 
 	handler        http.Handler
 	metricsHandler http.Handler
