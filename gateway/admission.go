@@ -345,13 +345,13 @@ type resilienceMetrics struct {
 func newResilienceMetrics(reg prometheus.Registerer, g *Gateway) (*resilienceMetrics, error) {
 	m := &resilienceMetrics{
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "retries_total",
-			Help: "Requests resent to another endpoint, by model, the endpoint that failed and the failure (connect_failure, connection_lost, 5xx, timeout, error_event, bad_response)."},
+			Help: "Requests resent to another endpoint, by model, the endpoint that failed and the failure (connect_failure, connection_lost, 5xx, timeout, error_event, bad_response, auth)."},
 			[]string{"model", "endpoint", "reason"}),
 		retriesDenied: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "retries_denied_total",
 			Help: "Retryable failures answered without a retry: the retry budget was spent (budget) or no other endpoint could take the request (no_endpoint)."},
 			[]string{"model", "reason"}),
 		ejections: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "endpoint_ejections_total",
-			Help: "Passive ejections of an endpoint by the failure that triggered them (connect_failure at once; others after outlier.consecutive_errors in a row)."},
+			Help: "Passive ejections of an endpoint by the failure that triggered them (connect_failure and auth at once; others after outlier.consecutive_errors in a row)."},
 			[]string{"endpoint", "reason"}),
 		rejections: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "admission_rejections_total",
 			Help: "Requests refused by admission control, by model and reason: 429 queue_full, queue_timeout, displaced (a queued request that made room for one of higher priority); 503 shutdown (queued, or arriving, when the gateway began shutting down)."},

@@ -77,13 +77,22 @@ func BenchmarkRequestPath(b *testing.B) {
 		{"chat/precise-prefix", sched.PrecisePrefix, pathChat, chat, false, ""},
 		{"chat-stream-16-events/prefix", sched.Prefix, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, ""},
 		{"chat-stream-16-events/round-robin", sched.RoundRobin, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, ""},
+		// Each endpoint with an api_key and two headers (credentials.go).
+		{"chat/round-robin/credentials", sched.RoundRobin, pathChat, chat, false, ""},
 	}
 	for _, tc := range cases {
 		b.Run(tc.name, func(b *testing.B) {
 			cfg := testConfig(tc.policy)
-			cfg.HealthCheckPath = healthCheckOff
+			// Nothing is sent to the endpoints' addresses (never dialled:
+			// no probe, no scrape, no start-up read).
+			cfg.HealthCheckPath, cfg.ScrapeInterval = healthCheckOff, -1
 			for i := range 4 {
-				cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: "http://10.0.0." + string(rune('1'+i)) + ":8000", Model: "m", KVBlocks: 100000})
+				cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: "http://10.0.0." + string(rune('1'+i)) + ":8000", Model: "m",
+					KVBlocks: 100000, MaxModelLen: DefaultMaxModelLen})
+				if strings.HasSuffix(tc.name, "/credentials") {
+					cfg.Endpoints[i].APIKey = "sk-bench-0123456789abcdef"
+					cfg.Endpoints[i].Headers = map[string]Secret{"OpenAI-Organization": "org-bench", "OpenAI-Project": "proj-bench"}
+				}
 				if tc.policy == sched.PrecisePrefix {
 					// A publisher nobody listens on: the subscriber backs
 					// off; the request path runs against the empty index.

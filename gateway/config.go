@@ -202,6 +202,26 @@ type EndpointConfig struct {
 	// --kv-events-config publisher, docs/PROTOCOLS.md §1), which feed the
 	// precise prefix index. nil: no subscription.
 	KVEvents *KVEventsConfig `yaml:"kv_events"`
+
+	// APIKey is the gateway's own credential for the engine (vLLM's
+	// --api-key, a hosted OpenAI-compatible backend's key), sent with every
+	// request the gateway makes to it: inference, health probes, metrics
+	// scrapes and the start-up reads. It goes in APIKeyHeader. Inline keys
+	// end up in files and backups: prefer APIKeyEnv. Never shown (Secret).
+	APIKey Secret `yaml:"api_key"`
+	// APIKeyEnv names the environment variable holding the key, read at
+	// start (unset or empty: New fails). Exclusive with APIKey.
+	APIKeyEnv string `yaml:"api_key_env"`
+	// APIKeyHeader is the request header that carries the key: default
+	// "Authorization", sent as "Bearer <key>"; any other name (Azure
+	// OpenAI's "api-key", "x-api-key") carries the key as it is.
+	APIKeyHeader string `yaml:"api_key_header"`
+	// Headers are extra request headers sent to the engine with every
+	// request (e.g. OpenAI-Organization, OpenAI-Project), replacing a
+	// client's header of the same name. Hop-by-hop, framing and the
+	// gateway's own headers are refused (credentials.go,
+	// refusedEndpointHeader). Values are never shown (Secret).
+	Headers map[string]Secret `yaml:"headers"`
 }
 
 // KVEventsConfig locates an engine's KV-event publisher.
@@ -356,6 +376,7 @@ func (c Config) Validate() error {
 	}
 	type shape struct{ kvBlocks, blockSize int }
 	byURL := map[string]shape{}
+	firstOf := map[string]EndpointConfig{} // the first entry of each URL
 	seen := map[[2]string]bool{}
 	perModel := map[string]int{}
 	for i, e := range c.Endpoints {
@@ -384,6 +405,9 @@ func (c Config) Validate() error {
 			if _, err := normalizeURL(e.MetricsURL); err != nil {
 				bad("%s.metrics_url: %w", at, err)
 			}
+		}
+		if _, err := endpointHeader(e, os.LookupEnv); err != nil {
+			bad("%s: %w", at, err)
 		}
 		if kv := e.KVEvents; kv != nil {
 			for _, a := range []struct{ key, v string }{{"endpoint", kv.Endpoint}, {"replay_endpoint", kv.ReplayEndpoint}} {
@@ -415,6 +439,11 @@ func (c Config) Validate() error {
 			bad("%s: endpoint %s is listed again with different kv_blocks/block_size", at, base)
 		}
 		byURL[base] = s
+		if first, ok := firstOf[base]; !ok {
+			firstOf[base] = e
+		} else if !sameCredentials(first, e) {
+			bad("%s: endpoint %s is listed again with different api_key, api_key_env, api_key_header or headers", at, base)
+		}
 	}
 	if c.Routing.Policy != sched.RoundRobin && c.Routing.Policy != sched.LeastRequest && c.Routing.Policy != sched.Random {
 		for m, n := range perModel {

@@ -3,6 +3,7 @@ package gateway
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"github.com/infergate/infergate/fleet"
 	"io"
@@ -36,6 +37,14 @@ type endpoint struct {
 	metricsURL string // "" when the kind has no metrics page
 	scrapeIdx  int    // index in the gateway's scraper, -1 when not scraped
 	kvEvents   *KVEventsConfig
+	// header is what the gateway adds to every request it sends the
+	// engine: its credentials and configured headers (endpointHeader;
+	// read-only, values shared; nil when none).
+	header http.Header
+	// authFailing is set by the engine's first refusal of the gateway's
+	// credentials and cleared by a request that succeeds, so a wrong key
+	// is logged once per run of refusals.
+	authFailing atomic.Bool
 
 	// ready is true while the endpoint is healthy and not ejected.
 	ready atomic.Bool
@@ -151,19 +160,23 @@ func isHex(c byte) bool {
 // probe takes it out of rotation, a successful one restores it unless an
 // ejection is still running. path healthCheckOff skips the probe.
 func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
-	ok := true
+	var err error
 	if ep.healthPath != healthCheckOff {
-		ok = g.probe(ctx, ep) == nil
+		err = g.probe(ctx, ep)
 	}
+	ok := err == nil
 	if ctx.Err() != nil {
 		return // shutting down: leave the state as it was
+	}
+	if st := authStatus(0); errors.As(err, &st) && g.engineAuthFailures != nil {
+		g.engineAuthFailures.WithLabelValues(ep.name, authSourceHealth).Inc()
 	}
 	if ok && time.Now().UnixNano() < ep.ejectedUntil.Load() {
 		return
 	}
 	switch was := ep.setReady(ok); {
 	case !ok && !ep.wentDown.Swap(true):
-		slog.Warn("gateway: endpoint failed its health check; out of rotation", "endpoint", ep.name, "path", ep.healthPath)
+		slog.Warn("gateway: endpoint failed its health check; out of rotation", "endpoint", ep.name, "path", ep.healthPath, "err", err)
 	case !was && ok && ep.wentDown.Swap(false):
 		slog.Info("gateway: endpoint healthy again; back in rotation", "endpoint", ep.name)
 	}
@@ -177,12 +190,16 @@ func (g *Gateway) probe(ctx context.Context, ep *endpoint) error {
 	if err != nil {
 		return fmt.Errorf("health check %s: %w", ep.name, err)
 	}
+	ep.addHeader(req.Header)
 	resp, err := g.transport.RoundTrip(req)
 	if err != nil {
 		return fmt.Errorf("health check %s: %w", ep.name, err)
 	}
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // keep the connection reusable
 	_ = resp.Body.Close()
+	if isAuthRefusal(resp.StatusCode) {
+		return fmt.Errorf("health check %s: %w", ep.name, authStatus(resp.StatusCode))
+	}
 	if resp.StatusCode/100 != 2 {
 		return fmt.Errorf("health check %s: status %d", ep.name, resp.StatusCode)
 	}
@@ -212,18 +229,23 @@ type cacheConfig struct {
 
 // fetchCacheConfig reads vllm:cache_config_info{num_gpu_blocks,block_size}
 // from the endpoint's /metrics.
-func (g *Gateway) fetchCacheConfig(ctx context.Context, base string) (cacheConfig, error) {
+func (g *Gateway) fetchCacheConfig(ctx context.Context, ep *endpoint) (cacheConfig, error) {
 	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
 	defer cancel()
+	base := ep.base
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/metrics", nil)
 	if err != nil {
 		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)
 	}
+	ep.addHeader(req.Header)
 	resp, err := g.transport.RoundTrip(req)
 	if err != nil {
 		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)
 	}
 	defer resp.Body.Close()
+	if isAuthRefusal(resp.StatusCode) {
+		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, authStatus(resp.StatusCode))
+	}
 	if resp.StatusCode != http.StatusOK {
 		return cacheConfig{}, fmt.Errorf("read %s/metrics: status %d", base, resp.StatusCode)
 	}

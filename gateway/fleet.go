@@ -25,7 +25,7 @@ func (g *Gateway) newScraper() error {
 			continue
 		}
 		ep.scrapeIdx = len(eps)
-		eps = append(eps, fleet.Endpoint{URL: ep.base, Kind: ep.kind, MetricsURL: ep.metricsURL})
+		eps = append(eps, fleet.Endpoint{URL: ep.base, Kind: ep.kind, MetricsURL: ep.metricsURL, Header: ep.header})
 	}
 	if len(eps) == 0 {
 		return nil

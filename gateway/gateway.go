@@ -12,12 +12,14 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"github.com/infergate/infergate/fleet"
 	"math"
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -57,6 +59,10 @@ type Gateway struct {
 	hold      *holdBudget // bytes of non-streaming answers held (hold.go)
 
 	edge // API keys, TLS, trusted proxies (limits.go)
+
+	// engineAuthFailures counts engines' refusals of the gateway's
+	// credentials (credentials.go).
+	engineAuthFailures *prometheus.CounterVec
 
 	handler        http.Handler
 	metricsHandler http.Handler
@@ -194,8 +200,13 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	for _, ec := range cfg.Endpoints {
 		base, _ := normalizeURL(ec.URL) // validated
 		if byURL[base] == nil {
+			hdr, err := endpointHeader(ec, os.LookupEnv) // validated; the environment is read again here
+			if err != nil {
+				g.transport.CloseIdleConnections()
+				return nil, fmt.Errorf("endpoint %s: %w", base, err)
+			}
 			ep := &endpoint{name: base, base: base, kvBlocks: ec.KVBlocks, blockSize: ec.BlockSize, maxModelLen: ec.MaxModelLen,
-				kind: ec.Kind, healthPath: cfg.HealthCheckPath, scrapeIdx: -1, kvEvents: ec.KVEvents}
+				kind: ec.Kind, healthPath: cfg.HealthCheckPath, scrapeIdx: -1, kvEvents: ec.KVEvents, header: hdr}
 			if ep.healthPath == "" {
 				ep.healthPath = ec.Kind.Info().HealthPath
 			}
@@ -218,7 +229,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 			byURL[base].maxModelLen = max(byURL[base].maxModelLen, ec.MaxModelLen)
 		}
 	}
-	g.discover()
+	refused := g.discover()
 	if err := g.newScraper(); err != nil {
 		g.transport.CloseIdleConnections()
 		return nil, err
@@ -294,6 +305,11 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		g.transport.CloseIdleConnections()
 		return nil, err
 	}
+	if g.engineAuthFailures, err = newAuthFailures(reg); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
+	}
+	g.ejectRefused(refused, time.Now())
 	if err := g.initHold(reg); err != nil {
 		g.transport.CloseIdleConnections()
 		return nil, err
@@ -344,28 +360,47 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 // discover fills in the KV capacity of endpoints configured with kv_blocks 0
 // from their vllm:cache_config_info, and the context length of those with
 // max_model_len 0 from their GET /v1/models, and probes every endpoint once,
-// all concurrently, within HealthCheckTimeout each.
-func (g *Gateway) discover() {
+// all concurrently, within HealthCheckTimeout each. It returns the
+// endpoints that refused the gateway's credentials (401/403) on one of
+// those reads, with the status (ejectRefused).
+func (g *Gateway) discover() map[*endpoint]int {
 	ctx := context.Background()
-	var wg sync.WaitGroup
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		refused = map[*endpoint]int{}
+	)
 	for _, ep := range g.endpoints {
 		wg.Go(func() {
+			note := func(err error) {
+				var st authStatus
+				if errors.As(err, &st) {
+					mu.Lock()
+					refused[ep] = int(st)
+					mu.Unlock()
+				}
+			}
 			if ep.kvBlocks == 0 {
 				ep.kvBlocks = DefaultKVBlocks
-				if cc, err := g.fetchCacheConfig(ctx, ep.base); err == nil {
+				cc, err := g.fetchCacheConfig(ctx, ep)
+				if err == nil {
 					ep.kvBlocks, ep.blockSize = cc.numGPUBlocks, cc.blockSize
 				}
+				note(err)
 			}
 			if ep.maxModelLen == 0 {
 				ep.maxModelLen = DefaultMaxModelLen
-				if n, err := g.fetchMaxModelLen(ctx, ep.base); err == nil {
+				n, err := g.fetchMaxModelLen(ctx, ep)
+				if err == nil {
 					ep.maxModelLen = n
 				}
+				note(err)
 			}
 			g.checkHealth(ctx, ep)
 		})
 	}
 	wg.Wait()
+	return refused
 }
 
 // newTransport returns the one upstream transport: many concurrent streams

@@ -63,7 +63,8 @@ func (c RetryConfig) withDefaults() RetryConfig {
 }
 
 // OutlierConfig configures passive outlier detection. A connection refused
-// ejects an endpoint at once (the engine is gone); ConsecutiveErrors other
+// ejects an endpoint at once (the engine is gone), and so does a 401/403
+// (the engine refuses the gateway's credentials); ConsecutiveErrors other
 // failures in a row (5xx, connection lost, response timeout, a stream that
 // failed) eject it too. An ejection lasts eject_duration × 2^(n−1) for the
 // n-th ejection in a row, at most MaxEjectionTime; n starts again once the
@@ -188,14 +189,18 @@ func (ep *endpoint) outlierSuccess() {
 	if ep.outlier.consecutive.Load() != 0 {
 		ep.outlier.consecutive.Store(0)
 	}
+	if ep.authFailing.Load() {
+		ep.authFailing.Store(false)
+	}
 }
 
 // outlierFailure records a failure of kind reason at now and ejects the
-// endpoint when it is a refused connection or the consecutive-error
-// threshold is reached. It reports whether this call ejected it.
+// endpoint when it is a refused connection or credentials (reasonAuth:
+// every request would fail alike) or the consecutive-error threshold is
+// reached. It reports whether this call ejected it.
 func (g *Gateway) outlierFailure(ep *endpoint, reason string, now time.Time) bool {
 	n := ep.outlier.consecutive.Add(1)
-	if reason != reasonConnect && n < int64(g.cfg.Outlier.ConsecutiveErrors) {
+	if reason != reasonConnect && reason != reasonAuth && n < int64(g.cfg.Outlier.ConsecutiveErrors) {
 		return false
 	}
 	return g.ejectOutlier(ep, reason, now)

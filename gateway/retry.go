@@ -218,6 +218,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	req.URL = ep.url(kind, r.URL.RawQuery)
 	req.Host = req.URL.Host
 	x.upHeader = upstreamHeader(x.upHeader, r.Header, x.requestIDValue(reqID), r.RemoteAddr)
+	ep.addHeader(x.upHeader) // the endpoint's credentials and headers (credentials.go)
 	req.Header = x.upHeader
 
 	// A stream's first output is due within first_event_timeout of the
@@ -257,6 +258,9 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	if resp.StatusCode >= 500 {
 		g.outlierFailure(ep, reason5xx, time.Now())
 		return g.serverError(resp, x, rm)
+	}
+	if isAuthRefusal(resp.StatusCode) { // the gateway's credentials, not the client's
+		return g.authRefused(ep, rm, resp, reqID)
 	}
 	var (
 		f    *failure

@@ -45,6 +45,10 @@ type ServerConfig struct {
 	// KVEvents configures the vLLM KV-cache event publisher (off by default);
 	// see kvevents.go and README "KV events".
 	KVEvents KVEventsConfig `yaml:"kv_events"`
+	// APIKeys, when not empty, guard every /v1 path as vLLM's --api-key
+	// does (auth.go): "Authorization: Bearer <one of them>" or 401
+	// {"error":"Unauthorized"}; /health and /metrics stay open.
+	APIKeys []string `yaml:"api_keys"`
 }
 
 // Server is a vLLM-compatible OpenAI HTTP front over a simulated Engine.
@@ -149,7 +153,7 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 	mux.HandleFunc("GET /v1/models", s.handleModels)
 	mux.HandleFunc("GET /health", s.handleHealth)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{}))
-	s.handler = mux
+	s.handler = withAPIKeys(mux, cfg.APIKeys)
 	if cfg.KVEvents.Publishes() {
 		kc := cfg.KVEvents
 		kc.Endpoint = offsetEndpointPort(kc.WithDefaults().Endpoint, index)

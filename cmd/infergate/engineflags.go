@@ -18,6 +18,7 @@ type engineFlags struct {
 	model     string
 	timeScale float64
 	kvEvents  string
+	apiKeys   []string
 	engine    sim.Config
 }
 
@@ -62,7 +63,7 @@ func (e *engineFlags) serverConfig() (sim.ServerConfig, error) {
 	if model == "" {
 		model = prof.Model
 	}
-	return sim.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv}, nil
+	return sim.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv, APIKeys: e.apiKeys}, nil
 }
 
 // resolveProfile returns the profile from file if given, else the built-in

@@ -115,6 +115,7 @@ func newServeCmd() *cobra.Command {
 		listen     string
 		policy     string
 		endpoints  []string
+		keyEnv     string
 		tlsCert    string
 		tlsKey     string
 		keysFile   string
@@ -149,9 +150,15 @@ exits.
 
 API keys: auth.keys_file (or --keys-file) and/or the INFERGATE_API_KEYS
 environment variable (same format, ';' between entries); hash a key with
-'infergate keys hash'. Without keys the gateway is open.`,
+'infergate keys hash'. Without keys the gateway is open.
+
+Engines that need a key (vLLM --api-key, hosted OpenAI-compatible APIs): set
+api_key_env (or --endpoint-api-key-env) to the name of an environment variable
+holding it; the gateway sends its own key, never the client's. An engine that
+refuses it (401/403) is ejected and the client gets 502 upstream_auth.`,
 		Example: `  infergate serve -c gateway.yaml
-  infergate serve --endpoint http://127.0.0.1:8001=my-model --endpoint http://127.0.0.1:8002=my-model --policy cache-aware`,
+  infergate serve --endpoint http://127.0.0.1:8001=my-model --endpoint http://127.0.0.1:8002=my-model --policy cache-aware
+  VLLM_KEY=... infergate serve --endpoint http://10.0.0.1:8000=my-model --endpoint-api-key-env VLLM_KEY`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var cfg gateway.Config
@@ -176,7 +183,10 @@ environment variable (same format, ';' between entries); hash a key with
 				if !ok || url == "" || model == "" {
 					return fmt.Errorf("--endpoint %q: want URL=MODEL", e)
 				}
-				cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: url, Model: model})
+				cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: url, Model: model, APIKeyEnv: keyEnv})
+			}
+			if keyEnv != "" && len(endpoints) == 0 {
+				return errors.New("--endpoint-api-key-env is for the --endpoint flags' engines: give it with --endpoint URL=MODEL (or set api_key_env in the config)")
 			}
 			if len(cfg.Endpoints) == 0 {
 				return errors.New("no endpoints: give -c config.yaml or --endpoint URL=MODEL")
@@ -216,6 +226,8 @@ environment variable (same format, ';' between entries); hash a key with
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
 	f.StringVar(&policy, "policy", "", "routing policy (default cache-aware; precise-prefix needs kv_events on every endpoint): "+strings.Join(sched.Names(), ", "))
 	f.StringArrayVar(&endpoints, "endpoint", nil, "engine endpoint as URL=MODEL (repeatable)")
+	f.StringVar(&keyEnv, "endpoint-api-key-env", "", "name of the environment variable holding the API key the --endpoint engines require "+
+		"(vLLM --api-key, a hosted backend's key; sent as Authorization: Bearer); the key itself is never a flag")
 	f.StringVar(&tlsCert, "tls-cert", "", "PEM certificate chain: serve HTTPS (overrides tls.cert_file; needs --tls-key)")
 	f.StringVar(&tlsKey, "tls-key", "", "PEM private key for --tls-cert (overrides tls.key_file)")
 	f.StringVar(&keysFile, "keys-file", "", "API keys file (overrides auth.keys_file; see 'infergate keys')")
