@@ -275,10 +275,10 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
 type sendFunc func(i int, rec trace.Record, due time.Time)
 
 // sendLead is how long before its due time a scheduled request is prepared
-// (wall time): its prompt and body are built ahead, so that building a
-// large token-id body (a few ms for a 100k-token prompt) does not make it
-// late.
-const sendLead = 20 * time.Millisecond
+// (wall time): its prompt and body are built ahead, so that building large
+// token-id bodies (a few ms each for 100k-token prompts; the Mooncake trace
+// has bursts of 16 requests on one timestamp) does not make them late.
+const sendLead = 100 * time.Millisecond
 
 // openLoop sends record i at (Timestamp_i − Timestamp_0)/speedup after
 // start, each in its own goroutine started sendLead before it is due.

@@ -89,9 +89,14 @@ stderr: its latencies measure this host's CPU, not the modelled hardware.
 bench then exits non-zero after writing every output; lower --speedup, free
 the CPUs, use --virtual, or raise --max-lag to accept such runs. Virtual runs
 have no lag.`,
-		Example: `  infergate bench --compare round-robin,least-request,prefix --engines 8 \
+		Example: `  # virtual time: 5-20 s on 2 shared cores
+  infergate bench --compare round-robin,least-request,prefix --virtual --engines 8 \
     --trace data/mooncake_conversation_trace.jsonl --requests 2000 --out r.json
-  infergate bench --target http://127.0.0.1:8080 --trace trace.jsonl --requests 200`,
+  # real time, a load a 2-core host keeps up with: about 8 s
+  infergate bench --compare prefix,round-robin --engines 4 --workload shared-prefix \
+    --sp-groups 8 --sp-prompts-per-group 16 --sp-rate 4 --sp-output-tokens 64
+  # against a running endpoint (infergate up), at the trace's own pace
+  infergate bench --target http://127.0.0.1:8080 --requests 200 --speedup 1`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if (target == "") == (compare == "") {
