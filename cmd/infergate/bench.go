@@ -89,10 +89,10 @@ stderr: its latencies measure this host's CPU, not the modelled hardware.
 bench then exits non-zero after writing every output; lower --speedup, free
 the CPUs, use --virtual, or raise --max-lag to accept such runs. Virtual runs
 have no lag.`,
-		Example: `  # virtual time: 5-20 s on 2 shared cores
+		Example: `  # virtual time: 5-30 s on 2 shared cores
   infergate bench --compare round-robin,least-request,prefix --virtual --engines 8 \
     --trace data/mooncake_conversation_trace.jsonl --requests 2000 --out r.json
-  # real time, a load a 2-core host keeps up with: about 8 s
+  # real time, light enough for a quiet 2-core host: about 8 s
   infergate bench --compare prefix,round-robin --engines 4 --workload shared-prefix \
     --sp-groups 8 --sp-prompts-per-group 16 --sp-rate 4 --sp-output-tokens 64
   # against a running endpoint (infergate up), at the trace's own pace
