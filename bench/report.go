@@ -1,12 +1,14 @@
 package bench
 
 import (
+	"bytes"
 	"fmt"
 	"html/template"
 	"io"
 	"math"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -396,6 +398,11 @@ func WriteHTML(w io.Writer, title string, runs []HTMLRun) error {
 	text := []string{"Latencies are engine time (see bench/README.md). Failed requests are left out of the latency and hit-rate charts.",
 		"Lag p99: how far a real-time run fell behind its time scale (the larger of the fleet's step lag and the client's send lag, engine time); BEHIND past the run's margin, when its latencies measure the host, not the modelled hardware.",
 		"In flight: requests sent and not yet finished (from arrival and end-to-end latency), a proxy for queue depth."}
+	var warnings bytes.Buffer
+	_, _ = Report{Runs: sums}.WriteLagWarnings(&warnings)
+	for line := range strings.Lines(warnings.String()) {
+		text = append(text, strings.TrimSpace(line))
+	}
 	return WriteHTMLPage(w, title, []Section{{Title: "Summary", Text: text, Table: SummaryTable(sums), Charts: charts}})
 }
 
