@@ -156,8 +156,8 @@ func TestChaosKillEngine(t *testing.T) {
 	// find the dead engine first (passive detection), and probes only add
 	// false ejections of live engines when a saturated host makes them
 	// time out (every engine ejected at load average 11). The ejection
-	// outlasts the test.
-	cfg := Config{EjectDuration: 10 * time.Minute, HealthCheckPath: "-"}
+	// (outlier.max_ejection_time's default, 5 minutes) outlasts the test.
+	cfg := Config{EjectDuration: 5 * time.Minute, HealthCheckPath: "-"}
 	// A quarter of the requests in flight fail at once when one engine of
 	// four dies; the default budget (20%) would answer some of them 502
 	// rather than retry them (README "Retries").
@@ -172,7 +172,7 @@ func TestChaosKillEngine(t *testing.T) {
 
 	// A generous bound (the run takes ~10 s on a quiet host, over a
 	// minute on a saturated one under the race detector).
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	l := &ledger{entries: map[string]ledgerEntry{}}
 	var (
