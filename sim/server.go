@@ -60,7 +60,8 @@ type ServerConfig struct {
 // streams. When idle it blocks until a request arrives and moves the virtual
 // clock up to the wall-derived time. Requests arriving during a step join the
 // next one, as in vLLM. If the host is too slow to keep up, virtual time lags
-// the wall clock; reported latencies stay those of the modelled hardware.
+// the wall clock; reported latencies stay those of the modelled hardware,
+// and each step's lateness is recorded (Lag, lag.go).
 type Server struct {
 	cfg       ServerConfig
 	eng       Config // engine config with defaults
@@ -82,6 +83,7 @@ type Server struct {
 	closeOnce sync.Once
 	started   atomic.Bool
 	startWall atomic.Int64 // driver start, unix nanoseconds
+	lag       lagHistogram // step lags (lag.go)
 }
 
 // NewServer validates cfg, loads the tokenizer and builds the handler. The
@@ -357,6 +359,9 @@ func (s *Server) drive() {
 			}
 		}
 		vnow = end
+		lag := max(0, time.Duration(float64(time.Since(deadline))*s.cfg.TimeScale))
+		s.lag.observe(lag)
+		s.metrics.stepLag.Observe(lag.Seconds())
 		// Publish before delivering, so a client that has seen a token also
 		// sees the engine state that produced it.
 		publish()
