@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"os"
 	"strings"
 
 	"github.com/spf13/pflag"
@@ -17,6 +18,7 @@ type engineFlags struct {
 	model     string
 	timeScale float64
 	kvEvents  string
+	store     bool
 	engine    sim.Config
 }
 
@@ -28,6 +30,8 @@ func (e *engineFlags) register(f *pflag.FlagSet, tuning bool, kvHelp string) {
 	f.Float64Var(&e.timeScale, "time-scale", 1, "simulated seconds per wall-clock second")
 	f.StringVar(&e.profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile; see sim/profiles/)")
 	f.StringVar(&e.kvEvents, "kv-events-config", "", kvHelp)
+	f.BoolVar(&e.store, "responses-store", os.Getenv("VLLM_ENABLE_RESPONSES_API_STORE") == "1",
+		"keep Responses API responses for previous_response_id (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1, the default when that is set)")
 	if tuning {
 		f.IntVar(&e.engine.BlockSize, "block-size", 0, "KV block size in tokens (default 16)")
 		f.IntVar(&e.engine.NumBlocks, "num-gpu-blocks", 0, "KV cache capacity in blocks (default: derived from the profile)")
@@ -61,7 +65,7 @@ func (e *engineFlags) serverConfig() (sim.ServerConfig, error) {
 	if model == "" {
 		model = prof.Model
 	}
-	return sim.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv}, nil
+	return sim.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv, ResponsesStore: e.store}, nil
 }
 
 // resolveProfile returns the profile from file if given, else the built-in
