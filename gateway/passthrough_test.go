@@ -225,7 +225,13 @@ func TestResponsesStreamThroughGateway(t *testing.T) {
 	if n := bytes.Count(b, []byte("event: response.output_text.delta\n")); n != 3 {
 		t.Errorf("%d deltas, want 3", n)
 	}
+	if last := b[bytes.LastIndex(b, []byte("event: ")):]; !bytes.HasPrefix(last, []byte("event: response.completed\n")) {
+		t.Errorf("the stream does not end with its completed event: %s", last)
+	}
 	m := scrape(t, c, url)
+	if v := m.value("infergate_requests_total", `code="200"`); v != 1 {
+		t.Errorf("requests_total{code=200} = %v, want 1 (a complete stream)", v)
+	}
 	if v := m.value("infergate_time_to_first_token_seconds_count", `model="m"`); v != 1 {
 		t.Errorf("ttft count %v", v)
 	}
