@@ -582,3 +582,62 @@ func TestAliasConfigValidation(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// TestResponsesPrefixRouting: a responses request that starts a
+// conversation is hashed like a chat (instructions, then input items), so
+// the prefix index predicts the blocks the engine holds; a continuation is
+// pinned and not hashed.
+func TestResponsesPrefixRouting(t *testing.T) {
+	f := simFleet(t, 2, "m")
+	_, url := startGateway(t, fleetConfig(sched.Prefix, map[string]*sim.Fleet{"m": f}))
+	c := testClient(t)
+	instructions := strings.Repeat("You answer questions about caches, briefly and exactly. ", 20)
+	for i := range 3 {
+		resp, b := post(t, c, url+pathResponses, fmt.Sprintf(`{"model":"m","instructions":%q,"input":"question %d","max_output_tokens":2}`, instructions, i))
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		if r := jsonOf[respAnswer](t, b); i > 0 && r.Usage.InputTokensDetails.CachedTokens < 100 {
+			t.Errorf("request %d: %d cached tokens, want the shared instructions", i, r.Usage.InputTokensDetails.CachedTokens)
+		}
+	}
+	if v := scrape(t, c, url).value("infergate_prefix_predicted_matched_tokens_total", `model="m"`); v < 200 {
+		t.Errorf("predicted matched tokens %v: the instructions were not hashed for routing", v)
+	}
+}
+
+// TestPassthroughNoGoroutineLeak: the new APIs, streams and refusals leave
+// no goroutine behind.
+func TestPassthroughNoGoroutineLeak(t *testing.T) {
+	before := settledGoroutines()
+	func() {
+		f, err := sim.StartFleet(1, sim.ServerConfig{Model: "m", TimeScale: 1000, ResponsesStore: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		cfg := fleetConfig(sched.Prefix, map[string]*sim.Fleet{"m": f})
+		cfg.Aliases = map[string][]string{"a": {"m"}}
+		g, err := New(cfg, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer g.Close()
+		srv := newServerNoCleanup(g.Handler())
+		defer srv.Close()
+		tr := &http.Transport{}
+		defer tr.CloseIdleConnections()
+		c := &http.Client{Transport: tr}
+		_, b := post(t, c, srv.URL+pathResponses, `{"model":"a","input":"hi","max_output_tokens":2}`)
+		id := jsonOf[respAnswer](t, b).ID
+		post(t, c, srv.URL+pathResponses, `{"model":"m","input":"hi","stream":true,"max_output_tokens":2,"previous_response_id":"`+id+`"}`)
+		post(t, c, srv.URL+pathEmbeddings, `{"model":"a","input":["x","y"]}`)
+		post(t, c, srv.URL+pathTokenize, `{"model":"m","prompt":"x"}`)
+		post(t, c, srv.URL+"/v1/rerank", `{"model":"m"}`)
+		post(t, c, srv.URL+"/v1/rerank", `{}`)
+		if resp, err := c.Get(srv.URL + pathResponses + "/" + id); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	requireGoroutinesBack(t, before)
+}
