@@ -641,3 +641,43 @@ func TestPassthroughNoGoroutineLeak(t *testing.T) {
 	}()
 	requireGoroutinesBack(t, before)
 }
+
+// streamEngine answers any POST with two SSE events, then [DONE] when done
+// is set, else EOF.
+type streamEngine struct{ done bool }
+
+func (e *streamEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodPost {
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	_, _ = io.WriteString(w, "data: {\"type\":\"transcript.text.delta\",\"delta\":\"Hel\"}\n\ndata: {\"text\":\"lo\"}\n\n")
+	if e.done {
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	}
+}
+
+// TestUnknownPathStream: an unknown path's event stream is relayed event by
+// event and is complete at EOF, with [DONE] only when the engine sent it.
+func TestUnknownPathStream(t *testing.T) {
+	for _, done := range []bool{false, true} {
+		srv := newServerNoCleanup(&streamEngine{done: done})
+		cfg := Config{HealthCheckInterval: 20 * time.Millisecond}
+		cfg.Routing.Policy = sched.RoundRobin
+		cfg.Endpoints = []EndpointConfig{{URL: srv.URL, Model: "m", KVBlocks: 1000}}
+		_, url := startGateway(t, cfg)
+		c := testClient(t)
+		resp, b := post(t, c, url+"/v1/audio/stream", `{"model":"m","stream":true}`)
+		want := "data: {\"type\":\"transcript.text.delta\",\"delta\":\"Hel\"}\n\ndata: {\"text\":\"lo\"}\n\n"
+		if done {
+			want += "data: [DONE]\n\n"
+		}
+		if resp.StatusCode != 200 || string(b) != want {
+			t.Errorf("done %v: %d %q", done, resp.StatusCode, b)
+		}
+		if v := scrape(t, c, url).value("infergate_time_to_first_token_seconds_count", `model="m"`); v != 1 {
+			t.Errorf("ttft count %v", v)
+		}
+		srv.Close()
+	}
+}
