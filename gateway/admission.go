@@ -298,10 +298,20 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x
 	if err == nil {
 		return true
 	}
+	if x.pass.fallback { // the alias's next target may take it (alias.go)
+		switch {
+		case errors.Is(err, errNoEndpoint):
+			x.pass.fell = fallbackNoEndpoint
+			return false
+		case errors.Is(err, errQueueFull), errors.Is(err, errQueueDisplaced), errors.Is(err, errQueueTimeout):
+			x.pass.fell = fallbackOverloaded
+			return false
+		}
+	}
 	x.refundAdmission(w.Header())
 	switch {
 	case errors.Is(err, errNoEndpoint):
-		g.failNoEndpoint(w, p)
+		g.failNoEndpoint(w, p, nil)
 	case errors.Is(err, errShuttingDown):
 		g.failShuttingDown(w, p.none)
 	case errors.Is(err, errQueueFull):
@@ -325,11 +335,15 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x
 }
 
 // failNoEndpoint answers 503 no_endpoint_available for p's model, with
-// Retry-After (the health-check interval).
-func (g *Gateway) failNoEndpoint(w http.ResponseWriter, p *pool) {
+// Retry-After (the health-check interval); x, when not nil, may be pinned
+// to the endpoint that stored a response (responses.go).
+func (g *Gateway) failNoEndpoint(w http.ResponseWriter, p *pool, x *exchange) {
 	w.Header().Set("Retry-After", g.retryAfter)
-	g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable,
-		fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", p.model), "", openai.CodeNoEndpoint))
+	msg := fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", p.model)
+	if x != nil && x.pass.pin >= 0 {
+		msg = fmt.Sprintf("The endpoint that stored response `%s` is not available; retry later.", x.pass.pinID)
+	}
+	g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable, msg, "", openai.CodeNoEndpoint))
 }
 
 // resilienceMetrics are the collectors of retries, ejections and admission.

@@ -463,12 +463,12 @@ func authFailure(missing bool) *openai.Error {
 	return &openai.Error{Message: msg, Type: "invalid_request_error", Code: codeInvalidAPIKey, Status: http.StatusUnauthorized}
 }
 
-// protectedPath reports whether path needs a key: the API (/v1/…) always,
-// /metrics and the dashboard's state (which shows what /metrics shows) with
-// auth.protect_metrics; /healthz, /readyz (probes) and the dashboard page
-// (no data) never.
+// protectedPath reports whether path needs a key: the API (/v1/…, and
+// vLLM's /tokenize and /detokenize) always, /metrics and the dashboard's
+// state (which shows what /metrics shows) with auth.protect_metrics;
+// /healthz, /readyz (probes) and the dashboard page (no data) never.
 func (g *Gateway) protectedPath(path string) bool {
-	return strings.HasPrefix(path, "/v1/") ||
+	return strings.HasPrefix(path, "/v1/") || path == pathTokenize || path == pathDetokenize ||
 		((path == pathMetrics || path == pathDashboardState) && g.cfg.Auth.ProtectMetrics)
 }
 
@@ -496,7 +496,7 @@ func (g *Gateway) authenticate(w http.ResponseWriter, r *http.Request) (*princip
 	w.Header().Set("WWW-Authenticate", `Bearer realm="infergate"`)
 	w.Header().Set("X-Request-Id", g.requestID(r)) // to match the client's report with the gateway's
 	openai.WriteError(w, authFailure(key == ""))
-	if r.URL.Path == pathChat || r.URL.Path == pathCompletions {
+	if proxiedPath(r.URL.Path) {
 		g.metrics.count(g.unknown, http.StatusUnauthorized)
 	}
 	return nil, false

@@ -82,6 +82,12 @@ type Config struct {
 	Routing sched.Config `yaml:"routing"`
 	// Endpoints are the engines behind the gateway.
 	Endpoints []EndpointConfig `yaml:"endpoints"`
+	// Aliases are model names served by configured models, each an ordered
+	// fallback list (alias.go): `fast: [llama-8b, llama-70b]`.
+	Aliases map[string][]string `yaml:"aliases"`
+	// Responses configures the Responses API's session affinity
+	// (responses.go).
+	Responses ResponsesConfig `yaml:"responses"`
 	// MaxBodyBytes bounds a request body (bytes, default 16 MiB); larger
 	// bodies get 413 request_too_large.
 	MaxBodyBytes int64 `yaml:"max_body_bytes"`
@@ -316,6 +322,7 @@ func (c Config) WithDefaults() Config {
 	c.Retry, c.Outlier = c.Retry.withDefaults(), c.Outlier.withDefaults()
 	c.CircuitBreaker, c.Admission = c.CircuitBreaker.withDefaults(), c.Admission.withDefaults()
 	c.EdgeConfig = c.EdgeConfig.withDefaults()
+	c.Responses = c.Responses.withDefaults()
 	eps := make([]EndpointConfig, len(c.Endpoints))
 	for i, e := range c.Endpoints {
 		if e.BlockSize == 0 {
@@ -374,6 +381,8 @@ func (c Config) Validate() error {
 	if len(c.Endpoints) == 0 {
 		bad("endpoints: at least one endpoint is required")
 	}
+	errs = append(errs, c.validateAliases()...)
+	errs = append(errs, c.Responses.validate()...)
 	type shape struct{ kvBlocks, blockSize int }
 	byURL := map[string]shape{}
 	firstOf := map[string]EndpointConfig{} // the first entry of each URL

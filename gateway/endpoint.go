@@ -23,8 +23,8 @@ import (
 type endpoint struct {
 	name string // the configured URL, normalized: the metrics label
 	base string // URL prefix requests are sent to (== name)
-	// urls are base + each apiKind's path, parsed once (read-only).
-	urls [2]*url.URL
+	// urls are base + each fixed path kind's path, parsed once (read-only).
+	urls [numPathKinds]*url.URL
 
 	kvBlocks  int // engine KV capacity (blocks of blockSize tokens)
 	blockSize int // engine KV block size (tokens)
@@ -99,11 +99,20 @@ func (ep *endpoint) eject(now time.Time, d time.Duration) {
 	ep.setReady(false)
 }
 
-// url returns the URL of kind's path on the endpoint with the client's raw
-// query, if any (a copy then; the parsed URL is shared), escaped for a
-// request line (escapeQuery).
-func (ep *endpoint) url(kind apiKind, rawQuery string) *url.URL {
-	u := ep.urls[kind]
+// url returns the URL of kind's path on the endpoint (for a kind without a
+// fixed path, path: a passablePath) with the client's raw query, if any (a
+// copy then; the parsed URL is shared), escaped for a request line
+// (escapeQuery).
+func (ep *endpoint) url(kind apiKind, path, rawQuery string) *url.URL {
+	var u *url.URL
+	if int(kind) < numPathKinds {
+		u = ep.urls[kind]
+	} else {
+		q := *ep.urls[kindChat]
+		q.Path = strings.TrimSuffix(q.Path, pathChat) + path // the base URL's own path, then path
+		q.RawPath = ""                                       // passablePath admits no escapes
+		u = &q
+	}
 	if rawQuery == "" {
 		return u
 	}

@@ -43,6 +43,13 @@ type Gateway struct {
 	policyName string
 	pools      map[string]*pool
 	endpoints  []*endpoint
+	// targets are the pools a model name is served by: a model's own, an
+	// alias's in fallback order (alias.go); fallbacks counts fallbacks.
+	targets   map[string][]*pool
+	fallbacks *prometheus.CounterVec
+	// affinity maps response ids to the endpoints that stored them
+	// (responses.go).
+	affinity *responseAffinity
 
 	// transport serves health checks, metric scrapes and https engines;
 	// up sends the request path's upstream requests (upstream.go).
@@ -115,6 +122,10 @@ type pool struct {
 	// (admission.go, retry.go).
 	gate   *admission
 	budget retryBudget
+	// modelJSON is the model name as a JSON string and modelHeader as a
+	// header value (alias.go).
+	modelJSON   []byte
+	modelHeader []string
 }
 
 // snapshot returns the pool's endpoints as the scheduler sees them now
@@ -215,7 +226,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 			} else if mp != "" {
 				ep.metricsURL = base + mp
 			}
-			for _, kind := range []apiKind{kindChat, kindCompletion} {
+			for kind := range apiKind(numPathKinds) {
 				u, err := url.Parse(base + kind.path())
 				if err != nil {
 					g.transport.CloseIdleConnections()
@@ -301,6 +312,11 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		}
 	}
 	g.unknown = m.route(unknownModel, "", g.policyName)
+	if err := g.initTargets(reg); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
+	}
+	g.affinity = newResponseAffinity(cfg.Responses.AffinityMaxEntries)
 	if err := g.setupResilience(reg); err != nil {
 		g.transport.CloseIdleConnections()
 		return nil, err
@@ -315,12 +331,13 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		return nil, err
 	}
 
-	slices.Sort(models)
 	list := openai.ModelList{Object: openai.ObjectList, Data: make([]openai.Model, len(models))}
 	created := time.Now().Unix()
 	for i, model := range models {
 		list.Data[i] = openai.Model{ID: model, Object: openai.ObjectModel, Created: created, OwnedBy: "infergate", Root: model}
 	}
+	list.Data = append(list.Data, g.aliasModels(created)...)
+	slices.SortFunc(list.Data, func(a, b openai.Model) int { return strings.Compare(a.ID, b.ID) })
 	g.modelBodies = make(map[string][]byte, len(list.Data))
 	for _, m := range list.Data {
 		if g.modelBodies[m.ID], err = json.Marshal(m); err != nil {
@@ -535,6 +552,9 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 			}
 			return
 		}
+		if g.routePassthrough(w, r, key) {
+			return
+		}
 		openai.WriteError(w, openai.NewError(http.StatusNotFound,
 			fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path), "", "not_found"))
 	}
@@ -564,7 +584,7 @@ func (g *Gateway) allow(w http.ResponseWriter, r *http.Request, method string) b
 	w.Header().Set("Allow", allowed)
 	openai.WriteError(w, openai.NewError(http.StatusMethodNotAllowed,
 		fmt.Sprintf("Method %s is not allowed for %s (use %s).", r.Method, r.URL.Path, method), "", "method_not_allowed"))
-	if r.URL.Path == pathChat || r.URL.Path == pathCompletions {
+	if proxiedPath(r.URL.Path) {
 		g.metrics.count(g.unknown, http.StatusMethodNotAllowed)
 	}
 	return false

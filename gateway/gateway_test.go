@@ -144,7 +144,12 @@ func TestMethodsAndPaths(t *testing.T) {
 	if resp.StatusCode != 405 {
 		t.Errorf("POST models: %d", resp.StatusCode)
 	}
-	resp, body = post(t, c, url+"/v1/embeddings", "{}")
+	resp, err = c.Get(url + "/v1/no-such-path")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
 	if resp.StatusCode != 404 {
 		t.Errorf("unknown path: %d", resp.StatusCode)
 	}
@@ -831,7 +836,7 @@ func TestParseCacheConfig(t *testing.T) {
 }
 
 func TestAppendEvent(t *testing.T) {
-	if got := string(appendEvent(nil, []byte("a\nb"))); got != "data: a\ndata: b\n\n" {
+	if got := string(appendEvent(nil, nil, []byte("a\nb"))); got != "data: a\ndata: b\n\n" {
 		t.Errorf("got %q", got)
 	}
 }

@@ -76,18 +76,26 @@ func requestPriority(r *http.Request) (int, *openai.Error) {
 
 // serveRouted is the request's lifecycle once its model's pool is known:
 // admission (queueing when the pool is full), pick, proxy, and retries on
-// other endpoints of failures that reached the client with no byte.
+// other endpoints of failures that reached the client with no byte. It
+// reports true, having answered nothing, when the request may fall back to
+// the next target of its alias (x.pass.fallback) and p could not serve it
+// (x.pass.fell says why); otherwise the request was answered.
 func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool,
-	reqID string, start time.Time) {
+	reqID string, start time.Time) (fell bool) {
 	if x.edge.capPriority && x.sreq.Priority > x.edge.maxPriority {
 		x.sreq.Priority = x.edge.maxPriority // the key's grant
 	}
 	if !g.admitQueued(w, r, p, x) {
-		return
+		return x.pass.fell != ""
 	}
 	defer p.gate.release()
 
 	excluded := x.excludedFor(len(p.endpoints))
+	if x.pass.pin >= 0 { // only the endpoint that stored the response (responses.go)
+		for j := range excluded {
+			excluded[j] = j != x.pass.pin
+		}
+	}
 	var (
 		last     *failure
 		retrying bool // holds a retry-budget token
@@ -104,36 +112,39 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 		}
 		if i < 0 {
 			if last == nil {
+				if x.pass.fallback {
+					x.pass.fell = fallbackNoEndpoint
+					return true
+				}
 				x.refundAdmission(w.Header()) // never sent: not admitted
-				g.failNoEndpoint(w, p)
-				return
+				g.failNoEndpoint(w, p, x)
+				return false
 			}
 			g.res.retriesDenied.WithLabelValues(p.model, "no_endpoint").Inc()
-			g.answerFailure(w, last)
-			return
+			return g.answerFailure(w, x, last)
 		}
 		if attempt > 1 {
 			g.res.retries.WithLabelValues(p.model, last.rm.labels[1], last.reason).Inc()
-			w.Header()[AttemptsHeader] = []string{strconv.Itoa(attempt)}
+		}
+		if x.pass.tries++; x.pass.tries > 1 {
+			w.Header()[AttemptsHeader] = []string{strconv.Itoa(x.pass.tries)}
 		}
 		f := g.attempt(w, r, x, kind, p, i, d, reqID, start)
 		if f == nil {
-			return
+			return false
 		}
 		last = f
 		excluded[i] = true
 		switch {
 		case r.Context().Err() != nil:
 			g.canceled(w, r, f.rm) // nothing reached the client
-			return
-		case attempt >= g.cfg.Retry.MaxAttempts:
-			g.answerFailure(w, f)
-			return
+			return false
+		case attempt >= g.cfg.Retry.MaxAttempts || !x.retrySafe(f) || x.pass.pin >= 0:
+			return g.answerFailure(w, x, f)
 		case !retrying:
 			if !p.budget.take(p.gate.active.Load(), g.cfg.Retry.BudgetPercent, g.cfg.Retry.MinRetryConcurrency) {
 				g.res.retriesDenied.WithLabelValues(p.model, "budget").Inc()
-				g.answerFailure(w, f)
-				return
+				return g.answerFailure(w, x, f)
 			}
 			retrying = true
 		}
@@ -151,14 +162,21 @@ func (x *exchange) excludedFor(n int) []bool {
 	return x.excluded
 }
 
-// answerFailure answers a failure that is not retried.
-func (g *Gateway) answerFailure(w http.ResponseWriter, f *failure) {
+// answerFailure answers a failure that is not retried, or reports true
+// (answering nothing) when the request falls back to its alias's next
+// target instead.
+func (g *Gateway) answerFailure(w http.ResponseWriter, x *exchange, f *failure) (fell bool) {
+	if x.pass.fallback && x.retrySafe(f) {
+		x.pass.fell = fallbackFailed
+		return true
+	}
 	if f.body != nil {
 		writeJSON(w, f.status, f.body)
 		g.metrics.count(f.rm, f.status)
-		return
+		return false
 	}
 	g.fail(w, f.rm, f.err)
+	return false
 }
 
 // attempt sends the request to endpoint i of p (whose circuit-breaker slot
@@ -193,7 +211,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 		p.precise.Routed(i, x.hashes) // joins the engine's events for it (prefix/precise_join.go)
 	}
 
-	body := x.body
+	body := x.upstreamBody()
 	strip := false
 	if x.stream && !x.includeUsage {
 		b, err := withIncludeUsage(x.upBody[:0], body)
@@ -210,12 +228,12 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	}
 	// The URL was parsed when the endpoint was configured: the request is
 	// built with an empty one, which cannot fail to parse.
-	req, err := http.NewRequestWithContext(r.Context(), http.MethodPost, "", bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(r.Context(), r.Method, "", bytes.NewReader(body))
 	if err != nil {
 		g.fail(w, rm, openai.NewError(http.StatusBadGateway, "Could not build the upstream request.", "", openai.CodeUpstream))
 		return nil
 	}
-	req.URL = ep.url(kind, r.URL.RawQuery)
+	req.URL = ep.url(kind, r.URL.Path, r.URL.RawQuery)
 	req.Host = req.URL.Host
 	x.upHeader = upstreamHeader(x.upHeader, r.Header, x.requestIDValue(reqID), r.RemoteAddr)
 	ep.addHeader(x.upHeader) // the endpoint's credentials and headers (credentials.go)
@@ -288,6 +306,9 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 			// sees a truncated response, never a silently short one.
 			panic(http.ErrAbortHandler)
 		}
+	}
+	if x.pass.respID != "" && f == nil && code/100 == 2 {
+		g.affinity.learn(x.pass.respID, p, i, x.pass.key) // the engine stored it (responses.go)
 	}
 	switch {
 	case f != nil:

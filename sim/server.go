@@ -49,6 +49,11 @@ type ServerConfig struct {
 	// does (auth.go): "Authorization: Bearer <one of them>" or 401
 	// {"error":"Unauthorized"}; /health and /metrics stay open.
 	APIKeys []string `yaml:"api_keys"`
+	// ResponsesStore keeps Responses API responses for previous_response_id
+	// and GET /v1/responses/{id}: vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1
+	// (off by default, as in vLLM: store is then ignored and every
+	// previous_response_id is not found). See responses.go.
+	ResponsesStore bool `yaml:"responses_store"`
 }
 
 // Server is a vLLM-compatible OpenAI HTTP front over a simulated Engine.
@@ -79,6 +84,7 @@ type Server struct {
 	kvpub     *KVEventPublisher // nil unless KVEvents.Publishes()
 	quit      chan struct{}
 	done      chan struct{}
+	store     responseStore // Responses API store (responses.go)
 	startOnce sync.Once
 	closeOnce sync.Once
 	started   atomic.Bool
@@ -153,6 +159,13 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 	mux.HandleFunc("POST /v1/completions", s.handleCompletions)
 	mux.HandleFunc("POST /v1/chat/completions", s.handleChat)
 	mux.HandleFunc("GET /v1/models", s.handleModels)
+	mux.HandleFunc("POST /v1/responses", s.handleResponses)
+	mux.HandleFunc("GET /v1/responses/{id}", s.handleRetrieveResponse)
+	mux.HandleFunc("POST /v1/responses/{id}/cancel", s.handleCancelResponse)
+	mux.HandleFunc("POST /v1/embeddings", s.handleEmbeddings)
+	mux.HandleFunc("POST /tokenize", s.handleTokenize)
+	mux.HandleFunc("POST /detokenize", s.handleDetokenize)
+	mux.HandleFunc("/", handleNotFound)
 	mux.HandleFunc("GET /health", s.handleHealth)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{}))
 	s.handler = withAPIKeys(mux, cfg.APIKeys)
@@ -168,7 +181,10 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 }
 
 // Handler returns the HTTP handler: POST /v1/completions, POST
-// /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+// /v1/chat/completions, POST /v1/responses (and GET /v1/responses/{id},
+// POST …/cancel), POST /v1/embeddings, POST /tokenize, POST /detokenize,
+// GET /v1/models, GET /health, GET /metrics; any other path answers
+// FastAPI's 404 {"detail":"Not Found"}, as vLLM does.
 func (s *Server) Handler() http.Handler { return s.handler }
 
 // Model returns the served model name.
@@ -440,6 +456,8 @@ type genRequest struct {
 	stream         bool
 	streamOptions  *openai.StreamOptions
 	cacheSalt      string
+	// resp is set for a Responses API request (responses.go).
+	resp *responsesCall
 }
 
 func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
@@ -515,6 +533,14 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 
 // decode reads a JSON body of at most MaxRequestBytes into v and validates it.
 func (s *Server) decode(w http.ResponseWriter, r *http.Request, v interface{ Validate() *openai.Error }) *openai.Error {
+	if e := s.decodeBody(w, r, v); e != nil {
+		return e
+	}
+	return v.Validate()
+}
+
+// decodeBody reads a JSON body of at most MaxRequestBytes into v.
+func (s *Server) decodeBody(w http.ResponseWriter, r *http.Request, v any) *openai.Error {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, MaxRequestBytes))
 	if err != nil {
 		var tooBig *http.MaxBytesError
@@ -524,10 +550,7 @@ func (s *Server) decode(w http.ResponseWriter, r *http.Request, v interface{ Val
 		}
 		return openai.NewError(http.StatusBadRequest, "reading request body: "+err.Error(), "", "")
 	}
-	if e := openai.Decode(body, v); e != nil {
-		return e
-	}
-	return v.Validate()
+	return openai.Decode(body, v)
 }
 
 // maxBytesPerToken bounds how much prompt text is tokenized per token of
@@ -604,9 +627,14 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, g *genRequest) {
 		return
 	}
 	var out responder
-	if g.stream {
+	switch {
+	case g.resp != nil && g.stream:
+		out = newResponsesStream(w, s, g)
+	case g.resp != nil:
+		out = &responsesFull{w: w, s: s, g: g}
+	case g.stream:
 		out = newStreamResponder(w, s, g)
-	} else {
+	default:
 		out = &fullResponder{w: w, s: s, g: g}
 	}
 	var buf []event
