@@ -74,6 +74,12 @@ type Gateway struct {
 
 	dash dashboard // GET /dashboard's recent figures (dashboard.go)
 
+	// obs is the access log and tracer (nil when both are off); servedBy
+	// the EndpointHeader value per endpoint (nil unless configured).
+	// accesslog.go, tracing.go.
+	obs      *observer
+	servedBy map[*endpoint][]string
+
 	stop      context.CancelFunc
 	wg        sync.WaitGroup
 	closeOnce sync.Once
@@ -328,6 +334,10 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		g.transport.CloseIdleConnections()
 		return nil, err
 	}
+	if err := g.initObservability(reg); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
+	}
 	ctx, stop := context.WithCancel(context.Background())
 	g.stop = stop
 	for _, ep := range g.endpoints {
@@ -439,6 +449,7 @@ func (g *Gateway) Close() {
 		g.stop()
 		g.wg.Wait()
 		g.up.CloseIdleConnections() // the transport's too
+		g.closeObservability()
 	})
 }
 
@@ -530,7 +541,7 @@ func (g *Gateway) allow(w http.ResponseWriter, r *http.Request, method string) b
 	openai.WriteError(w, openai.NewError(http.StatusMethodNotAllowed,
 		fmt.Sprintf("Method %s is not allowed for %s (use %s).", r.Method, r.URL.Path, method), "", "method_not_allowed"))
 	if r.URL.Path == pathChat || r.URL.Path == pathCompletions {
-		g.metrics.count(g.unknown, http.StatusMethodNotAllowed)
+		g.count(w, g.unknown, http.StatusMethodNotAllowed)
 	}
 	return false
 }

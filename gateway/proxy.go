@@ -88,6 +88,10 @@ type exchange struct {
 	// edge is the key's token reservation and the client write deadline
 	// (limits.go).
 	edge exchangeEdge
+	// obs is the request's access-log and trace record (nil when not
+	// observed), keyUse its API key's usage counters (nil: no key).
+	obs    *obsWriter
+	keyUse *keyUsage
 
 	// predicted is the prompt tokens the policy predicted the endpoint holds
 	// (-1: the policy predicts nothing), from index predictedBy;
@@ -156,6 +160,7 @@ func (g *Gateway) putExchange(x *exchange) {
 		x.errBody = nil
 	}
 	x.edge = exchangeEdge{}
+	x.obs, x.keyUse = nil, nil
 	clear(x.upHeader) // the client's header values
 	x.reqID[0] = ""
 	if x.er != nil {
@@ -302,7 +307,10 @@ func (g *Gateway) requestID(r *http.Request) string {
 // fail answers e and counts it.
 func (g *Gateway) fail(w http.ResponseWriter, rm *routeMetrics, e *openai.Error) {
 	openai.WriteError(w, e)
-	g.metrics.count(rm, e.Status)
+	if c, ok := e.Code.(string); ok {
+		observedFor(w).failed(c)
+	}
+	g.count(w, rm, e.Status)
 }
 
 // serveInference is the request path of POST /v1/chat/completions and
@@ -318,16 +326,18 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	defer g.putExchange(x)
 	reqID := g.requestID(r)
 	w.Header()["X-Request-Id"] = []string{reqID}
+	g.trackRequest(w, x, key)
 
 	if e := x.readBody(w, r, g.cfg.MaxBodyBytes, g.cfg.BodyReadTimeout); e != nil {
 		if e.Status == codeClientClosed {
-			g.metrics.count(g.unknown, codeClientClosed) // no answer to write
+			g.count(w, g.unknown, codeClientClosed) // no answer to write
 			return
 		}
 		g.fail(w, g.unknown, e)
 		return
 	}
 	verr := x.decode(kind)
+	x.obs.decodedRequest(x.model, x.stream)
 	p := g.pools[x.model]
 	rm := g.unknown
 	if p != nil {
@@ -435,7 +445,7 @@ func (g *Gateway) relayError(w http.ResponseWriter, r *http.Request, resp *http.
 	}
 	if err == nil && len(body) <= maxErrorBody && engineJSON(body) {
 		writeJSON(w, resp.StatusCode, body)
-		g.metrics.count(rm, resp.StatusCode)
+		g.count(w, rm, resp.StatusCode)
 		return
 	}
 	snippet := strings.ToValidUTF8(string(body[:min(len(body), 256)]), "")
@@ -496,7 +506,7 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 				ok := sent || send(x.capture) // the held part first
 				g.hold.release(&held)
 				if !ok || !send(x.copyBuf[:n]) {
-					g.metrics.count(rm, codeClientClosed)
+					g.count(w, rm, codeClientClosed)
 					return nil, codeClientClosed
 				}
 			}
@@ -517,13 +527,13 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 				return &failure{reason: reasonReset, rm: rm, err: openai.NewError(http.StatusBadGateway,
 					"The model server's answer broke off before its end: "+rerr.Error(), "", openai.CodeUpstream)}, 0
 			case shuttingDown(r):
-				g.metrics.count(rm, http.StatusServiceUnavailable)
+				g.count(w, rm, http.StatusServiceUnavailable)
 				return nil, codeAbort
 			case r.Context().Err() != nil:
-				g.metrics.count(rm, codeClientClosed)
+				g.count(w, rm, codeClientClosed)
 				return nil, codeClientClosed
 			}
-			g.metrics.count(rm, http.StatusBadGateway)
+			g.count(w, rm, http.StatusBadGateway)
 			return nil, codeAbort
 		}
 	}
@@ -532,7 +542,7 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 	}
 	if !sent {
 		if !send(x.capture) {
-			g.metrics.count(rm, codeClientClosed)
+			g.count(w, rm, codeClientClosed)
 			return nil, codeClientClosed
 		}
 		if !openai.TooDeep(x.capture) {
@@ -566,6 +576,9 @@ func (g *Gateway) finish(rm *routeMetrics, x *exchange, code int, u *openai.Usag
 			rm.predErr[indexPrecise].Observe(math.Abs(float64(min(x.precisePredicted, limit) - cached)))
 		}
 	}
+	x.obs.used(u)
+	x.keyUse.used(u)
+	x.obs.counted(rm, code)
 	g.metrics.count(rm, code)
 }
 
@@ -666,10 +679,11 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			case shutdown && !(err == io.EOF && er.Done()):
 				x.out = x.out[:0]
 				writeStreamError(w, rc, shutdownError())
+				x.obs.failed(codeShuttingDown)
 				g.finish(rm, x, http.StatusServiceUnavailable, usage, start)
 				return nil, codeClientClosed // no verdict on the engine
 			case !shutdown && (r.Context().Err() != nil || fr.err != nil):
-				g.metrics.count(rm, codeClientClosed)
+				g.count(w, rm, codeClientClosed)
 				return nil, codeClientClosed
 			}
 			code := http.StatusOK
@@ -677,7 +691,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				// The held events of a stream that ended without output
 				// leave with [DONE].
 				if _, werr := w.Write(append(x.out, sseDone...)); werr != nil {
-					g.metrics.count(rm, codeClientClosed)
+					g.count(w, rm, codeClientClosed)
 					return nil, codeClientClosed
 				}
 				// Not flushed here: the handler returns at once and net/http
@@ -703,6 +717,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				slog.Warn("gateway: upstream stream failed", "endpoint", rm.labels[1],
 					"request_id", reqID, "err", err)
 				writeStreamError(w, rc, openai.NewError(code, msg, "", errCode))
+				x.obs.failed(errCode)
 			}
 			g.finish(rm, x, code, usage, start)
 			return nil, code
@@ -740,6 +755,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 					}
 					x.prefillDone()
 					rm.ttft.Observe(now.Sub(start).Seconds())
+					x.obs.firstOutput(now.Sub(start))
 				} else {
 					rm.itl.Observe(now.Sub(last).Seconds())
 				}
@@ -763,7 +779,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 		}
 		g.extendWriteDeadline(w, x, now)
 		if _, err := w.Write(x.out); err != nil {
-			g.metrics.count(rm, codeClientClosed)
+			g.count(w, rm, codeClientClosed)
 			return nil, codeClientClosed
 		}
 		x.out = x.out[:0]

@@ -117,6 +117,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 			w.Header()[AttemptsHeader] = []string{strconv.Itoa(attempt)}
 		}
 		f := g.attempt(w, r, x, kind, p, i, d, reqID, start)
+		x.obs.attemptFailed(f)
 		if f == nil {
 			return
 		}
@@ -155,7 +156,7 @@ func (x *exchange) excludedFor(n int) []bool {
 func (g *Gateway) answerFailure(w http.ResponseWriter, f *failure) {
 	if f.body != nil {
 		writeJSON(w, f.status, f.body)
-		g.metrics.count(f.rm, f.status)
+		g.count(w, f.rm, f.status)
 		return
 	}
 	g.fail(w, f.rm, f.err)
@@ -169,6 +170,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	d sched.Decision, reqID string, start time.Time) *failure {
 	ep, rm := p.endpoints[i], p.routes[i]
 	defer ep.releaseSlot()
+	g.beginAttempt(w, x, p, i, d)
 	if n := int64(x.sreq.PromptTokens); n > 0 {
 		ep.inFlightTokens.Add(n)
 		defer ep.inFlightTokens.Add(-n)
@@ -219,6 +221,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	req.Host = req.URL.Host
 	x.upHeader = upstreamHeader(x.upHeader, r.Header, x.requestIDValue(reqID), r.RemoteAddr)
 	req.Header = x.upHeader
+	x.obs.inject(req.Header) // this attempt's traceparent (tracing.go)
 
 	// A stream's first output is due within first_event_timeout of the
 	// request, its response headers included; a non-streaming answer's

@@ -120,6 +120,8 @@ func newServeCmd() *cobra.Command {
 		keysFile   string
 		pprofAddr  string
 		grace      time.Duration
+		lf         logFlags
+		access     bool
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -187,7 +189,11 @@ environment variable (same format, ';' between entries); hash a key with
 			if err := checkPprofAddr(pprofAddr); err != nil {
 				return err
 			}
-			log := newLogger(cmd)
+			log, err := setupLogging(cmd, &cfg.Log)
+			if err != nil {
+				return err
+			}
+			applyAccessLog(cmd, &cfg.AccessLog, access)
 			g, err := gateway.New(cfg, nil)
 			if err != nil {
 				return err
@@ -221,6 +227,8 @@ environment variable (same format, ';' between entries); hash a key with
 	f.StringVar(&keysFile, "keys-file", "", "API keys file (overrides auth.keys_file; see 'infergate keys')")
 	f.StringVar(&pprofAddr, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default)")
 	f.DurationVar(&grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage+" (overrides shutdown_grace)")
+	lf.register(f)
+	accessLogFlag(f, &access)
 	return cmd
 }
 

@@ -12,6 +12,7 @@ func newSimCmd() *cobra.Command {
 	var (
 		listen string
 		ef     engineFlags
+		lf     logFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "sim",
@@ -49,6 +50,7 @@ latency model of the chosen model-and-GPU profile.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&listen, "listen", "127.0.0.1:8001", "address to serve on")
+	lf.register(f)
 	ef.register(f, true, `vLLM's --kv-events-config JSON, e.g. '{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557"}' (plus "encoding": "array"|"map")`)
 	return cmd
 }
