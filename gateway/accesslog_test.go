@@ -83,7 +83,7 @@ func postID(t *testing.T, c *http.Client, url, id, key, body string, hdr ...stri
 func TestAccessLogOutcomes(t *testing.T) {
 	e := newFakeEngine(t, "e1")
 	cfg := testConfig(sched.RoundRobin, e)
-	cfg.HealthCheckPath = healthCheckOff // the dead endpoint stays in rotation until it refuses…
+	cfg.HealthCheckPath = healthCheckOff                                  // the dead endpoint stays in rotation until it refuses…
 	cfg.EjectDuration, cfg.Outlier.MaxEjectionTime = time.Hour, time.Hour // …and is out for the rest of the test
 	cfg.Endpoints = append([]EndpointConfig{{URL: closedURL(t), Model: "m", KVBlocks: 1000}}, cfg.Endpoints...)
 	const keyA, keyB = "sk-team-a-0123456789abcdef", "sk-team-b-fedcba9876543210"
@@ -337,8 +337,8 @@ func TestClientAddr(t *testing.T) {
 		{"192.0.2.7:5555", []string{"198.51.100.1"}, "192.0.2.7"}, // untrusted peer: its XFF is the client's word
 		{"10.1.2.3:80", []string{"198.51.100.1"}, "198.51.100.1"},
 		{"10.1.2.3:80", []string{"203.0.113.9, 198.51.100.1, 10.9.9.9"}, "198.51.100.1"}, // right-most untrusted
-		{"10.1.2.3:80", []string{"203.0.113.9", "10.9.9.9, 10.8.8.8"}, "203.0.113.9"},   // across header lines
-		{"10.1.2.3:80", []string{"10.9.9.9"}, "10.9.9.9"},                               // all trusted: the left-most
+		{"10.1.2.3:80", []string{"203.0.113.9", "10.9.9.9, 10.8.8.8"}, "203.0.113.9"},    // across header lines
+		{"10.1.2.3:80", []string{"10.9.9.9"}, "10.9.9.9"},                                // all trusted: the left-most
 		{"10.1.2.3:80", nil, "10.1.2.3"},
 		{"10.1.2.3:80", []string{"198.51.100.1:4711"}, "198.51.100.1"},
 		{"10.1.2.3:80", []string{"[2001:db8::1]:4711"}, "2001:db8::1"},
