@@ -264,7 +264,7 @@ func (g *Gateway) serveObserved(w http.ResponseWriter, r *http.Request) {
 // obsWriter to the pool.
 func (g *Gateway) observed(ow *obsWriter, r *http.Request) {
 	end := time.Now()
-	code := ow.finalStatus()
+	code := ow.finalStatus(r)
 	if ow.trace.on() {
 		g.obs.tracing.endRequest(ow, r, code, end, g.trusted)
 	}
@@ -282,15 +282,18 @@ func (g *Gateway) observed(ow *obsWriter, r *http.Request) {
 
 // finalStatus is the request's status as the metrics counted it (499 for a
 // client that went away, 502 for a stream that failed midway), else as
-// written.
-func (w *obsWriter) finalStatus() int {
+// written, else 499 when the client is gone and 200 (net/http's answer to
+// a handler that wrote nothing) when not.
+func (w *obsWriter) finalStatus(r *http.Request) int {
 	switch {
 	case w.code != 0:
 		return w.code
 	case w.status != 0:
 		return w.status
+	case r.Context().Err() != nil && !shuttingDown(r):
+		return codeClientClosed
 	}
-	return http.StatusOK // net/http's answer to a handler that wrote nothing
+	return http.StatusOK
 }
 
 // appendLine appends the request's access line to dst: slog's JSON or text

@@ -148,6 +148,10 @@ func TestAccessLogOutcomes(t *testing.T) {
 		return scrape(t, c, srv.URL).value("infergate_requests_total", `code="499"`) == 1
 	})
 	s := scrape(t, c, srv.URL)
+	st := g.DashboardState(time.Now())
+	if want := []DashKey{{"team-a", 7, 120, 96, 9}, {"team-b", 2, 40, 32, 3}}; !slices.Equal(st.Keys, want) {
+		t.Errorf("dashboard state keys %+v, want %+v", st.Keys, want)
+	}
 	srv.Close()
 	g.Close() // writes the last lines
 

@@ -35,6 +35,14 @@ func newLogHandler(w io.Writer, level, format string) (slog.Handler, error) {
 	}
 	opts := &slog.HandlerOptions{Level: lv}
 	if f == gateway.LogFormatJSON {
+		// Durations as the text handler writes them ("1m30s"), not as
+		// slog's JSON integer nanoseconds.
+		opts.ReplaceAttr = func(_ []string, a slog.Attr) slog.Attr {
+			if a.Value.Kind() == slog.KindDuration {
+				return slog.String(a.Key, a.Value.Duration().String())
+			}
+			return a
+		}
 		return slog.NewJSONHandler(w, opts), nil
 	}
 	return slog.NewTextHandler(w, opts), nil

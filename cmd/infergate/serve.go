@@ -151,7 +151,13 @@ exits.
 
 API keys: auth.keys_file (or --keys-file) and/or the INFERGATE_API_KEYS
 environment variable (same format, ';' between entries); hash a key with
-'infergate keys hash'. Without keys the gateway is open.`,
+'infergate keys hash'. Without keys the gateway is open.
+
+Observability: --log-level/--log-format (log.level, log.format); one access
+log line per API request, on unless --access-log=false (access_log.enabled,
+access_log.path); X-Infergate-Endpoint on answers with
+response_headers.endpoint; OpenTelemetry traces over OTLP/HTTP with
+tracing.otlp_endpoint (the client's traceparent is carried to the engine).`,
 		Example: `  infergate serve -c gateway.yaml
   infergate serve --endpoint http://127.0.0.1:8001=my-model --endpoint http://127.0.0.1:8002=my-model --policy cache-aware`,
 		Args: cobra.NoArgs,
