@@ -190,7 +190,9 @@ endpoints:
 	base := g.await(t, jsonAddrRe)
 	chatURL := base + "/v1/chat/completions"
 	ctx := context.Background()
-	auth := func(k string) []string { return []string{"Authorization", "Bearer " + k, "User-Agent", "access-log-test/1"} }
+	auth := func(k string) []string {
+		return []string{"Authorization", "Bearer " + k, "User-Agent", "access-log-test/1"}
+	}
 	content := strings.Repeat("Hello there, how are you today? ", 20) // some 160 tokens: whole KV blocks to cache
 	chat := `{"model":"m","messages":[{"role":"user","content":"` + content + `"}],"max_tokens":5}`
 	stream := `{"model":"m","messages":[{"role":"user","content":"` + content + `"}],"max_tokens":5,"stream":true}`
