@@ -496,3 +496,36 @@ func BenchmarkAccessLine(b *testing.B) {
 		})
 	}
 }
+
+// FuzzClientAddr: for any peer address and X-Forwarded-For, clientAddr
+// answers one hop of what it was given — the peer's host, or one trimmed
+// entry of the header (no comma, no surrounding space) — and the peer's
+// own host whenever the peer is not trusted.
+func FuzzClientAddr(f *testing.F) {
+	for _, s := range [][2]string{
+		{"10.1.2.3:80", "203.0.113.9, 198.51.100.1, 10.9.9.9"}, {"192.0.2.7:1", "198.51.100.1"}, {"10.0.0.1:1", ", ,,"},
+		{"[::1]:80", "[2001:db8::1]:4711, unknown"}, {"10.0.0.1:1", "10.0.0.2,10.0.0.3"}, {"@", ""}, {"", "1.2.3.4"},
+		{"10.0.0.1:1", strings.Repeat("10.0.0.9, ", 1000)}, {"[::ffff:10.0.0.1]:1", "\xff\x00, 1.1.1.1"},
+	} {
+		f.Add(s[0], s[1])
+	}
+	trusted, _ := parseTrusted([]string{"10.0.0.0/8", "::1/128"})
+	f.Fuzz(func(t *testing.T, remote, xff string) {
+		r := &http.Request{RemoteAddr: remote, Header: http.Header{"X-Forwarded-For": {xff}}}
+		got := clientAddr(r, trusted)
+		peer := hostOf(remote)
+		a, err := netip.ParseAddr(peer)
+		if err != nil || !isTrusted(a.Unmap(), trusted) {
+			if got != peer {
+				t.Fatalf("untrusted peer %q: clientAddr = %q, want %q", remote, got, peer)
+			}
+			return
+		}
+		if got == peer {
+			return
+		}
+		if strings.Contains(got, ",") || got != strings.TrimSpace(got) || !strings.Contains(xff, got) && !strings.Contains(xff, "["+got+"]") {
+			t.Fatalf("clientAddr(%q, XFF %q) = %q: not one hop of the header", remote, xff, got)
+		}
+	})
+}
