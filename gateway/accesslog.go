@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"log/slog"
@@ -178,17 +179,31 @@ func (g *Gateway) trackRequest(w http.ResponseWriter, x *exchange, key *principa
 }
 
 // beginAttempt runs as endpoint i of p is tried: the served-by header (when
-// configured), the attempt count, the attempt's span.
+// configured), the attempt count, the attempt's span, a debug line.
 func (g *Gateway) beginAttempt(w http.ResponseWriter, x *exchange, p *pool, i int, d sched.Decision) {
 	ep := p.endpoints[i]
+	h := w.Header()
 	if g.servedBy != nil {
-		w.Header()[EndpointHeader] = g.servedBy[ep]
+		h[EndpointHeader] = g.servedBy[ep]
 	}
+	n := 0
 	if ow := x.obs; ow != nil {
 		ow.attempts++
+		n = ow.attempts
 		if ow.trace.on() {
 			g.obs.tracing.startAttempt(&ow.trace, ep, p, x, ow.attempts, d)
 		}
+	}
+	if slog.Default().Enabled(context.Background(), slog.LevelDebug) {
+		var id string
+		if v := h["X-Request-Id"]; len(v) > 0 {
+			id = v[0]
+		}
+		args := []any{"request_id", id, "endpoint", ep.name, "policy", p.policy.Name(), "matched_blocks", d.MatchedBlocks}
+		if n > 0 {
+			args = append(args, "attempt", n)
+		}
+		slog.Debug("gateway: attempt", args...)
 	}
 }
 

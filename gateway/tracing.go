@@ -167,10 +167,11 @@ func (t *tracing) startAttempt(rt *requestTrace, ep *endpoint, p *pool, x *excha
 	if rt.attempt != nil { // not ended by attemptFailed: cannot happen, but never leak a span
 		rt.attempt.End()
 	}
-	attrs := []attribute.KeyValue{rt.op, semconv.GenAIProviderNameKey.String(string(ep.kind)),
+	attrs := make([]attribute.KeyValue, 0, 14)
+	attrs = append(attrs, rt.op, semconv.GenAIProviderNameKey.String(string(ep.kind)),
 		semconv.GenAIRequestModel(x.model), attrEndpoint.String(ep.name), attrPolicy.String(p.policy.Name()),
 		attrAttempt.Int(n), attrMatchedBlocks.Int(d.MatchedBlocks), attrMatchedTokens.Int(d.MatchedBlocks * p.blockSize),
-		attrStream.Bool(x.stream)}
+		attrStream.Bool(x.stream))
 	if u := ep.urls[kindChat]; u != nil {
 		attrs = append(attrs, semconv.ServerAddress(u.Hostname()))
 		if port, err := strconv.Atoi(u.Port()); err == nil {
@@ -241,23 +242,29 @@ func (rt *requestTrace) attemptFailed(f *failure) {
 // (code), usage and the request's identity.
 func (t *tracing) endRequest(ow *obsWriter, r *http.Request, code int, end time.Time, trusted []netip.Prefix) {
 	rt := &ow.trace
-	var usage []attribute.KeyValue
+	// One SetAttributes per span: each call grows the span's slice.
+	attrs := make([]attribute.KeyValue, 0, 20)
+	attrs = append(attrs, semconv.HTTPResponseStatusCode(code))
 	if ow.usage {
-		usage = []attribute.KeyValue{semconv.GenAIUsageInputTokens(ow.prompt), semconv.GenAIUsageOutputTokens(ow.output),
-			semconv.GenAIUsageCacheReadInputTokens(ow.cached)}
+		attrs = append(attrs, semconv.GenAIUsageInputTokens(ow.prompt), semconv.GenAIUsageOutputTokens(ow.output),
+			semconv.GenAIUsageCacheReadInputTokens(ow.cached))
+	}
+	if code >= 400 && code != codeClientClosed {
+		attrs = append(attrs, semconv.ErrorTypeKey.String(strconv.Itoa(code)))
 	}
 	if a := rt.attempt; a != nil {
-		a.SetAttributes(semconv.HTTPResponseStatusCode(code))
-		a.SetAttributes(usage...)
+		a.SetAttributes(attrs...)
 		if code >= 400 && code != codeClientClosed {
-			a.SetAttributes(semconv.ErrorTypeKey.String(strconv.Itoa(code)))
 			a.SetStatus(codes.Error, ow.errCode)
 		}
 		a.End(trace.WithTimestamp(end))
 		rt.attempt = nil
 	}
+	if code < 500 && code >= 400 && code != codeClientClosed {
+		attrs = attrs[:len(attrs)-1] // a 4xx is not the server span's error
+	}
 	s := rt.server
-	attrs := append(usage, semconv.HTTPResponseStatusCode(code), semconv.ClientAddress(clientAddr(r, trusted)))
+	attrs = append(attrs, semconv.ClientAddress(clientAddr(r, trusted)))
 	if id := requestIDOf(ow, r); id != "" {
 		attrs = append(attrs, attrRequestID.String(id))
 	}
@@ -281,7 +288,6 @@ func (t *tracing) endRequest(ow *obsWriter, r *http.Request, code int, end time.
 	}
 	s.SetAttributes(attrs...)
 	if code >= 500 {
-		s.SetAttributes(semconv.ErrorTypeKey.String(strconv.Itoa(code)))
 		s.SetStatus(codes.Error, ow.errCode)
 	}
 	s.End(trace.WithTimestamp(end))
