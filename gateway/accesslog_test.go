@@ -78,8 +78,10 @@ func postID(t *testing.T, c *http.Client, url, id, key, body string, hdr ...stri
 // with the access log on and checks each one's line: 200s (one retried
 // from an endpoint that refuses connections to the one that answers),
 // a stream with its TTFT and usage, 401, 400, 404, a key's 429, a client
-// that goes away mid-stream (499), a stream that fails midway (502), GET
-// /v1/models; the keys themselves never appear; per-key counters.
+// that goes away mid-stream (499), an engine 5xx answered as a 502 (no
+// endpoint left to retry on), a stream that fails midway (502), GET
+// /v1/models; the keys themselves never appear; per-key counters (metrics
+// and dashboard state).
 func TestAccessLogOutcomes(t *testing.T) {
 	e := newFakeEngine(t, "e1")
 	cfg := testConfig(sched.RoundRobin, e)
@@ -116,6 +118,10 @@ func TestAccessLogOutcomes(t *testing.T) {
 	} {
 		postID(t, c, chatURL, r.id, r.key, r.body)
 	}
+	e.mode.Store(int32(modeError500)) // no endpoint left to retry on: the failure is answered
+	if resp, b := postID(t, c, chatURL, "fail-500", keyA, chat); resp.StatusCode != 502 {
+		t.Fatalf("fail-500: %d %s", resp.StatusCode, b)
+	}
 	e.mode.Store(int32(modeMidFail))
 	if resp, b := postID(t, c, chatURL, "midfail", keyA, stream); resp.StatusCode != 200 || !bytes.Contains(b, []byte("upstream_error")) {
 		t.Fatalf("midfail: %d %s", resp.StatusCode, b)
@@ -149,7 +155,7 @@ func TestAccessLogOutcomes(t *testing.T) {
 	})
 	s := scrape(t, c, srv.URL)
 	st := g.DashboardState(time.Now())
-	if want := []DashKey{{"team-a", 7, 120, 96, 9}, {"team-b", 2, 40, 32, 3}}; !slices.Equal(st.Keys, want) {
+	if want := []DashKey{{"team-a", 8, 120, 96, 9}, {"team-b", 2, 40, 32, 3}}; !slices.Equal(st.Keys, want) {
 		t.Errorf("dashboard state keys %+v, want %+v", st.Keys, want)
 	}
 	srv.Close()
@@ -217,10 +223,11 @@ func TestAccessLogOutcomes(t *testing.T) {
 	expect("rl-1", map[string]any{"status": 200.0, "key": "team-b", "endpoint": ep})
 	expect("rl-2", map[string]any{"status": 429.0, "key": "team-b", "error": "rate_limit_exceeded", "attempts": nil, "endpoint": nil})
 	expect("midfail", map[string]any{"status": 502.0, "error": "upstream_error", "endpoint": ep, "attempts": 1.0})
+	expect("fail-500", map[string]any{"status": 502.0, "error": "upstream_error", "endpoint": ep, "attempts": 1.0, "prompt_tokens": nil})
 	expect("gone", map[string]any{"status": 499.0, "endpoint": ep, "key": "team-a"})
 	expect("models", map[string]any{"status": 200.0, "method": "GET", "path": pathModels, "key": "team-a", "model": nil})
-	if n := len(lines); n != 11 {
-		t.Errorf("%d request ids in the log, want 11: %v", n, lines)
+	if n := len(lines); n != 12 {
+		t.Errorf("%d request ids in the log, want 12: %v", n, lines)
 	}
 
 	// Per-key usage: every inference request with the key, tokens of those
@@ -229,7 +236,7 @@ func TestAccessLogOutcomes(t *testing.T) {
 		name, key string
 		want      float64
 	}{
-		{"infergate_key_requests_total", "team-a", 7}, {"infergate_key_requests_total", "team-b", 2},
+		{"infergate_key_requests_total", "team-a", 8}, {"infergate_key_requests_total", "team-b", 2},
 		{"infergate_key_prompt_tokens_total", "team-a", 120}, {"infergate_key_cached_prompt_tokens_total", "team-a", 96},
 		{"infergate_key_generation_tokens_total", "team-a", 9}, {"infergate_key_prompt_tokens_total", "team-b", 40},
 	} {
