@@ -356,6 +356,8 @@ type principal struct {
 	maxPriority int
 	// modelsBody is GET /v1/models for this principal (nil: the full list).
 	modelsBody []byte
+	// usage are the key's usage counters (keyusage.go).
+	usage *keyUsage
 }
 
 // allows reports whether the principal may use model.
@@ -485,6 +487,9 @@ func (g *Gateway) authenticate(w http.ResponseWriter, r *http.Request) (*princip
 		p = g.keys.lookup(key)
 	}
 	if p != nil {
+		if ow := observedFor(w); ow != nil {
+			ow.key = p
+		}
 		return p, true
 	}
 	reason := "invalid"
@@ -497,7 +502,8 @@ func (g *Gateway) authenticate(w http.ResponseWriter, r *http.Request) (*princip
 	w.Header().Set("X-Request-Id", g.requestID(r)) // to match the client's report with the gateway's
 	openai.WriteError(w, authFailure(key == ""))
 	if proxiedPath(r.URL.Path) {
-		g.metrics.count(g.unknown, http.StatusUnauthorized)
+		observedFor(w).failed(codeInvalidAPIKey)
+		g.count(w, g.unknown, http.StatusUnauthorized)
 	}
 	return nil, false
 }

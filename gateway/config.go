@@ -175,6 +175,9 @@ type Config struct {
 	// EdgeConfig holds API keys, TLS, trusted proxies, header limits and
 	// client timeouts (limits.go, auth.go, tls.go); its keys are top-level.
 	EdgeConfig `yaml:",inline"`
+	// ObservabilityConfig holds the log, access log, response headers and
+	// tracing settings (observability.go); its keys are top-level.
+	ObservabilityConfig `yaml:",inline"`
 }
 
 // EndpointConfig describes one engine.
@@ -323,6 +326,7 @@ func (c Config) WithDefaults() Config {
 	c.CircuitBreaker, c.Admission = c.CircuitBreaker.withDefaults(), c.Admission.withDefaults()
 	c.EdgeConfig = c.EdgeConfig.withDefaults()
 	c.Responses = c.Responses.withDefaults()
+	c.ObservabilityConfig = c.ObservabilityConfig.withDefaults()
 	eps := make([]EndpointConfig, len(c.Endpoints))
 	for i, e := range c.Endpoints {
 		if e.BlockSize == 0 {
@@ -374,6 +378,7 @@ func (c Config) Validate() error {
 	}
 	errs = append(errs, c.validateResilience()...)
 	errs = append(errs, c.EdgeConfig.validate()...)
+	errs = append(errs, c.ObservabilityConfig.validate()...)
 	if c.HealthCheckPath != "" && c.HealthCheckPath != healthCheckOff && !strings.HasPrefix(c.HealthCheckPath, "/") {
 		bad("health_check_path %q: must start with / (or be %q to disable probing, or empty for each kind's own path)", c.HealthCheckPath, healthCheckOff)
 	}

@@ -87,6 +87,12 @@ type Gateway struct {
 
 	dash dashboard // GET /dashboard's recent figures (dashboard.go)
 
+	// obs is the access log and tracer (nil when both are off); servedBy
+	// the EndpointHeader value per endpoint (nil unless configured).
+	// accesslog.go, tracing.go.
+	obs      *observer
+	servedBy map[*endpoint][]string
+
 	stop      context.CancelFunc
 	wg        sync.WaitGroup
 	closeOnce sync.Once
@@ -361,6 +367,10 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		g.transport.CloseIdleConnections()
 		return nil, err
 	}
+	if err := g.initObservability(reg); err != nil {
+		g.transport.CloseIdleConnections()
+		return nil, err
+	}
 	ctx, stop := context.WithCancel(context.Background())
 	g.stop = stop
 	for _, ep := range g.endpoints {
@@ -491,6 +501,7 @@ func (g *Gateway) Close() {
 		g.stop()
 		g.wg.Wait()
 		g.up.CloseIdleConnections() // the transport's too
+		g.closeObservability()
 	})
 }
 
@@ -585,7 +596,7 @@ func (g *Gateway) allow(w http.ResponseWriter, r *http.Request, method string) b
 	openai.WriteError(w, openai.NewError(http.StatusMethodNotAllowed,
 		fmt.Sprintf("Method %s is not allowed for %s (use %s).", r.Method, r.URL.Path, method), "", "method_not_allowed"))
 	if proxiedPath(r.URL.Path) {
-		g.metrics.count(g.unknown, http.StatusMethodNotAllowed)
+		g.count(w, g.unknown, http.StatusMethodNotAllowed)
 	}
 	return false
 }

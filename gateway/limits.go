@@ -221,7 +221,7 @@ func (g *Gateway) checkEdge(w http.ResponseWriter, r *http.Request) (*principal,
 		openai.WriteError(w, openai.NewError(http.StatusRequestHeaderFieldsTooLarge,
 			fmt.Sprintf("Request headers are %d bytes, over the limit of %d bytes.", n, g.cfg.MaxHeaderBytes), "", codeHeaderTooLarge))
 		if proxiedPath(r.URL.Path) {
-			g.metrics.count(g.unknown, http.StatusRequestHeaderFieldsTooLarge)
+			g.count(w, g.unknown, http.StatusRequestHeaderFieldsTooLarge)
 		}
 		return nil, false
 	}

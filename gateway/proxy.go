@@ -92,6 +92,10 @@ type exchange struct {
 	// edge is the key's token reservation and the client write deadline
 	// (limits.go).
 	edge exchangeEdge
+	// obs is the request's access-log and trace record (nil when not
+	// observed), keyUse its API key's usage counters (nil: no key).
+	obs    *obsWriter
+	keyUse *keyUsage
 
 	// predicted is the prompt tokens the policy predicted the endpoint holds
 	// (-1: the policy predicts nothing), from index predictedBy;
@@ -164,6 +168,7 @@ func (g *Gateway) putExchange(x *exchange) {
 		x.errBody = nil
 	}
 	x.edge = exchangeEdge{}
+	x.obs, x.keyUse = nil, nil
 	clear(x.upHeader) // the client's header values
 	x.reqID[0] = ""
 	if x.er != nil {
@@ -329,7 +334,10 @@ func (g *Gateway) requestID(r *http.Request) string {
 // fail answers e and counts it.
 func (g *Gateway) fail(w http.ResponseWriter, rm *routeMetrics, e *openai.Error) {
 	openai.WriteError(w, e)
-	g.metrics.count(rm, e.Status)
+	if c, ok := e.Code.(string); ok {
+		observedFor(w).failed(c)
+	}
+	g.count(w, rm, e.Status)
 }
 
 // serveInference is the request path of every API passed to an engine
@@ -351,16 +359,18 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	w.Header()["X-Request-Id"] = []string{reqID}
 	x.pass.kind, x.pass.key = kind, key
 	g.metrics.api[kind].Inc()
+	g.trackRequest(w, x, key)
 
 	if e := x.readBody(w, r, g.cfg.MaxBodyBytes, g.cfg.BodyReadTimeout); e != nil {
 		if e.Status == codeClientClosed {
-			g.metrics.count(g.unknown, codeClientClosed) // no answer to write
+			g.count(w, g.unknown, codeClientClosed) // no answer to write
 			return
 		}
 		g.fail(w, g.unknown, e)
 		return
 	}
 	verr := x.decode(kind)
+	x.obs.decodedRequest(x.model, x.stream)
 	targets := g.targets[x.model]
 	if kind == kindResponseByID {
 		targets, verr = g.responseTarget(x, r, key)
@@ -514,7 +524,7 @@ func (g *Gateway) relayError(w http.ResponseWriter, r *http.Request, resp *http.
 	}
 	if err == nil && len(body) <= maxErrorBody && engineJSON(body) {
 		writeJSON(w, resp.StatusCode, body)
-		g.metrics.count(rm, resp.StatusCode)
+		g.count(w, rm, resp.StatusCode)
 		return
 	}
 	snippet := strings.ToValidUTF8(string(body[:min(len(body), 256)]), "")
@@ -575,7 +585,7 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 				ok := sent || send(x.capture) // the held part first
 				g.hold.release(&held)
 				if !ok || !send(x.copyBuf[:n]) {
-					g.metrics.count(rm, codeClientClosed)
+					g.count(w, rm, codeClientClosed)
 					return nil, codeClientClosed
 				}
 			}
@@ -596,13 +606,13 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 				return &failure{reason: reasonReset, rm: rm, err: openai.NewError(http.StatusBadGateway,
 					"The model server's answer broke off before its end: "+rerr.Error(), "", openai.CodeUpstream)}, 0
 			case shuttingDown(r):
-				g.metrics.count(rm, http.StatusServiceUnavailable)
+				g.count(w, rm, http.StatusServiceUnavailable)
 				return nil, codeAbort
 			case r.Context().Err() != nil:
-				g.metrics.count(rm, codeClientClosed)
+				g.count(w, rm, codeClientClosed)
 				return nil, codeClientClosed
 			}
-			g.metrics.count(rm, http.StatusBadGateway)
+			g.count(w, rm, http.StatusBadGateway)
 			return nil, codeAbort
 		}
 	}
@@ -611,7 +621,7 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 	}
 	if !sent {
 		if !send(x.capture) {
-			g.metrics.count(rm, codeClientClosed)
+			g.count(w, rm, codeClientClosed)
 			return nil, codeClientClosed
 		}
 		switch k := x.pass.kind; {
@@ -653,6 +663,9 @@ func (g *Gateway) finish(rm *routeMetrics, x *exchange, code int, u *openai.Usag
 			rm.predErr[indexPrecise].Observe(math.Abs(float64(min(x.precisePredicted, limit) - cached)))
 		}
 	}
+	x.obs.used(u)
+	x.keyUse.used(u)
+	x.obs.counted(rm, code)
 	g.metrics.count(rm, code)
 }
 
@@ -756,10 +769,11 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			case shutdown && !complete:
 				x.out = x.out[:0]
 				writeStreamError(w, rc, x, shutdownError())
+				x.obs.failed(codeShuttingDown)
 				g.finish(rm, x, http.StatusServiceUnavailable, usage, start)
 				return nil, codeClientClosed // no verdict on the engine
 			case !shutdown && (r.Context().Err() != nil || fr.err != nil):
-				g.metrics.count(rm, codeClientClosed)
+				g.count(w, rm, codeClientClosed)
 				return nil, codeClientClosed
 			}
 			code := http.StatusOK
@@ -768,7 +782,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				// leave with [DONE] (a Responses stream ends at its
 				// terminal event).
 				if _, werr := w.Write(append(x.out, x.streamTail(er)...)); werr != nil {
-					g.metrics.count(rm, codeClientClosed)
+					g.count(w, rm, codeClientClosed)
 					return nil, codeClientClosed
 				}
 				// Not flushed here: the handler returns at once and net/http
@@ -797,6 +811,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				slog.Warn("gateway: upstream stream failed", "endpoint", rm.labels[1],
 					"request_id", reqID, "err", err)
 				writeStreamError(w, rc, x, openai.NewError(code, msg, "", errCode))
+				x.obs.failed(errCode)
 			}
 			g.finish(rm, x, code, usage, start)
 			return nil, code
@@ -834,6 +849,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 					}
 					x.prefillDone()
 					rm.ttft.Observe(now.Sub(start).Seconds())
+					x.obs.firstOutput(now.Sub(start))
 				} else {
 					rm.itl.Observe(now.Sub(last).Seconds())
 				}
@@ -857,7 +873,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 		}
 		g.extendWriteDeadline(w, x, now)
 		if _, err := w.Write(x.out); err != nil {
-			g.metrics.count(rm, codeClientClosed)
+			g.count(w, rm, codeClientClosed)
 			return nil, codeClientClosed
 		}
 		x.out = x.out[:0]

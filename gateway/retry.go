@@ -130,6 +130,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 			w.Header()[AttemptsHeader] = []string{strconv.Itoa(x.pass.tries)}
 		}
 		f := g.attempt(w, r, x, kind, p, i, d, reqID, start)
+		x.obs.attemptFailed(f)
 		if f == nil {
 			return false
 		}
@@ -172,7 +173,7 @@ func (g *Gateway) answerFailure(w http.ResponseWriter, x *exchange, f *failure) 
 	}
 	if f.body != nil {
 		writeJSON(w, f.status, f.body)
-		g.metrics.count(f.rm, f.status)
+		g.count(w, f.rm, f.status)
 		return false
 	}
 	g.fail(w, f.rm, f.err)
@@ -187,6 +188,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	d sched.Decision, reqID string, start time.Time) *failure {
 	ep, rm := p.endpoints[i], p.routes[i]
 	defer ep.releaseSlot()
+	g.beginAttempt(w, x, p, i, d)
 	if n := int64(x.sreq.PromptTokens); n > 0 {
 		ep.inFlightTokens.Add(n)
 		defer ep.inFlightTokens.Add(-n)
@@ -238,6 +240,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	x.upHeader = upstreamHeader(x.upHeader, r.Header, x.requestIDValue(reqID), r.RemoteAddr)
 	ep.addHeader(x.upHeader) // the endpoint's credentials and headers (credentials.go)
 	req.Header = x.upHeader
+	x.obs.inject(req.Header) // this attempt's traceparent (tracing.go)
 
 	// A stream's first output is due within first_event_timeout of the
 	// request, its response headers included; a non-streaming answer's

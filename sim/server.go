@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"strings"
 	"sync"
@@ -609,6 +610,13 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, g *genRequest) {
 	if !s.started.Load() {
 		openai.WriteError(w, openai.NewError(http.StatusServiceUnavailable, "the simulated engine is not running", "", ""))
 		return
+	}
+	if slog.Default().Enabled(r.Context(), slog.LevelDebug) {
+		// What vLLM reads for its OpenTelemetry spans (--otlp-traces-endpoint):
+		// the request's W3C trace context, logged so a test or an operator
+		// can follow a trace through the gateway to the engine.
+		slog.Debug("sim: request received", "id", g.id, "x_request_id", r.Header.Get("X-Request-Id"),
+			"traceparent", r.Header.Get("Traceparent"), "tracestate", r.Header.Get("Tracestate"))
 	}
 	c := &call{
 		id: g.id,

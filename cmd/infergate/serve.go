@@ -121,6 +121,8 @@ func newServeCmd() *cobra.Command {
 		keysFile   string
 		pprofAddr  string
 		grace      time.Duration
+		lf         logFlags
+		access     bool
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -155,7 +157,13 @@ environment variable (same format, ';' between entries); hash a key with
 Engines that need a key (vLLM --api-key, hosted OpenAI-compatible APIs): set
 api_key_env (or --endpoint-api-key-env) to the name of an environment variable
 holding it; the gateway sends its own key, never the client's. An engine that
-refuses it (401/403) is ejected and the client gets 502 upstream_auth.`,
+refuses it (401/403) is ejected and the client gets 502 upstream_auth.
+
+Observability: --log-level/--log-format (log.level, log.format); one access
+log line per API request, on unless --access-log=false (access_log.enabled,
+access_log.path); X-Infergate-Endpoint on answers with
+response_headers.endpoint; OpenTelemetry traces over OTLP/HTTP with
+tracing.otlp_endpoint (the client's traceparent is carried to the engine).`,
 		Example: `  infergate serve -c gateway.yaml
   infergate serve --endpoint http://127.0.0.1:8001=my-model --endpoint http://127.0.0.1:8002=my-model --policy cache-aware
   VLLM_KEY=... infergate serve --endpoint http://10.0.0.1:8000=my-model --endpoint-api-key-env VLLM_KEY`,
@@ -197,7 +205,11 @@ refuses it (401/403) is ejected and the client gets 502 upstream_auth.`,
 			if err := checkPprofAddr(pprofAddr); err != nil {
 				return err
 			}
-			log := newLogger(cmd)
+			log, err := setupLogging(cmd, &cfg.Log)
+			if err != nil {
+				return err
+			}
+			applyAccessLog(cmd, &cfg.AccessLog, access)
 			g, err := gateway.New(cfg, nil)
 			if err != nil {
 				return err
@@ -233,6 +245,8 @@ refuses it (401/403) is ejected and the client gets 502 upstream_auth.`,
 	f.StringVar(&keysFile, "keys-file", "", "API keys file (overrides auth.keys_file; see 'infergate keys')")
 	f.StringVar(&pprofAddr, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default)")
 	f.DurationVar(&grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage+" (overrides shutdown_grace)")
+	lf.register(f)
+	accessLogFlag(f, &access)
 	return cmd
 }
 

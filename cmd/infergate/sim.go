@@ -13,6 +13,7 @@ func newSimCmd() *cobra.Command {
 	var (
 		listen string
 		ef     engineFlags
+		lf     logFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "sim",
@@ -59,6 +60,7 @@ latency model of the chosen model-and-GPU profile.`,
 	f := cmd.Flags()
 	f.StringVar(&listen, "listen", "127.0.0.1:8001", "address to serve on")
 	f.StringArrayVar(&ef.apiKeys, "api-key", nil, "require Authorization: Bearer <key> on every /v1 path, as vLLM's --api-key (repeatable: any of them; default $"+sim.EnvAPIKey+"); /health and /metrics stay open")
+	lf.register(f)
 	ef.register(f, true, `vLLM's --kv-events-config JSON, all of its fields, e.g. '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}' (plus "encoding": "array"|"map")`)
 	return cmd
 }
