@@ -38,7 +38,7 @@ func TestWriteHTML(t *testing.T) {
 	if b.Len() > 2<<20 {
 		t.Errorf("report of 2×12k requests is %d bytes, want < 2 MiB", b.Len())
 	}
-	for _, want := range []string{"<!DOCTYPE html>", "</html>", "<table>", "<td>round-robin</td>", "<td>prefix&lt;&amp;&gt;</td>",
+	for _, want := range []string{"<!DOCTYPE html>", "</html>", "<table>", `<td class="txt">round-robin</td>`, `<td class="txt">prefix&lt;&amp;&gt;</td>`,
 		"TTFT CDF", "ITL CDF", "hit rate over time", "TTFT p50 over time", "in flight", "Per-endpoint request share", "share of requests"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("report lacks %q", want)
@@ -47,8 +47,8 @@ func TestWriteHTML(t *testing.T) {
 	if strings.Contains(out, "<script>") {
 		t.Error("title not escaped")
 	}
-	if got := strings.Count(out, "<svg"); got != 6 {
-		t.Errorf("%d <svg>, want 6", got)
+	if got := strings.Count(out, "<svg"); got != 9 {
+		t.Errorf("%d <svg>, want 9", got)
 	}
 	// 5 line charts × 2 policies.
 	if got := len(regexp.MustCompile(`<path d="M[0-9.]+ [0-9.]+ L`).FindAllString(out, -1)); got != 10 {
@@ -115,7 +115,7 @@ func TestWriteHTMLBehind(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := b.String()
-	for _, want := range []string{"<th>lag p99 ms</th>", "<td>1342 BEHIND</td>", "WARNING: prefix fell behind its time scale"} {
+	for _, want := range []string{"<th>lag p99 ms</th>", `<td class="num bad">1342 BEHIND</td>`, "WARNING: prefix fell behind its time scale"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("report lacks %q", want)
 		}
