@@ -95,10 +95,11 @@ table{border-collapse:collapse;margin:10px 0;font-size:13px}
 th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
 th{background:#f0f0f0;vertical-align:bottom}td.txt{text-align:left}td:first-child,th:first-child{text-align:left}
 tr.recommended td{background:#eaf6ea;font-weight:600}
-td.bad{color:#a00000;font-weight:600}td.num,td:nth-child(-n+2){white-space:nowrap}td.good{color:#176417}
-table.facts th{text-align:left;background:#f6f6f6;font-weight:600;white-space:nowrap;vertical-align:top}
-table.facts td{text-align:left;max-width:1100px;overflow-wrap:anywhere}
-code{font-family:ui-monospace,"SFMono-Regular",Menlo,Consolas,monospace;font-size:12px}
+td.bad{color:#a00000;font-weight:600}td.num,table:not(.facts) td:nth-child(-n+2){white-space:nowrap}td.good{color:#176417}
+table.facts{table-layout:fixed;width:100%;max-width:1200px}
+table.facts th{width:120px;text-align:left;background:#f6f6f6;font-weight:600;vertical-align:top}
+table.facts td{text-align:left;overflow-wrap:anywhere}
+code{font-family:ui-monospace,"SFMono-Regular",Menlo,Consolas,monospace;font-size:12px;white-space:pre-wrap;overflow-wrap:anywhere}
 .alert{border:2px solid #c00000;background:#fff0f0;color:#7a0000;padding:8px 12px;margin:8px 0;font-weight:600;max-width:1200px}
 .charts{display:flex;flex-wrap:wrap;gap:16px}
 figure{margin:0;border:1px solid #ddd;padding:4px}

@@ -367,6 +367,28 @@ func RedactValue(v string) string {
 	return v
 }
 
+// RedactText redacts every URL and credential-looking word of a message
+// (RedactValue), such as an HTTP client's error naming the URL it failed
+// on; words are separated by spaces and may be quoted.
+func RedactText(msg string) string {
+	words := strings.Split(msg, " ")
+	changed := false
+	for i, w := range words {
+		core := strings.TrimRight(strings.TrimLeft(w, `"'(<`), `"'):,;>`)
+		if core == "" {
+			continue
+		}
+		if r := RedactValue(core); r != core {
+			words[i] = strings.Replace(w, core, r, 1)
+			changed = true
+		}
+	}
+	if !changed {
+		return msg
+	}
+	return strings.Join(words, " ")
+}
+
 // ShellQuote joins args into one line a POSIX shell reads back as args:
 // each argument that needs it in single quotes.
 func ShellQuote(args []string) string {

@@ -160,7 +160,7 @@ have no lag.`,
 					if err != nil {
 						return err
 					}
-					s := bench.Summarize(target, rs)
+					s := bench.Summarize(bench.RedactValue(target), rs)
 					s.RateRPS = rate
 					refs.Apply(&s, rs)
 					s.CheckLag(maxLag)
@@ -292,7 +292,7 @@ have no lag.`,
 				}
 			}
 			if htmlPath != "" {
-				title := "infergate bench: " + target
+				title := "infergate bench: " + bench.RedactValue(target)
 				if target == "" {
 					mode := "real time"
 					if virtual {
@@ -329,7 +329,7 @@ have no lag.`,
 	f.StringVarP(&outPath, "out", "o", "", "write the summary as JSON to this file")
 	f.StringVarP(&cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the compared policies (--compare)")
 	f.BoolVar(&virtual, "virtual", false, "with --compare: run the same engine model and policies in virtual time (discrete events, no sleeping, no HTTP): seconds instead of minutes")
-	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report (summary table, latency CDFs, time series, per-engine share) to this file")
+	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it (command, version, host, trace digest, profile, clock, lag), the summary table with the pooled- and infinite-cache reference hit rates, TTFT and ITL CDFs and percentiles, hit rate against the references, time series, per-engine share")
 	f.StringVar(&recPath, "records", "", "write per-request records as JSONL to this file")
 	warm.register(f)
 	f.StringVar(&rateList, "rate", "", "request-rate sweep: comma-separated rates (req/s, e.g. 1,2,4,8); the workload's arrivals are re-timed as a Poisson process at each rate (fixed seed, same requests in the same order) and run once per rate (per policy with --compare)")

@@ -158,7 +158,7 @@ overhead, and engines never fail.`,
 	f.StringVarP(&cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the policies")
 	f.StringVarP(&outPath, "out", "o", "", "write the sweep and the recommendation as JSON to this file")
 	f.IntVar(&workers, "workers", 0, "runs to simulate at once (0 = one per CPU)")
-	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report (sweep table, TTFT p90 and goodput vs engines, recommendation) to this file")
+	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it, the sweep table, and against fleet size each SLO target's value with its threshold line, goodput, and the hit rate with its references, the recommended point marked")
 	f.Int64Var(&seed, "seed", 0, "seed of the engines' outputs and the policies' tie-breaking")
 	return cmd
 }
