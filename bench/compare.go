@@ -73,6 +73,10 @@ type CompareOptions struct {
 	// engine time; 0 means DefaultMaxLag). Compare reports a run that fell
 	// behind (Summary.Behind), it does not stop.
 	MaxLag time.Duration
+	// References, if set, are the records' reference hits (NewReferences,
+	// for this fleet's capacity): every Summary gets its reference hit
+	// rates (References.Apply).
+	References *References
 	// OnRun, if set, is called after each run with its Summary, Records and
 	// the prompt tokens each engine counted (HTMLRun.EnginePromptTokens);
 	// the gateway does not say which engine served a request.
@@ -231,6 +235,9 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 	}
 	s := Summarize(policy, recs)
 	s.RateRPS = opts.RateRPS
+	if opts.References != nil {
+		opts.References.Apply(&s, recs)
+	}
 	s.FleetLag = FleetLag(fleet.Lag())
 	s.CheckLag(opts.MaxLag)
 	util := fleet.Utilization()

@@ -236,6 +236,10 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
 			return // ctx ended before it was due
 		}
 		r.Index, r.Policy = i, opts.Label
+		if r.Error != "" {
+			// Errors name the URL; a credential in it stays out of reports.
+			r.Error = RedactText(r.Error)
+		}
 		out[i], sent[i] = r, true
 		prog.done(r.Error != "")
 	}

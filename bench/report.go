@@ -3,13 +3,11 @@ package bench
 import (
 	"bytes"
 	"fmt"
-	"html/template"
 	"io"
 	"math"
 	"slices"
 	"strconv"
 	"strings"
-	"time"
 )
 
 // HTMLRun is one run of an HTML report: its Summary, its per-request Records
@@ -34,260 +32,6 @@ const (
 	inFlightPoints = 200
 )
 
-// Chart is a line or bar chart laid out in SVG pixel coordinates, rendered
-// by the "chart" template of WriteHTMLPage. Build one with LineChart or
-// BarChart.
-type Chart struct {
-	Title, XLabel, YLabel string
-	W, H                  int
-	X0, Y0, X1, Y1        float64 // plot area: left, top, right, bottom
-	XTicks, YTicks        []Tick
-	Lines                 []Line
-	Bars                  []Bar
-	Legend                []LegendItem
-	Note                  string
-}
-
-// Tick is an axis tick at pixel position Pos.
-type Tick struct {
-	Pos   float64
-	Label string
-}
-
-// Line is one series as an SVG path ("M x y L x y ...").
-type Line struct {
-	Name, Color, D string
-}
-
-// Bar is one rectangle of a bar chart.
-type Bar struct {
-	X, Y, W, H float64
-	Color      string
-	Title      string
-}
-
-// LegendItem is one legend entry, at pixel position X, Y.
-type LegendItem struct {
-	X, Y        float64
-	Color, Name string
-}
-
-// Series is a named list of (x, y) points in data units.
-type Series struct {
-	Name string
-	X, Y []float64
-}
-
-// Axis describes one axis of a LineChart: its label, whether it is
-// logarithmic, and optional fixed bounds (Min == Max: from the data).
-type Axis struct {
-	Label    string
-	Log      bool
-	Min, Max float64
-	// Format formats a tick value (default: %g).
-	Format func(float64) string
-	// Ticks, if set, are the tick values to use.
-	Ticks []float64
-}
-
-var palette = []string{"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"}
-
-// Color is the i-th colour of the report's palette.
-func Color(i int) string { return palette[i%len(palette)] }
-
-const (
-	chartW, chartH                  = 640, 360
-	padL, padR, padT, padB, legendH = 70.0, 20.0, 30.0, 50.0, 20.0
-)
-
-func newChart(title string) Chart {
-	return Chart{Title: title, W: chartW, H: chartH, X0: padL, Y0: padT + legendH, X1: chartW - padR, Y1: chartH - padB}
-}
-
-func (c *Chart) legend(names []string) {
-	x := c.X0
-	for i, n := range names {
-		c.Legend = append(c.Legend, LegendItem{X: x, Y: padT, Color: Color(i), Name: n})
-		x += 24 + 7*float64(len(n))
-	}
-}
-
-// LineChart lays out series on axes x and y; series i gets Color(i).
-func LineChart(title string, x, y Axis, series []Series) Chart {
-	c := newChart(title)
-	c.XLabel, c.YLabel = x.Label, y.Label
-	names := make([]string, len(series))
-	for i, s := range series {
-		names[i] = s.Name
-	}
-	c.legend(names)
-	xlo, xhi := bounds(x, series, func(s Series) []float64 { return s.X })
-	ylo, yhi := bounds(y, series, func(s Series) []float64 { return s.Y })
-	xs := scale(x.Log, xlo, xhi, c.X0, c.X1)
-	ys := scale(y.Log, ylo, yhi, c.Y1, c.Y0)
-	c.XTicks = ticks(x, xlo, xhi, xs)
-	c.YTicks = ticks(y, ylo, yhi, ys)
-	for i, s := range series {
-		d := make([]byte, 0, 16*len(s.X))
-		for k := range s.X {
-			if x.Log && s.X[k] <= 0 || y.Log && s.Y[k] <= 0 || math.IsNaN(s.X[k]) || math.IsNaN(s.Y[k]) {
-				continue
-			}
-			if len(d) == 0 {
-				d = append(d, 'M')
-			} else {
-				d = append(d, " L"...)
-			}
-			d = strconv.AppendFloat(d, xs(s.X[k]), 'f', 1, 64)
-			d = append(d, ' ')
-			d = strconv.AppendFloat(d, ys(s.Y[k]), 'f', 1, 64)
-		}
-		if len(d) > 0 {
-			c.Lines = append(c.Lines, Line{Name: s.Name, Color: Color(i), D: string(d)})
-		}
-	}
-	return c
-}
-
-// bounds returns the axis range: fixed, or the data's (positive data only on
-// a log axis, widened to powers of ten).
-func bounds(a Axis, series []Series, get func(Series) []float64) (lo, hi float64) {
-	if a.Min != a.Max {
-		return a.Min, a.Max
-	}
-	lo, hi = math.Inf(1), math.Inf(-1)
-	for _, s := range series {
-		for _, v := range get(s) {
-			if a.Log && v <= 0 || math.IsNaN(v) {
-				continue
-			}
-			lo, hi = min(lo, v), max(hi, v)
-		}
-	}
-	if math.IsInf(lo, 1) {
-		lo, hi = 1, 10
-	}
-	if a.Log {
-		lo, hi = math.Pow(10, math.Floor(math.Log10(lo))), math.Pow(10, math.Ceil(math.Log10(hi)))
-		if hi <= lo {
-			hi = lo * 10
-		}
-		return lo, hi
-	}
-	if a.Min == 0 && a.Max == 0 && lo > 0 {
-		lo = 0
-	}
-	if hi <= lo {
-		hi = lo + 1
-	}
-	return lo, hi
-}
-
-func scale(log bool, lo, hi, p0, p1 float64) func(float64) float64 {
-	if log {
-		llo, lhi := math.Log10(lo), math.Log10(hi)
-		return func(v float64) float64 { return p0 + (math.Log10(v)-llo)/(lhi-llo)*(p1-p0) }
-	}
-	return func(v float64) float64 { return p0 + (v-lo)/(hi-lo)*(p1-p0) }
-}
-
-func ticks(a Axis, lo, hi float64, pos func(float64) float64) []Tick {
-	f := a.Format
-	if f == nil {
-		f = func(v float64) string { return strconv.FormatFloat(v, 'g', 4, 64) }
-	}
-	vals := a.Ticks
-	if vals == nil {
-		if a.Log {
-			for v := lo; v <= hi*1.0001; v *= 10 {
-				vals = append(vals, v)
-			}
-		} else {
-			step := niceStep((hi - lo) / 5)
-			for v := math.Ceil(lo/step) * step; v <= hi+step*1e-9; v += step {
-				vals = append(vals, v)
-			}
-		}
-	}
-	out := make([]Tick, 0, len(vals))
-	for _, v := range vals {
-		if v < lo-1e-9*math.Abs(lo) || v > hi+1e-9*math.Abs(hi) {
-			continue
-		}
-		out = append(out, Tick{Pos: math.Round(pos(v)*10) / 10, Label: f(v)})
-	}
-	return out
-}
-
-func niceStep(raw float64) float64 {
-	if raw <= 0 {
-		return 1
-	}
-	p := math.Pow(10, math.Floor(math.Log10(raw)))
-	for _, m := range []float64{1, 2, 5, 10} {
-		if raw <= m*p {
-			return m * p
-		}
-	}
-	return 10 * p
-}
-
-// FormatMs formats a duration in ms for an axis: "10 ms", "1 s", "2 min".
-func FormatMs(v float64) string {
-	switch {
-	case v >= 60000 && math.Mod(v, 60000) == 0:
-		return strconv.FormatFloat(v/60000, 'g', 4, 64) + " min"
-	case v >= 1000:
-		return strconv.FormatFloat(v/1000, 'g', 4, 64) + " s"
-	}
-	return strconv.FormatFloat(v, 'g', 4, 64) + " ms"
-}
-
-// FormatPercent formats a fraction as a percentage for an axis.
-func FormatPercent(v float64) string { return strconv.FormatFloat(v*100, 'g', 4, 64) + "%" }
-
-// BarChart lays out grouped bars: groups along x (labelled groups[g]), one
-// bar per series in each group, heights values[s][g] on a linear y axis from
-// 0; series s gets Color(s).
-func BarChart(title, xlabel string, y Axis, groups, series []string, values [][]float64) Chart {
-	c := newChart(title)
-	c.XLabel, c.YLabel = xlabel, y.Label
-	c.legend(series)
-	hi := y.Max
-	for _, vs := range values {
-		for _, v := range vs {
-			hi = max(hi, v)
-		}
-	}
-	if hi <= 0 {
-		hi = 1
-	}
-	ys := scale(false, 0, hi, c.Y1, c.Y0)
-	c.YTicks = ticks(Axis{Format: y.Format}, 0, hi, ys)
-	if len(groups) == 0 || len(series) == 0 {
-		return c
-	}
-	gw := (c.X1 - c.X0) / float64(len(groups))
-	bw := gw * 0.8 / float64(len(series))
-	for g, name := range groups {
-		gx := c.X0 + float64(g)*gw
-		c.XTicks = append(c.XTicks, Tick{Pos: math.Round((gx+gw/2)*10) / 10, Label: name})
-		for s := range series {
-			v := values[s][g]
-			c.Bars = append(c.Bars, Bar{X: gx + gw*0.1 + float64(s)*bw, Y: ys(v), W: bw, H: c.Y1 - ys(v),
-				Color: Color(s), Title: fmt.Sprintf("%s, %s: %s", series[s], name, formatY(y, v))})
-		}
-	}
-	return c
-}
-
-func formatY(a Axis, v float64) string {
-	if a.Format != nil {
-		return a.Format(v)
-	}
-	return strconv.FormatFloat(v, 'g', 4, 64)
-}
-
 // CDF returns up to cdfPoints points (value, fraction ≤ value) of xs's
 // empirical CDF; it sorts xs in place.
 func CDF(xs []float64) (x, y []float64) {
@@ -305,111 +49,297 @@ func CDF(xs []float64) (x, y []float64) {
 	return x, y
 }
 
-// Table is an HTML table: a header row and body rows of cells.
-type Table struct {
-	Head []string
-	Rows [][]string
-}
-
-// Section is one titled part of a page: an optional paragraph, a table and
-// charts.
-type Section struct {
-	Title  string
-	Text   []string
-	Table  *Table
-	Charts []Chart
-}
-
-// WriteHTMLPage writes a self-contained HTML page (inline CSS and SVG, no
-// scripts, no external resources) with the sections in order; html/template
-// escapes every string.
-func WriteHTMLPage(w io.Writer, title string, sections []Section) error {
-	return pageTmpl.Execute(w, struct {
-		Title     string
-		Generated string
-		Sections  []Section
-	}{title, time.Now().UTC().Format(time.RFC3339), sections})
-}
-
-// SummaryTable is r's text table (WriteTable) as a Table.
+// SummaryTable is r's text table (WriteTable) as a Table, with the runs'
+// reference hit rates (pooled and infinite cache) beside their own.
 func SummaryTable(runs []Summary) *Table {
-	t := &Table{Head: []string{"policy", "requests", "errors", "hit %", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
-		"ITL p50 ms", "ITL p99 ms", "out tok/s", "prefill tok", "util %", "lag p99 ms"}}
+	t := &Table{Head: []string{"policy", "requests", "errors", "hit %", "pooled-cache hit %", "infinite-cache hit %",
+		"TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms", "out tok/s", "prefill tok", "util %", "lag p99 ms"}}
 	for _, s := range runs {
 		util := "-"
 		if s.MeanEngineUtilization != nil {
 			util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
 		}
-		t.Rows = append(t.Rows, []string{s.Policy, strconv.Itoa(s.Requests), strconv.Itoa(s.Errors),
-			fmt.Sprintf("%.1f", s.HitRate*100), fmt.Sprintf("%.0f", s.TTFT.P50), fmt.Sprintf("%.0f", s.TTFT.P90),
-			fmt.Sprintf("%.0f", s.TTFT.P99), fmt.Sprintf("%.1f", s.ITL.P50), fmt.Sprintf("%.1f", s.ITL.P99),
+		t.Rows = append(t.Rows, []string{RunName(s), strconv.Itoa(s.Requests), strconv.Itoa(s.Errors),
+			fmt.Sprintf("%.1f", s.HitRate*100), pct(s.PooledHitRate), pct(s.InfiniteHitRate),
+			fmt.Sprintf("%.0f", s.TTFT.P50), fmt.Sprintf("%.0f", s.TTFT.P90), fmt.Sprintf("%.0f", s.TTFT.P99),
+			fmt.Sprintf("%.1f", s.ITL.P50), fmt.Sprintf("%.1f", s.ITL.P90), fmt.Sprintf("%.1f", s.ITL.P99),
 			fmt.Sprintf("%.0f", s.OutputTokPerS), strconv.FormatInt(s.PrefillTokensComputed, 10), util, s.lagCell()})
 	}
 	return t
 }
 
-// WriteHTML writes a benchmark report for runs: the summary table, TTFT and
-// ITL CDFs, hit rate, TTFT p50 and requests in flight over time, and the
-// share of requests (or prompt tokens) each engine served.
-func WriteHTML(w io.Writer, title string, runs []HTMLRun) error {
-	sums := make([]Summary, len(runs))
-	for i, r := range runs {
-		sums[i] = r.Summary
+// pct formats a fraction as a percentage with one decimal, "-" for nil.
+func pct(v *float64) string {
+	if v == nil {
+		return "-"
 	}
-	msAxis := Axis{Log: true, Format: FormatMs}
+	return fmt.Sprintf("%.1f", *v*100)
+}
+
+// RunName labels a run in tables and legends: its policy, and its rate
+// in a --rate sweep ("prefix @ 2 req/s").
+func RunName(s Summary) string {
+	if s.RateRPS > 0 {
+		return fmt.Sprintf("%s @ %g req/s", s.Policy, s.RateRPS)
+	}
+	return s.Policy
+}
+
+// HTMLReport is a benchmark report for WriteHTMLReport.
+type HTMLReport struct {
+	Title string
+	Runs  []HTMLRun
+	// Provenance says what produced the runs (nil: not shown).
+	Provenance *Provenance
+	// References, if set, are the replayed records' reference hits
+	// (NewReferences): the hit rate over time gains the pooled and
+	// infinite cache's curves. The hit-rate chart's reference lines and the
+	// table's reference columns are the runs' Summary.PooledHitRate and
+	// InfiniteHitRate.
+	References *References
+}
+
+// WriteHTML is WriteHTMLReport of runs under title, with no provenance and
+// no reference curves.
+func WriteHTML(w io.Writer, title string, runs []HTMLRun) error {
+	return WriteHTMLReport(w, HTMLReport{Title: title, Runs: runs})
+}
+
+// WriteHTMLReport writes a benchmark report: what produced it (command,
+// build, host, workload, profile, clock, lag) with a warning per run that
+// fell behind or had failures, the summary table with the reference hit
+// rates, TTFT and ITL CDFs and percentiles, the hit rate against the
+// pooled- and infinite-cache references overall and over time, TTFT p50 and
+// requests in flight over time, and the share of requests (or prompt
+// tokens) each engine served.
+func WriteHTMLReport(w io.Writer, r HTMLReport) error { return r.Page().Write(w) }
+
+// Page lays out the report WriteHTMLReport writes.
+func (r HTMLReport) Page() Page {
+	runs := r.Runs
+	sums := make([]Summary, len(runs))
+	names := make([]string, len(runs))
+	for i, run := range runs {
+		sums[i] = run.Summary
+		names[i] = RunName(run.Summary)
+	}
 	frac := Axis{Label: "fraction of requests ≤ x", Min: 0, Max: 1, Format: FormatPercent}
 	var ttft, itl, hit, ttftT, inflight []Series
-	for _, r := range runs {
-		name := r.Summary.Policy
-		var tv, iv []float64
-		for i := range r.Records {
-			if rec := &r.Records[i]; rec.Error == "" {
-				tv = append(tv, rec.TTFTMs)
-				iv = append(iv, rec.ITLMs...)
-			}
-		}
+	ttftPct := make([][]float64, len(runs))
+	itlPct := make([][]float64, len(runs))
+	for i, run := range runs {
+		tv, iv := latencies(run.Records)
+		ttftPct[i], itlPct[i] = percentiles(tv), percentiles(iv)
 		x, y := CDF(tv)
-		ttft = append(ttft, Series{name, x, y})
+		ttft = append(ttft, Series{Name: names[i], X: x, Y: y})
 		x, y = CDF(iv)
-		itl = append(itl, Series{name, x, y})
-		h, t := windows(r.Records)
+		itl = append(itl, Series{Name: names[i], X: x, Y: y})
+		h, t := windows(run.Records, nil)
+		h.Name, t.Name = names[i], names[i]
 		hit = append(hit, h)
 		ttftT = append(ttftT, t)
-		inflight = append(inflight, inFlight(r.Records))
+		s := inFlight(run.Records)
+		s.Name = names[i]
+		inflight = append(inflight, s)
 	}
-	for i := range hit {
-		hit[i].Name, ttftT[i].Name, inflight[i].Name = sums[i].Policy, sums[i].Policy, sums[i].Policy
-	}
-	frac.Label = "fraction of requests ≤ x"
 	itlFrac := frac
 	itlFrac.Label = "fraction of gaps ≤ x"
 	secs := Axis{Label: "arrival time (s, engine time)"}
-	charts := []Chart{
-		LineChart("TTFT CDF", Axis{Label: "TTFT (log scale)", Log: true, Format: FormatMs}, frac, ttft),
-		LineChart("ITL CDF", Axis{Label: "inter-token latency (log scale)", Log: msAxis.Log, Format: FormatMs}, itlFrac, itl),
-		LineChart(fmt.Sprintf("Prefix-cache hit rate over time (%d arrival windows)", timeWindows), secs,
-			Axis{Label: "hit rate (Σcached / Σprompt)", Min: 0, Max: 1, Format: FormatPercent}, hit),
-		LineChart(fmt.Sprintf("TTFT p50 over time (%d arrival windows)", timeWindows), secs,
-			Axis{Label: "TTFT p50 (log scale)", Log: true, Format: FormatMs}, ttftT),
-		LineChart("Requests in flight over time", Axis{Label: "time (s, engine time)"},
-			Axis{Label: "in flight (requests)"}, inflight),
+	pctGroups := []string{"p50", "p90", "p99"}
+	msBars := Axis{Label: "engine time (log scale)", Log: true, Format: FormatMs}
+
+	hitRefs := referenceLines(sums)
+	if rs := r.References; rs != nil {
+		for _, run := range runs {
+			if run.Summary.PooledHitRate == nil && run.Summary.InfiniteHitRate == nil {
+				continue
+			}
+			// The first run with references: the curves over its arrivals.
+			if rs.Pooled != nil {
+				c, _ := windows(run.Records, func(rec *Record) (int, int, bool) { return refHit(rs, rs.Pooled, rec) })
+				c.Name, c.Kind, c.Key, c.Color = "pooled cache", SeriesRef, "pooled", RefColor
+				hit = append(hit, c)
+			}
+			if rs.Infinite != nil {
+				c, _ := windows(run.Records, func(rec *Record) (int, int, bool) { return refHit(rs, rs.Infinite, rec) })
+				c.Name, c.Kind, c.Key, c.Color, c.Dash = "infinite cache", SeriesRef, "infinite", "#000000", "1 3"
+				hit = append(hit, c)
+			}
+			break
+		}
 	}
-	charts = append(charts, endpointChart(runs))
-	text := []string{"Latencies are engine time (see bench/README.md). Failed requests are left out of the latency and hit-rate charts.",
-		"Lag p99: how far a real-time run fell behind its time scale (the larger of the fleet's step lag and the client's send lag, engine time); BEHIND past the run's margin, when its latencies measure the host, not the modelled hardware.",
-		"In flight: requests sent and not yet finished (from arrival and end-to-end latency), a proxy for queue depth."}
-	var warnings bytes.Buffer
-	_, _ = Report{Runs: sums}.WriteLagWarnings(&warnings)
-	for line := range strings.Lines(warnings.String()) {
-		text = append(text, strings.TrimSpace(line))
+	hitVals := make([][]float64, len(runs))
+	for i, s := range sums {
+		hitVals[i] = []float64{s.HitRate}
 	}
-	return WriteHTMLPage(w, title, []Section{{Title: "Summary", Text: text, Table: SummaryTable(sums), Charts: charts}})
+	hitBars := BarChart("Prefix-cache hit rate vs the pooled and infinite cache", "",
+		Axis{Label: "hit rate (Σcached / Σprompt)", Format: FormatPercent}, []string{"measured requests"}, names, hitVals, hitRefs...)
+	hitBars.Key = "hit-rate"
+	hitBars.Note = "Dashed lines: the hit rate one cache with the whole fleet's KV capacity would reach on these requests (pooled cache, what a perfect router could approach without replicating prefixes), and an infinite cache's (the workload's ceiling). See bench/README.md, \"References\"."
+	ttftBars := BarChart("TTFT percentiles", "", msBars, pctGroups, names, ttftPct)
+	ttftBars.Key = "ttft-percentiles"
+	itlBars := BarChart("ITL percentiles (all gaps of all requests pooled)", "", msBars, pctGroups, names, itlPct)
+	itlBars.Key = "itl-percentiles"
+	itlBars.Note = "Inter-token latency per read of the stream, split evenly over the chunks it brought (see bench/README.md, \"Inter-token latency\"); read it only for runs that kept up with their time scale."
+	ttftCDF := LineChart("TTFT CDF", Axis{Label: "TTFT (log scale)", Log: true, Format: FormatMs}, frac, ttft)
+	ttftCDF.Key = "ttft-cdf"
+	itlCDF := LineChart("ITL CDF", Axis{Label: "inter-token latency (log scale)", Log: true, Format: FormatMs}, itlFrac, itl)
+	itlCDF.Key = "itl-cdf"
+	hitT := LineChart(fmt.Sprintf("Prefix-cache hit rate over time (%d arrival windows)", timeWindows), secs,
+		Axis{Label: "hit rate (Σcached / Σprompt)", Min: 0, Max: 1, Format: FormatPercent}, hit)
+	hitT.Key = "hit-rate-time"
+	ttftTC := LineChart(fmt.Sprintf("TTFT p50 over time (%d arrival windows)", timeWindows), secs,
+		Axis{Label: "TTFT p50 (log scale)", Log: true, Format: FormatMs}, ttftT)
+	ttftTC.Key = "ttft-time"
+	inflightC := LineChart("Requests in flight over time", Axis{Label: "time (s, engine time)"}, Axis{Label: "in flight (requests)"}, inflight)
+	inflightC.Key = "in-flight"
+	inflightC.Note = "Requests sent and not yet finished (from arrival and end-to-end latency): a proxy for queue depth."
+	share := endpointChart(runs)
+	share.Key = "endpoint-share"
+
+	text := []string{"Latencies are engine time (see bench/README.md, \"Time domain\"). Failed requests are left out of the latency and hit-rate figures.",
+		"Lag p99: how far a real-time run fell behind its time scale (the larger of the fleet's step lag and the client's send lag, engine time); BEHIND past the run's margin, when its latencies measure the host, not the modelled hardware. \"-\": not measured (virtual time has no wall clock)."}
+	run := Section{Title: "Run", Alerts: RunAlerts(sums)}
+	if p := r.Provenance; p != nil {
+		run.Facts = append(p.Facts(), LagFact(sums))
+	} else {
+		run.Facts = []Fact{LagFact(sums)}
+	}
+	sections := []Section{
+		run,
+		{Title: "Summary", Text: text, Table: SummaryTable(sums)},
+		{Title: "Latency", Charts: []Chart{ttftCDF, itlCDF, ttftBars, itlBars}},
+		{Title: "Prefix cache", Charts: []Chart{hitBars, hitT}},
+		{Title: "Load over time and per engine", Charts: []Chart{ttftTC, inflightC, share}},
+	}
+	return Page{Title: r.Title, Subtitle: subtitle(r.Provenance), Sections: sections}
+}
+
+// subtitle is the page's line under the title: version and start.
+func subtitle(p *Provenance) string {
+	if p == nil {
+		return ""
+	}
+	return fmt.Sprintf("infergate %s · started %s · %s", p.Version, p.Start, p.ClockText())
+}
+
+// referenceLines are the hit-rate charts' reference lines: the first run's
+// pooled and infinite-cache reference hit rates that are set.
+func referenceLines(sums []Summary) []Series {
+	var out []Series
+	for _, s := range sums {
+		if s.PooledHitRate != nil {
+			out = append(out, HLine(fmt.Sprintf("pooled cache %.1f%%", *s.PooledHitRate*100), "pooled", *s.PooledHitRate, RefColor))
+			break
+		}
+	}
+	for _, s := range sums {
+		if s.InfiniteHitRate != nil {
+			l := HLine(fmt.Sprintf("infinite cache %.1f%%", *s.InfiniteHitRate*100), "infinite", *s.InfiniteHitRate, "#000000")
+			l.Dash = "2 3"
+			out = append(out, l)
+			break
+		}
+	}
+	return out
+}
+
+// refHit is a record's reference hit and prompt tokens from hits (a
+// References slice), false when out of range.
+func refHit(rs *References, hits []int, r *Record) (int, int, bool) {
+	if r.Index < 0 || r.Index >= len(hits) || r.Index >= len(rs.Prompt) {
+		return 0, 0, false
+	}
+	return hits[r.Index], rs.Prompt[r.Index], true
+}
+
+// latencies returns the TTFTs and the pooled ITL gaps of recs' successful
+// requests (ms).
+func latencies(recs []Record) (ttft, itl []float64) {
+	for i := range recs {
+		if rec := &recs[i]; rec.Error == "" {
+			ttft = append(ttft, rec.TTFTMs)
+			itl = append(itl, rec.ITLMs...)
+		}
+	}
+	return ttft, itl
+}
+
+// percentiles are p50, p90 and p99 of xs (Percentile; sorts xs in place).
+func percentiles(xs []float64) []float64 {
+	slices.Sort(xs)
+	return []float64{Percentile(xs, 50), Percentile(xs, 90), Percentile(xs, 99)}
+}
+
+// RunAlerts are the warnings of runs that fell behind their time scale
+// (WriteLagWarnings) or had failed requests.
+func RunAlerts(sums []Summary) []Alert {
+	var out []Alert
+	var b bytes.Buffer
+	_, _ = Report{Runs: sums}.WriteLagWarnings(&b)
+	for line := range strings.Lines(b.String()) {
+		out = append(out, Alert{Key: "behind", Text: strings.TrimSpace(line)})
+	}
+	for _, s := range sums {
+		if s.Errors > 0 {
+			t := fmt.Sprintf("%s: %d of %d requests failed", RunName(s), s.Errors, s.Requests)
+			if s.FirstError != "" {
+				t += "; first error: " + s.FirstError
+			}
+			out = append(out, Alert{Key: "errors", Text: t})
+		}
+	}
+	return out
+}
+
+// LagFact says how far the runs fell behind their time scale: the largest
+// fleet step lag and client send lag p99 against the margin, and how many
+// runs were behind; or that nothing was measured (virtual time).
+func LagFact(sums []Summary) Fact {
+	f := Fact{Key: "lag", Field: "lag"}
+	var fleet, send, margin float64
+	var hasFleet, hasSend bool
+	behind := 0
+	for _, s := range sums {
+		if s.FleetLag != nil {
+			fleet, hasFleet = max(fleet, s.FleetLag.P99), true
+		}
+		if s.SendLag != nil {
+			send, hasSend = max(send, s.SendLag.P99), true
+		}
+		margin = max(margin, s.MaxLagMs)
+		if s.Behind {
+			behind++
+		}
+	}
+	if !hasFleet && !hasSend {
+		f.Value = "not measured: virtual time has no wall clock to fall behind (and a closed loop against a target no schedule)"
+		return f
+	}
+	var parts []string
+	if hasFleet {
+		parts = append(parts, fmt.Sprintf("fleet step lag p99 up to %.1f ms", fleet))
+	}
+	if hasSend {
+		parts = append(parts, fmt.Sprintf("client send lag p99 up to %.1f ms", send))
+	}
+	f.Value = strings.Join(parts, ", ") + " (engine time)"
+	if margin > 0 {
+		f.Value += fmt.Sprintf(", margin %.0f ms", margin)
+	}
+	if behind > 0 {
+		f.Value += fmt.Sprintf(": %d of %d runs BEHIND their time scale, their latencies measure this host", behind, len(sums))
+	} else if margin > 0 {
+		f.Value += ": every run kept up"
+	}
+	return f
 }
 
 // windows buckets successful records by arrival into timeWindows windows and
 // returns per window the hit rate (Σcached/Σprompt) and TTFT p50, at the
-// window's midpoint (s).
-func windows(recs []Record) (hit, ttft Series) {
+// window's midpoint (s). hit, if set, gives a record's cached and prompt
+// tokens instead of its own (a reference's), false to skip it.
+func windows(recs []Record, hit func(*Record) (cached, prompt int, ok bool)) (hitS, ttft Series) {
 	var span float64
 	for i := range recs {
 		span = max(span, recs[i].ArrivalMs)
@@ -429,21 +359,28 @@ func windows(recs []Record) (hit, ttft Series) {
 			continue
 		}
 		k := min(int(r.ArrivalMs/width), timeWindows-1)
-		ws[k].cached += int64(r.CachedTokens)
-		ws[k].prompt += int64(r.PromptTokens)
+		cached, prompt := r.CachedTokens, r.PromptTokens
+		if hit != nil {
+			var ok bool
+			if cached, prompt, ok = hit(r); !ok {
+				continue
+			}
+		}
+		ws[k].cached += int64(cached)
+		ws[k].prompt += int64(prompt)
 		ws[k].ttft = append(ws[k].ttft, r.TTFTMs)
 	}
 	for k, w := range ws {
 		mid := (float64(k) + 0.5) * width / 1000
 		if w.prompt > 0 {
-			hit.X, hit.Y = append(hit.X, mid), append(hit.Y, float64(w.cached)/float64(w.prompt))
+			hitS.X, hitS.Y = append(hitS.X, mid), append(hitS.Y, float64(w.cached)/float64(w.prompt))
 		}
 		if len(w.ttft) > 0 {
 			slices.Sort(w.ttft)
 			ttft.X, ttft.Y = append(ttft.X, mid), append(ttft.Y, Percentile(w.ttft, 50))
 		}
 	}
-	return hit, ttft
+	return hitS, ttft
 }
 
 // inFlight samples the number of requests in [arrival, arrival+e2e) at
@@ -493,7 +430,7 @@ func endpointChart(runs []HTMLRun) Chart {
 	}
 	names := make([]string, len(runs))
 	for i, r := range runs {
-		names[i] = r.Summary.Policy
+		names[i] = RunName(r.Summary)
 	}
 	groups := make([]string, n)
 	for e := range groups {
@@ -535,44 +472,3 @@ func endpointChart(runs []HTMLRun) Chart {
 	c.Note = "Not known for this run: the endpoint does not report which engine served each request."
 	return c
 }
-
-var pageTmpl = template.Must(template.New("page").Parse(`<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<title>{{.Title}}</title>
-<style>
-body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px;color:#222}
-table{border-collapse:collapse;margin:12px 0;font-size:13px}
-th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
-th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}
-.charts{display:flex;flex-wrap:wrap;gap:16px}
-figure{margin:0;border:1px solid #ddd;padding:4px}
-figcaption{font-size:12px;color:#555;max-width:640px}
-svg text{font-size:12px;fill:#222}
-svg .grid{stroke:#e5e5e5}
-svg .axis{stroke:#444}
-.note{font-size:13px;color:#555}
-</style></head><body>
-<h1>{{.Title}}</h1>
-<p class="note">Generated {{.Generated}} by infergate. Self-contained: no scripts, no external resources.</p>
-{{range .Sections}}<section>
-<h2>{{.Title}}</h2>
-{{range .Text}}<p class="note">{{.}}</p>
-{{end}}{{with .Table}}<table><thead><tr>{{range .Head}}<th>{{.}}</th>{{end}}</tr></thead><tbody>
-{{range .Rows}}<tr>{{range .}}<td>{{.}}</td>{{end}}</tr>
-{{end}}</tbody></table>
-{{end}}<div class="charts">
-{{range .Charts}}{{template "chart" .}}{{end}}</div>
-</section>
-{{end}}</body></html>
-{{define "chart"}}<figure><svg width="{{.W}}" height="{{.H}}" viewBox="0 0 {{.W}} {{.H}}" role="img" aria-label="{{.Title}}">
-<text x="{{.X0}}" y="18" style="font-weight:bold;font-size:14px">{{.Title}}</text>
-{{$c := .}}{{range .YTicks}}<line class="grid" x1="{{$c.X0}}" x2="{{$c.X1}}" y1="{{.Pos}}" y2="{{.Pos}}"/><text x="{{$c.X0}}" dx="-4" y="{{.Pos}}" dy="4" text-anchor="end">{{.Label}}</text>
-{{end}}{{range .XTicks}}<line class="grid" x1="{{.Pos}}" x2="{{.Pos}}" y1="{{$c.Y0}}" y2="{{$c.Y1}}"/><text x="{{.Pos}}" y="{{$c.Y1}}" dy="16" text-anchor="middle">{{.Label}}</text>
-{{end}}<line class="axis" x1="{{.X0}}" x2="{{.X1}}" y1="{{.Y1}}" y2="{{.Y1}}"/><line class="axis" x1="{{.X0}}" x2="{{.X0}}" y1="{{.Y0}}" y2="{{.Y1}}"/>
-<text x="{{.X1}}" y="{{.H}}" dy="-8" text-anchor="end">{{.XLabel}}</text>
-<text transform="rotate(-90)" x="-{{.Y0}}" y="14" text-anchor="end">{{.YLabel}}</text>
-{{range .Bars}}<rect x="{{printf "%.1f" .X}}" y="{{printf "%.1f" .Y}}" width="{{printf "%.1f" .W}}" height="{{printf "%.1f" .H}}" fill="{{.Color}}"><title>{{.Title}}</title></rect>
-{{end}}{{range .Lines}}<path d="{{.D}}" fill="none" stroke="{{.Color}}" stroke-width="1.8"><title>{{.Name}}</title></path>
-{{end}}{{range .Legend}}<rect x="{{.X}}" y="{{.Y}}" width="14" height="10" fill="{{.Color}}"/><text x="{{.X}}" dx="18" y="{{.Y}}" dy="10">{{.Name}}</text>
-{{end}}</svg>{{with .Note}}<figcaption>{{.}}</figcaption>{{end}}</figure>
-{{end}}`))

@@ -5,8 +5,12 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/infergate/infergate/data"
+	"github.com/infergate/infergate/trace"
 )
 
 // synthRun makes n synthetic records for policy, served round-robin by
@@ -38,7 +42,7 @@ func TestWriteHTML(t *testing.T) {
 	if b.Len() > 2<<20 {
 		t.Errorf("report of 2×12k requests is %d bytes, want < 2 MiB", b.Len())
 	}
-	for _, want := range []string{"<!DOCTYPE html>", "</html>", "<table>", "<td>round-robin</td>", "<td>prefix&lt;&amp;&gt;</td>",
+	for _, want := range []string{"<!DOCTYPE html>", "</html>", "<table>", `<td class="txt">round-robin</td>`, `<td class="txt">prefix&lt;&amp;&gt;</td>`,
 		"TTFT CDF", "ITL CDF", "hit rate over time", "TTFT p50 over time", "in flight", "Per-endpoint request share", "share of requests"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("report lacks %q", want)
@@ -47,8 +51,8 @@ func TestWriteHTML(t *testing.T) {
 	if strings.Contains(out, "<script>") {
 		t.Error("title not escaped")
 	}
-	if got := strings.Count(out, "<svg"); got != 6 {
-		t.Errorf("%d <svg>, want 6", got)
+	if got := strings.Count(out, "<svg"); got != 9 {
+		t.Errorf("%d <svg>, want 9", got)
 	}
 	// 5 line charts × 2 policies.
 	if got := len(regexp.MustCompile(`<path d="M[0-9.]+ [0-9.]+ L`).FindAllString(out, -1)); got != 10 {
@@ -115,12 +119,147 @@ func TestWriteHTMLBehind(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := b.String()
-	for _, want := range []string{"<th>lag p99 ms</th>", "<td>1342 BEHIND</td>", "WARNING: prefix fell behind its time scale"} {
+	for _, want := range []string{"<th>lag p99 ms</th>", `<td class="num bad">1342 BEHIND</td>`, "WARNING: prefix fell behind its time scale"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("report lacks %q", want)
 		}
 	}
 	if strings.Contains(out, "round-robin fell behind") {
 		t.Error("a run without lag reported behind")
+	}
+}
+
+func pageCharts(p Page) map[string]Chart {
+	out := map[string]Chart{}
+	for _, s := range p.Sections {
+		for _, c := range s.Charts {
+			out[c.Key] = c
+		}
+	}
+	return out
+}
+
+// TestHTMLReportPercentiles: the ITL and TTFT percentile bars are each
+// run's pooled gaps' and TTFTs' p50, p90, p99, as Summarize computes them.
+func TestHTMLReportPercentiles(t *testing.T) {
+	runs := []HTMLRun{synthRun("round-robin", 500, 4, 1), synthRun("prefix", 500, 4, 2)}
+	cs := pageCharts(HTMLReport{Title: "t", Runs: runs}.Page())
+	for key, get := range map[string]func(Summary) Latency{
+		"itl-percentiles": func(s Summary) Latency { return s.ITL }, "ttft-percentiles": func(s Summary) Latency { return s.TTFT }} {
+		c := cs[key]
+		if len(c.Bars) != 6 {
+			t.Fatalf("%s: %d bars, want 3 percentiles × 2 runs", key, len(c.Bars))
+		}
+		for g, p := range []string{"p50", "p90", "p99"} {
+			if c.XTicks[g].Label != p {
+				t.Errorf("%s: group %d is %q", key, g, c.XTicks[g].Label)
+			}
+			for i, r := range runs {
+				l := get(r.Summary)
+				want := []float64{l.P50, l.P90, l.P99}[g]
+				if got := c.Bars[g*len(runs)+i].Value; got != want {
+					t.Errorf("%s %s %s: bar %v, want the summary's %v", key, r.Summary.Policy, p, got, want)
+				}
+			}
+		}
+	}
+}
+
+// TestHTMLReportReferences: the hit-rate chart has the runs' pooled and
+// infinite references as horizontal lines at their values, the table has
+// them beside each run's hit rate, and with References the hit rate over
+// time gains both caches' curves.
+func TestHTMLReportReferences(t *testing.T) {
+	moon, err := trace.LoadMooncake(data.Embedded + data.Mooncake)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recs := moon[:200]
+	refs := NewReferences(recs, 8000, 16)
+	runs := []HTMLRun{synthRun("round-robin", len(recs), 4, 1), synthRun("prefix", len(recs), 4, 2)}
+	for i := range runs {
+		refs.Apply(&runs[i].Summary, runs[i].Records)
+	}
+	pooled, inf := *runs[0].Summary.PooledHitRate, *runs[0].Summary.InfiniteHitRate
+	// Record 3 failed (synthRun): the references leave it out, as HitRate does.
+	all, _ := refs.All()
+	if pooled == *all {
+		t.Fatalf("the run's pooled reference %v equals the whole replay's: the failed request was counted", pooled)
+	}
+	page := HTMLReport{Title: "t", Runs: runs, References: refs}.Page()
+	cs := pageCharts(page)
+	hit := cs["hit-rate"]
+	for key, want := range map[string]float64{"pooled": pooled, "infinite": inf} {
+		found := false
+		for _, l := range hit.Lines {
+			if l.Kind == "hline" && l.Key == key {
+				found = true
+				if l.Value != strconv.FormatFloat(want, 'g', -1, 64) {
+					t.Errorf("%s line at %s, want %v", key, l.Value, want)
+				}
+				var y0, y1 float64
+				fmt.Sscanf(l.D, "M%g %g L%g %g", new(float64), &y0, new(float64), &y1)
+				if y0 != y1 {
+					t.Errorf("%s line not horizontal: %s", key, l.D)
+				}
+			}
+		}
+		if !found {
+			t.Errorf("no %s line on the hit-rate chart", key)
+		}
+	}
+	keys := map[string]string{}
+	for _, l := range cs["hit-rate-time"].Lines {
+		keys[l.Key] = l.Kind
+	}
+	if keys["pooled"] != "ref" || keys["infinite"] != "ref" {
+		t.Errorf("hit rate over time: lines %v, want pooled and infinite reference curves", keys)
+	}
+	var tab *Table
+	for _, s := range page.Sections {
+		if s.Table != nil {
+			tab = s.Table
+		}
+	}
+	if tab.Head[4] != "pooled-cache hit %" || tab.Head[5] != "infinite-cache hit %" ||
+		tab.Rows[0][4] != fmt.Sprintf("%.1f", pooled*100) || tab.Rows[0][5] != fmt.Sprintf("%.1f", inf*100) {
+		t.Errorf("table %q, row %q", tab.Head, tab.Rows[0])
+	}
+	var b bytes.Buffer
+	if err := WriteHTMLReport(&b, HTMLReport{Title: "t", Runs: runs, References: refs}); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{`class="hline" fill="none" stroke="#333333" stroke-width="1.6" stroke-dasharray="8 4" data-key="pooled" data-value="` + strconv.FormatFloat(pooled, 'g', -1, 64) + `"`,
+		`data-key="infinite" data-value="` + strconv.FormatFloat(inf, 'g', -1, 64) + `"`, `data-chart="itl-percentiles"`} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("report lacks %q", want)
+		}
+	}
+}
+
+// TestLineChartMarks: a horizontal line sits at its value's pixel row and
+// widens the axis to include it; a mark sits at its point.
+func TestLineChartMarks(t *testing.T) {
+	c := LineChart("t", Axis{Min: 0, Max: 10}, Axis{Label: "y"}, []Series{
+		{Name: "a", X: []float64{1, 2, 3}, Y: []float64{10, 20, 30}},
+		HLine("limit", "slo", 50, SLOColor),
+		{Name: "best", Kind: SeriesMark, Key: "recommended", X: []float64{2}, Y: []float64{20}},
+	})
+	ys := scale(false, 0, 50, c.Y1, c.Y0)
+	xs := scale(false, 0, 10, c.X0, c.X1)
+	if len(c.Lines) != 2 || c.Lines[1].Kind != "hline" || c.Lines[1].Value != "50" || c.Lines[1].D != fmt.Sprintf("M%.1f %.1f L%.1f %.1f", c.X0, ys(50), c.X1, ys(50)) {
+		t.Errorf("lines %+v", c.Lines)
+	}
+	if ys(50) != c.Y0 {
+		t.Errorf("the axis does not reach the line: top %v, line %v", c.Y0, ys(50))
+	}
+	if len(c.Lines[0].Dots) != 3 {
+		t.Errorf("%d dots on a 3-point series", len(c.Lines[0].Dots))
+	}
+	if m := c.Marks; len(m) != 1 || m[0].X != round1(xs(2)) || m[0].Y != round1(ys(20)) || m[0].DataY != "20" {
+		t.Errorf("marks %+v", m)
+	}
+	if len(c.Legend) != 3 || c.Legend[1].Kind != "line" || c.Legend[2].Kind != "mark" || c.Legend[1].Color != SLOColor {
+		t.Errorf("legend %+v", c.Legend)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"io"
 	"math"
 	"slices"
+	"strings"
 	"text/tabwriter"
 )
 
@@ -86,6 +87,14 @@ type Summary struct {
 	// engine at routing time whatever the policy (virtual runs only).
 	PrecisePredictedHitRate *float64 `json:"precise_predicted_hit_rate,omitempty"`
 	PrecisePredictionMAE    *float64 `json:"precise_prediction_mae_tokens,omitempty"`
+	// PooledHitRate and InfiniteHitRate are the run's reference hit rates
+	// (References.Apply), over the same requests as HitRate: what one cache
+	// with the fleet's whole KV capacity (PooledCacheHitRate) and an
+	// infinite cache (trace.InfiniteCacheHitRate) would serve them, warm-up
+	// requests filling both; nil when not computed (no fleet capacity to
+	// pool for a --target run; no hash ids for the infinite one).
+	PooledHitRate   *float64 `json:"pooled_hit_rate,omitempty"`
+	InfiniteHitRate *float64 `json:"infinite_hit_rate,omitempty"`
 	// FleetLag is the simulated fleet's step lag (sim.Fleet.Lag): how late
 	// its engines delivered their steps against their time scale (ms of
 	// engine time); nil when unknown (a --target run) or not applicable (a
@@ -229,11 +238,15 @@ func Percentile(sorted []float64, p float64) float64 {
 // Its JSON form is {"runs": [Summary, ...]}.
 type Report struct {
 	Runs []Summary `json:"runs"`
-	// Reference hit rates of the replayed records, when computed (see
-	// PooledCacheHitRate and trace.InfiniteCacheHitRate): one cache with the
-	// whole fleet's KV capacity, and an infinite one.
+	// Reference hit rates of every replayed record (warm-up requests
+	// included), when computed (see PooledCacheHitRate and
+	// trace.InfiniteCacheHitRate): one cache with the whole fleet's KV
+	// capacity, and an infinite one. Each run's Summary has its own, over
+	// the requests its hit rate counts.
 	PooledHitRate   *float64 `json:"pooled_hit_rate,omitempty"`
 	InfiniteHitRate *float64 `json:"infinite_hit_rate,omitempty"`
+	// Provenance says what produced the report (nil: not recorded).
+	Provenance *Provenance `json:"provenance,omitempty"`
 }
 
 // WriteJSON writes r as indented JSON.
@@ -286,16 +299,54 @@ func (r Report) WriteTable(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	if r.PooledHitRate != nil || r.InfiniteHitRate != nil {
-		line := "reference hit %:"
-		if r.PooledHitRate != nil {
-			line += fmt.Sprintf(" pooled cache (one engine with the fleet's KV capacity) %.1f", *r.PooledHitRate*100)
-		}
-		if r.InfiniteHitRate != nil {
-			line += fmt.Sprintf(", infinite cache %.1f", *r.InfiniteHitRate*100)
-		}
+	if line := r.referenceLine(); line != "" {
 		_, err := fmt.Fprintln(w, line)
 		return err
 	}
 	return nil
+}
+
+// referenceLine is WriteTable's last line: the runs' reference hit rates
+// (Summary.PooledHitRate, InfiniteHitRate), one value when every run has
+// the same (to 0.05 points), else one per run; without per-run values the
+// report's. "" when there are none.
+func (r Report) referenceLine() string {
+	one := func(get func(Summary) *float64, all *float64) string {
+		var vals []string
+		var first *float64
+		same := true
+		for _, s := range r.Runs {
+			v := get(s)
+			if v == nil {
+				continue
+			}
+			if first == nil {
+				first = v
+			}
+			same = same && math.Abs(*v-*first) < 0.0005
+			vals = append(vals, fmt.Sprintf("%s %.1f", RunName(s), *v*100))
+		}
+		switch {
+		case first == nil && all == nil:
+			return ""
+		case first == nil:
+			return fmt.Sprintf("%.1f", *all*100)
+		case same:
+			return fmt.Sprintf("%.1f", *first*100)
+		}
+		return strings.Join(vals, ", ")
+	}
+	pooled := one(func(s Summary) *float64 { return s.PooledHitRate }, r.PooledHitRate)
+	inf := one(func(s Summary) *float64 { return s.InfiniteHitRate }, r.InfiniteHitRate)
+	if pooled == "" && inf == "" {
+		return ""
+	}
+	var parts []string
+	if pooled != "" {
+		parts = append(parts, "pooled cache (one engine with the fleet's KV capacity) "+pooled)
+	}
+	if inf != "" {
+		parts = append(parts, "infinite cache "+inf)
+	}
+	return "reference hit %: " + strings.Join(parts, ", ")
 }

@@ -65,6 +65,10 @@ type Options struct {
 	// Progress, if set, is called once per finished run, from one goroutine
 	// at a time, in completion order.
 	Progress func(Row)
+	// NoReferences skips the reference hit rates (Summary.PooledHitRate,
+	// InfiniteHitRate): the pooled cache costs about one prefix-policy run
+	// per fleet size.
+	NoReferences bool
 }
 
 // Row is one run of the sweep: one fleet size with one policy.
@@ -100,8 +104,12 @@ func (r Row) cells(minGoodput float64) []string {
 	if !r.MeetsSLO {
 		meets = "no (" + strings.Join(r.Failed(minGoodput), ", ") + ")"
 	}
+	pooled := "-"
+	if s.PooledHitRate != nil {
+		pooled = fmt.Sprintf("%.1f", *s.PooledHitRate*100)
+	}
 	return []string{strconv.Itoa(r.Engines), r.Policy, strconv.Itoa(s.Errors),
-		fmt.Sprintf("%.1f", s.HitRate*100), fmt.Sprintf("%.0f", s.TTFT.P50), fmt.Sprintf("%.0f", s.TTFT.P90),
+		fmt.Sprintf("%.1f", s.HitRate*100), pooled, fmt.Sprintf("%.0f", s.TTFT.P50), fmt.Sprintf("%.0f", s.TTFT.P90),
 		fmt.Sprintf("%.0f", s.TTFT.P99), fmt.Sprintf("%.1f", s.ITL.P50), fmt.Sprintf("%.1f", s.ITL.P99),
 		fmt.Sprintf("%.0f", s.E2E.P90), fmt.Sprintf("%.0f", s.OutputTokPerS), util, good, meets}
 }
@@ -153,6 +161,14 @@ type Result struct {
 	WallS float64 `json:"wall_s"`
 	// Workers is the number of runs that proceeded at once.
 	Workers int `json:"workers"`
+	// InfiniteHitRate is the replayed requests' infinite-cache hit rate
+	// (trace.InfiniteCacheHitRate, warm-up included; each row's Summary has
+	// it over its measured requests, and the pooled cache's of its size);
+	// nil when not computed or the trace has no hash ids.
+	InfiniteHitRate *float64 `json:"infinite_hit_rate,omitempty"`
+	// Provenance says what produced the sweep (set by the caller; nil: not
+	// recorded).
+	Provenance *bench.Provenance `json:"provenance,omitempty"`
 }
 
 // Run sweeps every (fleet size, policy) pair of opts, judges each run against
@@ -210,6 +226,10 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 	res.Workers = workers
 
 	start := time.Now()
+	var refs *refCache
+	if !opts.NoReferences {
+		refs = newRefCache(recs, opts.Engine)
+	}
 	jobs := make(chan int)
 	var (
 		wg       sync.WaitGroup
@@ -219,7 +239,7 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 	for range workers {
 		wg.Go(func() {
 			for k := range jobs {
-				row, err := runOne(ctx, opts, recs, opts.Engines[k/len(opts.Policies)], opts.Policies[k%len(opts.Policies)])
+				row, err := runOne(ctx, opts, recs, opts.Engines[k/len(opts.Policies)], opts.Policies[k%len(opts.Policies)], refs)
 				mu.Lock()
 				if err != nil && firstErr == nil {
 					firstErr = err
@@ -253,6 +273,9 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 	}
 	res.WallS = time.Since(start).Seconds()
 	res.Recommendation = recommend(res.Rows, len(opts.Policies))
+	if refs != nil {
+		_, res.InfiniteHitRate = refs.get(opts.Engines[0]).All()
+	}
 	return res, nil
 }
 
@@ -282,8 +305,9 @@ func dispatchOrder(engines []int, policies []string, routing sched.Config) []int
 	return order
 }
 
-// runOne replays recs on engines engines with policy and judges the run.
-func runOne(ctx context.Context, opts Options, recs []trace.Record, engines int, policy string) (Row, error) {
+// runOne replays recs on engines engines with policy and judges the run;
+// refs (nil: none) gives its reference hit rates.
+func runOne(ctx context.Context, opts Options, recs []trace.Record, engines int, policy string, refs *refCache) (Row, error) {
 	start := time.Now()
 	run, err := bench.ReplayVirtual(ctx, bench.VirtualOptions{
 		Policy: policy, Engines: engines, Engine: opts.Engine, Records: recs,
@@ -295,6 +319,9 @@ func runOne(ctx context.Context, opts Options, recs []trace.Record, engines int,
 	checks, good := Evaluate(opts.SLO, bench.Measured(run.Records), run.Summary.DurationS)
 	row := Row{Engines: engines, Policy: policy, Summary: run.Summary, Checks: checks, MeetsSLO: true}
 	row.Summary.Goodput = &good
+	if refs != nil {
+		refs.get(engines).Apply(&row.Summary, run.Records)
+	}
 	for _, c := range checks {
 		row.MeetsSLO = row.MeetsSLO && c.OK
 	}
@@ -303,6 +330,41 @@ func runOne(ctx context.Context, opts Options, recs []trace.Record, engines int,
 	}
 	row.WallS = time.Since(start).Seconds()
 	return row, nil
+}
+
+// refCache computes the reference hits of a sweep's records once per fleet
+// size (the pooled cache holds the size's whole KV capacity), on first use,
+// from any worker.
+type refCache struct {
+	recs   []trace.Record
+	engine sim.Config // defaults applied
+	mu     sync.Mutex
+	bySize map[int]*refOnce
+}
+
+type refOnce struct {
+	once sync.Once
+	refs *bench.References
+}
+
+func newRefCache(recs []trace.Record, engine sim.Config) *refCache {
+	return &refCache{recs: recs, engine: engine.WithDefaults(), bySize: map[int]*refOnce{}}
+}
+
+// get returns the references for a fleet of engines engines, computing
+// them (once; other callers for the same size wait) if needed.
+func (c *refCache) get(engines int) *bench.References {
+	c.mu.Lock()
+	o := c.bySize[engines]
+	if o == nil {
+		o = &refOnce{}
+		c.bySize[engines] = o
+	}
+	c.mu.Unlock()
+	o.once.Do(func() {
+		o.refs = bench.NewReferences(c.recs, engines*c.engine.NumBlocks, c.engine.BlockSize)
+	})
+	return o.refs
 }
 
 // recommend picks, at the smallest fleet size with a run meeting the SLO,
@@ -352,7 +414,8 @@ func (r *Result) WriteJSON(w io.Writer) error {
 }
 
 // WriteTable writes the sweep as an aligned table, one row per run: fleet
-// size, policy, failed requests, hit rate (%), TTFT p50/p90/p99 (ms), ITL
+// size, policy, failed requests, hit rate (%), the pooled-cache reference hit
+// rate of that size (%, "-" when not computed), TTFT p50/p90/p99 (ms), ITL
 // p50/p99 (ms, pooled), E2E p90 (ms), output throughput (tokens per engine
 // second), mean engine utilisation (%), goodput (% of requests meeting every
 // target), and whether the run meets the SLO (with the missed targets), then
@@ -364,7 +427,7 @@ func (r *Result) WriteTable(w io.Writer) error {
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(tw, "engines\t%-*s\t", pw, "policy")
-	fmt.Fprintln(tw, "errors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tE2E p90 ms\tout tok/s\tutil %\tgoodput %\t  meets SLO")
+	fmt.Fprintln(tw, "errors\thit %\tpooled hit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tE2E p90 ms\tout tok/s\tutil %\tgoodput %\t  meets SLO")
 	for _, row := range r.Rows {
 		c := row.cells(r.MinGoodput)
 		c[1] = fmt.Sprintf("%-*s", pw, c[1])
@@ -373,6 +436,11 @@ func (r *Result) WriteTable(w io.Writer) error {
 	}
 	if err := tw.Flush(); err != nil {
 		return err
+	}
+	if r.InfiniteHitRate != nil {
+		if _, err := fmt.Fprintf(w, "reference hit %%: pooled cache (one engine with the fleet's KV capacity) per row, infinite cache %.1f\n", *r.InfiniteHitRate*100); err != nil {
+			return err
+		}
 	}
 	_, err := fmt.Fprintf(w, "\n%s\n", r.Verdict())
 	return err

@@ -268,14 +268,29 @@ func InfiniteCacheBlockHitRate(records []Record) float64 {
 	return float64(s.hitBlocks) / float64(s.blocks)
 }
 
+// InfiniteCacheHits returns, per record, the input tokens the infinite
+// cache of InfiniteCacheHitRate serves it (tokens), in record order: the
+// hit rate of any subset of the records (the measured ones of a run with
+// warm-up requests, one time window) is the sum of its entries over its
+// input tokens, the earlier records still having filled the cache.
+func InfiniteCacheHits(records []Record) []int {
+	hits := make([]int, len(records))
+	cacheCeilingHits(records, hits)
+	return hits
+}
+
 type ceiling struct {
 	tokens, hitTokens, blocks, hitBlocks int64
 }
 
-func cacheCeiling(records []Record) ceiling {
+func cacheCeiling(records []Record) ceiling { return cacheCeilingHits(records, nil) }
+
+// cacheCeilingHits is cacheCeiling, also storing each record's hit tokens in
+// hits[i] when hits is not nil (len(records) long).
+func cacheCeilingHits(records []Record, hits []int) ceiling {
 	var c ceiling
 	seen := make(map[int64]struct{})
-	for _, r := range records {
+	for i, r := range records {
 		left := r.InputLength
 		prefix := true
 		for _, id := range r.HashIDs {
@@ -289,6 +304,9 @@ func cacheCeiling(records []Record) ceiling {
 			if _, ok := seen[id]; prefix && ok {
 				c.hitTokens += int64(n)
 				c.hitBlocks++
+				if hits != nil {
+					hits[i] += n
+				}
 			} else {
 				prefix = false
 			}

@@ -124,6 +124,9 @@ func TestInfiniteCacheHitRate(t *testing.T) {
 	if InfiniteCacheHitRate(nil) != 0 || InfiniteCacheBlockHitRate(nil) != 0 {
 		t.Error("empty trace should give 0")
 	}
+	if got := InfiniteCacheHits(recs); !slices.Equal(got, []int{0, 1024, 512, 0}) {
+		t.Errorf("InfiniteCacheHits = %v, want [0 1024 512 0]", got)
+	}
 }
 
 func loadRealTrace(t *testing.T) []Record {

@@ -138,6 +138,8 @@ have no lag.`,
 				defer recOut.Close()
 			}
 			started := time.Now()
+			prov := bench.NewProvenance(buildVersion(), os.Args, started)
+			var refs *bench.References
 			var report bench.Report
 			var htmlRuns []bench.HTMLRun
 			addHTML := func(r bench.HTMLRun) {
@@ -158,8 +160,9 @@ have no lag.`,
 					if err != nil {
 						return err
 					}
-					s := bench.Summarize(target, rs)
+					s := bench.Summarize(bench.RedactValue(target), rs)
 					s.RateRPS = rate
+					refs.Apply(&s, rs)
 					s.CheckLag(maxLag)
 					report.Runs = append(report.Runs, s)
 					addHTML(bench.HTMLRun{Summary: s, Records: rs})
@@ -179,6 +182,7 @@ have no lag.`,
 							}
 						}
 						fmt.Fprintf(os.Stderr, "%s: %d requests in virtual time, %s wall\n", p, len(run.Records), run.Wall.Round(time.Millisecond))
+						refs.Apply(&run.Summary, run.Records)
 						report.Runs = append(report.Runs, run.Summary)
 						addHTML(bench.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})
 					}
@@ -186,7 +190,8 @@ have no lag.`,
 				}
 				opts := bench.CompareOptions{Routing: routing, Policies: policies, Engines: engines, Engine: sim.Config{Profile: prof},
 					Records: recs, Requests: requests, Speedup: speedup, Model: model, Progress: os.Stderr,
-					Warmup: warm.w, Concurrency: concurrency, Sessions: sessions, RateRPS: rate, OnRun: addHTML, MaxLag: maxLag}
+					Warmup: warm.w, Concurrency: concurrency, Sessions: sessions, RateRPS: rate, OnRun: addHTML, MaxLag: maxLag,
+					References: refs}
 				if recOut != nil {
 					opts.Output = recOut
 				}
@@ -214,6 +219,38 @@ have no lag.`,
 					return fmt.Errorf("--compare: %w", err)
 				}
 			}
+			if err := describeBench(prov, &wl, recs, sessions, requests); err != nil {
+				return err
+			}
+			replayed := recs
+			if requests > 0 && requests < len(replayed) {
+				replayed = replayed[:requests]
+			}
+			if target != "" {
+				prov.Target, prov.TimeScale, prov.Speedup, prov.Clock = bench.RedactValue(target), timeScale, speedup, "real"
+				if len(replayed) > 0 {
+					refs = bench.NewReferences(replayed, 0, 0) // the target's KV capacity is unknown: infinite cache only
+				}
+			} else {
+				n := engines
+				if n <= 0 {
+					n = bench.DefaultEngines
+				}
+				ec := sim.Config{Profile: prof}
+				if prov.Profile, err = bench.NewProfileInfo(ec, profFile); err != nil {
+					return err
+				}
+				prov.Engines, prov.Clock = n, "real"
+				if virtual {
+					prov.Clock = "virtual"
+				} else {
+					prov.TimeScale, prov.Speedup = speedup, speedup
+				}
+				if len(replayed) > 0 {
+					ec = ec.WithDefaults()
+					refs = bench.NewReferences(replayed, n*ec.NumBlocks, ec.BlockSize)
+				}
+			}
 			if rates == nil {
 				if err := runAt(recs, 0); err != nil {
 					return err
@@ -231,9 +268,7 @@ have no lag.`,
 					return fmt.Errorf("rate %g req/s: %w", rate, err)
 				}
 			}
-			if target == "" && len(recs) > 0 && rates == nil {
-				setReferences(&report, recs, requests, engines, prof)
-			}
+			report.PooledHitRate, report.InfiniteHitRate = refs.All()
 			if err := report.WriteTable(cmd.OutOrStdout()); err != nil {
 				return err
 			}
@@ -249,13 +284,15 @@ have no lag.`,
 				failed = failed || (r.Requests > 0 && r.Errors == r.Requests)
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "\ncompleted in %s (wall clock)\n", time.Since(started).Round(time.Second))
+			prov.WallS = time.Since(started).Seconds()
+			report.Provenance = prov
 			if outPath != "" {
 				if err := writeFile(outPath, report.WriteJSON); err != nil {
 					return err
 				}
 			}
 			if htmlPath != "" {
-				title := "infergate bench: " + target
+				title := "infergate bench: " + bench.RedactValue(target)
 				if target == "" {
 					mode := "real time"
 					if virtual {
@@ -263,7 +300,8 @@ have no lag.`,
 					}
 					title = fmt.Sprintf("infergate bench: %s on %d engines (%s)", compare, engines, mode)
 				}
-				if err := writeFile(htmlPath, func(w io.Writer) error { return bench.WriteHTML(w, title, htmlRuns) }); err != nil {
+				rep := bench.HTMLReport{Title: title, Runs: htmlRuns, Provenance: prov, References: refs}
+				if err := writeFile(htmlPath, func(w io.Writer) error { return bench.WriteHTMLReport(w, rep) }); err != nil {
 					return err
 				}
 			}
@@ -291,7 +329,7 @@ have no lag.`,
 	f.StringVarP(&outPath, "out", "o", "", "write the summary as JSON to this file")
 	f.StringVarP(&cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the compared policies (--compare)")
 	f.BoolVar(&virtual, "virtual", false, "with --compare: run the same engine model and policies in virtual time (discrete events, no sleeping, no HTTP): seconds instead of minutes")
-	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report (summary table, latency CDFs, time series, per-engine share) to this file")
+	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it (command, version, host, trace digest, profile, clock, lag), the summary table with the pooled- and infinite-cache reference hit rates, TTFT and ITL CDFs and percentiles, hit rate against the references, time series, per-engine share")
 	f.StringVar(&recPath, "records", "", "write per-request records as JSONL to this file")
 	warm.register(f)
 	f.StringVar(&rateList, "rate", "", "request-rate sweep: comma-separated rates (req/s, e.g. 1,2,4,8); the workload's arrivals are re-timed as a Poisson process at each rate (fixed seed, same requests in the same order) and run once per rate (per policy with --compare)")
@@ -313,21 +351,18 @@ func writeFile(path string, write func(io.Writer) error) error {
 	return f.Close()
 }
 
-// setReferences adds the pooled-cache and (for traces with block hash ids)
-// infinite-cache reference hit rates of the first requests records to
-// report, for a fleet of engines engines of profile prof.
-func setReferences(report *bench.Report, recs []trace.Record, requests, engines int, prof sim.Profile) {
-	if requests > 0 && requests < len(recs) {
-		recs = recs[:requests]
+// describeBench records the workload of a bench run in prov: recs (or the
+// turns of sessions) of which the first requests (0: all) are replayed.
+func describeBench(prov *bench.Provenance, wl *workloadFlags, recs []trace.Record, sessions []trace.Session, requests int) error {
+	total := len(recs)
+	for _, s := range sessions {
+		total += len(s.Turns)
 	}
-	if engines <= 0 {
-		engines = bench.DefaultEngines
+	replayed := total
+	if requests > 0 && requests < total {
+		replayed = requests
 	}
-	ec := sim.Config{Profile: prof}.WithDefaults()
-	pooled := bench.PooledCacheHitRate(recs, engines*ec.NumBlocks, ec.BlockSize)
-	report.PooledHitRate = &pooled
-	if len(recs[0].HashIDs) > 0 {
-		inf := trace.InfiniteCacheHitRate(recs)
-		report.InfiniteHitRate = &inf
-	}
+	var err error
+	prov.Workload, err = wl.describe(replayed, total)
+	return err
 }

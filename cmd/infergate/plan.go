@@ -4,11 +4,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 
+	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/plan"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
@@ -63,6 +65,7 @@ overhead, and engines never fail.`,
   infergate plan --requests 2000 --engines 4..24/4 --policy cache-aware --slo 'ttft_p99=25s,goodput>=0.9'`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			started := time.Now()
 			if sloText == "" {
 				return errors.New("--slo is required, e.g. --slo ttft_p90=2s,itl_p99=100ms")
 			}
@@ -96,6 +99,14 @@ overhead, and engines never fail.`,
 			if err != nil {
 				return err
 			}
+			prov := bench.NewProvenance(buildVersion(), os.Args, started)
+			prov.Clock = "virtual"
+			if err := describeBench(prov, &wl, recs, nil, requests); err != nil {
+				return err
+			}
+			if prov.Profile, err = bench.NewProfileInfo(sim.Config{Profile: prof}, profFile); err != nil {
+				return err
+			}
 			stderr := cmd.ErrOrStderr()
 			res, err := plan.Run(cmd.Context(), plan.Options{
 				Records: recs, Requests: requests, Engines: sizes, Policies: pols,
@@ -113,6 +124,8 @@ overhead, and engines never fail.`,
 			if err != nil {
 				return err
 			}
+			prov.WallS = time.Since(started).Seconds()
+			res.Provenance = prov
 			out := cmd.OutOrStdout()
 			if err := res.WriteTable(out); err != nil {
 				return err
@@ -145,7 +158,7 @@ overhead, and engines never fail.`,
 	f.StringVarP(&cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the policies")
 	f.StringVarP(&outPath, "out", "o", "", "write the sweep and the recommendation as JSON to this file")
 	f.IntVar(&workers, "workers", 0, "runs to simulate at once (0 = one per CPU)")
-	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report (sweep table, TTFT p90 and goodput vs engines, recommendation) to this file")
+	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it, the sweep table, and against fleet size each SLO target's value with its threshold line, goodput, and the hit rate with its references, the recommended point marked")
 	f.Int64Var(&seed, "seed", 0, "seed of the engines' outputs and the policies' tie-breaking")
 	return cmd
 }

@@ -164,3 +164,47 @@ func loadRouting(path string) (sched.Config, error) {
 	}
 	return gc.Routing, nil
 }
+
+// describe records the selected workload for a report's provenance: its
+// kind, the files it was read from with their digests, the kind's
+// parameters, and how many of its records (total) were replayed.
+func (w *workloadFlags) describe(replayed, total int) (*bench.Workload, error) {
+	d := &bench.Workload{Kind: w.kind, Records: total, Replayed: replayed}
+	var files []string
+	g := strconv.FormatFloat
+	switch w.kind {
+	case workloadMooncake:
+		files = []string{w.tracePath(data.Mooncake)}
+	case workloadAzure:
+		files = []string{w.tracePath(data.Azure)}
+		d.Params = map[string]string{"azure-system-tokens": strconv.Itoa(w.azure.SystemPromptTokens),
+			"azure-session-prob": g(w.azure.SessionProb, 'g', -1, 64), "session-window": strconv.Itoa(w.azure.SessionWindow),
+			"seed": strconv.FormatUint(w.azure.Seed, 10)}
+	case workloadSharedPrefix:
+		o := w.shared
+		d.Params = map[string]string{"sp-groups": strconv.Itoa(o.Groups), "sp-prompts-per-group": strconv.Itoa(o.PromptsPerGroup),
+			"sp-system-tokens": strconv.Itoa(o.SystemPromptTokens), "sp-question-tokens": strconv.Itoa(o.QuestionTokens),
+			"sp-output-tokens": strconv.Itoa(o.OutputTokens), "sp-rate": g(o.Rate, 'g', -1, 64), "seed": strconv.FormatUint(o.Seed, 10)}
+	case workloadChat:
+		mtb, sonnet := w.mtb, w.sonnet
+		if mtb == "" {
+			mtb = data.Embedded + data.MTBench
+		}
+		if sonnet == "" {
+			sonnet = data.Embedded + data.Sonnet
+		}
+		files = []string{mtb, sonnet}
+		o := w.chat
+		d.Params = map[string]string{"chat-sessions": strconv.Itoa(o.Sessions), "system-tokens": strconv.Itoa(o.SystemPromptTokens),
+			"answer-tokens": strconv.Itoa(o.AnswerTokens), "session-rate": g(o.Rate, 'g', -1, 64), "think-time": o.ThinkTime.String(),
+			"seed": strconv.FormatUint(o.Seed, 10)}
+	}
+	for _, f := range files {
+		sf, err := bench.DescribeFile(f)
+		if err != nil {
+			return nil, err
+		}
+		d.Files = append(d.Files, sf)
+	}
+	return d, nil
+}
