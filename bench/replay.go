@@ -161,6 +161,25 @@ func NewClient() *http.Client {
 	}}
 }
 
+// CompletionsURL returns the URL of target's POST /v1/completions: target
+// is a server's base URL, with or without the OpenAI client's "/v1" suffix
+// ("http://h:8000", "http://h:8000/v1/", "https://h/prefix/v1"); a query
+// string (a proxy's parameters) is kept after the path, not spliced into it.
+func CompletionsURL(target string) (string, error) {
+	u, err := url.Parse(target)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		shown := RedactText(target)
+		if err == nil {
+			shown = u.Redacted() // a password in a URL without a host
+		}
+		return "", fmt.Errorf("bench: target %q: want an http(s)://host[:port] base URL", shown)
+	}
+	p := strings.TrimSuffix(strings.TrimSuffix(u.Path, "/"), "/v1")
+	u.Path, u.RawPath = p+"/v1/completions", ""
+	u.Fragment = ""
+	return u.String(), nil
+}
+
 // Replay sends the records open-loop (each at its scheduled time, whether or
 // not earlier ones have finished) as streaming POST /v1/completions requests
 // whose prompt is the record's synthetic token ids (trace.Record.Tokens),
@@ -175,9 +194,9 @@ func NewClient() *http.Client {
 // are dropped, in-flight ones are cancelled (and recorded as errors), and the
 // records of the requests sent are returned with ctx's error.
 func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
-	u, err := url.Parse(opts.Target)
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("bench: target %q: want an http(s)://host[:port] base URL", opts.Target)
+	endpoint, err := CompletionsURL(opts.Target)
+	if err != nil {
+		return nil, err
 	}
 	speedup, scale := opts.Speedup, opts.TimeScale
 	if speedup == 0 {
@@ -204,7 +223,6 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
 		client = NewClient()
 		defer client.CloseIdleConnections()
 	}
-	endpoint := strings.TrimSuffix(opts.Target, "/") + "/v1/completions"
 	modelJSON, err := json.Marshal(opts.Model)
 	if err != nil {
 		return nil, fmt.Errorf("bench: model name: %w", err)

@@ -420,3 +420,25 @@ func TestITLPerRead(t *testing.T) {
 		t.Errorf("ITL %v: the three chunks of one read should share its gap equally", itl)
 	}
 }
+
+// TestCompletionsURL: a base URL with or without "/v1", a path prefix and a
+// query string all give the completions URL with the query after the path
+// (it was spliced into the path: "…?k=v/v1/completions").
+func TestCompletionsURL(t *testing.T) {
+	for in, want := range map[string]string{
+		"http://h:8000":               "http://h:8000/v1/completions",
+		"http://h:8000/":              "http://h:8000/v1/completions",
+		"http://h:8000/v1":            "http://h:8000/v1/completions",
+		"http://h:8000/v1/":           "http://h:8000/v1/completions",
+		"https://h/prefix/v1":         "https://h/prefix/v1/completions",
+		"http://h/v1?api-version=2":   "http://h/v1/completions?api-version=2",
+		"http://h?api-version=2#frag": "http://h/v1/completions?api-version=2",
+	} {
+		if got, err := CompletionsURL(in); err != nil || got != want {
+			t.Errorf("CompletionsURL(%q) = %q, %v; want %q", in, got, err, want)
+		}
+	}
+	if _, err := CompletionsURL("http://user:s3cret@/"); err == nil || strings.Contains(err.Error(), "s3cret") {
+		t.Errorf("bad target: %v (want an error without the password)", err)
+	}
+}

@@ -200,8 +200,8 @@ have no lag.`,
 				return err
 			}
 			if target != "" {
-				// Accept the usual OpenAI base URL form (".../v1") as well.
-				target = strings.TrimSuffix(strings.TrimSuffix(target, "/"), "/v1")
+				// The usual OpenAI base URL form (".../v1") is accepted as
+				// well (bench.CompletionsURL).
 				if model == "" {
 					model = sim.DefaultModel
 				}
