@@ -206,7 +206,8 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 	g.dash.mu.Unlock()
 	span := now.Sub(base.at).Seconds()
 
-	st := DashboardState{Time: now, Started: g.dash.started, Policy: g.Policy(), Draining: g.draining.Load(),
+	cfg := g.state.Load() // the configuration in force
+	st := DashboardState{Time: now, Started: g.dash.started, Policy: cfg.cfg.Routing.Policy, Draining: g.draining.Load(),
 		WindowSeconds: span, Pools: []DashPool{}}
 	total, recent := &routeCounts{}, &routeCounts{}
 	for k, rc := range cur.routes {
@@ -216,8 +217,8 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 	}
 	uptime := now.Sub(g.dash.started).Seconds()
 	st.Fleet.Total, st.Fleet.Recent = traffic(total, uptime), traffic(recent, span)
-	st.Fleet.Endpoints = len(g.endpoints)
-	for _, ep := range g.endpoints {
+	st.Fleet.Endpoints = len(cfg.endpoints)
+	for _, ep := range cfg.endpoints {
 		switch endpointState(ep, now) {
 		case "ready":
 			st.Fleet.Ready++
@@ -228,15 +229,16 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 		st.Fleet.Ejections += cur.ejections[ep.name]
 	}
 
-	models := make([]string, 0, len(g.pools))
-	for m := range g.pools {
+	models := make([]string, 0, len(cfg.pools))
+	for m := range cfg.pools {
 		models = append(models, m)
 	}
 	slices.Sort(models)
 	for _, model := range models {
-		p := g.pools[model]
+		p := cfg.pools[model]
+		maxInFlight, maxQueue, _ := p.gate.settings()
 		dp := DashPool{Model: model, QueueLength: p.gate.waiting.Load(), Admitted: p.gate.active.Load(),
-			MaxInFlight: p.gate.maxInFlight, MaxQueue: p.gate.maxQueue, Rejections: map[string]float64{}}
+			MaxInFlight: maxInFlight, MaxQueue: maxQueue, Rejections: map[string]float64{}}
 		for r, v := range cur.rejections[model] {
 			dp.Rejections[r] = v
 		}
@@ -254,16 +256,20 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 		}
 		dp.Total, dp.Recent = traffic(ptotal, uptime), traffic(precent, span)
 		for _, ep := range p.endpoints {
-			de := DashEndpoint{Endpoint: ep.name, Kind: string(ep.kind), State: endpointState(ep, now),
+			if ep == vacant {
+				continue
+			}
+			spec := ep.spec.Load()
+			de := DashEndpoint{Endpoint: ep.name, Kind: string(spec.kind), State: endpointState(ep, now),
 				InFlight: ep.inFlight.Load(), InFlightTok: ep.inFlightTokens.Load(), PrefillBacklog: ep.pendingPrefill.Load(),
-				PrefillRate: finite(ep.learntPrefillRate()), KVBlocks: ep.kvBlocks, BlockSize: ep.blockSize,
+				PrefillRate: finite(ep.learntPrefillRate()), KVBlocks: spec.kvBlocks, BlockSize: spec.blockSize,
 				Ejections: cur.ejections[ep.name]}
 			if de.State == "ejected" {
 				t := time.Unix(0, ep.ejectedUntil.Load()).UTC()
 				de.EjectedUntil = &t
 			}
-			if ep.scrapeIdx >= 0 && g.scraper != nil {
-				if l, at, ok := g.scraper.LatestAt(ep.scrapeIdx, now); ok && l.HasQueue {
+			if f := cfg.feeds[ep].scrape; f != nil {
+				if l, at, ok := f.latest(now); ok && l.HasQueue {
 					de.Engine = &DashEngine{ScrapedAt: at, Waiting: l.Waiting, Running: l.Running}
 					if l.HasKVUtil {
 						de.Engine.KVUtilization = ptrFloat(l.KVUtil)
@@ -296,9 +302,11 @@ func endpointState(ep *endpoint, now time.Time) string {
 }
 
 func endpointNames(eps []*endpoint) []string {
-	out := make([]string, len(eps))
-	for i, ep := range eps {
-		out[i] = ep.name
+	out := make([]string, 0, len(eps))
+	for _, ep := range eps {
+		if ep != vacant {
+			out = append(out, ep.name)
+		}
 	}
 	return out
 }

@@ -270,21 +270,21 @@ const maxRoutingTextBytes = 512 << 10
 // own tokens); otherwise a chat is tokenized message by message through the
 // segment cache, whose ids differ at message boundaries but are the same for
 // the same messages, which is all the approximate index needs.
-func (x *exchange) promptTokens(kind apiKind, g *Gateway, exact bool) []uint32 {
+func (x *exchange) promptTokens(kind apiKind, p *pool, exact bool) []uint32 {
 	switch {
 	case kind == kindChat && exact:
-		ids, _ := g.tokenizer.EncodePrefix(x.chat.Prompt(), maxRoutingTextBytes)
+		ids, _ := p.tokenizer.EncodePrefix(x.chat.Prompt(), maxRoutingTextBytes)
 		return ids
 	case kind == kindChat:
 		// Message by message, through the segment cache: a conversation's
 		// system prompt and earlier turns are tokenized once, not per turn.
 		x.segs = openai.AppendChatSegments(x.segs[:0], x.chat.Tools, x.chat.Messages)
-		x.toks, _ = g.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
+		x.toks, _ = p.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
 		return x.toks
 	case len(x.comp.Prompt.Tokens) > 0:
 		return x.comp.Prompt.Tokens[0]
 	case len(x.comp.Prompt.Texts) > 0:
-		ids, _ := g.tokenizer.EncodePrefix(x.comp.Prompt.Texts[0], maxRoutingTextBytes)
+		ids, _ := p.tokenizer.EncodePrefix(x.comp.Prompt.Texts[0], maxRoutingTextBytes)
 		return ids
 	}
 	return nil
@@ -307,8 +307,9 @@ func (g *Gateway) fail(w http.ResponseWriter, rm *routeMetrics, e *openai.Error)
 
 // serveInference is the request path of POST /v1/chat/completions and
 // /v1/completions: read, decode, validate, admit the key (model access, rate
-// limits; key nil when authentication is off), hash, pick, proxy.
-func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind apiKind, key *principal) {
+// limits; key nil when authentication is off), hash, pick, proxy. st is the
+// configuration in force when the request arrived (its pools and keys).
+func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind apiKind, key *principal, st *state) {
 	start := time.Now()
 	r, unbind := g.bindShutdown(r)
 	if unbind != nil {
@@ -328,7 +329,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 		return
 	}
 	verr := x.decode(kind)
-	p := g.pools[x.model]
+	p := st.pools[x.model]
 	rm := g.unknown
 	if p != nil {
 		rm = p.none
@@ -359,7 +360,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 
 	x.sreq = sched.Request{Model: x.model, SessionKey: sessionKey(r, x), Priority: priority}
 	if p.policy.NeedsHashes() || p.precise != nil {
-		tokens := x.promptTokens(kind, g, p.precise != nil)
+		tokens := x.promptTokens(kind, p, p.precise != nil)
 		seed := p.seed
 		if x.salt != "" {
 			seed = prefix.Seed(x.model + "\x00" + x.salt)

@@ -255,8 +255,10 @@ func (ep *endpoint) releaseSlot() {
 // wakeGates lets the admission queues of ep's models admit waiters (a
 // circuit-breaker slot freed, or the endpoint came back).
 func (ep *endpoint) wakeGates() {
-	for _, a := range ep.gates {
-		a.wake()
+	if gates := ep.gates.Load(); gates != nil {
+		for _, a := range *gates {
+			a.wake()
+		}
 	}
 }
 
@@ -265,7 +267,7 @@ func (ep *endpoint) wakeGates() {
 // circuit-breaker limit, and takes a breaker slot on the pick. It returns
 // the index and decision, or -1 when no endpoint can take the request.
 func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (int, sched.Decision) {
-	limit := g.cfg.CircuitBreaker.MaxRequests
+	limit := p.maxRequests
 	snap := p.snapshot()
 	defer p.release(snap)
 	s := *snap

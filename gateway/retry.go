@@ -76,7 +76,10 @@ func requestPriority(r *http.Request) (int, *openai.Error) {
 
 // serveRouted is the request's lifecycle once its model's pool is known:
 // admission (queueing when the pool is full), pick, proxy, and retries on
-// other endpoints of failures that reached the client with no byte.
+// other endpoints of failures that reached the client with no byte. Each
+// pick is made in the newest pool of the model (pool.latest): a request
+// that was waiting or retrying when a reload replaced its pool goes to the
+// new set of endpoints, never to one the reload removed.
 func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool,
 	reqID string, start time.Time) {
 	if x.edge.capPriority && x.sreq.Priority > x.edge.maxPriority {
@@ -85,7 +88,8 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 	if !g.admitQueued(w, r, p, x) {
 		return
 	}
-	defer p.gate.release()
+	gate, budget := p.gate, p.budget // kept by the model's later pools
+	defer gate.release()
 
 	excluded := x.excludedFor(len(p.endpoints))
 	var (
@@ -94,13 +98,18 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 	)
 	defer func() {
 		if retrying {
-			p.budget.done()
+			budget.done()
 		}
 	}()
 	for attempt := 1; ; attempt++ {
+		if n := p.latest(); n != p {
+			// Slots keep their endpoint across reloads: what failed
+			// stays excluded.
+			p, excluded = n, x.resizeExcluded(len(n.endpoints))
+		}
 		i, d := g.pickExcluding(p, &x.sreq, excluded)
 		if attempt == 1 {
-			p.gate.picked()
+			gate.picked()
 		}
 		if i < 0 {
 			if last == nil {
@@ -130,7 +139,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 			g.answerFailure(w, f)
 			return
 		case !retrying:
-			if !p.budget.take(p.gate.active.Load(), g.cfg.Retry.BudgetPercent, g.cfg.Retry.MinRetryConcurrency) {
+			if !budget.take(gate.active.Load(), g.cfg.Retry.BudgetPercent, g.cfg.Retry.MinRetryConcurrency) {
 				g.res.retriesDenied.WithLabelValues(p.model, "budget").Inc()
 				g.answerFailure(w, f)
 				return
@@ -148,6 +157,16 @@ func (x *exchange) excludedFor(n int) []bool {
 	}
 	x.excluded = x.excluded[:n]
 	clear(x.excluded)
+	return x.excluded
+}
+
+// resizeExcluded returns x's exclusion flags resized to n, the first ones
+// kept (a reload gave the pool more or fewer slots).
+func (x *exchange) resizeExcluded(n int) []bool {
+	if k := len(x.excluded); n > k {
+		x.excluded = append(x.excluded, make([]bool, n-k)...)
+	}
+	x.excluded = x.excluded[:n]
 	return x.excluded
 }
 
