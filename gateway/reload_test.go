@@ -441,6 +441,9 @@ func TestReloadQueuedRequestPicksNewPool(t *testing.T) {
 	waitFor(t, "the second request queued", func() bool { return g.state.Load().pools["m"].gate.waiting.Load() == 1 })
 	cfg.Endpoints = reloadConfig(sched.RoundRobin, held.srv.URL, e1.URL()).Endpoints
 	mustReload(t, g, cfg) // both: the held engine still serves the first
+	if ep, p := endpointOf(g, held.srv.URL), g.state.Load().pools["m"]; ep.inFlight.Load() != 1 || p.gate.active.Load() != 1 {
+		t.Fatalf("after a reload that keeps the endpoint: %d in flight on it, %d admitted; want 1 and 1", ep.inFlight.Load(), p.gate.active.Load())
+	}
 	cfg.Endpoints = reloadConfig(sched.RoundRobin, e1.URL()).Endpoints
 	mustReload(t, g, cfg)
 	if n := g.state.Load().pools["m"].gate.waiting.Load(); n != 1 {
@@ -515,7 +518,7 @@ func TestReloadRefusesInvalid(t *testing.T) {
 func TestReloadKeepsUnreloadable(t *testing.T) {
 	e := newFakeEngine(t, "e0")
 	cfg := reloadConfig(sched.Prefix, e.URL())
-	g, _ := startGateway(t, cfg)
+	g, url := startGateway(t, cfg)
 	next := cfg
 	next.Listen = "127.0.0.1:9999"
 	next.MaxBodyBytes = 1 << 10
@@ -532,9 +535,17 @@ func TestReloadKeepsUnreloadable(t *testing.T) {
 	if _, q, _ := g.state.Load().pools["m"].gate.settings(); q != 7 {
 		t.Errorf("admission max_queue %d, want 7", q)
 	}
-	old := cfg.WithDefaults()
-	c := next.WithDefaults()
-	if kept := keepUnreloadable(&c, old); strings.Join(kept, ",") != "listen,max_body_bytes" {
+	c := testClient(t)
+	for range 2 {
+		if resp, b := post(t, c, url+pathChat, chatBody); resp.StatusCode != 200 {
+			t.Fatalf("under the new policy: %d %s", resp.StatusCode, b)
+		}
+	}
+	if n := scrape(t, c, url).value("infergate_requests_total", `policy="round-robin"`); n != 2 {
+		t.Errorf("requests counted under the new policy: %v, want 2", n)
+	}
+	old, nc := cfg.WithDefaults(), next.WithDefaults()
+	if kept := keepUnreloadable(&nc, old); strings.Join(kept, ",") != "listen,max_body_bytes" {
 		t.Errorf("kept %v, want listen and max_body_bytes", kept)
 	}
 }
@@ -684,8 +695,17 @@ func TestReloadPreciseIndex(t *testing.T) {
 	keep := p.endpoints[holder]
 	other := 1 - holder
 	resets := kvFeedOf(g, holder).sub.Stats().Resets
+	gone := g.state.Load().feeds[p.endpoints[1-holder]].kv
 	cfg.Endpoints = []EndpointConfig{ec(holder), ec(2)}
 	mustReload(t, g, cfg)
+	select {
+	case <-gone.done: // drained: nothing was in flight on it
+	case <-time.After(time.Minute):
+		t.Fatal("the removed engine's KV-event subscription still runs")
+	}
+	if as, _ := gone.current(); len(as) != 0 {
+		t.Fatalf("the removed engine's stream still feeds %d appliers", len(as))
+	}
 	p2 := g.state.Load().pools["m"]
 	if g.PreciseIndex("m") != ix || p2.endpoints[holder] != keep {
 		t.Fatal("the precise index or the kept endpoint's slot changed")
