@@ -560,6 +560,7 @@ func TestReloadKeepsEndpointState(t *testing.T) {
 	cfg := reloadConfig(sched.Prefix, e0.URL(), e1.URL())
 	cfg.EjectDuration = time.Hour
 	cfg.Outlier.MaxEjectionTime = time.Hour
+	cfg.HealthCheckPath = healthCheckOff // a probe slowed by a loaded machine must not forget an endpoint's blocks
 	g, url := startGateway(t, cfg)
 	c := testClient(t)
 	ep0, ep1 := endpointOf(g, e0.URL()), endpointOf(g, e1.URL())
@@ -654,7 +655,9 @@ func TestReloadPreciseIndex(t *testing.T) {
 		return EndpointConfig{URL: f.URLs[i], Model: "m", Kind: fleet.Sim,
 			KVEvents: &KVEventsConfig{Endpoint: pub[i], ReplayEndpoint: replay[i]}}
 	}
-	cfg := Config{HealthCheckInterval: time.Second}
+	// No probes: one slowed by a loaded machine would forget an engine's
+	// blocks and reset its subscription.
+	cfg := Config{HealthCheckInterval: time.Second, HealthCheckPath: healthCheckOff}
 	cfg.Routing.Policy = sched.PrecisePrefix
 	cfg.Endpoints = []EndpointConfig{ec(0), ec(1)}
 	g, url := startGateway(t, cfg)

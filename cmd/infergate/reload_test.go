@@ -88,7 +88,7 @@ func TestServeReloadOnSIGHUP(t *testing.T) {
 	config := func(extra string, urls ...string) string {
 		// Round-robin: every endpoint gets requests (the clients send one
 		// prompt, which a cache-aware policy keeps on one engine).
-		s := "health_check_interval: 200ms\nrouting: {policy: round-robin}\nauth:\n  keys_file: " + keys + "\n" + extra + "endpoints:\n"
+		s := "health_check_interval: 200ms\nhealth_check_timeout: 10s\nrouting: {policy: round-robin}\nauth:\n  keys_file: " + keys + "\n" + extra + "endpoints:\n"
 		for _, u := range urls {
 			s += "  - {url: " + u + ", model: m, kind: sim}\n"
 		}
