@@ -69,6 +69,10 @@ type CompareOptions struct {
 	// RateRPS, if > 0, is recorded in every Summary (Summary.RateRPS): the
 	// rate the caller re-timed Records to (see Retime).
 	RateRPS float64
+	// MaxLag is the lag margin every run is judged against (Summary.CheckLag;
+	// engine time; 0 means DefaultMaxLag). Compare reports a run that fell
+	// behind (Summary.Behind), it does not stop.
+	MaxLag time.Duration
 	// OnRun, if set, is called after each run with its Summary, Records and
 	// the prompt tokens each engine counted (HTMLRun.EnginePromptTokens);
 	// the gateway does not say which engine served a request.
@@ -227,6 +231,8 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 	}
 	s := Summarize(policy, recs)
 	s.RateRPS = opts.RateRPS
+	s.FleetLag = FleetLag(fleet.Lag())
+	s.CheckLag(opts.MaxLag)
 	util := fleet.Utilization()
 	s.MeanEngineUtilization = &util
 	var prefill, preempt int64

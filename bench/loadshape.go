@@ -109,8 +109,8 @@ func Retime(recs []trace.Record, rate float64, seed uint64) ([]trace.Record, err
 
 // closedLoop sends recs closed-loop: conc users, each sending the next
 // unsent record as soon as its previous request finished, until every
-// record is sent. out[i] receives record i's measurement.
-func closedLoop(ctx context.Context, conc int, recs []trace.Record, do func(i int, rec trace.Record)) int {
+// record is sent.
+func closedLoop(ctx context.Context, conc int, recs []trace.Record, do sendFunc) {
 	var next atomic.Int64
 	var wg sync.WaitGroup
 	for range min(conc, len(recs)) {
@@ -120,21 +120,24 @@ func closedLoop(ctx context.Context, conc int, recs []trace.Record, do func(i in
 				if i >= len(recs) {
 					return
 				}
-				do(i, recs[i])
+				do(i, recs[i], time.Time{}) // no schedule
 			}
 		})
 	}
 	wg.Wait()
-	return min(int(next.Load()), len(recs))
 }
 
 // sessionLoop drives sessions closed-loop: session s starts at
 // Start/speedup of wall time after start, or later when conc sessions (0:
 // no bound) are already active; each next turn is sent when the previous
 // turn's response has ended plus ThinkTime/speedup. Turns are numbered
-// session-major from 0 (base[s] is session s's first index). It returns the
-// indexes of the turns sent.
-func sessionLoop(ctx context.Context, conc int, sessions []trace.Session, limit int, speedup float64, start time.Time, do func(i int, rec trace.Record)) []bool {
+// session-major from 0 (base[s] is session s's first index); at most limit
+// (0: all) are sent. A turn is due when its wait ends: the session's start
+// (or when a slot frees for a session held back by conc), or the previous
+// turn's end plus the think time; do is called sendLead ahead of a
+// session's start and right after the previous turn for a later turn, and
+// sends at the due time itself.
+func sessionLoop(ctx context.Context, conc int, sessions []trace.Session, limit int, speedup float64, start time.Time, do sendFunc) {
 	total := 0
 	base := make([]int, len(sessions))
 	for s, ss := range sessions {
@@ -144,24 +147,12 @@ func sessionLoop(ctx context.Context, conc int, sessions []trace.Session, limit 
 	if limit > 0 && limit < total {
 		total = limit
 	}
-	sent := make([]bool, total)
 	var sem chan struct{}
 	if conc > 0 {
 		sem = make(chan struct{}, conc)
 	}
-	sleep := func(d time.Duration) bool {
-		if d <= 0 {
-			return ctx.Err() == nil
-		}
-		t := time.NewTimer(d)
-		defer t.Stop()
-		select {
-		case <-ctx.Done():
-			return false
-		case <-t.C:
-			return true
-		}
-	}
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
 	var wg sync.WaitGroup
 	order := make([]int, len(sessions))
 	for i := range order {
@@ -172,13 +163,29 @@ func sessionLoop(ctx context.Context, conc int, sessions []trace.Session, limit 
 		if base[s] >= total {
 			continue
 		}
-		if !sleep(time.Duration(float64(sessions[s].Start)/speedup) - time.Since(start)) {
+		due := start.Add(time.Duration(float64(sessions[s].Start) / speedup))
+		if wait := time.Until(due) - sendLead; wait > 0 {
+			timer.Reset(wait)
+			select {
+			case <-ctx.Done():
+				timer.Stop()
+			case <-timer.C:
+			}
+		}
+		if ctx.Err() != nil {
 			break
 		}
 		if sem != nil {
 			select {
 			case sem <- struct{}{}:
-			case <-ctx.Done():
+			default: // held back by conc: due when a slot frees
+				select {
+				case sem <- struct{}{}:
+					if now := time.Now(); now.After(due) {
+						due = now
+					}
+				case <-ctx.Done():
+				}
 			}
 			if ctx.Err() != nil {
 				break
@@ -191,14 +198,15 @@ func sessionLoop(ctx context.Context, conc int, sessions []trace.Session, limit 
 			}
 			for k, rec := range ss.Turns {
 				i := base[s] + k
-				if i >= total || (k > 0 && !sleep(time.Duration(float64(ss.ThinkTime)/speedup))) {
+				if i >= total || ctx.Err() != nil {
 					return
 				}
-				sent[i] = true
-				do(i, rec)
+				if k > 0 {
+					due = time.Now().Add(time.Duration(float64(ss.ThinkTime) / speedup))
+				}
+				do(i, rec, due)
 			}
 		})
 	}
 	wg.Wait()
-	return sent
 }

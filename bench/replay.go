@@ -50,9 +50,18 @@ type Record struct {
 	// TTFTMs is the time from sending the request to receiving the first
 	// chunk that carries output (ms, engine time); 0 if none arrived.
 	TTFTMs float64 `json:"ttft_ms"`
-	// ITLMs holds the gaps between consecutive output-carrying chunks (ms,
-	// engine time), one per chunk after the first.
+	// ITLMs holds the inter-token latencies (ms, engine time), measured per
+	// read of the response body: the gap between a read that brought output
+	// and the previous such read is split evenly over the output-carrying
+	// chunks the read brought, one entry each (so they sum to the time from
+	// the first read with output to the last). The chunks of the first such
+	// read have no entry. See README "Inter-token latency".
 	ITLMs []float64 `json:"itl_ms"`
+	// SendLagMs is how late the request was sent against its schedule (ms,
+	// engine time, >= 0): its trace time for an open-loop replay, its
+	// session's start or the previous turn's end plus the think time for a
+	// session replay. Absent (nil) for a closed loop, which has no schedule.
+	SendLagMs *float64 `json:"send_lag_ms,omitempty"`
 	// E2EMs is the time from sending the request to the end of the response
 	// (ms, engine time), or to the failure for an errored request.
 	E2EMs float64 `json:"e2e_ms"`
@@ -217,31 +226,35 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
 	defer cancel()
 
 	start := time.Now()
-	do := func(i int, rec trace.Record) {
+	sent := make([]bool, total) // written by the request's goroutine only
+	do := func(i int, rec trace.Record, due time.Time) {
 		if opts.OutputTokens > 0 {
 			rec.OutputLength = opts.OutputTokens
 		}
-		r := &out[i]
-		*r = send(ctx, client, endpoint, modelJSON, opts, rec, start, scale)
+		r, ok := send(ctx, client, endpoint, modelJSON, opts, rec, start, due, scale)
+		if !ok {
+			return // ctx ended before it was due
+		}
 		r.Index, r.Policy = i, opts.Label
+		out[i], sent[i] = r, true
 		prog.done(r.Error != "")
 	}
 	switch {
 	case opts.Sessions != nil:
-		sent := sessionLoop(ctx, opts.Concurrency, opts.Sessions, total, speedup, start, do)
-		n := 0
-		for i := range out {
-			if sent[i] {
-				out[n] = out[i]
-				n++
-			}
-		}
-		out = out[:n]
+		sessionLoop(ctx, opts.Concurrency, opts.Sessions, total, speedup, start, do)
 	case opts.Concurrency > 0:
-		out = out[:closedLoop(ctx, opts.Concurrency, recs, do)]
+		closedLoop(ctx, opts.Concurrency, recs, do)
 	default:
-		out = out[:openLoop(ctx, recs, speedup, start, do)]
+		openLoop(ctx, recs, speedup, start, do)
 	}
+	n := 0
+	for i := range out {
+		if sent[i] {
+			out[n] = out[i]
+			n++
+		}
+	}
+	out = out[:n]
 	err = ctx.Err()
 	if err != nil {
 		err = context.Cause(ctx)
@@ -257,17 +270,26 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
 	return out, err
 }
 
+// sendFunc sends record i at due (the zero Time: at once, unscheduled)
+// and waits for its response; it sends nothing if ctx ends before due.
+type sendFunc func(i int, rec trace.Record, due time.Time)
+
+// sendLead is how long before its due time a scheduled request is prepared
+// (wall time): its prompt and body are built ahead, so that building large
+// token-id bodies (a few ms each for 100k-token prompts; the Mooncake trace
+// has bursts of 16 requests on one timestamp) does not make them late.
+const sendLead = 100 * time.Millisecond
+
 // openLoop sends record i at (Timestamp_i − Timestamp_0)/speedup after
-// start, each in its own goroutine, and returns how many it sent.
-func openLoop(ctx context.Context, recs []trace.Record, speedup float64, start time.Time, do func(int, trace.Record)) int {
+// start, each in its own goroutine started sendLead before it is due.
+func openLoop(ctx context.Context, recs []trace.Record, speedup float64, start time.Time, do sendFunc) {
 	var wg sync.WaitGroup
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
-	sent := 0
 dispatch:
 	for i, rec := range recs {
 		due := time.Duration(float64(rec.Timestamp-recs[0].Timestamp) / speedup)
-		if wait := due - time.Since(start); wait > 0 {
+		if wait := due - sendLead - time.Since(start); wait > 0 {
 			timer.Reset(wait)
 			select {
 			case <-ctx.Done():
@@ -279,11 +301,9 @@ dispatch:
 		if ctx.Err() != nil {
 			break
 		}
-		sent++
-		wg.Go(func() { do(i, rec) })
+		wg.Go(func() { do(i, rec, start.Add(due)) })
 	}
 	wg.Wait()
-	return sent
 }
 
 // WriteRecords writes recs as JSON lines (the --records format).
@@ -297,23 +317,45 @@ func WriteRecords(w io.Writer, recs []Record) error {
 	return nil
 }
 
-// send performs one request and measures it.
-func send(ctx context.Context, client *http.Client, endpoint string, modelJSON []byte, opts ReplayOptions, rec trace.Record, start time.Time, scale float64) Record {
+// send builds one request, sends it at due (zero: at once) and measures
+// it. It reports false, sending nothing, when ctx ends before due.
+func send(ctx context.Context, client *http.Client, endpoint string, modelJSON []byte, opts ReplayOptions, rec trace.Record, start, due time.Time, scale float64) (Record, bool) {
 	ms := func(d time.Duration) float64 { return d.Seconds() * 1000 * scale }
 
 	body := requestBody(modelJSON, rec)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, endpoint, bytes.NewReader(body))
 	if err != nil {
-		return Record{Error: err.Error()}
+		return Record{Error: err.Error()}, true
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "text/event-stream")
 	if opts.APIKey != "" {
 		req.Header.Set("Authorization", "Bearer "+opts.APIKey)
 	}
+	if wait := time.Until(due); !due.IsZero() && wait > 0 {
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return Record{}, false
+		case <-t.C:
+		}
+	}
+	if ctx.Err() != nil && !due.IsZero() {
+		return Record{}, false
+	}
+	return measure(client, req, rec, start, due, ms), true
+}
 
+// measure sends req (due at due; zero: unscheduled) and measures its
+// response; ms converts wall durations to engine milliseconds.
+func measure(client *http.Client, req *http.Request, rec trace.Record, start, due time.Time, ms func(time.Duration) float64) Record {
 	t0 := time.Now()
 	r := Record{ArrivalMs: ms(t0.Sub(start))}
+	if !due.IsZero() {
+		late := ms(max(0, t0.Sub(due)))
+		r.SendLagMs = &late
+	}
 	fail := func(err error) Record {
 		r.E2EMs = ms(time.Since(t0))
 		r.Error = err.Error()
@@ -330,10 +372,11 @@ func send(ctx context.Context, client *http.Client, endpoint string, modelJSON [
 	}
 
 	var (
-		er      = openai.NewEventReader(resp.Body, 0)
+		clock   = &readClock{r: resp.Body}
+		er      = openai.NewEventReader(clock, 0)
 		chunk   openai.StreamChunk
 		usage   *openai.Usage
-		last    time.Time
+		tokens  itlClock
 		outputs int
 	)
 	for {
@@ -344,7 +387,6 @@ func send(ctx context.Context, client *http.Client, endpoint string, modelJSON [
 		if err != nil {
 			return fail(fmt.Errorf("read stream: %w", err))
 		}
-		now := time.Now()
 		chunk.Reset()
 		if err := json.Unmarshal(data, &chunk); err != nil {
 			var te *json.UnmarshalTypeError
@@ -366,13 +408,12 @@ func send(ctx context.Context, client *http.Client, endpoint string, modelJSON [
 			continue
 		}
 		if outputs == 0 {
-			r.TTFTMs = ms(now.Sub(t0))
-		} else {
-			r.ITLMs = append(r.ITLMs, ms(now.Sub(last)))
+			r.TTFTMs = ms(clock.at.Sub(t0))
 		}
-		last = now
+		tokens.output(clock.reads, clock.at)
 		outputs++
 	}
+	r.ITLMs = tokens.itl(r.ITLMs[:0], ms)
 	r.E2EMs = ms(time.Since(t0))
 	if !er.Done() {
 		return fail(errors.New("stream ended without [DONE]"))
@@ -453,4 +494,72 @@ func errorMessage(b []byte) (string, bool) {
 		return e.Message, true
 	}
 	return "", false
+}
+
+// readClock wraps a response body and timestamps each Read that returned
+// data: an SSE event parsed from the buffer arrived with the latest read
+// (openai.EventReader reads only when its buffer holds no complete line).
+type readClock struct {
+	r     io.Reader
+	reads int       // reads that returned data
+	at    time.Time // when the latest of them returned
+}
+
+func (c *readClock) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	if n > 0 {
+		c.reads++
+		c.at = time.Now()
+	}
+	return n, err
+}
+
+// itlClock turns the arrival of output-carrying chunks, each tagged with the
+// read that brought it, into inter-token latencies.
+//
+// Chunks that arrive in one read carry the same timestamp: the sender's
+// flushes coalesced on the way (a busy gateway or client reads several at
+// once, TCP merges small segments), and nothing on the client side says how
+// far apart they were produced. Gaps measured per chunk would then be one
+// long gap followed by zeros (an ITL p50 of 0.0 ms on a busy host). The
+// gap between two reads is instead split evenly over the chunks of the later
+// read, as SGLang's bench_serving does for chunks carrying several tokens:
+// the entries keep their sum (first to last output read) and their mean,
+// and their median reads as a token cadence.
+type itlClock struct {
+	groups []itlGroup
+}
+
+// itlGroup is one read's output chunks: how many, and when the read returned.
+type itlGroup struct {
+	read   int
+	chunks int
+	at     time.Time
+}
+
+// output records one output-carrying chunk parsed after read number read,
+// which returned at at.
+func (c *itlClock) output(read int, at time.Time) {
+	if n := len(c.groups); n > 0 && c.groups[n-1].read == read {
+		c.groups[n-1].chunks++
+		return
+	}
+	c.groups = append(c.groups, itlGroup{read: read, chunks: 1, at: at})
+}
+
+// itl appends to dst one latency per chunk after the first read's, each its
+// read's gap from the previous read divided by the read's chunks, converted
+// by ms; it returns dst (nil when there are none).
+func (c *itlClock) itl(dst []float64, ms func(time.Duration) float64) []float64 {
+	for k := 1; k < len(c.groups); k++ {
+		g := c.groups[k]
+		gap := ms(g.at.Sub(c.groups[k-1].at)) / float64(g.chunks)
+		for range g.chunks {
+			dst = append(dst, gap)
+		}
+	}
+	if len(dst) == 0 {
+		return nil
+	}
+	return dst
 }

@@ -1,12 +1,14 @@
 package bench
 
 import (
+	"bytes"
 	"fmt"
 	"html/template"
 	"io"
 	"math"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -332,7 +334,7 @@ func WriteHTMLPage(w io.Writer, title string, sections []Section) error {
 // SummaryTable is r's text table (WriteTable) as a Table.
 func SummaryTable(runs []Summary) *Table {
 	t := &Table{Head: []string{"policy", "requests", "errors", "hit %", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
-		"ITL p50 ms", "ITL p99 ms", "out tok/s", "prefill tok", "util %"}}
+		"ITL p50 ms", "ITL p99 ms", "out tok/s", "prefill tok", "util %", "lag p99 ms"}}
 	for _, s := range runs {
 		util := "-"
 		if s.MeanEngineUtilization != nil {
@@ -341,7 +343,7 @@ func SummaryTable(runs []Summary) *Table {
 		t.Rows = append(t.Rows, []string{s.Policy, strconv.Itoa(s.Requests), strconv.Itoa(s.Errors),
 			fmt.Sprintf("%.1f", s.HitRate*100), fmt.Sprintf("%.0f", s.TTFT.P50), fmt.Sprintf("%.0f", s.TTFT.P90),
 			fmt.Sprintf("%.0f", s.TTFT.P99), fmt.Sprintf("%.1f", s.ITL.P50), fmt.Sprintf("%.1f", s.ITL.P99),
-			fmt.Sprintf("%.0f", s.OutputTokPerS), strconv.FormatInt(s.PrefillTokensComputed, 10), util})
+			fmt.Sprintf("%.0f", s.OutputTokPerS), strconv.FormatInt(s.PrefillTokensComputed, 10), util, s.lagCell()})
 	}
 	return t
 }
@@ -394,7 +396,13 @@ func WriteHTML(w io.Writer, title string, runs []HTMLRun) error {
 	}
 	charts = append(charts, endpointChart(runs))
 	text := []string{"Latencies are engine time (see bench/README.md). Failed requests are left out of the latency and hit-rate charts.",
+		"Lag p99: how far a real-time run fell behind its time scale (the larger of the fleet's step lag and the client's send lag, engine time); BEHIND past the run's margin, when its latencies measure the host, not the modelled hardware.",
 		"In flight: requests sent and not yet finished (from arrival and end-to-end latency), a proxy for queue depth."}
+	var warnings bytes.Buffer
+	_, _ = Report{Runs: sums}.WriteLagWarnings(&warnings)
+	for line := range strings.Lines(warnings.String()) {
+		text = append(text, strings.TrimSpace(line))
+	}
 	return WriteHTMLPage(w, title, []Section{{Title: "Summary", Text: text, Table: SummaryTable(sums), Charts: charts}})
 }
 

@@ -103,3 +103,24 @@ func TestCDF(t *testing.T) {
 		t.Errorf("CDF of one: %v", x)
 	}
 }
+
+// TestWriteHTMLBehind: a run that fell behind its time scale says so in
+// the report, beside its row.
+func TestWriteHTMLBehind(t *testing.T) {
+	r := synthRun("prefix", 100, 4, 3)
+	r.Summary.FleetLag = &Lag{Samples: 10, P50: 5, P99: 1342, Max: 5211}
+	r.Summary.CheckLag(0)
+	var b bytes.Buffer
+	if err := WriteHTML(&b, "t", []HTMLRun{r, synthRun("round-robin", 100, 4, 4)}); err != nil {
+		t.Fatal(err)
+	}
+	out := b.String()
+	for _, want := range []string{"<th>lag p99 ms</th>", "<td>1342 BEHIND</td>", "WARNING: prefix fell behind its time scale"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("report lacks %q", want)
+		}
+	}
+	if strings.Contains(out, "round-robin fell behind") {
+		t.Error("a run without lag reported behind")
+	}
+}

@@ -86,6 +86,22 @@ type Summary struct {
 	// engine at routing time whatever the policy (virtual runs only).
 	PrecisePredictedHitRate *float64 `json:"precise_predicted_hit_rate,omitempty"`
 	PrecisePredictionMAE    *float64 `json:"precise_prediction_mae_tokens,omitempty"`
+	// FleetLag is the simulated fleet's step lag (sim.Fleet.Lag): how late
+	// its engines delivered their steps against their time scale (ms of
+	// engine time); nil when unknown (a --target run) or not applicable (a
+	// virtual run, which has no wall clock).
+	FleetLag *Lag `json:"fleet_lag,omitempty"`
+	// SendLag is how late the client sent the requests against their
+	// schedule (Record.SendLagMs, ms of engine time); nil for a closed loop
+	// and a virtual run.
+	SendLag *Lag `json:"send_lag,omitempty"`
+	// MaxLagMs is the lag margin the run was judged against (CheckLag; ms
+	// of engine time); 0 (absent) when it was not judged.
+	MaxLagMs float64 `json:"max_lag_ms,omitempty"`
+	// Behind is true when FleetLag's or SendLag's p99 exceeds MaxLagMs: the
+	// run fell behind its time scale and its latencies measure the host,
+	// not the modelled hardware.
+	Behind bool `json:"behind,omitempty"`
 	// FirstError is the error of the first failed request ("" if none).
 	FirstError string `json:"first_error,omitempty"`
 	// Goodput counts the requests that met a per-request SLO; nil when the
@@ -150,6 +166,7 @@ func Summarize(policy string, recs []Record) Summary {
 		s.OutputTokPerS = float64(s.OutputTokens) / s.DurationS
 	}
 	s.TTFT, s.ITL, s.E2E = summarizeLatency(ttft), summarizeLatency(itl), summarizeLatency(e2e)
+	s.SendLag = sendLag(recs)
 	return s
 }
 
@@ -228,9 +245,12 @@ func (r Report) WriteJSON(w io.Writer) error {
 
 // WriteTable writes r as an aligned text table, one row per run: policy,
 // requests, errors, hit rate (%), TTFT p50/p90/p99 (ms), ITL p50/p99 (ms),
-// output throughput (tokens/s), prefill tokens computed, and mean engine
-// utilisation (%, "-" when unknown); a rate column (req/s) follows the
-// policy when any run has RateRPS set.
+// output throughput (tokens/s), prefill tokens computed, mean engine
+// utilisation (%, "-" when unknown), the largest and smallest engine share
+// (%), and the run's lag p99 (the larger of FleetLag's and SendLag's, ms of
+// engine time; "-" when unknown, "BEHIND" past its margin; see
+// WriteLagWarnings); a rate column (req/s) follows the policy when any run
+// has RateRPS set.
 func (r Report) WriteTable(w io.Writer) error {
 	// Numbers align right; the policy column is padded to align left.
 	pw := len("policy")
@@ -244,7 +264,7 @@ func (r Report) WriteTable(w io.Writer) error {
 	if rate {
 		fmt.Fprint(tw, "rate\t")
 	}
-	fmt.Fprintln(tw, "requests\terrors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tout tok/s\tprefill tok\tutil %\tshare max/min %\t")
+	fmt.Fprintln(tw, "requests\terrors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tout tok/s\tprefill tok\tutil %\tshare max/min %\tlag p99 ms\t")
 	for _, s := range r.Runs {
 		util := "-"
 		if s.MeanEngineUtilization != nil {
@@ -258,10 +278,10 @@ func (r Report) WriteTable(w io.Writer) error {
 		if rate {
 			fmt.Fprintf(tw, "%g\t", s.RateRPS)
 		}
-		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%d\t%s\t%s\t\n",
+		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%d\t%s\t%s\t%s\t\n",
 			s.Requests, s.Errors, s.HitRate*100,
 			s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.ITL.P50, s.ITL.P99,
-			s.OutputTokPerS, s.PrefillTokensComputed, util, share)
+			s.OutputTokPerS, s.PrefillTokensComputed, util, share, s.lagCell())
 	}
 	if err := tw.Flush(); err != nil {
 		return err

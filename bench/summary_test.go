@@ -144,15 +144,15 @@ func TestWriteTable(t *testing.T) {
 			break
 		}
 	}
-	for _, want := range []string{"policy", "hit %", "TTFT p90 ms", "ITL p99 ms", "out tok/s", "prefill tok", "util %"} {
+	for _, want := range []string{"policy", "hit %", "TTFT p90 ms", "ITL p99 ms", "out tok/s", "prefill tok", "util %", "lag p99 ms"} {
 		if !strings.Contains(lines[0], want) {
 			t.Errorf("header lacks %q: %s", want, lines[0])
 		}
 	}
-	if f := strings.Fields(lines[1]); f[0] != "prefix" || f[3] != "45.0" || f[len(f)-2] != "73.4" || f[len(f)-3] != "2200" || f[len(f)-1] != "-" {
+	if f := strings.Fields(lines[1]); f[0] != "prefix" || f[3] != "45.0" || f[len(f)-3] != "73.4" || f[len(f)-4] != "2200" || f[len(f)-2] != "-" || f[len(f)-1] != "-" {
 		t.Errorf("prefix row %q", lines[1])
 	}
-	if f := strings.Fields(lines[2]); f[0] != "round-robin" || f[len(f)-2] != "-" {
+	if f := strings.Fields(lines[2]); f[0] != "round-robin" || f[len(f)-3] != "-" {
 		t.Errorf("round-robin row %q", lines[2])
 	}
 	buf.Reset()

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -130,11 +131,20 @@ func TestGatewayOllamaPolicies(t *testing.T) {
 	// (README.md): on-CPU p50 ratios 16-19x, wall-clock 6.6-23x — wall
 	// times move with whatever else runs on the machine, and a load spike
 	// during one policy's run skews the ratio. So: 3x on the instance's
-	// on-CPU TTFT, 2x on the client's wall-clock TTFT.
+	// on-CPU TTFT; 2x on the client's wall-clock TTFT only with -tags twin
+	// (wallClockChecks), and then only when the instances were not kept
+	// waiting for a CPU (follow-up wall/on-CPU p50 at most 2 in both runs).
 	rr := runs[2]
 	for _, r := range runs[:2] {
 		p50, rrp50 := Percentile(r.followUps, 50), Percentile(rr.followUps, 50)
-		if p50 >= rrp50/2 {
+		busy := cpuWait(r) > 2 || cpuWait(rr) > 2
+		switch {
+		case !wallClockChecks:
+			t.Logf("%s: follow-up TTFT p50 %v, round-robin's %v (wall clock: checked with -tags twin)", r.policy, p50, rrp50)
+		case busy:
+			t.Logf("BEHIND: %s: the host kept the instances waiting for a CPU (follow-up wall/on-CPU p50 %.1f, round-robin %.1f): wall-clock TTFT %v vs round-robin's %v not judged",
+				r.policy, cpuWait(r), cpuWait(rr), p50, rrp50)
+		case p50 >= rrp50/2:
 			t.Errorf("%s: follow-up TTFT p50 %v, not under round-robin's %v / 2", r.policy, p50, rrp50)
 		}
 		cpu, rrcpu := Percentile(r.followCPU, 50), Percentile(rr.followCPU, 50)
@@ -153,6 +163,23 @@ func TestGatewayOllamaPolicies(t *testing.T) {
 			}
 		}
 	}
+}
+
+// cpuWait is the median over r's follow-up turns of wall-clock TTFT over
+// on-CPU TTFT: 1 when the instance ran the whole time, more when it waited
+// for a CPU; 0 when on-CPU time is not measured.
+func cpuWait(r policyRun) float64 {
+	var ratios []float64
+	for i, d := range r.followUps {
+		if c := r.followCPU[i]; c > 0 {
+			ratios = append(ratios, float64(d)/float64(c))
+		}
+	}
+	if len(ratios) == 0 {
+		return 0
+	}
+	slices.Sort(ratios)
+	return ratios[len(ratios)/2]
 }
 
 func formatShares(s []float64) string {

@@ -529,6 +529,10 @@ type Endpoint struct {
 	// MetricsURL, if set, is the full metrics URL instead (TGI with
 	// --prometheus-port, llama.cpp router mode's /metrics?model=<id>).
 	MetricsURL string
+	// Header is added to every scrape request: the engine's credentials
+	// and extra headers (Authorization for a metrics page behind a key).
+	// Read-only; nil for none. Accept is the Scraper's own.
+	Header http.Header
 }
 
 // ScrapeConfig configures a Scraper; zero fields take the defaults.
@@ -671,7 +675,7 @@ func (s *Scraper) ScrapeOnce(ctx context.Context) {
 // scrape reads endpoint i's page and records the outcome, unless ctx ended
 // first (shutdown is not the endpoint's failure).
 func (s *Scraper) scrape(ctx context.Context, i int) {
-	load, err := s.fetch(ctx, s.urls[i], s.eps[i].Kind)
+	load, err := s.fetch(ctx, s.urls[i], s.eps[i].Kind, s.eps[i].Header)
 	if ctx.Err() != nil {
 		return
 	}
@@ -685,13 +689,16 @@ func (s *Scraper) scrape(ctx context.Context, i int) {
 	s.states[i].Store(r)
 }
 
-// fetch GETs one metrics page and parses it.
-func (s *Scraper) fetch(ctx context.Context, u string, kind Kind) (Load, error) {
+// fetch GETs one metrics page, with header's entries added, and parses it.
+func (s *Scraper) fetch(ctx context.Context, u string, kind Kind, header http.Header) (Load, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
 	if err != nil {
 		return Load{}, fmt.Errorf("scrape %s: %w", u, err)
+	}
+	for k, vs := range header {
+		req.Header[k] = vs // shared, never modified
 	}
 	// The text format: prometheus_client answers OpenMetrics only when asked.
 	req.Header.Set("Accept", "text/plain;version=0.0.4;q=1,*/*;q=0.1")

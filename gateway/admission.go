@@ -301,10 +301,20 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x
 	if err == nil {
 		return true
 	}
+	if x.pass.fallback { // the alias's next target may take it (alias.go)
+		switch {
+		case errors.Is(err, errNoEndpoint):
+			x.pass.fell = fallbackNoEndpoint
+			return false
+		case errors.Is(err, errQueueFull), errors.Is(err, errQueueDisplaced), errors.Is(err, errQueueTimeout):
+			x.pass.fell = fallbackOverloaded
+			return false
+		}
+	}
 	x.refundAdmission(w.Header())
 	switch {
 	case errors.Is(err, errNoEndpoint):
-		g.failNoEndpoint(w, p)
+		g.failNoEndpoint(w, p, nil)
 	case errors.Is(err, errShuttingDown):
 		g.failShuttingDown(w, p.none)
 	case errors.Is(err, errQueueFull):
@@ -329,11 +339,15 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x
 }
 
 // failNoEndpoint answers 503 no_endpoint_available for p's model, with
-// Retry-After (the health-check interval).
-func (g *Gateway) failNoEndpoint(w http.ResponseWriter, p *pool) {
+// Retry-After (the health-check interval); x, when not nil, may be pinned
+// to the endpoint that stored a response (responses.go).
+func (g *Gateway) failNoEndpoint(w http.ResponseWriter, p *pool, x *exchange) {
 	w.Header().Set("Retry-After", g.retryAfter)
-	g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable,
-		fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", p.model), "", openai.CodeNoEndpoint))
+	msg := fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", p.model)
+	if x != nil && x.pass.pinEP != nil {
+		msg = fmt.Sprintf("The endpoint that stored response `%s` is not available; retry later.", x.pass.pinID)
+	}
+	g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable, msg, "", openai.CodeNoEndpoint))
 }
 
 // resilienceMetrics are the collectors of retries, ejections and admission.
@@ -349,13 +363,13 @@ type resilienceMetrics struct {
 func newResilienceMetrics(reg prometheus.Registerer, g *Gateway) (*resilienceMetrics, error) {
 	m := &resilienceMetrics{
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "retries_total",
-			Help: "Requests resent to another endpoint, by model, the endpoint that failed and the failure (connect_failure, connection_lost, 5xx, timeout, error_event, bad_response)."},
+			Help: "Requests resent to another endpoint, by model, the endpoint that failed and the failure (connect_failure, connection_lost, 5xx, timeout, error_event, bad_response, auth)."},
 			[]string{"model", "endpoint", "reason"}),
 		retriesDenied: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "retries_denied_total",
 			Help: "Retryable failures answered without a retry: the retry budget was spent (budget) or no other endpoint could take the request (no_endpoint)."},
 			[]string{"model", "reason"}),
 		ejections: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "endpoint_ejections_total",
-			Help: "Passive ejections of an endpoint by the failure that triggered them (connect_failure at once; others after outlier.consecutive_errors in a row)."},
+			Help: "Passive ejections of an endpoint by the failure that triggered them (connect_failure and auth at once; others after outlier.consecutive_errors in a row)."},
 			[]string{"endpoint", "reason"}),
 		rejections: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "admission_rejections_total",
 			Help: "Requests refused by admission control, by model and reason: 429 queue_full, queue_timeout, displaced (a queued request that made room for one of higher priority); 503 shutdown (queued, or arriving, when the gateway began shutting down)."},

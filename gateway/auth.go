@@ -359,6 +359,8 @@ type principal struct {
 	maxPriority int
 	// modelsBody is GET /v1/models for this principal (nil: the full list).
 	modelsBody []byte
+	// usage are the key's usage counters (keyusage.go).
+	usage *keyUsage
 }
 
 // allows reports whether the principal may use model.
@@ -493,12 +495,12 @@ func authFailure(missing bool) *openai.Error {
 	return &openai.Error{Message: msg, Type: "invalid_request_error", Code: codeInvalidAPIKey, Status: http.StatusUnauthorized}
 }
 
-// protectedPath reports whether path needs a key: the API (/v1/…) always,
-// /metrics and the dashboard's state (which shows what /metrics shows) with
-// auth.protect_metrics; /healthz, /readyz (probes) and the dashboard page
-// (no data) never.
+// protectedPath reports whether path needs a key: the API (/v1/…, and
+// vLLM's /tokenize and /detokenize) always, /metrics and the dashboard's
+// state (which shows what /metrics shows) with auth.protect_metrics;
+// /healthz, /readyz (probes) and the dashboard page (no data) never.
 func (st *state) protectedPath(path string) bool {
-	return strings.HasPrefix(path, "/v1/") ||
+	return strings.HasPrefix(path, "/v1/") || path == pathTokenize || path == pathDetokenize ||
 		((path == pathMetrics || path == pathDashboardState) && st.cfg.Auth.ProtectMetrics)
 }
 
@@ -515,6 +517,9 @@ func (g *Gateway) authenticate(w http.ResponseWriter, r *http.Request, st *state
 		p = st.keys.lookup(key)
 	}
 	if p != nil {
+		if ow := observedFor(w); ow != nil {
+			ow.key = p
+		}
 		return p, true
 	}
 	reason := "invalid"
@@ -526,8 +531,9 @@ func (g *Gateway) authenticate(w http.ResponseWriter, r *http.Request, st *state
 	w.Header().Set("WWW-Authenticate", `Bearer realm="infergate"`)
 	w.Header().Set("X-Request-Id", g.requestID(r)) // to match the client's report with the gateway's
 	openai.WriteError(w, authFailure(key == ""))
-	if r.URL.Path == pathChat || r.URL.Path == pathCompletions {
-		g.metrics.count(g.unknown, http.StatusUnauthorized)
+	if proxiedPath(r.URL.Path) {
+		observedFor(w).failed(codeInvalidAPIKey)
+		g.count(w, g.unknown, http.StatusUnauthorized)
 	}
 	return nil, false
 }

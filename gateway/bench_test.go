@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"testing"
 
@@ -69,32 +70,54 @@ func BenchmarkRequestPath(b *testing.B) {
 		name, policy, path, body string
 		stream                   bool
 		sse                      string
+		observe                  func(*Config) // access log or tracing on (accesslog.go, tracing.go)
 	}{
-		{"completion-stream-8-events/prefix", sched.Prefix, pathCompletions, compStream, true, compSSE.String()},
-		{"completion-token-ids/prefix", sched.Prefix, pathCompletions, tokenPrompt(1024, 32, 1), false, ""},
-		{"chat/prefix", sched.Prefix, pathChat, chat, false, ""},
-		{"chat/round-robin", sched.RoundRobin, pathChat, chat, false, ""},
-		{"chat/precise-prefix", sched.PrecisePrefix, pathChat, chat, false, ""},
-		{"chat-stream-16-events/prefix", sched.Prefix, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, ""},
-		{"chat-stream-16-events/round-robin", sched.RoundRobin, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, ""},
+		{"completion-stream-8-events/prefix", sched.Prefix, pathCompletions, compStream, true, compSSE.String(), nil},
+		{"completion-token-ids/prefix", sched.Prefix, pathCompletions, tokenPrompt(1024, 32, 1), false, "", nil},
+		{"chat/prefix", sched.Prefix, pathChat, chat, false, "", nil},
+		{"chat/round-robin", sched.RoundRobin, pathChat, chat, false, "", nil},
+		{"chat/precise-prefix", sched.PrecisePrefix, pathChat, chat, false, "", nil},
+		{"chat-stream-16-events/prefix", sched.Prefix, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, "", nil},
+		{"chat-stream-16-events/round-robin", sched.RoundRobin, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, "", nil},
+		// Each endpoint with an api_key and two headers (credentials.go).
+		{"chat/round-robin/credentials", sched.RoundRobin, pathChat, chat, false, "", nil},
+		// The same requests with the access log on (to /dev/null: the
+		// writer's syscall is off the request path) and with tracing.
+		{"completion-stream-8-events/prefix/access-log-json", sched.Prefix, pathCompletions, compStream, true, compSSE.String(), accessLogTo(LogFormatJSON)},
+		{"completion-stream-8-events/prefix/access-log-text", sched.Prefix, pathCompletions, compStream, true, compSSE.String(), accessLogTo(LogFormatText)},
+		{"chat/round-robin/access-log-json", sched.RoundRobin, pathChat, chat, false, "", accessLogTo(LogFormatJSON)},
+		{"completion-stream-8-events/prefix/tracing", sched.Prefix, pathCompletions, compStream, true, compSSE.String(), tracingOn},
 	}
 	for _, tc := range cases {
 		b.Run(tc.name, func(b *testing.B) {
 			cfg := testConfig(tc.policy)
-			cfg.HealthCheckPath = healthCheckOff
+			// Nothing is sent to the endpoints' addresses (never dialled:
+			// no probe, no scrape, no start-up read).
+			cfg.HealthCheckPath, cfg.ScrapeInterval = healthCheckOff, -1
 			for i := range 4 {
-				cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: "http://10.0.0." + string(rune('1'+i)) + ":8000", Model: "m", KVBlocks: 100000})
+				cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: "http://10.0.0." + string(rune('1'+i)) + ":8000", Model: "m",
+					KVBlocks: 100000, MaxModelLen: DefaultMaxModelLen})
+				if strings.HasSuffix(tc.name, "/credentials") {
+					cfg.Endpoints[i].APIKey = "sk-bench-0123456789abcdef"
+					cfg.Endpoints[i].Headers = map[string]Secret{"OpenAI-Organization": "org-bench", "OpenAI-Project": "proj-bench"}
+				}
 				if tc.policy == sched.PrecisePrefix {
 					// A publisher nobody listens on: the subscriber backs
 					// off; the request path runs against the empty index.
 					cfg.Endpoints[i].KVEvents = &KVEventsConfig{Endpoint: "tcp://127.0.0.1:1"}
 				}
 			}
+			if tc.observe != nil {
+				tc.observe(&cfg)
+			}
 			g, err := New(cfg, nil)
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer g.Close()
+			if g.obs != nil && g.obs.tracing != nil {
+				useSpanExporter(b, g, discardSpans{})
+			}
 			eng := &cannedEngine{header: http.Header{"Content-Type": {"application/json"}}, body: []byte(nonStream)}
 			if tc.stream {
 				events := tc.sse
@@ -127,6 +150,17 @@ func BenchmarkRequestPath(b *testing.B) {
 		})
 	}
 }
+
+// accessLogTo turns the access log on, in format, to /dev/null.
+func accessLogTo(format string) func(*Config) {
+	return func(c *Config) {
+		on := true
+		c.AccessLog, c.Log.Format = AccessLogConfig{Enabled: &on, Path: os.DevNull}, format
+	}
+}
+
+// tracingOn turns tracing on (the benchmark replaces the exporter).
+func tracingOn(c *Config) { c.Tracing.OTLPEndpoint = "http://127.0.0.1:4318" }
 
 // BenchmarkLoopback compares a client calling a trivial engine directly with
 // the same call through the gateway, over real loopback HTTP; the

@@ -82,6 +82,12 @@ type Config struct {
 	Routing sched.Config `yaml:"routing"`
 	// Endpoints are the engines behind the gateway.
 	Endpoints []EndpointConfig `yaml:"endpoints"`
+	// Aliases are model names served by configured models, each an ordered
+	// fallback list (alias.go): `fast: [llama-8b, llama-70b]`.
+	Aliases map[string][]string `yaml:"aliases"`
+	// Responses configures the Responses API's session affinity
+	// (responses.go).
+	Responses ResponsesConfig `yaml:"responses"`
 	// MaxBodyBytes bounds a request body (bytes, default 16 MiB); larger
 	// bodies get 413 request_too_large.
 	MaxBodyBytes int64 `yaml:"max_body_bytes"`
@@ -169,6 +175,9 @@ type Config struct {
 	// EdgeConfig holds API keys, TLS, trusted proxies, header limits and
 	// client timeouts (limits.go, auth.go, tls.go); its keys are top-level.
 	EdgeConfig `yaml:",inline"`
+	// ObservabilityConfig holds the log, access log, response headers and
+	// tracing settings (observability.go); its keys are top-level.
+	ObservabilityConfig `yaml:",inline"`
 }
 
 // EndpointConfig describes one engine.
@@ -202,6 +211,27 @@ type EndpointConfig struct {
 	// --kv-events-config publisher, docs/PROTOCOLS.md §1), which feed the
 	// precise prefix index. nil: no subscription.
 	KVEvents *KVEventsConfig `yaml:"kv_events"`
+
+	// APIKey is the gateway's own credential for the engine (vLLM's
+	// --api-key, a hosted OpenAI-compatible backend's key), sent with every
+	// request the gateway makes to it: inference, health probes, metrics
+	// scrapes and the start-up reads. It goes in APIKeyHeader. Inline keys
+	// end up in files and backups: prefer APIKeyEnv. Never shown (Secret).
+	APIKey Secret `yaml:"api_key"`
+	// APIKeyEnv names the environment variable holding the key, read at
+	// start (unset or empty: New fails) and at every reload (unset or
+	// empty: the reload is refused). Exclusive with APIKey.
+	APIKeyEnv string `yaml:"api_key_env"`
+	// APIKeyHeader is the request header that carries the key: default
+	// "Authorization", sent as "Bearer <key>"; any other name (Azure
+	// OpenAI's "api-key", "x-api-key") carries the key as it is.
+	APIKeyHeader string `yaml:"api_key_header"`
+	// Headers are extra request headers sent to the engine with every
+	// request (e.g. OpenAI-Organization, OpenAI-Project), replacing a
+	// client's header of the same name. Hop-by-hop, framing and the
+	// gateway's own headers are refused (credentials.go,
+	// refusedEndpointHeader). Values are never shown (Secret).
+	Headers map[string]Secret `yaml:"headers"`
 }
 
 // KVEventsConfig locates an engine's KV-event publisher.
@@ -296,6 +326,8 @@ func (c Config) WithDefaults() Config {
 	c.Retry, c.Outlier = c.Retry.withDefaults(), c.Outlier.withDefaults()
 	c.CircuitBreaker, c.Admission = c.CircuitBreaker.withDefaults(), c.Admission.withDefaults()
 	c.EdgeConfig = c.EdgeConfig.withDefaults()
+	c.Responses = c.Responses.withDefaults()
+	c.ObservabilityConfig = c.ObservabilityConfig.withDefaults()
 	eps := make([]EndpointConfig, len(c.Endpoints))
 	for i, e := range c.Endpoints {
 		if e.BlockSize == 0 {
@@ -347,6 +379,7 @@ func (c Config) Validate() error {
 	}
 	errs = append(errs, c.validateResilience()...)
 	errs = append(errs, c.EdgeConfig.validate()...)
+	errs = append(errs, c.ObservabilityConfig.validate()...)
 	if c.HealthCheckPath != "" && c.HealthCheckPath != healthCheckOff && !strings.HasPrefix(c.HealthCheckPath, "/") {
 		bad("health_check_path %q: must start with / (or be %q to disable probing, or empty for each kind's own path)", c.HealthCheckPath, healthCheckOff)
 	}
@@ -354,8 +387,11 @@ func (c Config) Validate() error {
 	if len(c.Endpoints) == 0 {
 		bad("endpoints: at least one endpoint is required")
 	}
+	errs = append(errs, c.validateAliases()...)
+	errs = append(errs, c.Responses.validate()...)
 	type shape struct{ kvBlocks, blockSize int }
 	byURL := map[string]shape{}
+	firstOf := map[string]EndpointConfig{} // the first entry of each URL
 	seen := map[[2]string]bool{}
 	perModel := map[string]int{}
 	for i, e := range c.Endpoints {
@@ -384,6 +420,9 @@ func (c Config) Validate() error {
 			if _, err := normalizeURL(e.MetricsURL); err != nil {
 				bad("%s.metrics_url: %w", at, err)
 			}
+		}
+		if _, err := endpointHeader(e, os.LookupEnv); err != nil {
+			bad("%s: %w", at, err)
 		}
 		if kv := e.KVEvents; kv != nil {
 			for _, a := range []struct{ key, v string }{{"endpoint", kv.Endpoint}, {"replay_endpoint", kv.ReplayEndpoint}} {
@@ -415,6 +454,11 @@ func (c Config) Validate() error {
 			bad("%s: endpoint %s is listed again with different kv_blocks/block_size", at, base)
 		}
 		byURL[base] = s
+		if first, ok := firstOf[base]; !ok {
+			firstOf[base] = e
+		} else if !sameCredentials(first, e) {
+			bad("%s: endpoint %s is listed again with different api_key, api_key_env, api_key_header or headers", at, base)
+		}
 	}
 	if c.Routing.Policy != sched.RoundRobin && c.Routing.Policy != sched.LeastRequest && c.Routing.Policy != sched.Random {
 		for m, n := range perModel {

@@ -102,6 +102,18 @@ type DashboardState struct {
 	WindowSeconds float64    `json:"window_seconds"`
 	Fleet         DashFleet  `json:"fleet"`
 	Pools         []DashPool `json:"pools"` // by model name
+	// Keys is each API key's usage since start, in the keys file's order
+	// (absent without keys; keyusage.go).
+	Keys []DashKey `json:"keys,omitempty"`
+}
+
+// DashKey is one API key's usage (totals since start).
+type DashKey struct {
+	Key             string  `json:"key"` // the configured name
+	Requests        float64 `json:"requests"`
+	PromptTokens    float64 `json:"prompt_tokens"`
+	CachedTokens    float64 `json:"cached_tokens"`
+	GeneratedTokens float64 `json:"generated_tokens"`
 }
 
 // DashFleet sums the fleet.
@@ -287,7 +299,26 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 		}
 		st.Pools = append(st.Pools, dp)
 	}
+	if cfg.keys != nil {
+		for _, p := range cfg.keys.principals {
+			u := p.usage
+			if u == nil {
+				continue
+			}
+			st.Keys = append(st.Keys, DashKey{Key: p.name, Requests: counterValue(u.requests), PromptTokens: counterValue(u.prompt),
+				CachedTokens: counterValue(u.cached), GeneratedTokens: counterValue(u.generated)})
+		}
+	}
 	return st
+}
+
+// counterValue reads a counter.
+func counterValue(c prometheus.Counter) float64 {
+	var v dto.Metric
+	if c.Write(&v) != nil {
+		return 0
+	}
+	return v.GetCounter().GetValue()
 }
 
 // endpointState is "ready", "ejected" or "unhealthy".

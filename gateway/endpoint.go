@@ -3,6 +3,7 @@ package gateway
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"github.com/infergate/infergate/fleet"
 	"io"
@@ -26,8 +27,10 @@ import (
 type endpoint struct {
 	name string // the configured URL, normalized: the metrics label
 	base string // URL prefix requests are sent to (== name)
-	// urls are base + each apiKind's path, parsed once (read-only).
-	urls [2]*url.URL
+	// urls are base + each fixed path kind's path, parsed once (read-only).
+	urls [numPathKinds]*url.URL
+	// servedBy is the EndpointHeader value naming it ([name]; read-only).
+	servedBy []string
 
 	// spec is what the configuration says of the engine, with what was
 	// discovered from it: replaced whole by a reload, never changed.
@@ -58,6 +61,10 @@ type endpoint struct {
 	onDown atomic.Pointer[[]func()]
 	// outlier is the passive outlier detection state (resilience.go).
 	outlier outlierState
+	// authFailing is set by the engine's first refusal of the gateway's
+	// credentials and cleared by a request that succeeds (or a reload that
+	// changes them), so a wrong key is logged once per run of refusals.
+	authFailing atomic.Bool
 	// gates are the admission controls of the pools the endpoint serves,
 	// woken when it frees a slot or changes readiness (replaced whole at
 	// each reload).
@@ -88,6 +95,11 @@ type endpointSpec struct {
 	healthPath string // GET path probed; healthCheckOff: none
 	metricsURL string // "" when the kind has no metrics page
 	kvEvents   *KVEventsConfig
+	// header is what the gateway adds to every request it sends the
+	// engine: its credentials and configured headers (endpointHeader, with
+	// api_key_env read when the spec was built; read-only, values shared;
+	// nil when none).
+	header http.Header
 }
 
 // vacant stands in a pool for a slot whose endpoint a reload removed
@@ -123,11 +135,20 @@ func (ep *endpoint) eject(now time.Time, d time.Duration) {
 	ep.setReady(false)
 }
 
-// url returns the URL of kind's path on the endpoint with the client's raw
-// query, if any (a copy then; the parsed URL is shared), escaped for a
-// request line (escapeQuery).
-func (ep *endpoint) url(kind apiKind, rawQuery string) *url.URL {
-	u := ep.urls[kind]
+// url returns the URL of kind's path on the endpoint (for a kind without a
+// fixed path, path: a passablePath) with the client's raw query, if any (a
+// copy then; the parsed URL is shared), escaped for a request line
+// (escapeQuery).
+func (ep *endpoint) url(kind apiKind, path, rawQuery string) *url.URL {
+	var u *url.URL
+	if int(kind) < numPathKinds {
+		u = ep.urls[kind]
+	} else {
+		q := *ep.urls[kindChat]
+		q.Path = strings.TrimSuffix(q.Path, pathChat) + path // the base URL's own path, then path
+		q.RawPath = ""                                       // passablePath admits no escapes
+		u = &q
+	}
 	if rawQuery == "" {
 		return u
 	}
@@ -184,39 +205,51 @@ func isHex(c byte) bool {
 // probe takes it out of rotation, a successful one restores it unless an
 // ejection is still running. path healthCheckOff skips the probe.
 func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
-	ok := true
-	path := ep.spec.Load().healthPath
-	if path != healthCheckOff {
-		ok = g.probe(ctx, ep, path) == nil
+	var err error
+	spec := ep.spec.Load()
+	if spec.healthPath != healthCheckOff {
+		err = g.probe(ctx, ep, spec)
 	}
+	ok := err == nil
 	if ctx.Err() != nil {
 		return // shutting down: leave the state as it was
+	}
+	if ep.spec.Load() != spec {
+		return // a reload changed what it probes (its credentials, its path) meanwhile: the next probe tells
+	}
+	if st := authStatus(0); errors.As(err, &st) && g.engineAuthFailures != nil {
+		g.engineAuthFailures.WithLabelValues(ep.name, authSourceHealth).Inc()
 	}
 	if ok && time.Now().UnixNano() < ep.ejectedUntil.Load() {
 		return
 	}
 	switch was := ep.setReady(ok); {
 	case !ok && !ep.wentDown.Swap(true):
-		slog.Warn("gateway: endpoint failed its health check; out of rotation", "endpoint", ep.name, "path", path)
+		slog.Warn("gateway: endpoint failed its health check; out of rotation", "endpoint", ep.name, "path", spec.healthPath, "err", err)
 	case !was && ok && ep.wentDown.Swap(false):
 		slog.Info("gateway: endpoint healthy again; back in rotation", "endpoint", ep.name)
 	}
 }
 
-// probe sends GET <base><path> and returns nil for a 2xx answer.
-func (g *Gateway) probe(ctx context.Context, ep *endpoint, path string) error {
+// probe sends GET <base><spec.healthPath> with spec's headers and returns
+// nil for a 2xx answer.
+func (g *Gateway) probe(ctx context.Context, ep *endpoint, spec *endpointSpec) error {
 	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, ep.base+path, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, ep.base+spec.healthPath, nil)
 	if err != nil {
 		return fmt.Errorf("health check %s: %w", ep.name, err)
 	}
+	spec.addHeader(req.Header)
 	resp, err := g.transport.RoundTrip(req)
 	if err != nil {
 		return fmt.Errorf("health check %s: %w", ep.name, err)
 	}
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // keep the connection reusable
 	_ = resp.Body.Close()
+	if isAuthRefusal(resp.StatusCode) {
+		return fmt.Errorf("health check %s: %w", ep.name, authStatus(resp.StatusCode))
+	}
 	if resp.StatusCode/100 != 2 {
 		return fmt.Errorf("health check %s: status %d", ep.name, resp.StatusCode)
 	}
@@ -244,19 +277,24 @@ type cacheConfig struct {
 }
 
 // fetchCacheConfig reads vllm:cache_config_info{num_gpu_blocks,block_size}
-// from the endpoint's /metrics.
-func (g *Gateway) fetchCacheConfig(ctx context.Context, base string) (cacheConfig, error) {
+// from the endpoint's /metrics, sending header (the endpoint's credentials
+// and configured headers: endpointSpec.header).
+func (g *Gateway) fetchCacheConfig(ctx context.Context, base string, header http.Header) (cacheConfig, error) {
 	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/metrics", nil)
 	if err != nil {
 		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)
 	}
+	addHeader(req.Header, header)
 	resp, err := g.transport.RoundTrip(req)
 	if err != nil {
 		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)
 	}
 	defer resp.Body.Close()
+	if isAuthRefusal(resp.StatusCode) {
+		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, authStatus(resp.StatusCode))
+	}
 	if resp.StatusCode != http.StatusOK {
 		return cacheConfig{}, fmt.Errorf("read %s/metrics: status %d", base, resp.StatusCode)
 	}

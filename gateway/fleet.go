@@ -54,7 +54,7 @@ func (g *Gateway) newScrapeFeed(ep *endpoint, spec *endpointSpec) (*scrapeFeed, 
 	if g.cfg.ScrapeInterval < 0 || spec.metricsURL == "" {
 		return nil, nil
 	}
-	from := fleet.Endpoint{URL: ep.base, Kind: spec.kind, MetricsURL: spec.metricsURL}
+	from := scrapeOf(ep, spec)
 	s, err := fleet.NewScraper([]fleet.Endpoint{from},
 		fleet.ScrapeConfig{Interval: g.cfg.ScrapeInterval, Timeout: min(g.cfg.ScrapeInterval, g.cfg.HealthCheckTimeout)})
 	if err != nil {
@@ -64,6 +64,17 @@ func (g *Gateway) newScrapeFeed(ep *endpoint, spec *endpointSpec) (*scrapeFeed, 
 }
 
 func (f *scrapeFeed) run(g *Gateway) { f.start(g, f.s.Run) }
+
+// scrapeOf is what an endpoint's scrape reads under spec: its metrics page,
+// with its credentials and configured headers.
+func scrapeOf(ep *endpoint, spec *endpointSpec) fleet.Endpoint {
+	return fleet.Endpoint{URL: ep.base, Kind: spec.kind, MetricsURL: spec.metricsURL, Header: spec.header}
+}
+
+// scrapes reports whether f scrapes what e says (a reload keeps it then).
+func (f *scrapeFeed) scrapes(e fleet.Endpoint) bool {
+	return f.from.URL == e.URL && f.from.Kind == e.Kind && f.from.MetricsURL == e.MetricsURL && sameHeader(f.from.Header, e.Header)
+}
 
 // latest is the endpoint's latest scraped load at now (ok false when there
 // is none, or it is stale); a nil feed has none.

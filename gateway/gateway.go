@@ -52,6 +52,14 @@ type Gateway struct {
 	// still wait in them.
 	gatesMu sync.Mutex
 	retired []*admission
+	// fallbacks counts aliases' fallbacks (alias.go); affinity maps
+	// response ids to the endpoints that stored them, across reloads
+	// (responses.go).
+	fallbacks *prometheus.CounterVec
+	affinity  *responseAffinity
+	// keyUsage are the per-key usage counters' vectors, whose children
+	// follow a key's name across reloads (keyusage.go).
+	keyUsage keyUsageVecs
 
 	// transport serves health checks, metric scrapes and https engines;
 	// up sends the request path's upstream requests (upstream.go).
@@ -71,6 +79,10 @@ type Gateway struct {
 
 	edge // TLS, trusted proxies, edge metrics (limits.go)
 
+	// engineAuthFailures counts engines' refusals of the gateway's
+	// credentials (credentials.go).
+	engineAuthFailures *prometheus.CounterVec
+
 	handler        http.Handler
 	metricsHandler http.Handler
 	retryAfter     string // seconds, for 503 no_endpoint_available
@@ -81,6 +93,10 @@ type Gateway struct {
 	exchanges sync.Pool // *exchange
 
 	dash dashboard // GET /dashboard's recent figures (dashboard.go)
+
+	// obs is the access log and tracer (nil when both are off;
+	// accesslog.go, tracing.go).
+	obs *observer
 
 	// loops is the parent context of every endpoint's health loop and
 	// feeds; stop (Close) ends them all, wg waits for them.
@@ -138,6 +154,10 @@ type pool struct {
 	// (admission.go, retry.go). Both outlive reloads with the model.
 	gate   *admission
 	budget *retryBudget
+	// modelJSON is the model name as a JSON string and modelHeader as a
+	// header value (alias.go).
+	modelJSON   []byte
+	modelHeader []string
 	// next is the pool of the same model that a reload published in its
 	// place (nil while this one is in force, or after its model was
 	// removed).
@@ -235,6 +255,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	fail := func(err error) (*Gateway, error) {
 		g.stop()
 		g.transport.CloseIdleConnections()
+		g.closeObservability()
 		return nil, err
 	}
 
@@ -247,6 +268,13 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	if err := g.setupResilience(reg); err != nil {
 		return fail(err)
 	}
+	if g.engineAuthFailures, err = newAuthFailures(reg); err != nil {
+		return fail(err)
+	}
+	if err := g.initAliases(reg); err != nil {
+		return fail(err)
+	}
+	g.affinity = newResponseAffinity(cfg.Responses.AffinityMaxEntries)
 	if err := g.initHold(reg); err != nil {
 		return fail(err)
 	}
@@ -262,6 +290,9 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	g.metricsHandler = promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{})
 	g.dash.init(time.Now())
 	g.handler = http.HandlerFunc(g.route)
+	if err := g.initObservability(reg); err != nil {
+		return fail(err)
+	}
 
 	g.reloadMu.Lock()
 	defer g.reloadMu.Unlock()
@@ -353,6 +384,7 @@ func (g *Gateway) Close() {
 		g.reloadMu.Unlock()
 		g.wg.Wait()
 		g.up.CloseIdleConnections() // the transport's too
+		g.closeObservability()
 	})
 }
 
@@ -415,6 +447,9 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 			}
 			return
 		}
+		if g.routePassthrough(w, r, key, st) {
+			return
+		}
 		openai.WriteError(w, openai.NewError(http.StatusNotFound,
 			fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path), "", "not_found"))
 	}
@@ -444,8 +479,8 @@ func (g *Gateway) allow(w http.ResponseWriter, r *http.Request, method string) b
 	w.Header().Set("Allow", allowed)
 	openai.WriteError(w, openai.NewError(http.StatusMethodNotAllowed,
 		fmt.Sprintf("Method %s is not allowed for %s (use %s).", r.Method, r.URL.Path, method), "", "method_not_allowed"))
-	if r.URL.Path == pathChat || r.URL.Path == pathCompletions {
-		g.metrics.count(g.unknown, http.StatusMethodNotAllowed)
+	if proxiedPath(r.URL.Path) {
+		g.count(w, g.unknown, http.StatusMethodNotAllowed)
 	}
 	return false
 }

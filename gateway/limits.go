@@ -166,9 +166,11 @@ func (g *Gateway) initEdge(reg prometheus.Registerer) error {
 }
 
 // buildKeys loads cfg's API keys for a new state (nil keyring when
-// authentication is off), prev's buckets kept by key name, and warns of
-// what looks like a mistake.
-func buildKeys(cfg Config, prev *state, pools map[string]*pool, modelsBody []byte) (*keyring, []limitChange, error) {
+// authentication is off), prev's buckets kept by key name, each key given
+// its usage counters (by name, from usage), and warns of what looks like a
+// mistake (a model allowed that targets, the models and aliases served, do
+// not have).
+func buildKeys(cfg Config, prev *state, targets map[string][]*pool, modelsBody []byte, usage *keyUsageVecs) (*keyring, []limitChange, error) {
 	if !cfg.Auth.Enabled() {
 		return nil, nil, nil
 	}
@@ -187,8 +189,9 @@ func buildKeys(cfg Config, prev *state, pools map[string]*pool, modelsBody []byt
 		slog.Warn("gateway: authentication is on but no API key is configured: every API request will be refused")
 	}
 	for _, p := range kr.principals {
+		p.usage = usage.of(p.name)
 		for m := range p.models {
-			if pools[m] == nil {
+			if targets[m] == nil {
 				slog.Warn("gateway: API key allows a model no endpoint serves", "key", p.name, "model", m)
 			}
 		}
@@ -232,12 +235,12 @@ func (g *Gateway) checkEdge(w http.ResponseWriter, r *http.Request, st *state) (
 		w.Header().Set("Connection", "close")
 		openai.WriteError(w, openai.NewError(http.StatusRequestHeaderFieldsTooLarge,
 			fmt.Sprintf("Request headers are %d bytes, over the limit of %d bytes.", n, g.cfg.MaxHeaderBytes), "", codeHeaderTooLarge))
-		if r.URL.Path == pathChat || r.URL.Path == pathCompletions {
-			g.metrics.count(g.unknown, http.StatusRequestHeaderFieldsTooLarge)
+		if proxiedPath(r.URL.Path) {
+			g.count(w, g.unknown, http.StatusRequestHeaderFieldsTooLarge)
 		}
 		return nil, false
 	}
-	if r.URL.Path == pathChat || r.URL.Path == pathCompletions {
+	if proxiedPath(r.URL.Path) {
 		scrubForwarding(r.Header, g.peerTrusted(r.RemoteAddr), r.TLS != nil)
 	}
 	return g.authenticate(w, r, st)
@@ -318,7 +321,10 @@ func (g *Gateway) admit(w http.ResponseWriter, x *exchange, kind apiKind, p *pri
 		est = min(est, tokLimit)
 	}
 	okReq, waitReq := kl.req.check(now, 1)
-	okTok, waitTok := kl.tok.check(now, est)
+	okTok, waitTok := true, time.Duration(0)
+	if est > 0 { // tokenize and the like use no tokens: an overdrawn minute does not stop them
+		okTok, waitTok = kl.tok.check(now, est)
+	}
 	if okReq && okTok && !tooLarge {
 		kl.req.take(1)
 		kl.tok.take(est)
@@ -388,16 +394,39 @@ func (x *exchange) refundAdmission(h http.Header) {
 // given): a request whose asked part exceeds the key's minute is too
 // large. The charge is settled against the engine's reported usage when
 // the response ends.
+//
+// The other APIs: a response like a chat (max_output_tokens its
+// max_tokens; a continuation's stored turns are not in its body, so its
+// charge is settled up from usage); embeddings their input alone (no
+// output); an unknown path its body / 4; tokenize, detokenize and
+// responses by id no tokens (they count against requests_per_minute only).
 func (x *exchange) tokenEstimate(kind apiKind, maxModelLen int) (est, asked float64) {
 	var prompt, maxTok, n, prompts float64 = 0, 0, 1, 1
 	var mt, nc *int
+	switch kind {
+	case kindTokenize, kindDetokenize, kindResponseByID:
+		return 0, 0
+	case kindEmbeddings:
+		prompt = float64(len(x.body) / 4)
+		if ids := x.pass.emb.Input.Tokens; len(ids) > 0 {
+			prompt = 0
+			for _, p := range ids {
+				prompt += float64(len(p))
+			}
+		}
+		return max(1, prompt), max(1, prompt)
+	case kindOther:
+		return max(1, float64(len(x.body)/4)), max(1, float64(len(x.body)/4))
+	case kindResponses:
+		mt, prompt = x.pass.resp.MaxOutputTokens, float64(len(x.body)/4)
+	}
 	if kind == kindChat {
 		mt, nc = x.chat.MaxTokens, x.chat.N
 		if x.chat.MaxCompletionTokens != nil {
 			mt = x.chat.MaxCompletionTokens
 		}
 		prompt = float64(len(x.body) / 4)
-	} else {
+	} else if kind == kindCompletion {
 		mt, nc = x.comp.MaxTokens, x.comp.N
 		if ids := x.comp.Prompt.Tokens; len(ids) > 0 {
 			for _, p := range ids {

@@ -42,6 +42,9 @@ type metrics struct {
 	generated *prometheus.CounterVec
 	predicted *prometheus.CounterVec
 	predErr   *prometheus.HistogramVec // model, endpoint, policy, index
+	// api counts requests received per API (infergate_api_requests_total;
+	// children resolved at start).
+	api [numKinds]prometheus.Counter
 }
 
 // Prefix index label values of infergate_prefix_prediction_error_tokens.
@@ -86,7 +89,13 @@ func newMetrics(reg prometheus.Registerer, fleet *fleetCollector) (*metrics, err
 			Buckets: predictionBuckets,
 		}, []string{"model", "endpoint", "policy", "index"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.ttft, m.itl, m.e2e, m.prompt, m.cached, m.generated, m.predicted, m.predErr, fleet} {
+	apis := prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "api_requests_total",
+		Help: "Requests received per API (chat_completions, completions, responses, embeddings, tokenize, detokenize, responses_by_id, other: every other /v1/ path passed through)."},
+		[]string{"api"})
+	for k, name := range apiNames {
+		m.api[k] = apis.WithLabelValues(name)
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.ttft, m.itl, m.e2e, m.prompt, m.cached, m.generated, m.predicted, m.predErr, apis, fleet} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register gateway metrics: %w", err)
 		}

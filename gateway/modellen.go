@@ -24,18 +24,22 @@ const maxModelsBody = 1 << 20
 // GET <base>/v1/models: the largest max_model_len of its entries (vLLM's
 // and the simulator's model cards carry it; LoRA adapters' cards do not,
 // they share the base model's). 0 and an error when it reports none.
-func (g *Gateway) fetchMaxModelLen(ctx context.Context, base string) (int, error) {
+func (g *Gateway) fetchMaxModelLen(ctx context.Context, base string, header http.Header) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+pathModels, nil)
 	if err != nil {
 		return 0, fmt.Errorf("read %s%s: %w", base, pathModels, err)
 	}
+	addHeader(req.Header, header) // the credentials: vLLM's --api-key guards every /v1 path
 	resp, err := g.transport.RoundTrip(req)
 	if err != nil {
 		return 0, fmt.Errorf("read %s%s: %w", base, pathModels, err)
 	}
 	defer resp.Body.Close()
+	if isAuthRefusal(resp.StatusCode) {
+		return 0, fmt.Errorf("read %s%s: %w", base, pathModels, authStatus(resp.StatusCode))
+	}
 	if resp.StatusCode != http.StatusOK {
 		return 0, fmt.Errorf("read %s%s: status %d", base, pathModels, resp.StatusCode)
 	}

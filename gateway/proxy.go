@@ -20,20 +20,24 @@ import (
 	"github.com/infergate/infergate/sched"
 )
 
-// apiKind is the inference API a request came in on.
+// apiKind is the inference API a request came in on (passthrough.go has
+// the kinds besides chat and completions).
 type apiKind uint8
 
 const (
 	kindChat apiKind = iota
 	kindCompletion
+	kindResponses    // POST /v1/responses
+	kindEmbeddings   // POST /v1/embeddings
+	kindTokenize     // POST /tokenize (vLLM)
+	kindDetokenize   // POST /detokenize (vLLM)
+	kindResponseByID // /v1/responses/{id}[/cancel]: routed by the response id
+	kindOther        // POST to another /v1/ path: routed by the body's model
+	numKinds
 )
 
-func (k apiKind) path() string {
-	if k == kindChat {
-		return pathChat
-	}
-	return pathCompletions
-}
+// numPathKinds are the kinds with a fixed path (endpoint.urls).
+const numPathKinds = int(kindDetokenize) + 1
 
 // Bounds of what the gateway buffers per request (bytes).
 const (
@@ -88,6 +92,10 @@ type exchange struct {
 	// edge is the key's token reservation and the client write deadline
 	// (limits.go).
 	edge exchangeEdge
+	// obs is the request's access-log and trace record (nil when not
+	// observed), keyUse its API key's usage counters (nil: no key).
+	obs    *obsWriter
+	keyUse *keyUsage
 
 	// predicted is the prompt tokens the policy predicted the endpoint holds
 	// (-1: the policy predicts nothing), from index predictedBy;
@@ -110,6 +118,10 @@ type exchange struct {
 	salt         string
 	stream       bool
 	includeUsage bool
+
+	// pass is the state of the other APIs, aliases and response affinity
+	// (passthrough.go).
+	pass passState
 }
 
 func (g *Gateway) getExchange() *exchange {
@@ -156,12 +168,17 @@ func (g *Gateway) putExchange(x *exchange) {
 		x.errBody = nil
 	}
 	x.edge = exchangeEdge{}
+	x.obs, x.keyUse = nil, nil
 	clear(x.upHeader) // the client's header values
 	x.reqID[0] = ""
 	if x.er != nil {
 		x.er.Reset(nil) // drop the finished stream
 	}
 	x.fr = flushOnRead{}
+	if x.er != nil && x.er.Buffered() > maxPooledBuffer {
+		x.er = nil // grown by a huge event (a Responses stream's final event echoes the request)
+	}
+	x.pass.reset()
 	g.exchanges.Put(x)
 }
 
@@ -235,6 +252,9 @@ func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64,
 // sets x.model (even when validation fails, if the JSON was readable), and
 // returns the 400 error to answer, or nil.
 func (x *exchange) decode(kind apiKind) *openai.Error {
+	if kind > kindCompletion {
+		return x.decodePass(kind)
+	}
 	var so *openai.StreamOptions
 	if kind == kindChat {
 		if e := openai.Decode(x.body, &x.chat); e != nil {
@@ -281,6 +301,18 @@ func (x *exchange) promptTokens(kind apiKind, p *pool, exact bool) []uint32 {
 		x.segs = openai.AppendChatSegments(x.segs[:0], x.chat.Tools, x.chat.Messages)
 		x.toks, _ = p.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
 		return x.toks
+	case kind == kindResponses:
+		// Rendered as a chat of its instructions and input items.
+		x.pass.msgs = x.pass.resp.AppendMessages(x.pass.msgs[:0])
+		if exact {
+			ids, _ := p.tokenizer.EncodePrefix(openai.RenderChat(x.pass.resp.Tools, x.pass.msgs), maxRoutingTextBytes)
+			return ids
+		}
+		x.segs = openai.AppendChatSegments(x.segs[:0], x.pass.resp.Tools, x.pass.msgs)
+		x.toks, _ = p.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
+		return x.toks
+	case kind != kindCompletion:
+		return nil
 	case len(x.comp.Prompt.Tokens) > 0:
 		return x.comp.Prompt.Tokens[0]
 	case len(x.comp.Prompt.Texts) > 0:
@@ -302,13 +334,21 @@ func (g *Gateway) requestID(r *http.Request) string {
 // fail answers e and counts it.
 func (g *Gateway) fail(w http.ResponseWriter, rm *routeMetrics, e *openai.Error) {
 	openai.WriteError(w, e)
-	g.metrics.count(rm, e.Status)
+	if c, ok := e.Code.(string); ok {
+		observedFor(w).failed(c)
+	}
+	g.count(w, rm, e.Status)
 }
 
-// serveInference is the request path of POST /v1/chat/completions and
-// /v1/completions: read, decode, validate, admit the key (model access, rate
-// limits; key nil when authentication is off), hash, pick, proxy. st is the
-// configuration in force when the request arrived (its pools and keys).
+// serveInference is the request path of every API passed to an engine
+// (chat and text completions, responses, embeddings, tokenize, detokenize,
+// responses by id, unknown /v1/ paths): read, decode, validate, resolve the
+// model (an alias: its targets in order; a response id: the engine that
+// stored it), admit the key (model access, rate limits; key nil when
+// authentication is off), then per target hash, pick, proxy, falling back
+// to the next target on the failures that allow it (alias.go). st is the
+// configuration in force when the request arrived (its pools, aliases and
+// keys).
 func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind apiKind, key *principal, st *state) {
 	start := time.Now()
 	r, unbind := g.bindShutdown(r)
@@ -319,20 +359,27 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	defer g.putExchange(x)
 	reqID := g.requestID(r)
 	w.Header()["X-Request-Id"] = []string{reqID}
+	x.pass.kind, x.pass.key = kind, key
+	g.metrics.api[kind].Inc()
+	g.trackRequest(w, x, key)
 
 	if e := x.readBody(w, r, g.cfg.MaxBodyBytes, g.cfg.BodyReadTimeout); e != nil {
 		if e.Status == codeClientClosed {
-			g.metrics.count(g.unknown, codeClientClosed) // no answer to write
+			g.count(w, g.unknown, codeClientClosed) // no answer to write
 			return
 		}
 		g.fail(w, g.unknown, e)
 		return
 	}
 	verr := x.decode(kind)
-	p := st.pools[x.model]
+	x.obs.decodedRequest(x.model, x.stream)
+	targets := st.targets[x.model]
+	if kind == kindResponseByID {
+		targets, verr = g.responseTarget(x, r, key, st)
+	}
 	rm := g.unknown
-	if p != nil {
-		rm = p.none
+	if len(targets) > 0 {
+		rm = targets[0].none
 	}
 	if verr != nil {
 		g.fail(w, rm, verr)
@@ -344,31 +391,74 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 		return
 	}
 	maxModelLen := 0
-	if p != nil {
-		maxModelLen = p.maxModelLen
+	for _, p := range targets {
+		maxModelLen = max(maxModelLen, p.maxModelLen)
 	}
 	if e := g.admit(w, x, kind, key, maxModelLen); e != nil {
 		g.fail(w, rm, e)
 		return
 	}
-	if p == nil {
+	if len(targets) == 0 {
 		x.refundAdmission(w.Header())
 		g.fail(w, rm, openai.NewError(http.StatusNotFound,
 			fmt.Sprintf("The model `%s` does not exist.", x.model), "model", openai.CodeModelNotFound))
 		return
 	}
+	if kind == kindResponses && x.pass.resp.PreviousResponseID != "" {
+		t, e := g.continuationTarget(x, targets, key, st)
+		if e != nil {
+			x.refundAdmission(w.Header())
+			g.fail(w, rm, e)
+			return
+		}
+		if t != nil {
+			targets = t
+		}
+	}
 
-	x.sreq = sched.Request{Model: x.model, SessionKey: sessionKey(r, x), Priority: priority}
-	if p.policy.NeedsHashes() || p.precise != nil {
-		tokens := x.promptTokens(kind, p, p.precise != nil)
+	x.sreq = sched.Request{SessionKey: sessionKey(r, x), Priority: priority}
+	for j, p := range targets {
+		x.pass.fallback, x.pass.fell = j < len(targets)-1, ""
+		if e := g.prepareTarget(w, x, kind, p); e != nil {
+			x.refundAdmission(w.Header())
+			g.fail(w, p.none, e)
+			return
+		}
+		if !g.serveRouted(w, r, x, kind, p, reqID, start) {
+			return
+		}
+		g.fellBack(x, p)
+	}
+}
+
+// prepareTarget readies x to be sent to pool p: the model sent (an alias
+// target's name spliced into the body), and the routing hashes under p's
+// seed when its policy needs them.
+func (g *Gateway) prepareTarget(w http.ResponseWriter, x *exchange, kind apiKind, p *pool) *openai.Error {
+	x.sreq.Model = p.model
+	x.sreq.Hashes, x.sreq.PromptTokens = nil, 0
+	if p.model != x.model && kind != kindResponseByID {
+		if e := g.aliasTarget(w, x, p); e != nil {
+			return e
+		}
+	}
+	if (p.policy.NeedsHashes() || p.precise != nil) && x.routable(kind) {
+		want := uint8(1)
+		if p.precise != nil {
+			want = 2
+		}
+		if x.pass.toks != want { // once for all targets
+			x.pass.routeToks, x.pass.toks = x.promptTokens(kind, p, want == 2), want
+		}
+		tokens := x.pass.routeToks
 		seed := p.seed
 		if x.salt != "" {
-			seed = prefix.Seed(x.model + "\x00" + x.salt)
+			seed = prefix.Seed(p.model + "\x00" + x.salt)
 		}
 		x.hashes = prefix.Hashes(x.hashes[:0], tokens, p.blockSize, seed)
 		x.sreq.Hashes, x.sreq.PromptTokens = x.hashes, len(tokens)
 	}
-	g.serveRouted(w, r, x, kind, p, reqID, start)
+	return nil
 }
 
 // prefillDone releases the request's share of its endpoint's prefill backlog
@@ -436,7 +526,7 @@ func (g *Gateway) relayError(w http.ResponseWriter, r *http.Request, resp *http.
 	}
 	if err == nil && len(body) <= maxErrorBody && engineJSON(body) {
 		writeJSON(w, resp.StatusCode, body)
-		g.metrics.count(rm, resp.StatusCode)
+		g.count(w, rm, resp.StatusCode)
 		return
 	}
 	snippet := strings.ToValidUTF8(string(body[:min(len(body), 256)]), "")
@@ -497,7 +587,7 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 				ok := sent || send(x.capture) // the held part first
 				g.hold.release(&held)
 				if !ok || !send(x.copyBuf[:n]) {
-					g.metrics.count(rm, codeClientClosed)
+					g.count(w, rm, codeClientClosed)
 					return nil, codeClientClosed
 				}
 			}
@@ -518,13 +608,13 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 				return &failure{reason: reasonReset, rm: rm, err: openai.NewError(http.StatusBadGateway,
 					"The model server's answer broke off before its end: "+rerr.Error(), "", openai.CodeUpstream)}, 0
 			case shuttingDown(r):
-				g.metrics.count(rm, http.StatusServiceUnavailable)
+				g.count(w, rm, http.StatusServiceUnavailable)
 				return nil, codeAbort
 			case r.Context().Err() != nil:
-				g.metrics.count(rm, codeClientClosed)
+				g.count(w, rm, codeClientClosed)
 				return nil, codeClientClosed
 			}
-			g.metrics.count(rm, http.StatusBadGateway)
+			g.count(w, rm, http.StatusBadGateway)
 			return nil, codeAbort
 		}
 	}
@@ -533,10 +623,18 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 	}
 	if !sent {
 		if !send(x.capture) {
-			g.metrics.count(rm, codeClientClosed)
+			g.count(w, rm, codeClientClosed)
 			return nil, codeClientClosed
 		}
-		if !openai.TooDeep(x.capture) {
+		switch k := x.pass.kind; {
+		case k.responsesAPI():
+			var id string
+			id, u.Usage = responseBody(x.capture)
+			if k == kindResponses && resp.StatusCode/100 == 2 && x.pass.resp.Stored() {
+				x.pass.respID = id // learnt by attempt
+			}
+		case !k.generates(): // the tokenizer's answers carry no usage
+		case !openai.TooDeep(x.capture):
 			_ = json.Unmarshal(x.capture, &u)
 		}
 	}
@@ -548,7 +646,7 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 // reported) and, for a 2xx, its end-to-end latency.
 func (g *Gateway) finish(rm *routeMetrics, x *exchange, code int, u *openai.Usage, start time.Time) {
 	x.settleTokens(u)
-	if code/100 == 2 {
+	if code/100 == 2 && x.pass.kind.generates() {
 		rm.e2e.Observe(time.Since(start).Seconds())
 	}
 	if u != nil {
@@ -567,6 +665,9 @@ func (g *Gateway) finish(rm *routeMetrics, x *exchange, code int, u *openai.Usag
 			rm.predErr[indexPrecise].Observe(math.Abs(float64(min(x.precisePredicted, limit) - cached)))
 		}
 	}
+	x.obs.used(u)
+	x.keyUse.used(u)
+	x.obs.counted(rm, code)
 	g.metrics.count(rm, code)
 }
 
@@ -579,6 +680,7 @@ var (
 var (
 	usageKey = []byte(`"usage"`)
 	sseData  = []byte("data: ")
+	sseEvent = []byte("event: ")
 	sseEnd   = []byte("\n\n")
 	sseDone  = []byte("data: [DONE]\n\n")
 )
@@ -622,6 +724,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 		x.er.Reset(fr) // pooled: no 16 KiB buffer per stream
 	}
 	er := x.er
+	er.SetLimit(x.eventLimit(g))
 
 	var (
 		usage     *openai.Usage // the latest reported (cumulative) usage
@@ -646,8 +749,9 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 	}
 	for {
 		data, err := er.Next()
+		complete := err == io.EOF && x.streamComplete(er)
 		if err != nil && !started {
-			done := err == io.EOF && er.Done()
+			done := complete
 			switch {
 			case r.Context().Err() != nil:
 				g.canceled(w, r, rm)
@@ -664,21 +768,23 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			// mid-stream.
 			shutdown := fr.err == nil && r.Context().Err() != nil && shuttingDown(r)
 			switch {
-			case shutdown && !(err == io.EOF && er.Done()):
+			case shutdown && !complete:
 				x.out = x.out[:0]
-				writeStreamError(w, rc, shutdownError())
+				writeStreamError(w, rc, x, shutdownError())
+				x.obs.failed(codeShuttingDown)
 				g.finish(rm, x, http.StatusServiceUnavailable, usage, start)
 				return nil, codeClientClosed // no verdict on the engine
 			case !shutdown && (r.Context().Err() != nil || fr.err != nil):
-				g.metrics.count(rm, codeClientClosed)
+				g.count(w, rm, codeClientClosed)
 				return nil, codeClientClosed
 			}
 			code := http.StatusOK
-			if err == io.EOF && er.Done() {
+			if complete {
 				// The held events of a stream that ended without output
-				// leave with [DONE].
-				if _, werr := w.Write(append(x.out, sseDone...)); werr != nil {
-					g.metrics.count(rm, codeClientClosed)
+				// leave with [DONE] (a Responses stream ends at its
+				// terminal event).
+				if _, werr := w.Write(append(x.out, x.streamTail(er)...)); werr != nil {
+					g.count(w, rm, codeClientClosed)
 					return nil, codeClientClosed
 				}
 				// Not flushed here: the handler returns at once and net/http
@@ -688,6 +794,9 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				}
 			} else {
 				msg := "The model server's stream ended without [DONE]."
+				if x.pass.kind.responsesAPI() {
+					msg = "The model server's stream ended before its response.completed event."
+				}
 				code = http.StatusBadGateway
 				errCode := openai.CodeUpstream
 				switch {
@@ -703,7 +812,8 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				}
 				slog.Warn("gateway: upstream stream failed", "endpoint", rm.labels[1],
 					"request_id", reqID, "err", err)
-				writeStreamError(w, rc, openai.NewError(code, msg, "", errCode))
+				writeStreamError(w, rc, x, openai.NewError(code, msg, "", errCode))
+				x.obs.failed(errCode)
 			}
 			g.finish(rm, x, code, usage, start)
 			return nil, code
@@ -711,12 +821,12 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 
 		now := fr.at // when this event's bytes arrived
 		output := false
-		if c, ok := x.viewChunk(data); ok {
+		if c, ok := x.viewEvent(data); ok {
 			if c.isError && !started {
 				// An engine error before any output (vLLM's stream
 				// generator raising): nothing reached the client.
 				return &failure{reason: reasonErrorEvent, rm: rm, err: openai.NewError(http.StatusBadGateway,
-					"The model server reported an error before its first token: "+engineErrorMessage(data), "", openai.CodeUpstream)}, 0
+					"The model server reported an error before its first token: "+x.errorMessage(data), "", openai.CodeUpstream)}, 0
 			}
 			chunks = chunks || c.choices > 0
 			if c.usage != nil {
@@ -741,6 +851,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 					}
 					x.prefillDone()
 					rm.ttft.Observe(now.Sub(start).Seconds())
+					x.obs.firstOutput(now.Sub(start))
 				} else {
 					rm.itl.Observe(now.Sub(last).Seconds())
 				}
@@ -748,7 +859,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 		}
 		if !started {
-			x.out = appendEvent(x.out, data) // held until the first output
+			x.out = appendEvent(x.out, er.Event(), data) // held until the first output
 			switch {
 			case output:
 			case len(x.out) <= maxHeldBeforeOutput:
@@ -760,11 +871,11 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 			begin()
 		} else {
-			x.out = appendEvent(x.out[:0], data)
+			x.out = appendEvent(x.out[:0], er.Event(), data)
 		}
 		g.extendWriteDeadline(w, x, now)
 		if _, err := w.Write(x.out); err != nil {
-			g.metrics.count(rm, codeClientClosed)
+			g.count(w, rm, codeClientClosed)
 			return nil, codeClientClosed
 		}
 		x.out = x.out[:0]
@@ -907,9 +1018,13 @@ func (x *exchange) parseChunk(data []byte) *openai.StreamChunk {
 	return &x.chunk
 }
 
-// appendEvent appends data as one SSE event: "data: " before every line
-// (a multi-line payload stays one event) and a blank line after.
-func appendEvent(dst, data []byte) []byte {
+// appendEvent appends data as one SSE event: its "event:" field when it
+// has one (a Responses stream's event type), "data: " before every line (a
+// multi-line payload stays one event) and a blank line after.
+func appendEvent(dst, event, data []byte) []byte {
+	if len(event) > 0 {
+		dst = append(append(append(dst, sseEvent...), event...), '\n')
+	}
 	dst = append(dst, sseData...)
 	for {
 		i := bytes.IndexByte(data, '\n')
@@ -923,8 +1038,14 @@ func appendEvent(dst, data []byte) []byte {
 }
 
 // writeStreamError ends a stream with an OpenAI error event for e and
-// [DONE], as vLLM does when generation fails mid-stream.
-func writeStreamError(w io.Writer, rc *http.ResponseController, e *openai.Error) {
+// [DONE], as vLLM does when generation fails mid-stream; a Responses
+// stream with an "error" event (responsesErrorEvent).
+func writeStreamError(w io.Writer, rc *http.ResponseController, x *exchange, e *openai.Error) {
+	if x.pass.kind.responsesAPI() {
+		_, _ = w.Write(responsesErrorEvent(e, x.pass.seq))
+		_ = rc.Flush()
+		return
+	}
 	b, _ := json.Marshal(openai.ErrorResponse{Error: e})
 	ev := make([]byte, 0, len(b)+len(sseData)+len(sseEnd)+len(sseDone))
 	ev = append(append(append(append(ev, sseData...), b...), sseEnd...), sseDone...)

@@ -71,7 +71,8 @@ func FuzzStreamRelay(f *testing.F) {
 	cfg.HealthCheckPath, cfg.ScrapeInterval = healthCheckOff, -1
 	cfg.Retry.MaxAttempts = 1
 	cfg.Outlier.ConsecutiveErrors = 1 << 30 // the one endpoint stays in rotation
-	cfg.Endpoints = []EndpointConfig{{URL: "http://10.0.0.1:8000", Model: "m", KVBlocks: 1000}}
+	// Nothing to discover (kv_blocks and max_model_len given): the address is never dialled.
+	cfg.Endpoints = []EndpointConfig{{URL: "http://10.0.0.1:8000", Model: "m", KVBlocks: 1000, MaxModelLen: 4096}}
 	g, err := New(cfg, nil)
 	if err != nil {
 		f.Fatal(err)

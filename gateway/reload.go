@@ -27,7 +27,17 @@ package gateway
 //   - a model's admission gate (queue, admitted requests) and retry
 //     budget;
 //   - a key's rate-limit buckets, by key name (limits changed in place:
-//     keyLimits.setLimits), so a reload never hands a key a fresh minute.
+//     keyLimits.setLimits), so a reload never hands a key a fresh minute,
+//     and its usage counters (keyUsageVecs.of);
+//   - the Responses API's affinity (Gateway.affinity), which names the
+//     endpoint object, not its slot: a removed endpoint's responses are
+//     not found, never sent to the endpoint that took its slot.
+//
+// An endpoint's credentials are part of its spec (endpointHeader, with
+// api_key_env read at each build): build reads GET /v1/models with changed
+// ones, and commit ejects an endpoint that refused the credentials it is
+// given and ends an ejection that changed credentials, accepted, make moot
+// (applyCredentials).
 //
 // A change of routing builds new policies (their learnt state starts
 // empty); the precise index is kept unless routing.prefix.block_size
@@ -50,7 +60,9 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"net/http"
 	"net/url"
+	"os"
 	"reflect"
 	"slices"
 	"strings"
@@ -74,6 +86,7 @@ var reloadable = map[string]bool{
 	"auth":            true,
 	"admission":       true,
 	"circuit_breaker": true,
+	"aliases":         true,
 }
 
 // state is what a reload replaces: an immutable snapshot of the pools,
@@ -89,8 +102,12 @@ type state struct {
 	endpoints []*endpoint
 	feeds     map[*endpoint]feeds
 	keys      *keyring // nil: authentication off
+	// targets are the pools a model name is served by: a model's own, an
+	// alias's in fallback order (alias.go).
+	targets map[string][]*pool
 	// modelsBody is GET /v1/models, modelBodies each entry of it;
-	// created is each model's "created" (kept across reloads).
+	// created is each model's and alias's "created" (kept across
+	// reloads).
 	modelsBody  []byte
 	modelBodies map[string][]byte
 	created     map[string]int64
@@ -104,6 +121,9 @@ type plan struct {
 	added   []*endpoint                 // new endpoints: health loops to start
 	removed []*endpoint                 // endpoints no longer configured: to drain
 	changed []string                    // endpoints whose spec changed (names)
+	// creds are what build learnt of the credentials of new endpoints
+	// and of endpoints whose credentials changed (applyCredentials).
+	creds map[*endpoint]credentialsCheck
 
 	start []func() // feeds to start
 	stop  []*loop  // feeds replaced or no longer needed
@@ -119,12 +139,13 @@ type plan struct {
 	keysAdded, keysRemoved, keysChanged []string
 	// succ are the pools in force whose model stays, each with the pool
 	// that replaces it; gone are the gates of models removed.
-	succ         map[*pool]*pool
-	gone         []*admission
-	modelsAdded  []string
-	modelsGone   []string
-	policyReset  bool // routing changed: new policies
-	authSwitched bool // authentication was turned on or off
+	succ           map[*pool]*pool
+	gone           []*admission
+	modelsAdded    []string
+	modelsGone     []string
+	policyReset    bool // routing changed: new policies
+	authSwitched   bool // authentication was turned on or off
+	aliasesChanged bool
 }
 
 // feedSet is a KV feed's appliers and their targets.
@@ -224,6 +245,9 @@ func (g *Gateway) reload(load func() (Config, error)) error {
 	if pl.policyReset {
 		attrs = append(attrs, "policy", st.cfg.Routing.Policy, "policy_state", "reset")
 	}
+	if pl.aliasesChanged {
+		attrs = append(attrs, "aliases", "changed")
+	}
 	slog.Info("gateway: configuration reloaded", attrs...)
 	if len(kept) > 0 {
 		slog.Warn("gateway: configuration reload: settings that need a restart were changed and are not applied",
@@ -282,7 +306,8 @@ func (g *Gateway) build(cfg Config, prev *state) (*state, *plan, error) {
 	if prev == nil {
 		prev = &state{}
 	}
-	pl := &plan{specs: map[*endpoint]*endpointSpec{}, succ: map[*pool]*pool{}, feedSets: map[*kvFeed]feedSet{}}
+	pl := &plan{specs: map[*endpoint]*endpointSpec{}, succ: map[*pool]*pool{}, feedSets: map[*kvFeed]feedSet{},
+		creds: map[*endpoint]credentialsCheck{}}
 	st := &state{cfg: cfg, pools: map[string]*pool{}, feeds: map[*endpoint]feeds{}, created: map[string]int64{}}
 
 	// Endpoints: one per URL, the first entry's settings, the largest
@@ -305,22 +330,28 @@ func (g *Gateway) build(cfg Config, prev *state) (*state, *plan, error) {
 		inForce[ep.name] = ep
 	}
 	type job struct {
-		ep  *endpoint
-		old *endpointSpec // nil for a new endpoint
+		ep     *endpoint
+		header http.Header
+		old    *endpointSpec // nil for a new endpoint
 	}
 	var jobs []job
 	for _, base := range urls {
+		// The credentials, api_key_env read now: a key rotated in the
+		// environment applies at the reload.
+		hdr, err := endpointHeader(*want[base], os.LookupEnv)
+		if err != nil {
+			return nil, nil, fmt.Errorf("endpoint %s: %w", base, err)
+		}
 		ep := inForce[base]
 		switch {
 		case ep == nil:
-			var err error
 			if ep, err = newEndpoint(base); err != nil {
 				return nil, nil, err
 			}
 			pl.added = append(pl.added, ep)
-			jobs = append(jobs, job{ep: ep})
-		case !reflect.DeepEqual(ep.spec.Load().cfg, *want[base]):
-			jobs = append(jobs, job{ep: ep, old: ep.spec.Load()})
+			jobs = append(jobs, job{ep: ep, header: hdr})
+		case !reflect.DeepEqual(ep.spec.Load().cfg, *want[base]) || !sameHeader(ep.spec.Load().header, hdr):
+			jobs = append(jobs, job{ep: ep, header: hdr, old: ep.spec.Load()})
 			pl.changed = append(pl.changed, base)
 		}
 		st.endpoints = append(st.endpoints, ep)
@@ -329,15 +360,19 @@ func (g *Gateway) build(cfg Config, prev *state) (*state, *plan, error) {
 	var wg sync.WaitGroup
 	for _, j := range jobs {
 		wg.Go(func() {
-			spec := g.makeSpec(j.ep, want[j.ep.name], j.old)
-			if j.old != nil {
-				mu.Lock()
-				pl.specs[j.ep] = spec
-				mu.Unlock()
-				return
+			spec, cc, checked := g.makeSpec(j.ep, want[j.ep.name], j.header, j.old)
+			mu.Lock()
+			if checked {
+				pl.creds[j.ep] = cc
 			}
-			j.ep.spec.Store(spec) // a new endpoint: nobody else sees it yet
-			g.checkHealth(g.loops, j.ep)
+			if j.old != nil {
+				pl.specs[j.ep] = spec
+			}
+			mu.Unlock()
+			if j.old == nil {
+				j.ep.spec.Store(spec) // a new endpoint: nobody else sees it yet
+				g.checkHealth(g.loops, j.ep)
+			}
 		})
 	}
 	wg.Wait()
@@ -361,8 +396,7 @@ func (g *Gateway) build(cfg Config, prev *state) (*state, *plan, error) {
 	for _, ep := range st.endpoints {
 		spec, old := specOf(ep), prev.feeds[ep].scrape
 		f := old
-		if old == nil || spec.metricsURL == "" || g.cfg.ScrapeInterval < 0 ||
-			old.from != (fleet.Endpoint{URL: ep.base, Kind: spec.kind, MetricsURL: spec.metricsURL}) {
+		if old == nil || spec.metricsURL == "" || g.cfg.ScrapeInterval < 0 || !old.scrapes(scrapeOf(ep, spec)) {
 			var err error
 			if f, err = g.newScrapeFeed(ep, spec); err != nil {
 				return nil, nil, err
@@ -419,8 +453,12 @@ func (g *Gateway) build(cfg Config, prev *state) (*state, *plan, error) {
 		return nil, nil, err
 	}
 
-	// GET /v1/models, then the keys (whose lists are filtered from it).
-	slices.Sort(models)
+	// The names served (models and aliases), GET /v1/models, then the
+	// keys (whose lists are filtered from it).
+	var err error
+	if st.targets, err = buildTargets(st.pools, cfg.Aliases); err != nil {
+		return nil, nil, err
+	}
 	list := openai.ModelList{Object: openai.ObjectList, Data: make([]openai.Model, len(models))}
 	now := time.Now().Unix()
 	for i, model := range models {
@@ -431,6 +469,8 @@ func (g *Gateway) build(cfg Config, prev *state) (*state, *plan, error) {
 		st.created[model] = created
 		list.Data[i] = openai.Model{ID: model, Object: openai.ObjectModel, Created: created, OwnedBy: "infergate", Root: model}
 	}
+	list.Data = append(list.Data, aliasModels(cfg.Aliases, st.created, prev.created, now)...)
+	slices.SortFunc(list.Data, func(a, b openai.Model) int { return strings.Compare(a.ID, b.ID) })
 	st.modelBodies = make(map[string][]byte, len(list.Data))
 	for _, m := range list.Data {
 		b, err := json.Marshal(m)
@@ -439,24 +479,24 @@ func (g *Gateway) build(cfg Config, prev *state) (*state, *plan, error) {
 		}
 		st.modelBodies[m.ID] = b
 	}
-	var err error
 	if st.modelsBody, err = json.Marshal(list); err != nil {
 		return nil, nil, fmt.Errorf("gateway: encode model list: %w", err)
 	}
-	if st.keys, pl.limits, err = buildKeys(cfg, prev, st.pools, st.modelsBody); err != nil {
+	if st.keys, pl.limits, err = buildKeys(cfg, prev, st.targets, st.modelsBody, &g.keyUsage); err != nil {
 		return nil, nil, err
 	}
 	if prev.pools != nil {
 		pl.keysAdded, pl.keysRemoved, pl.keysChanged = keyChanges(prev.keys, st.keys)
 		pl.authSwitched = (prev.keys == nil) != (st.keys == nil)
+		pl.aliasesChanged = !reflect.DeepEqual(prev.cfg.Aliases, cfg.Aliases)
 	}
 	return st, pl, nil
 }
 
 // newEndpoint returns the endpoint of a base URL, its spec not yet set.
 func newEndpoint(base string) (*endpoint, error) {
-	ep := &endpoint{name: base, base: base, done: make(chan struct{})}
-	for _, kind := range []apiKind{kindChat, kindCompletion} {
+	ep := &endpoint{name: base, base: base, servedBy: []string{base}, done: make(chan struct{})}
+	for kind := range apiKind(numPathKinds) {
 		u, err := url.Parse(base + kind.path())
 		if err != nil {
 			return nil, fmt.Errorf("endpoint %s: %w", base, err)
@@ -466,12 +506,17 @@ func newEndpoint(base string) (*endpoint, error) {
 	return ep, nil
 }
 
-// makeSpec is the spec of ep's configuration w: capacity and context
+// makeSpec is the spec of ep's configuration w with header (its
+// credentials and configured headers: endpointHeader): capacity and context
 // length discovered from the engine where w has 0, unless old (the spec in
-// force) has them discovered already.
-func (g *Gateway) makeSpec(ep *endpoint, w *EndpointConfig, old *endpointSpec) *endpointSpec {
-	s := &endpointSpec{cfg: *w, kvBlocks: w.KVBlocks, blockSize: w.BlockSize, maxModelLen: w.MaxModelLen,
-		kind: w.Kind, healthPath: g.cfg.HealthCheckPath, kvEvents: w.KVEvents}
+// force) has them discovered already. The engine's reads are sent with
+// header; cc is what they told of it, checked false when nothing did: a
+// new endpoint's discovery reads (401/403: refused), and, when the
+// credentials changed, GET /v1/models (which vLLM's --api-key guards)
+// sent with the new ones.
+func (g *Gateway) makeSpec(ep *endpoint, w *EndpointConfig, header http.Header, old *endpointSpec) (s *endpointSpec, cc credentialsCheck, checked bool) {
+	s = &endpointSpec{cfg: *w, kvBlocks: w.KVBlocks, blockSize: w.BlockSize, maxModelLen: w.MaxModelLen,
+		kind: w.Kind, healthPath: g.cfg.HealthCheckPath, kvEvents: w.KVEvents, header: header}
 	if s.healthPath == "" {
 		s.healthPath = w.Kind.Info().HealthPath
 	}
@@ -486,22 +531,39 @@ func (g *Gateway) makeSpec(ep *endpoint, w *EndpointConfig, old *endpointSpec) *
 			s.kvBlocks, s.blockSize = old.kvBlocks, old.blockSize
 		} else {
 			s.kvBlocks = DefaultKVBlocks
-			if cc, err := g.fetchCacheConfig(ctx, ep.base); err == nil {
-				s.kvBlocks, s.blockSize = cc.numGPUBlocks, cc.blockSize
+			c, err := g.fetchCacheConfig(ctx, ep.base, header)
+			if err == nil {
+				s.kvBlocks, s.blockSize = c.numGPUBlocks, c.blockSize
 			}
+			cc.note(err)
+			checked = true
 		}
 	}
-	if w.MaxModelLen == 0 {
-		if old != nil && old.cfg.MaxModelLen == 0 {
+	newCreds := old != nil && !sameHeader(old.header, header)
+	if w.MaxModelLen == 0 && (old == nil || old.cfg.MaxModelLen != 0) {
+		s.maxModelLen = DefaultMaxModelLen
+		n, err := g.fetchMaxModelLen(ctx, ep.base, header)
+		if err == nil {
+			s.maxModelLen = n
+		}
+		cc.note(err)
+		cc.accepted = newCreds && err == nil
+		checked = true
+	} else {
+		if w.MaxModelLen == 0 {
 			s.maxModelLen = old.maxModelLen
-		} else {
-			s.maxModelLen = DefaultMaxModelLen
-			if n, err := g.fetchMaxModelLen(ctx, ep.base); err == nil {
-				s.maxModelLen = n
-			}
+		}
+		if newCreds {
+			_, err := g.fetchMaxModelLen(ctx, ep.base, header)
+			cc.note(err)
+			cc.accepted = err == nil && cc.refused == 0
+			checked = true
 		}
 	}
-	return s
+	if cc.refused != 0 {
+		cc.accepted = false
+	}
+	return s, cc, checked
 }
 
 // buildPool makes model's pool of endpoints eps (configuration order),
@@ -803,6 +865,10 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 			}
 		}
 	}
+
+	// Credentials refused eject (a new endpoint before it serves), new
+	// ones accepted end an ejection the old ones caused.
+	g.applyCredentials(st.endpoints, pl.creds, time.Now())
 
 	for _, ep := range pl.added {
 		g.startEndpoint(ep)

@@ -274,6 +274,123 @@ func TestReloadKeys(t *testing.T) {
 	}
 }
 
+// TestReloadKeyUsage: per-key usage counters follow a key's name across
+// reloads (the series goes on, whatever its hashes), a renamed key is a
+// new series and the old one keeps its totals, and keys turned on by a
+// reload are counted (the counters exist from start).
+func TestReloadKeyUsage(t *testing.T) {
+	e := newFakeEngine(t, "e0")
+	cfg := reloadConfig(sched.RoundRobin, e.URL())
+	g, url := startGateway(t, cfg)
+	c := testClient(t)
+	send := func(key string) {
+		t.Helper()
+		if resp, b := post(t, c, url+pathChat, chatBody, "Authorization", "Bearer "+key); resp.StatusCode != 200 {
+			t.Fatalf("key %s: %d %s", key, resp.StatusCode, b)
+		}
+	}
+	requests := func(name string) float64 {
+		t.Helper()
+		return scrape(t, c, url).value("infergate_key_requests_total", `key="`+name+`"`)
+	}
+
+	cfg.Auth.Keys = []APIKey{{Name: "a", Hash: HashKey("key-a")}} // authentication turned on by the reload
+	mustReload(t, g, cfg)
+	send("key-a")
+	send("key-a")
+	if n := requests("a"); n != 2 {
+		t.Fatalf("a after authentication was turned on: %v requests, want 2", n)
+	}
+	prompt := scrape(t, c, url).value("infergate_key_prompt_tokens_total", `key="a"`)
+	if prompt == 0 {
+		t.Fatal("no prompt tokens counted for a")
+	}
+
+	cfg.Auth.Keys = []APIKey{{Name: "a", Hash: HashKey("key-a2")}, {Name: "b", Hash: HashKey("key-b")}} // a rotated, b added
+	mustReload(t, g, cfg)
+	send("key-a2")
+	send("key-b")
+	if n, m := requests("a"), requests("b"); n != 3 || m != 1 {
+		t.Fatalf("after a reload: a %v (want 3: its series goes on), b %v (want 1)", n, m)
+	}
+	if p := scrape(t, c, url).value("infergate_key_prompt_tokens_total", `key="a"`); p != prompt*3/2 {
+		t.Fatalf("a's prompt tokens %v after a reload, want %v (three requests)", p, prompt*3/2)
+	}
+
+	cfg.Auth.Keys = []APIKey{{Name: "c", Hash: HashKey("key-a2")}} // a renamed c
+	mustReload(t, g, cfg)
+	send("key-a2")
+	if n, m := requests("a"), requests("c"); n != 3 || m != 1 {
+		t.Fatalf("after a rename: a %v (want its 3 kept), c %v (want 1, a new series)", n, m)
+	}
+	st := g.DashboardState(time.Now())
+	if len(st.Keys) != 1 || st.Keys[0].Key != "c" || st.Keys[0].Requests != 1 {
+		t.Fatalf("dashboard keys %+v, want c with 1 request", st.Keys)
+	}
+}
+
+// TestReloadPreciseSlots: the precise index's per-slot bound follows its
+// endpoint (kv_blocks plus kv_events.offload_blocks): set again when
+// kv_blocks changes, and when a removed endpoint's slot goes to a new one;
+// the endpoints that stay and the one added have their hooks (the policy
+// forgets their slot, the KV feed resynchronises) and the removed one has
+// none. The hooks act: the kept endpoint leaving rotation empties its slot.
+func TestReloadPreciseSlots(t *testing.T) {
+	e0, e1, e2 := newFakeEngine(t, "e0"), newFakeEngine(t, "e1"), newFakeEngine(t, "e2")
+	ec := func(e *fakeEngine, kvBlocks, offload int) EndpointConfig {
+		return EndpointConfig{URL: e.URL(), Model: "m", KVBlocks: kvBlocks, BlockSize: 16,
+			KVEvents: &KVEventsConfig{Endpoint: "tcp://127.0.0.1:1", OffloadBlocks: offload}}
+	}
+	cfg := testConfig(sched.PrecisePrefix)
+	cfg.HealthCheckPath = healthCheckOff
+	cfg.Routing.Prefix.BlockSize = 16
+	cfg.Endpoints = []EndpointConfig{ec(e0, 100, 10), ec(e1, 200, 0)}
+	g, _ := startGateway(t, cfg)
+	ix := g.PreciseIndex("m")
+	bound := func(i int) int { return ix.EndpointStats(i).Capacity }
+	if bound(0) != 110 || bound(1) != 200 {
+		t.Fatalf("bounds at start: %d, %d; want 110, 200", bound(0), bound(1))
+	}
+	ep0, ep1 := endpointOf(g, e0.URL()), endpointOf(g, e1.URL())
+
+	cfg.Endpoints = []EndpointConfig{ec(e0, 50, 10), ec(e1, 200, 0)}
+	mustReload(t, g, cfg)
+	if bound(0) != 60 || bound(1) != 200 {
+		t.Fatalf("after kv_blocks changed: %d, %d; want 60, 200", bound(0), bound(1))
+	}
+
+	cfg.Endpoints = []EndpointConfig{ec(e0, 50, 10), ec(e2, 30, 5)} // e1 out, e2 in its slot
+	mustReload(t, g, cfg)
+	p := g.state.Load().pools["m"]
+	ep2 := endpointOf(g, e2.URL())
+	if g.PreciseIndex("m") != ix || slot(t, p, ep2) != 1 {
+		t.Fatal("the index was rebuilt, or the new endpoint did not take the removed one's slot")
+	}
+	if bound(0) != 60 || bound(1) != 35 {
+		t.Fatalf("after the slot changed hands: %d, %d; want 60, 35", bound(0), bound(1))
+	}
+	for _, ep := range []*endpoint{ep0, ep2} {
+		if hs := ep.onDown.Load(); hs == nil || len(*hs) != 2 {
+			t.Fatalf("%s: hooks %v, want 2 (the policy's, the KV feed's)", ep.name, hs)
+		}
+	}
+	if hs := ep1.onDown.Load(); hs != nil && len(*hs) > 0 {
+		t.Fatalf("the removed endpoint keeps %d hooks", len(*hs))
+	}
+
+	hashes := []uint64{1, 2, 3}
+	if err := ix.Stored(0, prefix.MediumGPU, hashes, 0, false, make([]uint32, 3*16), fleet.KVSeeds("m")("")); err != nil {
+		t.Fatal(err)
+	}
+	if ix.Len(0, prefix.MediumGPU) == 0 {
+		t.Fatal("nothing stored")
+	}
+	ep0.setReady(false)
+	if n := ix.Len(0, prefix.MediumGPU); n != 0 {
+		t.Fatalf("the kept endpoint left rotation: its slot still holds %d blocks", n)
+	}
+}
+
 // TestBucketSetLimit: a changed limit keeps what was used of the minute.
 func TestBucketSetLimit(t *testing.T) {
 	t0 := time.Now()

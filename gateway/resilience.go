@@ -63,7 +63,8 @@ func (c RetryConfig) withDefaults() RetryConfig {
 }
 
 // OutlierConfig configures passive outlier detection. A connection refused
-// ejects an endpoint at once (the engine is gone); ConsecutiveErrors other
+// ejects an endpoint at once (the engine is gone), and so does a 401/403
+// (the engine refuses the gateway's credentials); ConsecutiveErrors other
 // failures in a row (5xx, connection lost, response timeout, a stream that
 // failed) eject it too. An ejection lasts eject_duration × 2^(n−1) for the
 // n-th ejection in a row, at most MaxEjectionTime; n starts again once the
@@ -164,8 +165,9 @@ type outlierState struct {
 	mu sync.Mutex
 	// ejections is the ejections in a row (the back-off exponent).
 	ejections int
-	// until is the end of the latest ejection.
-	until time.Time
+	// until is the end of the latest ejection, reason its cause.
+	until  time.Time
+	reason string
 }
 
 // Failure kinds of one attempt, for outlier detection and the retries
@@ -188,14 +190,18 @@ func (ep *endpoint) outlierSuccess() {
 	if ep.outlier.consecutive.Load() != 0 {
 		ep.outlier.consecutive.Store(0)
 	}
+	if ep.authFailing.Load() {
+		ep.authFailing.Store(false)
+	}
 }
 
 // outlierFailure records a failure of kind reason at now and ejects the
-// endpoint when it is a refused connection or the consecutive-error
-// threshold is reached. It reports whether this call ejected it.
+// endpoint when it is a refused connection or credentials (reasonAuth:
+// every request would fail alike) or the consecutive-error threshold is
+// reached. It reports whether this call ejected it.
 func (g *Gateway) outlierFailure(ep *endpoint, reason string, now time.Time) bool {
 	n := ep.outlier.consecutive.Add(1)
-	if reason != reasonConnect && n < int64(g.cfg.Outlier.ConsecutiveErrors) {
+	if reason != reasonConnect && reason != reasonAuth && n < int64(g.cfg.Outlier.ConsecutiveErrors) {
 		return false
 	}
 	return g.ejectOutlier(ep, reason, now)
@@ -220,7 +226,7 @@ func (g *Gateway) ejectOutlier(ep *endpoint, reason string, now time.Time) bool 
 		d *= 2
 	}
 	d = min(d, maxEject)
-	o.until = now.Add(d)
+	o.until, o.reason = now.Add(d), reason
 	n := o.ejections
 	o.mu.Unlock()
 	o.consecutive.Store(0)
@@ -228,6 +234,26 @@ func (g *Gateway) ejectOutlier(ep *endpoint, reason string, now time.Time) bool 
 	g.res.ejections.WithLabelValues(ep.name, reason).Inc()
 	slog.Warn("gateway: endpoint ejected", "endpoint", ep.name, "reason", reason,
 		"ejection", n, "eject_for", d)
+	return true
+}
+
+// endAuthEjection ends a running ejection that a refusal of the gateway's
+// credentials caused (they have since changed, and the engine accepts the
+// new ones: applyCredentials), the back-off starting over, and puts the
+// endpoint back in rotation. It reports whether there was one.
+func (ep *endpoint) endAuthEjection(now time.Time) bool {
+	o := &ep.outlier
+	o.mu.Lock()
+	if !now.Before(o.until) || o.reason != reasonAuth {
+		o.mu.Unlock()
+		return false
+	}
+	o.until, o.ejections, o.reason = now, 0, ""
+	o.mu.Unlock()
+	o.consecutive.Store(0)
+	ep.ejectedUntil.Store(0)
+	ep.wentDown.Store(false)
+	ep.setReady(true)
 	return true
 }
 

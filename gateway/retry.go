@@ -79,19 +79,23 @@ func requestPriority(r *http.Request) (int, *openai.Error) {
 // other endpoints of failures that reached the client with no byte. Each
 // pick is made in the newest pool of the model (pool.latest): a request
 // that was waiting or retrying when a reload replaced its pool goes to the
-// new set of endpoints, never to one the reload removed.
+// new set of endpoints, never to one the reload removed. It reports true,
+// having answered nothing, when the request may fall back to the next
+// target of its alias (x.pass.fallback) and p could not serve it
+// (x.pass.fell says why); otherwise the request was answered.
 func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool,
-	reqID string, start time.Time) {
+	reqID string, start time.Time) (fell bool) {
 	if x.edge.capPriority && x.sreq.Priority > x.edge.maxPriority {
 		x.sreq.Priority = x.edge.maxPriority // the key's grant
 	}
 	if !g.admitQueued(w, r, p, x) {
-		return
+		return x.pass.fell != ""
 	}
 	gate, budget := p.gate, p.budget // kept by the model's later pools
 	defer gate.release()
 
 	excluded := x.excludedFor(len(p.endpoints))
+	x.pinned(p, excluded)
 	var (
 		last     *failure
 		retrying bool // holds a retry-budget token
@@ -106,6 +110,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 			// Slots keep their endpoint across reloads: what failed
 			// stays excluded.
 			p, excluded = n, x.resizeExcluded(len(n.endpoints))
+			x.pinned(p, excluded)
 		}
 		i, d := g.pickExcluding(p, &x.sreq, excluded)
 		if attempt == 1 {
@@ -113,36 +118,40 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 		}
 		if i < 0 {
 			if last == nil {
+				if x.pass.fallback {
+					x.pass.fell = fallbackNoEndpoint
+					return true
+				}
 				x.refundAdmission(w.Header()) // never sent: not admitted
-				g.failNoEndpoint(w, p)
-				return
+				g.failNoEndpoint(w, p, x)
+				return false
 			}
 			g.res.retriesDenied.WithLabelValues(p.model, "no_endpoint").Inc()
-			g.answerFailure(w, last)
-			return
+			return g.answerFailure(w, x, last)
 		}
 		if attempt > 1 {
 			g.res.retries.WithLabelValues(p.model, last.rm.labels[1], last.reason).Inc()
-			w.Header()[AttemptsHeader] = []string{strconv.Itoa(attempt)}
+		}
+		if x.pass.tries++; x.pass.tries > 1 {
+			w.Header()[AttemptsHeader] = []string{strconv.Itoa(x.pass.tries)}
 		}
 		f := g.attempt(w, r, x, kind, p, i, d, reqID, start)
+		x.obs.attemptFailed(f)
 		if f == nil {
-			return
+			return false
 		}
 		last = f
 		excluded[i] = true
 		switch {
 		case r.Context().Err() != nil:
 			g.canceled(w, r, f.rm) // nothing reached the client
-			return
-		case attempt >= g.cfg.Retry.MaxAttempts:
-			g.answerFailure(w, f)
-			return
+			return false
+		case attempt >= g.cfg.Retry.MaxAttempts || !x.retrySafe(f) || x.pass.pinEP != nil:
+			return g.answerFailure(w, x, f)
 		case !retrying:
 			if !budget.take(gate.active.Load(), g.cfg.Retry.BudgetPercent, g.cfg.Retry.MinRetryConcurrency) {
 				g.res.retriesDenied.WithLabelValues(p.model, "budget").Inc()
-				g.answerFailure(w, f)
-				return
+				return g.answerFailure(w, x, f)
 			}
 			retrying = true
 		}
@@ -170,14 +179,36 @@ func (x *exchange) resizeExcluded(n int) []bool {
 	return x.excluded
 }
 
-// answerFailure answers a failure that is not retried.
-func (g *Gateway) answerFailure(w http.ResponseWriter, f *failure) {
-	if f.body != nil {
-		writeJSON(w, f.status, f.body)
-		g.metrics.count(f.rm, f.status)
+// pinned excludes, when x is pinned to the endpoint that stored a response
+// (responses.go), every endpoint of p but that one. The pin is the
+// endpoint itself, not its slot: a reload that removed it leaves nothing
+// to pick (a new endpoint in its slot holds none of its responses).
+func (x *exchange) pinned(p *pool, excluded []bool) {
+	if x.pass.pinEP == nil {
 		return
 	}
+	for j, ep := range p.endpoints {
+		if ep != x.pass.pinEP {
+			excluded[j] = true
+		}
+	}
+}
+
+// answerFailure answers a failure that is not retried, or reports true
+// (answering nothing) when the request falls back to its alias's next
+// target instead.
+func (g *Gateway) answerFailure(w http.ResponseWriter, x *exchange, f *failure) (fell bool) {
+	if x.pass.fallback && x.retrySafe(f) {
+		x.pass.fell = fallbackFailed
+		return true
+	}
+	if f.body != nil {
+		writeJSON(w, f.status, f.body)
+		g.count(w, f.rm, f.status)
+		return false
+	}
 	g.fail(w, f.rm, f.err)
+	return false
 }
 
 // attempt sends the request to endpoint i of p (whose circuit-breaker slot
@@ -188,6 +219,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	d sched.Decision, reqID string, start time.Time) *failure {
 	ep, rm := p.endpoints[i], p.routes[i]
 	defer ep.releaseSlot()
+	g.beginAttempt(w, x, p, i, d)
 	if n := int64(x.sreq.PromptTokens); n > 0 {
 		ep.inFlightTokens.Add(n)
 		defer ep.inFlightTokens.Add(-n)
@@ -212,7 +244,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 		p.precise.Routed(i, x.hashes) // joins the engine's events for it (prefix/precise_join.go)
 	}
 
-	body := x.body
+	body := x.upstreamBody()
 	strip := false
 	if x.stream && !x.includeUsage {
 		b, err := withIncludeUsage(x.upBody[:0], body)
@@ -229,15 +261,18 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	}
 	// The URL was parsed when the endpoint was configured: the request is
 	// built with an empty one, which cannot fail to parse.
-	req, err := http.NewRequestWithContext(r.Context(), http.MethodPost, "", bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(r.Context(), r.Method, "", bytes.NewReader(body))
 	if err != nil {
 		g.fail(w, rm, openai.NewError(http.StatusBadGateway, "Could not build the upstream request.", "", openai.CodeUpstream))
 		return nil
 	}
-	req.URL = ep.url(kind, r.URL.RawQuery)
+	req.URL = ep.url(kind, r.URL.Path, r.URL.RawQuery)
 	req.Host = req.URL.Host
 	x.upHeader = upstreamHeader(x.upHeader, r.Header, x.requestIDValue(reqID), r.RemoteAddr)
+	spec := ep.spec.Load()
+	spec.addHeader(x.upHeader) // the endpoint's credentials and headers (credentials.go)
 	req.Header = x.upHeader
+	x.obs.inject(req.Header) // this attempt's traceparent (tracing.go)
 
 	// A stream's first output is due within first_event_timeout of the
 	// request, its response headers included; a non-streaming answer's
@@ -277,6 +312,9 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 		g.outlierFailure(ep, reason5xx, time.Now())
 		return g.serverError(resp, x, rm)
 	}
+	if isAuthRefusal(resp.StatusCode) { // the gateway's credentials, not the client's
+		return g.authRefused(ep, spec, rm, resp, reqID)
+	}
 	var (
 		f    *failure
 		code int
@@ -303,6 +341,9 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 			// sees a truncated response, never a silently short one.
 			panic(http.ErrAbortHandler)
 		}
+	}
+	if x.pass.respID != "" && f == nil && code/100 == 2 {
+		g.affinity.learn(x.pass.respID, p.model, ep, x.pass.key) // the engine stored it (responses.go)
 	}
 	switch {
 	case f != nil:

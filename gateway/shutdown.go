@@ -121,5 +121,5 @@ func (g *Gateway) canceled(w http.ResponseWriter, r *http.Request, rm *routeMetr
 		g.failShuttingDown(w, rm)
 		return
 	}
-	g.metrics.count(rm, codeClientClosed)
+	g.count(w, rm, codeClientClosed)
 }

@@ -519,6 +519,14 @@ func (u *upstreamClient) watchedRoundTrip(req *http.Request, by time.Time) (*htt
 		}
 		return nil, err
 	}
+	if wb.expired.Load() && parent.Err() == nil {
+		// The deadline canceled the request and the answer raced the
+		// cancel (net/http's HTTP/2 client can return either): the engine
+		// answered late, typically because the cancel ended its handler.
+		_ = resp.Body.Close()
+		cancel()
+		return nil, errUpstreamTimeout
+	}
 	wb.body, resp.Body = resp.Body, wb
 	return resp, nil
 }

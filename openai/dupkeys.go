@@ -20,10 +20,13 @@ import (
 // stream_options (the objects whose fields decide access and accounting).
 
 // decodedKeys are the JSON names of the request fields Decode reads at the
-// top level (ChatRequest and CompletionRequest); streamOptionKeys those of
+// top level (of every request type: chat, completion, responses,
+// embeddings, tokenize, detokenize); streamOptionKeys those of
 // StreamOptions.
 var (
-	decodedKeys      = jsonNames(reflect.TypeOf(ChatRequest{}), reflect.TypeOf(CompletionRequest{}))
+	decodedKeys = jsonNames(reflect.TypeOf(ChatRequest{}), reflect.TypeOf(CompletionRequest{}),
+		reflect.TypeOf(ResponsesRequest{}), reflect.TypeOf(EmbeddingRequest{}),
+		reflect.TypeOf(TokenizeRequest{}), reflect.TypeOf(DetokenizeRequest{}))
 	streamOptionKeys = jsonNames(reflect.TypeOf(StreamOptions{}))
 	// keysByFirst indexes decodedKeys and streamOptionKeys by first byte,
 	// each with its own bit, for the scan in duplicateKey.

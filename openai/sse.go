@@ -18,13 +18,15 @@ var ErrEventTooLarge = errors.New("sse: event line too large")
 
 // EventReader reads the "data:" payloads of a Server-Sent Events stream
 // (WHATWG HTML §9.2) as OpenAI-compatible servers send them. Comment lines
-// (":"), "event:", "id:" and "retry:" fields are skipped; multi-line data is
+// (":"), "id:" and "retry:" fields are skipped; an event's "event:" field
+// (the Responses API's event type) is kept for Event; multi-line data is
 // joined with "\n". The "[DONE]" sentinel is reported by Done.
 type EventReader struct {
-	r    *bufio.Reader
-	max  int
-	data []byte
-	done bool
+	r     *bufio.Reader
+	max   int
+	data  []byte
+	event []byte
+	done  bool
 }
 
 // NewEventReader returns a reader over r with a line limit of max bytes
@@ -43,7 +45,7 @@ func (er *EventReader) Next() ([]byte, error) {
 	if er.done {
 		return nil, io.EOF
 	}
-	er.data = er.data[:0]
+	er.data, er.event = er.data[:0], er.event[:0]
 	have := false
 	for {
 		line, err := er.readLine()
@@ -55,6 +57,7 @@ func (er *EventReader) Next() ([]byte, error) {
 		}
 		if len(line) == 0 { // blank line dispatches the event
 			if !have {
+				er.event = er.event[:0] // an event without data is not dispatched
 				continue
 			}
 			if bytes.Equal(er.data, []byte("[DONE]")) {
@@ -67,6 +70,12 @@ func (er *EventReader) Next() ([]byte, error) {
 		if i := bytes.IndexByte(line, ':'); i >= 0 {
 			field, value = line[:i], line[i+1:]
 			value = bytes.TrimPrefix(value, []byte(" "))
+		}
+		if string(field) == "event" {
+			// The last event field of the event wins (WHATWG: the event
+			// type buffer is set, not appended to).
+			er.event = append(er.event[:0], value...)
+			continue
 		}
 		if string(field) != "data" {
 			continue
@@ -86,9 +95,27 @@ func (er *EventReader) Next() ([]byte, error) {
 // reader costs no allocation per stream).
 func (er *EventReader) Reset(r io.Reader) {
 	er.r.Reset(r)
-	er.data = er.data[:0]
+	er.data, er.event = er.data[:0], er.event[:0]
 	er.done = false
 }
+
+// Event returns the "event:" field of the event Next last returned (empty
+// when it had none: chat and completion streams). The slice is valid until
+// the next call.
+func (er *EventReader) Event() []byte { return er.event }
+
+// SetLimit sets the line and event limit (bytes; MaxEventBytes if n <= 0)
+// for what is read from now on.
+func (er *EventReader) SetLimit(n int) {
+	if n <= 0 {
+		n = MaxEventBytes
+	}
+	er.max = n
+}
+
+// Buffered reports the capacity of the reader's event buffer (bytes), so
+// that a pool can drop a reader grown by one huge event.
+func (er *EventReader) Buffered() int { return cap(er.data) }
 
 // Done reports whether the [DONE] sentinel was read.
 func (er *EventReader) Done() bool { return er.done }

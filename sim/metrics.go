@@ -24,6 +24,9 @@ var (
 		40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0}
 	// iterationTokenBuckets: vllm:iteration_tokens_total, in tokens per step.
 	iterationTokenBuckets = []float64{1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}
+	// stepLagBuckets: infergate_sim_step_lag_seconds (engine seconds): from
+	// a tenth of a fast decode step to a lost minute.
+	stepLagBuckets = []float64{0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60}
 	// paramsNBuckets: vllm:request_params_n.
 	paramsNBuckets = []float64{1, 2, 5, 10, 20}
 )
@@ -68,6 +71,8 @@ type metrics struct {
 	// Per-request and per-step token counts.
 	promptTokens, genTokens, maxTokensParam, maxGenTokens, paramsN prometheus.Histogram
 	iterationTokens                                                prometheus.Histogram
+	// stepLag is the simulator's own step lag (lag.go; engine seconds).
+	stepLag prometheus.Histogram
 
 	success *prometheus.CounterVec
 
@@ -196,6 +201,8 @@ func newMetrics(model string, cfg Config, snap *atomic.Pointer[Stats]) *metrics 
 			"Histogram of the n request parameter.", paramsNBuckets),
 		iterationTokens: hist("vllm:iteration_tokens_total",
 			"Histogram of number of tokens per engine_step.", iterationTokenBuckets),
+		stepLag: hist("infergate_sim_step_lag_seconds",
+			"Simulator only (not vLLM): per engine step, how late its tokens were delivered against the time scale's wall-clock deadline, in engine seconds (wall lateness times the time scale).", stepLagBuckets),
 		success: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "vllm:request_success_total",
 			Help: "Count of successfully processed requests.", ConstLabels: labels}, []string{"finished_reason"}),
 	}

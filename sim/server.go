@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"strings"
 	"sync"
@@ -45,6 +46,15 @@ type ServerConfig struct {
 	// KVEvents configures the vLLM KV-cache event publisher (off by default);
 	// see kvevents.go and README "KV events".
 	KVEvents KVEventsConfig `yaml:"kv_events"`
+	// APIKeys, when not empty, guard every /v1 path as vLLM's --api-key
+	// does (auth.go): "Authorization: Bearer <one of them>" or 401
+	// {"error":"Unauthorized"}; /health and /metrics stay open.
+	APIKeys []string `yaml:"api_keys"`
+	// ResponsesStore keeps Responses API responses for previous_response_id
+	// and GET /v1/responses/{id}: vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1
+	// (off by default, as in vLLM: store is then ignored and every
+	// previous_response_id is not found). See responses.go.
+	ResponsesStore bool `yaml:"responses_store"`
 }
 
 // Server is a vLLM-compatible OpenAI HTTP front over a simulated Engine.
@@ -56,7 +66,8 @@ type ServerConfig struct {
 // streams. When idle it blocks until a request arrives and moves the virtual
 // clock up to the wall-derived time. Requests arriving during a step join the
 // next one, as in vLLM. If the host is too slow to keep up, virtual time lags
-// the wall clock; reported latencies stay those of the modelled hardware.
+// the wall clock; reported latencies stay those of the modelled hardware,
+// and each step's lateness is recorded (Lag, lag.go).
 type Server struct {
 	cfg       ServerConfig
 	eng       Config // engine config with defaults
@@ -74,10 +85,12 @@ type Server struct {
 	kvpub     *KVEventPublisher // nil unless KVEvents.Publishes()
 	quit      chan struct{}
 	done      chan struct{}
+	store     responseStore // Responses API store (responses.go)
 	startOnce sync.Once
 	closeOnce sync.Once
 	started   atomic.Bool
 	startWall atomic.Int64 // driver start, unix nanoseconds
+	lag       lagHistogram // step lags (lag.go)
 }
 
 // NewServer validates cfg, loads the tokenizer and builds the handler. The
@@ -147,9 +160,16 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 	mux.HandleFunc("POST /v1/completions", s.handleCompletions)
 	mux.HandleFunc("POST /v1/chat/completions", s.handleChat)
 	mux.HandleFunc("GET /v1/models", s.handleModels)
+	mux.HandleFunc("POST /v1/responses", s.handleResponses)
+	mux.HandleFunc("GET /v1/responses/{id}", s.handleRetrieveResponse)
+	mux.HandleFunc("POST /v1/responses/{id}/cancel", s.handleCancelResponse)
+	mux.HandleFunc("POST /v1/embeddings", s.handleEmbeddings)
+	mux.HandleFunc("POST /tokenize", s.handleTokenize)
+	mux.HandleFunc("POST /detokenize", s.handleDetokenize)
+	mux.HandleFunc("/", handleNotFound)
 	mux.HandleFunc("GET /health", s.handleHealth)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{}))
-	s.handler = mux
+	s.handler = withAPIKeys(mux, cfg.APIKeys)
 	if cfg.KVEvents.Publishes() {
 		kc := cfg.KVEvents
 		kc.Endpoint = offsetEndpointPort(kc.WithDefaults().Endpoint, index)
@@ -162,7 +182,10 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 }
 
 // Handler returns the HTTP handler: POST /v1/completions, POST
-// /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+// /v1/chat/completions, POST /v1/responses (and GET /v1/responses/{id},
+// POST …/cancel), POST /v1/embeddings, POST /tokenize, POST /detokenize,
+// GET /v1/models, GET /health, GET /metrics; any other path answers
+// FastAPI's 404 {"detail":"Not Found"}, as vLLM does.
 func (s *Server) Handler() http.Handler { return s.handler }
 
 // Model returns the served model name.
@@ -353,6 +376,9 @@ func (s *Server) drive() {
 			}
 		}
 		vnow = end
+		lag := max(0, time.Duration(float64(time.Since(deadline))*s.cfg.TimeScale))
+		s.lag.observe(lag)
+		s.metrics.stepLag.Observe(lag.Seconds())
 		// Publish before delivering, so a client that has seen a token also
 		// sees the engine state that produced it.
 		publish()
@@ -431,6 +457,8 @@ type genRequest struct {
 	stream         bool
 	streamOptions  *openai.StreamOptions
 	cacheSalt      string
+	// resp is set for a Responses API request (responses.go).
+	resp *responsesCall
 }
 
 func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
@@ -506,6 +534,14 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 
 // decode reads a JSON body of at most MaxRequestBytes into v and validates it.
 func (s *Server) decode(w http.ResponseWriter, r *http.Request, v interface{ Validate() *openai.Error }) *openai.Error {
+	if e := s.decodeBody(w, r, v); e != nil {
+		return e
+	}
+	return v.Validate()
+}
+
+// decodeBody reads a JSON body of at most MaxRequestBytes into v.
+func (s *Server) decodeBody(w http.ResponseWriter, r *http.Request, v any) *openai.Error {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, MaxRequestBytes))
 	if err != nil {
 		var tooBig *http.MaxBytesError
@@ -515,10 +551,7 @@ func (s *Server) decode(w http.ResponseWriter, r *http.Request, v interface{ Val
 		}
 		return openai.NewError(http.StatusBadRequest, "reading request body: "+err.Error(), "", "")
 	}
-	if e := openai.Decode(body, v); e != nil {
-		return e
-	}
-	return v.Validate()
+	return openai.Decode(body, v)
 }
 
 // maxBytesPerToken bounds how much prompt text is tokenized per token of
@@ -578,6 +611,13 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, g *genRequest) {
 		openai.WriteError(w, openai.NewError(http.StatusServiceUnavailable, "the simulated engine is not running", "", ""))
 		return
 	}
+	if slog.Default().Enabled(r.Context(), slog.LevelDebug) {
+		// What vLLM reads for its OpenTelemetry spans (--otlp-traces-endpoint):
+		// the request's W3C trace context, logged so a test or an operator
+		// can follow a trace through the gateway to the engine.
+		slog.Debug("sim: request received", "id", g.id, "x_request_id", r.Header.Get("X-Request-Id"),
+			"traceparent", r.Header.Get("Traceparent"), "tracestate", r.Header.Get("Tracestate"))
+	}
 	c := &call{
 		id: g.id,
 		req: Request{ID: g.id, Tokens: g.tokens, MaxTokens: g.maxTokens,
@@ -595,9 +635,14 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, g *genRequest) {
 		return
 	}
 	var out responder
-	if g.stream {
+	switch {
+	case g.resp != nil && g.stream:
+		out = newResponsesStream(w, s, g)
+	case g.resp != nil:
+		out = &responsesFull{w: w, s: s, g: g}
+	case g.stream:
 		out = newStreamResponder(w, s, g)
-	} else {
+	default:
 		out = &fullResponder{w: w, s: s, g: g}
 	}
 	var buf []event

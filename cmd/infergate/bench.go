@@ -40,6 +40,7 @@ func newBenchCmd() *cobra.Command {
 		warm        warmupFlags
 		rateList    string
 		concurrency int
+		maxLag      time.Duration
 		prof        sim.Profile
 		policies    []string
 		routing     sched.Config
@@ -76,10 +77,26 @@ next request as soon as their previous one finished, ignoring timestamps. With
 --workload chat it is session-aware: a session's next turn is sent when the
 previous answer has fully arrived plus the think time (both divided by
 --speedup), with at most N sessions active at once (sessions start at their
-start times, or later when N are active).`,
-		Example: `  infergate bench --compare round-robin,least-request,prefix --engines 8 \
+start times, or later when N are active).
+
+Real-time runs measure how far they fell behind their time scale and print
+it beside every result (column "lag p99 ms", engine time): the simulated
+fleet's step lag (--compare: how late each engine step's tokens were
+delivered against the time scale's wall-clock deadline) and the client's
+send lag (how late each request was sent against its schedule). A run whose
+p99 lag exceeds --max-lag (default 100ms) is marked BEHIND and explained on
+stderr: its latencies measure this host's CPU, not the modelled hardware.
+bench then exits non-zero after writing every output; lower --speedup, free
+the CPUs, use --virtual, or raise --max-lag to accept such runs. Virtual runs
+have no lag.`,
+		Example: `  # virtual time: 5-30 s on 2 shared cores
+  infergate bench --compare round-robin,least-request,prefix --virtual --engines 8 \
     --trace data/mooncake_conversation_trace.jsonl --requests 2000 --out r.json
-  infergate bench --target http://127.0.0.1:8080 --trace trace.jsonl --requests 200`,
+  # real time, light enough for a quiet 2-core host: about 8 s
+  infergate bench --compare prefix,round-robin --engines 4 --workload shared-prefix \
+    --sp-groups 8 --sp-prompts-per-group 16 --sp-rate 4 --sp-output-tokens 64
+  # against a running endpoint (infergate up), at the trace's own pace
+  infergate bench --target http://127.0.0.1:8080 --requests 200 --speedup 1`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if (target == "") == (compare == "") {
@@ -143,6 +160,7 @@ start times, or later when N are active).`,
 					}
 					s := bench.Summarize(target, rs)
 					s.RateRPS = rate
+					s.CheckLag(maxLag)
 					report.Runs = append(report.Runs, s)
 					addHTML(bench.HTMLRun{Summary: s, Records: rs})
 					return nil
@@ -168,7 +186,7 @@ start times, or later when N are active).`,
 				}
 				opts := bench.CompareOptions{Routing: routing, Policies: policies, Engines: engines, Engine: sim.Config{Profile: prof},
 					Records: recs, Requests: requests, Speedup: speedup, Model: model, Progress: os.Stderr,
-					Warmup: warm.w, Concurrency: concurrency, Sessions: sessions, RateRPS: rate, OnRun: addHTML}
+					Warmup: warm.w, Concurrency: concurrency, Sessions: sessions, RateRPS: rate, OnRun: addHTML, MaxLag: maxLag}
 				if recOut != nil {
 					opts.Output = recOut
 				}
@@ -219,6 +237,10 @@ start times, or later when N are active).`,
 			if err := report.WriteTable(cmd.OutOrStdout()); err != nil {
 				return err
 			}
+			behind, err := report.WriteLagWarnings(cmd.ErrOrStderr())
+			if err != nil {
+				return err
+			}
 			failed := false
 			for _, r := range report.Runs {
 				if r.Errors > 0 && r.FirstError != "" {
@@ -248,6 +270,10 @@ start times, or later when N are active).`,
 			if failed {
 				return errors.New("every request of a run failed")
 			}
+			if behind > 0 {
+				return fmt.Errorf("%d of %d runs fell behind their time scale by more than --max-lag %v (p99): their latencies are not the modelled hardware's (outputs written; see the warnings above)",
+					behind, len(report.Runs), maxLag)
+			}
 			return nil
 		},
 	}
@@ -269,6 +295,7 @@ start times, or later when N are active).`,
 	f.StringVar(&recPath, "records", "", "write per-request records as JSONL to this file")
 	warm.register(f)
 	f.StringVar(&rateList, "rate", "", "request-rate sweep: comma-separated rates (req/s, e.g. 1,2,4,8); the workload's arrivals are re-timed as a Poisson process at each rate (fixed seed, same requests in the same order) and run once per rate (per policy with --compare)")
+	f.DurationVar(&maxLag, "max-lag", bench.DefaultMaxLag, "real-time runs: the largest p99 lag (engine time) of the simulated fleet's steps and of the client's sends against their schedule; a run past it is marked BEHIND and bench exits non-zero")
 	f.IntVar(&concurrency, "concurrency", 0, "closed loop (real time only, not --virtual): N users each send their next request as soon as the previous one finished, ignoring timestamps; with --workload chat, at most N sessions active at once, each turn sent when the previous answer has arrived plus the think time")
 	return cmd
 }

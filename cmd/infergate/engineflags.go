@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 
 	"github.com/spf13/pflag"
@@ -18,6 +19,8 @@ type engineFlags struct {
 	model     string
 	timeScale float64
 	kvEvents  string
+	apiKeys   []string
+	store     bool
 	engine    sim.Config
 }
 
@@ -29,6 +32,8 @@ func (e *engineFlags) register(f *pflag.FlagSet, tuning bool, kvHelp string) {
 	f.Float64Var(&e.timeScale, "time-scale", 1, "simulated seconds per wall-clock second")
 	f.StringVar(&e.profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile; see sim/profiles/)")
 	f.StringVar(&e.kvEvents, "kv-events-config", "", kvHelp)
+	f.BoolVar(&e.store, "responses-store", os.Getenv("VLLM_ENABLE_RESPONSES_API_STORE") == "1",
+		"keep Responses API responses for previous_response_id (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1, the default when that is set)")
 	if tuning {
 		f.IntVar(&e.engine.BlockSize, "block-size", 0, "KV block size in tokens (default 16)")
 		f.IntVar(&e.engine.NumBlocks, "num-gpu-blocks", 0, "KV cache capacity in blocks (default: derived from the profile)")
@@ -62,7 +67,7 @@ func (e *engineFlags) serverConfig() (sim.ServerConfig, error) {
 	if model == "" {
 		model = prof.Model
 	}
-	return sim.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv}, nil
+	return sim.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv, APIKeys: e.apiKeys, ResponsesStore: e.store}, nil
 }
 
 // resolveProfile returns the profile from file if given, else the built-in

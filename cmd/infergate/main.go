@@ -9,7 +9,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -47,9 +46,11 @@ engine most likely to hold its prompt prefix in KV cache, balanced against load.
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		Version:       buildVersion(),
-		PersistentPreRun: func(cmd *cobra.Command, _ []string) {
-			// One log format for every package (the gateway logs through slog's default).
-			slog.SetDefault(newLogger(cmd))
+		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
+			// One log format for every package (the gateway logs through
+			// slog's default); serve applies its config's log keys later.
+			_, err := setupLogging(cmd, nil)
+			return err
 		},
 	}
 	root.CompletionOptions.DisableDefaultCmd = true
@@ -96,8 +97,4 @@ func buildVersion() string {
 		return fmt.Sprintf("%s (%s, %s)", v, rev, bi.GoVersion)
 	}
 	return fmt.Sprintf("%s (%s)", v, bi.GoVersion)
-}
-
-func newLogger(cmd *cobra.Command) *slog.Logger {
-	return slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: slog.LevelInfo}))
 }

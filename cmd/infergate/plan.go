@@ -56,9 +56,11 @@ ITL target; a failed request meets none. See plan/README.md.
 
 Latencies are simulated engine time. The model ignores network and gateway
 overhead, and engines never fail.`,
-		Example: `  infergate plan --trace data/mooncake_conversation_trace.jsonl \
-    --engines 4..32 --policy prefix,least-request --slo ttft_p90=2s,itl_p99=100ms --out plan.json
-  infergate plan --trace trace.jsonl --engines 2..12/2 --slo ttft_p99=5s,goodput>=0.95 --requests 2000`,
+		Example: `  # 16 engines with cache-aware meet it; 25-40 s on 2 shared cores
+  infergate plan --trace data/mooncake_conversation_trace.jsonl --requests 2000 \
+    --engines 4..32 --policy precise-prefix,cache-aware,least-request --slo ttft_p90=5s,itl_p99=100ms --out plan.json
+  # 4 engines miss, 8 meet it; 5-20 s (quote the SLO: > is a shell redirection)
+  infergate plan --requests 2000 --engines 4..24/4 --policy cache-aware --slo 'ttft_p99=25s,goodput>=0.9'`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if sloText == "" {

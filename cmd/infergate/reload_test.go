@@ -96,7 +96,9 @@ func TestServeReloadOnSIGHUP(t *testing.T) {
 	}
 	write(keys, "client plain:key-one\n")
 	write(conf, config("", a, b))
-	g := start(t, "serve", "-c", conf, "--listen", "127.0.0.1:0")
+	// No access log: a line per request would fill the output's buffer
+	// (proc.lines drops what does not fit) and hide the reload's lines.
+	g := start(t, "serve", "-c", conf, "--listen", "127.0.0.1:0", "--access-log=false")
 	base := g.await(t, addrRe)
 	defer g.stop(t)
 
@@ -198,7 +200,11 @@ func TestServeReloadOnSIGHUP(t *testing.T) {
 	aBefore := served(a)
 	write(conf, config("max_body_bytes: 1024\n", a, c, d))
 	hup("reload 4", "success", 3)
-	g.await(t, regexp.MustCompile(`need a restart.*settings=(max_body_bytes)`))
+	// The only one: a setting the flags give (--listen, --access-log) is
+	// the same at every load.
+	if got := g.await(t, regexp.MustCompile(`need a restart.*settings=(\S+)`)); got != "max_body_bytes" {
+		t.Fatalf("settings that need a restart: %s, want max_body_bytes", got)
+	}
 	until(t, "requests on the endpoint put back", func() bool { return served(a) > aBefore })
 	flowing("requests after reload 4")
 
@@ -209,4 +215,56 @@ func TestServeReloadOnSIGHUP(t *testing.T) {
 	}
 	t.Logf("%d requests, none failed, over 4 SIGHUPs (retries %v)", answered.Load(),
 		metricSum(t, hc, base, "infergate_retries_total", ""))
+}
+
+// TestServeRotatesEngineKeyOnSIGHUP: `infergate serve` in front of an
+// `infergate sim` started with --api-key, configured with a key the engine
+// refuses: 502 upstream_auth, the endpoint ejected for ten minutes. The
+// file rewritten to take the engine's key from api_key_env and SIGHUP: the
+// next request is served, no restart, and no key reaches the log.
+func TestServeRotatesEngineKeyOnSIGHUP(t *testing.T) {
+	s := start(t, "sim", "--listen", "127.0.0.1:0", "--time-scale", "100", "--model", "m", "--api-key", simKey)
+	engine := s.await(t, addrRe)
+	defer s.stop(t)
+	conf := filepath.Join(t.TempDir(), "gateway.yaml")
+	write := func(endpoint string) {
+		t.Helper()
+		yaml := "health_check_interval: 200ms\n" + ejectLong + "endpoints:\n  - {url: " + engine + ", model: m, kind: sim, " + endpoint + "}\n"
+		if err := os.WriteFile(conf+".tmp", []byte(yaml), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(conf+".tmp", conf); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("api_key: " + wrongKey + ", max_model_len: 4096, kv_blocks: 1000")
+	g := startEnv(t, []string{"ENGINE_KEY=" + simKey, "INFERGATE_API_KEYS=alice plain:" + clientKey},
+		"serve", "-c", conf, "--listen", "127.0.0.1:0", "--access-log=false")
+	base := g.await(t, addrRe)
+	c := &http.Client{Timeout: 30 * time.Second}
+	if code, _, body := request(t, c, base, false); code != http.StatusBadGateway || !strings.Contains(body, "upstream_auth") {
+		t.Fatalf("with a key the engine refuses: %d %s, want 502 upstream_auth", code, body)
+	}
+	if code, _, body := request(t, c, base, false); code != http.StatusServiceUnavailable {
+		t.Fatalf("ejected: %d %s, want 503", code, body)
+	}
+
+	write("api_key_env: ENGINE_KEY, max_model_len: 4096, kv_blocks: 1000")
+	if err := g.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "the reload", func() bool {
+		return metric(t, c, base, "infergate_config_reloads_total", `result="success"`) == 1
+	})
+	for i := range 4 {
+		if code, _, body := request(t, c, base, i%2 == 0); code != 200 || !strings.Contains(body, `"choices"`) {
+			t.Fatalf("request %d after the reload with the engine's key: %d %s", i, code, body)
+		}
+	}
+	g.stop(t)
+	for _, key := range []string{simKey, wrongKey, clientKey} {
+		if strings.Contains(g.all.String(), key) {
+			t.Fatalf("a key is in the gateway's output:\n%s", g.all.String())
+		}
+	}
 }

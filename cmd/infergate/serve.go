@@ -117,11 +117,14 @@ func newServeCmd() *cobra.Command {
 		listen     string
 		policy     string
 		endpoints  []string
+		keyEnv     string
 		tlsCert    string
 		tlsKey     string
 		keysFile   string
 		pprofAddr  string
 		grace      time.Duration
+		lf         logFlags
+		access     bool
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -151,17 +154,30 @@ exits.
 
 SIGHUP: the configuration (file, flags, environment, keys file) is read
 again and applied without a restart and without dropping a request:
-endpoints, routing, API keys and their limits, admission and
-circuit_breaker. An invalid configuration is refused whole (logged, counted
-in infergate_config_reloads_total{result="failure"}) and the one in force
-stays; settings that need a restart (listen, tls, timeouts, ...) keep their
-value and are logged. See gateway/README.md "Reload".
+endpoints (their engine credentials too, api_key_env read again), routing,
+aliases, API keys and their limits, admission and circuit_breaker. An
+invalid configuration is refused whole (logged, counted in
+infergate_config_reloads_total{result="failure"}) and the one in force
+stays; settings that need a restart (listen, tls, timeouts, log, access_log,
+tracing, ...) keep their value and are logged. See gateway/README.md "Reload".
 
 API keys: auth.keys_file (or --keys-file) and/or the INFERGATE_API_KEYS
 environment variable (same format, ';' between entries); hash a key with
-'infergate keys hash'. Without keys the gateway is open.`,
+'infergate keys hash'. Without keys the gateway is open.
+
+Engines that need a key (vLLM --api-key, hosted OpenAI-compatible APIs): set
+api_key_env (or --endpoint-api-key-env) to the name of an environment variable
+holding it; the gateway sends its own key, never the client's. An engine that
+refuses it (401/403) is ejected and the client gets 502 upstream_auth.
+
+Observability: --log-level/--log-format (log.level, log.format); one access
+log line per API request, on unless --access-log=false (access_log.enabled,
+access_log.path); X-Infergate-Endpoint on answers with
+response_headers.endpoint; OpenTelemetry traces over OTLP/HTTP with
+tracing.otlp_endpoint (the client's traceparent is carried to the engine).`,
 		Example: `  infergate serve -c gateway.yaml
-  infergate serve --endpoint http://127.0.0.1:8001=my-model --endpoint http://127.0.0.1:8002=my-model --policy cache-aware`,
+  infergate serve --endpoint http://127.0.0.1:8001=my-model --endpoint http://127.0.0.1:8002=my-model --policy cache-aware
+  VLLM_KEY=... infergate serve --endpoint http://10.0.0.1:8000=my-model --endpoint-api-key-env VLLM_KEY`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			// The configuration as the file, the flags and the environment
@@ -189,13 +205,19 @@ environment variable (same format, ';' between entries); hash a key with
 					if !ok || url == "" || model == "" {
 						return cfg, fmt.Errorf("--endpoint %q: want URL=MODEL", e)
 					}
-					cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: url, Model: model})
+					cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: url, Model: model, APIKeyEnv: keyEnv})
+				}
+				if keyEnv != "" && len(endpoints) == 0 {
+					return cfg, errors.New("--endpoint-api-key-env is for the --endpoint flags' engines: give it with --endpoint URL=MODEL (or set api_key_env in the config)")
 				}
 				if len(cfg.Endpoints) == 0 {
 					return cfg, errors.New("no endpoints: give -c config.yaml or --endpoint URL=MODEL")
 				}
-				err := applyEdgeFlags(cmd, &cfg, tlsCert, tlsKey, keysFile)
-				return cfg, err
+				if err := applyEdgeFlags(cmd, &cfg, tlsCert, tlsKey, keysFile); err != nil {
+					return cfg, err
+				}
+				applyAccessLog(cmd, &cfg.AccessLog, access)
+				return cfg, resolveLog(cmd, &cfg.Log)
 			}
 			// Caught from now on: SIGHUP's default action would end the
 			// process, during start-up too.
@@ -209,7 +231,10 @@ environment variable (same format, ';' between entries); hash a key with
 			if err := checkPprofAddr(pprofAddr); err != nil {
 				return err
 			}
-			log := newLogger(cmd)
+			log, err := setupLogging(cmd, &cfg.Log)
+			if err != nil {
+				return err
+			}
 			g, err := gateway.New(cfg, nil)
 			if err != nil {
 				return err
@@ -241,11 +266,15 @@ environment variable (same format, ';' between entries); hash a key with
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
 	f.StringVar(&policy, "policy", "", "routing policy (default cache-aware; precise-prefix needs kv_events on every endpoint): "+strings.Join(sched.Names(), ", "))
 	f.StringArrayVar(&endpoints, "endpoint", nil, "engine endpoint as URL=MODEL (repeatable)")
+	f.StringVar(&keyEnv, "endpoint-api-key-env", "", "name of the environment variable holding the API key the --endpoint engines require "+
+		"(vLLM --api-key, a hosted backend's key; sent as Authorization: Bearer); the key itself is never a flag")
 	f.StringVar(&tlsCert, "tls-cert", "", "PEM certificate chain: serve HTTPS (overrides tls.cert_file; needs --tls-key)")
 	f.StringVar(&tlsKey, "tls-key", "", "PEM private key for --tls-cert (overrides tls.key_file)")
 	f.StringVar(&keysFile, "keys-file", "", "API keys file (overrides auth.keys_file; see 'infergate keys')")
 	f.StringVar(&pprofAddr, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default)")
 	f.DurationVar(&grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage+" (overrides shutdown_grace)")
+	lf.register(f)
+	accessLogFlag(f, &access)
 	return cmd
 }
 

@@ -22,6 +22,8 @@ func newUpCmd() *cobra.Command {
 		grace   time.Duration
 		pprofAt string
 		ef      engineFlags
+		lf      logFlags
+		access  bool
 	)
 	cmd := &cobra.Command{
 		Use:   "up",
@@ -56,6 +58,11 @@ cache-aware routing shows its effect without a GPU.`,
 			}
 			defer fleet.Close()
 			cfg := gateway.Config{Listen: listen, Routing: sched.Config{Policy: policy}, ShutdownGrace: grace}
+			log, err := setupLogging(cmd, &cfg.Log)
+			if err != nil {
+				return err
+			}
+			applyAccessLog(cmd, &cfg.AccessLog, access)
 			for _, m := range append([]string{model}, lora.Adapters...) {
 				cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, m)...)
 			}
@@ -65,7 +72,6 @@ cache-aware routing shows its effect without a GPU.`,
 			}
 			defer g.Close()
 			policy = g.Policy()
-			log := newLogger(cmd)
 			if pprofAt != "" { // profiles the simulated engines too: they share the process
 				stop, err := startPprof(log, pprofAt)
 				if err != nil {
@@ -96,5 +102,7 @@ cache-aware routing shows its effect without a GPU.`,
 	f.DurationVar(&grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage)
 	f.StringVar(&pprofAt, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default; the engines share the process)")
 	ef.register(f, false, "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
+	lf.register(f)
+	accessLogFlag(f, &access)
 	return cmd
 }

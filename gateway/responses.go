@@ -1,0 +1,494 @@
+package gateway
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+
+	"github.com/infergate/infergate/openai"
+)
+
+// The Responses API (POST /v1/responses; vLLM's serving_responses.py).
+//
+// Routing. A request that starts a conversation is rendered like a chat —
+// its instructions as a system message, then its input items
+// (openai.ResponsesRequest.AppendMessages) — and routed prefix-aware like
+// one: that rendering is what vLLM feeds its chat template, so requests
+// sharing instructions and earlier items share a prefix. A request with
+// previous_response_id continues a conversation whose earlier turns only
+// the engine that stored the response holds (vLLM keeps responses and
+// their messages in its process's memory): it is pinned to that endpoint,
+// learnt from the answers (responseAffinity); its own input is not the
+// prompt's prefix, so it is not hashed. The same holds for GET and DELETE
+// /v1/responses/{id} and POST /v1/responses/{id}/cancel.
+//
+// Accounting. Usage comes from the non-streaming body or the stream's
+// terminal event (response.completed, .incomplete or .failed):
+// input_tokens, output_tokens and input_tokens_details.cached_tokens count
+// as prompt, completion and cached prompt tokens. TTFT is taken at the first
+// event carrying output (any response.*.delta with a non-empty delta:
+// output_text, refusal, reasoning_text, function_call_arguments, …); events
+// before it (response.created, .in_progress, .output_item.added,
+// .content_part.added) are held with the status line, so a stream that
+// fails before its first output is retried elsewhere as a chat's is. A
+// stream is complete at EOF after its terminal event (vLLM sends no
+// [DONE]); a break before it ends the stream with an "error" event
+// (OpenAI's ResponseErrorEvent shape).
+
+// DefaultAffinityMaxEntries bounds the response ids the gateway remembers
+// (100,000: ~12 MB; an id past it is forgotten first-in first-out, and a
+// continuation of it is then routed as the gateway would route an unknown
+// id).
+const DefaultAffinityMaxEntries = 100_000
+
+// maxResponseIDBytes bounds a response id the gateway learns (vLLM's are
+// "resp_" and 32 hex digits; a client's request_id names it otherwise).
+const maxResponseIDBytes = 256
+
+// ResponsesConfig configures the Responses API's session affinity.
+type ResponsesConfig struct {
+	// AffinityMaxEntries bounds the response ids remembered with the
+	// endpoint that stored them (default 100000; negative: none, every
+	// continuation is routed by load).
+	AffinityMaxEntries int `yaml:"affinity_max_entries"`
+}
+
+func (c ResponsesConfig) withDefaults() ResponsesConfig {
+	if c.AffinityMaxEntries == 0 {
+		c.AffinityMaxEntries = DefaultAffinityMaxEntries
+	}
+	return c
+}
+
+func (c ResponsesConfig) validate() []error {
+	if c.AffinityMaxEntries > 100_000_000 {
+		return []error{fmt.Errorf("responses.affinity_max_entries %d: at most 100000000", c.AffinityMaxEntries)}
+	}
+	return nil
+}
+
+// responseAffinity maps response ids to the endpoint that stored them and
+// the key that created them, at most max entries, the oldest forgotten
+// first (a ring of the ids in insertion order). It outlives reloads: an
+// entry names the endpoint itself (an endpoint a reload keeps is the same
+// object, reload.go), not its slot, so a continuation is never sent to an
+// endpoint a reload removed, nor to a new one that took its slot (neither
+// holds the response: the continuation is answered as for an unknown
+// response), and the key by its name (a reload rebuilds the principals;
+// a key kept by name keeps its responses).
+type responseAffinity struct {
+	mu   sync.Mutex
+	m    map[string]affinityEntry
+	ring []string
+	next int
+}
+
+// affinityEntry is where a response is stored: endpoint ep, serving model,
+// made with the key named owner ("": authentication off).
+type affinityEntry struct {
+	model string
+	ep    *endpoint
+	owner string
+}
+
+func newResponseAffinity(max int) *responseAffinity {
+	if max <= 0 {
+		return &responseAffinity{}
+	}
+	return &responseAffinity{m: make(map[string]affinityEntry, min(max, 1024)), ring: make([]string, max)}
+}
+
+// learn records that endpoint ep, serving model, stored response id, made
+// by owner (nil: authentication off).
+func (a *responseAffinity) learn(id, model string, ep *endpoint, owner *principal) {
+	if len(a.ring) == 0 || id == "" || len(id) > maxResponseIDBytes {
+		return
+	}
+	e := affinityEntry{model: model, ep: ep}
+	if owner != nil {
+		e.owner = owner.name
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if _, ok := a.m[id]; ok {
+		a.m[id] = e // the id again (a client's request_id): the latest store
+		return
+	}
+	if old := a.ring[a.next]; old != "" {
+		delete(a.m, old)
+	}
+	a.ring[a.next] = id
+	a.next = (a.next + 1) % len(a.ring)
+	a.m[id] = e
+}
+
+// lookup returns where response id is stored.
+func (a *responseAffinity) lookup(id string) (affinityEntry, bool) {
+	if len(a.ring) == 0 {
+		return affinityEntry{}, false
+	}
+	a.mu.Lock()
+	e, ok := a.m[id]
+	a.mu.Unlock()
+	return e, ok
+}
+
+// len is the number of ids remembered.
+func (a *responseAffinity) len() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.m)
+}
+
+// codePreviousNotFound is the code of a previous_response_id the gateway
+// cannot serve (OpenAI's code for an unknown one).
+const codePreviousNotFound = "previous_response_not_found"
+
+// owned looks up response id for key under st's keys: with authentication
+// on, an id created with another key is not found (response ids are scoped
+// to the key that made them, as OpenAI scopes them to a project).
+func (g *Gateway) owned(id string, key *principal, st *state) (affinityEntry, bool) {
+	e, ok := g.affinity.lookup(id)
+	if ok && st.keys != nil && (key == nil || e.owner != key.name) {
+		return affinityEntry{}, false
+	}
+	return e, ok
+}
+
+// continuationTarget resolves a responses request's previous_response_id
+// among the model's targets (in st): the pool holding the endpoint that
+// stored the response, x pinned to that endpoint. nil, nil when the
+// gateway does not know the id and authentication is off: the request is
+// then routed by load (the engine answers 404 if it does not hold the
+// response). With authentication on an unknown id, or another key's, is
+// refused 404 previous_response_not_found (the gateway cannot tell which
+// engine holds it and will not let a key reach another key's
+// conversation), as is a response stored by an endpoint that serves none
+// of the targets (or that a reload removed).
+func (g *Gateway) continuationTarget(x *exchange, targets []*pool, key *principal, st *state) ([]*pool, *openai.Error) {
+	id := x.pass.resp.PreviousResponseID
+	e, ok := g.owned(id, key, st)
+	if !ok {
+		if st.keys == nil {
+			return nil, nil
+		}
+		return nil, previousNotFound(id)
+	}
+	for _, p := range targets {
+		if slicesIndex(p.endpoints, e.ep) >= 0 {
+			x.pass.pinEP, x.pass.pinID = e.ep, id
+			return st.targets[p.model], nil
+		}
+	}
+	return nil, previousNotFound(id)
+}
+
+func previousNotFound(id string) *openai.Error {
+	return openai.NewError(http.StatusNotFound, fmt.Sprintf("Response with id '%s' not found.", truncate(id, maxResponseIDBytes)),
+		"previous_response_id", codePreviousNotFound)
+}
+
+func slicesIndex(eps []*endpoint, ep *endpoint) int {
+	for i, e := range eps {
+		if e == ep {
+			return i
+		}
+	}
+	return -1
+}
+
+// responseTarget resolves /v1/responses/{id}[/…] to the pool (in st) and
+// endpoint that stored the response (x pinned there, x.model its model),
+// or a 404 not_found: an id the gateway does not know (or another key's,
+// or stored by an endpoint a reload removed) cannot be routed, there being
+// no model to route it by.
+func (g *Gateway) responseTarget(x *exchange, r *http.Request, key *principal, st *state) ([]*pool, *openai.Error) {
+	id := responseIDOf(r.URL.Path)
+	e, ok := g.owned(id, key, st)
+	var p *pool
+	if ok {
+		p = st.pools[e.model]
+	}
+	if p == nil || slicesIndex(p.endpoints, e.ep) < 0 {
+		return nil, openai.NewError(http.StatusNotFound, fmt.Sprintf("Response with id '%s' not found.", truncate(id, maxResponseIDBytes)),
+			"", "not_found")
+	}
+	x.model = e.model
+	x.pass.pinEP, x.pass.pinID = e.ep, id
+	// A retrieval may stream the stored events (vLLM: ?stream=true).
+	x.stream = r.Method == http.MethodGet && r.URL.Query().Get("stream") == "true"
+	return st.targets[e.model], nil
+}
+
+// responseView is what the relay reads from one Responses stream event.
+type responseView struct {
+	output   bool   // a response.*.delta with a non-empty delta
+	terminal bool   // response.completed, .incomplete or .failed
+	failed   bool   // response.failed or an "error" event
+	id       string // the response's id (terminal events)
+	usage    *openai.Usage
+}
+
+// responseEvent is the reference decoding of a Responses stream event
+// (encoding/json), which scanResponseEvent agrees with when it decides.
+type responseEvent struct {
+	Type     string          `json:"type"`
+	Delta    json.RawMessage `json:"delta"`
+	Response *struct {
+		ID    string                `json:"id"`
+		Usage *openai.ResponseUsage `json:"usage"`
+	} `json:"response"`
+}
+
+// view is the event's responseView.
+func (ev *responseEvent) view() responseView {
+	v := responseView{}
+	switch ev.Type {
+	case "response.completed", "response.incomplete":
+		v.terminal = true
+	case "response.failed":
+		v.terminal, v.failed = true, true
+	case "error":
+		v.failed = true
+	default:
+		d := string(ev.Delta)
+		v.output = strings.HasPrefix(ev.Type, "response.") && strings.HasSuffix(ev.Type, ".delta") &&
+			len(d) > 2 && d[0] == '"'
+	}
+	if v.terminal && ev.Response != nil {
+		v.id, v.usage = ev.Response.ID, ev.Response.Usage.Usage()
+	}
+	return v
+}
+
+// parseResponseEvent decodes an event with encoding/json; ok is false when
+// data is not a JSON object (or nests deeper than openai.MaxDepth). A field
+// of an unexpected type is skipped, not fatal, as for chat chunks.
+func parseResponseEvent(data []byte) (responseView, bool) {
+	if openai.TooDeep(data) {
+		return responseView{}, false
+	}
+	var ev responseEvent
+	if err := json.Unmarshal(data, &ev); err != nil {
+		var te *json.UnmarshalTypeError
+		if !errors.As(err, &te) {
+			return responseView{}, false
+		}
+	}
+	return ev.view(), true
+}
+
+// viewResponseEvent reads a Responses stream event, by scanResponseEvent
+// when it can decide, else by encoding/json.
+func viewResponseEvent(data []byte) (responseView, bool) {
+	if v, decided := scanResponseEvent(data); decided {
+		return v, true
+	}
+	return parseResponseEvent(data)
+}
+
+// scanResponseEvent reads an event without encoding/json: the top-level
+// "type" (a plain string), "delta" (any value) and, in a terminal event,
+// "response"'s "id" (a plain string) and "usage" (null, or an object of
+// integers input_tokens, output_tokens, total_tokens and an
+// input_tokens_details whose cached_tokens is an integer or null; other
+// members skipped). decided is false whenever it cannot be sure to agree
+// with encoding/json (escapes in what it reads, a known key in another
+// case or repeated, a type it does not expect, nesting over maxScanDepth).
+func scanResponseEvent(data []byte) (v responseView, decided bool) {
+	s := chunkScanner{b: data}
+	s.ws()
+	if !s.is('{') {
+		return v, false
+	}
+	var (
+		typ                         []byte
+		delta                       []byte
+		seenType, seenDelta, seenRs bool
+		id                          []byte
+		usage                       *openai.Usage
+	)
+	ok := s.object(func(key []byte) bool {
+		k, ok := knownKey(key, "type", "delta", "response")
+		switch {
+		case !ok:
+			return false
+		case k < 0:
+			return s.skip(1)
+		case k == 0:
+			if seenType || !s.is('"') {
+				return false
+			}
+			seenType = true
+			raw, plain, ok := s.str()
+			typ = raw
+			return ok && plain
+		case k == 1:
+			if seenDelta {
+				return false
+			}
+			seenDelta = true
+			start := s.i
+			if !s.skip(1) {
+				return false
+			}
+			delta = data[start:s.i]
+			return true
+		}
+		if seenRs {
+			return false
+		}
+		seenRs = true
+		if s.literal("null") {
+			return true
+		}
+		if !s.is('{') {
+			return false
+		}
+		var seenID, seenUsage bool
+		return s.object(func(key []byte) bool {
+			k, ok := knownKey(key, "id", "usage")
+			switch {
+			case !ok:
+				return false
+			case k < 0:
+				return s.skip(2)
+			case k == 0:
+				if seenID {
+					return false
+				}
+				seenID = true
+				if s.literal("null") {
+					return true
+				}
+				if !s.is('"') {
+					return false
+				}
+				raw, plain, ok := s.str()
+				id = raw
+				return ok && plain
+			}
+			if seenUsage {
+				return false
+			}
+			seenUsage = true
+			if s.literal("null") {
+				return true
+			}
+			u, ok := s.responseUsage()
+			usage = u
+			return ok
+		})
+	})
+	if !ok {
+		return responseView{}, false
+	}
+	s.ws()
+	if s.i != len(s.b) {
+		return responseView{}, false
+	}
+	ev := responseEvent{Type: string(typ), Delta: delta}
+	v = ev.view()
+	if v.terminal {
+		v.id, v.usage = string(id), usage
+	}
+	return v, true
+}
+
+// responseUsage scans a Responses usage object into chat terms (see
+// openai.ResponseUsage.Usage).
+func (s *chunkScanner) responseUsage() (*openai.Usage, bool) {
+	if !s.is('{') {
+		return nil, false
+	}
+	u := new(openai.Usage)
+	var seen [4]bool
+	ok := s.object(func(key []byte) bool {
+		k, ok := knownKey(key, "input_tokens", "output_tokens", "total_tokens", "input_tokens_details")
+		switch {
+		case !ok || (k >= 0 && seen[k]):
+			return false
+		case k < 0:
+			return s.skip(3)
+		}
+		seen[k] = true
+		switch k {
+		case 0:
+			return s.optInt(&u.PromptTokens)
+		case 1:
+			return s.optInt(&u.CompletionTokens)
+		case 2:
+			return s.optInt(&u.TotalTokens)
+		}
+		if s.literal("null") {
+			return true
+		}
+		if !s.is('{') {
+			return false
+		}
+		d := new(openai.PromptTokensDetails)
+		u.PromptTokensDetails = d
+		seenCached := false
+		return s.object(func(key []byte) bool {
+			if string(key) != "cached_tokens" {
+				return !foldsTo(key, "cached_tokens") && s.skip(4)
+			}
+			if seenCached {
+				return false
+			}
+			seenCached = true
+			return s.optInt(&d.CachedTokens)
+		})
+	})
+	return u, ok
+}
+
+// responseBody reads a non-streaming Responses answer: its id and usage.
+func responseBody(b []byte) (id string, u *openai.Usage) {
+	var body struct {
+		ID    string                `json:"id"`
+		Usage *openai.ResponseUsage `json:"usage"`
+	}
+	if openai.TooDeep(b) || json.Unmarshal(b, &body) != nil {
+		return "", nil
+	}
+	return body.ID, body.Usage.Usage()
+}
+
+// responsesErrorEvent is the event a Responses stream ends with when it
+// fails after it began (OpenAI's ResponseErrorEvent: type "error", code,
+// message, param, sequence_number), framed with "event: error".
+func responsesErrorEvent(e *openai.Error, seq int) []byte {
+	code, _ := e.Code.(string)
+	b, _ := json.Marshal(struct {
+		Type           string  `json:"type"`
+		Code           string  `json:"code"`
+		Message        string  `json:"message"`
+		Param          *string `json:"param"`
+		SequenceNumber int     `json:"sequence_number"`
+	}{"error", code, e.Message, e.Param, seq})
+	return appendEvent(nil, []byte("error"), b)
+}
+
+// responsesErrorMessage is the message of a Responses error event before
+// any output ({"type":"error","message":…} or response.failed's
+// response.error.message), at most 256 bytes of valid UTF-8.
+func responsesErrorMessage(data []byte) string {
+	var ev struct {
+		Message  string `json:"message"`
+		Response struct {
+			Error struct {
+				Message string `json:"message"`
+			} `json:"error"`
+		} `json:"response"`
+	}
+	_ = json.Unmarshal(data, &ev)
+	msg := ev.Message
+	if msg == "" {
+		msg = ev.Response.Error.Message
+	}
+	return strings.TrimSpace(truncate(msg, 256))
+}
