@@ -512,8 +512,8 @@ func newEndpoint(base string) (*endpoint, error) {
 // force) has them discovered already. The engine's reads are sent with
 // header; cc is what they told of it, checked false when nothing did: a
 // new endpoint's discovery reads (401/403: refused), and, when the
-// credentials changed, GET /v1/models (which vLLM's --api-key guards)
-// sent with the new ones.
+// credentials changed, GET /v1/models (which vLLM's --api-key guards) and
+// the discovery reads again, sent with the new ones.
 func (g *Gateway) makeSpec(ep *endpoint, w *EndpointConfig, header http.Header, old *endpointSpec) (s *endpointSpec, cc credentialsCheck, checked bool) {
 	s = &endpointSpec{cfg: *w, kvBlocks: w.KVBlocks, blockSize: w.BlockSize, maxModelLen: w.MaxModelLen,
 		kind: w.Kind, healthPath: g.cfg.HealthCheckPath, kvEvents: w.KVEvents, header: header}
@@ -525,12 +525,18 @@ func (g *Gateway) makeSpec(ep *endpoint, w *EndpointConfig, header http.Header, 
 	} else if mp != "" {
 		s.metricsURL = ep.base + mp
 	}
+	// With new credentials the reads are made again (those of the old
+	// ones may have been refused), a failed one keeping what was known.
 	ctx := g.loops
+	newCreds := old != nil && !sameHeader(old.header, header)
 	if w.KVBlocks == 0 {
-		if old != nil && old.cfg.KVBlocks == 0 && old.cfg.BlockSize == w.BlockSize {
+		reuse := old != nil && old.cfg.KVBlocks == 0 && old.cfg.BlockSize == w.BlockSize
+		if reuse {
 			s.kvBlocks, s.blockSize = old.kvBlocks, old.blockSize
 		} else {
 			s.kvBlocks = DefaultKVBlocks
+		}
+		if !reuse || newCreds {
 			c, err := g.fetchCacheConfig(ctx, ep.base, header)
 			if err == nil {
 				s.kvBlocks, s.blockSize = c.numGPUBlocks, c.blockSize
@@ -539,26 +545,23 @@ func (g *Gateway) makeSpec(ep *endpoint, w *EndpointConfig, header http.Header, 
 			checked = true
 		}
 	}
-	newCreds := old != nil && !sameHeader(old.header, header)
-	if w.MaxModelLen == 0 && (old == nil || old.cfg.MaxModelLen != 0) {
+	reuse := w.MaxModelLen == 0 && old != nil && old.cfg.MaxModelLen == 0
+	switch {
+	case reuse:
+		s.maxModelLen = old.maxModelLen
+	case w.MaxModelLen == 0:
 		s.maxModelLen = DefaultMaxModelLen
+	}
+	if (w.MaxModelLen == 0 && !reuse) || newCreds {
+		// GET /v1/models, which vLLM's --api-key guards: the check of new
+		// credentials even when max_model_len is configured.
 		n, err := g.fetchMaxModelLen(ctx, ep.base, header)
-		if err == nil {
+		if err == nil && w.MaxModelLen == 0 {
 			s.maxModelLen = n
 		}
 		cc.note(err)
 		cc.accepted = newCreds && err == nil
 		checked = true
-	} else {
-		if w.MaxModelLen == 0 {
-			s.maxModelLen = old.maxModelLen
-		}
-		if newCreds {
-			_, err := g.fetchMaxModelLen(ctx, ep.base, header)
-			cc.note(err)
-			cc.accepted = err == nil && cc.refused == 0
-			checked = true
-		}
 	}
 	if cc.refused != 0 {
 		cc.accepted = false

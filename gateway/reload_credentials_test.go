@@ -213,3 +213,25 @@ func TestReloadAuthRefusalOfOldCredentials(t *testing.T) {
 		t.Fatal("a refusal of the credentials in force did not eject the endpoint")
 	}
 }
+
+// TestReloadRediscoversWithNewCredentials: an engine that refused the
+// start-up GET /v1/models (a wrong key) has the default context length;
+// the reload that gives it the right key reads it again, and its
+// max_model_len is the engine's.
+func TestReloadRediscoversWithNewCredentials(t *testing.T) {
+	e := newRotatingEngine(t, "e0", "k-right-0123456789")
+	cfg := testConfig(sched.RoundRobin)
+	cfg.Endpoints = []EndpointConfig{{URL: e.URL(), Model: "m", KVBlocks: 1000, APIKey: "k-wrong-0123456789"}}
+	g, _ := startGateway(t, cfg)
+	if n := g.Config().Endpoints[0].MaxModelLen; n != DefaultMaxModelLen {
+		t.Fatalf("max_model_len %d with the models read refused, want the default %d", n, DefaultMaxModelLen)
+	}
+	cfg.Endpoints[0].APIKey = "k-right-0123456789"
+	mustReload(t, g, cfg)
+	if n := g.Config().Endpoints[0].MaxModelLen; n != 4096 {
+		t.Fatalf("max_model_len %d after the reload with the engine's key, want its 4096", n)
+	}
+	if !g.state.Load().endpoints[0].ready.Load() {
+		t.Fatal("the endpoint ejected at start for its key is not back in rotation")
+	}
+}
