@@ -170,7 +170,7 @@ func (g *Gateway) count(w http.ResponseWriter, rm *routeMetrics, code int) {
 // observed) and counts it for its API key.
 func (g *Gateway) trackRequest(w http.ResponseWriter, x *exchange, key *principal) {
 	x.obs = observedFor(w)
-	if key != nil {
+	if key != nil && key.usage != nil {
 		x.keyUse = key.usage
 		key.usage.requests.Inc()
 	}
@@ -181,8 +181,8 @@ func (g *Gateway) trackRequest(w http.ResponseWriter, x *exchange, key *principa
 func (g *Gateway) beginAttempt(w http.ResponseWriter, x *exchange, p *pool, i int, d sched.Decision) {
 	ep := p.endpoints[i]
 	h := w.Header()
-	if g.servedBy != nil {
-		h[EndpointHeader] = g.servedBy[ep]
+	if g.cfg.ResponseHeaders.Endpoint {
+		h[EndpointHeader] = ep.servedBy
 	}
 	n := 0
 	if ow := x.obs; ow != nil {
@@ -206,17 +206,13 @@ func (g *Gateway) beginAttempt(w http.ResponseWriter, x *exchange, p *pool, i in
 }
 
 // initObservability sets up what ObservabilityConfig asks for: the access
-// log's writer, the tracer, the served-by header values, the per-key usage
-// counters. It runs last in New (nothing after it can fail).
+// log's writer, the tracer, the per-key usage counters. It runs in New
+// before the first state is built (whose keys get their usage counters);
+// a New that fails after it closes what it opened (closeObservability).
+// These settings keep their start value across reloads (README "Reload").
 func (g *Gateway) initObservability(reg prometheus.Registerer) error {
 	if err := g.initKeyUsage(reg); err != nil {
 		return err
-	}
-	if g.cfg.ResponseHeaders.Endpoint {
-		g.servedBy = make(map[*endpoint][]string, len(g.endpoints))
-		for _, ep := range g.endpoints {
-			g.servedBy[ep] = []string{ep.name}
-		}
 	}
 	if !g.cfg.AccessLog.On() && g.cfg.Tracing.OTLPEndpoint == "" {
 		return nil

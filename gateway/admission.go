@@ -44,13 +44,15 @@ var (
 // admitted; it starts no goroutine. Once drained (shutdown), it admits
 // nothing more: the waiters and every later request get errShuttingDown.
 type admission struct {
+	mu sync.Mutex
+	// The pool's endpoints and limits, under mu (a reload changes them:
+	// update).
 	endpoints   []*endpoint
 	limit       int // circuit-breaker slots per endpoint
 	maxInFlight int
 	maxQueue    int // < 0: no queue
 	timeout     time.Duration
 
-	mu       sync.Mutex
 	inFlight int // admitted, not released
 	queue    waitQueue
 	seq      uint64
@@ -182,10 +184,11 @@ func (a *admission) acquire(ctx context.Context, priority int) error {
 	// Capacity freed between the check above and waiting's update would
 	// have found waiting 0 and not woken anyone: check again.
 	a.dispatchLocked()
+	timeout := a.timeout
 	a.mu.Unlock()
 
 	queued := time.Now()
-	timer := time.NewTimer(a.timeout)
+	timer := time.NewTimer(timeout)
 	defer timer.Stop()
 	var err error
 	select {
@@ -325,9 +328,10 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x
 				p.model), "", codeOverloaded))
 	case errors.Is(err, errQueueTimeout):
 		w.Header().Set("Retry-After", admissionRetryAfter)
+		_, _, timeout := p.gate.settings()
 		g.fail(w, p.none, openai.NewError(http.StatusTooManyRequests,
 			fmt.Sprintf("Model `%s` is overloaded: the request waited %s without being admitted; retry later.",
-				p.model, g.cfg.Admission.QueueTimeout), "", codeOverloaded))
+				p.model, timeout), "", codeOverloaded))
 	default: // the client went away while queued (or Abort ended the wait)
 		g.canceled(w, r, p.none)
 	}
@@ -340,7 +344,7 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x
 func (g *Gateway) failNoEndpoint(w http.ResponseWriter, p *pool, x *exchange) {
 	w.Header().Set("Retry-After", g.retryAfter)
 	msg := fmt.Sprintf("No endpoint serving model `%s` is available; retry later.", p.model)
-	if x != nil && x.pass.pin >= 0 {
+	if x != nil && x.pass.pinEP != nil {
 		msg = fmt.Sprintf("The endpoint that stored response `%s` is not available; retry later.", x.pass.pinID)
 	}
 	g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable, msg, "", openai.CodeNoEndpoint))
@@ -403,37 +407,58 @@ func (c *admissionCollector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements prometheus.Collector.
 func (c *admissionCollector) Collect(ch chan<- prometheus.Metric) {
-	for model, p := range c.g.pools {
+	st := c.g.state.Load()
+	if st == nil {
+		return
+	}
+	for model, p := range st.pools {
 		ch <- prometheus.MustNewConstMetric(c.queue, prometheus.GaugeValue, float64(p.gate.waiting.Load()), model)
 		ch <- prometheus.MustNewConstMetric(c.active, prometheus.GaugeValue, float64(p.gate.active.Load()), model)
 	}
 }
 
-// setupResilience registers the resilience metrics and gives every pool its
-// admission gate (called by New once the pools are built).
+// setupResilience registers the resilience metrics (called by New; the
+// pools get their admission gates from newGate as they are built).
 func (g *Gateway) setupResilience(reg prometheus.Registerer) error {
 	m, err := newResilienceMetrics(reg, g)
 	if err != nil {
 		return err
 	}
 	g.res = m
-	limit := g.cfg.CircuitBreaker.MaxRequests
-	for model, p := range g.pools {
-		maxInFlight := g.cfg.Admission.MaxInFlight
-		if maxInFlight == 0 {
-			maxInFlight = limit * len(p.endpoints)
-		}
-		p.gate = &admission{endpoints: p.endpoints, limit: limit, maxInFlight: maxInFlight,
-			maxQueue: g.cfg.Admission.MaxQueue, timeout: g.cfg.Admission.QueueTimeout,
-			wait:            m.queueWait.WithLabelValues(model),
-			rejectFull:      m.rejections.WithLabelValues(model, "queue_full"),
-			rejectTO:        m.rejections.WithLabelValues(model, "queue_timeout"),
-			rejectDisplaced: m.rejections.WithLabelValues(model, "displaced"),
-			rejectShutdown:  m.rejections.WithLabelValues(model, "shutdown"),
-		}
-		for _, ep := range p.endpoints {
-			ep.gates = append(ep.gates, p.gate)
-		}
-	}
 	return nil
+}
+
+// newGate returns model's admission control, configured by update.
+func (g *Gateway) newGate(model string) *admission {
+	m := g.res
+	return &admission{
+		wait:            m.queueWait.WithLabelValues(model),
+		rejectFull:      m.rejections.WithLabelValues(model, "queue_full"),
+		rejectTO:        m.rejections.WithLabelValues(model, "queue_timeout"),
+		rejectDisplaced: m.rejections.WithLabelValues(model, "displaced"),
+		rejectShutdown:  m.rejections.WithLabelValues(model, "shutdown"),
+	}
+}
+
+// update sets the gate's endpoints and limits (at New, and at each reload:
+// the queue and the admitted requests are kept) and admits the waiters the
+// new capacity allows. maxInFlight 0 is the sum of the endpoints'
+// circuit-breaker slots.
+func (a *admission) update(eps []*endpoint, limit int, c AdmissionConfig) {
+	maxInFlight := c.MaxInFlight
+	if maxInFlight == 0 {
+		maxInFlight = limit * len(eps)
+	}
+	a.mu.Lock()
+	a.endpoints, a.limit, a.maxInFlight = eps, limit, maxInFlight
+	a.maxQueue, a.timeout = c.MaxQueue, c.QueueTimeout
+	a.dispatchLocked()
+	a.mu.Unlock()
+}
+
+// settings returns the gate's current limits.
+func (a *admission) settings() (maxInFlight, maxQueue int, timeout time.Duration) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.maxInFlight, a.maxQueue, a.timeout
 }

@@ -102,26 +102,10 @@ func mapKeys[V any](m map[string]V) func(func(string) bool) {
 	}
 }
 
-// initTargets builds g.targets (every model's pool alone, every alias's
-// pools in order) and the pools' encoded names, and registers the
-// fallback counter. It runs in New once the pools exist.
-func (g *Gateway) initTargets(reg prometheus.Registerer) error {
-	g.targets = make(map[string][]*pool, len(g.pools)+len(g.cfg.Aliases))
-	for model, p := range g.pools {
-		b, err := json.Marshal(model)
-		if err != nil {
-			return fmt.Errorf("gateway: encode model %q: %w", model, err)
-		}
-		p.modelJSON, p.modelHeader = b, []string{model}
-		g.targets[model] = []*pool{p}
-	}
-	for alias, models := range g.cfg.Aliases {
-		ps := make([]*pool, len(models))
-		for i, m := range models {
-			ps[i] = g.pools[m] // validated
-		}
-		g.targets[alias] = ps
-	}
+// initAliases registers the fallback counter. It runs in New; the aliases
+// themselves are part of what a reload replaces (state.targets, built by
+// buildTargets).
+func (g *Gateway) initAliases(reg prometheus.Registerer) error {
 	g.fallbacks = prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "model_fallbacks_total",
 		Help: "Requests for an alias passed on from one of its models to the next, by alias, the model that could not serve them and why (no_endpoint, overloaded, failed)."},
 		[]string{"alias", "model", "reason"})
@@ -131,12 +115,41 @@ func (g *Gateway) initTargets(reg prometheus.Registerer) error {
 	return nil
 }
 
-// aliasModels are the /v1/models entries of the aliases (root: the first
-// target).
-func (g *Gateway) aliasModels(created int64) []openai.Model {
-	out := make([]openai.Model, 0, len(g.cfg.Aliases))
-	for alias, models := range g.cfg.Aliases {
-		out = append(out, openai.Model{ID: alias, Object: openai.ObjectModel, Created: created, OwnedBy: "infergate", Root: models[0]})
+// buildTargets returns the targets of a state's pools and aliases (every
+// model's pool alone, every alias's pools in order), giving each pool its
+// encoded name. cfg is validated: every target is a pool's model.
+func buildTargets(pools map[string]*pool, aliases map[string][]string) (map[string][]*pool, error) {
+	targets := make(map[string][]*pool, len(pools)+len(aliases))
+	for model, p := range pools {
+		b, err := json.Marshal(model)
+		if err != nil {
+			return nil, fmt.Errorf("gateway: encode model %q: %w", model, err)
+		}
+		p.modelJSON, p.modelHeader = b, []string{model}
+		targets[model] = []*pool{p}
+	}
+	for alias, models := range aliases {
+		ps := make([]*pool, len(models))
+		for i, m := range models {
+			ps[i] = pools[m] // validated
+		}
+		targets[alias] = ps
+	}
+	return targets, nil
+}
+
+// aliasModels are the /v1/models entries of aliases (root: the first
+// target), each created at created[alias], or now for an alias new to
+// created (which records it).
+func aliasModels(aliases map[string][]string, created map[string]int64, prev map[string]int64, now int64) []openai.Model {
+	out := make([]openai.Model, 0, len(aliases))
+	for alias, models := range aliases {
+		c, ok := prev[alias]
+		if !ok {
+			c = now
+		}
+		created[alias] = c
+		out = append(out, openai.Model{ID: alias, Object: openai.ObjectModel, Created: c, OwnedBy: "infergate", Root: models[0]})
 	}
 	return out
 }

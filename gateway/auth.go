@@ -29,7 +29,7 @@ const EnvAPIKeys = "INFERGATE_API_KEYS"
 // neither KeysFile nor Keys the gateway is open.
 type AuthConfig struct {
 	// KeysFile is a keys file (YAML or one key per line; see ParseKeys),
-	// read once by New.
+	// read by New and again at every reload.
 	KeysFile string `yaml:"keys_file"`
 	// Keys are keys given inline (hashes only) or added from the
 	// environment (AddKeys).
@@ -350,7 +350,10 @@ func sameGrant(a, b APIKey) bool {
 type principal struct {
 	name   string
 	models map[string]bool // nil: every model
-	limits *keyLimits      // nil: no limit
+	// limits are the key's buckets (nil: no limit), kept by name across
+	// reloads; rpm and tpm are the configured limits.
+	limits   *keyLimits
+	rpm, tpm int
 	// capPriority: the key's requests queue at most at maxPriority.
 	capPriority bool
 	maxPriority int
@@ -376,30 +379,57 @@ type keyEntry struct {
 	p    *principal
 }
 
+// limitChange is a key whose limits a reload changes: applied to its
+// buckets, which it keeps, when the reload commits (keyLimits.setLimits).
+type limitChange struct {
+	kl       *keyLimits
+	rpm, tpm int
+}
+
 // loadKeys builds the keyring from the keys file and the inline/added keys.
-func loadKeys(a AuthConfig) (*keyring, error) {
+// A key whose name prev (the keyring in force, nil at start) has keeps its
+// rate-limit buckets, whatever its hashes: the bucket state survives a
+// reload (starting it full again would let the key exceed its limit), and
+// changes names the keys whose limits are to change.
+func loadKeys(a AuthConfig, prev *keyring) (kr *keyring, changes []limitChange, err error) {
 	keys := slices.Clone(a.Keys)
 	if a.KeysFile != "" {
 		data, err := os.ReadFile(a.KeysFile)
 		if err != nil {
-			return nil, fmt.Errorf("auth.keys_file: %w", err)
+			return nil, nil, fmt.Errorf("auth.keys_file: %w", err)
 		}
 		fk, err := ParseKeys(data, false)
 		if err != nil {
-			return nil, fmt.Errorf("auth.keys_file %s: %w", a.KeysFile, err)
+			return nil, nil, fmt.Errorf("auth.keys_file %s: %w", a.KeysFile, err)
 		}
 		keys = append(keys, fk...)
 	}
 	if err := validateKeys(keys); err != nil {
-		return nil, fmt.Errorf("auth: %w", err)
+		return nil, nil, fmt.Errorf("auth: %w", err)
 	}
-	kr := &keyring{byHash: make(map[[sha256.Size]byte]*keyEntry, len(keys))}
+	old := map[string]*principal{}
+	if prev != nil {
+		for _, p := range prev.principals {
+			old[p.name] = p
+		}
+	}
+	kr = &keyring{byHash: make(map[[sha256.Size]byte]*keyEntry, len(keys))}
 	byName := map[string]*principal{}
 	for _, k := range keys {
 		h, _ := parseHash(k.Hash) // validated
 		p := byName[k.Name]
 		if p == nil {
-			p = &principal{name: k.Name, limits: newKeyLimits(k.RequestsPerMinute, k.TokensPerMinute)}
+			p = &principal{name: k.Name, rpm: k.RequestsPerMinute, tpm: k.TokensPerMinute}
+			switch o := old[k.Name]; {
+			case p.rpm <= 0 && p.tpm <= 0: // no limit
+			case o != nil && o.limits != nil:
+				p.limits = o.limits
+				if o.rpm != p.rpm || o.tpm != p.tpm {
+					changes = append(changes, limitChange{kl: p.limits, rpm: p.rpm, tpm: p.tpm})
+				}
+			default:
+				p.limits = newKeyLimits(p.rpm, p.tpm)
+			}
 			if k.MaxPriority != nil {
 				p.capPriority, p.maxPriority = true, *k.MaxPriority
 			}
@@ -414,7 +444,7 @@ func loadKeys(a AuthConfig) (*keyring, error) {
 		}
 		kr.byHash[h] = &keyEntry{hash: h, p: p}
 	}
-	return kr, nil
+	return kr, changes, nil
 }
 
 // lookup returns the principal of a presented key, or nil. The presented
@@ -469,22 +499,22 @@ func authFailure(missing bool) *openai.Error {
 // vLLM's /tokenize and /detokenize) always, /metrics and the dashboard's
 // state (which shows what /metrics shows) with auth.protect_metrics;
 // /healthz, /readyz (probes) and the dashboard page (no data) never.
-func (g *Gateway) protectedPath(path string) bool {
+func (st *state) protectedPath(path string) bool {
 	return strings.HasPrefix(path, "/v1/") || path == pathTokenize || path == pathDetokenize ||
-		((path == pathMetrics || path == pathDashboardState) && g.cfg.Auth.ProtectMetrics)
+		((path == pathMetrics || path == pathDashboardState) && st.cfg.Auth.ProtectMetrics)
 }
 
-// authenticate checks the request's key when authentication is on and the
-// path is protected. It returns the principal (nil when auth is off or the
-// path open) and false after answering 401.
-func (g *Gateway) authenticate(w http.ResponseWriter, r *http.Request) (*principal, bool) {
-	if g.keys == nil || !g.protectedPath(r.URL.Path) {
+// authenticate checks the request's key against st's keys when
+// authentication is on and the path is protected. It returns the principal
+// (nil when auth is off or the path open) and false after answering 401.
+func (g *Gateway) authenticate(w http.ResponseWriter, r *http.Request, st *state) (*principal, bool) {
+	if st.keys == nil || !st.protectedPath(r.URL.Path) {
 		return nil, true
 	}
 	key := presentedKey(r)
 	var p *principal
 	if key != "" {
-		p = g.keys.lookup(key)
+		p = st.keys.lookup(key)
 	}
 	if p != nil {
 		if ow := observedFor(w); ow != nil {
@@ -547,9 +577,9 @@ func (kr *keyring) initModelLists(full []byte) error {
 }
 
 // modelsBodyFor is GET /v1/models as the principal sees it.
-func (g *Gateway) modelsBodyFor(p *principal) []byte {
+func (st *state) modelsBodyFor(p *principal) []byte {
 	if p == nil || p.modelsBody == nil {
-		return g.modelsBody
+		return st.modelsBody
 	}
 	return p.modelsBody
 }

@@ -404,7 +404,7 @@ func FuzzParseKeys(f *testing.F) {
 			return
 		}
 		// What ParseKeys accepts, the keyring must accept.
-		kr, err := loadKeys(AuthConfig{Keys: keys})
+		kr, _, err := loadKeys(AuthConfig{Keys: keys}, nil)
 		if err != nil {
 			t.Fatalf("accepted keys rejected by loadKeys: %v", err)
 		}

@@ -263,7 +263,7 @@ func TestChaosKillEngine(t *testing.T) {
 	if retries < float64(counts[outRetriedCompleted]) {
 		t.Errorf("retries_total %v < %d retried requests", retries, counts[outRetriedCompleted])
 	}
-	if g.endpoints[victim].ready.Load() {
+	if g.state.Load().endpoints[victim].ready.Load() {
 		t.Error("the killed engine is still in rotation")
 	}
 	t.Logf("ledger: %d sent: %d completed, %d retried+completed, %d explicit errors (mid-stream); "+

@@ -37,7 +37,7 @@ func startGatewayStopped(t *testing.T, cfg Config) (*Gateway, string) {
 
 // keyLevels reads key i's request and token bucket levels.
 func keyLevels(g *Gateway, i int) (req, tok float64) {
-	kl := g.keys.principals[i].limits
+	kl := g.state.Load().keys.principals[i].limits
 	kl.mu.Lock()
 	defer kl.mu.Unlock()
 	return kl.req.level, kl.tok.level
@@ -169,7 +169,7 @@ func TestContextLengthDiscovered(t *testing.T) {
 	cfg.Endpoints = []EndpointConfig{{URL: models.URL, Model: "m", KVBlocks: 1}, {URL: none.URL(), Model: "n", KVBlocks: 1},
 		{URL: none.URL(), Model: "m", KVBlocks: 1}}
 	g, _ := startGateway(t, cfg)
-	if got := g.pools["m"].maxModelLen; got != DefaultMaxModelLen {
+	if got := g.state.Load().pools["m"].maxModelLen; got != DefaultMaxModelLen {
 		t.Errorf("pool m: %d, want the larger of 40960 and the default %d", got, DefaultMaxModelLen)
 	}
 	byURL := map[string]int{}

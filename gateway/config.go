@@ -219,7 +219,8 @@ type EndpointConfig struct {
 	// end up in files and backups: prefer APIKeyEnv. Never shown (Secret).
 	APIKey Secret `yaml:"api_key"`
 	// APIKeyEnv names the environment variable holding the key, read at
-	// start (unset or empty: New fails). Exclusive with APIKey.
+	// start (unset or empty: New fails) and at every reload (unset or
+	// empty: the reload is refused). Exclusive with APIKey.
 	APIKeyEnv string `yaml:"api_key_env"`
 	// APIKeyHeader is the request header that carries the key: default
 	// "Authorization", sent as "Bearer <key>"; any other name (Azure

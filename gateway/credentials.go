@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/textproto"
+	"slices"
 	"strings"
 	"time"
 
@@ -267,12 +268,18 @@ func sameCredentials(a, b EndpointConfig) bool {
 	return true
 }
 
-// addHeader sets the endpoint's configured headers on h (an upstream
-// request's), replacing any the client sent under the same names. The
-// values are shared, never modified: no allocation, nothing at all when
-// the endpoint has none.
-func (ep *endpoint) addHeader(h http.Header) {
-	for k, vs := range ep.header {
+// addHeader sets the endpoint's configured headers, those of the spec in
+// force (one atomic load), on h (an upstream request's), replacing any the
+// client sent under the same names. The values are shared, never modified:
+// no allocation, nothing at all when the endpoint has none.
+func (ep *endpoint) addHeader(h http.Header) { addHeader(h, ep.spec.Load().header) }
+
+// addHeader sets the spec's configured headers on h (see endpoint.addHeader).
+func (s *endpointSpec) addHeader(h http.Header) { addHeader(h, s.header) }
+
+// addHeader sets every header of add on h, sharing the values.
+func addHeader(h, add http.Header) {
+	for k, vs := range add {
 		h[k] = vs
 	}
 }
@@ -320,20 +327,39 @@ func newAuthFailures(reg prometheus.Registerer) (*prometheus.CounterVec, error) 
 	return c, nil
 }
 
-// authRefused handles an engine's 401 or 403 to a request: the engine
-// refused the gateway's own credentials, which the client can do nothing
-// about, so the client never sees the engine's 401 (an OpenAI SDK reads
-// it as "your API key is wrong"). The endpoint is ejected at once (every
-// request with these credentials fails alike), the refusal logged once
-// per run of refusals and counted, and the failure returned: retried on
-// another endpoint, else answered 502 upstream_auth.
-func (g *Gateway) authRefused(ep *endpoint, rm *routeMetrics, resp *http.Response, reqID string) *failure {
+// authRefused handles an engine's 401 or 403 to a request sent with spec's
+// credentials: the engine refused the gateway's own credentials, which the
+// client can do nothing about, so the client never sees the engine's 401
+// (an OpenAI SDK reads it as "your API key is wrong"). The endpoint is
+// ejected at once (every request with these credentials fails alike) —
+// unless a reload has changed its credentials since the request was sent
+// (the refusal is of the old ones) — the refusal logged once per run of
+// refusals and counted, and the failure returned: retried on another
+// endpoint, else answered 502 upstream_auth.
+func (g *Gateway) authRefused(ep *endpoint, spec *endpointSpec, rm *routeMetrics, resp *http.Response, reqID string) *failure {
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // keep the connection reusable
 	g.noteAuthFailure(ep, authSourceRequest, resp.StatusCode, reqID)
-	g.outlierFailure(ep, reasonAuth, time.Now())
+	if now := ep.spec.Load(); now == spec || sameHeader(now.header, spec.header) {
+		g.outlierFailure(ep, reasonAuth, time.Now())
+	}
 	return &failure{reason: reasonAuth, rm: rm, err: openai.NewError(http.StatusBadGateway,
 		fmt.Sprintf("The model server refused the gateway's credentials (HTTP %d). This is the gateway's configuration "+
 			"(the endpoint's api_key), not your API key.", resp.StatusCode), "", codeUpstreamAuth)}
+}
+
+// sameHeader reports whether two endpoint header sets (endpointHeader's:
+// one value per name) are the same.
+func sameHeader(a, b http.Header) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, vs := range a {
+		ws, ok := b[k]
+		if !ok || !slices.Equal(vs, ws) {
+			return false
+		}
+	}
+	return true
 }
 
 // noteAuthFailure counts an auth refusal from source and logs it when it
@@ -353,14 +379,43 @@ func (g *Gateway) noteAuthFailure(ep *endpoint, source string, status int, reqID
 	}
 }
 
-// ejectRefused takes the endpoints that refused the gateway's credentials
-// at start (discover: status by endpoint) out of rotation, as a request's
-// refusal would, so that no client request is sent to them first.
-func (g *Gateway) ejectRefused(refused map[*endpoint]int, now time.Time) {
-	for _, ep := range g.endpoints { // in configuration order
-		if st, ok := refused[ep]; ok {
-			g.noteAuthFailure(ep, authSourceDiscover, st, "")
+// credentialsCheck is what a reload learnt of an endpoint's credentials
+// before publishing them (reload.go): refused is the status (401, 403) of an
+// engine that refused them on a read (0: none did), accepted that a read
+// guarded by them (GET /v1/models) succeeded.
+type credentialsCheck struct {
+	refused  int
+	accepted bool
+}
+
+// note records the outcome of a read sent with the credentials checked.
+func (c *credentialsCheck) note(err error) {
+	var st authStatus
+	if errors.As(err, &st) {
+		c.refused = int(st)
+	}
+}
+
+// applyCredentials acts at a reload's commit, in configuration order, on
+// what build learnt of the endpoints' credentials: an endpoint that refused
+// the credentials it is given is taken out of rotation, as a request's
+// refusal would (so that no client request is sent to it first; at start,
+// every endpoint). One whose changed credentials were accepted has its
+// authentication refusals forgotten: an ejection they caused (the old
+// credentials') ends, and it is back in rotation at once.
+func (g *Gateway) applyCredentials(eps []*endpoint, checks map[*endpoint]credentialsCheck, now time.Time) {
+	for _, ep := range eps {
+		c, ok := checks[ep]
+		switch {
+		case !ok:
+		case c.refused != 0:
+			g.noteAuthFailure(ep, authSourceDiscover, c.refused, "")
 			g.ejectOutlier(ep, reasonAuth, now)
+		case c.accepted:
+			ep.authFailing.Store(false)
+			if ep.endAuthEjection(now) {
+				slog.Info("gateway: endpoint accepts its new credentials; back in rotation", "endpoint", ep.name)
+			}
 		}
 	}
 }

@@ -210,7 +210,7 @@ func TestEngineCredentials(t *testing.T) {
 			}
 			g, url := startGateway(t, cfg)
 			c := testClient(t)
-			waitFor(t, "endpoint ready", func() bool { return g.endpoints[0].ready.Load() })
+			waitFor(t, "endpoint ready", func() bool { return g.state.Load().endpoints[0].ready.Load() })
 			for _, stream := range []bool{false, true} {
 				resp, b := post(t, c, url+pathChat, map[bool]string{false: chatBody, true: streamBody(true)}[stream],
 					"Authorization", "Bearer "+clientKey, "X-Api-Key", clientKey, "Api-Key", clientKey, "Cookie", "s="+clientKey,
@@ -288,7 +288,9 @@ func TestEngineAuthRefusal(t *testing.T) {
 	}
 	g, url := startGateway(t, cfg)
 	c := testClient(t)
-	waitFor(t, "both ready", func() bool { return g.endpoints[0].ready.Load() && g.endpoints[1].ready.Load() })
+	waitFor(t, "both ready", func() bool {
+		return g.state.Load().endpoints[0].ready.Load() && g.state.Load().endpoints[1].ready.Load()
+	})
 	for i := range 4 {
 		resp, b := post(t, c, url+pathChat, chatBody, "Authorization", "Bearer "+clientKey)
 		if resp.StatusCode != http.StatusOK {
@@ -298,7 +300,7 @@ func TestEngineAuthRefusal(t *testing.T) {
 	if n := bad.refused.Load(); n != 1 {
 		t.Errorf("the refusing engine got %d requests, want 1 (ejected at its first 401)", n)
 	}
-	if g.endpoints[0].ready.Load() {
+	if g.state.Load().endpoints[0].ready.Load() {
 		t.Error("the refusing endpoint is still in rotation")
 	}
 	m := scrape(t, c, url)
@@ -322,8 +324,8 @@ func TestEngineAuthRefusal(t *testing.T) {
 		Routing:   sched.Config{Policy: sched.RoundRobin},
 		Endpoints: []EndpointConfig{{URL: bad.URL(), Model: "m", KVBlocks: 1000, MaxModelLen: 4096, APIKey: "sk-wrong-5ecret"}}})
 	for i := range 3 {
-		g2.endpoints[0].ejectedUntil.Store(0)
-		g2.endpoints[0].setReady(true) // back, as a health probe (open /health) would put it
+		g2.state.Load().endpoints[0].ejectedUntil.Store(0)
+		g2.state.Load().endpoints[0].setReady(true) // back, as a health probe (open /health) would put it
 		resp, b := post(t, c, url2+pathChat, streamBody(false))
 		e := decodeError(t, b)
 		if resp.StatusCode != http.StatusBadGateway || e.Code != codeUpstreamAuth || e.Type != "server_error" ||
@@ -358,7 +360,7 @@ func TestHealthProbeAuthRefusal(t *testing.T) {
 	g, url := startGateway(t, cfg)
 	c := testClient(t)
 	waitFor(t, "several probes", func() bool { return len(k.headers("/health")) >= 4 })
-	if g.endpoints[0].ready.Load() {
+	if g.state.Load().endpoints[0].ready.Load() {
 		t.Fatal("an endpoint whose probe gets 401 is in rotation")
 	}
 	m := scrape(t, c, url)
@@ -391,7 +393,7 @@ func TestCredentialsNotExposed(t *testing.T) {
 		Headers: map[string]Secret{"X-Tenant": "tenant-5ecret"}}}
 	g, url := startGateway(t, cfg)
 	c := testClient(t)
-	waitFor(t, "ready", func() bool { return g.endpoints[0].ready.Load() })
+	waitFor(t, "ready", func() bool { return g.state.Load().endpoints[0].ready.Load() })
 	post(t, c, url+pathChat, chatBody)
 	post(t, c, url+pathChat, `{"model":"nope","messages":[]}`)
 	for _, path := range []string{pathMetrics, pathDashboardState, pathModels, "/v1/nothing", pathReadyz} {

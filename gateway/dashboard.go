@@ -218,7 +218,8 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 	g.dash.mu.Unlock()
 	span := now.Sub(base.at).Seconds()
 
-	st := DashboardState{Time: now, Started: g.dash.started, Policy: g.Policy(), Draining: g.draining.Load(),
+	cfg := g.state.Load() // the configuration in force
+	st := DashboardState{Time: now, Started: g.dash.started, Policy: cfg.cfg.Routing.Policy, Draining: g.draining.Load(),
 		WindowSeconds: span, Pools: []DashPool{}}
 	total, recent := &routeCounts{}, &routeCounts{}
 	for k, rc := range cur.routes {
@@ -228,8 +229,8 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 	}
 	uptime := now.Sub(g.dash.started).Seconds()
 	st.Fleet.Total, st.Fleet.Recent = traffic(total, uptime), traffic(recent, span)
-	st.Fleet.Endpoints = len(g.endpoints)
-	for _, ep := range g.endpoints {
+	st.Fleet.Endpoints = len(cfg.endpoints)
+	for _, ep := range cfg.endpoints {
 		switch endpointState(ep, now) {
 		case "ready":
 			st.Fleet.Ready++
@@ -240,15 +241,16 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 		st.Fleet.Ejections += cur.ejections[ep.name]
 	}
 
-	models := make([]string, 0, len(g.pools))
-	for m := range g.pools {
+	models := make([]string, 0, len(cfg.pools))
+	for m := range cfg.pools {
 		models = append(models, m)
 	}
 	slices.Sort(models)
 	for _, model := range models {
-		p := g.pools[model]
+		p := cfg.pools[model]
+		maxInFlight, maxQueue, _ := p.gate.settings()
 		dp := DashPool{Model: model, QueueLength: p.gate.waiting.Load(), Admitted: p.gate.active.Load(),
-			MaxInFlight: p.gate.maxInFlight, MaxQueue: p.gate.maxQueue, Rejections: map[string]float64{}}
+			MaxInFlight: maxInFlight, MaxQueue: maxQueue, Rejections: map[string]float64{}}
 		for r, v := range cur.rejections[model] {
 			dp.Rejections[r] = v
 		}
@@ -266,16 +268,20 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 		}
 		dp.Total, dp.Recent = traffic(ptotal, uptime), traffic(precent, span)
 		for _, ep := range p.endpoints {
-			de := DashEndpoint{Endpoint: ep.name, Kind: string(ep.kind), State: endpointState(ep, now),
+			if ep == vacant {
+				continue
+			}
+			spec := ep.spec.Load()
+			de := DashEndpoint{Endpoint: ep.name, Kind: string(spec.kind), State: endpointState(ep, now),
 				InFlight: ep.inFlight.Load(), InFlightTok: ep.inFlightTokens.Load(), PrefillBacklog: ep.pendingPrefill.Load(),
-				PrefillRate: finite(ep.learntPrefillRate()), KVBlocks: ep.kvBlocks, BlockSize: ep.blockSize,
+				PrefillRate: finite(ep.learntPrefillRate()), KVBlocks: spec.kvBlocks, BlockSize: spec.blockSize,
 				Ejections: cur.ejections[ep.name]}
 			if de.State == "ejected" {
 				t := time.Unix(0, ep.ejectedUntil.Load()).UTC()
 				de.EjectedUntil = &t
 			}
-			if ep.scrapeIdx >= 0 && g.scraper != nil {
-				if l, at, ok := g.scraper.LatestAt(ep.scrapeIdx, now); ok && l.HasQueue {
+			if f := cfg.feeds[ep].scrape; f != nil {
+				if l, at, ok := f.latest(now); ok && l.HasQueue {
 					de.Engine = &DashEngine{ScrapedAt: at, Waiting: l.Waiting, Running: l.Running}
 					if l.HasKVUtil {
 						de.Engine.KVUtilization = ptrFloat(l.KVUtil)
@@ -293,9 +299,12 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 		}
 		st.Pools = append(st.Pools, dp)
 	}
-	if g.keys != nil {
-		for _, p := range g.keys.principals {
+	if cfg.keys != nil {
+		for _, p := range cfg.keys.principals {
 			u := p.usage
+			if u == nil {
+				continue
+			}
 			st.Keys = append(st.Keys, DashKey{Key: p.name, Requests: counterValue(u.requests), PromptTokens: counterValue(u.prompt),
 				CachedTokens: counterValue(u.cached), GeneratedTokens: counterValue(u.generated)})
 		}
@@ -324,9 +333,11 @@ func endpointState(ep *endpoint, now time.Time) string {
 }
 
 func endpointNames(eps []*endpoint) []string {
-	out := make([]string, len(eps))
-	for i, ep := range eps {
-		out[i] = ep.name
+	out := make([]string, 0, len(eps))
+	for _, ep := range eps {
+		if ep != vacant {
+			out = append(out, ep.name)
+		}
 	}
 	return out
 }

@@ -19,32 +19,22 @@ import (
 
 // endpoint is one engine (one base URL). Pools of different models may share
 // it (an engine serving several models or LoRA adapters), so its in-flight
-// count is the engine's whole load as the gateway sees it.
+// count is the engine's whole load as the gateway sees it. It lives as long
+// as its URL is configured: a reload that keeps the URL keeps the object,
+// and with it the engine's live state (readiness, ejection, in-flight
+// counts, learnt prefill rate), whatever else of its configuration changed
+// (spec; reload.go).
 type endpoint struct {
 	name string // the configured URL, normalized: the metrics label
 	base string // URL prefix requests are sent to (== name)
 	// urls are base + each fixed path kind's path, parsed once (read-only).
 	urls [numPathKinds]*url.URL
+	// servedBy is the EndpointHeader value naming it ([name]; read-only).
+	servedBy []string
 
-	kvBlocks  int // engine KV capacity (blocks of blockSize tokens)
-	blockSize int // engine KV block size (tokens)
-	// maxModelLen is the engine's context length (tokens; configured,
-	// discovered from GET /v1/models, or DefaultMaxModelLen).
-	maxModelLen int
-
-	kind       fleet.Kind
-	healthPath string // GET path probed; healthCheckOff: none
-	metricsURL string // "" when the kind has no metrics page
-	scrapeIdx  int    // index in the gateway's scraper, -1 when not scraped
-	kvEvents   *KVEventsConfig
-	// header is what the gateway adds to every request it sends the
-	// engine: its credentials and configured headers (endpointHeader;
-	// read-only, values shared; nil when none).
-	header http.Header
-	// authFailing is set by the engine's first refusal of the gateway's
-	// credentials and cleared by a request that succeeds, so a wrong key
-	// is logged once per run of refusals.
-	authFailing atomic.Bool
+	// spec is what the configuration says of the engine, with what was
+	// discovered from it: replaced whole by a reload, never changed.
+	spec atomic.Pointer[endpointSpec]
 
 	// ready is true while the endpoint is healthy and not ejected.
 	ready atomic.Bool
@@ -65,24 +55,70 @@ type endpoint struct {
 	// wentDown is set when the endpoint left rotation after a failure, so
 	// its recovery is logged (and start-up is not).
 	wentDown atomic.Bool
-	// onDown are called when the endpoint leaves rotation (set up before
-	// serving, read-only after): they make the pools' policies forget what
-	// the engine's cache was believed to hold.
-	onDown []func()
+	// onDown are called when the endpoint leaves rotation (replaced whole
+	// at each reload): they make the pools' policies forget what the
+	// engine's cache was believed to hold.
+	onDown atomic.Pointer[[]func()]
 	// outlier is the passive outlier detection state (resilience.go).
 	outlier outlierState
+	// authFailing is set by the engine's first refusal of the gateway's
+	// credentials and cleared by a request that succeeds (or a reload that
+	// changes them), so a wrong key is logged once per run of refusals.
+	authFailing atomic.Bool
 	// gates are the admission controls of the pools the endpoint serves,
-	// woken when it frees a slot or changes readiness (set up before
-	// serving).
-	gates []*admission
+	// woken when it frees a slot or changes readiness (replaced whole at
+	// each reload).
+	gates atomic.Pointer[[]*admission]
+
+	// stop ends the endpoint's health loop, which closes done when it has
+	// returned (reload.go retires an endpoint a reload removed).
+	stop context.CancelFunc
+	done chan struct{}
 }
+
+// endpointSpec is an endpoint's configuration: the URL's entries of
+// Config.Endpoints merged (the first entry's settings, the largest
+// max_model_len), with kv_blocks, block_size and max_model_len discovered
+// from the engine where configured 0.
+type endpointSpec struct {
+	// cfg is the configuration as written (Model cleared), compared at a
+	// reload to tell whether the engine's settings changed.
+	cfg EndpointConfig
+
+	kvBlocks  int // engine KV capacity (blocks of blockSize tokens)
+	blockSize int // engine KV block size (tokens)
+	// maxModelLen is the engine's context length (tokens; configured,
+	// discovered from GET /v1/models, or DefaultMaxModelLen).
+	maxModelLen int
+
+	kind       fleet.Kind
+	healthPath string // GET path probed; healthCheckOff: none
+	metricsURL string // "" when the kind has no metrics page
+	kvEvents   *KVEventsConfig
+	// header is what the gateway adds to every request it sends the
+	// engine: its credentials and configured headers (endpointHeader, with
+	// api_key_env read when the spec was built; read-only, values shared;
+	// nil when none).
+	header http.Header
+}
+
+// vacant stands in a pool for a slot whose endpoint a reload removed
+// (reload.go): never ready, so never picked, and in no health loop.
+var vacant = func() *endpoint {
+	ep := &endpoint{done: make(chan struct{})}
+	ep.spec.Store(&endpointSpec{blockSize: 1})
+	close(ep.done)
+	return ep
+}()
 
 // setReady records readiness, runs the onDown hooks on a ready→unready
 // transition, and returns the previous readiness.
 func (ep *endpoint) setReady(ok bool) (was bool) {
 	if was = ep.ready.Swap(ok); was && !ok {
-		for _, f := range ep.onDown {
-			f()
+		if hooks := ep.onDown.Load(); hooks != nil {
+			for _, f := range *hooks {
+				f()
+			}
 		}
 	}
 	if was != ok {
@@ -170,12 +206,16 @@ func isHex(c byte) bool {
 // ejection is still running. path healthCheckOff skips the probe.
 func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	var err error
-	if ep.healthPath != healthCheckOff {
-		err = g.probe(ctx, ep)
+	spec := ep.spec.Load()
+	if spec.healthPath != healthCheckOff {
+		err = g.probe(ctx, ep, spec)
 	}
 	ok := err == nil
 	if ctx.Err() != nil {
 		return // shutting down: leave the state as it was
+	}
+	if ep.spec.Load() != spec {
+		return // a reload changed what it probes (its credentials, its path) meanwhile: the next probe tells
 	}
 	if st := authStatus(0); errors.As(err, &st) && g.engineAuthFailures != nil {
 		g.engineAuthFailures.WithLabelValues(ep.name, authSourceHealth).Inc()
@@ -185,21 +225,22 @@ func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	}
 	switch was := ep.setReady(ok); {
 	case !ok && !ep.wentDown.Swap(true):
-		slog.Warn("gateway: endpoint failed its health check; out of rotation", "endpoint", ep.name, "path", ep.healthPath, "err", err)
+		slog.Warn("gateway: endpoint failed its health check; out of rotation", "endpoint", ep.name, "path", spec.healthPath, "err", err)
 	case !was && ok && ep.wentDown.Swap(false):
 		slog.Info("gateway: endpoint healthy again; back in rotation", "endpoint", ep.name)
 	}
 }
 
-// probe sends GET <base><health path> and returns nil for a 2xx answer.
-func (g *Gateway) probe(ctx context.Context, ep *endpoint) error {
+// probe sends GET <base><spec.healthPath> with spec's headers and returns
+// nil for a 2xx answer.
+func (g *Gateway) probe(ctx context.Context, ep *endpoint, spec *endpointSpec) error {
 	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, ep.base+ep.healthPath, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, ep.base+spec.healthPath, nil)
 	if err != nil {
 		return fmt.Errorf("health check %s: %w", ep.name, err)
 	}
-	ep.addHeader(req.Header)
+	spec.addHeader(req.Header)
 	resp, err := g.transport.RoundTrip(req)
 	if err != nil {
 		return fmt.Errorf("health check %s: %w", ep.name, err)
@@ -217,7 +258,6 @@ func (g *Gateway) probe(ctx context.Context, ep *endpoint) error {
 
 // healthLoop checks ep every interval until ctx is done.
 func (g *Gateway) healthLoop(ctx context.Context, ep *endpoint) {
-	defer g.wg.Done()
 	t := time.NewTicker(g.cfg.HealthCheckInterval)
 	defer t.Stop()
 	for {
@@ -237,16 +277,16 @@ type cacheConfig struct {
 }
 
 // fetchCacheConfig reads vllm:cache_config_info{num_gpu_blocks,block_size}
-// from the endpoint's /metrics.
-func (g *Gateway) fetchCacheConfig(ctx context.Context, ep *endpoint) (cacheConfig, error) {
+// from the endpoint's /metrics, sending header (the endpoint's credentials
+// and configured headers: endpointSpec.header).
+func (g *Gateway) fetchCacheConfig(ctx context.Context, base string, header http.Header) (cacheConfig, error) {
 	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
 	defer cancel()
-	base := ep.base
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/metrics", nil)
 	if err != nil {
 		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)
 	}
-	ep.addHeader(req.Header)
+	addHeader(req.Header, header)
 	resp, err := g.transport.RoundTrip(req)
 	if err != nil {
 		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)

@@ -79,7 +79,7 @@ func TestEarlyStreamFailureRetried(t *testing.T) {
 			if v := m.value("infergate_requests_total", `code="200"`); v != 2 {
 				t.Errorf("requests_total{200} = %v, want 2", v)
 			}
-			if n := g.endpoints[0].outlier.consecutive.Load(); n != tried {
+			if n := g.state.Load().endpoints[0].outlier.consecutive.Load(); n != tried {
 				t.Errorf("the failing endpoint's consecutive failures = %d, want %d", n, tried)
 			}
 		})

@@ -4,8 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"maps"
-	"slices"
+	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -13,147 +13,203 @@ import (
 	"github.com/infergate/infergate/prefix"
 )
 
-// newScraper sets up the metrics scrape of every endpoint whose kind has a
-// metrics page (nil scraper when none, or scraping is disabled).
-func (g *Gateway) newScraper() error {
-	if g.cfg.ScrapeInterval < 0 {
-		return nil
+// feeds are what an endpoint's engine tells the gateway besides its
+// answers: its metrics page (scraped) and its KV events (subscribed). Each
+// runs on its own goroutine from the reload that starts it to the one that
+// stops it (its configuration changed, or its endpoint was removed) or
+// Close; a reload that changes neither keeps it running, with what it
+// learnt.
+type feeds struct {
+	scrape *scrapeFeed // nil: not scraped
+	kv     *kvFeed     // nil: no KV events feed a precise index
+}
+
+// loop is the lifetime of a feed's goroutine.
+type loop struct {
+	stop context.CancelFunc // nil until started
+	done chan struct{}      // closed when the goroutine has returned
+}
+
+// start runs f on a goroutine of g's until stop is called or g is closed.
+func (l *loop) start(g *Gateway, f func(ctx context.Context)) {
+	ctx, cancel := context.WithCancel(g.loops)
+	l.stop, l.done = cancel, make(chan struct{})
+	g.wg.Go(func() {
+		defer close(l.done)
+		f(ctx)
+	})
+}
+
+// scrapeFeed is one endpoint's metrics scrape: a fleet.Scraper of that
+// endpoint alone (index 0).
+type scrapeFeed struct {
+	loop
+	s    *fleet.Scraper
+	from fleet.Endpoint // what it scrapes, to tell at a reload whether it changed
+}
+
+// newScrapeFeed returns the scrape of an endpoint whose kind has a metrics
+// page (nil when it has none, or scraping is disabled); not started.
+func (g *Gateway) newScrapeFeed(ep *endpoint, spec *endpointSpec) (*scrapeFeed, error) {
+	if g.cfg.ScrapeInterval < 0 || spec.metricsURL == "" {
+		return nil, nil
 	}
-	var eps []fleet.Endpoint
-	for _, ep := range g.endpoints {
-		if ep.metricsURL == "" {
-			continue
-		}
-		ep.scrapeIdx = len(eps)
-		eps = append(eps, fleet.Endpoint{URL: ep.base, Kind: ep.kind, MetricsURL: ep.metricsURL, Header: ep.header})
-	}
-	if len(eps) == 0 {
-		return nil
-	}
-	s, err := fleet.NewScraper(eps, fleet.ScrapeConfig{Interval: g.cfg.ScrapeInterval, Timeout: min(g.cfg.ScrapeInterval, g.cfg.HealthCheckTimeout)})
+	from := scrapeOf(ep, spec)
+	s, err := fleet.NewScraper([]fleet.Endpoint{from},
+		fleet.ScrapeConfig{Interval: g.cfg.ScrapeInterval, Timeout: min(g.cfg.ScrapeInterval, g.cfg.HealthCheckTimeout)})
 	if err != nil {
-		return fmt.Errorf("gateway: %w", err)
+		return nil, fmt.Errorf("gateway: %w", err)
 	}
-	g.scraper = s
-	return nil
+	return &scrapeFeed{s: s, from: from}, nil
+}
+
+func (f *scrapeFeed) run(g *Gateway) { f.start(g, f.s.Run) }
+
+// scrapeOf is what an endpoint's scrape reads under spec: its metrics page,
+// with its credentials and configured headers.
+func scrapeOf(ep *endpoint, spec *endpointSpec) fleet.Endpoint {
+	return fleet.Endpoint{URL: ep.base, Kind: spec.kind, MetricsURL: spec.metricsURL, Header: spec.header}
+}
+
+// scrapes reports whether f scrapes what e says (a reload keeps it then).
+func (f *scrapeFeed) scrapes(e fleet.Endpoint) bool {
+	return f.from.URL == e.URL && f.from.Kind == e.Kind && f.from.MetricsURL == e.MetricsURL && sameHeader(f.from.Header, e.Header)
+}
+
+// latest is the endpoint's latest scraped load at now (ok false when there
+// is none, or it is stale); a nil feed has none.
+func (f *scrapeFeed) latest(now time.Time) (fleet.Load, time.Time, bool) {
+	if f == nil {
+		return fleet.Load{}, time.Time{}, false
+	}
+	return f.s.LatestAt(0, now)
 }
 
 // allKVEvents reports whether every endpoint publishes KV events.
-func allKVEvents(eps []*endpoint) bool {
+func allKVEvents(eps []*endpoint, specs func(*endpoint) *endpointSpec) bool {
+	n := 0
 	for _, ep := range eps {
-		if ep.kvEvents == nil {
+		if ep == vacant {
+			continue
+		}
+		if specs(ep).kvEvents == nil {
 			return false
 		}
+		n++
 	}
-	return len(eps) > 0
+	return n > 0
 }
 
-// kvSubscription is one engine's KV-event stream, applied to the precise
-// index of every pool the engine serves.
-type kvSubscription struct {
-	ep       *endpoint
-	sub      *fleet.KVEventSubscriber
+// kvFeed is one engine's KV-event stream, applied to the precise index of
+// every pool the engine serves (one applier per pool: its index and the
+// endpoint's slot in it).
+type kvFeed struct {
+	loop
+	ep  *endpoint
+	cfg KVEventsConfig // what it subscribes to, to tell at a reload whether it changed
+	sub *fleet.KVEventSubscriber
+
+	// mu is held while a batch or a reset is applied, so that a reload's
+	// setAppliers returns only once no event is still going to the
+	// appliers it removed (a pool's slot another engine may take next).
+	mu       sync.Mutex
 	appliers []*fleet.KVEventApplier
-	models   []string // the pool of each applier
+	targets  []feedTarget // of each applier
 }
 
-// fanout applies a stream to several pools' indexes.
-type fanout []*fleet.KVEventApplier
+// feedTarget is where an applier puts a stream's blocks: endpoint slot of
+// the precise index ix, model's pool.
+type feedTarget struct {
+	ix    *prefix.PreciseIndex
+	slot  int
+	model string
+}
 
-func (f fanout) KVBatch(seq uint64, b *fleet.KVEventBatch) {
-	for _, a := range f {
+// newKVFeed returns the subscription to ep's KV events (kv_events set);
+// not started.
+func newKVFeed(ep *endpoint, kc *KVEventsConfig) (*kvFeed, error) {
+	sub, err := fleet.NewKVEventSubscriber(fleet.KVEventSubscriberConfig{
+		Endpoint: kc.Endpoint, ReplayEndpoint: kc.ReplayEndpoint, Topic: kc.Topic,
+		MaxMessageBytes: kc.MaxMessageBytes})
+	if err != nil {
+		return nil, fmt.Errorf("gateway: kv_events of %s: %w", ep.name, err)
+	}
+	return &kvFeed{ep: ep, cfg: *kc, sub: sub}, nil
+}
+
+// run subscribes until the feed is stopped or g closed.
+func (f *kvFeed) run(g *Gateway) {
+	f.start(g, func(ctx context.Context) {
+		if err := f.sub.Run(ctx, f); err != nil && ctx.Err() == nil {
+			slog.Error("gateway: KV-event subscription ended", "endpoint", f.ep.name, "err", err)
+		}
+	})
+}
+
+// setAppliers replaces the appliers the stream feeds (at a reload); once
+// it returns, no event goes to the ones it removed.
+func (f *kvFeed) setAppliers(as []*fleet.KVEventApplier, ts []feedTarget) {
+	f.mu.Lock()
+	f.appliers, f.targets = as, ts
+	f.mu.Unlock()
+}
+
+// current returns the appliers and their targets.
+func (f *kvFeed) current() ([]*fleet.KVEventApplier, []feedTarget) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.appliers, f.targets
+}
+
+// KVBatch implements fleet.KVEventHandler: the batch goes to every pool's
+// index.
+func (f *kvFeed) KVBatch(seq uint64, b *fleet.KVEventBatch) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, a := range f.appliers {
 		a.KVBatch(seq, b)
 	}
 }
 
-func (f fanout) KVReset(r fleet.KVResetReason) {
-	for _, a := range f {
+// KVReset implements fleet.KVEventHandler.
+func (f *kvFeed) KVReset(r fleet.KVResetReason) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, a := range f.appliers {
 		a.KVReset(r)
 	}
 }
 
-// setupKVEvents makes one subscriber per endpoint that publishes KV events
-// and feeds at least one pool's precise index, and registers their metrics
-// on reg. It runs before the health checks start, because it adds to the
-// endpoints' onDown hooks: an endpoint that leaves rotation (a failed health
-// check, an ejection) has its blocks forgotten in every precise index at
+// onDown is the hook of an endpoint that leaves rotation (a failed health
+// check, an ejection): its blocks are forgotten in every precise index at
 // once and its stream resynchronised (fleet.KVEventSubscriber.Resync). An
 // engine that restarted in place publishes nothing until it serves, so
 // without this the first requests after its return would be routed on the
 // blocks of its previous life.
-func (g *Gateway) setupKVEvents(reg prometheus.Registerer) error {
-	byEP := map[*endpoint]*kvSubscription{}
-	for _, model := range slices.Sorted(maps.Keys(g.pools)) {
-		p := g.pools[model]
-		if p.precise == nil {
-			continue
-		}
-		for i, ep := range p.endpoints {
-			s := byEP[ep]
-			if s == nil {
-				kc := ep.kvEvents
-				sub, err := fleet.NewKVEventSubscriber(fleet.KVEventSubscriberConfig{
-					Endpoint: kc.Endpoint, ReplayEndpoint: kc.ReplayEndpoint, Topic: kc.Topic,
-					MaxMessageBytes: kc.MaxMessageBytes})
-				if err != nil {
-					return fmt.Errorf("gateway: kv_events of %s: %w", ep.name, err)
-				}
-				s = &kvSubscription{ep: ep, sub: sub}
-				byEP[ep] = s
-			}
-			s.appliers = append(s.appliers, fleet.NewKVEventApplier(p.precise, i, fleet.KVSeeds(p.model)))
-			s.models = append(s.models, model)
-		}
+func (f *kvFeed) onDown() {
+	as, _ := f.current()
+	for _, a := range as {
+		a.Forget()
 	}
-	for _, ep := range g.endpoints {
-		s := byEP[ep]
-		if s == nil {
-			continue
-		}
-		g.kvSubs = append(g.kvSubs, *s)
-		ep.onDown = append(ep.onDown, func() {
-			for _, a := range s.appliers {
-				a.Forget()
-			}
-			s.sub.Resync()
-		})
-	}
-	if len(g.kvSubs) == 0 {
-		return nil
-	}
-	if err := reg.Register(newKVCollector(g.kvSubs)); err != nil {
-		return fmt.Errorf("gateway: register KV-event metrics: %w", err)
-	}
-	return nil
-}
-
-// startKVEvents runs the subscribers until ctx is done.
-func (g *Gateway) startKVEvents(ctx context.Context) {
-	for i := range g.kvSubs {
-		s := &g.kvSubs[i]
-		g.wg.Go(func() {
-			if err := s.sub.Run(ctx, fanout(s.appliers)); err != nil && ctx.Err() == nil {
-				slog.Error("gateway: KV-event subscription ended", "endpoint", s.ep.name, "err", err)
-			}
-		})
-	}
+	f.sub.Resync()
 }
 
 // kvCollector exposes the KV-event subscribers' and appliers' counters at
-// scrape time (they are atomics the event path maintains anyway).
+// scrape time (they are atomics the event path maintains anyway), for the
+// feeds of the configuration in force.
 type kvCollector struct {
-	subs                          []kvSubscription
+	g                             *Gateway
 	batches, resets, dropped      *prometheus.Desc
 	stored, unknownParent, joined *prometheus.Desc
 	orphansDropped, evicted       *prometheus.Desc
 }
 
-func newKVCollector(subs []kvSubscription) *kvCollector {
+func newKVCollector(g *Gateway) *kvCollector {
 	d := func(name, help string, labels ...string) *prometheus.Desc {
 		return prometheus.NewDesc("infergate_kv_events_"+name, help, labels, nil)
 	}
 	return &kvCollector{
-		subs:    subs,
+		g:       g,
 		batches: d("batches_total", "KV-event batches applied to the precise index (live and replayed; batches).", "endpoint"),
 		resets: d("resets_total", "Times the endpoint's KV-event state was forgotten: subscription start, lost batches, "+
 			"publisher restart, undecodable batch, resync after leaving rotation, failed session.", "endpoint"),
@@ -183,19 +239,28 @@ func (c *kvCollector) Collect(ch chan<- prometheus.Metric) {
 	counter := func(d *prometheus.Desc, v uint64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
 	}
-	for _, s := range c.subs {
-		st := s.sub.Stats()
-		counter(c.batches, st.Batches, s.ep.name)
-		counter(c.resets, st.Resets, s.ep.name)
-		counter(c.dropped, st.Oversized, s.ep.name, "oversized")
-		counter(c.dropped, st.Panics, s.ep.name, "panic")
-		for i, a := range s.appliers {
-			as := a.Stats()
-			counter(c.stored, as.Stored, s.models[i], s.ep.name)
-			counter(c.unknownParent, as.UnknownParents, s.models[i], s.ep.name)
-			counter(c.joined, as.Joined, s.models[i], s.ep.name)
-			counter(c.orphansDropped, as.OrphansDropped, s.models[i], s.ep.name)
-			counter(c.evicted, as.Evicted, s.models[i], s.ep.name)
+	st := c.g.state.Load()
+	if st == nil {
+		return
+	}
+	for _, ep := range st.endpoints {
+		f := st.feeds[ep].kv
+		if f == nil {
+			continue
+		}
+		ss := f.sub.Stats()
+		counter(c.batches, ss.Batches, ep.name)
+		counter(c.resets, ss.Resets, ep.name)
+		counter(c.dropped, ss.Oversized, ep.name, "oversized")
+		counter(c.dropped, ss.Panics, ep.name, "panic")
+		appliers, targets := f.current()
+		for i, a := range appliers {
+			as, model := a.Stats(), targets[i].model
+			counter(c.stored, as.Stored, model, ep.name)
+			counter(c.unknownParent, as.UnknownParents, model, ep.name)
+			counter(c.joined, as.Joined, model, ep.name)
+			counter(c.orphansDropped, as.OrphansDropped, model, ep.name)
+			counter(c.evicted, as.Evicted, model, ep.name)
 		}
 	}
 }
@@ -204,7 +269,7 @@ func (c *kvCollector) Collect(ch chan<- prometheus.Metric) {
 // its endpoints publish no KV events or the model is unknown). For tests
 // and diagnostics.
 func (g *Gateway) PreciseIndex(model string) *prefix.PreciseIndex {
-	if p := g.pools[model]; p != nil {
+	if p := g.state.Load().pools[model]; p != nil {
 		return p.precise
 	}
 	return nil
@@ -224,4 +289,4 @@ func (p *pool) preciseMatch(hashes []uint64, e int) int {
 
 // Policy returns the name of the routing policy in use (the configured one,
 // or the default chosen for the endpoints).
-func (g *Gateway) Policy() string { return g.cfg.Routing.Policy }
+func (g *Gateway) Policy() string { return g.state.Load().cfg.Routing.Policy }

@@ -12,14 +12,11 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"github.com/infergate/infergate/fleet"
 	"math"
 	"net"
 	"net/http"
-	"net/url"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -39,17 +36,30 @@ import (
 // Gateway routes and proxies OpenAI-compatible requests to a fleet of
 // engines. It is safe for concurrent use; Close stops its health checks.
 type Gateway struct {
-	cfg        Config
-	policyName string
-	pools      map[string]*pool
-	endpoints  []*endpoint
-	// targets are the pools a model name is served by: a model's own, an
-	// alias's in fallback order (alias.go); fallbacks counts fallbacks.
-	targets   map[string][]*pool
-	fallbacks *prometheus.CounterVec
-	// affinity maps response ids to the endpoints that stored them
+	// cfg is the configuration New was given (defaulted): what a reload
+	// cannot change is read from it; what it can is in state.
+	cfg Config
+	// state is what a reload replaces: the pools, endpoints and keys, an
+	// immutable snapshot the request path reads with one atomic load
+	// (reload.go).
+	state atomic.Pointer[state]
+	// reloadMu serialises reloads (and New's first build); reloads
+	// counts them.
+	reloadMu sync.Mutex
+	reloads  *reloadMetrics
+	// gatesMu guards retired: the admission gates of models a reload
+	// removed, drained at shutdown with the others while requests may
+	// still wait in them.
+	gatesMu sync.Mutex
+	retired []*admission
+	// fallbacks counts aliases' fallbacks (alias.go); affinity maps
+	// response ids to the endpoints that stored them, across reloads
 	// (responses.go).
-	affinity *responseAffinity
+	fallbacks *prometheus.CounterVec
+	affinity  *responseAffinity
+	// keyUsage are the per-key usage counters' vectors, whose children
+	// follow a key's name across reloads (keyusage.go).
+	keyUsage keyUsageVecs
 
 	// transport serves health checks, metric scrapes and https engines;
 	// up sends the request path's upstream requests (upstream.go).
@@ -58,14 +68,16 @@ type Gateway struct {
 	// rt sends upstream requests (up, or a fake in benchmarks).
 	rt http.RoundTripper
 
-	tokenizer *prefix.Tokenizer // nil when no policy needs hashes
-	segments  *prefix.SegmentCache
-	metrics   *metrics
-	unknown   *routeMetrics // model "unknown", no endpoint
-	res       *resilienceMetrics
-	hold      *holdBudget // bytes of non-streaming answers held (hold.go)
+	// segments is the one segment cache of every pool's tokenizer (made
+	// by the first build that needs it, under reloadMu).
+	segments *prefix.SegmentCache
 
-	edge // API keys, TLS, trusted proxies (limits.go)
+	metrics *metrics
+	unknown *routeMetrics // model "unknown", no endpoint
+	res     *resilienceMetrics
+	hold    *holdBudget // bytes of non-streaming answers held (hold.go)
+
+	edge // TLS, trusted proxies, edge metrics (limits.go)
 
 	// engineAuthFailures counts engines' refusals of the gateway's
 	// credentials (credentials.go).
@@ -73,26 +85,22 @@ type Gateway struct {
 
 	handler        http.Handler
 	metricsHandler http.Handler
-	modelsBody     []byte
-	modelBodies    map[string][]byte // GET /v1/models/{model}: each entry of modelsBody
-	retryAfter     string            // seconds, for 503 no_endpoint_available
+	retryAfter     string // seconds, for 503 no_endpoint_available
 
 	reqIDPrefix string
 	reqIDSeq    atomic.Uint64
 
 	exchanges sync.Pool // *exchange
 
-	scraper *fleet.Scraper // nil when no endpoint has a metrics page
-	kvSubs  []kvSubscription
-
 	dash dashboard // GET /dashboard's recent figures (dashboard.go)
 
-	// obs is the access log and tracer (nil when both are off); servedBy
-	// the EndpointHeader value per endpoint (nil unless configured).
-	// accesslog.go, tracing.go.
-	obs      *observer
-	servedBy map[*endpoint][]string
+	// obs is the access log and tracer (nil when both are off;
+	// accesslog.go, tracing.go).
+	obs *observer
 
+	// loops is the parent context of every endpoint's health loop and
+	// feeds; stop (Close) ends them all, wg waits for them.
+	loops     context.Context
 	stop      context.CancelFunc
 	wg        sync.WaitGroup
 	closeOnce sync.Once
@@ -106,32 +114,63 @@ type Gateway struct {
 }
 
 // pool is the endpoints serving one model and the policy that picks among
-// them. Entry i of endpoints, routes and every snapshot is the same endpoint.
+// them, as one configuration has them: a reload builds new pools, which
+// keep the state of the old ones (policy, indexes, admission gate, retry
+// budget) as far as the endpoints remain (reload.go). Entry i of
+// endpoints, routes, scrapes and every snapshot is the same endpoint, slot
+// i: a slot keeps its endpoint across reloads, a removed endpoint's slot
+// holds vacant until a new endpoint takes it, so the per-slot state of the
+// policy and the precise index stays the same endpoint's.
 type pool struct {
 	model     string
 	policy    sched.Policy
 	endpoints []*endpoint
 	routes    []*routeMetrics // per endpoint
-	none      *routeMetrics   // errors before an endpoint was picked
-	blockSize int             // routing block size (tokens)
-	seed      uint64          // prefix.Seed(model + "\x00"): no cache salt
-	snapshots sync.Pool       // *[]sched.Endpoint
+	scrapes   []*scrapeFeed   // per endpoint, nil when not scraped
+	scraped   bool            // some endpoint is
+	capacity  []int           // per endpoint: the policy's bound (routing blocks)
+	pcap      []int           // per endpoint: the precise index's bound (0: none)
+	// policySlots is the number of slots the policy was built for.
+	policySlots int
+	live        int           // endpoints that are not vacant
+	none        *routeMetrics // errors before an endpoint was picked
+	blockSize   int           // routing block size (tokens)
+	seed        uint64        // prefix.Seed(model + "\x00"): no cache salt
+	snapshots   sync.Pool     // *[]sched.Endpoint
 	// precise is the pool's index fed by its endpoints' KV events (nil
 	// unless every endpoint publishes them); precisePolicy: the policy
 	// scores with it, so its prediction is the policy's.
 	precise       *prefix.PreciseIndex
 	precisePolicy bool
-	scraper       *fleet.Scraper
+	// tokenizer and segments tokenize prompts for the policy and the
+	// precise index (nil when neither needs hashes).
+	tokenizer *prefix.Tokenizer
+	segments  *prefix.SegmentCache
 	// maxModelLen is the longest context of its endpoints (tokens).
 	maxModelLen int
-	// gate is the pool's admission control; budget bounds its retries
-	// (admission.go, retry.go).
+	// maxRequests is the circuit breaker's bound per endpoint.
+	maxRequests int
+	// gate is the model's admission control; budget bounds its retries
+	// (admission.go, retry.go). Both outlive reloads with the model.
 	gate   *admission
-	budget retryBudget
+	budget *retryBudget
 	// modelJSON is the model name as a JSON string and modelHeader as a
 	// header value (alias.go).
 	modelJSON   []byte
 	modelHeader []string
+	// next is the pool of the same model that a reload published in its
+	// place (nil while this one is in force, or after its model was
+	// removed).
+	next atomic.Pointer[pool]
+}
+
+// latest returns the model's pool in force: p, or the one reloads put in
+// its place.
+func (p *pool) latest() *pool {
+	for n := p.next.Load(); n != nil; n = p.next.Load() {
+		p = n
+	}
+	return p
 }
 
 // snapshot returns the pool's endpoints as the scheduler sees them now
@@ -145,15 +184,15 @@ func (p *pool) snapshot() *[]sched.Endpoint {
 	}
 	s := *sp
 	var now time.Time
-	if p.scraper != nil {
+	if p.scraped {
 		now = time.Now()
 	}
 	for i, ep := range p.endpoints {
 		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load(), InFlight: int(ep.inFlight.Load()),
 			InFlightTokens: int(ep.inFlightTokens.Load()), PendingPrefillTokens: int(ep.pendingPrefill.Load()),
 			PrefillTokensPerSecond: ep.learntPrefillRate()}
-		if ep.scrapeIdx >= 0 {
-			if l, _, ok := p.scraper.LatestAt(ep.scrapeIdx, now); ok && l.HasQueue {
+		if f := p.scrapes[i]; f != nil {
+			if l, _, ok := f.latest(now); ok && l.HasQueue {
 				e := &s[i]
 				e.Metrics, e.Waiting, e.Running = true, l.Waiting, l.Running
 				e.KVUtil = max(l.KVUtil, 0)
@@ -188,6 +227,7 @@ func (p *pool) release(sp *[]sched.Endpoint) { p.snapshots.Put(sp) }
 // kv_blocks 0 it reads the engine's /metrics, and it probes every endpoint
 // once before returning, so New takes up to HealthCheckTimeout. Endpoints
 // that are down at start join when their health check first succeeds.
+// Reload applies a new configuration to the running gateway.
 func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -202,7 +242,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		gatherer = gt
 	}
 
-	g := &Gateway{cfg: cfg, pools: map[string]*pool{}}
+	g := &Gateway{cfg: cfg}
 	g.initShutdown()
 	g.transport = newTransport(cfg)
 	g.up = newUpstreamClient(cfg, g.transport)
@@ -211,223 +251,58 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	var idb [6]byte
 	_, _ = rand.Read(idb[:])
 	g.reqIDPrefix = "ig-" + hex.EncodeToString(idb[:]) + "-"
-
-	// One endpoint per URL, shared by the pools of every model it serves.
-	byURL := map[string]*endpoint{}
-	for _, ec := range cfg.Endpoints {
-		base, _ := normalizeURL(ec.URL) // validated
-		if byURL[base] == nil {
-			hdr, err := endpointHeader(ec, os.LookupEnv) // validated; the environment is read again here
-			if err != nil {
-				g.transport.CloseIdleConnections()
-				return nil, fmt.Errorf("endpoint %s: %w", base, err)
-			}
-			ep := &endpoint{name: base, base: base, kvBlocks: ec.KVBlocks, blockSize: ec.BlockSize, maxModelLen: ec.MaxModelLen,
-				kind: ec.Kind, healthPath: cfg.HealthCheckPath, scrapeIdx: -1, kvEvents: ec.KVEvents, header: hdr}
-			if ep.healthPath == "" {
-				ep.healthPath = ec.Kind.Info().HealthPath
-			}
-			if mp := ec.Kind.Info().MetricsPath; ec.MetricsURL != "" {
-				ep.metricsURL = ec.MetricsURL
-			} else if mp != "" {
-				ep.metricsURL = base + mp
-			}
-			for kind := range apiKind(numPathKinds) {
-				u, err := url.Parse(base + kind.path())
-				if err != nil {
-					g.transport.CloseIdleConnections()
-					return nil, fmt.Errorf("endpoint %s: %w", base, err)
-				}
-				ep.urls[kind] = u
-			}
-			byURL[base] = ep
-			g.endpoints = append(g.endpoints, ep)
-		} else {
-			byURL[base].maxModelLen = max(byURL[base].maxModelLen, ec.MaxModelLen)
-		}
-	}
-	refused := g.discover()
-	if err := g.newScraper(); err != nil {
+	g.loops, g.stop = context.WithCancel(context.Background())
+	fail := func(err error) (*Gateway, error) {
+		g.stop()
 		g.transport.CloseIdleConnections()
+		g.closeObservability()
 		return nil, err
 	}
 
-	fleet := newFleetCollector(g.endpoints)
-	m, err := newMetrics(reg, fleet)
+	m, err := newMetrics(reg, newFleetCollector(g))
 	if err != nil {
-		g.transport.CloseIdleConnections()
-		return nil, err
+		return fail(err)
 	}
 	g.metrics = m
-
-	routingBlock := cfg.Routing.Prefix.BlockSize
-	var models []string
-	for _, ec := range cfg.Endpoints {
-		base, _ := normalizeURL(ec.URL)
-		p := g.pools[ec.Model]
-		if p == nil {
-			p = &pool{model: ec.Model, blockSize: routingBlock, seed: prefix.Seed(ec.Model + "\x00")}
-			g.pools[ec.Model] = p
-			models = append(models, ec.Model)
-		}
-		p.endpoints = append(p.endpoints, byURL[base])
-	}
-	for _, model := range models {
-		p := g.pools[model]
-		capacity := make([]int, len(p.endpoints))
-		for i, ep := range p.endpoints {
-			capacity[i] = max(1, ep.kvBlocks*ep.blockSize/routingBlock)
-			p.maxModelLen = max(p.maxModelLen, ep.maxModelLen) // a bound wherever the request goes
-		}
-		p.scraper = g.scraper
-		sp := sched.Pool{Capacity: capacity}
-		if allKVEvents(p.endpoints) {
-			if p.precise, err = prefix.NewPreciseIndex(len(p.endpoints), routingBlock); err != nil {
-				g.transport.CloseIdleConnections()
-				return nil, fmt.Errorf("precise prefix index for model %q: %w", model, err)
-			}
-			for i, ep := range p.endpoints {
-				// The engine's blocks in all its tiers bound what the index
-				// holds of it (its events may announce more: lost removals,
-				// a broken or hostile engine).
-				p.precise.SetCapacity(i, capacity[i]+ep.kvEvents.OffloadBlocks)
-			}
-			sp.Precise = p.precise.On(prefix.MediumGPU)
-			p.precisePolicy = sched.UsesPrecise(cfg.Routing)
-		}
-		if p.policy, err = sched.NewPolicy(cfg.Routing, sp); err != nil {
-			g.transport.CloseIdleConnections()
-			return nil, fmt.Errorf("routing policy for model %q: %w", model, err)
-		}
-		if f, ok := p.policy.(sched.Forgetter); ok {
-			for i, ep := range p.endpoints {
-				ep.onDown = append(ep.onDown, func() { f.Forget(i) })
-			}
-		}
-		g.policyName = p.policy.Name()
-		p.none = m.route(model, "", g.policyName)
-		for _, ep := range p.endpoints {
-			p.routes = append(p.routes, m.route(model, ep.name, g.policyName))
-		}
-		if (p.policy.NeedsHashes() || p.precise != nil) && g.tokenizer == nil {
-			if g.tokenizer, err = prefix.NewTokenizer(); err != nil {
-				g.transport.CloseIdleConnections()
-				return nil, fmt.Errorf("gateway: %w", err)
-			}
-			g.segments = prefix.NewSegmentCache(g.tokenizer, 0)
-		}
-	}
-	g.unknown = m.route(unknownModel, "", g.policyName)
-	if err := g.initTargets(reg); err != nil {
-		g.transport.CloseIdleConnections()
-		return nil, err
-	}
-	g.affinity = newResponseAffinity(cfg.Responses.AffinityMaxEntries)
+	g.unknown = m.route(unknownModel, "", cfg.Routing.Policy)
 	if err := g.setupResilience(reg); err != nil {
-		g.transport.CloseIdleConnections()
-		return nil, err
+		return fail(err)
 	}
 	if g.engineAuthFailures, err = newAuthFailures(reg); err != nil {
-		g.transport.CloseIdleConnections()
-		return nil, err
+		return fail(err)
 	}
-	g.ejectRefused(refused, time.Now())
+	if err := g.initAliases(reg); err != nil {
+		return fail(err)
+	}
+	g.affinity = newResponseAffinity(cfg.Responses.AffinityMaxEntries)
 	if err := g.initHold(reg); err != nil {
-		g.transport.CloseIdleConnections()
-		return nil, err
-	}
-
-	list := openai.ModelList{Object: openai.ObjectList, Data: make([]openai.Model, len(models))}
-	created := time.Now().Unix()
-	for i, model := range models {
-		list.Data[i] = openai.Model{ID: model, Object: openai.ObjectModel, Created: created, OwnedBy: "infergate", Root: model}
-	}
-	list.Data = append(list.Data, g.aliasModels(created)...)
-	slices.SortFunc(list.Data, func(a, b openai.Model) int { return strings.Compare(a.ID, b.ID) })
-	g.modelBodies = make(map[string][]byte, len(list.Data))
-	for _, m := range list.Data {
-		if g.modelBodies[m.ID], err = json.Marshal(m); err != nil {
-			g.transport.CloseIdleConnections()
-			return nil, fmt.Errorf("gateway: encode model %q: %w", m.ID, err)
-		}
-	}
-	if g.modelsBody, err = json.Marshal(list); err != nil {
-		g.transport.CloseIdleConnections()
-		return nil, fmt.Errorf("gateway: encode model list: %w", err)
+		return fail(err)
 	}
 	if err := g.initEdge(reg); err != nil {
-		g.transport.CloseIdleConnections()
-		return nil, err
+		return fail(err)
+	}
+	if g.reloads, err = newReloadMetrics(reg); err != nil {
+		return fail(err)
+	}
+	if err := reg.Register(newKVCollector(g)); err != nil {
+		return fail(fmt.Errorf("gateway: register KV-event metrics: %w", err))
 	}
 	g.metricsHandler = promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{})
 	g.dash.init(time.Now())
 	g.handler = http.HandlerFunc(g.route)
-
-	if err := g.setupKVEvents(reg); err != nil {
-		g.transport.CloseIdleConnections()
-		return nil, err
-	}
 	if err := g.initObservability(reg); err != nil {
-		g.transport.CloseIdleConnections()
-		return nil, err
+		return fail(err)
 	}
-	ctx, stop := context.WithCancel(context.Background())
-	g.stop = stop
-	for _, ep := range g.endpoints {
-		g.wg.Add(1)
-		go g.healthLoop(ctx, ep)
-	}
-	if g.scraper != nil {
-		g.wg.Go(func() { g.scraper.Run(ctx) })
-	}
-	g.startKVEvents(ctx)
-	return g, nil
-}
 
-// discover fills in the KV capacity of endpoints configured with kv_blocks 0
-// from their vllm:cache_config_info, and the context length of those with
-// max_model_len 0 from their GET /v1/models, and probes every endpoint once,
-// all concurrently, within HealthCheckTimeout each. It returns the
-// endpoints that refused the gateway's credentials (401/403) on one of
-// those reads, with the status (ejectRefused).
-func (g *Gateway) discover() map[*endpoint]int {
-	ctx := context.Background()
-	var (
-		wg      sync.WaitGroup
-		mu      sync.Mutex
-		refused = map[*endpoint]int{}
-	)
-	for _, ep := range g.endpoints {
-		wg.Go(func() {
-			note := func(err error) {
-				var st authStatus
-				if errors.As(err, &st) {
-					mu.Lock()
-					refused[ep] = int(st)
-					mu.Unlock()
-				}
-			}
-			if ep.kvBlocks == 0 {
-				ep.kvBlocks = DefaultKVBlocks
-				cc, err := g.fetchCacheConfig(ctx, ep)
-				if err == nil {
-					ep.kvBlocks, ep.blockSize = cc.numGPUBlocks, cc.blockSize
-				}
-				note(err)
-			}
-			if ep.maxModelLen == 0 {
-				ep.maxModelLen = DefaultMaxModelLen
-				n, err := g.fetchMaxModelLen(ctx, ep)
-				if err == nil {
-					ep.maxModelLen = n
-				}
-				note(err)
-			}
-			g.checkHealth(ctx, ep)
-		})
+	g.reloadMu.Lock()
+	defer g.reloadMu.Unlock()
+	st, plan, err := g.build(cfg, nil)
+	if err != nil {
+		return fail(err)
 	}
-	wg.Wait()
-	return refused
+	g.commit(st, plan, nil)
+	g.reloads.succeeded(time.Now())
+	return g, nil
 }
 
 // newTransport returns the one upstream transport: many concurrent streams
@@ -476,29 +351,37 @@ func (g *Gateway) Server() *http.Server {
 	}
 }
 
-// Config returns the gateway's effective (defaulted) configuration, with
-// discovered KV capacities filled in.
+// Config returns the gateway's effective (defaulted) configuration, the
+// latest reload's, with discovered KV capacities and context lengths
+// filled in.
 func (g *Gateway) Config() Config {
-	c := g.cfg
+	st := g.state.Load()
+	c := st.cfg
 	c.Endpoints = slices.Clone(c.Endpoints)
+	byURL := make(map[string]*endpoint, len(st.endpoints))
+	for _, ep := range st.endpoints {
+		byURL[ep.name] = ep
+	}
 	for i, ec := range c.Endpoints {
 		base, _ := normalizeURL(ec.URL)
-		for _, ep := range g.endpoints {
-			if ep.name == base {
-				c.Endpoints[i].KVBlocks, c.Endpoints[i].BlockSize = ep.kvBlocks, ep.blockSize
-				c.Endpoints[i].MaxModelLen = ep.maxModelLen
-			}
+		if ep := byURL[base]; ep != nil {
+			spec := ep.spec.Load()
+			c.Endpoints[i].KVBlocks, c.Endpoints[i].BlockSize = spec.kvBlocks, spec.blockSize
+			c.Endpoints[i].MaxModelLen = spec.maxModelLen
 		}
 	}
 	return c
 }
 
-// Close stops the health checks and closes idle upstream connections. It
-// does not wait for requests in flight (shut the http.Server down first).
-// Safe to call more than once.
+// Close stops the health checks, the feeds and the drains of removed
+// endpoints, and closes idle upstream connections. It does not wait for
+// requests in flight (shut the http.Server down first). Safe to call more
+// than once; a reload after it is refused.
 func (g *Gateway) Close() {
 	g.closeOnce.Do(func() {
+		g.reloadMu.Lock() // no reload starts anything after this
 		g.stop()
+		g.reloadMu.Unlock()
 		g.wg.Wait()
 		g.up.CloseIdleConnections() // the transport's too
 		g.closeObservability()
@@ -519,22 +402,23 @@ const (
 // methods (405) and unknown paths (404), after the edge checks (header size,
 // API key: limits.go).
 func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
-	key, ok := g.checkEdge(w, r)
+	st := g.state.Load() // the configuration this request is served by
+	key, ok := g.checkEdge(w, r, st)
 	if !ok {
 		return
 	}
 	switch r.URL.Path {
 	case pathChat:
 		if g.allow(w, r, http.MethodPost) {
-			g.serveInference(w, r, kindChat, key)
+			g.serveInference(w, r, kindChat, key, st)
 		}
 	case pathCompletions:
 		if g.allow(w, r, http.MethodPost) {
-			g.serveInference(w, r, kindCompletion, key)
+			g.serveInference(w, r, kindCompletion, key, st)
 		}
 	case pathModels:
 		if g.allow(w, r, http.MethodGet) {
-			writeJSON(w, http.StatusOK, g.modelsBodyFor(key))
+			writeJSON(w, http.StatusOK, st.modelsBodyFor(key))
 		}
 	case pathMetrics:
 		if g.allow(w, r, http.MethodGet) {
@@ -554,16 +438,16 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 		}
 	case pathReadyz:
 		if g.allow(w, r, http.MethodGet) {
-			g.serveReadyz(w)
+			g.serveReadyz(w, st)
 		}
 	default:
 		if model, ok := strings.CutPrefix(r.URL.Path, pathModels+"/"); ok && model != "" {
 			if g.allow(w, r, http.MethodGet) {
-				g.serveModel(w, model, key)
+				st.serveModel(w, model, key)
 			}
 			return
 		}
-		if g.routePassthrough(w, r, key) {
+		if g.routePassthrough(w, r, key, st) {
 			return
 		}
 		openai.WriteError(w, openai.NewError(http.StatusNotFound,
@@ -574,8 +458,8 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 // serveModel answers GET /v1/models/{model} (OpenAI's "retrieve model"; a
 // model name may contain '/'): the model's entry of GET /v1/models, or 404
 // model_not_found, the same for a model the key may not use.
-func (g *Gateway) serveModel(w http.ResponseWriter, model string, key *principal) {
-	b, ok := g.modelBodies[model]
+func (st *state) serveModel(w http.ResponseWriter, model string, key *principal) {
+	b, ok := st.modelBodies[model]
 	if !ok || (key != nil && !key.allows(model)) {
 		openai.WriteError(w, modelNotAllowed(model))
 		return
@@ -611,9 +495,9 @@ type readiness struct {
 
 // serveReadyz answers 200 while at least one endpoint is in rotation and
 // the gateway is not shutting down, else 503 with the reason.
-func (g *Gateway) serveReadyz(w http.ResponseWriter) {
-	rd := readiness{Status: "ready", Endpoints: len(g.endpoints)}
-	for _, ep := range g.endpoints {
+func (g *Gateway) serveReadyz(w http.ResponseWriter, st *state) {
+	rd := readiness{Status: "ready", Endpoints: len(st.endpoints)}
+	for _, ep := range st.endpoints {
 		if ep.ready.Load() {
 			rd.Ready++
 		}

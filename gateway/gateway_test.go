@@ -236,7 +236,7 @@ func TestStreamingPassthrough(t *testing.T) {
 	if v := m.value("infergate_inter_token_latency_seconds_count", `endpoint="`+ep+`"`); v != 4 {
 		t.Errorf("ITL count %v, want 4 (3 tokens per stream)", v)
 	}
-	if n := g.endpoints[0].inFlight.Load(); n != 0 {
+	if n := g.state.Load().endpoints[0].inFlight.Load(); n != 0 {
 		t.Errorf("in flight %d", n)
 	}
 }
@@ -501,7 +501,7 @@ func TestClientCancelCancelsUpstream(t *testing.T) {
 	if err != nil || !strings.HasPrefix(line, "data: ") {
 		t.Fatalf("first line %q: %v", line, err)
 	}
-	waitFor(t, "one request in flight", func() bool { return g.endpoints[0].inFlight.Load() == 1 })
+	waitFor(t, "one request in flight", func() bool { return g.state.Load().endpoints[0].inFlight.Load() == 1 })
 	cancel()
 	resp.Body.Close()
 	select {
@@ -509,7 +509,7 @@ func TestClientCancelCancelsUpstream(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the engine never saw its request canceled")
 	}
-	waitFor(t, "in flight back to 0", func() bool { return g.endpoints[0].inFlight.Load() == 0 })
+	waitFor(t, "in flight back to 0", func() bool { return g.state.Load().endpoints[0].inFlight.Load() == 0 })
 	waitFor(t, "a 499 recorded", func() bool {
 		return scrape(t, c, url).value("infergate_requests_total", `code="499"`) == 1
 	})
@@ -554,10 +554,10 @@ func TestReadinessAndEjection(t *testing.T) {
 	if resp.StatusCode != 502 || codeStr(decodeError(t, body).Code) != openai.CodeUpstream {
 		t.Fatalf("dropped connection: %d %s", resp.StatusCode, body)
 	}
-	if g.endpoints[0].ready.Load() || ready() != 503 {
+	if g.state.Load().endpoints[0].ready.Load() || ready() != 503 {
 		t.Error("endpoint not ejected after a connection failure")
 	}
-	if n := g.endpoints[0].inFlight.Load(); n != 0 {
+	if n := g.state.Load().endpoints[0].inFlight.Load(); n != 0 {
 		t.Errorf("in flight %d after failure", n)
 	}
 	e.mode.Store(int32(modeNormal))
@@ -571,7 +571,7 @@ func TestEndpointDownAtStart(t *testing.T) {
 	cfg := testConfig(sched.RoundRobin)
 	cfg.Endpoints = []EndpointConfig{{URL: closedURL(t), Model: "m"}}
 	g, url := startGateway(t, cfg)
-	if g.endpoints[0].ready.Load() {
+	if g.state.Load().endpoints[0].ready.Load() {
 		t.Error("unreachable endpoint is ready")
 	}
 	if got := g.Config().Endpoints[0]; got.KVBlocks != DefaultKVBlocks || got.BlockSize != 16 {
@@ -671,7 +671,7 @@ func TestConcurrentRequests(t *testing.T) {
 	for e := range errs {
 		t.Error(e)
 	}
-	for _, ep := range g.endpoints {
+	for _, ep := range g.state.Load().endpoints {
 		if n := ep.inFlight.Load(); n != 0 {
 			t.Errorf("%s: %d in flight", ep.name, n)
 		}
@@ -884,7 +884,8 @@ func (s scraped) value(name, sel string) float64 {
 
 func TestEjectionForgetsPrefixIndex(t *testing.T) {
 	var downs atomic.Int32
-	ep := &endpoint{onDown: []func(){func() { downs.Add(1) }}}
+	ep := &endpoint{}
+	ep.onDown.Store(&[]func(){func() { downs.Add(1) }})
 	ep.setReady(false) // never ready: no transition
 	ep.setReady(true)
 	ep.eject(time.Now(), time.Second)
@@ -898,9 +899,9 @@ func TestEjectionForgetsPrefixIndex(t *testing.T) {
 	cfg := testConfig(sched.Prefix)
 	cfg.Endpoints = []EndpointConfig{{URL: closedURL(t), Model: "m"}, {URL: closedURL(t), Model: "m"}}
 	g, _ := startGateway(t, cfg)
-	for i, e := range g.endpoints {
-		if len(e.onDown) != 1 {
-			t.Errorf("endpoint %d has %d onDown hooks, want 1 (prefix policy forgets)", i, len(e.onDown))
+	for i, e := range g.state.Load().endpoints {
+		if n := len(*e.onDown.Load()); n != 1 {
+			t.Errorf("endpoint %d has %d onDown hooks, want 1 (prefix policy forgets)", i, n)
 		}
 	}
 }

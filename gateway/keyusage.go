@@ -26,27 +26,40 @@ func (k *keyUsage) used(u *openai.Usage) {
 	k.generated.Add(float64(max(u.CompletionTokens, 0)))
 }
 
-// initKeyUsage registers the per-key usage counters (when API keys are
-// configured) and gives every principal its children.
+// keyUsageVecs are the per-key usage counters' vectors (registered at
+// start whether or not keys are configured: a reload may turn
+// authentication on).
+type keyUsageVecs struct {
+	requests, prompt, cached, generated *prometheus.CounterVec
+}
+
+// initKeyUsage registers the per-key usage counters. Each key's children
+// are resolved when its keyring is built (keyUsageVecs.of).
 func (g *Gateway) initKeyUsage(reg prometheus.Registerer) error {
-	if g.keys == nil {
-		return nil
-	}
 	vec := func(name, help string) *prometheus.CounterVec {
 		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: name, Help: help}, []string{"key"})
 	}
-	requests := vec("key_requests_total", "Inference requests authenticated with the API key, every outcome (key: its configured name).")
-	prompt := vec("key_prompt_tokens_total", "Prompt tokens of the key's requests, from the engines' usage (tokens).")
-	cached := vec("key_cached_prompt_tokens_total", "Prompt tokens of the key's requests served from the engines' prefix cache (tokens).")
-	generated := vec("key_generation_tokens_total", "Completion tokens of the key's requests, from the engines' usage (tokens).")
-	for _, c := range []prometheus.Collector{requests, prompt, cached, generated} {
+	v := &g.keyUsage
+	v.requests = vec("key_requests_total", "Inference requests authenticated with the API key, every outcome (key: its configured name).")
+	v.prompt = vec("key_prompt_tokens_total", "Prompt tokens of the key's requests, from the engines' usage (tokens).")
+	v.cached = vec("key_cached_prompt_tokens_total", "Prompt tokens of the key's requests served from the engines' prefix cache (tokens).")
+	v.generated = vec("key_generation_tokens_total", "Completion tokens of the key's requests, from the engines' usage (tokens).")
+	for _, c := range []prometheus.Collector{v.requests, v.prompt, v.cached, v.generated} {
 		if err := reg.Register(c); err != nil {
 			return fmt.Errorf("gateway: register key usage metrics: %w", err)
 		}
 	}
-	for _, p := range g.keys.principals {
-		p.usage = &keyUsage{requests: requests.WithLabelValues(p.name), prompt: prompt.WithLabelValues(p.name),
-			cached: cached.WithLabelValues(p.name), generated: generated.WithLabelValues(p.name)}
-	}
 	return nil
+}
+
+// of returns the usage counters of the key named name: the same series
+// across reloads for as long as the name is configured (a renamed key is a
+// new series; a removed key's series stays with its totals). nil vectors
+// (a gateway made without initKeyUsage) give nil: no usage counted.
+func (v *keyUsageVecs) of(name string) *keyUsage {
+	if v == nil || v.requests == nil {
+		return nil
+	}
+	return &keyUsage{requests: v.requests.WithLabelValues(name), prompt: v.prompt.WithLabelValues(name),
+		cached: v.cached.WithLabelValues(name), generated: v.generated.WithLabelValues(name)}
 }

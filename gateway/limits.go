@@ -129,7 +129,6 @@ func parseTrusted(list []string) ([]netip.Prefix, error) {
 
 // edge is the gateway's front-door state (embedded in Gateway).
 type edge struct {
-	keys      *keyring       // nil: authentication off
 	trusted   []netip.Prefix // peers whose forwarding headers are kept
 	tlsConfig *tls.Config    // nil: plain HTTP
 
@@ -141,8 +140,8 @@ type edge struct {
 	clock func() time.Time
 }
 
-// initEdge loads the API keys and the TLS certificate and registers the
-// edge's metrics. It runs in New after the model list is built.
+// initEdge loads the TLS certificate and registers the edge's metrics. It
+// runs in New; the API keys are part of what a reload replaces (state).
 func (g *Gateway) initEdge(reg prometheus.Registerer) error {
 	g.clock = time.Now
 	var err error
@@ -152,24 +151,6 @@ func (g *Gateway) initEdge(reg prometheus.Registerer) error {
 	if g.cfg.TLS.Enabled() {
 		if g.tlsConfig, err = newTLSConfig(g.cfg.TLS); err != nil {
 			return err
-		}
-	}
-	if g.cfg.Auth.Enabled() {
-		if g.keys, err = loadKeys(g.cfg.Auth); err != nil {
-			return err
-		}
-		if err := g.keys.initModelLists(g.modelsBody); err != nil {
-			return fmt.Errorf("gateway: model lists: %w", err)
-		}
-		if len(g.keys.principals) == 0 {
-			slog.Warn("gateway: authentication is on but no API key is configured: every API request will be refused")
-		}
-		for _, p := range g.keys.principals {
-			for m := range p.models {
-				if g.targets[m] == nil {
-					slog.Warn("gateway: API key allows a model no endpoint serves", "key", p.name, "model", m)
-				}
-			}
 		}
 	}
 	g.authFailures = prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "auth_failures_total",
@@ -184,8 +165,42 @@ func (g *Gateway) initEdge(reg prometheus.Registerer) error {
 	return nil
 }
 
+// buildKeys loads cfg's API keys for a new state (nil keyring when
+// authentication is off), prev's buckets kept by key name, each key given
+// its usage counters (by name, from usage), and warns of what looks like a
+// mistake (a model allowed that targets, the models and aliases served, do
+// not have).
+func buildKeys(cfg Config, prev *state, targets map[string][]*pool, modelsBody []byte, usage *keyUsageVecs) (*keyring, []limitChange, error) {
+	if !cfg.Auth.Enabled() {
+		return nil, nil, nil
+	}
+	var old *keyring
+	if prev != nil {
+		old = prev.keys
+	}
+	kr, changes, err := loadKeys(cfg.Auth, old)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := kr.initModelLists(modelsBody); err != nil {
+		return nil, nil, fmt.Errorf("gateway: model lists: %w", err)
+	}
+	if len(kr.principals) == 0 {
+		slog.Warn("gateway: authentication is on but no API key is configured: every API request will be refused")
+	}
+	for _, p := range kr.principals {
+		p.usage = usage.of(p.name)
+		for m := range p.models {
+			if targets[m] == nil {
+				slog.Warn("gateway: API key allows a model no endpoint serves", "key", p.name, "model", m)
+			}
+		}
+	}
+	return kr, changes, nil
+}
+
 // AuthEnabled reports whether API keys are required.
-func (g *Gateway) AuthEnabled() bool { return g.keys != nil }
+func (g *Gateway) AuthEnabled() bool { return g.state.Load().keys != nil }
 
 // TLSEnabled reports whether Server terminates TLS (serve it with
 // ServeTLS(ln, "", "") or ListenAndServeTLS("", "")).
@@ -212,10 +227,10 @@ func headerBytes(r *http.Request) int {
 const codeHeaderTooLarge = "request_header_too_large"
 
 // checkEdge runs first for every request: header size (431), then the API
-// key (401) on protected paths. It returns the principal (nil when
-// authentication is off or the path is open) and false once it has
-// answered.
-func (g *Gateway) checkEdge(w http.ResponseWriter, r *http.Request) (*principal, bool) {
+// key (401, against st's keys) on protected paths. It returns the principal
+// (nil when authentication is off or the path is open) and false once it
+// has answered.
+func (g *Gateway) checkEdge(w http.ResponseWriter, r *http.Request, st *state) (*principal, bool) {
 	if n := headerBytes(r); n > g.cfg.MaxHeaderBytes {
 		w.Header().Set("Connection", "close")
 		openai.WriteError(w, openai.NewError(http.StatusRequestHeaderFieldsTooLarge,
@@ -228,7 +243,7 @@ func (g *Gateway) checkEdge(w http.ResponseWriter, r *http.Request) (*principal,
 	if proxiedPath(r.URL.Path) {
 		scrubForwarding(r.Header, g.peerTrusted(r.RemoteAddr), r.TLS != nil)
 	}
-	return g.authenticate(w, r)
+	return g.authenticate(w, r, st)
 }
 
 // peerTrusted reports whether the connection's peer is a trusted proxy.
@@ -295,15 +310,16 @@ func (g *Gateway) admit(w http.ResponseWriter, x *exchange, kind apiKind, p *pri
 		return nil
 	}
 	est, asked := x.tokenEstimate(kind, maxModelLen)
+	now := g.clock()
+	kl.mu.Lock() // a reload may change the limits (setLimits)
+	reqLimit, tokLimit := kl.req.limit, kl.tok.limit
 	// A bound from the context length (max_tokens omitted) over the whole
 	// minute is held to it: the request waits for a full bucket instead of
 	// never passing. What the client asked for itself is not.
-	tooLarge := kl.tok.limit > 0 && asked > kl.tok.limit
-	if kl.tok.limit > 0 && !tooLarge {
-		est = min(est, kl.tok.limit)
+	tooLarge := tokLimit > 0 && asked > tokLimit
+	if tokLimit > 0 && !tooLarge {
+		est = min(est, tokLimit)
 	}
-	now := g.clock()
-	kl.mu.Lock()
 	okReq, waitReq := kl.req.check(now, 1)
 	okTok, waitTok := true, time.Duration(0)
 	if est > 0 { // tokenize and the like use no tokens: an overdrawn minute does not stop them
@@ -322,11 +338,11 @@ func (g *Gateway) admit(w http.ResponseWriter, x *exchange, kind apiKind, p *pri
 	case tooLarge:
 		g.rateLimited.WithLabelValues(p.name, "tokens").Inc()
 		return &openai.Error{Message: fmt.Sprintf("Request too large for key %s on tokens per min (TPM): Limit %.0f, Requested %.0f (prompt estimate plus max_tokens). Send a smaller request.",
-			p.name, kl.tok.limit, est), Type: "tokens", Code: codeRateLimitExceeded, Status: http.StatusTooManyRequests}
+			p.name, tokLimit, est), Type: "tokens", Code: codeRateLimitExceeded, Status: http.StatusTooManyRequests}
 	case !okReq || !okTok:
-		limit, b, wait := "requests", &kl.req, waitReq
+		limit, lim, wait := "requests", reqLimit, waitReq
 		if okReq {
-			limit, b, wait = "tokens", &kl.tok, waitTok
+			limit, lim, wait = "tokens", tokLimit, waitTok
 		}
 		g.rateLimited.WithLabelValues(p.name, limit).Inc()
 		secs := max(1, int(math.Ceil(wait.Seconds())))
@@ -337,10 +353,10 @@ func (g *Gateway) admit(w http.ResponseWriter, x *exchange, kind apiKind, p *pri
 			unit = "TPM"
 		}
 		return &openai.Error{Message: fmt.Sprintf("Rate limit reached for key %s on %s per min (%s): Limit %.0f. Please try again in %s.",
-			p.name, limit, unit, b.limit, wait.Round(time.Millisecond)), Type: limit, Code: codeRateLimitExceeded, Status: http.StatusTooManyRequests}
+			p.name, limit, unit, lim, wait.Round(time.Millisecond)), Type: limit, Code: codeRateLimitExceeded, Status: http.StatusTooManyRequests}
 	}
 	x.edge.limits, x.edge.reserved = kl, est
-	if kl.tok.limit <= 0 {
+	if tokLimit <= 0 {
 		x.edge.reserved = 0
 	}
 	return nil
@@ -442,24 +458,32 @@ func (x *exchange) settleTokens(u *openai.Usage) {
 	if kl == nil || u == nil {
 		return
 	}
-	if kl.tok.limit > 0 {
-		used := u.TotalTokens
-		if used <= 0 {
-			used = u.PromptTokens + u.CompletionTokens
-		}
-		kl.mu.Lock()
-		kl.tok.adjust(float64(max(used, 0)) - x.edge.reserved)
-		kl.mu.Unlock()
+	used := u.TotalTokens
+	if used <= 0 {
+		used = u.PromptTokens + u.CompletionTokens
 	}
+	kl.mu.Lock()
+	kl.tok.adjust(float64(max(used, 0)) - x.edge.reserved) // a no-op without a token limit
+	kl.mu.Unlock()
 	x.edge.limits, x.edge.reserved = nil, 0
 }
 
 // keyLimits are one key's token buckets (one per key name: memory is
-// bounded by the keys configured).
+// bounded by the keys configured). A reload keeps them for a key it keeps
+// (loadKeys), its limits changed in place (setLimits).
 type keyLimits struct {
 	mu  sync.Mutex
 	req bucket // requests
 	tok bucket // tokens
+}
+
+// setLimits changes the per-minute limits (0: none) at now, keeping what
+// the key has used of them (bucket.setLimit).
+func (kl *keyLimits) setLimits(rpm, tpm int, now time.Time) {
+	kl.mu.Lock()
+	kl.req.setLimit(rpm, now)
+	kl.tok.setLimit(tpm, now)
+	kl.mu.Unlock()
 }
 
 // newKeyLimits returns the buckets for the per-minute limits (0: none), or
@@ -507,6 +531,23 @@ func (b *bucket) check(now time.Time, n float64) (bool, time.Duration) {
 	}
 	need := min(n, b.limit) - b.level
 	return false, time.Duration(need / b.limit * float64(time.Minute))
+}
+
+// setLimit changes the bucket's limit at now to perMinute (0: unlimited),
+// keeping what was used of the minute: a bucket limit − level short of full
+// stays as short of full under the new limit (within [−limit, limit]), so
+// a raised limit is available at once and a lowered one holds what was
+// already spent against it. A bucket that had no limit starts full.
+func (b *bucket) setLimit(perMinute int, now time.Time) {
+	n := float64(max(perMinute, 0))
+	if b.limit <= 0 || n <= 0 {
+		*b = newBucket(perMinute)
+		return
+	}
+	b.refill(now)
+	used := b.limit - b.level
+	b.limit = n
+	b.level = max(-n, min(n, n-used))
 }
 
 // take removes n units (after a successful check).

@@ -125,7 +125,7 @@ func TestTokenRateLimit(t *testing.T) {
 		return fmt.Sprintf(`{"model":"m","prompt":[%s],"max_tokens":%d,"stream":%v}`, ids, maxTokens, stream)
 	}
 	level := func() float64 {
-		p := g.keys.principals[0]
+		p := g.state.Load().keys.principals[0]
 		p.limits.mu.Lock()
 		defer p.limits.mu.Unlock()
 		return p.limits.tok.level
@@ -331,7 +331,7 @@ func TestStalledClientDropped(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("the upstream stream was not canceled after the client stalled")
 	}
-	waitFor(t, "in flight back to 0", func() bool { return g.endpoints[0].inFlight.Load() == 0 })
+	waitFor(t, "in flight back to 0", func() bool { return g.state.Load().endpoints[0].inFlight.Load() == 0 })
 }
 
 func writeFile(path, s string) error { return os.WriteFile(path, []byte(s), 0o600) }

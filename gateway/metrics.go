@@ -145,16 +145,17 @@ func (m *metrics) count(rm *routeMetrics, code int) {
 
 // fleetCollector exposes the endpoints' in-flight counts and readiness at
 // scrape time, straight from the atomics the request path maintains, so the
-// request path pays nothing for these gauges.
+// request path pays nothing for these gauges; the endpoints are those of
+// the configuration in force.
 type fleetCollector struct {
-	endpoints []*endpoint
-	inFlight  *prometheus.Desc
-	ready     *prometheus.Desc
+	g        *Gateway
+	inFlight *prometheus.Desc
+	ready    *prometheus.Desc
 }
 
-func newFleetCollector(eps []*endpoint) *fleetCollector {
+func newFleetCollector(g *Gateway) *fleetCollector {
 	return &fleetCollector{
-		endpoints: eps,
+		g: g,
 		inFlight: prometheus.NewDesc("infergate_endpoint_in_flight_requests",
 			"Requests the gateway has sent to the endpoint that have not finished (requests).", []string{"endpoint"}, nil),
 		ready: prometheus.NewDesc("infergate_endpoint_ready",
@@ -170,7 +171,11 @@ func (c *fleetCollector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements prometheus.Collector.
 func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, ep := range c.endpoints {
+	st := c.g.state.Load()
+	if st == nil {
+		return
+	}
+	for _, ep := range st.endpoints {
 		ready := 0.0
 		if ep.ready.Load() {
 			ready = 1

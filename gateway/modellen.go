@@ -24,15 +24,14 @@ const maxModelsBody = 1 << 20
 // GET <base>/v1/models: the largest max_model_len of its entries (vLLM's
 // and the simulator's model cards carry it; LoRA adapters' cards do not,
 // they share the base model's). 0 and an error when it reports none.
-func (g *Gateway) fetchMaxModelLen(ctx context.Context, ep *endpoint) (int, error) {
+func (g *Gateway) fetchMaxModelLen(ctx context.Context, base string, header http.Header) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
 	defer cancel()
-	base := ep.base
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+pathModels, nil)
 	if err != nil {
 		return 0, fmt.Errorf("read %s%s: %w", base, pathModels, err)
 	}
-	ep.addHeader(req.Header) // the credentials: vLLM's --api-key guards every /v1 path
+	addHeader(req.Header, header) // the credentials: vLLM's --api-key guards every /v1 path
 	resp, err := g.transport.RoundTrip(req)
 	if err != nil {
 		return 0, fmt.Errorf("read %s%s: %w", base, pathModels, err)

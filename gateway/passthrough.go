@@ -105,37 +105,37 @@ func proxiedPath(path string) bool {
 
 // routePassthrough serves the routes of the rest of the surface (README
 // "Routes"); it reports false when path is none of them.
-func (g *Gateway) routePassthrough(w http.ResponseWriter, r *http.Request, key *principal) bool {
+func (g *Gateway) routePassthrough(w http.ResponseWriter, r *http.Request, key *principal, st *state) bool {
 	switch p := r.URL.Path; {
 	case p == pathResponses:
 		if g.allow(w, r, http.MethodPost) {
-			g.serveInference(w, r, kindResponses, key)
+			g.serveInference(w, r, kindResponses, key, st)
 		}
 	case p == pathEmbeddings:
 		if g.allow(w, r, http.MethodPost) {
-			g.serveInference(w, r, kindEmbeddings, key)
+			g.serveInference(w, r, kindEmbeddings, key, st)
 		}
 	case p == pathTokenize:
 		if g.allow(w, r, http.MethodPost) {
-			g.serveInference(w, r, kindTokenize, key)
+			g.serveInference(w, r, kindTokenize, key, st)
 		}
 	case p == pathDetokenize:
 		if g.allow(w, r, http.MethodPost) {
-			g.serveInference(w, r, kindDetokenize, key)
+			g.serveInference(w, r, kindDetokenize, key, st)
 		}
 	case strings.HasPrefix(p, pathResponses+"/") && passablePath(p):
 		// GET /v1/responses/{id} (retrieve), DELETE, POST …/cancel: to the
 		// engine that stored the response.
 		switch r.Method {
 		case http.MethodGet, http.MethodDelete, http.MethodPost:
-			g.serveInference(w, r, kindResponseByID, key)
+			g.serveInference(w, r, kindResponseByID, key, st)
 		default:
 			w.Header().Set("Allow", "GET, POST, DELETE")
 			g.fail(w, g.unknown, openai.NewError(http.StatusMethodNotAllowed,
 				fmt.Sprintf("Method %s is not allowed for %s.", r.Method, p), "", "method_not_allowed"))
 		}
 	case r.Method == http.MethodPost && passablePath(p):
-		g.serveInference(w, r, kindOther, key)
+		g.serveInference(w, r, kindOther, key, st)
 	default:
 		return false
 	}
@@ -176,12 +176,12 @@ type passState struct {
 	routeToks []uint32
 	toks      uint8
 
-	// Response affinity (responses.go): pin is the endpoint index the
-	// request must go to (-1: any), pinID the response id that pins it;
+	// Response affinity (responses.go): pinEP is the endpoint the request
+	// must go to (nil: any), pinID the response id that pins it;
 	// respID the id of the response to learn (set by the relay once the
 	// engine's answer is complete), respDone that a stream's terminal event
 	// arrived; seq counts the events read from a Responses stream.
-	pin      int
+	pinEP    *endpoint
 	pinID    string
 	respID   string
 	respDone bool
@@ -195,7 +195,7 @@ func (s *passState) reset() {
 	if cap(aliasBody) > maxPooledBuffer {
 		aliasBody = nil
 	}
-	*s = passState{aliasBody: aliasBody, msgs: msgs, pin: -1} // routeToks aliases other buffers: dropped
+	*s = passState{aliasBody: aliasBody, msgs: msgs} // routeToks aliases other buffers: dropped
 }
 
 // decodePass decodes the body of the kinds besides chat and completions

@@ -188,7 +188,7 @@ func TestPreciseForgetsRestartedEngine(t *testing.T) {
 		after := scrape(t, c, url).value("infergate_prefix_predicted_matched_tokens_total", "")
 		return int(after - before), out.Usage.Details.Cached
 	}
-	ix, ep := g.PreciseIndex("m"), g.endpoints[0]
+	ix, ep := g.PreciseIndex("m"), g.state.Load().endpoints[0]
 	chat()
 	waitFor(t, "the engine's blocks in the index", func() bool { return ix.Len(0, prefix.MediumGPU) > 0 })
 	if p, cached := chat(); p < 400 || cached < 400 {
@@ -207,14 +207,14 @@ func TestPreciseForgetsRestartedEngine(t *testing.T) {
 	if p != cached {
 		t.Fatalf("first request after the restart: predicted %d cached tokens, the engine reported %d", p, cached)
 	}
-	if st := g.kvSubs[0].sub.Stats(); st.Resyncs == 0 {
+	if st := kvFeedOf(g, 0).sub.Stats(); st.Resyncs == 0 {
 		t.Fatalf("subscriber stats %+v: no resync", st)
 	}
 	// The index learns the restarted engine's blocks again (the subscriber
 	// redials after its backoff and replays what it missed).
 	for deadline := time.Now().Add(30 * time.Second); ix.Len(0, prefix.MediumGPU) == 0; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("the restarted engine's blocks never reached the index: %+v", g.kvSubs[0].sub.Stats())
+			t.Fatalf("the restarted engine's blocks never reached the index: %+v", kvFeedOf(g, 0).sub.Stats())
 		}
 	}
 	if p, cached := chat(); p < 400 || p != cached {
@@ -222,11 +222,11 @@ func TestPreciseForgetsRestartedEngine(t *testing.T) {
 	}
 
 	// An ejection by outlier detection forgets the endpoint's blocks too.
-	resyncs := g.kvSubs[0].sub.Stats().Resyncs
+	resyncs := kvFeedOf(g, 0).sub.Stats().Resyncs
 	if !g.ejectOutlier(ep, reasonConnect, time.Now()) {
 		t.Fatal("not ejected")
 	}
-	if n, st := ix.Len(0, prefix.MediumGPU), g.kvSubs[0].sub.Stats(); n != 0 || st.Resyncs != resyncs+1 {
+	if n, st := ix.Len(0, prefix.MediumGPU), kvFeedOf(g, 0).sub.Stats(); n != 0 || st.Resyncs != resyncs+1 {
 		t.Fatalf("after the ejection: %d blocks held, %d resyncs (was %d)", n, st.Resyncs, resyncs)
 	}
 }
@@ -289,9 +289,9 @@ func TestPreciseAfterGatewayRestart(t *testing.T) {
 	// last turn (the events are asynchronous).
 	settle := func(g *Gateway, stored uint64) {
 		t.Helper()
-		for deadline := time.Now().Add(30 * time.Second); g.kvSubs[0].appliers[0].Stats().Stored+g.kvSubs[0].appliers[0].Stats().UnknownParents <= stored; time.Sleep(5 * time.Millisecond) {
+		for deadline := time.Now().Add(30 * time.Second); kvFeedOf(g, 0).appliers[0].Stats().Stored+kvFeedOf(g, 0).appliers[0].Stats().UnknownParents <= stored; time.Sleep(5 * time.Millisecond) {
 			if time.Now().After(deadline) {
-				t.Fatalf("no event for the turn: %+v", g.kvSubs[0].appliers[0].Stats())
+				t.Fatalf("no event for the turn: %+v", kvFeedOf(g, 0).appliers[0].Stats())
 			}
 		}
 	}
@@ -303,7 +303,7 @@ func TestPreciseAfterGatewayRestart(t *testing.T) {
 	// Until the subscription is live (no replay: what is published before
 	// is lost), ask the engine an unrelated prompt directly.
 	// Each probe is new to the engine's cache, so it stores blocks.
-	for i := 0; g2.kvSubs[0].appliers[0].Stats().Stored == 0; i++ {
+	for i := 0; kvFeedOf(g2, 0).appliers[0].Stats().Stored == 0; i++ {
 		if i == 3000 {
 			t.Fatal("the subscription never saw an event")
 		}
@@ -312,7 +312,7 @@ func TestPreciseAfterGatewayRestart(t *testing.T) {
 		post(t, c, f.URLs[0]+pathCompletions, string(other))
 		time.Sleep(10 * time.Millisecond)
 	}
-	a := g2.kvSubs[0].appliers[0]
+	a := kvFeedOf(g2, 0).appliers[0]
 	for i, q := range []string{"second question", "third question", "fourth question"} {
 		before := a.Stats()
 		p, cached := turn(url2, q)
@@ -332,4 +332,10 @@ func TestPreciseAfterGatewayRestart(t *testing.T) {
 	if n := m.value("infergate_kv_events_orphans_joined_total", ""); n == 0 {
 		t.Fatalf("infergate_kv_events_orphans_joined_total %v", n)
 	}
+}
+
+// kvFeedOf is the KV feed of the gateway's endpoint i (nil when none).
+func kvFeedOf(g *Gateway, i int) *kvFeed {
+	st := g.state.Load()
+	return st.feeds[st.endpoints[i]].kv
 }

@@ -128,7 +128,7 @@ func (g *Gateway) getExchange() *exchange {
 	if x, _ := g.exchanges.Get().(*exchange); x != nil {
 		return x
 	}
-	return &exchange{copyBuf: make([]byte, 32<<10), pass: passState{pin: -1}}
+	return &exchange{copyBuf: make([]byte, 32<<10)}
 }
 
 // requestIDValue returns id as a one-element header value held by x.
@@ -290,33 +290,33 @@ const maxRoutingTextBytes = 512 << 10
 // own tokens); otherwise a chat is tokenized message by message through the
 // segment cache, whose ids differ at message boundaries but are the same for
 // the same messages, which is all the approximate index needs.
-func (x *exchange) promptTokens(kind apiKind, g *Gateway, exact bool) []uint32 {
+func (x *exchange) promptTokens(kind apiKind, p *pool, exact bool) []uint32 {
 	switch {
 	case kind == kindChat && exact:
-		ids, _ := g.tokenizer.EncodePrefix(x.chat.Prompt(), maxRoutingTextBytes)
+		ids, _ := p.tokenizer.EncodePrefix(x.chat.Prompt(), maxRoutingTextBytes)
 		return ids
 	case kind == kindChat:
 		// Message by message, through the segment cache: a conversation's
 		// system prompt and earlier turns are tokenized once, not per turn.
 		x.segs = openai.AppendChatSegments(x.segs[:0], x.chat.Tools, x.chat.Messages)
-		x.toks, _ = g.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
+		x.toks, _ = p.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
 		return x.toks
 	case kind == kindResponses:
 		// Rendered as a chat of its instructions and input items.
 		x.pass.msgs = x.pass.resp.AppendMessages(x.pass.msgs[:0])
 		if exact {
-			ids, _ := g.tokenizer.EncodePrefix(openai.RenderChat(x.pass.resp.Tools, x.pass.msgs), maxRoutingTextBytes)
+			ids, _ := p.tokenizer.EncodePrefix(openai.RenderChat(x.pass.resp.Tools, x.pass.msgs), maxRoutingTextBytes)
 			return ids
 		}
 		x.segs = openai.AppendChatSegments(x.segs[:0], x.pass.resp.Tools, x.pass.msgs)
-		x.toks, _ = g.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
+		x.toks, _ = p.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
 		return x.toks
 	case kind != kindCompletion:
 		return nil
 	case len(x.comp.Prompt.Tokens) > 0:
 		return x.comp.Prompt.Tokens[0]
 	case len(x.comp.Prompt.Texts) > 0:
-		ids, _ := g.tokenizer.EncodePrefix(x.comp.Prompt.Texts[0], maxRoutingTextBytes)
+		ids, _ := p.tokenizer.EncodePrefix(x.comp.Prompt.Texts[0], maxRoutingTextBytes)
 		return ids
 	}
 	return nil
@@ -346,8 +346,10 @@ func (g *Gateway) fail(w http.ResponseWriter, rm *routeMetrics, e *openai.Error)
 // model (an alias: its targets in order; a response id: the engine that
 // stored it), admit the key (model access, rate limits; key nil when
 // authentication is off), then per target hash, pick, proxy, falling back
-// to the next target on the failures that allow it (alias.go).
-func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind apiKind, key *principal) {
+// to the next target on the failures that allow it (alias.go). st is the
+// configuration in force when the request arrived (its pools, aliases and
+// keys).
+func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind apiKind, key *principal, st *state) {
 	start := time.Now()
 	r, unbind := g.bindShutdown(r)
 	if unbind != nil {
@@ -371,9 +373,9 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	}
 	verr := x.decode(kind)
 	x.obs.decodedRequest(x.model, x.stream)
-	targets := g.targets[x.model]
+	targets := st.targets[x.model]
 	if kind == kindResponseByID {
-		targets, verr = g.responseTarget(x, r, key)
+		targets, verr = g.responseTarget(x, r, key, st)
 	}
 	rm := g.unknown
 	if len(targets) > 0 {
@@ -403,7 +405,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 		return
 	}
 	if kind == kindResponses && x.pass.resp.PreviousResponseID != "" {
-		t, e := g.continuationTarget(x, targets, key)
+		t, e := g.continuationTarget(x, targets, key, st)
 		if e != nil {
 			x.refundAdmission(w.Header())
 			g.fail(w, rm, e)
@@ -446,7 +448,7 @@ func (g *Gateway) prepareTarget(w http.ResponseWriter, x *exchange, kind apiKind
 			want = 2
 		}
 		if x.pass.toks != want { // once for all targets
-			x.pass.routeToks, x.pass.toks = x.promptTokens(kind, g, want == 2), want
+			x.pass.routeToks, x.pass.toks = x.promptTokens(kind, p, want == 2), want
 		}
 		tokens := x.pass.routeToks
 		seed := p.seed

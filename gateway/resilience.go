@@ -165,8 +165,9 @@ type outlierState struct {
 	mu sync.Mutex
 	// ejections is the ejections in a row (the back-off exponent).
 	ejections int
-	// until is the end of the latest ejection.
-	until time.Time
+	// until is the end of the latest ejection, reason its cause.
+	until  time.Time
+	reason string
 }
 
 // Failure kinds of one attempt, for outlier detection and the retries
@@ -225,7 +226,7 @@ func (g *Gateway) ejectOutlier(ep *endpoint, reason string, now time.Time) bool 
 		d *= 2
 	}
 	d = min(d, maxEject)
-	o.until = now.Add(d)
+	o.until, o.reason = now.Add(d), reason
 	n := o.ejections
 	o.mu.Unlock()
 	o.consecutive.Store(0)
@@ -233,6 +234,26 @@ func (g *Gateway) ejectOutlier(ep *endpoint, reason string, now time.Time) bool 
 	g.res.ejections.WithLabelValues(ep.name, reason).Inc()
 	slog.Warn("gateway: endpoint ejected", "endpoint", ep.name, "reason", reason,
 		"ejection", n, "eject_for", d)
+	return true
+}
+
+// endAuthEjection ends a running ejection that a refusal of the gateway's
+// credentials caused (they have since changed, and the engine accepts the
+// new ones: applyCredentials), the back-off starting over, and puts the
+// endpoint back in rotation. It reports whether there was one.
+func (ep *endpoint) endAuthEjection(now time.Time) bool {
+	o := &ep.outlier
+	o.mu.Lock()
+	if !now.Before(o.until) || o.reason != reasonAuth {
+		o.mu.Unlock()
+		return false
+	}
+	o.until, o.ejections, o.reason = now, 0, ""
+	o.mu.Unlock()
+	o.consecutive.Store(0)
+	ep.ejectedUntil.Store(0)
+	ep.wentDown.Store(false)
+	ep.setReady(true)
 	return true
 }
 
@@ -260,8 +281,10 @@ func (ep *endpoint) releaseSlot() {
 // wakeGates lets the admission queues of ep's models admit waiters (a
 // circuit-breaker slot freed, or the endpoint came back).
 func (ep *endpoint) wakeGates() {
-	for _, a := range ep.gates {
-		a.wake()
+	if gates := ep.gates.Load(); gates != nil {
+		for _, a := range *gates {
+			a.wake()
+		}
 	}
 }
 
@@ -270,7 +293,7 @@ func (ep *endpoint) wakeGates() {
 // circuit-breaker limit, and takes a breaker slot on the pick. It returns
 // the index and decision, or -1 when no endpoint can take the request.
 func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (int, sched.Decision) {
-	limit := g.cfg.CircuitBreaker.MaxRequests
+	limit := p.maxRequests
 	snap := p.snapshot()
 	defer p.release(snap)
 	s := *snap

@@ -135,7 +135,7 @@ func TestRetryConnectFailureGoesElsewhere(t *testing.T) {
 			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
 		}
 	}
-	if g.endpoints[0].ready.Load() {
+	if g.state.Load().endpoints[0].ready.Load() {
 		t.Error("refused endpoint still in rotation")
 	}
 	m := scrape(t, c, url)
@@ -206,8 +206,8 @@ func TestRetry5xxAndStreamFailureBeforeFirstEvent(t *testing.T) {
 			if n := good.requests.Load(); n != 4 {
 				t.Errorf("good engine served %d, want 4", n)
 			}
-			if g.endpoints[0].ready.Load() != (tried < DefaultOutlierConsecutiveErrors) {
-				t.Errorf("bad endpoint ready=%v after %d errors", g.endpoints[0].ready.Load(), tried)
+			if g.state.Load().endpoints[0].ready.Load() != (tried < DefaultOutlierConsecutiveErrors) {
+				t.Errorf("bad endpoint ready=%v after %d errors", g.state.Load().endpoints[0].ready.Load(), tried)
 			}
 		})
 	}
@@ -356,7 +356,7 @@ func TestRetryBudget(t *testing.T) {
 	cfg.Outlier.ConsecutiveErrors = 100
 	g, url := startGateway(t, cfg)
 	c := testClient(t)
-	p := g.pools["m"]
+	p := g.state.Load().pools["m"]
 
 	// The budget is spent: max(3, 20% of 1 active) = 3 retries already in
 	// flight. The engine's JSON 500 is relayed instead of retried.
@@ -406,7 +406,7 @@ func TestOutlierEjectionBackoff(t *testing.T) {
 	cfg.EjectDuration = time.Hour // no health check restores during the test
 	cfg.Outlier = OutlierConfig{ConsecutiveErrors: 3, MaxEjectionTime: 4 * time.Hour}
 	g, _ := startGateway(t, cfg)
-	ep := g.endpoints[0]
+	ep := g.state.Load().endpoints[0]
 	now := time.Now()
 	until := func() time.Duration { return time.Duration(ep.ejectedUntil.Load() - now.UnixNano()) }
 	restore := func(at time.Time) {
@@ -455,7 +455,7 @@ func TestOutlierEjectionBackoff(t *testing.T) {
 		t.Errorf("after a long healthy spell ejected for %v, want 1h", until())
 	}
 	// A refused connection ejects at once.
-	ep2 := g.endpoints[1]
+	ep2 := g.state.Load().endpoints[1]
 	if !g.outlierFailure(ep2, reasonConnect, now) || ep2.ready.Load() {
 		t.Error("connection refused did not eject")
 	}
@@ -468,7 +468,7 @@ func TestOutlierEjectsAfterConsecutive5xx(t *testing.T) {
 	cfg.Outlier.ConsecutiveErrors = 2
 	g, url := startGateway(t, cfg)
 	c := testClient(t)
-	for i := 0; g.endpoints[0].ready.Load(); i++ {
+	for i := 0; g.state.Load().endpoints[0].ready.Load(); i++ {
 		if i > 50 {
 			t.Fatal("the failing endpoint was never ejected")
 		}
@@ -499,7 +499,7 @@ func TestCircuitBreakerLimit(t *testing.T) {
 	for range 6 {
 		chans = append(chans, sendAsync(ctx, c, url+pathCompletions, body))
 	}
-	p := g.pools["m"]
+	p := g.state.Load().pools["m"]
 	waitFor(t, "4 in flight and 2 queued", func() bool {
 		return e1.cur.Load()+e2.cur.Load() == 4 && p.gate.waiting.Load() == 2
 	})
@@ -583,7 +583,7 @@ func queueSetupWith(t *testing.T, adm AdmissionConfig, edit func(*Config), hdr .
 func TestAdmissionPriorityOrder(t *testing.T) {
 	q := queueSetup(t, AdmissionConfig{})
 	g, url, c, release, blocker := q.g, q.url, q.c, q.release, q.blocker
-	p := g.pools["m"]
+	p := g.state.Load().pools["m"]
 	ctx, cancel := contextWithCancel(t)
 	defer cancel()
 	var chans []<-chan result
@@ -621,7 +621,7 @@ func TestAdmissionQueueTimeout(t *testing.T) {
 	if e := decodeError(t, r.body); codeStr(e.Code) != codeOverloaded || e.Type != "rate_limit_error" {
 		t.Errorf("queue timeout error %+v", e)
 	}
-	if q.g.pools["m"].gate.waiting.Load() != 0 {
+	if q.g.state.Load().pools["m"].gate.waiting.Load() != 0 {
 		t.Error("timed-out request still queued")
 	}
 	close(q.release)
@@ -639,7 +639,7 @@ func TestAdmissionQueueTimeout(t *testing.T) {
 
 func TestAdmissionQueueCapacity(t *testing.T) {
 	q := queueSetup(t, AdmissionConfig{MaxQueue: 1})
-	p := q.g.pools["m"]
+	p := q.g.state.Load().pools["m"]
 	ctx, cancel := contextWithCancel(t)
 	defer cancel()
 	// One waits, the next is refused at once.
@@ -674,7 +674,7 @@ func TestAdmissionQueueCapacity(t *testing.T) {
 // of equal or lower priority is refused.
 func TestAdmissionDisplacesLowerPriority(t *testing.T) {
 	q := queueSetup(t, AdmissionConfig{MaxQueue: 3})
-	p := q.g.pools["m"]
+	p := q.g.state.Load().pools["m"]
 	ctx, cancel := contextWithCancel(t)
 	defer cancel()
 	var queued []<-chan result
@@ -729,7 +729,7 @@ func TestAdmissionKeyMaxPriority(t *testing.T) {
 			t.Fatal(err)
 		}
 	}, "Authorization", auth(keyBob))
-	p := q.g.pools["m"]
+	p := q.g.state.Load().pools["m"]
 	ctx, cancel := contextWithCancel(t)
 	defer cancel()
 	capped := sendAsync(ctx, q.c, q.url+pathChat, chatBody, "X-Request-Id", "capped", "Authorization", auth(keyAlice), PriorityHeader, "9")
@@ -750,7 +750,7 @@ func TestAdmissionKeyMaxPriority(t *testing.T) {
 func TestAdmissionCancelLeavesQueue(t *testing.T) {
 	q := queueSetup(t, AdmissionConfig{})
 	g, url, c, e, release, blocker := q.g, q.url, q.c, q.e, q.release, q.blocker
-	p := g.pools["m"]
+	p := g.state.Load().pools["m"]
 	ctx, cancel := context.WithCancel(context.Background())
 	queued := sendAsync(ctx, c, url+pathChat, chatBody)
 	waitFor(t, "queued", func() bool { return p.gate.waiting.Load() == 1 })
@@ -775,12 +775,12 @@ func TestAdmissionCancelLeavesQueue(t *testing.T) {
 func TestAdmissionNoEndpointFailsWaiters(t *testing.T) {
 	q := queueSetup(t, AdmissionConfig{})
 	g, url, c := q.g, q.url, q.c
-	p := g.pools["m"]
+	p := g.state.Load().pools["m"]
 	ctx, cancel := contextWithCancel(t)
 	defer cancel()
 	queued := sendAsync(ctx, c, url+pathChat, chatBody)
 	waitFor(t, "queued", func() bool { return p.gate.waiting.Load() == 1 })
-	g.endpoints[0].setReady(false) // e.g. a failed health check
+	g.state.Load().endpoints[0].setReady(false) // e.g. a failed health check
 	if r := await(t, queued); r.status != http.StatusServiceUnavailable {
 		t.Errorf("waiter with no endpoint left: %d %s", r.status, r.body)
 	}
@@ -850,13 +850,13 @@ func TestResilienceNoGoroutineLeak(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		held := sendAsync(ctx, c, srv.URL+pathChat, chatBody, "X-Request-Id", "blocker")
-		waitFor(t, "slot held", func() bool { return g.pools["m"].gate.active.Load() == 1 })
+		waitFor(t, "slot held", func() bool { return g.state.Load().pools["m"].gate.active.Load() == 1 })
 		if r := await(t, sendAsync(context.Background(), c, srv.URL+pathChat, chatBody)); r.status != 429 {
 			t.Errorf("status %d, want 429", r.status)
 		}
 		cctx, ccancel := context.WithCancel(context.Background())
 		gone := sendAsync(cctx, c, srv.URL+pathChat, chatBody)
-		waitFor(t, "queued", func() bool { return g.pools["m"].gate.waiting.Load() == 1 })
+		waitFor(t, "queued", func() bool { return g.state.Load().pools["m"].gate.waiting.Load() == 1 })
 		ccancel()
 		await(t, gone)
 		close(release)

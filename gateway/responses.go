@@ -72,7 +72,13 @@ func (c ResponsesConfig) validate() []error {
 
 // responseAffinity maps response ids to the endpoint that stored them and
 // the key that created them, at most max entries, the oldest forgotten
-// first (a ring of the ids in insertion order).
+// first (a ring of the ids in insertion order). It outlives reloads: an
+// entry names the endpoint itself (an endpoint a reload keeps is the same
+// object, reload.go), not its slot, so a continuation is never sent to an
+// endpoint a reload removed, nor to a new one that took its slot (neither
+// holds the response: the continuation is answered as for an unknown
+// response), and the key by its name (a reload rebuilds the principals;
+// a key kept by name keeps its responses).
 type responseAffinity struct {
 	mu   sync.Mutex
 	m    map[string]affinityEntry
@@ -80,12 +86,12 @@ type responseAffinity struct {
 	next int
 }
 
-// affinityEntry is where a response is stored: endpoint ep of pool p, made
-// with key owner (nil: authentication off).
+// affinityEntry is where a response is stored: endpoint ep, serving model,
+// made with the key named owner ("": authentication off).
 type affinityEntry struct {
-	p     *pool
+	model string
 	ep    *endpoint
-	owner *principal
+	owner string
 }
 
 func newResponseAffinity(max int) *responseAffinity {
@@ -95,12 +101,16 @@ func newResponseAffinity(max int) *responseAffinity {
 	return &responseAffinity{m: make(map[string]affinityEntry, min(max, 1024)), ring: make([]string, max)}
 }
 
-// learn records that endpoint i of p stored response id, made by owner.
-func (a *responseAffinity) learn(id string, p *pool, i int, owner *principal) {
+// learn records that endpoint ep, serving model, stored response id, made
+// by owner (nil: authentication off).
+func (a *responseAffinity) learn(id, model string, ep *endpoint, owner *principal) {
 	if len(a.ring) == 0 || id == "" || len(id) > maxResponseIDBytes {
 		return
 	}
-	e := affinityEntry{p: p, ep: p.endpoints[i], owner: owner}
+	e := affinityEntry{model: model, ep: ep}
+	if owner != nil {
+		e.owner = owner.name
+	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if _, ok := a.m[id]; ok {
@@ -137,39 +147,40 @@ func (a *responseAffinity) len() int {
 // cannot serve (OpenAI's code for an unknown one).
 const codePreviousNotFound = "previous_response_not_found"
 
-// owned looks up response id for key: with authentication on, an id
-// created with another key is not found (response ids are scoped to the
-// key that made them, as OpenAI scopes them to a project).
-func (g *Gateway) owned(id string, key *principal) (affinityEntry, bool) {
+// owned looks up response id for key under st's keys: with authentication
+// on, an id created with another key is not found (response ids are scoped
+// to the key that made them, as OpenAI scopes them to a project).
+func (g *Gateway) owned(id string, key *principal, st *state) (affinityEntry, bool) {
 	e, ok := g.affinity.lookup(id)
-	if ok && g.keys != nil && e.owner != key {
+	if ok && st.keys != nil && (key == nil || e.owner != key.name) {
 		return affinityEntry{}, false
 	}
 	return e, ok
 }
 
 // continuationTarget resolves a responses request's previous_response_id
-// among the model's targets: the pool holding the endpoint that stored the
-// response, x pinned to that endpoint. nil, nil when the gateway does not
-// know the id and authentication is off: the request is then routed by
-// load (the engine answers 404 if it does not hold the response). With
-// authentication on an unknown id, or another key's, is refused 404
-// previous_response_not_found (the gateway cannot tell which engine holds
-// it and will not let a key reach another key's conversation), as is a
-// response stored by an endpoint that serves none of the targets.
-func (g *Gateway) continuationTarget(x *exchange, targets []*pool, key *principal) ([]*pool, *openai.Error) {
+// among the model's targets (in st): the pool holding the endpoint that
+// stored the response, x pinned to that endpoint. nil, nil when the
+// gateway does not know the id and authentication is off: the request is
+// then routed by load (the engine answers 404 if it does not hold the
+// response). With authentication on an unknown id, or another key's, is
+// refused 404 previous_response_not_found (the gateway cannot tell which
+// engine holds it and will not let a key reach another key's
+// conversation), as is a response stored by an endpoint that serves none
+// of the targets (or that a reload removed).
+func (g *Gateway) continuationTarget(x *exchange, targets []*pool, key *principal, st *state) ([]*pool, *openai.Error) {
 	id := x.pass.resp.PreviousResponseID
-	e, ok := g.owned(id, key)
+	e, ok := g.owned(id, key, st)
 	if !ok {
-		if g.keys == nil {
+		if st.keys == nil {
 			return nil, nil
 		}
 		return nil, previousNotFound(id)
 	}
 	for _, p := range targets {
-		if i := slicesIndex(p.endpoints, e.ep); i >= 0 {
-			x.pass.pin, x.pass.pinID = i, id
-			return g.targets[p.model], nil
+		if slicesIndex(p.endpoints, e.ep) >= 0 {
+			x.pass.pinEP, x.pass.pinID = e.ep, id
+			return st.targets[p.model], nil
 		}
 	}
 	return nil, previousNotFound(id)
@@ -189,22 +200,27 @@ func slicesIndex(eps []*endpoint, ep *endpoint) int {
 	return -1
 }
 
-// responseTarget resolves /v1/responses/{id}[/…] to the pool and endpoint
-// that stored the response (x pinned there, x.model its model), or a 404
-// not_found: an id the gateway does not know (or another key's) cannot be
-// routed, there being no model to route it by.
-func (g *Gateway) responseTarget(x *exchange, r *http.Request, key *principal) ([]*pool, *openai.Error) {
+// responseTarget resolves /v1/responses/{id}[/…] to the pool (in st) and
+// endpoint that stored the response (x pinned there, x.model its model),
+// or a 404 not_found: an id the gateway does not know (or another key's,
+// or stored by an endpoint a reload removed) cannot be routed, there being
+// no model to route it by.
+func (g *Gateway) responseTarget(x *exchange, r *http.Request, key *principal, st *state) ([]*pool, *openai.Error) {
 	id := responseIDOf(r.URL.Path)
-	e, ok := g.owned(id, key)
-	if !ok {
+	e, ok := g.owned(id, key, st)
+	var p *pool
+	if ok {
+		p = st.pools[e.model]
+	}
+	if p == nil || slicesIndex(p.endpoints, e.ep) < 0 {
 		return nil, openai.NewError(http.StatusNotFound, fmt.Sprintf("Response with id '%s' not found.", truncate(id, maxResponseIDBytes)),
 			"", "not_found")
 	}
-	x.model = e.p.model
-	x.pass.pin, x.pass.pinID = slicesIndex(e.p.endpoints, e.ep), id
+	x.model = e.model
+	x.pass.pinEP, x.pass.pinID = e.ep, id
 	// A retrieval may stream the stored events (vLLM: ?stream=true).
 	x.stream = r.Method == http.MethodGet && r.URL.Query().Get("stream") == "true"
-	return g.targets[e.p.model], nil
+	return st.targets[e.model], nil
 }
 
 // responseView is what the relay reads from one Responses stream event.

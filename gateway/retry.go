@@ -76,9 +76,12 @@ func requestPriority(r *http.Request) (int, *openai.Error) {
 
 // serveRouted is the request's lifecycle once its model's pool is known:
 // admission (queueing when the pool is full), pick, proxy, and retries on
-// other endpoints of failures that reached the client with no byte. It
-// reports true, having answered nothing, when the request may fall back to
-// the next target of its alias (x.pass.fallback) and p could not serve it
+// other endpoints of failures that reached the client with no byte. Each
+// pick is made in the newest pool of the model (pool.latest): a request
+// that was waiting or retrying when a reload replaced its pool goes to the
+// new set of endpoints, never to one the reload removed. It reports true,
+// having answered nothing, when the request may fall back to the next
+// target of its alias (x.pass.fallback) and p could not serve it
 // (x.pass.fell says why); otherwise the request was answered.
 func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool,
 	reqID string, start time.Time) (fell bool) {
@@ -88,27 +91,30 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 	if !g.admitQueued(w, r, p, x) {
 		return x.pass.fell != ""
 	}
-	defer p.gate.release()
+	gate, budget := p.gate, p.budget // kept by the model's later pools
+	defer gate.release()
 
 	excluded := x.excludedFor(len(p.endpoints))
-	if x.pass.pin >= 0 { // only the endpoint that stored the response (responses.go)
-		for j := range excluded {
-			excluded[j] = j != x.pass.pin
-		}
-	}
+	x.pinned(p, excluded)
 	var (
 		last     *failure
 		retrying bool // holds a retry-budget token
 	)
 	defer func() {
 		if retrying {
-			p.budget.done()
+			budget.done()
 		}
 	}()
 	for attempt := 1; ; attempt++ {
+		if n := p.latest(); n != p {
+			// Slots keep their endpoint across reloads: what failed
+			// stays excluded.
+			p, excluded = n, x.resizeExcluded(len(n.endpoints))
+			x.pinned(p, excluded)
+		}
 		i, d := g.pickExcluding(p, &x.sreq, excluded)
 		if attempt == 1 {
-			p.gate.picked()
+			gate.picked()
 		}
 		if i < 0 {
 			if last == nil {
@@ -140,10 +146,10 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 		case r.Context().Err() != nil:
 			g.canceled(w, r, f.rm) // nothing reached the client
 			return false
-		case attempt >= g.cfg.Retry.MaxAttempts || !x.retrySafe(f) || x.pass.pin >= 0:
+		case attempt >= g.cfg.Retry.MaxAttempts || !x.retrySafe(f) || x.pass.pinEP != nil:
 			return g.answerFailure(w, x, f)
 		case !retrying:
-			if !p.budget.take(p.gate.active.Load(), g.cfg.Retry.BudgetPercent, g.cfg.Retry.MinRetryConcurrency) {
+			if !budget.take(gate.active.Load(), g.cfg.Retry.BudgetPercent, g.cfg.Retry.MinRetryConcurrency) {
 				g.res.retriesDenied.WithLabelValues(p.model, "budget").Inc()
 				return g.answerFailure(w, x, f)
 			}
@@ -161,6 +167,31 @@ func (x *exchange) excludedFor(n int) []bool {
 	x.excluded = x.excluded[:n]
 	clear(x.excluded)
 	return x.excluded
+}
+
+// resizeExcluded returns x's exclusion flags resized to n, the first ones
+// kept (a reload gave the pool more or fewer slots).
+func (x *exchange) resizeExcluded(n int) []bool {
+	if k := len(x.excluded); n > k {
+		x.excluded = append(x.excluded, make([]bool, n-k)...)
+	}
+	x.excluded = x.excluded[:n]
+	return x.excluded
+}
+
+// pinned excludes, when x is pinned to the endpoint that stored a response
+// (responses.go), every endpoint of p but that one. The pin is the
+// endpoint itself, not its slot: a reload that removed it leaves nothing
+// to pick (a new endpoint in its slot holds none of its responses).
+func (x *exchange) pinned(p *pool, excluded []bool) {
+	if x.pass.pinEP == nil {
+		return
+	}
+	for j, ep := range p.endpoints {
+		if ep != x.pass.pinEP {
+			excluded[j] = true
+		}
+	}
 }
 
 // answerFailure answers a failure that is not retried, or reports true
@@ -238,7 +269,8 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	req.URL = ep.url(kind, r.URL.Path, r.URL.RawQuery)
 	req.Host = req.URL.Host
 	x.upHeader = upstreamHeader(x.upHeader, r.Header, x.requestIDValue(reqID), r.RemoteAddr)
-	ep.addHeader(x.upHeader) // the endpoint's credentials and headers (credentials.go)
+	spec := ep.spec.Load()
+	spec.addHeader(x.upHeader) // the endpoint's credentials and headers (credentials.go)
 	req.Header = x.upHeader
 	x.obs.inject(req.Header) // this attempt's traceparent (tracing.go)
 
@@ -281,7 +313,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 		return g.serverError(resp, x, rm)
 	}
 	if isAuthRefusal(resp.StatusCode) { // the gateway's credentials, not the client's
-		return g.authRefused(ep, rm, resp, reqID)
+		return g.authRefused(ep, spec, rm, resp, reqID)
 	}
 	var (
 		f    *failure
@@ -311,7 +343,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 		}
 	}
 	if x.pass.respID != "" && f == nil && code/100 == 2 {
-		g.affinity.learn(x.pass.respID, p, i, x.pass.key) // the engine stored it (responses.go)
+		g.affinity.learn(x.pass.respID, p.model, ep, x.pass.key) // the engine stored it (responses.go)
 	}
 	switch {
 	case f != nil:

@@ -65,7 +65,7 @@ func TestCacheAwareProfile(t *testing.T) {
 	if resp.StatusCode != 200 {
 		t.Fatalf("stream: %d %s", resp.StatusCode, b)
 	}
-	p := g.pools["m"]
+	p := g.state.Load().pools["m"]
 	for i, ep := range p.endpoints {
 		if n, m := ep.inFlightTokens.Load(), ep.pendingPrefill.Load(); n != 0 || m != 0 {
 			t.Errorf("endpoint %d: %d in-flight tokens, %d pending prefill tokens after every request ended", i, n, m)

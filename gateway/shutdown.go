@@ -48,8 +48,13 @@ func (g *Gateway) Drain() {
 	if !g.draining.CompareAndSwap(false, true) {
 		return
 	}
-	for _, p := range g.pools {
+	// A reload that publishes pools after this load drains their gates
+	// itself (commit), having read draining after its store.
+	for _, p := range g.state.Load().pools {
 		p.gate.drain()
+	}
+	for _, a := range g.oldGates() {
+		a.drain()
 	}
 }
 

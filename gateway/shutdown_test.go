@@ -38,7 +38,7 @@ func checkShutdownError(t *testing.T, what string, r result) {
 // without queueing it; the request in flight runs to its end.
 func TestShutdownDrainAnswersQueued(t *testing.T) {
 	q := queueSetup(t, AdmissionConfig{})
-	p := q.g.pools["m"]
+	p := q.g.state.Load().pools["m"]
 	ctx, cancel := contextWithCancel(t)
 	defer cancel()
 	queued := sendAsync(ctx, q.c, q.url+pathChat, chatBody, "X-Request-Id", "queued", PriorityHeader, "3")
@@ -263,11 +263,11 @@ func TestShutdownAbortInFlight(t *testing.T) {
 					t.Fatalf("the engine saw only %v canceled", got)
 				}
 			}
-			if !g.endpoints[0].ready.Load() {
+			if !g.state.Load().endpoints[0].ready.Load() {
 				t.Error("the endpoint was ejected for requests the shutdown ended")
 			}
 			waitFor(t, "nothing in flight", func() bool {
-				return g.endpoints[0].inFlight.Load() == 0 && g.pools["m"].gate.active.Load() == 0
+				return g.state.Load().endpoints[0].inFlight.Load() == 0 && g.state.Load().pools["m"].gate.active.Load() == 0
 			})
 			m := scrape(t, c, url)
 			if v := m.value("infergate_requests_total", `code="503"`); v != 4 {
@@ -333,7 +333,7 @@ func TestShutdownNoGoroutineLeak(t *testing.T) {
 // behind the one holding the only slot).
 func TestPriorityHeaderInvalid(t *testing.T) {
 	q := queueSetup(t, AdmissionConfig{})
-	p := q.g.pools["m"]
+	p := q.g.state.Load().pools["m"]
 	send := func(values ...string) <-chan result {
 		var hdr []string
 		for _, v := range values {

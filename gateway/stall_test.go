@@ -136,7 +136,7 @@ func TestStallBeforeFirstByteRetried(t *testing.T) {
 			if v := m.value("infergate_requests_total", `code="200"`); v != 2 {
 				t.Errorf("requests_total{200} = %v, want 2", v)
 			}
-			if n := g.endpoints[0].outlier.consecutive.Load(); n != tried {
+			if n := g.state.Load().endpoints[0].outlier.consecutive.Load(); n != tried {
 				t.Errorf("the stalled endpoint's consecutive failures = %d, want %d", n, tried)
 			}
 		})
@@ -214,7 +214,7 @@ func TestStallAfterOutputEndsStream(t *testing.T) {
 			if v := m.value("infergate_retries_total", ""); v != 0 {
 				t.Errorf("retries_total = %v, want 0 (output had reached the client)", v)
 			}
-			if n := g.endpoints[0].outlier.consecutive.Load(); n != 1 {
+			if n := g.state.Load().endpoints[0].outlier.consecutive.Load(); n != 1 {
 				t.Errorf("the stalled endpoint's consecutive failures = %d, want 1", n)
 			}
 		})
@@ -301,7 +301,7 @@ func TestStalledEndpointEjected(t *testing.T) {
 		}
 		return fmt.Sprintf("stalled endpoint: %d requests, %d held now, at most %d at once; healthy endpoints served %v, %d in flight",
 			stalled.requests.Load(), stalled.cur.Load(), stalled.max.Load(), served,
-			g.endpoints[0].inFlight.Load()+g.endpoints[1].inFlight.Load()+g.endpoints[2].inFlight.Load())
+			g.state.Load().endpoints[0].inFlight.Load()+g.state.Load().endpoints[1].inFlight.Load()+g.state.Load().endpoints[2].inFlight.Load())
 	}
 	for range clients {
 		select {
@@ -318,11 +318,11 @@ func TestStalledEndpointEjected(t *testing.T) {
 	if tried < int64(cfg.Outlier.ConsecutiveErrors) {
 		t.Fatalf("the stalled endpoint got %d requests, fewer than the %d that eject it", tried, cfg.Outlier.ConsecutiveErrors)
 	}
-	if g.endpoints[stalledIdx].ready.Load() {
+	if g.state.Load().endpoints[stalledIdx].ready.Load() {
 		t.Error("the stalled endpoint is still in rotation")
 	}
 	waitFor(t, "nothing in flight", func() bool {
-		for _, ep := range g.endpoints {
+		for _, ep := range g.state.Load().endpoints {
 			if ep.inFlight.Load() != 0 {
 				return false
 			}

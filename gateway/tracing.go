@@ -168,7 +168,7 @@ func (t *tracing) startAttempt(rt *requestTrace, ep *endpoint, p *pool, x *excha
 		rt.attempt.End()
 	}
 	attrs := make([]attribute.KeyValue, 0, 14)
-	attrs = append(attrs, rt.op, semconv.GenAIProviderNameKey.String(string(ep.kind)),
+	attrs = append(attrs, rt.op, semconv.GenAIProviderNameKey.String(string(ep.spec.Load().kind)),
 		semconv.GenAIRequestModel(x.model), attrEndpoint.String(ep.name), attrPolicy.String(p.policy.Name()),
 		attrAttempt.Int(n), attrMatchedBlocks.Int(d.MatchedBlocks), attrMatchedTokens.Int(d.MatchedBlocks*p.blockSize),
 		attrStream.Bool(x.stream))

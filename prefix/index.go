@@ -326,9 +326,13 @@ func (ix *Index) Clear(e int) {
 		return
 	}
 	ep := &ix.eps[e]
-	bit := uint64(1) << e
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
+	ix.clearLocked(ep, uint64(1)<<e)
+}
+
+// clearLocked is Clear with ep's mutex held; bit is ep's owner bit.
+func (ix *Index) clearLocked(ep *endpoint, bit uint64) {
 	if len(ep.lru.nodes) == 0 {
 		return
 	}
@@ -341,6 +345,26 @@ func (ix *Index) Clear(e int) {
 	}
 	ix.flush(b, bit)
 	ep.lru.reset()
+}
+
+// SetCapacity changes the most blocks endpoint e holds (0 or less means
+// 1), as NewIndex's capacity[e]: the gateway calls it when a configuration
+// reload gives the endpoint's slot a new engine or a changed kv_blocks. A
+// larger capacity keeps what e holds; a capacity below what e holds now
+// forgets all of it (Clear), which is always safe for a cache index (a
+// missed prefix hit, never a wrong one). An out-of-range e is ignored.
+func (ix *Index) SetCapacity(e, capacity int) {
+	if e < 0 || e >= len(ix.eps) {
+		return
+	}
+	c := int32(min(max(capacity, 1), maxLRU))
+	ep := &ix.eps[e]
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	if int32(len(ep.lru.nodes)) > c {
+		ix.clearLocked(ep, uint64(1)<<e)
+	}
+	ep.lru.cap = c
 }
 
 // Len returns the number of blocks endpoint e is believed to hold.

@@ -547,3 +547,30 @@ func TestIndexBytesPerBlock(t *testing.T) {
 		runtime.KeepAlive(hashes) // else its 8 bytes per block, freed, are subtracted
 	}
 }
+
+// TestIndexSetCapacity: a larger capacity keeps the endpoint's blocks and
+// lets it hold more; a smaller one than it holds forgets them (and only
+// its own), and the new bound holds from then on.
+func TestIndexSetCapacity(t *testing.T) {
+	ix, _ := NewIndex([]int{4, 100})
+	a := Hashes(nil, seq(16*4, 0), 16, 0)    // 4 blocks: full
+	b := Hashes(nil, seq(16*4, 9000), 16, 0) // 4 more
+	ix.Insert(0, a)
+	ix.Insert(1, a)
+	ix.SetCapacity(0, 8)
+	ix.Insert(0, b)
+	m := make([]int, 2)
+	if ix.Match(a, m); m[0] != 4 || ix.Len(0) != 8 {
+		t.Fatalf("after growing to 8: a matches %d, len %d; want 4, 8", m[0], ix.Len(0))
+	}
+	ix.SetCapacity(0, 2)
+	if ix.Match(a, m); m[0] != 0 || m[1] != 4 || ix.Len(0) != 0 {
+		t.Fatalf("after shrinking below what it held: a matches %v, len %d; want [0 4], 0", m, ix.Len(0))
+	}
+	ix.Insert(0, b)
+	if ix.Len(0) != 2 {
+		t.Fatalf("len %d after inserting 4 blocks at capacity 2", ix.Len(0))
+	}
+	ix.SetCapacity(5, 10) // out of range: ignored
+	ix.SetCapacity(-1, 10)
+}

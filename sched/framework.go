@@ -2,6 +2,8 @@ package sched
 
 import (
 	"sync"
+
+	"github.com/infergate/infergate/prefix"
 )
 
 // The scheduling framework: a Profile runs a request through Filters, then
@@ -145,6 +147,7 @@ type Profile struct {
 	match    MatchSource // source of Cycle.Matched; nil: none
 	hashes   bool        // some plugin reads Request.Hashes
 	forget   []func(int)
+	approx   *prefix.Index // the approximate index, nil when no scorer uses it
 	rng      *lockedRand
 	cycles   sync.Pool // *Cycle
 }
@@ -160,6 +163,14 @@ func (p *Profile) NeedsHashes() bool { return p.hashes }
 func (p *Profile) Forget(i int) {
 	for _, f := range p.forget {
 		f(i)
+	}
+}
+
+// SetCapacity implements Resizer: the approximate index's bound for
+// endpoint i.
+func (p *Profile) SetCapacity(i, blocks int) {
+	if p.approx != nil {
+		p.approx.SetCapacity(i, blocks)
 	}
 }
 

@@ -94,6 +94,9 @@ func (*prefixPolicy) NeedsHashes() bool { return true }
 // Forget implements Forgetter: endpoint i's blocks are dropped from the index.
 func (p *prefixPolicy) Forget(i int) { p.index.Clear(i) }
 
+// SetCapacity implements Resizer.
+func (p *prefixPolicy) SetCapacity(i, blocks int) { p.index.SetCapacity(i, blocks) }
+
 func (p *prefixPolicy) Pick(req *Request, eps []Endpoint) Decision {
 	var buf [prefix.MaxEndpoints]int
 	matched := buf[:min(len(eps), prefix.MaxEndpoints)]

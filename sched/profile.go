@@ -212,7 +212,7 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedR
 			if err != nil {
 				return nil, err
 			}
-			approx = ix
+			approx, p.approx = ix, ix
 			p.forget = append(p.forget, ix.Clear)
 		}
 		return approx, nil

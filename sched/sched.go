@@ -101,6 +101,17 @@ type Forgetter interface {
 	Forget(i int)
 }
 
+// Resizer is implemented by policies that bound per-endpoint state by the
+// endpoint's KV capacity (the approximate prefix index). A policy is built
+// for a pool with a fixed number of endpoint slots (Pool.Capacity's
+// length); the gateway calls SetCapacity when a configuration reload puts
+// another engine in slot i, or changes its kv_blocks, after Forget(i).
+type Resizer interface {
+	// SetCapacity bounds what the policy keeps for endpoint i to about
+	// blocks prompt blocks (of Config.Prefix.BlockSize tokens).
+	SetCapacity(i, blocks int)
+}
+
 // Policy names accepted by New.
 const (
 	RoundRobin   = "round-robin"

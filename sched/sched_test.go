@@ -237,3 +237,35 @@ func TestPrefixForget(t *testing.T) {
 		t.Fatalf("still matched %d blocks after Forget", d.MatchedBlocks)
 	}
 }
+
+// TestSetCapacity: the policies with an approximate index resize it per
+// endpoint (Resizer); an endpoint given less room than it holds forgets
+// its blocks, the others keep theirs.
+func TestSetCapacity(t *testing.T) {
+	for _, name := range []string{Prefix, CacheAware} {
+		p := mustNew(t, Config{Policy: name}, 2)
+		rs, ok := p.(Resizer)
+		if !ok {
+			t.Fatalf("%s is not a Resizer", name)
+		}
+		eps := ready(2)
+		a, b := tokens(1600, 1), tokens(1600, 2) // 100 blocks each
+		eps[1].Ready = false
+		p.Pick(req(a), eps) // learnt on 0
+		eps[0].Ready, eps[1].Ready = false, true
+		p.Pick(req(b), eps) // learnt on 1
+		eps[0].Ready = true
+		rs.SetCapacity(1, 10)
+		if d := p.Pick(req(b), eps); d.MatchedBlocks == 100 {
+			t.Fatalf("%s: b still matched on an endpoint resized below what it held: %+v", name, d)
+		}
+		if d := p.Pick(req(a), eps); d.Endpoint != 0 || d.MatchedBlocks != 100 {
+			t.Fatalf("%s: endpoint 0 lost its blocks when 1 was resized: %+v", name, d)
+		}
+	}
+	for _, name := range []string{RoundRobin, LeastRequest, Random} {
+		if _, ok := mustNew(t, Config{Policy: name}, 2).(Resizer); ok {
+			t.Errorf("%s keeps no per-endpoint state but is a Resizer", name)
+		}
+	}
+}

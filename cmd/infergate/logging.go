@@ -65,28 +65,45 @@ func commandLog(cmd *cobra.Command) (level, format string) {
 // slog's default (the gateway and the engines log through it) and returns
 // it. cfg, when not nil, is the gateway's log configuration: a flag given
 // on the command line overrides it, and it is updated to what is used (the
-// access log follows its format).
+// access log follows its format; resolveLog).
 func setupLogging(cmd *cobra.Command, cfg *gateway.LogConfig) (*slog.Logger, error) {
 	level, format := commandLog(cmd)
 	if cfg != nil {
-		if !cmd.Flags().Changed("log-level") && cfg.Level != "" {
-			level = cfg.Level
+		if err := resolveLog(cmd, cfg); err != nil {
+			return nil, err
 		}
-		if !cmd.Flags().Changed("log-format") && cfg.Format != "" {
-			format = cfg.Format
-		}
+		level, format = cfg.Level, cfg.Format
 	}
 	h, err := newLogHandler(cmd.ErrOrStderr(), level, format)
 	if err != nil {
 		return nil, err
 	}
-	if cfg != nil {
-		cfg.Level = level
-		cfg.Format, _ = gateway.ParseLogFormat(format) // parsed above
-	}
 	log := slog.New(h)
 	slog.SetDefault(log)
 	return log, nil
+}
+
+// resolveLog sets cfg to the log level and format used: a flag given on
+// the command line, else cfg's own, else the flag's default. serve's
+// configuration loader applies it at start and at every reload, so that a
+// reload compares like with like (log.* keep their start value).
+func resolveLog(cmd *cobra.Command, cfg *gateway.LogConfig) error {
+	level, format := commandLog(cmd)
+	if !cmd.Flags().Changed("log-level") && cfg.Level != "" {
+		level = cfg.Level
+	}
+	if !cmd.Flags().Changed("log-format") && cfg.Format != "" {
+		format = cfg.Format
+	}
+	if _, err := gateway.ParseLogLevel(level); err != nil {
+		return err
+	}
+	f, err := gateway.ParseLogFormat(format)
+	if err != nil {
+		return err
+	}
+	cfg.Level, cfg.Format = level, f
+	return nil
 }
 
 // newLogger is the command's logger (its flags, validated at start).

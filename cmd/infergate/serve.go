@@ -8,7 +8,9 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/signal"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -150,6 +152,15 @@ flight shutdown_grace (--shutdown-grace, default 25s) to finish; then it ends
 them with an explicit error (503, or a stream's error event and [DONE]) and
 exits.
 
+SIGHUP: the configuration (file, flags, environment, keys file) is read
+again and applied without a restart and without dropping a request:
+endpoints (their engine credentials too, api_key_env read again), routing,
+aliases, API keys and their limits, admission and circuit_breaker. An
+invalid configuration is refused whole (logged, counted in
+infergate_config_reloads_total{result="failure"}) and the one in force
+stays; settings that need a restart (listen, tls, timeouts, log, access_log,
+tracing, ...) keep their value and are logged. See gateway/README.md "Reload".
+
 API keys: auth.keys_file (or --keys-file) and/or the INFERGATE_API_KEYS
 environment variable (same format, ';' between entries); hash a key with
 'infergate keys hash'. Without keys the gateway is open.
@@ -169,37 +180,52 @@ tracing.otlp_endpoint (the client's traceparent is carried to the engine).`,
   VLLM_KEY=... infergate serve --endpoint http://10.0.0.1:8000=my-model --endpoint-api-key-env VLLM_KEY`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			var cfg gateway.Config
-			if configPath != "" {
-				c, err := gateway.LoadConfig(configPath)
-				if err != nil {
-					return err
+			// The configuration as the file, the flags and the environment
+			// give it: at start, and again at every SIGHUP.
+			load := func() (gateway.Config, error) {
+				var cfg gateway.Config
+				if configPath != "" {
+					c, err := gateway.LoadConfig(configPath)
+					if err != nil {
+						return cfg, err
+					}
+					cfg = c
 				}
-				cfg = c
-			}
-			if cmd.Flags().Changed("listen") || cfg.Listen == "" {
-				cfg.Listen = listen
-			}
-			if cmd.Flags().Changed("policy") {
-				cfg.Routing.Policy = policy
-			}
-			if cmd.Flags().Changed("shutdown-grace") {
-				cfg.ShutdownGrace = grace
-			}
-			for _, e := range endpoints {
-				url, model, ok := strings.Cut(e, "=")
-				if !ok || url == "" || model == "" {
-					return fmt.Errorf("--endpoint %q: want URL=MODEL", e)
+				if cmd.Flags().Changed("listen") || cfg.Listen == "" {
+					cfg.Listen = listen
 				}
-				cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: url, Model: model, APIKeyEnv: keyEnv})
+				if cmd.Flags().Changed("policy") {
+					cfg.Routing.Policy = policy
+				}
+				if cmd.Flags().Changed("shutdown-grace") {
+					cfg.ShutdownGrace = grace
+				}
+				for _, e := range endpoints {
+					url, model, ok := strings.Cut(e, "=")
+					if !ok || url == "" || model == "" {
+						return cfg, fmt.Errorf("--endpoint %q: want URL=MODEL", e)
+					}
+					cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: url, Model: model, APIKeyEnv: keyEnv})
+				}
+				if keyEnv != "" && len(endpoints) == 0 {
+					return cfg, errors.New("--endpoint-api-key-env is for the --endpoint flags' engines: give it with --endpoint URL=MODEL (or set api_key_env in the config)")
+				}
+				if len(cfg.Endpoints) == 0 {
+					return cfg, errors.New("no endpoints: give -c config.yaml or --endpoint URL=MODEL")
+				}
+				if err := applyEdgeFlags(cmd, &cfg, tlsCert, tlsKey, keysFile); err != nil {
+					return cfg, err
+				}
+				applyAccessLog(cmd, &cfg.AccessLog, access)
+				return cfg, resolveLog(cmd, &cfg.Log)
 			}
-			if keyEnv != "" && len(endpoints) == 0 {
-				return errors.New("--endpoint-api-key-env is for the --endpoint flags' engines: give it with --endpoint URL=MODEL (or set api_key_env in the config)")
-			}
-			if len(cfg.Endpoints) == 0 {
-				return errors.New("no endpoints: give -c config.yaml or --endpoint URL=MODEL")
-			}
-			if err := applyEdgeFlags(cmd, &cfg, tlsCert, tlsKey, keysFile); err != nil {
+			// Caught from now on: SIGHUP's default action would end the
+			// process, during start-up too.
+			hup := make(chan os.Signal, 1)
+			signal.Notify(hup, syscall.SIGHUP)
+			defer signal.Stop(hup)
+			cfg, err := load()
+			if err != nil {
 				return err
 			}
 			if err := checkPprofAddr(pprofAddr); err != nil {
@@ -209,13 +235,15 @@ tracing.otlp_endpoint (the client's traceparent is carried to the engine).`,
 			if err != nil {
 				return err
 			}
-			applyAccessLog(cmd, &cfg.AccessLog, access)
 			g, err := gateway.New(cfg, nil)
 			if err != nil {
 				return err
 			}
 			defer g.Close()
 			warnExposure(log, cfg.Listen, g)
+			ctx, stop := context.WithCancel(cmd.Context())
+			defer stop()
+			go reloadOnHUP(ctx, log, hup, g, load)
 			if pprofAddr != "" {
 				stop, err := startPprof(log, pprofAddr)
 				if err != nil {
@@ -227,7 +255,7 @@ tracing.otlp_endpoint (the client's traceparent is carried to the engine).`,
 			if g.TLSEnabled() {
 				scheme = "https://"
 			}
-			return serveGateway(cmd.Context(), log, cfg.Listen, g, func(a net.Addr) {
+			return serveGateway(ctx, log, cfg.Listen, g, func(a net.Addr) {
 				log.Info("gateway listening", "addr", scheme+a.String(), "policy", g.Policy(), "endpoints", len(cfg.Endpoints),
 					"auth", g.AuthEnabled())
 			})
@@ -248,6 +276,21 @@ tracing.otlp_endpoint (the client's traceparent is carried to the engine).`,
 	lf.register(f)
 	accessLogFlag(f, &access)
 	return cmd
+}
+
+// reloadOnHUP applies the configuration load returns at every SIGHUP on
+// hup until ctx is done (Gateway.ReloadWith logs and counts the outcome).
+func reloadOnHUP(ctx context.Context, log *slog.Logger, hup <-chan os.Signal, g *gateway.Gateway,
+	load func() (gateway.Config, error)) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hup:
+			log.Info("SIGHUP: reloading the configuration")
+			_ = g.ReloadWith(load)
+		}
+	}
 }
 
 // shutdownGraceUsage is the --shutdown-grace flag's help (serve and up).
