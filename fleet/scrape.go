@@ -500,7 +500,7 @@ const (
 	// scrape corrects that with what only the engine knows (requests from
 	// other clients, KV utilization, cache config), which a second's delay
 	// does not spoil. Polling every 50 ms cost more CPU than routing
-	// (ARCHITECTURE.md, Pitfalls); at 1 s one endpoint costs one small GET
+	// (docs/ARCHITECTURE.md, Pitfalls); at 1 s one endpoint costs one small GET
 	// and one filtered parse (about 0.1 ms for a vLLM page, against 2 ms
 	// for a full parse; BenchmarkParseMetrics) per second. Large fleets
 	// may set it longer.

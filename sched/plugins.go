@@ -186,7 +186,7 @@ func (s *preciseScorer) Score(c *Cycle, cands []int, scores []float64) {
 //
 // A prefix every candidate holds (a shared system prompt) gives no
 // preference, and neither does a sliver (one chat-template block) that is
-// not worth piling sessions onto one endpoint for (ARCHITECTURE.md,
+// not worth piling sessions onto one endpoint for (docs/ARCHITECTURE.md,
 // "starvation from a universal prefix").
 func matchGain(c *Cycle, matched []int, cands []int, scores []float64, minGain float64) {
 	n := len(c.Req.Hashes)

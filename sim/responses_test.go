@@ -103,6 +103,29 @@ func TestResponsesStoreOff(t *testing.T) {
 	readJSON[openai.ErrorResponse](t, post(t, ts, "/v1/responses", `{"input":"x","background":true}`), 400)
 }
 
+// TestIDsUniqueAcrossServers: two servers of the same seed (two `sim`
+// processes) hand out different ids, as vLLM's random ones: with ids derived
+// from the seed, a response id of one engine named another conversation on
+// the other.
+func TestIDsUniqueAcrossServers(t *testing.T) {
+	_, a := newTestServer(t, ServerConfig{})
+	_, b := newTestServer(t, ServerConfig{})
+	seen := map[string]bool{}
+	for range 3 {
+		for _, ts := range []string{a.URL, b.URL} {
+			resp, err := http.Post(ts+"/v1/responses", "application/json", strings.NewReader(`{"input":"hi","max_output_tokens":1}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := readJSON[respBody](t, resp, 200)
+			if seen[r.ID] {
+				t.Fatalf("id %s handed out twice", r.ID)
+			}
+			seen[r.ID] = true
+		}
+	}
+}
+
 func mustGet(t *testing.T, url string) *http.Response {
 	t.Helper()
 	resp, err := http.Get(url)

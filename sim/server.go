@@ -1,6 +1,8 @@
 package sim
 
 import (
+	crand "crypto/rand"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -146,7 +148,7 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 		tok:      tok,
 		words:    words,
 		created:  time.Now().Unix(),
-		idPrefix: mix64(uint64(cfg.Seed) ^ uint64(index)<<32),
+		idPrefix: randomID(),
 		submit:   make(chan *call),
 		cancel:   make(chan *call),
 		control:  make(chan *engineCall),
@@ -870,11 +872,22 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_, _ = w.Write(b)
 }
 
-// newID returns prefix followed by 32 hex digits, unique within the server
-// and reproducible for a given Seed.
+// newID returns prefix followed by 32 hex digits: a per-process random
+// half and a counter mixed into the other, so ids are unique across
+// servers and processes, as vLLM's random_uuid() ids are (ids derived from
+// the seed collided between two sim processes, and a Responses
+// previous_response_id then named another user's conversation on the other
+// engine).
 func (s *Server) newID(prefix string) string {
 	n := s.nextID.Add(1)
 	return fmt.Sprintf("%s%016x%016x", prefix, s.idPrefix, mix64(s.idPrefix^n))
+}
+
+// randomID returns 64 random bits (crypto/rand; it cannot fail on Linux).
+func randomID() uint64 {
+	var b [8]byte
+	_, _ = crand.Read(b[:])
+	return binary.LittleEndian.Uint64(b[:])
 }
 
 // mix64 is the splitmix64 finalizer.

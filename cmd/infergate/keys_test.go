@@ -7,6 +7,7 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/json"
 	"encoding/pem"
 	"io"
 	"math/big"
@@ -18,6 +19,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -160,4 +162,73 @@ func TestServeWarnsWhenExposed(t *testing.T) {
 			t.Errorf("%s --pprof on a non-loopback address: %v %s", args[0], err, out)
 		}
 	}
+}
+
+// TestUpKeysReloadAndResponses runs `infergate up` as a process with a keys
+// file: requests need a key; at SIGHUP the file is read again (a key added
+// works, a key removed is refused, the process keeps serving); and the
+// embedded engines keep Responses API responses, so a continuation works.
+func TestUpKeysReloadAndResponses(t *testing.T) {
+	t.Setenv(gateway.EnvAPIKeys, "")
+	os.Unsetenv(gateway.EnvAPIKeys)
+	keys := filepath.Join(t.TempDir(), "keys.txt")
+	write := func(lines ...string) {
+		if err := os.WriteFile(keys, []byte(strings.Join(lines, "\n")+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("alice " + gateway.HashKey("sk-alice-0123456789"))
+	p := start(t, "up", "--engines", "2", "--listen", "127.0.0.1:0", "--time-scale", "100", "--keys-file", keys, "--access-log=false")
+	base := p.await(t, regexp.MustCompile(`OpenAI API at (http://[0-9.:]+)/v1 \(policy [a-z-]+; API keys required\)`))
+	do := func(key, path, body string) (int, map[string]any) {
+		req, _ := http.NewRequest(http.MethodPost, base+path, strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var v map[string]any
+		_ = json.NewDecoder(resp.Body).Decode(&v)
+		return resp.StatusCode, v
+	}
+	const chat = `{"model":"meta-llama/Llama-3.1-70B-Instruct","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
+	if code, _ := do("", "/v1/chat/completions", chat); code != 401 {
+		t.Fatalf("no key: %d", code)
+	}
+	if code, v := do("sk-alice-0123456789", "/v1/chat/completions", chat); code != 200 {
+		t.Fatalf("alice: %d %v", code, v)
+	}
+	// Responses: a continuation of the first answer.
+	code, r1 := do("sk-alice-0123456789", "/v1/responses", `{"model":"meta-llama/Llama-3.1-70B-Instruct","input":"Tell me a story.","max_output_tokens":4}`)
+	id, _ := r1["id"].(string)
+	if code != 200 || id == "" {
+		t.Fatalf("responses: %d %v", code, r1)
+	}
+	if code, v := do("sk-alice-0123456789", "/v1/responses", `{"model":"meta-llama/Llama-3.1-70B-Instruct","input":"Go on.","max_output_tokens":4,"previous_response_id":"`+id+`"}`); code != 200 {
+		t.Fatalf("continuation: %d %v", code, v)
+	}
+
+	write("bob " + gateway.HashKey("sk-bob-0123456789"))
+	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(time.Minute)
+	for {
+		code, _ := do("sk-bob-0123456789", "/v1/chat/completions", chat)
+		if code == 200 {
+			break
+		}
+		if code != 401 || time.Now().After(deadline) {
+			t.Fatalf("bob after SIGHUP: %d", code)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if code, _ := do("sk-alice-0123456789", "/v1/chat/completions", chat); code != 401 {
+		t.Errorf("alice after her key was removed: %d, want 401", code)
+	}
+	p.stop(t)
 }

@@ -18,7 +18,7 @@ type logFlags struct{ level, format string }
 func (lf *logFlags) register(f *pflag.FlagSet) {
 	f.StringVar(&lf.level, "log-level", "info", "log level: debug, info, warn or error")
 	f.StringVar(&lf.format, "log-format", gateway.LogFormatText,
-		"log format: text (key=value lines) or json (one JSON object per line); the access log follows it")
+		"log format: text (key=value lines) or json (one JSON object per line); the access log of serve and up follows it")
 }
 
 // newLogHandler is the one place the process's log handler is built: slog's
