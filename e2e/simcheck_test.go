@@ -304,17 +304,20 @@ func replayInSim(p sim.Profile, policy string, v *gguf.Vocab, turns []TurnResult
 // TestSimMatchesOllama checks the simulator against the real engine. It
 // measures this machine's prefill and decode times on one Ollama instance,
 // fits the simulator's latency constants to them and compares with the
-// built-in profile fitted earlier (sim/profiles/tiny-llama-cpu-ollama.yaml);
-// then it runs the multi-turn chat workload through the gateway in front
-// of two instances (prefix and round-robin policies) and through a virtual
-// fleet of two engines with that profile, and compares the time to first
-// token of every turn, with Ollama's cached tokens from its debug log.
-// Times are compared with the instance's on-CPU time too (CPUMeter): on a
-// shared machine other processes inflate wall times 1-4x. It logs the
-// tables (README.md) and asserts only loose sanity: the profile's cold
-// prefill within 2x of this machine's, and the simulated TTFT of the turns
-// both Ollama and the simulator recomputed within 2x of the real on-CPU
-// TTFT (median ratio).
+// built-in profile fitted earlier on another machine
+// (sim/profiles/tiny-llama-cpu-ollama.yaml); then it runs the multi-turn
+// chat workload through the gateway in front of two instances (prefix and
+// round-robin policies) and through a virtual fleet of two engines with
+// the constants fitted now, and compares the time to first token of every
+// turn, with Ollama's cached tokens from its debug log. Times are compared
+// with the instance's on-CPU time too (CPUMeter): on a shared machine
+// other processes inflate wall times 1-4x. It logs the tables (README.md)
+// and asserts only loose sanity of the model, not of this machine's speed:
+// the fitted prefill within 2x of every calibration point, and the
+// simulated TTFT of the turns both Ollama and the simulator recomputed
+// within 2x of the real on-CPU TTFT (median ratio). The built-in
+// profile's figures are logged beside them: a CPU twice as slow as the
+// one it was fitted on is no defect of the simulator.
 func TestSimMatchesOllama(t *testing.T) {
 	bin := requireE2E(t)
 	prof, ok := sim.Profiles()[simProfile]
@@ -347,8 +350,8 @@ func TestSimMatchesOllama(t *testing.T) {
 		prof.PrefillMFU, prof.DecodeBandwidthEfficiency, prof.StepOverhead, 100*fitError(prof, pts),
 		fit.PrefillMFU, fit.DecodeBandwidthEfficiency, fit.StepOverhead, 100*fitErr, cal.String())
 	for _, pt := range pts {
-		if r := float64(pt.predict(prof)) / float64(pt.Meas); pt.Kind == "prefill" && (r < 0.5 || r > 2) {
-			t.Errorf("profile's prefill of %d tokens %v is not within 2x of the measured %v", pt.Tokens, pt.predict(prof), pt.Meas)
+		if r := float64(pt.predict(fit)) / float64(pt.Meas); pt.Kind == "prefill" && (r < 0.5 || r > 2) {
+			t.Errorf("fitted prefill of %d tokens %v is not within 2x of the measured %v", pt.Tokens, pt.predict(fit), pt.Meas)
 		}
 	}
 
@@ -356,7 +359,8 @@ func TestSimMatchesOllama(t *testing.T) {
 	sessions := LoadChatSessions(t, v, SessionOptions{})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	var bothCold []float64 // sim / real on-CPU TTFT where both recomputed the prompt
+	var bothCold []float64        // sim (fitted now) / real on-CPU TTFT where both recomputed the prompt
+	var bothColdProfile []float64 // the same with the built-in profile
 	var summary strings.Builder
 	fmt.Fprintf(&summary, "\n| policy | turns | real TTFT p50 (wall) | real p50 (on-CPU) | sim p50 | MdAPE vs wall | MdAPE vs on-CPU | median sim/on-CPU |\n|---|---|---|---|---|---|---|---|\n")
 	for _, policy := range []string{sched.Prefix, sched.RoundRobin} {
@@ -374,7 +378,11 @@ func TestSimMatchesOllama(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		simulated, err := replayInSim(prof, policy, v, turns)
+		simulated, err := replayInSim(fit, policy, v, turns)
+		if err != nil {
+			t.Fatal(err)
+		}
+		simProf, err := replayInSim(prof, policy, v, turns)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -383,7 +391,7 @@ func TestSimMatchesOllama(t *testing.T) {
 		// instance's first load is the warm-up request.
 		next := []int{1, 1}
 		var tab strings.Builder
-		fmt.Fprintf(&tab, "\n| turn | instance | prompt | Ollama cached | sim cached | real TTFT | on-CPU | CPU wait | sim TTFT | error vs wall | vs on-CPU |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+		fmt.Fprintf(&tab, "\n| turn | instance | prompt | Ollama cached | sim cached | real TTFT | on-CPU | CPU wait | sim TTFT | error vs wall | vs on-CPU | profile's sim TTFT |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 		type group struct {
 			wall, cpu, sim  []time.Duration
 			errWall, errCPU []float64
@@ -422,11 +430,12 @@ func TestSimMatchesOllama(t *testing.T) {
 			g.errWall, g.errCPU, g.ratioCPU = append(g.errWall, math.Abs(rw-1)), append(g.errCPU, math.Abs(rc-1)), append(g.ratioCPU, rc)
 			if name == "cold" {
 				bothCold = append(bothCold, rc)
+				bothColdProfile = append(bothColdProfile, float64(simProf[i].ttft)/float64(r.CPU))
 			}
-			fmt.Fprintf(&tab, "| s%d t%d (%s) | %d / sim %d | %d | %d | %d | %v | %v | %v | %v | %+.0f%% | %+.0f%% |\n",
+			fmt.Fprintf(&tab, "| s%d t%d (%s) | %d / sim %d | %d | %d | %d | %v | %v | %v | %v | %+.0f%% | %+.0f%% | %v |\n",
 				r.Session, r.Turn+1, name, r.Endpoint, s.engine, r.PromptTokens, used, s.cachedTokens,
 				r.TTFT.Round(100*time.Microsecond), r.CPU.Round(100*time.Microsecond), r.Wait.Round(100*time.Microsecond),
-				s.ttft.Round(100*time.Microsecond), 100*(rw-1), 100*(rc-1))
+				s.ttft.Round(100*time.Microsecond), 100*(rw-1), 100*(rc-1), simProf[i].ttft.Round(100*time.Microsecond))
 		}
 		t.Logf("%s, per turn (Ollama cached = the runner's \"used\" tokens; cold = recomputed most of the prompt, Ollama/sim when they differ; "+
 			"on-CPU = the instance's CPU time until the first token, CPU wait = its threads' run-queue wait):%s", policy, tab.String())
@@ -441,8 +450,11 @@ func TestSimMatchesOllama(t *testing.T) {
 		}
 	}
 	t.Logf("simulator vs Ollama, time to first token per turn (MdAPE = median absolute percentage error):%s", summary.String())
+	t.Logf("turns both recomputed, median sim/on-CPU: %.2f with the constants fitted now, %.2f with the built-in profile %s",
+		median(bothCold), median(bothColdProfile), simProfile)
 	if m := median(bothCold); !(m >= 0.5 && m <= 2) {
-		t.Errorf("simulated TTFT of turns both recomputed is %.2fx the real on-CPU time (median of %d), not within 2x", m, len(bothCold))
+		t.Errorf("simulated TTFT (constants fitted on this machine) of turns both recomputed is %.2fx the real on-CPU time (median of %d), not within 2x",
+			m, len(bothCold))
 	}
 }
 
