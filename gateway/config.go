@@ -30,6 +30,13 @@ const (
 	DefaultEjectDuration         = 10 * time.Second
 	DefaultHealthCheckInterval   = 5 * time.Second
 	DefaultHealthCheckTimeout    = 2 * time.Second
+	// DefaultHealthCheckAbortAfter is the consecutive failed probes after
+	// which the requests waiting for an endpoint's response headers are
+	// aborted and retried elsewhere (healthabort.go): two, so that one slow
+	// probe of a busy engine (a garbage-collection pause, an event loop
+	// late by a few seconds) aborts nothing, and a frozen engine's clients
+	// wait about 2 × (5 s + 2 s) rather than response_header_timeout.
+	DefaultHealthCheckAbortAfter = 2
 	// DefaultShutdownGrace is how long requests in flight get to finish
 	// after SIGTERM: 25 s, so that with the 2 s for the final writes the
 	// shutdown ends within Kubernetes' default terminationGracePeriodSeconds
@@ -149,6 +156,12 @@ type Config struct {
 	// sim; "/api/version" for Ollama). Set it to "-" to disable probing:
 	// endpoints are then always healthy except during an ejection.
 	HealthCheckPath string `yaml:"health_check_path"`
+	// HealthCheckAbortAfter is how many consecutive failed probes abort the
+	// attempts waiting for the endpoint's response headers, which are then
+	// retried elsewhere (healthabort.go; default 2, negative: never). A
+	// frozen engine's non-streaming clients otherwise wait the whole
+	// response_header_timeout.
+	HealthCheckAbortAfter int `yaml:"health_check_abort_after"`
 	// ScrapeInterval is the period of the metrics scrape of the endpoints
 	// whose kind has a metrics page (queue, KV utilisation, LoRA adapters
 	// for the load scorers); default 1s, negative disables scraping.
@@ -316,6 +329,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.HealthCheckTimeout == 0 {
 		c.HealthCheckTimeout = DefaultHealthCheckTimeout
+	}
+	if c.HealthCheckAbortAfter == 0 {
+		c.HealthCheckAbortAfter = DefaultHealthCheckAbortAfter
 	}
 	if c.ScrapeInterval == 0 {
 		c.ScrapeInterval = DefaultScrapeInterval

@@ -61,6 +61,11 @@ type endpoint struct {
 	onDown atomic.Pointer[[]func()]
 	// outlier is the passive outlier detection state (resilience.go).
 	outlier outlierState
+	// probeFailures counts the health probes failed in a row; waits are
+	// the attempts waiting for its response headers, aborted when
+	// probeFailures reaches health_check_abort_after (healthabort.go).
+	probeFailures atomic.Int64
+	waits         headerWaits
 	// authFailing is set by the engine's first refusal of the gateway's
 	// credentials and cleared by a request that succeeds (or a reload that
 	// changes them), so a wrong key is logged once per run of refusals.
@@ -219,6 +224,14 @@ func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	}
 	if st := authStatus(0); errors.As(err, &st) && g.engineAuthFailures != nil {
 		g.engineAuthFailures.WithLabelValues(ep.name, authSourceHealth).Inc()
+	}
+	if ok {
+		ep.probeFailures.Store(0)
+	} else if n := ep.probeFailures.Add(1); g.cfg.HealthCheckAbortAfter > 0 && n >= int64(g.cfg.HealthCheckAbortAfter) {
+		if a := ep.waits.abortAll(); a > 0 {
+			slog.Warn("gateway: endpoint failed its health checks; requests waiting for its answer aborted and retried elsewhere",
+				"endpoint", ep.name, "failed_probes", n, "aborted", a, "err", err)
+		}
 	}
 	if ok && time.Now().UnixNano() < ep.ejectedUntil.Load() {
 		return

@@ -88,6 +88,9 @@ type exchange struct {
 	// the endpoints that failed this request.
 	errBody  []byte
 	excluded []bool
+	// wait is the attempt's entry in its endpoint's header waits
+	// (healthabort.go).
+	wait headerWait
 
 	// edge is the key's token reservation and the client write deadline
 	// (limits.go).

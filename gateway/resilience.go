@@ -183,6 +183,10 @@ const (
 	// reasonBadResponse: a 2xx that is not the answer asked for (a stream
 	// that is not SSE, or ends with no completion chunk).
 	reasonBadResponse = "bad_response"
+	// reasonEndpointDown: the endpoint failed health_check_abort_after
+	// probes in a row while the attempt waited for its response headers
+	// (healthabort.go).
+	reasonEndpointDown = "endpoint_down"
 )
 
 // outlierSuccess records an answer that is not a failure of the endpoint.

@@ -281,12 +281,18 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	if x.stream {
 		firstBy = time.Now().Add(g.cfg.FirstEventTimeout)
 	}
-	resp, err := g.roundTrip(req, firstBy)
+	x.wait.list = &ep.waits
+	resp, err := g.roundTrip(req, firstBy, &x.wait)
+	x.wait.list = nil
 	if err != nil {
 		switch {
 		case r.Context().Err() != nil:
 			g.canceled(w, r, rm) // 499, or 503 when ended by Abort
 			return nil
+		case errors.Is(err, errEndpointDown): // already out of rotation: no outlier failure
+			slog.Warn("gateway: request aborted on an endpoint that failed its health checks", "endpoint", ep.name, "request_id", reqID)
+			return &failure{reason: reasonEndpointDown, rm: rm, err: openai.NewError(http.StatusBadGateway,
+				"The model server stopped answering its health checks while the request waited for its answer.", "", openai.CodeUpstream)}
 		case isResponseTimeout(err):
 			slog.Warn("gateway: upstream response timeout", "endpoint", ep.name, "request_id", reqID, "err", err)
 			g.outlierFailure(ep, reasonTimeout, time.Now())
@@ -359,11 +365,11 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 }
 
 // roundTrip sends req upstream with its read deadline by (zero: none; see
-// upstreamClient.roundTripBy), or through g.rt as is when it is not the
+// upstreamClient.roundTripBy) and its header wait w (healthabort.go), or through g.rt as is when it is not the
 // gateway's own client (a benchmark's in-memory engine).
-func (g *Gateway) roundTrip(req *http.Request, by time.Time) (*http.Response, error) {
+func (g *Gateway) roundTrip(req *http.Request, by time.Time, w *headerWait) (*http.Response, error) {
 	if u, ok := g.rt.(*upstreamClient); ok {
-		return u.roundTripBy(req, by)
+		return u.roundTripBy(req, by, w)
 	}
 	return g.rt.RoundTrip(req)
 }

@@ -434,10 +434,10 @@ func TestUpstreamRoundTripBy(t *testing.T) {
 	u := newTestUpstream(t, upstreamTestConfig()) // response_header_timeout 5 s: by comes first
 	ctx := context.Background()
 
-	if _, err := u.roundTripBy(postTo(t, ctx, srv.URL+"/silent", "{}"), time.Now().Add(50*time.Millisecond)); !isResponseTimeout(err) {
+	if _, err := u.roundTripBy(postTo(t, ctx, srv.URL+"/silent", "{}"), time.Now().Add(50*time.Millisecond), nil); !isResponseTimeout(err) {
 		t.Fatalf("silent engine: %v, want a timeout", err)
 	}
-	resp, err := u.roundTripBy(postTo(t, ctx, srv.URL+"/headers", "{}"), time.Now().Add(stallTimeout))
+	resp, err := u.roundTripBy(postTo(t, ctx, srv.URL+"/headers", "{}"), time.Now().Add(stallTimeout), nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -141,7 +141,7 @@ func (l *limitedConnReader) Read(p []byte) (int, error) {
 // within response_header_timeout, the context's error when it is done, else
 // the connection's read or write error.
 func (u *upstreamClient) RoundTrip(req *http.Request) (*http.Response, error) {
-	return u.roundTripBy(req, time.Time{})
+	return u.roundTripBy(req, time.Time{}, nil)
 }
 
 // readDeadliner is a response body whose reads can be bounded: the bodies
@@ -157,10 +157,12 @@ type readDeadliner interface {
 // caller moves it (the body is a readDeadliner): a stream's first event is
 // due by it. Without by, the body's reads are unbounded until the caller
 // sets a deadline. The fallback transport's bodies are bounded by a timer
-// that cancels the request (watchedBody).
-func (u *upstreamClient) roundTripBy(req *http.Request, by time.Time) (*http.Response, error) {
+// that cancels the request (watchedBody). w (nil: none) is the attempt's
+// entry in its endpoint's header waits (healthabort.go): an abort ends the
+// wait with errEndpointDown.
+func (u *upstreamClient) roundTripBy(req *http.Request, by time.Time, w *headerWait) (*http.Response, error) {
 	if req.URL.Scheme != "http" || (req.Body != nil && req.Body != http.NoBody && req.ContentLength <= 0) {
-		return u.watchedRoundTrip(req, by)
+		return u.watchedRoundTrip(req, by, w)
 	}
 	key := req.URL.Host
 	if req.URL.Port() == "" {
@@ -185,7 +187,7 @@ func (u *upstreamClient) roundTripBy(req *http.Request, by time.Time) (*http.Res
 				return nil, err
 			}
 		}
-		resp, err := u.roundTrip(ctx, pc, req, by)
+		resp, err := u.roundTrip(ctx, pc, req, by, w)
 		if err == nil {
 			return resp, nil
 		}
@@ -210,7 +212,24 @@ type staleConnError struct{ err error }
 func (e staleConnError) Error() string { return e.err.Error() }
 func (e staleConnError) Unwrap() error { return e.err }
 
-func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Request, by time.Time) (*http.Response, error) {
+// roundTrip sends req on pc and reads the response headers; w (nil: none)
+// is the attempt's entry in its endpoint's header waits (healthabort.go),
+// armed for the write and the wait: aborted meanwhile, the connection is
+// closed and the error is errEndpointDown.
+func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Request, by time.Time, w *headerWait) (*http.Response, error) {
+	w.arm(pc.c, nil)
+	resp, err := u.send(ctx, pc, req, by, w)
+	if w.disarm() {
+		if err == nil {
+			pc.c.Close() // its deadlines are poisoned: never pooled
+			resp.Body.Close()
+		}
+		return nil, errEndpointDown
+	}
+	return resp, err
+}
+
+func (u *upstreamClient) send(ctx context.Context, pc *upConn, req *http.Request, by time.Time, w *headerWait) (*http.Response, error) {
 	var stop func() bool
 	if ctx.Done() != nil {
 		c := pc.c
@@ -256,6 +275,7 @@ func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Re
 		}
 	}
 	pc.setReadDeadline(ctx, headerBy)
+	w.repoison() // an abort that landed during the write
 	var resp *http.Response
 	for {
 		var err error
@@ -500,7 +520,7 @@ func (b *upBody) release(reuse bool) {
 // the deadline passes (the transport then closes the stream or
 // connection), and the failure is reported as errUpstreamTimeout. One
 // context and one timer per request, on the path that pays for TLS.
-func (u *upstreamClient) watchedRoundTrip(req *http.Request, by time.Time) (*http.Response, error) {
+func (u *upstreamClient) watchedRoundTrip(req *http.Request, by time.Time, w *headerWait) (*http.Response, error) {
 	parent := req.Context()
 	ctx, cancel := context.WithCancel(parent)
 	wb := &watchedBody{cancel: cancel}
@@ -510,7 +530,16 @@ func (u *upstreamClient) watchedRoundTrip(req *http.Request, by time.Time) (*htt
 	} else {
 		wb.timer.Reset(time.Until(by))
 	}
+	w.arm(nil, cancel)
 	resp, err := u.fallback.RoundTrip(req.WithContext(ctx))
+	if w.disarm() && parent.Err() == nil {
+		wb.timer.Stop()
+		if err == nil {
+			_ = resp.Body.Close()
+		}
+		cancel()
+		return nil, errEndpointDown
+	}
 	if err != nil {
 		wb.timer.Stop()
 		cancel()

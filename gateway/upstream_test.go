@@ -433,7 +433,7 @@ func TestUpstreamCancelNotLostToDeadlines(t *testing.T) {
 				w.afterRead = land
 			}
 			start := time.Now()
-			resp, err := u.roundTrip(ctx, pc, postTo(t, ctx, url, "{}"), time.Time{})
+			resp, err := u.roundTrip(ctx, pc, postTo(t, ctx, url, "{}"), time.Time{}, nil)
 			if err == nil {
 				_, err = io.ReadAll(resp.Body)
 				resp.Body.Close()

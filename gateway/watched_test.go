@@ -27,7 +27,7 @@ func (lateAnswer) RoundTrip(r *http.Request) (*http.Response, error) {
 func TestWatchedRoundTripLateAnswer(t *testing.T) {
 	u := newUpstreamClient(Config{}.WithDefaults(), lateAnswer{})
 	req, _ := http.NewRequest(http.MethodPost, "https://127.0.0.1:1/v1/chat/completions", strings.NewReader("{}"))
-	resp, err := u.roundTripBy(req, time.Now().Add(10*time.Millisecond))
+	resp, err := u.roundTripBy(req, time.Now().Add(10*time.Millisecond), nil)
 	if resp != nil {
 		resp.Body.Close()
 	}

@@ -89,3 +89,90 @@ func TestStoppedEngineTimedOut(t *testing.T) {
 	}
 	t.Logf("%d of 6 requests reached the stopped engine, timed out and completed on the other", retried)
 }
+
+// TestStoppedEngineAbortedByHealthChecks is the same shape with the
+// health checker on and response_header_timeout at its default (10
+// minutes): the non-streaming requests the stopped engine took are
+// aborted once its probes fail health_check_abort_after times in a row,
+// and complete on the other engine without waiting for SIGCONT or the
+// timeout. (Round-robin sends half of the requests, sent at once after
+// the SIGSTOP, to the stopped engine: its first probe can fail only a
+// health_check_timeout later.)
+func TestStoppedEngineAbortedByHealthChecks(t *testing.T) {
+	addrRe := regexp.MustCompile(`addr=(http://[0-9.:]+)`)
+	var sims []*proc
+	args := []string{"serve", "--listen", "127.0.0.1:0", "--policy", "round-robin"}
+	for range 2 {
+		s := start(t, "sim", "--listen", "127.0.0.1:0", "--time-scale", "100", "--model", "m")
+		args = append(args, "--endpoint", s.await(t, addrRe)+"=m")
+		sims = append(sims, s)
+	}
+	cfg := filepath.Join(t.TempDir(), "gw.yaml")
+	if err := os.WriteFile(cfg, []byte("health_check_interval: 200ms\nhealth_check_timeout: 1s\n"+
+		"scrape_interval: -1s\nretry: {budget_percent: 100}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	g := start(t, append(args, "-c", cfg)...)
+	base := g.await(t, addrRe)
+	defer g.stop(t)
+	defer sims[0].stop(t)
+
+	stopped := sims[1].cmd.Process.Pid
+	if err := syscall.Kill(stopped, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(stopped, syscall.SIGCONT) })
+
+	c := &http.Client{Timeout: 2 * time.Minute}
+	const n = 4
+	type answer struct {
+		status   int
+		attempts string
+		body     string
+		err      error
+	}
+	answers := make(chan answer, n)
+	for range n {
+		go func() {
+			body := `{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hello"}]}`
+			resp, err := c.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(body))
+			if err != nil {
+				answers <- answer{err: err}
+				return
+			}
+			b, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			answers <- answer{resp.StatusCode, resp.Header.Get("X-Infergate-Attempts"), string(b), err}
+		}()
+	}
+	retried := 0
+	for range n {
+		a := <-answers
+		if a.err != nil || a.status != 200 || !strings.Contains(a.body, `"choices"`) {
+			t.Fatalf("answer: %d %v\n%s", a.status, a.err, a.body)
+		}
+		if a.attempts == "2" {
+			retried++
+		}
+	}
+	if retried == 0 {
+		t.Fatal("no request reached the stopped engine")
+	}
+	resp, err := c.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	aborted := 0.0
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if l := sc.Text(); strings.HasPrefix(l, "infergate_retries_total{") && strings.Contains(l, `reason="endpoint_down"`) {
+			v, _ := strconv.ParseFloat(l[strings.LastIndexByte(l, ' ')+1:], 64)
+			aborted += v
+		}
+	}
+	if int(aborted) != retried {
+		t.Errorf(`retries_total{reason="endpoint_down"} = %v, want %d`, aborted, retried)
+	}
+	t.Logf("%d of %d requests reached the stopped engine, were aborted by the health checker and completed on the other", retried, n)
+}

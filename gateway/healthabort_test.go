@@ -1,0 +1,162 @@
+package gateway
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/infergate/infergate/sched"
+)
+
+// frozenEngine freezes when a completion request reaches it, as a
+// SIGSTOPped engine does: its kernel took the request, nothing answers it,
+// and its health probes time out from then on.
+type frozenEngine struct {
+	srv     *httptest.Server
+	frozen  atomic.Bool
+	arrived chan struct{} // a completion request reached it
+}
+
+func newFrozenEngine(t *testing.T) *frozenEngine {
+	e := &frozenEngine{arrived: make(chan struct{}, 16)}
+	e.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/health":
+			if e.frozen.Load() {
+				<-r.Context().Done() // the probe times out
+			}
+		case "/v1/chat/completions", "/v1/completions":
+			_, _ = io.ReadAll(r.Body) // then the server notices the client leave
+			e.frozen.Store(true)
+			e.arrived <- struct{}{}
+			<-r.Context().Done()
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	t.Cleanup(e.srv.Close)
+	return e
+}
+
+// TestFrozenEngineRequestsAborted: requests waiting for the response
+// headers of an engine that froze (non-streaming: the headers come with
+// the whole answer, bounded only by response_header_timeout's 10 minutes;
+// a stream before its headers) are aborted once its health probes fail
+// health_check_abort_after times in a row, and complete on the other
+// engine. Without the abort each waits the whole response_header_timeout
+// (or first_event_timeout), far beyond await's 10 s.
+func TestFrozenEngineRequestsAborted(t *testing.T) {
+	for _, stream := range []bool{false, true} {
+		t.Run(map[bool]string{false: "non-streaming", true: "stream"}[stream], func(t *testing.T) {
+			frozen, good := newFrozenEngine(t), newFakeEngine(t, "good")
+			cfg := testConfig(sched.RoundRobin)
+			cfg.HealthCheckTimeout = 100 * time.Millisecond
+			cfg.Endpoints = []EndpointConfig{{URL: frozen.srv.URL, Model: "m", KVBlocks: 1000}, {URL: good.URL(), Model: "m", KVBlocks: 1000}}
+			cfg.Retry.BudgetPercent = 100
+			_, url := startGateway(t, cfg)
+			c := testClient(t)
+			body := chatBody
+			if stream {
+				body = streamBody(false)
+			}
+			// Round-robin sends one of the first two requests to the engine
+			// that then freezes.
+			for i := 0; ; i++ {
+				if i == 2 {
+					t.Fatal("no request reached the frozen engine")
+				}
+				ch := sendAsync(context.Background(), c, url+pathChat, body)
+				select {
+				case <-frozen.arrived:
+				case r := <-ch:
+					if r.err != nil || r.status != 200 {
+						t.Fatalf("request %d: %d %v %s", i, r.status, r.err, r.body)
+					}
+					continue
+				}
+				r := await(t, ch)
+				if r.err != nil || r.status != 200 || !strings.Contains(string(r.body), "Hel") {
+					t.Fatalf("request on the frozen engine: %d %v %s", r.status, r.err, r.body)
+				}
+				if a := r.header.Get(AttemptsHeader); a != "2" {
+					t.Errorf("%s = %q, want 2", AttemptsHeader, a)
+				}
+				break
+			}
+			m := scrape(t, c, url)
+			if v := m.value("infergate_retries_total", `reason="endpoint_down"`); v != 1 {
+				t.Errorf(`infergate_retries_total{reason="endpoint_down"} = %v, want 1`, v)
+			}
+		})
+	}
+}
+
+// TestHeaderWaitsConcurrent arms, aborts and disarms waits from many
+// goroutines: the list stays consistent (race detector), an abort reaches
+// exactly the waits armed at the time, and a disarmed wait reports it.
+func TestHeaderWaitsConcurrent(t *testing.T) {
+	var l headerWaits
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	var wg sync.WaitGroup
+	var aborted atomic.Int64
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var w headerWait
+			w.list = &l
+			for range 200 {
+				w.arm(nil, func() {})
+				if w.disarm() {
+					aborted.Add(1)
+				}
+			}
+		}()
+	}
+	stop, done := make(chan struct{}), make(chan struct{})
+	var n atomic.Int64
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				n.Add(int64(l.abortAll()))
+			}
+		}
+	}()
+	wg.Wait()
+	close(stop)
+	<-done
+	if l.head != nil {
+		t.Error("waits left linked after every disarm")
+	}
+	// Every abort counted by abortAll is seen by exactly one disarm.
+	if got, want := aborted.Load(), n.Load(); got != want {
+		t.Errorf("disarm saw %d aborts, abortAll made %d", got, want)
+	}
+
+	// A wait armed on a connection is aborted by a past deadline on it.
+	var w headerWait
+	w.list = &l
+	w.arm(a, nil)
+	if l.abortAll() != 1 {
+		t.Fatal("armed wait not aborted")
+	}
+	if _, err := a.Read(make([]byte, 1)); !isTimeout(err) {
+		t.Errorf("read after abort: %v, want a timeout", err)
+	}
+	if !w.disarm() || w.disarm() {
+		t.Error("disarm: want true once, then false")
+	}
+}
