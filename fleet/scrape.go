@@ -547,7 +547,9 @@ type ScrapeConfig struct {
 	// (DefaultScrapeConcurrency).
 	Concurrency int
 	// Client sends the GETs. Default: a client of the Scraper's own with
-	// keep-alive connections, closed when Run returns.
+	// keep-alive connections, closed when Run returns, that follows no
+	// redirect (noRedirects). A client given here should not either: the
+	// engine's credentials (Endpoint.Header) would go with it.
 	Client *http.Client
 }
 
@@ -617,12 +619,21 @@ func NewScraper(eps []Endpoint, cfg ScrapeConfig) (*Scraper, error) {
 				MaxIdleConnsPerHost: 1,
 				IdleConnTimeout:     staleIntervals*cfg.Interval + 30*time.Second,
 			},
+			CheckRedirect: noRedirects,
 		}
 		s.ownsHTTP = true
 	}
 	s.cfg = cfg
 	return s, nil
 }
+
+// noRedirects is the default client's CheckRedirect: a redirect is
+// answered as the engine's answer (a non-200, so the scrape fails), never
+// followed. net/http drops Authorization on a redirect to another host but
+// keeps every other header, so following one sent the engine's credentials
+// (an Api-Key header, an OpenAI-Organization) wherever a hostile or
+// misconfigured engine pointed (the attack run's redirect-leak finding).
+func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // Len returns the number of endpoints.
 func (s *Scraper) Len() int { return len(s.eps) }
@@ -709,6 +720,9 @@ func (s *Scraper) fetch(ctx context.Context, u string, kind Kind, header http.He
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // keep the connection reusable
+		if resp.StatusCode/100 == 3 {
+			return Load{}, fmt.Errorf("scrape %s: status %d (redirects are not followed: the engine's credentials would go with them)", u, resp.StatusCode)
+		}
 		return Load{}, fmt.Errorf("scrape %s: status %d", u, resp.StatusCode)
 	}
 	body := &capReader{r: resp.Body, n: s.cfg.MaxBytes}

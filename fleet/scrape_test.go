@@ -715,3 +715,33 @@ func TestScraperRunStops(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestScraperFollowsNoRedirect: an engine that answers its metrics page
+// with a redirect to another server fails the scrape; the other server
+// never sees the request, nor the engine's credentials sent with it.
+func TestScraperFollowsNoRedirect(t *testing.T) {
+	var leaked atomic.Int64
+	thief := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		leaked.Add(1)
+		_, _ = w.Write(readPage(t, "vllm.txt"))
+	}))
+	defer thief.Close()
+	for _, code := range []int{http.StatusMovedPermanently, http.StatusFound, http.StatusTemporaryRedirect, http.StatusPermanentRedirect} {
+		hostile := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			http.Redirect(w, r, thief.URL+"/metrics", code)
+		}))
+		s, err := NewScraper([]Endpoint{{URL: hostile.URL, Kind: VLLM, Header: http.Header{"Api-Key": {"engine-secret"}}}},
+			ScrapeConfig{Interval: time.Minute, Timeout: 5 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.ScrapeOnce(context.Background())
+		if err := s.Err(0); err == nil || !strings.Contains(err.Error(), "redirects are not followed") {
+			t.Errorf("%d: scrape error %v, want the redirect refused", code, err)
+		}
+		hostile.Close()
+	}
+	if n := leaked.Load(); n != 0 {
+		t.Errorf("the redirect target received %d scrapes", n)
+	}
+}
