@@ -529,6 +529,7 @@ func (g *Gateway) authenticate(w http.ResponseWriter, r *http.Request, st *state
 	g.authFailures.WithLabelValues(reason).Inc()
 	slog.Debug("gateway: request refused: API key "+reason, "remote", r.RemoteAddr, "path", r.URL.Path)
 	w.Header().Set("WWW-Authenticate", `Bearer realm="infergate"`)
+	closeUnread(w, r)                              // refused before its body is read
 	w.Header().Set("X-Request-Id", g.requestID(r)) // to match the client's report with the gateway's
 	openai.WriteError(w, authFailure(key == ""))
 	if proxiedPath(r.URL.Path) {

@@ -8,6 +8,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/infergate/infergate/sched"
 )
@@ -27,12 +28,18 @@ func (c *cannedEngine) RoundTrip(req *http.Request) (*http.Response, error) {
 	}, nil
 }
 
-// discardWriter is a reusable http.ResponseWriter and http.Flusher.
+// discardWriter is a reusable http.ResponseWriter and http.Flusher, with
+// the connection deadlines net/http's own ResponseWriter has
+// (http.ResponseController): without them each deadline the request path
+// sets failed with an allocated ErrNotSupported, counted as the path's.
 type discardWriter struct {
 	h      http.Header
 	status int
 	n      int
 }
+
+func (w *discardWriter) SetReadDeadline(time.Time) error  { return nil }
+func (w *discardWriter) SetWriteDeadline(time.Time) error { return nil }
 
 func (w *discardWriter) Header() http.Header         { return w.h }
 func (w *discardWriter) WriteHeader(status int)      { w.status = status }

@@ -302,6 +302,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	}
 	g.commit(st, plan, nil)
 	g.reloads.succeeded(time.Now())
+	warnOpenUsage(st)
 	return g, nil
 }
 
@@ -403,6 +404,14 @@ const (
 // API key: limits.go).
 func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 	st := g.state.Load() // the configuration this request is served by
+	if r.ContentLength != 0 {
+		// A body is declared (or chunked): its read is bounded whoever
+		// answers, an early refusal included, after which net/http drains
+		// up to 256 KiB of it before it writes the answer (a client that
+		// declared a body and sent none held its connection for ever).
+		// readBody sets it again for the requests that read their body.
+		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(g.cfg.BodyReadTimeout))
+	}
 	key, ok := g.checkEdge(w, r, st)
 	if !ok {
 		return
@@ -450,8 +459,24 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 		if g.routePassthrough(w, r, key, st) {
 			return
 		}
+		closeUnread(w, r)
 		openai.WriteError(w, openai.NewError(http.StatusNotFound,
 			fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path), "", "not_found"))
+	}
+}
+
+// closeUnread marks the answer to a request refused before its body was
+// read to close the connection after it, when a body was declared: else
+// net/http first drains the body (up to 256 KiB, bounded by route's read
+// deadline), and a client that declared one and sent nothing would get
+// its answer only at that deadline, then keep the connection as long
+// again while the closing request body drains. The read deadline is moved
+// to the past, so that drain ends at once. Closing is what net/http itself
+// does with a larger unread body.
+func closeUnread(w http.ResponseWriter, r *http.Request) {
+	if r.ContentLength != 0 {
+		w.Header().Set("Connection", "close")
+		_ = http.NewResponseController(w).SetReadDeadline(aLongTimeAgo)
 	}
 }
 
@@ -477,6 +502,7 @@ func (g *Gateway) allow(w http.ResponseWriter, r *http.Request, method string) b
 		allowed = "GET, HEAD"
 	}
 	w.Header().Set("Allow", allowed)
+	closeUnread(w, r)
 	openai.WriteError(w, openai.NewError(http.StatusMethodNotAllowed,
 		fmt.Sprintf("Method %s is not allowed for %s (use %s).", r.Method, r.URL.Path, method), "", "method_not_allowed"))
 	if proxiedPath(r.URL.Path) {

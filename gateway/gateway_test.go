@@ -942,3 +942,93 @@ func TestStalledBodyTimesOut(t *testing.T) {
 		t.Fatalf("status %d body %s, want 408 request_timeout", resp.StatusCode, body)
 	}
 }
+
+// TestRefusalWithUnsentBodyAnswered: a request that declares a body and
+// sends none, refused before its body is read (no API key, wrong method,
+// unknown path), is answered at once and its connection closed; before,
+// net/http waited to drain the body first and the client got no byte for
+// as long as it kept the connection open (the attack run's 200 s). A
+// refusal that does not close is still bounded by body_read_timeout.
+func TestRefusalWithUnsentBodyAnswered(t *testing.T) {
+	e, f := newFakeEngine(t, "e0"), newFakeEngine(t, "e1")
+	_, url := startGateway(t, authConfig(t, e, f))
+	for _, tc := range []struct{ name, head, want string }{
+		{"no key", "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n", " 401 "},
+		{"no key, chunked", "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", " 401 "},
+		{"wrong method", "PUT /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + keyAlice + "\r\nContent-Length: 100000\r\n\r\n", " 405 "},
+		{"unknown path", "POST /nowhere HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + keyAlice + "\r\nContent-Length: 100000\r\n\r\n", " 404 "},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			if _, err := io.WriteString(conn, tc.head); err != nil {
+				t.Fatal(err)
+			}
+			// Far below body_read_timeout (30 s): the answer must not wait for it.
+			_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+			b, err := io.ReadAll(conn) // to the close
+			if err != nil {
+				t.Fatalf("no answer and no close: %v (read %q)", err, b)
+			}
+			if !strings.HasPrefix(string(b), "HTTP/1.1"+tc.want) || !strings.Contains(string(b), `"error"`) {
+				t.Fatalf("answer %q, want%s with an OpenAI error", b, tc.want)
+			}
+		})
+	}
+}
+
+// TestContentEncodingListsRejected: every field line and every member of
+// Content-Encoding counts ("identity" then "br" is br).
+func TestContentEncodingListsRejected(t *testing.T) {
+	_, url := startGateway(t, testConfig(sched.RoundRobin, newFakeEngine(t, "e0")))
+	for _, ce := range [][]string{{"identity", "br"}, {"identity, gzip"}, {"IDENTITY,  zstd "}} {
+		req, _ := http.NewRequest(http.MethodPost, url+pathChat, strings.NewReader(chatBody))
+		req.Header["Content-Encoding"] = ce
+		resp, err := testClient(t).Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusUnsupportedMediaType || !strings.Contains(string(body), `"error"`) {
+			t.Errorf("Content-Encoding %q: status %d body %s, want 415", ce, resp.StatusCode, body)
+		}
+	}
+	req, _ := http.NewRequest(http.MethodPost, url+pathChat, strings.NewReader(chatBody))
+	req.Header["Content-Encoding"] = []string{"identity", " identity "}
+	if resp, b := do(t, req); resp.StatusCode != 200 {
+		t.Errorf("identity twice: %d %s", resp.StatusCode, b)
+	}
+}
+
+func do(t *testing.T, req *http.Request) (*http.Response, []byte) {
+	t.Helper()
+	resp, err := testClient(t).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, b
+}
+
+// TestInvalidUTF8Refused: a body that is not UTF-8 (here inside a message's
+// content, and a lone surrogate's bytes) is refused 400, not sent on.
+func TestInvalidUTF8Refused(t *testing.T) {
+	e := newFakeEngine(t, "e0")
+	_, url := startGateway(t, testConfig(sched.RoundRobin, e))
+	c := testClient(t)
+	for _, bad := range []string{"\xff\xfe", "\xed\xa0\x80", "caf\xc3"} {
+		body := `{"model":"m","messages":[{"role":"user","content":"` + bad + `"}]}`
+		resp, b := post(t, c, url+pathChat, body)
+		if resp.StatusCode != 400 || !strings.Contains(string(b), "UTF-8") {
+			t.Errorf("%q: %d %s", bad, resp.StatusCode, b)
+		}
+	}
+	if n := e.requests.Load(); n != 0 {
+		t.Errorf("engine got %d requests", n)
+	}
+}

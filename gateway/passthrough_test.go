@@ -189,6 +189,53 @@ func TestResponsesAffinityOwnedByKey(t *testing.T) {
 	}
 }
 
+// TestResponsesRequestIDTakeover is the attack run's takeover: Bob sends
+// request_id set to Alice's response id (vLLM stores the response under it,
+// replacing hers). It is refused 400, Alice keeps retrieving and
+// continuing her response, and Bob still cannot read it; Bob's own
+// request_id passes, and so does reusing it (his own response, replaced).
+func TestResponsesRequestIDTakeover(t *testing.T) {
+	f := simFleet(t, 2, "m")
+	cfg := fleetConfig(sched.RoundRobin, map[string]*sim.Fleet{"m": f})
+	if err := cfg.Auth.AddKeys("alice plain:"+keyAlice+"; bob plain:"+keyBob, "test"); err != nil {
+		t.Fatal(err)
+	}
+	_, url := startGateway(t, cfg)
+	c := testClient(t)
+	resp, b := post(t, c, url+pathResponses, `{"model":"m","input":"secret","max_output_tokens":2}`, "Authorization", "Bearer "+keyAlice)
+	if resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	id := jsonOf[respAnswer](t, b).ID
+	resp, b = post(t, c, url+pathResponses, `{"model":"m","input":"mine now","max_output_tokens":2,"request_id":"`+id+`"}`, "Authorization", "Bearer "+keyBob)
+	if e := decodeError(t, b); resp.StatusCode != 400 || str(e.Param) != "request_id" {
+		t.Errorf("bob's request_id = alice's id: %d %s, want 400 on request_id", resp.StatusCode, b)
+	}
+	get := func(key string) int {
+		req, _ := http.NewRequest(http.MethodGet, url+pathResponses+"/"+id, nil)
+		req.Header.Set("Authorization", "Bearer "+key)
+		r, err := c.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.Body.Close()
+		return r.StatusCode
+	}
+	if a, b := get(keyAlice), get(keyBob); a != 200 || b != 404 {
+		t.Errorf("GET alice's response: alice %d, bob %d; want 200, 404", a, b)
+	}
+	cont := `{"model":"m","input":"more","max_output_tokens":2,"previous_response_id":"` + id + `"}`
+	if resp, b := post(t, c, url+pathResponses, cont, "Authorization", "Bearer "+keyAlice); resp.StatusCode != 200 {
+		t.Errorf("alice continues: %d %s", resp.StatusCode, b)
+	}
+	for range 2 { // bob's own id, twice: his to replace
+		own := `{"model":"m","input":"x","max_output_tokens":2,"request_id":"resp_bobs_own"}`
+		if resp, b := post(t, c, url+pathResponses, own, "Authorization", "Bearer "+keyBob); resp.StatusCode != 200 || jsonOf[respAnswer](t, b).ID != "resp_bobs_own" {
+			t.Errorf("bob's own request_id: %d %s", resp.StatusCode, b)
+		}
+	}
+}
+
 // TestResponsesPinnedEndpointDown: a continuation whose engine is out of
 // rotation is not sent to another engine (which cannot hold the
 // conversation): 503 naming the response.

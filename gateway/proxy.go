@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
@@ -193,12 +194,14 @@ func (g *Gateway) putExchange(x *exchange) {
 // the declared length) gets an error of status codeClientClosed, which is
 // accounted, not written.
 func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) *openai.Error {
-	if ce := r.Header.Get("Content-Encoding"); ce != "" && !strings.EqualFold(ce, "identity") {
+	if ce := encodedAs(r.Header); ce != "" {
+		w.Header().Set("Connection", "close") // the body is not read
 		return openai.NewError(http.StatusUnsupportedMediaType,
-			fmt.Sprintf("Content-Encoding %q is not supported; send the JSON body uncompressed.", ce), "", openai.CodeInvalidJSON)
+			fmt.Sprintf("Content-Encoding %q is not supported; send the JSON body uncompressed.", truncate(ce, 64)), "", openai.CodeInvalidJSON)
 	}
-	rc := http.NewResponseController(w)
-	deadline := rc.SetReadDeadline(time.Now().Add(timeout)) == nil
+	// route set the read deadline (timeout) when the request arrived with
+	// a body declared.
+	deadline := r.ContentLength != 0
 	tooLarge := func() *openai.Error {
 		return openai.NewError(http.StatusRequestEntityTooLarge,
 			fmt.Sprintf("Request body is larger than the limit of %d bytes.", limit), "", openai.CodeRequestTooLarge)
@@ -246,15 +249,37 @@ func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64,
 	}
 	x.body = buf
 	if deadline {
-		_ = rc.SetReadDeadline(time.Time{}) // the response may stream for long
+		_ = http.NewResponseController(w).SetReadDeadline(time.Time{}) // the response may stream for long
 	}
 	return nil
+}
+
+// encodedAs returns the first coding other than identity that the
+// request's Content-Encoding lists, over every field line and every
+// comma-separated member (RFC 9110 §8.4: codings are listed in the order
+// applied; "identity, br" is br), or "" when the body is not encoded.
+func encodedAs(h http.Header) string {
+	for _, v := range h.Values("Content-Encoding") {
+		for c := range strings.SplitSeq(v, ",") {
+			if c = strings.TrimSpace(c); c != "" && !strings.EqualFold(c, "identity") {
+				return c
+			}
+		}
+	}
+	return ""
 }
 
 // decode parses and validates the body once into the typed request. It
 // sets x.model (even when validation fails, if the JSON was readable), and
 // returns the 400 error to answer, or nil.
 func (x *exchange) decode(kind apiKind) *openai.Error {
+	if !utf8.Valid(x.body) {
+		// RFC 8259 §8.1: JSON exchanged between systems is UTF-8. Go's
+		// decoder would replace the bytes with U+FFFD while the engine is
+		// sent the body as is: the gateway would route and count one
+		// prompt and the engine serve another (or refuse it).
+		return openai.NewError(http.StatusBadRequest, "The request body is not valid UTF-8.", "", openai.CodeInvalidJSON)
+	}
 	if kind > kindCompletion {
 		return x.decodePass(kind)
 	}
@@ -406,6 +431,13 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 		g.fail(w, rm, openai.NewError(http.StatusNotFound,
 			fmt.Sprintf("The model `%s` does not exist.", x.model), "model", openai.CodeModelNotFound))
 		return
+	}
+	if kind == kindResponses {
+		if e := g.claimResponseID(x.pass.resp.RequestID, key, st); e != nil {
+			x.refundAdmission(w.Header())
+			g.fail(w, rm, e)
+			return
+		}
 	}
 	if kind == kindResponses && x.pass.resp.PreviousResponseID != "" {
 		t, e := g.continuationTarget(x, targets, key, st)
@@ -562,7 +594,7 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 	var held int64 // bytes of x.capture reserved in g.hold
 	defer g.hold.release(&held)
 	sent := false // the status line and the held body have been written
-	idle := idleDeadline{idle: g.cfg.StreamIdleTimeout}
+	idle := idleDeadline{idle: g.cfg.StreamIdleTimeout, by: time.Now().Add(g.cfg.ResponseHeaderTimeout)}
 	idle.dl, _ = resp.Body.(readDeadliner)
 	send := func(b []byte) bool {
 		if !sent {
@@ -604,9 +636,11 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 				g.canceled(w, r, rm) // 499, or 503 when ended by Abort
 				return nil, codeClientClosed
 			case !sent && isTimeout(rerr):
-				return &failure{reason: reasonTimeout, rm: rm, err: openai.NewError(http.StatusGatewayTimeout,
-					fmt.Sprintf("The model server's answer stalled: no byte within %s (stream_idle_timeout).", g.cfg.StreamIdleTimeout),
-					"", codeUpstreamTimeout)}, 0
+				msg := fmt.Sprintf("The model server's answer stalled: no byte within %s (stream_idle_timeout).", g.cfg.StreamIdleTimeout)
+				if idle.overdue(time.Now()) {
+					msg = fmt.Sprintf("The model server's answer did not end within %s of its headers (response_header_timeout).", g.cfg.ResponseHeaderTimeout)
+				}
+				return &failure{reason: reasonTimeout, rm: rm, err: openai.NewError(http.StatusGatewayTimeout, msg, "", codeUpstreamTimeout)}, 0
 			case !sent:
 				return &failure{reason: reasonReset, rm: rm, err: openai.NewError(http.StatusBadGateway,
 					"The model server's answer broke off before its end: "+rerr.Error(), "", openai.CodeUpstream)}, 0
@@ -949,6 +983,10 @@ type idleDeadline struct {
 	dl    readDeadliner // nil: the body has no deadline (nothing to do)
 	idle  time.Duration
 	armed time.Time // the deadline in force (zero: none)
+	// by is the latest deadline extend sets (zero: none): a non-streaming
+	// answer's whole body is due within response_header_timeout of its
+	// headers, however steadily an engine trickles it.
+	by time.Time
 }
 
 func (d *idleDeadline) extend(now time.Time) {
@@ -958,8 +996,21 @@ func (d *idleDeadline) extend(now time.Time) {
 	if left := d.armed.Sub(now); !d.armed.IsZero() && left >= d.idle && left <= d.idle+d.idle/8 {
 		return
 	}
-	d.armed = now.Add(d.idle + d.idle/8)
-	_ = d.dl.SetReadDeadline(d.armed)
+	t := now.Add(d.idle + d.idle/8)
+	if !d.by.IsZero() && t.After(d.by) {
+		if d.armed.Equal(d.by) {
+			return
+		}
+		t = d.by
+	}
+	d.armed = t
+	_ = d.dl.SetReadDeadline(t)
+}
+
+// overdue reports whether a read timed out at the body's end bound by
+// rather than for idleness.
+func (d *idleDeadline) overdue(now time.Time) bool {
+	return !d.by.IsZero() && d.armed.Equal(d.by) && !now.Before(d.by)
 }
 
 // flushOnRead wraps an engine's stream so that the relay flushes the client's

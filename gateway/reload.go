@@ -256,7 +256,22 @@ func (g *Gateway) reload(load func() (Config, error)) error {
 	if pl.authSwitched {
 		slog.Warn("gateway: configuration reload turned authentication " + map[bool]string{true: "on", false: "off"}[st.keys != nil])
 	}
+	if pl.authSwitched || prev.cfg.Auth.ProtectMetrics != st.cfg.Auth.ProtectMetrics {
+		warnOpenUsage(st)
+	}
 	return nil
+}
+
+// warnOpenUsage warns when API keys are on and /metrics and
+// /dashboard/state.json are not protected: anyone who reaches the gateway
+// reads the keys' names and each key's usage (infergate_key_*_total{key}).
+// Open is the default so that a Prometheus without a key can scrape; the
+// warning makes the exposure a choice.
+func warnOpenUsage(st *state) {
+	if st.keys != nil && !st.cfg.Auth.ProtectMetrics {
+		slog.Warn("gateway: API keys are on and /metrics and /dashboard/state.json are open: key names and per-key usage " +
+			"are readable without a key; set auth.protect_metrics to require one")
+	}
 }
 
 func names(eps []*endpoint) []string {

@@ -113,8 +113,14 @@ func (a *responseAffinity) learn(id, model string, ep *endpoint, owner *principa
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if _, ok := a.m[id]; ok {
-		a.m[id] = e // the id again (a client's request_id): the latest store
+	if old, ok := a.m[id]; ok {
+		// The id again (a client's request_id): the latest store, unless
+		// another key made it. claimResponseID refuses that request_id;
+		// two keys' requests racing with it get here, and the response
+		// stays its first owner's (a key never takes over another's id).
+		if old.owner == e.owner {
+			a.m[id] = e
+		}
 		return
 	}
 	if old := a.ring[a.next]; old != "" {
@@ -156,6 +162,30 @@ func (g *Gateway) owned(id string, key *principal, st *state) (affinityEntry, bo
 		return affinityEntry{}, false
 	}
 	return e, ok
+}
+
+// claimResponseID checks a responses request's request_id (a vLLM
+// extension: the id the engine stores the response under, replacing one
+// it holds by that id) with authentication on: an id the gateway knows as
+// another key's response is refused 400, since the engine would overwrite
+// that key's response with this one's and the gateway route the id to it
+// (the attack run's takeover: Bob's request_id set to Alice's response id
+// made her GET and continuation 404 and his 200). The key's own ids, and
+// any id with authentication off, pass: replacing one's own response is
+// the extension's purpose. An id the gateway has forgotten (past
+// responses.affinity_max_entries, or from before a restart) cannot be
+// checked; vLLM's ids are 128 random bits, so reaching one needs it
+// leaked.
+func (g *Gateway) claimResponseID(id string, key *principal, st *state) *openai.Error {
+	if st.keys == nil || id == "" {
+		return nil
+	}
+	if e, ok := g.affinity.lookup(id); ok && (key == nil || e.owner != key.name) {
+		return openai.NewError(http.StatusBadRequest,
+			fmt.Sprintf("request_id '%s' names an existing response; omit request_id or choose another.", truncate(id, maxResponseIDBytes)),
+			"request_id", "invalid_value")
+	}
+	return nil
 }
 
 // continuationTarget resolves a responses request's previous_response_id

@@ -456,3 +456,42 @@ func TestUpstreamRoundTripBy(t *testing.T) {
 	}
 	_ = dl.SetReadDeadline(time.Time{}) // the connection is broken now: no effect, no panic
 }
+
+// TestTrickledBodyBounded: an engine that sends a non-streaming answer's
+// headers and then one byte at a time, each well within
+// stream_idle_timeout, is cut at response_header_timeout after the
+// headers (the whole body is due by then), and the request completes on
+// the other engine; before, only the per-read idle bound applied and the
+// client was held as long as the engine kept dripping.
+func TestTrickledBodyBounded(t *testing.T) {
+	trickle := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != pathChat {
+			return
+		}
+		_, _ = io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		sseSend(w, `{"id":"x",`)
+		until(r, func() { sseSend(w, " ") })
+	}))
+	defer trickle.Close()
+	good := newFakeEngine(t, "good")
+	cfg := stallConfig(sched.RoundRobin, trickle.URL, good.URL())
+	cfg.ResponseHeaderTimeout = 300 * time.Millisecond
+	cfg.Retry.BudgetPercent = 100
+	_, url := startGateway(t, cfg)
+	c := testClient(t)
+	retried := 0
+	for i := range 2 { // round-robin: one of them at least reaches the trickle
+		r := await(t, sendAsync(context.Background(), c, url+pathChat, chatBody))
+		if r.err != nil || r.status != 200 || !strings.Contains(string(r.body), "Hel") {
+			t.Fatalf("request %d: %d %v %s", i, r.status, r.err, r.body)
+		}
+		if r.header.Get(AttemptsHeader) == "2" {
+			retried++
+		}
+	}
+	if v := scrape(t, c, url).value("infergate_retries_total", `reason="timeout"`); retried == 0 || v != float64(retried) {
+		t.Errorf(`%d requests retried, retries_total{reason="timeout"} = %v`, retried, v)
+	}
+}

@@ -121,6 +121,15 @@ func TestIDsUniqueAcrossServers(t *testing.T) {
 			if seen[r.ID] {
 				t.Fatalf("id %s handed out twice", r.ID)
 			}
+			// Unpredictable: no part is shared with an earlier id (the
+			// per-process half of the ids before let a client compute
+			// another client's ids from its own).
+			hexOf := strings.TrimPrefix(r.ID, "resp_")
+			for id := range seen {
+				if o := strings.TrimPrefix(id, "resp_"); o[:16] == hexOf[:16] || o[16:] == hexOf[16:] {
+					t.Fatalf("ids %s and %s share half their digits", id, r.ID)
+				}
+			}
 			seen[r.ID] = true
 		}
 	}

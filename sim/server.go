@@ -2,7 +2,7 @@ package sim
 
 import (
 	crand "crypto/rand"
-	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -79,8 +79,6 @@ type Server struct {
 	snap      atomic.Pointer[Stats]
 	handler   http.Handler
 	created   int64 // unix seconds, for /v1/models
-	idPrefix  uint64
-	nextID    atomic.Uint64
 	submit    chan *call
 	cancel    chan *call
 	control   chan *engineCall
@@ -143,17 +141,16 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 		return nil, fmt.Errorf("sim: LoRA adapter %q has the served model's name", cfg.Model)
 	}
 	s := &Server{
-		cfg:      cfg,
-		eng:      eng,
-		tok:      tok,
-		words:    words,
-		created:  time.Now().Unix(),
-		idPrefix: randomID(),
-		submit:   make(chan *call),
-		cancel:   make(chan *call),
-		control:  make(chan *engineCall),
-		quit:     make(chan struct{}),
-		done:     make(chan struct{}),
+		cfg:     cfg,
+		eng:     eng,
+		tok:     tok,
+		words:   words,
+		created: time.Now().Unix(),
+		submit:  make(chan *call),
+		cancel:  make(chan *call),
+		control: make(chan *engineCall),
+		quit:    make(chan struct{}),
+		done:    make(chan struct{}),
 	}
 	s.snap.Store(&Stats{NumBlocks: eng.NumBlocks, BlockSize: eng.BlockSize})
 	s.metrics = newMetrics(cfg.Model, eng, &s.snap)
@@ -872,22 +869,17 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_, _ = w.Write(b)
 }
 
-// newID returns prefix followed by 32 hex digits: a per-process random
-// half and a counter mixed into the other, so ids are unique across
-// servers and processes, as vLLM's random_uuid() ids are (ids derived from
-// the seed collided between two sim processes, and a Responses
-// previous_response_id then named another user's conversation on the other
-// engine).
+// newID returns prefix followed by 32 random hex digits (crypto/rand), as
+// vLLM's random_uuid() ids are: unique across servers and processes (ids
+// derived from the seed collided between two sim processes, and a
+// Responses previous_response_id then named another user's conversation),
+// and unpredictable (a per-process random half with a counter mixed into
+// the other let one client compute another's ids from its own, then take
+// over their responses with request_id).
 func (s *Server) newID(prefix string) string {
-	n := s.nextID.Add(1)
-	return fmt.Sprintf("%s%016x%016x", prefix, s.idPrefix, mix64(s.idPrefix^n))
-}
-
-// randomID returns 64 random bits (crypto/rand; it cannot fail on Linux).
-func randomID() uint64 {
-	var b [8]byte
-	_, _ = crand.Read(b[:])
-	return binary.LittleEndian.Uint64(b[:])
+	var b [16]byte
+	_, _ = crand.Read(b[:]) // it cannot fail on Linux
+	return prefix + hex.EncodeToString(b[:])
 }
 
 // mix64 is the splitmix64 finalizer.
