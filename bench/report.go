@@ -172,10 +172,11 @@ func (r HTMLReport) Page() Page {
 	for i, s := range sums {
 		hitVals[i] = []float64{s.HitRate}
 	}
-	hitBars := BarChart("Prefix-cache hit rate vs the pooled and infinite cache", "",
+	hitTitle, hitNote := refCaption(hitRefs)
+	hitBars := BarChart("Prefix-cache hit rate"+hitTitle, "",
 		Axis{Label: "hit rate (Σcached / Σprompt)", Format: FormatPercent}, []string{"measured requests"}, names, hitVals, hitRefs...)
 	hitBars.Key = "hit-rate"
-	hitBars.Note = "Dashed lines: the hit rate one cache with the whole fleet's KV capacity would reach on these requests (pooled cache, what a perfect router could approach without replicating prefixes), and an infinite cache's (the workload's ceiling). See bench/README.md, \"References\"."
+	hitBars.Note = hitNote
 	ttftBars := BarChart("TTFT percentiles", "", msBars, pctGroups, names, ttftPct)
 	ttftBars.Key = "ttft-percentiles"
 	itlBars := BarChart("ITL percentiles (all gaps of all requests pooled)", "", msBars, pctGroups, names, itlPct)
@@ -221,6 +222,30 @@ func subtitle(p *Provenance) string {
 		return ""
 	}
 	return fmt.Sprintf("infergate %s · started %s · %s", p.Version, p.Start, p.ClockText())
+}
+
+// refCaption is the hit-rate chart's title suffix and note for the
+// reference lines it draws (referenceLines): only those drawn are named. A
+// run against another gateway (--target) has none: the references need
+// the fleet's KV capacity, which bench does not know there.
+func refCaption(refs []Series) (title, note string) {
+	var pooled, infinite bool
+	for _, l := range refs {
+		pooled = pooled || l.Key == "pooled"
+		infinite = infinite || l.Key == "infinite"
+	}
+	const pooledText = "the hit rate one cache with the whole fleet's KV capacity would reach on these requests (pooled cache, what a perfect router could approach without replicating prefixes)"
+	const infText = "an infinite cache's (the workload's ceiling)"
+	const see = " See bench/README.md, \"References\"."
+	switch {
+	case pooled && infinite:
+		return " vs the pooled and infinite cache", "Dashed lines: " + pooledText + ", and " + infText + "." + see
+	case pooled:
+		return " vs the pooled cache", "Dashed line: " + pooledText + "." + see
+	case infinite:
+		return " vs the infinite cache", "Dashed line: " + infText + "." + see
+	}
+	return "", "No reference lines: they need the fleet's KV capacity (bench's own fleet; not known for --target)." + see
 }
 
 // referenceLines are the hit-rate charts' reference lines: the first run's

@@ -126,7 +126,7 @@ func (r *Result) HTMLPage() bench.Page {
 		bench.Fact{Key: "SLO", Field: "slo", Value: r.SLO, Mono: true},
 		bench.Fact{Key: "swept", Field: "swept", Value: fmt.Sprintf("%s engines × %s: %d runs of %d requests, %s wall (%d at once)",
 			joinInts(r.Engines), strings.Join(r.Policies, ", "), len(r.Rows), r.Requests, fmtMs(r.WallS*1000), r.Workers)},
-		bench.Fact{Key: "recommendation", Field: "recommendation", Value: r.Verdict()})
+		bench.Fact{Key: "recommendation", Field: "recommendation", Value: strings.TrimPrefix(r.Verdict(), "recommendation: ")})
 	var alerts []bench.Alert
 	if r.Recommendation == nil {
 		alerts = append(alerts, bench.Alert{Key: "no-fleet", Text: r.Verdict()})

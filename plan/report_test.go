@@ -151,7 +151,10 @@ func TestResultHTMLPage(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := b.String()
-	for _, want := range []string{"recommendation: 8 engines, policy prefix", `<td class="txt">least-request</td>`, `<tr class="recommended">`,
+	if strings.Contains(out, "recommendation: 8") {
+		t.Error("the recommendation fact repeats its label in its value")
+	}
+	for _, want := range []string{"8 engines, policy prefix", `<td class="txt">least-request</td>`, `<tr class="recommended">`,
 		`data-key="slo" data-value="2000"`, `data-key="slo" data-value="100"`, `data-key="recommended" data-x="8"`, "SLO ttft_p90 ≤ 2s",
 		`data-field="slo"`, `<th>pooled-cache hit %</th>`, "<td class=\"num\">26.0</td>"} {
 		if !strings.Contains(out, want) {
