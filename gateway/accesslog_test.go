@@ -150,6 +150,19 @@ func TestAccessLogOutcomes(t *testing.T) {
 	} else {
 		resp.Body.Close()
 	}
+	// Refusals on the gateway's own paths name their error too.
+	for _, m := range []struct{ id, path, key string }{{"models-noauth", pathModels, ""}, {"models-nope", pathModels + "/nope", keyA}} {
+		req, _ := http.NewRequest(http.MethodGet, srv.URL+m.path, nil)
+		if m.key != "" {
+			req.Header.Set("Authorization", "Bearer "+m.key)
+		}
+		req.Header.Set("X-Request-Id", m.id)
+		if resp, err := c.Do(req); err != nil {
+			t.Fatalf("%s: %v", m.id, err)
+		} else {
+			resp.Body.Close()
+		}
+	}
 	waitFor(t, "the 499 to be counted", func() bool {
 		return scrape(t, c, srv.URL).value("infergate_requests_total", `code="499"`) == 1
 	})
@@ -226,8 +239,10 @@ func TestAccessLogOutcomes(t *testing.T) {
 	expect("fail-500", map[string]any{"status": 502.0, "error": "upstream_error", "endpoint": ep, "attempts": 1.0, "prompt_tokens": nil})
 	expect("gone", map[string]any{"status": 499.0, "endpoint": ep, "key": "team-a"})
 	expect("models", map[string]any{"status": 200.0, "method": "GET", "path": pathModels, "key": "team-a", "model": nil})
-	if n := len(lines); n != 12 {
-		t.Errorf("%d request ids in the log, want 12: %v", n, lines)
+	expect("models-noauth", map[string]any{"status": 401.0, "path": pathModels, "error": "invalid_api_key", "key": nil})
+	expect("models-nope", map[string]any{"status": 404.0, "path": pathModels + "/nope", "error": "model_not_found", "key": "team-a"})
+	if n := len(lines); n != 14 {
+		t.Errorf("%d request ids in the log, want 14: %v", n, lines)
 	}
 
 	// Per-key usage: every inference request with the key, tokens of those

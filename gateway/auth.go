@@ -532,8 +532,8 @@ func (g *Gateway) authenticate(w http.ResponseWriter, r *http.Request, st *state
 	closeUnread(w, r)                              // refused before its body is read
 	w.Header().Set("X-Request-Id", g.requestID(r)) // to match the client's report with the gateway's
 	openai.WriteError(w, authFailure(key == ""))
+	observedFor(w).failed(codeInvalidAPIKey) // the access line's error, on every path
 	if proxiedPath(r.URL.Path) {
-		observedFor(w).failed(codeInvalidAPIKey)
 		g.count(w, g.unknown, http.StatusUnauthorized)
 	}
 	return nil, false

@@ -462,6 +462,7 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 		closeUnread(w, r)
 		openai.WriteError(w, openai.NewError(http.StatusNotFound,
 			fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path), "", "not_found"))
+		observedFor(w).failed("not_found")
 	}
 }
 
@@ -487,6 +488,7 @@ func (st *state) serveModel(w http.ResponseWriter, model string, key *principal)
 	b, ok := st.modelBodies[model]
 	if !ok || (key != nil && !key.allows(model)) {
 		openai.WriteError(w, modelNotAllowed(model))
+		observedFor(w).failed(openai.CodeModelNotFound)
 		return
 	}
 	writeJSON(w, http.StatusOK, b)
@@ -505,6 +507,7 @@ func (g *Gateway) allow(w http.ResponseWriter, r *http.Request, method string) b
 	closeUnread(w, r)
 	openai.WriteError(w, openai.NewError(http.StatusMethodNotAllowed,
 		fmt.Sprintf("Method %s is not allowed for %s (use %s).", r.Method, r.URL.Path, method), "", "method_not_allowed"))
+	observedFor(w).failed("method_not_allowed")
 	if proxiedPath(r.URL.Path) {
 		g.count(w, g.unknown, http.StatusMethodNotAllowed)
 	}
