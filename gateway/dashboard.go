@@ -131,8 +131,13 @@ type DashFleet struct {
 // DashTraffic is what requests did over a span (all answers, unknown models
 // and requests refused before routing included in the fleet's).
 type DashTraffic struct {
-	Requests          float64 `json:"requests"`
-	Errors            float64 `json:"errors"` // answers that were not 2xx
+	Requests float64 `json:"requests"`
+	// Errors are answers that failed to serve (5xx: the gateway's or an
+	// engine's failure); ClientErrors requests refused or abandoned as the
+	// client's doing (4xx: bad requests, unknown models, keys, rate limits,
+	// 499 client gone). Not mixed: a client's typos are no fleet alarm.
+	Errors            float64 `json:"errors"`
+	ClientErrors      float64 `json:"client_errors"`
 	RequestsPerSecond float64 `json:"requests_per_second"`
 	PromptTokens      float64 `json:"prompt_tokens"`
 	CachedTokens      float64 `json:"cached_tokens"`
@@ -344,7 +349,7 @@ func endpointNames(eps []*endpoint) []string {
 
 // traffic turns counts over seconds into the state's figures.
 func traffic(c *routeCounts, seconds float64) DashTraffic {
-	t := DashTraffic{Requests: c.requests, Errors: c.errors, PromptTokens: c.prompt, CachedTokens: c.cached,
+	t := DashTraffic{Requests: c.requests, Errors: c.errors, ClientErrors: c.clientErrors, PromptTokens: c.prompt, CachedTokens: c.cached,
 		GeneratedTokens: c.generated, Retries: c.retries,
 		TTFT: quantiles(c.ttft), ITL: quantiles(c.itl), E2E: quantiles(c.e2e)}
 	if seconds > 0 {
@@ -387,7 +392,10 @@ func (g *Gateway) collectCounters() *counters {
 		r := c.route(routeKey{l["model"], l["endpoint"]})
 		n := v.GetCounter().GetValue()
 		r.requests += n
-		if code, err := strconv.Atoi(l["code"]); err != nil || code/100 != 2 {
+		switch code, err := strconv.Atoi(l["code"]); {
+		case err == nil && code/100 == 4:
+			r.clientErrors += n
+		case err != nil || code/100 != 2:
 			r.errors += n
 		}
 	})

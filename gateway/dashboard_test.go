@@ -123,7 +123,7 @@ func TestDashboardState(t *testing.T) {
 		t.Errorf("fleet: %+v", f)
 	}
 	// The unknown model's 404 counts in the fleet, not in a pool.
-	if f.Total.Requests != 5 || f.Total.Errors != 1 || f.Total.PromptTokens != 160 || f.Total.CachedTokens != 128 {
+	if f.Total.Requests != 5 || f.Total.Errors != 0 || f.Total.ClientErrors != 1 || f.Total.PromptTokens != 160 || f.Total.CachedTokens != 128 {
 		t.Errorf("fleet total: %+v", f.Total)
 	}
 	if r := f.Total.CacheHitRate; r == nil || *r != 0.8 { // the fake engine: 32 of 40 cached

@@ -98,7 +98,11 @@ type routeKey struct{ model, endpoint string }
 
 // routeCounts are one route's cumulative request metrics.
 type routeCounts struct {
-	requests, errors          float64 // all answers; those that were not 2xx
+	requests float64 // all answers
+	// errors are the answers that failed to serve (5xx: the gateway's or
+	// an engine's failure), clientErrors the requests refused or abandoned
+	// as the client's doing (4xx, 429 and 499 included).
+	errors, clientErrors      float64
 	prompt, cached, generated float64 // tokens
 	retries                   float64 // attempts resent after this endpoint failed
 	ttft, itl, e2e            hist    // seconds
@@ -108,6 +112,7 @@ type routeCounts struct {
 func (c *routeCounts) add(o *routeCounts) {
 	c.requests += o.requests
 	c.errors += o.errors
+	c.clientErrors += o.clientErrors
 	c.prompt += o.prompt
 	c.cached += o.cached
 	c.generated += o.generated
@@ -124,7 +129,8 @@ func (c *routeCounts) minus(base *routeCounts) routeCounts {
 	}
 	return routeCounts{
 		requests: max(c.requests-base.requests, 0), errors: max(c.errors-base.errors, 0),
-		prompt: max(c.prompt-base.prompt, 0), cached: max(c.cached-base.cached, 0),
+		clientErrors: max(c.clientErrors-base.clientErrors, 0),
+		prompt:       max(c.prompt-base.prompt, 0), cached: max(c.cached-base.cached, 0),
 		generated: max(c.generated-base.generated, 0), retries: max(c.retries-base.retries, 0),
 		ttft: c.ttft.minus(base.ttft), itl: c.itl.minus(base.itl), e2e: c.e2e.minus(base.e2e),
 	}

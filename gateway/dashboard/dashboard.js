@@ -175,7 +175,7 @@
       card('Endpoints ready', f.ready + ' / ' + f.endpoints, '', (f.ejected ? f.ejected + ' ejected' : 'none ejected') + ' · ' + fmtInt(f.ejections) + ' ejections', readyCls, 'fleet-ready'),
       card('In flight', fmtInt(f.in_flight), 'req', fmtInt(f.queue_length) + ' queued', f.queue_length > 0 ? 'warn' : '', 'fleet-in-flight'),
       card('Requests', fmtRate(r.requests_per_second), '/s', fmtInt(t.requests) + ' total', '', 'fleet-rps'),
-      card('Errors', fmtPct(errRate), '', fmtInt(r.errors) + ' recent · ' + fmtInt(t.retries) + ' retries', errRate > 0.05 ? 'bad' : errRate > 0 ? 'warn' : '', 'fleet-errors'),
+      card('Errors (5xx)', fmtPct(errRate), '', fmtInt(r.errors) + ' recent · ' + fmtInt(r.client_errors || 0) + ' client (4xx) · ' + fmtInt(t.retries) + ' retries', errRate > 0.05 ? 'bad' : errRate > 0 ? 'warn' : '', 'fleet-errors'),
       card('Cache hit rate', fmtPct(r.cache_hit_rate), '', fmtPct(t.cache_hit_rate) + ' total', '', 'fleet-hit'),
       card('TTFT p50', fmtDur(q(r.ttft_seconds, 'p50')), '', fmtTail(r.ttft_seconds), '', 'fleet-ttft-p50'),
       card('ITL p50', fmtDur(q(r.itl_seconds, 'p50')), '', fmtTail(r.itl_seconds), '', 'fleet-itl-p50')
@@ -269,7 +269,7 @@
   }
 
   var COLUMNS = ['Endpoint', 'State', 'In flight', 'Tokens in flight', 'Prefill backlog', 'Engine run / wait',
-    'KV used', 'Hit rate 1 min · total', 'TTFT p50 · p90', 'Requests', 'Errors', 'Ejections'];
+    'KV used', 'Hit rate 1 min · total', 'TTFT p50 · p90', 'Requests', 'Errors (5xx)', 'Ejections'];
 
   function renderPools(st) {
     var root = $('pools');
