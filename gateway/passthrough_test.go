@@ -728,3 +728,69 @@ func TestUnknownPathStream(t *testing.T) {
 		srv.Close()
 	}
 }
+
+// TestAffinityEvictionFair: a full affinity table forgets the oldest id of
+// the key holding the most, so one key creating responses fast evicts its
+// own ids, not another key's (with one first-in first-out list, Bob's 100
+// new responses evicted every one of Alice's); without keys (one owner) it
+// is first-in first-out.
+func TestAffinityEvictionFair(t *testing.T) {
+	a := newResponseAffinity(10)
+	alice, bob := &principal{name: "alice"}, &principal{name: "bob"}
+	for i := range 4 {
+		a.learn(fmt.Sprintf("alice-%d", i), "m", nil, alice)
+	}
+	for i := range 100 {
+		a.learn(fmt.Sprintf("bob-%d", i), "m", nil, bob)
+	}
+	if n := a.len(); n != 10 {
+		t.Fatalf("%d entries, want 10", n)
+	}
+	for i := range 4 {
+		if _, ok := a.lookup(fmt.Sprintf("alice-%d", i)); !ok {
+			t.Errorf("alice-%d forgotten", i)
+		}
+	}
+	for i := range 100 {
+		_, ok := a.lookup(fmt.Sprintf("bob-%d", i))
+		if want := i >= 94; ok != want { // bob's newest 6
+			t.Errorf("bob-%d known %v, want %v", i, ok, want)
+		}
+	}
+	// Alice's next ids: she holds fewer, so bob's oldest go first until
+	// both hold 5.
+	a.learn("alice-4", "m", nil, alice)
+	if _, ok := a.lookup("bob-94"); ok {
+		t.Error("bob-94 kept although bob held the most")
+	}
+	open := newResponseAffinity(3)
+	for i := range 5 {
+		open.learn(fmt.Sprintf("r-%d", i), "m", nil, nil)
+	}
+	for i := range 5 {
+		if _, ok := open.lookup(fmt.Sprintf("r-%d", i)); ok != (i >= 2) {
+			t.Errorf("without keys r-%d known %v", i, ok)
+		}
+	}
+}
+
+// BenchmarkAffinityLearnFull: a full table of 100,000 ids over 100 keys.
+func BenchmarkAffinityLearnFull(b *testing.B) {
+	a := newResponseAffinity(DefaultAffinityMaxEntries)
+	keys := make([]*principal, 100)
+	for i := range keys {
+		keys[i] = &principal{name: fmt.Sprintf("key-%d", i)}
+	}
+	ids := make([]string, DefaultAffinityMaxEntries+b.N)
+	for i := range ids {
+		ids[i] = fmt.Sprintf("resp_%032x", i)
+	}
+	for i := range DefaultAffinityMaxEntries {
+		a.learn(ids[i], "m", nil, keys[i%len(keys)])
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := range b.N {
+		a.learn(ids[DefaultAffinityMaxEntries+i], "m", nil, keys[i%len(keys)])
+	}
+}

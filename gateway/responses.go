@@ -39,9 +39,9 @@ import (
 // (OpenAI's ResponseErrorEvent shape).
 
 // DefaultAffinityMaxEntries bounds the response ids the gateway remembers
-// (100,000: ~12 MB; an id past it is forgotten first-in first-out, and a
-// continuation of it is then routed as the gateway would route an unknown
-// id).
+// (100,000: ~12 MB; past it the oldest id of the key holding the most is
+// forgotten (responseAffinity), and a continuation of it is then routed as
+// the gateway would route an unknown id).
 const DefaultAffinityMaxEntries = 100_000
 
 // maxResponseIDBytes bounds a response id the gateway learns (vLLM's are
@@ -71,19 +71,47 @@ func (c ResponsesConfig) validate() []error {
 }
 
 // responseAffinity maps response ids to the endpoint that stored them and
-// the key that created them, at most max entries, the oldest forgotten
-// first (a ring of the ids in insertion order). It outlives reloads: an
+// the key that created them, at most max entries. It outlives reloads: an
 // entry names the endpoint itself (an endpoint a reload keeps is the same
 // object, reload.go), not its slot, so a continuation is never sent to an
 // endpoint a reload removed, nor to a new one that took its slot (neither
 // holds the response: the continuation is answered as for an unknown
 // response), and the key by its name (a reload rebuilds the principals;
 // a key kept by name keeps its responses).
+//
+// Full, it forgets the oldest id of the key holding the most (max-min
+// fair): one key creating responses fast evicts its own, not the others'
+// (with a single first-in first-out list, any key could make every other
+// key's conversations unreachable by creating affinity_max_entries
+// responses). Without authentication there is one owner and this is
+// first-in first-out. Cost when full: a scan of the owners (the keys that
+// have responses) per new id.
 type responseAffinity struct {
-	mu   sync.Mutex
-	m    map[string]affinityEntry
-	ring []string
-	next int
+	mu    sync.Mutex
+	max   int
+	m     map[string]affinityEntry
+	order map[string]*idQueue // per owner, its ids oldest first
+}
+
+// idQueue is a first-in first-out queue of ids.
+type idQueue struct {
+	ids  []string
+	head int
+}
+
+func (q *idQueue) len() int { return len(q.ids) - q.head }
+
+func (q *idQueue) push(id string) { q.ids = append(q.ids, id) }
+
+func (q *idQueue) pop() string {
+	id := q.ids[q.head]
+	q.ids[q.head] = ""
+	q.head++
+	if q.head > 1024 && q.head > len(q.ids)/2 { // compact: memory stays O(len)
+		q.ids = append(q.ids[:0], q.ids[q.head:]...)
+		q.head = 0
+	}
+	return id
 }
 
 // affinityEntry is where a response is stored: endpoint ep, serving model,
@@ -98,13 +126,13 @@ func newResponseAffinity(max int) *responseAffinity {
 	if max <= 0 {
 		return &responseAffinity{}
 	}
-	return &responseAffinity{m: make(map[string]affinityEntry, min(max, 1024)), ring: make([]string, max)}
+	return &responseAffinity{max: max, m: make(map[string]affinityEntry, min(max, 1024)), order: map[string]*idQueue{}}
 }
 
 // learn records that endpoint ep, serving model, stored response id, made
 // by owner (nil: authentication off).
 func (a *responseAffinity) learn(id, model string, ep *endpoint, owner *principal) {
-	if len(a.ring) == 0 || id == "" || len(id) > maxResponseIDBytes {
+	if a.max == 0 || id == "" || len(id) > maxResponseIDBytes {
 		return
 	}
 	e := affinityEntry{model: model, ep: ep}
@@ -123,17 +151,39 @@ func (a *responseAffinity) learn(id, model string, ep *endpoint, owner *principa
 		}
 		return
 	}
-	if old := a.ring[a.next]; old != "" {
-		delete(a.m, old)
+	if len(a.m) >= a.max {
+		a.evictLocked()
 	}
-	a.ring[a.next] = id
-	a.next = (a.next + 1) % len(a.ring)
+	q := a.order[e.owner]
+	if q == nil {
+		q = &idQueue{}
+		a.order[e.owner] = q
+	}
+	q.push(id)
 	a.m[id] = e
+}
+
+// evictLocked forgets the oldest id of the owner with the most ids.
+func (a *responseAffinity) evictLocked() {
+	var most *idQueue
+	var owner string
+	for o, q := range a.order {
+		if most == nil || q.len() > most.len() {
+			most, owner = q, o
+		}
+	}
+	if most == nil {
+		return
+	}
+	delete(a.m, most.pop())
+	if most.len() == 0 {
+		delete(a.order, owner)
+	}
 }
 
 // lookup returns where response id is stored.
 func (a *responseAffinity) lookup(id string) (affinityEntry, bool) {
-	if len(a.ring) == 0 {
+	if a.max == 0 {
 		return affinityEntry{}, false
 	}
 	a.mu.Lock()
