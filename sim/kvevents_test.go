@@ -810,6 +810,9 @@ func TestServerKVEventsOverZMQ(t *testing.T) {
 			if len(want) != 0 || len(m.blocks) != 0 {
 				t.Fatal("cache not empty after reset")
 			}
+			// The subscriber can read the batch before the publisher counts
+			// it sent (the count follows the socket write).
+			waitSent(t, p)
 			if st := p.Stats(); st.Dropped != 0 || st.Published != uint64(len(all)+1) {
 				t.Fatalf("publisher stats %+v", st)
 			}
