@@ -115,8 +115,8 @@ func (p *proc) exited(t *testing.T) {
 	go func() { done <- p.cmd.Wait() }()
 	select {
 	case err := <-done:
-		if err != nil {
-			t.Fatalf("exit after SIGTERM: %v", err)
+		if err != nil { // 66: the race detector's report is in the output
+			t.Fatalf("exit after SIGTERM: %v; output:\n%s", err, p.all.String())
 		}
 	case <-time.After(20 * time.Second):
 		t.Fatal("no exit within 20 s of SIGTERM")

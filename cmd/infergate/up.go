@@ -109,8 +109,8 @@ restart; gateway/README.md, "Reload").`,
 			warnExposure(log, listen, g)
 			ctx, stopHUP := context.WithCancel(cmd.Context())
 			defer stopHUP()
-			go reloadOnHUP(ctx, log, hup, g, load)
-			policy = g.Policy()
+			go reloadOnHUP(ctx, log, hup, g, load) // load reads policy: not written from here on
+			resolved := g.Policy()
 			if pprofAt != "" { // profiles the simulated engines too: they share the process
 				stop, err := startPprof(log, pprofAt)
 				if err != nil {
@@ -125,7 +125,7 @@ restart; gateway/README.md, "Reload").`,
 				if g.AuthEnabled() {
 					auth = "API keys required"
 				}
-				fmt.Fprintf(out, "infergate %s is up: OpenAI API at %s/v1 (policy %s; %s)\n", buildVersion(), base, policy, auth)
+				fmt.Fprintf(out, "infergate %s is up: OpenAI API at %s/v1 (policy %s; %s)\n", buildVersion(), base, resolved, auth)
 				fmt.Fprintf(out, "  fleet: %d simulated engines, profile %s, model %q, time scale %gx, %d KV blocks each\n",
 					engines, prof.Name, model, scfg.TimeScale, fleet.KVBlocks())
 				for i, u := range fleet.URLs {
