@@ -800,6 +800,12 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 		}
 		if err != nil {
+			// What is written next (the tail, an error event) is written
+			// now: the client's write deadline, set at the last write, may
+			// have passed while the engine was silent (write_timeout and
+			// stream_idle_timeout are both a minute by default), which cut
+			// a stalled stream silently, without its error event.
+			g.extendWriteDeadline(w, x, time.Now())
 			// Ended by Abort (the client still there): unless the stream was
 			// complete, the client is told, as for an engine failure
 			// mid-stream.

@@ -167,30 +167,41 @@ func TestStallNotRetriedAnswers504(t *testing.T) {
 // output) ends with an upstream_timeout error event and [DONE], counts as
 // a 504 and as the endpoint's failure, and is not retried.
 func TestStallAfterOutputEndsStream(t *testing.T) {
+	silent := func(w http.ResponseWriter, r *http.Request) {
+		sseStart(w)
+		sseSend(w, roleChunk+tokenChunk)
+		<-r.Context().Done()
+	}
 	for _, tc := range []struct {
 		name  string
 		serve http.HandlerFunc
+		// writeTimeout, when set, is write_timeout: shorter than the
+		// stall, the client's write deadline passes while the engine is
+		// silent (the defaults are a minute both), and the error event
+		// must still be written (the second attack run's silent cut).
+		writeTimeout time.Duration
 	}{
-		{"silent", func(w http.ResponseWriter, r *http.Request) {
-			sseStart(w)
-			sseSend(w, roleChunk+tokenChunk)
-			<-r.Context().Done()
-		}},
+		{"silent", silent, 0},
+		{"silent past the write deadline", silent, stallTimeout / 4},
 		{"comments forever", func(w http.ResponseWriter, r *http.Request) {
 			sseStart(w)
 			sseSend(w, roleChunk+tokenChunk)
 			until(r, func() { sseSend(w, ":\n\n") })
-		}},
+		}, 0},
 		{"empty deltas forever", func(w http.ResponseWriter, r *http.Request) {
 			sseStart(w)
 			sseSend(w, roleChunk+tokenChunk)
 			until(r, func() { sseSend(w, emptyChunk) })
-		}},
+		}, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			bad := newFuncEngine(t, tc.serve)
 			good := newFakeEngine(t, "good")
-			g, url := startGateway(t, stallConfig(sched.RoundRobin, bad.URL(), good.URL()))
+			cfg := stallConfig(sched.RoundRobin, bad.URL(), good.URL())
+			if tc.writeTimeout > 0 {
+				cfg.WriteTimeout = tc.writeTimeout
+			}
+			g, url := startGateway(t, cfg)
 			c := testClient(t)
 			var stalled []byte
 			for range 2 {
