@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"net/url"
 	"strconv"
 	"strings"
@@ -268,5 +269,34 @@ func TestAbandonedBodyCounted499(t *testing.T) {
 	})
 	if v := scrape(t, tc, url).value("infergate_requests_total", `code="400"`); v != 0 {
 		t.Errorf("requests_total{400} = %v", v)
+	}
+}
+
+// TestRefusalKeepsHTTP2Connection: over HTTP/2, a request refused before
+// its body is read (no key, unknown path) does not close the client's
+// shared connection: net/http takes a handler's Connection: close as a
+// GOAWAY, and every refused POST cost the other streams their connection.
+func TestRefusalKeepsHTTP2Connection(t *testing.T) {
+	e, f := newFakeEngine(t, "e0"), newFakeEngine(t, "e1")
+	url, c := h2Gateway(t, authConfig(t, e, f), nil)
+	for i, path := range []string{pathChat, pathChat, "/nowhere", pathChat, pathChat} {
+		reused := false
+		trace := &httptrace.ClientTrace{GotConn: func(ci httptrace.GotConnInfo) { reused = ci.Reused }}
+		req, _ := http.NewRequestWithContext(httptrace.WithClientTrace(context.Background(), trace), http.MethodPost, url+path, strings.NewReader(chatBody))
+		if path == "/nowhere" {
+			req.Header.Set("Authorization", "Bearer "+keyAlice)
+		}
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.ProtoMajor != 2 || resp.StatusCode/100 != 4 {
+			t.Fatalf("request %d: HTTP/%d %d", i, resp.ProtoMajor, resp.StatusCode)
+		}
+		if i > 0 && !reused {
+			t.Errorf("request %d (%s) opened a new connection: the refusal before closed the shared one", i, path)
+		}
 	}
 }

@@ -476,8 +476,22 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 // does with a larger unread body.
 func closeUnread(w http.ResponseWriter, r *http.Request) {
 	if r.ContentLength != 0 {
-		w.Header().Set("Connection", "close")
+		closeConnection(w, r)
 		_ = http.NewResponseController(w).SetReadDeadline(aLongTimeAgo)
+	}
+}
+
+// closeConnection asks for an HTTP/1.x connection to be closed after the
+// answer (Connection: close), where what remains of the request body
+// would otherwise be read and parsed as the next request. An HTTP/2
+// request's body is its own stream's, ended with the stream; there
+// net/http takes Connection: close as a request to close the whole shared
+// connection (GOAWAY), which one client's bad request must not cost the
+// other streams on it (the second attack run: 200 refused POSTs, 200 new
+// TLS connections).
+func closeConnection(w http.ResponseWriter, r *http.Request) {
+	if r.ProtoMajor == 1 {
+		w.Header().Set("Connection", "close")
 	}
 }
 
@@ -496,6 +510,9 @@ func (st *state) serveModel(w http.ResponseWriter, model string, key *principal)
 
 // allow answers 405 unless r's method is method (GET also admits HEAD).
 func (g *Gateway) allow(w http.ResponseWriter, r *http.Request, method string) bool {
+	if method == http.MethodGet {
+		closeUnread(w, r) // a GET path reads no body: one declared is never drained
+	}
 	if r.Method == method || (method == http.MethodGet && r.Method == http.MethodHead) {
 		return true
 	}

@@ -945,7 +945,8 @@ func TestStalledBodyTimesOut(t *testing.T) {
 
 // TestRefusalWithUnsentBodyAnswered: a request that declares a body and
 // sends none, refused before its body is read (no API key, wrong method,
-// unknown path), is answered at once and its connection closed; before,
+// unknown path; a GET path, which reads no body), is answered at once and
+// its connection closed; before,
 // net/http waited to drain the body first and the client got no byte for
 // as long as it kept the connection open (the attack run's 200 s). A
 // refusal that does not close is still bounded by body_read_timeout.
@@ -957,6 +958,8 @@ func TestRefusalWithUnsentBodyAnswered(t *testing.T) {
 		{"no key, chunked", "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", " 401 "},
 		{"wrong method", "PUT /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + keyAlice + "\r\nContent-Length: 100000\r\n\r\n", " 405 "},
 		{"unknown path", "POST /nowhere HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + keyAlice + "\r\nContent-Length: 100000\r\n\r\n", " 404 "},
+		{"open GET path", "GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n", " 200 "},
+		{"metrics", "GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n", " 200 "},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
@@ -973,7 +976,7 @@ func TestRefusalWithUnsentBodyAnswered(t *testing.T) {
 			if err != nil {
 				t.Fatalf("no answer and no close: %v (read %q)", err, b)
 			}
-			if !strings.HasPrefix(string(b), "HTTP/1.1"+tc.want) || !strings.Contains(string(b), `"error"`) {
+			if !strings.HasPrefix(string(b), "HTTP/1.1"+tc.want) || (tc.want != " 200 " && !strings.Contains(string(b), `"error"`)) {
 				t.Fatalf("answer %q, want%s with an OpenAI error", b, tc.want)
 			}
 		})

@@ -160,3 +160,62 @@ func TestHeaderWaitsConcurrent(t *testing.T) {
 		t.Error("disarm: want true once, then false")
 	}
 }
+
+// TestFrozenEngineBurstRetried: a frozen engine's waiting requests are
+// aborted together, more of them than the retry budget's minimum (3) and
+// 20 %: all are retried on the healthy engine (the budget does not apply
+// to an endpoint that left rotation; before, the excess got 502).
+func TestFrozenEngineBurstRetried(t *testing.T) {
+	const hung = 6 // requests the engine takes before it freezes
+	var arrived atomic.Int64
+	frozen := atomic.Bool{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/health":
+			if frozen.Load() {
+				<-r.Context().Done()
+			}
+		case "/v1/chat/completions":
+			_, _ = io.ReadAll(r.Body)
+			if arrived.Add(1) >= hung {
+				frozen.Store(true)
+			}
+			<-r.Context().Done()
+		}
+	}))
+	defer srv.Close()
+	good := newFakeEngine(t, "good")
+	cfg := testConfig(sched.RoundRobin)
+	cfg.HealthCheckTimeout = 100 * time.Millisecond
+	cfg.Endpoints = []EndpointConfig{{URL: srv.URL, Model: "m", KVBlocks: 1000}, {URL: good.URL(), Model: "m", KVBlocks: 1000}}
+	_, url := startGateway(t, cfg)
+	c := testClient(t)
+	// Round-robin: every other request to the engine that freezes, until
+	// it has taken hung of them.
+	var chs []<-chan result
+	for arrived.Load() < hung {
+		chs = append(chs, sendAsync(context.Background(), c, url+pathChat, chatBody))
+		for wait := time.Now().Add(10 * time.Second); len(chs) > int(arrived.Load())*2+2; { // paced with its arrivals
+			if time.Now().After(wait) {
+				t.Fatalf("%d sent, %d arrived", len(chs), arrived.Load())
+			}
+			time.Sleep(time.Millisecond)
+		}
+		if len(chs) > 100 {
+			t.Fatal("the engine does not take its requests")
+		}
+	}
+	retried := 0
+	for i, ch := range chs {
+		r := await(t, ch)
+		if r.err != nil || r.status != 200 {
+			t.Errorf("request %d: %d %v %s", i, r.status, r.err, r.body)
+		}
+		if r.header.Get(AttemptsHeader) == "2" {
+			retried++
+		}
+	}
+	if retried < hung {
+		t.Errorf("%d requests retried, want at least %d", retried, hung)
+	}
+}

@@ -195,7 +195,7 @@ func (g *Gateway) putExchange(x *exchange) {
 // accounted, not written.
 func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) *openai.Error {
 	if ce := encodedAs(r.Header); ce != "" {
-		w.Header().Set("Connection", "close") // the body is not read
+		closeConnection(w, r) // the body is not read
 		return openai.NewError(http.StatusUnsupportedMediaType,
 			fmt.Sprintf("Content-Encoding %q is not supported; send the JSON body uncompressed.", truncate(ce, 64)), "", openai.CodeInvalidJSON)
 	}
@@ -233,7 +233,7 @@ func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64,
 			}
 			// The rest of the body will not be read: close the connection
 			// after the reply rather than have the server drain it.
-			w.Header().Set("Connection", "close")
+			closeConnection(w, r)
 			if errors.Is(err, os.ErrDeadlineExceeded) {
 				return openai.NewError(http.StatusRequestTimeout,
 					fmt.Sprintf("The request body was not received within %s.", timeout), "", "request_timeout")

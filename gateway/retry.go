@@ -148,6 +148,13 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 			return false
 		case attempt >= g.cfg.Retry.MaxAttempts || !x.retrySafe(f) || x.pass.pinEP != nil:
 			return g.answerFailure(w, x, f)
+		case f.reason == reasonEndpointDown:
+			// Not charged to the retry budget: the endpoint left rotation,
+			// so the request would have gone elsewhere had it come a moment
+			// later, and a frozen engine's requests are aborted all at once
+			// (healthabort.go). The budget, sized against overload, turned
+			// such a burst into 502s while the other engines idled (16 of
+			// 40 in the second attack run).
 		case !retrying:
 			if !budget.take(gate.active.Load(), g.cfg.Retry.BudgetPercent, g.cfg.Retry.MinRetryConcurrency) {
 				g.res.retriesDenied.WithLabelValues(p.model, "budget").Inc()
