@@ -774,23 +774,28 @@ func TestAffinityEvictionFair(t *testing.T) {
 	}
 }
 
-// BenchmarkAffinityLearnFull: a full table of 100,000 ids over 100 keys.
+// BenchmarkAffinityLearnFull: a new id into a full table of 100,000 ids
+// over 100, 10,000 and 100,000 keys.
 func BenchmarkAffinityLearnFull(b *testing.B) {
-	a := newResponseAffinity(DefaultAffinityMaxEntries)
-	keys := make([]*principal, 100)
-	for i := range keys {
-		keys[i] = &principal{name: fmt.Sprintf("key-%d", i)}
-	}
-	ids := make([]string, DefaultAffinityMaxEntries+b.N)
-	for i := range ids {
-		ids[i] = fmt.Sprintf("resp_%032x", i)
-	}
-	for i := range DefaultAffinityMaxEntries {
-		a.learn(ids[i], "m", nil, keys[i%len(keys)])
-	}
-	b.ReportAllocs()
-	b.ResetTimer()
-	for i := range b.N {
-		a.learn(ids[DefaultAffinityMaxEntries+i], "m", nil, keys[i%len(keys)])
+	for _, nkeys := range []int{100, 10_000, 100_000} {
+		b.Run(fmt.Sprintf("keys=%d", nkeys), func(b *testing.B) {
+			a := newResponseAffinity(DefaultAffinityMaxEntries)
+			keys := make([]*principal, nkeys)
+			for i := range keys {
+				keys[i] = &principal{name: fmt.Sprintf("key-%d", i)}
+			}
+			ids := make([]string, DefaultAffinityMaxEntries+b.N)
+			for i := range ids {
+				ids[i] = fmt.Sprintf("resp_%032x", i)
+			}
+			for i := range DefaultAffinityMaxEntries {
+				a.learn(ids[i], "m", nil, keys[i%len(keys)])
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := range b.N {
+				a.learn(ids[DefaultAffinityMaxEntries+i], "m", nil, keys[i%len(keys)])
+			}
+		})
 	}
 }

@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"container/heap"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -84,19 +85,24 @@ func (c ResponsesConfig) validate() []error {
 // (with a single first-in first-out list, any key could make every other
 // key's conversations unreachable by creating affinity_max_entries
 // responses). Without authentication there is one owner and this is
-// first-in first-out. Cost when full: a scan of the owners (the keys that
-// have responses) per new id.
+// first-in first-out. The owners are kept in a max-heap by how many ids
+// they hold: O(log owners) per new id (a scan of the owners cost 1.8 ms
+// per id under the lock with 100,000 keys).
 type responseAffinity struct {
-	mu    sync.Mutex
-	max   int
-	m     map[string]affinityEntry
-	order map[string]*idQueue // per owner, its ids oldest first
+	mu     sync.Mutex
+	max    int
+	m      map[string]affinityEntry
+	order  map[string]*idQueue // per owner, its ids oldest first
+	owners ownerHeap           // the queues, the longest first
 }
 
-// idQueue is a first-in first-out queue of ids.
+// idQueue is one owner's first-in first-out queue of ids, and its place in
+// the owners' heap.
 type idQueue struct {
-	ids  []string
-	head int
+	owner string
+	ids   []string
+	head  int
+	at    int // index in ownerHeap
 }
 
 func (q *idQueue) len() int { return len(q.ids) - q.head }
@@ -112,6 +118,28 @@ func (q *idQueue) pop() string {
 		q.head = 0
 	}
 	return id
+}
+
+// ownerHeap is a max-heap of queues by length (container/heap).
+type ownerHeap []*idQueue
+
+func (h ownerHeap) Len() int           { return len(h) }
+func (h ownerHeap) Less(i, j int) bool { return h[i].len() > h[j].len() }
+func (h ownerHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].at, h[j].at = i, j
+}
+func (h *ownerHeap) Push(x any) {
+	q := x.(*idQueue)
+	q.at = len(*h)
+	*h = append(*h, q)
+}
+func (h *ownerHeap) Pop() any {
+	old := *h
+	q := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	return q
 }
 
 // affinityEntry is where a response is stored: endpoint ep, serving model,
@@ -156,28 +184,29 @@ func (a *responseAffinity) learn(id, model string, ep *endpoint, owner *principa
 	}
 	q := a.order[e.owner]
 	if q == nil {
-		q = &idQueue{}
+		q = &idQueue{owner: e.owner}
 		a.order[e.owner] = q
+		q.push(id)
+		heap.Push(&a.owners, q)
+	} else {
+		q.push(id)
+		heap.Fix(&a.owners, q.at)
 	}
-	q.push(id)
 	a.m[id] = e
 }
 
 // evictLocked forgets the oldest id of the owner with the most ids.
 func (a *responseAffinity) evictLocked() {
-	var most *idQueue
-	var owner string
-	for o, q := range a.order {
-		if most == nil || q.len() > most.len() {
-			most, owner = q, o
-		}
-	}
-	if most == nil {
+	if len(a.owners) == 0 {
 		return
 	}
+	most := a.owners[0]
 	delete(a.m, most.pop())
 	if most.len() == 0 {
-		delete(a.order, owner)
+		heap.Pop(&a.owners)
+		delete(a.order, most.owner)
+	} else {
+		heap.Fix(&a.owners, 0)
 	}
 }
 
