@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sched"
@@ -1034,4 +1035,49 @@ func TestInvalidUTF8Refused(t *testing.T) {
 	if n := e.requests.Load(); n != 0 {
 		t.Errorf("engine got %d requests", n)
 	}
+}
+
+func TestLoneSurrogate(t *testing.T) {
+	for in, want := range map[string]bool{
+		`{"a":"x"}`:                   false,
+		`{"a":"\ud83d\ude00"}`:        false, // a pair: 😀
+		`{"a":"\uD83D\uDE00 \u00e9"}`: false,
+		`{"a":"\\ud800"}`:             false, // an escaped backslash, then text
+		`{"a":"\"\u0041"}`:            false,
+		`{"a":"\ud800"}`:              true,
+		`{"a":"\ud800x"}`:             true,
+		`{"a":"\ud800\u0041"}`:        true,
+		`{"a":"\udc00\ud800"}`:        true,
+		`{"a":"\ude00"}`:              true,
+		`{"a":"\ud83d\ude00\udfff"}`:  true,
+		`{"a":"\u12"}`:                false, // not JSON: the decoder refuses it
+		`\`:                           false,
+	} {
+		if got := loneSurrogate([]byte(in)); got != want {
+			t.Errorf("loneSurrogate(%s) = %v, want %v", in, got, want)
+		}
+	}
+	e := newFakeEngine(t, "e0")
+	_, url := startGateway(t, testConfig(sched.RoundRobin, e))
+	resp, b := post(t, testClient(t), url+pathChat, `{"model":"m","messages":[{"role":"user","content":"\ud800"}]}`)
+	if resp.StatusCode != 400 || !strings.Contains(string(b), "surrogate") || e.requests.Load() != 0 {
+		t.Errorf("lone surrogate: %d %s, engine requests %d", resp.StatusCode, b, e.requests.Load())
+	}
+}
+
+// FuzzLoneSurrogate: never panics, and what encoding/json writes for any
+// valid UTF-8 string (escaping as it may) has no lone surrogate.
+func FuzzLoneSurrogate(f *testing.F) {
+	for _, s := range []string{`"\ud800"`, `"\ud83d\ude00"`, `\`, `\u`, `"\\\u"`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		_ = loneSurrogate(b)
+		if utf8.Valid(b) {
+			enc, _ := json.Marshal(string(b))
+			if loneSurrogate(enc) {
+				t.Fatalf("%q encodes to %s, read as a lone surrogate", b, enc)
+			}
+		}
+	})
 }

@@ -228,6 +228,12 @@ func TestResponsesRequestIDTakeover(t *testing.T) {
 	if resp, b := post(t, c, url+pathResponses, cont, "Authorization", "Bearer "+keyAlice); resp.StatusCode != 200 {
 		t.Errorf("alice continues: %d %s", resp.StatusCode, b)
 	}
+	for _, bad := range []string{"resp with space", "resp/slash", "résumé", strings.Repeat("r", 257)} {
+		body := `{"model":"m","input":"x","max_output_tokens":2,"request_id":"` + bad + `"}`
+		if resp, b := post(t, c, url+pathResponses, body, "Authorization", "Bearer "+keyBob); resp.StatusCode != 400 {
+			t.Errorf("request_id %q (not retrievable by path): %d %s", bad, resp.StatusCode, b)
+		}
+	}
 	for range 2 { // bob's own id, twice: his to replace
 		own := `{"model":"m","input":"x","max_output_tokens":2,"request_id":"resp_bobs_own"}`
 		if resp, b := post(t, c, url+pathResponses, own, "Authorization", "Bearer "+keyBob); resp.StatusCode != 200 || jsonOf[respAnswer](t, b).ID != "resp_bobs_own" {

@@ -269,6 +269,64 @@ func encodedAs(h http.Header) string {
 	return ""
 }
 
+// loneSurrogate reports whether b, JSON text, has a \uXXXX escape of a
+// UTF-16 surrogate that is not a high one (D800-DBFF) followed at once by
+// the escape of a low one (DC00-DFFF). Every backslash is an escape's
+// start: outside strings JSON has none (a body with one fails to decode
+// anyway). One pass, no allocation; bodies without a backslash cost one
+// IndexByte.
+func loneSurrogate(b []byte) bool {
+	for {
+		i := bytes.IndexByte(b, '\\')
+		if i < 0 || i+1 >= len(b) {
+			return false
+		}
+		if b[i+1] != 'u' {
+			b = b[i+2:] // \" \\ \/ \b …: two bytes
+			continue
+		}
+		cp, ok := hex4(b[i+2:])
+		switch {
+		case !ok:
+			return false // not JSON: the decoder says so
+		case cp >= 0xDC00 && cp <= 0xDFFF:
+			return true // a low surrogate first
+		case cp >= 0xD800 && cp <= 0xDBFF:
+			rest := b[i+6:]
+			if len(rest) < 6 || rest[0] != '\\' || rest[1] != 'u' {
+				return true
+			}
+			if lo, ok := hex4(rest[2:]); !ok || lo < 0xDC00 || lo > 0xDFFF {
+				return true
+			}
+			b = rest[6:]
+		default:
+			b = b[i+6:]
+		}
+	}
+}
+
+// hex4 reads 4 hex digits.
+func hex4(b []byte) (rune, bool) {
+	if len(b) < 4 {
+		return 0, false
+	}
+	var r rune
+	for _, c := range b[:4] {
+		switch {
+		case '0' <= c && c <= '9':
+			r = r<<4 | rune(c-'0')
+		case 'a' <= c && c <= 'f':
+			r = r<<4 | rune(c-'a'+10)
+		case 'A' <= c && c <= 'F':
+			r = r<<4 | rune(c-'A'+10)
+		default:
+			return 0, false
+		}
+	}
+	return r, true
+}
+
 // decode parses and validates the body once into the typed request. It
 // sets x.model (even when validation fails, if the JSON was readable), and
 // returns the 400 error to answer, or nil.
@@ -279,6 +337,13 @@ func (x *exchange) decode(kind apiKind) *openai.Error {
 		// sent the body as is: the gateway would route and count one
 		// prompt and the engine serve another (or refuse it).
 		return openai.NewError(http.StatusBadRequest, "The request body is not valid UTF-8.", "", openai.CodeInvalidJSON)
+	}
+	if loneSurrogate(x.body) {
+		// The same through an escape (RFC 8259 §8.2: a string with an
+		// unpaired surrogate escape is not Unicode text): Go reads
+		// U+FFFD, a Python engine a lone surrogate its tokenizer cannot
+		// encode.
+		return openai.NewError(http.StatusBadRequest, "The request body has an unpaired UTF-16 surrogate escape (\\ud800-\\udfff).", "", openai.CodeInvalidJSON)
 	}
 	if kind > kindCompletion {
 		return x.decodePass(kind)

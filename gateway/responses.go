@@ -256,7 +256,18 @@ func (g *Gateway) owned(id string, key *principal, st *state) (affinityEntry, bo
 // checked; vLLM's ids are 128 random bits, so reaching one needs it
 // leaked.
 func (g *Gateway) claimResponseID(id string, key *principal, st *state) *openai.Error {
-	if st.keys == nil || id == "" {
+	if id == "" {
+		return nil
+	}
+	if !pathSafeID(id) {
+		// It names the response in /v1/responses/{id} later: one that
+		// cannot be written there (a space, '/', non-ASCII) would be
+		// stored and never retrievable.
+		return openai.NewError(http.StatusBadRequest,
+			fmt.Sprintf("request_id must be 1 to %d of the characters A-Z a-z 0-9 - . _ ~ :.", maxResponseIDBytes),
+			"request_id", "invalid_value")
+	}
+	if st.keys == nil {
 		return nil
 	}
 	if e, ok := g.affinity.lookup(id); ok && (key == nil || e.owner != key.name) {
@@ -265,6 +276,22 @@ func (g *Gateway) claimResponseID(id string, key *principal, st *state) *openai.
 			"request_id", "invalid_value")
 	}
 	return nil
+}
+
+// pathSafeID reports whether id is at most maxResponseIDBytes of RFC
+// 3986's unreserved characters and ':' (it can stand as a path segment
+// unescaped).
+func pathSafeID(id string) bool {
+	if len(id) > maxResponseIDBytes {
+		return false
+	}
+	for i := range len(id) {
+		c := id[i]
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || strings.IndexByte("-._~:", c) >= 0) {
+			return false
+		}
+	}
+	return true
 }
 
 // continuationTarget resolves a responses request's previous_response_id
