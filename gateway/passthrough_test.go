@@ -200,7 +200,7 @@ func TestResponsesRequestIDTakeover(t *testing.T) {
 	if err := cfg.Auth.AddKeys("alice plain:"+keyAlice+"; bob plain:"+keyBob, "test"); err != nil {
 		t.Fatal(err)
 	}
-	_, url := startGateway(t, cfg)
+	g, url := startGateway(t, cfg)
 	c := testClient(t)
 	resp, b := post(t, c, url+pathResponses, `{"model":"m","input":"secret","max_output_tokens":2}`, "Authorization", "Bearer "+keyAlice)
 	if resp.StatusCode != 200 {
@@ -239,6 +239,11 @@ func TestResponsesRequestIDTakeover(t *testing.T) {
 		if resp, b := post(t, c, url+pathResponses, own, "Authorization", "Bearer "+keyBob); resp.StatusCode != 200 || jsonOf[respAnswer](t, b).ID != "resp_bobs_own" {
 			t.Errorf("bob's own request_id: %d %s", resp.StatusCode, b)
 		}
+	}
+	g.affinity.mu.Lock()
+	defer g.affinity.mu.Unlock()
+	if n := len(g.affinity.reserved); n != 0 {
+		t.Errorf("%d request_id reservations left after the requests ended", n)
 	}
 }
 
@@ -803,5 +808,37 @@ func BenchmarkAffinityLearnFull(b *testing.B) {
 				a.learn(ids[DefaultAffinityMaxEntries+i], "m", nil, keys[i%len(keys)])
 			}
 		})
+	}
+}
+
+// TestRequestIDReservedInFlight: a request_id is held for its key while
+// its request is in flight: another key's request with it is refused, the
+// same key's is not, and the id is free again when the last ends (without
+// it, the first answer's key kept the id: another key could race a known
+// in-flight request_id and take it).
+func TestRequestIDReservedInFlight(t *testing.T) {
+	a := newResponseAffinity(10)
+	if !a.reserve("r1", "alice") || !a.reserve("r1", "alice") {
+		t.Fatal("alice cannot reserve her id twice")
+	}
+	if a.reserve("r1", "bob") {
+		t.Fatal("bob reserved alice's in-flight id")
+	}
+	a.unreserve("r1")
+	if a.reserve("r1", "bob") {
+		t.Fatal("bob reserved alice's id with one of her requests still in flight")
+	}
+	a.unreserve("r1")
+	if !a.reserve("r1", "bob") {
+		t.Fatal("bob cannot reserve a free id")
+	}
+	a.unreserve("r1")
+	a.learn("r1", "m", nil, &principal{name: "alice"})
+	if a.reserve("r1", "bob") || !a.reserve("r1", "alice") {
+		t.Error("a learnt id: reserved by its owner only")
+	}
+	a.unreserve("r1")
+	if n := len(a.reserved); n != 0 {
+		t.Errorf("%d reservations left", n)
 	}
 }

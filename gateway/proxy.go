@@ -503,6 +503,9 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 			g.fail(w, rm, e)
 			return
 		}
+		if id := x.pass.resp.RequestID; id != "" && st.keys != nil {
+			defer g.affinity.unreserve(id) // reserved by claimResponseID
+		}
 	}
 	if kind == kindResponses && x.pass.resp.PreviousResponseID != "" {
 		t, e := g.continuationTarget(x, targets, key, st)

@@ -94,6 +94,8 @@ type responseAffinity struct {
 	m      map[string]affinityEntry
 	order  map[string]*idQueue // per owner, its ids oldest first
 	owners ownerHeap           // the queues, the longest first
+	// reserved are the request_ids of requests in flight (reserve).
+	reserved map[string]reservation
 }
 
 // idQueue is one owner's first-in first-out queue of ids, and its place in
@@ -251,7 +253,9 @@ func (g *Gateway) owned(id string, key *principal, st *state) (affinityEntry, bo
 // (the attack run's takeover: Bob's request_id set to Alice's response id
 // made her GET and continuation 404 and his 200). The key's own ids, and
 // any id with authentication off, pass: replacing one's own response is
-// the extension's purpose. An id the gateway has forgotten (past
+// the extension's purpose. The id is reserved for the request's key until
+// the request ends (the caller releases it: unreserve), so another key's
+// concurrent request with it is refused too. An id the gateway has forgotten (past
 // responses.affinity_max_entries, or from before a restart) cannot be
 // checked; vLLM's ids are 128 random bits, so reaching one needs it
 // leaked.
@@ -270,12 +274,58 @@ func (g *Gateway) claimResponseID(id string, key *principal, st *state) *openai.
 	if st.keys == nil {
 		return nil
 	}
-	if e, ok := g.affinity.lookup(id); ok && (key == nil || e.owner != key.name) {
+	owner := ""
+	if key != nil {
+		owner = key.name
+	}
+	if !g.affinity.reserve(id, owner) {
 		return openai.NewError(http.StatusBadRequest,
 			fmt.Sprintf("request_id '%s' names an existing response; omit request_id or choose another.", truncate(id, maxResponseIDBytes)),
 			"request_id", "invalid_value")
 	}
 	return nil
+}
+
+// reservation is a request_id held by requests in flight of one owner.
+type reservation struct {
+	owner string
+	n     int
+}
+
+// reserve holds id for owner's request in flight, unless another owner
+// has a response by that id or a request in flight with it: the answer is
+// learnt only at its end, so without this two keys' concurrent requests
+// with one request_id raced, and the first answer's key kept the id (the
+// third attack run took another key's in-flight id so). Released by
+// unreserve when the request ends.
+func (a *responseAffinity) reserve(id, owner string) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if e, ok := a.m[id]; ok && e.owner != owner {
+		return false
+	}
+	r, held := a.reserved[id]
+	if held && r.owner != owner {
+		return false
+	}
+	if a.reserved == nil {
+		a.reserved = map[string]reservation{}
+	}
+	a.reserved[id] = reservation{owner: owner, n: r.n + 1}
+	return true
+}
+
+// unreserve releases one reserve of id.
+func (a *responseAffinity) unreserve(id string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if r, ok := a.reserved[id]; ok {
+		if r.n <= 1 {
+			delete(a.reserved, id)
+		} else {
+			a.reserved[id] = reservation{owner: r.owner, n: r.n - 1}
+		}
+	}
 }
 
 // pathSafeID reports whether id is at most maxResponseIDBytes of RFC
