@@ -57,7 +57,7 @@ func TestFrozenEngineRequestsAborted(t *testing.T) {
 		t.Run(map[bool]string{false: "non-streaming", true: "stream"}[stream], func(t *testing.T) {
 			frozen, good := newFrozenEngine(t), newFakeEngine(t, "good")
 			cfg := testConfig(sched.RoundRobin)
-			cfg.HealthCheckTimeout = 100 * time.Millisecond
+			cfg.HealthCheckTimeout = time.Second // the healthy engine must pass its probes on a loaded machine
 			cfg.Endpoints = []EndpointConfig{{URL: frozen.srv.URL, Model: "m", KVBlocks: 1000}, {URL: good.URL(), Model: "m", KVBlocks: 1000}}
 			cfg.Retry.BudgetPercent = 100
 			_, url := startGateway(t, cfg)
@@ -186,7 +186,7 @@ func TestFrozenEngineBurstRetried(t *testing.T) {
 	defer srv.Close()
 	good := newFakeEngine(t, "good")
 	cfg := testConfig(sched.RoundRobin)
-	cfg.HealthCheckTimeout = 100 * time.Millisecond
+	cfg.HealthCheckTimeout = time.Second // the healthy engine must pass its probes on a loaded machine
 	cfg.Endpoints = []EndpointConfig{{URL: srv.URL, Model: "m", KVBlocks: 1000}, {URL: good.URL(), Model: "m", KVBlocks: 1000}}
 	_, url := startGateway(t, cfg)
 	c := testClient(t)
