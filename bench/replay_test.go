@@ -155,14 +155,22 @@ func TestReplay(t *testing.T) {
 		if r.TTFTMs < 200 || r.E2EMs < r.TTFTMs {
 			t.Errorf("record %d: ttft %v ms e2e %v ms, want ttft >= 200 (20 ms wall × 10) and e2e >= ttft", i, r.TTFTMs, r.E2EMs)
 		}
-		// Only the sum of the gaps is bounded: it spans the first read with
-		// output to the last, which covers a server sleep per gap.
+		// The server sleeps 5 ms wall (× 10) before each chunk after the
+		// first: the end-to-end time covers all of them, however the
+		// client was scheduled. The gaps span the first read with output
+		// to the last, inside TTFT..E2E. (Their sum has no lower bound: a
+		// client descheduled between its first read and its clock read
+		// starts the span late; the stress run of issue 13 measured 128
+		// of the 150 ms such a bound wanted.)
 		var span float64
 		for _, g := range r.ITLMs {
 			span += g
 		}
-		if want := 50 * float64(len(r.ITLMs)); span < want {
-			t.Errorf("record %d: gaps sum to %v ms < %v (5 ms wall × 10 per gap)", i, span, want)
+		if want := 200 + 50*float64(wantOut-1); r.E2EMs < want {
+			t.Errorf("record %d: e2e %v ms < %v (20 ms + 5 ms per later chunk, wall × 10)", i, r.E2EMs, want)
+		}
+		if span > r.E2EMs-r.TTFTMs+1e-6 {
+			t.Errorf("record %d: gaps sum to %v ms, past e2e − ttft %v ms", i, span, r.E2EMs-r.TTFTMs)
 		}
 		// Speedup = TimeScale: in engine time requests arrive no earlier
 		// than their trace timestamps.

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"strings"
+	"unicode/utf8"
 
 	"github.com/infergate/infergate/openai"
 )
@@ -176,14 +177,17 @@ func (s *chunkScanner) sep(close byte) (more, ok bool) {
 }
 
 // str scans a string at '"' and returns its raw contents; plain is false
-// when it has escapes. ok is false for an invalid string.
+// when it has escapes or is not valid UTF-8 (raw is then not its decoded
+// value). ok is false for an invalid string.
 func (s *chunkScanner) str() (raw []byte, plain, ok bool) {
 	s.i++ // '"'
 	start := s.i
 	plain = true
+	var high byte // any byte ≥ 0x80 sets its top bit
 	for s.i < len(s.b) {
 		c := s.b[s.i]
 		if plainStringByte[c] {
+			high |= c
 			s.i++
 			continue
 		}
@@ -191,6 +195,11 @@ func (s *chunkScanner) str() (raw []byte, plain, ok bool) {
 		case c == '"':
 			raw = s.b[start:s.i]
 			s.i++
+			// Invalid UTF-8 decodes to U+FFFD (encoding/json): raw is
+			// then not the value, which plain promises.
+			if high >= 0x80 && plain && !utf8.Valid(raw) {
+				plain = false
+			}
 			return raw, plain, true
 		case c < 0x20:
 			return nil, false, false
