@@ -390,7 +390,7 @@ func clientAddr(r *http.Request, trusted []netip.Prefix) string {
 			if entry = strings.TrimSpace(entry); entry == "" {
 				continue
 			}
-			client = hostOf(entry)
+			client = strings.TrimSpace(hostOf(entry)) // "0 :" is host "0 "
 			a, err := netip.ParseAddr(client)
 			if err != nil || !isTrusted(a.Unmap(), trusted) {
 				return client // an untrusted hop, or not an address: what the proxy says
