@@ -409,6 +409,14 @@ func FuzzDecodeAgreesWithStdlib(f *testing.F) {
 		if hasCaseVariantKey(b) {
 			return // Decode matches keys exactly, encoding/json in any case (TestDecodeMatchesKeysExactly)
 		}
+		if bytes.Equal(bytes.TrimSpace(b), []byte("null")) {
+			// A body must be an object: Decode refuses null, which
+			// encoding/json reads into a struct as nothing at all.
+			if Decode(b, &ChatRequest{}) == nil {
+				t.Fatal("Decode accepted a null body")
+			}
+			return
+		}
 		var chat, chatRef ChatRequest
 		var comp, compRef CompletionRequest
 		for _, c := range []struct {
