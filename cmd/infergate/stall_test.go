@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"io"
 	"net/http"
 	"os"
@@ -23,31 +22,10 @@ import (
 // timeouts are short here so that the test is quick; what it asserts is
 // the outcome (every answer complete, the retries counted), not time.
 func TestStoppedEngineTimedOut(t *testing.T) {
-	addrRe := regexp.MustCompile(`addr=(http://[0-9.:]+)`)
-	var sims []*proc
-	args := []string{"serve", "--listen", "127.0.0.1:0", "--policy", "round-robin"}
-	for range 2 {
-		s := start(t, "sim", "--listen", "127.0.0.1:0", "--time-scale", "100", "--model", "m")
-		args = append(args, "--endpoint", s.await(t, addrRe)+"=m")
-		sims = append(sims, s)
-	}
 	// Probes and scrapes off: the stopped engine stays in rotation, as it
 	// did for the attack until requests to it failed.
-	cfg := filepath.Join(t.TempDir(), "gw.yaml")
-	if err := os.WriteFile(cfg, []byte("first_event_timeout: 2s\nresponse_header_timeout: 2s\nstream_idle_timeout: 2s\n"+
-		"health_check_path: \"-\"\nscrape_interval: -1s\nretry: {budget_percent: 100}\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	g := start(t, append(args, "-c", cfg)...)
-	base := g.await(t, addrRe)
-	defer g.stop(t)
-	defer sims[0].stop(t)
-
-	stopped := sims[1].cmd.Process.Pid
-	if err := syscall.Kill(stopped, syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = syscall.Kill(stopped, syscall.SIGCONT) }) // before the process is killed
+	base := startWithStoppedEngine(t, "first_event_timeout: 2s\nresponse_header_timeout: 2s\nstream_idle_timeout: 2s\n"+
+		"health_check_path: \"-\"\nscrape_interval: -1s\nretry: {budget_percent: 100}\n")
 
 	c := &http.Client{Timeout: 30 * time.Second}
 	retried := 0
@@ -71,20 +49,7 @@ func TestStoppedEngineTimedOut(t *testing.T) {
 	if retried == 0 {
 		t.Fatal("no request reached the stopped engine")
 	}
-	resp, err := c.Get(base + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	timeouts := 0.0
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		if l := sc.Text(); strings.HasPrefix(l, "infergate_retries_total{") && strings.Contains(l, `reason="timeout"`) {
-			v, _ := strconv.ParseFloat(l[strings.LastIndexByte(l, ' ')+1:], 64)
-			timeouts += v
-		}
-	}
-	if int(timeouts) != retried {
+	if timeouts := metricValue(t, base, "infergate_retries_total", `reason="timeout"`); int(timeouts) != retried {
 		t.Errorf("retries_total{timeout} = %v, want %d", timeouts, retried)
 	}
 	t.Logf("%d of 6 requests reached the stopped engine, timed out and completed on the other", retried)
@@ -99,29 +64,8 @@ func TestStoppedEngineTimedOut(t *testing.T) {
 // the SIGSTOP, to the stopped engine: its first probe can fail only a
 // health_check_timeout later.)
 func TestStoppedEngineAbortedByHealthChecks(t *testing.T) {
-	addrRe := regexp.MustCompile(`addr=(http://[0-9.:]+)`)
-	var sims []*proc
-	args := []string{"serve", "--listen", "127.0.0.1:0", "--policy", "round-robin"}
-	for range 2 {
-		s := start(t, "sim", "--listen", "127.0.0.1:0", "--time-scale", "100", "--model", "m")
-		args = append(args, "--endpoint", s.await(t, addrRe)+"=m")
-		sims = append(sims, s)
-	}
-	cfg := filepath.Join(t.TempDir(), "gw.yaml")
-	if err := os.WriteFile(cfg, []byte("health_check_interval: 200ms\nhealth_check_timeout: 1s\n"+
-		"scrape_interval: -1s\nretry: {budget_percent: 100}\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	g := start(t, append(args, "-c", cfg)...)
-	base := g.await(t, addrRe)
-	defer g.stop(t)
-	defer sims[0].stop(t)
-
-	stopped := sims[1].cmd.Process.Pid
-	if err := syscall.Kill(stopped, syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = syscall.Kill(stopped, syscall.SIGCONT) })
+	base := startWithStoppedEngine(t, "health_check_interval: 200ms\nhealth_check_timeout: 1s\n"+
+		"scrape_interval: -1s\nretry: {budget_percent: 100}\n")
 
 	c := &http.Client{Timeout: 2 * time.Minute}
 	const n = 4
@@ -158,21 +102,37 @@ func TestStoppedEngineAbortedByHealthChecks(t *testing.T) {
 	if retried == 0 {
 		t.Fatal("no request reached the stopped engine")
 	}
-	resp, err := c.Get(base + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	aborted := 0.0
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		if l := sc.Text(); strings.HasPrefix(l, "infergate_retries_total{") && strings.Contains(l, `reason="endpoint_down"`) {
-			v, _ := strconv.ParseFloat(l[strings.LastIndexByte(l, ' ')+1:], 64)
-			aborted += v
-		}
-	}
-	if int(aborted) != retried {
+	if aborted := metricValue(t, base, "infergate_retries_total", `reason="endpoint_down"`); int(aborted) != retried {
 		t.Errorf(`retries_total{reason="endpoint_down"} = %v, want %d`, aborted, retried)
 	}
 	t.Logf("%d of %d requests reached the stopped engine, were aborted by the health checker and completed on the other", retried, n)
+}
+
+// startWithStoppedEngine starts `infergate serve` with the configuration
+// yaml, round-robin over two `infergate sim` engines, SIGSTOPs the second
+// (continued at cleanup, before the processes are killed) and returns the
+// gateway's URL.
+func startWithStoppedEngine(t *testing.T, yaml string) string {
+	t.Helper()
+	addrRe := regexp.MustCompile(`addr=(http://[0-9.:]+)`)
+	var sims []*proc
+	args := []string{"serve", "--listen", "127.0.0.1:0", "--policy", "round-robin"}
+	for range 2 {
+		s := start(t, "sim", "--listen", "127.0.0.1:0", "--time-scale", "100", "--model", "m")
+		args = append(args, "--endpoint", s.await(t, addrRe)+"=m")
+		sims = append(sims, s)
+	}
+	cfg := filepath.Join(t.TempDir(), "gw.yaml")
+	if err := os.WriteFile(cfg, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	g := start(t, append(args, "-c", cfg)...)
+	base := g.await(t, addrRe)
+	t.Cleanup(func() { g.stop(t); sims[0].stop(t) })
+	stopped := sims[1].cmd.Process.Pid
+	if err := syscall.Kill(stopped, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(stopped, syscall.SIGCONT) }) // runs first
+	return base
 }
