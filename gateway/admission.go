@@ -116,7 +116,7 @@ func (a *admission) capacityLocked() (ok, anyReady bool) {
 	for _, ep := range a.endpoints {
 		if ep.ready.Load() {
 			anyReady = true
-			room += max(0, int64(a.limit)-ep.inFlight.Load())
+			room += max(0, int64(a.limit)-ep.ledger.InFlight())
 		}
 	}
 	return a.inFlight < a.maxInFlight && room > a.pending.Load(), anyReady

@@ -242,7 +242,7 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 		case "ejected":
 			st.Fleet.Ejected++
 		}
-		st.Fleet.InFlight += ep.inFlight.Load()
+		st.Fleet.InFlight += ep.ledger.InFlight()
 		st.Fleet.Ejections += cur.ejections[ep.name]
 	}
 
@@ -278,8 +278,8 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 			}
 			spec := ep.spec.Load()
 			de := DashEndpoint{Endpoint: ep.name, Kind: string(spec.kind), State: endpointState(ep, now),
-				InFlight: ep.inFlight.Load(), InFlightTok: ep.inFlightTokens.Load(), PrefillBacklog: ep.pendingPrefill.Load(),
-				PrefillRate: finite(ep.learntPrefillRate()), KVBlocks: spec.kvBlocks, BlockSize: spec.blockSize,
+				InFlight: ep.ledger.InFlight(), InFlightTok: ep.ledger.InFlightTokens(), PrefillBacklog: ep.ledger.PendingPrefill(),
+				PrefillRate: finite(ep.ledger.PrefillRate()), KVBlocks: spec.kvBlocks, BlockSize: spec.blockSize,
 				Ejections: cur.ejections[ep.name]}
 			if de.State == "ejected" {
 				t := time.Unix(0, ep.ejectedUntil.Load()).UTC()

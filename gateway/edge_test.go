@@ -326,7 +326,7 @@ func TestHostileEngine(t *testing.T) {
 			b, rerr := io.ReadAll(resp.Body)
 			resp.Body.Close()
 			tc.check(t, resp.StatusCode, b, rerr)
-			waitFor(t, "in flight back to 0", func() bool { return g.state.Load().endpoints[0].inFlight.Load() == 0 })
+			waitFor(t, "in flight back to 0", func() bool { return g.state.Load().endpoints[0].ledger.InFlight() == 0 })
 		})
 	}
 }
@@ -411,7 +411,7 @@ func TestEndlessEngineBodies(t *testing.T) {
 			case <-time.After(10 * time.Second):
 				t.Fatal("the endless upstream answer was not canceled")
 			}
-			waitFor(t, "in flight back to 0", func() bool { return g.state.Load().endpoints[0].inFlight.Load() == 0 })
+			waitFor(t, "in flight back to 0", func() bool { return g.state.Load().endpoints[0].ledger.InFlight() == 0 })
 			x := g.getExchange()
 			defer g.putExchange(x)
 			if cap(x.capture) > maxUsageScan+(64<<10) {

@@ -6,9 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/load"
 	"io"
 	"log/slog"
-	"math"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -41,17 +41,11 @@ type endpoint struct {
 	// ejectedUntil is the end of the current ejection (unix ns); the health
 	// checker does not restore the endpoint before it.
 	ejectedUntil atomic.Int64
-	// inFlight counts requests sent and not finished (requests).
-	inFlight atomic.Int64
-	// inFlightTokens sums the prompt tokens of those requests (tokens; only
-	// known for policies that tokenize).
-	inFlightTokens atomic.Int64
-	// pendingPrefill sums, over requests sent that have not produced their
-	// first token, the prompt tokens not predicted cached (tokens).
-	pendingPrefill atomic.Int64
-	// prefillRate is the endpoint's effective prefill throughput learnt
-	// from observed TTFTs (float64 bits of tokens/s; 0 until observed).
-	prefillRate atomic.Uint64
+	// ledger is the gateway's accounting of what it sent the engine: in
+	// flight (also the circuit breaker's slots), in-flight tokens, prefill
+	// backlog, learnt prefill rate (package load; the virtual fleet keeps
+	// the same ledger in simulated time).
+	ledger load.Ledger
 	// wentDown is set when the endpoint left rotation after a failure, so
 	// its recovery is logged (and start-up is not).
 	wentDown atomic.Bool
@@ -80,6 +74,13 @@ type endpoint struct {
 	stop context.CancelFunc
 	done chan struct{}
 }
+
+// epoch is the origin of the time the gateway passes its load ledgers.
+var epoch = time.Now()
+
+// clock is t as the load ledgers' time (load.Ledger takes time passed in):
+// its monotonic distance from epoch.
+func clock(t time.Time) time.Duration { return t.Sub(epoch) }
 
 // endpointSpec is an endpoint's configuration: the URL's entries of
 // Config.Endpoints merged (the first entry's settings, the largest
@@ -380,32 +381,3 @@ func parseLabels(s string) map[string]string {
 		s = s[i+1:]
 	}
 }
-
-// prefillRateAlpha is the weight of a new observation in the prefill-rate
-// moving average.
-const prefillRateAlpha = 0.05
-
-// observePrefill folds one streamed request into the endpoint's prefill
-// rate: tokens (the backlog it waited behind plus its own uncached prompt)
-// prefilled in ttft. The effective rate includes queueing behind decodes
-// and the network, which is what a TTFT estimate needs.
-func (ep *endpoint) observePrefill(tokens int64, ttft time.Duration) {
-	if tokens <= 0 || ttft <= 0 {
-		return
-	}
-	obs := float64(tokens) / ttft.Seconds()
-	for {
-		old := ep.prefillRate.Load()
-		cur := math.Float64frombits(old)
-		next := obs
-		if cur > 0 {
-			next = cur + prefillRateAlpha*(obs-cur)
-		}
-		if ep.prefillRate.CompareAndSwap(old, math.Float64bits(next)) {
-			return
-		}
-	}
-}
-
-// learntPrefillRate returns the learnt prefill rate (tokens/s), 0 if none.
-func (ep *endpoint) learntPrefillRate() float64 { return math.Float64frombits(ep.prefillRate.Load()) }

@@ -188,9 +188,8 @@ func (p *pool) snapshot() *[]sched.Endpoint {
 		now = time.Now()
 	}
 	for i, ep := range p.endpoints {
-		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load(), InFlight: int(ep.inFlight.Load()),
-			InFlightTokens: int(ep.inFlightTokens.Load()), PendingPrefillTokens: int(ep.pendingPrefill.Load()),
-			PrefillTokensPerSecond: ep.learntPrefillRate()}
+		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load()}
+		ep.ledger.Fill(&s[i])
 		if f := p.scrapes[i]; f != nil {
 			if l, _, ok := f.latest(now); ok && l.HasQueue {
 				e := &s[i]

@@ -237,7 +237,7 @@ func TestStreamingPassthrough(t *testing.T) {
 	if v := m.value("infergate_inter_token_latency_seconds_count", `endpoint="`+ep+`"`); v != 4 {
 		t.Errorf("ITL count %v, want 4 (3 tokens per stream)", v)
 	}
-	if n := g.state.Load().endpoints[0].inFlight.Load(); n != 0 {
+	if n := g.state.Load().endpoints[0].ledger.InFlight(); n != 0 {
 		t.Errorf("in flight %d", n)
 	}
 }
@@ -502,7 +502,7 @@ func TestClientCancelCancelsUpstream(t *testing.T) {
 	if err != nil || !strings.HasPrefix(line, "data: ") {
 		t.Fatalf("first line %q: %v", line, err)
 	}
-	waitFor(t, "one request in flight", func() bool { return g.state.Load().endpoints[0].inFlight.Load() == 1 })
+	waitFor(t, "one request in flight", func() bool { return g.state.Load().endpoints[0].ledger.InFlight() == 1 })
 	cancel()
 	resp.Body.Close()
 	select {
@@ -510,7 +510,7 @@ func TestClientCancelCancelsUpstream(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the engine never saw its request canceled")
 	}
-	waitFor(t, "in flight back to 0", func() bool { return g.state.Load().endpoints[0].inFlight.Load() == 0 })
+	waitFor(t, "in flight back to 0", func() bool { return g.state.Load().endpoints[0].ledger.InFlight() == 0 })
 	waitFor(t, "a 499 recorded", func() bool {
 		return scrape(t, c, url).value("infergate_requests_total", `code="499"`) == 1
 	})
@@ -558,7 +558,7 @@ func TestReadinessAndEjection(t *testing.T) {
 	if g.state.Load().endpoints[0].ready.Load() || ready() != 503 {
 		t.Error("endpoint not ejected after a connection failure")
 	}
-	if n := g.state.Load().endpoints[0].inFlight.Load(); n != 0 {
+	if n := g.state.Load().endpoints[0].ledger.InFlight(); n != 0 {
 		t.Errorf("in flight %d after failure", n)
 	}
 	e.mode.Store(int32(modeNormal))
@@ -673,7 +673,7 @@ func TestConcurrentRequests(t *testing.T) {
 		t.Error(e)
 	}
 	for _, ep := range g.state.Load().endpoints {
-		if n := ep.inFlight.Load(); n != 0 {
+		if n := ep.ledger.InFlight(); n != 0 {
 			t.Errorf("%s: %d in flight", ep.name, n)
 		}
 	}

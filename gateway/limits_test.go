@@ -331,7 +331,7 @@ func TestStalledClientDropped(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("the upstream stream was not canceled after the client stalled")
 	}
-	waitFor(t, "in flight back to 0", func() bool { return g.state.Load().endpoints[0].inFlight.Load() == 0 })
+	waitFor(t, "in flight back to 0", func() bool { return g.state.Load().endpoints[0].ledger.InFlight() == 0 })
 }
 
 func writeFile(path, s string) error { return os.WriteFile(path, []byte(s), 0o600) }

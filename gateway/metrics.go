@@ -180,7 +180,7 @@ func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
 		if ep.ready.Load() {
 			ready = 1
 		}
-		ch <- prometheus.MustNewConstMetric(c.inFlight, prometheus.GaugeValue, float64(ep.inFlight.Load()), ep.name)
+		ch <- prometheus.MustNewConstMetric(c.inFlight, prometheus.GaugeValue, float64(ep.ledger.InFlight()), ep.name)
 		ch <- prometheus.MustNewConstMetric(c.ready, prometheus.GaugeValue, ready, ep.name)
 	}
 }

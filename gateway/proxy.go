@@ -16,6 +16,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/infergate/infergate/load"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
@@ -107,14 +108,9 @@ type exchange struct {
 	// policy's own (-1: none).
 	predicted, precisePredicted int
 	predictedBy                 int
-	// pendingEP and pending: the prefill backlog this request added to its
-	// endpoint, released at its first token (prefillDone).
-	pendingEP *endpoint
-	pending   int64
-	// ahead is the endpoint's prefill backlog including this request when
-	// it was sent at sent: what its first token waited for.
-	ahead int64
-	sent  time.Time
+	// share is what this attempt added to its endpoint's load ledger
+	// (in-flight tokens, prefill backlog), released at its end.
+	share load.Share
 
 	// Read from the decoded request.
 	user         string
@@ -146,7 +142,7 @@ func (g *Gateway) putExchange(x *exchange) {
 	x.comp = openai.CompletionRequest{}
 	x.sreq = sched.Request{}
 	x.model, x.salt, x.user = "", "", ""
-	x.pendingEP, x.pending = nil, 0
+	x.share = load.Share{}
 	x.chunk.Reset()
 	if cap(x.stripped) > maxPooledBuffer {
 		x.stripped = nil
@@ -564,15 +560,6 @@ func (g *Gateway) prepareTarget(w http.ResponseWriter, x *exchange, kind apiKind
 	return nil
 }
 
-// prefillDone releases the request's share of its endpoint's prefill backlog
-// (at its first token, or when it ends without one). Idempotent.
-func (x *exchange) prefillDone() {
-	if x.pending != 0 {
-		x.pendingEP.pendingPrefill.Add(-x.pending)
-		x.pending = 0
-	}
-}
-
 // SessionHeader is the request header that names a conversation for the
 // session-affinity scorer; without it the OpenAI "user" field is used.
 const SessionHeader = "X-Session-Id"
@@ -957,10 +944,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 			if output = c.output; output {
 				if last.IsZero() {
-					if x.pending != 0 {
-						x.pendingEP.observePrefill(x.ahead, now.Sub(x.sent))
-					}
-					x.prefillDone()
+					x.share.FirstToken(clock(now)) // the learnt prefill rate (load.Ledger)
 					rm.ttft.Observe(now.Sub(start).Seconds())
 					x.obs.firstOutput(now.Sub(start))
 				} else {

@@ -960,13 +960,13 @@ func (g *Gateway) retire(ep *endpoint, f feeds) {
 		bound := time.NewTimer(g.cfg.ResponseHeaderTimeout)
 		defer bound.Stop()
 	wait:
-		for ep.inFlight.Load() > 0 {
+		for ep.ledger.InFlight() > 0 {
 			select {
 			case <-g.loops.Done():
 				break wait
 			case <-bound.C:
 				slog.Warn("gateway: removed endpoint still has requests in flight; its health checks stop now",
-					"endpoint", ep.name, "in_flight", ep.inFlight.Load(), "waited", g.cfg.ResponseHeaderTimeout)
+					"endpoint", ep.name, "in_flight", ep.ledger.InFlight(), "waited", g.cfg.ResponseHeaderTimeout)
 				break wait
 			case <-t.C:
 			}

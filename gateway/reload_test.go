@@ -185,7 +185,7 @@ func TestReloadUnderLoad(t *testing.T) {
 			select {
 			case <-ep.done:
 			case <-time.After(time.Minute):
-				t.Fatalf("removed endpoint %s: health loop still running with nothing in flight (%d)", ep.name, ep.inFlight.Load())
+				t.Fatalf("removed endpoint %s: health loop still running with nothing in flight (%d)", ep.name, ep.ledger.InFlight())
 			}
 		}
 		if got := scrape(t, c, srv.URL).value("infergate_config_reloads_total", `result="success"`); got != 40 {
@@ -502,7 +502,7 @@ func TestReloadEndpoints(t *testing.T) {
 			t.Fatal("the removed endpoint's health loop stopped with a request still in flight on it")
 		default:
 		}
-		if n := old.inFlight.Load(); n != 1 {
+		if n := old.ledger.InFlight(); n != 1 {
 			t.Fatalf("removed endpoint: %d in flight, want 1 (the held request)", n)
 		}
 		close(held.release)
@@ -517,7 +517,7 @@ func TestReloadEndpoints(t *testing.T) {
 
 		// A changed setting keeps the endpoint (and its state).
 		ep1 := endpointOf(g, e1.URL())
-		ep1.observePrefill(1000, time.Second)
+		ep1.ledger.Observe(1000, time.Second)
 		cfg := reloadConfig(sched.RoundRobin, e1.URL())
 		cfg.Endpoints[0].Kind = fleet.Sim
 		cfg.Endpoints[0].KVBlocks = 2000
@@ -525,8 +525,8 @@ func TestReloadEndpoints(t *testing.T) {
 		if endpointOf(g, e1.URL()) != ep1 || ep1.spec.Load().kind != fleet.Sim || ep1.spec.Load().kvBlocks != 2000 {
 			t.Fatalf("changed endpoint: same object %v, spec %+v", endpointOf(g, e1.URL()) == ep1, ep1.spec.Load())
 		}
-		if ep1.learntPrefillRate() != 1000 {
-			t.Fatalf("learnt prefill rate %v after a reload, want 1000", ep1.learntPrefillRate())
+		if ep1.ledger.PrefillRate() != 1000 {
+			t.Fatalf("learnt prefill rate %v after a reload, want 1000", ep1.ledger.PrefillRate())
 		}
 		if resp, _ := post(t, c, srv.URL+pathChat, chatBody); resp.StatusCode != 200 {
 			t.Fatalf("after changing the endpoint: %d", resp.StatusCode)
@@ -558,8 +558,8 @@ func TestReloadQueuedRequestPicksNewPool(t *testing.T) {
 	waitFor(t, "the second request queued", func() bool { return g.state.Load().pools["m"].gate.waiting.Load() == 1 })
 	cfg.Endpoints = reloadConfig(sched.RoundRobin, held.srv.URL, e1.URL()).Endpoints
 	mustReload(t, g, cfg) // both: the held engine still serves the first
-	if ep, p := endpointOf(g, held.srv.URL), g.state.Load().pools["m"]; ep.inFlight.Load() != 1 || p.gate.active.Load() != 1 {
-		t.Fatalf("after a reload that keeps the endpoint: %d in flight on it, %d admitted; want 1 and 1", ep.inFlight.Load(), p.gate.active.Load())
+	if ep, p := endpointOf(g, held.srv.URL), g.state.Load().pools["m"]; ep.ledger.InFlight() != 1 || p.gate.active.Load() != 1 {
+		t.Fatalf("after a reload that keeps the endpoint: %d in flight on it, %d admitted; want 1 and 1", ep.ledger.InFlight(), p.gate.active.Load())
 	}
 	cfg.Endpoints = reloadConfig(sched.RoundRobin, e1.URL()).Endpoints
 	mustReload(t, g, cfg)

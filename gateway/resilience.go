@@ -263,22 +263,12 @@ func (ep *endpoint) endAuthEjection(now time.Time) bool {
 
 // tryAcquire takes one of ep's circuit-breaker slots (an in-flight request)
 // if fewer than limit are taken.
-func (ep *endpoint) tryAcquire(limit int) bool {
-	for {
-		n := ep.inFlight.Load()
-		if n >= int64(limit) {
-			return false
-		}
-		if ep.inFlight.CompareAndSwap(n, n+1) {
-			return true
-		}
-	}
-}
+func (ep *endpoint) tryAcquire(limit int) bool { return ep.ledger.TryAcquire(limit) }
 
 // releaseSlot gives back a slot taken by tryAcquire and wakes the admission
 // queues of the models the endpoint serves.
 func (ep *endpoint) releaseSlot() {
-	ep.inFlight.Add(-1)
+	ep.ledger.Release()
 	ep.wakeGates()
 }
 

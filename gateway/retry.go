@@ -227,13 +227,11 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	ep, rm := p.endpoints[i], p.routes[i]
 	defer ep.releaseSlot()
 	g.beginAttempt(w, x, p, i, d)
-	if n := int64(x.sreq.PromptTokens); n > 0 {
-		ep.inFlightTokens.Add(n)
-		defer ep.inFlightTokens.Add(-n)
-		x.pendingEP, x.pending = ep, max(1, n-int64(d.MatchedBlocks*p.blockSize))
-		x.ahead, x.sent = ep.pendingPrefill.Add(x.pending), time.Now()
-		defer x.prefillDone()
-	}
+	// The request's share of the endpoint's load: its prompt in flight until
+	// it ends, its uncached part in the prefill backlog until its first
+	// token (relayStream) or its end (load.Ledger).
+	ep.ledger.Send(&x.share, x.sreq.PromptTokens, d.MatchedBlocks*p.blockSize, clock(time.Now()))
+	defer x.share.Finish()
 	if d.MatchedBlocks > 0 {
 		rm.predicted.Add(float64(d.MatchedBlocks * p.blockSize))
 	}

@@ -3,7 +3,6 @@ package gateway
 import (
 	"fmt"
 	"testing"
-	"time"
 
 	"github.com/infergate/infergate/sched"
 )
@@ -67,31 +66,9 @@ func TestCacheAwareProfile(t *testing.T) {
 	}
 	p := g.state.Load().pools["m"]
 	for i, ep := range p.endpoints {
-		if n, m := ep.inFlightTokens.Load(), ep.pendingPrefill.Load(); n != 0 || m != 0 {
+		if n, m := ep.ledger.InFlightTokens(), ep.ledger.PendingPrefill(); n != 0 || m != 0 {
 			t.Errorf("endpoint %d: %d in-flight tokens, %d pending prefill tokens after every request ended", i, n, m)
 		}
-	}
-}
-
-func TestObservePrefill(t *testing.T) {
-	var ep endpoint
-	if ep.learntPrefillRate() != 0 {
-		t.Fatal("rate known before any observation")
-	}
-	ep.observePrefill(10000, time.Second) // 10k tokens/s
-	if r := ep.learntPrefillRate(); r != 10000 {
-		t.Fatalf("first observation: %v", r)
-	}
-	for range 200 {
-		ep.observePrefill(2000, time.Second)
-	}
-	if r := ep.learntPrefillRate(); r < 2000 || r > 2100 {
-		t.Fatalf("after 200 observations of 2k tokens/s the rate is %v", r)
-	}
-	ep.observePrefill(0, time.Second)
-	ep.observePrefill(100, 0)
-	if r := ep.learntPrefillRate(); r < 2000 || r > 2100 {
-		t.Fatalf("empty observations moved the rate to %v", r)
 	}
 }
 

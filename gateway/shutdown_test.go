@@ -267,7 +267,7 @@ func TestShutdownAbortInFlight(t *testing.T) {
 				t.Error("the endpoint was ejected for requests the shutdown ended")
 			}
 			waitFor(t, "nothing in flight", func() bool {
-				return g.state.Load().endpoints[0].inFlight.Load() == 0 && g.state.Load().pools["m"].gate.active.Load() == 0
+				return g.state.Load().endpoints[0].ledger.InFlight() == 0 && g.state.Load().pools["m"].gate.active.Load() == 0
 			})
 			m := scrape(t, c, url)
 			if v := m.value("infergate_requests_total", `code="503"`); v != 4 {

@@ -153,7 +153,7 @@ func TestSoakStreaming(t *testing.T) {
 		t.Errorf("goroutines did not return to idle: %d > %d\n%s", after.goroutines, idle.goroutines, buf[:runtime.Stack(buf, true)])
 	}
 	for _, ep := range g.state.Load().endpoints {
-		if n := ep.inFlight.Load(); n != 0 {
+		if n := ep.ledger.InFlight(); n != 0 {
 			t.Errorf("%s: %d in flight after the soak", ep.name, n)
 		}
 	}

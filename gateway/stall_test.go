@@ -312,7 +312,7 @@ func TestStalledEndpointEjected(t *testing.T) {
 		}
 		return fmt.Sprintf("stalled endpoint: %d requests, %d held now, at most %d at once; healthy endpoints served %v, %d in flight",
 			stalled.requests.Load(), stalled.cur.Load(), stalled.max.Load(), served,
-			g.state.Load().endpoints[0].inFlight.Load()+g.state.Load().endpoints[1].inFlight.Load()+g.state.Load().endpoints[2].inFlight.Load())
+			g.state.Load().endpoints[0].ledger.InFlight()+g.state.Load().endpoints[1].ledger.InFlight()+g.state.Load().endpoints[2].ledger.InFlight())
 	}
 	for range clients {
 		select {
@@ -334,7 +334,7 @@ func TestStalledEndpointEjected(t *testing.T) {
 	}
 	waitFor(t, "nothing in flight", func() bool {
 		for _, ep := range g.state.Load().endpoints {
-			if ep.inFlight.Load() != 0 {
+			if ep.ledger.InFlight() != 0 {
 				return false
 			}
 		}
