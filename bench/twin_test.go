@@ -156,7 +156,7 @@ func virtualRun(t *testing.T, policy string, recs []trace.Record) VirtualRun {
 // TestTwinRealVirtual runs the same trace through the real-time world
 // (sim.StartFleet engines behind the real gateway, bench.Replay over
 // loopback, time scale 10; 5 under the race detector) and through
-// sim.VirtualFleet, and checks that the two agree.
+// virtual.Fleet, and checks that the two agree.
 //
 // The real client measures TTFT from sending the request, so real TTFTs carry
 // the wire overhead (HTTP and JSON decoding in the gateway and the engine) times the time scale; the virtual world has none. The offset is

@@ -9,6 +9,7 @@ import (
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
+	"github.com/infergate/infergate/virtual"
 )
 
 // VirtualOptions configures ReplayVirtual. Its fields mean what the fields
@@ -67,7 +68,7 @@ type VirtualRun struct {
 	Wall time.Duration
 }
 
-// ReplayVirtual replays records through a sim.VirtualFleet: the same engine
+// ReplayVirtual replays records through a virtual.Fleet: the same engine
 // model and routing policy as Compare, in virtual time, with no network and
 // no sleeping. Arrivals follow the trace exactly (Timestamp − first
 // Timestamp); prompts are the records' synthetic tokens (trace.Record.Tokens,
@@ -75,7 +76,7 @@ type VirtualRun struct {
 // sends them. ctx is checked before the run only: a run is not interruptible.
 //
 // Closed-loop replay (ReplayOptions.Concurrency, Sessions) is not available
-// in virtual time: sim.VirtualFleet.Run takes every arrival up front and runs
+// in virtual time: virtual.Fleet.Run takes every arrival up front and runs
 // until the fleet is idle, so an arrival cannot depend on an earlier finish.
 func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error) {
 	if err := ctx.Err(); err != nil {
@@ -103,7 +104,7 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 	if opts.Requests > 0 && opts.Requests < len(recs) {
 		recs = recs[:opts.Requests]
 	}
-	fleet, err := sim.NewVirtualFleet(sim.VirtualConfig{
+	fleet, err := virtual.NewFleet(virtual.Config{
 		Engines:      opts.Engines,
 		Engine:       eng,
 		Model:        opts.Model,
@@ -114,14 +115,14 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 	if err != nil {
 		return VirtualRun{}, fmt.Errorf("bench: %w", err)
 	}
-	reqs := make([]sim.VirtualRequest, len(recs))
+	reqs := make([]virtual.Request, len(recs))
 	for i := range recs {
 		rec := &recs[i]
 		out := rec.OutputLength
 		if opts.OutputTokens > 0 {
 			out = opts.OutputTokens
 		}
-		reqs[i] = sim.VirtualRequest{
+		reqs[i] = virtual.Request{
 			Arrival:   rec.Timestamp - recs[0].Timestamp,
 			Prompt:    rec.Tokens,
 			MaxTokens: max(out, 1), // as Replay sends it

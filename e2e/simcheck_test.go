@@ -18,6 +18,7 @@ import (
 	"github.com/infergate/infergate/gguf"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/virtual"
 )
 
 // simProfile is the built-in simulator profile fitted to Ollama serving the
@@ -261,7 +262,7 @@ type simTurn struct {
 // (the pairs of first turns) arrive with the same offsets; the others are
 // sent one at a time, each when the fleet is idle, as in the real run.
 func replayInSim(p sim.Profile, policy string, v *gguf.Vocab, turns []TurnResult) ([]simTurn, error) {
-	f, err := sim.NewVirtualFleet(sim.VirtualConfig{
+	f, err := virtual.NewFleet(virtual.Config{
 		Engines: 2,
 		Engine: sim.Config{Profile: p, BlockSize: 16, NumBlocks: OllamaKVBlocks,
 			MaxNumSeqs: 2, MaxNumBatchedTokens: ollamaBatch},
@@ -277,10 +278,10 @@ func replayInSim(p sim.Profile, policy string, v *gguf.Vocab, turns []TurnResult
 		for j < len(turns) && turns[j].Start < turns[j-1].Start+turns[j-1].Total {
 			j++
 		}
-		reqs := make([]sim.VirtualRequest, j-i)
+		reqs := make([]virtual.Request, j-i)
 		for k := range reqs {
 			r := turns[i+k]
-			reqs[k] = sim.VirtualRequest{
+			reqs[k] = virtual.Request{
 				Arrival:   f.Now() + r.Start - turns[i].Start,
 				Tokens:    PromptTokenIDs(v, r.Messages),
 				MaxTokens: max(1, r.CompletionTokens),

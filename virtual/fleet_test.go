@@ -1,4 +1,4 @@
-package sim
+package virtual
 
 import (
 	"errors"
@@ -10,22 +10,23 @@ import (
 
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
 )
 
 // virtualTrace returns n requests with shared prefixes: arrivals a random
 // 0-400 ms apart (some simultaneous), prompts of a 256-token system prompt,
 // one of 8 "conversation" blocks and a unique tail, 4-40 output tokens.
-func virtualTrace(n int, seed uint64) []VirtualRequest {
+func virtualTrace(n int, seed uint64) []Request {
 	rng := rand.New(rand.NewPCG(seed, 1))
 	system := seqTokens(0, 256)
-	reqs := make([]VirtualRequest, n)
+	reqs := make([]Request, n)
 	var at time.Duration
 	for i := range reqs {
 		if rng.IntN(4) > 0 {
 			at += time.Duration(rng.IntN(400)) * time.Millisecond
 		}
 		toks := slices.Concat(system, seqTokens(1+rng.IntN(8), 512+rng.IntN(2048)), seqTokens(100+i, 1+rng.IntN(300)))
-		reqs[i] = VirtualRequest{Arrival: at, Tokens: toks, MaxTokens: 4 + rng.IntN(37)}
+		reqs[i] = Request{Arrival: at, Tokens: toks, MaxTokens: 4 + rng.IntN(37)}
 	}
 	return reqs
 }
@@ -34,13 +35,13 @@ func virtualTrace(n int, seed uint64) []VirtualRequest {
 // driver does, written as a plain loop: idle, it takes the next arrival and
 // steps at once; after each step it adds the requests that arrived during
 // the step or at its end, then delivers the step's outputs at its end.
-func referenceRun(t *testing.T, cfg Config, reqs []VirtualRequest) []VirtualResult {
+func referenceRun(t *testing.T, cfg sim.Config, reqs []Request) []Result {
 	t.Helper()
-	e := NewEngine(cfg)
-	res := make([]VirtualResult, len(reqs))
+	e := sim.NewEngine(cfg)
+	res := make([]Result, len(reqs))
 	add := func(i int, at time.Duration) {
 		res[i].Arrival = at
-		if err := e.Add(&Request{ID: strconv.Itoa(i), Tokens: reqs[i].Tokens, MaxTokens: reqs[i].MaxTokens}, at); err != nil {
+		if err := e.Add(&sim.Request{ID: strconv.Itoa(i), Tokens: reqs[i].Tokens, MaxTokens: reqs[i].MaxTokens}, at); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -73,7 +74,7 @@ func referenceRun(t *testing.T, cfg Config, reqs []VirtualRequest) []VirtualResu
 	return res
 }
 
-func sameTiming(t *testing.T, label string, got, want VirtualResult) {
+func sameTiming(t *testing.T, label string, got, want Result) {
 	t.Helper()
 	if got.Arrival != want.Arrival || got.FirstToken != want.FirstToken || got.Finish != want.Finish ||
 		got.PromptTokens != want.PromptTokens || got.CachedTokens != want.CachedTokens ||
@@ -87,10 +88,10 @@ func sameTiming(t *testing.T, label string, got, want VirtualResult) {
 // Round-robin makes engine i serve requests i, i+n, ...: each engine's
 // results must be exactly those of the reference driver loop on its share.
 func TestVirtualMatchesReferenceDriver(t *testing.T) {
-	cfg := Config{Profile: Llama8BH100(), NumBlocks: 2000}
+	cfg := sim.Config{Profile: sim.Llama8BH100(), NumBlocks: 2000}
 	reqs := virtualTrace(300, 7)
 	for _, n := range []int{1, 3} {
-		f, err := NewVirtualFleet(VirtualConfig{Engines: n, Engine: cfg, Routing: sched.Config{Policy: sched.RoundRobin}})
+		f, err := NewFleet(Config{Engines: n, Engine: cfg, Routing: sched.Config{Policy: sched.RoundRobin}})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -99,7 +100,7 @@ func TestVirtualMatchesReferenceDriver(t *testing.T) {
 			t.Fatal(err)
 		}
 		for k := range n {
-			var share []VirtualRequest
+			var share []Request
 			var idx []int
 			for i := k; i < len(reqs); i += n {
 				share = append(share, reqs[i])
@@ -137,13 +138,13 @@ func TestVirtualMatchesReferenceDriver(t *testing.T) {
 
 // The event semantics, on step durations computed independently.
 func TestVirtualEventSemantics(t *testing.T) {
-	cfg := Config{Profile: Llama8BH100(), NumBlocks: 1000}
+	cfg := sim.Config{Profile: sim.Llama8BH100(), NumBlocks: 1000}
 	a, b := seqTokens(1, 1000), seqTokens(2, 800)
-	reqs := []VirtualRequest{
+	reqs := []Request{
 		{Arrival: 100 * time.Millisecond, Tokens: a, MaxTokens: 3},
 		{Arrival: 110 * time.Millisecond, Tokens: b, MaxTokens: 2}, // mid-step
 	}
-	f, err := NewVirtualFleet(VirtualConfig{Engines: 1, Engine: cfg, Routing: sched.Config{Policy: sched.RoundRobin}})
+	f, err := NewFleet(Config{Engines: 1, Engine: cfg, Routing: sched.Config{Policy: sched.RoundRobin}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -152,10 +153,10 @@ func TestVirtualEventSemantics(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Replay by hand: A alone starts at its arrival; B joins the second step.
-	e := NewEngine(cfg)
-	must(t, e.Add(&Request{ID: "a", Tokens: a, MaxTokens: 3}, 0))
+	e := sim.NewEngine(cfg)
+	must(t, e.Add(&sim.Request{ID: "a", Tokens: a, MaxTokens: 3}, 0))
 	s1 := e.Step(0).Duration // prefill A → A's first token
-	must(t, e.Add(&Request{ID: "b", Tokens: b, MaxTokens: 2}, 0))
+	must(t, e.Add(&sim.Request{ID: "b", Tokens: b, MaxTokens: 2}, 0))
 	s2 := e.Step(0).Duration // decode A + prefill B → A's 2nd, B's 1st
 	s3 := e.Step(0).Duration // A's 3rd, B's 2nd
 	t1 := 100*time.Millisecond + s1
@@ -176,8 +177,8 @@ func TestVirtualEventSemantics(t *testing.T) {
 	}
 
 	// Simultaneous arrivals at an idle engine: the first steps alone.
-	f, _ = NewVirtualFleet(VirtualConfig{Engines: 1, Engine: cfg, Routing: sched.Config{Policy: sched.RoundRobin}})
-	got, err = f.Run([]VirtualRequest{{Tokens: a, MaxTokens: 1}, {Tokens: b, MaxTokens: 1}})
+	f, _ = NewFleet(Config{Engines: 1, Engine: cfg, Routing: sched.Config{Policy: sched.RoundRobin}})
+	got, err = f.Run([]Request{{Tokens: a, MaxTokens: 1}, {Tokens: b, MaxTokens: 1}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -186,8 +187,8 @@ func TestVirtualEventSemantics(t *testing.T) {
 	}
 
 	// An arrival exactly at a step's end joins the next step, which starts then.
-	f, _ = NewVirtualFleet(VirtualConfig{Engines: 1, Engine: cfg, Routing: sched.Config{Policy: sched.RoundRobin}})
-	got, err = f.Run([]VirtualRequest{{Tokens: a, MaxTokens: 2}, {Arrival: s1, Tokens: b, MaxTokens: 1}})
+	f, _ = NewFleet(Config{Engines: 1, Engine: cfg, Routing: sched.Config{Policy: sched.RoundRobin}})
+	got, err = f.Run([]Request{{Tokens: a, MaxTokens: 2}, {Arrival: s1, Tokens: b, MaxTokens: 1}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -220,16 +221,16 @@ func (p *recordingPolicy) Pick(r *sched.Request, eps []sched.Endpoint) sched.Dec
 func TestVirtualRoutingView(t *testing.T) {
 	rr, _ := sched.New(sched.Config{Policy: sched.RoundRobin}, nil)
 	p := &recordingPolicy{Policy: rr}
-	cfg := Config{Profile: Llama8BH100(), NumBlocks: 1000}
+	cfg := sim.Config{Profile: sim.Llama8BH100(), NumBlocks: 1000}
 	long, short := seqTokens(1, 300), seqTokens(2, 40)
 	calls := 0
-	reqs := []VirtualRequest{
+	reqs := []Request{
 		{Arrival: 0, Tokens: long, MaxTokens: 500},
 		{Arrival: 0, Tokens: short, MaxTokens: 1},
 		{Arrival: time.Millisecond, Prompt: func(dst []uint32) []uint32 { calls++; return append(dst, short...) }, MaxTokens: 1},
 		{Arrival: 3 * time.Second, Tokens: short, MaxTokens: 1},
 	}
-	f, err := NewVirtualFleet(VirtualConfig{Engines: 2, Engine: cfg, Model: "m", Policy: p})
+	f, err := NewFleet(Config{Engines: 2, Engine: cfg, Model: "m", Policy: p})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -258,18 +259,18 @@ func TestVirtualRoutingView(t *testing.T) {
 }
 
 func TestVirtualErrorsAndDeterminism(t *testing.T) {
-	cfg := Config{Profile: Llama8BH100(), NumBlocks: 1000}
-	if _, err := NewVirtualFleet(VirtualConfig{Engines: 0}); err == nil {
+	cfg := sim.Config{Profile: sim.Llama8BH100(), NumBlocks: 1000}
+	if _, err := NewFleet(Config{Engines: 0}); err == nil {
 		t.Error("0 engines accepted")
 	}
-	if _, err := NewVirtualFleet(VirtualConfig{Engines: 1, Routing: sched.Config{Policy: "nope"}}); err == nil {
+	if _, err := NewFleet(Config{Engines: 1, Routing: sched.Config{Policy: "nope"}}); err == nil {
 		t.Error("unknown policy accepted")
 	}
-	f, _ := NewVirtualFleet(VirtualConfig{Engines: 2, Engine: cfg})
-	if _, err := f.Run([]VirtualRequest{{Arrival: 2, Tokens: []uint32{1}, MaxTokens: 1}, {Arrival: 1, Tokens: []uint32{1}, MaxTokens: 1}}); err == nil {
+	f, _ := NewFleet(Config{Engines: 2, Engine: cfg})
+	if _, err := f.Run([]Request{{Arrival: 2, Tokens: []uint32{1}, MaxTokens: 1}, {Arrival: 1, Tokens: []uint32{1}, MaxTokens: 1}}); err == nil {
 		t.Error("out-of-order arrivals accepted")
 	}
-	got, err := f.Run([]VirtualRequest{
+	got, err := f.Run([]Request{
 		{Tokens: seqTokens(1, 20000), MaxTokens: 1}, // over the 16k-token cache
 		{Tokens: seqTokens(2, 20), MaxTokens: 0},
 		{Tokens: seqTokens(3, 20), MaxTokens: 2},
@@ -277,19 +278,19 @@ func TestVirtualErrorsAndDeterminism(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !errors.Is(got[0].Err, ErrNoCapacity) || !errors.Is(got[1].Err, ErrBadMaxTokens) || got[2].Err != nil || got[2].OutputTokens != 2 {
+	if !errors.Is(got[0].Err, sim.ErrNoCapacity) || !errors.Is(got[1].Err, sim.ErrBadMaxTokens) || got[2].Err != nil || got[2].OutputTokens != 2 {
 		t.Errorf("errors %v, %v, %v", got[0].Err, got[1].Err, got[2].Err)
 	}
 	if f.InFlight(0)+f.InFlight(1) != 0 {
 		t.Error("rejected requests left in flight")
 	}
-	if _, err := f.Run([]VirtualRequest{{Arrival: 0, Tokens: []uint32{1}, MaxTokens: 1}}); err == nil && f.Now() > 0 {
+	if _, err := f.Run([]Request{{Arrival: 0, Tokens: []uint32{1}, MaxTokens: 1}}); err == nil && f.Now() > 0 {
 		t.Error("a request before the fleet's time accepted")
 	}
 
 	// The prefix policy, with its random tie-breaking, is deterministic.
-	run := func() []VirtualResult {
-		f, err := NewVirtualFleet(VirtualConfig{Engines: 4, Engine: cfg, Routing: sched.Config{Policy: sched.Prefix, Seed: 3}})
+	run := func() []Result {
+		f, err := NewFleet(Config{Engines: 4, Engine: cfg, Routing: sched.Config{Policy: sched.Prefix, Seed: 3}})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -307,19 +308,36 @@ func TestVirtualErrorsAndDeterminism(t *testing.T) {
 	}
 }
 
-// BenchmarkVirtualFleet measures the virtual driver on a synthetic trace of
+// BenchmarkFleet measures the virtual driver on a synthetic trace of
 // 1,000 requests on 4 engines (one op = one whole run).
-func BenchmarkVirtualFleet(b *testing.B) {
+func BenchmarkFleet(b *testing.B) {
 	reqs := virtualTrace(1000, 5)
-	cfg := Config{Profile: Llama8BH100()}
+	cfg := sim.Config{Profile: sim.Llama8BH100()}
 	b.ReportAllocs()
 	for b.Loop() {
-		f, err := NewVirtualFleet(VirtualConfig{Engines: 4, Engine: cfg})
+		f, err := NewFleet(Config{Engines: 4, Engine: cfg})
 		if err != nil {
 			b.Fatal(err)
 		}
 		if _, err := f.Run(reqs); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// seqTokens returns n distinct tokens starting at base*1_000_000 (as sim's
+// tests build prompts).
+func seqTokens(base, n int) []uint32 {
+	t := make([]uint32, n)
+	for i := range t {
+		t[i] = uint32(base*1_000_000 + i)
+	}
+	return t
+}
+
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
 	}
 }

@@ -1,4 +1,4 @@
-package sim
+package virtual
 
 import (
 	"errors"
@@ -9,17 +9,18 @@ import (
 
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
 )
 
-// VirtualConfig configures a VirtualFleet.
-type VirtualConfig struct {
+// Config configures a Fleet.
+type Config struct {
 	// Engines is the number of engines (at least 1).
 	Engines int
-	// Engine configures every engine (zero fields take Config defaults).
-	Engine Config
+	// Engine configures every engine (zero fields take sim.Config defaults).
+	Engine sim.Config
 	// Model is the model name routing hashes are seeded with, as the gateway
 	// seeds them: prefix.Seed(Model + "\x00"). Default: the engine profile's
-	// model, else DefaultModel.
+	// model, else sim.DefaultModel.
 	Model string
 	// Policy picks an engine for each request from the gateway-side snapshot
 	// (readiness and in-flight counts). nil builds one from Routing.
@@ -30,20 +31,20 @@ type VirtualConfig struct {
 	// use (0: the engines' block size, as bench.Compare sets it), with a
 	// given Policy too.
 	Routing sched.Config
-	// SkipITL leaves VirtualResult.ITL nil, saving one duration per output
+	// SkipITL leaves Result.ITL nil, saving one duration per output
 	// token for very large replays.
 	SkipITL bool
 	// TrackPrecise keeps a precise prefix index (prefix.PreciseIndex) fed by
 	// the engines' KV events as a live gateway subscribed to them would, and
-	// records its prediction for every request (VirtualResult.
+	// records its prediction for every request (Result.
 	// PreciseMatchedBlocks) whatever the policy. It is implied by a policy
 	// built from Routing that scores with the precise index. The routing
 	// block size must equal the engines'.
 	TrackPrecise bool
 }
 
-// VirtualRequest is one request of a virtual-time replay.
-type VirtualRequest struct {
+// Request is one request of a virtual-time replay.
+type Request struct {
 	// Arrival is when the request reaches the gateway (simulated time).
 	// Requests must be given in non-decreasing Arrival order.
 	Arrival time.Duration
@@ -58,8 +59,8 @@ type VirtualRequest struct {
 	MaxTokens int
 }
 
-// VirtualResult is the outcome of one VirtualRequest. Times are simulated.
-type VirtualResult struct {
+// Result is the outcome of one Request. Times are simulated.
+type Result struct {
 	// Engine is the index of the engine the policy chose (-1 if none).
 	Engine int
 	// Arrival is the request's arrival time.
@@ -70,7 +71,7 @@ type VirtualResult struct {
 	// Finish is when the last output token was delivered.
 	Finish time.Duration
 	// ITL holds the gaps between consecutive output tokens (OutputTokens−1
-	// of them; nil with VirtualConfig.SkipITL).
+	// of them; nil with Config.SkipITL).
 	ITL []time.Duration
 	// PromptTokens and CachedTokens are the prompt length and its prefix-cache
 	// hit at first admission, as the engine reports them in usage.
@@ -82,7 +83,7 @@ type VirtualResult struct {
 	MatchedBlocks int
 	// PreciseMatchedBlocks is what the precise index (fed by KV events)
 	// said the chosen engine held at routing time; -1 without
-	// VirtualConfig.TrackPrecise.
+	// Config.TrackPrecise.
 	PreciseMatchedBlocks int
 	// Err is why the request was not served (no endpoint, or the engine
 	// rejected it as Engine.Add does); nil on success.
@@ -90,15 +91,15 @@ type VirtualResult struct {
 }
 
 // TTFT is the time to first token.
-func (r *VirtualResult) TTFT() time.Duration { return r.FirstToken - r.Arrival }
+func (r *Result) TTFT() time.Duration { return r.FirstToken - r.Arrival }
 
 // E2E is the end-to-end latency, from arrival to the last token.
-func (r *VirtualResult) E2E() time.Duration { return r.Finish - r.Arrival }
+func (r *Result) E2E() time.Duration { return r.Finish - r.Arrival }
 
-// ErrNoEndpoint is VirtualResult.Err when the policy picked no engine.
+// ErrNoEndpoint is Result.Err when the policy picked no engine.
 var ErrNoEndpoint = errors.New("sim: no endpoint available")
 
-// VirtualFleet runs Engines in virtual time: a discrete-event loop with no
+// Fleet runs Engines in virtual time: a discrete-event loop with no
 // goroutines, no sleeping and no clock, routing each request with a
 // sched.Policy over gateway-side in-flight counts as the live gateway does.
 // Event semantics are those of the real-time Server driver:
@@ -119,15 +120,15 @@ var ErrNoEndpoint = errors.New("sim: no endpoint available")
 // arriving at once at an idle engine are not batched: the first starts a step
 // alone, as with the real driver, which steps as soon as a request arrives.
 //
-// A VirtualFleet is not safe for concurrent use.
-type VirtualFleet struct {
-	cfg       VirtualConfig
+// A Fleet is not safe for concurrent use.
+type Fleet struct {
+	cfg       Config
 	policy    sched.Policy
 	precise   *prefix.PreciseIndex // nil unless tracked
 	matched   []int                // precise match scratch
 	seed      uint64               // routing hash seed
 	blockSize int                  // routing block size
-	engines   []virtualEngine
+	engines   []engine
 	snap      []sched.Endpoint
 	heap      stepHeap
 	pending   []int32
@@ -135,18 +136,18 @@ type VirtualFleet struct {
 	nextID    int // id of the next request (across Runs)
 
 	// Per Run.
-	reqs   []VirtualRequest
-	res    []VirtualResult
+	reqs   []Request
+	res    []Result
 	pend   []int32 // per request: its share of pendingPrefill until its first token
 	base   int
 	prompt []uint32
 	hashes []uint64
-	req    Request
+	req    sim.Request
 	sreq   sched.Request
 }
 
-type virtualEngine struct {
-	e        *Engine
+type engine struct {
+	e        *sim.Engine
 	inFlight int
 	// Gateway-side token accounting, as the live gateway keeps it: prompt
 	// tokens in flight, and prompt tokens not predicted cached of requests
@@ -155,12 +156,12 @@ type virtualEngine struct {
 	busy                           bool // a step is in progress; it ends at end
 	pending                        bool // its step ended now and the next starts after this instant's arrivals
 	end                            time.Duration
-	outs                           []Output  // the step's outputs, delivered at end (owned by e)
-	events                         []KVEvent // the step's KV events, applied at end (owned by e)
+	outs                           []sim.Output  // the step's outputs, delivered at end (owned by e)
+	events                         []sim.KVEvent // the step's KV events, applied at end (owned by e)
 }
 
-// NewVirtualFleet returns a fleet of cfg.Engines idle engines at time 0.
-func NewVirtualFleet(cfg VirtualConfig) (*VirtualFleet, error) {
+// NewFleet returns a fleet of cfg.Engines idle engines at time 0.
+func NewFleet(cfg Config) (*Fleet, error) {
 	if cfg.Engines < 1 {
 		return nil, fmt.Errorf("sim: fleet size must be >= 1, got %d", cfg.Engines)
 	}
@@ -172,7 +173,7 @@ func NewVirtualFleet(cfg VirtualConfig) (*VirtualFleet, error) {
 		cfg.Model = eng.Profile.Model
 	}
 	if cfg.Model == "" {
-		cfg.Model = DefaultModel
+		cfg.Model = sim.DefaultModel
 	}
 	if cfg.Routing.Prefix.BlockSize == 0 {
 		cfg.Routing.Prefix.BlockSize = eng.BlockSize
@@ -210,36 +211,36 @@ func NewVirtualFleet(cfg VirtualConfig) (*VirtualFleet, error) {
 			return nil, fmt.Errorf("sim: %w", err)
 		}
 	}
-	f := &VirtualFleet{
+	f := &Fleet{
 		cfg:       cfg,
 		policy:    policy,
 		precise:   precise,
 		matched:   make([]int, cfg.Engines),
 		seed:      prefix.Seed(cfg.Model + "\x00"),
 		blockSize: bs,
-		engines:   make([]virtualEngine, cfg.Engines),
+		engines:   make([]engine, cfg.Engines),
 		snap:      make([]sched.Endpoint, cfg.Engines),
 	}
 	for i := range f.engines {
-		f.engines[i].e = NewEngine(eng)
+		f.engines[i].e = sim.NewEngine(eng)
 		f.snap[i] = sched.Endpoint{Name: "virtual-" + strconv.Itoa(i), Ready: true}
 	}
 	return f, nil
 }
 
 // BlockSize is the routing block size (tokens per hashed block).
-func (f *VirtualFleet) BlockSize() int { return f.blockSize }
+func (f *Fleet) BlockSize() int { return f.blockSize }
 
 // Policy returns the routing policy in use.
-func (f *VirtualFleet) Policy() sched.Policy { return f.policy }
+func (f *Fleet) Policy() sched.Policy { return f.policy }
 
 // Now is the simulated time of the last event processed: after Run, when the
 // last request finished (or the last arrival, if later).
-func (f *VirtualFleet) Now() time.Duration { return f.now }
+func (f *Fleet) Now() time.Duration { return f.now }
 
-// Stats returns every engine's Stats, in engine order (BusyTime included).
-func (f *VirtualFleet) Stats() []Stats {
-	st := make([]Stats, len(f.engines))
+// Stats returns every engine's sim.Stats, in engine order (BusyTime included).
+func (f *Fleet) Stats() []sim.Stats {
+	st := make([]sim.Stats, len(f.engines))
 	for i := range f.engines {
 		st[i] = f.engines[i].e.Stats()
 	}
@@ -247,7 +248,7 @@ func (f *VirtualFleet) Stats() []Stats {
 }
 
 // Utilization is the engines' mean busy fraction of [0, Now] (0..1).
-func (f *VirtualFleet) Utilization() float64 {
+func (f *Fleet) Utilization() float64 {
 	if f.now <= 0 {
 		return 0
 	}
@@ -259,14 +260,14 @@ func (f *VirtualFleet) Utilization() float64 {
 }
 
 // InFlight returns the gateway-side in-flight count of engine i.
-func (f *VirtualFleet) InFlight(i int) int { return f.engines[i].inFlight }
+func (f *Fleet) InFlight(i int) int { return f.engines[i].inFlight }
 
 // Run replays reqs, which must be in non-decreasing Arrival order and not
 // before Now, and advances the fleet until every engine is idle. It returns
 // one result per request, in request order; requests the fleet could not
 // serve carry Err. The fleet keeps its state (caches, policy index, clock)
 // for a later Run.
-func (f *VirtualFleet) Run(reqs []VirtualRequest) ([]VirtualResult, error) {
+func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 	for i := range reqs {
 		if reqs[i].Arrival < 0 || (i > 0 && reqs[i].Arrival < reqs[i-1].Arrival) {
 			return nil, fmt.Errorf("sim: request %d arrives at %v, out of order", i, reqs[i].Arrival)
@@ -278,7 +279,7 @@ func (f *VirtualFleet) Run(reqs []VirtualRequest) ([]VirtualResult, error) {
 	if len(reqs) > 0 && reqs[0].Arrival < f.now {
 		return nil, fmt.Errorf("sim: request 0 arrives at %v, before the fleet's time %v", reqs[0].Arrival, f.now)
 	}
-	f.reqs, f.res = reqs, make([]VirtualResult, len(reqs))
+	f.reqs, f.res = reqs, make([]Result, len(reqs))
 	f.pend = make([]int32, len(reqs))
 	f.base = f.nextID
 	f.nextID += len(reqs)
@@ -327,7 +328,7 @@ func (f *VirtualFleet) Run(reqs []VirtualRequest) ([]VirtualResult, error) {
 
 // arrive routes request k at time t and adds it to the chosen engine,
 // starting a step at once if the engine is idle.
-func (f *VirtualFleet) arrive(k int, vr *VirtualRequest, t time.Duration) {
+func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	r := &f.res[k]
 	r.Arrival, r.Engine = t, -1
 	tokens := vr.Tokens
@@ -358,7 +359,7 @@ func (f *VirtualFleet) arrive(k int, vr *VirtualRequest, t time.Duration) {
 		f.precise.Routed(d.Endpoint, f.sreq.Hashes) // as the gateway does
 	}
 	ve := &f.engines[d.Endpoint]
-	f.req = Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: vr.MaxTokens}
+	f.req = sim.Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: vr.MaxTokens}
 	err := ve.e.Add(&f.req, t)
 	f.req.Tokens = nil
 	if err != nil {
@@ -376,7 +377,7 @@ func (f *VirtualFleet) arrive(k int, vr *VirtualRequest, t time.Duration) {
 }
 
 // step starts a step of engine i at time t.
-func (f *VirtualFleet) step(i int32, t time.Duration) {
+func (f *Fleet) step(i int32, t time.Duration) {
 	ve := &f.engines[i]
 	res := ve.e.Step(t)
 	ve.busy, ve.end, ve.outs, ve.events = true, t+res.Duration, res.Outputs, res.Events
@@ -385,11 +386,11 @@ func (f *VirtualFleet) step(i int32, t time.Duration) {
 
 // applyKVEvents feeds engine i's step events to the precise index, at the
 // step's end, as the engine publishes them after the step.
-func (f *VirtualFleet) applyKVEvents(i int, ve *virtualEngine) {
+func (f *Fleet) applyKVEvents(i int, ve *engine) {
 	for k := range ve.events {
 		ev := &ve.events[k]
 		switch ev.Type {
-		case KVBlockStored:
+		case sim.KVBlockStored:
 			seed := f.seed
 			if ev.LoRAName != "" {
 				seed = prefix.Seed(ev.LoRAName + "\x00")
@@ -397,9 +398,9 @@ func (f *VirtualFleet) applyKVEvents(i int, ve *virtualEngine) {
 			// A parent evicted before the event: kept as an orphan, as a
 			// subscriber would.
 			_ = f.precise.Stored(i, prefix.MediumGPU, ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, seed)
-		case KVBlockRemoved:
+		case sim.KVBlockRemoved:
 			f.precise.Removed(i, prefix.MediumGPU, ev.BlockHashes)
-		case KVAllBlocksCleared:
+		case sim.KVAllBlocksCleared:
 			f.precise.Cleared(i)
 		}
 	}
@@ -407,7 +408,7 @@ func (f *VirtualFleet) applyKVEvents(i int, ve *virtualEngine) {
 }
 
 // deliver hands the outputs of ve's step, ending at t, to their requests.
-func (f *VirtualFleet) deliver(ve *virtualEngine, t time.Duration) {
+func (f *Fleet) deliver(ve *engine, t time.Duration) {
 	for _, o := range ve.outs {
 		if o.NewTokens == 0 {
 			continue
@@ -435,7 +436,7 @@ func (f *VirtualFleet) deliver(ve *virtualEngine, t time.Duration) {
 }
 
 // index parses the decimal request id given in arrive back to a result index.
-func (f *VirtualFleet) index(id string) int {
+func (f *Fleet) index(id string) int {
 	n := 0
 	for i := 0; i < len(id); i++ {
 		n = n*10 + int(id[i]-'0')
@@ -450,14 +451,14 @@ type stepHeap struct{ h []int32 }
 func (h *stepHeap) len() int   { return len(h.h) }
 func (h *stepHeap) top() int32 { return h.h[0] }
 
-func stepBefore(es []virtualEngine, a, b int32) bool {
+func stepBefore(es []engine, a, b int32) bool {
 	if es[a].end != es[b].end {
 		return es[a].end < es[b].end
 	}
 	return a < b
 }
 
-func (h *stepHeap) push(es []virtualEngine, i int32) {
+func (h *stepHeap) push(es []engine, i int32) {
 	h.h = append(h.h, i)
 	j := len(h.h) - 1
 	for j > 0 {
@@ -470,7 +471,7 @@ func (h *stepHeap) push(es []virtualEngine, i int32) {
 	}
 }
 
-func (h *stepHeap) pop(es []virtualEngine) int32 {
+func (h *stepHeap) pop(es []engine) int32 {
 	top := h.h[0]
 	n := len(h.h) - 1
 	h.h[0] = h.h[n]
