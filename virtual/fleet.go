@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/infergate/infergate/load"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
@@ -138,7 +139,7 @@ type Fleet struct {
 	// Per Run.
 	reqs   []Request
 	res    []Result
-	pend   []int32 // per request: its share of pendingPrefill until its first token
+	shares []load.Share // per request: its part of its engine's load ledger
 	base   int
 	prompt []uint32
 	hashes []uint64
@@ -147,17 +148,16 @@ type Fleet struct {
 }
 
 type engine struct {
-	e        *sim.Engine
-	inFlight int
-	// Gateway-side token accounting, as the live gateway keeps it: prompt
-	// tokens in flight, and prompt tokens not predicted cached of requests
-	// that have not produced their first token.
-	inFlightTokens, pendingPrefill int
-	busy                           bool // a step is in progress; it ends at end
-	pending                        bool // its step ended now and the next starts after this instant's arrivals
-	end                            time.Duration
-	outs                           []sim.Output  // the step's outputs, delivered at end (owned by e)
-	events                         []sim.KVEvent // the step's KV events, applied at end (owned by e)
+	e *sim.Engine
+	// ledger is the gateway-side accounting the live gateway keeps of the
+	// engine (in flight, in-flight tokens, prefill backlog, learnt prefill
+	// rate), driven here with simulated time.
+	ledger  load.Ledger
+	busy    bool // a step is in progress; it ends at end
+	pending bool // its step ended now and the next starts after this instant's arrivals
+	end     time.Duration
+	outs    []sim.Output  // the step's outputs, delivered at end (owned by e)
+	events  []sim.KVEvent // the step's KV events, applied at end (owned by e)
 }
 
 // NewFleet returns a fleet of cfg.Engines idle engines at time 0.
@@ -260,7 +260,7 @@ func (f *Fleet) Utilization() float64 {
 }
 
 // InFlight returns the gateway-side in-flight count of engine i.
-func (f *Fleet) InFlight(i int) int { return f.engines[i].inFlight }
+func (f *Fleet) InFlight(i int) int { return int(f.engines[i].ledger.InFlight()) }
 
 // Run replays reqs, which must be in non-decreasing Arrival order and not
 // before Now, and advances the fleet until every engine is idle. It returns
@@ -280,10 +280,10 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 		return nil, fmt.Errorf("sim: request 0 arrives at %v, before the fleet's time %v", reqs[0].Arrival, f.now)
 	}
 	f.reqs, f.res = reqs, make([]Result, len(reqs))
-	f.pend = make([]int32, len(reqs))
+	f.shares = make([]load.Share, len(reqs))
 	f.base = f.nextID
 	f.nextID += len(reqs)
-	defer func() { f.reqs, f.res, f.pend = nil, nil, nil }()
+	defer func() { f.reqs, f.res, f.shares = nil, nil, nil }()
 
 	const never = time.Duration(math.MaxInt64)
 	next := 0
@@ -342,10 +342,7 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		f.sreq.Hashes, f.sreq.PromptTokens = f.hashes, len(tokens)
 	}
 	for i := range f.engines {
-		ve := &f.engines[i]
-		f.snap[i].InFlight = ve.inFlight
-		f.snap[i].InFlightTokens = ve.inFlightTokens
-		f.snap[i].PendingPrefillTokens = ve.pendingPrefill
+		f.engines[i].ledger.Fill(&f.snap[i])
 	}
 	d := f.policy.Pick(&f.sreq, f.snap)
 	if d.Endpoint < 0 || d.Endpoint >= len(f.engines) {
@@ -366,11 +363,10 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		r.Err = err
 		return
 	}
-	ve.inFlight++
-	ve.inFlightTokens += len(tokens)
-	pend := max(1, len(tokens)-d.MatchedBlocks*f.blockSize)
-	f.pend[k] = int32(pend)
-	ve.pendingPrefill += pend
+	// As the gateway's attempt: the request holds an in-flight slot, its
+	// prompt in flight and its uncached part in the prefill backlog.
+	ve.ledger.Acquire()
+	ve.ledger.Send(&f.shares[k], len(tokens), d.MatchedBlocks*f.blockSize, t)
 	if !ve.busy && !ve.pending {
 		f.step(int32(d.Endpoint), t)
 	}
@@ -416,7 +412,7 @@ func (f *Fleet) deliver(ve *engine, t time.Duration) {
 		k := f.index(o.ID)
 		r := &f.res[k]
 		if o.FirstToken {
-			ve.pendingPrefill -= int(f.pend[k])
+			f.shares[k].FirstToken(t) // the learnt prefill rate, as relayStream teaches it
 			r.FirstToken = t
 			r.PromptTokens, r.CachedTokens = o.PromptTokens, o.CachedTokens
 			if m := f.reqs[k].MaxTokens; !f.cfg.SkipITL && m > 1 {
@@ -428,8 +424,8 @@ func (f *Fleet) deliver(ve *engine, t time.Duration) {
 		r.Finish = t
 		r.OutputTokens = o.OutputTokens
 		if o.Finished {
-			ve.inFlight--
-			ve.inFlightTokens -= r.PromptTokens
+			f.shares[k].Finish()
+			ve.ledger.Release()
 		}
 	}
 	ve.outs = nil
