@@ -36,23 +36,23 @@ func TestObservePrefill(t *testing.T) {
 func TestShareLifecycle(t *testing.T) {
 	var l Ledger
 	var a, b Share
-	l.Send(&a, 1000, 600, 0) // 400 uncached
-	l.Send(&b, 500, 0, 10*time.Millisecond)
-	if got := l.InFlightTokens(); got != 1500 {
-		t.Fatalf("in-flight tokens %d, want 1500", got)
+	l.Send(&a, 10000, 6000, 0) // 4,000 uncached
+	l.Send(&b, 5000, 0, 10*time.Millisecond)
+	if got := l.InFlightTokens(); got != 15000 {
+		t.Fatalf("in-flight tokens %d, want 15000", got)
 	}
-	if got := l.PendingPrefill(); got != 900 {
-		t.Fatalf("pending prefill %d, want 900", got)
+	if got := l.PendingPrefill(); got != 9000 {
+		t.Fatalf("pending prefill %d, want 9000", got)
 	}
-	// b joined a backlog of 900 tokens and got its first token 90 ms
+	// b joined a backlog of 9,000 tokens and got its first token 900 ms
 	// later: 10,000 tokens/s.
-	b.FirstToken(100 * time.Millisecond)
+	b.FirstToken(910 * time.Millisecond)
 	if got := l.PrefillRate(); got != 10000 {
 		t.Fatalf("learnt rate %v, want 10000", got)
 	}
-	b.FirstToken(200 * time.Millisecond) // only the first counts
-	if got, r := l.PendingPrefill(), l.PrefillRate(); got != 400 || r != 10000 {
-		t.Fatalf("after a second first token: pending %d rate %v, want 400 and 10000", got, r)
+	b.FirstToken(2 * time.Second) // only the first counts
+	if got, r := l.PendingPrefill(), l.PrefillRate(); got != 4000 || r != 10000 {
+		t.Fatalf("after a second first token: pending %d rate %v, want 4000 and 10000", got, r)
 	}
 	b.Finish()
 	b.Finish()
@@ -62,6 +62,25 @@ func TestShareLifecycle(t *testing.T) {
 	}
 	if got := l.PrefillRate(); got != 10000 {
 		t.Fatalf("a request ended without a first token moved the rate to %v", got)
+	}
+}
+
+// TestSmallBacklogTeachesNothing: a backlog within one step's token budget
+// says how long a step took, not how fast prefill is, so it is not
+// observed (else an endpoint given more work looks faster).
+func TestSmallBacklogTeachesNothing(t *testing.T) {
+	var l Ledger
+	var s Share
+	l.Send(&s, MinObservedTokens-1, 0, 0)
+	s.FirstToken(30 * time.Millisecond)
+	if r := l.PrefillRate(); r != 0 {
+		t.Fatalf("a %d-token backlog taught the rate %v", MinObservedTokens-1, r)
+	}
+	s.Finish()
+	l.Send(&s, MinObservedTokens, 0, 0)
+	s.FirstToken(time.Second)
+	if r := l.PrefillRate(); r != MinObservedTokens {
+		t.Fatalf("a %d-token backlog in 1 s taught %v tokens/s", MinObservedTokens, r)
 	}
 }
 
