@@ -42,7 +42,17 @@ type Config struct {
 	// built from Routing that scores with the precise index. The routing
 	// block size must equal the engines'.
 	TrackPrecise bool
+	// ScrapeInterval is the period at which routing sees the engines' own
+	// load (Waiting, Running, KVUtil), as the live gateway scrapes each
+	// engine's /metrics (gateway.DefaultScrapeInterval, 1 s, when 0;
+	// negative: never, as for engines without a metrics page). A scrape at
+	// t reads every engine's state after the steps ending at t.
+	ScrapeInterval time.Duration
 }
+
+// DefaultScrapeInterval is Config.ScrapeInterval's default: the gateway's
+// (gateway.DefaultScrapeInterval).
+const DefaultScrapeInterval = time.Second
 
 // Request is one request of a virtual-time replay.
 type Request struct {
@@ -114,7 +124,8 @@ var ErrNoEndpoint = errors.New("sim: no endpoint available")
 //     token is delivered.
 //
 // Ties are resolved deterministically: at one instant, step ends are
-// delivered first (engines in index order), then arrivals are routed in
+// delivered first (engines in index order), then a metrics scrape due then
+// reads the engines (Config.ScrapeInterval), then arrivals are routed in
 // request order, then the engines whose step just ended and that still have
 // work start their next step — so a request arriving exactly at a step's end
 // joins the next step, as the driver's post-delivery drain does. Two requests
@@ -135,6 +146,8 @@ type Fleet struct {
 	pending   []int32
 	now       time.Duration
 	nextID    int // id of the next request (across Runs)
+	// nextScrape is the time of the next metrics scrape (never: none).
+	nextScrape time.Duration
 
 	// Per Run.
 	reqs   []Request
@@ -175,6 +188,9 @@ func NewFleet(cfg Config) (*Fleet, error) {
 	if cfg.Model == "" {
 		cfg.Model = sim.DefaultModel
 	}
+	if cfg.ScrapeInterval == 0 {
+		cfg.ScrapeInterval = DefaultScrapeInterval
+	}
 	if cfg.Routing.Prefix.BlockSize == 0 {
 		cfg.Routing.Prefix.BlockSize = eng.BlockSize
 	}
@@ -212,21 +228,28 @@ func NewFleet(cfg Config) (*Fleet, error) {
 		}
 	}
 	f := &Fleet{
-		cfg:       cfg,
-		policy:    policy,
-		precise:   precise,
-		matched:   make([]int, cfg.Engines),
-		seed:      prefix.Seed(cfg.Model + "\x00"),
-		blockSize: bs,
-		engines:   make([]engine, cfg.Engines),
-		snap:      make([]sched.Endpoint, cfg.Engines),
+		cfg:        cfg,
+		nextScrape: never,
+		policy:     policy,
+		precise:    precise,
+		matched:    make([]int, cfg.Engines),
+		seed:       prefix.Seed(cfg.Model + "\x00"),
+		blockSize:  bs,
+		engines:    make([]engine, cfg.Engines),
+		snap:       make([]sched.Endpoint, cfg.Engines),
 	}
 	for i := range f.engines {
 		f.engines[i].e = sim.NewEngine(eng)
 		f.snap[i] = sched.Endpoint{Name: "virtual-" + strconv.Itoa(i), Ready: true}
 	}
+	if cfg.ScrapeInterval > 0 {
+		f.nextScrape = 0
+	}
 	return f, nil
 }
+
+// never is a time no event reaches.
+const never = time.Duration(math.MaxInt64)
 
 // BlockSize is the routing block size (tokens per hashed block).
 func (f *Fleet) BlockSize() int { return f.blockSize }
@@ -285,7 +308,6 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 	f.nextID += len(reqs)
 	defer func() { f.reqs, f.res, f.shares = nil, nil, nil }()
 
-	const never = time.Duration(math.MaxInt64)
 	next := 0
 	for next < len(reqs) || f.heap.len() > 0 {
 		t := never
@@ -294,6 +316,16 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 		}
 		if next < len(reqs) && reqs[next].Arrival < t {
 			t = reqs[next].Arrival
+			if f.heap.len() == 0 && f.nextScrape < t {
+				// An idle fleet's scrapes all read the same state: only
+				// the last one before the arrival is taken.
+				iv := f.cfg.ScrapeInterval
+				f.nextScrape = t - (t-f.nextScrape)%iv
+			}
+		}
+		scrape := f.nextScrape <= t
+		if scrape {
+			t = f.nextScrape
 		}
 		f.now = t
 		// 1. Deliver the steps ending now.
@@ -311,12 +343,17 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 				f.pending = append(f.pending, i)
 			}
 		}
-		// 2. Route the arrivals of this instant.
+		// 2. The metrics scrape of this instant, if any.
+		if scrape {
+			f.scrape()
+			f.nextScrape += f.cfg.ScrapeInterval
+		}
+		// 3. Route the arrivals of this instant.
 		for next < len(reqs) && reqs[next].Arrival == t {
 			f.arrive(next, &reqs[next], t)
 			next++
 		}
-		// 3. Engines whose step just ended start the next one.
+		// 4. Engines whose step just ended start the next one.
 		for _, i := range f.pending {
 			f.engines[i].pending = false
 			f.step(i, t)
@@ -324,6 +361,18 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 	}
 	f.prompt = f.prompt[:0]
 	return f.res, nil
+}
+
+// scrape sets the routing snapshot's engine-reported load from every
+// engine's state now, as the gateway's scraper reads vLLM's
+// num_requests_waiting, num_requests_running and kv_cache_usage_perc
+// (sim.Server publishes them from Engine.Stats after each step).
+func (f *Fleet) scrape() {
+	for i := range f.engines {
+		st := f.engines[i].e.Stats()
+		e := &f.snap[i]
+		e.Metrics, e.Waiting, e.Running, e.KVUtil = true, st.Waiting, st.Running, max(st.KVUsage, 0)
+	}
 }
 
 // arrive routes request k at time t and adds it to the chosen engine,

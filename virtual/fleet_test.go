@@ -258,6 +258,60 @@ func TestVirtualRoutingView(t *testing.T) {
 	}
 }
 
+// metricsPolicy records the engine-reported load routing saw.
+type metricsPolicy struct {
+	sched.Policy
+	seen []sched.Endpoint
+}
+
+func (p *metricsPolicy) Pick(r *sched.Request, eps []sched.Endpoint) sched.Decision {
+	p.seen = append(p.seen, eps[0])
+	return p.Policy.Pick(r, eps)
+}
+
+// Routing sees the engines' own queues as the gateway's scraper reads them:
+// the state at the last scrape tick, not at the arrival; nothing with
+// scraping off.
+func TestVirtualScrapedLoad(t *testing.T) {
+	cfg := sim.Config{Profile: sim.Llama8BH100(), NumBlocks: 1000, MaxNumSeqs: 1}
+	reqs := []Request{ // one engine running one request at a time
+		{Arrival: 0, Tokens: seqTokens(1, 100), MaxTokens: 2000},
+		{Arrival: 0, Tokens: seqTokens(2, 100), MaxTokens: 1},
+		{Arrival: 0, Tokens: seqTokens(3, 100), MaxTokens: 1},
+		{Arrival: 50 * time.Millisecond, Tokens: seqTokens(4, 100), MaxTokens: 1},  // before the 100 ms scrape
+		{Arrival: 150 * time.Millisecond, Tokens: seqTokens(5, 100), MaxTokens: 1}, // after it: 3 waiting
+	}
+	for _, iv := range []time.Duration{100 * time.Millisecond, -1} {
+		rr, _ := sched.New(sched.Config{Policy: sched.RoundRobin}, nil)
+		p := &metricsPolicy{Policy: rr}
+		f, err := NewFleet(Config{Engines: 1, Engine: cfg, Policy: p, ScrapeInterval: iv})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.Run(reqs); err != nil {
+			t.Fatal(err)
+		}
+		if iv < 0 {
+			for i, e := range p.seen {
+				if e.Metrics || e.Waiting != 0 || e.Running != 0 || e.KVUtil != 0 {
+					t.Errorf("scraping off: request %d saw engine load %+v", i, e)
+				}
+			}
+			continue
+		}
+		// The scrape at 0 saw an idle engine (it runs before the arrivals
+		// of its instant); the one at 100 ms, one running and 3 waiting.
+		for i := 0; i < 4; i++ {
+			if e := p.seen[i]; !e.Metrics || e.Waiting != 0 || e.Running != 0 {
+				t.Errorf("request %d (before the 100 ms scrape) saw %+v, want the idle engine of the scrape at 0", i, e)
+			}
+		}
+		if e := p.seen[4]; !e.Metrics || e.Waiting != 3 || e.Running != 1 || !(e.KVUtil > 0) {
+			t.Errorf("request 4 saw metrics %v waiting %d running %d kv %v, want 3 waiting and 1 running", e.Metrics, e.Waiting, e.Running, e.KVUtil)
+		}
+	}
+}
+
 func TestVirtualErrorsAndDeterminism(t *testing.T) {
 	cfg := sim.Config{Profile: sim.Llama8BH100(), NumBlocks: 1000}
 	if _, err := NewFleet(Config{Engines: 0}); err == nil {
