@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/load"
+	"github.com/infergate/infergate/upstream"
 	"io"
 	"log/slog"
 	"net/http"
@@ -59,7 +60,7 @@ type endpoint struct {
 	// the attempts waiting for its response headers, aborted when
 	// probeFailures reaches health_check_abort_after (healthabort.go).
 	probeFailures atomic.Int64
-	waits         headerWaits
+	waits         upstream.Waits
 	// authFailing is set by the engine's first refusal of the gateway's
 	// credentials and cleared by a request that succeeds (or a reload that
 	// changes them), so a wrong key is logged once per run of refusals.
@@ -229,7 +230,7 @@ func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	if ok {
 		ep.probeFailures.Store(0)
 	} else if n := ep.probeFailures.Add(1); g.cfg.HealthCheckAbortAfter > 0 && n >= int64(g.cfg.HealthCheckAbortAfter) {
-		if a := ep.waits.abortAll(); a > 0 {
+		if a := ep.waits.AbortAll(); a > 0 {
 			slog.Warn("gateway: endpoint failed its health checks; requests waiting for its answer aborted and retried elsewhere",
 				"endpoint", ep.name, "failed_probes", n, "aborted", a, "err", err)
 		}

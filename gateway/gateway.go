@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/upstream"
 	"math"
 	"net"
 	"net/http"
@@ -64,7 +65,7 @@ type Gateway struct {
 	// transport serves health checks, metric scrapes and https engines;
 	// up sends the request path's upstream requests (upstream.go).
 	transport *http.Transport
-	up        *upstreamClient
+	up        *upstream.Client
 	// rt sends upstream requests (up, or a fake in benchmarks).
 	rt http.RoundTripper
 
@@ -244,7 +245,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	g := &Gateway{cfg: cfg}
 	g.initShutdown()
 	g.transport = newTransport(cfg)
-	g.up = newUpstreamClient(cfg, g.transport)
+	g.up = upstream.New(upstreamOptions(cfg), g.transport)
 	g.rt = g.up
 	g.retryAfter = strconv.Itoa(max(1, int(math.Ceil(cfg.HealthCheckInterval.Seconds()))))
 	var idb [6]byte
@@ -305,6 +306,12 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	return g, nil
 }
 
+// upstreamOptions is the upstream client's part of cfg.
+func upstreamOptions(cfg Config) upstream.Options {
+	return upstream.Options{ConnectTimeout: cfg.ConnectTimeout, ResponseHeaderTimeout: cfg.ResponseHeaderTimeout,
+		IdleConnTimeout: cfg.IdleConnTimeout, MaxIdleConnsPerHost: cfg.MaxIdleConnsPerHost, AllFallback: stdTransport}
+}
+
 // newTransport returns the one upstream transport: many concurrent streams
 // to few hosts, no compression (SSE must be parsed as it arrives), no proxy
 // from the environment (engines are reached directly).
@@ -324,7 +331,7 @@ func newTransport(cfg Config) *http.Transport {
 		ReadBufferSize:        32 << 10,
 		// An engine's headers are small; a hostile or broken one cannot
 		// make the gateway buffer more than this (net/http's default: 10 MB).
-		MaxResponseHeaderBytes: maxUpstreamHeaderBytes,
+		MaxResponseHeaderBytes: upstream.MaxHeaderBytes,
 	}
 }
 
@@ -476,7 +483,7 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 func closeUnread(w http.ResponseWriter, r *http.Request) {
 	if r.ContentLength != 0 {
 		closeConnection(w, r)
-		_ = http.NewResponseController(w).SetReadDeadline(aLongTimeAgo)
+		_ = http.NewResponseController(w).SetReadDeadline(time.Unix(1, 0)) // long past
 	}
 }
 

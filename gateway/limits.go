@@ -81,10 +81,6 @@ func (e EdgeConfig) withDefaults() EdgeConfig {
 	return e
 }
 
-// maxUpstreamHeaderBytes bounds an engine's response headers (bytes); more
-// fails the attempt like a broken connection.
-const maxUpstreamHeaderBytes = 1 << 20
-
 // maxHeaderLimit bounds max_header_bytes (64 MiB).
 const maxHeaderLimit = 64 << 20
 

@@ -5,10 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/infergate/infergate/upstream"
 	"io"
 	"log/slog"
 	"math"
-	"net"
 	"net/http"
 	"os"
 	"strconv"
@@ -92,7 +92,7 @@ type exchange struct {
 	excluded []bool
 	// wait is the attempt's entry in its endpoint's header waits
 	// (healthabort.go).
-	wait headerWait
+	wait upstream.Wait
 
 	// edge is the key's token reservation and the client write deadline
 	// (limits.go).
@@ -573,17 +573,6 @@ func sessionKey(r *http.Request, x *exchange) string {
 	return x.user
 }
 
-// isResponseTimeout reports whether err is the transport's response-header
-// timeout (a timeout that is not a dial timeout).
-func isResponseTimeout(err error) bool {
-	var ne net.Error
-	if !errors.As(err, &ne) || !ne.Timeout() {
-		return false
-	}
-	var op *net.OpError
-	return !(errors.As(err, &op) && op.Op == "dial")
-}
-
 // isEventStream reports whether the media type of h's Content-Type is
 // text/event-stream (case-insensitive, parameters ignored).
 func isEventStream(h http.Header) bool {
@@ -650,7 +639,7 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 	defer g.hold.release(&held)
 	sent := false // the status line and the held body have been written
 	idle := idleDeadline{idle: g.cfg.StreamIdleTimeout, by: time.Now().Add(g.cfg.ResponseHeaderTimeout)}
-	idle.dl, _ = resp.Body.(readDeadliner)
+	idle.dl, _ = resp.Body.(upstream.ReadDeadliner)
 	send := func(b []byte) bool {
 		if !sent {
 			copyResponseHeader(w.Header(), resp.Header, true)
@@ -690,7 +679,7 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 			case !sent && r.Context().Err() != nil:
 				g.canceled(w, r, rm) // 499, or 503 when ended by Abort
 				return nil, codeClientClosed
-			case !sent && isTimeout(rerr):
+			case !sent && upstream.IsTimeout(rerr):
 				msg := fmt.Sprintf("The model server's answer stalled: no byte within %s (stream_idle_timeout).", g.cfg.StreamIdleTimeout)
 				if idle.overdue(time.Now()) {
 					msg = fmt.Sprintf("The model server's answer did not end within %s of its headers (response_header_timeout).", g.cfg.ResponseHeaderTimeout)
@@ -806,7 +795,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 	rm *routeMetrics, reqID string, start time.Time, strip bool, firstBy time.Time) (*failure, int) {
 	x.fr = flushOnRead{r: resp.Body} // in the pooled exchange: no allocation per stream
 	fr := &x.fr
-	if dl, ok := resp.Body.(readDeadliner); ok {
+	if dl, ok := resp.Body.(upstream.ReadDeadliner); ok {
 		// roundTripBy left the first-event deadline on the body.
 		fr.idle = idleDeadline{dl: dl, idle: g.cfg.StreamIdleTimeout, armed: firstBy}
 	}
@@ -898,7 +887,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 				code = http.StatusBadGateway
 				errCode := openai.CodeUpstream
 				switch {
-				case isTimeout(err):
+				case upstream.IsTimeout(err):
 					wait, key := g.cfg.StreamIdleTimeout, "stream_idle_timeout"
 					if last.IsZero() {
 						wait, key = g.cfg.FirstEventTimeout, "first_event_timeout"
@@ -990,7 +979,7 @@ func (g *Gateway) streamFailure(rm *routeMetrics, err error, done bool, firstBy 
 	case done:
 		f.reason = reasonBadResponse
 		msg = "The model server's stream ended ([DONE]) without a completion chunk."
-	case isTimeout(err):
+	case upstream.IsTimeout(err):
 		f.reason, status, code = reasonTimeout, http.StatusGatewayTimeout, codeUpstreamTimeout
 		msg = fmt.Sprintf("The model server sent no output within %s (first_event_timeout).", g.cfg.FirstEventTimeout)
 		if firstBy.IsZero() {
@@ -1038,7 +1027,7 @@ func engineErrorMessage(data []byte) string {
 // stream. A deadline further ahead (a stream's first-event deadline, at its
 // first output) is brought in.
 type idleDeadline struct {
-	dl    readDeadliner // nil: the body has no deadline (nothing to do)
+	dl    upstream.ReadDeadliner // nil: the body has no deadline (nothing to do)
 	idle  time.Duration
 	armed time.Time // the deadline in force (zero: none)
 	// by is the latest deadline extend sets (zero: none): a non-streaming

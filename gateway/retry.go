@@ -4,9 +4,9 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"github.com/infergate/infergate/upstream"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -286,19 +286,19 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	if x.stream {
 		firstBy = time.Now().Add(g.cfg.FirstEventTimeout)
 	}
-	x.wait.list = &ep.waits
+	x.wait.On(&ep.waits)
 	resp, err := g.roundTrip(req, firstBy, &x.wait)
-	x.wait.list = nil
+	x.wait.On(nil)
 	if err != nil {
 		switch {
 		case r.Context().Err() != nil:
 			g.canceled(w, r, rm) // 499, or 503 when ended by Abort
 			return nil
-		case errors.Is(err, errEndpointDown): // already out of rotation: no outlier failure
+		case errors.Is(err, upstream.ErrEndpointDown): // already out of rotation: no outlier failure
 			slog.Warn("gateway: request aborted on an endpoint that failed its health checks", "endpoint", ep.name, "request_id", reqID)
 			return &failure{reason: reasonEndpointDown, rm: rm, err: openai.NewError(http.StatusBadGateway,
 				"The model server stopped answering its health checks while the request waited for its answer.", "", openai.CodeUpstream)}
-		case isResponseTimeout(err):
+		case upstream.IsResponseTimeout(err):
 			slog.Warn("gateway: upstream response timeout", "endpoint", ep.name, "request_id", reqID, "err", err)
 			g.outlierFailure(ep, reasonTimeout, time.Now())
 			msg := fmt.Sprintf("The model server did not answer within %s (response_header_timeout).", g.cfg.ResponseHeaderTimeout)
@@ -308,7 +308,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 			return &failure{reason: reasonTimeout, rm: rm, err: openai.NewError(http.StatusGatewayTimeout, msg, "", codeUpstreamTimeout)}
 		}
 		reason := reasonReset
-		if isDialError(err) {
+		if upstream.IsDialError(err) {
 			reason = reasonConnect
 		}
 		slog.Warn("gateway: upstream connection failed", "endpoint", ep.name, "request_id", reqID,
@@ -370,11 +370,11 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 }
 
 // roundTrip sends req upstream with its read deadline by (zero: none; see
-// upstreamClient.roundTripBy) and its header wait w (healthabort.go), or through g.rt as is when it is not the
+// upstream.Client.RoundTripBy) and its header wait w (upstream/wait.go), or through g.rt as is when it is not the
 // gateway's own client (a benchmark's in-memory engine).
-func (g *Gateway) roundTrip(req *http.Request, by time.Time, w *headerWait) (*http.Response, error) {
-	if u, ok := g.rt.(*upstreamClient); ok {
-		return u.roundTripBy(req, by, w)
+func (g *Gateway) roundTrip(req *http.Request, by time.Time, w *upstream.Wait) (*http.Response, error) {
+	if u, ok := g.rt.(*upstream.Client); ok {
+		return u.RoundTripBy(req, by, w)
 	}
 	return g.rt.RoundTrip(req)
 }
@@ -403,11 +403,4 @@ func (g *Gateway) serverError(resp *http.Response, x *exchange, rm *routeMetrics
 	f.err = openai.NewError(http.StatusBadGateway,
 		fmt.Sprintf("The model server answered %d: %s", resp.StatusCode, strings.TrimSpace(snippet)), "", openai.CodeUpstream)
 	return f
-}
-
-// isDialError reports whether err is a failure to connect (refused, no
-// route, dial timeout): the engine is not there.
-func isDialError(err error) bool {
-	var op *net.OpError
-	return errors.As(err, &op) && op.Op == "dial"
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"github.com/infergate/infergate/upstream"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -383,7 +384,7 @@ func TestStallOverTLS(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			g.up = newUpstreamClient(g.cfg, eng.Client().Transport) // trusts the test certificate
+			g.up = upstream.New(upstreamOptions(g.cfg), eng.Client().Transport) // trusts the test certificate
 			g.rt = g.up
 			srv := httptest.NewServer(g.Handler())
 			t.Cleanup(func() { srv.Close(); g.Close() })
@@ -426,46 +427,6 @@ func TestConfigStreamTimeouts(t *testing.T) {
 			t.Errorf("%s -1s: %v", key, err)
 		}
 	}
-}
-
-// The upstream client: roundTripBy's deadline bounds the headers and then
-// the body until moved; moved, the body waits again; cleared, it waits for
-// ever (here: until the context ends).
-func TestUpstreamRoundTripBy(t *testing.T) {
-	hold := make(chan struct{})
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != "/silent" {
-			sseStart(w)
-			sseSend(w, "a")
-		}
-		<-hold
-	}))
-	t.Cleanup(srv.Close)
-	t.Cleanup(func() { close(hold) })             // first: the handlers return, then the server closes
-	u := newTestUpstream(t, upstreamTestConfig()) // response_header_timeout 5 s: by comes first
-	ctx := context.Background()
-
-	if _, err := u.roundTripBy(postTo(t, ctx, srv.URL+"/silent", "{}"), time.Now().Add(50*time.Millisecond), nil); !isResponseTimeout(err) {
-		t.Fatalf("silent engine: %v, want a timeout", err)
-	}
-	resp, err := u.roundTripBy(postTo(t, ctx, srv.URL+"/headers", "{}"), time.Now().Add(stallTimeout), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var buf [64]byte
-	if n, err := resp.Body.Read(buf[:]); n == 0 || err != nil {
-		t.Fatalf("first read %d %v", n, err)
-	}
-	dl, ok := resp.Body.(readDeadliner)
-	if !ok {
-		t.Fatal("the body has no read deadline")
-	}
-	_ = dl.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
-	if _, err := resp.Body.Read(buf[:]); !isTimeout(err) {
-		t.Fatalf("second read: %v, want a timeout", err)
-	}
-	_ = dl.SetReadDeadline(time.Time{}) // the connection is broken now: no effect, no panic
 }
 
 // TestTrickledBodyBounded: an engine that sends a non-streaming answer's

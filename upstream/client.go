@@ -1,4 +1,9 @@
-package gateway
+// Package upstream is the gateway's HTTP/1.1 client for engines, kept in its
+// own package because it replaces a standard piece (net/http's Transport)
+// for speed: see README.md for the figure that justifies it and how to
+// check it again. It also holds the abortable header waits (wait.go) the
+// health checker uses to end the requests of an engine that froze.
+package upstream
 
 import (
 	"bufio"
@@ -17,7 +22,7 @@ import (
 	"time"
 )
 
-// upstreamClient is the gateway's HTTP/1.1 client for engines reached over
+// Client is the gateway's HTTP/1.1 client for engines reached over
 // plain http:// — the request path's one hop that is neither routing nor
 // relaying, so it is kept lean: the request is written and the response read
 // by the handler's own goroutine on a pooled keep-alive connection
@@ -29,10 +34,10 @@ import (
 // to https:// endpoints, and any request whose body length is unknown, go
 // to the fallback transport (TLS, HTTP/2).
 //
-// Behaviour kept from the Transport it replaces (Config fields): dial timeout
+// Behaviour kept from the Transport it replaces (Options; the gateway's Config fields): dial timeout
 // (connect_timeout), response header timeout (response_header_timeout), idle
 // connections per host (max_idle_conns_per_host) closed after
-// idle_conn_timeout, response headers bounded (maxUpstreamHeaderBytes), and
+// idle_conn_timeout, response headers bounded (MaxHeaderBytes), and
 // the context cancels a request at once (a client that disconnects closes
 // its upstream connection). A pooled connection is probed before reuse (one
 // non-blocking MSG_PEEK recv): one the engine closed, or that holds bytes
@@ -42,12 +47,13 @@ import (
 // out, a failure is returned to the caller (retry.go decides), never resent
 // here. An engine that answers before reading the whole body (413) has its
 // answer relayed rather than the failed write's error.
-type upstreamClient struct {
+type Client struct {
 	dialer        net.Dialer
 	fallback      http.RoundTripper
 	maxIdle       int
 	idleTimeout   time.Duration
 	headerTimeout time.Duration
+	allFallback   bool
 
 	mu     sync.Mutex
 	idle   map[string][]*upConn // per host:port, most recently used last
@@ -58,13 +64,37 @@ type upstreamClient struct {
 	closeIdle bool
 }
 
-func newUpstreamClient(cfg Config, fallback http.RoundTripper) *upstreamClient {
-	return &upstreamClient{
+// Options configures a Client; each field is the gateway Config field of the
+// same name.
+type Options struct {
+	// ConnectTimeout bounds a dial (connect_timeout).
+	ConnectTimeout time.Duration
+	// ResponseHeaderTimeout bounds the wait for response headers after the
+	// request is written (response_header_timeout; 0: none).
+	ResponseHeaderTimeout time.Duration
+	// IdleConnTimeout closes a pooled connection idle that long
+	// (idle_conn_timeout).
+	IdleConnTimeout time.Duration
+	// MaxIdleConnsPerHost bounds the pool per host:port
+	// (max_idle_conns_per_host).
+	MaxIdleConnsPerHost int
+	// AllFallback sends every request through the fallback transport
+	// (net/http's), with the same deadlines and header waits: the
+	// reference the hand-written path is measured and tested against
+	// (the gateway's -tags stdtransport build; README.md).
+	AllFallback bool
+}
+
+// New returns a client with the given options that sends what it does not
+// handle itself (https://, bodies of unknown length) through fallback.
+func New(cfg Options, fallback http.RoundTripper) *Client {
+	return &Client{
 		dialer:        net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second},
 		fallback:      fallback,
 		maxIdle:       cfg.MaxIdleConnsPerHost,
 		idleTimeout:   cfg.IdleConnTimeout,
 		headerTimeout: cfg.ResponseHeaderTimeout,
+		allFallback:   cfg.AllFallback,
 		idle:          map[string][]*upConn{},
 	}
 }
@@ -120,11 +150,11 @@ type limitedConnReader struct {
 	n int64
 }
 
-var errUpstreamHeaderTooLarge = fmt.Errorf("upstream response headers larger than %d bytes", maxUpstreamHeaderBytes)
+var errHeaderTooLarge = fmt.Errorf("upstream response headers larger than %d bytes", MaxHeaderBytes)
 
 func (l *limitedConnReader) Read(p []byte) (int, error) {
 	if l.n <= 0 {
-		return 0, errUpstreamHeaderTooLarge
+		return 0, errHeaderTooLarge
 	}
 	if int64(len(p)) > l.n {
 		p = p[:l.n]
@@ -140,28 +170,28 @@ func (l *limitedConnReader) Read(p []byte) (int, error) {
 // (Op "dial"), a timeout (net.Error) when the response headers do not come
 // within response_header_timeout, the context's error when it is done, else
 // the connection's read or write error.
-func (u *upstreamClient) RoundTrip(req *http.Request) (*http.Response, error) {
-	return u.roundTripBy(req, time.Time{}, nil)
+func (u *Client) RoundTrip(req *http.Request) (*http.Response, error) {
+	return u.RoundTripBy(req, time.Time{}, nil)
 }
 
-// readDeadliner is a response body whose reads can be bounded: the bodies
-// roundTripBy returns. A read past the deadline fails with a timeout
+// ReadDeadliner is a response body whose reads can be bounded: the bodies
+// RoundTripBy returns. A read past the deadline fails with a timeout
 // (net.Error); the zero time clears it.
-type readDeadliner interface {
+type ReadDeadliner interface {
 	SetReadDeadline(t time.Time) error
 }
 
-// roundTripBy is RoundTrip with a read deadline by (zero: none) that
+// RoundTripBy is RoundTrip with a read deadline by (zero: none) that
 // bounds the response headers too (the earlier of by and
 // response_header_timeout) and stays in force on the body until the
-// caller moves it (the body is a readDeadliner): a stream's first event is
+// caller moves it (the body is a ReadDeadliner): a stream's first event is
 // due by it. Without by, the body's reads are unbounded until the caller
 // sets a deadline. The fallback transport's bodies are bounded by a timer
 // that cancels the request (watchedBody). w (nil: none) is the attempt's
 // entry in its endpoint's header waits (healthabort.go): an abort ends the
-// wait with errEndpointDown.
-func (u *upstreamClient) roundTripBy(req *http.Request, by time.Time, w *headerWait) (*http.Response, error) {
-	if req.URL.Scheme != "http" || (req.Body != nil && req.Body != http.NoBody && req.ContentLength <= 0) {
+// wait with ErrEndpointDown.
+func (u *Client) RoundTripBy(req *http.Request, by time.Time, w *Wait) (*http.Response, error) {
+	if u.allFallback || req.URL.Scheme != "http" || (req.Body != nil && req.Body != http.NoBody && req.ContentLength <= 0) {
 		return u.watchedRoundTrip(req, by, w)
 	}
 	key := req.URL.Host
@@ -215,8 +245,8 @@ func (e staleConnError) Unwrap() error { return e.err }
 // roundTrip sends req on pc and reads the response headers; w (nil: none)
 // is the attempt's entry in its endpoint's header waits (healthabort.go),
 // armed for the write and the wait: aborted meanwhile, the connection is
-// closed and the error is errEndpointDown.
-func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Request, by time.Time, w *headerWait) (*http.Response, error) {
+// closed and the error is ErrEndpointDown.
+func (u *Client) roundTrip(ctx context.Context, pc *upConn, req *http.Request, by time.Time, w *Wait) (*http.Response, error) {
 	w.arm(pc.c, nil)
 	resp, err := u.send(ctx, pc, req, by, w)
 	if w.disarm() {
@@ -224,12 +254,12 @@ func (u *upstreamClient) roundTrip(ctx context.Context, pc *upConn, req *http.Re
 			pc.c.Close() // its deadlines are poisoned: never pooled
 			resp.Body.Close()
 		}
-		return nil, errEndpointDown
+		return nil, ErrEndpointDown
 	}
 	return resp, err
 }
 
-func (u *upstreamClient) send(ctx context.Context, pc *upConn, req *http.Request, by time.Time, w *headerWait) (*http.Response, error) {
+func (u *Client) send(ctx context.Context, pc *upConn, req *http.Request, by time.Time, w *Wait) (*http.Response, error) {
 	var stop func() bool
 	if ctx.Done() != nil {
 		c := pc.c
@@ -247,7 +277,7 @@ func (u *upstreamClient) send(ctx context.Context, pc *upConn, req *http.Request
 		var fe bodyFramingError
 		switch {
 		case errors.As(err, &fe) || pc.cw.written == 0:
-			if pc.reused && pc.cw.written == 0 && fe == (bodyFramingError{}) && !isTimeout(err) {
+			if pc.reused && pc.cw.written == 0 && fe == (bodyFramingError{}) && !IsTimeout(err) {
 				return fail(staleConnError{err})
 			}
 			return fail(err) // nothing the engine could have answered
@@ -265,7 +295,7 @@ func (u *upstreamClient) send(ctx context.Context, pc *upConn, req *http.Request
 		}
 		return fail(err)
 	}
-	pc.lr.n = maxUpstreamHeaderBytes
+	pc.lr.n = MaxHeaderBytes
 	// The header deadline is always set: a pooled connection may carry the
 	// deadline its previous body was read under.
 	headerBy := by
@@ -308,7 +338,7 @@ func earlyAnswer(ctx context.Context, pc *upConn, req *http.Request) *http.Respo
 	if ctx.Err() != nil {
 		return nil
 	}
-	pc.lr.n = maxUpstreamHeaderBytes
+	pc.lr.n = MaxHeaderBytes
 	pc.setReadDeadline(ctx, time.Now().Add(earlyAnswerWait))
 	resp, err := http.ReadResponse(pc.br, req)
 	if err != nil || resp.StatusCode < 200 {
@@ -319,8 +349,30 @@ func earlyAnswer(ctx context.Context, pc *upConn, req *http.Request) *http.Respo
 	return resp // the connection is closed after it (the body may be partial)
 }
 
-// isTimeout reports whether err is a timeout (the response header deadline).
-func isTimeout(err error) bool {
+// MaxHeaderBytes bounds an engine's response headers (bytes); more fails
+// the round trip.
+const MaxHeaderBytes = 1 << 20
+
+// IsResponseTimeout reports whether err is a timeout waiting for the
+// engine's answer (response header or read deadline), not a dial timeout.
+func IsResponseTimeout(err error) bool {
+	var ne net.Error
+	if !errors.As(err, &ne) || !ne.Timeout() {
+		return false
+	}
+	var op *net.OpError
+	return !(errors.As(err, &op) && op.Op == "dial")
+}
+
+// IsDialError reports whether err is a failure to connect (refused, no
+// route, dial timeout): the engine is not there.
+func IsDialError(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
+}
+
+// IsTimeout reports whether err is a timeout (net.Error), a dial's included.
+func IsTimeout(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ne) && ne.Timeout()
 }
@@ -429,7 +481,7 @@ func (e bodyFramingError) Unwrap() error { return e.err }
 // upBody is an engine's response body on a pooled connection: read to EOF,
 // it gives the connection back; closed before, it closes it.
 type upBody struct {
-	u     *upstreamClient
+	u     *Client
 	pc    *upConn
 	ctx   context.Context // the request's
 	body  io.ReadCloser
@@ -515,12 +567,12 @@ func (b *upBody) release(reuse bool) {
 }
 
 // watchedRoundTrip sends req through the fallback transport (TLS, HTTP/2)
-// with the deadline semantics of roundTripBy, which net/http's Transport
+// with the deadline semantics of RoundTripBy, which net/http's Transport
 // has no per-request form of: a timer cancels the request's context when
 // the deadline passes (the transport then closes the stream or
-// connection), and the failure is reported as errUpstreamTimeout. One
+// connection), and the failure is reported as ErrTimeout. One
 // context and one timer per request, on the path that pays for TLS.
-func (u *upstreamClient) watchedRoundTrip(req *http.Request, by time.Time, w *headerWait) (*http.Response, error) {
+func (u *Client) watchedRoundTrip(req *http.Request, by time.Time, w *Wait) (*http.Response, error) {
 	parent := req.Context()
 	ctx, cancel := context.WithCancel(parent)
 	wb := &watchedBody{cancel: cancel}
@@ -538,13 +590,13 @@ func (u *upstreamClient) watchedRoundTrip(req *http.Request, by time.Time, w *he
 			_ = resp.Body.Close()
 		}
 		cancel()
-		return nil, errEndpointDown
+		return nil, ErrEndpointDown
 	}
 	if err != nil {
 		wb.timer.Stop()
 		cancel()
 		if wb.expired.Load() && parent.Err() == nil {
-			return nil, errUpstreamTimeout
+			return nil, ErrTimeout
 		}
 		return nil, err
 	}
@@ -554,7 +606,7 @@ func (u *upstreamClient) watchedRoundTrip(req *http.Request, by time.Time, w *he
 		// answered late, typically because the cancel ended its handler.
 		_ = resp.Body.Close()
 		cancel()
-		return nil, errUpstreamTimeout
+		return nil, ErrTimeout
 	}
 	wb.body, resp.Body = resp.Body, wb
 	return resp, nil
@@ -580,7 +632,7 @@ func (b *watchedBody) expire() {
 func (b *watchedBody) Read(p []byte) (int, error) {
 	n, err := b.body.Read(p)
 	if err != nil && b.expired.Load() {
-		err = errUpstreamTimeout
+		err = ErrTimeout
 	}
 	return n, err
 }
@@ -603,10 +655,10 @@ func (b *watchedBody) Close() error {
 	return err
 }
 
-// errUpstreamTimeout is a read of the fallback transport's answer past its
+// ErrTimeout is a read of the fallback transport's answer past its
 // deadline. It is a net.Error timeout, and errors.Is it
 // os.ErrDeadlineExceeded, like a connection's read deadline.
-var errUpstreamTimeout error = upstreamTimeoutError{}
+var ErrTimeout error = upstreamTimeoutError{}
 
 type upstreamTimeoutError struct{}
 
@@ -618,7 +670,7 @@ func (upstreamTimeoutError) Unwrap() error   { return os.ErrDeadlineExceeded }
 // get returns an idle connection to key (the most recently used; stale or
 // expired ones are closed on the way), or dials a new one (always with
 // fresh).
-func (u *upstreamClient) get(ctx context.Context, key string, fresh bool) (*upConn, error) {
+func (u *Client) get(ctx context.Context, key string, fresh bool) (*upConn, error) {
 	if !fresh {
 		now := time.Now()
 		for {
@@ -652,7 +704,7 @@ func (u *upstreamClient) get(ctx context.Context, key string, fresh bool) (*upCo
 }
 
 // put makes pc idle, or closes it when its host already keeps maxIdle.
-func (u *upstreamClient) put(pc *upConn) {
+func (u *Client) put(pc *upConn) {
 	pc.idleAt = time.Now()
 	u.mu.Lock()
 	list := u.idle[pc.key]
@@ -671,7 +723,7 @@ func (u *upstreamClient) put(pc *upConn) {
 
 // reap closes connections idle longer than idleTimeout; it runs while any
 // connection is idle.
-func (u *upstreamClient) reap() {
+func (u *Client) reap() {
 	now := time.Now()
 	var expired []*upConn
 	next := u.idleTimeout // until the oldest remaining connection expires
@@ -704,7 +756,7 @@ func (u *upstreamClient) reap() {
 }
 
 // CloseIdleConnections closes every idle connection (and the fallback's).
-func (u *upstreamClient) CloseIdleConnections() {
+func (u *Client) CloseIdleConnections() {
 	u.mu.Lock()
 	var all []*upConn
 	for key, list := range u.idle {

@@ -1,4 +1,4 @@
-package gateway
+package upstream
 
 import (
 	"errors"
@@ -25,13 +25,13 @@ func (lateAnswer) RoundTrip(r *http.Request) (*http.Response, error) {
 // (it was a 200 with no Content-Type, failed as a bad response: 502 instead
 // of 504 in TestStallOverTLS under load).
 func TestWatchedRoundTripLateAnswer(t *testing.T) {
-	u := newUpstreamClient(Config{}.WithDefaults(), lateAnswer{})
+	u := New(Options{ConnectTimeout: 5 * time.Second, ResponseHeaderTimeout: 10 * time.Minute, IdleConnTimeout: 90 * time.Second, MaxIdleConnsPerHost: 64}, lateAnswer{})
 	req, _ := http.NewRequest(http.MethodPost, "https://127.0.0.1:1/v1/chat/completions", strings.NewReader("{}"))
-	resp, err := u.roundTripBy(req, time.Now().Add(10*time.Millisecond), nil)
+	resp, err := u.RoundTripBy(req, time.Now().Add(10*time.Millisecond), nil)
 	if resp != nil {
 		resp.Body.Close()
 	}
-	if !errors.Is(err, errUpstreamTimeout) || !isResponseTimeout(err) {
-		t.Fatalf("roundTripBy = %v, %v; want the deadline's timeout", resp, err)
+	if !errors.Is(err, ErrTimeout) || !IsResponseTimeout(err) {
+		t.Fatalf("RoundTripBy = %v, %v; want the deadline's timeout", resp, err)
 	}
 }

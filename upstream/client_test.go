@@ -1,4 +1,4 @@
-package gateway
+package upstream
 
 import (
 	"bufio"
@@ -18,14 +18,14 @@ import (
 )
 
 // upstreamTestConfig is the upstream client's configuration in these tests.
-func upstreamTestConfig() Config {
-	return Config{ConnectTimeout: 2 * time.Second, ResponseHeaderTimeout: 5 * time.Second,
+func upstreamTestConfig() Options {
+	return Options{ConnectTimeout: 2 * time.Second, ResponseHeaderTimeout: 5 * time.Second,
 		IdleConnTimeout: time.Minute, MaxIdleConnsPerHost: 16}
 }
 
-func newTestUpstream(t *testing.T, cfg Config) *upstreamClient {
+func newTestUpstream(t *testing.T, cfg Options) *Client {
 	t.Helper()
-	u := newUpstreamClient(cfg, http.DefaultTransport)
+	u := New(cfg, http.DefaultTransport)
 	t.Cleanup(u.CloseIdleConnections)
 	return u
 }
@@ -169,7 +169,7 @@ func TestUpstreamDrainGivesUp(t *testing.T) {
 	}
 }
 
-func idleCount(u *upstreamClient) int {
+func idleCount(u *Client) int {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	return u.nIdle
@@ -226,7 +226,7 @@ func oneAnswerPerConnection(t *testing.T, reset bool) (string, *atomic.Int64) {
 
 // sendOK sends n requests to url one after another, pause before each,
 // and checks each is answered "ok".
-func sendOK(t *testing.T, u *upstreamClient, url string, n int, pause time.Duration) {
+func sendOK(t *testing.T, u *Client, url string, n int, pause time.Duration) {
 	t.Helper()
 	for i := range n {
 		time.Sleep(pause)
@@ -513,7 +513,7 @@ func TestUpstreamResponseHeaderTimeout(t *testing.T) {
 	cfg.ResponseHeaderTimeout = 100 * time.Millisecond
 	u := newTestUpstream(t, cfg)
 	_, err := u.RoundTrip(postTo(t, context.Background(), url, "{}"))
-	if err == nil || !isResponseTimeout(err) {
+	if err == nil || !IsResponseTimeout(err) {
 		t.Fatalf("err %v, want a response timeout", err)
 	}
 }
@@ -592,7 +592,7 @@ func TestUpstreamHostileAnswers(t *testing.T) {
 		wantErr      bool
 		wantBody     string
 	}{
-		{"huge-headers", "HTTP/1.1 200 OK\r\nX-Big: " + strings.Repeat("a", maxUpstreamHeaderBytes+10) + "\r\n\r\n", true, ""},
+		{"huge-headers", "HTTP/1.1 200 OK\r\nX-Big: " + strings.Repeat("a", MaxHeaderBytes+10) + "\r\n\r\n", true, ""},
 		{"not-http", "SSH-2.0-OpenSSH\r\n\r\n", true, ""},
 		{"switching-protocols", "HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n", true, ""},
 		{"early-hints-then-200", "HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", false, "ok"},
@@ -659,7 +659,7 @@ func TestUpstreamDialError(t *testing.T) {
 	ln.Close()
 	u := newTestUpstream(t, upstreamTestConfig())
 	_, err = u.RoundTrip(postTo(t, context.Background(), "http://"+addr, "{}"))
-	if err == nil || !isDialError(err) {
+	if err == nil || !IsDialError(err) {
 		t.Fatalf("err %v, want a dial error", err)
 	}
 }
@@ -668,7 +668,7 @@ func TestUpstreamDialError(t *testing.T) {
 func TestUpstreamHTTPSFallback(t *testing.T) {
 	s := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "tls") }))
 	t.Cleanup(s.Close)
-	u := newUpstreamClient(upstreamTestConfig(), s.Client().Transport)
+	u := New(upstreamTestConfig(), s.Client().Transport)
 	t.Cleanup(u.CloseIdleConnections)
 	resp, err := u.RoundTrip(postTo(t, context.Background(), s.URL, "{}"))
 	if err != nil {
@@ -763,5 +763,59 @@ func TestUpstreamEarlyAnswerBeforeBodyRead(t *testing.T) {
 	}
 	if got := readAll(t, resp); resp.StatusCode != 413 || got != `{"error":"big"}` {
 		t.Fatalf("status %d body %q", resp.StatusCode, got)
+	}
+}
+
+// The upstream client: RoundTripBy's deadline bounds the headers and then
+// the body until moved; moved, the body waits again; cleared, it waits for
+// ever (here: until the context ends).
+func TestUpstreamRoundTripBy(t *testing.T) {
+	hold := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/silent" {
+			w.Header().Set("Content-Type", "text/event-stream")
+			w.WriteHeader(http.StatusOK)
+			_, _ = io.WriteString(w, "a")
+			_ = http.NewResponseController(w).Flush()
+		}
+		<-hold
+	}))
+	t.Cleanup(srv.Close)
+	t.Cleanup(func() { close(hold) })             // first: the handlers return, then the server closes
+	u := newTestUpstream(t, upstreamTestConfig()) // response_header_timeout 5 s: by comes first
+	ctx := context.Background()
+
+	if _, err := u.RoundTripBy(postTo(t, ctx, srv.URL+"/silent", "{}"), time.Now().Add(50*time.Millisecond), nil); !IsResponseTimeout(err) {
+		t.Fatalf("silent engine: %v, want a timeout", err)
+	}
+	resp, err := u.RoundTripBy(postTo(t, ctx, srv.URL+"/headers", "{}"), time.Now().Add(time.Second), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var buf [64]byte
+	if n, err := resp.Body.Read(buf[:]); n == 0 || err != nil {
+		t.Fatalf("first read %d %v", n, err)
+	}
+	dl, ok := resp.Body.(ReadDeadliner)
+	if !ok {
+		t.Fatal("the body has no read deadline")
+	}
+	_ = dl.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+	if _, err := resp.Body.Read(buf[:]); !IsTimeout(err) {
+		t.Fatalf("second read: %v, want a timeout", err)
+	}
+	_ = dl.SetReadDeadline(time.Time{}) // the connection is broken now: no effect, no panic
+}
+
+// waitFor polls cond until it holds (a minute at most: a loaded machine).
+func waitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
 	}
 }

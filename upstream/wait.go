@@ -1,4 +1,4 @@
-package gateway
+package upstream
 
 import (
 	"context"
@@ -29,37 +29,41 @@ import (
 // moment), so none waits longer than about health_check_abort_after ×
 // (health_check_interval + health_check_timeout) on a frozen engine.
 
-// headerWait is one attempt waiting for an endpoint's response headers
+// Wait is one attempt waiting for an endpoint's response headers
 // (it lives in the pooled exchange: no allocation). Its fields are guarded
 // by its list's mutex.
-type headerWait struct {
+type Wait struct {
 	// list is the endpoint's waiters, set by the attempt before the round
 	// trip (nil: not abortable, as in benchmarks with their own transport).
-	list       *headerWaits
-	prev, next *headerWait
+	list       *Waits
+	prev, next *Wait
 	linked     bool
 	// conn is the upstream connection the attempt waits on
-	// (upstreamClient), cancel the fallback transport's request context.
+	// (Client), cancel the fallback transport's request context.
 	conn   net.Conn
 	cancel context.CancelFunc
-	// aborted is set by abortAll while the attempt waited.
+	// aborted is set by AbortAll while the attempt waited.
 	aborted bool
 }
 
-// headerWaits is an endpoint's list of attempts waiting for response
+// Waits is an endpoint's list of attempts waiting for response
 // headers: one lock and two pointer writes per attempt.
-type headerWaits struct {
+type Waits struct {
 	mu   sync.Mutex
-	head *headerWait
+	head *Wait
 }
 
-// errEndpointDown is the round-trip error of an attempt aborted by
-// abortAll: the endpoint failed its health checks while it waited.
-var errEndpointDown = errors.New("the endpoint failed its health checks while the request waited for its response headers")
+// ErrEndpointDown is the round-trip error of an attempt aborted by
+// AbortAll: the endpoint failed its health checks while it waited.
+var ErrEndpointDown = errors.New("the endpoint failed its health checks while the request waited for its response headers")
+
+// On makes w an entry of l for the round trips it is passed to (nil: w is
+// not abortable). The caller sets it before RoundTripBy and clears it after.
+func (w *Wait) On(l *Waits) { w.list = l }
 
 // arm records that w waits on conn or, for the fallback transport, on a
 // request that cancel ends. A nil w or one without a list is a no-op.
-func (w *headerWait) arm(conn net.Conn, cancel context.CancelFunc) {
+func (w *Wait) arm(conn net.Conn, cancel context.CancelFunc) {
 	if w == nil || w.list == nil {
 		return
 	}
@@ -79,7 +83,7 @@ func (w *headerWait) arm(conn net.Conn, cancel context.CancelFunc) {
 // repoison poisons w's connection again if it was aborted: the round trip
 // sets the header read deadline after the write, which would undo an
 // abort that landed during it.
-func (w *headerWait) repoison() {
+func (w *Wait) repoison() {
 	if w == nil || w.list == nil {
 		return
 	}
@@ -91,8 +95,8 @@ func (w *headerWait) repoison() {
 }
 
 // disarm ends the wait (headers arrived, or the round trip failed) and
-// reports whether abortAll aborted it meanwhile. Idempotent.
-func (w *headerWait) disarm() (aborted bool) {
+// reports whether AbortAll aborted it meanwhile. Idempotent.
+func (w *Wait) disarm() (aborted bool) {
 	if w == nil || w.list == nil {
 		return false
 	}
@@ -115,10 +119,10 @@ func (w *headerWait) disarm() (aborted bool) {
 	return aborted
 }
 
-// abortAll aborts every attempt waiting on the list: a past deadline on
+// AbortAll aborts every attempt waiting on the list: a past deadline on
 // its connection (the read of the response headers fails at once) or the
 // cancel of its fallback request. It returns how many it aborted.
-func (l *headerWaits) abortAll() int {
+func (l *Waits) AbortAll() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	n := 0
