@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/sched"
@@ -20,31 +22,35 @@ import (
 // every run of the command re-times the workload the same way.
 const rateSeed = 1
 
+// benchFlags are bench's flags (bind). Its modes: --target (replay against
+// an endpoint), --compare (fresh simulated fleets in real time) and
+// --compare --virtual (the same in virtual time); --rate sweeps any of
+// them, --concurrency makes the real-time ones closed loop. validate is the
+// one place their combinations are checked.
+type benchFlags struct {
+	target      string
+	compare     string
+	engines     int
+	wl          workloadFlags
+	requests    int
+	speedup     float64
+	timeScale   float64
+	model       string
+	profile     string
+	profFile    string
+	outPath     string
+	recPath     string
+	cfgPath     string
+	virtual     bool
+	htmlPath    string
+	warm        warmupFlags
+	rateList    string
+	concurrency int
+	maxLag      time.Duration
+}
+
 func newBenchCmd() *cobra.Command {
-	var (
-		target      string
-		compare     string
-		engines     int
-		wl          workloadFlags
-		requests    int
-		speedup     float64
-		timeScale   float64
-		model       string
-		profile     string
-		profFile    string
-		outPath     string
-		recPath     string
-		cfgPath     string
-		virtual     bool
-		htmlPath    string
-		warm        warmupFlags
-		rateList    string
-		concurrency int
-		maxLag      time.Duration
-		prof        sim.Profile
-		policies    []string
-		routing     sched.Config
-	)
+	var fl benchFlags
 	cmd := &cobra.Command{
 		Use:   "bench",
 		Short: "Replay a real trace against an endpoint, or compare routing policies",
@@ -98,244 +104,358 @@ have no lag.`,
   # against a running endpoint (infergate up), at the trace's own pace
   infergate bench --target http://127.0.0.1:8080 --requests 200 --speedup 1`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if (target == "") == (compare == "") {
-				return errors.New("give exactly one of --target URL or --compare POLICIES")
-			}
-			if err := warm.w.Validate(); err != nil {
-				return err
-			}
-			if concurrency < 0 {
-				return fmt.Errorf("--concurrency %d: must not be negative", concurrency)
-			}
-			rates, err := parseRates(rateList)
-			if err != nil {
-				return err
-			}
-			switch {
-			case concurrency > 0 && virtual:
-				return errors.New("--concurrency needs real time: the virtual fleet takes every arrival up front, so it cannot send a request when an earlier one finishes (drop --virtual)")
-			case concurrency > 0 && rates != nil:
-				return errors.New("--concurrency (closed loop) and --rate (open-loop arrivals) exclude each other")
-			}
-			var (
-				recs     []trace.Record
-				sessions []trace.Session
-			)
-			if concurrency > 0 && wl.kind == workloadChat {
-				sessions, err = wl.sessions()
-			} else {
-				recs, err = wl.load()
-			}
-			if err != nil {
-				return err
-			}
-			var recOut *os.File
-			if recPath != "" {
-				if recOut, err = os.Create(recPath); err != nil {
-					return err
-				}
-				defer recOut.Close()
-			}
-			started := time.Now()
-			prov := bench.NewProvenance(buildVersion(), os.Args, started)
-			var refs *bench.References
-			var report bench.Report
-			var htmlRuns []bench.HTMLRun
-			addHTML := func(r bench.HTMLRun) {
-				if htmlPath != "" {
-					htmlRuns = append(htmlRuns, bench.MeasuredRun(r))
-				}
-			}
-			// runAt replays recs (re-timed to rate req/s when rate > 0).
-			runAt := func(recs []trace.Record, rate float64) error {
-				if target != "" {
-					opts := bench.ReplayOptions{Target: target, Model: model, Records: recs, Requests: requests,
-						Speedup: speedup, TimeScale: timeScale, Label: "target", Progress: os.Stderr,
-						Warmup: warm.w, Concurrency: concurrency, Sessions: sessions}
-					if recOut != nil {
-						opts.Output = recOut
-					}
-					rs, err := bench.Replay(cmd.Context(), opts)
-					if err != nil {
-						return err
-					}
-					s := bench.Summarize(bench.RedactValue(target), rs)
-					s.RateRPS = rate
-					refs.Apply(&s, rs)
-					s.CheckLag(maxLag)
-					report.Runs = append(report.Runs, s)
-					addHTML(bench.HTMLRun{Summary: s, Records: rs})
-					return nil
-				}
-				if virtual {
-					for _, p := range policies {
-						run, err := bench.ReplayVirtual(cmd.Context(), bench.VirtualOptions{Policy: p, Engines: engines, TrackPrecise: true,
-							Engine: sim.Config{Profile: prof}, Records: recs, Requests: requests, Model: model, Routing: routing,
-							Warmup: warm.w, RateRPS: rate})
-						if err != nil {
-							return err
-						}
-						if recOut != nil {
-							if err := bench.WriteRecords(recOut, run.Records); err != nil {
-								return err
-							}
-						}
-						fmt.Fprintf(os.Stderr, "%s: %d requests in virtual time, %s wall\n", p, len(run.Records), run.Wall.Round(time.Millisecond))
-						refs.Apply(&run.Summary, run.Records)
-						report.Runs = append(report.Runs, run.Summary)
-						addHTML(bench.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})
-					}
-					return nil
-				}
-				opts := bench.CompareOptions{Routing: routing, Policies: policies, Engines: engines, Engine: sim.Config{Profile: prof},
-					Records: recs, Requests: requests, Speedup: speedup, Model: model, Progress: os.Stderr,
-					Warmup: warm.w, Concurrency: concurrency, Sessions: sessions, RateRPS: rate, OnRun: addHTML, MaxLag: maxLag,
-					References: refs}
-				if recOut != nil {
-					opts.Output = recOut
-				}
-				rep, err := bench.Compare(cmd.Context(), opts)
-				report.Runs = append(report.Runs, rep.Runs...)
-				return err
-			}
-			if target != "" {
-				// The usual OpenAI base URL form (".../v1") is accepted as
-				// well (bench.CompletionsURL).
-				if model == "" {
-					model = sim.DefaultModel
-				}
-			} else {
-				if prof, err = resolveProfile(profile, profFile); err != nil {
-					return err
-				}
-				if model == "" {
-					model = prof.Model
-				}
-				if routing, err = loadRouting(cfgPath); err != nil {
-					return err
-				}
-				if policies, err = parsePolicies(compare, routing); err != nil {
-					return fmt.Errorf("--compare: %w", err)
-				}
-			}
-			if err := describeBench(prov, &wl, recs, sessions, requests); err != nil {
-				return err
-			}
-			replayed := recs
-			if requests > 0 && requests < len(replayed) {
-				replayed = replayed[:requests]
-			}
-			if target != "" {
-				prov.Target, prov.TimeScale, prov.Speedup, prov.Clock = bench.RedactValue(target), timeScale, speedup, "real"
-				if len(replayed) > 0 {
-					refs = bench.NewReferences(replayed, 0, 0) // the target's KV capacity is unknown: infinite cache only
-				}
-			} else {
-				n := engines
-				if n <= 0 {
-					n = bench.DefaultEngines
-				}
-				ec := sim.Config{Profile: prof}
-				if prov.Profile, err = bench.NewProfileInfo(ec, profFile); err != nil {
-					return err
-				}
-				prov.Engines, prov.Clock = n, "real"
-				if virtual {
-					prov.Clock = "virtual"
-				} else {
-					prov.TimeScale, prov.Speedup = speedup, speedup
-				}
-				if len(replayed) > 0 {
-					ec = ec.WithDefaults()
-					refs = bench.NewReferences(replayed, n*ec.NumBlocks, ec.BlockSize)
-				}
-			}
-			if rates == nil {
-				if err := runAt(recs, 0); err != nil {
-					return err
-				}
-			}
-			if requests > 0 && requests < len(recs) {
-				recs = recs[:requests]
-			}
-			for _, rate := range rates {
-				rt, err := bench.Retime(recs, rate, rateSeed)
-				if err != nil {
-					return err
-				}
-				if err := runAt(rt, rate); err != nil {
-					return fmt.Errorf("rate %g req/s: %w", rate, err)
-				}
-			}
-			report.PooledHitRate, report.InfiniteHitRate = refs.All()
-			if err := report.WriteTable(cmd.OutOrStdout()); err != nil {
-				return err
-			}
-			behind, err := report.WriteLagWarnings(cmd.ErrOrStderr())
-			if err != nil {
-				return err
-			}
-			failed := false
-			for _, r := range report.Runs {
-				if r.Errors > 0 && r.FirstError != "" {
-					fmt.Fprintf(cmd.ErrOrStderr(), "%s: %d of %d requests failed; first error: %s\n", r.Policy, r.Errors, r.Requests, r.FirstError)
-				}
-				failed = failed || (r.Requests > 0 && r.Errors == r.Requests)
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "\ncompleted in %s (wall clock)\n", time.Since(started).Round(time.Second))
-			prov.WallS = time.Since(started).Seconds()
-			report.Provenance = prov
-			if outPath != "" {
-				if err := writeFile(outPath, report.WriteJSON); err != nil {
-					return err
-				}
-			}
-			if htmlPath != "" {
-				title := "infergate bench: " + bench.RedactValue(target)
-				if target == "" {
-					mode := "real time"
-					if virtual {
-						mode = "virtual time"
-					}
-					title = fmt.Sprintf("infergate bench: %s on %d engines (%s)", compare, engines, mode)
-				}
-				rep := bench.HTMLReport{Title: title, Runs: htmlRuns, Provenance: prov, References: refs}
-				if err := writeFile(htmlPath, func(w io.Writer) error { return bench.WriteHTMLReport(w, rep) }); err != nil {
-					return err
-				}
-			}
-			if failed {
-				return errors.New("every request of a run failed")
-			}
-			if behind > 0 {
-				return fmt.Errorf("%d of %d runs fell behind their time scale by more than --max-lag %v (p99): their latencies are not the modelled hardware's (outputs written; see the warnings above)",
-					behind, len(report.Runs), maxLag)
-			}
-			return nil
-		},
+		RunE: func(cmd *cobra.Command, _ []string) error { return fl.run(cmd) },
 	}
-	f := cmd.Flags()
-	f.StringVar(&target, "target", "", "base URL of an OpenAI-compatible endpoint to replay against")
-	f.StringVar(&compare, "compare", "", "comma-separated routing policies to compare on fresh simulated fleets ("+strings.Join(sched.Names(), ",")+")")
-	f.IntVar(&engines, "engines", 8, "simulated engines per fleet (--compare)")
-	wl.register(f)
-	f.IntVar(&requests, "requests", 0, "replay only the first N requests (0 = all)")
-	f.Float64Var(&speedup, "speedup", 10, "replay the trace this many times faster; in --compare also the fleet's time scale")
-	f.Float64Var(&timeScale, "time-scale", 1, "the target's simulated seconds per wall second, to report engine time (--target)")
-	f.StringVar(&model, "model", "", "model name to request (default: the profile's model)")
-	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile for --compare: "+strings.Join(profileNames(), ", "))
-	f.StringVar(&profFile, "profile-file", "", "engine profile from a YAML file for --compare (overrides --profile)")
-	f.StringVarP(&outPath, "out", "o", "", "write the summary as JSON to this file")
-	f.StringVarP(&cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the compared policies (--compare)")
-	f.BoolVar(&virtual, "virtual", false, "with --compare: run the same engine model and policies in virtual time (discrete events, no sleeping, no HTTP): seconds instead of minutes")
-	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it (command, version, host, trace digest, profile, clock, lag), the summary table with the pooled- and infinite-cache reference hit rates, TTFT and ITL CDFs and percentiles, hit rate against the references, time series, per-engine share")
-	f.StringVar(&recPath, "records", "", "write per-request records as JSONL to this file")
-	warm.register(f)
-	f.StringVar(&rateList, "rate", "", "request-rate sweep: comma-separated rates (req/s, e.g. 1,2,4,8); the workload's arrivals are re-timed as a Poisson process at each rate (fixed seed, same requests in the same order) and run once per rate (per policy with --compare)")
-	f.DurationVar(&maxLag, "max-lag", bench.DefaultMaxLag, "real-time runs: the largest p99 lag (engine time) of the simulated fleet's steps and of the client's sends against their schedule; a run past it is marked BEHIND and bench exits non-zero")
-	f.IntVar(&concurrency, "concurrency", 0, "closed loop (real time only, not --virtual): N users each send their next request as soon as the previous one finished, ignoring timestamps; with --workload chat, at most N sessions active at once, each turn sent when the previous answer has arrived plus the think time")
+	fl.bind(cmd.Flags())
 	return cmd
+}
+
+// bind registers bench's flags on f.
+func (fl *benchFlags) bind(f *pflag.FlagSet) {
+	f.StringVar(&fl.target, "target", "", "base URL of an OpenAI-compatible endpoint to replay against")
+	f.StringVar(&fl.compare, "compare", "", "comma-separated routing policies to compare on fresh simulated fleets ("+strings.Join(sched.Names(), ",")+")")
+	f.IntVar(&fl.engines, "engines", 8, "simulated engines per fleet (--compare)")
+	fl.wl.register(f)
+	f.IntVar(&fl.requests, "requests", 0, "replay only the first N requests (0 = all)")
+	f.Float64Var(&fl.speedup, "speedup", 10, "replay the trace this many times faster; in --compare also the fleet's time scale")
+	f.Float64Var(&fl.timeScale, "time-scale", 1, "the target's simulated seconds per wall second, to report engine time (--target)")
+	f.StringVar(&fl.model, "model", "", "model name to request (default: the profile's model)")
+	f.StringVar(&fl.profile, "profile", sim.DefaultProfile().Name, "engine profile for --compare: "+strings.Join(profileNames(), ", "))
+	f.StringVar(&fl.profFile, "profile-file", "", "engine profile from a YAML file for --compare (overrides --profile)")
+	f.StringVarP(&fl.outPath, "out", "o", "", "write the summary as JSON to this file")
+	f.StringVarP(&fl.cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the compared policies (--compare)")
+	f.BoolVar(&fl.virtual, "virtual", false, "with --compare: run the same engine model and policies in virtual time (discrete events, no sleeping, no HTTP): seconds instead of minutes")
+	f.StringVar(&fl.htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it (command, version, host, trace digest, profile, clock, lag), the summary table with the pooled- and infinite-cache reference hit rates, TTFT and ITL CDFs and percentiles, hit rate against the references, time series, per-engine share")
+	f.StringVar(&fl.recPath, "records", "", "write per-request records as JSONL to this file")
+	fl.warm.register(f)
+	f.StringVar(&fl.rateList, "rate", "", "request-rate sweep: comma-separated rates (req/s, e.g. 1,2,4,8); the workload's arrivals are re-timed as a Poisson process at each rate (fixed seed, same requests in the same order) and run once per rate (per policy with --compare)")
+	f.DurationVar(&fl.maxLag, "max-lag", bench.DefaultMaxLag, "real-time runs: the largest p99 lag (engine time) of the simulated fleet's steps and of the client's sends against their schedule; a run past it is marked BEHIND and bench exits non-zero")
+	f.IntVar(&fl.concurrency, "concurrency", 0, "closed loop (real time only, not --virtual): N users each send their next request as soon as the previous one finished, ignoring timestamps; with --workload chat, at most N sessions active at once, each turn sent when the previous answer has arrived plus the think time")
+}
+
+// validate refuses the flag values and combinations bench cannot run, in
+// the order they are reported, and returns the --rate sweep (nil: none).
+func (fl *benchFlags) validate() ([]float64, error) {
+	if (fl.target == "") == (fl.compare == "") {
+		return nil, errors.New("give exactly one of --target URL or --compare POLICIES")
+	}
+	if err := fl.warm.w.Validate(); err != nil {
+		return nil, err
+	}
+	if fl.concurrency < 0 {
+		return nil, fmt.Errorf("--concurrency %d: must not be negative", fl.concurrency)
+	}
+	rates, err := parseRates(fl.rateList)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case fl.concurrency > 0 && fl.virtual:
+		return nil, errors.New("--concurrency needs real time: the virtual fleet takes every arrival up front, so it cannot send a request when an earlier one finishes (drop --virtual)")
+	case fl.concurrency > 0 && rates != nil:
+		return nil, errors.New("--concurrency (closed loop) and --rate (open-loop arrivals) exclude each other")
+	}
+	return rates, nil
+}
+
+// benchRun is one bench command under way: its flags, what they resolve to
+// and what the runs have produced so far.
+type benchRun struct {
+	fl  *benchFlags
+	ctx context.Context
+	// model is the model requested: --model, else the target's default or
+	// the profile's model.
+	model string
+	// prof, routing and policies: --compare's engine profile, the routing
+	// section of --config and the policies it compares.
+	prof     sim.Profile
+	routing  sched.Config
+	policies []string
+	// recs are the workload's records in arrival order; sessions the chat
+	// workload's sessions for a session-aware closed loop (then recs is
+	// empty).
+	recs     []trace.Record
+	sessions []trace.Session
+	recOut   *os.File // --records, nil when not given
+	refs     *bench.References
+	report   bench.Report
+	htmlRuns []bench.HTMLRun // only with --html
+}
+
+// run is bench's RunE: validate, load the workload, resolve the mode's
+// inputs, run every rate of the sweep (or the workload's own arrivals) and
+// write the outputs.
+func (fl *benchFlags) run(cmd *cobra.Command) error {
+	rates, err := fl.validate()
+	if err != nil {
+		return err
+	}
+	r := &benchRun{fl: fl, ctx: cmd.Context(), model: fl.model}
+	if fl.concurrency > 0 && fl.wl.kind == workloadChat {
+		r.sessions, err = fl.wl.sessions()
+	} else {
+		r.recs, err = fl.wl.load()
+	}
+	if err != nil {
+		return err
+	}
+	if fl.recPath != "" {
+		if r.recOut, err = os.Create(fl.recPath); err != nil {
+			return err
+		}
+		defer r.recOut.Close()
+	}
+	started := time.Now()
+	prov := bench.NewProvenance(buildVersion(), os.Args, started)
+	if err := r.resolve(); err != nil {
+		return err
+	}
+	if err := describeBench(prov, &fl.wl, r.recs, r.sessions, fl.requests); err != nil {
+		return err
+	}
+	if err := r.describe(prov); err != nil {
+		return err
+	}
+	if err := r.sweep(rates); err != nil {
+		return err
+	}
+	return r.finish(cmd, prov, started)
+}
+
+// resolve fills in the model and, for --compare, the engine profile, the
+// routing configuration and the policies.
+func (r *benchRun) resolve() error {
+	fl := r.fl
+	if fl.target != "" {
+		// The usual OpenAI base URL form (".../v1") is accepted as
+		// well (bench.CompletionsURL).
+		if r.model == "" {
+			r.model = sim.DefaultModel
+		}
+		return nil
+	}
+	var err error
+	if r.prof, err = resolveProfile(fl.profile, fl.profFile); err != nil {
+		return err
+	}
+	if r.model == "" {
+		r.model = r.prof.Model
+	}
+	if r.routing, err = loadRouting(fl.cfgPath); err != nil {
+		return err
+	}
+	if r.policies, err = parsePolicies(fl.compare, r.routing); err != nil {
+		return fmt.Errorf("--compare: %w", err)
+	}
+	return nil
+}
+
+// describe records the mode in prov (target or fleet, clock, time scale,
+// profile) and sets the reference hit rates of the replayed records: the
+// infinite cache only for a target (its KV capacity is unknown), also the
+// fleet's pooled cache for --compare.
+func (r *benchRun) describe(prov *bench.Provenance) error {
+	fl := r.fl
+	replayed := r.recs
+	if fl.requests > 0 && fl.requests < len(replayed) {
+		replayed = replayed[:fl.requests]
+	}
+	if fl.target != "" {
+		prov.Target, prov.TimeScale, prov.Speedup, prov.Clock = bench.RedactValue(fl.target), fl.timeScale, fl.speedup, "real"
+		if len(replayed) > 0 {
+			r.refs = bench.NewReferences(replayed, 0, 0) // the target's KV capacity is unknown: infinite cache only
+		}
+		return nil
+	}
+	n := fl.engines
+	if n <= 0 {
+		n = bench.DefaultEngines
+	}
+	ec := sim.Config{Profile: r.prof}
+	var err error
+	if prov.Profile, err = bench.NewProfileInfo(ec, fl.profFile); err != nil {
+		return err
+	}
+	prov.Engines, prov.Clock = n, "real"
+	if fl.virtual {
+		prov.Clock = "virtual"
+	} else {
+		prov.TimeScale, prov.Speedup = fl.speedup, fl.speedup
+	}
+	if len(replayed) > 0 {
+		ec = ec.WithDefaults()
+		r.refs = bench.NewReferences(replayed, n*ec.NumBlocks, ec.BlockSize)
+	}
+	return nil
+}
+
+// sweep runs the workload at its own arrivals when rates is nil, else its
+// first --requests records re-timed as a Poisson process at each rate.
+func (r *benchRun) sweep(rates []float64) error {
+	recs := r.recs
+	if rates == nil {
+		return r.runAt(recs, 0)
+	}
+	if n := r.fl.requests; n > 0 && n < len(recs) {
+		recs = recs[:n]
+	}
+	for _, rate := range rates {
+		rt, err := bench.Retime(recs, rate, rateSeed)
+		if err != nil {
+			return err
+		}
+		if err := r.runAt(rt, rate); err != nil {
+			return fmt.Errorf("rate %g req/s: %w", rate, err)
+		}
+	}
+	return nil
+}
+
+// runAt replays recs (re-timed to rate req/s when rate > 0) in the mode
+// the flags select.
+func (r *benchRun) runAt(recs []trace.Record, rate float64) error {
+	switch {
+	case r.fl.target != "":
+		return r.replayTarget(recs, rate)
+	case r.fl.virtual:
+		return r.compareVirtual(recs, rate)
+	default:
+		return r.compareReal(recs, rate)
+	}
+}
+
+// addHTML keeps a run for the HTML report (only with --html).
+func (r *benchRun) addHTML(run bench.HTMLRun) {
+	if r.fl.htmlPath != "" {
+		r.htmlRuns = append(r.htmlRuns, bench.MeasuredRun(run))
+	}
+}
+
+// replayTarget is --target: one replay against the endpoint, open loop or
+// closed loop (--concurrency).
+func (r *benchRun) replayTarget(recs []trace.Record, rate float64) error {
+	fl := r.fl
+	opts := bench.ReplayOptions{Target: fl.target, Model: r.model, Records: recs, Requests: fl.requests,
+		Speedup: fl.speedup, TimeScale: fl.timeScale, Label: "target", Progress: os.Stderr,
+		Warmup: fl.warm.w, Concurrency: fl.concurrency, Sessions: r.sessions}
+	if r.recOut != nil {
+		opts.Output = r.recOut
+	}
+	rs, err := bench.Replay(r.ctx, opts)
+	if err != nil {
+		return err
+	}
+	s := bench.Summarize(bench.RedactValue(fl.target), rs)
+	s.RateRPS = rate
+	r.refs.Apply(&s, rs)
+	s.CheckLag(fl.maxLag)
+	r.report.Runs = append(r.report.Runs, s)
+	r.addHTML(bench.HTMLRun{Summary: s, Records: rs})
+	return nil
+}
+
+// compareVirtual is --compare --virtual: each policy on a fresh fleet in
+// virtual time.
+func (r *benchRun) compareVirtual(recs []trace.Record, rate float64) error {
+	fl := r.fl
+	for _, p := range r.policies {
+		run, err := bench.ReplayVirtual(r.ctx, bench.VirtualOptions{Policy: p, Engines: fl.engines, TrackPrecise: true,
+			Engine: sim.Config{Profile: r.prof}, Records: recs, Requests: fl.requests, Model: r.model, Routing: r.routing,
+			Warmup: fl.warm.w, RateRPS: rate})
+		if err != nil {
+			return err
+		}
+		if r.recOut != nil {
+			if err := bench.WriteRecords(r.recOut, run.Records); err != nil {
+				return err
+			}
+		}
+		fmt.Fprintf(os.Stderr, "%s: %d requests in virtual time, %s wall\n", p, len(run.Records), run.Wall.Round(time.Millisecond))
+		r.refs.Apply(&run.Summary, run.Records)
+		r.report.Runs = append(r.report.Runs, run.Summary)
+		r.addHTML(bench.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})
+	}
+	return nil
+}
+
+// compareReal is --compare in real time: each policy on a fresh simulated
+// fleet behind a fresh gateway, open loop or closed loop (--concurrency).
+func (r *benchRun) compareReal(recs []trace.Record, rate float64) error {
+	fl := r.fl
+	opts := bench.CompareOptions{Routing: r.routing, Policies: r.policies, Engines: fl.engines, Engine: sim.Config{Profile: r.prof},
+		Records: recs, Requests: fl.requests, Speedup: fl.speedup, Model: r.model, Progress: os.Stderr,
+		Warmup: fl.warm.w, Concurrency: fl.concurrency, Sessions: r.sessions, RateRPS: rate, OnRun: r.addHTML, MaxLag: fl.maxLag,
+		References: r.refs}
+	if r.recOut != nil {
+		opts.Output = r.recOut
+	}
+	rep, err := bench.Compare(r.ctx, opts)
+	r.report.Runs = append(r.report.Runs, rep.Runs...)
+	return err
+}
+
+// finish prints the table, the lag warnings and the failed runs' first
+// errors, writes --out and --html, and returns the command's verdict: an
+// error when every request of a run failed or a run fell behind.
+func (r *benchRun) finish(cmd *cobra.Command, prov *bench.Provenance, started time.Time) error {
+	report := &r.report
+	report.PooledHitRate, report.InfiniteHitRate = r.refs.All()
+	if err := report.WriteTable(cmd.OutOrStdout()); err != nil {
+		return err
+	}
+	behind, err := report.WriteLagWarnings(cmd.ErrOrStderr())
+	if err != nil {
+		return err
+	}
+	failed := false
+	for _, run := range report.Runs {
+		if run.Errors > 0 && run.FirstError != "" {
+			fmt.Fprintf(cmd.ErrOrStderr(), "%s: %d of %d requests failed; first error: %s\n", run.Policy, run.Errors, run.Requests, run.FirstError)
+		}
+		failed = failed || (run.Requests > 0 && run.Errors == run.Requests)
+	}
+	fmt.Fprintf(cmd.OutOrStdout(), "\ncompleted in %s (wall clock)\n", time.Since(started).Round(time.Second))
+	prov.WallS = time.Since(started).Seconds()
+	report.Provenance = prov
+	if err := r.writeOutputs(prov); err != nil {
+		return err
+	}
+	if failed {
+		return errors.New("every request of a run failed")
+	}
+	if behind > 0 {
+		return fmt.Errorf("%d of %d runs fell behind their time scale by more than --max-lag %v (p99): their latencies are not the modelled hardware's (outputs written; see the warnings above)",
+			behind, len(report.Runs), r.fl.maxLag)
+	}
+	return nil
+}
+
+// writeOutputs writes the report as JSON (--out) and as HTML (--html).
+func (r *benchRun) writeOutputs(prov *bench.Provenance) error {
+	fl := r.fl
+	if fl.outPath != "" {
+		if err := writeFile(fl.outPath, r.report.WriteJSON); err != nil {
+			return err
+		}
+	}
+	if fl.htmlPath == "" {
+		return nil
+	}
+	rep := bench.HTMLReport{Title: fl.htmlTitle(), Runs: r.htmlRuns, Provenance: prov, References: r.refs}
+	return writeFile(fl.htmlPath, func(w io.Writer) error { return bench.WriteHTMLReport(w, rep) })
+}
+
+// htmlTitle is the HTML report's title: the target, or the compared
+// policies with the fleet size and the clock.
+func (fl *benchFlags) htmlTitle() string {
+	if fl.target != "" {
+		return "infergate bench: " + bench.RedactValue(fl.target)
+	}
+	mode := "real time"
+	if fl.virtual {
+		mode = "virtual time"
+	}
+	return fmt.Sprintf("infergate bench: %s on %d engines (%s)", fl.compare, fl.engines, mode)
 }
 
 // writeFile creates path and writes it with write, reporting the first error.

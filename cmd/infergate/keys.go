@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/infergate/infergate/gateway"
 )
@@ -58,12 +59,16 @@ the first line of standard input, which keeps it out of the shell history.`,
 	}
 }
 
+// keysNewFlags are keys new's flags (bind): the limits written into the
+// keys-file line.
+type keysNewFlags struct {
+	models      []string
+	rpm, tpm    int
+	maxPriority int
+}
+
 func newKeysNewCmd() *cobra.Command {
-	var (
-		models      []string
-		rpm, tpm    int
-		maxPriority int
-	)
+	var fl keysNewFlags
 	cmd := &cobra.Command{
 		Use:   "new NAME",
 		Short: "Generate a random key and print it with its keys-file line",
@@ -78,19 +83,7 @@ holds only the key's hash.`,
 				return err
 			}
 			key := "sk-ig-" + base64.RawURLEncoding.EncodeToString(b[:])
-			line := args[0] + " " + gateway.HashKey(key)
-			if len(models) > 0 {
-				line += " models=" + strings.Join(models, ",")
-			}
-			if rpm > 0 {
-				line += " rpm=" + strconv.Itoa(rpm)
-			}
-			if tpm > 0 {
-				line += " tpm=" + strconv.Itoa(tpm)
-			}
-			if cmd.Flags().Changed("max-priority") {
-				line += " max_priority=" + strconv.Itoa(maxPriority)
-			}
+			line := fl.line(args[0], gateway.HashKey(key), cmd.Flags().Changed("max-priority"))
 			if _, err := gateway.ParseKeys([]byte(line), false); err != nil {
 				return err
 			}
@@ -100,10 +93,33 @@ holds only the key's hash.`,
 			return nil
 		},
 	}
-	f := cmd.Flags()
-	f.StringSliceVar(&models, "models", nil, "models the key may use (comma-separated; default all)")
-	f.IntVar(&rpm, "rpm", 0, "requests per minute (0: no limit)")
-	f.IntVar(&tpm, "tpm", 0, "prompt + completion tokens per minute (0: no limit)")
-	f.IntVar(&maxPriority, "max-priority", 0, "highest X-Priority the key's requests queue with (a higher one is lowered to it; not given: no cap)")
+	fl.bind(cmd.Flags())
 	return cmd
+}
+
+// bind registers keys new's flags on f.
+func (fl *keysNewFlags) bind(f *pflag.FlagSet) {
+	f.StringSliceVar(&fl.models, "models", nil, "models the key may use (comma-separated; default all)")
+	f.IntVar(&fl.rpm, "rpm", 0, "requests per minute (0: no limit)")
+	f.IntVar(&fl.tpm, "tpm", 0, "prompt + completion tokens per minute (0: no limit)")
+	f.IntVar(&fl.maxPriority, "max-priority", 0, "highest X-Priority the key's requests queue with (a higher one is lowered to it; not given: no cap)")
+}
+
+// line is the keys-file line of the key called name with hash: the
+// models and the limits given (max_priority only when capped).
+func (fl *keysNewFlags) line(name, hash string, capped bool) string {
+	line := name + " " + hash
+	if len(fl.models) > 0 {
+		line += " models=" + strings.Join(fl.models, ",")
+	}
+	if fl.rpm > 0 {
+		line += " rpm=" + strconv.Itoa(fl.rpm)
+	}
+	if fl.tpm > 0 {
+		line += " tpm=" + strconv.Itoa(fl.tpm)
+	}
+	if capped {
+		line += " max_priority=" + strconv.Itoa(fl.maxPriority)
+	}
+	return line
 }

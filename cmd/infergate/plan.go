@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/plan"
@@ -16,23 +17,26 @@ import (
 	"github.com/infergate/infergate/sim"
 )
 
+// planFlags are plan's flags (bind).
+type planFlags struct {
+	wl       workloadFlags
+	warm     warmupFlags
+	profFile string
+	profile  string
+	engines  string
+	policies string
+	sloText  string
+	requests int
+	model    string
+	cfgPath  string
+	outPath  string
+	workers  int
+	seed     int64
+	htmlPath string
+}
+
 func newPlanCmd() *cobra.Command {
-	var (
-		wl       workloadFlags
-		warm     warmupFlags
-		profFile string
-		profile  string
-		engines  string
-		policies string
-		sloText  string
-		requests int
-		model    string
-		cfgPath  string
-		outPath  string
-		workers  int
-		seed     int64
-		htmlPath string
-	)
+	var fl planFlags
 	cmd := &cobra.Command{
 		Use:   "plan",
 		Short: "Size a fleet for a trace and an SLO by virtual-time simulation",
@@ -64,101 +68,129 @@ overhead, and engines never fail.`,
   # 4 engines miss, 8 meet it; 5-20 s (quote the SLO: > is a shell redirection)
   infergate plan --requests 2000 --engines 4..24/4 --policy cache-aware --slo 'ttft_p99=25s,goodput>=0.9'`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			started := time.Now()
-			if sloText == "" {
-				return errors.New("--slo is required, e.g. --slo ttft_p90=2s,itl_p99=100ms")
-			}
-			slo, err := plan.ParseSLO(sloText)
-			if err != nil {
-				return fmt.Errorf("--slo: %w", err)
-			}
-			sizes, err := plan.ParseEngines(engines)
-			if err != nil {
-				return fmt.Errorf("--engines: %w", err)
-			}
-			if requests < 0 {
-				return fmt.Errorf("--requests %d: must not be negative", requests)
-			}
-			prof, err := resolveProfile(profile, profFile)
-			if err != nil {
-				return err
-			}
-			if model == "" {
-				model = prof.Model
-			}
-			routing, err := loadRouting(cfgPath)
-			if err != nil {
-				return err
-			}
-			pols, err := parsePolicies(policies, routing)
-			if err != nil {
-				return fmt.Errorf("--policy: %w", err)
-			}
-			recs, err := wl.load()
-			if err != nil {
-				return err
-			}
-			prov := bench.NewProvenance(buildVersion(), os.Args, started)
-			prov.Clock = "virtual"
-			if err := describeBench(prov, &wl, recs, nil, requests); err != nil {
-				return err
-			}
-			if prov.Profile, err = bench.NewProfileInfo(sim.Config{Profile: prof}, profFile); err != nil {
-				return err
-			}
-			stderr := cmd.ErrOrStderr()
-			res, err := plan.Run(cmd.Context(), plan.Options{
-				Records: recs, Requests: requests, Engines: sizes, Policies: pols,
-				Engine: sim.Config{Profile: prof}, Model: model, Routing: routing, Seed: seed,
-				SLO: slo, Workers: workers, Warmup: warm.w,
-				Progress: func(r plan.Row) {
-					verdict := "meets the SLO"
-					if !r.MeetsSLO {
-						verdict = "misses: " + strings.Join(r.Failed(slo.MinGoodput), ", ")
-					}
-					fmt.Fprintf(stderr, "plan: %d engines, %s: %s wall, %s\n", r.Engines, r.Policy,
-						time.Duration(r.WallS*float64(time.Second)).Round(10*time.Millisecond), verdict)
-				},
-			})
-			if err != nil {
-				return err
-			}
-			prov.WallS = time.Since(started).Seconds()
-			res.Provenance = prov
-			out := cmd.OutOrStdout()
-			if err := res.WriteTable(out); err != nil {
-				return err
-			}
-			fmt.Fprintf(out, "swept %d runs of %d requests in %s (wall clock, %d at once)\n",
-				len(res.Rows), res.Requests, time.Duration(res.WallS*float64(time.Second)).Round(100*time.Millisecond), res.Workers)
-			if outPath != "" {
-				if err := writeFile(outPath, res.WriteJSON); err != nil {
-					return err
-				}
-			}
-			if htmlPath != "" {
-				if err := writeFile(htmlPath, func(w io.Writer) error { return res.WriteHTML(w) }); err != nil {
-					return err
-				}
-			}
-			return res.Err()
-		},
+		RunE: func(cmd *cobra.Command, _ []string) error { return fl.run(cmd) },
 	}
-	f := cmd.Flags()
-	wl.register(f)
-	warm.register(f)
-	f.StringVar(&profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile)")
-	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
-	f.StringVar(&engines, "engines", "4..32", "fleet sizes to sweep: N, a..b (doubling, plus b), a..b/s (step s, plus b), comma-separated")
-	f.StringVar(&policies, "policy", sched.Prefix+","+sched.LeastRequest, "comma-separated routing policies to sweep ("+strings.Join(sched.Names(), ",")+")")
-	f.StringVar(&sloText, "slo", "", "objective: metric_pXX=duration,... (metrics ttft, itl, tpot, e2e) and optionally goodput>=X")
-	f.IntVar(&requests, "requests", 0, "replay only the first N requests (0 = all)")
-	f.StringVar(&model, "model", "", "model name routing hashes are seeded with (default: the profile's model)")
-	f.StringVarP(&cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the policies")
-	f.StringVarP(&outPath, "out", "o", "", "write the sweep and the recommendation as JSON to this file")
-	f.IntVar(&workers, "workers", 0, "runs to simulate at once (0 = one per CPU)")
-	f.StringVar(&htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it, the sweep table, and against fleet size each SLO target's value with its threshold line, goodput, and the hit rate with its references, the recommended point marked")
-	f.Int64Var(&seed, "seed", 0, "seed of the engines' outputs and the policies' tie-breaking")
+	fl.bind(cmd.Flags())
 	return cmd
+}
+
+// bind registers plan's flags on f.
+func (fl *planFlags) bind(f *pflag.FlagSet) {
+	fl.wl.register(f)
+	fl.warm.register(f)
+	f.StringVar(&fl.profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile)")
+	f.StringVar(&fl.profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
+	f.StringVar(&fl.engines, "engines", "4..32", "fleet sizes to sweep: N, a..b (doubling, plus b), a..b/s (step s, plus b), comma-separated")
+	f.StringVar(&fl.policies, "policy", sched.Prefix+","+sched.LeastRequest, "comma-separated routing policies to sweep ("+strings.Join(sched.Names(), ",")+")")
+	f.StringVar(&fl.sloText, "slo", "", "objective: metric_pXX=duration,... (metrics ttft, itl, tpot, e2e) and optionally goodput>=X")
+	f.IntVar(&fl.requests, "requests", 0, "replay only the first N requests (0 = all)")
+	f.StringVar(&fl.model, "model", "", "model name routing hashes are seeded with (default: the profile's model)")
+	f.StringVarP(&fl.cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the policies")
+	f.StringVarP(&fl.outPath, "out", "o", "", "write the sweep and the recommendation as JSON to this file")
+	f.IntVar(&fl.workers, "workers", 0, "runs to simulate at once (0 = one per CPU)")
+	f.StringVar(&fl.htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it, the sweep table, and against fleet size each SLO target's value with its threshold line, goodput, and the hit rate with its references, the recommended point marked")
+	f.Int64Var(&fl.seed, "seed", 0, "seed of the engines' outputs and the policies' tie-breaking")
+}
+
+// run is plan's RunE: sweep the fleet sizes and policies (plan.Run), print
+// the table and write --out and --html; the error of a sweep in which no
+// fleet meets the SLO makes the command exit non-zero.
+func (fl *planFlags) run(cmd *cobra.Command) error {
+	started := time.Now()
+	opts, err := fl.options()
+	if err != nil {
+		return err
+	}
+	prov := bench.NewProvenance(buildVersion(), os.Args, started)
+	prov.Clock = "virtual"
+	if err := describeBench(prov, &fl.wl, opts.Records, nil, fl.requests); err != nil {
+		return err
+	}
+	if prov.Profile, err = bench.NewProfileInfo(opts.Engine, fl.profFile); err != nil {
+		return err
+	}
+	stderr := cmd.ErrOrStderr()
+	opts.Progress = func(r plan.Row) {
+		verdict := "meets the SLO"
+		if !r.MeetsSLO {
+			verdict = "misses: " + strings.Join(r.Failed(opts.SLO.MinGoodput), ", ")
+		}
+		fmt.Fprintf(stderr, "plan: %d engines, %s: %s wall, %s\n", r.Engines, r.Policy,
+			time.Duration(r.WallS*float64(time.Second)).Round(10*time.Millisecond), verdict)
+	}
+	res, err := plan.Run(cmd.Context(), opts)
+	if err != nil {
+		return err
+	}
+	prov.WallS = time.Since(started).Seconds()
+	res.Provenance = prov
+	if err := fl.write(cmd.OutOrStdout(), &res); err != nil {
+		return err
+	}
+	return res.Err()
+}
+
+// options validates the flags, in the order their errors are reported, and
+// returns the sweep they ask for (Progress not set), the workload loaded.
+func (fl *planFlags) options() (plan.Options, error) {
+	if fl.sloText == "" {
+		return plan.Options{}, errors.New("--slo is required, e.g. --slo ttft_p90=2s,itl_p99=100ms")
+	}
+	slo, err := plan.ParseSLO(fl.sloText)
+	if err != nil {
+		return plan.Options{}, fmt.Errorf("--slo: %w", err)
+	}
+	sizes, err := plan.ParseEngines(fl.engines)
+	if err != nil {
+		return plan.Options{}, fmt.Errorf("--engines: %w", err)
+	}
+	if fl.requests < 0 {
+		return plan.Options{}, fmt.Errorf("--requests %d: must not be negative", fl.requests)
+	}
+	prof, err := resolveProfile(fl.profile, fl.profFile)
+	if err != nil {
+		return plan.Options{}, err
+	}
+	model := fl.model
+	if model == "" {
+		model = prof.Model
+	}
+	routing, err := loadRouting(fl.cfgPath)
+	if err != nil {
+		return plan.Options{}, err
+	}
+	pols, err := parsePolicies(fl.policies, routing)
+	if err != nil {
+		return plan.Options{}, fmt.Errorf("--policy: %w", err)
+	}
+	recs, err := fl.wl.load()
+	if err != nil {
+		return plan.Options{}, err
+	}
+	return plan.Options{
+		Records: recs, Requests: fl.requests, Engines: sizes, Policies: pols,
+		Engine: sim.Config{Profile: prof}, Model: model, Routing: routing, Seed: fl.seed,
+		SLO: slo, Workers: fl.workers, Warmup: fl.warm.w,
+	}, nil
+}
+
+// write prints res's table and the sweep's wall time on out and writes
+// --out (JSON) and --html.
+func (fl *planFlags) write(out io.Writer, res *plan.Result) error {
+	if err := res.WriteTable(out); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "swept %d runs of %d requests in %s (wall clock, %d at once)\n",
+		len(res.Rows), res.Requests, time.Duration(res.WallS*float64(time.Second)).Round(100*time.Millisecond), res.Workers)
+	if fl.outPath != "" {
+		if err := writeFile(fl.outPath, res.WriteJSON); err != nil {
+			return err
+		}
+	}
+	if fl.htmlPath != "" {
+		if err := writeFile(fl.htmlPath, func(w io.Writer) error { return res.WriteHTML(w) }); err != nil {
+			return err
+		}
+	}
+	return nil
 }

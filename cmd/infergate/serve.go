@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/sched"
@@ -111,21 +112,24 @@ func serveUntilDone(ctx context.Context, log *slog.Logger, addr string, srv *htt
 	return nil
 }
 
+// serveFlags are serve's flags (bind).
+type serveFlags struct {
+	configPath string
+	listen     string
+	policy     string
+	endpoints  []string
+	keyEnv     string
+	tlsCert    string
+	tlsKey     string
+	keysFile   string
+	pprofAddr  string
+	grace      time.Duration
+	lf         logFlags
+	access     bool
+}
+
 func newServeCmd() *cobra.Command {
-	var (
-		configPath string
-		listen     string
-		policy     string
-		endpoints  []string
-		keyEnv     string
-		tlsCert    string
-		tlsKey     string
-		keysFile   string
-		pprofAddr  string
-		grace      time.Duration
-		lf         logFlags
-		access     bool
-	)
+	var fl serveFlags
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Run the gateway in front of real engines",
@@ -182,100 +186,122 @@ tracing.otlp_endpoint (the client's traceparent is carried to the engine).`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			// The configuration as the file, the flags and the environment
 			// give it: at start, and again at every SIGHUP.
-			load := func() (gateway.Config, error) {
-				var cfg gateway.Config
-				if configPath != "" {
-					c, err := gateway.LoadConfig(configPath)
-					if err != nil {
-						return cfg, err
-					}
-					cfg = c
+			load := func() (gateway.Config, error) { return fl.config(cmd) }
+			return runGateway(cmd, fl.pprofAddr, load, func(g *gateway.Gateway, log *slog.Logger, cfg gateway.Config) func(net.Addr) {
+				scheme := "http://"
+				if g.TLSEnabled() {
+					scheme = "https://"
 				}
-				if cmd.Flags().Changed("listen") || cfg.Listen == "" {
-					cfg.Listen = listen
+				return func(a net.Addr) {
+					log.Info("gateway listening", "addr", scheme+a.String(), "policy", g.Policy(), "endpoints", len(cfg.Endpoints),
+						"auth", g.AuthEnabled())
 				}
-				if cmd.Flags().Changed("policy") {
-					cfg.Routing.Policy = policy
-				}
-				if cmd.Flags().Changed("shutdown-grace") {
-					cfg.ShutdownGrace = grace
-				}
-				for _, e := range endpoints {
-					url, model, ok := strings.Cut(e, "=")
-					if !ok || url == "" || model == "" {
-						return cfg, fmt.Errorf("--endpoint %q: want URL=MODEL", e)
-					}
-					cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: url, Model: model, APIKeyEnv: keyEnv})
-				}
-				if keyEnv != "" && len(endpoints) == 0 {
-					return cfg, errors.New("--endpoint-api-key-env is for the --endpoint flags' engines: give it with --endpoint URL=MODEL (or set api_key_env in the config)")
-				}
-				if len(cfg.Endpoints) == 0 {
-					return cfg, errors.New("no endpoints: give -c config.yaml or --endpoint URL=MODEL")
-				}
-				if err := applyEdgeFlags(cmd, &cfg, tlsCert, tlsKey, keysFile); err != nil {
-					return cfg, err
-				}
-				applyAccessLog(cmd, &cfg.AccessLog, access)
-				return cfg, resolveLog(cmd, &cfg.Log)
-			}
-			// Caught from now on: SIGHUP's default action would end the
-			// process, during start-up too.
-			hup := make(chan os.Signal, 1)
-			signal.Notify(hup, syscall.SIGHUP)
-			defer signal.Stop(hup)
-			cfg, err := load()
-			if err != nil {
-				return err
-			}
-			if err := checkPprofAddr(pprofAddr); err != nil {
-				return err
-			}
-			log, err := setupLogging(cmd, &cfg.Log)
-			if err != nil {
-				return err
-			}
-			g, err := gateway.New(cfg, nil)
-			if err != nil {
-				return err
-			}
-			defer g.Close()
-			warnExposure(log, cfg.Listen, g)
-			ctx, stop := context.WithCancel(cmd.Context())
-			defer stop()
-			go reloadOnHUP(ctx, log, hup, g, load)
-			if pprofAddr != "" {
-				stop, err := startPprof(log, pprofAddr)
-				if err != nil {
-					return err
-				}
-				defer stop()
-			}
-			scheme := "http://"
-			if g.TLSEnabled() {
-				scheme = "https://"
-			}
-			return serveGateway(ctx, log, cfg.Listen, g, func(a net.Addr) {
-				log.Info("gateway listening", "addr", scheme+a.String(), "policy", g.Policy(), "endpoints", len(cfg.Endpoints),
-					"auth", g.AuthEnabled())
 			})
 		},
 	}
-	f := cmd.Flags()
-	f.StringVarP(&configPath, "config", "c", "", "YAML config file")
-	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
-	f.StringVar(&policy, "policy", "", "routing policy (default cache-aware; precise-prefix needs kv_events on every endpoint): "+strings.Join(sched.Names(), ", "))
-	f.StringArrayVar(&endpoints, "endpoint", nil, "engine endpoint as URL=MODEL (repeatable)")
-	f.StringVar(&keyEnv, "endpoint-api-key-env", "", "name of the environment variable holding the API key the --endpoint engines require "+
-		"(vLLM --api-key, a hosted backend's key; sent as Authorization: Bearer); the key itself is never a flag")
-	f.StringVar(&tlsCert, "tls-cert", "", "PEM certificate chain: serve HTTPS (overrides tls.cert_file; needs --tls-key)")
-	f.StringVar(&tlsKey, "tls-key", "", "PEM private key for --tls-cert (overrides tls.key_file)")
-	f.StringVar(&keysFile, "keys-file", "", "API keys file (overrides auth.keys_file; see 'infergate keys')")
-	f.StringVar(&pprofAddr, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default)")
-	f.DurationVar(&grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage+" (overrides shutdown_grace)")
-	lf.register(f)
-	accessLogFlag(f, &access)
+	fl.bind(cmd.Flags())
 	return cmd
+}
+
+// bind registers serve's flags on f.
+func (fl *serveFlags) bind(f *pflag.FlagSet) {
+	f.StringVarP(&fl.configPath, "config", "c", "", "YAML config file")
+	f.StringVar(&fl.listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
+	f.StringVar(&fl.policy, "policy", "", "routing policy (default cache-aware; precise-prefix needs kv_events on every endpoint): "+strings.Join(sched.Names(), ", "))
+	f.StringArrayVar(&fl.endpoints, "endpoint", nil, "engine endpoint as URL=MODEL (repeatable)")
+	f.StringVar(&fl.keyEnv, "endpoint-api-key-env", "", "name of the environment variable holding the API key the --endpoint engines require "+
+		"(vLLM --api-key, a hosted backend's key; sent as Authorization: Bearer); the key itself is never a flag")
+	f.StringVar(&fl.tlsCert, "tls-cert", "", "PEM certificate chain: serve HTTPS (overrides tls.cert_file; needs --tls-key)")
+	f.StringVar(&fl.tlsKey, "tls-key", "", "PEM private key for --tls-cert (overrides tls.key_file)")
+	f.StringVar(&fl.keysFile, "keys-file", "", "API keys file (overrides auth.keys_file; see 'infergate keys')")
+	f.StringVar(&fl.pprofAddr, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default)")
+	f.DurationVar(&fl.grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage+" (overrides shutdown_grace)")
+	fl.lf.register(f)
+	accessLogFlag(f, &fl.access)
+}
+
+// config is the gateway configuration the file (-c), the flags and the
+// environment give; the flags given on cmd's command line override the
+// file's listen address, policy and shutdown grace.
+func (fl *serveFlags) config(cmd *cobra.Command) (gateway.Config, error) {
+	var cfg gateway.Config
+	if fl.configPath != "" {
+		c, err := gateway.LoadConfig(fl.configPath)
+		if err != nil {
+			return cfg, err
+		}
+		cfg = c
+	}
+	if cmd.Flags().Changed("listen") || cfg.Listen == "" {
+		cfg.Listen = fl.listen
+	}
+	if cmd.Flags().Changed("policy") {
+		cfg.Routing.Policy = fl.policy
+	}
+	if cmd.Flags().Changed("shutdown-grace") {
+		cfg.ShutdownGrace = fl.grace
+	}
+	for _, e := range fl.endpoints {
+		url, model, ok := strings.Cut(e, "=")
+		if !ok || url == "" || model == "" {
+			return cfg, fmt.Errorf("--endpoint %q: want URL=MODEL", e)
+		}
+		cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: url, Model: model, APIKeyEnv: fl.keyEnv})
+	}
+	if fl.keyEnv != "" && len(fl.endpoints) == 0 {
+		return cfg, errors.New("--endpoint-api-key-env is for the --endpoint flags' engines: give it with --endpoint URL=MODEL (or set api_key_env in the config)")
+	}
+	if len(cfg.Endpoints) == 0 {
+		return cfg, errors.New("no endpoints: give -c config.yaml or --endpoint URL=MODEL")
+	}
+	if err := applyEdgeFlags(cmd, &cfg, fl.tlsCert, fl.tlsKey, fl.keysFile); err != nil {
+		return cfg, err
+	}
+	applyAccessLog(cmd, &cfg.AccessLog, fl.access)
+	return cfg, resolveLog(cmd, &cfg.Log)
+}
+
+// runGateway runs a gateway (serve, up) with the configuration load
+// returns until cmd's context is cancelled. SIGHUP is caught from the call
+// on (its default action would end the process, during start-up too) and
+// applies load's configuration again. pprofAddr is --pprof (checked after
+// the configuration is loaded; "" is off). ready is given the gateway, the
+// logger and the configuration once the gateway is built and returns what
+// is called with the bound address once it listens (serveGateway).
+func runGateway(cmd *cobra.Command, pprofAddr string, load func() (gateway.Config, error),
+	ready func(g *gateway.Gateway, log *slog.Logger, cfg gateway.Config) func(net.Addr)) error {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	cfg, err := load()
+	if err != nil {
+		return err
+	}
+	if err := checkPprofAddr(pprofAddr); err != nil {
+		return err
+	}
+	log, err := setupLogging(cmd, &cfg.Log)
+	if err != nil {
+		return err
+	}
+	g, err := gateway.New(cfg, nil)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	warnExposure(log, cfg.Listen, g)
+	ctx, stop := context.WithCancel(cmd.Context())
+	defer stop()
+	go reloadOnHUP(ctx, log, hup, g, load)
+	onReady := ready(g, log, cfg)
+	if pprofAddr != "" {
+		stop, err := startPprof(log, pprofAddr)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
+	return serveGateway(ctx, log, cfg.Listen, g, onReady)
 }
 
 // reloadOnHUP applies the configuration load returns at every SIGHUP on

@@ -1,16 +1,14 @@
 package main
 
 import (
-	"context"
 	"fmt"
+	"log/slog"
 	"net"
-	"os"
-	"os/signal"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/gateway"
@@ -18,18 +16,21 @@ import (
 	"github.com/infergate/infergate/sim"
 )
 
+// upFlags are up's flags (bind).
+type upFlags struct {
+	engines int
+	listen  string
+	policy  string
+	grace   time.Duration
+	pprofAt string
+	ef      engineFlags
+	lf      logFlags
+	access  bool
+	keys    string
+}
+
 func newUpCmd() *cobra.Command {
-	var (
-		engines int
-		listen  string
-		policy  string
-		grace   time.Duration
-		pprofAt string
-		ef      engineFlags
-		lf      logFlags
-		access  bool
-		keys    string
-	)
+	var fl upFlags
 	cmd := &cobra.Command{
 		Use:   "up",
 		Short: "Run the gateway with an embedded simulated vLLM fleet",
@@ -50,103 +51,87 @@ restart; gateway/README.md, "Reload").`,
   infergate up --engines 8 --policy round-robin --listen 127.0.0.1:9000
   infergate keys new alice >> keys.txt && infergate up --keys-file keys.txt`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			scfg, err := ef.serverConfig()
-			if err != nil {
-				return err
-			}
-			if err := checkPprofAddr(pprofAt); err != nil {
-				return err
-			}
-			if engines < 1 || engines > 64 {
-				return fmt.Errorf("--engines %d: want 1..64", engines)
-			}
-			prof, model, lora := scfg.Engine.Profile, scfg.Model, scfg.Engine.LoRA
-			if !cmd.Flags().Changed("responses-store") {
-				scfg.ResponsesStore = true // the embedded demo: continuations work
-			}
-			if !scfg.KVEvents.Enable {
-				// The engines publish their KV events on loopback and the
-				// gateway subscribes: the precise-prefix policy's input.
-				scfg.KVEvents = sim.KVEventsConfig{Enable: true}
-			}
-			fleet, err := sim.StartFleet(engines, scfg)
-			if err != nil {
-				return err
-			}
-			defer fleet.Close()
-			// The configuration: the fleet's endpoints and the flags, with the
-			// keys read from the keys file and the environment at start and
-			// at every SIGHUP.
-			load := func() (gateway.Config, error) {
-				cfg := gateway.Config{Listen: listen, Routing: sched.Config{Policy: policy}, ShutdownGrace: grace}
-				for _, m := range append([]string{model}, lora.Adapters...) {
-					cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, m)...)
-				}
-				if err := applyEdgeFlags(cmd, &cfg, "", "", keys); err != nil {
-					return cfg, err
-				}
-				applyAccessLog(cmd, &cfg.AccessLog, access)
-				return cfg, resolveLog(cmd, &cfg.Log)
-			}
-			// Caught from now on: SIGHUP's default action ends the process.
-			hup := make(chan os.Signal, 1)
-			signal.Notify(hup, syscall.SIGHUP)
-			defer signal.Stop(hup)
-			cfg, err := load()
-			if err != nil {
-				return err
-			}
-			log, err := setupLogging(cmd, &cfg.Log)
-			if err != nil {
-				return err
-			}
-			g, err := gateway.New(cfg, nil)
-			if err != nil {
-				return err
-			}
-			defer g.Close()
-			warnExposure(log, listen, g)
-			ctx, stopHUP := context.WithCancel(cmd.Context())
-			defer stopHUP()
-			go reloadOnHUP(ctx, log, hup, g, load) // load reads policy: not written from here on
-			resolved := g.Policy()
-			if pprofAt != "" { // profiles the simulated engines too: they share the process
-				stop, err := startPprof(log, pprofAt)
-				if err != nil {
-					return err
-				}
-				defer stop()
-			}
-			out := cmd.OutOrStdout()
-			return serveGateway(ctx, log, listen, g, func(a net.Addr) {
-				base := "http://" + a.String()
-				auth := "open (no API keys)"
-				if g.AuthEnabled() {
-					auth = "API keys required"
-				}
-				fmt.Fprintf(out, "infergate %s is up: OpenAI API at %s/v1 (policy %s; %s)\n", buildVersion(), base, resolved, auth)
-				fmt.Fprintf(out, "  fleet: %d simulated engines, profile %s, model %q, time scale %gx, %d KV blocks each\n",
-					engines, prof.Name, model, scfg.TimeScale, fleet.KVBlocks())
-				for i, u := range fleet.URLs {
-					fmt.Fprintf(out, "    engine %d: %s (metrics %s/metrics)\n", i, u, u)
-				}
-				fmt.Fprintf(out, "  dashboard: %s/dashboard   metrics: %s/metrics   health: %s/healthz\n\n", base, base, base)
-				fmt.Fprintf(out, "Try:\n  curl -s %s/v1/chat/completions -H 'Content-Type: application/json' \\\n"+
-					"    -d '{\"model\": %q, \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'\n\n", base, model)
-				fmt.Fprintf(out, "Press Ctrl-C to stop.\n")
-			})
-		},
+		RunE: func(cmd *cobra.Command, _ []string) error { return fl.run(cmd) },
 	}
-	f := cmd.Flags()
-	f.IntVar(&engines, "engines", 4, "number of simulated engines")
-	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
-	f.StringVar(&policy, "policy", "", "routing policy (default cache-aware; precise-prefix uses the engines' KV events): "+strings.Join(sched.Names(), ", "))
-	f.DurationVar(&grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage)
-	f.StringVar(&pprofAt, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default; the engines share the process)")
-	ef.register(f, false, "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
-	lf.register(f)
-	accessLogFlag(f, &access)
-	f.StringVar(&keys, "keys-file", "", "API keys file (see 'infergate keys'); also $"+gateway.EnvAPIKeys+"; read again at SIGHUP")
+	fl.bind(cmd.Flags())
 	return cmd
+}
+
+// bind registers up's flags on f.
+func (fl *upFlags) bind(f *pflag.FlagSet) {
+	f.IntVar(&fl.engines, "engines", 4, "number of simulated engines")
+	f.StringVar(&fl.listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
+	f.StringVar(&fl.policy, "policy", "", "routing policy (default cache-aware; precise-prefix uses the engines' KV events): "+strings.Join(sched.Names(), ", "))
+	f.DurationVar(&fl.grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage)
+	f.StringVar(&fl.pprofAt, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default; the engines share the process)")
+	fl.ef.register(f, false, "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
+	fl.lf.register(f)
+	accessLogFlag(f, &fl.access)
+	f.StringVar(&fl.keys, "keys-file", "", "API keys file (see 'infergate keys'); also $"+gateway.EnvAPIKeys+"; read again at SIGHUP")
+}
+
+// run is up's RunE: start the fleet, then the gateway in front of it
+// (runGateway) until the command's context is cancelled.
+func (fl *upFlags) run(cmd *cobra.Command) error {
+	scfg, err := fl.ef.serverConfig()
+	if err != nil {
+		return err
+	}
+	if err := checkPprofAddr(fl.pprofAt); err != nil {
+		return err
+	}
+	if fl.engines < 1 || fl.engines > 64 {
+		return fmt.Errorf("--engines %d: want 1..64", fl.engines)
+	}
+	prof, model, lora := scfg.Engine.Profile, scfg.Model, scfg.Engine.LoRA
+	if !cmd.Flags().Changed("responses-store") {
+		scfg.ResponsesStore = true // the embedded demo: continuations work
+	}
+	if !scfg.KVEvents.Enable {
+		// The engines publish their KV events on loopback and the
+		// gateway subscribes: the precise-prefix policy's input.
+		scfg.KVEvents = sim.KVEventsConfig{Enable: true}
+	}
+	fleet, err := sim.StartFleet(fl.engines, scfg)
+	if err != nil {
+		return err
+	}
+	defer fleet.Close()
+	// The configuration: the fleet's endpoints and the flags, with the
+	// keys read from the keys file and the environment at start and
+	// at every SIGHUP.
+	load := func() (gateway.Config, error) {
+		cfg := gateway.Config{Listen: fl.listen, Routing: sched.Config{Policy: fl.policy}, ShutdownGrace: fl.grace}
+		for _, m := range append([]string{model}, lora.Adapters...) {
+			cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, m)...)
+		}
+		if err := applyEdgeFlags(cmd, &cfg, "", "", fl.keys); err != nil {
+			return cfg, err
+		}
+		applyAccessLog(cmd, &cfg.AccessLog, fl.access)
+		return cfg, resolveLog(cmd, &cfg.Log)
+	}
+	out := cmd.OutOrStdout()
+	// The pprof server profiles the simulated engines too: they share the
+	// process.
+	return runGateway(cmd, fl.pprofAt, load, func(g *gateway.Gateway, _ *slog.Logger, _ gateway.Config) func(net.Addr) {
+		resolved := g.Policy() // load reads policy: not written from here on
+		return func(a net.Addr) {
+			base := "http://" + a.String()
+			auth := "open (no API keys)"
+			if g.AuthEnabled() {
+				auth = "API keys required"
+			}
+			fmt.Fprintf(out, "infergate %s is up: OpenAI API at %s/v1 (policy %s; %s)\n", buildVersion(), base, resolved, auth)
+			fmt.Fprintf(out, "  fleet: %d simulated engines, profile %s, model %q, time scale %gx, %d KV blocks each\n",
+				fl.engines, prof.Name, model, scfg.TimeScale, fleet.KVBlocks())
+			for i, u := range fleet.URLs {
+				fmt.Fprintf(out, "    engine %d: %s (metrics %s/metrics)\n", i, u, u)
+			}
+			fmt.Fprintf(out, "  dashboard: %s/dashboard   metrics: %s/metrics   health: %s/healthz\n\n", base, base, base)
+			fmt.Fprintf(out, "Try:\n  curl -s %s/v1/chat/completions -H 'Content-Type: application/json' \\\n"+
+				"    -d '{\"model\": %q, \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'\n\n", base, model)
+			fmt.Fprintf(out, "Press Ctrl-C to stop.\n")
+		}
+	})
 }
