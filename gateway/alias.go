@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/infergate/infergate/jsonscan"
 	"log/slog"
 	"net/http"
 	"slices"
@@ -157,7 +158,7 @@ func aliasModels(aliases map[string][]string, created map[string]int64, prev map
 // aliasTarget makes x send p's model name in place of the alias the client
 // sent, and names it in the X-Infergate-Model response header.
 func (g *Gateway) aliasTarget(w http.ResponseWriter, x *exchange, p *pool) *openai.Error {
-	b, ok := spliceModel(x.pass.aliasBody[:0], x.body, p.modelJSON)
+	b, ok := jsonscan.SpliceModel(x.pass.aliasBody[:0], x.body, p.modelJSON)
 	if !ok {
 		// openai.Decode read a model from this body: the walk can only
 		// fail on what it does not expect of valid JSON.
@@ -173,99 +174,4 @@ func (g *Gateway) aliasTarget(w http.ResponseWriter, x *exchange, p *pool) *open
 func (g *Gateway) fellBack(x *exchange, p *pool) {
 	g.fallbacks.WithLabelValues(x.model, p.model, x.pass.fell).Inc()
 	slog.Debug("gateway: alias falls back", "alias", x.model, "model", p.model, "reason", x.pass.fell)
-}
-
-// spliceModel appends to dst the JSON object body with the value of its
-// top-level "model" member replaced by model (a JSON string), every other
-// byte kept; false when body has no such member or is not an object the
-// walk understands (modelSpan).
-func spliceModel(dst, body, model []byte) ([]byte, bool) {
-	from, to, ok := modelSpan(body)
-	if !ok {
-		return dst, false
-	}
-	dst = append(dst, body[:from]...)
-	dst = append(dst, model...)
-	return append(dst, body[to:]...), true
-}
-
-// modelSpan returns the byte range [from, to) of the value of the first
-// top-level member of the JSON object body whose key is "model" as engines
-// read keys (escapes decoded: "\u006dodel" is model to Python's json). It
-// walks body once: strings with the validating scanner, values of any
-// nesting by counting brackets (no recursion, so no depth limit: the body
-// was bounded by openai.Decode). ok is false for a body that is not an
-// object, has no model member, or breaks off.
-func modelSpan(body []byte) (from, to int, ok bool) {
-	s := chunkScanner{b: body}
-	s.ws()
-	if !s.is('{') {
-		return 0, 0, false
-	}
-	s.i++
-	s.ws()
-	if s.is('}') {
-		return 0, 0, false
-	}
-	for {
-		if !s.is('"') {
-			return 0, 0, false
-		}
-		k0 := s.i
-		raw, plain, ok := s.str()
-		if !ok {
-			return 0, 0, false
-		}
-		isModel := plain && string(raw) == "model"
-		if !plain && len(raw) <= 64 {
-			var key string
-			isModel = json.Unmarshal(body[k0:s.i], &key) == nil && key == "model"
-		}
-		s.ws()
-		if !s.is(':') {
-			return 0, 0, false
-		}
-		s.i++
-		s.ws()
-		v0 := s.i
-		if !skipValue(&s) {
-			return 0, 0, false
-		}
-		if isModel {
-			return v0, s.i, true
-		}
-		if more, ok := s.sep('}'); !more || !ok {
-			return 0, 0, false
-		}
-	}
-}
-
-// skipValue moves s past the value at s.i: a string, number or literal by
-// the scanner, an object or array by counting brackets outside strings.
-func skipValue(s *chunkScanner) bool {
-	if s.i >= len(s.b) {
-		return false
-	}
-	if c := s.b[s.i]; c != '{' && c != '[' {
-		return s.skip(1)
-	}
-	depth := 0
-	for s.i < len(s.b) {
-		switch s.b[s.i] {
-		case '"':
-			if _, _, ok := s.str(); !ok {
-				return false
-			}
-			continue
-		case '{', '[':
-			depth++
-		case '}', ']':
-			if depth--; depth == 0 {
-				s.i++
-				return true
-			}
-		}
-		s.i++
-	}
-	return false
 }

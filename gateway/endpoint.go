@@ -58,7 +58,7 @@ type endpoint struct {
 	outlier outlierState
 	// probeFailures counts the health probes failed in a row; waits are
 	// the attempts waiting for its response headers, aborted when
-	// probeFailures reaches health_check_abort_after (healthabort.go).
+	// probeFailures reaches health_check_abort_after (upstream/wait.go).
 	probeFailures atomic.Int64
 	waits         upstream.Waits
 	// authFailing is set by the engine's first refusal of the gateway's

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"fmt"
+	"github.com/infergate/infergate/jsonscan"
 	"net/http"
 	"strings"
 
@@ -282,25 +283,25 @@ func (x *exchange) eventLimit(g *Gateway) int {
 }
 
 // viewEvent reads one stream event's data as x's kind has it.
-func (x *exchange) viewEvent(data []byte) (chunkView, bool) {
+func (x *exchange) viewEvent(data []byte) (jsonscan.View, bool) {
 	switch k := x.pass.kind; {
 	case k <= kindCompletion:
-		return x.viewChunk(data)
+		return jsonscan.Chat(data, &x.chunk)
 	case k == kindOther:
-		return chunkView{choices: 1, output: true}, true
+		return jsonscan.View{Choices: 1, Output: true}, true
 	}
 	x.pass.seq++
-	v, ok := viewResponseEvent(data)
+	v, ok := jsonscan.Response(data)
 	if !ok {
-		return chunkView{}, false
+		return jsonscan.View{}, false
 	}
-	if v.terminal {
+	if v.Terminal {
 		x.pass.respDone = true
-		if !v.failed && x.pass.kind == kindResponses && x.pass.resp.Stored() {
-			x.pass.respID = v.id // learnt by attempt once the stream ended well
+		if !v.Failed && x.pass.kind == kindResponses && x.pass.resp.Stored() {
+			x.pass.respID = v.ID // learnt by attempt once the stream ended well
 		}
 	}
-	return chunkView{choices: 1, output: v.output, isError: v.failed, usage: v.usage}, true
+	return jsonscan.View{Choices: 1, Output: v.Output, IsError: v.Failed, Usage: v.Usage}, true
 }
 
 // streamComplete reports whether a stream that reached EOF was complete.

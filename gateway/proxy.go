@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/infergate/infergate/jsonscan"
 	"github.com/infergate/infergate/upstream"
 	"io"
 	"log/slog"
@@ -91,7 +92,7 @@ type exchange struct {
 	errBody  []byte
 	excluded []bool
 	// wait is the attempt's entry in its endpoint's header waits
-	// (healthabort.go).
+	// (upstream/wait.go).
 	wait upstream.Wait
 
 	// edge is the key's token reservation and the client write deadline
@@ -909,29 +910,29 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 		now := fr.at // when this event's bytes arrived
 		output := false
 		if c, ok := x.viewEvent(data); ok {
-			if c.isError && !started {
+			if c.IsError && !started {
 				// An engine error before any output (vLLM's stream
 				// generator raising): nothing reached the client.
 				return &failure{reason: reasonErrorEvent, rm: rm, err: openai.NewError(http.StatusBadGateway,
 					"The model server reported an error before its first token: "+x.errorMessage(data), "", openai.CodeUpstream)}, 0
 			}
-			chunks = chunks || c.choices > 0
-			if c.usage != nil {
-				usage = c.usage // freshly allocated: safe to keep
+			chunks = chunks || c.Choices > 0
+			if c.Usage != nil {
+				usage = c.Usage // freshly allocated: safe to keep
 			}
-			streamErr = streamErr || c.isError
-			if strip && c.choices == 0 && c.usage != nil && !c.isError {
+			streamErr = streamErr || c.IsError
+			if strip && c.Choices == 0 && c.Usage != nil && !c.IsError {
 				continue
 			}
-			if strip && c.choices > 0 && bytes.Contains(data, usageKey) {
+			if strip && c.Choices > 0 && bytes.Contains(data, usageKey) {
 				// Some engines (Ollama) add a usage member to every chunk
 				// once include_usage is on; the client did not ask for it.
-				if from, to, ok := memberSpan(data, "usage"); ok {
-					x.stripped = withoutMember(x.stripped[:0], data, from, to)
+				if from, to, ok := jsonscan.MemberSpan(data, "usage"); ok {
+					x.stripped = jsonscan.WithoutMember(x.stripped[:0], data, from, to)
 					data = x.stripped
 				}
 			}
-			if output = c.output; output {
+			if output = c.Output; output {
 				if last.IsZero() {
 					x.share.FirstToken(clock(now)) // the learnt prefill rate (load.Ledger)
 					rm.ttft.Observe(now.Sub(start).Seconds())
@@ -1100,23 +1101,6 @@ func (f *flushOnRead) Read(p []byte) (int, error) {
 		f.at = time.Now()
 	}
 	return n, err
-}
-
-// parseChunk decodes one event's data into x.chunk, best effort: a field of
-// an unexpected type is skipped, not fatal. It returns nil if data is not a
-// JSON object, or nests deeper than openai.MaxDepth.
-func (x *exchange) parseChunk(data []byte) *openai.StreamChunk {
-	x.chunk.Reset()
-	if openai.TooDeep(data) {
-		return nil // an engine's JSON is bounded like a client's
-	}
-	if err := json.Unmarshal(data, &x.chunk); err != nil {
-		var te *json.UnmarshalTypeError
-		if !errors.As(err, &te) {
-			return nil
-		}
-	}
-	return &x.chunk
 }
 
 // appendEvent appends data as one SSE event: its "event:" field when it

@@ -185,7 +185,7 @@ const (
 	reasonBadResponse = "bad_response"
 	// reasonEndpointDown: the endpoint failed health_check_abort_after
 	// probes in a row while the attempt waited for its response headers
-	// (healthabort.go).
+	// (upstream/wait.go).
 	reasonEndpointDown = "endpoint_down"
 )
 

@@ -152,7 +152,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 			// Not charged to the retry budget: the endpoint left rotation,
 			// so the request would have gone elsewhere had it come a moment
 			// later, and a frozen engine's requests are aborted all at once
-			// (healthabort.go). The budget, sized against overload, turned
+			// (upstream/wait.go). The budget, sized against overload, turned
 			// such a burst into 502s while the other engines idled (16 of
 			// 40 in the second attack run).
 		case !retrying:

@@ -188,7 +188,7 @@ type ReadDeadliner interface {
 // due by it. Without by, the body's reads are unbounded until the caller
 // sets a deadline. The fallback transport's bodies are bounded by a timer
 // that cancels the request (watchedBody). w (nil: none) is the attempt's
-// entry in its endpoint's header waits (healthabort.go): an abort ends the
+// entry in its endpoint's header waits (wait.go): an abort ends the
 // wait with ErrEndpointDown.
 func (u *Client) RoundTripBy(req *http.Request, by time.Time, w *Wait) (*http.Response, error) {
 	if u.allFallback || req.URL.Scheme != "http" || (req.Body != nil && req.Body != http.NoBody && req.ContentLength <= 0) {
@@ -243,7 +243,7 @@ func (e staleConnError) Error() string { return e.err.Error() }
 func (e staleConnError) Unwrap() error { return e.err }
 
 // roundTrip sends req on pc and reads the response headers; w (nil: none)
-// is the attempt's entry in its endpoint's header waits (healthabort.go),
+// is the attempt's entry in its endpoint's header waits (wait.go),
 // armed for the write and the wait: aborted meanwhile, the connection is
 // closed and the error is ErrEndpointDown.
 func (u *Client) roundTrip(ctx context.Context, pc *upConn, req *http.Request, by time.Time, w *Wait) (*http.Response, error) {

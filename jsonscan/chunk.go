@@ -1,47 +1,67 @@
-package gateway
+package jsonscan
 
 import (
+	"encoding/json"
+	"errors"
 	"strings"
 	"unicode/utf8"
 
 	"github.com/infergate/infergate/openai"
 )
 
-// chunkView is what the stream relay reads from one SSE event: how many
+// View is what the stream relay reads from one SSE event: how many
 // choices it has, whether it carries output (openai.StreamChunk.HasOutput),
 // whether it is an error event, and the usage it reports.
-type chunkView struct {
-	choices int
-	output  bool
-	isError bool
-	usage   *openai.Usage
+type View struct {
+	Choices int
+	Output  bool
+	IsError bool
+	Usage   *openai.Usage
 }
 
-// viewChunk reads an event's data. ok is false when data is not JSON the
+// Chat reads a chat or completion stream event's data. ok is false when data is not JSON the
 // gateway understands (it is then relayed as is, unaccounted). The common
-// shapes are read by scanChunk without encoding/json (a fifth of the
+// shapes are read by ScanChat without encoding/json (a fifth of the
 // gateway's CPU time per streamed request went to decoding chunks with it);
-// anything scanChunk is not sure about goes through parseChunk, whose answer
-// scanChunk reproduces exactly (FuzzScanChunk checks it).
-func (x *exchange) viewChunk(data []byte) (v chunkView, ok bool) {
-	if v, decided := scanChunk(data); decided {
+// anything ScanChat is not sure about goes through ParseChat, whose answer
+// ScanChat reproduces exactly (FuzzScanChunk checks it).
+func Chat(data []byte, scratch *openai.StreamChunk) (v View, ok bool) {
+	if v, decided := ScanChat(data); decided {
 		return v, true
 	}
-	c := x.parseChunk(data)
-	if c == nil {
-		return chunkView{}, false
-	}
-	return chunkView{choices: len(c.Choices), output: c.HasOutput(), isError: c.IsError(), usage: c.Usage}, true
+	return ParseChat(data, scratch)
 }
 
-// scanChunk reads the view of a chunk without encoding/json. decided is
+// ParseChat is the reference reading of a chat or completion chunk, with
+// encoding/json into scratch (reset first; nil: a new one): ok is false
+// when data is not a JSON object (or nests deeper than openai.MaxDepth). A
+// field of an unexpected type is skipped, not fatal.
+func ParseChat(data []byte, scratch *openai.StreamChunk) (View, bool) {
+	if scratch == nil {
+		scratch = new(openai.StreamChunk)
+	}
+	scratch.Reset()
+	if openai.TooDeep(data) {
+		return View{}, false // an engine's JSON is bounded like a client's
+	}
+	if err := json.Unmarshal(data, scratch); err != nil {
+		var te *json.UnmarshalTypeError
+		if !errors.As(err, &te) {
+			return View{}, false
+		}
+	}
+	c := scratch
+	return View{Choices: len(c.Choices), Output: c.HasOutput(), IsError: c.IsError(), Usage: c.Usage}, true
+}
+
+// ScanChat reads the view of a chunk without encoding/json. decided is
 // false when it cannot be sure to match json.Unmarshal into
 // openai.StreamChunk: invalid JSON, a known key spelled in another case or
 // with escapes or non-ASCII bytes (json matches keys case-insensitively), a
 // known key repeated, a known field of an unexpected type, nesting over
 // maxScanDepth. The caller then decodes with encoding/json.
-func scanChunk(data []byte) (v chunkView, decided bool) {
-	s := chunkScanner{b: data}
+func ScanChat(data []byte) (v View, decided bool) {
+	s := scanner{b: data}
 	s.ws()
 	if !s.is('{') {
 		return v, false
@@ -61,11 +81,11 @@ func scanChunk(data []byte) (v chunkView, decided bool) {
 			}
 			seenUsage = true
 			if s.literal("null") {
-				v.usage = nil
+				v.Usage = nil
 				return true
 			}
 			u, ok := s.usage()
-			v.usage = u
+			v.Usage = u
 			return ok
 		case "error":
 			if seenError {
@@ -77,28 +97,28 @@ func scanChunk(data []byte) (v chunkView, decided bool) {
 				return false
 			}
 			raw := data[start:s.i]
-			v.isError = len(raw) > 0 && string(raw) != "null"
+			v.IsError = len(raw) > 0 && string(raw) != "null"
 			return true
 		}
 		return !foldsTo(key, "choices", "usage", "error") && s.skip(1)
 	})
 	if !ok {
-		return chunkView{}, false
+		return View{}, false
 	}
 	s.ws()
 	return v, s.i == len(s.b)
 }
 
-// maxScanDepth bounds the nesting scanChunk follows (deeper: undecided).
+// maxScanDepth bounds the nesting ScanChat follows (deeper: undecided).
 const maxScanDepth = 32
 
-// chunkScanner is a validating JSON scanner over b from i.
-type chunkScanner struct {
+// scanner is a validating JSON scanner over b from i.
+type scanner struct {
 	b []byte
 	i int
 }
 
-func (s *chunkScanner) ws() {
+func (s *scanner) ws() {
 	for s.i < len(s.b) {
 		switch s.b[s.i] {
 		case ' ', '\t', '\n', '\r':
@@ -110,10 +130,10 @@ func (s *chunkScanner) ws() {
 }
 
 // is reports whether the next byte is c (without consuming it).
-func (s *chunkScanner) is(c byte) bool { return s.i < len(s.b) && s.b[s.i] == c }
+func (s *scanner) is(c byte) bool { return s.i < len(s.b) && s.b[s.i] == c }
 
 // literal consumes lit if it is next.
-func (s *chunkScanner) literal(lit string) bool {
+func (s *scanner) literal(lit string) bool {
 	if len(s.b)-s.i >= len(lit) && string(s.b[s.i:s.i+len(lit)]) == lit {
 		s.i += len(lit)
 		return true
@@ -125,7 +145,7 @@ func (s *chunkScanner) literal(lit string) bool {
 // scanner at the start of the key's value (after the colon and
 // whitespace); member consumes the value. Keys with escapes or non-ASCII
 // bytes are refused.
-func (s *chunkScanner) object(member func(key []byte) bool) bool {
+func (s *scanner) object(member func(key []byte) bool) bool {
 	s.i++ // '{'
 	s.ws()
 	if s.is('}') {
@@ -162,7 +182,7 @@ func (s *chunkScanner) object(member func(key []byte) bool) bool {
 
 // sep consumes what follows a member or an element: a comma (more follow)
 // or close (the end, ok). Anything else is invalid: more and ok are false.
-func (s *chunkScanner) sep(close byte) (more, ok bool) {
+func (s *scanner) sep(close byte) (more, ok bool) {
 	s.ws()
 	switch {
 	case s.is(','):
@@ -179,7 +199,7 @@ func (s *chunkScanner) sep(close byte) (more, ok bool) {
 // str scans a string at '"' and returns its raw contents; plain is false
 // when it has escapes or is not valid UTF-8 (raw is then not its decoded
 // value). ok is false for an invalid string.
-func (s *chunkScanner) str() (raw []byte, plain, ok bool) {
+func (s *scanner) str() (raw []byte, plain, ok bool) {
 	s.i++ // '"'
 	start := s.i
 	plain = true
@@ -241,7 +261,7 @@ var plainStringByte = func() (t [256]bool) {
 }()
 
 // number scans a JSON number.
-func (s *chunkScanner) number() bool {
+func (s *scanner) number() bool {
 	digits := func() int {
 		n := 0
 		for s.i < len(s.b) && '0' <= s.b[s.i] && s.b[s.i] <= '9' {
@@ -278,7 +298,7 @@ func (s *chunkScanner) number() bool {
 }
 
 // skip scans any value at depth (1: a top-level member's value).
-func (s *chunkScanner) skip(depth int) bool {
+func (s *scanner) skip(depth int) bool {
 	if s.i >= len(s.b) || depth > maxScanDepth {
 		return false
 	}
@@ -304,7 +324,7 @@ func (s *chunkScanner) skip(depth int) bool {
 
 // array scans an array at '[', calling elem for each element with the
 // scanner at its start.
-func (s *chunkScanner) array(elem func() bool) bool {
+func (s *scanner) array(elem func() bool) bool {
 	s.i++ // '['
 	s.ws()
 	if s.is(']') {
@@ -322,9 +342,9 @@ func (s *chunkScanner) array(elem func() bool) bool {
 }
 
 // choices scans the "choices" value: null, or an array of objects.
-func (s *chunkScanner) choices(v *chunkView) bool {
+func (s *scanner) choices(v *View) bool {
 	if s.literal("null") {
-		v.choices, v.output = 0, false
+		v.Choices, v.Output = 0, false
 		return true
 	}
 	if !s.is('[') {
@@ -366,7 +386,7 @@ func (s *chunkScanner) choices(v *chunkView) bool {
 			return !foldsTo(key, "text", "delta", "finish_reason") && s.skip(3)
 		})
 	})
-	v.choices, v.output = n, output
+	v.Choices, v.Output = n, output
 	return ok
 }
 
@@ -376,7 +396,7 @@ func (s *chunkScanner) choices(v *chunkView) bool {
 // integer or null) appear at most once each; other members are skipped, as
 // encoding/json skips them. Anything else (a number with a fraction or
 // exponent, a known key in another spelling) is left undecided.
-func (s *chunkScanner) usage() (*openai.Usage, bool) {
+func (s *scanner) usage() (*openai.Usage, bool) {
 	if !s.is('{') {
 		return nil, false
 	}
@@ -426,7 +446,7 @@ func (s *chunkScanner) usage() (*openai.Usage, bool) {
 // optInt scans an integer into *dst, or null (dst unchanged, as
 // encoding/json leaves it). Integers of up to 18 digits only; others are
 // undecided.
-func (s *chunkScanner) optInt(dst *int) bool {
+func (s *scanner) optInt(dst *int) bool {
 	if s.literal("null") {
 		return true
 	}
@@ -453,7 +473,7 @@ func (s *chunkScanner) optInt(dst *int) bool {
 
 // optString scans a string or null; nonEmpty reports a non-empty string
 // (a string with any content decodes to a non-empty one).
-func (s *chunkScanner) optString() (nonEmpty, ok bool) {
+func (s *scanner) optString() (nonEmpty, ok bool) {
 	if s.literal("null") {
 		return false, true
 	}
@@ -467,7 +487,7 @@ func (s *chunkScanner) optString() (nonEmpty, ok bool) {
 // delta scans a choice's "delta": null, or an object whose content,
 // reasoning and reasoning_content are strings or null and whose tool_calls
 // is any value.
-func (s *chunkScanner) delta() (output, ok bool) {
+func (s *scanner) delta() (output, ok bool) {
 	if s.literal("null") {
 		return false, true
 	}
@@ -527,12 +547,12 @@ func foldsTo(key []byte, names ...string) bool {
 	return false
 }
 
-// memberSpan returns the byte range [from, to) of the top-level member name
+// MemberSpan returns the byte range [from, to) of the top-level member name
 // of the JSON object data: from its key's opening quote to the end of its
 // value. ok is false when data is not an object the scanner can walk (see
 // object) or has no such member.
-func memberSpan(data []byte, name string) (from, to int, ok bool) {
-	s := chunkScanner{b: data}
+func MemberSpan(data []byte, name string) (from, to int, ok bool) {
+	s := scanner{b: data}
 	s.ws()
 	if !s.is('{') {
 		return 0, 0, false
@@ -553,10 +573,10 @@ func memberSpan(data []byte, name string) (from, to int, ok bool) {
 	return from, to, walked && found
 }
 
-// withoutMember appends to dst the JSON object data less its member spanning
-// [from, to) (see memberSpan) and the comma that separated it from a
+// WithoutMember appends to dst the JSON object data less its member spanning
+// [from, to) (see MemberSpan) and the comma that separated it from a
 // neighbour.
-func withoutMember(dst, data []byte, from, to int) []byte {
+func WithoutMember(dst, data []byte, from, to int) []byte {
 	end := to
 	for end < len(data) && isJSONSpace(data[end]) {
 		end++

@@ -1,4 +1,4 @@
-package gateway
+package jsonscan
 
 import (
 	"encoding/json"
@@ -8,16 +8,6 @@ import (
 
 	"github.com/infergate/infergate/openai"
 )
-
-// slowView is the view through encoding/json alone (parseChunk).
-func slowView(data []byte) (chunkView, bool) {
-	x := &exchange{}
-	c := x.parseChunk(data)
-	if c == nil {
-		return chunkView{}, false
-	}
-	return chunkView{choices: len(c.Choices), output: c.HasOutput(), isError: c.IsError(), usage: c.Usage}, true
-}
 
 // chunkSeeds are events as engines send them, and awkward variants.
 var chunkSeeds = []string{
@@ -60,18 +50,18 @@ var chunkSeeds = []string{
 func TestScanChunk(t *testing.T) {
 	decided := 0
 	for _, s := range chunkSeeds {
-		want, wantOK := slowView([]byte(s))
-		got, gotOK := (&exchange{}).viewChunk([]byte(s))
+		want, wantOK := ParseChat([]byte(s), nil)
+		got, gotOK := Chat([]byte(s), nil)
 		if gotOK != wantOK || !reflect.DeepEqual(got, want) {
 			t.Errorf("%s:\n view %+v %v\n json %+v %v", s, got, gotOK, want, wantOK)
 		}
-		if _, d := scanChunk([]byte(s)); d {
+		if _, d := ScanChat([]byte(s)); d {
 			decided++
 		}
 	}
 	// The engines' ordinary events must take the fast path.
 	for _, s := range chunkSeeds[:12] {
-		if _, d := scanChunk([]byte(s)); !d {
+		if _, d := ScanChat([]byte(s)); !d {
 			t.Errorf("not decided by the scanner: %s", s)
 		}
 	}
@@ -92,11 +82,11 @@ func FuzzScanChunk(f *testing.F) {
 		f.Add([]byte(`{"choices":[{"index":0,"text":"a","logprobs":` + v + `}]}`))
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
-		got, decided := scanChunk(data)
+		got, decided := ScanChat(data)
 		if !decided {
 			return
 		}
-		want, ok := slowView(data)
+		want, ok := ParseChat(data, nil)
 		if !ok || !reflect.DeepEqual(got, want) {
 			t.Fatalf("%q:\n scan %+v\n json %+v (ok %v)", data, got, want, ok)
 		}
@@ -108,16 +98,16 @@ func BenchmarkViewChunk(b *testing.B) {
 	b.Run("scan", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
-			if _, ok := scanChunk(data); !ok {
+			if _, ok := ScanChat(data); !ok {
 				b.Fatal("undecided")
 			}
 		}
 	})
 	b.Run("json", func(b *testing.B) {
 		b.ReportAllocs()
-		x := &exchange{}
+		var scratch openai.StreamChunk
 		for b.Loop() {
-			_ = x.parseChunk(data)
+			_, _ = ParseChat(data, &scratch)
 		}
 	})
 }
@@ -129,11 +119,11 @@ func TestWithoutMember(t *testing.T) {
 		{`{"id":"x", "usage" : {"a":[1,{"b":"}"}]} , "model":"m"}`, `{"id":"x", "model":"m"}`},
 		{`{"usage":{}}`, `{}`},
 	} {
-		from, to, ok := memberSpan([]byte(tc.in), "usage")
+		from, to, ok := MemberSpan([]byte(tc.in), "usage")
 		if !ok {
 			t.Fatalf("%s: no usage member found", tc.in)
 		}
-		got := string(withoutMember(nil, []byte(tc.in), from, to))
+		got := string(WithoutMember(nil, []byte(tc.in), from, to))
 		if got != tc.want {
 			t.Errorf("%s:\n got %s\nwant %s", tc.in, got, tc.want)
 		}
@@ -143,8 +133,11 @@ func TestWithoutMember(t *testing.T) {
 		}
 	}
 	for _, in := range []string{`{"id":"x"}`, `[1]`, `{"a":`, `{"usager":1}`, `{"x":{"usage":1}}`} {
-		if _, _, ok := memberSpan([]byte(in), "usage"); ok {
+		if _, _, ok := MemberSpan([]byte(in), "usage"); ok {
 			t.Errorf("%s: found a top-level usage member", in)
 		}
 	}
 }
+
+// deepJSON nests one level past openai.MaxDepth.
+var deepJSON = strings.Repeat("[", openai.MaxDepth+1) + strings.Repeat("]", openai.MaxDepth+1)
