@@ -11,6 +11,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
@@ -138,13 +140,13 @@ have no lag.`,
 				defer recOut.Close()
 			}
 			started := time.Now()
-			prov := bench.NewProvenance(buildVersion(), os.Args, started)
-			var refs *bench.References
-			var report bench.Report
-			var htmlRuns []bench.HTMLRun
-			addHTML := func(r bench.HTMLRun) {
+			prov := measure.NewProvenance(buildVersion(), os.Args, started)
+			var refs *measure.References
+			var result report.Report
+			var htmlRuns []report.HTMLRun
+			addHTML := func(r report.HTMLRun) {
 				if htmlPath != "" {
-					htmlRuns = append(htmlRuns, bench.MeasuredRun(r))
+					htmlRuns = append(htmlRuns, report.MeasuredRun(r))
 				}
 			}
 			// runAt replays recs (re-timed to rate req/s when rate > 0).
@@ -160,12 +162,12 @@ have no lag.`,
 					if err != nil {
 						return err
 					}
-					s := bench.Summarize(bench.RedactValue(target), rs)
+					s := measure.Summarize(measure.RedactValue(target), rs)
 					s.RateRPS = rate
 					refs.Apply(&s, rs)
 					s.CheckLag(maxLag)
-					report.Runs = append(report.Runs, s)
-					addHTML(bench.HTMLRun{Summary: s, Records: rs})
+					result.Runs = append(result.Runs, s)
+					addHTML(report.HTMLRun{Summary: s, Records: rs})
 					return nil
 				}
 				if virtual {
@@ -177,14 +179,14 @@ have no lag.`,
 							return err
 						}
 						if recOut != nil {
-							if err := bench.WriteRecords(recOut, run.Records); err != nil {
+							if err := measure.WriteRecords(recOut, run.Records); err != nil {
 								return err
 							}
 						}
 						fmt.Fprintf(os.Stderr, "%s: %d requests in virtual time, %s wall\n", p, len(run.Records), run.Wall.Round(time.Millisecond))
 						refs.Apply(&run.Summary, run.Records)
-						report.Runs = append(report.Runs, run.Summary)
-						addHTML(bench.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})
+						result.Runs = append(result.Runs, run.Summary)
+						addHTML(report.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})
 					}
 					return nil
 				}
@@ -196,7 +198,7 @@ have no lag.`,
 					opts.Output = recOut
 				}
 				rep, err := bench.Compare(cmd.Context(), opts)
-				report.Runs = append(report.Runs, rep.Runs...)
+				result.Runs = append(result.Runs, rep.Runs...)
 				return err
 			}
 			if target != "" {
@@ -227,9 +229,9 @@ have no lag.`,
 				replayed = replayed[:requests]
 			}
 			if target != "" {
-				prov.Target, prov.TimeScale, prov.Speedup, prov.Clock = bench.RedactValue(target), timeScale, speedup, "real"
+				prov.Target, prov.TimeScale, prov.Speedup, prov.Clock = measure.RedactValue(target), timeScale, speedup, "real"
 				if len(replayed) > 0 {
-					refs = bench.NewReferences(replayed, 0, 0) // the target's KV capacity is unknown: infinite cache only
+					refs = measure.NewReferences(replayed, 0, 0) // the target's KV capacity is unknown: infinite cache only
 				}
 			} else {
 				n := engines
@@ -248,7 +250,7 @@ have no lag.`,
 				}
 				if len(replayed) > 0 {
 					ec = ec.WithDefaults()
-					refs = bench.NewReferences(replayed, n*ec.NumBlocks, ec.BlockSize)
+					refs = measure.NewReferences(replayed, n*ec.NumBlocks, ec.BlockSize)
 				}
 			}
 			if rates == nil {
@@ -268,16 +270,16 @@ have no lag.`,
 					return fmt.Errorf("rate %g req/s: %w", rate, err)
 				}
 			}
-			report.PooledHitRate, report.InfiniteHitRate = refs.All()
-			if err := report.WriteTable(cmd.OutOrStdout()); err != nil {
+			result.PooledHitRate, result.InfiniteHitRate = refs.All()
+			if err := result.WriteTable(cmd.OutOrStdout()); err != nil {
 				return err
 			}
-			behind, err := report.WriteLagWarnings(cmd.ErrOrStderr())
+			behind, err := result.WriteLagWarnings(cmd.ErrOrStderr())
 			if err != nil {
 				return err
 			}
 			failed := false
-			for _, r := range report.Runs {
+			for _, r := range result.Runs {
 				if r.Errors > 0 && r.FirstError != "" {
 					fmt.Fprintf(cmd.ErrOrStderr(), "%s: %d of %d requests failed; first error: %s\n", r.Policy, r.Errors, r.Requests, r.FirstError)
 				}
@@ -285,14 +287,14 @@ have no lag.`,
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "\ncompleted in %s (wall clock)\n", time.Since(started).Round(time.Second))
 			prov.WallS = time.Since(started).Seconds()
-			report.Provenance = prov
+			result.Provenance = prov
 			if outPath != "" {
-				if err := writeFile(outPath, report.WriteJSON); err != nil {
+				if err := writeFile(outPath, result.WriteJSON); err != nil {
 					return err
 				}
 			}
 			if htmlPath != "" {
-				title := "infergate bench: " + bench.RedactValue(target)
+				title := "infergate bench: " + measure.RedactValue(target)
 				if target == "" {
 					mode := "real time"
 					if virtual {
@@ -300,8 +302,8 @@ have no lag.`,
 					}
 					title = fmt.Sprintf("infergate bench: %s on %d engines (%s)", compare, engines, mode)
 				}
-				rep := bench.HTMLReport{Title: title, Runs: htmlRuns, Provenance: prov, References: refs}
-				if err := writeFile(htmlPath, func(w io.Writer) error { return bench.WriteHTMLReport(w, rep) }); err != nil {
+				rep := report.HTMLReport{Title: title, Runs: htmlRuns, Provenance: prov, References: refs}
+				if err := writeFile(htmlPath, func(w io.Writer) error { return report.WriteHTMLReport(w, rep) }); err != nil {
 					return err
 				}
 			}
@@ -310,7 +312,7 @@ have no lag.`,
 			}
 			if behind > 0 {
 				return fmt.Errorf("%d of %d runs fell behind their time scale by more than --max-lag %v (p99): their latencies are not the modelled hardware's (outputs written; see the warnings above)",
-					behind, len(report.Runs), maxLag)
+					behind, len(result.Runs), maxLag)
 			}
 			return nil
 		},
@@ -333,7 +335,7 @@ have no lag.`,
 	f.StringVar(&recPath, "records", "", "write per-request records as JSONL to this file")
 	warm.register(f)
 	f.StringVar(&rateList, "rate", "", "request-rate sweep: comma-separated rates (req/s, e.g. 1,2,4,8); the workload's arrivals are re-timed as a Poisson process at each rate (fixed seed, same requests in the same order) and run once per rate (per policy with --compare)")
-	f.DurationVar(&maxLag, "max-lag", bench.DefaultMaxLag, "real-time runs: the largest p99 lag (engine time) of the simulated fleet's steps and of the client's sends against their schedule; a run past it is marked BEHIND and bench exits non-zero")
+	f.DurationVar(&maxLag, "max-lag", measure.DefaultMaxLag, "real-time runs: the largest p99 lag (engine time) of the simulated fleet's steps and of the client's sends against their schedule; a run past it is marked BEHIND and bench exits non-zero")
 	f.IntVar(&concurrency, "concurrency", 0, "closed loop (real time only, not --virtual): N users each send their next request as soon as the previous one finished, ignoring timestamps; with --workload chat, at most N sessions active at once, each turn sent when the previous answer has arrived plus the think time")
 	return cmd
 }
@@ -353,7 +355,7 @@ func writeFile(path string, write func(io.Writer) error) error {
 
 // describeBench records the workload of a bench run in prov: recs (or the
 // turns of sessions) of which the first requests (0: all) are replayed.
-func describeBench(prov *bench.Provenance, wl *workloadFlags, recs []trace.Record, sessions []trace.Session, requests int) error {
+func describeBench(prov *measure.Provenance, wl *workloadFlags, recs []trace.Record, sessions []trace.Session, requests int) error {
 	total := len(recs)
 	for _, s := range sessions {
 		total += len(s.Turns)

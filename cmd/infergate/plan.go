@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/plan"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
@@ -99,7 +100,7 @@ overhead, and engines never fail.`,
 			if err != nil {
 				return err
 			}
-			prov := bench.NewProvenance(buildVersion(), os.Args, started)
+			prov := measure.NewProvenance(buildVersion(), os.Args, started)
 			prov.Clock = "virtual"
 			if err := describeBench(prov, &wl, recs, nil, requests); err != nil {
 				return err
