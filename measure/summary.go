@@ -169,7 +169,7 @@ func Summarize(policy string, recs []Record) Summary {
 	if s.DurationS > 0 {
 		s.OutputTokPerS = float64(s.OutputTokens) / s.DurationS
 	}
-	s.TTFT, s.ITL, s.E2E = summarizeLatency(ttft), summarizeLatency(itl), summarizeLatency(e2e)
+	s.TTFT, s.ITL, s.E2E = NewLatency(ttft), NewLatency(itl), NewLatency(e2e)
 	s.SendLag = sendLag(recs)
 	return s
 }
@@ -191,8 +191,9 @@ func (s *Summary) SetShares(counts []int64) {
 	s.EndpointShareMax, s.EndpointShareMin = &mx, &mn
 }
 
-// summarizeLatency sorts xs in place and returns its percentiles and mean.
-func summarizeLatency(xs []float64) Latency {
+// NewLatency sorts xs (ms) in place and returns its p50, p90, p99
+// (Percentile) and mean; the zero Latency for no samples.
+func NewLatency(xs []float64) Latency {
 	if len(xs) == 0 {
 		return Latency{}
 	}

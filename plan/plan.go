@@ -26,6 +26,7 @@ import (
 
 	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
@@ -94,10 +95,7 @@ type Row struct {
 // report, in order); minGoodput is SLO.MinGoodput.
 func (r Row) cells(minGoodput float64) []string {
 	s := r.Summary
-	util, good := "-", "-"
-	if s.MeanEngineUtilization != nil {
-		util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
-	}
+	util, good := report.Percent(s.MeanEngineUtilization), "-"
 	if s.Goodput != nil {
 		good = fmt.Sprintf("%.1f", s.Goodput.Share*100)
 	}

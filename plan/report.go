@@ -106,9 +106,7 @@ func (r *Result) HTMLPage() report.Page {
 		hit = append(hit, pooled)
 	}
 	if v := r.InfiniteHitRate; v != nil {
-		l := report.HLine(fmt.Sprintf("infinite cache %.1f%%", *v*100), "infinite", *v, "#000000")
-		l.Dash = "2 3"
-		hit = append(hit, l)
+		hit = append(hit, report.InfiniteCacheLine(*v))
 	}
 	if rec != nil {
 		hit = append(hit, r.mark(rec, rec.Summary.HitRate))

@@ -57,21 +57,18 @@ func SummaryTable(runs []measure.Summary) *Table {
 	t := &Table{Head: []string{"policy", "requests", "errors", "hit %", "pooled-cache hit %", "infinite-cache hit %",
 		"TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms", "out tok/s", "prefill tok", "util %", "lag p99 ms"}}
 	for _, s := range runs {
-		util := "-"
-		if s.MeanEngineUtilization != nil {
-			util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
-		}
 		t.Rows = append(t.Rows, []string{RunName(s), strconv.Itoa(s.Requests), strconv.Itoa(s.Errors),
-			fmt.Sprintf("%.1f", s.HitRate*100), pct(s.PooledHitRate), pct(s.InfiniteHitRate),
+			fmt.Sprintf("%.1f", s.HitRate*100), Percent(s.PooledHitRate), Percent(s.InfiniteHitRate),
 			fmt.Sprintf("%.0f", s.TTFT.P50), fmt.Sprintf("%.0f", s.TTFT.P90), fmt.Sprintf("%.0f", s.TTFT.P99),
 			fmt.Sprintf("%.1f", s.ITL.P50), fmt.Sprintf("%.1f", s.ITL.P90), fmt.Sprintf("%.1f", s.ITL.P99),
-			fmt.Sprintf("%.0f", s.OutputTokPerS), strconv.FormatInt(s.PrefillTokensComputed, 10), util, lagCell(s)})
+			fmt.Sprintf("%.0f", s.OutputTokPerS), strconv.FormatInt(s.PrefillTokensComputed, 10), Percent(s.MeanEngineUtilization), lagCell(s)})
 	}
 	return t
 }
 
-// pct formats a fraction as a percentage with one decimal, "-" for nil.
-func pct(v *float64) string {
+// Percent formats a fraction as a percentage with one decimal ("73.4"),
+// "-" for nil (unknown).
+func Percent(v *float64) string {
 	if v == nil {
 		return "-"
 	}
@@ -164,7 +161,7 @@ func (r HTMLReport) Page() Page {
 			}
 			if rs.Infinite != nil {
 				c, _ := windows(run.Records, func(rec *measure.Record) (int, int, bool) { return refHit(rs, rs.Infinite, rec) })
-				c.Name, c.Kind, c.Key, c.Color, c.Dash = "infinite cache", SeriesRef, "infinite", "#000000", "1 3"
+				c.Name, c.Kind, c.Key, c.Color, c.Dash = "infinite cache", SeriesRef, "infinite", InfiniteColor, "1 3"
 				hit = append(hit, c)
 			}
 			break
@@ -256,19 +253,33 @@ func referenceLines(sums []measure.Summary) []Series {
 	var out []Series
 	for _, s := range sums {
 		if s.PooledHitRate != nil {
-			out = append(out, HLine(fmt.Sprintf("pooled cache %.1f%%", *s.PooledHitRate*100), "pooled", *s.PooledHitRate, RefColor))
+			out = append(out, PooledCacheLine(*s.PooledHitRate))
 			break
 		}
 	}
 	for _, s := range sums {
 		if s.InfiniteHitRate != nil {
-			l := HLine(fmt.Sprintf("infinite cache %.1f%%", *s.InfiniteHitRate*100), "infinite", *s.InfiniteHitRate, "#000000")
-			l.Dash = "2 3"
-			out = append(out, l)
+			out = append(out, InfiniteCacheLine(*s.InfiniteHitRate))
 			break
 		}
 	}
 	return out
+}
+
+// PooledCacheLine is a hit-rate chart's line at the pooled-cache
+// reference hit rate (a fraction; measure.PooledCacheHitRate), dashed, key
+// "pooled".
+func PooledCacheLine(rate float64) Series {
+	return HLine(fmt.Sprintf("pooled cache %.1f%%", rate*100), "pooled", rate, RefColor)
+}
+
+// InfiniteCacheLine is a hit-rate chart's line at the infinite-cache
+// reference hit rate (a fraction; trace.InfiniteCacheHitRate), dotted, key
+// "infinite".
+func InfiniteCacheLine(rate float64) Series {
+	l := HLine(fmt.Sprintf("infinite cache %.1f%%", rate*100), "infinite", rate, InfiniteColor)
+	l.Dash = "2 3"
+	return l
 }
 
 // refHit is a record's reference hit and prompt tokens from hits (a
@@ -292,10 +303,11 @@ func latencies(recs []measure.Record) (ttft, itl []float64) {
 	return ttft, itl
 }
 
-// percentiles are p50, p90 and p99 of xs (Percentile; sorts xs in place).
+// percentiles are p50, p90 and p99 of xs (measure.NewLatency; sorts xs in
+// place).
 func percentiles(xs []float64) []float64 {
-	slices.Sort(xs)
-	return []float64{measure.Percentile(xs, 50), measure.Percentile(xs, 90), measure.Percentile(xs, 99)}
+	l := measure.NewLatency(xs)
+	return []float64{l.P50, l.P90, l.P99}
 }
 
 // RunAlerts are the warnings of runs that fell behind their time scale

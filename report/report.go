@@ -56,10 +56,6 @@ func (r Report) WriteTable(w io.Writer) error {
 	}
 	fmt.Fprintln(tw, "requests\terrors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tout tok/s\tprefill tok\tutil %\tshare max/min %\tlag p99 ms\t")
 	for _, s := range r.Runs {
-		util := "-"
-		if s.MeanEngineUtilization != nil {
-			util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
-		}
 		share := "-"
 		if s.EndpointShareMax != nil && s.EndpointShareMin != nil {
 			share = fmt.Sprintf("%.1f/%.1f", *s.EndpointShareMax*100, *s.EndpointShareMin*100)
@@ -71,7 +67,7 @@ func (r Report) WriteTable(w io.Writer) error {
 		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%d\t%s\t%s\t%s\t\n",
 			s.Requests, s.Errors, s.HitRate*100,
 			s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.ITL.P50, s.ITL.P99,
-			s.OutputTokPerS, s.PrefillTokensComputed, util, share, lagCell(s))
+			s.OutputTokPerS, s.PrefillTokensComputed, Percent(s.MeanEngineUtilization), share, lagCell(s))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
