@@ -16,7 +16,7 @@ import (
 type Report struct {
 	Runs []measure.Summary `json:"runs"`
 	// Reference hit rates of every replayed record (warm-up requests
-	// included), when computed (see PooledCacheHitRate and
+	// included), when computed (see measure.PooledCacheHitRate and
 	// trace.InfiniteCacheHitRate): one cache with the whole fleet's KV
 	// capacity, and an infinite one. Each run's Summary has its own, over
 	// the requests its hit rate counts.
