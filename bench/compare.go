@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	kinds "github.com/infergate/infergate/fleet"
 	"io"
 	"math"
 	"net"
@@ -13,7 +12,10 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	kinds "github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
@@ -58,34 +60,34 @@ type CompareOptions struct {
 	// Progress receives per-run progress (see ReplayOptions.Progress); nil
 	// for none.
 	Progress io.Writer
-	// Output, if set, receives every request's Record as a JSON line, with
-	// Record.Policy naming the run.
+	// Output, if set, receives every request's measure.Record as a JSON
+	// line, with Record.Policy naming the run.
 	Output io.Writer
 	// Warmup, Concurrency and Sessions are passed to every run's Replay (see
 	// ReplayOptions): warm-up exclusion and closed-loop replay.
-	Warmup      Warmup
+	Warmup      measure.Warmup
 	Concurrency int
 	Sessions    []trace.Session
-	// RateRPS, if > 0, is recorded in every Summary (Summary.RateRPS): the
+	// RateRPS, if > 0, is recorded in every Summary (measure.Summary.RateRPS): the
 	// rate the caller re-timed Records to (see Retime).
 	RateRPS float64
-	// MaxLag is the lag margin every run is judged against (Summary.CheckLag;
-	// engine time; 0 means DefaultMaxLag). Compare reports a run that fell
+	// MaxLag is the lag margin every run is judged against (measure.Summary.CheckLag;
+	// engine time; 0 means measure.DefaultMaxLag). Compare reports a run that fell
 	// behind (Summary.Behind), it does not stop.
 	MaxLag time.Duration
-	// References, if set, are the records' reference hits (NewReferences,
+	// References, if set, are the records' reference hits (measure.NewReferences,
 	// for this fleet's capacity): every Summary gets its reference hit
 	// rates (References.Apply).
-	References *References
+	References *measure.References
 	// OnRun, if set, is called after each run with its Summary, Records and
-	// the prompt tokens each engine counted (HTMLRun.EnginePromptTokens);
+	// the prompt tokens each engine counted (report.HTMLRun.EnginePromptTokens);
 	// the gateway does not say which engine served a request.
-	OnRun func(HTMLRun)
+	OnRun func(report.HTMLRun)
 }
 
 // Compare replays the same records once per policy, each time through a
 // fresh simulated fleet (sim.StartFleet) behind a fresh gateway routing with
-// that policy and served on a loopback port, and returns one Summary per
+// that policy and served on a loopback port, and returns one measure.Summary per
 // policy, with the fleet's mean engine utilisation. The gateway knows each
 // engine's KV capacity and block size from the fleet, routes on blocks of
 // the engines' size, and does not probe the in-process engines' health.
@@ -93,18 +95,18 @@ type CompareOptions struct {
 // or connections. Policy names are checked before the first run. It stops at
 // the first run that cannot be set up or is cancelled, returning the
 // summaries completed so far with the error.
-func Compare(ctx context.Context, opts CompareOptions) (Report, error) {
+func Compare(ctx context.Context, opts CompareOptions) (report.Report, error) {
 	if opts.Speedup == 0 {
 		opts.Speedup = 1
 	}
 	if !(opts.Speedup > 0) || math.IsInf(opts.Speedup, 0) {
-		return Report{}, fmt.Errorf("bench: speedup %v must be positive and finite", opts.Speedup)
+		return report.Report{}, fmt.Errorf("bench: speedup %v must be positive and finite", opts.Speedup)
 	}
 	if opts.Engines == 0 {
 		opts.Engines = DefaultEngines
 	}
 	if opts.Engines < 0 {
-		return Report{}, fmt.Errorf("bench: %d engines", opts.Engines)
+		return report.Report{}, fmt.Errorf("bench: %d engines", opts.Engines)
 	}
 	if len(opts.Policies) == 0 {
 		opts.Policies = sched.Names()
@@ -113,7 +115,7 @@ func Compare(ctx context.Context, opts CompareOptions) (Report, error) {
 		cfg := opts.Routing
 		cfg.Policy = p
 		if err := sched.Validate(cfg); err != nil {
-			return Report{}, fmt.Errorf("bench: %w", err)
+			return report.Report{}, fmt.Errorf("bench: %w", err)
 		}
 	}
 	if opts.Model == "" {
@@ -122,7 +124,7 @@ func Compare(ctx context.Context, opts CompareOptions) (Report, error) {
 	if opts.Model == "" {
 		opts.Model = sim.DefaultModel
 	}
-	var rep Report
+	var rep report.Report
 	for _, p := range opts.Policies {
 		s, err := compareOne(ctx, opts, p)
 		if err != nil {
@@ -149,7 +151,7 @@ func FleetEndpoints(fleet *sim.Fleet, model string) []gateway.EndpointConfig {
 }
 
 // compareOne runs one policy on a fresh fleet and gateway.
-func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summary, err error) {
+func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ measure.Summary, err error) {
 	fleet, err := sim.StartFleet(opts.Engines, sim.ServerConfig{
 		Engine:    opts.Engine,
 		Model:     opts.Model,
@@ -161,7 +163,7 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 		KVEvents: sim.KVEventsConfig{Enable: true},
 	})
 	if err != nil {
-		return Summary{}, fmt.Errorf("start fleet: %w", err)
+		return measure.Summary{}, fmt.Errorf("start fleet: %w", err)
 	}
 	defer fleet.Close()
 
@@ -186,13 +188,13 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 		HealthCheckPath: "-",
 	}, prometheus.NewRegistry())
 	if err != nil {
-		return Summary{}, fmt.Errorf("start gateway: %w", err)
+		return measure.Summary{}, fmt.Errorf("start gateway: %w", err)
 	}
 	defer gw.Close()
 
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return Summary{}, fmt.Errorf("listen: %w", err)
+		return measure.Summary{}, fmt.Errorf("listen: %w", err)
 	}
 	srv := gw.Server()
 	served := make(chan error, 1)
@@ -231,9 +233,9 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 		Sessions:     opts.Sessions,
 	})
 	if err != nil {
-		return Summary{}, err
+		return measure.Summary{}, err
 	}
-	s := Summarize(policy, recs)
+	s := measure.Summarize(policy, recs)
 	s.RateRPS = opts.RateRPS
 	if opts.References != nil {
 		opts.References.Apply(&s, recs)
@@ -252,10 +254,10 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 		prompts[i] = st.PromptTokens
 		started[i] = st.Prompts
 	}
-	s.setShares(started)
+	s.SetShares(started)
 	s.EnginePrefillTokens, s.Preemptions = &prefill, &preempt
 	if opts.OnRun != nil {
-		opts.OnRun(HTMLRun{Summary: s, Records: recs, EnginePromptTokens: prompts})
+		opts.OnRun(report.HTMLRun{Summary: s, Records: recs, EnginePromptTokens: prompts})
 	}
 	return s, nil
 }

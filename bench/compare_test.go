@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
@@ -39,7 +41,7 @@ const (
 // records for all, plausible measurements, cached tokens within the trace's
 // ceiling, lags measured, no goroutine left — and returns the report and
 // the per-request records.
-func compareMooncake(t *testing.T) (Report, []trace.Record, []byte) {
+func compareMooncake(t *testing.T) (report.Report, []trace.Record, []byte) {
 	t.Helper()
 	recs := mooncakeWindow(t)
 	ceiling := trace.InfiniteCacheHitRate(recs)
@@ -90,7 +92,7 @@ func compareMooncake(t *testing.T) (Report, []trace.Record, []byte) {
 		}
 		// The lags are measured, and the run judged against the default
 		// margin; whether it kept up is the host's business.
-		if s.FleetLag == nil || s.FleetLag.Samples == 0 || s.SendLag == nil || s.SendLag.Samples != e2eRequests || s.MaxLagMs != float64(DefaultMaxLag/time.Millisecond) {
+		if s.FleetLag == nil || s.FleetLag.Samples == 0 || s.SendLag == nil || s.SendLag.Samples != e2eRequests || s.MaxLagMs != float64(measure.DefaultMaxLag/time.Millisecond) {
 			t.Errorf("%s: lag not measured: fleet %+v, client %+v, margin %v ms", s.Policy, s.FleetLag, s.SendLag, s.MaxLagMs)
 		}
 	}
@@ -177,7 +179,7 @@ func TestCompareMooncakeVirtual(t *testing.T) {
 // TestCompareMooncakeVirtual): prefix's hit rate above round-robin's, fewer
 // prefill tokens computed, and at least 2/3 of the possible continuations
 // and 1.5x round-robin's served from cache.
-func checkRouting(t *testing.T, px, rr Summary, pxHits, rrHits, possible int) {
+func checkRouting(t *testing.T, px, rr measure.Summary, pxHits, rrHits, possible int) {
 	t.Helper()
 	if px.HitRate <= rr.HitRate {
 		t.Errorf("prefix hit rate %.4f is not above round-robin's %.4f", px.HitRate, rr.HitRate)
@@ -250,10 +252,10 @@ func continuations(recs []trace.Record) int {
 // system-prompt block.
 func continuationHits(t *testing.T, jsonl []byte) map[string]int {
 	t.Helper()
-	byPolicy := map[string][]Record{}
+	byPolicy := map[string][]measure.Record{}
 	dec := json.NewDecoder(bytes.NewReader(jsonl))
 	for dec.More() {
-		var r Record
+		var r measure.Record
 		if err := dec.Decode(&r); err != nil {
 			t.Fatalf("per-request records: %v", err)
 		}
@@ -268,7 +270,7 @@ func continuationHits(t *testing.T, jsonl []byte) map[string]int {
 
 // countContinuationHits counts the successful records whose cached tokens
 // go beyond the shared 512-token system-prompt block.
-func countContinuationHits(recs []Record) int {
+func countContinuationHits(recs []measure.Record) int {
 	n := 0
 	for _, r := range recs {
 		if r.Error == "" && r.CachedTokens > trace.MooncakeBlockTokens {
@@ -316,7 +318,7 @@ func TestCompareSmall(t *testing.T) {
 			t.Errorf("%s: %+v", s.Policy, s)
 		}
 		// Every step and every send is timed against the schedule.
-		if s.FleetLag == nil || s.FleetLag.Samples < 6 || s.SendLag == nil || s.SendLag.Samples != 6 || s.MaxLagMs != float64(DefaultMaxLag/time.Millisecond) {
+		if s.FleetLag == nil || s.FleetLag.Samples < 6 || s.SendLag == nil || s.SendLag.Samples != 6 || s.MaxLagMs != float64(measure.DefaultMaxLag/time.Millisecond) {
 			t.Errorf("%s: lags fleet %+v, client %+v, margin %v ms", s.Policy, s.FleetLag, s.SendLag, s.MaxLagMs)
 		}
 	}

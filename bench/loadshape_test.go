@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
@@ -61,41 +63,6 @@ func TestRetime(t *testing.T) {
 	}
 }
 
-func TestWarmupSummary(t *testing.T) {
-	recs := []Record{
-		{ArrivalMs: 0, E2EMs: 5000, TTFTMs: 4000, PromptTokens: 10, OutputTokens: 1},
-		{ArrivalMs: 100, E2EMs: 100, TTFTMs: 50, PromptTokens: 10, OutputTokens: 1},
-		{ArrivalMs: 1000, E2EMs: 1000, TTFTMs: 10, PromptTokens: 10, OutputTokens: 4},
-		{ArrivalMs: 1500, E2EMs: 1500, TTFTMs: 20, PromptTokens: 10, OutputTokens: 6},
-	}
-	(Warmup{Requests: 1}).Mark(recs)
-	if !recs[0].Warmup || recs[1].Warmup {
-		t.Fatalf("warmup 1: marks %v %v", recs[0].Warmup, recs[1].Warmup)
-	}
-	(Warmup{Duration: time.Second}).Mark(recs)
-	if !recs[0].Warmup || !recs[1].Warmup || recs[2].Warmup || recs[3].Warmup {
-		t.Fatal("warmup 1s: wrong marks")
-	}
-	s := Summarize("p", recs)
-	if s.Requests != 2 || s.WarmupRequests != 2 || s.OutputTokens != 10 || s.TTFT.P50 != 15 {
-		t.Errorf("summary %+v", s)
-	}
-	// The measured window: 1000 ms → 3000 ms, not the warm-up's 5000 ms.
-	if s.DurationS != 2 || s.OutputTokPerS != 5 {
-		t.Errorf("duration %v s, %v tok/s; want 2 s, 5 tok/s", s.DurationS, s.OutputTokPerS)
-	}
-	if m := MeasuredRun(HTMLRun{Records: recs, Engine: []int{0, 1, 2, 3}}); len(m.Records) != 2 || !slices.Equal(m.Engine, []int{2, 3}) {
-		t.Errorf("MeasuredRun: %d records, engines %v", len(m.Records), m.Engine)
-	}
-	(Warmup{}).Mark(recs)
-	if s := Summarize("p", recs); s.Requests != 4 || s.WarmupRequests != 0 || s.DurationS != 5 {
-		t.Errorf("no warm-up: %+v", s)
-	}
-	if (Warmup{Requests: -1}).Validate() == nil {
-		t.Error("negative warm-up accepted")
-	}
-}
-
 // countingHandler tracks the most requests in flight at once.
 type countingHandler struct {
 	h           http.Handler
@@ -122,7 +89,7 @@ func TestReplayClosedLoop(t *testing.T) {
 	var out bytes.Buffer
 	got, err := Replay(context.Background(), ReplayOptions{
 		Target: srv.URL, Model: "m", Records: recs, APIKey: "k",
-		Concurrency: 3, Warmup: Warmup{Requests: 3}, Output: &out,
+		Concurrency: 3, Warmup: measure.Warmup{Requests: 3}, Output: &out,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -142,7 +109,7 @@ func TestReplayClosedLoop(t *testing.T) {
 	if warm != 3 || strings.Count(out.String(), `"warmup":true`) != 3 {
 		t.Errorf("%d warm-up records, %d in the output; want 3", warm, strings.Count(out.String(), `"warmup":true`))
 	}
-	if s := Summarize("c", got); s.Requests != 6 || s.WarmupRequests != 3 {
+	if s := measure.Summarize("c", got); s.Requests != 6 || s.WarmupRequests != 3 {
 		t.Errorf("summary: %d measured, %d warm-up", s.Requests, s.WarmupRequests)
 	}
 }
@@ -199,14 +166,14 @@ func TestVirtualRateSweep(t *testing.T) {
 	for i := range 60 {
 		recs = append(recs, trace.Record{InputLength: 1100, OutputLength: 16, HashIDs: []int64{0, int64(1 + i%4), int64(10 + i)}})
 	}
-	var rep Report
+	var rep report.Report
 	for _, rate := range []float64{1, 50} {
 		rt, err := Retime(recs, rate, 1)
 		if err != nil {
 			t.Fatal(err)
 		}
 		run, err := ReplayVirtual(context.Background(), VirtualOptions{Policy: sched.Prefix, Engines: 2,
-			Engine: sim.Config{Profile: sim.Llama8BH100()}, Records: rt, Seed: 1, RateRPS: rate, Warmup: Warmup{Requests: 10}})
+			Engine: sim.Config{Profile: sim.Llama8BH100()}, Records: rt, Seed: 1, RateRPS: rate, Warmup: measure.Warmup{Requests: 10}})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -9,6 +9,8 @@ import (
 
 	"github.com/schollz/progressbar/v3"
 	"golang.org/x/term"
+
+	"github.com/infergate/infergate/measure"
 )
 
 // progress reports a replay's advance: a live bar on a terminal, a single
@@ -63,7 +65,7 @@ func (p *progress) done(failed bool) {
 }
 
 // finish ends the bar and writes the summary line.
-func (p *progress) finish(recs []Record, scale float64) {
+func (p *progress) finish(recs []measure.Record, scale float64) {
 	if p == nil || p.w == nil {
 		return
 	}

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/infergate/infergate/measure"
 )
 
 func TestProgress(t *testing.T) {
@@ -30,7 +32,7 @@ func TestProgress(t *testing.T) {
 		wg.Go(func() { p.done(i%5 == 0) })
 	}
 	wg.Wait()
-	p.finish([]Record{{ArrivalMs: 1000, E2EMs: 1000}}, 4)
+	p.finish([]measure.Record{{ArrivalMs: 1000, E2EMs: 1000}}, 4)
 	if got, want := buf.String(), "replay: 1 requests, 2 errors, 2.0 s engine time (0.5 s wall)\n"; got != want {
 		t.Errorf("progress line %q, want %q", got, want)
 	}

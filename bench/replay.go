@@ -32,58 +32,10 @@ import (
 	"sync"
 	"time"
 
+	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/trace"
 )
-
-// Record is the measurement of one replayed request. Times are milliseconds
-// of engine time (wall time × TimeScale; see the package comment).
-type Record struct {
-	// Policy is the routing policy of the run (Compare only; "" otherwise).
-	Policy string `json:"policy,omitempty"`
-	// Index is the request's position in the replayed records.
-	Index int `json:"index"`
-	// ArrivalMs is when the request was sent, from the start of the replay
-	// (ms, engine time). The schedule is Timestamp − first Timestamp, so a
-	// value above it shows the client falling behind.
-	ArrivalMs float64 `json:"arrival_ms"`
-	// TTFTMs is the time from sending the request to receiving the first
-	// chunk that carries output (ms, engine time); 0 if none arrived.
-	TTFTMs float64 `json:"ttft_ms"`
-	// ITLMs holds the inter-token latencies (ms, engine time), measured per
-	// read of the response body: the gap between a read that brought output
-	// and the previous such read is split evenly over the output-carrying
-	// chunks the read brought, one entry each (so they sum to the time from
-	// the first read with output to the last). The chunks of the first such
-	// read have no entry. See README "Inter-token latency".
-	ITLMs []float64 `json:"itl_ms"`
-	// SendLagMs is how late the request was sent against its schedule (ms,
-	// engine time, >= 0): its trace time for an open-loop replay, its
-	// session's start or the previous turn's end plus the think time for a
-	// session replay. Absent (nil) for a closed loop, which has no schedule.
-	SendLagMs *float64 `json:"send_lag_ms,omitempty"`
-	// E2EMs is the time from sending the request to the end of the response
-	// (ms, engine time), or to the failure for an errored request.
-	E2EMs float64 `json:"e2e_ms"`
-	// PromptTokens is usage.prompt_tokens as the engine reported it, or the
-	// number of tokens sent when usage was missing (tokens).
-	PromptTokens int `json:"prompt_tokens"`
-	// CachedTokens is usage.prompt_tokens_details.cached_tokens, the prompt
-	// tokens served from the engine's prefix cache (tokens; 0 if unreported).
-	CachedTokens int `json:"cached_tokens"`
-	// OutputTokens is usage.completion_tokens, or the number of
-	// output-carrying chunks when usage was missing (tokens).
-	OutputTokens int `json:"output_tokens"`
-	// NoUsage is true when the stream carried no usage chunk.
-	NoUsage bool `json:"no_usage,omitempty"`
-	// Status is the HTTP status code (0 when no response arrived).
-	Status int `json:"status"`
-	// Error describes the failure; "" for a successful request.
-	Error string `json:"error,omitempty"`
-	// Warmup is true for a warm-up request (see Warmup): sent, but left out
-	// of the Summary, the HTML report and goodput.
-	Warmup bool `json:"warmup,omitempty"`
-}
 
 // ReplayOptions configures Replay.
 type ReplayOptions struct {
@@ -117,12 +69,12 @@ type ReplayOptions struct {
 	// Progress receives a progress bar when it is a terminal, otherwise one
 	// line at the end; nil for none.
 	Progress io.Writer
-	// Output, if set, receives every Record as one JSON line, in record order,
+	// Output, if set, receives every measure.Record as one JSON line, in record order,
 	// when the replay ends.
 	Output io.Writer
-	// Warmup marks the warm-up requests (Record.Warmup) before Output is
-	// written; Summarize leaves them out.
-	Warmup Warmup
+	// Warmup marks the warm-up requests (measure.Record.Warmup) before Output
+	// is written; measure.Summarize leaves them out.
+	Warmup measure.Warmup
 	// Concurrency, if > 0, replays closed-loop instead of at the
 	// timestamps: Concurrency users each send the next unsent record as soon
 	// as their previous request has finished, until every record is sent.
@@ -168,7 +120,7 @@ func NewClient() *http.Client {
 func CompletionsURL(target string) (string, error) {
 	u, err := url.Parse(target)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		shown := RedactText(target)
+		shown := measure.RedactText(target)
 		if err == nil {
 			shown = u.Redacted() // a password in a URL without a host
 		}
@@ -189,11 +141,11 @@ func CompletionsURL(target string) (string, error) {
 // opts.Concurrency and opts.Sessions select a closed loop instead (see their
 // fields); opts.Warmup marks the warm-up requests.
 //
-// It returns one Record per request sent, in record order. Request failures
+// It returns one measure.Record per request sent, in record order. Request failures
 // are reported in Record.Error, not as an error. If ctx ends, unsent requests
 // are dropped, in-flight ones are cancelled (and recorded as errors), and the
 // records of the requests sent are returned with ctx's error.
-func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
+func Replay(ctx context.Context, opts ReplayOptions) ([]measure.Record, error) {
 	endpoint, err := CompletionsURL(opts.Target)
 	if err != nil {
 		return nil, err
@@ -239,7 +191,7 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
 		}
 	}
 	prog := newProgress(opts.Progress, total, opts.Label)
-	out := make([]Record, total)
+	out := make([]measure.Record, total)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 
@@ -256,7 +208,7 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
 		r.Index, r.Policy = i, opts.Label
 		if r.Error != "" {
 			// Errors name the URL; a credential in it stays out of reports.
-			r.Error = RedactText(r.Error)
+			r.Error = measure.RedactText(r.Error)
 		}
 		out[i], sent[i] = r, true
 		prog.done(r.Error != "")
@@ -285,7 +237,7 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]Record, error) {
 	prog.finish(out, scale)
 
 	if opts.Output != nil {
-		if werr := WriteRecords(opts.Output, out); werr != nil && err == nil {
+		if werr := measure.WriteRecords(opts.Output, out); werr != nil && err == nil {
 			err = fmt.Errorf("bench: write records: %w", werr)
 		}
 	}
@@ -328,26 +280,15 @@ dispatch:
 	wg.Wait()
 }
 
-// WriteRecords writes recs as JSON lines (the --records format).
-func WriteRecords(w io.Writer, recs []Record) error {
-	enc := json.NewEncoder(w)
-	for i := range recs {
-		if err := enc.Encode(&recs[i]); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
 // send builds one request, sends it at due (zero: at once) and measures
 // it. It reports false, sending nothing, when ctx ends before due.
-func send(ctx context.Context, client *http.Client, endpoint string, modelJSON []byte, opts ReplayOptions, rec trace.Record, start, due time.Time, scale float64) (Record, bool) {
+func send(ctx context.Context, client *http.Client, endpoint string, modelJSON []byte, opts ReplayOptions, rec trace.Record, start, due time.Time, scale float64) (measure.Record, bool) {
 	ms := func(d time.Duration) float64 { return d.Seconds() * 1000 * scale }
 
 	body := requestBody(modelJSON, rec)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, endpoint, bytes.NewReader(body))
 	if err != nil {
-		return Record{Error: err.Error()}, true
+		return measure.Record{Error: err.Error()}, true
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "text/event-stream")
@@ -359,26 +300,26 @@ func send(ctx context.Context, client *http.Client, endpoint string, modelJSON [
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return Record{}, false
+			return measure.Record{}, false
 		case <-t.C:
 		}
 	}
 	if ctx.Err() != nil && !due.IsZero() {
-		return Record{}, false
+		return measure.Record{}, false
 	}
-	return measure(client, req, rec, start, due, ms), true
+	return measureStream(client, req, rec, start, due, ms), true
 }
 
-// measure sends req (due at due; zero: unscheduled) and measures its
+// measureStream sends req (due at due; zero: unscheduled) and measures its
 // response; ms converts wall durations to engine milliseconds.
-func measure(client *http.Client, req *http.Request, rec trace.Record, start, due time.Time, ms func(time.Duration) float64) Record {
+func measureStream(client *http.Client, req *http.Request, rec trace.Record, start, due time.Time, ms func(time.Duration) float64) measure.Record {
 	t0 := time.Now()
-	r := Record{ArrivalMs: ms(t0.Sub(start))}
+	r := measure.Record{ArrivalMs: ms(t0.Sub(start))}
 	if !due.IsZero() {
 		late := ms(max(0, t0.Sub(due)))
 		r.SendLagMs = &late
 	}
-	fail := func(err error) Record {
+	fail := func(err error) measure.Record {
 		r.E2EMs = ms(time.Since(t0))
 		r.Error = err.Error()
 		return r

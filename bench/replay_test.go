@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/trace"
 )
 
@@ -188,7 +189,7 @@ func TestReplay(t *testing.T) {
 		t.Fatalf("%d JSONL lines, want 3", len(lines))
 	}
 	for i, l := range lines {
-		var r Record
+		var r measure.Record
 		if err := json.Unmarshal([]byte(l), &r); err != nil || r.Index != i || r.PromptTokens != recs[i].InputLength {
 			t.Errorf("JSONL line %d = %s (%v)", i, l, err)
 		}

@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/trace"
 )
@@ -94,7 +96,7 @@ const twinMaxLag = 50 * time.Millisecond
 // requireKeptUp skips t, reporting the run's lags, unless s (a real-time
 // run) kept up with its time scale within margin; it logs the lags either
 // way.
-func requireKeptUp(t *testing.T, s Summary, margin time.Duration) {
+func requireKeptUp(t *testing.T, s measure.Summary, margin time.Duration) {
 	t.Helper()
 	s.CheckLag(margin)
 	f, c := s.FleetLag, s.SendLag
@@ -105,14 +107,14 @@ func requireKeptUp(t *testing.T, s Summary, margin time.Duration) {
 		s.Policy, f.P50, f.P99, f.Max, c.P50, c.P99, c.Max, margin)
 	if s.Behind {
 		var w bytes.Buffer
-		_, _ = Report{Runs: []Summary{s}}.WriteLagWarnings(&w)
+		_, _ = report.Report{Runs: []measure.Summary{s}}.WriteLagWarnings(&w)
 		t.Skipf("BEHIND: the real-time run fell behind its time scale, so its fidelity is not judged on this host: %s", w.String())
 	}
 }
 
 // realRun replays recs through a real-time fleet behind the gateway over
 // loopback and returns the per-request records and the run's Summary.
-func realRun(t *testing.T, policy string, recs []trace.Record) ([]Record, Summary) {
+func realRun(t *testing.T, policy string, recs []trace.Record) ([]measure.Record, measure.Summary) {
 	t.Helper()
 	var out bytes.Buffer
 	rep, err := Compare(context.Background(), CompareOptions{
@@ -126,11 +128,11 @@ func realRun(t *testing.T, policy string, recs []trace.Record) ([]Record, Summar
 	if err != nil {
 		t.Fatal(err)
 	}
-	var got []Record
+	var got []measure.Record
 	sc := bufio.NewScanner(&out)
 	sc.Buffer(nil, 1<<20)
 	for sc.Scan() {
-		var r Record
+		var r measure.Record
 		if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
 			t.Fatal(err)
 		}
@@ -202,7 +204,7 @@ func TestTwinRealVirtual(t *testing.T) {
 	}
 	requireKeptUp(t, realSum, twinMaxLag)
 	sorted := slices.Sorted(slices.Values(deltas))
-	offset := Percentile(sorted, 50)
+	offset := measure.Percentile(sorted, 50)
 	var (
 		within, tokMismatch int
 		maxAbs, sumAbs      float64
@@ -225,9 +227,9 @@ func TestTwinRealVirtual(t *testing.T) {
 	if tokMismatch > 0 {
 		t.Errorf("%d requests differ in prompt, cached or output tokens", tokMismatch)
 	}
-	rs, vs := Summarize("real", real), virt.Summary
+	rs, vs := measure.Summarize("real", real), virt.Summary
 	t.Logf("round-robin: TTFT real−virtual ms: p1 %.0f p50 (offset) %.0f p99 %.0f; after the offset mean |Δ| %.1f, max |Δ| %.0f; %d/%d within max(15%%, 100 ms)",
-		sorted[0], offset, Percentile(sorted, 99), sumAbs/float64(len(recs)), maxAbs, within, len(recs))
+		sorted[0], offset, measure.Percentile(sorted, 99), sumAbs/float64(len(recs)), maxAbs, within, len(recs))
 	t.Logf("round-robin: hit rate real %.1f%% virtual %.1f%%; TTFT p50/p90 real %.0f/%.0f virtual %.0f/%.0f ms; ITL p50 real %.1f virtual %.1f ms",
 		rs.HitRate*100, vs.HitRate*100, rs.TTFT.P50, rs.TTFT.P90, vs.TTFT.P50, vs.TTFT.P90, rs.ITL.P50, vs.ITL.P50)
 	if maxOffset := twinMaxOffsetWall * twinScale(); offset < 0 || offset > maxOffset {
@@ -239,7 +241,7 @@ func TestTwinRealVirtual(t *testing.T) {
 
 	real, realSum = realRun(t, sched.Prefix, recs)
 	virt = virtualRun(t, sched.Prefix, recs)
-	rs, vs = Summarize("real", real), virt.Summary
+	rs, vs = measure.Summarize("real", real), virt.Summary
 	if rs.Errors+vs.Errors > 0 {
 		t.Fatalf("errors: real %q, virtual %q", rs.FirstError, vs.FirstError)
 	}
@@ -270,7 +272,7 @@ func TestTwinCompareMooncake(t *testing.T) {
 	hits := continuationHits(t, jsonl)
 	possible := continuations(recs)
 	t.Logf("continuations served from cache: prefix %d, round-robin %d, of %d", hits[px.Policy], hits[rr.Policy], possible)
-	requireKeptUp(t, px, DefaultMaxLag)
-	requireKeptUp(t, rr, DefaultMaxLag)
+	requireKeptUp(t, px, measure.DefaultMaxLag)
+	requireKeptUp(t, rr, measure.DefaultMaxLag)
 	checkRouting(t, px, rr, hits[px.Policy], hits[rr.Policy], possible)
 }

@@ -6,6 +6,7 @@ import (
 	"math"
 	"time"
 
+	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
@@ -43,7 +44,7 @@ type VirtualOptions struct {
 	Routing sched.Config
 	// Warmup marks the warm-up records (Record.Warmup), which Summary
 	// leaves out.
-	Warmup Warmup
+	Warmup measure.Warmup
 	// RateRPS, if > 0, is recorded in Summary.RateRPS (see Retime).
 	RateRPS float64
 	// SkipITL leaves Record.ITLMs empty (Summary.ITL is then zero), saving
@@ -56,12 +57,12 @@ type VirtualRun struct {
 	// Records are the per-request measurements, in record order, in the
 	// units and time domain of Replay's (ms of engine time; ArrivalMs is the
 	// trace schedule, which a virtual client always keeps).
-	Records []Record
+	Records []measure.Record
 	// Engine is the index of the engine each record was routed to (-1: none).
 	Engine []int
 	// Summary aggregates Records, with the fleet's utilisation, prefill
 	// tokens and preemptions, like a Compare run.
-	Summary Summary
+	Summary measure.Summary
 	// Stats are the engines' final Stats, in engine order.
 	Stats []sim.Stats
 	// Wall is the wall time the simulation took.
@@ -135,7 +136,7 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 		return VirtualRun{}, fmt.Errorf("bench: %w", err)
 	}
 	run := VirtualRun{
-		Records: make([]Record, len(res)),
+		Records: make([]measure.Record, len(res)),
 		Engine:  make([]int, len(res)),
 		Stats:   fleet.Stats(),
 		Wall:    wall,
@@ -144,7 +145,7 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 	for i := range res {
 		r := &res[i]
 		out := &run.Records[i]
-		*out = Record{Policy: opts.Policy, Index: i, ArrivalMs: ms(r.Arrival), Status: 200}
+		*out = measure.Record{Policy: opts.Policy, Index: i, ArrivalMs: ms(r.Arrival), Status: 200}
 		run.Engine[i] = r.Engine
 		if r.Err != nil {
 			out.Status, out.Error = 400, r.Err.Error()
@@ -164,7 +165,7 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 		r.ITL = nil
 	}
 	opts.Warmup.Mark(run.Records)
-	run.Summary = Summarize(opts.Policy, run.Records)
+	run.Summary = measure.Summarize(opts.Policy, run.Records)
 	run.Summary.RateRPS = opts.RateRPS
 	util := fleet.Utilization()
 	var prefill, preempt int64
@@ -174,7 +175,7 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 		preempt += st.Preemptions
 		served[i] = st.Prompts
 	}
-	run.Summary.setShares(served)
+	run.Summary.SetShares(served)
 	blockSize := fleet.BlockSize()
 	var predicted, mae, ppredicted, pmae float64
 	var prompt, n int

@@ -6,7 +6,7 @@
 // policy at that size. See README.md for the method and its caveats.
 //
 // Latencies are milliseconds and durations seconds of simulated engine time,
-// as in package bench; wall times are real seconds.
+// as in package measure; wall times are real seconds.
 package plan
 
 import (
@@ -25,6 +25,8 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
@@ -55,8 +57,8 @@ type Options struct {
 	// bench.VirtualOptions; every run uses the same seed.
 	Seed int64
 	// Warmup excludes every run's warm-up requests from its Summary and
-	// goodput (see bench.Warmup).
-	Warmup bench.Warmup
+	// goodput (see measure.Warmup).
+	Warmup measure.Warmup
 	// SLO is the objective every run is judged against.
 	SLO SLO
 	// Workers is how many runs proceed at once (0: GOMAXPROCS). Each run is
@@ -79,7 +81,7 @@ type Row struct {
 	Policy string `json:"policy"`
 	// Summary aggregates the run (latencies in ms, hit rate, output tok/s,
 	// utilisation); Summary.Goodput is set.
-	Summary bench.Summary `json:"summary"`
+	Summary measure.Summary `json:"summary"`
 	// Checks are the fleet-level verdicts, one per SLO target, in order.
 	Checks []Check `json:"checks"`
 	// MeetsSLO is true when every check is OK and, if the SLO sets
@@ -93,10 +95,7 @@ type Row struct {
 // report, in order); minGoodput is SLO.MinGoodput.
 func (r Row) cells(minGoodput float64) []string {
 	s := r.Summary
-	util, good := "-", "-"
-	if s.MeanEngineUtilization != nil {
-		util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
-	}
+	util, good := report.Percent(s.MeanEngineUtilization), "-"
 	if s.Goodput != nil {
 		good = fmt.Sprintf("%.1f", s.Goodput.Share*100)
 	}
@@ -168,7 +167,7 @@ type Result struct {
 	InfiniteHitRate *float64 `json:"infinite_hit_rate,omitempty"`
 	// Provenance says what produced the sweep (set by the caller; nil: not
 	// recorded).
-	Provenance *bench.Provenance `json:"provenance,omitempty"`
+	Provenance *measure.Provenance `json:"provenance,omitempty"`
 }
 
 // Run sweeps every (fleet size, policy) pair of opts, judges each run against
@@ -316,7 +315,7 @@ func runOne(ctx context.Context, opts Options, recs []trace.Record, engines int,
 	if err != nil {
 		return Row{}, fmt.Errorf("plan: %d engines, %s: %w", engines, policy, err)
 	}
-	checks, good := Evaluate(opts.SLO, bench.Measured(run.Records), run.Summary.DurationS)
+	checks, good := Evaluate(opts.SLO, measure.Measured(run.Records), run.Summary.DurationS)
 	row := Row{Engines: engines, Policy: policy, Summary: run.Summary, Checks: checks, MeetsSLO: true}
 	row.Summary.Goodput = &good
 	if refs != nil {
@@ -344,7 +343,7 @@ type refCache struct {
 
 type refOnce struct {
 	once sync.Once
-	refs *bench.References
+	refs *measure.References
 }
 
 func newRefCache(recs []trace.Record, engine sim.Config) *refCache {
@@ -353,7 +352,7 @@ func newRefCache(recs []trace.Record, engine sim.Config) *refCache {
 
 // get returns the references for a fleet of engines engines, computing
 // them (once; other callers for the same size wait) if needed.
-func (c *refCache) get(engines int) *bench.References {
+func (c *refCache) get(engines int) *measure.References {
 	c.mu.Lock()
 	o := c.bySize[engines]
 	if o == nil {
@@ -362,7 +361,7 @@ func (c *refCache) get(engines int) *bench.References {
 	}
 	c.mu.Unlock()
 	o.once.Do(func() {
-		o.refs = bench.NewReferences(c.recs, engines*c.engine.NumBlocks, c.engine.BlockSize)
+		o.refs = measure.NewReferences(c.recs, engines*c.engine.NumBlocks, c.engine.BlockSize)
 	})
 	return o.refs
 }

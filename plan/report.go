@@ -7,11 +7,11 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/report"
 )
 
 // WriteHTML writes the sweep as a self-contained HTML page (see
-// bench.WriteHTMLPage): what produced it (r.Provenance), the
+// report.WriteHTMLPage): what produced it (r.Provenance), the
 // recommendation, the table of WriteTable (the recommended row
 // highlighted), and against fleet size, one line per policy: each SLO
 // target's fleet-level value with the target as a horizontal line (TTFT p90
@@ -21,8 +21,8 @@ import (
 func (r *Result) WriteHTML(w io.Writer) error { return r.HTMLPage().Write(w) }
 
 // HTMLPage lays out the page WriteHTML writes.
-func (r *Result) HTMLPage() bench.Page {
-	t := &bench.Table{Head: []string{"engines", "policy", "errors", "hit %", "pooled-cache hit %", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
+func (r *Result) HTMLPage() report.Page {
+	t := &report.Table{Head: []string{"engines", "policy", "errors", "hit %", "pooled-cache hit %", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
 		"ITL p50 ms", "ITL p99 ms", "E2E p90 ms", "out tok/s", "util %", "goodput %", "meets SLO"}}
 	for k, row := range r.Rows {
 		t.Rows = append(t.Rows, row.cells(r.MinGoodput))
@@ -36,13 +36,13 @@ func (r *Result) HTMLPage() bench.Page {
 		sizes[i] = float64(n)
 		hi = max(hi, float64(n))
 	}
-	x := bench.Axis{Label: "engines", Ticks: sizes, Format: func(v float64) string { return strconv.Itoa(int(v)) }, Min: 0, Max: hi * 1.04}
+	x := report.Axis{Label: "engines", Ticks: sizes, Format: func(v float64) string { return strconv.Itoa(int(v)) }, Min: 0, Max: hi * 1.04}
 	var rec *Row
 	if r.Recommendation != nil && r.Recommendation.Row < len(r.Rows) {
 		rec = &r.Rows[r.Recommendation.Row]
 	}
 
-	var charts []bench.Chart
+	var charts []report.Chart
 	hasTTFT := false
 	var targets []Check
 	if len(r.Rows) > 0 {
@@ -56,11 +56,11 @@ func (r *Result) HTMLPage() bench.Page {
 			}
 			return math.NaN()
 		})
-		series = append(series, bench.HLine("SLO "+c.Target+" ≤ "+fmtMs(c.LimitMs), "slo", c.LimitMs, bench.SLOColor))
+		series = append(series, report.HLine("SLO "+c.Target+" ≤ "+fmtMs(c.LimitMs), "slo", c.LimitMs, report.SLOColor))
 		if rec != nil && i < len(rec.Checks) {
 			series = append(series, r.mark(rec, rec.Checks[i].ObservedMs))
 		}
-		ch := bench.LineChart(c.Target+" vs fleet size", x, bench.Axis{Label: c.Target + " (log scale)", Log: true, Format: bench.FormatMs}, series)
+		ch := report.LineChart(c.Target+" vs fleet size", x, report.Axis{Label: c.Target + " (log scale)", Log: true, Format: report.FormatMs}, series)
 		ch.Key = "slo-" + c.Target
 		ch.Note = fmt.Sprintf("Fleet-level %s of each run; red dashed line: the SLO's %s. A run whose percentile reaches into failed requests is infinitely slow and not drawn.", c.Target, fmtMs(c.LimitMs))
 		charts = append(charts, ch)
@@ -70,7 +70,7 @@ func (r *Result) HTMLPage() bench.Page {
 		if rec != nil {
 			series = append(series, r.mark(rec, rec.Summary.TTFT.P90))
 		}
-		ch := bench.LineChart("TTFT p90 vs fleet size", x, bench.Axis{Label: "TTFT p90 (log scale)", Log: true, Format: bench.FormatMs}, series)
+		ch := report.LineChart("TTFT p90 vs fleet size", x, report.Axis{Label: "TTFT p90 (log scale)", Log: true, Format: report.FormatMs}, series)
 		ch.Key = "ttft-p90"
 		charts = append(charts, ch)
 	}
@@ -82,18 +82,18 @@ func (r *Result) HTMLPage() bench.Page {
 		return row.Summary.Goodput.Share
 	})
 	if r.MinGoodput > 0 {
-		good = append(good, bench.HLine(fmt.Sprintf("SLO goodput ≥ %g%%", r.MinGoodput*100), "slo", r.MinGoodput, bench.SLOColor))
+		good = append(good, report.HLine(fmt.Sprintf("SLO goodput ≥ %g%%", r.MinGoodput*100), "slo", r.MinGoodput, report.SLOColor))
 	}
 	if rec != nil && rec.Summary.Goodput != nil {
 		good = append(good, r.mark(rec, rec.Summary.Goodput.Share))
 	}
-	gc := bench.LineChart("Goodput vs fleet size", x, bench.Axis{Label: "goodput (share of requests meeting the SLO)", Min: 0, Max: 1.05, Format: bench.FormatPercent,
+	gc := report.LineChart("Goodput vs fleet size", x, report.Axis{Label: "goodput (share of requests meeting the SLO)", Min: 0, Max: 1.05, Format: report.FormatPercent,
 		Ticks: []float64{0, 0.2, 0.4, 0.6, 0.8, 1}}, good)
 	gc.Key = "goodput"
 	charts = append(charts, gc)
 
 	hit := r.perPolicy(func(row *Row) float64 { return row.Summary.HitRate })
-	pooled := bench.Series{Name: "pooled cache", Kind: bench.SeriesRef, Key: "pooled", Color: bench.RefColor}
+	pooled := report.Series{Name: "pooled cache", Kind: report.SeriesRef, Key: "pooled", Color: report.RefColor}
 	for _, n := range r.Engines {
 		for k := range r.Rows {
 			if row := &r.Rows[k]; row.Engines == n && row.Summary.PooledHitRate != nil {
@@ -106,37 +106,35 @@ func (r *Result) HTMLPage() bench.Page {
 		hit = append(hit, pooled)
 	}
 	if v := r.InfiniteHitRate; v != nil {
-		l := bench.HLine(fmt.Sprintf("infinite cache %.1f%%", *v*100), "infinite", *v, "#000000")
-		l.Dash = "2 3"
-		hit = append(hit, l)
+		hit = append(hit, report.InfiniteCacheLine(*v))
 	}
 	if rec != nil {
 		hit = append(hit, r.mark(rec, rec.Summary.HitRate))
 	}
-	hc := bench.LineChart("Prefix-cache hit rate vs fleet size", x, bench.Axis{Label: "hit rate (Σcached / Σprompt)", Format: bench.FormatPercent}, hit)
+	hc := report.LineChart("Prefix-cache hit rate vs fleet size", x, report.Axis{Label: "hit rate (Σcached / Σprompt)", Format: report.FormatPercent}, hit)
 	hc.Key = "hit-rate"
 	hc.Note = "Dashed: the pooled cache of each size (one cache with the whole fleet's KV capacity: what a perfect router could approach without replicating prefixes) and the infinite cache (the trace's ceiling)."
 	charts = append(charts, hc)
 
-	facts := []bench.Fact{}
+	facts := []report.Fact{}
 	if p := r.Provenance; p != nil {
-		facts = p.Facts()
+		facts = report.ProvenanceFacts(p)
 	}
 	facts = append(facts,
-		bench.Fact{Key: "SLO", Field: "slo", Value: r.SLO, Mono: true},
-		bench.Fact{Key: "swept", Field: "swept", Value: fmt.Sprintf("%s engines × %s: %d runs of %d requests, %s wall (%d at once)",
+		report.Fact{Key: "SLO", Field: "slo", Value: r.SLO, Mono: true},
+		report.Fact{Key: "swept", Field: "swept", Value: fmt.Sprintf("%s engines × %s: %d runs of %d requests, %s wall (%d at once)",
 			joinInts(r.Engines), strings.Join(r.Policies, ", "), len(r.Rows), r.Requests, fmtMs(r.WallS*1000), r.Workers)},
-		bench.Fact{Key: "recommendation", Field: "recommendation", Value: strings.TrimPrefix(r.Verdict(), "recommendation: ")})
-	var alerts []bench.Alert
+		report.Fact{Key: "recommendation", Field: "recommendation", Value: strings.TrimPrefix(r.Verdict(), "recommendation: ")})
+	var alerts []report.Alert
 	if r.Recommendation == nil {
-		alerts = append(alerts, bench.Alert{Key: "no-fleet", Text: r.Verdict()})
+		alerts = append(alerts, report.Alert{Key: "no-fleet", Text: r.Verdict()})
 	}
 	text := []string{"Latencies are simulated engine time (virtual time: no network, no gateway overhead; see plan/README.md, \"Caveats\"). The highlighted row is the recommendation: the smallest swept fleet meeting the SLO, with the best policy at that size."}
 	sub := "SLO " + r.SLO
 	if p := r.Provenance; p != nil {
 		sub = fmt.Sprintf("infergate %s · started %s · SLO %s", p.Version, p.Start, r.SLO)
 	}
-	return bench.Page{Title: "infergate plan: SLO " + r.SLO, Subtitle: sub, Sections: []bench.Section{
+	return report.Page{Title: "infergate plan: SLO " + r.SLO, Subtitle: sub, Sections: []report.Section{
 		{Title: "Run", Alerts: alerts, Facts: facts},
 		{Title: "Fleet sizing sweep", Text: text, Table: t},
 		{Title: "Against fleet size", Charts: charts},
@@ -145,8 +143,8 @@ func (r *Result) HTMLPage() bench.Page {
 
 // perPolicy returns one data series per policy of value against fleet
 // size (NaN and +Inf values are not drawn).
-func (r *Result) perPolicy(value func(*Row) float64) []bench.Series {
-	out := make([]bench.Series, len(r.Policies))
+func (r *Result) perPolicy(value func(*Row) float64) []report.Series {
+	out := make([]report.Series, len(r.Policies))
 	for j, p := range r.Policies {
 		out[j].Name = p
 	}
@@ -162,7 +160,7 @@ func (r *Result) perPolicy(value func(*Row) float64) []bench.Series {
 }
 
 // mark is the recommended run's point at y.
-func (r *Result) mark(rec *Row, y float64) bench.Series {
-	return bench.Series{Name: fmt.Sprintf("recommended: %d × %s", rec.Engines, rec.Policy), Kind: bench.SeriesMark, Key: "recommended",
+func (r *Result) mark(rec *Row, y float64) report.Series {
+	return report.Series{Name: fmt.Sprintf("recommended: %d × %s", rec.Engines, rec.Policy), Kind: report.SeriesMark, Key: "recommended",
 		X: []float64{float64(rec.Engines)}, Y: []float64{y}, Color: "#111111"}
 }

@@ -10,7 +10,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
 )
@@ -25,8 +26,8 @@ func sweepResult() Result {
 	for _, n := range res.Engines {
 		for j, p := range res.Policies {
 			pooled := 0.1 + 0.02*float64(n)
-			s := bench.Summary{Policy: p, Requests: 100, HitRate: pooled - 0.05*float64(j), PooledHitRate: &pooled,
-				Goodput: &bench.Goodput{SLO: res.SLO, Requests: 10 * n, Share: float64(n) / 8.5}}
+			s := measure.Summary{Policy: p, Requests: 100, HitRate: pooled - 0.05*float64(j), PooledHitRate: &pooled,
+				Goodput: &measure.Goodput{SLO: res.SLO, Requests: 10 * n, Share: float64(n) / 8.5}}
 			s.TTFT.P90 = 8000 / float64(n)
 			s.ITL.P99 = 400 / float64(n)
 			res.Rows = append(res.Rows, Row{Engines: n, Policy: p, Summary: s, MeetsSLO: n == 8, Checks: []Check{
@@ -38,8 +39,8 @@ func sweepResult() Result {
 	return res
 }
 
-func charts(p bench.Page) map[string]bench.Chart {
-	out := map[string]bench.Chart{}
+func charts(p report.Page) map[string]report.Chart {
+	out := map[string]report.Chart{}
 	for _, s := range p.Sections {
 		for _, c := range s.Charts {
 			out[c.Key] = c
@@ -49,7 +50,7 @@ func charts(p bench.Page) map[string]bench.Chart {
 }
 
 // hlineAt returns the value and pixel y of c's horizontal line keyed key.
-func hlineAt(t *testing.T, c bench.Chart, key string) (float64, float64) {
+func hlineAt(t *testing.T, c report.Chart, key string) (float64, float64) {
 	t.Helper()
 	for _, l := range c.Lines {
 		if l.Kind == "hline" && l.Key == key {
@@ -69,7 +70,7 @@ func hlineAt(t *testing.T, c bench.Chart, key string) (float64, float64) {
 }
 
 // logY is where value v falls on c's log axis, from its ticks (powers of ten).
-func logY(t *testing.T, c bench.Chart, v float64) float64 {
+func logY(t *testing.T, c report.Chart, v float64) float64 {
 	t.Helper()
 	if len(c.YTicks) < 2 {
 		t.Fatalf("%s: %d y ticks", c.Title, len(c.YTicks))
@@ -133,7 +134,7 @@ func TestResultHTMLPage(t *testing.T) {
 	if v, _ := hlineAt(t, hit, "infinite"); v != 0.374 {
 		t.Errorf("infinite line at %v", v)
 	}
-	var pooled *bench.Line
+	var pooled *report.Line
 	for i := range hit.Lines {
 		if hit.Lines[i].Key == "pooled" {
 			pooled = &hit.Lines[i]
@@ -177,7 +178,7 @@ func TestResultHTMLPage(t *testing.T) {
 }
 
 // TestRunReferences: every row carries the pooled reference of its fleet
-// size and the infinite one, equal to bench.PooledCacheHitRate and
+// size and the infinite one, equal to measure.PooledCacheHitRate and
 // trace.InfiniteCacheHitRate of the replayed records; NoReferences skips
 // them.
 func TestRunReferences(t *testing.T) {
@@ -195,7 +196,7 @@ func TestRunReferences(t *testing.T) {
 		t.Errorf("infinite %v, want %v", res.InfiniteHitRate, wantInf)
 	}
 	for _, row := range res.Rows {
-		want := bench.PooledCacheHitRate(recs, row.Engines*ec.NumBlocks, ec.BlockSize)
+		want := measure.PooledCacheHitRate(recs, row.Engines*ec.NumBlocks, ec.BlockSize)
 		s := row.Summary
 		if s.PooledHitRate == nil || *s.PooledHitRate != want || s.InfiniteHitRate == nil || math.Abs(*s.InfiniteHitRate-wantInf) > 1e-12 {
 			t.Errorf("%d engines, %s: pooled %v (want %v), infinite %v (want %v)", row.Engines, row.Policy, s.PooledHitRate, want, s.InfiniteHitRate, wantInf)

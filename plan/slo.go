@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/measure"
 )
 
 // Metric is a latency a Target bounds.
@@ -217,18 +217,18 @@ type Check struct {
 	OK bool `json:"ok"`
 }
 
-// Evaluate judges recs, one run's records (bench.Record: ms of engine time),
+// Evaluate judges recs, one run's records (measure.Record: ms of engine time),
 // against slo. It returns the fleet-level checks, in target order, and the
 // run's goodput; duration is the run's length (s) used for Goodput.PerS.
 // A check's ObservedMs is math.MaxFloat64 when its percentile falls on failed
 // requests (infinitely slow), so that it encodes as JSON.
-func Evaluate(slo SLO, recs []bench.Record, durationS float64) ([]Check, bench.Goodput) {
+func Evaluate(slo SLO, recs []measure.Record, durationS float64) ([]Check, measure.Goodput) {
 	checks := make([]Check, len(slo.Targets))
 	for i, t := range slo.Targets {
 		v := fleetValue(t, recs)
 		checks[i] = Check{Target: t.Name(), LimitMs: ms(t.Max), ObservedMs: min(v, math.MaxFloat64), OK: v <= ms(t.Max)}
 	}
-	g := bench.Goodput{SLO: slo.String()}
+	g := measure.Goodput{SLO: slo.String()}
 	var gaps []float64
 	for i := range recs {
 		var ok bool
@@ -247,13 +247,13 @@ func Evaluate(slo SLO, recs []bench.Record, durationS float64) ([]Check, bench.G
 
 // Meets reports whether the request r met every target individually (see
 // Target for the per-request reading). A failed request meets none.
-func Meets(targets []Target, r *bench.Record) bool {
+func Meets(targets []Target, r *measure.Record) bool {
 	ok, _ := meets(targets, r, nil)
 	return ok
 }
 
 // meets is Meets with a scratch slice for sorting ITL gaps, returned for reuse.
-func meets(targets []Target, r *bench.Record, scratch []float64) (bool, []float64) {
+func meets(targets []Target, r *measure.Record, scratch []float64) (bool, []float64) {
 	if r.Error != "" {
 		return false, scratch
 	}
@@ -275,7 +275,7 @@ func meets(targets []Target, r *bench.Record, scratch []float64) (bool, []float6
 			} else {
 				scratch = append(scratch[:0], r.ITLMs...)
 				slices.Sort(scratch)
-				v = bench.Percentile(scratch, t.Percentile)
+				v = measure.Percentile(scratch, t.Percentile)
 			}
 		}
 		if v > ms(t.Max) {
@@ -287,7 +287,7 @@ func meets(targets []Target, r *bench.Record, scratch []float64) (bool, []float6
 
 // tpot is vLLM's time per output token of r (ms): (E2E − TTFT) / (output
 // tokens − 1), 0 with fewer than two output tokens.
-func tpot(r *bench.Record) float64 {
+func tpot(r *measure.Record) float64 {
 	if r.OutputTokens < 2 {
 		return 0
 	}
@@ -295,7 +295,7 @@ func tpot(r *bench.Record) float64 {
 }
 
 // fleetValue is the run's value of t at fleet level (ms): see Target.
-func fleetValue(t Target, recs []bench.Record) float64 {
+func fleetValue(t Target, recs []measure.Record) float64 {
 	var xs []float64
 	if t.Metric == ITL {
 		for i := range recs {
@@ -323,7 +323,7 @@ func fleetValue(t Target, recs []bench.Record) float64 {
 	return percentile(xs, t.Percentile)
 }
 
-// percentile is bench.Percentile over an ascending slice that may end in
+// percentile is measure.Percentile over an ascending slice that may end in
 // +Inf (failed requests): a percentile that needs an infinite sample is +Inf.
 func percentile(sorted []float64, p float64) float64 {
 	n := len(sorted)
@@ -341,7 +341,7 @@ func percentile(sorted []float64, p float64) float64 {
 		}
 		return math.Inf(1)
 	}
-	return bench.Percentile(sorted, p)
+	return measure.Percentile(sorted, p)
 }
 
 // ms converts d to milliseconds.

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/measure"
 )
 
 func TestParseSLO(t *testing.T) {
@@ -97,8 +97,8 @@ func TestParseSLOErrors(t *testing.T) {
 //	c   failed
 //	d   50    2000  2    1950              1950  1950         1950
 //	e   200   200   1    -                 0     -            -
-func goodputRecords() []bench.Record {
-	return []bench.Record{
+func goodputRecords() []measure.Record {
+	return []measure.Record{
 		{TTFTMs: 100, E2EMs: 500, OutputTokens: 5, ITLMs: []float64{100, 100, 100, 100}},
 		{TTFTMs: 300, E2EMs: 400, OutputTokens: 3, ITLMs: []float64{90, 10}},
 		{Error: "rejected", Status: 400},

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/trace"
 )
@@ -75,7 +77,7 @@ func raceBuild() bool {
 // Wall-clock fidelity depends on the host keeping up, so this test runs
 // only with -tags twin (.ci/run runs it as its own step) and judges the
 // real-time run only if it kept up with its time scale (p99 fleet step lag
-// and client send lag within bench.DefaultMaxLag, 100 ms of engine time, a
+// and client send lag within measure.DefaultMaxLag, 100 ms of engine time, a
 // thirtieth of the TTFT p50 compared); otherwise it skips, reporting the
 // lags. Errors are checked either way.
 func TestTwinBenchPlan(t *testing.T) {
@@ -139,11 +141,11 @@ func TestTwinBenchPlan(t *testing.T) {
 		t.Fatalf("bench run without lag measurements: fleet %v, client %v", f, c)
 	} else {
 		t.Logf("bench lag p50/p99/max: fleet steps %.1f/%.1f/%.0f ms, client sends %.1f/%.1f/%.0f ms (engine time; margin %v at p99)",
-			f.P50, f.P99, f.Max, c.P50, c.P99, c.Max, bench.DefaultMaxLag)
+			f.P50, f.P99, f.Max, c.P50, c.P99, c.Max, measure.DefaultMaxLag)
 	}
 	if rs.Behind {
 		var w bytes.Buffer
-		_, _ = bench.Report{Runs: []bench.Summary{rs}}.WriteLagWarnings(&w)
+		_, _ = report.Report{Runs: []measure.Summary{rs}}.WriteLagWarnings(&w)
 		t.Skipf("BEHIND: the real-time run fell behind its time scale, so its fidelity is not judged on this host: %s", w.String())
 	}
 	if math.Abs(rs.HitRate-vs.HitRate) > 0.02 {

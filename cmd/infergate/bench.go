@@ -13,6 +13,8 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
@@ -129,7 +131,7 @@ func (fl *benchFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.recPath, "records", "", "write per-request records as JSONL to this file")
 	fl.warm.register(f)
 	f.StringVar(&fl.rateList, "rate", "", "request-rate sweep: comma-separated rates (req/s, e.g. 1,2,4,8); the workload's arrivals are re-timed as a Poisson process at each rate (fixed seed, same requests in the same order) and run once per rate (per policy with --compare)")
-	f.DurationVar(&fl.maxLag, "max-lag", bench.DefaultMaxLag, "real-time runs: the largest p99 lag (engine time) of the simulated fleet's steps and of the client's sends against their schedule; a run past it is marked BEHIND and bench exits non-zero")
+	f.DurationVar(&fl.maxLag, "max-lag", measure.DefaultMaxLag, "real-time runs: the largest p99 lag (engine time) of the simulated fleet's steps and of the client's sends against their schedule; a run past it is marked BEHIND and bench exits non-zero")
 	f.IntVar(&fl.concurrency, "concurrency", 0, "closed loop (real time only, not --virtual): N users each send their next request as soon as the previous one finished, ignoring timestamps; with --workload chat, at most N sessions active at once, each turn sent when the previous answer has arrived plus the think time")
 }
 
@@ -177,9 +179,9 @@ type benchRun struct {
 	recs     []trace.Record
 	sessions []trace.Session
 	recOut   *os.File // --records, nil when not given
-	refs     *bench.References
-	report   bench.Report
-	htmlRuns []bench.HTMLRun // only with --html
+	refs     *measure.References
+	report   report.Report
+	htmlRuns []report.HTMLRun // only with --html
 }
 
 // run is bench's RunE: validate, load the workload, resolve the mode's
@@ -206,7 +208,7 @@ func (fl *benchFlags) run(cmd *cobra.Command) error {
 		defer r.recOut.Close()
 	}
 	started := time.Now()
-	prov := bench.NewProvenance(buildVersion(), os.Args, started)
+	prov := measure.NewProvenance(buildVersion(), os.Args, started)
 	if err := r.resolve(); err != nil {
 		return err
 	}
@@ -254,16 +256,16 @@ func (r *benchRun) resolve() error {
 // profile) and sets the reference hit rates of the replayed records: the
 // infinite cache only for a target (its KV capacity is unknown), also the
 // fleet's pooled cache for --compare.
-func (r *benchRun) describe(prov *bench.Provenance) error {
+func (r *benchRun) describe(prov *measure.Provenance) error {
 	fl := r.fl
 	replayed := r.recs
 	if fl.requests > 0 && fl.requests < len(replayed) {
 		replayed = replayed[:fl.requests]
 	}
 	if fl.target != "" {
-		prov.Target, prov.TimeScale, prov.Speedup, prov.Clock = bench.RedactValue(fl.target), fl.timeScale, fl.speedup, "real"
+		prov.Target, prov.TimeScale, prov.Speedup, prov.Clock = measure.RedactValue(fl.target), fl.timeScale, fl.speedup, "real"
 		if len(replayed) > 0 {
-			r.refs = bench.NewReferences(replayed, 0, 0) // the target's KV capacity is unknown: infinite cache only
+			r.refs = measure.NewReferences(replayed, 0, 0) // the target's KV capacity is unknown: infinite cache only
 		}
 		return nil
 	}
@@ -284,7 +286,7 @@ func (r *benchRun) describe(prov *bench.Provenance) error {
 	}
 	if len(replayed) > 0 {
 		ec = ec.WithDefaults()
-		r.refs = bench.NewReferences(replayed, n*ec.NumBlocks, ec.BlockSize)
+		r.refs = measure.NewReferences(replayed, n*ec.NumBlocks, ec.BlockSize)
 	}
 	return nil
 }
@@ -325,9 +327,9 @@ func (r *benchRun) runAt(recs []trace.Record, rate float64) error {
 }
 
 // addHTML keeps a run for the HTML report (only with --html).
-func (r *benchRun) addHTML(run bench.HTMLRun) {
+func (r *benchRun) addHTML(run report.HTMLRun) {
 	if r.fl.htmlPath != "" {
-		r.htmlRuns = append(r.htmlRuns, bench.MeasuredRun(run))
+		r.htmlRuns = append(r.htmlRuns, report.MeasuredRun(run))
 	}
 }
 
@@ -345,12 +347,12 @@ func (r *benchRun) replayTarget(recs []trace.Record, rate float64) error {
 	if err != nil {
 		return err
 	}
-	s := bench.Summarize(bench.RedactValue(fl.target), rs)
+	s := measure.Summarize(measure.RedactValue(fl.target), rs)
 	s.RateRPS = rate
 	r.refs.Apply(&s, rs)
 	s.CheckLag(fl.maxLag)
 	r.report.Runs = append(r.report.Runs, s)
-	r.addHTML(bench.HTMLRun{Summary: s, Records: rs})
+	r.addHTML(report.HTMLRun{Summary: s, Records: rs})
 	return nil
 }
 
@@ -366,14 +368,14 @@ func (r *benchRun) compareVirtual(recs []trace.Record, rate float64) error {
 			return err
 		}
 		if r.recOut != nil {
-			if err := bench.WriteRecords(r.recOut, run.Records); err != nil {
+			if err := measure.WriteRecords(r.recOut, run.Records); err != nil {
 				return err
 			}
 		}
 		fmt.Fprintf(os.Stderr, "%s: %d requests in virtual time, %s wall\n", p, len(run.Records), run.Wall.Round(time.Millisecond))
 		r.refs.Apply(&run.Summary, run.Records)
 		r.report.Runs = append(r.report.Runs, run.Summary)
-		r.addHTML(bench.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})
+		r.addHTML(report.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})
 	}
 	return nil
 }
@@ -397,18 +399,18 @@ func (r *benchRun) compareReal(recs []trace.Record, rate float64) error {
 // finish prints the table, the lag warnings and the failed runs' first
 // errors, writes --out and --html, and returns the command's verdict: an
 // error when every request of a run failed or a run fell behind.
-func (r *benchRun) finish(cmd *cobra.Command, prov *bench.Provenance, started time.Time) error {
-	report := &r.report
-	report.PooledHitRate, report.InfiniteHitRate = r.refs.All()
-	if err := report.WriteTable(cmd.OutOrStdout()); err != nil {
+func (r *benchRun) finish(cmd *cobra.Command, prov *measure.Provenance, started time.Time) error {
+	res := &r.report
+	res.PooledHitRate, res.InfiniteHitRate = r.refs.All()
+	if err := res.WriteTable(cmd.OutOrStdout()); err != nil {
 		return err
 	}
-	behind, err := report.WriteLagWarnings(cmd.ErrOrStderr())
+	behind, err := res.WriteLagWarnings(cmd.ErrOrStderr())
 	if err != nil {
 		return err
 	}
 	failed := false
-	for _, run := range report.Runs {
+	for _, run := range res.Runs {
 		if run.Errors > 0 && run.FirstError != "" {
 			fmt.Fprintf(cmd.ErrOrStderr(), "%s: %d of %d requests failed; first error: %s\n", run.Policy, run.Errors, run.Requests, run.FirstError)
 		}
@@ -416,7 +418,7 @@ func (r *benchRun) finish(cmd *cobra.Command, prov *bench.Provenance, started ti
 	}
 	fmt.Fprintf(cmd.OutOrStdout(), "\ncompleted in %s (wall clock)\n", time.Since(started).Round(time.Second))
 	prov.WallS = time.Since(started).Seconds()
-	report.Provenance = prov
+	res.Provenance = prov
 	if err := r.writeOutputs(prov); err != nil {
 		return err
 	}
@@ -425,13 +427,13 @@ func (r *benchRun) finish(cmd *cobra.Command, prov *bench.Provenance, started ti
 	}
 	if behind > 0 {
 		return fmt.Errorf("%d of %d runs fell behind their time scale by more than --max-lag %v (p99): their latencies are not the modelled hardware's (outputs written; see the warnings above)",
-			behind, len(report.Runs), r.fl.maxLag)
+			behind, len(res.Runs), r.fl.maxLag)
 	}
 	return nil
 }
 
 // writeOutputs writes the report as JSON (--out) and as HTML (--html).
-func (r *benchRun) writeOutputs(prov *bench.Provenance) error {
+func (r *benchRun) writeOutputs(prov *measure.Provenance) error {
 	fl := r.fl
 	if fl.outPath != "" {
 		if err := writeFile(fl.outPath, r.report.WriteJSON); err != nil {
@@ -441,15 +443,15 @@ func (r *benchRun) writeOutputs(prov *bench.Provenance) error {
 	if fl.htmlPath == "" {
 		return nil
 	}
-	rep := bench.HTMLReport{Title: fl.htmlTitle(), Runs: r.htmlRuns, Provenance: prov, References: r.refs}
-	return writeFile(fl.htmlPath, func(w io.Writer) error { return bench.WriteHTMLReport(w, rep) })
+	rep := report.HTMLReport{Title: fl.htmlTitle(), Runs: r.htmlRuns, Provenance: prov, References: r.refs}
+	return writeFile(fl.htmlPath, func(w io.Writer) error { return report.WriteHTMLReport(w, rep) })
 }
 
 // htmlTitle is the HTML report's title: the target, or the compared
 // policies with the fleet size and the clock.
 func (fl *benchFlags) htmlTitle() string {
 	if fl.target != "" {
-		return "infergate bench: " + bench.RedactValue(fl.target)
+		return "infergate bench: " + measure.RedactValue(fl.target)
 	}
 	mode := "real time"
 	if fl.virtual {
@@ -473,7 +475,7 @@ func writeFile(path string, write func(io.Writer) error) error {
 
 // describeBench records the workload of a bench run in prov: recs (or the
 // turns of sessions) of which the first requests (0: all) are replayed.
-func describeBench(prov *bench.Provenance, wl *workloadFlags, recs []trace.Record, sessions []trace.Session, requests int) error {
+func describeBench(prov *measure.Provenance, wl *workloadFlags, recs []trace.Record, sessions []trace.Session, requests int) error {
 	total := len(recs)
 	for _, s := range sessions {
 		total += len(s.Turns)

@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/plan"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
@@ -101,7 +102,7 @@ func (fl *planFlags) run(cmd *cobra.Command) error {
 	if err != nil {
 		return err
 	}
-	prov := bench.NewProvenance(buildVersion(), os.Args, started)
+	prov := measure.NewProvenance(buildVersion(), os.Args, started)
 	prov.Clock = "virtual"
 	if err := describeBench(prov, &fl.wl, opts.Records, nil, fl.requests); err != nil {
 		return err

@@ -10,7 +10,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
 )
@@ -23,15 +23,15 @@ type benchJSON struct {
 		PooledHitRate   *float64 `json:"pooled_hit_rate"`
 		InfiniteHitRate *float64 `json:"infinite_hit_rate"`
 	}
-	PooledHitRate   *float64          `json:"pooled_hit_rate"`
-	InfiniteHitRate *float64          `json:"infinite_hit_rate"`
-	Provenance      *bench.Provenance `json:"provenance"`
+	PooledHitRate   *float64            `json:"pooled_hit_rate"`
+	InfiniteHitRate *float64            `json:"infinite_hit_rate"`
+	Provenance      *measure.Provenance `json:"provenance"`
 }
 
 // TestBenchReportProvenance: a real `bench --compare --virtual` records
 // its command line, version, clock, workload (with the trace file's
 // SHA-256) and profile in its JSON and HTML, and every run's pooled and
-// infinite references equal bench.PooledCacheHitRate and
+// infinite references equal measure.PooledCacheHitRate and
 // trace.InfiniteCacheHitRate of the replayed records.
 func TestBenchReportProvenance(t *testing.T) {
 	dir := t.TempDir()
@@ -63,7 +63,7 @@ func TestBenchReportProvenance(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	wantPooled := bench.PooledCacheHitRate(recs[:48], 2*ec.NumBlocks, ec.BlockSize)
+	wantPooled := measure.PooledCacheHitRate(recs[:48], 2*ec.NumBlocks, ec.BlockSize)
 	wantInf := trace.InfiniteCacheHitRate(recs[:48])
 	for _, r := range rep.Runs {
 		if r.PooledHitRate == nil || *r.PooledHitRate != wantPooled || r.InfiniteHitRate == nil || *r.InfiniteHitRate != wantInf {
@@ -132,7 +132,7 @@ func TestPlanReportProvenance(t *testing.T) {
 				PooledHitRate *float64 `json:"pooled_hit_rate"`
 			}
 		}
-		Provenance *bench.Provenance `json:"provenance"`
+		Provenance *measure.Provenance `json:"provenance"`
 	}
 	raw, _ := os.ReadFile(out)
 	if err := json.Unmarshal(raw, &res); err != nil || res.Provenance == nil || len(res.Rows) != 2 {

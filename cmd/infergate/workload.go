@@ -9,9 +9,9 @@ import (
 
 	"github.com/spf13/pflag"
 
-	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/data"
 	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/trace"
@@ -115,7 +115,7 @@ func (w *workloadFlags) sessions() ([]trace.Session, error) {
 }
 
 // warmupFlags are --warmup and --warmup-duration.
-type warmupFlags struct{ w bench.Warmup }
+type warmupFlags struct{ w measure.Warmup }
 
 func (w *warmupFlags) register(f *pflag.FlagSet) {
 	f.IntVar(&w.w.Requests, "warmup", 0, "send the first N requests but leave them out of the summary, HTML report and goodput (records keep them, marked \"warmup\": true)")
@@ -168,8 +168,8 @@ func loadRouting(path string) (sched.Config, error) {
 // describe records the selected workload for a report's provenance: its
 // kind, the files it was read from with their digests, the kind's
 // parameters, and how many of its records (total) were replayed.
-func (w *workloadFlags) describe(replayed, total int) (*bench.Workload, error) {
-	d := &bench.Workload{Kind: w.kind, Records: total, Replayed: replayed}
+func (w *workloadFlags) describe(replayed, total int) (*measure.Workload, error) {
+	d := &measure.Workload{Kind: w.kind, Records: total, Replayed: replayed}
 	var files []string
 	g := strconv.FormatFloat
 	switch w.kind {
@@ -200,7 +200,7 @@ func (w *workloadFlags) describe(replayed, total int) (*bench.Workload, error) {
 			"seed": strconv.FormatUint(o.Seed, 10)}
 	}
 	for _, f := range files {
-		sf, err := bench.DescribeFile(f)
+		sf, err := measure.DescribeFile(f)
 		if err != nil {
 			return nil, err
 		}

@@ -1,4 +1,4 @@
-package bench
+package report
 
 import (
 	"fmt"
@@ -142,10 +142,12 @@ var palette = []string{"#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#
 // marks SLO thresholds and runs that fell behind.
 func Color(i int) string { return palette[i%len(palette)] }
 
-// Colours of reference lines: the pooled and infinite caches, an SLO.
+// Colours of reference lines: the pooled cache (and other references),
+// the infinite cache, an SLO.
 const (
-	RefColor = "#333333"
-	SLOColor = "#c00000"
+	RefColor      = "#333333"
+	InfiniteColor = "#000000"
+	SLOColor      = "#c00000"
 )
 
 const (

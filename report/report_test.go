@@ -1,39 +1,20 @@
-package bench
+package report
 
 import (
 	"bytes"
 	"encoding/json"
-	"math"
 	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/infergate/infergate/measure"
 )
 
-func TestPercentile(t *testing.T) {
-	xs := []float64{1, 2, 3, 4}
-	// Values from numpy.percentile([1, 2, 3, 4], p).
-	for _, tc := range []struct{ p, want float64 }{
-		{0, 1}, {25, 1.75}, {50, 2.5}, {90, 3.7}, {99, 3.97}, {100, 4}, {-5, 1}, {150, 4},
-	} {
-		if got := Percentile(xs, tc.p); math.Abs(got-tc.want) > 1e-12 {
-			t.Errorf("Percentile(%v, %v) = %v, want %v", xs, tc.p, got, tc.want)
-		}
-	}
-	if Percentile(nil, 50) != 0 || Percentile([]float64{7}, 99) != 7 {
-		t.Error("empty or single-sample percentile wrong")
-	}
-	// 1..100: p-th percentile is 1 + 0.99·p.
-	hundred := make([]float64, 100)
-	for i := range hundred {
-		hundred[i] = float64(i + 1)
-	}
-	if got := Percentile(hundred, 90); math.Abs(got-90.1) > 1e-12 {
-		t.Errorf("p90 of 1..100 = %v, want 90.1", got)
-	}
-}
-
-func syntheticRecords() []Record {
-	return []Record{
+// syntheticRecords are measure's TestSummarize records: three successes
+// and a failure.
+func syntheticRecords() []measure.Record {
+	return []measure.Record{
 		{Index: 0, ArrivalMs: 0, TTFTMs: 100, ITLMs: []float64{10, 20}, E2EMs: 130, PromptTokens: 1000, CachedTokens: 0, OutputTokens: 3, Status: 200},
 		{Index: 1, ArrivalMs: 500, TTFTMs: 300, ITLMs: []float64{30}, E2EMs: 330, PromptTokens: 1000, CachedTokens: 800, OutputTokens: 2, Status: 200},
 		{Index: 2, ArrivalMs: 1000, TTFTMs: 200, ITLMs: []float64{40, 50, 60}, E2EMs: 350, PromptTokens: 2000, CachedTokens: 1000, OutputTokens: 4, Status: 200},
@@ -42,47 +23,12 @@ func syntheticRecords() []Record {
 	}
 }
 
-func TestSummarize(t *testing.T) {
-	s := Summarize("prefix", syntheticRecords())
-	near := func(name string, got, want float64) {
-		t.Helper()
-		if math.Abs(got-want) > 1e-9 {
-			t.Errorf("%s = %v, want %v", name, got, want)
-		}
-	}
-	if s.Policy != "prefix" || s.Requests != 4 || s.Errors != 1 {
-		t.Errorf("policy %q requests %d errors %d", s.Policy, s.Requests, s.Errors)
-	}
-	if s.PromptTokens != 4000 || s.CachedTokens != 1800 || s.PrefillTokensComputed != 2200 || s.OutputTokens != 9 {
-		t.Errorf("tokens %d %d %d %d", s.PromptTokens, s.CachedTokens, s.PrefillTokensComputed, s.OutputTokens)
-	}
-	near("hit_rate", s.HitRate, 0.45)
-	near("duration_s", s.DurationS, 4)              // failure ends at 1500 + 2500 ms
-	near("output_tok_per_s", s.OutputTokPerS, 2.25) // 9 tokens / 4 s
-	near("ttft p50", s.TTFT.P50, 200)
-	near("ttft p90", s.TTFT.P90, 280)
-	near("ttft p99", s.TTFT.P99, 298)
-	near("ttft mean", s.TTFT.Mean, 200)
-	// ITL pools every gap: 10 20 30 40 50 60.
-	near("itl p50", s.ITL.P50, 35)
-	near("itl p99", s.ITL.P99, 59.5)
-	near("e2e p50", s.E2E.P50, 330)
-	if s.MeanEngineUtilization != nil {
-		t.Error("utilization should be unknown")
-	}
-
-	empty := Summarize("x", nil)
-	if empty.HitRate != 0 || empty.OutputTokPerS != 0 || empty.TTFT != (Latency{}) {
-		t.Errorf("empty summary %+v", empty)
-	}
-}
-
 // TestSummaryJSONKeys pins the JSON schema the README documents.
 func TestSummaryJSONKeys(t *testing.T) {
 	u := 0.5
-	s := Summarize("round-robin", syntheticRecords())
+	s := measure.Summarize("round-robin", syntheticRecords())
 	s.MeanEngineUtilization = &u
-	b, err := json.Marshal(Report{Runs: []Summary{s}})
+	b, err := json.Marshal(Report{Runs: []measure.Summary{s}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -127,11 +73,11 @@ func TestSummaryJSONKeys(t *testing.T) {
 
 func TestWriteTable(t *testing.T) {
 	u := 0.734
-	a := Summarize("prefix", syntheticRecords())
+	a := measure.Summarize("prefix", syntheticRecords())
 	a.MeanEngineUtilization = &u
-	b := Summarize("round-robin", syntheticRecords()[:1])
+	b := measure.Summarize("round-robin", syntheticRecords()[:1])
 	var buf bytes.Buffer
-	if err := (Report{Runs: []Summary{a, b}}).WriteTable(&buf); err != nil {
+	if err := (Report{Runs: []measure.Summary{a, b}}).WriteTable(&buf); err != nil {
 		t.Fatal(err)
 	}
 	lines := strings.Split(strings.TrimRight(buf.String(), "\n"), "\n")
@@ -156,7 +102,45 @@ func TestWriteTable(t *testing.T) {
 		t.Errorf("round-robin row %q", lines[2])
 	}
 	buf.Reset()
-	if err := (Report{Runs: []Summary{a}}).WriteJSON(&buf); err != nil || !strings.HasPrefix(buf.String(), "{\n  \"runs\": [") {
+	if err := (Report{Runs: []measure.Summary{a}}).WriteJSON(&buf); err != nil || !strings.HasPrefix(buf.String(), "{\n  \"runs\": [") {
 		t.Errorf("WriteJSON: %v %q", err, buf.String())
+	}
+}
+
+// TestCheckLag: a run is behind when the fleet's or the client's p99 lag
+// exceeds the margin; a run with neither (virtual) never is.
+func TestCheckLag(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		fleet, send  *measure.Lag
+		margin       time.Duration
+		behind       bool
+		marginMs     float64
+		cell         string
+		warningParts []string
+	}{
+		{name: "virtual", margin: 0, marginMs: 100, cell: "-"},
+		{name: "kept up", fleet: &measure.Lag{Samples: 10, P50: 1, P99: 40, Max: 120}, send: &measure.Lag{Samples: 3, P99: 60}, marginMs: 100, cell: "60.0"},
+		{name: "fleet behind", fleet: &measure.Lag{Samples: 10, P50: 5, P99: 1342, Max: 5211}, send: &measure.Lag{Samples: 3, P99: 60}, marginMs: 100, behind: true,
+			cell: "1342 BEHIND", warningParts: []string{"fleet step lag p50 5.0, p99 1342, max 5211 ms", "client send lag", "more than 100 ms"}},
+		{name: "client behind", send: &measure.Lag{Samples: 3, P99: 300, Max: 400}, margin: 250 * time.Millisecond, marginMs: 250, behind: true,
+			cell: "300 BEHIND", warningParts: []string{"client send lag p50 0.0, p99 300, max 400 ms", "more than 250 ms"}},
+		{name: "wide margin", fleet: &measure.Lag{Samples: 10, P99: 1342}, margin: time.Hour, marginMs: 3.6e6, cell: "1342.0"},
+	} {
+		s := measure.Summary{Policy: tc.name, FleetLag: tc.fleet, SendLag: tc.send}
+		s.CheckLag(tc.margin)
+		if s.Behind != tc.behind || s.MaxLagMs != tc.marginMs || lagCell(s) != tc.cell {
+			t.Errorf("%s: behind %v margin %v cell %q; want %v %v %q", tc.name, s.Behind, s.MaxLagMs, lagCell(s), tc.behind, tc.marginMs, tc.cell)
+		}
+		var w bytes.Buffer
+		n, err := Report{Runs: []measure.Summary{s}}.WriteLagWarnings(&w)
+		if err != nil || (n == 1) != tc.behind || strings.Count(w.String(), "\n") != n {
+			t.Errorf("%s: %d warnings %q, %v", tc.name, n, w.String(), err)
+		}
+		for _, part := range tc.warningParts {
+			if !strings.Contains(w.String(), part) {
+				t.Errorf("%s: warning %q lacks %q", tc.name, w.String(), part)
+			}
+		}
 	}
 }

@@ -1,4 +1,4 @@
-package bench
+package report
 
 import (
 	"bytes"
@@ -8,13 +8,15 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/infergate/infergate/measure"
 )
 
 // HTMLRun is one run of an HTML report: its Summary, its per-request Records
 // and, when known, which engine served each request.
 type HTMLRun struct {
-	Summary Summary
-	Records []Record
+	Summary measure.Summary
+	Records []measure.Record
 	// Engine is the index of the engine each record was routed to (-1:
 	// none), parallel to Records; nil when unknown (a gateway does not say).
 	Engine []int
@@ -51,25 +53,22 @@ func CDF(xs []float64) (x, y []float64) {
 
 // SummaryTable is r's text table (WriteTable) as a Table, with the runs'
 // reference hit rates (pooled and infinite cache) beside their own.
-func SummaryTable(runs []Summary) *Table {
+func SummaryTable(runs []measure.Summary) *Table {
 	t := &Table{Head: []string{"policy", "requests", "errors", "hit %", "pooled-cache hit %", "infinite-cache hit %",
 		"TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms", "out tok/s", "prefill tok", "util %", "lag p99 ms"}}
 	for _, s := range runs {
-		util := "-"
-		if s.MeanEngineUtilization != nil {
-			util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
-		}
 		t.Rows = append(t.Rows, []string{RunName(s), strconv.Itoa(s.Requests), strconv.Itoa(s.Errors),
-			fmt.Sprintf("%.1f", s.HitRate*100), pct(s.PooledHitRate), pct(s.InfiniteHitRate),
+			fmt.Sprintf("%.1f", s.HitRate*100), Percent(s.PooledHitRate), Percent(s.InfiniteHitRate),
 			fmt.Sprintf("%.0f", s.TTFT.P50), fmt.Sprintf("%.0f", s.TTFT.P90), fmt.Sprintf("%.0f", s.TTFT.P99),
 			fmt.Sprintf("%.1f", s.ITL.P50), fmt.Sprintf("%.1f", s.ITL.P90), fmt.Sprintf("%.1f", s.ITL.P99),
-			fmt.Sprintf("%.0f", s.OutputTokPerS), strconv.FormatInt(s.PrefillTokensComputed, 10), util, s.lagCell()})
+			fmt.Sprintf("%.0f", s.OutputTokPerS), strconv.FormatInt(s.PrefillTokensComputed, 10), Percent(s.MeanEngineUtilization), lagCell(s)})
 	}
 	return t
 }
 
-// pct formats a fraction as a percentage with one decimal, "-" for nil.
-func pct(v *float64) string {
+// Percent formats a fraction as a percentage with one decimal ("73.4"),
+// "-" for nil (unknown).
+func Percent(v *float64) string {
 	if v == nil {
 		return "-"
 	}
@@ -78,7 +77,7 @@ func pct(v *float64) string {
 
 // RunName labels a run in tables and legends: its policy, and its rate
 // in a --rate sweep ("prefix @ 2 req/s").
-func RunName(s Summary) string {
+func RunName(s measure.Summary) string {
 	if s.RateRPS > 0 {
 		return fmt.Sprintf("%s @ %g req/s", s.Policy, s.RateRPS)
 	}
@@ -90,13 +89,13 @@ type HTMLReport struct {
 	Title string
 	Runs  []HTMLRun
 	// Provenance says what produced the runs (nil: not shown).
-	Provenance *Provenance
+	Provenance *measure.Provenance
 	// References, if set, are the replayed records' reference hits
 	// (NewReferences): the hit rate over time gains the pooled and
 	// infinite cache's curves. The hit-rate chart's reference lines and the
 	// table's reference columns are the runs' Summary.PooledHitRate and
 	// InfiniteHitRate.
-	References *References
+	References *measure.References
 }
 
 // WriteHTML is WriteHTMLReport of runs under title, with no provenance and
@@ -117,7 +116,7 @@ func WriteHTMLReport(w io.Writer, r HTMLReport) error { return r.Page().Write(w)
 // Page lays out the report WriteHTMLReport writes.
 func (r HTMLReport) Page() Page {
 	runs := r.Runs
-	sums := make([]Summary, len(runs))
+	sums := make([]measure.Summary, len(runs))
 	names := make([]string, len(runs))
 	for i, run := range runs {
 		sums[i] = run.Summary
@@ -156,13 +155,13 @@ func (r HTMLReport) Page() Page {
 			}
 			// The first run with references: the curves over its arrivals.
 			if rs.Pooled != nil {
-				c, _ := windows(run.Records, func(rec *Record) (int, int, bool) { return refHit(rs, rs.Pooled, rec) })
+				c, _ := windows(run.Records, func(rec *measure.Record) (int, int, bool) { return refHit(rs, rs.Pooled, rec) })
 				c.Name, c.Kind, c.Key, c.Color = "pooled cache", SeriesRef, "pooled", RefColor
 				hit = append(hit, c)
 			}
 			if rs.Infinite != nil {
-				c, _ := windows(run.Records, func(rec *Record) (int, int, bool) { return refHit(rs, rs.Infinite, rec) })
-				c.Name, c.Kind, c.Key, c.Color, c.Dash = "infinite cache", SeriesRef, "infinite", "#000000", "1 3"
+				c, _ := windows(run.Records, func(rec *measure.Record) (int, int, bool) { return refHit(rs, rs.Infinite, rec) })
+				c.Name, c.Kind, c.Key, c.Color, c.Dash = "infinite cache", SeriesRef, "infinite", InfiniteColor, "1 3"
 				hit = append(hit, c)
 			}
 			break
@@ -202,7 +201,7 @@ func (r HTMLReport) Page() Page {
 		"Lag p99: how far a real-time run fell behind its time scale (the larger of the fleet's step lag and the client's send lag, engine time); BEHIND past the run's margin, when its latencies measure the host, not the modelled hardware. \"-\": not measured (virtual time has no wall clock)."}
 	run := Section{Title: "Run", Alerts: RunAlerts(sums)}
 	if p := r.Provenance; p != nil {
-		run.Facts = append(p.Facts(), LagFact(sums))
+		run.Facts = append(ProvenanceFacts(p), LagFact(sums))
 	} else {
 		run.Facts = []Fact{LagFact(sums)}
 	}
@@ -217,7 +216,7 @@ func (r HTMLReport) Page() Page {
 }
 
 // subtitle is the page's line under the title: version and start.
-func subtitle(p *Provenance) string {
+func subtitle(p *measure.Provenance) string {
 	if p == nil {
 		return ""
 	}
@@ -250,28 +249,42 @@ func refCaption(refs []Series) (title, note string) {
 
 // referenceLines are the hit-rate charts' reference lines: the first run's
 // pooled and infinite-cache reference hit rates that are set.
-func referenceLines(sums []Summary) []Series {
+func referenceLines(sums []measure.Summary) []Series {
 	var out []Series
 	for _, s := range sums {
 		if s.PooledHitRate != nil {
-			out = append(out, HLine(fmt.Sprintf("pooled cache %.1f%%", *s.PooledHitRate*100), "pooled", *s.PooledHitRate, RefColor))
+			out = append(out, PooledCacheLine(*s.PooledHitRate))
 			break
 		}
 	}
 	for _, s := range sums {
 		if s.InfiniteHitRate != nil {
-			l := HLine(fmt.Sprintf("infinite cache %.1f%%", *s.InfiniteHitRate*100), "infinite", *s.InfiniteHitRate, "#000000")
-			l.Dash = "2 3"
-			out = append(out, l)
+			out = append(out, InfiniteCacheLine(*s.InfiniteHitRate))
 			break
 		}
 	}
 	return out
 }
 
+// PooledCacheLine is a hit-rate chart's line at the pooled-cache
+// reference hit rate (a fraction; measure.PooledCacheHitRate), dashed, key
+// "pooled".
+func PooledCacheLine(rate float64) Series {
+	return HLine(fmt.Sprintf("pooled cache %.1f%%", rate*100), "pooled", rate, RefColor)
+}
+
+// InfiniteCacheLine is a hit-rate chart's line at the infinite-cache
+// reference hit rate (a fraction; trace.InfiniteCacheHitRate), dotted, key
+// "infinite".
+func InfiniteCacheLine(rate float64) Series {
+	l := HLine(fmt.Sprintf("infinite cache %.1f%%", rate*100), "infinite", rate, InfiniteColor)
+	l.Dash = "2 3"
+	return l
+}
+
 // refHit is a record's reference hit and prompt tokens from hits (a
 // References slice), false when out of range.
-func refHit(rs *References, hits []int, r *Record) (int, int, bool) {
+func refHit(rs *measure.References, hits []int, r *measure.Record) (int, int, bool) {
 	if r.Index < 0 || r.Index >= len(hits) || r.Index >= len(rs.Prompt) {
 		return 0, 0, false
 	}
@@ -280,7 +293,7 @@ func refHit(rs *References, hits []int, r *Record) (int, int, bool) {
 
 // latencies returns the TTFTs and the pooled ITL gaps of recs' successful
 // requests (ms).
-func latencies(recs []Record) (ttft, itl []float64) {
+func latencies(recs []measure.Record) (ttft, itl []float64) {
 	for i := range recs {
 		if rec := &recs[i]; rec.Error == "" {
 			ttft = append(ttft, rec.TTFTMs)
@@ -290,15 +303,16 @@ func latencies(recs []Record) (ttft, itl []float64) {
 	return ttft, itl
 }
 
-// percentiles are p50, p90 and p99 of xs (Percentile; sorts xs in place).
+// percentiles are p50, p90 and p99 of xs (measure.NewLatency; sorts xs in
+// place).
 func percentiles(xs []float64) []float64 {
-	slices.Sort(xs)
-	return []float64{Percentile(xs, 50), Percentile(xs, 90), Percentile(xs, 99)}
+	l := measure.NewLatency(xs)
+	return []float64{l.P50, l.P90, l.P99}
 }
 
 // RunAlerts are the warnings of runs that fell behind their time scale
 // (WriteLagWarnings) or had failed requests.
-func RunAlerts(sums []Summary) []Alert {
+func RunAlerts(sums []measure.Summary) []Alert {
 	var out []Alert
 	var b bytes.Buffer
 	_, _ = Report{Runs: sums}.WriteLagWarnings(&b)
@@ -320,7 +334,7 @@ func RunAlerts(sums []Summary) []Alert {
 // LagFact says how far the runs fell behind their time scale: the largest
 // fleet step lag and client send lag p99 against the margin, and how many
 // runs were behind; or that nothing was measured (virtual time).
-func LagFact(sums []Summary) Fact {
+func LagFact(sums []measure.Summary) Fact {
 	f := Fact{Key: "lag", Field: "lag"}
 	var fleet, send, margin float64
 	var hasFleet, hasSend bool
@@ -364,7 +378,7 @@ func LagFact(sums []Summary) Fact {
 // returns per window the hit rate (Σcached/Σprompt) and TTFT p50, at the
 // window's midpoint (s). hit, if set, gives a record's cached and prompt
 // tokens instead of its own (a reference's), false to skip it.
-func windows(recs []Record, hit func(*Record) (cached, prompt int, ok bool)) (hitS, ttft Series) {
+func windows(recs []measure.Record, hit func(*measure.Record) (cached, prompt int, ok bool)) (hitS, ttft Series) {
 	var span float64
 	for i := range recs {
 		span = max(span, recs[i].ArrivalMs)
@@ -402,7 +416,7 @@ func windows(recs []Record, hit func(*Record) (cached, prompt int, ok bool)) (hi
 		}
 		if len(w.ttft) > 0 {
 			slices.Sort(w.ttft)
-			ttft.X, ttft.Y = append(ttft.X, mid), append(ttft.Y, Percentile(w.ttft, 50))
+			ttft.X, ttft.Y = append(ttft.X, mid), append(ttft.Y, measure.Percentile(w.ttft, 50))
 		}
 	}
 	return hitS, ttft
@@ -410,7 +424,7 @@ func windows(recs []Record, hit func(*Record) (cached, prompt int, ok bool)) (hi
 
 // inFlight samples the number of requests in [arrival, arrival+e2e) at
 // inFlightPoints evenly spaced times (s).
-func inFlight(recs []Record) Series {
+func inFlight(recs []measure.Record) Series {
 	var s Series
 	var end float64
 	for i := range recs {
@@ -496,4 +510,25 @@ func endpointChart(runs []HTMLRun) Chart {
 	c := BarChart("Per-endpoint request share: unknown", "engine", pct, nil, nil, nil)
 	c.Note = "Not known for this run: the endpoint does not report which engine served each request."
 	return c
+}
+
+// MeasuredRun returns run with its warm-up records (and their Engine
+// entries) removed, for the HTML report.
+func MeasuredRun(run HTMLRun) HTMLRun {
+	if !slices.ContainsFunc(run.Records, func(r measure.Record) bool { return r.Warmup }) {
+		return run
+	}
+	recs := make([]measure.Record, 0, len(run.Records))
+	var eng []int
+	for i, r := range run.Records {
+		if r.Warmup {
+			continue
+		}
+		recs = append(recs, r)
+		if run.Engine != nil {
+			eng = append(eng, run.Engine[i])
+		}
+	}
+	run.Records, run.Engine = recs, eng
+	return run
 }

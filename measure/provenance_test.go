@@ -1,10 +1,8 @@
-package bench
+package measure
 
 import (
-	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"os"
 	"path/filepath"
 	"runtime/debug"
@@ -14,7 +12,6 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/data"
-	"github.com/infergate/infergate/sim"
 )
 
 func TestRedactArgs(t *testing.T) {
@@ -45,13 +42,6 @@ func TestRedactArgs(t *testing.T) {
 	}
 }
 
-func TestShellQuote(t *testing.T) {
-	got := ShellQuote([]string{"infergate", "plan", "--slo", "ttft_p90=2s,goodput>=0.9", "it's", ""})
-	if want := `infergate plan --slo 'ttft_p90=2s,goodput>=0.9' 'it'\''s' ''`; got != want {
-		t.Errorf("ShellQuote: %s, want %s", got, want)
-	}
-}
-
 // TestProvenanceBuild: the VCS stamp and the dirty flag come from the
 // build info; the command is redacted; the host is this one.
 func TestProvenanceBuild(t *testing.T) {
@@ -66,13 +56,6 @@ func TestProvenanceBuild(t *testing.T) {
 		{Key: "vcs.revision", Value: "0123456789abcdef0123456789abcdef01234567"}, {Key: "vcs.time", Value: "2026-01-01T00:00:00Z"}, {Key: "vcs.modified", Value: "true"}}})
 	if p.Revision != "0123456789abcdef0123456789abcdef01234567" || !p.Modified || p.GoVersion != "go1.99" || p.RevisionTime != "2026-01-01T00:00:00Z" {
 		t.Errorf("build %+v", p)
-	}
-	facts := map[string]string{}
-	for _, f := range p.Facts() {
-		facts[f.Field] = f.Value
-	}
-	if !strings.Contains(facts["revision"], "modified") || facts["command"] != "infergate bench --api-key "+Redacted {
-		t.Errorf("facts %v", facts)
 	}
 	dir := t.TempDir()
 	cpu := filepath.Join(dir, "cpuinfo")
@@ -111,59 +94,6 @@ func TestDescribeFile(t *testing.T) {
 	}
 	if _, err := DescribeFile(path + ".missing"); err == nil {
 		t.Error("missing file described")
-	}
-}
-
-func TestNewProfileInfo(t *testing.T) {
-	pi, err := NewProfileInfo(sim.Config{Profile: sim.DefaultProfile()}, "")
-	ec := sim.Config{Profile: sim.DefaultProfile()}.WithDefaults()
-	if err != nil || pi.Name != sim.DefaultProfileName || pi.KVBlocks != ec.NumBlocks || pi.BlockSize != ec.BlockSize ||
-		pi.Source != data.Embedded+"sim/profiles/"+sim.DefaultProfileName+".yaml" || pi.File != nil || pi.TensorParallel != 4 || pi.GPU == "" {
-		t.Errorf("built-in profile: %+v %v", pi, err)
-	}
-	if _, err := NewProfileInfo(sim.Config{Profile: sim.DefaultProfile()}, filepath.Join(t.TempDir(), "none.yaml")); err == nil {
-		t.Error("missing profile file described")
-	}
-}
-
-// TestReportProvenance: the JSON report and the HTML page carry the
-// provenance; a secret given on the command line is in neither.
-func TestReportProvenance(t *testing.T) {
-	p := NewProvenance("v9", []string{"infergate", "bench", "--target", "http://u:pw-123@h:1/v1", "--token=tok-456"}, time.Now())
-	p.Clock, p.Target, p.TimeScale, p.Speedup = "real", RedactValue("http://u:pw-123@h:1/v1"), 1, 2
-	tf, err := DescribeFile(data.Embedded + data.Mooncake)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.Workload = &Workload{Kind: "mooncake", Files: []SourceFile{tf}, Records: 12031, Replayed: 100}
-	run := synthRun("target", 100, 4, 1)
-	var js bytes.Buffer
-	if err := (Report{Runs: []Summary{run.Summary}, Provenance: p}).WriteJSON(&js); err != nil {
-		t.Fatal(err)
-	}
-	var back struct {
-		Provenance Provenance `json:"provenance"`
-	}
-	if err := json.Unmarshal(js.Bytes(), &back); err != nil {
-		t.Fatal(err)
-	}
-	if bp := back.Provenance; bp.Version != "v9" || bp.Workload == nil || bp.Workload.Files[0].SHA256 != tf.SHA256 || bp.Clock != "real" || len(bp.Command) != 5 {
-		t.Errorf("JSON provenance %+v", bp)
-	}
-	var h bytes.Buffer
-	if err := WriteHTMLReport(&h, HTMLReport{Title: "t", Runs: []HTMLRun{run}, Provenance: p}); err != nil {
-		t.Fatal(err)
-	}
-	for _, out := range []string{js.String(), h.String()} {
-		if strings.Contains(out, "pw-123") || strings.Contains(out, "tok-456") {
-			t.Errorf("secret in a report:\n%s", out)
-		}
-	}
-	for _, want := range []string{`data-field="command"`, `data-field="version"`, "<code>" + tf.Path, tf.SHA256, `data-field="lag"`,
-		"real time: arrivals ÷ 2", "infergate v9 ·"} {
-		if !strings.Contains(h.String(), want) {
-			t.Errorf("HTML lacks %q", want)
-		}
 	}
 }
 

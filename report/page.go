@@ -1,4 +1,11 @@
-package bench
+// Package report lays out measurements (package measure) for people: the
+// JSON report and text table of a benchmark's runs (Report), lag warnings,
+// the self-contained HTML page of a benchmark (HTMLReport) and the kit
+// every HTML report is built from: pages of sections with facts, tables and
+// alerts (Page) and SVG line and bar charts (LineChart, BarChart). It
+// imports measure and nothing that serves or sends HTTP; `infergate bench`
+// and package plan write their reports with it.
+package report
 
 import (
 	"html/template"

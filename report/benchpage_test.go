@@ -1,15 +1,19 @@
-package bench
+package report
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/infergate/infergate/data"
+	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/trace"
 )
 
@@ -17,19 +21,19 @@ import (
 // engines engines.
 func synthRun(policy string, n, engines int, seed uint64) HTMLRun {
 	rng := rand.New(rand.NewPCG(seed, 1))
-	recs := make([]Record, n)
+	recs := make([]measure.Record, n)
 	eng := make([]int, n)
 	for i := range recs {
 		itl := make([]float64, 20)
 		for k := range itl {
 			itl[k] = 5 + rng.ExpFloat64()*20
 		}
-		recs[i] = Record{Policy: policy, Index: i, ArrivalMs: float64(i) * 50, TTFTMs: 50 + rng.ExpFloat64()*500,
+		recs[i] = measure.Record{Policy: policy, Index: i, ArrivalMs: float64(i) * 50, TTFTMs: 50 + rng.ExpFloat64()*500,
 			ITLMs: itl, E2EMs: 2000 + rng.Float64()*3000, PromptTokens: 4000, CachedTokens: rng.IntN(4000), OutputTokens: 21, Status: 200}
 		eng[i] = i % engines
 	}
 	recs[3].Error = "boom"
-	return HTMLRun{Summary: Summarize(policy, recs), Records: recs, Engine: eng}
+	return HTMLRun{Summary: measure.Summarize(policy, recs), Records: recs, Engine: eng}
 }
 
 func TestWriteHTML(t *testing.T) {
@@ -78,7 +82,7 @@ func TestWriteHTMLEngineUnknown(t *testing.T) {
 	r := synthRun("target", 100, 4, 3)
 	r.Engine = nil
 	var b bytes.Buffer
-	if err := WriteHTML(&b, "t", []HTMLRun{r, {Summary: Summarize("empty", nil)}}); err != nil {
+	if err := WriteHTML(&b, "t", []HTMLRun{r, {Summary: measure.Summarize("empty", nil)}}); err != nil {
 		t.Fatal(err)
 	}
 	if !strings.Contains(b.String(), "Not known for this run") {
@@ -112,7 +116,7 @@ func TestCDF(t *testing.T) {
 // the report, beside its row.
 func TestWriteHTMLBehind(t *testing.T) {
 	r := synthRun("prefix", 100, 4, 3)
-	r.Summary.FleetLag = &Lag{Samples: 10, P50: 5, P99: 1342, Max: 5211}
+	r.Summary.FleetLag = &measure.Lag{Samples: 10, P50: 5, P99: 1342, Max: 5211}
 	r.Summary.CheckLag(0)
 	var b bytes.Buffer
 	if err := WriteHTML(&b, "t", []HTMLRun{r, synthRun("round-robin", 100, 4, 4)}); err != nil {
@@ -144,8 +148,8 @@ func pageCharts(p Page) map[string]Chart {
 func TestHTMLReportPercentiles(t *testing.T) {
 	runs := []HTMLRun{synthRun("round-robin", 500, 4, 1), synthRun("prefix", 500, 4, 2)}
 	cs := pageCharts(HTMLReport{Title: "t", Runs: runs}.Page())
-	for key, get := range map[string]func(Summary) Latency{
-		"itl-percentiles": func(s Summary) Latency { return s.ITL }, "ttft-percentiles": func(s Summary) Latency { return s.TTFT }} {
+	for key, get := range map[string]func(measure.Summary) measure.Latency{
+		"itl-percentiles": func(s measure.Summary) measure.Latency { return s.ITL }, "ttft-percentiles": func(s measure.Summary) measure.Latency { return s.TTFT }} {
 		c := cs[key]
 		if len(c.Bars) != 6 {
 			t.Fatalf("%s: %d bars, want 3 percentiles × 2 runs", key, len(c.Bars))
@@ -175,7 +179,7 @@ func TestHTMLReportReferences(t *testing.T) {
 		t.Fatal(err)
 	}
 	recs := moon[:200]
-	refs := NewReferences(recs, 8000, 16)
+	refs := measure.NewReferences(recs, 8000, 16)
 	runs := []HTMLRun{synthRun("round-robin", len(recs), 4, 1), synthRun("prefix", len(recs), 4, 2)}
 	for i := range runs {
 		refs.Apply(&runs[i].Summary, runs[i].Records)
@@ -261,5 +265,56 @@ func TestLineChartMarks(t *testing.T) {
 	}
 	if len(c.Legend) != 3 || c.Legend[1].Kind != "line" || c.Legend[2].Kind != "mark" || c.Legend[1].Color != SLOColor {
 		t.Errorf("legend %+v", c.Legend)
+	}
+}
+
+// TestReportProvenance: the JSON report and the HTML page carry the
+// provenance; a secret given on the command line is in neither.
+func TestReportProvenance(t *testing.T) {
+	p := measure.NewProvenance("v9", []string{"infergate", "bench", "--target", "http://u:pw-123@h:1/v1", "--token=tok-456"}, time.Now())
+	p.Clock, p.Target, p.TimeScale, p.Speedup = "real", measure.RedactValue("http://u:pw-123@h:1/v1"), 1, 2
+	tf, err := measure.DescribeFile(data.Embedded + data.Mooncake)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Workload = &measure.Workload{Kind: "mooncake", Files: []measure.SourceFile{tf}, Records: 12031, Replayed: 100}
+	run := synthRun("target", 100, 4, 1)
+	var js bytes.Buffer
+	if err := (Report{Runs: []measure.Summary{run.Summary}, Provenance: p}).WriteJSON(&js); err != nil {
+		t.Fatal(err)
+	}
+	var back struct {
+		Provenance measure.Provenance `json:"provenance"`
+	}
+	if err := json.Unmarshal(js.Bytes(), &back); err != nil {
+		t.Fatal(err)
+	}
+	if bp := back.Provenance; bp.Version != "v9" || bp.Workload == nil || bp.Workload.Files[0].SHA256 != tf.SHA256 || bp.Clock != "real" || len(bp.Command) != 5 {
+		t.Errorf("JSON provenance %+v", bp)
+	}
+	var h bytes.Buffer
+	if err := WriteHTMLReport(&h, HTMLReport{Title: "t", Runs: []HTMLRun{run}, Provenance: p}); err != nil {
+		t.Fatal(err)
+	}
+	for _, out := range []string{js.String(), h.String()} {
+		if strings.Contains(out, "pw-123") || strings.Contains(out, "tok-456") {
+			t.Errorf("secret in a report:\n%s", out)
+		}
+	}
+	for _, want := range []string{`data-field="command"`, `data-field="version"`, "<code>" + tf.Path, tf.SHA256, `data-field="lag"`,
+		"real time: arrivals ÷ 2", "infergate v9 ·"} {
+		if !strings.Contains(h.String(), want) {
+			t.Errorf("HTML lacks %q", want)
+		}
+	}
+}
+
+// TestMeasuredRun: the HTML report's run loses its warm-up records and
+// their engines.
+func TestMeasuredRun(t *testing.T) {
+	recs := []measure.Record{{ArrivalMs: 0}, {ArrivalMs: 100}, {ArrivalMs: 1000}, {ArrivalMs: 1500}}
+	(measure.Warmup{Duration: time.Second}).Mark(recs)
+	if m := MeasuredRun(HTMLRun{Records: recs, Engine: []int{0, 1, 2, 3}}); len(m.Records) != 2 || !slices.Equal(m.Engine, []int{2, 3}) {
+		t.Errorf("MeasuredRun: %d records, engines %v", len(m.Records), m.Engine)
 	}
 }

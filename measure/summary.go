@@ -1,13 +1,8 @@
-package bench
+package measure
 
 import (
-	"encoding/json"
-	"fmt"
-	"io"
 	"math"
 	"slices"
-	"strings"
-	"text/tabwriter"
 )
 
 // Latency summarizes a latency distribution (ms, engine time). Every field is
@@ -174,13 +169,13 @@ func Summarize(policy string, recs []Record) Summary {
 	if s.DurationS > 0 {
 		s.OutputTokPerS = float64(s.OutputTokens) / s.DurationS
 	}
-	s.TTFT, s.ITL, s.E2E = summarizeLatency(ttft), summarizeLatency(itl), summarizeLatency(e2e)
+	s.TTFT, s.ITL, s.E2E = NewLatency(ttft), NewLatency(itl), NewLatency(e2e)
 	s.SendLag = sendLag(recs)
 	return s
 }
 
-// setShares sets EndpointShareMax/Min from per-engine request counts.
-func (s *Summary) setShares(counts []int64) {
+// SetShares sets EndpointShareMax/Min from per-engine request counts.
+func (s *Summary) SetShares(counts []int64) {
 	var total int64
 	for _, c := range counts {
 		total += c
@@ -196,8 +191,9 @@ func (s *Summary) setShares(counts []int64) {
 	s.EndpointShareMax, s.EndpointShareMin = &mx, &mn
 }
 
-// summarizeLatency sorts xs in place and returns its percentiles and mean.
-func summarizeLatency(xs []float64) Latency {
+// NewLatency sorts xs (ms) in place and returns its p50, p90, p99
+// (Percentile) and mean; the zero Latency for no samples.
+func NewLatency(xs []float64) Latency {
 	if len(xs) == 0 {
 		return Latency{}
 	}
@@ -232,121 +228,4 @@ func Percentile(sorted []float64, p float64) float64 {
 		return sorted[n-1]
 	}
 	return sorted[lo] + (h-float64(lo))*(sorted[lo+1]-sorted[lo])
-}
-
-// Report is the outcome of a benchmark: one Summary per run, in run order.
-// Its JSON form is {"runs": [Summary, ...]}.
-type Report struct {
-	Runs []Summary `json:"runs"`
-	// Reference hit rates of every replayed record (warm-up requests
-	// included), when computed (see PooledCacheHitRate and
-	// trace.InfiniteCacheHitRate): one cache with the whole fleet's KV
-	// capacity, and an infinite one. Each run's Summary has its own, over
-	// the requests its hit rate counts.
-	PooledHitRate   *float64 `json:"pooled_hit_rate,omitempty"`
-	InfiniteHitRate *float64 `json:"infinite_hit_rate,omitempty"`
-	// Provenance says what produced the report (nil: not recorded).
-	Provenance *Provenance `json:"provenance,omitempty"`
-}
-
-// WriteJSON writes r as indented JSON.
-func (r Report) WriteJSON(w io.Writer) error {
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(r)
-}
-
-// WriteTable writes r as an aligned text table, one row per run: policy,
-// requests, errors, hit rate (%), TTFT p50/p90/p99 (ms), ITL p50/p99 (ms),
-// output throughput (tokens/s), prefill tokens computed, mean engine
-// utilisation (%, "-" when unknown), the largest and smallest engine share
-// (%), and the run's lag p99 (the larger of FleetLag's and SendLag's, ms of
-// engine time; "-" when unknown, "BEHIND" past its margin; see
-// WriteLagWarnings); a rate column (req/s) follows the policy when any run
-// has RateRPS set.
-func (r Report) WriteTable(w io.Writer) error {
-	// Numbers align right; the policy column is padded to align left.
-	pw := len("policy")
-	rate := false
-	for _, s := range r.Runs {
-		pw = max(pw, len(s.Policy))
-		rate = rate || s.RateRPS > 0
-	}
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(tw, "%-*s\t", pw, "policy")
-	if rate {
-		fmt.Fprint(tw, "rate\t")
-	}
-	fmt.Fprintln(tw, "requests\terrors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tout tok/s\tprefill tok\tutil %\tshare max/min %\tlag p99 ms\t")
-	for _, s := range r.Runs {
-		util := "-"
-		if s.MeanEngineUtilization != nil {
-			util = fmt.Sprintf("%.1f", *s.MeanEngineUtilization*100)
-		}
-		share := "-"
-		if s.EndpointShareMax != nil && s.EndpointShareMin != nil {
-			share = fmt.Sprintf("%.1f/%.1f", *s.EndpointShareMax*100, *s.EndpointShareMin*100)
-		}
-		fmt.Fprintf(tw, "%-*s\t", pw, s.Policy)
-		if rate {
-			fmt.Fprintf(tw, "%g\t", s.RateRPS)
-		}
-		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%d\t%s\t%s\t%s\t\n",
-			s.Requests, s.Errors, s.HitRate*100,
-			s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.ITL.P50, s.ITL.P99,
-			s.OutputTokPerS, s.PrefillTokensComputed, util, share, s.lagCell())
-	}
-	if err := tw.Flush(); err != nil {
-		return err
-	}
-	if line := r.referenceLine(); line != "" {
-		_, err := fmt.Fprintln(w, line)
-		return err
-	}
-	return nil
-}
-
-// referenceLine is WriteTable's last line: the runs' reference hit rates
-// (Summary.PooledHitRate, InfiniteHitRate), one value when every run has
-// the same (to 0.05 points), else one per run; without per-run values the
-// report's. "" when there are none.
-func (r Report) referenceLine() string {
-	one := func(get func(Summary) *float64, all *float64) string {
-		var vals []string
-		var first *float64
-		same := true
-		for _, s := range r.Runs {
-			v := get(s)
-			if v == nil {
-				continue
-			}
-			if first == nil {
-				first = v
-			}
-			same = same && math.Abs(*v-*first) < 0.0005
-			vals = append(vals, fmt.Sprintf("%s %.1f", RunName(s), *v*100))
-		}
-		switch {
-		case first == nil && all == nil:
-			return ""
-		case first == nil:
-			return fmt.Sprintf("%.1f", *all*100)
-		case same:
-			return fmt.Sprintf("%.1f", *first*100)
-		}
-		return strings.Join(vals, ", ")
-	}
-	pooled := one(func(s Summary) *float64 { return s.PooledHitRate }, r.PooledHitRate)
-	inf := one(func(s Summary) *float64 { return s.InfiniteHitRate }, r.InfiniteHitRate)
-	if pooled == "" && inf == "" {
-		return ""
-	}
-	var parts []string
-	if pooled != "" {
-		parts = append(parts, "pooled cache (one engine with the fleet's KV capacity) "+pooled)
-	}
-	if inf != "" {
-		parts = append(parts, "infinite cache "+inf)
-	}
-	return "reference hit %: " + strings.Join(parts, ", ")
 }

@@ -1,0 +1,163 @@
+package report
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/infergate/infergate/measure"
+)
+
+// Report is the outcome of a benchmark: one Summary per run, in run order.
+// Its JSON form is {"runs": [Summary, ...]}.
+type Report struct {
+	Runs []measure.Summary `json:"runs"`
+	// Reference hit rates of every replayed record (warm-up requests
+	// included), when computed (see measure.PooledCacheHitRate and
+	// trace.InfiniteCacheHitRate): one cache with the whole fleet's KV
+	// capacity, and an infinite one. Each run's Summary has its own, over
+	// the requests its hit rate counts.
+	PooledHitRate   *float64 `json:"pooled_hit_rate,omitempty"`
+	InfiniteHitRate *float64 `json:"infinite_hit_rate,omitempty"`
+	// Provenance says what produced the report (nil: not recorded).
+	Provenance *measure.Provenance `json:"provenance,omitempty"`
+}
+
+// WriteJSON writes r as indented JSON.
+func (r Report) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r)
+}
+
+// WriteTable writes r as an aligned text table, one row per run: policy,
+// requests, errors, hit rate (%), TTFT p50/p90/p99 (ms), ITL p50/p99 (ms),
+// output throughput (tokens/s), prefill tokens computed, mean engine
+// utilisation (%, "-" when unknown), the largest and smallest engine share
+// (%), and the run's lag p99 (the larger of FleetLag's and SendLag's, ms of
+// engine time; "-" when unknown, "BEHIND" past its margin; see
+// WriteLagWarnings); a rate column (req/s) follows the policy when any run
+// has RateRPS set.
+func (r Report) WriteTable(w io.Writer) error {
+	// Numbers align right; the policy column is padded to align left.
+	pw := len("policy")
+	rate := false
+	for _, s := range r.Runs {
+		pw = max(pw, len(s.Policy))
+		rate = rate || s.RateRPS > 0
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(tw, "%-*s\t", pw, "policy")
+	if rate {
+		fmt.Fprint(tw, "rate\t")
+	}
+	fmt.Fprintln(tw, "requests\terrors\thit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tout tok/s\tprefill tok\tutil %\tshare max/min %\tlag p99 ms\t")
+	for _, s := range r.Runs {
+		share := "-"
+		if s.EndpointShareMax != nil && s.EndpointShareMin != nil {
+			share = fmt.Sprintf("%.1f/%.1f", *s.EndpointShareMax*100, *s.EndpointShareMin*100)
+		}
+		fmt.Fprintf(tw, "%-*s\t", pw, s.Policy)
+		if rate {
+			fmt.Fprintf(tw, "%g\t", s.RateRPS)
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.0f\t%d\t%s\t%s\t%s\t\n",
+			s.Requests, s.Errors, s.HitRate*100,
+			s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.ITL.P50, s.ITL.P99,
+			s.OutputTokPerS, s.PrefillTokensComputed, Percent(s.MeanEngineUtilization), share, lagCell(s))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if line := r.referenceLine(); line != "" {
+		_, err := fmt.Fprintln(w, line)
+		return err
+	}
+	return nil
+}
+
+// referenceLine is WriteTable's last line: the runs' reference hit rates
+// (Summary.PooledHitRate, InfiniteHitRate), one value when every run has
+// the same (to 0.05 points), else one per run; without per-run values the
+// report's. "" when there are none.
+func (r Report) referenceLine() string {
+	one := func(get func(measure.Summary) *float64, all *float64) string {
+		var vals []string
+		var first *float64
+		same := true
+		for _, s := range r.Runs {
+			v := get(s)
+			if v == nil {
+				continue
+			}
+			if first == nil {
+				first = v
+			}
+			same = same && math.Abs(*v-*first) < 0.0005
+			vals = append(vals, fmt.Sprintf("%s %.1f", RunName(s), *v*100))
+		}
+		switch {
+		case first == nil && all == nil:
+			return ""
+		case first == nil:
+			return fmt.Sprintf("%.1f", *all*100)
+		case same:
+			return fmt.Sprintf("%.1f", *first*100)
+		}
+		return strings.Join(vals, ", ")
+	}
+	pooled := one(func(s measure.Summary) *float64 { return s.PooledHitRate }, r.PooledHitRate)
+	inf := one(func(s measure.Summary) *float64 { return s.InfiniteHitRate }, r.InfiniteHitRate)
+	if pooled == "" && inf == "" {
+		return ""
+	}
+	var parts []string
+	if pooled != "" {
+		parts = append(parts, "pooled cache (one engine with the fleet's KV capacity) "+pooled)
+	}
+	if inf != "" {
+		parts = append(parts, "infinite cache "+inf)
+	}
+	return "reference hit %: " + strings.Join(parts, ", ")
+}
+
+// lagCell is the table's lag column: the larger p99 in ms, "-" when
+// unknown, marked BEHIND when the run fell behind its margin.
+func lagCell(s measure.Summary) string {
+	p99, ok := s.LagP99()
+	switch {
+	case !ok:
+		return "-"
+	case s.Behind:
+		return fmt.Sprintf("%.0f BEHIND", p99)
+	}
+	return fmt.Sprintf("%.1f", p99)
+}
+
+// WriteLagWarnings writes one warning per run of r that fell behind its
+// time scale (Summary.Behind), naming its lags and margin and what to do,
+// and returns how many there were.
+func (r Report) WriteLagWarnings(w io.Writer) (int, error) {
+	n := 0
+	for _, s := range r.Runs {
+		if !s.Behind {
+			continue
+		}
+		n++
+		line := fmt.Sprintf("WARNING: %s fell behind its time scale by more than %.0f ms of engine time (p99):", s.Policy, s.MaxLagMs)
+		if l := s.FleetLag; l != nil {
+			line += fmt.Sprintf(" fleet step lag p50 %.1f, p99 %.0f, max %.0f ms;", l.P50, l.P99, l.Max)
+		}
+		if l := s.SendLag; l != nil {
+			line += fmt.Sprintf(" client send lag p50 %.1f, p99 %.0f, max %.0f ms;", l.P50, l.P99, l.Max)
+		}
+		line += " its latencies measure this host's CPU, not the modelled hardware (lower --speedup, free the CPUs, or run --virtual)"
+		if _, err := fmt.Fprintln(w, line); err != nil {
+			return n, err
+		}
+	}
+	return n, nil
+}
