@@ -19,10 +19,11 @@ import (
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
+	"github.com/infergate/infergate/virtual"
 )
 
 // DefaultEngines is the fleet size Compare uses when CompareOptions.Engines is 0.
-const DefaultEngines = 4
+const DefaultEngines = virtual.DefaultEngines
 
 // shutdownTimeout bounds the graceful shutdown of a run's gateway server.
 const shutdownTimeout = 10 * time.Second

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"github.com/infergate/infergate/virtual"
 	"runtime"
 	"strings"
 	"testing"
@@ -156,10 +157,10 @@ func TestCompareMooncake(t *testing.T) {
 func TestCompareMooncakeVirtual(t *testing.T) {
 	recs := mooncakeWindow(t)
 	ceiling := trace.InfiniteCacheHitRate(recs)
-	runs := map[string]VirtualRun{}
+	runs := map[string]virtual.ReplayResult{}
 	hits := map[string]int{}
 	for _, p := range []string{sched.Prefix, sched.RoundRobin} {
-		run, err := ReplayVirtual(context.Background(), VirtualOptions{Policy: p, Engines: 4, Engine: e2eEngine(), Records: recs, Seed: 1})
+		run, err := virtual.Replay(context.Background(), virtual.ReplayOptions{Policy: p, Engines: 4, Engine: e2eEngine(), Records: recs, Seed: 1})
 		if err != nil {
 			t.Fatal(err)
 		}

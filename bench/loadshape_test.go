@@ -3,6 +3,7 @@ package bench
 import (
 	"bytes"
 	"context"
+	"github.com/infergate/infergate/virtual"
 	"math"
 	"net/http"
 	"net/http/httptest"
@@ -172,7 +173,7 @@ func TestVirtualRateSweep(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		run, err := ReplayVirtual(context.Background(), VirtualOptions{Policy: sched.Prefix, Engines: 2,
+		run, err := virtual.Replay(context.Background(), virtual.ReplayOptions{Policy: sched.Prefix, Engines: 2,
 			Engine: sim.Config{Profile: sim.Llama8BH100()}, Records: rt, Seed: 1, RateRPS: rate, Warmup: measure.Warmup{Requests: 10}})
 		if err != nil {
 			t.Fatal(err)

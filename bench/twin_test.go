@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"github.com/infergate/infergate/virtual"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -144,9 +145,9 @@ func realRun(t *testing.T, policy string, recs []trace.Record) ([]measure.Record
 	return got, rep.Runs[0]
 }
 
-func virtualRun(t *testing.T, policy string, recs []trace.Record) VirtualRun {
+func virtualRun(t *testing.T, policy string, recs []trace.Record) virtual.ReplayResult {
 	t.Helper()
-	run, err := ReplayVirtual(context.Background(), VirtualOptions{
+	run, err := virtual.Replay(context.Background(), virtual.ReplayOptions{
 		Policy: policy, Engines: twinEngine, Records: recs, Seed: 1,
 	})
 	if err != nil {

@@ -5,7 +5,7 @@
 // rates of a pooled and an infinite prefix cache (References) and the
 // Provenance of a report, with the redaction of secrets it needs. Package
 // bench produces Records (Replay against a target, Compare on simulated
-// fleets, ReplayVirtual in virtual time), package plan judges them against
+// fleets, virtual.Replay in virtual time), package plan judges them against
 // an SLO, and package report lays them out as tables and HTML.
 //
 // # Time domain

@@ -1,5 +1,5 @@
 // Package plan sizes a fleet for a trace: it replays the trace in virtual
-// time (bench.ReplayVirtual: the same engine model and the same sched
+// time (virtual.Replay: the same engine model and the same sched
 // policies as the live gateway, with no network and no sleeping) once per
 // fleet size and routing policy, judges every run against a service-level
 // objective, and recommends the smallest fleet that meets it, with the best
@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/infergate/infergate/virtual"
 	"io"
 	"math"
 	"runtime"
@@ -24,7 +25,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
@@ -54,7 +54,7 @@ type Options struct {
 	// Routing tunes the policies (its Policy field is set per run).
 	Routing sched.Config
 	// Seed seeds the engines and the policies' tie-breaking, as in
-	// bench.VirtualOptions; every run uses the same seed.
+	// virtual.ReplayOptions; every run uses the same seed.
 	Seed int64
 	// Warmup excludes every run's warm-up requests from its Summary and
 	// goodput (see measure.Warmup).
@@ -308,7 +308,7 @@ func dispatchOrder(engines []int, policies []string, routing sched.Config) []int
 // refs (nil: none) gives its reference hit rates.
 func runOne(ctx context.Context, opts Options, recs []trace.Record, engines int, policy string, refs *refCache) (Row, error) {
 	start := time.Now()
-	run, err := bench.ReplayVirtual(ctx, bench.VirtualOptions{
+	run, err := virtual.Replay(ctx, virtual.ReplayOptions{
 		Policy: policy, Engines: engines, Engine: opts.Engine, Records: recs,
 		Model: opts.Model, Seed: opts.Seed, Routing: opts.Routing, Warmup: opts.Warmup,
 	})

@@ -70,7 +70,7 @@ func raceBuild() bool {
 // `bench` (bench.Compare: a real-time simulated fleet, sim.StartFleet, behind
 // the real gateway over loopback HTTP, at twinScale) and through `plan`
 // (Run with one row — the same engines, policy and seed — which replays it
-// in virtual time with bench.ReplayVirtual). The two must agree: hit rate
+// in virtual time with virtual.Replay). The two must agree: hit rate
 // within 2 percentage points, TTFT p50 within 10% of the virtual p50, and no
 // errors on either side.
 //

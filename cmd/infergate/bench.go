@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/infergate/infergate/virtual"
 	"io"
 	"os"
 	"strings"
@@ -361,7 +362,7 @@ func (r *benchRun) replayTarget(recs []trace.Record, rate float64) error {
 func (r *benchRun) compareVirtual(recs []trace.Record, rate float64) error {
 	fl := r.fl
 	for _, p := range r.policies {
-		run, err := bench.ReplayVirtual(r.ctx, bench.VirtualOptions{Policy: p, Engines: fl.engines, TrackPrecise: true,
+		run, err := virtual.Replay(r.ctx, virtual.ReplayOptions{Policy: p, Engines: fl.engines, TrackPrecise: true,
 			Engine: sim.Config{Profile: r.prof}, Records: recs, Requests: fl.requests, Model: r.model, Routing: r.routing,
 			Warmup: fl.warm.w, RateRPS: rate})
 		if err != nil {

@@ -1,4 +1,4 @@
-package bench
+package virtual
 
 import (
 	"context"
@@ -28,7 +28,7 @@ func TestVirtualMooncakeFull(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	run, err := ReplayVirtual(context.Background(), VirtualOptions{
+	run, err := Replay(context.Background(), ReplayOptions{
 		Policy:  sched.Prefix,
 		Engines: 16,
 		Records: recs,
@@ -62,8 +62,11 @@ func BenchmarkVirtualMooncake(b *testing.B) {
 	}
 	recs = recs[:2000]
 	for b.Loop() {
-		if _, err := ReplayVirtual(context.Background(), VirtualOptions{Engines: 16, Records: recs, Seed: 1}); err != nil {
+		if _, err := Replay(context.Background(), ReplayOptions{Engines: 16, Records: recs, Seed: 1}); err != nil {
 			b.Fatal(err)
 		}
 	}
 }
+
+// mooncakePath is the Mooncake conversation trace in the repository.
+const mooncakePath = "../data/mooncake_conversation_trace.jsonl"

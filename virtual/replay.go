@@ -1,4 +1,4 @@
-package bench
+package virtual
 
 import (
 	"context"
@@ -10,12 +10,15 @@ import (
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
-	"github.com/infergate/infergate/virtual"
 )
 
-// VirtualOptions configures ReplayVirtual. Its fields mean what the fields
-// of the same names in CompareOptions mean, for one policy.
-type VirtualOptions struct {
+// DefaultEngines is the fleet size Replay uses when ReplayOptions.Engines
+// is 0 (bench.DefaultEngines, for a real-time comparison, is the same).
+const DefaultEngines = 4
+
+// ReplayOptions configures Replay. Its fields mean what the fields
+// of the same names in bench.CompareOptions mean, for one policy.
+type ReplayOptions struct {
 	// Policy is the routing policy name (default sched.Prefix).
 	Policy string
 	// TrackPrecise keeps the precise prefix index (fed by the engines' KV
@@ -37,7 +40,7 @@ type VirtualOptions struct {
 	// else sim.DefaultModel); it seeds routing hashes as in the gateway.
 	Model string
 	// Seed seeds the engines' outputs (unless Engine.Seed is set) and the
-	// policy's tie-breaking (unless Routing.Seed is set), as in Compare.
+	// policy's tie-breaking (unless Routing.Seed is set), as in bench.Compare.
 	Seed int64
 	// Routing tunes the policy (its Policy field is replaced by Policy; a
 	// zero Prefix.BlockSize means the engines' block size).
@@ -52,8 +55,8 @@ type VirtualOptions struct {
 	SkipITL bool
 }
 
-// VirtualRun is the outcome of ReplayVirtual.
-type VirtualRun struct {
+// ReplayResult is the outcome of Replay.
+type ReplayResult struct {
 	// Records are the per-request measurements, in record order, in the
 	// units and time domain of Replay's (ms of engine time; ArrivalMs is the
 	// trace schedule, which a virtual client always keeps).
@@ -61,7 +64,7 @@ type VirtualRun struct {
 	// Engine is the index of the engine each record was routed to (-1: none).
 	Engine []int
 	// Summary aggregates Records, with the fleet's utilisation, prefill
-	// tokens and preemptions, like a Compare run.
+	// tokens and preemptions, like a bench.Compare run.
 	Summary measure.Summary
 	// Stats are the engines' final Stats, in engine order.
 	Stats []sim.Stats
@@ -69,22 +72,22 @@ type VirtualRun struct {
 	Wall time.Duration
 }
 
-// ReplayVirtual replays records through a virtual.Fleet: the same engine
-// model and routing policy as Compare, in virtual time, with no network and
+// Replay replays records through a Fleet: the same engine
+// model and routing policy as bench.Compare, in virtual time, with no network and
 // no sleeping. Arrivals follow the trace exactly (Timestamp − first
 // Timestamp); prompts are the records' synthetic tokens (trace.Record.Tokens,
-// built at arrival) and max_tokens the output length (at least 1), as Replay
+// built at arrival) and max_tokens the output length (at least 1), as bench.Replay
 // sends them. ctx is checked before the run only: a run is not interruptible.
 //
-// Closed-loop replay (ReplayOptions.Concurrency, Sessions) is not available
-// in virtual time: virtual.Fleet.Run takes every arrival up front and runs
+// Closed-loop replay (bench.ReplayOptions.Concurrency, Sessions) is not available
+// in virtual time: Fleet.Run takes every arrival up front and runs
 // until the fleet is idle, so an arrival cannot depend on an earlier finish.
-func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error) {
+func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 	if err := ctx.Err(); err != nil {
-		return VirtualRun{}, err
+		return ReplayResult{}, err
 	}
 	if err := opts.Warmup.Validate(); err != nil {
-		return VirtualRun{}, err
+		return ReplayResult{}, err
 	}
 	if opts.Engines == 0 {
 		opts.Engines = DefaultEngines
@@ -105,7 +108,7 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 	if opts.Requests > 0 && opts.Requests < len(recs) {
 		recs = recs[:opts.Requests]
 	}
-	fleet, err := virtual.NewFleet(virtual.Config{
+	fleet, err := NewFleet(Config{
 		Engines:      opts.Engines,
 		Engine:       eng,
 		Model:        opts.Model,
@@ -114,28 +117,28 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 		TrackPrecise: opts.TrackPrecise,
 	})
 	if err != nil {
-		return VirtualRun{}, fmt.Errorf("bench: %w", err)
+		return ReplayResult{}, fmt.Errorf("virtual: %w", err)
 	}
-	reqs := make([]virtual.Request, len(recs))
+	reqs := make([]Request, len(recs))
 	for i := range recs {
 		rec := &recs[i]
 		out := rec.OutputLength
 		if opts.OutputTokens > 0 {
 			out = opts.OutputTokens
 		}
-		reqs[i] = virtual.Request{
+		reqs[i] = Request{
 			Arrival:   rec.Timestamp - recs[0].Timestamp,
 			Prompt:    rec.Tokens,
-			MaxTokens: max(out, 1), // as Replay sends it
+			MaxTokens: max(out, 1), // as bench.Replay sends it
 		}
 	}
 	start := time.Now()
 	res, err := fleet.Run(reqs)
 	wall := time.Since(start)
 	if err != nil {
-		return VirtualRun{}, fmt.Errorf("bench: %w", err)
+		return ReplayResult{}, fmt.Errorf("virtual: %w", err)
 	}
-	run := VirtualRun{
+	run := ReplayResult{
 		Records: make([]measure.Record, len(res)),
 		Engine:  make([]int, len(res)),
 		Stats:   fleet.Stats(),
