@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"github.com/infergate/infergate/virtual"
 	"runtime"
 	"strings"
 	"testing"
@@ -15,6 +14,7 @@ import (
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
+	"github.com/infergate/infergate/virtual"
 )
 
 const mooncakePath = "../data/mooncake_conversation_trace.jsonl"

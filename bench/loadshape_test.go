@@ -3,7 +3,6 @@ package bench
 import (
 	"bytes"
 	"context"
-	"github.com/infergate/infergate/virtual"
 	"math"
 	"net/http"
 	"net/http/httptest"
@@ -18,6 +17,7 @@ import (
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
+	"github.com/infergate/infergate/virtual"
 )
 
 func TestRetime(t *testing.T) {

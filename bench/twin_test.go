@@ -7,7 +7,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"github.com/infergate/infergate/virtual"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -18,6 +17,7 @@ import (
 	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/trace"
+	"github.com/infergate/infergate/virtual"
 )
 
 // conversationTrace synthesizes a multi-turn trace in Mooncake's form:

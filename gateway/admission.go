@@ -311,7 +311,7 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x
 			return false
 		}
 	}
-	x.refundAdmission(w.Header())
+	x.refundKey(w.Header())
 	switch {
 	case errors.Is(err, errNoEndpoint):
 		g.failNoEndpoint(w, p, nil)
@@ -348,84 +348,6 @@ func (g *Gateway) failNoEndpoint(w http.ResponseWriter, p *pool, x *exchange) {
 		msg = fmt.Sprintf("The endpoint that stored response `%s` is not available; retry later.", x.pass.pinID)
 	}
 	g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable, msg, "", openai.CodeNoEndpoint))
-}
-
-// resilienceMetrics are the collectors of retries, ejections and admission.
-type resilienceMetrics struct {
-	retries       *prometheus.CounterVec   // model, endpoint (failed), reason
-	retriesDenied *prometheus.CounterVec   // model, reason
-	ejections     *prometheus.CounterVec   // endpoint, reason
-	rejections    *prometheus.CounterVec   // model, reason
-	queueWait     *prometheus.HistogramVec // model
-	gauges        *admissionCollector
-}
-
-func newResilienceMetrics(reg prometheus.Registerer, g *Gateway) (*resilienceMetrics, error) {
-	m := &resilienceMetrics{
-		retries: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "retries_total",
-			Help: "Requests resent to another endpoint, by model, the endpoint that failed and the failure (connect_failure, connection_lost, 5xx, timeout, error_event, bad_response, auth)."},
-			[]string{"model", "endpoint", "reason"}),
-		retriesDenied: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "retries_denied_total",
-			Help: "Retryable failures answered without a retry: the retry budget was spent (budget) or no other endpoint could take the request (no_endpoint)."},
-			[]string{"model", "reason"}),
-		ejections: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "endpoint_ejections_total",
-			Help: "Passive ejections of an endpoint by the failure that triggered them (connect_failure and auth at once; others after outlier.consecutive_errors in a row)."},
-			[]string{"endpoint", "reason"}),
-		rejections: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "admission_rejections_total",
-			Help: "Requests refused by admission control, by model and reason: 429 queue_full, queue_timeout, displaced (a queued request that made room for one of higher priority); 503 shutdown (queued, or arriving, when the gateway began shutting down)."},
-			[]string{"model", "reason"}),
-		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "infergate", Name: "admission_queue_wait_seconds",
-			Help: "Time requests spent in the admission queue, admitted or not (only requests that queued; seconds).", Buckets: latencyBuckets},
-			[]string{"model"}),
-		gauges: &admissionCollector{g: g,
-			queue: prometheus.NewDesc("infergate_admission_queue_length",
-				"Requests waiting in the model's admission queue.", []string{"model"}, nil),
-			active: prometheus.NewDesc("infergate_admission_in_flight_requests",
-				"Requests of the model admitted and not finished.", []string{"model"}, nil),
-		},
-	}
-	for _, c := range []prometheus.Collector{m.retries, m.retriesDenied, m.ejections, m.rejections, m.queueWait, m.gauges} {
-		if err := reg.Register(c); err != nil {
-			return nil, fmt.Errorf("register gateway metrics: %w", err)
-		}
-	}
-	return m, nil
-}
-
-// admissionCollector exposes the admission queues' lengths and admitted
-// counts at scrape time.
-type admissionCollector struct {
-	g             *Gateway
-	queue, active *prometheus.Desc
-}
-
-// Describe implements prometheus.Collector.
-func (c *admissionCollector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- c.queue
-	ch <- c.active
-}
-
-// Collect implements prometheus.Collector.
-func (c *admissionCollector) Collect(ch chan<- prometheus.Metric) {
-	st := c.g.state.Load()
-	if st == nil {
-		return
-	}
-	for model, p := range st.pools {
-		ch <- prometheus.MustNewConstMetric(c.queue, prometheus.GaugeValue, float64(p.gate.waiting.Load()), model)
-		ch <- prometheus.MustNewConstMetric(c.active, prometheus.GaugeValue, float64(p.gate.active.Load()), model)
-	}
-}
-
-// setupResilience registers the resilience metrics (called by New; the
-// pools get their admission gates from newGate as they are built).
-func (g *Gateway) setupResilience(reg prometheus.Registerer) error {
-	m, err := newResilienceMetrics(reg, g)
-	if err != nil {
-		return err
-	}
-	g.res = m
-	return nil
 }
 
 // newGate returns model's admission control, configured by update.

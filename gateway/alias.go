@@ -4,13 +4,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/infergate/infergate/jsonscan"
 	"log/slog"
 	"net/http"
 	"slices"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/infergate/infergate/jsonscan"
 	"github.com/infergate/infergate/openai"
 )
 

@@ -584,3 +584,40 @@ func (st *state) modelsBodyFor(p *principal) []byte {
 	}
 	return p.modelsBody
 }
+
+// buildKeys loads cfg's API keys for a new state (nil keyring when
+// authentication is off), prev's buckets kept by key name, each key given
+// its usage counters (by name, from usage), and warns of what looks like a
+// mistake (a model allowed that targets, the models and aliases served, do
+// not have).
+func buildKeys(cfg Config, prev *state, targets map[string][]*pool, modelsBody []byte, usage *keyUsageVecs) (*keyring, []limitChange, error) {
+	if !cfg.Auth.Enabled() {
+		return nil, nil, nil
+	}
+	var old *keyring
+	if prev != nil {
+		old = prev.keys
+	}
+	kr, changes, err := loadKeys(cfg.Auth, old)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := kr.initModelLists(modelsBody); err != nil {
+		return nil, nil, fmt.Errorf("gateway: model lists: %w", err)
+	}
+	if len(kr.principals) == 0 {
+		slog.Warn("gateway: authentication is on but no API key is configured: every API request will be refused")
+	}
+	for _, p := range kr.principals {
+		p.usage = usage.of(p.name)
+		for m := range p.models {
+			if targets[m] == nil {
+				slog.Warn("gateway: API key allows a model no endpoint serves", "key", p.name, "model", m)
+			}
+		}
+	}
+	return kr, changes, nil
+}
+
+// AuthEnabled reports whether API keys are required.
+func (g *Gateway) AuthEnabled() bool { return g.state.Load().keys != nil }

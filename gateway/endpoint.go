@@ -1,21 +1,16 @@
 package gateway
 
 import (
-	"bufio"
 	"context"
-	"errors"
-	"fmt"
-	"github.com/infergate/infergate/fleet"
-	"github.com/infergate/infergate/load"
-	"github.com/infergate/infergate/upstream"
-	"io"
-	"log/slog"
 	"net/http"
 	"net/url"
-	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/load"
+	"github.com/infergate/infergate/upstream"
 )
 
 // endpoint is one engine (one base URL). Pools of different models may share
@@ -208,177 +203,23 @@ func isHex(c byte) bool {
 	return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F'
 }
 
-// checkHealth probes the endpoint once and updates its readiness: a failed
-// probe takes it out of rotation, a successful one restores it unless an
-// ejection is still running. path healthCheckOff skips the probe.
-func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
-	var err error
-	spec := ep.spec.Load()
-	if spec.healthPath != healthCheckOff {
-		err = g.probe(ctx, ep, spec)
-	}
-	ok := err == nil
-	if ctx.Err() != nil {
-		return // shutting down: leave the state as it was
-	}
-	if ep.spec.Load() != spec {
-		return // a reload changed what it probes (its credentials, its path) meanwhile: the next probe tells
-	}
-	if st := authStatus(0); errors.As(err, &st) && g.engineAuthFailures != nil {
-		g.engineAuthFailures.WithLabelValues(ep.name, authSourceHealth).Inc()
-	}
-	if ok {
-		ep.probeFailures.Store(0)
-	} else if n := ep.probeFailures.Add(1); g.cfg.HealthCheckAbortAfter > 0 && n >= int64(g.cfg.HealthCheckAbortAfter) {
-		if a := ep.waits.AbortAll(); a > 0 {
-			slog.Warn("gateway: endpoint failed its health checks; requests waiting for its answer aborted and retried elsewhere",
-				"endpoint", ep.name, "failed_probes", n, "aborted", a, "err", err)
-		}
-	}
-	if ok && time.Now().UnixNano() < ep.ejectedUntil.Load() {
-		return
-	}
-	switch was := ep.setReady(ok); {
-	case !ok && !ep.wentDown.Swap(true):
-		slog.Warn("gateway: endpoint failed its health check; out of rotation", "endpoint", ep.name, "path", spec.healthPath, "err", err)
-	case !was && ok && ep.wentDown.Swap(false):
-		slog.Info("gateway: endpoint healthy again; back in rotation", "endpoint", ep.name)
-	}
+// tryAcquire takes one of ep's circuit-breaker slots (an in-flight request)
+// if fewer than limit are taken.
+func (ep *endpoint) tryAcquire(limit int) bool { return ep.ledger.TryAcquire(limit) }
+
+// releaseSlot gives back a slot taken by tryAcquire and wakes the admission
+// queues of the models the endpoint serves.
+func (ep *endpoint) releaseSlot() {
+	ep.ledger.Release()
+	ep.wakeGates()
 }
 
-// probe sends GET <base><spec.healthPath> with spec's headers and returns
-// nil for a 2xx answer.
-func (g *Gateway) probe(ctx context.Context, ep *endpoint, spec *endpointSpec) error {
-	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, ep.base+spec.healthPath, nil)
-	if err != nil {
-		return fmt.Errorf("health check %s: %w", ep.name, err)
-	}
-	spec.addHeader(req.Header)
-	resp, err := g.transport.RoundTrip(req)
-	if err != nil {
-		return fmt.Errorf("health check %s: %w", ep.name, err)
-	}
-	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // keep the connection reusable
-	_ = resp.Body.Close()
-	if isAuthRefusal(resp.StatusCode) {
-		return fmt.Errorf("health check %s: %w", ep.name, authStatus(resp.StatusCode))
-	}
-	if resp.StatusCode/100 != 2 {
-		return fmt.Errorf("health check %s: status %d", ep.name, resp.StatusCode)
-	}
-	return nil
-}
-
-// healthLoop checks ep every interval until ctx is done.
-func (g *Gateway) healthLoop(ctx context.Context, ep *endpoint) {
-	t := time.NewTicker(g.cfg.HealthCheckInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			g.checkHealth(ctx, ep)
+// wakeGates lets the admission queues of ep's models admit waiters (a
+// circuit-breaker slot freed, or the endpoint came back).
+func (ep *endpoint) wakeGates() {
+	if gates := ep.gates.Load(); gates != nil {
+		for _, a := range *gates {
+			a.wake()
 		}
-	}
-}
-
-// cacheConfig is what vllm:cache_config_info reports.
-type cacheConfig struct {
-	numGPUBlocks int // blocks
-	blockSize    int // tokens per block
-}
-
-// fetchCacheConfig reads vllm:cache_config_info{num_gpu_blocks,block_size}
-// from the endpoint's /metrics, sending header (the endpoint's credentials
-// and configured headers: endpointSpec.header).
-func (g *Gateway) fetchCacheConfig(ctx context.Context, base string, header http.Header) (cacheConfig, error) {
-	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/metrics", nil)
-	if err != nil {
-		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)
-	}
-	addHeader(req.Header, header)
-	resp, err := g.transport.RoundTrip(req)
-	if err != nil {
-		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)
-	}
-	defer resp.Body.Close()
-	if isAuthRefusal(resp.StatusCode) {
-		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, authStatus(resp.StatusCode))
-	}
-	if resp.StatusCode != http.StatusOK {
-		return cacheConfig{}, fmt.Errorf("read %s/metrics: status %d", base, resp.StatusCode)
-	}
-	cc, err := parseCacheConfig(io.LimitReader(resp.Body, 32<<20))
-	if err != nil {
-		return cacheConfig{}, fmt.Errorf("read %s/metrics: %w", base, err)
-	}
-	return cc, nil
-}
-
-// parseCacheConfig scans Prometheus text exposition for the first
-// vllm:cache_config_info sample with positive num_gpu_blocks and block_size
-// labels.
-func parseCacheConfig(r io.Reader) (cacheConfig, error) {
-	const name = "vllm:cache_config_info{"
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if !strings.HasPrefix(line, name) {
-			continue
-		}
-		labels := parseLabels(line[len(name):])
-		blocks, err1 := strconv.Atoi(labels["num_gpu_blocks"])
-		size, err2 := strconv.Atoi(labels["block_size"])
-		if err1 == nil && err2 == nil && blocks > 0 && size > 0 {
-			return cacheConfig{numGPUBlocks: blocks, blockSize: size}, nil
-		}
-	}
-	if err := sc.Err(); err != nil {
-		return cacheConfig{}, err
-	}
-	return cacheConfig{}, fmt.Errorf("no vllm:cache_config_info with num_gpu_blocks and block_size")
-}
-
-// parseLabels parses `k="v",k2="v2"}` (the text after a metric's "{") into a
-// map, unescaping \\, \" and \n. It stops at the closing brace.
-func parseLabels(s string) map[string]string {
-	out := map[string]string{}
-	for {
-		s = strings.TrimLeft(s, " ,")
-		if s == "" || s[0] == '}' {
-			return out
-		}
-		eq := strings.IndexByte(s, '=')
-		if eq < 0 || eq+1 >= len(s) || s[eq+1] != '"' {
-			return out
-		}
-		key := strings.TrimSpace(s[:eq])
-		s = s[eq+2:]
-		var v strings.Builder
-		i := 0
-		for ; i < len(s) && s[i] != '"'; i++ {
-			if s[i] == '\\' && i+1 < len(s) {
-				i++
-				switch s[i] {
-				case 'n':
-					v.WriteByte('\n')
-				default:
-					v.WriteByte(s[i])
-				}
-				continue
-			}
-			v.WriteByte(s[i])
-		}
-		if i >= len(s) {
-			return out
-		}
-		out[key] = v.String()
-		s = s[i+1:]
 	}
 }

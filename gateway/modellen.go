@@ -14,7 +14,7 @@ import (
 // together) assumed for an endpoint whose max_model_len is 0 and whose
 // GET /v1/models does not report one: 131072, Llama 3.1's and most current
 // open models' (set max_model_len for a longer one). A key's token limit
-// reserves it for a request without max_tokens (limits.go).
+// reserves it for a request without max_tokens (keylimits.go).
 const DefaultMaxModelLen = 131072
 
 // maxModelsBody bounds the GET /v1/models answer read at start (bytes).

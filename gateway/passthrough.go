@@ -2,10 +2,10 @@ package gateway
 
 import (
 	"fmt"
-	"github.com/infergate/infergate/jsonscan"
 	"net/http"
 	"strings"
 
+	"github.com/infergate/infergate/jsonscan"
 	"github.com/infergate/infergate/openai"
 )
 

@@ -6,8 +6,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/infergate/infergate/sched"
 )
 
 // Defaults of the resilience settings (README.md "Failures and overload").
@@ -260,69 +258,3 @@ func (ep *endpoint) endAuthEjection(now time.Time) bool {
 	ep.setReady(true)
 	return true
 }
-
-// tryAcquire takes one of ep's circuit-breaker slots (an in-flight request)
-// if fewer than limit are taken.
-func (ep *endpoint) tryAcquire(limit int) bool { return ep.ledger.TryAcquire(limit) }
-
-// releaseSlot gives back a slot taken by tryAcquire and wakes the admission
-// queues of the models the endpoint serves.
-func (ep *endpoint) releaseSlot() {
-	ep.ledger.Release()
-	ep.wakeGates()
-}
-
-// wakeGates lets the admission queues of ep's models admit waiters (a
-// circuit-breaker slot freed, or the endpoint came back).
-func (ep *endpoint) wakeGates() {
-	if gates := ep.gates.Load(); gates != nil {
-		for _, a := range *gates {
-			a.wake()
-		}
-	}
-}
-
-// pickExcluding asks p's policy for an endpoint, treating as not ready those
-// excluded (failed earlier in this request) and those at their
-// circuit-breaker limit, and takes a breaker slot on the pick. It returns
-// the index and decision, or -1 when no endpoint can take the request.
-func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (int, sched.Decision) {
-	limit := p.maxRequests
-	snap := p.snapshot()
-	defer p.release(snap)
-	s := *snap
-	for range len(s) { // each round takes a slot or rules one endpoint out
-		for i := range s {
-			if excluded[i] || s[i].InFlight >= limit {
-				s[i].Ready = false
-			}
-		}
-		d := p.policy.Pick(req, s)
-		if d.Endpoint < 0 || d.Endpoint >= len(s) || !s[d.Endpoint].Ready {
-			return -1, d
-		}
-		if p.endpoints[d.Endpoint].tryAcquire(limit) {
-			return d.Endpoint, d
-		}
-		s[d.Endpoint].Ready = false // filled up since the snapshot
-	}
-	return -1, sched.Decision{Endpoint: -1}
-}
-
-// retryBudget bounds the retries in flight of one pool.
-type retryBudget struct {
-	inFlight atomic.Int64
-}
-
-// take reserves a retry if fewer than max(minConc, pct% of active) are in
-// flight.
-func (b *retryBudget) take(active int64, pct float64, minConc int) bool {
-	limit := max(int64(minConc), int64(float64(active)*pct/100))
-	if b.inFlight.Add(1) > limit {
-		b.inFlight.Add(-1)
-		return false
-	}
-	return true
-}
-
-func (b *retryBudget) done() { b.inFlight.Add(-1) }

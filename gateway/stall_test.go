@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"github.com/infergate/infergate/upstream"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -14,6 +13,7 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/upstream"
 )
 
 // Tests of engines that stall: first_event_timeout, stream_idle_timeout

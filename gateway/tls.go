@@ -125,3 +125,7 @@ func (cl *certLoader) get(*tls.ClientHelloInfo) (*tls.Certificate, error) {
 	}
 	return cl.cert, nil
 }
+
+// TLSEnabled reports whether Server terminates TLS (serve it with
+// ServeTLS(ln, "", "") or ListenAndServeTLS("", "")).
+func (g *Gateway) TLSEnabled() bool { return g.tlsConfig != nil }

@@ -27,6 +27,7 @@ package gguf
 
 import (
 	"bufio"
+	_ "embed"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -34,8 +35,6 @@ import (
 	"math"
 	"os"
 	"path/filepath"
-
-	_ "embed"
 )
 
 // Magic is the first four bytes of every GGUF file.

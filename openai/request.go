@@ -5,11 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	segjson "github.com/segmentio/encoding/json"
 	"math"
 	"net/http"
 	"reflect"
 	"strings"
+
+	segjson "github.com/segmentio/encoding/json"
 )
 
 // StreamOptions is the "stream_options" object. IncludeUsage asks for an extra

@@ -14,7 +14,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/infergate/infergate/virtual"
 	"io"
 	"math"
 	"runtime"
@@ -30,6 +29,7 @@ import (
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
+	"github.com/infergate/infergate/virtual"
 )
 
 // ErrNoFleet is returned by Result.Err when no swept fleet meets the SLO.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/infergate/infergate/virtual"
 	"io"
 	"os"
 	"strings"
@@ -19,6 +18,7 @@ import (
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
+	"github.com/infergate/infergate/virtual"
 )
 
 // rateSeed seeds the Poisson arrivals of a --rate sweep, so every rate and

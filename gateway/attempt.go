@@ -4,30 +4,16 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"github.com/infergate/infergate/upstream"
 	"io"
 	"log/slog"
 	"net/http"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/upstream"
 )
-
-// PriorityHeader is the request header that orders admission: an integer,
-// higher first (default 0); requests of equal priority are admitted in
-// arrival order.
-const PriorityHeader = "X-Priority"
-
-// AttemptsHeader is set on a response that needed more than one attempt:
-// the number of attempts (endpoints tried).
-const AttemptsHeader = "X-Infergate-Attempts"
-
-// codeAbort is relayBody's result for a body that broke off after the
-// status line was sent (accounted as 502).
-const codeAbort = -1
 
 // failure is an attempt that failed before any byte of its answer reached
 // the client: it may be retried elsewhere, and is answered when it is not.
@@ -41,182 +27,9 @@ type failure struct {
 	err    *openai.Error
 }
 
-// requestPriority reads PriorityHeader: 0 when absent (or empty), else a
-// decimal integer (an optional sign, digits, within int); anything else —
-// not an integer, out of range, or the header repeated with different
-// values — is a 400 naming the header.
-func requestPriority(r *http.Request) (int, *openai.Error) {
-	vs := r.Header[PriorityHeader]
-	if len(vs) == 0 {
-		return 0, nil
-	}
-	for _, v := range vs[1:] {
-		if v != vs[0] {
-			return 0, openai.NewError(http.StatusBadRequest,
-				fmt.Sprintf("The %s header is given %d times with different values; send it once, as an integer (higher is admitted first).",
-					PriorityHeader, len(vs)), PriorityHeader, openai.CodeInvalidValue)
-		}
-	}
-	v := strings.TrimSpace(vs[0])
-	if v == "" {
-		return 0, nil
-	}
-	n, err := strconv.Atoi(v)
-	if err != nil {
-		v := vs[0]
-		if len(v) > 64 {
-			v = v[:64] + "…"
-		}
-		return 0, openai.NewError(http.StatusBadRequest,
-			fmt.Sprintf("Invalid %s header %q: want an integer (higher is admitted first; default 0).", PriorityHeader, v),
-			PriorityHeader, openai.CodeInvalidValue)
-	}
-	return n, nil
-}
-
-// serveRouted is the request's lifecycle once its model's pool is known:
-// admission (queueing when the pool is full), pick, proxy, and retries on
-// other endpoints of failures that reached the client with no byte. Each
-// pick is made in the newest pool of the model (pool.latest): a request
-// that was waiting or retrying when a reload replaced its pool goes to the
-// new set of endpoints, never to one the reload removed. It reports true,
-// having answered nothing, when the request may fall back to the next
-// target of its alias (x.pass.fallback) and p could not serve it
-// (x.pass.fell says why); otherwise the request was answered.
-func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool,
-	reqID string, start time.Time) (fell bool) {
-	if x.edge.capPriority && x.sreq.Priority > x.edge.maxPriority {
-		x.sreq.Priority = x.edge.maxPriority // the key's grant
-	}
-	if !g.admitQueued(w, r, p, x) {
-		return x.pass.fell != ""
-	}
-	gate, budget := p.gate, p.budget // kept by the model's later pools
-	defer gate.release()
-
-	excluded := x.excludedFor(len(p.endpoints))
-	x.pinned(p, excluded)
-	var (
-		last     *failure
-		retrying bool // holds a retry-budget token
-	)
-	defer func() {
-		if retrying {
-			budget.done()
-		}
-	}()
-	for attempt := 1; ; attempt++ {
-		if n := p.latest(); n != p {
-			// Slots keep their endpoint across reloads: what failed
-			// stays excluded.
-			p, excluded = n, x.resizeExcluded(len(n.endpoints))
-			x.pinned(p, excluded)
-		}
-		i, d := g.pickExcluding(p, &x.sreq, excluded)
-		if attempt == 1 {
-			gate.picked()
-		}
-		if i < 0 {
-			if last == nil {
-				if x.pass.fallback {
-					x.pass.fell = fallbackNoEndpoint
-					return true
-				}
-				x.refundAdmission(w.Header()) // never sent: not admitted
-				g.failNoEndpoint(w, p, x)
-				return false
-			}
-			g.res.retriesDenied.WithLabelValues(p.model, "no_endpoint").Inc()
-			return g.answerFailure(w, x, last)
-		}
-		if attempt > 1 {
-			g.res.retries.WithLabelValues(p.model, last.rm.labels[1], last.reason).Inc()
-		}
-		if x.pass.tries++; x.pass.tries > 1 {
-			w.Header()[AttemptsHeader] = []string{strconv.Itoa(x.pass.tries)}
-		}
-		f := g.attempt(w, r, x, kind, p, i, d, reqID, start)
-		x.obs.attemptFailed(f)
-		if f == nil {
-			return false
-		}
-		last = f
-		excluded[i] = true
-		switch {
-		case r.Context().Err() != nil:
-			g.canceled(w, r, f.rm) // nothing reached the client
-			return false
-		case attempt >= g.cfg.Retry.MaxAttempts || !x.retrySafe(f) || x.pass.pinEP != nil:
-			return g.answerFailure(w, x, f)
-		case f.reason == reasonEndpointDown:
-			// Not charged to the retry budget: the endpoint left rotation,
-			// so the request would have gone elsewhere had it come a moment
-			// later, and a frozen engine's requests are aborted all at once
-			// (upstream/wait.go). The budget, sized against overload, turned
-			// such a burst into 502s while the other engines idled (16 of
-			// 40 in the second attack run).
-		case !retrying:
-			if !budget.take(gate.active.Load(), g.cfg.Retry.BudgetPercent, g.cfg.Retry.MinRetryConcurrency) {
-				g.res.retriesDenied.WithLabelValues(p.model, "budget").Inc()
-				return g.answerFailure(w, x, f)
-			}
-			retrying = true
-		}
-	}
-}
-
-// excludedFor returns x's per-request endpoint exclusion flags, n of them,
-// all false.
-func (x *exchange) excludedFor(n int) []bool {
-	if cap(x.excluded) < n {
-		x.excluded = make([]bool, n)
-	}
-	x.excluded = x.excluded[:n]
-	clear(x.excluded)
-	return x.excluded
-}
-
-// resizeExcluded returns x's exclusion flags resized to n, the first ones
-// kept (a reload gave the pool more or fewer slots).
-func (x *exchange) resizeExcluded(n int) []bool {
-	if k := len(x.excluded); n > k {
-		x.excluded = append(x.excluded, make([]bool, n-k)...)
-	}
-	x.excluded = x.excluded[:n]
-	return x.excluded
-}
-
-// pinned excludes, when x is pinned to the endpoint that stored a response
-// (responses.go), every endpoint of p but that one. The pin is the
-// endpoint itself, not its slot: a reload that removed it leaves nothing
-// to pick (a new endpoint in its slot holds none of its responses).
-func (x *exchange) pinned(p *pool, excluded []bool) {
-	if x.pass.pinEP == nil {
-		return
-	}
-	for j, ep := range p.endpoints {
-		if ep != x.pass.pinEP {
-			excluded[j] = true
-		}
-	}
-}
-
-// answerFailure answers a failure that is not retried, or reports true
-// (answering nothing) when the request falls back to its alias's next
-// target instead.
-func (g *Gateway) answerFailure(w http.ResponseWriter, x *exchange, f *failure) (fell bool) {
-	if x.pass.fallback && x.retrySafe(f) {
-		x.pass.fell = fallbackFailed
-		return true
-	}
-	if f.body != nil {
-		writeJSON(w, f.status, f.body)
-		g.count(w, f.rm, f.status)
-		return false
-	}
-	g.fail(w, f.rm, f.err)
-	return false
-}
+// codeAbort is relayBody's result for a body that broke off after the
+// status line was sent (accounted as 502).
+const codeAbort = -1
 
 // attempt sends the request to endpoint i of p (whose circuit-breaker slot
 // pickExcluding took) and relays the answer. It returns nil when the
@@ -379,14 +192,6 @@ func (g *Gateway) roundTrip(req *http.Request, by time.Time, w *upstream.Wait) (
 	return g.rt.RoundTrip(req)
 }
 
-// truncate returns s cut to at most n bytes of valid UTF-8.
-func truncate(s string, n int) string {
-	if len(s) > n {
-		s = s[:n]
-	}
-	return strings.ToValidUTF8(s, "")
-}
-
 // serverError reads an engine's 5xx answer into a failure: relayed as is if
 // it is JSON (at most maxErrorBody bytes), else a 502 wrapping it.
 func (g *Gateway) serverError(resp *http.Response, x *exchange, rm *routeMetrics) *failure {
@@ -403,4 +208,29 @@ func (g *Gateway) serverError(resp *http.Response, x *exchange, rm *routeMetrics
 	f.err = openai.NewError(http.StatusBadGateway,
 		fmt.Sprintf("The model server answered %d: %s", resp.StatusCode, strings.TrimSpace(snippet)), "", openai.CodeUpstream)
 	return f
+}
+
+// answerFailure answers a failure that is not retried, or reports true
+// (answering nothing) when the request falls back to its alias's next
+// target instead.
+func (g *Gateway) answerFailure(w http.ResponseWriter, x *exchange, f *failure) (fell bool) {
+	if x.pass.fallback && x.retrySafe(f) {
+		x.pass.fell = fallbackFailed
+		return true
+	}
+	if f.body != nil {
+		writeJSON(w, f.status, f.body)
+		g.count(w, f.rm, f.status)
+		return false
+	}
+	g.fail(w, f.rm, f.err)
+	return false
+}
+
+// truncate returns s cut to at most n bytes of valid UTF-8.
+func truncate(s string, n int) string {
+	if len(s) > n {
+		s = s[:n]
+	}
+	return strings.ToValidUTF8(s, "")
 }

@@ -1,0 +1,88 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"time"
+)
+
+// healthLoop checks ep every interval until ctx is done.
+func (g *Gateway) healthLoop(ctx context.Context, ep *endpoint) {
+	t := time.NewTicker(g.cfg.HealthCheckInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			g.checkHealth(ctx, ep)
+		}
+	}
+}
+
+// checkHealth probes the endpoint once and updates its readiness: a failed
+// probe takes it out of rotation, a successful one restores it unless an
+// ejection is still running. path healthCheckOff skips the probe.
+func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
+	var err error
+	spec := ep.spec.Load()
+	if spec.healthPath != healthCheckOff {
+		err = g.probe(ctx, ep, spec)
+	}
+	ok := err == nil
+	if ctx.Err() != nil {
+		return // shutting down: leave the state as it was
+	}
+	if ep.spec.Load() != spec {
+		return // a reload changed what it probes (its credentials, its path) meanwhile: the next probe tells
+	}
+	if st := authStatus(0); errors.As(err, &st) && g.engineAuthFailures != nil {
+		g.engineAuthFailures.WithLabelValues(ep.name, authSourceHealth).Inc()
+	}
+	if ok {
+		ep.probeFailures.Store(0)
+	} else if n := ep.probeFailures.Add(1); g.cfg.HealthCheckAbortAfter > 0 && n >= int64(g.cfg.HealthCheckAbortAfter) {
+		if a := ep.waits.AbortAll(); a > 0 {
+			slog.Warn("gateway: endpoint failed its health checks; requests waiting for its answer aborted and retried elsewhere",
+				"endpoint", ep.name, "failed_probes", n, "aborted", a, "err", err)
+		}
+	}
+	if ok && time.Now().UnixNano() < ep.ejectedUntil.Load() {
+		return
+	}
+	switch was := ep.setReady(ok); {
+	case !ok && !ep.wentDown.Swap(true):
+		slog.Warn("gateway: endpoint failed its health check; out of rotation", "endpoint", ep.name, "path", spec.healthPath, "err", err)
+	case !was && ok && ep.wentDown.Swap(false):
+		slog.Info("gateway: endpoint healthy again; back in rotation", "endpoint", ep.name)
+	}
+}
+
+// probe sends GET <base><spec.healthPath> with spec's headers and returns
+// nil for a 2xx answer.
+func (g *Gateway) probe(ctx context.Context, ep *endpoint, spec *endpointSpec) error {
+	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, ep.base+spec.healthPath, nil)
+	if err != nil {
+		return fmt.Errorf("health check %s: %w", ep.name, err)
+	}
+	spec.addHeader(req.Header)
+	resp, err := g.transport.RoundTrip(req)
+	if err != nil {
+		return fmt.Errorf("health check %s: %w", ep.name, err)
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // keep the connection reusable
+	_ = resp.Body.Close()
+	if isAuthRefusal(resp.StatusCode) {
+		return fmt.Errorf("health check %s: %w", ep.name, authStatus(resp.StatusCode))
+	}
+	if resp.StatusCode/100 != 2 {
+		return fmt.Errorf("health check %s: status %d", ep.name, resp.StatusCode)
+	}
+	return nil
+}

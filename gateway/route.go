@@ -1,0 +1,326 @@
+package gateway
+
+import (
+	"net/http"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sched"
+)
+
+// prepareTarget readies x to be sent to pool p: the model sent (an alias
+// target's name spliced into the body), and the routing hashes under p's
+// seed when its policy needs them.
+func (g *Gateway) prepareTarget(w http.ResponseWriter, x *exchange, kind apiKind, p *pool) *openai.Error {
+	x.sreq.Model = p.model
+	x.sreq.Hashes, x.sreq.PromptTokens = nil, 0
+	if p.model != x.model && kind != kindResponseByID {
+		if e := g.aliasTarget(w, x, p); e != nil {
+			return e
+		}
+	}
+	if (p.policy.NeedsHashes() || p.precise != nil) && x.routable(kind) {
+		want := uint8(1)
+		if p.precise != nil {
+			want = 2
+		}
+		if x.pass.toks != want { // once for all targets
+			x.pass.routeToks, x.pass.toks = x.promptTokens(kind, p, want == 2), want
+		}
+		tokens := x.pass.routeToks
+		seed := p.seed
+		if x.salt != "" {
+			seed = prefix.Seed(p.model + "\x00" + x.salt)
+		}
+		x.hashes = prefix.Hashes(x.hashes[:0], tokens, p.blockSize, seed)
+		x.sreq.Hashes, x.sreq.PromptTokens = x.hashes, len(tokens)
+	}
+	return nil
+}
+
+// serveRouted is the request's lifecycle once its model's pool is known:
+// admission (queueing when the pool is full), pick, proxy, and retries on
+// other endpoints of failures that reached the client with no byte. Each
+// pick is made in the newest pool of the model (pool.latest): a request
+// that was waiting or retrying when a reload replaced its pool goes to the
+// new set of endpoints, never to one the reload removed. It reports true,
+// having answered nothing, when the request may fall back to the next
+// target of its alias (x.pass.fallback) and p could not serve it
+// (x.pass.fell says why); otherwise the request was answered.
+func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool,
+	reqID string, start time.Time) (fell bool) {
+	if x.edge.capPriority && x.sreq.Priority > x.edge.maxPriority {
+		x.sreq.Priority = x.edge.maxPriority // the key's grant
+	}
+	if !g.admitQueued(w, r, p, x) {
+		return x.pass.fell != ""
+	}
+	gate, budget := p.gate, p.budget // kept by the model's later pools
+	defer gate.release()
+
+	excluded := x.excludedFor(len(p.endpoints))
+	x.pinned(p, excluded)
+	var (
+		last     *failure
+		retrying bool // holds a retry-budget token
+	)
+	defer func() {
+		if retrying {
+			budget.done()
+		}
+	}()
+	for attempt := 1; ; attempt++ {
+		if n := p.latest(); n != p {
+			// Slots keep their endpoint across reloads: what failed
+			// stays excluded.
+			p, excluded = n, x.resizeExcluded(len(n.endpoints))
+			x.pinned(p, excluded)
+		}
+		i, d := g.pickExcluding(p, &x.sreq, excluded)
+		if attempt == 1 {
+			gate.picked()
+		}
+		if i < 0 {
+			if last == nil {
+				if x.pass.fallback {
+					x.pass.fell = fallbackNoEndpoint
+					return true
+				}
+				x.refundKey(w.Header()) // never sent: not admitted
+				g.failNoEndpoint(w, p, x)
+				return false
+			}
+			g.res.retriesDenied.WithLabelValues(p.model, "no_endpoint").Inc()
+			return g.answerFailure(w, x, last)
+		}
+		if attempt > 1 {
+			g.res.retries.WithLabelValues(p.model, last.rm.labels[1], last.reason).Inc()
+		}
+		if x.pass.tries++; x.pass.tries > 1 {
+			w.Header()[AttemptsHeader] = []string{strconv.Itoa(x.pass.tries)}
+		}
+		f := g.attempt(w, r, x, kind, p, i, d, reqID, start)
+		x.obs.attemptFailed(f)
+		if f == nil {
+			return false
+		}
+		last = f
+		excluded[i] = true
+		switch {
+		case r.Context().Err() != nil:
+			g.canceled(w, r, f.rm) // nothing reached the client
+			return false
+		case attempt >= g.cfg.Retry.MaxAttempts || !x.retrySafe(f) || x.pass.pinEP != nil:
+			return g.answerFailure(w, x, f)
+		case f.reason == reasonEndpointDown:
+			// Not charged to the retry budget: the endpoint left rotation,
+			// so the request would have gone elsewhere had it come a moment
+			// later, and a frozen engine's requests are aborted all at once
+			// (upstream/wait.go). The budget, sized against overload, turned
+			// such a burst into 502s while the other engines idled (16 of
+			// 40 in the second attack run).
+		case !retrying:
+			if !budget.take(gate.active.Load(), g.cfg.Retry.BudgetPercent, g.cfg.Retry.MinRetryConcurrency) {
+				g.res.retriesDenied.WithLabelValues(p.model, "budget").Inc()
+				return g.answerFailure(w, x, f)
+			}
+			retrying = true
+		}
+	}
+}
+
+// excludedFor returns x's per-request endpoint exclusion flags, n of them,
+// all false.
+func (x *exchange) excludedFor(n int) []bool {
+	if cap(x.excluded) < n {
+		x.excluded = make([]bool, n)
+	}
+	x.excluded = x.excluded[:n]
+	clear(x.excluded)
+	return x.excluded
+}
+
+// resizeExcluded returns x's exclusion flags resized to n, the first ones
+// kept (a reload gave the pool more or fewer slots).
+func (x *exchange) resizeExcluded(n int) []bool {
+	if k := len(x.excluded); n > k {
+		x.excluded = append(x.excluded, make([]bool, n-k)...)
+	}
+	x.excluded = x.excluded[:n]
+	return x.excluded
+}
+
+// pinned excludes, when x is pinned to the endpoint that stored a response
+// (responses.go), every endpoint of p but that one. The pin is the
+// endpoint itself, not its slot: a reload that removed it leaves nothing
+// to pick (a new endpoint in its slot holds none of its responses).
+func (x *exchange) pinned(p *pool, excluded []bool) {
+	if x.pass.pinEP == nil {
+		return
+	}
+	for j, ep := range p.endpoints {
+		if ep != x.pass.pinEP {
+			excluded[j] = true
+		}
+	}
+}
+
+// pickExcluding asks p's policy for an endpoint, treating as not ready those
+// excluded (failed earlier in this request) and those at their
+// circuit-breaker limit, and takes a breaker slot on the pick. It returns
+// the index and decision, or -1 when no endpoint can take the request.
+func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (int, sched.Decision) {
+	limit := p.maxRequests
+	snap := p.snapshot()
+	defer p.release(snap)
+	s := *snap
+	for range len(s) { // each round takes a slot or rules one endpoint out
+		for i := range s {
+			if excluded[i] || s[i].InFlight >= limit {
+				s[i].Ready = false
+			}
+		}
+		d := p.policy.Pick(req, s)
+		if d.Endpoint < 0 || d.Endpoint >= len(s) || !s[d.Endpoint].Ready {
+			return -1, d
+		}
+		if p.endpoints[d.Endpoint].tryAcquire(limit) {
+			return d.Endpoint, d
+		}
+		s[d.Endpoint].Ready = false // filled up since the snapshot
+	}
+	return -1, sched.Decision{Endpoint: -1}
+}
+
+// AttemptsHeader is set on a response that needed more than one attempt:
+// the number of attempts (endpoints tried).
+const AttemptsHeader = "X-Infergate-Attempts"
+
+// retryBudget bounds the retries in flight of one pool.
+type retryBudget struct {
+	inFlight atomic.Int64
+}
+
+// take reserves a retry if fewer than max(minConc, pct% of active) are in
+// flight.
+func (b *retryBudget) take(active int64, pct float64, minConc int) bool {
+	limit := max(int64(minConc), int64(float64(active)*pct/100))
+	if b.inFlight.Add(1) > limit {
+		b.inFlight.Add(-1)
+		return false
+	}
+	return true
+}
+
+func (b *retryBudget) done() { b.inFlight.Add(-1) }
+
+// pool is the endpoints serving one model and the policy that picks among
+// them, as one configuration has them: a reload builds new pools, which
+// keep the state of the old ones (policy, indexes, admission gate, retry
+// budget) as far as the endpoints remain (reload.go). Entry i of
+// endpoints, routes, scrapes and every snapshot is the same endpoint, slot
+// i: a slot keeps its endpoint across reloads, a removed endpoint's slot
+// holds vacant until a new endpoint takes it, so the per-slot state of the
+// policy and the precise index stays the same endpoint's.
+type pool struct {
+	model     string
+	policy    sched.Policy
+	endpoints []*endpoint
+	routes    []*routeMetrics // per endpoint
+	scrapes   []*scrapeFeed   // per endpoint, nil when not scraped
+	scraped   bool            // some endpoint is
+	capacity  []int           // per endpoint: the policy's bound (routing blocks)
+	pcap      []int           // per endpoint: the precise index's bound (0: none)
+	// policySlots is the number of slots the policy was built for.
+	policySlots int
+	live        int           // endpoints that are not vacant
+	none        *routeMetrics // errors before an endpoint was picked
+	blockSize   int           // routing block size (tokens)
+	seed        uint64        // prefix.Seed(model + "\x00"): no cache salt
+	snapshots   sync.Pool     // *[]sched.Endpoint
+	// precise is the pool's index fed by its endpoints' KV events (nil
+	// unless every endpoint publishes them); precisePolicy: the policy
+	// scores with it, so its prediction is the policy's.
+	precise       *prefix.PreciseIndex
+	precisePolicy bool
+	// tokenizer and segments tokenize prompts for the policy and the
+	// precise index (nil when neither needs hashes).
+	tokenizer *prefix.Tokenizer
+	segments  *prefix.SegmentCache
+	// maxModelLen is the longest context of its endpoints (tokens).
+	maxModelLen int
+	// maxRequests is the circuit breaker's bound per endpoint.
+	maxRequests int
+	// gate is the model's admission control; budget bounds its retries
+	// (admission.go, route.go). Both outlive reloads with the model.
+	gate   *admission
+	budget *retryBudget
+	// modelJSON is the model name as a JSON string and modelHeader as a
+	// header value (alias.go).
+	modelJSON   []byte
+	modelHeader []string
+	// next is the pool of the same model that a reload published in its
+	// place (nil while this one is in force, or after its model was
+	// removed).
+	next atomic.Pointer[pool]
+}
+
+// latest returns the model's pool in force: p, or the one reloads put in
+// its place.
+func (p *pool) latest() *pool {
+	for n := p.next.Load(); n != nil; n = p.next.Load() {
+		p = n
+	}
+	return p
+}
+
+// snapshot returns the pool's endpoints as the scheduler sees them now
+// (readiness and in-flight counts read from atomics) in a pooled slice;
+// return it with release.
+func (p *pool) snapshot() *[]sched.Endpoint {
+	sp, _ := p.snapshots.Get().(*[]sched.Endpoint)
+	if sp == nil {
+		s := make([]sched.Endpoint, len(p.endpoints))
+		sp = &s
+	}
+	s := *sp
+	var now time.Time
+	if p.scraped {
+		now = time.Now()
+	}
+	for i, ep := range p.endpoints {
+		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load()}
+		ep.ledger.Fill(&s[i])
+		if f := p.scrapes[i]; f != nil {
+			if l, _, ok := f.latest(now); ok && l.HasQueue {
+				e := &s[i]
+				e.Metrics, e.Waiting, e.Running = true, l.Waiting, l.Running
+				e.KVUtil = max(l.KVUtil, 0)
+				if l.LoRA.Known {
+					e.Adapters, e.MaxAdapters = loraAdapters(l.LoRA), l.LoRA.Max
+				}
+			}
+		}
+	}
+	return sp
+}
+
+// loraAdapters are the adapters an engine has loaded: those with running or
+// waiting requests (vllm:lora_requests_info). It allocates only when both
+// lists are non-empty.
+func loraAdapters(st fleet.LoRAState) []string {
+	switch {
+	case len(st.Waiting) == 0:
+		return st.Running
+	case len(st.Running) == 0:
+		return st.Waiting
+	}
+	return append(append(make([]string, 0, len(st.Running)+len(st.Waiting)), st.Running...), st.Waiting...)
+}
+
+func (p *pool) release(sp *[]sched.Endpoint) { p.snapshots.Put(sp) }
