@@ -178,7 +178,7 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ meas
 	if routing.Prefix.BlockSize == 0 {
 		routing.Prefix.BlockSize = blockSize
 	}
-	gw, err := gateway.New(gateway.Config{
+	gw, err := gateway.New(ctx, gateway.Config{
 		Listen:    "127.0.0.1:0", // unused: served on ln below
 		Routing:   routing,
 		Endpoints: eps,

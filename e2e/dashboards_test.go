@@ -216,7 +216,7 @@ func TestGrafanaDashboardFile(t *testing.T) {
 	reg := &recordingRegisterer{Registry: prometheus.NewRegistry(), names: map[string]bool{}}
 	cfg := gateway.Config{HealthCheckPath: "-", ScrapeInterval: -1,
 		Endpoints: []gateway.EndpointConfig{{URL: "http://127.0.0.1:9", Model: "m", KVBlocks: 1000}}}
-	g, err := gateway.New(cfg, reg)
+	g, err := gateway.New(context.Background(), cfg, reg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -255,7 +255,7 @@ func StartGateway(insts []*Instance, policy string) (*Gateway, error) {
 		})
 		g.Endpoints = append(g.Endpoints, in.URL)
 	}
-	gw, err := gateway.New(cfg, g.Registry)
+	gw, err := gateway.New(context.Background(), cfg, g.Registry)
 	if err != nil {
 		return nil, err
 	}

@@ -91,7 +91,7 @@ func TestAccessLogOutcomes(t *testing.T) {
 	const keyA, keyB = "sk-team-a-0123456789abcdef", "sk-team-b-fedcba9876543210"
 	cfg.Auth.Keys = []APIKey{{Name: "team-a", Hash: HashKey(keyA)}, {Name: "team-b", Hash: HashKey(keyB), RequestsPerMinute: 1}}
 	path := withAccessLog(t, &cfg, LogFormatJSON)
-	g, err := New(cfg, nil)
+	g, err := New(context.Background(), cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

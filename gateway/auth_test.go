@@ -322,12 +322,12 @@ func TestKeysFile(t *testing.T) {
 	}
 
 	cfg.Auth.KeysFile = filepath.Join(dir, "missing.yaml")
-	if _, err := New(cfg, nil); err == nil || !strings.Contains(err.Error(), "keys_file") {
+	if _, err := New(context.Background(), cfg, nil); err == nil || !strings.Contains(err.Error(), "keys_file") {
 		t.Errorf("missing keys file: %v", err)
 	}
 	_ = os.WriteFile(path, []byte("alice sha256:12"), 0o600)
 	cfg.Auth.KeysFile = path
-	if _, err := New(cfg, nil); err == nil || !strings.Contains(err.Error(), "hash") {
+	if _, err := New(context.Background(), cfg, nil); err == nil || !strings.Contains(err.Error(), "hash") {
 		t.Errorf("bad keys file: %v", err)
 	}
 }

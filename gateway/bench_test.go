@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"bytes"
+	"context"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -117,7 +118,7 @@ func BenchmarkRequestPath(b *testing.B) {
 			if tc.observe != nil {
 				tc.observe(&cfg)
 			}
-			g, err := New(cfg, nil)
+			g, err := New(context.Background(), cfg, nil)
 			if err != nil {
 				b.Fatal(err)
 			}

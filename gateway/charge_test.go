@@ -21,7 +21,7 @@ import (
 // (no bucket refills while the test runs, however slowly).
 func startGatewayStopped(t *testing.T, cfg Config) (*Gateway, string) {
 	t.Helper()
-	g, err := New(cfg, nil)
+	g, err := New(context.Background(), cfg, nil)
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -177,14 +178,14 @@ func TestEndpointCredentialsValidated(t *testing.T) {
 	e := newFakeEngine(t, "e0")
 	cfg := testConfig(sched.RoundRobin, e)
 	cfg.Endpoints[0].APIKeyEnv = "INFERGATE_TEST_MISSING_KEY"
-	_, err := New(cfg, nil)
+	_, err := New(context.Background(), cfg, nil)
 	if err == nil || !strings.Contains(err.Error(), "endpoints[0]: api_key_env: the environment variable INFERGATE_TEST_MISSING_KEY is not set") {
 		t.Fatalf("New with a missing key variable: %v", err)
 	}
 	// One engine listed under two models must have one set of credentials.
 	cfg.Endpoints = []EndpointConfig{{URL: e.URL(), Model: "m", APIKeyEnv: "INFERGATE_TEST_ENGINE_KEY"},
 		{URL: e.URL(), Model: "lora", APIKey: engineKey}}
-	if _, err := New(cfg, nil); err == nil || !strings.Contains(err.Error(), "listed again with different api_key") || strings.Contains(err.Error(), "5ecret") {
+	if _, err := New(context.Background(), cfg, nil); err == nil || !strings.Contains(err.Error(), "listed again with different api_key") || strings.Contains(err.Error(), "5ecret") {
 		t.Fatalf("New with two credentials for one engine: %v", err)
 	}
 }

@@ -149,7 +149,7 @@ func h2Gateway(t *testing.T, cfg Config, arrived func()) (string, *http.Client) 
 	t.Helper()
 	certFile, keyFile, pool := selfSigned(t, t.TempDir(), "gw")
 	cfg.TLS = TLSConfig{CertFile: certFile, KeyFile: keyFile}
-	g, err := New(cfg, nil)
+	g, err := New(context.Background(), cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -3,6 +3,7 @@ package gateway
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -467,7 +468,7 @@ func TestTLSTermination(t *testing.T) {
 	e := newFakeEngine(t, "e0")
 	cfg := testConfig(sched.RoundRobin, e)
 	cfg.TLS = TLSConfig{CertFile: certFile, KeyFile: keyFile}
-	g, err := New(cfg, nil)
+	g, err := New(context.Background(), cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -511,7 +512,7 @@ func TestTLSTermination(t *testing.T) {
 
 	// A missing certificate fails New, not the first handshake.
 	cfg.TLS.CertFile = filepath.Join(dir, "missing.pem")
-	if _, err := New(cfg, nil); err == nil || !strings.Contains(err.Error(), "cert_file") {
+	if _, err := New(context.Background(), cfg, nil); err == nil || !strings.Contains(err.Error(), "cert_file") {
 		t.Errorf("missing cert: %v", err)
 	}
 }

@@ -249,7 +249,7 @@ func testConfig(policy string, engines ...*fakeEngine) Config {
 // startGateway builds a gateway for cfg and serves it on loopback.
 func startGateway(t testing.TB, cfg Config) (*Gateway, string) {
 	t.Helper()
-	g, err := New(cfg, nil)
+	g, err := New(context.Background(), cfg, nil)
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}

@@ -114,10 +114,13 @@ type Gateway struct {
 // and process collectors; /metrics serves reg when it is a
 // prometheus.Gatherer, else the default gatherer). For endpoints with
 // kv_blocks 0 it reads the engine's /metrics, and it probes every endpoint
-// once before returning, so New takes up to HealthCheckTimeout. Endpoints
-// that are down at start join when their health check first succeeds.
-// Reload applies a new configuration to the running gateway.
-func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
+// once before returning, so New takes up to HealthCheckTimeout; ctx bounds
+// those start-up reads and probes (canceled, New returns its error).
+// Endpoints that are down at start join when their health check first
+// succeeds. A failed New has released everything it started (Close is its
+// one cleanup path). Reload applies a new configuration to the running
+// gateway; Close stops it.
+func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -142,9 +145,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 	g.reqIDPrefix = "ig-" + hex.EncodeToString(idb[:]) + "-"
 	g.loops, g.stop = context.WithCancel(context.Background())
 	fail := func(err error) (*Gateway, error) {
-		g.stop()
-		g.transport.CloseIdleConnections()
-		g.closeObservability()
+		g.Close() // the one cleanup path, whatever was started
 		return nil, err
 	}
 
@@ -183,13 +184,21 @@ func New(cfg Config, reg prometheus.Registerer) (*Gateway, error) {
 		return fail(err)
 	}
 
+	// The start-up reads and probes end with ctx or with Close.
+	bctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(g.loops, cancel)()
 	g.reloadMu.Lock()
-	defer g.reloadMu.Unlock()
-	st, plan, err := g.build(cfg, nil)
+	st, plan, err := g.build(bctx, cfg, nil)
+	if err == nil {
+		err = ctx.Err() // canceled while probing: not started
+	}
 	if err != nil {
+		g.reloadMu.Unlock()
 		return fail(err)
 	}
 	g.commit(st, plan, nil)
+	g.reloadMu.Unlock()
 	g.reloads.succeeded(time.Now())
 	warnOpenUsage(st)
 	return g, nil

@@ -3,11 +3,14 @@ package gateway
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -709,7 +712,7 @@ func TestNoGoroutineLeak(t *testing.T) {
 	func() {
 		e := newEngineNoCleanup(t, "e0")
 		defer e.srv.Close()
-		g, err := New(testConfig(sched.Prefix, e), nil)
+		g, err := New(context.Background(), testConfig(sched.Prefix, e), nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -1080,4 +1083,37 @@ func FuzzLoneSurrogate(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestNewCanceled: New's context bounds its start-up reads and probes. An
+// engine that never answers them held New for the whole health-check
+// timeout (here a minute); canceled, New returns the context's error and
+// leaves nothing running.
+func TestNewCanceled(t *testing.T) {
+	hold := make(chan struct{})
+	var asked atomic.Int64
+	silent := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		asked.Add(1)
+		<-hold
+	}))
+	t.Cleanup(silent.Close)
+	t.Cleanup(func() { close(hold) })
+	cfg := Config{Endpoints: []EndpointConfig{{URL: silent.URL, Model: "m"}}, HealthCheckTimeout: time.Minute}
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		// Cancel once the start-up probe is waiting on the engine.
+		for asked.Load() == 0 {
+			time.Sleep(time.Millisecond)
+		}
+		cancel()
+	}()
+	g, err := New(ctx, cfg, nil)
+	if g != nil || !errors.Is(err, context.Canceled) {
+		t.Fatalf("New with a canceled context: %v, %v; want nil and context.Canceled", g, err)
+	}
+	ctx, cancel = context.WithCancel(context.Background())
+	cancel()
+	if _, err := New(ctx, cfg, nil); !errors.Is(err, context.Canceled) {
+		t.Fatalf("New with a context canceled before: %v", err)
+	}
 }

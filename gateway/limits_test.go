@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -199,7 +200,7 @@ func TestTokenEstimate(t *testing.T) {
 func TestHeaderLimits(t *testing.T) {
 	cfg := testConfig(sched.RoundRobin, newFakeEngine(t, "e0"))
 	cfg.MaxHeaderBytes = 4096
-	g, err := New(cfg, nil)
+	g, err := New(context.Background(), cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -676,7 +677,7 @@ func TestPassthroughNoGoroutineLeak(t *testing.T) {
 		defer f.Close()
 		cfg := fleetConfig(sched.Prefix, map[string]*sim.Fleet{"m": f})
 		cfg.Aliases = map[string][]string{"a": {"m"}}
-		g, err := New(cfg, nil)
+		g, err := New(context.Background(), cfg, nil)
 		if err != nil {
 			t.Fatal(err)
 		}

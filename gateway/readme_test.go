@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"context"
 	"os"
 	"reflect"
 	"regexp"
@@ -153,7 +154,7 @@ func TestREADMEListsEveryMetric(t *testing.T) {
 		KVEvents: &KVEventsConfig{Endpoint: "tcp://127.0.0.1:9"}}}}
 	cfg.Auth.Keys = []APIKey{{Name: "k", Hash: HashKey("sk-k")}}
 	withAccessLog(t, &cfg, LogFormatJSON)
-	g, err := New(cfg, reg)
+	g, err := New(context.Background(), cfg, reg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -73,7 +74,7 @@ func FuzzStreamRelay(f *testing.F) {
 	cfg.Outlier.ConsecutiveErrors = 1 << 30 // the one endpoint stays in rotation
 	// Nothing to discover (kv_blocks and max_model_len given): the address is never dialled.
 	cfg.Endpoints = []EndpointConfig{{URL: "http://10.0.0.1:8000", Model: "m", KVBlocks: 1000, MaxModelLen: 4096}}
-	g, err := New(cfg, nil)
+	g, err := New(context.Background(), cfg, nil)
 	if err != nil {
 		f.Fatal(err)
 	}

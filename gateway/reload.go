@@ -224,7 +224,7 @@ func (g *Gateway) reload(load func() (Config, error)) error {
 			return fmt.Errorf("with %s kept as at start (a restart changes them): %w", strings.Join(kept, ", "), err)
 		}
 	}
-	st, pl, err := g.build(cfg, prev)
+	st, pl, err := g.build(g.loops, cfg, prev)
 	if err != nil {
 		return err
 	}
@@ -317,7 +317,7 @@ func keepUnreloadable(cfg *Config, old Config) []string {
 // it. It changes nothing prev can see: new endpoints are probed (and their
 // capacity discovered) here, everything shared waits for commit. An error
 // refuses the configuration.
-func (g *Gateway) build(cfg Config, prev *state) (*state, *plan, error) {
+func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *plan, error) {
 	if prev == nil {
 		prev = &state{}
 	}
@@ -375,7 +375,7 @@ func (g *Gateway) build(cfg Config, prev *state) (*state, *plan, error) {
 	var wg sync.WaitGroup
 	for _, j := range jobs {
 		wg.Go(func() {
-			spec, cc, checked := g.makeSpec(j.ep, want[j.ep.name], j.header, j.old)
+			spec, cc, checked := g.makeSpec(ctx, j.ep, want[j.ep.name], j.header, j.old)
 			mu.Lock()
 			if checked {
 				pl.creds[j.ep] = cc
@@ -386,7 +386,7 @@ func (g *Gateway) build(cfg Config, prev *state) (*state, *plan, error) {
 			mu.Unlock()
 			if j.old == nil {
 				j.ep.spec.Store(spec) // a new endpoint: nobody else sees it yet
-				g.checkHealth(g.loops, j.ep)
+				g.checkHealth(ctx, j.ep)
 			}
 		})
 	}
@@ -529,7 +529,7 @@ func newEndpoint(base string) (*endpoint, error) {
 // new endpoint's discovery reads (401/403: refused), and, when the
 // credentials changed, GET /v1/models (which vLLM's --api-key guards) and
 // the discovery reads again, sent with the new ones.
-func (g *Gateway) makeSpec(ep *endpoint, w *EndpointConfig, header http.Header, old *endpointSpec) (s *endpointSpec, cc credentialsCheck, checked bool) {
+func (g *Gateway) makeSpec(ctx context.Context, ep *endpoint, w *EndpointConfig, header http.Header, old *endpointSpec) (s *endpointSpec, cc credentialsCheck, checked bool) {
 	s = &endpointSpec{cfg: *w, kvBlocks: w.KVBlocks, blockSize: w.BlockSize, maxModelLen: w.MaxModelLen,
 		kind: w.Kind, healthPath: g.cfg.HealthCheckPath, kvEvents: w.KVEvents, header: header}
 	if s.healthPath == "" {
@@ -542,7 +542,6 @@ func (g *Gateway) makeSpec(ep *endpoint, w *EndpointConfig, header http.Header, 
 	}
 	// With new credentials the reads are made again (those of the old
 	// ones may have been refused), a failed one keeping what was known.
-	ctx := g.loops
 	newCreds := old != nil && !sameHeader(old.header, header)
 	if w.KVBlocks == 0 {
 		reuse := old != nil && old.cfg.KVBlocks == 0 && old.cfg.BlockSize == w.BlockSize

@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -107,7 +108,7 @@ func TestReloadUnderLoad(t *testing.T) {
 		return cfg
 	}
 	func() {
-		g, err := New(config(0), nil)
+		g, err := New(context.Background(), config(0), nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -461,7 +462,7 @@ func TestReloadEndpoints(t *testing.T) {
 		defer held.srv.Close()
 		e1 := newEngineNoCleanup(t, "e1")
 		defer e1.srv.Close()
-		g, err := New(reloadConfig(sched.RoundRobin, held.srv.URL), nil)
+		g, err := New(context.Background(), reloadConfig(sched.RoundRobin, held.srv.URL), nil)
 		if err != nil {
 			t.Fatal(err)
 		}

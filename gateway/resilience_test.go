@@ -834,7 +834,7 @@ func TestResilienceNoGoroutineLeak(t *testing.T) {
 		cfg := resilienceConfig(sched.RoundRobin, bad.URL, blocked.URL())
 		cfg.CircuitBreaker.MaxRequests = 1
 		cfg.Admission = AdmissionConfig{MaxInFlight: 1, QueueTimeout: 100 * time.Millisecond}
-		g, err := New(cfg, nil)
+		g, err := New(context.Background(), cfg, nil)
 		if err != nil {
 			t.Fatal(err)
 		}

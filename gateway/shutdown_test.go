@@ -227,7 +227,7 @@ func TestShutdownAbortInFlight(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			canceled := make(chan string, 8)
 			e := newFuncEngine(t, shutdownEngine(canceled))
-			g, err := New(resilienceConfig(sched.RoundRobin, e.URL()), nil)
+			g, err := New(context.Background(), resilienceConfig(sched.RoundRobin, e.URL()), nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -300,7 +300,7 @@ func TestShutdownNoGoroutineLeak(t *testing.T) {
 				h(w, r)
 			}))
 			defer e.srv.Close()
-			g, err := New(resilienceConfig(sched.RoundRobin, e.URL()), nil)
+			g, err := New(context.Background(), resilienceConfig(sched.RoundRobin, e.URL()), nil)
 			if err != nil {
 				t.Fatal(err)
 			}

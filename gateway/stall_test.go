@@ -380,7 +380,7 @@ func TestStallOverTLS(t *testing.T) {
 				tc.serve(w, r)
 			}))
 			t.Cleanup(eng.Close)
-			g, err := New(stallConfig(sched.RoundRobin, eng.URL), nil)
+			g, err := New(context.Background(), stallConfig(sched.RoundRobin, eng.URL), nil)
 			if err != nil {
 				t.Fatal(err)
 			}

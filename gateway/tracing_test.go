@@ -53,7 +53,7 @@ func tracedGateway(t *testing.T, e *fakeEngine, ratio float64) (*Gateway, string
 	cfg.EjectDuration, cfg.Outlier.MaxEjectionTime = time.Hour, time.Hour
 	cfg.Endpoints = append([]EndpointConfig{{URL: closedURL(t), Model: "m", KVBlocks: 1000}}, cfg.Endpoints...)
 	cfg.Tracing = TracingConfig{OTLPEndpoint: "http://127.0.0.1:4318", SampleRatio: &ratio}
-	g, err := New(cfg, nil)
+	g, err := New(context.Background(), cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -258,7 +258,7 @@ func TestTracingNoGoroutineLeak(t *testing.T) {
 		cfg := testConfig(sched.Prefix, e)
 		cfg.Tracing.OTLPEndpoint = "http://127.0.0.1:4318"
 		withAccessLog(t, &cfg, LogFormatJSON)
-		g, err := New(cfg, nil)
+		g, err := New(context.Background(), cfg, nil)
 		if err != nil {
 			t.Fatal(err)
 		}

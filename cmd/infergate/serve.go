@@ -284,7 +284,7 @@ func runGateway(cmd *cobra.Command, pprofAddr string, load func() (gateway.Confi
 	if err != nil {
 		return err
 	}
-	g, err := gateway.New(cfg, nil)
+	g, err := gateway.New(cmd.Context(), cfg, nil)
 	if err != nil {
 		return err
 	}

@@ -128,7 +128,7 @@ func TestShutdownSequence(t *testing.T) {
 		Endpoints:       []gateway.EndpointConfig{{URL: engine, Model: "m", KVBlocks: 1000}},
 		HealthCheckPath: "-", ScrapeInterval: -1, ShutdownGrace: grace,
 		Admission: gateway.AdmissionConfig{MaxInFlight: 2}}
-	g, err := gateway.New(cfg, nil)
+	g, err := gateway.New(context.Background(), cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
