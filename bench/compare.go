@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
@@ -158,7 +159,7 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ Summ
 		// Every engine publishes KV events on loopback and the gateway
 		// subscribes, for the precise-prefix policy and for the precise
 		// index's prediction error under any policy.
-		KVEvents: sim.KVEventsConfig{Enable: true},
+		KVEvents: kvevents.PublisherConfig{Enable: true},
 	})
 	if err != nil {
 		return Summary{}, fmt.Errorf("start fleet: %w", err)

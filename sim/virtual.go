@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
 )
@@ -155,8 +156,8 @@ type virtualEngine struct {
 	busy                           bool // a step is in progress; it ends at end
 	pending                        bool // its step ended now and the next starts after this instant's arrivals
 	end                            time.Duration
-	outs                           []Output  // the step's outputs, delivered at end (owned by e)
-	events                         []KVEvent // the step's KV events, applied at end (owned by e)
+	outs                           []Output         // the step's outputs, delivered at end (owned by e)
+	events                         []kvevents.Event // the step's KV events, applied at end (owned by e)
 }
 
 // NewVirtualFleet returns a fleet of cfg.Engines idle engines at time 0.
@@ -389,7 +390,7 @@ func (f *VirtualFleet) applyKVEvents(i int, ve *virtualEngine) {
 	for k := range ve.events {
 		ev := &ve.events[k]
 		switch ev.Type {
-		case KVBlockStored:
+		case kvevents.BlockStored:
 			seed := f.seed
 			if ev.LoRAName != "" {
 				seed = prefix.Seed(ev.LoRAName + "\x00")
@@ -397,9 +398,9 @@ func (f *VirtualFleet) applyKVEvents(i int, ve *virtualEngine) {
 			// A parent evicted before the event: kept as an orphan, as a
 			// subscriber would.
 			_ = f.precise.Stored(i, prefix.MediumGPU, ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, seed)
-		case KVBlockRemoved:
+		case kvevents.BlockRemoved:
 			f.precise.Removed(i, prefix.MediumGPU, ev.BlockHashes)
-		case KVAllBlocksCleared:
+		case kvevents.AllBlocksCleared:
 			f.precise.Cleared(i)
 		}
 	}

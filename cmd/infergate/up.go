@@ -14,6 +14,7 @@ import (
 
 	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 )
@@ -68,7 +69,7 @@ restart; gateway/README.md, "Reload").`,
 			if !scfg.KVEvents.Enable {
 				// The engines publish their KV events on loopback and the
 				// gateway subscribes: the precise-prefix policy's input.
-				scfg.KVEvents = sim.KVEventsConfig{Enable: true}
+				scfg.KVEvents = kvevents.PublisherConfig{Enable: true}
 			}
 			fleet, err := sim.StartFleet(engines, scfg)
 			if err != nil {
