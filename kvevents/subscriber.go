@@ -20,8 +20,7 @@ import (
 // Subscriber: a SUB socket per engine (docs/PROTOCOLS.md §1.2-1.3), sequence
 // numbers, gap detection, replay over the engine's ROUTER, reconnects.
 
-// ResetReason says why a Handler must forget what it learnt from a
-// stream.
+// ResetReason says why a Handler must forget what it learnt from a stream.
 type ResetReason uint8
 
 // Reset reasons.
@@ -64,8 +63,8 @@ func (r ResetReason) String() string {
 	return fmt.Sprintf("ResetReason(%d)", uint8(r))
 }
 
-// Handler receives one engine's KV-event stream from a
-// Subscriber, on Run's goroutine.
+// Handler receives one engine's KV-event stream from a Subscriber, on Run's
+// goroutine (fleet.KVEventApplier keeps it in the gateway's index).
 type Handler interface {
 	// KVBatch applies one batch. Batches arrive in sequence order without
 	// gaps, except after a KVReset. b must not be retained after the call.
@@ -84,8 +83,8 @@ const (
 	DefaultReplayTimeout = 5 * time.Second
 )
 
-// SubscriberConfig configures a Subscriber. Zero durations
-// take defaults.
+// SubscriberConfig configures a Subscriber (the gateway's kv_events of an
+// endpoint). Zero durations take defaults.
 type SubscriberConfig struct {
 	// Endpoint is the engine's PUB socket, tcp://host:port (vLLM
 	// --kv-events-config endpoint, with the engine's host in place of "*").
