@@ -47,7 +47,7 @@ type ServerConfig struct {
 	// Seed seeds output tokens (unless Engine.Seed is set) and response ids.
 	Seed int64 `yaml:"seed"`
 	// KVEvents configures the vLLM KV-cache event publisher (off by default);
-	// see kvevents.go and README "KV events".
+	// see README "KV events" and ../kvevents/README.md.
 	KVEvents kvevents.PublisherConfig `yaml:"kv_events"`
 	// APIKeys, when not empty, guard every /v1 path as vLLM's --api-key
 	// does (auth.go): "Authorization: Bearer <one of them>" or 401
