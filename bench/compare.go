@@ -14,6 +14,7 @@ import (
 
 	kinds "github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
@@ -161,7 +162,7 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ meas
 		// Every engine publishes KV events on loopback and the gateway
 		// subscribes, for the precise-prefix policy and for the precise
 		// index's prediction error under any policy.
-		KVEvents: sim.KVEventsConfig{Enable: true},
+		KVEvents: kvevents.PublisherConfig{Enable: true},
 	})
 	if err != nil {
 		return measure.Summary{}, fmt.Errorf("start fleet: %w", err)

@@ -1,233 +1,29 @@
 package fleet
 
 import (
-	"bytes"
 	"context"
 	"encoding/binary"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
-	"reflect"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
-	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sim"
 )
 
-// ---------------------------------------------------------------------------
-// Decoder
-
-func TestDecodeKVEventBatchSimForms(t *testing.T) {
-	evs := []sim.KVEvent{
-		{Type: sim.KVBlockStored, BlockHashes: []uint64{1 << 63, 5}, HasParent: true, ParentBlockHash: 42,
-			TokenIDs: []uint32{1, 2, 3, 70000}, BlockSize: 2, LoRAName: "ad1", LoRAID: 1},
-		{Type: sim.KVBlockStored, BlockHashes: []uint64{9}, TokenIDs: []uint32{7, 8}, BlockSize: 2},
-		{Type: sim.KVBlockRemoved, BlockHashes: []uint64{5}},
-		{Type: sim.KVAllBlocksCleared},
-		{Type: sim.KVTierBlocksCleared},
-	}
-	want := KVEventBatch{TS: 1.5, DataParallelRank: 0, Events: []KVEvent{
-		{Type: KVBlockStored, BlockHashes: []uint64{1 << 63, 5}, HasParent: true, ParentBlockHash: 42,
-			TokenIDs: []uint32{1, 2, 3, 70000}, BlockSize: 2, LoRAName: "ad1", Medium: "GPU", GroupIdx: 0},
-		{Type: KVBlockStored, BlockHashes: []uint64{9}, TokenIDs: []uint32{7, 8}, BlockSize: 2, Medium: "GPU", GroupIdx: 0},
-		{Type: KVBlockRemoved, BlockHashes: []uint64{5}, Medium: "GPU", GroupIdx: -1},
-		{Type: KVAllBlocksCleared, GroupIdx: -1},
-		{Type: KVTierBlocksCleared, Medium: "GPU", GroupIdx: -1},
-	}}
-	for _, enc := range []string{sim.KVEncodingArray, sim.KVEncodingMap} {
-		got, err := DecodeKVEventBatch(sim.AppendKVEventBatch(nil, 1.5, evs, 0, enc))
-		if err != nil {
-			t.Fatalf("%s: %v", enc, err)
-		}
-		if !reflect.DeepEqual(got, want) {
-			t.Fatalf("%s:\n got %+v\nwant %+v", enc, got, want)
-		}
-	}
-}
-
-// kvMarshal encodes v with sorted map keys (so "type" comes last in events).
-func kvMarshal(t testing.TB, v any) []byte {
-	t.Helper()
-	var buf bytes.Buffer
-	enc := msgpack.NewEncoder(&buf)
-	enc.SetSortMapKeys(true)
-	if err := enc.Encode(v); err != nil {
-		t.Fatal(err)
-	}
-	return buf.Bytes()
-}
-
-func TestDecodeKVEventBatchVariants(t *testing.T) {
-	h32 := bytes.Repeat([]byte{0xee}, 24)
-	h32 = append(h32, 1, 2, 3, 4, 5, 6, 7, 8)
-	cases := []struct {
-		name    string
-		payload any
-		want    KVEventBatch
-	}{{
-		name: "map batch, map events, bin and int64 hashes, unknown keys",
-		payload: map[string]any{"ts": 2.0, "data_parallel_rank": int8(3), "extra": []any{1, 2}, "events": []any{
-			map[string]any{"type": "BlockStored", "block_hashes": []any{h32, []byte{1, 2}, int64(-1)},
-				"parent_block_hash": nil, "token_ids": []any{uint8(1), uint16(300), uint32(70000), int64(5), int8(7), 0},
-				"block_size": uint64(2), "medium": "cpu", "lora_name": nil, "extra_keys": []any{[]any{"x", []any{"y", 1}}, nil, nil},
-				"group_idx": nil, "future_field": map[string]any{"a": 1}},
-			map[string]any{"block_hashes": []any{uint64(7)}, "type": "BlockRemoved"},
-			map[string]any{"type": "SomethingNew", "x": 1},
-		}},
-		want: KVEventBatch{TS: 2, DataParallelRank: 3, Unknown: 1, Events: []KVEvent{
-			{Type: KVBlockStored, BlockHashes: []uint64{0x0102030405060708, 0x0102, ^uint64(0)},
-				TokenIDs: []uint32{1, 300, 70000, 5, 7, 0}, BlockSize: 2, Medium: "cpu", GroupIdx: -1},
-			{Type: KVBlockRemoved, BlockHashes: []uint64{7}, GroupIdx: -1},
-		}},
-	}, {
-		name: "array batch without rank, old 5-field BlockStored, extra positions, int ts",
-		payload: []any{int64(1700000000), []any{
-			[]any{"BlockStored", []any{uint64(11)}, uint64(10), []any{1, 2}, 2, nil},
-			[]any{"BlockRemoved", []any{uint64(11)}, "GPU", 0, "future", []any{1}},
-			[]any{"AllBlocksCleared", "future"},
-			[]any{42, "not a tag"},
-		}},
-		want: KVEventBatch{TS: 1700000000, DataParallelRank: -1, Unknown: 1, Events: []KVEvent{
-			{Type: KVBlockStored, BlockHashes: []uint64{11}, HasParent: true, ParentBlockHash: 10, TokenIDs: []uint32{1, 2}, BlockSize: 2, GroupIdx: -1},
-			{Type: KVBlockRemoved, BlockHashes: []uint64{11}, Medium: "GPU", GroupIdx: 0},
-			{Type: KVAllBlocksCleared, GroupIdx: -1},
-		}},
-	}, {
-		name:    "empty events, null rank, trailing batch fields",
-		payload: []any{1.0, []any{}, nil, "x"},
-		want:    KVEventBatch{TS: 1, DataParallelRank: -1, Events: []KVEvent{}},
-	}, {
-		name:    "long lora name",
-		payload: []any{1.0, []any{[]any{"BlockStored", []any{1}, nil, []any{1}, 1, 3, nil, strings.Repeat("a", 100)}}},
-		want: KVEventBatch{TS: 1, DataParallelRank: -1, Events: []KVEvent{
-			{Type: KVBlockStored, BlockHashes: []uint64{1}, TokenIDs: []uint32{1}, BlockSize: 1, LoRAName: strings.Repeat("a", 100), GroupIdx: -1},
-		}},
-	}}
-	for _, tc := range cases {
-		got, err := DecodeKVEventBatch(kvMarshal(t, tc.payload))
-		if err != nil {
-			t.Fatalf("%s: %v", tc.name, err)
-		}
-		if !reflect.DeepEqual(got, tc.want) {
-			t.Fatalf("%s:\n got %+v\nwant %+v", tc.name, got, tc.want)
-		}
-	}
-
-	deep := []any{"x"}
-	for range 100 {
-		deep = []any{deep}
-	}
-	for name, payload := range map[string][]byte{
-		"empty":            nil,
-		"not msgpack":      {0xc1},
-		"truncated":        kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", []any{1, 2, 3}}}})[:12],
-		"batch scalar":     kvMarshal(t, 5),
-		"short batch":      kvMarshal(t, []any{1.0}),
-		"map w/o events":   kvMarshal(t, map[string]any{"ts": 1.0}),
-		"ts string":        kvMarshal(t, []any{"x", []any{}}),
-		"events map":       kvMarshal(t, []any{1.0, map[string]any{}}),
-		"event scalar":     kvMarshal(t, []any{1.0, []any{7}}),
-		"empty event":      kvMarshal(t, []any{1.0, []any{[]any{}}}),
-		"hashes string":    kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", "abc"}}}),
-		"hash float":       kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", []any{1.5}}}}),
-		"hash null":        kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", []any{nil}}}}),
-		"negative token":   kvMarshal(t, []any{1.0, []any{[]any{"BlockStored", []any{1}, nil, []any{-1}, 1}}}),
-		"huge token":       kvMarshal(t, []any{1.0, []any{[]any{"BlockStored", []any{1}, nil, []any{int64(1) << 40}, 1}}}),
-		"medium int":       kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", []any{1}, 5}}}),
-		"block size str":   kvMarshal(t, []any{1.0, []any{[]any{"BlockStored", []any{1}, nil, []any{1}, "16"}}}),
-		"deep ignored":     kvMarshal(t, []any{1.0, []any{[]any{"BlockRemoved", []any{1}, "GPU", 0, deep}}}),
-		"forged length":    {0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff},
-		"forged bin hash":  {0x92, 0x01, 0x91, 0x92, 0xac, 'B', 'l', 'o', 'c', 'k', 'R', 'e', 'm', 'o', 'v', 'e', 'd', 0x91, 0xc6, 0xff, 0xff, 0xff, 0xff},
-		"forged long name": {0x92, 0x01, 0x91, 0x91, 0xdb, 0x7f, 0xff, 0xff, 0xff},
-	} {
-		if b, err := DecodeKVEventBatch(payload); err == nil {
-			t.Errorf("%s: decoded %+v, want an error", name, b)
-		}
-	}
-
-	// Lengths claimed by skipped values cost nothing (found by the fuzzer: an
-	// ext32 key of 808 MB made the msgpack decoder's Skip allocate 1 MB).
-	for _, payload := range [][]byte{
-		[]byte("\x88\xc90000"), // ext32 map key
-		{0x92, 0x01, 0x91, 0x92, 0xa1, 'X', 0xdb, 0x7f, 0xff, 0xff, 0xff}, // str32 extra position
-		{0x92, 0x01, 0x91, 0x92, 0xa1, 'X', 0xc6, 0x7f, 0xff, 0xff, 0xff}, // bin32 extra position
-	} {
-		var before, after runtime.MemStats
-		runtime.ReadMemStats(&before)
-		for range 10 {
-			if _, err := DecodeKVEventBatch(payload); err == nil {
-				t.Fatalf("% x decoded", payload)
-			}
-		}
-		runtime.ReadMemStats(&after)
-		if d := after.TotalAlloc - before.TotalAlloc; d > 64<<10 {
-			t.Fatalf("% x: 10 decodes allocated %d bytes", payload, d)
-		}
-	}
-}
-
-func FuzzDecodeKVEventBatch(f *testing.F) {
-	evs := []sim.KVEvent{
-		{Type: sim.KVBlockStored, BlockHashes: []uint64{1 << 63, 5}, HasParent: true, ParentBlockHash: 42,
-			TokenIDs: []uint32{1, 2, 3, 4}, BlockSize: 2, LoRAName: "ad1", LoRAID: 1},
-		{Type: sim.KVBlockRemoved, BlockHashes: []uint64{5}},
-		{Type: sim.KVAllBlocksCleared},
-	}
-	f.Add(sim.AppendKVEventBatch(nil, 1.5, evs, 0, sim.KVEncodingArray))
-	f.Add(sim.AppendKVEventBatch(nil, 1.5, evs, 0, sim.KVEncodingMap))
-	f.Add(kvMarshal(f, map[string]any{"ts": 2.0, "events": []any{
-		map[string]any{"type": "BlockStored", "block_hashes": []any{[]byte{1, 2, 3}}, "token_ids": []any{1}, "block_size": 1},
-	}}))
-	// Attack shapes: a flood of stored blocks far over any capacity, chained
-	// from a parent the subscriber never saw.
-	flood := make([]sim.KVEvent, 150)
-	for i := range flood {
-		flood[i] = sim.KVEvent{Type: sim.KVBlockStored, BlockHashes: []uint64{uint64(i) + 1000}, HasParent: true,
-			ParentBlockHash: uint64(i) + 999, TokenIDs: make([]uint32, 16), BlockSize: 16}
-	}
-	f.Add(sim.AppendKVEventBatch(nil, 3, flood, 0, sim.KVEncodingArray))
-	f.Fuzz(func(t *testing.T, payload []byte) {
-		b, err := DecodeKVEventBatch(payload)
-		if err != nil {
-			return
-		}
-		for _, ev := range b.Events {
-			if ev.Type < KVBlockStored || ev.Type > KVAllBlocksCleared || ev.BlockSize < 0 {
-				t.Fatalf("decoded %+v", ev)
-			}
-		}
-	})
-}
-
-// BenchmarkDecodeKVEventBatch decodes a step's batch: one BlockStored of 32
-// blocks (512 tokens) and 8 single-block BlockRemoved events.
-func BenchmarkDecodeKVEventBatch(b *testing.B) {
-	toks := kvTokens(1000, 512)
-	evs := []sim.KVEvent{kvStore(toks, 0)}
-	for i := range 8 {
-		evs = append(evs, kvRemove(toks, i))
-	}
-	for _, enc := range []string{sim.KVEncodingArray, sim.KVEncodingMap} {
-		payload := sim.AppendKVEventBatch(nil, 1, evs, 0, enc)
-		b.Run(enc, func(b *testing.B) {
-			b.SetBytes(int64(len(payload)))
-			b.ReportAllocs()
-			for b.Loop() {
-				if _, err := DecodeKVEventBatch(payload); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
-	}
-}
+// The subscriber and applier end to end: kvevents.Publisher →
+// kvevents.Subscriber → KVEventApplier → prefix.PreciseIndex. The decoder's,
+// the publisher's and the ZMTP guard's own tests are in ../kvevents.
 
 // ---------------------------------------------------------------------------
 // ZeroMQ helpers
@@ -245,7 +41,7 @@ func kvPubEndpoint(t *testing.T, port int) string {
 }
 
 // kvDialAddr is the address to dial the publisher p's PUB socket at.
-func kvDialAddr(p *sim.KVEventPublisher) string {
+func kvDialAddr(p *kvevents.Publisher) string {
 	a := p.Addr().(*net.TCPAddr)
 	if a.IP.To4() == nil && a.IP.IsLoopback() {
 		return fmt.Sprintf("tcp://[::1]:%d", a.Port)
@@ -253,30 +49,30 @@ func kvDialAddr(p *sim.KVEventPublisher) string {
 	return fmt.Sprintf("tcp://127.0.0.1:%d", a.Port)
 }
 
-func kvPublisher(t *testing.T, cfg sim.KVEventsConfig) *kvPub {
+func kvPublisher(t *testing.T, cfg kvevents.PublisherConfig) *kvPub {
 	t.Helper()
-	p, err := sim.NewKVEventPublisher(cfg)
+	p, err := kvevents.NewPublisher(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { p.Close() })
-	return &kvPub{KVEventPublisher: p}
+	return &kvPub{Publisher: p}
 }
 
 // kvRunning is a subscriber running in the background.
 type kvRunning struct {
-	sub    *KVEventSubscriber
+	sub    *kvevents.Subscriber
 	cancel context.CancelFunc
 	done   chan error
 }
 
-func kvRun(t *testing.T, cfg KVEventSubscriberConfig, h KVEventHandler) *kvRunning {
+func kvRun(t *testing.T, cfg kvevents.SubscriberConfig, h kvevents.Handler) *kvRunning {
 	t.Helper()
 	if cfg.MinBackoff == 0 {
 		cfg.MinBackoff = 10 * time.Millisecond
 		cfg.MaxBackoff = 100 * time.Millisecond
 	}
-	sub, err := NewKVEventSubscriber(cfg)
+	sub, err := kvevents.NewSubscriber(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -312,15 +108,15 @@ func (r *kvRunning) stop(t *testing.T) {
 // kvPub is a simulator publisher that counts the batches it queued: the
 // next batch's sequence number.
 type kvPub struct {
-	*sim.KVEventPublisher
+	*kvevents.Publisher
 	n uint64
 }
 
-func (p *kvPub) publish(ts float64, evs []sim.KVEvent) {
+func (p *kvPub) publish(ts float64, evs []kvevents.Event) {
 	if len(evs) == 0 {
 		return
 	}
-	if !p.KVEventPublisher.Publish(ts, evs) {
+	if !p.Publisher.Publish(ts, evs) {
 		panic("publisher dropped a batch")
 	}
 	p.n++
@@ -331,7 +127,7 @@ func (p *kvPub) publish(ts float64, evs []sim.KVEvent) {
 // has been delivered or skipped.
 func kvSync(t *testing.T, p *kvPub, rec *kvRecorder) {
 	t.Helper()
-	noop := []sim.KVEvent{{Type: sim.KVBlockRemoved, BlockHashes: []uint64{0xdeadbeef}}}
+	noop := []kvevents.Event{{Type: kvevents.BlockRemoved, BlockHashes: []uint64{0xdeadbeef}}}
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		seq := p.n
@@ -361,7 +157,7 @@ func kvGoroutines() (n int, ours []string, stacks string) {
 		if strings.Contains(g, "zmq4.(*pubMWriter).run") || strings.Contains(g, "zmq4.(*qreader).listen") {
 			continue
 		}
-		if strings.Contains(g, "fleet.(*KVEventSubscriber)") {
+		if strings.Contains(g, "fleet.(*kvevents.Subscriber)") {
 			ours = append(ours, g)
 		}
 		n++
@@ -467,17 +263,17 @@ type kvRecorder struct {
 	*KVEventApplier
 	mu     sync.Mutex
 	seqs   []uint64
-	resets []KVResetReason
+	resets []kvevents.ResetReason
 }
 
-func (r *kvRecorder) KVBatch(seq uint64, b *KVEventBatch) {
+func (r *kvRecorder) KVBatch(seq uint64, b *kvevents.Batch) {
 	r.mu.Lock()
 	r.seqs = append(r.seqs, seq)
 	r.mu.Unlock()
 	r.KVEventApplier.KVBatch(seq, b)
 }
 
-func (r *kvRecorder) KVReset(why KVResetReason) {
+func (r *kvRecorder) KVReset(why kvevents.ResetReason) {
 	r.mu.Lock()
 	r.resets = append(r.resets, why)
 	r.mu.Unlock()
@@ -494,10 +290,10 @@ func (r *kvRecorder) last() (uint64, bool) {
 	return r.seqs[len(r.seqs)-1], true
 }
 
-func (r *kvRecorder) snapshot() ([]uint64, []KVResetReason) {
+func (r *kvRecorder) snapshot() ([]uint64, []kvevents.ResetReason) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return append([]uint64(nil), r.seqs...), append([]KVResetReason(nil), r.resets...)
+	return append([]uint64(nil), r.seqs...), append([]kvevents.ResetReason(nil), r.resets...)
 }
 
 // ---------------------------------------------------------------------------
@@ -527,10 +323,10 @@ func kvMatch(ix *prefix.PreciseIndex, e int, tokens []uint32, lora string) int {
 // Once everything is delivered, the index must hold exactly the engine's
 // cached blocks: every prompt matches as far as the engine would hit it.
 func TestKVEventsFromEngine(t *testing.T) {
-	for _, enc := range []string{sim.KVEncodingArray, sim.KVEncodingMap} {
+	for _, enc := range []string{kvevents.EncodingArray, kvevents.EncodingMap} {
 		t.Run(enc, func(t *testing.T) {
 			before, _, _ := kvGoroutines()
-			p := kvPublisher(t, sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0",
+			p := kvPublisher(t, kvevents.PublisherConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0",
 				Encoding: enc, Topic: "kv@e1@" + kvModel})
 			ix, _ := prefix.NewPreciseIndex(2, 16)
 			rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 1, KVSeeds(kvModel))}
@@ -538,20 +334,20 @@ func TestKVEventsFromEngine(t *testing.T) {
 			eng := sim.NewEngine(sim.Config{NumBlocks: 60, MaxNumBatchedTokens: 128, KVEvents: true,
 				LoRA: sim.LoRAConfig{Adapters: []string{"ad1"}, MaxLoras: 2}})
 			cached := map[uint64]int{} // the engine's cached hashes, from its own events
-			apply := func(evs []sim.KVEvent) {
+			apply := func(evs []kvevents.Event) {
 				for _, ev := range evs {
 					switch ev.Type {
-					case sim.KVBlockStored:
+					case kvevents.BlockStored:
 						for _, h := range ev.BlockHashes {
 							cached[h]++
 						}
-					case sim.KVBlockRemoved:
+					case kvevents.BlockRemoved:
 						for _, h := range ev.BlockHashes {
 							if cached[h]--; cached[h] == 0 {
 								delete(cached, h)
 							}
 						}
-					case sim.KVAllBlocksCleared:
+					case kvevents.AllBlocksCleared:
 						clear(cached)
 					}
 				}
@@ -579,7 +375,7 @@ func TestKVEventsFromEngine(t *testing.T) {
 					id++
 				}
 				if id == 100 && r == nil { // subscribe a third of the way in
-					r = kvRun(t, KVEventSubscriberConfig{Endpoint: kvDialAddr(p.KVEventPublisher), ReplayEndpoint: "tcp://" + p.ReplayAddr().String(), Topic: "kv@"}, rec)
+					r = kvRun(t, kvevents.SubscriberConfig{Endpoint: kvDialAddr(p.Publisher), ReplayEndpoint: "tcp://" + p.ReplayAddr().String(), Topic: "kv@"}, rec)
 				}
 				if !eng.HasWork() {
 					continue
@@ -598,7 +394,7 @@ func TestKVEventsFromEngine(t *testing.T) {
 					t.Fatalf("delivery %d has seq %d", i, s)
 				}
 			}
-			if len(resets) != 1 || resets[0] != KVResetStart {
+			if len(resets) != 1 || resets[0] != kvevents.ResetStart {
 				t.Fatalf("resets %v", resets)
 			}
 			as := rec.Stats()
@@ -640,18 +436,18 @@ func TestKVEventsFromEngine(t *testing.T) {
 // kvChain returns n blocks of tokens from base, their engine hashes (as the
 // simulator computes them for the base model) and a BlockStored of blocks
 // [from, n).
-func kvStore(toks []uint32, from int) sim.KVEvent {
+func kvStore(toks []uint32, from int) kvevents.Event {
 	h := prefix.Hashes(nil, toks, 16, 0)
-	ev := sim.KVEvent{Type: sim.KVBlockStored, BlockHashes: h[from:], TokenIDs: toks[16*from:], BlockSize: 16}
+	ev := kvevents.Event{Type: kvevents.BlockStored, BlockHashes: h[from:], TokenIDs: toks[16*from:], BlockSize: 16}
 	if from > 0 {
 		ev.ParentBlockHash, ev.HasParent = h[from-1], true
 	}
 	return ev
 }
 
-func kvRemove(toks []uint32, blocks ...int) sim.KVEvent {
+func kvRemove(toks []uint32, blocks ...int) kvevents.Event {
 	h := prefix.Hashes(nil, toks, 16, 0)
-	ev := sim.KVEvent{Type: sim.KVBlockRemoved}
+	ev := kvevents.Event{Type: kvevents.BlockRemoved}
 	for _, b := range blocks {
 		ev.BlockHashes = append(ev.BlockHashes, h[b])
 	}
@@ -665,15 +461,15 @@ func TestKVEventsGap(t *testing.T) {
 	for _, withReplay := range []bool{true, false} {
 		t.Run(fmt.Sprintf("replay=%v", withReplay), func(t *testing.T) {
 			before, _, _ := kvGoroutines()
-			cfg := sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, 0)}
+			cfg := kvevents.PublisherConfig{Endpoint: kvPubEndpoint(t, 0)}
 			if withReplay {
 				cfg.ReplayEndpoint = "tcp://127.0.0.1:0"
 			}
 			p := kvPublisher(t, cfg)
-			px := newKVProxy(t, strings.TrimPrefix(kvDialAddr(p.KVEventPublisher), "tcp://"))
+			px := newKVProxy(t, strings.TrimPrefix(kvDialAddr(p.Publisher), "tcp://"))
 			ix, _ := prefix.NewPreciseIndex(1, 16)
 			rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
-			scfg := KVEventSubscriberConfig{Endpoint: px.addr()}
+			scfg := kvevents.SubscriberConfig{Endpoint: px.addr()}
 			if withReplay {
 				scfg.ReplayEndpoint = "tcp://" + p.ReplayAddr().String()
 			}
@@ -681,8 +477,8 @@ func TestKVEventsGap(t *testing.T) {
 
 			x, y, z := kvTokens(100, 16*8), kvTokens(5000, 16*6), kvTokens(9000, 16*4)
 			kvSync(t, p, rec) // connected
-			p.publish(1, []sim.KVEvent{kvStore(x[:16*4], 0)})
-			p.publish(2, []sim.KVEvent{kvStore(x, 4)})
+			p.publish(1, []kvevents.Event{kvStore(x[:16*4], 0)})
+			p.publish(2, []kvevents.Event{kvStore(x, 4)})
 			kvSync(t, p, rec)
 			if kvMatch(ix, 0, x, "") != 8 {
 				t.Fatalf("x matches %d blocks before the gap", kvMatch(ix, 0, x, ""))
@@ -691,12 +487,12 @@ func TestKVEventsGap(t *testing.T) {
 			// Cut: these are lost on the wire.
 			px.setDown(true)
 			time.Sleep(50 * time.Millisecond)
-			p.publish(3, []sim.KVEvent{kvRemove(x, 7, 6, 5)})
-			p.publish(4, []sim.KVEvent{kvStore(y, 0)})
+			p.publish(3, []kvevents.Event{kvRemove(x, 7, 6, 5)})
+			p.publish(4, []kvevents.Event{kvStore(y, 0)})
 			time.Sleep(50 * time.Millisecond)
 			px.setDown(false)
 			kvSync(t, p, rec) // reconnected: the gap is handled
-			p.publish(5, []sim.KVEvent{kvStore(z, 0)})
+			p.publish(5, []kvevents.Event{kvStore(z, 0)})
 			kvSync(t, p, rec)
 
 			st := r.sub.Stats()
@@ -739,16 +535,16 @@ func TestKVEventsGap(t *testing.T) {
 // subscriber resets the endpoint and follows the new stream.
 func TestKVEventsRestart(t *testing.T) {
 	before, _, _ := kvGoroutines()
-	p1 := kvPublisher(t, sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0", Encoding: sim.KVEncodingArray})
+	p1 := kvPublisher(t, kvevents.PublisherConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0", Encoding: kvevents.EncodingArray})
 	port, replay := p1.Addr().(*net.TCPAddr).Port, p1.ReplayAddr().String()
 	ix, _ := prefix.NewPreciseIndex(1, 16)
 	rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
-	r := kvRun(t, KVEventSubscriberConfig{Endpoint: kvDialAddr(p1.KVEventPublisher), ReplayEndpoint: "tcp://" + replay}, rec)
+	r := kvRun(t, kvevents.SubscriberConfig{Endpoint: kvDialAddr(p1.Publisher), ReplayEndpoint: "tcp://" + replay}, rec)
 
 	x, y := kvTokens(100, 16*5), kvTokens(7000, 16*3)
-	p1.publish(1, []sim.KVEvent{kvStore(x, 0)})
+	p1.publish(1, []kvevents.Event{kvStore(x, 0)})
 	for range 100 { // move the old stream's sequence number well ahead
-		p1.publish(1, []sim.KVEvent{kvRemove(y, 0)})
+		p1.publish(1, []kvevents.Event{kvRemove(y, 0)})
 	}
 	kvSync(t, p1, rec)
 	if kvMatch(ix, 0, x, "") != 5 {
@@ -756,15 +552,15 @@ func TestKVEventsRestart(t *testing.T) {
 	}
 	p1.Close()
 
-	p2 := kvPublisher(t, sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, port), ReplayEndpoint: "tcp://" + replay})
-	p2.publish(2, []sim.KVEvent{kvStore(y, 0)})
+	p2 := kvPublisher(t, kvevents.PublisherConfig{Endpoint: kvPubEndpoint(t, port), ReplayEndpoint: "tcp://" + replay})
+	p2.publish(2, []kvevents.Event{kvStore(y, 0)})
 	// Until the subscriber has reconnected and followed the new stream (the
 	// no-op batches keep the stream moving; the first one replays y).
 	for deadline := time.Now().Add(30 * time.Second); r.sub.Stats().Restarts == 0 || kvMatch(ix, 0, y, "") != 3; {
 		if time.Now().After(deadline) {
 			t.Fatalf("restart not followed: %+v", r.sub.Stats())
 		}
-		p2.publish(3, []sim.KVEvent{kvRemove(x, 4)}) // no-op once x is forgotten
+		p2.publish(3, []kvevents.Event{kvRemove(x, 4)}) // no-op once x is forgotten
 		time.Sleep(10 * time.Millisecond)
 	}
 	_, resets := rec.snapshot()
@@ -792,11 +588,11 @@ func TestKVEventsMalformed(t *testing.T) {
 	defer pub.Close()
 	ix, _ := prefix.NewPreciseIndex(1, 16)
 	rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
-	r := kvRun(t, KVEventSubscriberConfig{Endpoint: "tcp://" + pub.Addr().String()}, rec)
+	r := kvRun(t, kvevents.SubscriberConfig{Endpoint: "tcp://" + pub.Addr().String()}, rec)
 	x := kvTokens(100, 32)
 	seq := func(n uint64) []byte { return binary.BigEndian.AppendUint64(nil, n) }
 	good := func(n uint64) zmq4.Msg {
-		return zmq4.NewMsgFrom([]byte("t"), seq(n), sim.AppendKVEventBatch(nil, 1, []sim.KVEvent{kvStore(x, 0)}, 0, ""))
+		return zmq4.NewMsgFrom([]byte("t"), seq(n), kvevents.AppendBatch(nil, 1, []kvevents.Event{kvStore(x, 0)}, 0, ""))
 	}
 	// Slow joiner: send seq 0 until it arrives.
 	for deadline := time.Now().Add(30 * time.Second); r.sub.Stats().Batches == 0; time.Sleep(10 * time.Millisecond) {
@@ -827,7 +623,7 @@ func TestKVEventsMalformed(t *testing.T) {
 	}
 	st := r.sub.Stats()
 	_, resets := rec.snapshot()
-	if st.Malformed != 2 || st.DecodeErrors != 1 || st.Restarts != restarts || resets[len(resets)-1] != KVResetDecode {
+	if st.Malformed != 2 || st.DecodeErrors != 1 || st.Restarts != restarts || resets[len(resets)-1] != kvevents.ResetDecode {
 		t.Fatalf("stats %+v, resets %v", st, resets)
 	}
 	r.stop(t)
@@ -846,7 +642,7 @@ func TestKVEventSubscriberNoEngine(t *testing.T) {
 	ep := "tcp://" + ln.Addr().String()
 	ln.Close()
 	ix, _ := prefix.NewPreciseIndex(1, 16)
-	r := kvRun(t, KVEventSubscriberConfig{Endpoint: ep, ReplayEndpoint: ep}, NewKVEventApplier(ix, 0, KVSeeds(kvModel)))
+	r := kvRun(t, kvevents.SubscriberConfig{Endpoint: ep, ReplayEndpoint: ep}, NewKVEventApplier(ix, 0, KVSeeds(kvModel)))
 	time.Sleep(300 * time.Millisecond)
 	if st := r.sub.Stats(); st.Connects != 0 || st.Resets != 1 {
 		t.Fatalf("stats %+v", st)
@@ -854,13 +650,13 @@ func TestKVEventSubscriberNoEngine(t *testing.T) {
 	r.stop(t)
 	kvNoLeak(t, before)
 
-	for _, bad := range []KVEventSubscriberConfig{{}, {Endpoint: "127.0.0.1:5557"}, {Endpoint: "udp://x:1"}, {Endpoint: "tcp://x:1", ReplayEndpoint: "x"}} {
-		if _, err := NewKVEventSubscriber(bad); err == nil {
+	for _, bad := range []kvevents.SubscriberConfig{{}, {Endpoint: "127.0.0.1:5557"}, {Endpoint: "udp://x:1"}, {Endpoint: "tcp://x:1", ReplayEndpoint: "x"}} {
+		if _, err := kvevents.NewSubscriber(bad); err == nil {
 			t.Errorf("%+v accepted", bad)
 		}
 	}
-	s, _ := NewKVEventSubscriber(KVEventSubscriberConfig{Endpoint: "tcp://x:1"})
-	if c := s.Config(); c.MinBackoff != DefaultKVMinBackoff || c.MaxBackoff != DefaultKVMaxBackoff || c.ReplayTimeout != DefaultKVReplayTimeout {
+	s, _ := kvevents.NewSubscriber(kvevents.SubscriberConfig{Endpoint: "tcp://x:1"})
+	if c := s.Config(); c.MinBackoff != kvevents.DefaultMinBackoff || c.MaxBackoff != kvevents.DefaultMaxBackoff || c.ReplayTimeout != kvevents.DefaultReplayTimeout {
 		t.Fatalf("defaults %+v", c)
 	}
 }
@@ -870,12 +666,12 @@ func TestKVEventApplierSkips(t *testing.T) {
 	a := NewKVEventApplier(ix, 0, KVSeeds(kvModel))
 	x := kvTokens(1, 32)
 	h := prefix.Hashes(nil, x, 16, 0)
-	a.KVBatch(0, &KVEventBatch{Events: []KVEvent{
-		{Type: KVBlockStored, BlockHashes: h[1:], ParentBlockHash: h[0], HasParent: true, TokenIDs: x[16:], BlockSize: 16}, // unknown parent
-		{Type: KVBlockStored, BlockHashes: h, TokenIDs: x, BlockSize: 32},                                                  // other block size
-		{Type: KVBlockStored, BlockHashes: h, TokenIDs: x[:20], BlockSize: 16},                                             // bad token count
-		{Type: KVBlockStored, BlockHashes: h, TokenIDs: x, Medium: "nvme"},                                                 // block size absent
-		{Type: KVBlockRemoved, BlockHashes: h[:1], Medium: "NVMe"},
+	a.KVBatch(0, &kvevents.Batch{Events: []kvevents.Event{
+		{Type: kvevents.BlockStored, BlockHashes: h[1:], ParentBlockHash: h[0], HasParent: true, TokenIDs: x[16:], BlockSize: 16}, // unknown parent
+		{Type: kvevents.BlockStored, BlockHashes: h, TokenIDs: x, BlockSize: 32},                                                  // other block size
+		{Type: kvevents.BlockStored, BlockHashes: h, TokenIDs: x[:20], BlockSize: 16},                                             // bad token count
+		{Type: kvevents.BlockStored, BlockHashes: h, TokenIDs: x, Medium: "nvme"},                                                 // block size absent
+		{Type: kvevents.BlockRemoved, BlockHashes: h[:1], Medium: "NVMe"},
 	}})
 	st := a.Stats()
 	if st.UnknownParents != 1 || st.BlockSizeMismatch != 1 || st.Invalid != 1 || st.Stored != 2 || st.Removed != 1 || st.OtherMedia != 2 {
@@ -887,29 +683,29 @@ func TestKVEventApplierSkips(t *testing.T) {
 		t.Fatalf("lens: other %d, GPU %d", ix.Len(0, prefix.MediumOther), ix.Len(0, prefix.MediumGPU))
 	}
 	// A GPU tier clear keeps the other tier; the full clear takes both.
-	a.KVBatch(1, &KVEventBatch{Events: []KVEvent{{Type: KVTierBlocksCleared, Medium: "GPU"}}})
+	a.KVBatch(1, &kvevents.Batch{Events: []kvevents.Event{{Type: kvevents.TierBlocksCleared, Medium: "GPU"}}})
 	if ix.Len(0, prefix.MediumOther) != 1 || ix.Len(0, prefix.MediumGPU) != 0 || a.Stats().Cleared != 1 {
 		t.Fatalf("after a GPU tier clear: other %d, GPU %d", ix.Len(0, prefix.MediumOther), ix.Len(0, prefix.MediumGPU))
 	}
-	a.KVBatch(2, &KVEventBatch{Events: []KVEvent{{Type: KVAllBlocksCleared}}})
+	a.KVBatch(2, &kvevents.Batch{Events: []kvevents.Event{{Type: kvevents.AllBlocksCleared}}})
 	if ix.Len(0, prefix.MediumOther) != 0 || a.Stats().Cleared != 2 {
 		t.Fatal("not cleared")
 	}
 }
 
 // TestKVEventsResync: Resync ends the session, resets the handler
-// (KVResetResync) and rejoins as a new stream, whose batches the replay
+// (kvevents.ResetResync) and rejoins as a new stream, whose batches the replay
 // socket delivers again from the first: the index ends up holding what the
 // engine holds.
 func TestKVEventsResync(t *testing.T) {
 	before, _, _ := kvGoroutines()
-	p := kvPublisher(t, sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0"})
+	p := kvPublisher(t, kvevents.PublisherConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0"})
 	ix, _ := prefix.NewPreciseIndex(1, 16)
 	rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
-	r := kvRun(t, KVEventSubscriberConfig{Endpoint: kvDialAddr(p.KVEventPublisher), ReplayEndpoint: "tcp://" + p.ReplayAddr().String()}, rec)
+	r := kvRun(t, kvevents.SubscriberConfig{Endpoint: kvDialAddr(p.Publisher), ReplayEndpoint: "tcp://" + p.ReplayAddr().String()}, rec)
 	x := kvTokens(100, 16*6)
 	kvSync(t, p, rec)
-	p.publish(1, []sim.KVEvent{kvStore(x, 0)})
+	p.publish(1, []kvevents.Event{kvStore(x, 0)})
 	kvSync(t, p, rec)
 	if kvMatch(ix, 0, x, "") != 6 {
 		t.Fatal("not applied")
@@ -923,7 +719,7 @@ func TestKVEventsResync(t *testing.T) {
 		}
 	}
 	st := r.sub.Stats()
-	if _, resets := rec.snapshot(); !containsReset(resets, KVResetResync) || st.Resyncs != 1 || st.Connects != connects+1 {
+	if _, resets := rec.snapshot(); !slices.Contains(resets, kvevents.ResetResync) || st.Resyncs != 1 || st.Connects != connects+1 {
 		t.Fatalf("resets %v, stats %+v", resets, st)
 	}
 	r.stop(t)
@@ -938,15 +734,15 @@ func TestKVEventsResync(t *testing.T) {
 // and the subscriber's index drops the GPU blocks stored before it and keeps
 // those stored after.
 func TestKVEventsTierScopedClear(t *testing.T) {
-	p := kvPublisher(t, sim.KVEventsConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0",
-		Encoding: sim.KVEncodingMap, TierScopedClearEvents: true})
+	p := kvPublisher(t, kvevents.PublisherConfig{Endpoint: kvPubEndpoint(t, 0), ReplayEndpoint: "tcp://127.0.0.1:0",
+		Encoding: kvevents.EncodingMap, TierScopedClearEvents: true})
 	ix, _ := prefix.NewPreciseIndex(1, 16)
 	var mu sync.Mutex
-	var types [][]KVEventType
+	var types [][]kvevents.Type
 	rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
-	h := kvHandlerFunc(func(seq uint64, b *KVEventBatch) {
+	h := kvHandlerFunc(func(seq uint64, b *kvevents.Batch) {
 		mu.Lock()
-		var ts []KVEventType
+		var ts []kvevents.Type
 		for _, ev := range b.Events {
 			ts = append(ts, ev.Type)
 		}
@@ -957,11 +753,11 @@ func TestKVEventsTierScopedClear(t *testing.T) {
 	a, b := kvTokens(1, 32), kvTokens(500, 32)
 	ha := prefix.Hashes(nil, a, 16, 7)
 	hb := prefix.Hashes(nil, b, 16, 7)
-	stored := func(hs []uint64, toks []uint32) sim.KVEvent {
-		return sim.KVEvent{Type: sim.KVBlockStored, BlockHashes: hs, TokenIDs: toks, BlockSize: 16}
+	stored := func(hs []uint64, toks []uint32) kvevents.Event {
+		return kvevents.Event{Type: kvevents.BlockStored, BlockHashes: hs, TokenIDs: toks, BlockSize: 16}
 	}
-	p.publish(1, []sim.KVEvent{stored(ha, a), {Type: sim.KVAllBlocksCleared}, stored(hb, b)})
-	kvRun(t, KVEventSubscriberConfig{Endpoint: kvDialAddr(p.KVEventPublisher), ReplayEndpoint: "tcp://" + p.ReplayAddr().String()}, h)
+	p.publish(1, []kvevents.Event{stored(ha, a), {Type: kvevents.AllBlocksCleared}, stored(hb, b)})
+	kvRun(t, kvevents.SubscriberConfig{Endpoint: kvDialAddr(p.Publisher), ReplayEndpoint: "tcp://" + p.ReplayAddr().String()}, h)
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(5 * time.Millisecond) {
 		if last, ok := rec.last(); ok && last >= 2 {
 			break
@@ -973,7 +769,7 @@ func TestKVEventsTierScopedClear(t *testing.T) {
 	mu.Lock()
 	got := fmt.Sprint(types)
 	mu.Unlock()
-	if want := fmt.Sprint([][]KVEventType{{KVBlockStored}, {KVTierBlocksCleared}, {KVBlockStored}}); got != want {
+	if want := fmt.Sprint([][]kvevents.Type{{kvevents.BlockStored}, {kvevents.TierBlocksCleared}, {kvevents.BlockStored}}); got != want {
 		t.Fatalf("batches %s, want %s", got, want)
 	}
 	if kvMatch(ix, 0, a, "") != 0 || kvMatch(ix, 0, b, "") != 2 {
@@ -981,15 +777,15 @@ func TestKVEventsTierScopedClear(t *testing.T) {
 	}
 }
 
-// kvHandlerFunc is a KVEventHandler whose batches go to f and resets to r.
-func kvHandlerFunc(f func(uint64, *KVEventBatch), r KVEventHandler) KVEventHandler {
+// kvHandlerFunc is a kvevents.Handler whose batches go to f and resets to r.
+func kvHandlerFunc(f func(uint64, *kvevents.Batch), r kvevents.Handler) kvevents.Handler {
 	return kvFuncHandler{f: f, r: r}
 }
 
 type kvFuncHandler struct {
-	f func(uint64, *KVEventBatch)
-	r KVEventHandler
+	f func(uint64, *kvevents.Batch)
+	r kvevents.Handler
 }
 
-func (h kvFuncHandler) KVBatch(seq uint64, b *KVEventBatch) { h.f(seq, b) }
-func (h kvFuncHandler) KVReset(why KVResetReason)           { h.r.KVReset(why) }
+func (h kvFuncHandler) KVBatch(seq uint64, b *kvevents.Batch) { h.f(seq, b) }
+func (h kvFuncHandler) KVReset(why kvevents.ResetReason)      { h.r.KVReset(why) }

@@ -258,8 +258,8 @@ type KVEventsConfig struct {
 	ReplayEndpoint string `yaml:"replay_endpoint"`
 	// Topic is the subscription prefix ("" = every topic).
 	Topic string `yaml:"topic"`
-	// MaxMessageBytes bounds one message from the publisher (0: fleet's
-	// DefaultKVMaxMessageBytes, 8 MiB); a peer announcing more is
+	// MaxMessageBytes bounds one message from the publisher (0: kvevents'
+	// DefaultMaxMessageBytes, 8 MiB); a peer announcing more is
 	// disconnected before anything is allocated for it.
 	MaxMessageBytes int `yaml:"max_message_bytes"`
 	// OffloadBlocks is the engine's KV capacity in its lower tiers (CPU or

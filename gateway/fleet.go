@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/prefix"
 )
 
@@ -107,7 +108,7 @@ type kvFeed struct {
 	loop
 	ep  *endpoint
 	cfg KVEventsConfig // what it subscribes to, to tell at a reload whether it changed
-	sub *fleet.KVEventSubscriber
+	sub *kvevents.Subscriber
 
 	// mu is held while a batch or a reset is applied, so that a reload's
 	// setAppliers returns only once no event is still going to the
@@ -128,7 +129,7 @@ type feedTarget struct {
 // newKVFeed returns the subscription to ep's KV events (kv_events set);
 // not started.
 func newKVFeed(ep *endpoint, kc *KVEventsConfig) (*kvFeed, error) {
-	sub, err := fleet.NewKVEventSubscriber(fleet.KVEventSubscriberConfig{
+	sub, err := kvevents.NewSubscriber(kvevents.SubscriberConfig{
 		Endpoint: kc.Endpoint, ReplayEndpoint: kc.ReplayEndpoint, Topic: kc.Topic,
 		MaxMessageBytes: kc.MaxMessageBytes})
 	if err != nil {
@@ -161,9 +162,9 @@ func (f *kvFeed) current() ([]*fleet.KVEventApplier, []feedTarget) {
 	return f.appliers, f.targets
 }
 
-// KVBatch implements fleet.KVEventHandler: the batch goes to every pool's
+// KVBatch implements kvevents.Handler: the batch goes to every pool's
 // index.
-func (f *kvFeed) KVBatch(seq uint64, b *fleet.KVEventBatch) {
+func (f *kvFeed) KVBatch(seq uint64, b *kvevents.Batch) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for _, a := range f.appliers {
@@ -171,8 +172,8 @@ func (f *kvFeed) KVBatch(seq uint64, b *fleet.KVEventBatch) {
 	}
 }
 
-// KVReset implements fleet.KVEventHandler.
-func (f *kvFeed) KVReset(r fleet.KVResetReason) {
+// KVReset implements kvevents.Handler.
+func (f *kvFeed) KVReset(r kvevents.ResetReason) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for _, a := range f.appliers {
@@ -182,7 +183,7 @@ func (f *kvFeed) KVReset(r fleet.KVResetReason) {
 
 // onDown is the hook of an endpoint that leaves rotation (a failed health
 // check, an ejection): its blocks are forgotten in every precise index at
-// once and its stream resynchronised (fleet.KVEventSubscriber.Resync). An
+// once and its stream resynchronised (kvevents.Subscriber.Resync). An
 // engine that restarted in place publishes nothing until it serves, so
 // without this the first requests after its return would be routed on the
 // blocks of its previous life.

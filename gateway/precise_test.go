@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
@@ -21,7 +22,7 @@ import (
 // cached, and a follow-up sharing the prompt goes to that engine and is
 // served from its cache as predicted.
 func TestPrecisePrefixOnSimFleet(t *testing.T) {
-	f, err := sim.StartFleet(3, sim.ServerConfig{Model: "m", TimeScale: 100, KVEvents: sim.KVEventsConfig{Enable: true}})
+	f, err := sim.StartFleet(3, sim.ServerConfig{Model: "m", TimeScale: 100, KVEvents: kvevents.PublisherConfig{Enable: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -122,7 +123,7 @@ func startRestartable(t *testing.T) *restartableEngine {
 func (e *restartableEngine) start(httpAddr, pub, replay string) {
 	e.t.Helper()
 	s, err := sim.NewServer(sim.ServerConfig{Model: "m", TimeScale: 100,
-		KVEvents: sim.KVEventsConfig{Enable: true, Endpoint: pub, ReplayEndpoint: replay, Bind: true}})
+		KVEvents: kvevents.PublisherConfig{Enable: true, Endpoint: pub, ReplayEndpoint: replay, Bind: true}})
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -239,7 +240,7 @@ func TestPreciseForgetsRestartedEngine(t *testing.T) {
 // cached tokens against the engine's 1,000+; now the turn routed to the
 // engine joins its event, and the next turn is predicted as cached.
 func TestPreciseAfterGatewayRestart(t *testing.T) {
-	f, err := sim.StartFleet(1, sim.ServerConfig{Model: "m", TimeScale: 100, KVEvents: sim.KVEventsConfig{Enable: true}})
+	f, err := sim.StartFleet(1, sim.ServerConfig{Model: "m", TimeScale: 100, KVEvents: kvevents.PublisherConfig{Enable: true}})
 	if err != nil {
 		t.Fatal(err)
 	}

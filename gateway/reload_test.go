@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
@@ -763,7 +764,7 @@ func slot(t *testing.T, p *pool, ep *endpoint) int {
 // engine that stays survives (its subscription is kept: no reset), and the
 // new engine's slot starts empty.
 func TestReloadPreciseIndex(t *testing.T) {
-	f, err := sim.StartFleet(3, sim.ServerConfig{Model: "m", TimeScale: 100, KVEvents: sim.KVEventsConfig{Enable: true}})
+	f, err := sim.StartFleet(3, sim.ServerConfig{Model: "m", TimeScale: 100, KVEvents: kvevents.PublisherConfig{Enable: true}})
 	if err != nil {
 		t.Fatal(err)
 	}

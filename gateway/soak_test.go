@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/sim"
 )
 
@@ -44,7 +45,7 @@ func TestSoakStreaming(t *testing.T) {
 		}
 	}
 
-	f, err := sim.StartFleet(4, sim.ServerConfig{Model: "m", TimeScale: 1, KVEvents: sim.KVEventsConfig{Enable: true}})
+	f, err := sim.StartFleet(4, sim.ServerConfig{Model: "m", TimeScale: 1, KVEvents: kvevents.PublisherConfig{Enable: true}})
 	if err != nil {
 		t.Fatal(err)
 	}

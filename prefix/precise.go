@@ -60,7 +60,7 @@ const preciseShards = 64
 
 // PreciseIndex is the gateway's precise prefix index: which endpoint holds
 // which blocks, in which medium, as the engines report it in their KV-cache
-// events (fleet.KVEventSubscriber feeds it), not as guessed from routing.
+// events (kvevents.Subscriber feeds it), not as guessed from routing.
 //
 // It keeps two keys per block, like llm-d's KV-cache manager (docs/PROTOCOLS.md
 // §1.7). The engines' block hashes ("engine keys") are opaque: they depend on

@@ -17,6 +17,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/prefix"
 )
 
@@ -280,7 +281,7 @@ func TestEngineKVEventsRebuildCache(t *testing.T) {
 	// A tiny cache under a randomized workload with shared prefixes: stores,
 	// evictions and preemptions. Applying each step's events, encoded and
 	// decoded as a subscriber would, must reproduce the engine's cached set.
-	for _, enc := range []string{KVEncodingArray, KVEncodingMap} {
+	for _, enc := range []string{kvevents.EncodingArray, kvevents.EncodingMap} {
 		t.Run(enc, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(7, 11))
 			e := NewEngine(Config{NumBlocks: 40, MaxNumBatchedTokens: 96, KVEvents: true})
@@ -300,7 +301,7 @@ func TestEngineKVEventsRebuildCache(t *testing.T) {
 				}
 				r := e.Step(now)
 				now += r.Duration
-				payload := AppendKVEventBatch(nil, now.Seconds(), r.Events, 0, enc)
+				payload := kvevents.AppendBatch(nil, now.Seconds(), r.Events, 0, enc)
 				for _, ev := range decodeBatch(t, payload).events {
 					m.apply(t, ev)
 				}
@@ -311,7 +312,7 @@ func TestEngineKVEventsRebuildCache(t *testing.T) {
 			for e.HasWork() {
 				r := e.Step(now)
 				now += r.Duration
-				for _, ev := range decodeBatch(t, AppendKVEventBatch(nil, 0, r.Events, 0, enc)).events {
+				for _, ev := range decodeBatch(t, kvevents.AppendBatch(nil, 0, r.Events, 0, enc)).events {
 					m.apply(t, ev)
 				}
 			}
@@ -332,13 +333,13 @@ func TestEngineKVEventsRebuildCache(t *testing.T) {
 				t.Fatal("ResetPrefixCache failed on an idle engine")
 			}
 			evs := e.TakeKVEvents()
-			if len(evs) != 1 || evs[0].Type != KVAllBlocksCleared {
+			if len(evs) != 1 || evs[0].Type != kvevents.AllBlocksCleared {
 				t.Fatalf("events after reset: %+v", evs)
 			}
 			if e.TakeKVEvents() != nil {
 				t.Fatal("TakeKVEvents returned the events twice")
 			}
-			for _, ev := range decodeBatch(t, AppendKVEventBatch(nil, 0, evs, 0, enc)).events {
+			for _, ev := range decodeBatch(t, kvevents.AppendBatch(nil, 0, evs, 0, enc)).events {
 				m.apply(t, ev)
 			}
 			if len(e.cachedHashes()) != 0 || len(m.blocks) != 0 {
@@ -355,7 +356,7 @@ func TestEngineKVEventsStepDetails(t *testing.T) {
 
 	// Step 1: chunk of 32 tokens → blocks 0 and 1 registered in one BlockStored.
 	r := e.Step(0)
-	if len(r.Events) != 1 || r.Events[0].Type != KVBlockStored || len(r.Events[0].BlockHashes) != 2 || r.Events[0].HasParent {
+	if len(r.Events) != 1 || r.Events[0].Type != kvevents.BlockStored || len(r.Events[0].BlockHashes) != 2 || r.Events[0].HasParent {
 		t.Fatalf("step 1 events: %+v", r.Events)
 	}
 	h := prefix.Hashes(nil, prompt, 16, 0)
@@ -367,7 +368,7 @@ func TestEngineKVEventsStepDetails(t *testing.T) {
 		t.Fatalf("step 2 events: %+v", r.Events)
 	}
 	// Decode until block 2 fills (prompt 40 + outputs; block 2 = tokens 32..47).
-	var got []KVEvent
+	var got []kvevents.Event
 	for i := 0; i < 10 && len(got) == 0; i++ {
 		got = r.Events
 		r = e.Step(0)
@@ -387,7 +388,7 @@ func TestEngineKVEventsStepDetails(t *testing.T) {
 	// The AllBlocksCleared of a reset made between steps rides on the next step.
 	must(t, e.Add(&Request{ID: "b", Tokens: prompt, MaxTokens: 1}, 0))
 	r = e.Step(0)
-	if len(r.Events) != 2 || r.Events[0].Type != KVAllBlocksCleared || r.Events[1].Type != KVBlockStored || r.Events[1].HasParent {
+	if len(r.Events) != 2 || r.Events[0].Type != kvevents.AllBlocksCleared || r.Events[1].Type != kvevents.BlockStored || r.Events[1].HasParent {
 		t.Fatalf("events after reset: %+v", r.Events)
 	}
 
@@ -419,9 +420,9 @@ func TestEngineKVEventsEvictionOrder(t *testing.T) {
 	var removed []uint64
 	for i, ev := range r.Events {
 		switch ev.Type {
-		case KVBlockRemoved:
+		case kvevents.BlockRemoved:
 			removed = append(removed, ev.BlockHashes...)
-		case KVBlockStored:
+		case kvevents.BlockStored:
 			if i != len(r.Events)-1 {
 				t.Fatalf("BlockStored before an eviction: %+v", r.Events)
 			}
@@ -437,16 +438,16 @@ func TestEngineKVEventsEvictionOrder(t *testing.T) {
 // Encoding
 
 func TestKVEventEncodingForms(t *testing.T) {
-	stored := KVEvent{Type: KVBlockStored, BlockHashes: []uint64{1 << 63, 5}, HasParent: true, ParentBlockHash: 42,
+	stored := kvevents.Event{Type: kvevents.BlockStored, BlockHashes: []uint64{1 << 63, 5}, HasParent: true, ParentBlockHash: 42,
 		TokenIDs: seqTokens(1, 4), BlockSize: 2}
-	first := KVEvent{Type: KVBlockStored, BlockHashes: []uint64{9}, TokenIDs: seqTokens(1, 2), BlockSize: 2}
-	removed := KVEvent{Type: KVBlockRemoved, BlockHashes: []uint64{5}}
-	cleared := KVEvent{Type: KVAllBlocksCleared}
-	evs := []KVEvent{stored, first, removed, cleared}
+	first := kvevents.Event{Type: kvevents.BlockStored, BlockHashes: []uint64{9}, TokenIDs: seqTokens(1, 2), BlockSize: 2}
+	removed := kvevents.Event{Type: kvevents.BlockRemoved, BlockHashes: []uint64{5}}
+	cleared := kvevents.Event{Type: kvevents.AllBlocksCleared}
+	evs := []kvevents.Event{stored, first, removed, cleared}
 
 	// Array form: positional, trailing defaults (sliding window; BlockRemoved
 	// group_idx) omitted, fields without defaults present even when null.
-	arr := AppendKVEventBatch(nil, 1.5, evs, 0, KVEncodingArray)
+	arr := kvevents.AppendBatch(nil, 1.5, evs, 0, kvevents.EncodingArray)
 	var raw []any
 	if err := msgpack.Unmarshal(arr, &raw); err != nil {
 		t.Fatal(err)
@@ -476,7 +477,7 @@ func TestKVEventEncodingForms(t *testing.T) {
 	}
 
 	// Map form: tag under "type", keys by name, defaults omitted.
-	mp := AppendKVEventBatch(nil, 1.5, evs, 0, KVEncodingMap)
+	mp := kvevents.AppendBatch(nil, 1.5, evs, 0, kvevents.EncodingMap)
 	raw = nil
 	if err := msgpack.Unmarshal(mp, &raw); err != nil {
 		t.Fatal(err)
@@ -517,35 +518,11 @@ func TestKVEventEncodingForms(t *testing.T) {
 	}
 }
 
-func TestKVEventsConfig(t *testing.T) {
-	c := KVEventsConfig{}.WithDefaults()
-	if c.Endpoint != "tcp://*:5557" || c.BufferSteps != 10000 || c.HWM != 100000 || c.MaxQueueSize != 100000 || c.Encoding != "map" || c.Topic != "" {
-		t.Fatalf("defaults %+v", c)
-	}
-	for _, bad := range []KVEventsConfig{
-		{Endpoint: "localhost:5557"}, {Endpoint: "udp://*:1"}, {ReplayEndpoint: "x"},
-		{Encoding: "json"}, {BufferSteps: -1}, {HWM: -1}, {MaxQueueSize: -2},
-	} {
-		if bad.Validate() == nil {
-			t.Errorf("%+v: no error", bad)
-		}
-	}
-	for ep, binds := range map[string]bool{
-		"tcp://*:5557": true, "tcp://[::]:5557": true, "ipc:///tmp/kv": true, "inproc://kv": true,
-		"tcp://router:5557": false, "tcp://127.0.0.1:5557": false,
-	} {
-		if kvBindsEndpoint(ep) != binds {
-			t.Errorf("%s: binds=%v", ep, !binds)
-		}
-	}
-	for in, want := range map[string]string{
-		"tcp://*:5557": "tcp://*:5559", "tcp://*:0": "tcp://*:0", "inproc://kv": "inproc://kv_dp2", "": "",
-	} {
-		if got := offsetEndpointPort(in, 2); got != want {
-			t.Errorf("offset(%q) = %q, want %q", in, got, want)
-		}
-	}
-	if _, err := NewServer(ServerConfig{KVEvents: KVEventsConfig{Enable: true, Encoding: "xml"}}); err == nil {
+// TestKVEventsConfigRejected: NewServer refuses a bad KV-event publisher
+// configuration (kvevents.PublisherConfig.Validate; the rest of the
+// configuration's checks are kvevents' TestPublisherConfig).
+func TestKVEventsConfigRejected(t *testing.T) {
+	if _, err := NewServer(ServerConfig{KVEvents: kvevents.PublisherConfig{Enable: true, Encoding: "xml"}}); err == nil {
 		t.Error("NewServer accepted a bad kv events config")
 	}
 }
@@ -661,12 +638,10 @@ func replayFrom(t *testing.T, addr string, start uint64) []zmqMsg {
 }
 
 // waitSent waits until every batch queued on p has been handed to its PUB socket.
-func waitSent(t *testing.T, p *KVEventPublisher) {
+func waitSent(t *testing.T, p *kvevents.Publisher) {
 	t.Helper()
 	waitFor(t, "the publisher to send its queue", func() bool {
-		p.mu.Lock()
-		n := p.nextSeq
-		p.mu.Unlock()
+		n := p.NextSeq()
 		st := p.Stats()
 		return st.Published+st.Dropped == n
 	})
@@ -676,12 +651,12 @@ func TestServerKVEventsOverZMQ(t *testing.T) {
 	for _, tc := range []struct {
 		enc  string
 		bind bool // the simulator binds (tcp://*:0) or connects to a bound SUB
-	}{{KVEncodingArray, false}, {KVEncodingMap, true}} {
+	}{{kvevents.EncodingArray, false}, {kvevents.EncodingMap, true}} {
 		t.Run(tc.enc, func(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			const topic = "kv@127.0.0.1@" + testModel
-			cfg := KVEventsConfig{Enable: true, Topic: topic, Encoding: tc.enc, ReplayEndpoint: "tcp://127.0.0.1:0"}
+			cfg := kvevents.PublisherConfig{Enable: true, Topic: topic, Encoding: tc.enc, ReplayEndpoint: "tcp://127.0.0.1:0"}
 			var live <-chan zmqMsg
 			if tc.bind {
 				cfg.Endpoint = "tcp://*:0"
@@ -820,95 +795,9 @@ func TestServerKVEventsOverZMQ(t *testing.T) {
 	}
 }
 
-func TestKVEventPublisherDropsAndCloses(t *testing.T) {
-	before, _ := liveGoroutines()
-	// Nobody listens on the endpoint: the publisher keeps dialing, its queue
-	// fills, and further batches are dropped and counted without blocking.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ep := "tcp://" + ln.Addr().String()
-	ln.Close()
-	p, err := NewKVEventPublisher(KVEventsConfig{Endpoint: ep, MaxQueueSize: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ev := []KVEvent{{Type: KVAllBlocksCleared}}
-	results := []bool{p.Publish(1, ev), p.Publish(2, ev), p.Publish(3, ev), p.Publish(4, nil)}
-	if fmt.Sprint(results) != "[true true false true]" {
-		t.Fatalf("Publish results %v", results)
-	}
-	if st := p.Stats(); st.Dropped != 1 || st.Published != 0 {
-		t.Fatalf("stats %+v", st)
-	}
-	closed := make(chan struct{})
-	go func() {
-		p.Close()
-		close(closed)
-	}()
-	select {
-	case <-closed:
-	case <-time.After(30 * time.Second):
-		t.Fatal("Close hung while dialing")
-	}
-	if p.Publish(5, ev) || p.Stats().Dropped != 4 { // 2 queued, never connected; 1 full; 1 closed
-		t.Fatalf("after Close: %+v", p.Stats())
-	}
-	p.Close() // idempotent
-
-	// A bound publisher with replay, served once, closes without leaks.
-	p, err = NewKVEventPublisher(KVEventsConfig{Endpoint: "tcp://*:0", ReplayEndpoint: "tcp://127.0.0.1:0", BufferSteps: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := range 3 {
-		p.Publish(float64(i), ev)
-	}
-	waitSent(t, p)
-	got := replayFrom(t, p.ReplayAddr().String(), 0)
-	if len(got) != 2 || got[0].seq != 1 || got[1].seq != 2 {
-		t.Fatalf("replay of a 2-batch buffer: %v", got)
-	}
-	p.Close()
-
-	// A connecting publisher (reconnecting automatically) closes without leaks.
-	sub := zmq4.NewSub(context.Background())
-	if err := sub.Listen("tcp://127.0.0.1:0"); err != nil {
-		t.Fatal(err)
-	}
-	must(t, sub.SetOption(zmq4.OptionSubscribe, ""))
-	p, err = NewKVEventPublisher(KVEventsConfig{Endpoint: "tcp://" + sub.Addr().String(), Topic: "kv"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	got1 := make(chan zmq4.Msg, 1)
-	go func() {
-		m, _ := sub.Recv()
-		got1 <- m
-	}()
-	var msg zmq4.Msg
-	for deadline := time.Now().Add(30 * time.Second); msg.Frames == nil; {
-		p.Publish(1, ev) // slow joiner: until the subscription has reached the publisher
-		select {
-		case msg = <-got1:
-		case <-time.After(20 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("connecting publisher: nothing received")
-		}
-	}
-	if len(msg.Frames) != 3 || string(msg.Frames[0]) != "kv" {
-		t.Fatalf("received %q", msg.Frames)
-	}
-	p.Close()
-	sub.Close()
-	waitNoLeak(t, before)
-}
-
 func TestServerKVEventsCloseWithoutLeaks(t *testing.T) {
 	before, _ := liveGoroutines()
-	s, err := NewServer(ServerConfig{TimeScale: 1000, KVEvents: KVEventsConfig{Enable: true, Endpoint: "tcp://*:0", ReplayEndpoint: "tcp://127.0.0.1:0"}})
+	s, err := NewServer(ServerConfig{TimeScale: 1000, KVEvents: kvevents.PublisherConfig{Enable: true, Endpoint: "tcp://*:0", ReplayEndpoint: "tcp://127.0.0.1:0"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -916,7 +805,7 @@ func TestServerKVEventsCloseWithoutLeaks(t *testing.T) {
 	if s.ResetPrefixCache() {
 		t.Fatal("reset on a closed server")
 	}
-	s, err = NewServer(ServerConfig{TimeScale: 1000, KVEvents: KVEventsConfig{Enable: true, Endpoint: "tcp://*:0"}})
+	s, err = NewServer(ServerConfig{TimeScale: 1000, KVEvents: kvevents.PublisherConfig{Enable: true, Endpoint: "tcp://*:0"}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/trace"
 )
 
@@ -29,7 +30,7 @@ func TestKVEventsDuringTraceReplay(t *testing.T) {
 		t.Fatal(err)
 	}
 	const numBlocks = 6000 // 96k tokens: the replay below evicts
-	cfg := KVEventsConfig{Enable: true, Endpoint: "tcp://*:0", ReplayEndpoint: "tcp://127.0.0.1:0", Encoding: KVEncodingArray, Topic: "kv@sim@" + testModel}
+	cfg := kvevents.PublisherConfig{Enable: true, Endpoint: "tcp://*:0", ReplayEndpoint: "tcp://127.0.0.1:0", Encoding: kvevents.EncodingArray, Topic: "kv@sim@" + testModel}
 	s, ts := newTestServer(t, ServerConfig{Engine: Config{Profile: Llama8BH100(), NumBlocks: numBlocks}, Model: testModel, TimeScale: 1000, KVEvents: cfg})
 	p := s.KVEventPublisher()
 

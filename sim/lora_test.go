@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
 )
@@ -204,7 +205,7 @@ func TestLoRAKVEvents(t *testing.T) {
 	prompt := seqTokens(7, 40)
 	must(t, e.Add(&Request{ID: "x", Tokens: prompt, MaxTokens: 1, LoRA: "b", Extra: prefix.Seed("salt")}, 0))
 	res := e.Step(0)
-	if len(res.Events) != 1 || res.Events[0].Type != KVBlockStored {
+	if len(res.Events) != 1 || res.Events[0].Type != kvevents.BlockStored {
 		t.Fatalf("events %+v", res.Events)
 	}
 	ev := res.Events[0]
@@ -212,8 +213,8 @@ func TestLoRAKVEvents(t *testing.T) {
 	if ev.LoRAName != "b" || ev.LoRAID != 2 || !slices.Equal(ev.BlockHashes, want) {
 		t.Fatalf("BlockStored %+v, want lora b/2 and hashes %v", ev, want)
 	}
-	for _, enc := range []string{KVEncodingMap, KVEncodingArray} {
-		b := decodeBatch(t, AppendKVEventBatch(nil, 1, res.Events, 0, enc))
+	for _, enc := range []string{kvevents.EncodingMap, kvevents.EncodingArray} {
+		b := decodeBatch(t, kvevents.AppendBatch(nil, 1, res.Events, 0, enc))
 		f := b.events[0].fields
 		if f["lora_name"] != "b" || asUint64(t, f["lora_id"]) != 2 {
 			t.Fatalf("%s: lora fields %v", enc, f)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
 )
@@ -46,8 +47,8 @@ type ServerConfig struct {
 	// Seed seeds output tokens (unless Engine.Seed is set) and response ids.
 	Seed int64 `yaml:"seed"`
 	// KVEvents configures the vLLM KV-cache event publisher (off by default);
-	// see kvevents.go and README "KV events".
-	KVEvents KVEventsConfig `yaml:"kv_events"`
+	// see README "KV events" and ../kvevents/README.md.
+	KVEvents kvevents.PublisherConfig `yaml:"kv_events"`
 	// APIKeys, when not empty, guard every /v1 path as vLLM's --api-key
 	// does (auth.go): "Authorization: Bearer <one of them>" or 401
 	// {"error":"Unauthorized"}; /health and /metrics stay open.
@@ -82,7 +83,7 @@ type Server struct {
 	submit    chan *call
 	cancel    chan *call
 	control   chan *engineCall
-	kvpub     *KVEventPublisher // nil unless KVEvents.Publishes()
+	kvpub     *kvevents.Publisher // nil unless KVEvents.Publishes()
 	quit      chan struct{}
 	done      chan struct{}
 	store     responseStore // Responses API store (responses.go)
@@ -171,10 +172,10 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 	s.handler = withAPIKeys(mux, cfg.APIKeys)
 	if cfg.KVEvents.Publishes() {
 		kc := cfg.KVEvents
-		kc.Endpoint = offsetEndpointPort(kc.WithDefaults().Endpoint, index)
-		kc.ReplayEndpoint = offsetEndpointPort(kc.ReplayEndpoint, index)
-		if s.kvpub, err = NewKVEventPublisher(kc); err != nil {
-			return nil, err
+		kc.Endpoint = kvevents.OffsetEndpointPort(kc.WithDefaults().Endpoint, index)
+		kc.ReplayEndpoint = kvevents.OffsetEndpointPort(kc.ReplayEndpoint, index)
+		if s.kvpub, err = kvevents.NewPublisher(kc); err != nil {
+			return nil, fmt.Errorf("sim: %w", err)
 		}
 	}
 	return s, nil

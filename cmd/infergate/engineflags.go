@@ -9,6 +9,7 @@ import (
 
 	"github.com/spf13/pflag"
 
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/sim"
 )
 
@@ -85,8 +86,8 @@ func resolveProfile(name, file string) (sim.Profile, error) {
 
 // parseKVEvents parses a --kv-events-config JSON object (vLLM's field names);
 // "" means disabled.
-func parseKVEvents(s string) (sim.KVEventsConfig, error) {
-	var c sim.KVEventsConfig
+func parseKVEvents(s string) (kvevents.PublisherConfig, error) {
+	var c kvevents.PublisherConfig
 	if s == "" {
 		return c, nil
 	}

@@ -4,7 +4,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/kvevents"
 )
 
 // TestParseKVEventsVLLMSchema: --kv-events-config takes vLLM's own JSON,
@@ -17,7 +17,7 @@ func TestParseKVEventsVLLMSchema(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := sim.KVEventsConfig{Enable: true, Publisher: "zmq", Endpoint: "tcp://*:5557", ReplayEndpoint: "tcp://*:5558",
+	want := kvevents.PublisherConfig{Enable: true, Publisher: "zmq", Endpoint: "tcp://*:5557", ReplayEndpoint: "tcp://*:5558",
 		BufferSteps: 500, HWM: 1000, MaxQueueSize: 2000, Topic: "kv@pod@m", TierScopedClearEvents: true}
 	if c != want || !c.Publishes() {
 		t.Fatalf("got %+v, want %+v", c, want)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 )
@@ -90,7 +91,7 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 	if !scfg.KVEvents.Enable {
 		// The engines publish their KV events on loopback and the
 		// gateway subscribes: the precise-prefix policy's input.
-		scfg.KVEvents = sim.KVEventsConfig{Enable: true}
+		scfg.KVEvents = kvevents.PublisherConfig{Enable: true}
 	}
 	fleet, err := sim.StartFleet(fl.engines, scfg)
 	if err != nil {

@@ -1,4 +1,4 @@
-package fleet
+package kvevents
 
 import (
 	"bytes"
@@ -12,9 +12,6 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/infergate/infergate/prefix"
-	"github.com/infergate/infergate/sim"
 )
 
 // ---------------------------------------------------------------------------
@@ -168,9 +165,8 @@ func (b *kvBackoffs) get() []time.Duration {
 // runHostile subscribes to hp with small bounds and backoffs.
 func runHostile(t *testing.T, hp *hostilePub, maxMsg int) (*kvRunning, *kvRecorder, *kvBackoffs) {
 	t.Helper()
-	ix, _ := prefix.NewPreciseIndex(1, 16)
-	rec := &kvRecorder{KVEventApplier: NewKVEventApplier(ix, 0, KVSeeds(kvModel))}
-	sub, err := NewKVEventSubscriber(KVEventSubscriberConfig{Endpoint: hp.addr(), MaxMessageBytes: maxMsg,
+	rec := &kvRecorder{}
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: hp.addr(), MaxMessageBytes: maxMsg,
 		MinBackoff: 5 * time.Millisecond, MaxBackoff: 40 * time.Millisecond, HandshakeTimeout: 50 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -251,14 +247,14 @@ func TestKVEventsHostileFrames(t *testing.T) {
 				t.Fatalf("stats %+v, %d accepted", st, hp.accepted.Load())
 			}
 			checkBackoff(t, bo.get(), 4)
-			if _, resets := rec.snapshot(); !containsReset(resets, KVResetFailure) {
+			if _, resets := rec.snapshot(); !containsReset(resets, ResetFailure) {
 				t.Fatalf("resets %v: the failed session did not reset the handler", resets)
 			}
 		})
 	}
 }
 
-func containsReset(rs []KVResetReason, want KVResetReason) bool {
+func containsReset(rs []ResetReason, want ResetReason) bool {
 	for _, r := range rs {
 		if r == want {
 			return true
@@ -272,7 +268,7 @@ func containsReset(rs []KVResetReason, want KVResetReason) bool {
 // nothing.
 func TestKVEventsMessageAtBound(t *testing.T) {
 	toks := kvTokens(100, 32)
-	payload := sim.AppendKVEventBatch(nil, 1, []sim.KVEvent{kvStore(toks, 0)}, 0, "")
+	payload := AppendBatch(nil, 1, []Event{kvStore(toks, 0)}, 0, "")
 	maxMsg := 1 + 8 + len(payload)
 	hp := newHostilePub(t, nil, func(c net.Conn) {
 		msg := append(zmtpFrame(zmtpMore, []byte("t")), zmtpFrame(zmtpMore, binary.BigEndian.AppendUint64(nil, 0))...)
@@ -289,8 +285,8 @@ func TestKVEventsMessageAtBound(t *testing.T) {
 	if st := r.sub.Stats(); st.Oversized != 0 || st.Panics != 0 || st.DecodeErrors != 0 {
 		t.Fatalf("stats %+v", st)
 	}
-	if n := rec.Stats().Stored; n == 0 {
-		t.Fatal("batch not applied")
+	if n := rec.storedEvents(); n == 0 {
+		t.Fatal("batch not delivered")
 	}
 }
 
@@ -311,7 +307,7 @@ func TestKVEventsHostileHandshake(t *testing.T) {
 			t.Fatalf("%d panics recovered in 3 sessions", n)
 		}
 		checkBackoff(t, bo.get(), 3)
-		if _, resets := rec.snapshot(); !containsReset(resets, KVResetFailure) {
+		if _, resets := rec.snapshot(); !containsReset(resets, ResetFailure) {
 			t.Fatalf("resets %v", resets)
 		}
 	})
@@ -365,7 +361,7 @@ func zmtpGuardRead(stream []byte, maxMsg uint64, chunk int) ([]byte, error) {
 		_, _ = a.Write(stream)
 		a.Close()
 	}()
-	g := newZMTPGuard(context.Background(), b, zmtpLimits{maxMessage: maxMsg, maxFrames: kvMaxFrames})
+	g := newZMTPGuard(context.Background(), b, zmtpLimits{maxMessage: maxMsg, maxFrames: maxFrames})
 	defer g.Close()
 	var out []byte
 	buf := make([]byte, chunk)
@@ -411,7 +407,7 @@ func FuzzZMTPGuard(f *testing.F) {
 			}
 			frames++
 			msg += size
-			if size > 256 || msg > 256 || frames > kvMaxFrames {
+			if size > 256 || msg > 256 || frames > maxFrames {
 				t.Fatalf("passed a header of %d bytes, message %d, frame %d", size, msg, frames)
 			}
 			if uint64(len(rest)-hl) < size {

@@ -1,4 +1,4 @@
-package fleet
+package kvevents
 
 import (
 	"context"
@@ -47,17 +47,17 @@ import (
 
 // Defaults of the guard's bounds.
 const (
-	// DefaultKVMaxMessageBytes bounds one ZeroMQ message from an engine (the
+	// DefaultMaxMessageBytes bounds one ZeroMQ message from an engine (the
 	// sum of its frames' bodies; a command alone too), bytes. A vLLM batch is
 	// one scheduler step's events: about 5 bytes per token of the blocks the
 	// step filled, well under a megabyte at max_num_batched_tokens 131072.
-	DefaultKVMaxMessageBytes = 8 << 20
-	// DefaultKVHandshakeTimeout bounds the ZMTP greeting and security
+	DefaultMaxMessageBytes = 8 << 20
+	// DefaultHandshakeTimeout bounds the ZMTP greeting and security
 	// handshake after a dial.
-	DefaultKVHandshakeTimeout = 10 * time.Second
-	// kvMaxFrames bounds the frames of one message: the stream's messages
+	DefaultHandshakeTimeout = 10 * time.Second
+	// maxFrames bounds the frames of one message: the stream's messages
 	// have 3 ([topic, seq, payload]; replay replies on a DEALER the same).
-	kvMaxFrames = 16
+	maxFrames = 16
 	// zmtpGreetingLen is the size of a ZMTP 3.x greeting.
 	zmtpGreetingLen = 64
 )
@@ -109,7 +109,7 @@ func zmtpLimitsOf(ctx context.Context) zmtpLimits {
 	if l, ok := ctx.Value(zmtpLimitsKey{}).(zmtpLimits); ok {
 		return l
 	}
-	return zmtpLimits{maxMessage: DefaultKVMaxMessageBytes, maxFrames: kvMaxFrames, handshake: DefaultKVHandshakeTimeout}
+	return zmtpLimits{maxMessage: DefaultMaxMessageBytes, maxFrames: maxFrames, handshake: DefaultHandshakeTimeout}
 }
 
 // Transports the subscriber dials through: "tcp" and "ipc" with the guard.
