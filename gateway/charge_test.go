@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/sched"
 )
 
@@ -185,7 +186,7 @@ func TestContextLengthDiscovered(t *testing.T) {
 		`{"data":[{"max_model_len":"8192"}]}`:                      0,
 		`{"data":` + deepJSON + `}`:                                0,
 	} {
-		if got, _ := parseMaxModelLen([]byte(body)); got != want {
+		if got, _ := fleet.ParseMaxModelLen([]byte(body)); got != want {
 			t.Errorf("%s: %d, want %d", body, got, want)
 		}
 	}
@@ -244,20 +245,4 @@ func TestRefusalsNotCharged(t *testing.T) {
 		r.header.Get("X-Ratelimit-Remaining-Requests") != strconv.Itoa(rpm-2) {
 		t.Errorf("after the refusals: %d remaining %q %.200s, want 200 and %d", r.status, r.header.Get("X-Ratelimit-Remaining-Requests"), r.body, rpm-2)
 	}
-}
-
-// FuzzParseMaxModelLen: an engine's model list never panics the parser,
-// and what it reads is a context length within bounds.
-func FuzzParseMaxModelLen(f *testing.F) {
-	for _, s := range []string{`{"object":"list","data":[{"id":"m","max_model_len":131072},{"id":"a","parent":"m"}]}`,
-		`{"data":[{"max_model_len":1e30}]}`, `{"data":[{"max_model_len":-5}]}`, `{"data":null}`, `[]`,
-		`{"data":[{"max_model_len":` + deepJSON + `}]}`, `{"data":` + strings.Repeat("[", 1<<14) + `}`} {
-		f.Add([]byte(s))
-	}
-	f.Fuzz(func(t *testing.T, b []byte) {
-		n, err := parseMaxModelLen(b)
-		if (err == nil) != (n > 0) || n > maxModelLenLimit {
-			t.Fatalf("%q: %d, %v", b, n, err)
-		}
-	})
 }

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"github.com/infergate/infergate/fleet"
 	"io"
 	"net"
 	"net/url"
@@ -14,6 +13,7 @@ import (
 
 	"gopkg.in/yaml.v3"
 
+	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
 )

@@ -14,6 +14,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/openai"
 )
 
@@ -300,20 +301,13 @@ const (
 	authSourceDiscover = "discover" // the start-up GET /v1/models or /metrics read
 )
 
-// errAuthRefused marks an engine call answered 401 or 403.
-var errAuthRefused = errors.New("the engine refused the gateway's credentials (check the endpoint's api_key, api_key_env or headers)")
-
 // authStatus is the error of an engine call answered 401 or 403 (the
-// status).
-type authStatus int
-
-func (s authStatus) Error() string { return fmt.Sprintf("status %d: %v", int(s), errAuthRefused) }
+// status; fleet.AuthRefused, which the prober's reads return too).
+type authStatus = fleet.AuthRefused
 
 // isAuthRefusal reports whether an engine's status refuses the gateway's
-// credentials: 401 (none, or a wrong one) or 403 (not allowed).
-func isAuthRefusal(status int) bool {
-	return status == http.StatusUnauthorized || status == http.StatusForbidden
-}
+// credentials (fleet.IsAuthRefusal).
+func isAuthRefusal(status int) bool { return fleet.IsAuthRefusal(status) }
 
 // newAuthFailures registers infergate_endpoint_auth_failures_total.
 func newAuthFailures(reg prometheus.Registerer) (*prometheus.CounterVec, error) {

@@ -25,6 +25,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/upstream"
 )
@@ -58,9 +59,12 @@ type Gateway struct {
 	keyUsage keyUsageVecs
 
 	// transport serves health checks, metric scrapes and https engines;
-	// up sends the request path's upstream requests (upstream.go).
+	// up sends the request path's upstream requests (package upstream).
 	transport *http.Transport
-	up        *upstream.Client
+	// prober makes the health checks and the discovery reads (fleet.Prober,
+	// on transport).
+	prober fleet.Prober
+	up     *upstream.Client
 	// rt sends upstream requests (up, or a fake in benchmarks).
 	rt http.RoundTripper
 
@@ -138,6 +142,7 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	g.initShutdown()
 	g.transport = newTransport(cfg)
 	g.up = upstream.New(upstreamOptions(cfg), g.transport)
+	g.prober = fleet.Prober{Transport: g.transport, Timeout: cfg.HealthCheckTimeout}
 	g.rt = g.up
 	g.retryAfter = strconv.Itoa(max(1, int(math.Ceil(cfg.HealthCheckInterval.Seconds()))))
 	var idb [6]byte

@@ -827,18 +827,6 @@ func TestWithIncludeUsage(t *testing.T) {
 	}
 }
 
-func TestParseCacheConfig(t *testing.T) {
-	text := "# TYPE vllm:cache_config_info gauge\n" +
-		`vllm:cache_config_info{block_size="16",cache_dtype="auto",note="a \"quoted\", value",num_gpu_blocks="27000"} 1.0` + "\n"
-	cc, err := parseCacheConfig(strings.NewReader(text))
-	if err != nil || cc.numGPUBlocks != 27000 || cc.blockSize != 16 {
-		t.Errorf("got %+v, %v", cc, err)
-	}
-	if _, err := parseCacheConfig(strings.NewReader("vllm:num_requests_running 1\n")); err == nil {
-		t.Error("no error without cache_config_info")
-	}
-}
-
 func TestAppendEvent(t *testing.T) {
 	if got := string(appendEvent(nil, nil, []byte("a\nb"))); got != "data: a\ndata: b\n\n" {
 		t.Errorf("got %q", got)

@@ -3,10 +3,7 @@ package gateway
 import (
 	"context"
 	"errors"
-	"fmt"
-	"io"
 	"log/slog"
-	"net/http"
 	"time"
 )
 
@@ -31,7 +28,7 @@ func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	var err error
 	spec := ep.spec.Load()
 	if spec.healthPath != healthCheckOff {
-		err = g.probe(ctx, ep, spec)
+		err = g.prober.Health(ctx, ep.name, ep.base+spec.healthPath, spec.header)
 	}
 	ok := err == nil
 	if ctx.Err() != nil {
@@ -60,29 +57,4 @@ func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	case !was && ok && ep.wentDown.Swap(false):
 		slog.Info("gateway: endpoint healthy again; back in rotation", "endpoint", ep.name)
 	}
-}
-
-// probe sends GET <base><spec.healthPath> with spec's headers and returns
-// nil for a 2xx answer.
-func (g *Gateway) probe(ctx context.Context, ep *endpoint, spec *endpointSpec) error {
-	ctx, cancel := context.WithTimeout(ctx, g.cfg.HealthCheckTimeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, ep.base+spec.healthPath, nil)
-	if err != nil {
-		return fmt.Errorf("health check %s: %w", ep.name, err)
-	}
-	spec.addHeader(req.Header)
-	resp, err := g.transport.RoundTrip(req)
-	if err != nil {
-		return fmt.Errorf("health check %s: %w", ep.name, err)
-	}
-	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // keep the connection reusable
-	_ = resp.Body.Close()
-	if isAuthRefusal(resp.StatusCode) {
-		return fmt.Errorf("health check %s: %w", ep.name, authStatus(resp.StatusCode))
-	}
-	if resp.StatusCode/100 != 2 {
-		return fmt.Errorf("health check %s: status %d", ep.name, resp.StatusCode)
-	}
-	return nil
 }

@@ -551,9 +551,9 @@ func (g *Gateway) makeSpec(ctx context.Context, ep *endpoint, w *EndpointConfig,
 			s.kvBlocks = DefaultKVBlocks
 		}
 		if !reuse || newCreds {
-			c, err := g.fetchCacheConfig(ctx, ep.base, header)
+			c, err := g.prober.CacheConfig(ctx, ep.base, header)
 			if err == nil {
-				s.kvBlocks, s.blockSize = c.numGPUBlocks, c.blockSize
+				s.kvBlocks, s.blockSize = c.NumGPUBlocks, c.BlockSize
 			}
 			cc.note(err)
 			checked = true
@@ -569,7 +569,7 @@ func (g *Gateway) makeSpec(ctx context.Context, ep *endpoint, w *EndpointConfig,
 	if (w.MaxModelLen == 0 && !reuse) || newCreds {
 		// GET /v1/models, which vLLM's --api-key guards: the check of new
 		// credentials even when max_model_len is configured.
-		n, err := g.fetchMaxModelLen(ctx, ep.base, header)
+		n, err := g.prober.MaxModelLen(ctx, ep.base, header)
 		if err == nil && w.MaxModelLen == 0 {
 			s.maxModelLen = n
 		}

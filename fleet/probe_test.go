@@ -1,0 +1,91 @@
+package fleet
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/infergate/infergate/openai"
+)
+
+// deepJSONProbe nests one level past openai.MaxDepth.
+var deepJSONProbe = strings.Repeat("[", openai.MaxDepth+1) + strings.Repeat("]", openai.MaxDepth+1)
+
+func TestParseCacheConfig(t *testing.T) {
+	text := "# TYPE vllm:cache_config_info gauge\n" +
+		`vllm:cache_config_info{block_size="16",cache_dtype="auto",note="a \"quoted\", value",num_gpu_blocks="27000"} 1.0` + "\n"
+	cc, err := ParseCacheConfig(strings.NewReader(text))
+	if err != nil || cc.NumGPUBlocks != 27000 || cc.BlockSize != 16 {
+		t.Errorf("got %+v, %v", cc, err)
+	}
+	if _, err := ParseCacheConfig(strings.NewReader("vllm:num_requests_running 1\n")); err == nil {
+		t.Error("no error without cache_config_info")
+	}
+}
+
+// FuzzParseMaxModelLen: an engine's model list never panics the parser,
+// and what it reads is a context length within bounds.
+func FuzzParseMaxModelLen(f *testing.F) {
+	for _, s := range []string{`{"object":"list","data":[{"id":"m","max_model_len":131072},{"id":"a","parent":"m"}]}`,
+		`{"data":[{"max_model_len":1e30}]}`, `{"data":[{"max_model_len":-5}]}`, `{"data":null}`, `[]`,
+		`{"data":[{"max_model_len":` + deepJSONProbe + `}]}`, `{"data":` + strings.Repeat("[", 1<<14) + `}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		n, err := ParseMaxModelLen(b)
+		if (err == nil) != (n > 0) || n > MaxModelLenLimit {
+			t.Fatalf("%q: %d, %v", b, n, err)
+		}
+	})
+}
+
+// TestProber: the reads carry the endpoint's header, tell a refusal of its
+// credentials from other failures, and read what the engine reports.
+func TestProber(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer k" {
+			w.WriteHeader(http.StatusUnauthorized)
+			return
+		}
+		switch r.URL.Path {
+		case "/health":
+			w.WriteHeader(http.StatusOK)
+		case "/metrics":
+			io.WriteString(w, `vllm:cache_config_info{block_size="32",num_gpu_blocks="900"} 1`+"\n")
+		case ModelsPath:
+			io.WriteString(w, `{"data":[{"id":"m","max_model_len":8192}]}`)
+		default:
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+	}))
+	defer srv.Close()
+	p := Prober{Transport: http.DefaultTransport, Timeout: 10 * time.Second}
+	ok := http.Header{"Authorization": {"Bearer k"}}
+	ctx := context.Background()
+	if err := p.Health(ctx, "e", srv.URL+"/health", ok); err != nil {
+		t.Errorf("health: %v", err)
+	}
+	err := p.Health(ctx, "e", srv.URL+"/health", nil)
+	var ar AuthRefused
+	if !errors.As(err, &ar) || int(ar) != http.StatusUnauthorized || !errors.Is(err, ErrAuthRefused) ||
+		!strings.HasPrefix(err.Error(), "health check e: status 401: ") {
+		t.Errorf("health without the key: %v", err)
+	}
+	if err := p.Health(ctx, "e", srv.URL+"/down", ok); err == nil || errors.As(err, &ar) || err.Error() != "health check e: status 503" {
+		t.Errorf("health of a 503: %v", err)
+	}
+	if cc, err := p.CacheConfig(ctx, srv.URL, ok); err != nil || cc != (CacheConfig{NumGPUBlocks: 900, BlockSize: 32}) {
+		t.Errorf("cache config: %+v, %v", cc, err)
+	}
+	if n, err := p.MaxModelLen(ctx, srv.URL, ok); err != nil || n != 8192 {
+		t.Errorf("max_model_len: %d, %v", n, err)
+	}
+	if _, err := p.MaxModelLen(ctx, srv.URL, nil); !errors.As(err, &ar) {
+		t.Errorf("max_model_len without the key: %v", err)
+	}
+}
