@@ -274,66 +274,7 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 		}
 		if err != nil {
-			// What is written next (the tail, an error event) is written
-			// now: the client's write deadline, set at the last write, may
-			// have passed while the engine was silent (write_timeout and
-			// stream_idle_timeout are both a minute by default), which cut
-			// a stalled stream silently, without its error event.
-			g.extendWriteDeadline(w, x, time.Now())
-			// Ended by Abort (the client still there): unless the stream was
-			// complete, the client is told, as for an engine failure
-			// mid-stream.
-			shutdown := fr.err == nil && r.Context().Err() != nil && shuttingDown(r)
-			switch {
-			case shutdown && !complete:
-				x.out = x.out[:0]
-				writeStreamError(w, rc, x, shutdownError())
-				x.obs.failed(codeShuttingDown)
-				g.finish(rm, x, http.StatusServiceUnavailable, usage, start)
-				return nil, codeClientClosed // no verdict on the engine
-			case !shutdown && (r.Context().Err() != nil || fr.err != nil):
-				g.count(w, rm, codeClientClosed)
-				return nil, codeClientClosed
-			}
-			code := http.StatusOK
-			if complete {
-				// The held events of a stream that ended without output
-				// leave with [DONE] (a Responses stream ends at its
-				// terminal event).
-				if _, werr := w.Write(append(x.out, x.streamTail(er)...)); werr != nil {
-					g.count(w, rm, codeClientClosed)
-					return nil, codeClientClosed
-				}
-				// Not flushed here: the handler returns at once and net/http
-				// writes [DONE] with the final chunk in one syscall.
-				if streamErr {
-					code = http.StatusBadGateway
-				}
-			} else {
-				msg := "The model server's stream ended without [DONE]."
-				if x.pass.kind.responsesAPI() {
-					msg = "The model server's stream ended before its response.completed event."
-				}
-				code = http.StatusBadGateway
-				errCode := openai.CodeUpstream
-				switch {
-				case upstream.IsTimeout(err):
-					wait, key := g.cfg.StreamIdleTimeout, "stream_idle_timeout"
-					if last.IsZero() {
-						wait, key = g.cfg.FirstEventTimeout, "first_event_timeout"
-					}
-					msg = fmt.Sprintf("The model server's stream stalled: no output within %s (%s).", wait, key)
-					code, errCode = http.StatusGatewayTimeout, codeUpstreamTimeout
-				case err != io.EOF:
-					msg = "The model server's stream failed: " + err.Error()
-				}
-				slog.Warn("gateway: upstream stream failed", "endpoint", rm.labels[1],
-					"request_id", reqID, "err", err)
-				writeStreamError(w, rc, x, openai.NewError(code, msg, "", errCode))
-				x.obs.failed(errCode)
-			}
-			g.finish(rm, x, code, usage, start)
-			return nil, code
+			return nil, g.endStream(w, r, x, rm, rc, err, complete, streamErr, usage, last, reqID, start)
 		}
 
 		now := fr.at // when this event's bytes arrived
@@ -396,6 +337,74 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 		fr.pending = true  // flushed before the next read that may wait
 		fr.extend = output // and the engine given stream_idle_timeout for the next output
 	}
+}
+
+// endStream ends a started (or complete) stream that stopped with err
+// (io.EOF: the engine's body ended; complete: at its end marker): the held
+// events and [DONE] when complete, else an error event saying why; then the
+// request's accounting. It returns the status accounted, as relayStream.
+func (g *Gateway) endStream(w http.ResponseWriter, r *http.Request, x *exchange, rm *routeMetrics, rc *http.ResponseController,
+	err error, complete, streamErr bool, usage *openai.Usage, last time.Time, reqID string, start time.Time) int {
+	// What is written next (the tail, an error event) is written
+	// now: the client's write deadline, set at the last write, may
+	// have passed while the engine was silent (write_timeout and
+	// stream_idle_timeout are both a minute by default), which cut
+	// a stalled stream silently, without its error event.
+	g.extendWriteDeadline(w, x, time.Now())
+	// Ended by Abort (the client still there): unless the stream was
+	// complete, the client is told, as for an engine failure
+	// mid-stream.
+	shutdown := x.fr.err == nil && r.Context().Err() != nil && shuttingDown(r)
+	switch {
+	case shutdown && !complete:
+		x.out = x.out[:0]
+		writeStreamError(w, rc, x, shutdownError())
+		x.obs.failed(codeShuttingDown)
+		g.finish(rm, x, http.StatusServiceUnavailable, usage, start)
+		return codeClientClosed // no verdict on the engine
+	case !shutdown && (r.Context().Err() != nil || x.fr.err != nil):
+		g.count(w, rm, codeClientClosed)
+		return codeClientClosed
+	}
+	code := http.StatusOK
+	if complete {
+		// The held events of a stream that ended without output
+		// leave with [DONE] (a Responses stream ends at its
+		// terminal event).
+		if _, werr := w.Write(append(x.out, x.streamTail(x.er)...)); werr != nil {
+			g.count(w, rm, codeClientClosed)
+			return codeClientClosed
+		}
+		// Not flushed here: the handler returns at once and net/http
+		// writes [DONE] with the final chunk in one syscall.
+		if streamErr {
+			code = http.StatusBadGateway
+		}
+	} else {
+		msg := "The model server's stream ended without [DONE]."
+		if x.pass.kind.responsesAPI() {
+			msg = "The model server's stream ended before its response.completed event."
+		}
+		code = http.StatusBadGateway
+		errCode := openai.CodeUpstream
+		switch {
+		case upstream.IsTimeout(err):
+			wait, key := g.cfg.StreamIdleTimeout, "stream_idle_timeout"
+			if last.IsZero() {
+				wait, key = g.cfg.FirstEventTimeout, "first_event_timeout"
+			}
+			msg = fmt.Sprintf("The model server's stream stalled: no output within %s (%s).", wait, key)
+			code, errCode = http.StatusGatewayTimeout, codeUpstreamTimeout
+		case err != io.EOF:
+			msg = "The model server's stream failed: " + err.Error()
+		}
+		slog.Warn("gateway: upstream stream failed", "endpoint", rm.labels[1],
+			"request_id", reqID, "err", err)
+		writeStreamError(w, rc, x, openai.NewError(code, msg, "", errCode))
+		x.obs.failed(errCode)
+	}
+	g.finish(rm, x, code, usage, start)
+	return code
 }
 
 // streamFailure is the failure of a stream that ended (err; done: at

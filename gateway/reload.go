@@ -325,8 +325,47 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 		creds: map[*endpoint]credentialsCheck{}}
 	st := &state{cfg: cfg, pools: map[string]*pool{}, feeds: map[*endpoint]feeds{}, created: map[string]int64{}}
 
-	// Endpoints: one per URL, the first entry's settings, the largest
-	// max_model_len.
+	specOf, err := g.buildEndpoints(ctx, cfg, prev, st, pl)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := g.buildScrapes(st, prev, specOf, pl); err != nil {
+		return nil, nil, err
+	}
+	models, err := g.buildPools(cfg, prev, st, specOf, pl)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := g.buildKVFeeds(st, prev, specOf, pl); err != nil {
+		return nil, nil, err
+	}
+
+	// The names served (models and aliases), GET /v1/models, then the
+	// keys (whose lists are filtered from it).
+	if st.targets, err = buildTargets(st.pools, cfg.Aliases); err != nil {
+		return nil, nil, err
+	}
+	if err := buildModelList(st, prev, models, cfg.Aliases); err != nil {
+		return nil, nil, err
+	}
+	if st.keys, pl.limits, err = buildKeys(cfg, prev, st.targets, st.modelsBody, &g.keyUsage); err != nil {
+		return nil, nil, err
+	}
+	if prev.pools != nil {
+		pl.keysAdded, pl.keysRemoved, pl.keysChanged = keyChanges(prev.keys, st.keys)
+		pl.authSwitched = (prev.keys == nil) != (st.keys == nil)
+		pl.aliasesChanged = !reflect.DeepEqual(prev.cfg.Aliases, cfg.Aliases)
+	}
+	return st, pl, nil
+}
+
+// buildEndpoints makes st's endpoints, one per URL (the first entry's
+// settings, the largest max_model_len): those prev has are kept, their
+// spec remade in pl when their configuration or credentials changed; new
+// ones are probed and their capacity discovered, concurrently. It records
+// in pl the endpoints added, changed and removed, and returns the spec of
+// an endpoint as the new state will have it.
+func (g *Gateway) buildEndpoints(ctx context.Context, cfg Config, prev *state, st *state, pl *plan) (func(*endpoint) *endpointSpec, error) {
 	var urls []string
 	want := map[string]*EndpointConfig{}
 	for _, ec := range cfg.Endpoints {
@@ -355,13 +394,13 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 		// environment applies at the reload.
 		hdr, err := endpointHeader(*want[base], os.LookupEnv)
 		if err != nil {
-			return nil, nil, fmt.Errorf("endpoint %s: %w", base, err)
+			return nil, fmt.Errorf("endpoint %s: %w", base, err)
 		}
 		ep := inForce[base]
 		switch {
 		case ep == nil:
 			if ep, err = newEndpoint(base); err != nil {
-				return nil, nil, err
+				return nil, err
 			}
 			pl.added = append(pl.added, ep)
 			jobs = append(jobs, job{ep: ep, header: hdr})
@@ -406,15 +445,20 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 			pl.removed = append(pl.removed, ep)
 		}
 	}
+	return specOf, nil
+}
 
-	// Scrapes: kept while what they scrape is the same.
+// buildScrapes gives every endpoint of st its metrics scrape: prev's,
+// kept while what it scrapes is the same, else a new one (started, and the
+// old one stopped, at commit through pl).
+func (g *Gateway) buildScrapes(st, prev *state, specOf func(*endpoint) *endpointSpec, pl *plan) error {
 	for _, ep := range st.endpoints {
 		spec, old := specOf(ep), prev.feeds[ep].scrape
 		f := old
 		if old == nil || spec.metricsURL == "" || g.cfg.ScrapeInterval < 0 || !old.scrapes(scrapeOf(ep, spec)) {
 			var err error
 			if f, err = g.newScrapeFeed(ep, spec); err != nil {
-				return nil, nil, err
+				return err
 			}
 			if old != nil {
 				pl.stop = append(pl.stop, &old.loop)
@@ -425,8 +469,13 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 		}
 		st.feeds[ep] = feeds{scrape: f}
 	}
+	return nil
+}
 
-	// Pools, in order of first appearance.
+// buildPools makes st's pools, one per model in order of first appearance
+// in cfg.Endpoints (buildPool), records in pl which succeed which and the
+// models added and gone, and returns the models in that order.
+func (g *Gateway) buildPools(cfg Config, prev *state, st *state, specOf func(*endpoint) *endpointSpec, pl *plan) ([]string, error) {
 	routing := cfg.Routing
 	routingChanged := prev.pools == nil || !reflect.DeepEqual(prev.cfg.Routing, routing)
 	blockChanged := prev.pools == nil || prev.cfg.Routing.Prefix.BlockSize != routing.Prefix.BlockSize
@@ -447,7 +496,7 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 	for _, model := range models {
 		p, err := g.buildPool(model, members[model], prev.pools[model], cfg, routingChanged, blockChanged, specOf, st, pl)
 		if err != nil {
-			return nil, nil, err
+			return nil, err
 		}
 		st.pools[model] = p
 		if old := prev.pools[model]; old != nil {
@@ -463,17 +512,13 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 		}
 	}
 	slices.Sort(pl.modelsGone)
+	return models, nil
+}
 
-	if err := g.buildKVFeeds(st, prev, specOf, pl); err != nil {
-		return nil, nil, err
-	}
-
-	// The names served (models and aliases), GET /v1/models, then the
-	// keys (whose lists are filtered from it).
-	var err error
-	if st.targets, err = buildTargets(st.pools, cfg.Aliases); err != nil {
-		return nil, nil, err
-	}
+// buildModelList sets st's GET /v1/models answers: the list (models in
+// order, then aliases, sorted by id) and each model's own, keeping the
+// creation times prev gave them.
+func buildModelList(st, prev *state, models []string, aliases map[string][]string) error {
 	list := openai.ModelList{Object: openai.ObjectList, Data: make([]openai.Model, len(models))}
 	now := time.Now().Unix()
 	for i, model := range models {
@@ -484,28 +529,21 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 		st.created[model] = created
 		list.Data[i] = openai.Model{ID: model, Object: openai.ObjectModel, Created: created, OwnedBy: "infergate", Root: model}
 	}
-	list.Data = append(list.Data, aliasModels(cfg.Aliases, st.created, prev.created, now)...)
+	list.Data = append(list.Data, aliasModels(aliases, st.created, prev.created, now)...)
 	slices.SortFunc(list.Data, func(a, b openai.Model) int { return strings.Compare(a.ID, b.ID) })
 	st.modelBodies = make(map[string][]byte, len(list.Data))
 	for _, m := range list.Data {
 		b, err := json.Marshal(m)
 		if err != nil {
-			return nil, nil, fmt.Errorf("gateway: encode model %q: %w", m.ID, err)
+			return fmt.Errorf("gateway: encode model %q: %w", m.ID, err)
 		}
 		st.modelBodies[m.ID] = b
 	}
+	var err error
 	if st.modelsBody, err = json.Marshal(list); err != nil {
-		return nil, nil, fmt.Errorf("gateway: encode model list: %w", err)
+		return fmt.Errorf("gateway: encode model list: %w", err)
 	}
-	if st.keys, pl.limits, err = buildKeys(cfg, prev, st.targets, st.modelsBody, &g.keyUsage); err != nil {
-		return nil, nil, err
-	}
-	if prev.pools != nil {
-		pl.keysAdded, pl.keysRemoved, pl.keysChanged = keyChanges(prev.keys, st.keys)
-		pl.authSwitched = (prev.keys == nil) != (st.keys == nil)
-		pl.aliasesChanged = !reflect.DeepEqual(prev.cfg.Aliases, cfg.Aliases)
-	}
-	return st, pl, nil
+	return nil
 }
 
 // newEndpoint returns the endpoint of a base URL, its spec not yet set.
@@ -584,157 +622,34 @@ func (g *Gateway) makeSpec(ctx context.Context, ep *endpoint, w *EndpointConfig,
 }
 
 // buildPool makes model's pool of endpoints eps (configuration order),
-// reusing old (the model's pool in force, or nil) where it can.
+// reusing old (the model's pool in force, or nil) where it can: its slots,
+// its admission gate and retry budget, its precise index unless the block
+// size changed, its policy unless routing changed (the slots that changed
+// are told to forget or resize in pl).
 func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config, routingChanged, blockChanged bool,
 	specOf func(*endpoint) *endpointSpec, st *state, pl *plan) (*pool, error) {
-	block := cfg.Routing.Prefix.BlockSize
-	p := &pool{model: model, blockSize: block, seed: prefix.Seed(model + "\x00"),
+	p := &pool{model: model, blockSize: cfg.Routing.Prefix.BlockSize, seed: prefix.Seed(model + "\x00"),
 		maxRequests: cfg.CircuitBreaker.MaxRequests, gate: g.newGate(model), budget: &retryBudget{}}
-
-	// Slots: an endpoint keeps its own; the new ones take the free ones
-	// first (forgotten first), then new slots.
 	var forget []int
 	if old == nil {
 		p.endpoints = slices.Clone(eps)
 	} else {
 		p.gate, p.budget = old.gate, old.budget
-		p.endpoints = slices.Clone(old.endpoints)
-		stays := map[*endpoint]bool{}
-		for _, ep := range eps {
-			stays[ep] = true
-		}
-		placed := map[*endpoint]bool{}
-		for i, ep := range p.endpoints {
-			switch {
-			case ep == vacant:
-			case stays[ep]:
-				placed[ep] = true
-			default:
-				p.endpoints[i] = vacant
-				forget = append(forget, i)
-			}
-		}
-		free := 0
-		for _, ep := range eps {
-			if placed[ep] {
-				continue
-			}
-			for free < len(p.endpoints) && p.endpoints[free] != vacant {
-				free++
-			}
-			if free == len(p.endpoints) {
-				p.endpoints = append(p.endpoints, vacant)
-			}
-			p.endpoints[free] = ep
-			forget = append(forget, free)
-		}
-		for len(p.endpoints) > 0 && p.endpoints[len(p.endpoints)-1] == vacant {
-			p.endpoints = p.endpoints[:len(p.endpoints)-1]
-		}
-		if len(p.endpoints) > prefix.MaxEndpoints {
-			// Only a policy without per-slot state serves this many
-			// (Validate): the slots may be renumbered.
-			p.endpoints = slices.DeleteFunc(p.endpoints, func(ep *endpoint) bool { return ep == vacant })
-		}
-		slices.Sort(forget)
-		forget = slices.Compact(forget)
+		p.endpoints, forget = reslotted(old.endpoints, eps)
 	}
-	n := len(p.endpoints)
-	p.capacity, p.routes, p.scrapes = make([]int, n), make([]*routeMetrics, n), make([]*scrapeFeed, n)
-	pcap := make([]int, n)
-	var live []*endpoint
-	for i, ep := range p.endpoints {
-		p.capacity[i] = 1
-		if ep == vacant {
-			continue
-		}
-		live = append(live, ep)
-		spec := specOf(ep)
-		p.capacity[i] = max(1, spec.kvBlocks*spec.blockSize/block)
-		if spec.kvEvents != nil {
-			// The engine's blocks in all its tiers bound what the index
-			// holds of it (its events may announce more: lost removals,
-			// a broken or hostile engine).
-			pcap[i] = p.capacity[i] + spec.kvEvents.OffloadBlocks
-		}
-		p.maxModelLen = max(p.maxModelLen, spec.maxModelLen) // a bound wherever the request goes
-		p.scrapes[i] = st.feeds[ep].scrape
-		p.scraped = p.scraped || p.scrapes[i] != nil
-	}
-	p.live = len(live)
 	reslot := func(i int) bool { return slices.Contains(forget, i) }
+	live, pcap := p.size(specOf, st)
 
 	// The precise index: every endpoint publishes KV events.
 	if allKVEvents(p.endpoints, specOf) {
-		if old != nil && old.precise != nil && !blockChanged {
-			p.precise = old.precise
-			for i := range max(n, len(old.endpoints)) {
-				switch {
-				case i >= n || p.endpoints[i] == vacant:
-					if reslot(i) {
-						pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: i, forget: true, cap: -1})
-					}
-				case reslot(i) || i >= len(old.pcap) || pcap[i] != old.pcap[i]:
-					pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: i, forget: reslot(i), cap: pcap[i]})
-				}
-			}
-		} else {
-			if n > prefix.MaxEndpoints {
-				return nil, fmt.Errorf("precise prefix index for model %q: %d endpoints, at most %d", model, n, prefix.MaxEndpoints)
-			}
-			var err error
-			if p.precise, err = prefix.NewPreciseIndex(prefix.MaxEndpoints, block); err != nil {
-				return nil, fmt.Errorf("precise prefix index for model %q: %w", model, err)
-			}
-			for i := range n {
-				p.precise.SetCapacity(i, pcap[i])
-			}
+		if err := p.buildPrecise(old, pcap, blockChanged, reslot, pl); err != nil {
+			return nil, err
 		}
 		p.precisePolicy = sched.UsesPrecise(cfg.Routing)
 	}
 	p.pcap = pcap
-
-	// The policy: kept unless routing changed, or it scores with a
-	// precise index that is not the one it was built with.
-	keep := old != nil && !routingChanged && n <= old.policySlots &&
-		(p.precise == old.precise || !sched.UsesPrecise(cfg.Routing))
-	if keep {
-		p.policy, p.policySlots = old.policy, old.policySlots
-		_, forgets := p.policy.(sched.Forgetter)
-		_, resizes := p.policy.(sched.Resizer)
-		for i := range max(n, len(old.endpoints)) {
-			switch {
-			case i >= n || p.endpoints[i] == vacant:
-				if reslot(i) && forgets {
-					pl.slots = append(pl.slots, slotOp{policy: p.policy, slot: i, forget: true, cap: -1})
-				}
-			case reslot(i) || i >= len(old.capacity) || p.capacity[i] != old.capacity[i]:
-				if forgets || resizes {
-					c := -1
-					if resizes {
-						c = p.capacity[i]
-					}
-					pl.slots = append(pl.slots, slotOp{policy: p.policy, slot: i, forget: reslot(i) && forgets, cap: c})
-				}
-			}
-		}
-	} else {
-		// Built with prefix.MaxEndpoints slots: endpoints added later
-		// take free ones without a rebuild.
-		p.policySlots = max(n, prefix.MaxEndpoints)
-		capacity := make([]int, p.policySlots)
-		for i := range capacity {
-			capacity[i] = 1
-		}
-		copy(capacity, p.capacity)
-		sp := sched.Pool{Capacity: capacity}
-		if p.precise != nil {
-			sp.Precise = p.precise.On(prefix.MediumGPU)
-		}
-		var err error
-		if p.policy, err = sched.NewPolicy(cfg.Routing, sp); err != nil {
-			return nil, fmt.Errorf("routing policy for model %q: %w", model, err)
-		}
+	if err := p.buildPolicy(old, cfg.Routing, routingChanged, reslot, pl); err != nil {
+		return nil, err
 	}
 	policyName := p.policy.Name()
 	p.none = g.metrics.route(model, "", policyName)
@@ -756,6 +671,164 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 	}
 	pl.gates = append(pl.gates, gateSet{a: p.gate, eps: live, limit: cfg.CircuitBreaker.MaxRequests, cfg: cfg.Admission, early: old == nil})
 	return p, nil
+}
+
+// reslotted returns the slots of a pool that had olds and now has eps: an
+// endpoint keeps its own slot; the new ones take the free ones first
+// (forgotten first), then new slots; trailing vacant slots are dropped. It
+// also returns the sorted slots whose endpoint changed (to be forgotten by
+// the index and the policy).
+func reslotted(olds, eps []*endpoint) (slots []*endpoint, forget []int) {
+	slots = slices.Clone(olds)
+	stays := map[*endpoint]bool{}
+	for _, ep := range eps {
+		stays[ep] = true
+	}
+	placed := map[*endpoint]bool{}
+	for i, ep := range slots {
+		switch {
+		case ep == vacant:
+		case stays[ep]:
+			placed[ep] = true
+		default:
+			slots[i] = vacant
+			forget = append(forget, i)
+		}
+	}
+	free := 0
+	for _, ep := range eps {
+		if placed[ep] {
+			continue
+		}
+		for free < len(slots) && slots[free] != vacant {
+			free++
+		}
+		if free == len(slots) {
+			slots = append(slots, vacant)
+		}
+		slots[free] = ep
+		forget = append(forget, free)
+	}
+	for len(slots) > 0 && slots[len(slots)-1] == vacant {
+		slots = slots[:len(slots)-1]
+	}
+	if len(slots) > prefix.MaxEndpoints {
+		// Only a policy without per-slot state serves this many
+		// (Validate): the slots may be renumbered.
+		slots = slices.DeleteFunc(slots, func(ep *endpoint) bool { return ep == vacant })
+	}
+	slices.Sort(forget)
+	return slots, slices.Compact(forget)
+}
+
+// size sets p's per-slot capacity (prompt blocks of p's block size), route
+// and scrape slices, context length and scrape flag from its endpoints'
+// specs, and returns the live endpoints and each slot's bound for the
+// precise index (0 without KV events).
+func (p *pool) size(specOf func(*endpoint) *endpointSpec, st *state) (live []*endpoint, pcap []int) {
+	n := len(p.endpoints)
+	p.capacity, p.routes, p.scrapes = make([]int, n), make([]*routeMetrics, n), make([]*scrapeFeed, n)
+	pcap = make([]int, n)
+	for i, ep := range p.endpoints {
+		p.capacity[i] = 1
+		if ep == vacant {
+			continue
+		}
+		live = append(live, ep)
+		spec := specOf(ep)
+		p.capacity[i] = max(1, spec.kvBlocks*spec.blockSize/p.blockSize)
+		if spec.kvEvents != nil {
+			// The engine's blocks in all its tiers bound what the index
+			// holds of it (its events may announce more: lost removals,
+			// a broken or hostile engine).
+			pcap[i] = p.capacity[i] + spec.kvEvents.OffloadBlocks
+		}
+		p.maxModelLen = max(p.maxModelLen, spec.maxModelLen) // a bound wherever the request goes
+		p.scrapes[i] = st.feeds[ep].scrape
+		p.scraped = p.scraped || p.scrapes[i] != nil
+	}
+	p.live = len(live)
+	return live, pcap
+}
+
+// buildPrecise gives p its precise prefix index: old's, its changed slots
+// forgotten or re-bounded through pl, unless the block size changed; else
+// a new one bounded by pcap.
+func (p *pool) buildPrecise(old *pool, pcap []int, blockChanged bool, reslot func(int) bool, pl *plan) error {
+	n := len(p.endpoints)
+	if old != nil && old.precise != nil && !blockChanged {
+		p.precise = old.precise
+		for i := range max(n, len(old.endpoints)) {
+			switch {
+			case i >= n || p.endpoints[i] == vacant:
+				if reslot(i) {
+					pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: i, forget: true, cap: -1})
+				}
+			case reslot(i) || i >= len(old.pcap) || pcap[i] != old.pcap[i]:
+				pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: i, forget: reslot(i), cap: pcap[i]})
+			}
+		}
+		return nil
+	}
+	if n > prefix.MaxEndpoints {
+		return fmt.Errorf("precise prefix index for model %q: %d endpoints, at most %d", p.model, n, prefix.MaxEndpoints)
+	}
+	var err error
+	if p.precise, err = prefix.NewPreciseIndex(prefix.MaxEndpoints, p.blockSize); err != nil {
+		return fmt.Errorf("precise prefix index for model %q: %w", p.model, err)
+	}
+	for i := range n {
+		p.precise.SetCapacity(i, pcap[i])
+	}
+	return nil
+}
+
+// buildPolicy gives p its routing policy: old's, kept unless routing
+// changed or it scores with a precise index that is not the one it was
+// built with (its changed slots forgotten or resized through pl); else a
+// new one with prefix.MaxEndpoints slots, so that endpoints added later
+// take free ones without a rebuild.
+func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool, reslot func(int) bool, pl *plan) error {
+	n := len(p.endpoints)
+	keep := old != nil && !routingChanged && n <= old.policySlots &&
+		(p.precise == old.precise || !sched.UsesPrecise(routing))
+	if !keep {
+		p.policySlots = max(n, prefix.MaxEndpoints)
+		capacity := make([]int, p.policySlots)
+		for i := range capacity {
+			capacity[i] = 1
+		}
+		copy(capacity, p.capacity)
+		sp := sched.Pool{Capacity: capacity}
+		if p.precise != nil {
+			sp.Precise = p.precise.On(prefix.MediumGPU)
+		}
+		var err error
+		if p.policy, err = sched.NewPolicy(routing, sp); err != nil {
+			return fmt.Errorf("routing policy for model %q: %w", p.model, err)
+		}
+		return nil
+	}
+	p.policy, p.policySlots = old.policy, old.policySlots
+	_, forgets := p.policy.(sched.Forgetter)
+	_, resizes := p.policy.(sched.Resizer)
+	for i := range max(n, len(old.endpoints)) {
+		switch {
+		case i >= n || p.endpoints[i] == vacant:
+			if reslot(i) && forgets {
+				pl.slots = append(pl.slots, slotOp{policy: p.policy, slot: i, forget: true, cap: -1})
+			}
+		case reslot(i) || i >= len(old.capacity) || p.capacity[i] != old.capacity[i]:
+			if forgets || resizes {
+				c := -1
+				if resizes {
+					c = p.capacity[i]
+				}
+				pl.slots = append(pl.slots, slotOp{policy: p.policy, slot: i, forget: reslot(i) && forgets, cap: c})
+			}
+		}
+	}
+	return nil
 }
 
 // buildKVFeeds gives every endpoint that feeds a precise index its KV-event
