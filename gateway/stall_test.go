@@ -275,7 +275,10 @@ func TestStalledEndpointEjected(t *testing.T) {
 	urls = append(urls, stalled.URL())
 	const stalledIdx = 3
 	cfg := stallConfig(DefaultPolicy, urls...)
-	cfg.Outlier.ConsecutiveErrors = 3
+	// Two failures eject it: how many of the first concurrent requests
+	// land there before the prefix's later ones go elsewhere depends on
+	// timing (2 of them at load 6 once, when this asked for 3).
+	cfg.Outlier.ConsecutiveErrors = 2
 	// Every request held there fails at once: let all of them retry (the
 	// default budget, 20% of those in flight, answers the rest 504).
 	cfg.Retry.BudgetPercent = 100
