@@ -520,8 +520,8 @@ const (
 // ErrTooLarge is returned when a metrics page exceeds ScrapeConfig.MaxBytes.
 var ErrTooLarge = errors.New("metrics page too large")
 
-// Endpoint is an engine whose metrics a Scraper polls.
-type Endpoint struct {
+// Target is an engine whose metrics a Scraper polls (a scrape target).
+type Target struct {
 	// URL is the engine's base URL, e.g. "http://10.0.0.7:8000".
 	URL string
 	// Kind is the engine kind; its MetricsPath is appended to URL.
@@ -549,7 +549,7 @@ type ScrapeConfig struct {
 	// Client sends the GETs. Default: a client of the Scraper's own with
 	// keep-alive connections, closed when Run returns, that follows no
 	// redirect (noRedirects). A client given here should not either: the
-	// engine's credentials (Endpoint.Header) would go with it.
+	// engine's credentials (Target.Header) would go with it.
 	Client *http.Client
 }
 
@@ -557,7 +557,7 @@ type ScrapeConfig struct {
 // the latest Load of each. Run drives it; Latest and Err may be called from
 // any goroutine at any time.
 type Scraper struct {
-	eps      []Endpoint
+	eps      []Target
 	urls     []string // metrics URL per endpoint, "" when it has none
 	states   []atomic.Pointer[scrapeResult]
 	cfg      ScrapeConfig
@@ -576,7 +576,7 @@ type scrapeResult struct {
 // NewScraper returns a Scraper of eps (endpoint i is index i in Latest).
 // Endpoints whose kind has no metrics page (Ollama) are kept but never
 // scraped; their Err is ErrNoMetrics.
-func NewScraper(eps []Endpoint, cfg ScrapeConfig) (*Scraper, error) {
+func NewScraper(eps []Target, cfg ScrapeConfig) (*Scraper, error) {
 	if cfg.Interval <= 0 {
 		cfg.Interval = DefaultScrapeInterval
 	}
@@ -590,7 +590,7 @@ func NewScraper(eps []Endpoint, cfg ScrapeConfig) (*Scraper, error) {
 		cfg.Concurrency = DefaultScrapeConcurrency
 	}
 	s := &Scraper{
-		eps:    append([]Endpoint(nil), eps...),
+		eps:    append([]Target(nil), eps...),
 		urls:   make([]string, len(eps)),
 		states: make([]atomic.Pointer[scrapeResult], len(eps)),
 		now:    time.Now,

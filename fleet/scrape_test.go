@@ -415,10 +415,10 @@ func pageServer(t *testing.T, page []byte) (*httptest.Server, *atomic.Int64) {
 }
 
 func TestScraperPages(t *testing.T) {
-	var eps []Endpoint
+	var eps []Target
 	for _, tc := range pageCases {
 		srv, _ := pageServer(t, readPage(t, tc.file))
-		eps = append(eps, Endpoint{URL: srv.URL + "/", Kind: tc.kind})
+		eps = append(eps, Target{URL: srv.URL + "/", Kind: tc.kind})
 	}
 	s, err := NewScraper(eps, ScrapeConfig{Interval: time.Minute, Timeout: 5 * time.Second})
 	if err != nil {
@@ -472,7 +472,7 @@ func TestScraperErrors(t *testing.T) {
 	page := readPage(t, "tgi.txt")
 	exact, _ := pageServer(t, page)
 
-	eps := []Endpoint{
+	eps := []Target{
 		{URL: good.URL, Kind: TGI},
 		{URL: hang.URL, Kind: TGI},
 		{URL: fail.URL, Kind: TGI},
@@ -525,7 +525,7 @@ func TestScraperStaleness(t *testing.T) {
 		_, _ = w.Write(page)
 	}))
 	defer srv.Close()
-	s, err := NewScraper([]Endpoint{{URL: srv.URL, Kind: LlamaCpp}}, ScrapeConfig{Interval: time.Second})
+	s, err := NewScraper([]Target{{URL: srv.URL, Kind: LlamaCpp}}, ScrapeConfig{Interval: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -572,7 +572,7 @@ func TestScraperMetricsURL(t *testing.T) {
 		_, _ = w.Write(page)
 	}))
 	defer srv.Close()
-	s, err := NewScraper([]Endpoint{
+	s, err := NewScraper([]Target{
 		{URL: srv.URL, Kind: LlamaCpp, MetricsURL: srv.URL + "/metrics?model=qwen"},
 		{URL: srv.URL, Kind: LlamaCpp},
 	}, ScrapeConfig{})
@@ -589,19 +589,19 @@ func TestScraperMetricsURL(t *testing.T) {
 }
 
 func TestNewScraperErrors(t *testing.T) {
-	for _, ep := range []Endpoint{
+	for _, ep := range []Target{
 		{URL: "http://a:1", Kind: "trtllm"},
 		{URL: "", Kind: VLLM},
 		{URL: "localhost:8000", Kind: VLLM},
 		{URL: "ftp://a/", Kind: VLLM},
 		{URL: "http://a:1", Kind: VLLM, MetricsURL: "http://%zz"},
 	} {
-		if _, err := NewScraper([]Endpoint{ep}, ScrapeConfig{}); err == nil {
+		if _, err := NewScraper([]Target{ep}, ScrapeConfig{}); err == nil {
 			t.Errorf("%+v accepted", ep)
 		}
 	}
 	// An Ollama endpoint needs no URL that parses: it is never scraped.
-	if _, err := NewScraper([]Endpoint{{URL: "", Kind: Ollama}}, ScrapeConfig{}); err != nil {
+	if _, err := NewScraper([]Target{{URL: "", Kind: Ollama}}, ScrapeConfig{}); err != nil {
 		t.Error(err)
 	}
 }
@@ -618,9 +618,9 @@ func TestScraperConcurrency(t *testing.T) {
 		_, _ = w.Write(page)
 	}))
 	defer srv.Close()
-	eps := make([]Endpoint, 8)
+	eps := make([]Target, 8)
 	for i := range eps {
-		eps[i] = Endpoint{URL: srv.URL, Kind: TGI}
+		eps[i] = Target{URL: srv.URL, Kind: TGI}
 	}
 	s, err := NewScraper(eps, ScrapeConfig{Concurrency: 2})
 	if err != nil {
@@ -649,7 +649,7 @@ func TestScraperRunStops(t *testing.T) {
 			<-r.Context().Done()
 		}))
 		defer hang.Close()
-		s, err := NewScraper([]Endpoint{
+		s, err := NewScraper([]Target{
 			{URL: good.URL, Kind: VLLM},
 			{URL: hang.URL, Kind: VLLM},
 			{URL: good.URL, Kind: Ollama},
@@ -730,7 +730,7 @@ func TestScraperFollowsNoRedirect(t *testing.T) {
 		hostile := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			http.Redirect(w, r, thief.URL+"/metrics", code)
 		}))
-		s, err := NewScraper([]Endpoint{{URL: hostile.URL, Kind: VLLM, Header: http.Header{"Api-Key": {"engine-secret"}}}},
+		s, err := NewScraper([]Target{{URL: hostile.URL, Kind: VLLM, Header: http.Header{"Api-Key": {"engine-secret"}}}},
 			ScrapeConfig{Interval: time.Minute, Timeout: 5 * time.Second})
 		if err != nil {
 			t.Fatal(err)

@@ -46,7 +46,7 @@ func (l *loop) start(g *Gateway, f func(ctx context.Context)) {
 type scrapeFeed struct {
 	loop
 	s    *fleet.Scraper
-	from fleet.Endpoint // what it scrapes, to tell at a reload whether it changed
+	from fleet.Target // what it scrapes, to tell at a reload whether it changed
 }
 
 // newScrapeFeed returns the scrape of an endpoint whose kind has a metrics
@@ -56,7 +56,7 @@ func (g *Gateway) newScrapeFeed(ep *endpoint, spec *endpointSpec) (*scrapeFeed, 
 		return nil, nil
 	}
 	from := scrapeOf(ep, spec)
-	s, err := fleet.NewScraper([]fleet.Endpoint{from},
+	s, err := fleet.NewScraper([]fleet.Target{from},
 		fleet.ScrapeConfig{Interval: g.cfg.ScrapeInterval, Timeout: min(g.cfg.ScrapeInterval, g.cfg.HealthCheckTimeout)})
 	if err != nil {
 		return nil, fmt.Errorf("gateway: %w", err)
@@ -68,12 +68,12 @@ func (f *scrapeFeed) run(g *Gateway) { f.start(g, f.s.Run) }
 
 // scrapeOf is what an endpoint's scrape reads under spec: its metrics page,
 // with its credentials and configured headers.
-func scrapeOf(ep *endpoint, spec *endpointSpec) fleet.Endpoint {
-	return fleet.Endpoint{URL: ep.base, Kind: spec.kind, MetricsURL: spec.metricsURL, Header: spec.header}
+func scrapeOf(ep *endpoint, spec *endpointSpec) fleet.Target {
+	return fleet.Target{URL: ep.base, Kind: spec.kind, MetricsURL: spec.metricsURL, Header: spec.header}
 }
 
 // scrapes reports whether f scrapes what e says (a reload keeps it then).
-func (f *scrapeFeed) scrapes(e fleet.Endpoint) bool {
+func (f *scrapeFeed) scrapes(e fleet.Target) bool {
 	return f.from.URL == e.URL && f.from.Kind == e.Kind && f.from.MetricsURL == e.MetricsURL && sameHeader(f.from.Header, e.Header)
 }
 
