@@ -3,6 +3,7 @@ package gateway
 import (
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -261,4 +262,43 @@ func (g *Gateway) setupResilience(reg prometheus.Registerer) error {
 	}
 	g.res = m
 	return nil
+}
+
+// reloadMetrics count reloads, as Prometheus and Alertmanager name theirs.
+type reloadMetrics struct {
+	success, failure prometheus.Counter
+	lastSuccess      prometheus.Gauge // unix seconds
+	lastOK           prometheus.Gauge // 1 or 0
+}
+
+func newReloadMetrics(reg prometheus.Registerer) (*reloadMetrics, error) {
+	total := prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "config_reloads_total",
+		Help: "Configuration reloads (SIGHUP) by result: success, or failure (the new configuration was refused; the one in force stays)."},
+		[]string{"result"})
+	m := &reloadMetrics{
+		success: total.WithLabelValues("success"),
+		failure: total.WithLabelValues("failure"),
+		lastSuccess: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "infergate", Name: "config_last_reload_success_timestamp_seconds",
+			Help: "When the configuration in force was loaded: at start or by the last successful reload (unix seconds)."}),
+		lastOK: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "infergate", Name: "config_last_reload_successful",
+			Help: "1 if the last configuration load (start or reload) succeeded, 0 if the last reload was refused."}),
+	}
+	for _, c := range []prometheus.Collector{total, m.lastSuccess, m.lastOK} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("gateway: register reload metrics: %w", err)
+		}
+	}
+	return m, nil
+}
+
+// succeeded records a successful load at now (start or reload). A start is
+// not counted in config_reloads_total.
+func (m *reloadMetrics) succeeded(now time.Time) {
+	m.lastSuccess.Set(float64(now.UnixNano()) / 1e9)
+	m.lastOK.Set(1)
+}
+
+func (m *reloadMetrics) failed() {
+	m.failure.Inc()
+	m.lastOK.Set(0)
 }

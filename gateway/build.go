@@ -1,0 +1,652 @@
+package gateway
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"net/http"
+	"net/url"
+	"os"
+	"reflect"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sched"
+)
+
+// Building the state of a configuration, beside the one in force (the
+// reload as a whole: reload.go): its endpoints, scrapes, pools, precise
+// indexes and KV-event feeds, model list and keys. Nothing here is seen by
+// a request until commit.go publishes it.
+
+// build makes the state of cfg (defaulted and validated), reusing what prev
+// (the state in force; nil at New) has of it, and the plan that publishes
+// it. It changes nothing prev can see: new endpoints are probed (and their
+// capacity discovered) here, everything shared waits for commit. An error
+// refuses the configuration.
+func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *plan, error) {
+	if prev == nil {
+		prev = &state{}
+	}
+	pl := &plan{specs: map[*endpoint]*endpointSpec{}, succ: map[*pool]*pool{}, feedSets: map[*kvFeed]feedSet{},
+		creds: map[*endpoint]credentialsCheck{}}
+	st := &state{cfg: cfg, pools: map[string]*pool{}, feeds: map[*endpoint]feeds{}, created: map[string]int64{}}
+
+	specOf, err := g.buildEndpoints(ctx, cfg, prev, st, pl)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := g.buildScrapes(st, prev, specOf, pl); err != nil {
+		return nil, nil, err
+	}
+	models, err := g.buildPools(cfg, prev, st, specOf, pl)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := g.buildKVFeeds(st, prev, specOf, pl); err != nil {
+		return nil, nil, err
+	}
+
+	// The names served (models and aliases), GET /v1/models, then the
+	// keys (whose lists are filtered from it).
+	if st.targets, err = buildTargets(st.pools, cfg.Aliases); err != nil {
+		return nil, nil, err
+	}
+	if err := buildModelList(st, prev, models, cfg.Aliases); err != nil {
+		return nil, nil, err
+	}
+	if st.keys, pl.limits, err = buildKeys(cfg, prev, st.targets, st.modelsBody, &g.keyUsage); err != nil {
+		return nil, nil, err
+	}
+	if prev.pools != nil {
+		pl.keysAdded, pl.keysRemoved, pl.keysChanged = keyChanges(prev.keys, st.keys)
+		pl.authSwitched = (prev.keys == nil) != (st.keys == nil)
+		pl.aliasesChanged = !reflect.DeepEqual(prev.cfg.Aliases, cfg.Aliases)
+	}
+	return st, pl, nil
+}
+
+// buildEndpoints makes st's endpoints, one per URL (the first entry's
+// settings, the largest max_model_len): those prev has are kept, their
+// spec remade in pl when their configuration or credentials changed; new
+// ones are probed and their capacity discovered, concurrently. It records
+// in pl the endpoints added, changed and removed, and returns the spec of
+// an endpoint as the new state will have it.
+func (g *Gateway) buildEndpoints(ctx context.Context, cfg Config, prev *state, st *state, pl *plan) (func(*endpoint) *endpointSpec, error) {
+	var urls []string
+	want := map[string]*EndpointConfig{}
+	for _, ec := range cfg.Endpoints {
+		base, _ := normalizeURL(ec.URL) // validated
+		if w := want[base]; w != nil {
+			w.MaxModelLen = max(w.MaxModelLen, ec.MaxModelLen)
+			continue
+		}
+		w := ec
+		w.URL, w.Model = base, ""
+		want[base] = &w
+		urls = append(urls, base)
+	}
+	inForce := map[string]*endpoint{}
+	for _, ep := range prev.endpoints {
+		inForce[ep.name] = ep
+	}
+	type job struct {
+		ep     *endpoint
+		header http.Header
+		old    *endpointSpec // nil for a new endpoint
+	}
+	var jobs []job
+	for _, base := range urls {
+		// The credentials, api_key_env read now: a key rotated in the
+		// environment applies at the reload.
+		hdr, err := endpointHeader(*want[base], os.LookupEnv)
+		if err != nil {
+			return nil, fmt.Errorf("endpoint %s: %w", base, err)
+		}
+		ep := inForce[base]
+		switch {
+		case ep == nil:
+			if ep, err = newEndpoint(base); err != nil {
+				return nil, err
+			}
+			pl.added = append(pl.added, ep)
+			jobs = append(jobs, job{ep: ep, header: hdr})
+		case !reflect.DeepEqual(ep.spec.Load().cfg, *want[base]) || !sameHeader(ep.spec.Load().header, hdr):
+			jobs = append(jobs, job{ep: ep, header: hdr, old: ep.spec.Load()})
+			pl.changed = append(pl.changed, base)
+		}
+		st.endpoints = append(st.endpoints, ep)
+	}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, j := range jobs {
+		wg.Go(func() {
+			spec, cc, checked := g.makeSpec(ctx, j.ep, want[j.ep.name], j.header, j.old)
+			mu.Lock()
+			if checked {
+				pl.creds[j.ep] = cc
+			}
+			if j.old != nil {
+				pl.specs[j.ep] = spec
+			}
+			mu.Unlock()
+			if j.old == nil {
+				j.ep.spec.Store(spec) // a new endpoint: nobody else sees it yet
+				g.checkHealth(ctx, j.ep)
+			}
+		})
+	}
+	wg.Wait()
+	specOf := func(ep *endpoint) *endpointSpec {
+		if s := pl.specs[ep]; s != nil {
+			return s
+		}
+		return ep.spec.Load()
+	}
+	configured := map[*endpoint]bool{}
+	for _, ep := range st.endpoints {
+		configured[ep] = true
+	}
+	for _, ep := range prev.endpoints {
+		if !configured[ep] {
+			pl.removed = append(pl.removed, ep)
+		}
+	}
+	return specOf, nil
+}
+
+// newEndpoint returns the endpoint of a base URL, its spec not yet set.
+func newEndpoint(base string) (*endpoint, error) {
+	ep := &endpoint{name: base, base: base, servedBy: []string{base}, done: make(chan struct{})}
+	for kind := range apiKind(numPathKinds) {
+		u, err := url.Parse(base + kind.path())
+		if err != nil {
+			return nil, fmt.Errorf("endpoint %s: %w", base, err)
+		}
+		ep.urls[kind] = u
+	}
+	return ep, nil
+}
+
+// makeSpec is the spec of ep's configuration w with header (its
+// credentials and configured headers: endpointHeader): capacity and context
+// length discovered from the engine where w has 0, unless old (the spec in
+// force) has them discovered already. The engine's reads are sent with
+// header; cc is what they told of it, checked false when nothing did: a
+// new endpoint's discovery reads (401/403: refused), and, when the
+// credentials changed, GET /v1/models (which vLLM's --api-key guards) and
+// the discovery reads again, sent with the new ones.
+func (g *Gateway) makeSpec(ctx context.Context, ep *endpoint, w *EndpointConfig, header http.Header, old *endpointSpec) (s *endpointSpec, cc credentialsCheck, checked bool) {
+	s = &endpointSpec{cfg: *w, kvBlocks: w.KVBlocks, blockSize: w.BlockSize, maxModelLen: w.MaxModelLen,
+		kind: w.Kind, healthPath: g.cfg.HealthCheckPath, kvEvents: w.KVEvents, header: header}
+	if s.healthPath == "" {
+		s.healthPath = w.Kind.Info().HealthPath
+	}
+	if mp := w.Kind.Info().MetricsPath; w.MetricsURL != "" {
+		s.metricsURL = w.MetricsURL
+	} else if mp != "" {
+		s.metricsURL = ep.base + mp
+	}
+	// With new credentials the reads are made again (those of the old
+	// ones may have been refused), a failed one keeping what was known.
+	newCreds := old != nil && !sameHeader(old.header, header)
+	if w.KVBlocks == 0 {
+		reuse := old != nil && old.cfg.KVBlocks == 0 && old.cfg.BlockSize == w.BlockSize
+		if reuse {
+			s.kvBlocks, s.blockSize = old.kvBlocks, old.blockSize
+		} else {
+			s.kvBlocks = DefaultKVBlocks
+		}
+		if !reuse || newCreds {
+			c, err := g.prober.CacheConfig(ctx, ep.base, header)
+			if err == nil {
+				s.kvBlocks, s.blockSize = c.NumGPUBlocks, c.BlockSize
+			}
+			cc.note(err)
+			checked = true
+		}
+	}
+	reuse := w.MaxModelLen == 0 && old != nil && old.cfg.MaxModelLen == 0
+	switch {
+	case reuse:
+		s.maxModelLen = old.maxModelLen
+	case w.MaxModelLen == 0:
+		s.maxModelLen = DefaultMaxModelLen
+	}
+	if (w.MaxModelLen == 0 && !reuse) || newCreds {
+		// GET /v1/models, which vLLM's --api-key guards: the check of new
+		// credentials even when max_model_len is configured.
+		n, err := g.prober.MaxModelLen(ctx, ep.base, header)
+		if err == nil && w.MaxModelLen == 0 {
+			s.maxModelLen = n
+		}
+		cc.note(err)
+		cc.accepted = newCreds && err == nil
+		checked = true
+	}
+	if cc.refused != 0 {
+		cc.accepted = false
+	}
+	return s, cc, checked
+}
+
+// buildScrapes gives every endpoint of st its metrics scrape: prev's,
+// kept while what it scrapes is the same, else a new one (started, and the
+// old one stopped, at commit through pl).
+func (g *Gateway) buildScrapes(st, prev *state, specOf func(*endpoint) *endpointSpec, pl *plan) error {
+	for _, ep := range st.endpoints {
+		spec, old := specOf(ep), prev.feeds[ep].scrape
+		f := old
+		if old == nil || spec.metricsURL == "" || g.cfg.ScrapeInterval < 0 || !old.scrapes(scrapeOf(ep, spec)) {
+			var err error
+			if f, err = g.newScrapeFeed(ep, spec); err != nil {
+				return err
+			}
+			if old != nil {
+				pl.stop = append(pl.stop, &old.loop)
+			}
+			if f != nil {
+				pl.start = append(pl.start, func() { f.run(g) })
+			}
+		}
+		st.feeds[ep] = feeds{scrape: f}
+	}
+	return nil
+}
+
+// buildPools makes st's pools, one per model in order of first appearance
+// in cfg.Endpoints (buildPool), records in pl which succeed which and the
+// models added and gone, and returns the models in that order.
+func (g *Gateway) buildPools(cfg Config, prev *state, st *state, specOf func(*endpoint) *endpointSpec, pl *plan) ([]string, error) {
+	routing := cfg.Routing
+	routingChanged := prev.pools == nil || !reflect.DeepEqual(prev.cfg.Routing, routing)
+	blockChanged := prev.pools == nil || prev.cfg.Routing.Prefix.BlockSize != routing.Prefix.BlockSize
+	pl.policyReset = len(prev.pools) > 0 && routingChanged
+	var models []string
+	members := map[string][]*endpoint{}
+	byBase := make(map[string]*endpoint, len(st.endpoints))
+	for _, ep := range st.endpoints {
+		byBase[ep.name] = ep
+	}
+	for _, ec := range cfg.Endpoints {
+		base, _ := normalizeURL(ec.URL)
+		if members[ec.Model] == nil {
+			models = append(models, ec.Model)
+		}
+		members[ec.Model] = append(members[ec.Model], byBase[base])
+	}
+	for _, model := range models {
+		p, err := g.buildPool(model, members[model], prev.pools[model], cfg, routingChanged, blockChanged, specOf, st, pl)
+		if err != nil {
+			return nil, err
+		}
+		st.pools[model] = p
+		if old := prev.pools[model]; old != nil {
+			pl.succ[old] = p
+		} else if prev.pools != nil {
+			pl.modelsAdded = append(pl.modelsAdded, model)
+		}
+	}
+	for model, p := range prev.pools {
+		if st.pools[model] == nil {
+			pl.gone = append(pl.gone, p.gate)
+			pl.modelsGone = append(pl.modelsGone, model)
+		}
+	}
+	slices.Sort(pl.modelsGone)
+	return models, nil
+}
+
+// buildPool makes model's pool of endpoints eps (configuration order),
+// reusing old (the model's pool in force, or nil) where it can: its slots,
+// its admission gate and retry budget, its precise index unless the block
+// size changed, its policy unless routing changed (the slots that changed
+// are told to forget or resize in pl).
+func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config, routingChanged, blockChanged bool,
+	specOf func(*endpoint) *endpointSpec, st *state, pl *plan) (*pool, error) {
+	p := &pool{model: model, blockSize: cfg.Routing.Prefix.BlockSize, seed: prefix.Seed(model + "\x00"),
+		maxRequests: cfg.CircuitBreaker.MaxRequests, gate: g.newGate(model), budget: &retryBudget{}}
+	var forget []int
+	if old == nil {
+		p.endpoints = slices.Clone(eps)
+	} else {
+		p.gate, p.budget = old.gate, old.budget
+		p.endpoints, forget = reslotted(old.endpoints, eps)
+	}
+	reslot := func(i int) bool { return slices.Contains(forget, i) }
+	live, pcap := p.size(specOf, st)
+
+	// The precise index: every endpoint publishes KV events.
+	if allKVEvents(p.endpoints, specOf) {
+		if err := p.buildPrecise(old, pcap, blockChanged, reslot, pl); err != nil {
+			return nil, err
+		}
+		p.precisePolicy = sched.UsesPrecise(cfg.Routing)
+	}
+	p.pcap = pcap
+	if err := p.buildPolicy(old, cfg.Routing, routingChanged, reslot, pl); err != nil {
+		return nil, err
+	}
+	policyName := p.policy.Name()
+	p.none = g.metrics.route(model, "", policyName)
+	for i, ep := range p.endpoints {
+		p.routes[i] = p.none
+		if ep != vacant {
+			p.routes[i] = g.metrics.route(model, ep.name, policyName)
+		}
+	}
+	if p.policy.NeedsHashes() || p.precise != nil {
+		tok, err := prefix.NewTokenizer()
+		if err != nil {
+			return nil, fmt.Errorf("gateway: %w", err)
+		}
+		if g.segments == nil { // under reloadMu
+			g.segments = prefix.NewSegmentCache(tok, 0)
+		}
+		p.tokenizer, p.segments = tok, g.segments
+	}
+	pl.gates = append(pl.gates, gateSet{a: p.gate, eps: live, limit: cfg.CircuitBreaker.MaxRequests, cfg: cfg.Admission, early: old == nil})
+	return p, nil
+}
+
+// reslotted returns the slots of a pool that had olds and now has eps: an
+// endpoint keeps its own slot; the new ones take the free ones first
+// (forgotten first), then new slots; trailing vacant slots are dropped. It
+// also returns the sorted slots whose endpoint changed (to be forgotten by
+// the index and the policy).
+func reslotted(olds, eps []*endpoint) (slots []*endpoint, forget []int) {
+	slots = slices.Clone(olds)
+	stays := map[*endpoint]bool{}
+	for _, ep := range eps {
+		stays[ep] = true
+	}
+	placed := map[*endpoint]bool{}
+	for i, ep := range slots {
+		switch {
+		case ep == vacant:
+		case stays[ep]:
+			placed[ep] = true
+		default:
+			slots[i] = vacant
+			forget = append(forget, i)
+		}
+	}
+	free := 0
+	for _, ep := range eps {
+		if placed[ep] {
+			continue
+		}
+		for free < len(slots) && slots[free] != vacant {
+			free++
+		}
+		if free == len(slots) {
+			slots = append(slots, vacant)
+		}
+		slots[free] = ep
+		forget = append(forget, free)
+	}
+	for len(slots) > 0 && slots[len(slots)-1] == vacant {
+		slots = slots[:len(slots)-1]
+	}
+	if len(slots) > prefix.MaxEndpoints {
+		// Only a policy without per-slot state serves this many
+		// (Validate): the slots may be renumbered.
+		slots = slices.DeleteFunc(slots, func(ep *endpoint) bool { return ep == vacant })
+	}
+	slices.Sort(forget)
+	return slots, slices.Compact(forget)
+}
+
+// size sets p's per-slot capacity (prompt blocks of p's block size), route
+// and scrape slices, context length and scrape flag from its endpoints'
+// specs, and returns the live endpoints and each slot's bound for the
+// precise index (0 without KV events).
+func (p *pool) size(specOf func(*endpoint) *endpointSpec, st *state) (live []*endpoint, pcap []int) {
+	n := len(p.endpoints)
+	p.capacity, p.routes, p.scrapes = make([]int, n), make([]*routeMetrics, n), make([]*scrapeFeed, n)
+	pcap = make([]int, n)
+	for i, ep := range p.endpoints {
+		p.capacity[i] = 1
+		if ep == vacant {
+			continue
+		}
+		live = append(live, ep)
+		spec := specOf(ep)
+		p.capacity[i] = max(1, spec.kvBlocks*spec.blockSize/p.blockSize)
+		if spec.kvEvents != nil {
+			// The engine's blocks in all its tiers bound what the index
+			// holds of it (its events may announce more: lost removals,
+			// a broken or hostile engine).
+			pcap[i] = p.capacity[i] + spec.kvEvents.OffloadBlocks
+		}
+		p.maxModelLen = max(p.maxModelLen, spec.maxModelLen) // a bound wherever the request goes
+		p.scrapes[i] = st.feeds[ep].scrape
+		p.scraped = p.scraped || p.scrapes[i] != nil
+	}
+	p.live = len(live)
+	return live, pcap
+}
+
+// buildPrecise gives p its precise prefix index: old's, its changed slots
+// forgotten or re-bounded through pl, unless the block size changed; else
+// a new one bounded by pcap.
+func (p *pool) buildPrecise(old *pool, pcap []int, blockChanged bool, reslot func(int) bool, pl *plan) error {
+	n := len(p.endpoints)
+	if old != nil && old.precise != nil && !blockChanged {
+		p.precise = old.precise
+		for i := range max(n, len(old.endpoints)) {
+			switch {
+			case i >= n || p.endpoints[i] == vacant:
+				if reslot(i) {
+					pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: i, forget: true, cap: -1})
+				}
+			case reslot(i) || i >= len(old.pcap) || pcap[i] != old.pcap[i]:
+				pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: i, forget: reslot(i), cap: pcap[i]})
+			}
+		}
+		return nil
+	}
+	if n > prefix.MaxEndpoints {
+		return fmt.Errorf("precise prefix index for model %q: %d endpoints, at most %d", p.model, n, prefix.MaxEndpoints)
+	}
+	var err error
+	if p.precise, err = prefix.NewPreciseIndex(prefix.MaxEndpoints, p.blockSize); err != nil {
+		return fmt.Errorf("precise prefix index for model %q: %w", p.model, err)
+	}
+	for i := range n {
+		p.precise.SetCapacity(i, pcap[i])
+	}
+	return nil
+}
+
+// buildPolicy gives p its routing policy: old's, kept unless routing
+// changed or it scores with a precise index that is not the one it was
+// built with (its changed slots forgotten or resized through pl); else a
+// new one with prefix.MaxEndpoints slots, so that endpoints added later
+// take free ones without a rebuild.
+func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool, reslot func(int) bool, pl *plan) error {
+	n := len(p.endpoints)
+	keep := old != nil && !routingChanged && n <= old.policySlots &&
+		(p.precise == old.precise || !sched.UsesPrecise(routing))
+	if !keep {
+		p.policySlots = max(n, prefix.MaxEndpoints)
+		capacity := make([]int, p.policySlots)
+		for i := range capacity {
+			capacity[i] = 1
+		}
+		copy(capacity, p.capacity)
+		sp := sched.Pool{Capacity: capacity}
+		if p.precise != nil {
+			sp.Precise = p.precise.On(prefix.MediumGPU)
+		}
+		var err error
+		if p.policy, err = sched.NewPolicy(routing, sp); err != nil {
+			return fmt.Errorf("routing policy for model %q: %w", p.model, err)
+		}
+		return nil
+	}
+	p.policy, p.policySlots = old.policy, old.policySlots
+	_, forgets := p.policy.(sched.Forgetter)
+	_, resizes := p.policy.(sched.Resizer)
+	for i := range max(n, len(old.endpoints)) {
+		switch {
+		case i >= n || p.endpoints[i] == vacant:
+			if reslot(i) && forgets {
+				pl.slots = append(pl.slots, slotOp{policy: p.policy, slot: i, forget: true, cap: -1})
+			}
+		case reslot(i) || i >= len(old.capacity) || p.capacity[i] != old.capacity[i]:
+			if forgets || resizes {
+				c := -1
+				if resizes {
+					c = p.capacity[i]
+				}
+				pl.slots = append(pl.slots, slotOp{policy: p.policy, slot: i, forget: reslot(i) && forgets, cap: c})
+			}
+		}
+	}
+	return nil
+}
+
+// buildKVFeeds gives every endpoint that feeds a precise index its KV-event
+// subscription (kept when its kv_events did not change) and its appliers,
+// one per pool.
+func (g *Gateway) buildKVFeeds(st, prev *state, specOf func(*endpoint) *endpointSpec, pl *plan) error {
+	targets := map[*endpoint][]feedTarget{}
+	for _, model := range slices.Sorted(maps.Keys(st.pools)) {
+		p := st.pools[model]
+		if p.precise == nil {
+			continue
+		}
+		for i, ep := range p.endpoints {
+			if ep != vacant {
+				targets[ep] = append(targets[ep], feedTarget{ix: p.precise, slot: i, model: model})
+			}
+		}
+	}
+	for _, ep := range st.endpoints {
+		old := prev.feeds[ep].kv
+		ts := targets[ep]
+		if len(ts) == 0 {
+			if old != nil {
+				pl.stop, pl.detach = append(pl.stop, &old.loop), append(pl.detach, old)
+			}
+			continue
+		}
+		kc := specOf(ep).kvEvents
+		f := old
+		if old == nil || !reflect.DeepEqual(old.cfg, *kc) {
+			var err error
+			if f, err = newKVFeed(ep, kc); err != nil {
+				return err
+			}
+			if old != nil {
+				pl.stop, pl.detach = append(pl.stop, &old.loop), append(pl.detach, old)
+			}
+			pl.start = append(pl.start, func() { f.run(g) })
+		}
+		// Appliers: a kept feed keeps its own for the same index and slot
+		// (their counters go on).
+		var oldAs []*fleet.KVEventApplier
+		var oldTs []feedTarget
+		if f == old {
+			oldAs, oldTs = old.current()
+		}
+		as := make([]*fleet.KVEventApplier, len(ts))
+		for k, t := range ts {
+			if j := slices.Index(oldTs, t); j >= 0 {
+				as[k] = oldAs[j]
+			} else {
+				as[k] = fleet.NewKVEventApplier(t.ix, t.slot, fleet.KVSeeds(t.model))
+			}
+		}
+		pl.feedSets[f] = feedSet{appliers: as, targets: ts}
+		fe := st.feeds[ep]
+		fe.kv = f
+		st.feeds[ep] = fe
+	}
+	for _, ep := range pl.removed {
+		if old := prev.feeds[ep].kv; old != nil {
+			pl.detach = append(pl.detach, old) // stopped by the drain
+		}
+	}
+	return nil
+}
+
+// buildModelList sets st's GET /v1/models answers: the list (models in
+// order, then aliases, sorted by id) and each model's own, keeping the
+// creation times prev gave them.
+func buildModelList(st, prev *state, models []string, aliases map[string][]string) error {
+	list := openai.ModelList{Object: openai.ObjectList, Data: make([]openai.Model, len(models))}
+	now := time.Now().Unix()
+	for i, model := range models {
+		created, ok := prev.created[model]
+		if !ok {
+			created = now
+		}
+		st.created[model] = created
+		list.Data[i] = openai.Model{ID: model, Object: openai.ObjectModel, Created: created, OwnedBy: "infergate", Root: model}
+	}
+	list.Data = append(list.Data, aliasModels(aliases, st.created, prev.created, now)...)
+	slices.SortFunc(list.Data, func(a, b openai.Model) int { return strings.Compare(a.ID, b.ID) })
+	st.modelBodies = make(map[string][]byte, len(list.Data))
+	for _, m := range list.Data {
+		b, err := json.Marshal(m)
+		if err != nil {
+			return fmt.Errorf("gateway: encode model %q: %w", m.ID, err)
+		}
+		st.modelBodies[m.ID] = b
+	}
+	var err error
+	if st.modelsBody, err = json.Marshal(list); err != nil {
+		return fmt.Errorf("gateway: encode model list: %w", err)
+	}
+	return nil
+}
+
+// keyChanges names the keys added, removed and changed (hashes, models,
+// limits or priority cap) between two keyrings.
+func keyChanges(old, cur *keyring) (added, removed, changed []string) {
+	by := func(kr *keyring) map[string]*principal {
+		m := map[string]*principal{}
+		if kr != nil {
+			for _, p := range kr.principals {
+				m[p.name] = p
+			}
+		}
+		return m
+	}
+	hashes := func(kr *keyring, p *principal) []string {
+		var hs []string
+		for _, e := range kr.byHash {
+			if e.p == p {
+				hs = append(hs, string(e.hash[:]))
+			}
+		}
+		slices.Sort(hs)
+		return hs
+	}
+	om, cm := by(old), by(cur)
+	for _, name := range slices.Sorted(maps.Keys(cm)) {
+		o, c := om[name], cm[name]
+		switch {
+		case o == nil:
+			added = append(added, name)
+		case !maps.Equal(o.models, c.models) || o.rpm != c.rpm || o.tpm != c.tpm ||
+			o.capPriority != c.capPriority || o.maxPriority != c.maxPriority ||
+			!slices.Equal(hashes(old, o), hashes(cur, c)):
+			changed = append(changed, name)
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(om)) {
+		if cm[name] == nil {
+			removed = append(removed, name)
+		}
+	}
+	return added, removed, changed
+}

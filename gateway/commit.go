@@ -1,0 +1,180 @@
+package gateway
+
+import (
+	"context"
+	"log/slog"
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/infergate/infergate/sched"
+)
+
+// Publishing a built state (build.go): one atomic swap, then the changes it
+// plans are applied to what outlives it (slots forgotten, gates resized,
+// feeds started and stopped, endpoints retired once drained).
+
+// commit publishes st (built from prev by build, with plan pl): the one
+// swap of the state, then what the old and new states share is updated
+// and the new loops started. It cannot fail. reloadMu is held.
+func (g *Gateway) commit(st *state, pl *plan, prev *state) {
+	for ep, spec := range pl.specs {
+		ep.spec.Store(spec)
+	}
+	now := g.clock()
+	for _, c := range pl.limits {
+		c.kl.setLimits(c.rpm, c.tpm, now)
+	}
+	for _, gs := range pl.gates {
+		if gs.early {
+			gs.a.update(gs.eps, gs.limit, gs.cfg)
+		}
+	}
+
+	g.state.Store(st)
+	for old, p := range pl.succ {
+		old.next.Store(p)
+	}
+	// A Drain that read the state in force before the swap has not
+	// drained the new pools' gates.
+	if g.draining.Load() {
+		for _, p := range st.pools {
+			p.gate.drain()
+		}
+	}
+
+	for _, gs := range pl.gates {
+		if !gs.early {
+			gs.a.update(gs.eps, gs.limit, gs.cfg)
+		}
+	}
+	g.setHooks(st)
+	// The feeds' appliers change before the slots they leave are
+	// forgotten: setAppliers waits for a batch in progress.
+	for _, f := range pl.detach {
+		f.setAppliers(nil, nil)
+	}
+	for f, fs := range pl.feedSets {
+		f.setAppliers(fs.appliers, fs.targets)
+	}
+	for _, op := range pl.slots {
+		switch {
+		case op.ix != nil && op.forget:
+			op.ix.Forget(op.slot)
+		case op.policy != nil && op.forget:
+			op.policy.(sched.Forgetter).Forget(op.slot)
+		}
+		switch {
+		case op.ix != nil && op.cap >= 0:
+			op.ix.SetCapacity(op.slot, op.cap)
+		case op.policy != nil && op.cap >= 0:
+			if r, ok := op.policy.(sched.Resizer); ok {
+				r.SetCapacity(op.slot, op.cap)
+			}
+		}
+	}
+
+	// Credentials refused eject (a new endpoint before it serves), new
+	// ones accepted end an ejection the old ones caused.
+	g.applyCredentials(st.endpoints, pl.creds, time.Now())
+
+	for _, ep := range pl.added {
+		g.startEndpoint(ep)
+	}
+	for _, start := range pl.start {
+		start()
+	}
+	for _, l := range pl.stop {
+		l.stop()
+	}
+	for _, ep := range pl.removed {
+		ep.onDown.Store(nil)
+		g.retire(ep, prev.feeds[ep])
+	}
+	g.gatesMu.Lock()
+	g.retired = slices.DeleteFunc(g.retired, func(a *admission) bool { return a.active.Load() == 0 && a.waiting.Load() == 0 })
+	g.retired = append(g.retired, pl.gone...)
+	g.gatesMu.Unlock()
+}
+
+// setHooks gives every endpoint of st the gates it wakes and the hooks it
+// runs when it leaves rotation (the pools' policies forget its slot, its KV
+// feed resynchronises).
+func (g *Gateway) setHooks(st *state) {
+	gates := map[*endpoint][]*admission{}
+	hooks := map[*endpoint][]func(){}
+	for _, model := range slices.Sorted(maps.Keys(st.pools)) {
+		p := st.pools[model]
+		f, forgets := p.policy.(sched.Forgetter)
+		for i, ep := range p.endpoints {
+			if ep == vacant {
+				continue
+			}
+			gates[ep] = append(gates[ep], p.gate)
+			if forgets {
+				hooks[ep] = append(hooks[ep], func() { f.Forget(i) })
+			}
+		}
+	}
+	for _, ep := range st.endpoints {
+		if f := st.feeds[ep].kv; f != nil {
+			hooks[ep] = append(hooks[ep], f.onDown)
+		}
+		gs, hs := gates[ep], hooks[ep]
+		ep.gates.Store(&gs)
+		ep.onDown.Store(&hs)
+	}
+}
+
+// startEndpoint starts ep's health loop.
+func (g *Gateway) startEndpoint(ep *endpoint) {
+	ctx, cancel := context.WithCancel(g.loops)
+	ep.stop = cancel
+	g.wg.Go(func() {
+		defer close(ep.done)
+		g.healthLoop(ctx, ep)
+	})
+}
+
+// drainPoll is how often a removed endpoint's in-flight count is read.
+const drainPoll = 50 * time.Millisecond
+
+// retire drains ep, which a reload removed: it gets no new pick (no pool in
+// force has it), and once its requests in flight have finished, or after
+// response_header_timeout (the longest an engine may take to answer),
+// its health loop and feeds stop.
+func (g *Gateway) retire(ep *endpoint, f feeds) {
+	g.wg.Go(func() {
+		t := time.NewTicker(drainPoll)
+		defer t.Stop()
+		bound := time.NewTimer(g.cfg.ResponseHeaderTimeout)
+		defer bound.Stop()
+	wait:
+		for ep.ledger.InFlight() > 0 {
+			select {
+			case <-g.loops.Done():
+				break wait
+			case <-bound.C:
+				slog.Warn("gateway: removed endpoint still has requests in flight; its health checks stop now",
+					"endpoint", ep.name, "in_flight", ep.ledger.InFlight(), "waited", g.cfg.ResponseHeaderTimeout)
+				break wait
+			case <-t.C:
+			}
+		}
+		ep.stop()
+		if f.scrape != nil {
+			f.scrape.stop()
+		}
+		if f.kv != nil {
+			f.kv.stop()
+		}
+		slog.Info("gateway: removed endpoint drained", "endpoint", ep.name)
+	})
+}
+
+// oldGates returns the admission gates of models removed by reloads.
+func (g *Gateway) oldGates() []*admission {
+	g.gatesMu.Lock()
+	defer g.gatesMu.Unlock()
+	return slices.Clone(g.retired)
+}
