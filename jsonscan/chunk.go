@@ -396,19 +396,33 @@ func (s *scanner) choices(v *View) bool {
 // integer or null) appear at most once each; other members are skipped, as
 // encoding/json skips them. Anything else (a number with a fraction or
 // exponent, a known key in another spelling) is left undecided.
-func (s *scanner) usage() (*openai.Usage, bool) {
+func (s *scanner) usage() (*openai.Usage, bool) { return s.usageObject(&chatUsageKeys, 1) }
+
+// chatUsageKeys and responseUsageKeys name a usage object's members:
+// prompt, completion and total tokens, and the details object whose
+// cached_tokens is read (chat: openai.Usage; Responses:
+// openai.ResponseUsage, read into chat terms).
+var (
+	chatUsageKeys     = [4]string{"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+	responseUsageKeys = [4]string{"input_tokens", "output_tokens", "total_tokens", "input_tokens_details"}
+)
+
+// usageObject scans a usage object whose members are named by keys, at
+// nesting depth (the skip depth of its unknown members is depth+1, of its
+// details' depth+2).
+func (s *scanner) usageObject(keys *[4]string, depth int) (*openai.Usage, bool) {
 	if !s.is('{') {
 		return nil, false
 	}
 	u := new(openai.Usage)
 	var seen [4]bool
 	ok := s.object(func(key []byte) bool {
-		k, ok := knownKey(key, "prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details")
+		k, ok := knownKey(key, keys[:]...)
 		switch {
 		case !ok || (k >= 0 && seen[k]):
 			return false
 		case k < 0:
-			return s.skip(2)
+			return s.skip(depth + 1)
 		}
 		seen[k] = true
 		switch k {
@@ -431,7 +445,7 @@ func (s *scanner) usage() (*openai.Usage, bool) {
 		seenCached := false
 		return s.object(func(key []byte) bool {
 			if string(key) != "cached_tokens" {
-				return !foldsTo(key, "cached_tokens") && s.skip(3)
+				return !foldsTo(key, "cached_tokens") && s.skip(depth+2)
 			}
 			if seenCached {
 				return false

@@ -185,48 +185,4 @@ func ScanResponse(data []byte) (v ResponseView, decided bool) {
 
 // responseUsage scans a Responses usage object into chat terms (see
 // openai.ResponseUsage.Usage).
-func (s *scanner) responseUsage() (*openai.Usage, bool) {
-	if !s.is('{') {
-		return nil, false
-	}
-	u := new(openai.Usage)
-	var seen [4]bool
-	ok := s.object(func(key []byte) bool {
-		k, ok := knownKey(key, "input_tokens", "output_tokens", "total_tokens", "input_tokens_details")
-		switch {
-		case !ok || (k >= 0 && seen[k]):
-			return false
-		case k < 0:
-			return s.skip(3)
-		}
-		seen[k] = true
-		switch k {
-		case 0:
-			return s.optInt(&u.PromptTokens)
-		case 1:
-			return s.optInt(&u.CompletionTokens)
-		case 2:
-			return s.optInt(&u.TotalTokens)
-		}
-		if s.literal("null") {
-			return true
-		}
-		if !s.is('{') {
-			return false
-		}
-		d := new(openai.PromptTokensDetails)
-		u.PromptTokensDetails = d
-		seenCached := false
-		return s.object(func(key []byte) bool {
-			if string(key) != "cached_tokens" {
-				return !foldsTo(key, "cached_tokens") && s.skip(4)
-			}
-			if seenCached {
-				return false
-			}
-			seenCached = true
-			return s.optInt(&d.CachedTokens)
-		})
-	})
-	return u, ok
-}
+func (s *scanner) responseUsage() (*openai.Usage, bool) { return s.usageObject(&responseUsageKeys, 2) }
