@@ -27,7 +27,7 @@ package gateway
 //   - a model's admission gate (queue, admitted requests) and retry
 //     budget;
 //   - a key's rate-limit buckets, by key name (limits changed in place:
-//     keyLimits.setLimits), so a reload never hands a key a fresh minute,
+//     auth.LimitChange), so a reload never hands a key a fresh minute,
 //     and its usage counters (keyUsageVecs.of);
 //   - the Responses API's affinity (Gateway.affinity), which names the
 //     endpoint object, not its slot: a removed endpoint's responses are
@@ -71,6 +71,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
@@ -135,7 +136,7 @@ type plan struct {
 	gates    []gateSet // admission gates to configure
 	// limits are the key limit changes; keysAdded, keysRemoved,
 	// keysChanged name the keys for the log.
-	limits                              []limitChange
+	limits                              []auth.LimitChange
 	keysAdded, keysRemoved, keysChanged []string
 	// succ are the pools in force whose model stays, each with the pool
 	// that replaces it; gone are the gates of models removed.
@@ -501,7 +502,7 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 		return nil, nil, err
 	}
 	if prev.pools != nil {
-		pl.keysAdded, pl.keysRemoved, pl.keysChanged = keyChanges(prev.keys, st.keys)
+		pl.keysAdded, pl.keysRemoved, pl.keysChanged = auth.Changes(prev.keys.authRing(), st.keys.authRing())
 		pl.authSwitched = (prev.keys == nil) != (st.keys == nil)
 		pl.aliasesChanged = !reflect.DeepEqual(prev.cfg.Aliases, cfg.Aliases)
 	}
@@ -832,7 +833,7 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 	}
 	now := g.clock()
 	for _, c := range pl.limits {
-		c.kl.setLimits(c.rpm, c.tpm, now)
+		c.Apply(now)
 	}
 	for _, gs := range pl.gates {
 		if gs.early {
@@ -986,48 +987,6 @@ func (g *Gateway) oldGates() []*admission {
 	g.gatesMu.Lock()
 	defer g.gatesMu.Unlock()
 	return slices.Clone(g.retired)
-}
-
-// keyChanges names the keys added, removed and changed (hashes, models,
-// limits or priority cap) between two keyrings.
-func keyChanges(old, cur *keyring) (added, removed, changed []string) {
-	by := func(kr *keyring) map[string]*principal {
-		m := map[string]*principal{}
-		if kr != nil {
-			for _, p := range kr.principals {
-				m[p.name] = p
-			}
-		}
-		return m
-	}
-	hashes := func(kr *keyring, p *principal) []string {
-		var hs []string
-		for _, e := range kr.byHash {
-			if e.p == p {
-				hs = append(hs, string(e.hash[:]))
-			}
-		}
-		slices.Sort(hs)
-		return hs
-	}
-	om, cm := by(old), by(cur)
-	for _, name := range slices.Sorted(maps.Keys(cm)) {
-		o, c := om[name], cm[name]
-		switch {
-		case o == nil:
-			added = append(added, name)
-		case !maps.Equal(o.models, c.models) || o.rpm != c.rpm || o.tpm != c.tpm ||
-			o.capPriority != c.capPriority || o.maxPriority != c.maxPriority ||
-			!slices.Equal(hashes(old, o), hashes(cur, c)):
-			changed = append(changed, name)
-		}
-	}
-	for _, name := range slices.Sorted(maps.Keys(om)) {
-		if cm[name] == nil {
-			removed = append(removed, name)
-		}
-	}
-	return added, removed, changed
 }
 
 // reloadMetrics count reloads, as Prometheus and Alertmanager name theirs.
