@@ -68,3 +68,48 @@ func TestBucketSetLimit(t *testing.T) {
 		t.Fatalf("limited again: level %v, want 5 (a bucket that had no limit starts full)", b.level)
 	}
 }
+
+// TestCharge: Charge's outcomes, Refund and Settle, at a stopped clock.
+func TestCharge(t *testing.T) {
+	t0 := time.Now()
+	l := newLimits(2, 100)
+	h := http.Header{}
+	c := l.Charge(t0, 40, 40, h)
+	if !c.OK || c.Reserved != 40 || c.Tokens != 40 || h.Get("X-Ratelimit-Remaining-Requests") != "1" || h.Get("X-Ratelimit-Remaining-Tokens") != "60" {
+		t.Fatalf("first: %+v %v", c, h)
+	}
+	// A bound from the context over the minute is held to the minute…
+	if c := l.Charge(t0, 500, 10, http.Header{}); c.OK || c.TooLarge || c.Limit != "tokens" || c.PerMinute != 100 || c.Tokens != 100 ||
+		c.Wait != 24*time.Second {
+		t.Fatalf("context bound over the minute: %+v, want tokens refused, 24s (40 of 100 tokens short)", c)
+	}
+	// …what the client asked for is not.
+	if c := l.Charge(t0, 500, 500, http.Header{}); c.OK || !c.TooLarge || c.Limit != "tokens" || c.Tokens != 500 || c.Wait != 0 {
+		t.Fatalf("asked over the minute: %+v, want TooLarge", c)
+	}
+	l.Settle(10, c.Reserved) // used 10 of the 40 charged: 30 back
+	if req, tok := l.Levels(); req != 1 || tok != 90 {
+		t.Fatalf("settled: levels %v %v, want 1 90", req, tok)
+	}
+	c = l.Charge(t0, 1, 1, http.Header{})
+	if !c.OK {
+		t.Fatalf("second: %+v", c)
+	}
+	if c := l.Charge(t0, 1, 1, http.Header{}); c.OK || c.Limit != "requests" || c.PerMinute != 2 || c.Wait != 30*time.Second {
+		t.Fatalf("third: %+v, want requests refused for 30s", c)
+	}
+	h = http.Header{}
+	l.Refund(c.Reserved, h)
+	if req, tok := l.Levels(); req != 1 || tok != 90 || h.Get("X-Ratelimit-Remaining-Requests") != "1" {
+		t.Fatalf("refunded: levels %v %v headers %v, want 1 90", req, tok, h)
+	}
+	// No token limit: nothing reserved, usage not charged.
+	r := newLimits(5, 0)
+	if c := r.Charge(t0, 1e6, 1e6, http.Header{}); !c.OK || c.Reserved != 0 {
+		t.Fatalf("request limit only: %+v", c)
+	}
+	r.Settle(1e6, 0)
+	if newLimits(0, 0) != nil {
+		t.Fatal("limits for a key without any")
+	}
+}
