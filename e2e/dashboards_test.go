@@ -21,6 +21,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/gateway"
 )
 
@@ -326,7 +327,7 @@ auth:
 endpoints:
   - {url: %q, model: m, kind: sim}
   - {url: %q, model: m, kind: sim}
-`, gateway.HashKey(opsKey), gateway.HashKey(tinyKey), simURLs[0], simURLs[1])
+`, auth.HashKey(opsKey), auth.HashKey(tinyKey), simURLs[0], simURLs[1])
 	cfgPath := filepath.Join(dir, "serve.yaml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
@@ -689,7 +690,7 @@ func TestLiveDashboardChromium(t *testing.T) {
 	// With protect_metrics the page asks for a key instead.
 	cfgPath := filepath.Join(dir, "serve.yaml")
 	cfg := fmt.Sprintf("listen: 127.0.0.1:0\nhealth_check_path: \"-\"\nauth: {protect_metrics: true, keys: [{name: ops, hash: %s}]}\nendpoints: [{url: %q, model: m}]\n",
-		gateway.HashKey("sk-chromium-test-key"), closedURL(t))
+		auth.HashKey("sk-chromium-test-key"), closedURL(t))
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}

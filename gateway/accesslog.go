@@ -322,7 +322,7 @@ func (w *obsWriter) appendLine(dst []byte, r *http.Request, code int, end time.T
 		e.seconds("ttft_seconds", w.ttft)
 	}
 	if w.key != nil {
-		e.str("key", w.key.name)
+		e.str("key", w.key.Name)
 	}
 	if w.decoded {
 		e.str("model", w.model)

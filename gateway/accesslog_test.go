@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/sched"
 )
 
@@ -89,7 +90,7 @@ func TestAccessLogOutcomes(t *testing.T) {
 	cfg.EjectDuration, cfg.Outlier.MaxEjectionTime = time.Hour, time.Hour // …and is out for the rest of the test
 	cfg.Endpoints = append([]EndpointConfig{{URL: closedURL(t), Model: "m", KVBlocks: 1000}}, cfg.Endpoints...)
 	const keyA, keyB = "sk-team-a-0123456789abcdef", "sk-team-b-fedcba9876543210"
-	cfg.Auth.Keys = []APIKey{{Name: "team-a", Hash: HashKey(keyA)}, {Name: "team-b", Hash: HashKey(keyB), RequestsPerMinute: 1}}
+	cfg.Auth.Keys = []auth.Key{{Name: "team-a", Hash: auth.HashKey(keyA)}, {Name: "team-b", Hash: auth.HashKey(keyB), RequestsPerMinute: 1}}
 	path := withAccessLog(t, &cfg, LogFormatJSON)
 	g, err := New(context.Background(), cfg, nil)
 	if err != nil {
@@ -175,7 +176,7 @@ func TestAccessLogOutcomes(t *testing.T) {
 	g.Close() // writes the last lines
 
 	raw, _ := os.ReadFile(path)
-	for _, k := range []string{keyA, keyB, HashKey(keyA)} {
+	for _, k := range []string{keyA, keyB, auth.HashKey(keyA)} {
 		if bytes.Contains(raw, []byte(k)) {
 			t.Fatalf("the access log holds a key or its hash:\n%s", raw)
 		}

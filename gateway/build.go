@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
@@ -65,7 +66,7 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 		return nil, nil, err
 	}
 	if prev.pools != nil {
-		pl.keysAdded, pl.keysRemoved, pl.keysChanged = keyChanges(prev.keys, st.keys)
+		pl.keysAdded, pl.keysRemoved, pl.keysChanged = auth.Changes(prev.keys.authRing(), st.keys.authRing())
 		pl.authSwitched = (prev.keys == nil) != (st.keys == nil)
 		pl.aliasesChanged = !reflect.DeepEqual(prev.cfg.Aliases, cfg.Aliases)
 	}
@@ -607,46 +608,4 @@ func buildModelList(st, prev *state, models []string, aliases map[string][]strin
 		return fmt.Errorf("gateway: encode model list: %w", err)
 	}
 	return nil
-}
-
-// keyChanges names the keys added, removed and changed (hashes, models,
-// limits or priority cap) between two keyrings.
-func keyChanges(old, cur *keyring) (added, removed, changed []string) {
-	by := func(kr *keyring) map[string]*principal {
-		m := map[string]*principal{}
-		if kr != nil {
-			for _, p := range kr.principals {
-				m[p.name] = p
-			}
-		}
-		return m
-	}
-	hashes := func(kr *keyring, p *principal) []string {
-		var hs []string
-		for _, e := range kr.byHash {
-			if e.p == p {
-				hs = append(hs, string(e.hash[:]))
-			}
-		}
-		slices.Sort(hs)
-		return hs
-	}
-	om, cm := by(old), by(cur)
-	for _, name := range slices.Sorted(maps.Keys(cm)) {
-		o, c := om[name], cm[name]
-		switch {
-		case o == nil:
-			added = append(added, name)
-		case !maps.Equal(o.models, c.models) || o.rpm != c.rpm || o.tpm != c.tpm ||
-			o.capPriority != c.capPriority || o.maxPriority != c.maxPriority ||
-			!slices.Equal(hashes(old, o), hashes(cur, c)):
-			changed = append(changed, name)
-		}
-	}
-	for _, name := range slices.Sorted(maps.Keys(om)) {
-		if cm[name] == nil {
-			removed = append(removed, name)
-		}
-	}
-	return added, removed, changed
 }

@@ -38,10 +38,7 @@ func startGatewayStopped(t *testing.T, cfg Config) (*Gateway, string) {
 
 // keyLevels reads key i's request and token bucket levels.
 func keyLevels(g *Gateway, i int) (req, tok float64) {
-	kl := g.state.Load().keys.principals[i].limits
-	kl.mu.Lock()
-	defer kl.mu.Unlock()
-	return kl.req.level, kl.tok.level
+	return g.state.Load().keys.principals[i].Limits.Levels()
 }
 
 // heldEngine answers completions with a stream of one output chunk and a

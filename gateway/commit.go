@@ -23,7 +23,7 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 	}
 	now := g.clock()
 	for _, c := range pl.limits {
-		c.kl.setLimits(c.rpm, c.tpm, now)
+		c.Apply(now)
 	}
 	for _, gs := range pl.gates {
 		if gs.early {

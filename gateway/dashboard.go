@@ -310,7 +310,7 @@ func (g *Gateway) DashboardState(now time.Time) DashboardState {
 			if u == nil {
 				continue
 			}
-			st.Keys = append(st.Keys, DashKey{Key: p.name, Requests: counterValue(u.requests), PromptTokens: counterValue(u.prompt),
+			st.Keys = append(st.Keys, DashKey{Key: p.Name, Requests: counterValue(u.requests), PromptTokens: counterValue(u.prompt),
 				CachedTokens: counterValue(u.cached), GeneratedTokens: counterValue(u.generated)})
 		}
 	}

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
@@ -315,7 +316,7 @@ func TestDashboardRoutes(t *testing.T) {
 
 	// Keys without protect_metrics: the state is as open as /metrics.
 	cfg := testConfig(sched.RoundRobin, e)
-	cfg.Auth.Keys = []APIKey{{Name: "ops", Hash: HashKey(keyAlice)}}
+	cfg.Auth.Keys = []auth.Key{{Name: "ops", Hash: auth.HashKey(keyAlice)}}
 	_, url = startGateway(t, cfg)
 	if resp, _ := send(t, c, http.MethodGet, url+pathDashboardState, ""); resp.StatusCode != 200 {
 		t.Errorf("keys, no protect_metrics: state %d, want 200 (as /metrics)", resp.StatusCode)

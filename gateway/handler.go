@@ -145,7 +145,7 @@ func closeConnection(w http.ResponseWriter, r *http.Request) {
 // model_not_found, the same for a model the key may not use.
 func (st *state) serveModel(w http.ResponseWriter, model string, key *principal) {
 	b, ok := st.modelBodies[model]
-	if !ok || (key != nil && !key.allows(model)) {
+	if !ok || (key != nil && !key.Allows(model)) {
 		openai.WriteError(w, modelNotAllowed(model))
 		observedFor(w).failed(openai.CodeModelNotFound)
 		return

@@ -5,9 +5,9 @@ import (
 	"math"
 	"net/http"
 	"strconv"
-	"sync"
 	"time"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/openai"
 )
 
@@ -18,7 +18,7 @@ type exchangeEdge struct {
 	// (nil when none): charged by chargeKey, given back by refundKey when
 	// the gateway refuses the request before sending it, settled against
 	// usage by settleTokens at its end.
-	limits *keyLimits
+	limits *auth.Limits
 	// capPriority: the key caps the request's priority at maxPriority.
 	capPriority   bool
 	maxPriority   int
@@ -35,64 +35,35 @@ func (g *Gateway) chargeKey(w http.ResponseWriter, x *exchange, kind apiKind, p 
 	if p == nil {
 		return nil
 	}
-	x.edge.capPriority, x.edge.maxPriority = p.capPriority, p.maxPriority
-	if !p.allows(x.model) {
+	x.edge.capPriority, x.edge.maxPriority = p.CapPriority, p.MaxPriority
+	if !p.Allows(x.model) {
 		return modelNotAllowed(x.model)
 	}
-	kl := p.limits
+	kl := p.Limits
 	if kl == nil {
 		return nil
 	}
 	est, asked := x.tokenEstimate(kind, maxModelLen)
-	now := g.clock()
-	kl.mu.Lock() // a reload may change the limits (setLimits)
-	reqLimit, tokLimit := kl.req.limit, kl.tok.limit
-	// A bound from the context length (max_tokens omitted) over the whole
-	// minute is held to it: the request waits for a full bucket instead of
-	// never passing. What the client asked for itself is not.
-	tooLarge := tokLimit > 0 && asked > tokLimit
-	if tokLimit > 0 && !tooLarge {
-		est = min(est, tokLimit)
-	}
-	okReq, waitReq := kl.req.check(now, 1)
-	okTok, waitTok := true, time.Duration(0)
-	if est > 0 { // tokenize and the like use no tokens: an overdrawn minute does not stop them
-		okTok, waitTok = kl.tok.check(now, est)
-	}
-	if okReq && okTok && !tooLarge {
-		kl.req.take(1)
-		kl.tok.take(est)
-	}
 	h := w.Header()
-	kl.req.setHeaders(h, &requestHeaderNames)
-	kl.tok.setHeaders(h, &tokenHeaderNames)
-	kl.mu.Unlock()
-
+	c := kl.Charge(g.clock(), est, asked, h)
 	switch {
-	case tooLarge:
-		g.rateLimited.WithLabelValues(p.name, "tokens").Inc()
+	case c.TooLarge:
+		g.rateLimited.WithLabelValues(p.Name, "tokens").Inc()
 		return &openai.Error{Message: fmt.Sprintf("Request too large for key %s on tokens per min (TPM): Limit %.0f, Requested %.0f (prompt estimate plus max_tokens). Send a smaller request.",
-			p.name, tokLimit, est), Type: "tokens", Code: codeRateLimitExceeded, Status: http.StatusTooManyRequests}
-	case !okReq || !okTok:
-		limit, lim, wait := "requests", reqLimit, waitReq
-		if okReq {
-			limit, lim, wait = "tokens", tokLimit, waitTok
-		}
-		g.rateLimited.WithLabelValues(p.name, limit).Inc()
-		secs := max(1, int(math.Ceil(wait.Seconds())))
+			p.Name, c.PerMinute, c.Tokens), Type: "tokens", Code: codeRateLimitExceeded, Status: http.StatusTooManyRequests}
+	case !c.OK:
+		g.rateLimited.WithLabelValues(p.Name, c.Limit).Inc()
+		secs := max(1, int(math.Ceil(c.Wait.Seconds())))
 		h.Set("Retry-After", strconv.Itoa(secs))
-		h.Set("Retry-After-Ms", strconv.FormatInt(max(1, wait.Milliseconds()), 10))
+		h.Set("Retry-After-Ms", strconv.FormatInt(max(1, c.Wait.Milliseconds()), 10))
 		unit := "RPM"
-		if limit == "tokens" {
+		if c.Limit == "tokens" {
 			unit = "TPM"
 		}
 		return &openai.Error{Message: fmt.Sprintf("Rate limit reached for key %s on %s per min (%s): Limit %.0f. Please try again in %s.",
-			p.name, limit, unit, lim, wait.Round(time.Millisecond)), Type: limit, Code: codeRateLimitExceeded, Status: http.StatusTooManyRequests}
+			p.Name, c.Limit, unit, c.PerMinute, c.Wait.Round(time.Millisecond)), Type: c.Limit, Code: codeRateLimitExceeded, Status: http.StatusTooManyRequests}
 	}
-	x.edge.limits, x.edge.reserved = kl, est
-	if tokLimit <= 0 {
-		x.edge.reserved = 0
-	}
+	x.edge.limits, x.edge.reserved = kl, c.Reserved
 	return nil
 }
 
@@ -107,14 +78,7 @@ func (x *exchange) refundKey(h http.Header) {
 	if kl == nil {
 		return
 	}
-	kl.mu.Lock()
-	kl.req.adjust(-1)
-	kl.tok.adjust(-x.edge.reserved)
-	if h != nil {
-		kl.req.setHeaders(h, &requestHeaderNames)
-		kl.tok.setHeaders(h, &tokenHeaderNames)
-	}
-	kl.mu.Unlock()
+	kl.Refund(x.edge.reserved, h)
 	x.edge.limits, x.edge.reserved = nil, 0
 }
 
@@ -196,125 +160,6 @@ func (x *exchange) settleTokens(u *openai.Usage) {
 	if used <= 0 {
 		used = u.PromptTokens + u.CompletionTokens
 	}
-	kl.mu.Lock()
-	kl.tok.adjust(float64(max(used, 0)) - x.edge.reserved) // a no-op without a token limit
-	kl.mu.Unlock()
+	kl.Settle(used, x.edge.reserved) // a no-op without a token limit
 	x.edge.limits, x.edge.reserved = nil, 0
-}
-
-// keyLimits are one key's token buckets (one per key name: memory is
-// bounded by the keys configured). A reload keeps them for a key it keeps
-// (loadKeys), its limits changed in place (setLimits).
-type keyLimits struct {
-	mu  sync.Mutex
-	req bucket // requests
-	tok bucket // tokens
-}
-
-// setLimits changes the per-minute limits (0: none) at now, keeping what
-// the key has used of them (bucket.setLimit).
-func (kl *keyLimits) setLimits(rpm, tpm int, now time.Time) {
-	kl.mu.Lock()
-	kl.req.setLimit(rpm, now)
-	kl.tok.setLimit(tpm, now)
-	kl.mu.Unlock()
-}
-
-// newKeyLimits returns the buckets for the per-minute limits (0: none), or
-// nil when the key has no limit.
-func newKeyLimits(rpm, tpm int) *keyLimits {
-	if rpm <= 0 && tpm <= 0 {
-		return nil
-	}
-	return &keyLimits{req: newBucket(rpm), tok: newBucket(tpm)}
-}
-
-// bucket is a token bucket holding up to limit units and refilled at limit
-// per minute; starting full. Its level may go negative (to −limit at most)
-// when usage reported after a response exceeds what admission charged, so
-// the excess delays the key's next requests. limit 0: unlimited.
-type bucket struct {
-	limit float64
-	level float64
-	last  time.Time
-}
-
-func newBucket(perMinute int) bucket {
-	return bucket{limit: float64(max(perMinute, 0)), level: float64(max(perMinute, 0))}
-}
-
-// refill adds what accrued since the last refill.
-func (b *bucket) refill(now time.Time) {
-	if !b.last.IsZero() {
-		if dt := now.Sub(b.last); dt > 0 {
-			b.level = min(b.limit, b.level+dt.Minutes()*b.limit)
-		}
-	}
-	b.last = now
-}
-
-// check refills and reports whether n units are available now, else how
-// long until they are.
-func (b *bucket) check(now time.Time, n float64) (bool, time.Duration) {
-	if b.limit <= 0 {
-		return true, 0
-	}
-	b.refill(now)
-	if b.level >= n {
-		return true, 0
-	}
-	need := min(n, b.limit) - b.level
-	return false, time.Duration(need / b.limit * float64(time.Minute))
-}
-
-// setLimit changes the bucket's limit at now to perMinute (0: unlimited),
-// keeping what was used of the minute: a bucket limit − level short of full
-// stays as short of full under the new limit (within [−limit, limit]), so
-// a raised limit is available at once and a lowered one holds what was
-// already spent against it. A bucket that had no limit starts full.
-func (b *bucket) setLimit(perMinute int, now time.Time) {
-	n := float64(max(perMinute, 0))
-	if b.limit <= 0 || n <= 0 {
-		*b = newBucket(perMinute)
-		return
-	}
-	b.refill(now)
-	used := b.limit - b.level
-	b.limit = n
-	b.level = max(-n, min(n, n-used))
-}
-
-// take removes n units (after a successful check).
-func (b *bucket) take(n float64) {
-	if b.limit > 0 {
-		b.level -= n
-	}
-}
-
-// adjust removes delta units (negative: returns them), keeping the level
-// within [−limit, limit].
-func (b *bucket) adjust(delta float64) {
-	if b.limit > 0 {
-		b.level = max(-b.limit, min(b.limit, b.level-delta))
-	}
-}
-
-// Header names of OpenAI's rate-limit headers, per limit kind.
-var (
-	requestHeaderNames = [3]string{"X-Ratelimit-Limit-Requests", "X-Ratelimit-Remaining-Requests", "X-Ratelimit-Reset-Requests"}
-	tokenHeaderNames   = [3]string{"X-Ratelimit-Limit-Tokens", "X-Ratelimit-Remaining-Tokens", "X-Ratelimit-Reset-Tokens"}
-)
-
-// setHeaders sets OpenAI's x-ratelimit-limit-, -remaining- and -reset-
-// headers named by names (reset: the time until the bucket is full again,
-// as a Go duration like OpenAI's "6m0s" or "20ms").
-func (b *bucket) setHeaders(h http.Header, names *[3]string) {
-	if b.limit <= 0 {
-		return
-	}
-	remaining := max(0, math.Floor(b.level))
-	reset := time.Duration((b.limit - b.level) / b.limit * float64(time.Minute)).Round(time.Millisecond)
-	h[names[0]] = []string{strconv.FormatFloat(b.limit, 'f', 0, 64)}
-	h[names[1]] = []string{strconv.FormatFloat(remaining, 'f', 0, 64)}
-	h[names[2]] = []string{reset.String()}
 }

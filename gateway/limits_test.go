@@ -17,45 +17,6 @@ import (
 	"github.com/infergate/infergate/sched"
 )
 
-func TestBucket(t *testing.T) {
-	t0 := time.Now()
-	b := newBucket(60) // one per second
-	if ok, _ := b.check(t0, 60); !ok {
-		t.Fatal("a new bucket is not full")
-	}
-	b.take(60)
-	ok, wait := b.check(t0, 1)
-	if ok || wait != time.Second {
-		t.Fatalf("empty bucket: ok %v wait %v, want false 1s", ok, wait)
-	}
-	if ok, _ := b.check(t0.Add(1500*time.Millisecond), 1); !ok {
-		t.Fatal("no refill after 1.5 s")
-	}
-	if ok, _ := b.check(t0.Add(time.Hour), 61); ok {
-		t.Fatal("refilled above the limit")
-	}
-	b.take(10)
-	b.adjust(500) // usage far over the charge: debt capped at one minute
-	if b.level != -60 {
-		t.Fatalf("level %v, want -60", b.level)
-	}
-	b.adjust(-1000)
-	if b.level != 60 {
-		t.Fatalf("refund above the limit: level %v", b.level)
-	}
-	h := http.Header{}
-	b.level = 15
-	b.setHeaders(h, &requestHeaderNames)
-	if h.Get("X-Ratelimit-Limit-Requests") != "60" || h.Get("X-Ratelimit-Remaining-Requests") != "15" ||
-		h.Get("X-Ratelimit-Reset-Requests") != "45s" {
-		t.Fatalf("headers %v", h)
-	}
-	var none bucket
-	if ok, _ := none.check(t0, 1e9); !ok {
-		t.Fatal("an unlimited bucket refused")
-	}
-}
-
 func TestRequestRateLimit(t *testing.T) {
 	e := newFakeEngine(t, "e0")
 	cfg := testConfig(sched.RoundRobin, e)
@@ -126,10 +87,8 @@ func TestTokenRateLimit(t *testing.T) {
 		return fmt.Sprintf(`{"model":"m","prompt":[%s],"max_tokens":%d,"stream":%v}`, ids, maxTokens, stream)
 	}
 	level := func() float64 {
-		p := g.state.Load().keys.principals[0]
-		p.limits.mu.Lock()
-		defer p.limits.mu.Unlock()
-		return p.limits.tok.level
+		_, tok := g.state.Load().keys.principals[0].Limits.Levels()
+		return tok
 	}
 	near := func(got, want float64) bool { return got >= want-0.5 && got <= want+0.5 } // refill over the test's few ms
 

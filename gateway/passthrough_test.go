@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sched"
@@ -748,7 +749,7 @@ func TestUnknownPathStream(t *testing.T) {
 // is first-in first-out.
 func TestAffinityEvictionFair(t *testing.T) {
 	a := newResponseAffinity(10)
-	alice, bob := &principal{name: "alice"}, &principal{name: "bob"}
+	alice, bob := &principal{Principal: &auth.Principal{Name: "alice"}}, &principal{Principal: &auth.Principal{Name: "bob"}}
 	for i := range 4 {
 		a.learn(fmt.Sprintf("alice-%d", i), "m", nil, alice)
 	}
@@ -794,7 +795,7 @@ func BenchmarkAffinityLearnFull(b *testing.B) {
 			a := newResponseAffinity(DefaultAffinityMaxEntries)
 			keys := make([]*principal, nkeys)
 			for i := range keys {
-				keys[i] = &principal{name: fmt.Sprintf("key-%d", i)}
+				keys[i] = &principal{Principal: &auth.Principal{Name: fmt.Sprintf("key-%d", i)}}
 			}
 			ids := make([]string, DefaultAffinityMaxEntries+b.N)
 			for i := range ids {
@@ -834,7 +835,7 @@ func TestRequestIDReservedInFlight(t *testing.T) {
 		t.Fatal("bob cannot reserve a free id")
 	}
 	a.unreserve("r1")
-	a.learn("r1", "m", nil, &principal{name: "alice"})
+	a.learn("r1", "m", nil, &principal{Principal: &auth.Principal{Name: "alice"}})
 	if a.reserve("r1", "bob") || !a.reserve("r1", "alice") {
 		t.Error("a learnt id: reserved by its owner only")
 	}

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/infergate/infergate/auth"
 )
 
 // configKeys lists the YAML keys of t (a struct type) under prefix: leaves
@@ -152,7 +154,7 @@ func TestREADMEListsEveryMetric(t *testing.T) {
 	reg := &describingRegisterer{Registry: prometheus.NewRegistry(), names: map[string]bool{}}
 	cfg := Config{HealthCheckPath: healthCheckOff, Endpoints: []EndpointConfig{{URL: "http://127.0.0.1:9", Model: "m", KVBlocks: 1000,
 		KVEvents: &KVEventsConfig{Endpoint: "tcp://127.0.0.1:9"}}}}
-	cfg.Auth.Keys = []APIKey{{Name: "k", Hash: HashKey("sk-k")}}
+	cfg.Auth.Keys = []auth.Key{{Name: "k", Hash: auth.HashKey("sk-k")}}
 	withAccessLog(t, &cfg, LogFormatJSON)
 	g, err := New(context.Background(), cfg, reg)
 	if err != nil {

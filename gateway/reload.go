@@ -27,7 +27,7 @@ package gateway
 //   - a model's admission gate (queue, admitted requests) and retry
 //     budget;
 //   - a key's rate-limit buckets, by key name (limits changed in place:
-//     keyLimits.setLimits), so a reload never hands a key a fresh minute,
+//     auth.LimitChange), so a reload never hands a key a fresh minute,
 //     and its usage counters (keyUsageVecs.of);
 //   - the Responses API's affinity (Gateway.affinity), which names the
 //     endpoint object, not its slot: a removed endpoint's responses are
@@ -61,6 +61,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
@@ -124,7 +125,7 @@ type plan struct {
 	gates    []gateSet // admission gates to configure
 	// limits are the key limit changes; keysAdded, keysRemoved,
 	// keysChanged name the keys for the log.
-	limits                              []limitChange
+	limits                              []auth.LimitChange
 	keysAdded, keysRemoved, keysChanged []string
 	// succ are the pools in force whose model stays, each with the pool
 	// that replaces it; gone are the gates of models removed.

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/prefix"
@@ -91,8 +92,8 @@ func TestReloadUnderLoad(t *testing.T) {
 	for i := range engines {
 		engines[i] = newEngineNoCleanup(t, fmt.Sprintf("e%d", i))
 	}
-	key := APIKey{Name: "client", Hash: HashKey("client-key")}
-	other := APIKey{Name: "other", Hash: HashKey("other-key"), RequestsPerMinute: 1000}
+	key := auth.Key{Name: "client", Hash: auth.HashKey("client-key")}
+	other := auth.Key{Name: "other", Hash: auth.HashKey("other-key"), RequestsPerMinute: 1000}
 	// Some reloads replace every endpoint at once.
 	sets := [][]int{{0, 1}, {2, 3}, {3, 0}, {1}, {0, 1, 2, 3}, {2}}
 	config := func(n int) Config {
@@ -101,7 +102,7 @@ func TestReloadUnderLoad(t *testing.T) {
 			urls = append(urls, engines[i].URL())
 		}
 		cfg := reloadConfig(sched.Prefix, urls...)
-		cfg.Auth.Keys = []APIKey{key}
+		cfg.Auth.Keys = []auth.Key{key}
 		if n%2 == 1 {
 			cfg.Auth.Keys = append(cfg.Auth.Keys, other)
 			cfg.Admission.MaxQueue = 64 + n
@@ -208,9 +209,9 @@ func TestReloadUnderLoad(t *testing.T) {
 func TestReloadKeys(t *testing.T) {
 	e := newFakeEngine(t, "e0")
 	cfg := reloadConfig(sched.RoundRobin, e.URL())
-	a := APIKey{Name: "a", Hash: HashKey("key-a"), RequestsPerMinute: 2}
-	b := APIKey{Name: "b", Hash: HashKey("key-b")}
-	cfg.Auth.Keys = []APIKey{a, b}
+	a := auth.Key{Name: "a", Hash: auth.HashKey("key-a"), RequestsPerMinute: 2}
+	b := auth.Key{Name: "b", Hash: auth.HashKey("key-b")}
+	cfg.Auth.Keys = []auth.Key{a, b}
 	g, url := startGatewayStopped(t, cfg)
 	c := testClient(t)
 	send := func(key string) int {
@@ -229,9 +230,9 @@ func TestReloadKeys(t *testing.T) {
 
 	// The same keys again (a, rotated to a second hash; b gone; c new).
 	a2 := a
-	a2.Hash = HashKey("key-a2")
-	c1 := APIKey{Name: "c", Hash: HashKey("key-c")}
-	cfg.Auth.Keys = []APIKey{a, a2, c1}
+	a2.Hash = auth.HashKey("key-a2")
+	c1 := auth.Key{Name: "c", Hash: auth.HashKey("key-c")}
+	cfg.Auth.Keys = []auth.Key{a, a2, c1}
 	mustReload(t, g, cfg)
 	if s := send("key-b"); s != 401 {
 		t.Errorf("removed key b: %d, want 401", s)
@@ -296,7 +297,7 @@ func TestReloadKeyUsage(t *testing.T) {
 		return scrape(t, c, url).value("infergate_key_requests_total", `key="`+name+`"`)
 	}
 
-	cfg.Auth.Keys = []APIKey{{Name: "a", Hash: HashKey("key-a")}} // authentication turned on by the reload
+	cfg.Auth.Keys = []auth.Key{{Name: "a", Hash: auth.HashKey("key-a")}} // authentication turned on by the reload
 	mustReload(t, g, cfg)
 	send("key-a")
 	send("key-a")
@@ -308,7 +309,7 @@ func TestReloadKeyUsage(t *testing.T) {
 		t.Fatal("no prompt tokens counted for a")
 	}
 
-	cfg.Auth.Keys = []APIKey{{Name: "a", Hash: HashKey("key-a2")}, {Name: "b", Hash: HashKey("key-b")}} // a rotated, b added
+	cfg.Auth.Keys = []auth.Key{{Name: "a", Hash: auth.HashKey("key-a2")}, {Name: "b", Hash: auth.HashKey("key-b")}} // a rotated, b added
 	mustReload(t, g, cfg)
 	send("key-a2")
 	send("key-b")
@@ -319,7 +320,7 @@ func TestReloadKeyUsage(t *testing.T) {
 		t.Fatalf("a's prompt tokens %v after a reload, want %v (three requests)", p, prompt*3/2)
 	}
 
-	cfg.Auth.Keys = []APIKey{{Name: "c", Hash: HashKey("key-a2")}} // a renamed c
+	cfg.Auth.Keys = []auth.Key{{Name: "c", Hash: auth.HashKey("key-a2")}} // a renamed c
 	mustReload(t, g, cfg)
 	send("key-a2")
 	if n, m := requests("a"), requests("c"); n != 3 || m != 1 {
@@ -390,30 +391,6 @@ func TestReloadPreciseSlots(t *testing.T) {
 	ep0.setReady(false)
 	if n := ix.Len(0, prefix.MediumGPU); n != 0 {
 		t.Fatalf("the kept endpoint left rotation: its slot still holds %d blocks", n)
-	}
-}
-
-// TestBucketSetLimit: a changed limit keeps what was used of the minute.
-func TestBucketSetLimit(t *testing.T) {
-	t0 := time.Now()
-	b := newBucket(10)
-	b.check(t0, 1)
-	b.take(4) // 6 left
-	b.setLimit(20, t0)
-	if b.limit != 20 || b.level != 16 {
-		t.Fatalf("raised to 20: limit %v level %v, want 20 16", b.limit, b.level)
-	}
-	b.setLimit(2, t0)
-	if b.level != -2 {
-		t.Fatalf("lowered to 2 with 4 used: level %v, want -2 (the floor)", b.level)
-	}
-	b.setLimit(0, t0)
-	if ok, _ := b.check(t0, 1e9); !ok {
-		t.Fatal("no limit any more, but refused")
-	}
-	b.setLimit(5, t0)
-	if b.level != 5 {
-		t.Fatalf("limited again: level %v, want 5 (a bucket that had no limit starts full)", b.level)
 	}
 }
 
@@ -597,7 +574,7 @@ func TestReloadRefusesInvalid(t *testing.T) {
 		func(c *Config) { c.Endpoints[0].Model = "" },
 		func(c *Config) { c.Routing.Policy = "nope" },
 		func(c *Config) { c.Admission.QueueTimeout = -time.Second },
-		func(c *Config) { c.Auth.Keys = []APIKey{{Name: "x", Hash: "sha256:zz"}} },
+		func(c *Config) { c.Auth.Keys = []auth.Key{{Name: "x", Hash: "sha256:zz"}} },
 		func(c *Config) { c.Listen = "not an address" },
 	} {
 		next := cfg

@@ -166,7 +166,7 @@ func (a *responseAffinity) learn(id, model string, ep *endpoint, owner *principa
 	}
 	e := affinityEntry{model: model, ep: ep}
 	if owner != nil {
-		e.owner = owner.name
+		e.owner = owner.Name
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -238,7 +238,7 @@ const codePreviousNotFound = "previous_response_not_found"
 // to the key that made them, as OpenAI scopes them to a project).
 func (g *Gateway) owned(id string, key *principal, st *state) (affinityEntry, bool) {
 	e, ok := g.affinity.lookup(id)
-	if ok && st.keys != nil && (key == nil || e.owner != key.name) {
+	if ok && st.keys != nil && (key == nil || e.owner != key.Name) {
 		return affinityEntry{}, false
 	}
 	return e, ok
@@ -275,7 +275,7 @@ func (g *Gateway) claimResponseID(id string, key *principal, st *state) *openai.
 	}
 	owner := ""
 	if key != nil {
-		owner = key.name
+		owner = key.Name
 	}
 	if !g.affinity.reserve(id, owner) {
 		return openai.NewError(http.StatusBadRequest,

@@ -272,7 +272,7 @@ func (t *tracing) endRequest(ow *obsWriter, r *http.Request, code int, end time.
 		attrs = append(attrs, semconv.UserAgentOriginal(truncateUTF8(ua[0], maxLoggedValue)))
 	}
 	if ow.key != nil {
-		attrs = append(attrs, attrKey.String(ow.key.name))
+		attrs = append(attrs, attrKey.String(ow.key.Name))
 	}
 	if ow.decoded {
 		attrs = append(attrs, semconv.GenAIRequestModel(truncateUTF8(ow.model, maxLoggedValue)), attrStream.Bool(ow.stream))

@@ -13,7 +13,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
-	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/auth"
 )
 
 func newKeysCmd() *cobra.Command {
@@ -53,7 +53,7 @@ the first line of standard input, which keeps it out of the shell history.`,
 			if key == "" {
 				return errors.New("empty key")
 			}
-			fmt.Fprintln(cmd.OutOrStdout(), gateway.HashKey(key))
+			fmt.Fprintln(cmd.OutOrStdout(), auth.HashKey(key))
 			return nil
 		},
 	}
@@ -83,8 +83,8 @@ holds only the key's hash.`,
 				return err
 			}
 			key := "sk-ig-" + base64.RawURLEncoding.EncodeToString(b[:])
-			line := fl.line(args[0], gateway.HashKey(key), cmd.Flags().Changed("max-priority"))
-			if _, err := gateway.ParseKeys([]byte(line), false); err != nil {
+			line := fl.line(args[0], auth.HashKey(key), cmd.Flags().Changed("max-priority"))
+			if _, err := auth.ParseKeys([]byte(line), false); err != nil {
 				return err
 			}
 			out := cmd.OutOrStdout()

@@ -23,7 +23,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/auth"
 )
 
 // runRoot runs the infergate command line in-process with stdin.
@@ -58,8 +58,8 @@ func TestKeysCommands(t *testing.T) {
 	if len(lines) != 2 || !strings.HasPrefix(lines[0], "sk-ig-") || len(lines[0]) < 40 {
 		t.Fatalf("keys new printed %q", out)
 	}
-	keys, err := gateway.ParseKeys([]byte(lines[1]), false)
-	if err != nil || len(keys) != 1 || keys[0].Hash != gateway.HashKey(lines[0]) ||
+	keys, err := auth.ParseKeys([]byte(lines[1]), false)
+	if err != nil || len(keys) != 1 || keys[0].Hash != auth.HashKey(lines[0]) ||
 		keys[0].RequestsPerMinute != 60 || len(keys[0].Models) != 2 || keys[0].MaxPriority == nil || *keys[0].MaxPriority != -2 {
 		t.Fatalf("keys-file line %q: %+v %v", lines[1], keys, err)
 	}
@@ -117,7 +117,7 @@ func TestServeTLSAndKeys(t *testing.T) {
 	}))
 	defer eng.Close()
 	certFile, keyFile, pool := writeCert(t, t.TempDir())
-	p := startWithEnv(t, []string{gateway.EnvAPIKeys + "=ci plain:sk-test-0123456789"},
+	p := startWithEnv(t, []string{auth.EnvAPIKeys + "=ci plain:sk-test-0123456789"},
 		"serve", "--listen", "127.0.0.1:0", "--endpoint", eng.URL+"=m", "--tls-cert", certFile, "--tls-key", keyFile)
 	base := p.await(t, listenRe)
 	if !strings.HasPrefix(base, "https://") {
@@ -149,8 +149,8 @@ func TestServeTLSAndKeys(t *testing.T) {
 func TestServeWarnsWhenExposed(t *testing.T) {
 	eng := httptest.NewServer(http.NotFoundHandler())
 	defer eng.Close()
-	t.Setenv(gateway.EnvAPIKeys, "") // unset below: LookupEnv must not see it
-	os.Unsetenv(gateway.EnvAPIKeys)
+	t.Setenv(auth.EnvAPIKeys, "") // unset below: LookupEnv must not see it
+	os.Unsetenv(auth.EnvAPIKeys)
 	p := start(t, "serve", "--listen", "0.0.0.0:0", "--endpoint", eng.URL+"=m")
 	p.await(t, regexp.MustCompile(`(non-loopback address without API keys)`))
 	p.stop(t)
@@ -169,15 +169,15 @@ func TestServeWarnsWhenExposed(t *testing.T) {
 // works, a key removed is refused, the process keeps serving); and the
 // embedded engines keep Responses API responses, so a continuation works.
 func TestUpKeysReloadAndResponses(t *testing.T) {
-	t.Setenv(gateway.EnvAPIKeys, "")
-	os.Unsetenv(gateway.EnvAPIKeys)
+	t.Setenv(auth.EnvAPIKeys, "")
+	os.Unsetenv(auth.EnvAPIKeys)
 	keys := filepath.Join(t.TempDir(), "keys.txt")
 	write := func(lines ...string) {
 		if err := os.WriteFile(keys, []byte(strings.Join(lines, "\n")+"\n"), 0o600); err != nil {
 			t.Fatal(err)
 		}
 	}
-	write("alice " + gateway.HashKey("sk-alice-0123456789"))
+	write("alice " + auth.HashKey("sk-alice-0123456789"))
 	p := start(t, "up", "--engines", "2", "--listen", "127.0.0.1:0", "--time-scale", "100", "--keys-file", keys, "--access-log=false")
 	base := p.await(t, regexp.MustCompile(`OpenAI API at (http://[0-9.:]+)/v1 \(policy [a-z-]+; API keys required\)`))
 	do := func(key, path, body string) (int, map[string]any) {
@@ -212,7 +212,7 @@ func TestUpKeysReloadAndResponses(t *testing.T) {
 		t.Fatalf("continuation: %d %v", code, v)
 	}
 
-	write("bob " + gateway.HashKey("sk-bob-0123456789"))
+	write("bob " + auth.HashKey("sk-bob-0123456789"))
 	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}

@@ -25,6 +25,7 @@ import (
 	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/gateway"
 )
 
@@ -182,7 +183,7 @@ auth:
 endpoints:
   - {url: %q, model: m, kv_blocks: 1000}
   - {url: %q, model: m}
-`, gateway.HashKey(keyA), gateway.HashKey(keyB), dead, simURL)
+`, auth.HashKey(keyA), auth.HashKey(keyB), dead, simURL)
 	if err := os.WriteFile(conf, []byte(yaml), 0o644); err != nil {
 		t.Fatal(err)
 	}

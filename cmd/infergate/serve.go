@@ -16,6 +16,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/sched"
 )
@@ -331,8 +332,8 @@ func applyEdgeFlags(cmd *cobra.Command, cfg *gateway.Config, tlsCert, tlsKey, ke
 	if keysFile != "" {
 		cfg.Auth.KeysFile = keysFile
 	}
-	if v, ok := os.LookupEnv(gateway.EnvAPIKeys); ok {
-		if err := cfg.Auth.AddKeys(v, gateway.EnvAPIKeys); err != nil {
+	if v, ok := os.LookupEnv(auth.EnvAPIKeys); ok {
+		if err := cfg.Auth.AddKeys(v, auth.EnvAPIKeys); err != nil {
 			return err
 		}
 	}
@@ -348,7 +349,7 @@ func warnExposure(log *slog.Logger, listen string, g *gateway.Gateway) {
 	switch {
 	case !g.AuthEnabled():
 		log.Warn("listening on a non-loopback address without API keys: anyone who can reach it can use the engines "+
-			"(set auth.keys_file or "+gateway.EnvAPIKeys+")", "listen", listen)
+			"(set auth.keys_file or "+auth.EnvAPIKeys+")", "listen", listen)
 	case !g.TLSEnabled():
 		log.Warn("API keys are required but TLS is off: keys cross the network in clear text unless a TLS proxy fronts the gateway "+
 			"(set tls.cert_file/tls.key_file or --tls-cert/--tls-key)", "listen", listen)

@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/bench"
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/kvevents"
@@ -68,7 +69,7 @@ func (fl *upFlags) bind(f *pflag.FlagSet) {
 	fl.ef.register(f, false, "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
 	fl.lf.register(f)
 	accessLogFlag(f, &fl.access)
-	f.StringVar(&fl.keys, "keys-file", "", "API keys file (see 'infergate keys'); also $"+gateway.EnvAPIKeys+"; read again at SIGHUP")
+	f.StringVar(&fl.keys, "keys-file", "", "API keys file (see 'infergate keys'); also $"+auth.EnvAPIKeys+"; read again at SIGHUP")
 }
 
 // run is up's RunE: start the fleet, then the gateway in front of it
