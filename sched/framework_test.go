@@ -18,6 +18,9 @@ func newProfileT(t testing.TB, cfg Config, pool Pool) *Profile {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if s, ok := p.(stateless); ok {
+		return s.p
+	}
 	pr, ok := p.(*Profile)
 	if !ok {
 		t.Fatalf("%s is %T, not a profile", cfg.Policy, p)

@@ -30,6 +30,9 @@ const (
 	PickerMaxScore       = "max-score"
 	PickerWeightedRandom = "weighted-random"
 	PickerPowerOfTwo     = "power-of-two"
+	PickerRoundRobin     = "round-robin"
+	PickerLeastRequest   = "least-request"
+	PickerPrefixRule     = "prefix-rule"
 )
 
 // ---- filters ----
@@ -573,4 +576,135 @@ func (t *sessionTable) pushBack(i int32) {
 	if t.head < 0 {
 		t.head = i
 	}
+}
+
+// ---- rule pickers ----
+//
+// The pickers below carry the rule policies: each decides from the
+// snapshot (and the prefix match) itself and reads no scores, so their
+// profiles need no scorer but the one that provides the match.
+
+// roundRobinPicker takes the next candidate, by endpoint index, in a fixed
+// cycle over the pool: the first candidate at or after the one following
+// the last pick, wrapping around.
+type roundRobinPicker struct {
+	mu   sync.Mutex
+	next int // endpoint index after the last pick
+}
+
+func (*roundRobinPicker) Name() string { return PickerRoundRobin }
+
+func (p *roundRobinPicker) Pick(c *Cycle, cands []int, _ []float64) int {
+	if len(cands) == 0 {
+		return -1
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	start := p.next % len(c.Eps)
+	k := 0
+	for j, i := range cands { // cands ascend: filters keep the order
+		if i >= start {
+			k = j
+			break
+		}
+	}
+	p.next = cands[k] + 1
+	return k
+}
+
+// leastRequestPicker takes the candidate with the fewest requests in flight
+// (Endpoint.InFlight), ties broken uniformly at random.
+type leastRequestPicker struct{}
+
+func (leastRequestPicker) Name() string { return PickerLeastRequest }
+
+func (leastRequestPicker) Pick(c *Cycle, cands []int, _ []float64) int {
+	return leastLoaded(c, cands, nil)
+}
+
+// leastLoaded returns the k of the candidate with the fewest in-flight
+// requests, or -1 for no candidates. Ties go to the larger matched[cands[k]]
+// when matched is not nil, then uniformly at random (reservoir sampling:
+// one draw per tie after the first, in candidate order).
+func leastLoaded(c *Cycle, cands []int, matched []int) int {
+	eps := c.Eps
+	best, ties := -1, 0
+	for k, i := range cands {
+		if best < 0 {
+			best, ties = k, 1
+			continue
+		}
+		b := cands[best]
+		switch {
+		case eps[i].InFlight < eps[b].InFlight ||
+			(eps[i].InFlight == eps[b].InFlight && matched != nil && matched[i] > matched[b]):
+			best, ties = k, 1
+		case eps[i].InFlight == eps[b].InFlight && (matched == nil || matched[i] == matched[b]):
+			ties++
+			if c.IntN(ties) == 0 {
+				best = k
+			}
+		}
+	}
+	return best
+}
+
+// prefixRulePicker is the two-threshold cache-affinity rule (README.md,
+// "prefix"): the candidate holding the longest prefix of the prompt (the
+// profile's match source, Cycle.Matched) unless its advantage over the
+// least-loaded candidate is below minGain of the prompt's blocks, or it is
+// overloaded against it (balance); then the least-loaded candidate.
+type prefixRulePicker struct {
+	abs     int
+	rel     float64
+	minGain float64
+}
+
+func (prefixRulePicker) Name() string { return PickerPrefixRule }
+
+func (p prefixRulePicker) Pick(c *Cycle, cands []int, _ []float64) int {
+	matched := c.Matched()
+	least := leastLoaded(c, cands, matched)
+	if least < 0 {
+		return -1
+	}
+	best := bestMatch(c, cands, matched)
+	if best < 0 || best == least {
+		return least
+	}
+	b, l := cands[best], cands[least]
+	gain := matched[b] - matched[l]
+	enough := float64(gain) >= p.minGain*float64(len(c.Req.Hashes)) && gain > 0
+	if enough && !overloaded(c.Eps[b].InFlight, c.Eps[l].InFlight, p.abs, p.rel) {
+		return best
+	}
+	return least
+}
+
+// bestMatch returns the k of the candidate with the most matched blocks
+// (ties: fewest in flight, then uniformly at random), or -1 if none
+// matched.
+func bestMatch(c *Cycle, cands []int, matched []int) int {
+	eps := c.Eps
+	best, ties := -1, 0
+	for k, i := range cands {
+		if matched[i] == 0 {
+			continue
+		}
+		if best < 0 {
+			best, ties = k, 1
+			continue
+		}
+		b := cands[best]
+		switch {
+		case matched[i] > matched[b] || (matched[i] == matched[b] && eps[i].InFlight < eps[b].InFlight):
+			best, ties = k, 1
+		case matched[i] == matched[b] && eps[i].InFlight == eps[b].InFlight:
+			ties++
+			if c.IntN(ties) == 0 {
+				best = k
+			}
+		}
+	}
+	return best
 }

@@ -38,8 +38,20 @@ type ScorerConfig struct {
 	Weight float64 `yaml:"weight"`
 }
 
-// Built-in profile names (besides the rule policies of sched.go).
+// Built-in profile names. Every policy is a profile: the rule policies
+// (round-robin, least-request, random, prefix) are profiles whose picker
+// carries the rule and reads no scores.
 const (
+	// RoundRobin cycles through the ready endpoints.
+	RoundRobin = "round-robin"
+	// LeastRequest takes the ready endpoint with the fewest requests in
+	// flight, ties at random.
+	LeastRequest = "least-request"
+	// Random takes a ready endpoint uniformly at random.
+	Random = "random"
+	// Prefix is the two-threshold cache-affinity rule on the approximate
+	// index (README.md, "prefix").
+	Prefix = "prefix"
 	// PowerOfTwo samples two endpoints and takes the one with the shorter
 	// queue: a load-only baseline.
 	PowerOfTwo = "power-of-two"
@@ -55,6 +67,16 @@ const (
 
 // builtinProfiles are the profiles every configuration knows.
 var builtinProfiles = map[string]ProfileConfig{
+	RoundRobin:   {Picker: PickerRoundRobin},
+	LeastRequest: {Picker: PickerLeastRequest},
+	// weighted-random without scorers: every total is 0, so uniform.
+	Random: {Picker: PickerWeightedRandom},
+	// The prefix scorer provides the approximate index (match and
+	// learning); the rule picker reads the match, not the score.
+	Prefix: {
+		Scorers: []ScorerConfig{{Type: ScorerPrefix, Weight: 1}},
+		Picker:  PickerPrefixRule,
+	},
 	PowerOfTwo: {
 		Scorers: []ScorerConfig{{Type: ScorerQueue, Weight: 1}},
 		Picker:  PickerPowerOfTwo,
@@ -100,36 +122,49 @@ type Pool struct {
 // scorer on a pool without a precise index.
 var ErrNoPrecise = errors.New("precise-prefix scorer needs the endpoints' KV events (kv_events in the endpoint config)")
 
-// NewPolicy builds cfg.Policy for pool: a rule policy (round-robin,
-// least-request, random, prefix), a built-in profile (power-of-two,
-// cache-aware, precise-prefix) or a profile of cfg.Profiles (which may
+// NewPolicy builds cfg.Policy ("" for the default, Prefix) for pool: a
+// built-in profile (Names) or a profile of cfg.Profiles (which may
 // override a built-in's name). Errors name the offending setting.
+//
+// A profile with per-endpoint state (an approximate index, a session
+// table) is returned as a *Profile, which implements Forgetter and
+// Resizer; one without is returned as a Policy that implements neither,
+// so that callers skip the calls.
 func NewPolicy(cfg Config, pool Pool) (Policy, error) {
+	name := cfg.Policy
+	if name == "" {
+		name = Prefix
+	}
+	pc, ok := cfg.Profiles[name]
+	if !ok {
+		pc, ok = builtinProfiles[name]
+	}
+	if !ok {
+		names := append(Names(), slices.Collect(mapKeys(cfg.Profiles))...)
+		sort.Strings(names)
+		return nil, fmt.Errorf("unknown routing policy %q (want one of %v)", name, names)
+	}
 	seed := cfg.Seed
 	if seed == 0 {
 		seed = 0x1f0a
 	}
-	r := newLockedRand(seed)
-	if pc, ok := cfg.Profiles[cfg.Policy]; ok {
-		return newProfile(cfg.Policy, pc, cfg, pool, r)
+	p, err := newProfile(name, pc, cfg, pool, newLockedRand(seed))
+	if err != nil {
+		return nil, err
 	}
-	switch cfg.Policy {
-	case RoundRobin:
-		return &roundRobin{}, nil
-	case LeastRequest:
-		return &leastRequest{rng: r}, nil
-	case Random:
-		return &random{rng: r}, nil
-	case Prefix, "":
-		return newPrefixPolicy(cfg.Prefix, pool.Capacity, r)
+	if p.approx == nil && len(p.forget) == 0 {
+		return stateless{p}, nil
 	}
-	if pc, ok := builtinProfiles[cfg.Policy]; ok {
-		return newProfile(cfg.Policy, pc, cfg, pool, r)
-	}
-	names := append(Names(), slices.Collect(mapKeys(cfg.Profiles))...)
-	sort.Strings(names)
-	return nil, fmt.Errorf("unknown routing policy %q (want one of %v)", cfg.Policy, names)
+	return p, nil
 }
+
+// stateless is a Profile without per-endpoint state, its Forget and
+// SetCapacity hidden.
+type stateless struct{ p *Profile }
+
+func (s stateless) Name() string                               { return s.p.Name() }
+func (s stateless) NeedsHashes() bool                          { return s.p.NeedsHashes() }
+func (s stateless) Pick(req *Request, eps []Endpoint) Decision { return s.p.Pick(req, eps) }
 
 // Validate checks cfg without a pool: the policy name, every profile of
 // cfg.Profiles and the tuning sections.
@@ -202,7 +237,7 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedR
 			return nil, where("unknown filter %q (want model, adapter-capacity, hot-spot)", f)
 		}
 	}
-	if len(pc.Scorers) == 0 {
+	if len(pc.Scorers) == 0 && !scoreless(pc.Picker) {
 		return nil, where("no scorers")
 	}
 	var approx *prefix.Index
@@ -297,8 +332,28 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedR
 		p.picker = weightedRandomPicker{}
 	case PickerPowerOfTwo:
 		p.picker = powerOfTwoPicker{}
+	case PickerRoundRobin:
+		p.picker = &roundRobinPicker{}
+	case PickerLeastRequest:
+		p.picker = leastRequestPicker{}
+	case PickerPrefixRule:
+		if p.match == nil {
+			return nil, where("picker %s needs a prefix or precise-prefix scorer", PickerPrefixRule)
+		}
+		p.picker = prefixRulePicker{abs: pcfg.BalanceAbsThreshold, rel: pcfg.BalanceRelThreshold, minGain: pcfg.MinMatchGain}
 	default:
-		return nil, where("unknown picker %q (want max-score, weighted-random, power-of-two)", pc.Picker)
+		return nil, where("unknown picker %q (want max-score, weighted-random, power-of-two, round-robin, least-request, prefix-rule)", pc.Picker)
 	}
 	return p, nil
+}
+
+// scoreless reports whether a picker chooses without scores, so that its
+// profile may have no scorer: round-robin, least-request, and
+// weighted-random (uniform when no scorer adds to the totals).
+func scoreless(picker string) bool {
+	switch picker {
+	case PickerRoundRobin, PickerLeastRequest, PickerWeightedRandom:
+		return true
+	}
+	return false
 }

@@ -112,16 +112,8 @@ type Resizer interface {
 	SetCapacity(i, blocks int)
 }
 
-// Policy names accepted by New.
-const (
-	RoundRobin   = "round-robin"
-	LeastRequest = "least-request"
-	Random       = "random"
-	Prefix       = "prefix"
-)
-
-// Names lists the built-in policy names, default first: the rule policies
-// and the built-in profiles.
+// Names lists the built-in policy names (every one a built-in profile, see
+// builtinProfiles), the default first.
 func Names() []string {
 	return []string{Prefix, RoundRobin, LeastRequest, Random, PowerOfTwo, CacheAware, PrecisePrefix}
 }
@@ -184,88 +176,4 @@ func (l *lockedRand) Float64() float64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.r.Float64()
-}
-
-// roundRobin cycles through the ready endpoints.
-type roundRobin struct {
-	mu   sync.Mutex
-	next int
-}
-
-func (*roundRobin) Name() string      { return RoundRobin }
-func (*roundRobin) NeedsHashes() bool { return false }
-
-func (p *roundRobin) Pick(_ *Request, eps []Endpoint) Decision {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for range eps {
-		i := p.next % len(eps)
-		p.next = i + 1
-		if eps[i].Ready {
-			return Decision{Endpoint: i}
-		}
-	}
-	return Decision{Endpoint: -1}
-}
-
-// leastRequest picks the ready endpoint with the fewest in-flight requests,
-// breaking ties uniformly at random.
-type leastRequest struct{ rng *lockedRand }
-
-func (*leastRequest) Name() string      { return LeastRequest }
-func (*leastRequest) NeedsHashes() bool { return false }
-
-func (p *leastRequest) Pick(_ *Request, eps []Endpoint) Decision {
-	return Decision{Endpoint: leastLoaded(eps, p.rng, nil)}
-}
-
-// leastLoaded returns the ready endpoint with the fewest in-flight requests
-// (ties broken uniformly at random by reservoir sampling; when matched is not
-// nil, ties are first broken by the longest match), or -1.
-func leastLoaded(eps []Endpoint, rng *lockedRand, matched []int) int {
-	best, ties := -1, 0
-	for i, ep := range eps {
-		if !ep.Ready {
-			continue
-		}
-		switch {
-		case best < 0 || ep.InFlight < eps[best].InFlight ||
-			(ep.InFlight == eps[best].InFlight && matched != nil && matched[i] > matched[best]):
-			best, ties = i, 1
-		case ep.InFlight == eps[best].InFlight && (matched == nil || matched[i] == matched[best]):
-			ties++
-			if rng.IntN(ties) == 0 {
-				best = i
-			}
-		}
-	}
-	return best
-}
-
-// random picks a ready endpoint uniformly at random.
-type random struct{ rng *lockedRand }
-
-func (*random) Name() string      { return Random }
-func (*random) NeedsHashes() bool { return false }
-
-func (p *random) Pick(_ *Request, eps []Endpoint) Decision {
-	ready := 0
-	for _, ep := range eps {
-		if ep.Ready {
-			ready++
-		}
-	}
-	if ready == 0 {
-		return Decision{Endpoint: -1}
-	}
-	k := p.rng.IntN(ready)
-	for i, ep := range eps {
-		if ep.Ready {
-			if k == 0 {
-				return Decision{Endpoint: i}
-			}
-			k--
-		}
-	}
-	return Decision{Endpoint: -1}
 }
