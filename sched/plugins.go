@@ -7,6 +7,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
+	"github.com/infergate/infergate/internal/lru"
 	"github.com/infergate/infergate/prefix"
 )
 
@@ -481,101 +482,62 @@ func (powerOfTwoPicker) Pick(c *Cycle, cands []int, total []float64) int {
 type sessionTable struct {
 	cap   int
 	slot  map[uint64]int32
-	nodes []sessionNode
-	head  int32
-	tail  int32
+	nodes []lru.Node[sessionEntry]
+	order lru.List[sessionEntry] // most to least recently routed
 }
 
-type sessionNode struct {
-	key        uint64
-	ep         int32
-	prev, next int32
+type sessionEntry struct {
+	key uint64
+	ep  int32 // -1: free
 }
 
 func newSessionTable(capacity int) *sessionTable {
-	return &sessionTable{cap: max(capacity, 1), slot: make(map[uint64]int32), head: -1, tail: -1}
+	t := &sessionTable{cap: max(capacity, 1), slot: make(map[uint64]int32)}
+	t.order.Init()
+	return t
 }
 
 func (t *sessionTable) get(k uint64) int {
 	if i, ok := t.slot[k]; ok {
-		return int(t.nodes[i].ep)
+		return int(t.nodes[i].Val.ep)
 	}
 	return -1
 }
 
 func (t *sessionTable) put(k uint64, ep int) {
 	if i, ok := t.slot[k]; ok {
-		t.nodes[i].ep = int32(ep)
-		t.unlink(i)
-		t.pushFront(i)
+		t.nodes[i].Val.ep = int32(ep)
+		t.order.MoveFront(t.nodes, i)
 		return
 	}
 	var i int32
 	if len(t.nodes) < t.cap {
-		t.nodes = append(t.nodes, sessionNode{})
+		t.nodes = append(t.nodes, lru.Node[sessionEntry]{})
 		i = int32(len(t.nodes) - 1)
 	} else {
-		i = t.tail
-		if t.nodes[i].ep >= 0 {
-			delete(t.slot, t.nodes[i].key)
+		i = t.order.Tail()
+		if t.nodes[i].Val.ep >= 0 {
+			delete(t.slot, t.nodes[i].Val.key)
 		}
-		t.unlink(i)
+		t.order.Unlink(t.nodes, i)
 	}
-	t.nodes[i].key, t.nodes[i].ep = k, int32(ep)
+	t.nodes[i].Val = sessionEntry{key: k, ep: int32(ep)}
 	t.slot[k] = i
-	t.pushFront(i)
+	t.order.PushFront(t.nodes, i)
 }
 
 // dropEndpoint forgets the sessions homed on endpoint e (they are re-homed on
 // their next turn).
 func (t *sessionTable) dropEndpoint(e int) {
 	for k, i := range t.slot {
-		if t.nodes[i].ep == int32(e) {
-			t.nodes[i].ep = -1
+		if t.nodes[i].Val.ep == int32(e) {
+			t.nodes[i].Val.ep = -1
 			delete(t.slot, k)
-			t.unlink(i)
-			t.pushBack(i)
+			t.order.Unlink(t.nodes, i)
+			t.order.PushBack(t.nodes, i)
 		}
 	}
 	// Freed nodes (ep −1) sit at the tail and are reused first.
-}
-
-func (t *sessionTable) unlink(i int32) {
-	n := &t.nodes[i]
-	if n.prev >= 0 {
-		t.nodes[n.prev].next = n.next
-	} else {
-		t.head = n.next
-	}
-	if n.next >= 0 {
-		t.nodes[n.next].prev = n.prev
-	} else {
-		t.tail = n.prev
-	}
-}
-
-func (t *sessionTable) pushFront(i int32) {
-	n := &t.nodes[i]
-	n.prev, n.next = -1, t.head
-	if t.head >= 0 {
-		t.nodes[t.head].prev = i
-	}
-	t.head = i
-	if t.tail < 0 {
-		t.tail = i
-	}
-}
-
-func (t *sessionTable) pushBack(i int32) {
-	n := &t.nodes[i]
-	n.next, n.prev = -1, t.tail
-	if t.tail >= 0 {
-		t.nodes[t.tail].next = i
-	}
-	t.tail = i
-	if t.head < 0 {
-		t.head = i
-	}
 }
 
 // ---- rule pickers ----
