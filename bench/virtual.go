@@ -14,7 +14,7 @@ import (
 // VirtualOptions configures ReplayVirtual. Its fields mean what the fields
 // of the same names in CompareOptions mean, for one policy.
 type VirtualOptions struct {
-	// Policy is the routing policy name (default sched.Prefix).
+	// Policy is the routing policy name (default sched.DefaultPolicy).
 	Policy string
 	// TrackPrecise keeps the precise prefix index (fed by the engines' KV
 	// events) under any policy, to report its prediction error
@@ -88,7 +88,7 @@ func ReplayVirtual(ctx context.Context, opts VirtualOptions) (VirtualRun, error)
 		opts.Engines = DefaultEngines
 	}
 	if opts.Policy == "" {
-		opts.Policy = sched.Prefix
+		opts.Policy = sched.DefaultPolicy
 	}
 	eng := opts.Engine
 	if eng.Seed == 0 {

@@ -92,41 +92,9 @@ func (adapterCapacityFilter) Filter(c *Cycle, cands []int) []int {
 	return out
 }
 
-// HotSpotConfig bounds how far an endpoint's load may run ahead of the least
-// loaded candidate before cache affinity stops counting (YAML
-// routing.hot_spot). Load is requests in flight from this gateway.
-type HotSpotConfig struct {
-	// Abs (default 32 requests) and Rel (default 3.0): an endpoint is hot
-	// when its load exceeds the least-loaded candidate's by more than Abs AND
-	// is more than Rel times it. SGLang router's balance_abs_threshold /
-	// balance_rel_threshold form.
-	Abs int     `yaml:"abs"`
-	Rel float64 `yaml:"rel"`
-}
-
-// Defaults of HotSpotConfig: loose, because the cost scorer already weighs
-// load; the filter is the backstop when affinity would still pile work on
-// one endpoint. Chosen on the Mooncake trace (sched/README.md): the prefix
-// policy's tighter 12 / 2.0 cost the cache-aware profile about a point of
-// hit rate for no gain in TTFT.
-const (
-	DefaultHotSpotAbs = 32
-	DefaultHotSpotRel = 3.0
-)
-
-func (h HotSpotConfig) withDefaults() HotSpotConfig {
-	if h.Abs == 0 {
-		h.Abs = DefaultHotSpotAbs
-	}
-	if h.Rel == 0 {
-		h.Rel = DefaultHotSpotRel
-	}
-	return h
-}
-
-// hotSpotFilter removes hot endpoints (see HotSpotConfig). The least-loaded
-// candidate is never hot, so the set never empties.
-type hotSpotFilter struct{ cfg HotSpotConfig }
+// hotSpotFilter removes hot endpoints: those overloaded (Balance) against
+// the least-loaded candidate, which is never hot, so the set never empties.
+type hotSpotFilter struct{ cfg Balance }
 
 func (hotSpotFilter) Name() string { return FilterHotSpot }
 
@@ -137,18 +105,11 @@ func (f hotSpotFilter) Filter(c *Cycle, cands []int) []int {
 	}
 	out := cands[:0]
 	for _, i := range cands {
-		if !overloaded(c.Eps[i].InFlight, least, f.cfg.Abs, f.cfg.Rel) {
+		if !f.cfg.overloaded(c.Eps[i].InFlight, least) {
 			out = append(out, i)
 		}
 	}
 	return out
-}
-
-// overloaded is SGLang's two-threshold imbalance test (sgl-router
-// cache_aware.rs): load exceeds least by more than abs AND by a factor of
-// more than rel.
-func overloaded(load, least, abs int, rel float64) bool {
-	return load-least > abs && float64(load) > rel*float64(least)
 }
 
 // ---- scorers ----
@@ -617,8 +578,7 @@ func leastLoaded(c *Cycle, cands []int, matched []int) int {
 // least-loaded candidate is below minGain of the prompt's blocks, or it is
 // overloaded against it (balance); then the least-loaded candidate.
 type prefixRulePicker struct {
-	abs     int
-	rel     float64
+	balance Balance
 	minGain float64
 }
 
@@ -637,7 +597,7 @@ func (p prefixRulePicker) Pick(c *Cycle, cands []int, _ []float64) int {
 	b, l := cands[best], cands[least]
 	gain := matched[b] - matched[l]
 	enough := float64(gain) >= p.minGain*float64(len(c.Req.Hashes)) && gain > 0
-	if enough && !overloaded(c.Eps[b].InFlight, c.Eps[l].InFlight, p.abs, p.rel) {
+	if enough && !p.balance.overloaded(c.Eps[b].InFlight, c.Eps[l].InFlight) {
 		return best
 	}
 	return least

@@ -122,7 +122,7 @@ type Pool struct {
 // scorer on a pool without a precise index.
 var ErrNoPrecise = errors.New("precise-prefix scorer needs the endpoints' KV events (kv_events in the endpoint config)")
 
-// NewPolicy builds cfg.Policy ("" for the default, Prefix) for pool: a
+// NewPolicy builds cfg.Policy ("" for DefaultPolicy) for pool: a
 // built-in profile (Names) or a profile of cfg.Profiles (which may
 // override a built-in's name). Errors name the offending setting.
 //
@@ -133,7 +133,7 @@ var ErrNoPrecise = errors.New("precise-prefix scorer needs the endpoints' KV eve
 func NewPolicy(cfg Config, pool Pool) (Policy, error) {
 	name := cfg.Policy
 	if name == "" {
-		name = Prefix
+		name = DefaultPolicy
 	}
 	pc, ok := cfg.Profiles[name]
 	if !ok {
@@ -183,9 +183,13 @@ func Validate(cfg Config) error {
 
 // UsesPrecise reports whether cfg's policy scores with the precise index.
 func UsesPrecise(cfg Config) bool {
-	pc, ok := cfg.Profiles[cfg.Policy]
+	name := cfg.Policy
+	if name == "" {
+		name = DefaultPolicy
+	}
+	pc, ok := cfg.Profiles[name]
 	if !ok {
-		pc, ok = builtinProfiles[cfg.Policy]
+		pc, ok = builtinProfiles[name]
 	}
 	if !ok {
 		return false
@@ -217,6 +221,10 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedR
 	if err := pcfg.Validate(); err != nil {
 		return nil, err
 	}
+	balance, err := cfg.balance()
+	if err != nil {
+		return nil, err
+	}
 	p := &Profile{name: name, rng: r}
 	where := func(format string, a ...any) error {
 		return fmt.Errorf("routing profile %q: %s", name, fmt.Sprintf(format, a...))
@@ -228,11 +236,7 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedR
 		case FilterAdapterCapacity:
 			p.filters = append(p.filters, adapterCapacityFilter{})
 		case FilterHotSpot:
-			h := cfg.HotSpot.withDefaults()
-			if h.Abs < 0 || h.Rel < 1 {
-				return nil, where("hot_spot abs %d must be >= 0 and rel %g >= 1", h.Abs, h.Rel)
-			}
-			p.filters = append(p.filters, hotSpotFilter{cfg: h})
+			p.filters = append(p.filters, hotSpotFilter{cfg: balance})
 		default:
 			return nil, where("unknown filter %q (want model, adapter-capacity, hot-spot)", f)
 		}
@@ -340,7 +344,7 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedR
 		if p.match == nil {
 			return nil, where("picker %s needs a prefix or precise-prefix scorer", PickerPrefixRule)
 		}
-		p.picker = prefixRulePicker{abs: pcfg.BalanceAbsThreshold, rel: pcfg.BalanceRelThreshold, minGain: pcfg.MinMatchGain}
+		p.picker = prefixRulePicker{balance: balance, minGain: pcfg.MinMatchGain}
 	default:
 		return nil, where("unknown picker %q (want max-score, weighted-random, power-of-two, round-robin, least-request, prefix-rule)", pc.Picker)
 	}

@@ -151,7 +151,7 @@ overhead, and engines never fail.`,
 	f.StringVar(&profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile)")
 	f.StringVar(&profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
 	f.StringVar(&engines, "engines", "4..32", "fleet sizes to sweep: N, a..b (doubling, plus b), a..b/s (step s, plus b), comma-separated")
-	f.StringVar(&policies, "policy", sched.Prefix+","+sched.LeastRequest, "comma-separated routing policies to sweep ("+strings.Join(sched.Names(), ",")+")")
+	f.StringVar(&policies, "policy", sched.DefaultPolicy, "comma-separated routing policies to sweep ("+strings.Join(sched.Names(), ",")+")")
 	f.StringVar(&sloText, "slo", "", "objective: metric_pXX=duration,... (metrics ttft, itl, tpot, e2e) and optionally goodput>=X")
 	f.IntVar(&requests, "requests", 0, "replay only the first N requests (0 = all)")
 	f.StringVar(&model, "model", "", "model name routing hashes are seeded with (default: the profile's model)")
