@@ -172,7 +172,7 @@ func TestScorers(t *testing.T) {
 			}
 		}
 	}
-	check("queue", queueScorer{}, 0, 1, 0) // waiting 2, 0; gateway in-flight 2 for the scrape-less one
+	check("queue", queueScorer{}, 0, 1, 0.5) // one endpoint without metrics: in flight 4, 0, 2 for all
 	check("kv", kvUtilScorer{}, 0.1, 0.9, 1)
 	check("tokens", inFlightTokensScorer{}, 0, 1, 0.5)
 	check("lora", loraScorer{}, 1, 0.5, 0)

@@ -188,19 +188,25 @@ func minMaxLow(cands []int, scores []float64, q func(i int) float64) {
 	}
 }
 
-// queueScorer prefers short queues: the engine's waiting requests when its
-// metrics are fresh, else the gateway's in-flight count.
+// queueScorer prefers short queues: the engines' waiting requests when
+// every candidate's metrics are fresh, else the gateway's in-flight counts.
+// One quantity for all: min–max over an engine's waiting queue (0 while it
+// runs all it was sent) and another endpoint's in-flight requests would rank
+// a busy engine above an idle one that exports no metrics.
 type queueScorer struct{}
 
 func (queueScorer) Name() string { return ScorerQueue }
 
 func (queueScorer) Score(c *Cycle, cands []int, scores []float64) {
+	engine := true
+	for _, i := range cands {
+		engine = engine && c.Eps[i].Metrics
+	}
 	minMaxLow(cands, scores, func(i int) float64 {
-		ep := &c.Eps[i]
-		if ep.Metrics {
-			return float64(ep.Waiting)
+		if engine {
+			return float64(c.Eps[i].Waiting)
 		}
-		return float64(ep.InFlight)
+		return float64(c.Eps[i].InFlight)
 	})
 }
 
