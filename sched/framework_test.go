@@ -173,7 +173,7 @@ func TestScorers(t *testing.T) {
 		}
 	}
 	check("queue", queueScorer{}, 0, 1, 0.5) // one endpoint without metrics: in flight 4, 0, 2 for all
-	check("kv", kvUtilScorer{}, 0.1, 0.9, 1)
+	check("kv", kvUtilScorer{}, 0.1, 0.9, 0) // the one without metrics unscored
 	check("tokens", inFlightTokensScorer{}, 0, 1, 0.5)
 	check("lora", loraScorer{}, 1, 0.5, 0)
 	check("prefix", p.scorers[0].Scorer, 0.5, 0, 0)

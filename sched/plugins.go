@@ -210,7 +210,11 @@ func (queueScorer) Score(c *Cycle, cands []int, scores []float64) {
 	})
 }
 
-// kvUtilScorer: 1 − KV-cache utilisation (fresh metrics only; 1 otherwise).
+// kvUtilScorer: 1 − KV-cache utilisation where it is known (fresh metrics
+// with a KVUtil ≥ 0). An endpoint that reports none is left unscored (0: the
+// other scorers decide), not scored as an empty cache, which would make the
+// endpoint nothing is known about the most attractive one (llm-d fixed the
+// same in its kv-cache-utilization scorer, llm-d/llm-d-router#2695).
 type kvUtilScorer struct{}
 
 func (kvUtilScorer) Name() string { return ScorerKVUtilization }
@@ -218,10 +222,9 @@ func (kvUtilScorer) Name() string { return ScorerKVUtilization }
 func (kvUtilScorer) Score(c *Cycle, cands []int, scores []float64) {
 	for k, i := range cands {
 		ep := &c.Eps[i]
-		if ep.Metrics {
+		scores[k] = 0
+		if ep.Metrics && ep.KVUtil >= 0 {
 			scores[k] = 1 - ep.KVUtil
-		} else {
-			scores[k] = 1
 		}
 	}
 }

@@ -38,7 +38,8 @@ type Endpoint struct {
 	// (vllm:num_requests_waiting / _running and their peers).
 	Waiting, Running int
 	// KVUtil is the engine's KV-cache utilisation, a fraction in [0, 1]
-	// (vllm:kv_cache_usage_perc).
+	// (vllm:kv_cache_usage_perc), or negative when the engine's metrics
+	// have no such gauge (fleet.Load.KVUtil's −1).
 	KVUtil float64
 
 	// Adapters are the LoRA adapters the endpoint has loaded (running or

@@ -28,3 +28,27 @@ func TestQueueScorerMixedFleet(t *testing.T) {
 		t.Fatalf("metrics fleet scores %v, want %v (waiting 0, 1)", sc[:2], want)
 	}
 }
+
+// TestKVUtilScorerUnknown: an endpoint that reports no KV utilisation (no
+// fresh metrics, or metrics without the gauge) is left unscored (0, no
+// preference from this scorer) instead of scored as an empty cache, which
+// made the endpoint nothing is known about the most attractive one; llm-d
+// fixed the same in its kv-cache-utilization scorer.
+func TestKVUtilScorerUnknown(t *testing.T) {
+	eps := []Endpoint{
+		{Ready: true, Metrics: true, KVUtil: 0.9},
+		{Ready: true},                              // exports no metrics
+		{Ready: true, Metrics: true, KVUtil: -1},   // queue metrics, no KV gauge
+		{Ready: true, Metrics: true, KVUtil: 0.25}, // known
+	}
+	c := &Cycle{Req: &Request{}, Eps: eps}
+	sc := make([]float64, 4)
+	kvUtilScorer{}.Score(c, []int{0, 1, 2, 3}, sc)
+	if want := []float64{1 - eps[0].KVUtil, 0, 0, 0.75}; !slices.Equal(sc, want) {
+		t.Fatalf("scores %v, want %v", sc, want)
+	}
+	p := newProfileT(t, only("kv", ScorerConfig{Type: ScorerKVUtilization, Weight: 1}), Pool{Capacity: caps(3, 10)})
+	if d := p.Pick(&Request{}, eps[:3]); d.Endpoint != 0 {
+		t.Fatalf("picked %d, want 0, the one endpoint whose KV use is known", d.Endpoint)
+	}
+}
