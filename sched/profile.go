@@ -148,7 +148,7 @@ func NewPolicy(cfg Config, pool Pool) (Policy, error) {
 	if seed == 0 {
 		seed = 0x1f0a
 	}
-	p, err := newProfile(name, pc, cfg, pool, newLockedRand(seed))
+	p, err := newProfile(name, pc, cfg, pool, seed)
 	if err != nil {
 		return nil, err
 	}
@@ -216,7 +216,7 @@ func mapKeys[V any](m map[string]V) func(func(string) bool) {
 	}
 }
 
-func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedRand) (*Profile, error) {
+func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint64) (*Profile, error) {
 	pcfg := cfg.Prefix.WithDefaults()
 	if err := pcfg.Validate(); err != nil {
 		return nil, err
@@ -225,7 +225,7 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedR
 	if err != nil {
 		return nil, err
 	}
-	p := &Profile{name: name, rng: r}
+	p := &Profile{name: name, seed: seed}
 	where := func(format string, a ...any) error {
 		return fmt.Errorf("routing profile %q: %s", name, fmt.Sprintf(format, a...))
 	}

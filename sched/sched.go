@@ -4,11 +4,6 @@
 // (later) the virtual-time planner run the same decisions.
 package sched
 
-import (
-	"math/rand/v2"
-	"sync"
-)
-
 // Endpoint is the scheduler's view of one endpoint at decision time.
 type Endpoint struct {
 	// Name identifies the endpoint in logs and metrics (its base URL).
@@ -132,7 +127,9 @@ func Names() []string {
 type Config struct {
 	// Policy is one of Names() or a key of Profiles; default DefaultPolicy.
 	Policy string `yaml:"policy"`
-	// Seed seeds tie-breaking and the random choices (0 = fixed default seed).
+	// Seed seeds tie-breaking and the random choices (0 = fixed default
+	// seed): decision n of a policy draws from its own stream, a function
+	// of Seed and n only (see Profile.Pick).
 	Seed uint64 `yaml:"seed"`
 	// Prefix sets the block size of every index and the prefix match's
 	// smallest gain.
@@ -167,27 +164,16 @@ func New(cfg Config, capacity []int) (Policy, error) {
 	return NewPolicy(cfg, Pool{Capacity: capacity})
 }
 
-// lockedRand is a seeded PCG behind a mutex: deterministic for a given seed
-// and call order, safe for concurrent use.
-type lockedRand struct {
-	mu sync.Mutex
-	r  *rand.Rand
+// decisionSeed returns the PCG seed of decision n of a policy seeded with
+// seed: both words through splitmix64 (Steele et al., OOPSLA 2014), so that
+// consecutive decisions draw from unrelated streams.
+func decisionSeed(seed, n uint64) (uint64, uint64) {
+	return splitmix64(seed ^ splitmix64(n)), splitmix64(seed + n*0x9e3779b97f4a7c15)
 }
 
-func newLockedRand(seed uint64) *lockedRand {
-	return &lockedRand{r: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))}
-}
-
-// IntN returns a uniform int in [0, n).
-func (l *lockedRand) IntN(n int) int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.r.IntN(n)
-}
-
-// Float64 returns a uniform float64 in [0, 1).
-func (l *lockedRand) Float64() float64 {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.r.Float64()
+func splitmix64(x uint64) uint64 {
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9
+	x = (x ^ x>>27) * 0x94d049bb133111eb
+	return x ^ x>>31
 }

@@ -52,3 +52,28 @@ func TestKVUtilScorerUnknown(t *testing.T) {
 		t.Fatalf("picked %d, want 0, the one endpoint whose KV use is known", d.Endpoint)
 	}
 }
+
+// TestDecisionRandomness: a decision's random draws (tie-breaking, random
+// pickers) depend on the seed and the decision's ordinal only, not on how
+// many draws the decisions before it made: two policies of one seed whose
+// first decisions differ (four-way tie, three draws; one candidate, none)
+// break every later tie alike.
+func TestDecisionRandomness(t *testing.T) {
+	for _, name := range []string{LeastRequest, Random, CacheAware, PowerOfTwo} {
+		a := mustNew(t, Config{Policy: name, Seed: 11}, 4)
+		b := mustNew(t, Config{Policy: name, Seed: 11}, 4)
+		eps := ready(4)
+		one := ready(4)
+		one[1].Ready, one[2].Ready, one[3].Ready = false, false, false
+		a.Pick(&Request{}, eps)
+		b.Pick(&Request{}, one)
+		var pa, pb []int
+		for range 32 {
+			pa = append(pa, a.Pick(&Request{}, eps).Endpoint)
+			pb = append(pb, b.Pick(&Request{}, eps).Endpoint)
+		}
+		if !slices.Equal(pa, pb) {
+			t.Errorf("%s: later picks depend on the first decision's draws:\n%v\n%v", name, pa, pb)
+		}
+	}
+}
