@@ -216,6 +216,8 @@ func mapKeys[V any](m map[string]V) func(func(string) bool) {
 	}
 }
 
+// newProfile builds profile name of pc for pool, its plugins tuned by cfg
+// and its random streams seeded by seed; errors name the profile.
 func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint64) (*Profile, error) {
 	pcfg := cfg.Prefix.WithDefaults()
 	if err := pcfg.Validate(); err != nil {
@@ -229,126 +231,142 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint6
 	where := func(format string, a ...any) error {
 		return fmt.Errorf("routing profile %q: %s", name, fmt.Sprintf(format, a...))
 	}
-	for _, f := range pc.Filters {
-		switch f {
-		case FilterModel:
-			p.filters = append(p.filters, modelFilter{})
-		case FilterAdapterCapacity:
-			p.filters = append(p.filters, adapterCapacityFilter{})
-		case FilterHotSpot:
-			p.filters = append(p.filters, hotSpotFilter{cfg: balance})
-		default:
-			return nil, where("unknown filter %q (want model, adapter-capacity, hot-spot)", f)
+	for _, fname := range pc.Filters {
+		f, err := newFilter(fname, balance)
+		if err != nil {
+			return nil, where("%v", err)
 		}
+		p.filters = append(p.filters, f)
 	}
 	if len(pc.Scorers) == 0 && !scoreless(pc.Picker) {
 		return nil, where("no scorers")
 	}
-	var approx *prefix.Index
-	usesApprox := func() (*prefix.Index, error) {
-		if approx == nil {
-			ix, err := prefix.NewIndex(pool.Capacity)
-			if err != nil {
-				return nil, err
-			}
-			approx, p.approx = ix, ix
-			p.forget = append(p.forget, ix.Clear)
-		}
-		return approx, nil
-	}
-	var precise, needCost bool
+	var precise, cost bool
 	for _, sc := range pc.Scorers {
 		if sc.Weight < 0 || sc.Weight != sc.Weight {
 			return nil, where("scorer %q weight %g must be >= 0", sc.Type, sc.Weight)
 		}
-		var s Scorer
-		switch sc.Type {
-		case ScorerPrefix:
-			ix, err := usesApprox()
-			if err != nil {
-				return nil, where("%v", err)
-			}
-			ps := &prefixScorer{ix: ix, minGain: pcfg.MinMatchGain}
-			p.learners = append(p.learners, ps)
-			s = ps
-			p.hashes = true
-		case ScorerPrecisePrefix:
-			if pool.Precise == nil {
-				return nil, where("%v", ErrNoPrecise)
-			}
-			s = &preciseScorer{src: pool.Precise, minGain: pcfg.MinMatchGain}
-			precise, p.hashes = true, true
-		case ScorerQueue:
-			s = queueScorer{}
-		case ScorerKVUtilization:
-			s = kvUtilScorer{}
-		case ScorerInFlightTokens:
-			s = inFlightTokensScorer{}
-		case ScorerSession:
-			n := cfg.Session.MaxSessions
-			if n == 0 {
-				n = DefaultMaxSessions
-			}
-			if n < 0 {
-				return nil, where("session.max_sessions %d must be > 0", n)
-			}
-			ss := &sessionScorer{table: newSessionTable(n)}
-			p.learners = append(p.learners, ss)
-			p.forget = append(p.forget, ss.forget)
-			s = ss
-		case ScorerLoRA:
-			s = loraScorer{}
-		case ScorerCost:
-			rate := cfg.Cost.PrefillTokensPerSecond
-			if rate == 0 {
-				rate = DefaultPrefillTokensPerSecond
-			}
-			if rate < 0 || rate != rate {
-				return nil, where("cost.prefill_tokens_per_second %g must be > 0", rate)
-			}
-			s = &costScorer{rate: rate, blockSize: pcfg.BlockSize}
-			needCost = true
-		default:
-			return nil, where("unknown scorer %q (want prefix, precise-prefix, queue, kv-utilization, in-flight-tokens, session, lora, cost)", sc.Type)
+		s, err := p.newScorer(sc.Type, cfg, pool, pcfg)
+		if err != nil {
+			return nil, where("%v", err)
 		}
 		p.scorers = append(p.scorers, WeightedScorer{Scorer: s, Weight: sc.Weight})
+		precise = precise || sc.Type == ScorerPrecisePrefix
+		cost = cost || sc.Type == ScorerCost
 	}
 	switch {
 	case precise:
 		p.match = pool.Precise
-	case approx != nil:
-		p.match = approx
+	case p.approx != nil:
+		p.match = p.approx
 	}
-	if needCost && p.match != nil {
+	if cost && p.match != nil {
 		p.hashes = true
 	}
-	switch pc.Picker {
+	if p.picker, err = newPicker(pc.Picker, cfg, p.match != nil, balance, pcfg.MinMatchGain); err != nil {
+		return nil, where("%v", err)
+	}
+	return p, nil
+}
+
+// newScorer returns the scorer of that name for p, adding what it brings to
+// p: the approximate index (one per profile, created by the first scorer
+// that needs it), a learner, a forget hook, the need for hashes.
+func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfig) (Scorer, error) {
+	switch name {
+	case ScorerPrefix:
+		if p.approx == nil {
+			ix, err := prefix.NewIndex(pool.Capacity)
+			if err != nil {
+				return nil, err
+			}
+			p.approx = ix
+			p.forget = append(p.forget, ix.Clear)
+		}
+		ps := &prefixScorer{ix: p.approx, minGain: pcfg.MinMatchGain}
+		p.learners = append(p.learners, ps)
+		p.hashes = true
+		return ps, nil
+	case ScorerPrecisePrefix:
+		if pool.Precise == nil {
+			return nil, ErrNoPrecise
+		}
+		p.hashes = true
+		return &preciseScorer{src: pool.Precise, minGain: pcfg.MinMatchGain}, nil
+	case ScorerQueue:
+		return queueScorer{}, nil
+	case ScorerKVUtilization:
+		return kvUtilScorer{}, nil
+	case ScorerInFlightTokens:
+		return inFlightTokensScorer{}, nil
+	case ScorerSession:
+		n := cfg.Session.MaxSessions
+		if n == 0 {
+			n = DefaultMaxSessions
+		}
+		if n < 0 {
+			return nil, fmt.Errorf("session.max_sessions %d must be > 0", n)
+		}
+		ss := &sessionScorer{table: newSessionTable(n)}
+		p.learners = append(p.learners, ss)
+		p.forget = append(p.forget, ss.forget)
+		return ss, nil
+	case ScorerLoRA:
+		return loraScorer{}, nil
+	case ScorerCost:
+		rate := cfg.Cost.PrefillTokensPerSecond
+		if rate == 0 {
+			rate = DefaultPrefillTokensPerSecond
+		}
+		if rate < 0 || rate != rate {
+			return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", rate)
+		}
+		return &costScorer{rate: rate, blockSize: pcfg.BlockSize}, nil
+	}
+	return nil, fmt.Errorf("unknown scorer %q (want prefix, precise-prefix, queue, kv-utilization, in-flight-tokens, session, lora, cost)", name)
+}
+
+// newFilter returns the filter of that name.
+func newFilter(name string, balance Balance) (Filter, error) {
+	switch name {
+	case FilterModel:
+		return modelFilter{}, nil
+	case FilterAdapterCapacity:
+		return adapterCapacityFilter{}, nil
+	case FilterHotSpot:
+		return hotSpotFilter{cfg: balance}, nil
+	}
+	return nil, fmt.Errorf("unknown filter %q (want model, adapter-capacity, hot-spot)", name)
+}
+
+// newPicker returns the picker of that name ("": max-score); matched says
+// whether the profile has a prefix match source, which prefix-rule reads.
+func newPicker(name string, cfg Config, matched bool, balance Balance, minGain float64) (Picker, error) {
+	switch name {
 	case PickerMaxScore, "":
 		tol := cfg.TieTolerance
 		if tol == 0 {
 			tol = DefaultTieTolerance
 		}
 		if tol < 0 || tol != tol {
-			return nil, where("tie_tolerance %g must be >= 0", tol)
+			return nil, fmt.Errorf("tie_tolerance %g must be >= 0", tol)
 		}
-		p.picker = maxScorePicker{tol: tol}
+		return maxScorePicker{tol: tol}, nil
 	case PickerWeightedRandom:
-		p.picker = weightedRandomPicker{}
+		return weightedRandomPicker{}, nil
 	case PickerPowerOfTwo:
-		p.picker = powerOfTwoPicker{}
+		return powerOfTwoPicker{}, nil
 	case PickerRoundRobin:
-		p.picker = &roundRobinPicker{}
+		return &roundRobinPicker{}, nil
 	case PickerLeastRequest:
-		p.picker = leastRequestPicker{}
+		return leastRequestPicker{}, nil
 	case PickerPrefixRule:
-		if p.match == nil {
-			return nil, where("picker %s needs a prefix or precise-prefix scorer", PickerPrefixRule)
+		if !matched {
+			return nil, fmt.Errorf("picker %s needs a prefix or precise-prefix scorer", PickerPrefixRule)
 		}
-		p.picker = prefixRulePicker{balance: balance, minGain: pcfg.MinMatchGain}
-	default:
-		return nil, where("unknown picker %q (want max-score, weighted-random, power-of-two, round-robin, least-request, prefix-rule)", pc.Picker)
+		return prefixRulePicker{balance: balance, minGain: minGain}, nil
 	}
-	return p, nil
+	return nil, fmt.Errorf("unknown picker %q (want max-score, weighted-random, power-of-two, round-robin, least-request, prefix-rule)", name)
 }
 
 // scoreless reports whether a picker chooses without scores, so that its
