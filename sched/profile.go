@@ -131,14 +131,7 @@ var ErrNoPrecise = errors.New("precise-prefix scorer needs the endpoints' KV eve
 // Resizer; one without is returned as a Policy that implements neither,
 // so that callers skip the calls.
 func NewPolicy(cfg Config, pool Pool) (Policy, error) {
-	name := cfg.Policy
-	if name == "" {
-		name = DefaultPolicy
-	}
-	pc, ok := cfg.Profiles[name]
-	if !ok {
-		pc, ok = builtinProfiles[name]
-	}
+	name, pc, ok := cfg.profile()
 	if !ok {
 		names := append(Names(), slices.Collect(mapKeys(cfg.Profiles))...)
 		sort.Strings(names)
@@ -156,6 +149,19 @@ func NewPolicy(cfg Config, pool Pool) (Policy, error) {
 		return stateless{p}, nil
 	}
 	return p, nil
+}
+
+// profile returns the name cfg.Policy selects ("": DefaultPolicy) and its
+// profile: one of cfg.Profiles, else a built-in; ok is false for neither.
+func (cfg Config) profile() (name string, pc ProfileConfig, ok bool) {
+	name = cfg.Policy
+	if name == "" {
+		name = DefaultPolicy
+	}
+	if pc, ok = cfg.Profiles[name]; !ok {
+		pc, ok = builtinProfiles[name]
+	}
+	return name, pc, ok
 }
 
 // stateless is a Profile without per-endpoint state, its Forget and
@@ -183,14 +189,7 @@ func Validate(cfg Config) error {
 
 // UsesPrecise reports whether cfg's policy scores with the precise index.
 func UsesPrecise(cfg Config) bool {
-	name := cfg.Policy
-	if name == "" {
-		name = DefaultPolicy
-	}
-	pc, ok := cfg.Profiles[name]
-	if !ok {
-		pc, ok = builtinProfiles[name]
-	}
+	_, pc, ok := cfg.profile()
 	if !ok {
 		return false
 	}
