@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/url"
 	"os"
@@ -43,14 +44,11 @@ const (
 	// (30 s) before the kubelet's SIGKILL.
 	DefaultShutdownGrace = 25 * time.Second
 	// DefaultPolicy is the routing policy when the configuration names
-	// none: cache-aware, the best measured on the Mooncake conversation
-	// trace in real time (sched/README.md "Evaluation": ≥ 90% of the
-	// pooled-cache hit rate with TTFT p99 below least-request's in every
-	// run). precise-prefix reaches a higher hit rate and better p50/p90 but
-	// in real time mostly a worse p99, so it is opt-in even where endpoints
-	// publish KV events (the gateway still subscribes to them then, for the
-	// precise index's prediction-error metric).
-	DefaultPolicy = sched.CacheAware
+	// none: sched.DefaultPolicy (cache-aware), as in bench and plan.
+	// precise-prefix is opt-in even where endpoints publish KV events (the
+	// gateway still subscribes to them then, for the precise index's
+	// prediction-error metric).
+	DefaultPolicy = sched.DefaultPolicy
 	// DefaultScrapeInterval is the period of the engines' metrics scrape
 	// (fleet.DefaultScrapeInterval's rationale: the gateway's own in-flight
 	// accounting is exact, scraped queues only correct it).
@@ -269,7 +267,8 @@ type KVEventsConfig struct {
 	OffloadBlocks int `yaml:"offload_blocks"`
 }
 
-// LoadConfig reads a YAML configuration file. Unknown keys are an error. The
+// LoadConfig reads a YAML configuration file. Unknown keys are an error;
+// deprecated ones are logged as warnings (sched.Config.Deprecated). The
 // result is not defaulted or validated; New does both.
 func LoadConfig(path string) (Config, error) {
 	data, err := os.ReadFile(path)
@@ -281,6 +280,9 @@ func LoadConfig(path string) (Config, error) {
 	dec.KnownFields(true)
 	if err := dec.Decode(&c); err != nil && !errors.Is(err, io.EOF) {
 		return Config{}, fmt.Errorf("load gateway config %s: %w", path, err)
+	}
+	for _, w := range c.Routing.Deprecated() {
+		slog.Warn("gateway config " + path + ": " + w)
 	}
 	return c, nil
 }

@@ -264,16 +264,31 @@ func TestStalledEndpointEjected(t *testing.T) {
 		sseStart(w)
 		until(r, func() { sseSend(w, ": keep-alive\n\n") })
 	})
+	// The stalled engine sits where the default policy's tie-break sends a
+	// prefix first (four idle endpoints tie): the first decision of a fresh
+	// policy, as the gateway's is.
+	first, err := sched.NewPolicy(sched.Config{Policy: DefaultPolicy}, sched.Pool{Capacity: make([]int, 4)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	idle := make([]sched.Endpoint, 4)
+	for i := range idle {
+		idle[i].Ready = true
+	}
+	stalledIdx := first.Pick(&sched.Request{}, idle).Endpoint
 	var urls []string
 	var good []*fakeEngine
 	for i := range 3 {
+		if i == stalledIdx {
+			urls = append(urls, stalled.URL())
+		}
 		e := newFakeEngine(t, fmt.Sprintf("good%d", i))
 		good = append(good, e)
 		urls = append(urls, e.URL())
 	}
-	// Last: where the default policy's tie-break sends a prefix first.
-	urls = append(urls, stalled.URL())
-	const stalledIdx = 3
+	if stalledIdx == 3 {
+		urls = append(urls, stalled.URL())
+	}
 	cfg := stallConfig(DefaultPolicy, urls...)
 	// Two failures eject it: how many of the first concurrent requests
 	// land there before the prefix's later ones go elsewhere depends on
@@ -314,9 +329,14 @@ func TestStalledEndpointEjected(t *testing.T) {
 		for _, e := range good {
 			served = append(served, e.requests.Load())
 		}
+		var inFlight int64
+		for i, ep := range g.state.Load().endpoints {
+			if i != stalledIdx {
+				inFlight += ep.ledger.InFlight()
+			}
+		}
 		return fmt.Sprintf("stalled endpoint: %d requests, %d held now, at most %d at once; healthy endpoints served %v, %d in flight",
-			stalled.requests.Load(), stalled.cur.Load(), stalled.max.Load(), served,
-			g.state.Load().endpoints[0].ledger.InFlight()+g.state.Load().endpoints[1].ledger.InFlight()+g.state.Load().endpoints[2].ledger.InFlight())
+			stalled.requests.Load(), stalled.cur.Load(), stalled.max.Load(), served, inFlight)
 	}
 	for range clients {
 		select {

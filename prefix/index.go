@@ -6,6 +6,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"unsafe"
+
+	"github.com/infergate/infergate/internal/lru"
 )
 
 // MaxEndpoints is the number of endpoints one Index can track (one bit each in
@@ -142,7 +144,7 @@ func (ix *Index) Match(hashes []uint64, matched []int) {
 	}
 	if !s.verify() {
 		ix.linear.Add(1)
-		ix.matchLinear(hashes, matched, alive)
+		matchLinear(hashes, matched, alive, ix.owners)
 	}
 }
 
@@ -230,12 +232,13 @@ func (s *bisection) verify() bool {
 	return true
 }
 
-// matchLinear is the definition of Match: one lookup per block until no
-// endpoint is left.
-func (ix *Index) matchLinear(hashes []uint64, matched []int, alive uint64) {
+// matchLinear is the definition of Match, for the Index and the
+// PreciseIndex alike: one lookup per block until no endpoint of alive is
+// left. owners(h) is the mask of endpoints holding block h; matched[e] is
+// set for every endpoint e of alive.
+func matchLinear(hashes []uint64, matched []int, alive uint64, owners func(h uint64) uint64) {
 	for i, h := range hashes {
-		held, _ := ix.lookup(h)
-		held &= alive
+		held := owners(h) & alive
 		for dropped := alive &^ held; dropped != 0; dropped &= dropped - 1 {
 			matched[bits.TrailingZeros64(dropped)] = i
 		}
@@ -247,6 +250,12 @@ func (ix *Index) matchLinear(hashes []uint64, matched []int, alive uint64) {
 	for ; alive != 0; alive &= alive - 1 {
 		matched[bits.TrailingZeros64(alive)] = len(hashes)
 	}
+}
+
+// owners returns block h's owners mask (0 if absent).
+func (ix *Index) owners(h uint64) uint64 {
+	mask, _ := ix.lookup(h)
+	return mask
 }
 
 // lookup returns block h's owners mask and prefix digest (0, 0 if absent).
@@ -292,27 +301,27 @@ func (ix *Index) Insert(e int, hashes []uint64) {
 		m := mix(h)
 		_, node := l.find(h, m)
 		if node >= 0 {
-			l.moveFront(node)
-			if l.nodes[node].dig != dig {
+			l.order.MoveFront(l.nodes, node)
+			if l.nodes[node].Val.dig != dig {
 				b.add(h, opConflict)
 			}
 			continue
 		}
 		if l.full() {
-			old := l.tail
-			ev := l.nodes[old].hash
+			old := l.order.Tail()
+			ev := l.nodes[old].Val.hash
 			b.add(ev, opRemove)
-			l.unlink(old)
+			l.order.Unlink(l.nodes, old)
 			l.remove(ev)
-			l.nodes[old] = lruNode{hash: h, dig: dig}
+			l.nodes[old].Val = blockEntry{hash: h, dig: dig}
 			l.put(m, old)
-			l.pushFront(old)
+			l.order.PushFront(l.nodes, old)
 		} else {
 			l.grow()
 			node = int32(len(l.nodes))
-			l.nodes = append(l.nodes, lruNode{hash: h, dig: dig})
+			l.nodes = append(l.nodes, lru.Node[blockEntry]{Val: blockEntry{hash: h, dig: dig}})
 			l.put(m, node)
-			l.pushFront(node)
+			l.order.PushFront(l.nodes, node)
 		}
 		b.add(h, dig)
 	}
@@ -338,7 +347,7 @@ func (ix *Index) clearLocked(ep *endpoint, bit uint64) {
 	}
 	b := ep.batch()
 	for i := range ep.lru.nodes {
-		b.add(ep.lru.nodes[i].hash, opRemove)
+		b.add(ep.lru.nodes[i].Val.hash, opRemove)
 		if b.n == len(b.ops) {
 			ix.flush(b, bit)
 		}
@@ -645,7 +654,7 @@ type endpoint struct {
 
 type endpointState struct {
 	mu  sync.Mutex
-	lru lru
+	lru blockLRU
 	ops *opBatch // allocated on first Insert
 }
 
@@ -677,43 +686,42 @@ func (b *opBatch) add(key, dig uint64) {
 	b.n++
 }
 
-// lru is a fixed-capacity LRU set of block hashes: an intrusive doubly linked
+// blockLRU is a fixed-capacity LRU set of block hashes: an intrusive doubly linked
 // list over a node slice (no allocation once full) plus an open-addressing
 // table of slots, each the top 32 bits of the hash's mix (a tag) over the
 // node number plus one (0 marks an empty slot).
-type lru struct {
-	cap        int32
-	nodes      []lruNode
-	head, tail int32 // most and least recently used; -1 when empty
-	slots      []uint64
-	shift      uint // 64 - log2(len(slots))
+type blockLRU struct {
+	cap   int32
+	nodes []lru.Node[blockEntry]
+	order lru.List[blockEntry] // most to least recently used
+	slots []uint64
+	shift uint // 64 - log2(len(slots))
 }
 
-type lruNode struct {
-	hash       uint64
-	dig        uint64 // prefix digest of the Insert that added it
-	prev, next int32
+type blockEntry struct {
+	hash uint64
+	dig  uint64 // prefix digest of the Insert that added it
 }
 
-func (l *lru) init(capacity int32) {
+func (l *blockLRU) init(capacity int32) {
 	l.cap = capacity
-	l.head, l.tail = -1, -1
+	l.order.Init()
 }
 
 // reset empties the set, keeping its memory for reuse.
-func (l *lru) reset() {
+func (l *blockLRU) reset() {
 	l.nodes = l.nodes[:0]
 	clear(l.slots)
-	l.head, l.tail = -1, -1
+	l.order.Init()
 }
 
-func (l *lru) full() bool { return int32(len(l.nodes)) == l.cap }
+func (l *blockLRU) full() bool { return int32(len(l.nodes)) == l.cap }
 
 // The slot table is Robin Hood hashed like ownerTable; a slot's home is its
 // top bits, as the tag is the mix's top 32 bits.
 
 // find returns h's slot position and node, or -1 if absent. m is mix(h).
-func (l *lru) find(h, m uint64) (uint64, int32) {
+func (l *blockLRU) find(h, m uint64) (uint64, int32) {
 	if len(l.slots) == 0 {
 		return 0, -1
 	}
@@ -726,7 +734,7 @@ func (l *lru) find(h, m uint64) (uint64, int32) {
 			return p, -1
 		}
 		if s>>32 == tag {
-			if i := int32(uint32(s)) - 1; l.nodes[i].hash == h {
+			if i := int32(uint32(s)) - 1; l.nodes[i].Val.hash == h {
 				return p, i
 			}
 		}
@@ -738,7 +746,7 @@ func (l *lru) find(h, m uint64) (uint64, int32) {
 }
 
 // put adds a slot for node i, whose hash (absent) has mix m.
-func (l *lru) put(m uint64, i int32) {
+func (l *blockLRU) put(m uint64, i int32) {
 	end := uint64(len(l.slots) - 1)
 	e := m>>32<<32 | uint64(i+1)
 	for p, d := m>>l.shift, uint64(0); ; p, d = (p+1)&end, d+1 {
@@ -760,7 +768,7 @@ const prefetchRun = 32
 // many least recently used entries (the next victims), so that the cache
 // misses of the next len(hashes) touches overlap. Its result only keeps the
 // loads from being elided.
-func (l *lru) prefetch(hashes []uint64) uint64 {
+func (l *blockLRU) prefetch(hashes []uint64) uint64 {
 	if len(l.slots) == 0 {
 		return 0
 	}
@@ -769,21 +777,21 @@ func (l *lru) prefetch(hashes []uint64) uint64 {
 		sink += l.slots[mix(h)>>l.shift]
 	}
 	if l.full() {
-		v := l.tail
+		v := l.order.Tail()
 		for range hashes {
 			if v < 0 {
 				break
 			}
 			n := &l.nodes[v]
-			sink += l.slots[mix(n.hash)>>l.shift]
-			v = n.prev
+			sink += l.slots[mix(n.Val.hash)>>l.shift]
+			v = n.Prev()
 		}
 	}
 	return sink
 }
 
 // remove deletes h's slot (h must be present).
-func (l *lru) remove(h uint64) {
+func (l *blockLRU) remove(h uint64) {
 	p, _ := l.find(h, mix(h))
 	end := uint64(len(l.slots) - 1)
 	for {
@@ -800,10 +808,10 @@ func (l *lru) remove(h uint64) {
 
 // grow makes room for one more node: it enlarges the node slice (doubling,
 // up to capacity) and the slot table (keeping it at most 7/8 full).
-func (l *lru) grow() {
+func (l *blockLRU) grow() {
 	n := len(l.nodes)
 	if n == cap(l.nodes) {
-		nodes := make([]lruNode, n, min(max(2*n, 16), int(l.cap)))
+		nodes := make([]lru.Node[blockEntry], n, min(max(2*n, 16), int(l.cap)))
 		copy(nodes, l.nodes)
 		l.nodes = nodes
 	}
@@ -814,40 +822,6 @@ func (l *lru) grow() {
 	l.slots = make([]uint64, size)
 	l.shift = uint(64 - bits.TrailingZeros(uint(size)))
 	for i := range l.nodes {
-		l.put(mix(l.nodes[i].hash), int32(i))
-	}
-}
-
-func (l *lru) moveFront(i int32) {
-	if l.head == i {
-		return
-	}
-	l.unlink(i)
-	l.pushFront(i)
-}
-
-func (l *lru) unlink(i int32) {
-	n := &l.nodes[i]
-	if n.prev >= 0 {
-		l.nodes[n.prev].next = n.next
-	} else {
-		l.head = n.next
-	}
-	if n.next >= 0 {
-		l.nodes[n.next].prev = n.prev
-	} else {
-		l.tail = n.prev
-	}
-}
-
-func (l *lru) pushFront(i int32) {
-	n := &l.nodes[i]
-	n.prev, n.next = -1, l.head
-	if l.head >= 0 {
-		l.nodes[l.head].prev = i
-	}
-	l.head = i
-	if l.tail < 0 {
-		l.tail = i
+		l.put(mix(l.nodes[i].Val.hash), int32(i))
 	}
 }

@@ -490,7 +490,7 @@ func TestIndexConcurrent(t *testing.T) {
 	for _, p := range prompts {
 		ix.Match(p, m)
 		clear(lin)
-		ix.matchLinear(p, lin, 1<<len(caps)-1)
+		matchLinear(p, lin, 1<<len(caps)-1, ix.owners)
 		if !slices.Equal(m, lin) {
 			t.Fatalf("after the writers stopped: match %v, linear %v", m, lin)
 		}

@@ -654,7 +654,7 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 		ix.matchBisect(hashes, m, matched, closed)
 	}
 	if holey != 0 {
-		ix.matchLinear(hashes, m, matched, holey)
+		matchLinear(hashes, matched, holey, func(h uint64) uint64 { return ix.lookup(m, h) })
 	}
 }
 
@@ -665,24 +665,6 @@ func (ix *PreciseIndex) lookup(m Medium, h uint64) uint64 {
 	v := s.owners[m][h]
 	s.mu.RUnlock()
 	return v
-}
-
-// matchLinear is the definition of Match for the endpoints in alive: one
-// lookup per block until none is left.
-func (ix *PreciseIndex) matchLinear(hashes []uint64, m Medium, matched []int, alive uint64) {
-	for i, h := range hashes {
-		held := ix.lookup(m, h) & alive
-		for dropped := alive &^ held; dropped != 0; dropped &= dropped - 1 {
-			matched[bits.TrailingZeros64(dropped)] = i
-		}
-		alive = held
-		if alive == 0 {
-			return
-		}
-	}
-	for ; alive != 0; alive &= alive - 1 {
-		matched[bits.TrailingZeros64(alive)] = len(hashes)
-	}
 }
 
 // matchBisect is Match for endpoints (in set) whose blocks are

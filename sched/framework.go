@@ -1,7 +1,9 @@
 package sched
 
 import (
+	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 
 	"github.com/infergate/infergate/prefix"
 )
@@ -78,6 +80,12 @@ type Cycle struct {
 	cands    []int
 	total    []float64
 	scores   []float64
+	// The decision's random stream: n is its ordinal among the profile's
+	// decisions, seeded on the first draw.
+	n      uint64
+	seeded bool
+	pcg    *rand.PCG
+	rng    *rand.Rand
 }
 
 // Matched returns, for every endpoint of c.Eps, the number of leading prompt
@@ -115,12 +123,26 @@ func (c *Cycle) MatchedBy(src MatchSource) []int {
 	return c.other[:len(c.Eps)]
 }
 
-// IntN returns a uniform int in [0, n) from the profile's seeded generator.
-func (c *Cycle) IntN(n int) int { return c.p.rng.IntN(n) }
+// IntN returns a uniform int in [0, n) from the decision's random stream.
+func (c *Cycle) IntN(n int) int { return c.rand().IntN(n) }
 
-// Float64 returns a uniform float64 in [0, 1) from the profile's seeded
-// generator.
-func (c *Cycle) Float64() float64 { return c.p.rng.Float64() }
+// Float64 returns a uniform float64 in [0, 1) from the decision's random
+// stream.
+func (c *Cycle) Float64() float64 { return c.rand().Float64() }
+
+// rand returns the decision's stream, seeded on first use from the
+// profile's seed and the decision's ordinal.
+func (c *Cycle) rand() *rand.Rand {
+	if c.rng == nil {
+		c.pcg = new(rand.PCG)
+		c.rng = rand.New(c.pcg)
+	}
+	if !c.seeded {
+		c.seeded = true
+		c.pcg.Seed(decisionSeed(c.p.seed, c.n))
+	}
+	return c.rng
+}
 
 // MatchSource answers prefix matches: matched[e] = leading blocks of hashes
 // endpoint e holds, for e < len(matched). *prefix.Index implements it; the
@@ -148,8 +170,14 @@ type Profile struct {
 	hashes   bool        // some plugin reads Request.Hashes
 	forget   []func(int)
 	approx   *prefix.Index // the approximate index, nil when no scorer uses it
-	rng      *lockedRand
-	cycles   sync.Pool // *Cycle
+	// seed and decisions make each decision's random stream (Cycle.IntN):
+	// decision n draws from a PCG seeded by (seed, n), so that its draws
+	// depend on neither how many draws earlier decisions made (their ties,
+	// their pickers) nor on concurrent decisions taking draws from a shared
+	// source in between its own.
+	seed      uint64
+	decisions atomic.Uint64
+	cycles    sync.Pool // *Cycle
 }
 
 // Name returns the profile's name.
@@ -176,7 +204,9 @@ func (p *Profile) SetCapacity(i, blocks int) {
 
 // Pick implements Policy: filter, score, pick, learn. Decision.MatchedBlocks
 // is Cycle.Matched for the chosen endpoint. It allocates nothing once the
-// profile has served a decision of the same pool size.
+// profile has served a decision of the same pool size. Its random draws
+// are a function of the policy's seed and the decision's ordinal (the
+// number of Picks before it) only.
 func (p *Profile) Pick(req *Request, eps []Endpoint) Decision {
 	c, _ := p.cycles.Get().(*Cycle)
 	if c == nil {
@@ -192,6 +222,7 @@ func (p *Profile) Pick(req *Request, eps []Endpoint) Decision {
 		c.other = make([]int, n)
 	}
 	c.Req, c.Eps, c.matchedDone, c.otherSrc = req, eps, false, nil
+	c.n, c.seeded = p.decisions.Add(1)-1, false
 	defer func() { c.Req, c.Eps, c.otherSrc = nil, nil, nil }()
 
 	cands := c.cands[:0]

@@ -18,6 +18,9 @@ func newProfileT(t testing.TB, cfg Config, pool Pool) *Profile {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if s, ok := p.(stateless); ok {
+		return s.p
+	}
 	pr, ok := p.(*Profile)
 	if !ok {
 		t.Fatalf("%s is %T, not a profile", cfg.Policy, p)
@@ -169,8 +172,8 @@ func TestScorers(t *testing.T) {
 			}
 		}
 	}
-	check("queue", queueScorer{}, 0, 1, 0) // waiting 2, 0; gateway in-flight 2 for the scrape-less one
-	check("kv", kvUtilScorer{}, 0.1, 0.9, 1)
+	check("queue", queueScorer{}, 0, 1, 0.5) // one endpoint without metrics: in flight 4, 0, 2 for all
+	check("kv", kvUtilScorer{}, 0.1, 0.9, 0) // the one without metrics unscored
 	check("tokens", inFlightTokensScorer{}, 0, 1, 0.5)
 	check("lora", loraScorer{}, 1, 0.5, 0)
 	check("prefix", p.scorers[0].Scorer, 0.5, 0, 0)

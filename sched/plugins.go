@@ -7,6 +7,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
+	"github.com/infergate/infergate/internal/lru"
 	"github.com/infergate/infergate/prefix"
 )
 
@@ -30,6 +31,9 @@ const (
 	PickerMaxScore       = "max-score"
 	PickerWeightedRandom = "weighted-random"
 	PickerPowerOfTwo     = "power-of-two"
+	PickerRoundRobin     = "round-robin"
+	PickerLeastRequest   = "least-request"
+	PickerPrefixRule     = "prefix-rule"
 )
 
 // ---- filters ----
@@ -88,41 +92,9 @@ func (adapterCapacityFilter) Filter(c *Cycle, cands []int) []int {
 	return out
 }
 
-// HotSpotConfig bounds how far an endpoint's load may run ahead of the least
-// loaded candidate before cache affinity stops counting (YAML
-// routing.hot_spot). Load is requests in flight from this gateway.
-type HotSpotConfig struct {
-	// Abs (default 32 requests) and Rel (default 3.0): an endpoint is hot
-	// when its load exceeds the least-loaded candidate's by more than Abs AND
-	// is more than Rel times it. SGLang router's balance_abs_threshold /
-	// balance_rel_threshold form.
-	Abs int     `yaml:"abs"`
-	Rel float64 `yaml:"rel"`
-}
-
-// Defaults of HotSpotConfig: loose, because the cost scorer already weighs
-// load; the filter is the backstop when affinity would still pile work on
-// one endpoint. Chosen on the Mooncake trace (sched/README.md): the prefix
-// policy's tighter 12 / 2.0 cost the cache-aware profile about a point of
-// hit rate for no gain in TTFT.
-const (
-	DefaultHotSpotAbs = 32
-	DefaultHotSpotRel = 3.0
-)
-
-func (h HotSpotConfig) withDefaults() HotSpotConfig {
-	if h.Abs == 0 {
-		h.Abs = DefaultHotSpotAbs
-	}
-	if h.Rel == 0 {
-		h.Rel = DefaultHotSpotRel
-	}
-	return h
-}
-
-// hotSpotFilter removes hot endpoints (see HotSpotConfig). The least-loaded
-// candidate is never hot, so the set never empties.
-type hotSpotFilter struct{ cfg HotSpotConfig }
+// hotSpotFilter removes hot endpoints: those overloaded (Balance) against
+// the least-loaded candidate, which is never hot, so the set never empties.
+type hotSpotFilter struct{ cfg Balance }
 
 func (hotSpotFilter) Name() string { return FilterHotSpot }
 
@@ -133,18 +105,11 @@ func (f hotSpotFilter) Filter(c *Cycle, cands []int) []int {
 	}
 	out := cands[:0]
 	for _, i := range cands {
-		if !overloaded(c.Eps[i].InFlight, least, f.cfg.Abs, f.cfg.Rel) {
+		if !f.cfg.overloaded(c.Eps[i].InFlight, least) {
 			out = append(out, i)
 		}
 	}
 	return out
-}
-
-// overloaded is SGLang's two-threshold imbalance test (sgl-router
-// cache_aware.rs): load exceeds least by more than abs AND by a factor of
-// more than rel.
-func overloaded(load, least, abs int, rel float64) bool {
-	return load-least > abs && float64(load) > rel*float64(least)
 }
 
 // ---- scorers ----
@@ -223,23 +188,33 @@ func minMaxLow(cands []int, scores []float64, q func(i int) float64) {
 	}
 }
 
-// queueScorer prefers short queues: the engine's waiting requests when its
-// metrics are fresh, else the gateway's in-flight count.
+// queueScorer prefers short queues: the engines' waiting requests when
+// every candidate's metrics are fresh, else the gateway's in-flight counts.
+// One quantity for all: min–max over an engine's waiting queue (0 while it
+// runs all it was sent) and another endpoint's in-flight requests would rank
+// a busy engine above an idle one that exports no metrics.
 type queueScorer struct{}
 
 func (queueScorer) Name() string { return ScorerQueue }
 
 func (queueScorer) Score(c *Cycle, cands []int, scores []float64) {
+	engine := true
+	for _, i := range cands {
+		engine = engine && c.Eps[i].Metrics
+	}
 	minMaxLow(cands, scores, func(i int) float64 {
-		ep := &c.Eps[i]
-		if ep.Metrics {
-			return float64(ep.Waiting)
+		if engine {
+			return float64(c.Eps[i].Waiting)
 		}
-		return float64(ep.InFlight)
+		return float64(c.Eps[i].InFlight)
 	})
 }
 
-// kvUtilScorer: 1 − KV-cache utilisation (fresh metrics only; 1 otherwise).
+// kvUtilScorer: 1 − KV-cache utilisation where it is known (fresh metrics
+// with a KVUtil ≥ 0). An endpoint that reports none is left unscored (0: the
+// other scorers decide), not scored as an empty cache, which would make the
+// endpoint nothing is known about the most attractive one (llm-d fixed the
+// same in its kv-cache-utilization scorer, llm-d/llm-d-router#2695).
 type kvUtilScorer struct{}
 
 func (kvUtilScorer) Name() string { return ScorerKVUtilization }
@@ -247,10 +222,9 @@ func (kvUtilScorer) Name() string { return ScorerKVUtilization }
 func (kvUtilScorer) Score(c *Cycle, cands []int, scores []float64) {
 	for k, i := range cands {
 		ep := &c.Eps[i]
-		if ep.Metrics {
+		scores[k] = 0
+		if ep.Metrics && ep.KVUtil >= 0 {
 			scores[k] = 1 - ep.KVUtil
-		} else {
-			scores[k] = 1
 		}
 	}
 }
@@ -478,99 +452,190 @@ func (powerOfTwoPicker) Pick(c *Cycle, cands []int, total []float64) int {
 type sessionTable struct {
 	cap   int
 	slot  map[uint64]int32
-	nodes []sessionNode
-	head  int32
-	tail  int32
+	nodes []lru.Node[sessionEntry]
+	order lru.List[sessionEntry] // most to least recently routed
 }
 
-type sessionNode struct {
-	key        uint64
-	ep         int32
-	prev, next int32
+type sessionEntry struct {
+	key uint64
+	ep  int32 // -1: free
 }
 
 func newSessionTable(capacity int) *sessionTable {
-	return &sessionTable{cap: max(capacity, 1), slot: make(map[uint64]int32), head: -1, tail: -1}
+	t := &sessionTable{cap: max(capacity, 1), slot: make(map[uint64]int32)}
+	t.order.Init()
+	return t
 }
 
 func (t *sessionTable) get(k uint64) int {
 	if i, ok := t.slot[k]; ok {
-		return int(t.nodes[i].ep)
+		return int(t.nodes[i].Val.ep)
 	}
 	return -1
 }
 
 func (t *sessionTable) put(k uint64, ep int) {
 	if i, ok := t.slot[k]; ok {
-		t.nodes[i].ep = int32(ep)
-		t.unlink(i)
-		t.pushFront(i)
+		t.nodes[i].Val.ep = int32(ep)
+		t.order.MoveFront(t.nodes, i)
 		return
 	}
 	var i int32
 	if len(t.nodes) < t.cap {
-		t.nodes = append(t.nodes, sessionNode{})
+		t.nodes = append(t.nodes, lru.Node[sessionEntry]{})
 		i = int32(len(t.nodes) - 1)
 	} else {
-		i = t.tail
-		if t.nodes[i].ep >= 0 {
-			delete(t.slot, t.nodes[i].key)
+		i = t.order.Tail()
+		if t.nodes[i].Val.ep >= 0 {
+			delete(t.slot, t.nodes[i].Val.key)
 		}
-		t.unlink(i)
+		t.order.Unlink(t.nodes, i)
 	}
-	t.nodes[i].key, t.nodes[i].ep = k, int32(ep)
+	t.nodes[i].Val = sessionEntry{key: k, ep: int32(ep)}
 	t.slot[k] = i
-	t.pushFront(i)
+	t.order.PushFront(t.nodes, i)
 }
 
 // dropEndpoint forgets the sessions homed on endpoint e (they are re-homed on
 // their next turn).
 func (t *sessionTable) dropEndpoint(e int) {
 	for k, i := range t.slot {
-		if t.nodes[i].ep == int32(e) {
-			t.nodes[i].ep = -1
+		if t.nodes[i].Val.ep == int32(e) {
+			t.nodes[i].Val.ep = -1
 			delete(t.slot, k)
-			t.unlink(i)
-			t.pushBack(i)
+			t.order.Unlink(t.nodes, i)
+			t.order.PushBack(t.nodes, i)
 		}
 	}
 	// Freed nodes (ep −1) sit at the tail and are reused first.
 }
 
-func (t *sessionTable) unlink(i int32) {
-	n := &t.nodes[i]
-	if n.prev >= 0 {
-		t.nodes[n.prev].next = n.next
-	} else {
-		t.head = n.next
-	}
-	if n.next >= 0 {
-		t.nodes[n.next].prev = n.prev
-	} else {
-		t.tail = n.prev
-	}
+// ---- rule pickers ----
+//
+// The pickers below carry the rule policies: each decides from the
+// snapshot (and the prefix match) itself and reads no scores, so their
+// profiles need no scorer but the one that provides the match.
+
+// roundRobinPicker takes the next candidate, by endpoint index, in a fixed
+// cycle over the pool: the first candidate at or after the one following
+// the last pick, wrapping around.
+type roundRobinPicker struct {
+	mu   sync.Mutex
+	next int // endpoint index after the last pick
 }
 
-func (t *sessionTable) pushFront(i int32) {
-	n := &t.nodes[i]
-	n.prev, n.next = -1, t.head
-	if t.head >= 0 {
-		t.nodes[t.head].prev = i
+func (*roundRobinPicker) Name() string { return PickerRoundRobin }
+
+func (p *roundRobinPicker) Pick(c *Cycle, cands []int, _ []float64) int {
+	if len(cands) == 0 {
+		return -1
 	}
-	t.head = i
-	if t.tail < 0 {
-		t.tail = i
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	start := p.next % len(c.Eps)
+	k := 0
+	for j, i := range cands { // cands ascend: filters keep the order
+		if i >= start {
+			k = j
+			break
+		}
 	}
+	p.next = cands[k] + 1
+	return k
 }
 
-func (t *sessionTable) pushBack(i int32) {
-	n := &t.nodes[i]
-	n.next, n.prev = -1, t.tail
-	if t.tail >= 0 {
-		t.nodes[t.tail].next = i
+// leastRequestPicker takes the candidate with the fewest requests in flight
+// (Endpoint.InFlight), ties broken uniformly at random.
+type leastRequestPicker struct{}
+
+func (leastRequestPicker) Name() string { return PickerLeastRequest }
+
+func (leastRequestPicker) Pick(c *Cycle, cands []int, _ []float64) int {
+	return leastLoaded(c, cands, nil)
+}
+
+// leastLoaded returns the k of the candidate with the fewest in-flight
+// requests, or -1 for no candidates. Ties go to the larger matched[cands[k]]
+// when matched is not nil, then uniformly at random (reservoir sampling:
+// one draw per tie after the first, in candidate order).
+func leastLoaded(c *Cycle, cands []int, matched []int) int {
+	eps := c.Eps
+	best, ties := -1, 0
+	for k, i := range cands {
+		if best < 0 {
+			best, ties = k, 1
+			continue
+		}
+		b := cands[best]
+		switch {
+		case eps[i].InFlight < eps[b].InFlight ||
+			(eps[i].InFlight == eps[b].InFlight && matched != nil && matched[i] > matched[b]):
+			best, ties = k, 1
+		case eps[i].InFlight == eps[b].InFlight && (matched == nil || matched[i] == matched[b]):
+			ties++
+			if c.IntN(ties) == 0 {
+				best = k
+			}
+		}
 	}
-	t.tail = i
-	if t.head < 0 {
-		t.head = i
+	return best
+}
+
+// prefixRulePicker is the two-threshold cache-affinity rule (README.md,
+// "prefix"): the candidate holding the longest prefix of the prompt (the
+// profile's match source, Cycle.Matched) unless its advantage over the
+// least-loaded candidate is below minGain of the prompt's blocks, or it is
+// overloaded against it (balance); then the least-loaded candidate.
+type prefixRulePicker struct {
+	balance Balance
+	minGain float64
+}
+
+func (prefixRulePicker) Name() string { return PickerPrefixRule }
+
+func (p prefixRulePicker) Pick(c *Cycle, cands []int, _ []float64) int {
+	matched := c.Matched()
+	least := leastLoaded(c, cands, matched)
+	if least < 0 {
+		return -1
 	}
+	best := bestMatch(c, cands, matched)
+	if best < 0 || best == least {
+		return least
+	}
+	b, l := cands[best], cands[least]
+	gain := matched[b] - matched[l]
+	enough := float64(gain) >= p.minGain*float64(len(c.Req.Hashes)) && gain > 0
+	if enough && !p.balance.overloaded(c.Eps[b].InFlight, c.Eps[l].InFlight) {
+		return best
+	}
+	return least
+}
+
+// bestMatch returns the k of the candidate with the most matched blocks
+// (ties: fewest in flight, then uniformly at random), or -1 if none
+// matched.
+func bestMatch(c *Cycle, cands []int, matched []int) int {
+	eps := c.Eps
+	best, ties := -1, 0
+	for k, i := range cands {
+		if matched[i] == 0 {
+			continue
+		}
+		if best < 0 {
+			best, ties = k, 1
+			continue
+		}
+		b := cands[best]
+		switch {
+		case matched[i] > matched[b] || (matched[i] == matched[b] && eps[i].InFlight < eps[b].InFlight):
+			best, ties = k, 1
+		case matched[i] == matched[b] && eps[i].InFlight == eps[b].InFlight:
+			ties++
+			if c.IntN(ties) == 0 {
+				best = k
+			}
+		}
+	}
+	return best
 }

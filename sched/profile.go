@@ -38,8 +38,20 @@ type ScorerConfig struct {
 	Weight float64 `yaml:"weight"`
 }
 
-// Built-in profile names (besides the rule policies of sched.go).
+// Built-in profile names. Every policy is a profile: the rule policies
+// (round-robin, least-request, random, prefix) are profiles whose picker
+// carries the rule and reads no scores.
 const (
+	// RoundRobin cycles through the ready endpoints.
+	RoundRobin = "round-robin"
+	// LeastRequest takes the ready endpoint with the fewest requests in
+	// flight, ties at random.
+	LeastRequest = "least-request"
+	// Random takes a ready endpoint uniformly at random.
+	Random = "random"
+	// Prefix is the two-threshold cache-affinity rule on the approximate
+	// index (README.md, "prefix").
+	Prefix = "prefix"
 	// PowerOfTwo samples two endpoints and takes the one with the shorter
 	// queue: a load-only baseline.
 	PowerOfTwo = "power-of-two"
@@ -55,6 +67,16 @@ const (
 
 // builtinProfiles are the profiles every configuration knows.
 var builtinProfiles = map[string]ProfileConfig{
+	RoundRobin:   {Picker: PickerRoundRobin},
+	LeastRequest: {Picker: PickerLeastRequest},
+	// weighted-random without scorers: every total is 0, so uniform.
+	Random: {Picker: PickerWeightedRandom},
+	// The prefix scorer provides the approximate index (match and
+	// learning); the rule picker reads the match, not the score.
+	Prefix: {
+		Scorers: []ScorerConfig{{Type: ScorerPrefix, Weight: 1}},
+		Picker:  PickerPrefixRule,
+	},
 	PowerOfTwo: {
 		Scorers: []ScorerConfig{{Type: ScorerQueue, Weight: 1}},
 		Picker:  PickerPowerOfTwo,
@@ -100,36 +122,55 @@ type Pool struct {
 // scorer on a pool without a precise index.
 var ErrNoPrecise = errors.New("precise-prefix scorer needs the endpoints' KV events (kv_events in the endpoint config)")
 
-// NewPolicy builds cfg.Policy for pool: a rule policy (round-robin,
-// least-request, random, prefix), a built-in profile (power-of-two,
-// cache-aware, precise-prefix) or a profile of cfg.Profiles (which may
+// NewPolicy builds cfg.Policy ("" for DefaultPolicy) for pool: a
+// built-in profile (Names) or a profile of cfg.Profiles (which may
 // override a built-in's name). Errors name the offending setting.
+//
+// A profile with per-endpoint state (an approximate index, a session
+// table) is returned as a *Profile, which implements Forgetter and
+// Resizer; one without is returned as a Policy that implements neither,
+// so that callers skip the calls.
 func NewPolicy(cfg Config, pool Pool) (Policy, error) {
+	name, pc, ok := cfg.profile()
+	if !ok {
+		names := append(Names(), slices.Collect(mapKeys(cfg.Profiles))...)
+		sort.Strings(names)
+		return nil, fmt.Errorf("unknown routing policy %q (want one of %v)", name, names)
+	}
 	seed := cfg.Seed
 	if seed == 0 {
 		seed = 0x1f0a
 	}
-	r := newLockedRand(seed)
-	if pc, ok := cfg.Profiles[cfg.Policy]; ok {
-		return newProfile(cfg.Policy, pc, cfg, pool, r)
+	p, err := newProfile(name, pc, cfg, pool, seed)
+	if err != nil {
+		return nil, err
 	}
-	switch cfg.Policy {
-	case RoundRobin:
-		return &roundRobin{}, nil
-	case LeastRequest:
-		return &leastRequest{rng: r}, nil
-	case Random:
-		return &random{rng: r}, nil
-	case Prefix, "":
-		return newPrefixPolicy(cfg.Prefix, pool.Capacity, r)
+	if p.approx == nil && len(p.forget) == 0 {
+		return stateless{p}, nil
 	}
-	if pc, ok := builtinProfiles[cfg.Policy]; ok {
-		return newProfile(cfg.Policy, pc, cfg, pool, r)
-	}
-	names := append(Names(), slices.Collect(mapKeys(cfg.Profiles))...)
-	sort.Strings(names)
-	return nil, fmt.Errorf("unknown routing policy %q (want one of %v)", cfg.Policy, names)
+	return p, nil
 }
+
+// profile returns the name cfg.Policy selects ("": DefaultPolicy) and its
+// profile: one of cfg.Profiles, else a built-in; ok is false for neither.
+func (cfg Config) profile() (name string, pc ProfileConfig, ok bool) {
+	name = cfg.Policy
+	if name == "" {
+		name = DefaultPolicy
+	}
+	if pc, ok = cfg.Profiles[name]; !ok {
+		pc, ok = builtinProfiles[name]
+	}
+	return name, pc, ok
+}
+
+// stateless is a Profile without per-endpoint state, its Forget and
+// SetCapacity hidden.
+type stateless struct{ p *Profile }
+
+func (s stateless) Name() string                               { return s.p.Name() }
+func (s stateless) NeedsHashes() bool                          { return s.p.NeedsHashes() }
+func (s stateless) Pick(req *Request, eps []Endpoint) Decision { return s.p.Pick(req, eps) }
 
 // Validate checks cfg without a pool: the policy name, every profile of
 // cfg.Profiles and the tuning sections.
@@ -148,10 +189,7 @@ func Validate(cfg Config) error {
 
 // UsesPrecise reports whether cfg's policy scores with the precise index.
 func UsesPrecise(cfg Config) bool {
-	pc, ok := cfg.Profiles[cfg.Policy]
-	if !ok {
-		pc, ok = builtinProfiles[cfg.Policy]
-	}
+	_, pc, ok := cfg.profile()
 	if !ok {
 		return false
 	}
@@ -177,128 +215,166 @@ func mapKeys[V any](m map[string]V) func(func(string) bool) {
 	}
 }
 
-func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, r *lockedRand) (*Profile, error) {
+// newProfile builds profile name of pc for pool, its plugins tuned by cfg
+// and its random streams seeded by seed; errors name the profile.
+func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint64) (*Profile, error) {
 	pcfg := cfg.Prefix.WithDefaults()
 	if err := pcfg.Validate(); err != nil {
 		return nil, err
 	}
-	p := &Profile{name: name, rng: r}
+	balance, err := cfg.balance()
+	if err != nil {
+		return nil, err
+	}
+	p := &Profile{name: name, seed: seed}
 	where := func(format string, a ...any) error {
 		return fmt.Errorf("routing profile %q: %s", name, fmt.Sprintf(format, a...))
 	}
-	for _, f := range pc.Filters {
-		switch f {
-		case FilterModel:
-			p.filters = append(p.filters, modelFilter{})
-		case FilterAdapterCapacity:
-			p.filters = append(p.filters, adapterCapacityFilter{})
-		case FilterHotSpot:
-			h := cfg.HotSpot.withDefaults()
-			if h.Abs < 0 || h.Rel < 1 {
-				return nil, where("hot_spot abs %d must be >= 0 and rel %g >= 1", h.Abs, h.Rel)
-			}
-			p.filters = append(p.filters, hotSpotFilter{cfg: h})
-		default:
-			return nil, where("unknown filter %q (want model, adapter-capacity, hot-spot)", f)
+	for _, fname := range pc.Filters {
+		f, err := newFilter(fname, balance)
+		if err != nil {
+			return nil, where("%v", err)
 		}
+		p.filters = append(p.filters, f)
 	}
-	if len(pc.Scorers) == 0 {
+	if len(pc.Scorers) == 0 && !scoreless(pc.Picker) {
 		return nil, where("no scorers")
 	}
-	var approx *prefix.Index
-	usesApprox := func() (*prefix.Index, error) {
-		if approx == nil {
-			ix, err := prefix.NewIndex(pool.Capacity)
-			if err != nil {
-				return nil, err
-			}
-			approx, p.approx = ix, ix
-			p.forget = append(p.forget, ix.Clear)
-		}
-		return approx, nil
-	}
-	var precise, needCost bool
+	var precise, cost bool
 	for _, sc := range pc.Scorers {
 		if sc.Weight < 0 || sc.Weight != sc.Weight {
 			return nil, where("scorer %q weight %g must be >= 0", sc.Type, sc.Weight)
 		}
-		var s Scorer
-		switch sc.Type {
-		case ScorerPrefix:
-			ix, err := usesApprox()
-			if err != nil {
-				return nil, where("%v", err)
-			}
-			ps := &prefixScorer{ix: ix, minGain: pcfg.MinMatchGain}
-			p.learners = append(p.learners, ps)
-			s = ps
-			p.hashes = true
-		case ScorerPrecisePrefix:
-			if pool.Precise == nil {
-				return nil, where("%v", ErrNoPrecise)
-			}
-			s = &preciseScorer{src: pool.Precise, minGain: pcfg.MinMatchGain}
-			precise, p.hashes = true, true
-		case ScorerQueue:
-			s = queueScorer{}
-		case ScorerKVUtilization:
-			s = kvUtilScorer{}
-		case ScorerInFlightTokens:
-			s = inFlightTokensScorer{}
-		case ScorerSession:
-			n := cfg.Session.MaxSessions
-			if n == 0 {
-				n = DefaultMaxSessions
-			}
-			if n < 0 {
-				return nil, where("session.max_sessions %d must be > 0", n)
-			}
-			ss := &sessionScorer{table: newSessionTable(n)}
-			p.learners = append(p.learners, ss)
-			p.forget = append(p.forget, ss.forget)
-			s = ss
-		case ScorerLoRA:
-			s = loraScorer{}
-		case ScorerCost:
-			rate := cfg.Cost.PrefillTokensPerSecond
-			if rate == 0 {
-				rate = DefaultPrefillTokensPerSecond
-			}
-			if rate < 0 || rate != rate {
-				return nil, where("cost.prefill_tokens_per_second %g must be > 0", rate)
-			}
-			s = &costScorer{rate: rate, blockSize: pcfg.BlockSize}
-			needCost = true
-		default:
-			return nil, where("unknown scorer %q (want prefix, precise-prefix, queue, kv-utilization, in-flight-tokens, session, lora, cost)", sc.Type)
+		s, err := p.newScorer(sc.Type, cfg, pool, pcfg)
+		if err != nil {
+			return nil, where("%v", err)
 		}
 		p.scorers = append(p.scorers, WeightedScorer{Scorer: s, Weight: sc.Weight})
+		precise = precise || sc.Type == ScorerPrecisePrefix
+		cost = cost || sc.Type == ScorerCost
 	}
 	switch {
 	case precise:
 		p.match = pool.Precise
-	case approx != nil:
-		p.match = approx
+	case p.approx != nil:
+		p.match = p.approx
 	}
-	if needCost && p.match != nil {
+	if cost && p.match != nil {
 		p.hashes = true
 	}
-	switch pc.Picker {
+	if p.picker, err = newPicker(pc.Picker, cfg, p.match != nil, balance, pcfg.MinMatchGain); err != nil {
+		return nil, where("%v", err)
+	}
+	return p, nil
+}
+
+// newScorer returns the scorer of that name for p, adding what it brings to
+// p: the approximate index (one per profile, created by the first scorer
+// that needs it), a learner, a forget hook, the need for hashes.
+func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfig) (Scorer, error) {
+	switch name {
+	case ScorerPrefix:
+		if p.approx == nil {
+			ix, err := prefix.NewIndex(pool.Capacity)
+			if err != nil {
+				return nil, err
+			}
+			p.approx = ix
+			p.forget = append(p.forget, ix.Clear)
+		}
+		ps := &prefixScorer{ix: p.approx, minGain: pcfg.MinMatchGain}
+		p.learners = append(p.learners, ps)
+		p.hashes = true
+		return ps, nil
+	case ScorerPrecisePrefix:
+		if pool.Precise == nil {
+			return nil, ErrNoPrecise
+		}
+		p.hashes = true
+		return &preciseScorer{src: pool.Precise, minGain: pcfg.MinMatchGain}, nil
+	case ScorerQueue:
+		return queueScorer{}, nil
+	case ScorerKVUtilization:
+		return kvUtilScorer{}, nil
+	case ScorerInFlightTokens:
+		return inFlightTokensScorer{}, nil
+	case ScorerSession:
+		n := cfg.Session.MaxSessions
+		if n == 0 {
+			n = DefaultMaxSessions
+		}
+		if n < 0 {
+			return nil, fmt.Errorf("session.max_sessions %d must be > 0", n)
+		}
+		ss := &sessionScorer{table: newSessionTable(n)}
+		p.learners = append(p.learners, ss)
+		p.forget = append(p.forget, ss.forget)
+		return ss, nil
+	case ScorerLoRA:
+		return loraScorer{}, nil
+	case ScorerCost:
+		rate := cfg.Cost.PrefillTokensPerSecond
+		if rate == 0 {
+			rate = DefaultPrefillTokensPerSecond
+		}
+		if rate < 0 || rate != rate {
+			return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", rate)
+		}
+		return &costScorer{rate: rate, blockSize: pcfg.BlockSize}, nil
+	}
+	return nil, fmt.Errorf("unknown scorer %q (want prefix, precise-prefix, queue, kv-utilization, in-flight-tokens, session, lora, cost)", name)
+}
+
+// newFilter returns the filter of that name.
+func newFilter(name string, balance Balance) (Filter, error) {
+	switch name {
+	case FilterModel:
+		return modelFilter{}, nil
+	case FilterAdapterCapacity:
+		return adapterCapacityFilter{}, nil
+	case FilterHotSpot:
+		return hotSpotFilter{cfg: balance}, nil
+	}
+	return nil, fmt.Errorf("unknown filter %q (want model, adapter-capacity, hot-spot)", name)
+}
+
+// newPicker returns the picker of that name ("": max-score); matched says
+// whether the profile has a prefix match source, which prefix-rule reads.
+func newPicker(name string, cfg Config, matched bool, balance Balance, minGain float64) (Picker, error) {
+	switch name {
 	case PickerMaxScore, "":
 		tol := cfg.TieTolerance
 		if tol == 0 {
 			tol = DefaultTieTolerance
 		}
 		if tol < 0 || tol != tol {
-			return nil, where("tie_tolerance %g must be >= 0", tol)
+			return nil, fmt.Errorf("tie_tolerance %g must be >= 0", tol)
 		}
-		p.picker = maxScorePicker{tol: tol}
+		return maxScorePicker{tol: tol}, nil
 	case PickerWeightedRandom:
-		p.picker = weightedRandomPicker{}
+		return weightedRandomPicker{}, nil
 	case PickerPowerOfTwo:
-		p.picker = powerOfTwoPicker{}
-	default:
-		return nil, where("unknown picker %q (want max-score, weighted-random, power-of-two)", pc.Picker)
+		return powerOfTwoPicker{}, nil
+	case PickerRoundRobin:
+		return &roundRobinPicker{}, nil
+	case PickerLeastRequest:
+		return leastRequestPicker{}, nil
+	case PickerPrefixRule:
+		if !matched {
+			return nil, fmt.Errorf("picker %s needs a prefix or precise-prefix scorer", PickerPrefixRule)
+		}
+		return prefixRulePicker{balance: balance, minGain: minGain}, nil
 	}
-	return p, nil
+	return nil, fmt.Errorf("unknown picker %q (want max-score, weighted-random, power-of-two, round-robin, least-request, prefix-rule)", name)
+}
+
+// scoreless reports whether a picker chooses without scores, so that its
+// profile may have no scorer: round-robin, least-request, and
+// weighted-random (uniform when no scorer adds to the totals).
+func scoreless(picker string) bool {
+	switch picker {
+	case PickerRoundRobin, PickerLeastRequest, PickerWeightedRandom:
+		return true
+	}
+	return false
 }

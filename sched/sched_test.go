@@ -42,7 +42,7 @@ func TestNewUnknownPolicy(t *testing.T) {
 		t.Fatal("want too-many-endpoints error")
 	}
 	p, err := New(Config{}, []int{1})
-	if err != nil || p.Name() != Prefix {
+	if err != nil || p.Name() != DefaultPolicy || DefaultPolicy != CacheAware || Names()[0] != DefaultPolicy {
 		t.Fatalf("default policy: %v %v", p, err)
 	}
 }
@@ -140,7 +140,9 @@ func TestPrefixFollowsLongestMatch(t *testing.T) {
 }
 
 func TestPrefixYieldsWhenOverloaded(t *testing.T) {
-	p := mustNew(t, Config{Policy: Prefix}, 2)
+	// The thresholds the prefix rule had as its own defaults until they
+	// became routing.balance (default 32 / 3.0).
+	p := mustNew(t, Config{Policy: Prefix, Balance: Balance{Abs: 12, Rel: 2}}, 2)
 	eps := ready(2)
 	toks := tokens(1600, 1)
 	if d := p.Pick(req(toks), eps); d.Endpoint < 0 {
@@ -196,6 +198,9 @@ func TestPrefixUniversalPrefixBalances(t *testing.T) {
 }
 
 func TestPrefixAllocFree(t *testing.T) {
+	if raceEnabled {
+		t.Skip("sync.Pool drops items under the race detector") // the prefix profile's Cycle is pooled
+	}
 	p := mustNew(t, Config{Policy: Prefix}, 16)
 	eps := ready(16)
 	r := req(tokens(12000, 1))

@@ -19,7 +19,7 @@ const DefaultEngines = 4
 // ReplayOptions configures Replay. Its fields mean what the fields
 // of the same names in bench.CompareOptions mean, for one policy.
 type ReplayOptions struct {
-	// Policy is the routing policy name (default sched.Prefix).
+	// Policy is the routing policy name (default sched.DefaultPolicy).
 	Policy string
 	// TrackPrecise keeps the precise prefix index (fed by the engines' KV
 	// events) under any policy, to report its prediction error
@@ -93,7 +93,7 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 		opts.Engines = DefaultEngines
 	}
 	if opts.Policy == "" {
-		opts.Policy = sched.Prefix
+		opts.Policy = sched.DefaultPolicy
 	}
 	eng := opts.Engine
 	if eng.Seed == 0 {

@@ -82,7 +82,7 @@ func (fl *planFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile)")
 	f.StringVar(&fl.profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
 	f.StringVar(&fl.engines, "engines", "4..32", "fleet sizes to sweep: N, a..b (doubling, plus b), a..b/s (step s, plus b), comma-separated")
-	f.StringVar(&fl.policies, "policy", sched.Prefix+","+sched.LeastRequest, "comma-separated routing policies to sweep ("+strings.Join(sched.Names(), ",")+")")
+	f.StringVar(&fl.policies, "policy", sched.DefaultPolicy, "comma-separated routing policies to sweep ("+strings.Join(sched.Names(), ",")+")")
 	f.StringVar(&fl.sloText, "slo", "", "objective: metric_pXX=duration,... (metrics ttft, itl, tpot, e2e) and optionally goodput>=X")
 	f.IntVar(&fl.requests, "requests", 0, "replay only the first N requests (0 = all)")
 	f.StringVar(&fl.model, "model", "", "model name routing hashes are seeded with (default: the profile's model)")
