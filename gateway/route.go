@@ -300,7 +300,10 @@ func (p *pool) snapshot() *[]sched.Endpoint {
 			if l, _, ok := f.latest(now); ok && l.HasQueue {
 				e := &s[i]
 				e.Metrics, e.Waiting, e.Running = true, l.Waiting, l.Running
-				e.KVUtil = max(l.KVUtil, 0)
+				e.KVUtil = -1 // no gauge: left unscored by the kv-utilization scorer
+				if l.HasKVUtil {
+					e.KVUtil = l.KVUtil
+				}
 				if l.LoRA.Known {
 					e.Adapters, e.MaxAdapters = loraAdapters(l.LoRA), l.LoRA.Max
 				}

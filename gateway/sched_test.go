@@ -2,8 +2,14 @@ package gateway
 
 import (
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"slices"
 	"testing"
+	"time"
 
+	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/sched"
 )
 
@@ -81,5 +87,48 @@ func TestDefaultPolicy(t *testing.T) {
 	}
 	if err := sched.Validate(c.Routing); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestSnapshotKVUtilUnknown: an engine whose metrics page has its queues
+// but no KV-cache gauge is seen by the scheduler with a negative KVUtil
+// (not reported), which the kv-utilization scorer leaves unscored; before,
+// it read as 0, an empty cache, the most attractive endpoint.
+func TestSnapshotKVUtilUnknown(t *testing.T) {
+	page := func(kv bool) string {
+		s := "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
+		if kv {
+			s += "vllm:kv_cache_usage_perc 0.5\n"
+		}
+		return s
+	}
+	engine := func(kv bool) *httptest.Server {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/metrics" {
+				_, _ = io.WriteString(w, page(kv))
+				return
+			}
+			w.WriteHeader(http.StatusOK)
+		}))
+		t.Cleanup(srv.Close)
+		return srv
+	}
+	with, without := engine(true), engine(false)
+	cfg := Config{HealthCheckInterval: time.Hour, ScrapeInterval: 20 * time.Millisecond, Endpoints: []EndpointConfig{
+		{URL: with.URL, Model: "m", KVBlocks: 100, Kind: fleet.VLLM}, {URL: without.URL, Model: "m", KVBlocks: 100, Kind: fleet.VLLM}}}
+	g, _ := startGateway(t, cfg)
+	p := g.state.Load().pools["m"]
+	var snap []sched.Endpoint
+	waitFor(t, "both endpoints scraped", func() bool {
+		sp := p.snapshot()
+		defer p.release(sp)
+		snap = slices.Clone(*sp)
+		return snap[0].Metrics && snap[1].Metrics
+	})
+	if snap[0].KVUtil != 0.5 || snap[0].Waiting != 1 || snap[0].Running != 2 {
+		t.Errorf("engine with the gauge: %+v", snap[0])
+	}
+	if !(snap[1].KVUtil < 0) || snap[1].Waiting != 1 {
+		t.Errorf("engine without the KV gauge: KVUtil %v (want negative: not reported), waiting %d", snap[1].KVUtil, snap[1].Waiting)
 	}
 }
