@@ -139,10 +139,11 @@ func TestFill(t *testing.T) {
 	l.Acquire()
 	l.Send(&s, 300, 100, 0)
 	l.Observe(5000, time.Second)
-	e := sched.Endpoint{Name: "e", Ready: true, Waiting: 3}
+	e := sched.Endpoint{Name: "e", Ready: true, Waiting: 3, PrefillTokensPerSecond: 7}
 	l.Fill(&e)
+	// The learnt rate (5000) is not routed on: the field is left as it was.
 	want := sched.Endpoint{Name: "e", Ready: true, Waiting: 3, InFlight: 1, InFlightTokens: 300,
-		PendingPrefillTokens: 200, PrefillTokensPerSecond: 5000}
+		PendingPrefillTokens: 200, PrefillTokensPerSecond: 7}
 	if e.Name != want.Name || e.Ready != want.Ready || e.Waiting != want.Waiting || e.InFlight != want.InFlight ||
 		e.InFlightTokens != want.InFlightTokens || e.PendingPrefillTokens != want.PendingPrefillTokens ||
 		e.PrefillTokensPerSecond != want.PrefillTokensPerSecond {
