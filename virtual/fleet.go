@@ -367,7 +367,7 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 // scrape sets the routing snapshot's engine-reported load from every
 // engine's state now, as the gateway's scraper reads vLLM's
 // num_requests_waiting, num_requests_running and kv_cache_usage_perc
-// (sim.Server publishes them from Engine.Stats after each step).
+// (simserver.Server publishes them from Engine.Stats after each step).
 func (f *Fleet) scrape() {
 	for i := range f.engines {
 		st := f.engines[i].e.Stats()
