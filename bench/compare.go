@@ -19,6 +19,7 @@ import (
 	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 	"github.com/infergate/infergate/trace"
 	"github.com/infergate/infergate/virtual"
 )
@@ -88,7 +89,7 @@ type CompareOptions struct {
 }
 
 // Compare replays the same records once per policy, each time through a
-// fresh simulated fleet (sim.StartFleet) behind a fresh gateway routing with
+// fresh simulated fleet (simserver.StartFleet) behind a fresh gateway routing with
 // that policy and served on a loopback port, and returns one measure.Summary per
 // policy, with the fleet's mean engine utilisation. The gateway knows each
 // engine's KV capacity and block size from the fleet, routes on blocks of
@@ -140,7 +141,7 @@ func Compare(ctx context.Context, opts CompareOptions) (report.Report, error) {
 // FleetEndpoints is the gateway endpoint configuration of a simulated fleet
 // serving model: capacity and block size from the engines, and their KV
 // event publishers when they have them.
-func FleetEndpoints(fleet *sim.Fleet, model string) []gateway.EndpointConfig {
+func FleetEndpoints(fleet *simserver.Fleet, model string) []gateway.EndpointConfig {
 	pub, replay := fleet.KVEventEndpoints()
 	eps := make([]gateway.EndpointConfig, len(fleet.URLs))
 	for i, u := range fleet.URLs {
@@ -154,7 +155,7 @@ func FleetEndpoints(fleet *sim.Fleet, model string) []gateway.EndpointConfig {
 
 // compareOne runs one policy on a fresh fleet and gateway.
 func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ measure.Summary, err error) {
-	fleet, err := sim.StartFleet(opts.Engines, sim.ServerConfig{
+	fleet, err := simserver.StartFleet(opts.Engines, simserver.ServerConfig{
 		Engine:    opts.Engine,
 		Model:     opts.Model,
 		TimeScale: opts.Speedup,

@@ -4,12 +4,12 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/measure"
-	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
-// FleetLag converts a simulated fleet's step lags (sim.Fleet.Lag) to a
+// FleetLag converts a simulated fleet's step lags (simserver.Fleet.Lag) to a
 // measure.Lag (ms of engine time); nil when no step ran.
-func FleetLag(st sim.LagStats) *measure.Lag {
+func FleetLag(st simserver.LagStats) *measure.Lag {
 	if st.Steps == 0 {
 		return nil
 	}

@@ -11,7 +11,7 @@
 // time measured by the client multiplied by TimeScale, the target's simulated
 // seconds per wall second. Against real engines TimeScale is 1 and engine time
 // is wall time. A simulated fleet run TimeScale times faster than real time
-// (sim.ServerConfig.TimeScale) is replayed with arrivals compressed by the same
+// (simserver.ServerConfig.TimeScale) is replayed with arrivals compressed by the same
 // factor (Speedup), so that in engine time requests arrive exactly at their
 // trace timestamps and latencies read as they would on the modelled hardware.
 package bench

@@ -157,7 +157,7 @@ func virtualRun(t *testing.T, policy string, recs []trace.Record) virtual.Replay
 }
 
 // TestTwinRealVirtual runs the same trace through the real-time world
-// (sim.StartFleet engines behind the real gateway, bench.Replay over
+// (simserver.StartFleet engines behind the real gateway, bench.Replay over
 // loopback, time scale 10; 5 under the race detector) and through
 // virtual.Fleet, and checks that the two agree.
 //

@@ -154,8 +154,8 @@ var infos = map[Kind]Info{
 	Sim: func() Info {
 		in := vllmInfo
 		in.Name = "infergate sim"
-		// sim/server.go usage(): always reported (sim/metrics.go exports
-		// the vLLM names above; sim/server.go serves GET /health).
+		// simserver/server.go usage(): always reported (simserver/metrics.go exports
+		// the vLLM names above; simserver/server.go serves GET /health).
 		in.CachedTokensNote = "always reported"
 		return in
 	}(),

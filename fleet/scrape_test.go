@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/common/model"
 
 	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
 func readPage(t testing.TB, name string) []byte {
@@ -133,7 +134,7 @@ func TestPagesAreValid(t *testing.T) {
 // TestParseMetricsLiveSim reads the page of a running simulator, so the
 // parser and what package sim exports cannot drift apart.
 func TestParseMetricsLiveSim(t *testing.T) {
-	f, err := sim.StartFleet(1, sim.ServerConfig{TimeScale: 1000, Engine: sim.Config{NumBlocks: 700, BlockSize: 32}})
+	f, err := simserver.StartFleet(1, simserver.ServerConfig{TimeScale: 1000, Engine: sim.Config{NumBlocks: 700, BlockSize: 32}})
 	if err != nil {
 		t.Fatal(err)
 	}

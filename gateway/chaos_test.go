@@ -16,7 +16,7 @@ import (
 
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/openai"
-	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 	"github.com/infergate/infergate/trace"
 )
 
@@ -147,7 +147,7 @@ func TestChaosKillEngine(t *testing.T) {
 			recs[i].InputLength = maxBlocks * trace.MooncakeBlockTokens
 		}
 	}
-	f, err := sim.StartFleet(4, sim.ServerConfig{Model: "m", TimeScale: 50})
+	f, err := simserver.StartFleet(4, simserver.ServerConfig{Model: "m", TimeScale: 50})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,7 +16,7 @@ import (
 	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/sched"
-	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
 // TestHistQuantile checks the bucket estimate against histogram_quantile's
@@ -229,7 +229,7 @@ func TestDashboardEjection(t *testing.T) {
 // TestDashboardEngineState: behind simulated engines, the state carries
 // their scraped queue and KV utilisation.
 func TestDashboardEngineState(t *testing.T) {
-	f, err := sim.StartFleet(2, sim.ServerConfig{Model: "m", TimeScale: 100})
+	f, err := simserver.StartFleet(2, simserver.ServerConfig{Model: "m", TimeScale: 100})
 	if err != nil {
 		t.Fatal(err)
 	}

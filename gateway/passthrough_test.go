@@ -17,14 +17,14 @@ import (
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sched"
-	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
 // simFleet starts n simulated engines serving model with the Responses
 // store on, closed at the end of the test.
-func simFleet(t *testing.T, n int, model string) *sim.Fleet {
+func simFleet(t *testing.T, n int, model string) *simserver.Fleet {
 	t.Helper()
-	f, err := sim.StartFleet(n, sim.ServerConfig{Model: model, TimeScale: 1000, ResponsesStore: true})
+	f, err := simserver.StartFleet(n, simserver.ServerConfig{Model: model, TimeScale: 1000, ResponsesStore: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -34,7 +34,7 @@ func simFleet(t *testing.T, n int, model string) *sim.Fleet {
 
 // fleetConfig is a gateway config over the fleets' engines, each fleet
 // serving its model, with policy.
-func fleetConfig(policy string, fleets map[string]*sim.Fleet) Config {
+func fleetConfig(policy string, fleets map[string]*simserver.Fleet) Config {
 	cfg := Config{HealthCheckInterval: 20 * time.Millisecond, ScrapeInterval: -1}
 	cfg.Routing.Policy = policy
 	for model, f := range fleets {
@@ -73,7 +73,7 @@ type respAnswer struct {
 // conversation in the prefix cache, and their usage is accounted.
 func TestResponsesAffinity(t *testing.T) {
 	f := simFleet(t, 2, "m")
-	g, url := startGateway(t, fleetConfig(sched.RoundRobin, map[string]*sim.Fleet{"m": f}))
+	g, url := startGateway(t, fleetConfig(sched.RoundRobin, map[string]*simserver.Fleet{"m": f}))
 	c := testClient(t)
 
 	prev, input := "", 0
@@ -149,7 +149,7 @@ func TestResponsesAffinity(t *testing.T) {
 // found, and so is an id the gateway never saw.
 func TestResponsesAffinityOwnedByKey(t *testing.T) {
 	f := simFleet(t, 2, "m")
-	cfg := fleetConfig(sched.RoundRobin, map[string]*sim.Fleet{"m": f})
+	cfg := fleetConfig(sched.RoundRobin, map[string]*simserver.Fleet{"m": f})
 	if err := cfg.Auth.AddKeys("alice plain:"+keyAlice+"; bob plain:"+keyBob, "test"); err != nil {
 		t.Fatal(err)
 	}
@@ -198,7 +198,7 @@ func TestResponsesAffinityOwnedByKey(t *testing.T) {
 // request_id passes, and so does reusing it (his own response, replaced).
 func TestResponsesRequestIDTakeover(t *testing.T) {
 	f := simFleet(t, 2, "m")
-	cfg := fleetConfig(sched.RoundRobin, map[string]*sim.Fleet{"m": f})
+	cfg := fleetConfig(sched.RoundRobin, map[string]*simserver.Fleet{"m": f})
 	if err := cfg.Auth.AddKeys("alice plain:"+keyAlice+"; bob plain:"+keyBob, "test"); err != nil {
 		t.Fatal(err)
 	}
@@ -254,7 +254,7 @@ func TestResponsesRequestIDTakeover(t *testing.T) {
 // conversation): 503 naming the response.
 func TestResponsesPinnedEndpointDown(t *testing.T) {
 	f := simFleet(t, 2, "m")
-	g, url := startGateway(t, fleetConfig(sched.RoundRobin, map[string]*sim.Fleet{"m": f}))
+	g, url := startGateway(t, fleetConfig(sched.RoundRobin, map[string]*simserver.Fleet{"m": f}))
 	c := testClient(t)
 	_, b := post(t, c, url+pathResponses, `{"model":"m","input":"hi","max_output_tokens":2}`)
 	id := jsonOf[respAnswer](t, b).ID
@@ -271,7 +271,7 @@ func TestResponsesPinnedEndpointDown(t *testing.T) {
 // TTFT taken at the first delta.
 func TestResponsesStreamThroughGateway(t *testing.T) {
 	f := simFleet(t, 1, "m")
-	_, url := startGateway(t, fleetConfig(sched.Prefix, map[string]*sim.Fleet{"m": f}))
+	_, url := startGateway(t, fleetConfig(sched.Prefix, map[string]*simserver.Fleet{"m": f}))
 	c := testClient(t)
 	body := `{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"hello"}]}],"instructions":"Be brief.","stream":true,"max_output_tokens":3}`
 	resp, b := post(t, c, url+pathResponses, body)
@@ -336,7 +336,7 @@ func TestResponsesStreamFailures(t *testing.T) {
 	bad := &responsesEngine{early: true}
 	srv := newServerNoCleanup(bad)
 	defer srv.Close()
-	cfg := fleetConfig(sched.RoundRobin, map[string]*sim.Fleet{"m": f})
+	cfg := fleetConfig(sched.RoundRobin, map[string]*simserver.Fleet{"m": f})
 	cfg.Endpoints = append([]EndpointConfig{{URL: srv.URL, Model: "m", KVBlocks: 1000}}, cfg.Endpoints...)
 	cfg.Retry.BudgetPercent = 100
 	_, url := startGateway(t, cfg)
@@ -373,7 +373,7 @@ func TestResponsesStreamFailures(t *testing.T) {
 // usage settles the token charge, the tokenizer's calls cost requests only.
 func TestEmbeddingsAndTokenizerThroughGateway(t *testing.T) {
 	f := simFleet(t, 2, "m")
-	cfg := fleetConfig(sched.Prefix, map[string]*sim.Fleet{"m": f})
+	cfg := fleetConfig(sched.Prefix, map[string]*simserver.Fleet{"m": f})
 	if err := cfg.Auth.AddKeys("alice plain:"+keyAlice+" rpm=5 tpm=100000", "test"); err != nil {
 		t.Fatal(err)
 	}
@@ -440,7 +440,7 @@ func TestEmbeddingsAndTokenizerThroughGateway(t *testing.T) {
 // without a model are refused; every unknown path shares one api label.
 func TestUnknownPathPassthrough(t *testing.T) {
 	f := simFleet(t, 1, "m")
-	_, url := startGateway(t, fleetConfig(sched.Prefix, map[string]*sim.Fleet{"m": f}))
+	_, url := startGateway(t, fleetConfig(sched.Prefix, map[string]*simserver.Fleet{"m": f}))
 	c := testClient(t)
 	for _, p := range []string{"/v1/rerank", "/v1/score", "/v1/audio/x-1"} {
 		resp, b := post(t, c, url+p, `{"model":"m","query":"q"}`)
@@ -548,7 +548,7 @@ func TestAliasFallback(t *testing.T) {
 	fail := &failingEngine{}
 	fs := newServerNoCleanup(fail)
 	defer fs.Close()
-	cfg := fleetConfig(sched.Prefix, map[string]*sim.Fleet{"small": small, "big": big})
+	cfg := fleetConfig(sched.Prefix, map[string]*simserver.Fleet{"small": small, "big": big})
 	cfg.Endpoints = append(cfg.Endpoints,
 		EndpointConfig{URL: deadURL(t), Model: "gone", KVBlocks: 1000},
 		EndpointConfig{URL: fs.URL, Model: "broken", KVBlocks: 1000})
@@ -649,7 +649,7 @@ func TestAliasConfigValidation(t *testing.T) {
 // pinned and not hashed.
 func TestResponsesPrefixRouting(t *testing.T) {
 	f := simFleet(t, 2, "m")
-	_, url := startGateway(t, fleetConfig(sched.Prefix, map[string]*sim.Fleet{"m": f}))
+	_, url := startGateway(t, fleetConfig(sched.Prefix, map[string]*simserver.Fleet{"m": f}))
 	c := testClient(t)
 	instructions := strings.Repeat("You answer questions about caches, briefly and exactly. ", 20)
 	for i := range 3 {
@@ -671,12 +671,12 @@ func TestResponsesPrefixRouting(t *testing.T) {
 func TestPassthroughNoGoroutineLeak(t *testing.T) {
 	before := settledGoroutines()
 	func() {
-		f, err := sim.StartFleet(1, sim.ServerConfig{Model: "m", TimeScale: 1000, ResponsesStore: true})
+		f, err := simserver.StartFleet(1, simserver.ServerConfig{Model: "m", TimeScale: 1000, ResponsesStore: true})
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer f.Close()
-		cfg := fleetConfig(sched.Prefix, map[string]*sim.Fleet{"m": f})
+		cfg := fleetConfig(sched.Prefix, map[string]*simserver.Fleet{"m": f})
 		cfg.Aliases = map[string][]string{"a": {"m"}}
 		g, err := New(context.Background(), cfg, nil)
 		if err != nil {

@@ -13,7 +13,7 @@ import (
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
-	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
 // TestPrecisePrefixOnSimFleet runs precise-prefix in front of real
@@ -22,7 +22,7 @@ import (
 // cached, and a follow-up sharing the prompt goes to that engine and is
 // served from its cache as predicted.
 func TestPrecisePrefixOnSimFleet(t *testing.T) {
-	f, err := sim.StartFleet(3, sim.ServerConfig{Model: "m", TimeScale: 100, KVEvents: kvevents.PublisherConfig{Enable: true}})
+	f, err := simserver.StartFleet(3, simserver.ServerConfig{Model: "m", TimeScale: 100, KVEvents: kvevents.PublisherConfig{Enable: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,7 +107,7 @@ func TestPrecisePrefixOnSimFleet(t *testing.T) {
 type restartableEngine struct {
 	t                *testing.T
 	url, pub, replay string
-	srv              *sim.Server
+	srv              *simserver.Server
 	hs               *http.Server
 	done             chan struct{}
 }
@@ -122,7 +122,7 @@ func startRestartable(t *testing.T) *restartableEngine {
 
 func (e *restartableEngine) start(httpAddr, pub, replay string) {
 	e.t.Helper()
-	s, err := sim.NewServer(sim.ServerConfig{Model: "m", TimeScale: 100,
+	s, err := simserver.NewServer(simserver.ServerConfig{Model: "m", TimeScale: 100,
 		KVEvents: kvevents.PublisherConfig{Enable: true, Endpoint: pub, ReplayEndpoint: replay, Bind: true}})
 	if err != nil {
 		e.t.Fatal(err)
@@ -240,7 +240,7 @@ func TestPreciseForgetsRestartedEngine(t *testing.T) {
 // cached tokens against the engine's 1,000+; now the turn routed to the
 // engine joins its event, and the next turn is predicted as cached.
 func TestPreciseAfterGatewayRestart(t *testing.T) {
-	f, err := sim.StartFleet(1, sim.ServerConfig{Model: "m", TimeScale: 100, KVEvents: kvevents.PublisherConfig{Enable: true}})
+	f, err := simserver.StartFleet(1, simserver.ServerConfig{Model: "m", TimeScale: 100, KVEvents: kvevents.PublisherConfig{Enable: true}})
 	if err != nil {
 		t.Fatal(err)
 	}

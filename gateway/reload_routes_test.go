@@ -10,7 +10,7 @@ import (
 
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sched"
-	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
 // modelEntry reads one entry of GET /v1/models (nil when absent).
@@ -39,7 +39,7 @@ func modelEntry(t *testing.T, c *http.Client, url, id string) *openai.Model {
 // naming a model no endpoint serves is refused whole.
 func TestReloadAliases(t *testing.T) {
 	small, big := simFleet(t, 1, "small"), simFleet(t, 1, "big")
-	cfg := fleetConfig(sched.RoundRobin, map[string]*sim.Fleet{"small": small, "big": big})
+	cfg := fleetConfig(sched.RoundRobin, map[string]*simserver.Fleet{"small": small, "big": big})
 	g, url := startGateway(t, cfg)
 	c := testClient(t)
 	chat := `{"model":"fast","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}`
@@ -92,7 +92,7 @@ func TestReloadAliases(t *testing.T) {
 // it, to whatever endpoint now has the slot.
 func TestReloadResponsesAffinity(t *testing.T) {
 	f := simFleet(t, 3, "m")
-	cfg := fleetConfig(sched.RoundRobin, map[string]*sim.Fleet{"m": f})
+	cfg := fleetConfig(sched.RoundRobin, map[string]*simserver.Fleet{"m": f})
 	cfg.Endpoints = cfg.Endpoints[:2]
 	if err := cfg.Auth.AddKeys("alice plain:"+keyAlice, "test"); err != nil {
 		t.Fatal(err)

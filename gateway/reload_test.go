@@ -20,7 +20,7 @@ import (
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
-	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
 // parkedEngine answers completions only when told to: arrived receives each
@@ -741,7 +741,7 @@ func slot(t *testing.T, p *pool, ep *endpoint) int {
 // engine that stays survives (its subscription is kept: no reset), and the
 // new engine's slot starts empty.
 func TestReloadPreciseIndex(t *testing.T) {
-	f, err := sim.StartFleet(3, sim.ServerConfig{Model: "m", TimeScale: 100, KVEvents: kvevents.PublisherConfig{Enable: true}})
+	f, err := simserver.StartFleet(3, simserver.ServerConfig{Model: "m", TimeScale: 100, KVEvents: kvevents.PublisherConfig{Enable: true}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -15,7 +15,7 @@ import (
 
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/kvevents"
-	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
 // TestSoakStreaming is a benchmark, not a unit test: it runs only when
@@ -45,7 +45,7 @@ func TestSoakStreaming(t *testing.T) {
 		}
 	}
 
-	f, err := sim.StartFleet(4, sim.ServerConfig{Model: "m", TimeScale: 1, KVEvents: kvevents.PublisherConfig{Enable: true}})
+	f, err := simserver.StartFleet(4, simserver.ServerConfig{Model: "m", TimeScale: 1, KVEvents: kvevents.PublisherConfig{Enable: true}})
 	if err != nil {
 		t.Fatal(err)
 	}

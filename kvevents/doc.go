@@ -11,8 +11,9 @@
 //	                   over the engine's ROUTER, reconnects, behind a ZMTP
 //	                   framing guard (zmtpguard.go)
 //
-// The simulated engine (package sim) records its events as Event values and
-// publishes them with a Publisher; the gateway follows each engine with a
+// The simulated engine (package sim) records its events as Event values
+// (package kvevent, which links no transport) and its HTTP server (package
+// simserver) publishes them with a Publisher; the gateway follows each engine with a
 // Subscriber whose Handler is a fleet.KVEventApplier feeding its
 // prefix.PreciseIndex. See README.md for the bounds.
 package kvevents

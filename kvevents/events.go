@@ -1,46 +1,18 @@
 package kvevents
 
-import "fmt"
+import "github.com/infergate/infergate/kvevents/kvevent"
 
-// Type is the tag of a KV-cache event: the msgspec class name vLLM puts on
-// the wire (vllm/distributed/kv_events.py, KVCacheEvent with tag=True).
-type Type uint8
+// Type is the tag of a KV-cache event (kvevent.Type: the msgspec class name
+// vLLM puts on the wire).
+type Type = kvevent.Type
 
-// KV-cache event types. vLLM's block pool (vllm/v1/core/block_pool.py)
-// queues them: cache_full_blocks → BlockStored, _maybe_evict_cached_block →
-// BlockRemoved, reset_prefix_cache → AllBlocksCleared.
+// KV-cache event types (kvevent.BlockStored, ...).
 const (
-	// BlockStored: full blocks got their hash registered in the prefix cache.
-	BlockStored Type = iota + 1
-	// BlockRemoved: cached blocks were evicted (vLLM emits one event per
-	// evicted block).
-	BlockRemoved
-	// AllBlocksCleared: the engine's whole prefix cache was reset.
-	AllBlocksCleared
-	// TierBlocksCleared: the prefix cache of one tier (Event.Medium; "GPU"
-	// when null) was reset, blocks in other tiers kept (vLLM with
-	// tier_scoped_clear_events, vllm/distributed/kv_events.py; Dynamo's
-	// kv-router decodes it the same way). A publisher with
-	// PublisherConfig.TierScopedClearEvents sends it in place of
-	// AllBlocksCleared.
-	TierBlocksCleared
+	BlockStored       = kvevent.BlockStored
+	BlockRemoved      = kvevent.BlockRemoved
+	AllBlocksCleared  = kvevent.AllBlocksCleared
+	TierBlocksCleared = kvevent.TierBlocksCleared
 )
-
-// String returns the vLLM class name: "BlockStored", "BlockRemoved",
-// "AllBlocksCleared" or "TierBlocksCleared".
-func (t Type) String() string {
-	switch t {
-	case BlockStored:
-		return "BlockStored"
-	case BlockRemoved:
-		return "BlockRemoved"
-	case AllBlocksCleared:
-		return "AllBlocksCleared"
-	case TierBlocksCleared:
-		return "TierBlocksCleared"
-	}
-	return fmt.Sprintf("kvevents.Type(%d)", uint8(t))
-}
 
 // Constant fields of the events AppendBatch writes: one full-attention
 // KV-cache group on the GPU, as the simulated engine models.
@@ -52,48 +24,10 @@ const (
 	CacheSpecFullAttention = "full_attention"
 )
 
-// Event is one KV-cache event (vllm/distributed/kv_events.py: BlockStored,
-// BlockRemoved, AllBlocksCleared, TierBlocksCleared; docs/PROTOCOLS.md §1.4).
-// Fields a type does not carry are zero. The simulated engine records its
-// events in this form (sim.StepResult.Events), AppendBatch encodes them and
-// DecodeBatch fills them from a payload.
-type Event struct {
-	Type Type
-	// BlockHashes are the chained prefix-cache hashes of the stored blocks,
-	// in sequence order (BlockStored), or of the removed blocks
-	// (BlockRemoved), as unsigned 64-bit integers: vLLM publishes the last 8
-	// bytes of each hash big-endian with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1
-	// (its default). DecodeBatch reads integer hashes as sent (a negative
-	// int64 reinterpreted) and byte-string hashes by their last 8 bytes
-	// big-endian (docs/PROTOCOLS.md §1.5).
-	BlockHashes []uint64
-	// ParentBlockHash is the hash of the block preceding the first stored
-	// block; valid when HasParent. HasParent is false when the first stored
-	// block is the first block of its sequence (parent_block_hash null).
-	ParentBlockHash uint64
-	HasParent       bool
-	// TokenIDs are the tokens of all stored blocks, concatenated:
-	// len(TokenIDs) == len(BlockHashes) × BlockSize (BlockStored only).
-	TokenIDs []uint32
-	// BlockSize is the block size in tokens (BlockStored only; 0 when absent).
-	BlockSize int
-	// LoRAName is the adapter the blocks were computed under ("" for the
-	// base model; BlockStored only). AppendBatch publishes it as lora_name
-	// (null for "") and as every block's extra_keys entry [lora_name], as
-	// vLLM does (vllm/v1/core/block_pool.py cache_full_blocks).
-	LoRAName string
-	// LoRAID is the adapter's id, published as lora_id (null when LoRAName
-	// is ""). DecodeBatch does not read lora_id (vLLM deprecated it; the
-	// gateway keys adapters by name) and leaves it 0.
-	LoRAID int
-	// Medium is the cache tier ("" when null, which means the GPU). Filled by
-	// DecodeBatch; AppendBatch always writes MediumGPU.
-	Medium string
-	// GroupIdx is the KV-cache group of hybrid models (-1 when null or
-	// absent). Filled by DecodeBatch; AppendBatch always writes group 0 on
-	// BlockStored and leaves BlockRemoved's null.
-	GroupIdx int
-}
+// Event is one KV-cache event (kvevent.Event, which documents its fields):
+// the simulated engine records its events in this form, AppendBatch encodes
+// them and DecodeBatch fills them from a payload.
+type Event = kvevent.Event
 
 // Batch is one decoded message payload: vLLM's KVEventBatch (EventBatch
 // fields ts, events, data_parallel_rank).

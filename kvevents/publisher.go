@@ -26,7 +26,7 @@ const (
 )
 
 // PublisherConfig configures a Publisher (the simulator's
-// sim.ServerConfig.KVEvents, `infergate sim --kv-events-config`). It mirrors
+// simserver.ServerConfig.KVEvents, `infergate sim --kv-events-config`). It mirrors
 // vLLM's --kv-events-config JSON, every field of KVEventsConfig in
 // vllm/config/kv_events.py (newest read: with tier_scoped_clear_events),
 // plus Encoding and Bind. Zero fields take defaults.
@@ -505,7 +505,7 @@ func (p *Publisher) closeSockets() {
 
 // OffsetEndpointPort is vLLM's ZmqEventPublisher.offset_endpoint_port: the
 // publisher of data-parallel rank r adds r to a tcp port and appends "_dp<r>"
-// to an inproc name. The simulator's fleet (sim.StartFleet) applies it with
+// to an inproc name. The simulator's fleet (simserver.StartFleet) applies it with
 // the engine's index, so that its engines do not all bind one port; port 0
 // (any free port) is kept.
 func OffsetEndpointPort(ep string, rank int) string {

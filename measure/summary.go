@@ -90,7 +90,7 @@ type Summary struct {
 	// pool for a --target run; no hash ids for the infinite one).
 	PooledHitRate   *float64 `json:"pooled_hit_rate,omitempty"`
 	InfiniteHitRate *float64 `json:"infinite_hit_rate,omitempty"`
-	// FleetLag is the simulated fleet's step lag (sim.Fleet.Lag): how late
+	// FleetLag is the simulated fleet's step lag (simserver.Fleet.Lag): how late
 	// its engines delivered their steps against their time scale (ms of
 	// engine time); nil when unknown (a --target run) or not applicable (a
 	// virtual run, which has no wall clock).

@@ -67,7 +67,7 @@ func raceBuild() bool {
 }
 
 // TestTwinBenchPlan is the twin check: the same configuration through
-// `bench` (bench.Compare: a real-time simulated fleet, sim.StartFleet, behind
+// `bench` (bench.Compare: a real-time simulated fleet, simserver.StartFleet, behind
 // the real gateway over loopback HTTP, at twinScale) and through `plan`
 // (Run with one row — the same engines, policy and seed — which replays it
 // in virtual time with virtual.Replay). The two must agree: hit rate

@@ -9,7 +9,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
-	"github.com/infergate/infergate/kvevents"
+	"github.com/infergate/infergate/kvevents/kvevent"
 	"github.com/infergate/infergate/prefix"
 )
 
@@ -165,7 +165,7 @@ type StepResult struct {
 	// room for), preceded by those of ResetPrefixCache calls made since the
 	// previous Step. nil unless Config.KVEvents. Owned by the Engine: valid
 	// until the next call to Step, ResetPrefixCache or TakeKVEvents.
-	Events []kvevents.Event
+	Events []kvevent.Event
 	// LoRALoads is the number of adapters loaded for the step; Duration
 	// includes LoRALoads × LoRAConfig.LoadLatency.
 	LoRALoads int

@@ -1,26 +1,23 @@
 package sim
 
-import (
-	"time"
-
-	"github.com/infergate/infergate/kvevents"
-)
+import "github.com/infergate/infergate/kvevents/kvevent"
 
 // KV-cache events, as vLLM publishes them (docs/PROTOCOLS.md §1).
 //
 // The pure core (Engine, blockPool) records the events a vLLM block pool would
 // queue — vllm/v1/core/block_pool.py: cache_full_blocks → BlockStored,
 // _maybe_evict_cached_block → BlockRemoved, reset_prefix_cache →
-// AllBlocksCleared — as kvevents.Event values and hands them out per step
-// (StepResult.Events). A Server publishes them with a kvevents.Publisher
-// (vLLM's msgspec encoding over ZeroMQ, like its ZmqEventPublisher). See
-// README.md "KV events" and ../kvevents/README.md.
+// AllBlocksCleared — as kvevent.Event values (a transport-free record type, so
+// the engine links no ZeroMQ) and hands them out per step (StepResult.Events).
+// A simserver.Server publishes them with a kvevents.Publisher (vLLM's msgspec
+// encoding over ZeroMQ, like its ZmqEventPublisher). See README.md "KV
+// events", ../simserver/README.md and ../kvevents/README.md.
 
 // kvEventLog records the events of one step (and of ResetPrefixCache calls
 // made since the previous step). Events point into the hashes and tokens
 // arenas, which are reused once the events have been taken.
 type kvEventLog struct {
-	events []kvevents.Event
+	events []kvevent.Event
 	hashes []uint64
 	tokens []uint32
 	taken  bool // events were handed out; the next begin recycles the buffers
@@ -38,7 +35,7 @@ func (l *kvEventLog) begin() {
 
 // take hands out the events recorded since the last take (nil when none or
 // when l is nil, i.e. KV events are disabled).
-func (l *kvEventLog) take() []kvevents.Event {
+func (l *kvEventLog) take() []kvevent.Event {
 	if l == nil || l.taken {
 		return nil
 	}
@@ -56,8 +53,8 @@ func (l *kvEventLog) stored(s *seq, from, to, blockSize int) {
 	h0, t0 := len(l.hashes), len(l.tokens)
 	l.hashes = append(l.hashes, s.hashes[from:to]...)
 	l.tokens = append(l.tokens, s.tokens[from*blockSize:to*blockSize]...)
-	ev := kvevents.Event{
-		Type:        kvevents.BlockStored,
+	ev := kvevent.Event{
+		Type:        kvevent.BlockStored,
 		BlockHashes: l.hashes[h0:len(l.hashes):len(l.hashes)],
 		TokenIDs:    l.tokens[t0:len(l.tokens):len(l.tokens)],
 		BlockSize:   blockSize,
@@ -75,12 +72,12 @@ func (l *kvEventLog) stored(s *seq, from, to, blockSize int) {
 func (l *kvEventLog) removed(h uint64) {
 	h0 := len(l.hashes)
 	l.hashes = append(l.hashes, h)
-	l.events = append(l.events, kvevents.Event{Type: kvevents.BlockRemoved, BlockHashes: l.hashes[h0:len(l.hashes):len(l.hashes)]})
+	l.events = append(l.events, kvevent.Event{Type: kvevent.BlockRemoved, BlockHashes: l.hashes[h0:len(l.hashes):len(l.hashes)]})
 }
 
 // cleared records an AllBlocksCleared.
 func (l *kvEventLog) cleared() {
-	l.events = append(l.events, kvevents.Event{Type: kvevents.AllBlocksCleared})
+	l.events = append(l.events, kvevent.Event{Type: kvevent.AllBlocksCleared})
 }
 
 // TakeKVEvents returns the KV events recorded since the previous Step or
@@ -88,7 +85,7 @@ func (l *kvEventLog) cleared() {
 // engine is idle — and nil when there are none or Config.KVEvents is off.
 // Like StepResult.Events, the slice is owned by the engine and valid until
 // the next call to Step, ResetPrefixCache or TakeKVEvents.
-func (e *Engine) TakeKVEvents() []kvevents.Event { return e.kv.take() }
+func (e *Engine) TakeKVEvents() []kvevent.Event { return e.kv.take() }
 
 // ResetPrefixCache drops the hash of every cached block so that no later
 // request hits them, and records an AllBlocksCleared event. Like vLLM's
@@ -120,11 +117,13 @@ func (p *blockPool) clearHashes() {
 	clear(p.index)
 }
 
-// cachedHashes returns the multiset of hashes currently registered in the
+// CachedHashes returns the multiset of hashes currently registered in the
 // prefix cache (hash → number of blocks holding it; vLLM does not
 // de-duplicate identical blocks computed concurrently, and neither do its
-// events). Tests compare it with what a subscriber rebuilt from the events.
-func (e *Engine) cachedHashes() map[uint64]int {
+// events). Tests compare it with what a subscriber rebuilt from the events;
+// simserver's run it on the driver goroutine (Server.withEngine), since the
+// engine is not safe for concurrent use.
+func (e *Engine) CachedHashes() map[uint64]int {
 	m := make(map[uint64]int)
 	for i := range e.pool.blocks {
 		if b := &e.pool.blocks[i]; b.cached {
@@ -132,79 +131,4 @@ func (e *Engine) cachedHashes() map[uint64]int {
 		}
 	}
 	return m
-}
-
-// ---------------------------------------------------------------------------
-// Server wiring
-
-// KVEventPublisher returns the server's KV-event publisher (for its
-// addresses and counters), or nil when KV events are off.
-func (s *Server) KVEventPublisher() *kvevents.Publisher { return s.kvpub }
-
-// ResetPrefixCache resets the engine's prefix cache (Engine.ResetPrefixCache,
-// like vLLM's /reset_prefix_cache) and publishes the resulting
-// AllBlocksCleared at once. It reports false when a request holds KV blocks
-// or the server is not running.
-func (s *Server) ResetPrefixCache() bool {
-	ok := false
-	ran := s.withEngine(func(e *Engine, _ time.Duration) { ok = e.ResetPrefixCache() })
-	return ran && ok
-}
-
-// engineCall is a function to run on the driver goroutine, which owns the engine.
-type engineCall struct {
-	f    func(e *Engine, now time.Duration)
-	done chan struct{}
-}
-
-// withEngine runs f on the driver goroutine between steps (or during a step's
-// wall-clock wait, after the step's events were queued) and waits for it. It
-// reports false, without running f, when the driver is not running.
-func (s *Server) withEngine(f func(e *Engine, now time.Duration)) bool {
-	if !s.started.Load() {
-		return false
-	}
-	c := &engineCall{f: f, done: make(chan struct{})}
-	select {
-	case s.control <- c:
-		<-c.done
-		return true
-	case <-s.done:
-		return false
-	}
-}
-
-// runEngineCall runs c on the driver at simulated time now and publishes the
-// KV events it caused.
-func (s *Server) runEngineCall(e *Engine, c *engineCall, now time.Duration) {
-	defer close(c.done)
-	c.f(e, now)
-	s.kvEnqueue(s.kvEncode(e.TakeKVEvents(), now))
-}
-
-// kvEncode encodes the events of a step ending (or a call made) at simulated
-// time at into a batch payload, or returns nil when there are none.
-func (s *Server) kvEncode(events []kvevents.Event, at time.Duration) []byte {
-	if s.kvpub == nil || len(events) == 0 {
-		return nil
-	}
-	return s.kvpub.Encode(s.kvTS(at), events)
-}
-
-// kvEnqueue queues an encoded batch (if any) and returns nil.
-func (s *Server) kvEnqueue(payload []byte) []byte {
-	if payload != nil {
-		s.kvpub.Enqueue(payload)
-	}
-	return nil
-}
-
-// kvTS is the batch timestamp of simulated time at: seconds since the Unix
-// epoch on the simulated clock, which starts at the driver's wall-clock start
-// (vLLM stamps batches with time.time()). At TimeScale 1 it follows the wall
-// clock; faster servers run ahead of it, so stamps stay consistent with the
-// simulated latencies the server reports.
-func (s *Server) kvTS(at time.Duration) float64 {
-	t0 := s.startWall.Load()
-	return float64(t0/1e9) + float64(t0%1e9)/1e9 + at.Seconds()
 }

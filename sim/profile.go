@@ -111,6 +111,11 @@ const (
 // DefaultProfileName is the key of DefaultProfile in Profiles().
 const DefaultProfileName = "llama-3.1-70b-4xh100"
 
+// DefaultModel is the served model name of a simulated engine when neither
+// its front's configuration (simserver.ServerConfig.Model, virtual.Config.Model)
+// nor the profile's Model sets one.
+const DefaultModel = "meta-llama/Llama-3.1-70B-Instruct"
+
 //go:embed profiles/*.yaml
 var profileFS embed.FS
 

@@ -7,7 +7,7 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/infergate/infergate/kvevents"
+	"github.com/infergate/infergate/kvevents/kvevent"
 	"github.com/infergate/infergate/load"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
@@ -170,8 +170,8 @@ type engine struct {
 	busy    bool // a step is in progress; it ends at end
 	pending bool // its step ended now and the next starts after this instant's arrivals
 	end     time.Duration
-	outs    []sim.Output     // the step's outputs, delivered at end (owned by e)
-	events  []kvevents.Event // the step's KV events, applied at end (owned by e)
+	outs    []sim.Output    // the step's outputs, delivered at end (owned by e)
+	events  []kvevent.Event // the step's KV events, applied at end (owned by e)
 }
 
 // NewFleet returns a fleet of cfg.Engines idle engines at time 0.
@@ -367,7 +367,7 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 // scrape sets the routing snapshot's engine-reported load from every
 // engine's state now, as the gateway's scraper reads vLLM's
 // num_requests_waiting, num_requests_running and kv_cache_usage_perc
-// (sim.Server publishes them from Engine.Stats after each step).
+// (simserver.Server publishes them from Engine.Stats after each step).
 func (f *Fleet) scrape() {
 	for i := range f.engines {
 		st := f.engines[i].e.Stats()
@@ -436,7 +436,7 @@ func (f *Fleet) applyKVEvents(i int, ve *engine) {
 	for k := range ve.events {
 		ev := &ve.events[k]
 		switch ev.Type {
-		case kvevents.BlockStored:
+		case kvevent.BlockStored:
 			seed := f.seed
 			if ev.LoRAName != "" {
 				seed = prefix.Seed(ev.LoRAName + "\x00")
@@ -444,9 +444,9 @@ func (f *Fleet) applyKVEvents(i int, ve *engine) {
 			// A parent evicted before the event: kept as an orphan, as a
 			// subscriber would.
 			_ = f.precise.Stored(i, prefix.MediumGPU, ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, seed)
-		case kvevents.BlockRemoved:
+		case kvevent.BlockRemoved:
 			f.precise.Removed(i, prefix.MediumGPU, ev.BlockHashes)
-		case kvevents.AllBlocksCleared:
+		case kvevent.AllBlocksCleared:
 			f.precise.Cleared(i)
 		}
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
 // engineFlags are the simulated-engine flags `sim` and `up` share.
@@ -50,17 +51,17 @@ func (e *engineFlags) register(f *pflag.FlagSet, tuning bool, kvHelp string) {
 
 // serverConfig validates the flags and returns the engine server config
 // (Model defaulting to the profile's model).
-func (e *engineFlags) serverConfig() (sim.ServerConfig, error) {
+func (e *engineFlags) serverConfig() (simserver.ServerConfig, error) {
 	if !(e.timeScale > 0) {
-		return sim.ServerConfig{}, fmt.Errorf("--time-scale %v: must be > 0", e.timeScale)
+		return simserver.ServerConfig{}, fmt.Errorf("--time-scale %v: must be > 0", e.timeScale)
 	}
 	prof, err := resolveProfile(e.profile, e.profFile)
 	if err != nil {
-		return sim.ServerConfig{}, err
+		return simserver.ServerConfig{}, err
 	}
 	kv, err := parseKVEvents(e.kvEvents)
 	if err != nil {
-		return sim.ServerConfig{}, err
+		return simserver.ServerConfig{}, err
 	}
 	ecfg := e.engine
 	ecfg.Profile = prof
@@ -68,7 +69,7 @@ func (e *engineFlags) serverConfig() (sim.ServerConfig, error) {
 	if model == "" {
 		model = prof.Model
 	}
-	return sim.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv, APIKeys: e.apiKeys, ResponsesStore: e.store}, nil
+	return simserver.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv, APIKeys: e.apiKeys, ResponsesStore: e.store}, nil
 }
 
 // resolveProfile returns the profile from file if given, else the built-in

@@ -7,7 +7,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
-	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
 // simFlags are sim's flags (bind).
@@ -39,7 +39,7 @@ latency model of the chosen model-and-GPU profile.`,
 // bind registers sim's flags on f.
 func (fl *simFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.listen, "listen", "127.0.0.1:8001", "address to serve on")
-	f.StringArrayVar(&fl.ef.apiKeys, "api-key", nil, "require Authorization: Bearer <key> on every /v1 path, as vLLM's --api-key (repeatable: any of them; default $"+sim.EnvAPIKey+"); /health and /metrics stay open")
+	f.StringArrayVar(&fl.ef.apiKeys, "api-key", nil, "require Authorization: Bearer <key> on every /v1 path, as vLLM's --api-key (repeatable: any of them; default $"+simserver.EnvAPIKey+"); /health and /metrics stay open")
 	fl.lf.register(f)
 	fl.ef.register(f, true, `vLLM's --kv-events-config JSON, all of its fields, e.g. '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}' (plus "encoding": "array"|"map")`)
 }
@@ -49,7 +49,7 @@ func (fl *simFlags) bind(f *pflag.FlagSet) {
 func (fl *simFlags) run(cmd *cobra.Command) error {
 	// vLLM: --api-key takes precedence over VLLM_API_KEY.
 	if len(fl.ef.apiKeys) == 0 {
-		if k := os.Getenv(sim.EnvAPIKey); k != "" {
+		if k := os.Getenv(simserver.EnvAPIKey); k != "" {
 			fl.ef.apiKeys = []string{k}
 		}
 	}
@@ -57,7 +57,7 @@ func (fl *simFlags) run(cmd *cobra.Command) error {
 	if err != nil {
 		return err
 	}
-	srv, err := sim.NewServer(scfg)
+	srv, err := simserver.NewServer(scfg)
 	if err != nil {
 		return err
 	}

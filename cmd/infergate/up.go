@@ -15,7 +15,7 @@ import (
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/sched"
-	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
 // upFlags are up's flags (bind).
@@ -94,7 +94,7 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 		// gateway subscribes: the precise-prefix policy's input.
 		scfg.KVEvents = kvevents.PublisherConfig{Enable: true}
 	}
-	fleet, err := sim.StartFleet(fl.engines, scfg)
+	fleet, err := simserver.StartFleet(fl.engines, scfg)
 	if err != nil {
 		return err
 	}

@@ -1,4 +1,4 @@
-package sim
+package simserver
 
 import (
 	crand "crypto/rand"
@@ -19,13 +19,11 @@ import (
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sim"
 )
 
 // Server defaults.
 const (
-	// DefaultModel is the served model name when neither ServerConfig.Model nor
-	// the profile's Model is set.
-	DefaultModel = "meta-llama/Llama-3.1-70B-Instruct"
 	// DefaultMaxTokens is the output length of a request that sets neither
 	// max_tokens nor max_completion_tokens. (vLLM would generate up to the
 	// context limit; a simulator needs a bounded default.)
@@ -37,9 +35,9 @@ const (
 // ServerConfig configures a Server.
 type ServerConfig struct {
 	// Engine configures the simulated engine.
-	Engine Config `yaml:"engine"`
+	Engine sim.Config `yaml:"engine"`
 	// Model is the served model name clients must send; default
-	// Engine.Profile.Model, else DefaultModel.
+	// Engine.Profile.Model, else sim.DefaultModel.
 	Model string `yaml:"model"`
 	// TimeScale is simulated seconds per wall second (default 1): at 10 the
 	// server runs ten times faster than the hardware it models.
@@ -60,7 +58,7 @@ type ServerConfig struct {
 	ResponsesStore bool `yaml:"responses_store"`
 }
 
-// Server is a vLLM-compatible OpenAI HTTP front over a simulated Engine.
+// Server is a vLLM-compatible OpenAI HTTP front over a simulated sim.Engine.
 //
 // One driver goroutine (Start) owns the engine: it steps while there is work,
 // after each step sleeps until the wall-clock deadline
@@ -73,11 +71,11 @@ type ServerConfig struct {
 // and each step's lateness is recorded (Lag, lag.go).
 type Server struct {
 	cfg       ServerConfig
-	eng       Config // engine config with defaults
+	eng       sim.Config // engine config with defaults
 	tok       *prefix.Tokenizer
 	words     map[uint32]string
 	metrics   *metrics
-	snap      atomic.Pointer[Stats]
+	snap      atomic.Pointer[sim.Stats]
 	handler   http.Handler
 	created   int64 // unix seconds, for /v1/models
 	submit    chan *call
@@ -136,7 +134,7 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 		cfg.Model = eng.Profile.Model
 	}
 	if cfg.Model == "" {
-		cfg.Model = DefaultModel
+		cfg.Model = sim.DefaultModel
 	}
 	if eng.LoRA.AdapterID(cfg.Model) != 0 {
 		return nil, fmt.Errorf("sim: LoRA adapter %q has the served model's name", cfg.Model)
@@ -153,7 +151,7 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 		quit:    make(chan struct{}),
 		done:    make(chan struct{}),
 	}
-	s.snap.Store(&Stats{NumBlocks: eng.NumBlocks, BlockSize: eng.BlockSize})
+	s.snap.Store(&sim.Stats{NumBlocks: eng.NumBlocks, BlockSize: eng.BlockSize})
 	s.metrics = newMetrics(cfg.Model, eng, &s.snap)
 
 	mux := http.NewServeMux()
@@ -192,10 +190,10 @@ func (s *Server) Handler() http.Handler { return s.handler }
 func (s *Server) Model() string { return s.cfg.Model }
 
 // EngineConfig returns the engine configuration with defaults applied.
-func (s *Server) EngineConfig() Config { return s.eng }
+func (s *Server) EngineConfig() sim.Config { return s.eng }
 
 // Stats returns the engine snapshot published after the latest step.
-func (s *Server) Stats() Stats { return *s.snap.Load() }
+func (s *Server) Stats() sim.Stats { return *s.snap.Load() }
 
 // Utilization returns the fraction of simulated time since Start that the
 // engine spent executing steps (0..1; 0 before Start).
@@ -256,7 +254,7 @@ type event struct {
 // events under mu and signals notify (capacity 1); the handler drains them.
 type call struct {
 	id  string
-	req Request
+	req sim.Request
 	// maxTokensParam is the client's max_tokens (0 when absent), for
 	// vllm:request_params_max_tokens.
 	maxTokensParam int
@@ -290,10 +288,10 @@ func (c *call) take(buf []event) []event {
 
 var errShutdown = openai.NewError(http.StatusServiceUnavailable, "the simulated engine is shutting down", "", "")
 
-// drive is the driver goroutine: the only code touching the Engine.
+// drive is the driver goroutine: the only code touching the sim.Engine.
 func (s *Server) drive() {
 	defer close(s.done)
-	e := NewEngine(s.eng)
+	e := sim.NewEngine(s.eng)
 	calls := make(map[string]*call)
 	start := time.Now()
 	s.startWall.Store(start.UnixNano())
@@ -402,7 +400,7 @@ func (s *Server) drive() {
 
 // deliver hands a step's outputs, completed at simulated time at, to their
 // requests and records metrics, latencies in simulated seconds.
-func (s *Server) deliver(calls map[string]*call, outs []Output, at time.Duration) {
+func (s *Server) deliver(calls map[string]*call, outs []sim.Output, at time.Duration) {
 	if len(outs) > 0 {
 		// vLLM IterationStats: prompt tokens of requests that produced their
 		// first token in the step, plus the tokens generated.
@@ -436,7 +434,7 @@ func (s *Server) deliver(calls map[string]*call, outs []Output, at time.Duration
 	}
 }
 
-func usage(o Output) openai.Usage {
+func usage(o sim.Output) openai.Usage {
 	return openai.Usage{
 		PromptTokens:        o.PromptTokens,
 		CompletionTokens:    o.OutputTokens,
@@ -594,10 +592,10 @@ func (s *Server) check(g *genRequest, n *int) *openai.Error {
 	if err := s.eng.CheckRequest(len(g.tokens), g.maxTokens); err != nil {
 		msg := err.Error()
 		switch {
-		case errors.Is(err, ErrTooLong):
+		case errors.Is(err, sim.ErrTooLong):
 			msg = fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
 				s.eng.Profile.MaxModelLen, len(g.tokens)+g.maxTokens, len(g.tokens), g.maxTokens)
-		case errors.Is(err, ErrEmptyPrompt):
+		case errors.Is(err, sim.ErrEmptyPrompt):
 			msg = "the prompt must not be empty"
 		}
 		return openai.Errorf("", strings.TrimPrefix(msg, "sim: "))
@@ -620,7 +618,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, g *genRequest) {
 	}
 	c := &call{
 		id: g.id,
-		req: Request{ID: g.id, Tokens: g.tokens, MaxTokens: g.maxTokens,
+		req: sim.Request{ID: g.id, Tokens: g.tokens, MaxTokens: g.maxTokens,
 			Extra: prefix.Seed(g.cacheSalt), LoRA: g.adapter},
 		maxTokensParam: g.maxTokensParam,
 		notify:         make(chan struct{}, 1),

@@ -1,4 +1,4 @@
-package sim
+package simserver
 
 import (
 	"io"
@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/infergate/infergate/sim"
 	dto "github.com/prometheus/client_model/go"
 )
 
@@ -67,7 +68,7 @@ func TestMetricsParityWithProtocols(t *testing.T) {
 	if len(names) < 25 {
 		t.Fatalf("extracted only %d names from §2.1: %v", len(names), names)
 	}
-	s, ts := newTestServer(t, ServerConfig{Engine: Config{LoRA: LoRAConfig{Adapters: []string{"sql-lora"}}}})
+	s, ts := newTestServer(t, ServerConfig{Engine: sim.Config{LoRA: sim.LoRAConfig{Adapters: []string{"sql-lora"}}}})
 	events, done := readStream(t, post(t, ts, "/v1/completions", `{"model":"sql-lora","prompt":[1,2,3],"stream":true,"max_tokens":3}`))
 	if !done || len(events) != 3 {
 		t.Fatalf("%d events, done %v", len(events), done)

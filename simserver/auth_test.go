@@ -1,4 +1,4 @@
-package sim
+package simserver
 
 import (
 	"io"
@@ -9,7 +9,7 @@ import (
 )
 
 // TestAPIKeyAuth holds the simulator's --api-key to vLLM's
-// AuthenticationMiddleware (sim/auth.go): which paths it guards, which
+// AuthenticationMiddleware (simserver/auth.go): which paths it guards, which
 // Authorization values pass, and the 401's exact shape.
 func TestAPIKeyAuth(t *testing.T) {
 	_, ts := newTestServer(t, ServerConfig{APIKeys: []string{"k1", "", "k2 with space"}})

@@ -1,4 +1,4 @@
-package sim
+package simserver
 
 import (
 	"strconv"
@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/infergate/infergate/sim"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -83,7 +84,7 @@ type metrics struct {
 	loraSetSeq int64
 }
 
-func newMetrics(model string, cfg Config, snap *atomic.Pointer[Stats]) *metrics {
+func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats]) *metrics {
 	reg := prometheus.NewRegistry()
 	labels := prometheus.Labels{"model_name": model, "engine": "0"}
 	with := func(k, v string) prometheus.Labels {
@@ -93,56 +94,56 @@ func newMetrics(model string, cfg Config, snap *atomic.Pointer[Stats]) *metrics 
 		}
 		return l
 	}
-	stat := func() *Stats { return snap.Load() }
-	gauge := func(name, help string, l prometheus.Labels, f func(*Stats) float64) {
+	stat := func() *sim.Stats { return snap.Load() }
+	gauge := func(name, help string, l prometheus.Labels, f func(*sim.Stats) float64) {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: l},
 			func() float64 { return f(stat()) }))
 	}
-	counter := func(name, help string, f func(*Stats) float64) {
+	counter := func(name, help string, f func(*sim.Stats) float64) {
 		reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: labels},
 			func() float64 { return f(stat()) }))
 	}
 
 	// Scheduler state.
 	gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
-		func(s *Stats) float64 { return float64(s.Running) })
+		func(s *sim.Stats) float64 { return float64(s.Running) })
 	gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
-		func(s *Stats) float64 { return float64(s.Waiting) })
+		func(s *sim.Stats) float64 { return float64(s.Waiting) })
 	const byReasonHelp = "Number of requests waiting to be processed, by reason (capacity: blocked on KV cache or token budget; deferred: held back by a scheduling constraint, here max_loras)."
 	gauge("vllm:num_requests_waiting_by_reason", byReasonHelp, with("reason", "capacity"),
-		func(s *Stats) float64 { return float64(s.Waiting - s.WaitingDeferred) })
+		func(s *sim.Stats) float64 { return float64(s.Waiting - s.WaitingDeferred) })
 	gauge("vllm:num_requests_waiting_by_reason", byReasonHelp, with("reason", "deferred"),
-		func(s *Stats) float64 { return float64(s.WaitingDeferred) })
+		func(s *sim.Stats) float64 { return float64(s.WaitingDeferred) })
 	const sleepHelp = "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2."
 	for _, st := range [...]string{"awake", "weights_offloaded", "discard_all"} {
 		v := 0.0
 		if st == "awake" {
 			v = 1 // the simulator never sleeps
 		}
-		gauge("vllm:engine_sleep_state", sleepHelp, with("sleep_state", st), func(*Stats) float64 { return v })
+		gauge("vllm:engine_sleep_state", sleepHelp, with("sleep_state", st), func(*sim.Stats) float64 { return v })
 	}
 	gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
-		func(s *Stats) float64 { return s.KVUsage })
+		func(s *sim.Stats) float64 { return s.KVUsage })
 
 	// Counters.
 	counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.",
-		func(s *Stats) float64 { return float64(s.PrefixQueries) })
+		func(s *sim.Stats) float64 { return float64(s.PrefixQueries) })
 	counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.",
-		func(s *Stats) float64 { return float64(s.PrefixHits) })
+		func(s *sim.Stats) float64 { return float64(s.PrefixHits) })
 	counter("vllm:external_prefix_cache_queries_total",
 		"External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
-		func(*Stats) float64 { return 0 }) // no KV connector
+		func(*sim.Stats) float64 { return 0 }) // no KV connector
 	counter("vllm:external_prefix_cache_hits_total",
 		"External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
-		func(*Stats) float64 { return 0 })
+		func(*sim.Stats) float64 { return 0 })
 	counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.",
-		func(s *Stats) float64 { return float64(s.PromptTokens) })
+		func(s *sim.Stats) float64 { return float64(s.PromptTokens) })
 	counter("vllm:prompt_tokens_cached_total", "Number of cached prompt tokens (local + external).",
-		func(s *Stats) float64 { return float64(s.CachedPromptTokens) })
+		func(s *sim.Stats) float64 { return float64(s.CachedPromptTokens) })
 	counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
-		func(s *Stats) float64 { return float64(s.GenerationTokens) })
+		func(s *sim.Stats) float64 { return float64(s.GenerationTokens) })
 	counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
-		func(s *Stats) float64 { return float64(s.Preemptions) })
+		func(s *sim.Stats) float64 { return float64(s.Preemptions) })
 
 	// Cache config: an info gauge permanently 1 (vLLM log_metrics_info,
 	// labels from CacheConfig.metrics_info() plus engine, no model_name).
@@ -223,7 +224,7 @@ func newMetrics(model string, cfg Config, snap *atomic.Pointer[Stats]) *metrics 
 		reg.MustRegister(m.loraInfo)
 		m.maxLora = strconv.Itoa(cfg.LoRA.MaxLoras)
 		m.loraSeries = make(map[[2]string]int64)
-		m.setLoRAInfo(&Stats{}, time.Now())
+		m.setLoRAInfo(&sim.Stats{}, time.Now())
 	}
 	return m
 }
@@ -267,7 +268,7 @@ func (m *metrics) finished(arrival, scheduled, first, end time.Duration, prompt,
 // setLoRAInfo sets vllm:lora_requests_info for the adapters in st to the
 // wall-clock time now in Unix seconds (vLLM Gauge.set_to_current_time), and
 // drops the oldest label sets beyond maxLoRAInfoSeries. Only the driver calls it.
-func (m *metrics) setLoRAInfo(st *Stats, now time.Time) {
+func (m *metrics) setLoRAInfo(st *sim.Stats, now time.Time) {
 	if m.loraInfo == nil {
 		return
 	}

@@ -1,4 +1,4 @@
-package sim
+package simserver
 
 import (
 	"bytes"
@@ -17,6 +17,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/sim"
 )
 
 const testModel = "meta-llama/Llama-3.1-70B-Instruct"
@@ -274,7 +275,7 @@ func TestErrors(t *testing.T) {
 		}
 	}
 	// A tiny cache rejects a prompt it could never hold.
-	_, small := newTestServer(t, ServerConfig{Engine: Config{NumBlocks: 4}})
+	_, small := newTestServer(t, ServerConfig{Engine: sim.Config{NumBlocks: 4}})
 	resp := post(t, small, "/v1/completions", `{"model":"`+testModel+`","prompt":"`+strings.Repeat("word ", 100)+`","max_tokens":1}`)
 	resp.Body.Close()
 	if resp.StatusCode != 400 {
@@ -449,9 +450,9 @@ func TestServerConfigErrors(t *testing.T) {
 	if _, err := NewServer(ServerConfig{TimeScale: -1}); err == nil {
 		t.Error("negative time scale accepted")
 	}
-	p := DefaultProfile()
+	p := sim.DefaultProfile()
 	p.TensorParallel = 1
-	if _, err := NewServer(ServerConfig{Engine: Config{Profile: p}}); err == nil {
+	if _, err := NewServer(ServerConfig{Engine: sim.Config{Profile: p}}); err == nil {
 		t.Error("a model that does not fit was accepted")
 	}
 	s, err := NewServer(ServerConfig{})
@@ -472,7 +473,7 @@ func TestServerConfigErrors(t *testing.T) {
 
 func TestFleet(t *testing.T) {
 	before := runtime.NumGoroutine()
-	f, err := StartFleet(3, ServerConfig{TimeScale: 1000, Engine: Config{NumBlocks: 500}})
+	f, err := StartFleet(3, ServerConfig{TimeScale: 1000, Engine: sim.Config{NumBlocks: 500}})
 	if err != nil {
 		t.Fatal(err)
 	}

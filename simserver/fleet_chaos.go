@@ -1,4 +1,4 @@
-package sim
+package simserver
 
 // Kill stops engine i abruptly, as a crashed process would: its listener and
 // every open connection close at once (requests in flight see their

@@ -1,4 +1,4 @@
-package sim
+package simserver
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sim"
 )
 
 // Embeddings and the tokenizer's endpoints, as vLLM serves them
@@ -138,7 +139,7 @@ func (s *Server) prefill(ctx context.Context, inputs [][]uint32, adapter string)
 	}
 	for _, toks := range inputs {
 		id := s.newID("embd-")
-		c := &call{id: id, req: Request{ID: id, Tokens: toks, MaxTokens: 1, Extra: prefix.Seed(""), LoRA: adapter},
+		c := &call{id: id, req: sim.Request{ID: id, Tokens: toks, MaxTokens: 1, Extra: prefix.Seed(""), LoRA: adapter},
 			notify: make(chan struct{}, 1)}
 		select {
 		case s.submit <- c:

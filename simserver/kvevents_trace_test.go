@@ -1,4 +1,4 @@
-package sim
+package simserver
 
 import (
 	"fmt"
@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/kvevents"
+	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
 )
 
@@ -31,7 +32,7 @@ func TestKVEventsDuringTraceReplay(t *testing.T) {
 	}
 	const numBlocks = 6000 // 96k tokens: the replay below evicts
 	cfg := kvevents.PublisherConfig{Enable: true, Endpoint: "tcp://*:0", ReplayEndpoint: "tcp://127.0.0.1:0", Encoding: kvevents.EncodingArray, Topic: "kv@sim@" + testModel}
-	s, ts := newTestServer(t, ServerConfig{Engine: Config{Profile: Llama8BH100(), NumBlocks: numBlocks}, Model: testModel, TimeScale: 1000, KVEvents: cfg})
+	s, ts := newTestServer(t, ServerConfig{Engine: sim.Config{Profile: sim.Llama8BH100(), NumBlocks: numBlocks}, Model: testModel, TimeScale: 1000, KVEvents: cfg})
 	p := s.KVEventPublisher()
 
 	// The first 80 records that fit, sent in arrival order four at a time.
@@ -42,7 +43,7 @@ func TestKVEventsDuringTraceReplay(t *testing.T) {
 		if sent == 80 {
 			break
 		}
-		if r.InputLength+16 > numBlocks*DefaultBlockSize/2 {
+		if r.InputLength+16 > numBlocks*sim.DefaultBlockSize/2 {
 			continue
 		}
 		sent++
@@ -71,11 +72,11 @@ func TestKVEventsDuringTraceReplay(t *testing.T) {
 	waitSent(t, p)
 
 	var want map[uint64]int
-	if !s.withEngine(func(e *Engine, _ time.Duration) { want = e.cachedHashes() }) {
+	if !s.withEngine(func(e *sim.Engine, _ time.Duration) { want = e.CachedHashes() }) {
 		t.Fatal("withEngine")
 	}
 	all := replayFrom(t, p.ReplayAddr().String(), 0)
-	m := newCacheMirror(DefaultBlockSize)
+	m := newCacheMirror(sim.DefaultBlockSize)
 	events := 0
 	for i, msg := range all {
 		if msg.seq != uint64(i) {

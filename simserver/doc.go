@@ -1,0 +1,11 @@
+// Package simserver puts a vLLM-compatible OpenAI HTTP front on a simulated
+// engine (sim.Engine), driven in real time scaled by TimeScale:
+// /v1/completions, /v1/chat/completions (SSE streaming like vLLM),
+// /v1/responses, /v1/embeddings, /tokenize, /detokenize, /v1/models, /health
+// and /metrics with vLLM's metric names, vLLM's --api-key check, and the
+// engine's KV-cache events published over ZeroMQ (kvevents.Publisher). LoRA
+// adapters of the engine's configuration are served as separate models.
+// StartFleet runs n Servers on loopback ports (infergate up, bench --compare).
+// The engine model itself, its constants and sources are package sim; see
+// README.md for the HTTP front.
+package simserver
