@@ -26,7 +26,7 @@ const (
 	clientKey = "sk-client-0123456789abcdef"
 )
 
-// keyedEngine is a fakeEngine behind vLLM's --api-key check (sim/auth.go
+// keyedEngine is a fakeEngine behind vLLM's --api-key check (simserver/auth.go
 // mirrors it: every /v1 path needs "Authorization: Bearer <key>", else 401
 // {"error":"Unauthorized"}; /health and /metrics open unless guardAll),
 // recording the headers each path received.
