@@ -407,6 +407,20 @@ func (c Config) Validate() error {
 	}
 	errs = append(errs, c.validateAliases()...)
 	errs = append(errs, c.Responses.validate()...)
+	errs = append(errs, c.validateEndpoints()...)
+	if len(errs) > 0 {
+		return fmt.Errorf("invalid gateway config: %w", errors.Join(errs...))
+	}
+	return nil
+}
+
+// validateEndpoints checks every entry of Endpoints (EndpointConfig.validate)
+// and what the entries must agree on: no URL twice for a model, one URL's
+// entries with the same KV shape and credentials, at most
+// prefix.MaxEndpoints per model for a policy with per-endpoint state.
+func (c Config) validateEndpoints() []error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
 	type shape struct{ kvBlocks, blockSize int }
 	byURL := map[string]shape{}
 	firstOf := map[string]EndpointConfig{} // the first entry of each URL
@@ -419,48 +433,7 @@ func (c Config) Validate() error {
 			bad("%s.url: %w", at, err)
 			continue
 		}
-		if e.Model == "" {
-			bad("%s.model: required", at)
-		}
-		if e.KVBlocks < 0 {
-			bad("%s.kv_blocks %d: must be >= 0", at, e.KVBlocks)
-		}
-		if e.BlockSize < 1 {
-			bad("%s.block_size %d: must be at least 1", at, e.BlockSize)
-		}
-		if e.MaxModelLen < 0 || e.MaxModelLen > maxModelLenLimit {
-			bad("%s.max_model_len %d: want 0 (discover) to %d", at, e.MaxModelLen, maxModelLenLimit)
-		}
-		if !e.Kind.Valid() {
-			bad("%s.kind %q: want one of %v", at, e.Kind, fleet.Kinds())
-		}
-		if e.MetricsURL != "" {
-			if _, err := normalizeURL(e.MetricsURL); err != nil {
-				bad("%s.metrics_url: %w", at, err)
-			}
-		}
-		if _, err := endpointHeader(e, os.LookupEnv); err != nil {
-			bad("%s: %w", at, err)
-		}
-		if kv := e.KVEvents; kv != nil {
-			for _, a := range []struct{ key, v string }{{"endpoint", kv.Endpoint}, {"replay_endpoint", kv.ReplayEndpoint}} {
-				if (a.v != "" || a.key == "endpoint") && !strings.HasPrefix(a.v, "tcp://") {
-					bad("%s.kv_events.%s %q: want tcp://host:port", at, a.key, a.v)
-				}
-			}
-			if kv.MaxMessageBytes < 0 {
-				bad("%s.kv_events.max_message_bytes %d: must be >= 0", at, kv.MaxMessageBytes)
-			}
-			if kv.OffloadBlocks < 0 {
-				bad("%s.kv_events.offload_blocks %d: must be >= 0", at, kv.OffloadBlocks)
-			}
-			if e.BlockSize != c.Routing.Prefix.BlockSize {
-				bad("%s.kv_events: the engine's block_size %d must equal routing.prefix.block_size %d for the precise index",
-					at, e.BlockSize, c.Routing.Prefix.BlockSize)
-			}
-		} else if sched.UsesPrecise(c.Routing) {
-			bad("%s: routing policy %q needs kv_events on every endpoint", at, c.Routing.Policy)
-		}
+		errs = append(errs, e.validate(at, c.Routing)...)
 		key := [2]string{base, e.Model}
 		if seen[key] {
 			bad("%s: duplicate endpoint %s for model %q", at, base, e.Model)
@@ -485,10 +458,57 @@ func (c Config) Validate() error {
 			}
 		}
 	}
-	if len(errs) > 0 {
-		return fmt.Errorf("invalid gateway config: %w", errors.Join(errs...))
+	return errs
+}
+
+// validate checks one entry of Endpoints, at (its path in errors), for the
+// routing in force; its URL has been checked.
+func (e EndpointConfig) validate(at string, routing sched.Config) []error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if e.Model == "" {
+		bad("%s.model: required", at)
 	}
-	return nil
+	if e.KVBlocks < 0 {
+		bad("%s.kv_blocks %d: must be >= 0", at, e.KVBlocks)
+	}
+	if e.BlockSize < 1 {
+		bad("%s.block_size %d: must be at least 1", at, e.BlockSize)
+	}
+	if e.MaxModelLen < 0 || e.MaxModelLen > maxModelLenLimit {
+		bad("%s.max_model_len %d: want 0 (discover) to %d", at, e.MaxModelLen, maxModelLenLimit)
+	}
+	if !e.Kind.Valid() {
+		bad("%s.kind %q: want one of %v", at, e.Kind, fleet.Kinds())
+	}
+	if e.MetricsURL != "" {
+		if _, err := normalizeURL(e.MetricsURL); err != nil {
+			bad("%s.metrics_url: %w", at, err)
+		}
+	}
+	if _, err := endpointHeader(e, os.LookupEnv); err != nil {
+		bad("%s: %w", at, err)
+	}
+	if kv := e.KVEvents; kv != nil {
+		for _, a := range []struct{ key, v string }{{"endpoint", kv.Endpoint}, {"replay_endpoint", kv.ReplayEndpoint}} {
+			if (a.v != "" || a.key == "endpoint") && !strings.HasPrefix(a.v, "tcp://") {
+				bad("%s.kv_events.%s %q: want tcp://host:port", at, a.key, a.v)
+			}
+		}
+		if kv.MaxMessageBytes < 0 {
+			bad("%s.kv_events.max_message_bytes %d: must be >= 0", at, kv.MaxMessageBytes)
+		}
+		if kv.OffloadBlocks < 0 {
+			bad("%s.kv_events.offload_blocks %d: must be >= 0", at, kv.OffloadBlocks)
+		}
+		if e.BlockSize != routing.Prefix.BlockSize {
+			bad("%s.kv_events: the engine's block_size %d must equal routing.prefix.block_size %d for the precise index",
+				at, e.BlockSize, routing.Prefix.BlockSize)
+		}
+	} else if sched.UsesPrecise(routing) {
+		bad("%s: routing policy %q needs kv_events on every endpoint", at, routing.Policy)
+	}
+	return errs
 }
 
 // healthCheckOff is the HealthCheckPath value that disables probing.
