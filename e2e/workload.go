@@ -548,186 +548,203 @@ func RunSessions(ctx context.Context, gw *Gateway, model string, sessions []Chat
 	if o.Stagger == 0 {
 		o.Stagger = 2 * time.Second
 	}
-	client := &http.Client{}
-	defer client.CloseIdleConnections()
-	convs := make([][]Message, len(sessions))
+	run := &sessionRun{ctx: ctx, gw: gw, model: model, sessions: sessions, o: o, client: &http.Client{},
+		convs: make([][]Message, len(sessions)), meters: make([]*CPUMeter, len(gw.Instances))}
+	defer run.client.CloseIdleConnections()
 	for s, cs := range sessions {
-		convs[s] = []Message{{Role: "system", Content: cs.System}}
+		run.convs[s] = []Message{{Role: "system", Content: cs.System}}
 	}
-	meters := make([]*CPUMeter, len(gw.Instances))
 	for i, in := range gw.Instances {
-		meters[i] = NewCPUMeter(in)
+		run.meters[i] = NewCPUMeter(in)
 	}
-	start := time.Now()
-	var out []TurnResult
+	run.start = time.Now()
 
-	send := func(s, k int) (*TurnResult, error) {
-		convs[s] = append(convs[s], Message{Role: "user", Content: sessions[s].Turns[k]})
-		msgs := slices.Clone(convs[s])
-		body, err := json.Marshal(map[string]any{
-			"model": model, "messages": msgs, "max_tokens": o.MaxTokens, "temperature": 0, "seed": o.Seed,
-			"stream": true, "stream_options": map[string]any{"include_usage": true},
-		})
-		if err != nil {
-			return nil, err
-		}
-		r := &TurnResult{Session: s, Turn: k, Endpoint: -1, Messages: msgs, Start: time.Since(start), cpu0: readAll(meters)}
-		res, err := StreamChat(ctx, client, gw.URL, body, func() { r.cpu1 = readAll(meters) })
-		if err != nil {
-			return nil, fmt.Errorf("session %d turn %d: %w", s, k, err)
-		}
-		if r.cpu1 == nil {
-			r.cpu1 = readAll(meters)
-		}
-		r.PromptTokens, r.CompletionTokens, r.Text = res.PromptTokens, res.CompletionTokens, res.Text
-		r.TTFT, r.Total = res.TTFT, res.Total
-		return r, nil
-	}
-	// servedAfter waits until the gateway has accounted n more requests
-	// than before (it counts a request after relaying its last byte, so
-	// just after the client has read it) and returns the new counts.
-	servedAfter := func(before []float64, n int) ([]float64, error) {
-		deadline := time.Now().Add(5 * time.Second)
-		for {
-			now, err := gw.Served()
-			if err != nil {
-				return nil, err
-			}
-			var sum float64
-			for i := range now {
-				sum += now[i] - before[i]
-			}
-			if sum >= float64(n) {
-				return now, nil
-			}
-			if time.Now().After(deadline) {
-				return nil, fmt.Errorf("e2e: the gateway accounted %v of %d requests", sum, n)
-			}
-			time.Sleep(time.Millisecond)
-		}
-	}
-	// served waits for r to be accounted and records the instance whose
-	// served count grew since before.
-	served := func(r *TurnResult, before []float64) ([]float64, error) {
-		now, err := servedAfter(before, 1)
-		if err != nil {
-			return nil, err
-		}
-		for i := range now {
-			if now[i] > before[i] {
-				r.setEndpoint(i)
-				return now, nil
-			}
-		}
-		return nil, errors.New("e2e: no instance's served count grew")
-	}
-	// one sends turn k of session s alone.
-	one := func(s, k int, before []float64) ([]float64, error) {
-		r, err := send(s, k)
-		if err != nil {
-			return nil, err
-		}
-		if before, err = served(r, before); err != nil {
-			return nil, err
-		}
-		out = append(out, *r)
-		return before, nil
-	}
-	// pair sends the first turns of sessions s and s+1, the second as soon
-	// as the gateway shows the first in flight (so it has been routed).
-	pair := func(s int, before []float64) ([]float64, error) {
-		var (
-			ra, rb     *TurnResult
-			errA, errB error
-			wg         sync.WaitGroup
-		)
-		wg.Go(func() { ra, errA = send(s, 0) })
-		first := -1
-		for deadline := time.Now().Add(o.Stagger); first < 0 && time.Now().Before(deadline); {
-			inf, err := gw.InFlight()
-			if err != nil {
-				wg.Wait()
-				return nil, err
-			}
-			for i, n := range inf {
-				if n > 0 {
-					first = i
-				}
-			}
-			if first < 0 {
-				time.Sleep(2 * time.Millisecond)
-			}
-		}
-		if first >= 0 {
-			wg.Go(func() { rb, errB = send(s+1, 0) })
-		}
-		wg.Wait()
-		if first < 0 && errA == nil {
-			errA = fmt.Errorf("e2e: the gateway did not show session %d's first turn in flight within %v", s, o.Stagger)
-		}
-		if err := errors.Join(errA, errB); err != nil {
-			return nil, err
-		}
-		now, err := servedAfter(before, 2)
-		if err != nil {
-			return nil, err
-		}
-		// The first went where the gateway showed it in flight; the second
-		// to the instance whose count grew otherwise (the same one if it
-		// got both).
-		ra.setEndpoint(first)
-		for i := range now {
-			grew := int(math.Round(now[i] - before[i]))
-			if i == first {
-				grew--
-			}
-			if grew > 0 {
-				rb.setEndpoint(i)
-			}
-		}
-		out = append(out, *ra, *rb)
-		return now, nil
-	}
-
-	before, err := gw.Served()
+	before, err := run.gw.Served()
 	if err != nil {
 		return nil, err
 	}
 	// First turns.
-	for s := 0; s < len(sessions); {
-		if o.SequentialStarts || s+1 == len(sessions) {
-			before, err = one(s, 0, before)
+	for s := 0; s < len(run.sessions); {
+		if run.o.SequentialStarts || s+1 == len(run.sessions) {
+			before, err = run.one(s, 0, before)
 			s++
 		} else {
-			before, err = pair(s, before)
+			before, err = run.pair(s, before)
 			s += 2
 		}
 		if err != nil {
 			return nil, err
 		}
 	}
-	for _, r := range out {
-		convs[r.Session] = append(convs[r.Session], Message{Role: "assistant", Content: r.Text})
+	for _, r := range run.out {
+		run.convs[r.Session] = append(run.convs[r.Session], Message{Role: "assistant", Content: r.Text})
 	}
 	// Later turns, interleaved, one at a time.
 	for k := 1; ; k++ {
 		sent := false
-		for s := range sessions {
-			if k >= len(sessions[s].Turns) {
+		for s := range run.sessions {
+			if k >= len(run.sessions[s].Turns) {
 				continue
 			}
 			sent = true
-			if before, err = one(s, k, before); err != nil {
+			if before, err = run.one(s, k, before); err != nil {
 				return nil, err
 			}
-			r := out[len(out)-1]
-			convs[s] = append(convs[s], Message{Role: "assistant", Content: r.Text})
+			r := run.out[len(run.out)-1]
+			run.convs[s] = append(run.convs[s], Message{Role: "assistant", Content: r.Text})
 		}
 		if !sent {
 			break
 		}
 	}
-	return out, nil
+	return run.out, nil
+}
+
+// sessionRun is one RunSessions: its inputs, the conversations so far, the
+// instances' CPU meters and the results.
+type sessionRun struct {
+	ctx      context.Context
+	gw       *Gateway
+	model    string
+	sessions []ChatSession
+	o        RunOptions
+	client   *http.Client
+	convs    [][]Message // each session's messages so far
+	meters   []*CPUMeter
+	start    time.Time
+	out      []TurnResult
+}
+
+func (run *sessionRun) send(s, k int) (*TurnResult, error) {
+	run.convs[s] = append(run.convs[s], Message{Role: "user", Content: run.sessions[s].Turns[k]})
+	msgs := slices.Clone(run.convs[s])
+	body, err := json.Marshal(map[string]any{
+		"model": run.model, "messages": msgs, "max_tokens": run.o.MaxTokens, "temperature": 0, "seed": run.o.Seed,
+		"stream": true, "stream_options": map[string]any{"include_usage": true},
+	})
+	if err != nil {
+		return nil, err
+	}
+	r := &TurnResult{Session: s, Turn: k, Endpoint: -1, Messages: msgs, Start: time.Since(run.start), cpu0: readAll(run.meters)}
+	res, err := StreamChat(run.ctx, run.client, run.gw.URL, body, func() { r.cpu1 = readAll(run.meters) })
+	if err != nil {
+		return nil, fmt.Errorf("session %d turn %d: %w", s, k, err)
+	}
+	if r.cpu1 == nil {
+		r.cpu1 = readAll(run.meters)
+	}
+	r.PromptTokens, r.CompletionTokens, r.Text = res.PromptTokens, res.CompletionTokens, res.Text
+	r.TTFT, r.Total = res.TTFT, res.Total
+	return r, nil
+}
+
+// servedAfter waits until the gateway has accounted n more requests
+// than before (it counts a request after relaying its last byte, so
+// just after the client has read it) and returns the new counts.
+func (run *sessionRun) servedAfter(before []float64, n int) ([]float64, error) {
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		now, err := run.gw.Served()
+		if err != nil {
+			return nil, err
+		}
+		var sum float64
+		for i := range now {
+			sum += now[i] - before[i]
+		}
+		if sum >= float64(n) {
+			return now, nil
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("e2e: the gateway accounted %v of %d requests", sum, n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// served waits for r to be accounted and records the instance whose
+// served count grew since before.
+func (run *sessionRun) served(r *TurnResult, before []float64) ([]float64, error) {
+	now, err := run.servedAfter(before, 1)
+	if err != nil {
+		return nil, err
+	}
+	for i := range now {
+		if now[i] > before[i] {
+			r.setEndpoint(i)
+			return now, nil
+		}
+	}
+	return nil, errors.New("e2e: no instance's served count grew")
+}
+
+// one sends turn k of session s alone.
+func (run *sessionRun) one(s, k int, before []float64) ([]float64, error) {
+	r, err := run.send(s, k)
+	if err != nil {
+		return nil, err
+	}
+	if before, err = run.served(r, before); err != nil {
+		return nil, err
+	}
+	run.out = append(run.out, *r)
+	return before, nil
+}
+
+// pair sends the first turns of sessions s and s+1, the second as soon
+// as the gateway shows the first in flight (so it has been routed).
+func (run *sessionRun) pair(s int, before []float64) ([]float64, error) {
+	var (
+		ra, rb     *TurnResult
+		errA, errB error
+		wg         sync.WaitGroup
+	)
+	wg.Go(func() { ra, errA = run.send(s, 0) })
+	first := -1
+	for deadline := time.Now().Add(run.o.Stagger); first < 0 && time.Now().Before(deadline); {
+		inf, err := run.gw.InFlight()
+		if err != nil {
+			wg.Wait()
+			return nil, err
+		}
+		for i, n := range inf {
+			if n > 0 {
+				first = i
+			}
+		}
+		if first < 0 {
+			time.Sleep(2 * time.Millisecond)
+		}
+	}
+	if first >= 0 {
+		wg.Go(func() { rb, errB = run.send(s+1, 0) })
+	}
+	wg.Wait()
+	if first < 0 && errA == nil {
+		errA = fmt.Errorf("e2e: the gateway did not show session %d's first turn in flight within %v", s, run.o.Stagger)
+	}
+	if err := errors.Join(errA, errB); err != nil {
+		return nil, err
+	}
+	now, err := run.servedAfter(before, 2)
+	if err != nil {
+		return nil, err
+	}
+	// The first went where the gateway showed it in flight; the second
+	// to the instance whose count grew otherwise (the same one if it
+	// got both).
+	ra.setEndpoint(first)
+	for i := range now {
+		grew := int(math.Round(now[i] - before[i]))
+		if i == first {
+			grew--
+		}
+		if grew > 0 {
+			rb.setEndpoint(i)
+		}
+	}
+	run.out = append(run.out, *ra, *rb)
+	return now, nil
 }
 
 // PromptTokenIDs returns the token ids the engine sees for msgs (the chat
