@@ -42,7 +42,7 @@ type calPoint struct {
 // predict is the simulator's time for the point: the prompt prefilled in
 // chunks of ollamaBatch tokens, one step each (the first token comes with
 // the last chunk), or one decode step of a batch of one.
-func (pt calPoint) predict(p sim.Profile) time.Duration {
+func (pt calPoint) predict(p sim.GPUProfile) time.Duration {
 	if pt.Kind == "decode" {
 		return p.DecodeTime(1, pt.Tokens)
 	}
@@ -179,7 +179,7 @@ func measureCalibration(t *testing.T, bin, dir string, v *gguf.Vocab) []calPoint
 }
 
 // fitError is the root mean square relative error of p on pts.
-func fitError(p sim.Profile, pts []calPoint) float64 {
+func fitError(p sim.GPUProfile, pts []calPoint) float64 {
 	var s float64
 	for _, pt := range pts {
 		e := float64(pt.predict(p))/float64(pt.Meas) - 1
@@ -191,9 +191,9 @@ func fitError(p sim.Profile, pts []calPoint) float64 {
 // fitProfile fits prefill_mfu, decode_bandwidth_efficiency and
 // step_overhead of p to pts by least squares on relative error: a
 // logarithmic grid, then a few rounds of coordinate refinement.
-func fitProfile(p sim.Profile, pts []calPoint) (sim.Profile, float64) {
+func fitProfile(p sim.GPUProfile, pts []calPoint) (sim.GPUProfile, float64) {
 	best, bestErr := p, fitError(p, pts)
-	try := func(q sim.Profile) {
+	try := func(q sim.GPUProfile) {
 		if e := fitError(q, pts); e < bestErr {
 			best, bestErr = q, e
 		}
@@ -261,7 +261,7 @@ type simTurn struct {
 // tokens as the real one did. Requests that overlapped in the real run
 // (the pairs of first turns) arrive with the same offsets; the others are
 // sent one at a time, each when the fleet is idle, as in the real run.
-func replayInSim(p sim.Profile, policy string, v *gguf.Vocab, turns []TurnResult) ([]simTurn, error) {
+func replayInSim(p sim.GPUProfile, policy string, v *gguf.Vocab, turns []TurnResult) ([]simTurn, error) {
 	f, err := virtual.NewFleet(virtual.Config{
 		Engines: 2,
 		Engine: sim.Config{Profile: p, BlockSize: 16, NumBlocks: OllamaKVBlocks,

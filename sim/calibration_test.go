@@ -18,7 +18,7 @@ type calibPoint struct {
 	// measured is the published (or derived, see CALIBRATION.md) latency.
 	measured time.Duration
 	// predict computes the model's value for this point from a profile.
-	predict func(p Profile) time.Duration
+	predict func(p GPUProfile) time.Duration
 	// excluded, when set, says why the point is kept in the table but not held
 	// to the bound.
 	excluded string
@@ -26,7 +26,7 @@ type calibPoint struct {
 
 // chunkedPrefill is the TTFT of a lone prompt of n tokens prefilled in chunks
 // of at most chunk tokens (vLLM chunked prefill, --max-num-batched-tokens).
-func chunkedPrefill(p Profile, n, chunk int) time.Duration {
+func chunkedPrefill(p GPUProfile, n, chunk int) time.Duration {
 	var d time.Duration
 	for done := 0; done < n; done += chunk {
 		d += p.PrefillTime(min(chunk, n-done), done)
@@ -35,7 +35,7 @@ func chunkedPrefill(p Profile, n, chunk int) time.Duration {
 }
 
 // batchPrefill is one step prefilling several prompts together.
-func batchPrefill(p Profile, lens ...int) time.Duration {
+func batchPrefill(p GPUProfile, lens ...int) time.Duration {
 	var c StepCost
 	for _, n := range lens {
 		c.Add(n, 0)
@@ -48,7 +48,7 @@ func batchPrefill(p Profile, lens ...int) time.Duration {
 // prefilled in steps of their own (vLLM v0.6 with multi-step scheduling does
 // not mix prefills into decode steps), which stall the decodes:
 // TPOT = DecodeTime / (1 − rps × PrefillTime(promptLen)).
-func loadedTPOT(p Profile, batch, context int, rps float64, promptLen int) time.Duration {
+func loadedTPOT(p GPUProfile, batch, context int, rps float64, promptLen int) time.Duration {
 	busy := rps * p.PrefillTime(promptLen, 0).Seconds()
 	return time.Duration(float64(p.DecodeTime(batch, context)) / (1 - busy))
 }
@@ -67,36 +67,36 @@ var calibPoints = []calibPoint{
 	// (tokens stream in groups of 10; ITL / 10 is the step time).
 	{id: "L8-prefill-10x", source: srcLambda8B, profile: "llama-3.1-8b-h100", what: "ttft",
 		measured: 62426 * time.Microsecond, // mean_ttft_ms 62.43: 10 prompts, 1369 tokens, one step
-		predict:  func(p Profile) time.Duration { return batchPrefill(p, lambda10Prompts...) }},
+		predict:  func(p GPUProfile) time.Duration { return batchPrefill(p, lambda10Prompts...) }},
 	{id: "L8-decode-b1", source: srcLambda8B, profile: "llama-3.1-8b-h100", what: "tpot",
 		measured: 7058 * time.Microsecond, // ITL groups 43–73 of the 741-token request: 70.58 ms / 10
-		predict:  func(p Profile) time.Duration { return p.DecodeTime(1, 614) }},
+		predict:  func(p GPUProfile) time.Duration { return p.DecodeTime(1, 614) }},
 	{id: "L8-decode-b2", source: srcLambda8B, profile: "llama-3.1-8b-h100", what: "tpot",
 		measured: 7167 * time.Microsecond, // ITL groups 24–42: 71.67 ms / 10
-		predict:  func(p Profile) time.Duration { return p.DecodeTime(2, 362) }},
+		predict:  func(p GPUProfile) time.Duration { return p.DecodeTime(2, 362) }},
 	{id: "L8-decode-b6", source: srcLambda8B, profile: "llama-3.1-8b-h100", what: "tpot",
 		measured: 7391 * time.Microsecond, // ITL groups 3–9: 73.91 ms / 10
-		predict:  func(p Profile) time.Duration { return p.DecodeTime(6, 137) }},
+		predict:  func(p GPUProfile) time.Duration { return p.DecodeTime(6, 137) }},
 
 	// Llama-3.1-70B on 4×H100 TP4, vLLM v0.6.0 --num-scheduler-steps 10,
 	// ShareGPT (mean 224 prompt / 189 output tokens) at a fixed request rate.
 	// Batch = RPS × median E2E latency (Little's law), context = 224 + 189/2.
 	{id: "L70-sharegpt-rps4", source: srcSGL060, profile: DefaultProfileName, what: "tpot",
 		measured: 23580 * time.Microsecond, // median TPOT, RPS 4, median E2E 2915.6 ms
-		predict:  func(p Profile) time.Duration { return loadedTPOT(p, 12, 319, 4, 224) }},
+		predict:  func(p GPUProfile) time.Duration { return loadedTPOT(p, 12, 319, 4, 224) }},
 	{id: "L70-sharegpt-rps8", source: srcSGL060, profile: DefaultProfileName, what: "tpot",
 		measured: 29150 * time.Microsecond, // median TPOT, RPS 8, median E2E 3752.4 ms
-		predict:  func(p Profile) time.Duration { return loadedTPOT(p, 30, 319, 8, 224) }},
+		predict:  func(p GPUProfile) time.Duration { return loadedTPOT(p, 30, 319, 8, 224) }},
 
 	// Qwen3-32B on 1×H100 (vllm serve defaults, TP 1), vLLM v0.11.0, random
 	// 32000-token prompts: one request fits in KV at a time, so requests run
 	// back to back.
 	{id: "Q32-decode-b1-32k", source: srcQwenH100, profile: "qwen3-32b-2xh100", tp: 1, what: "tpot",
 		measured: 43420 * time.Microsecond, // mean TPOT (p99 44.34): batch 1 at ~32k context
-		predict:  func(p Profile) time.Duration { return p.DecodeTime(1, 32038) }},
+		predict:  func(p GPUProfile) time.Duration { return p.DecodeTime(1, 32038) }},
 	{id: "Q32-prefill-32k", source: srcQwenH100, profile: "qwen3-32b-2xh100", tp: 1, what: "ttft",
 		measured: 8281 * time.Millisecond, // 1157.25 s / 100 requests − 75.81 decode steps × 43.42 ms
-		predict:  func(p Profile) time.Duration { return chunkedPrefill(p, 32000, 8192) }},
+		predict:  func(p GPUProfile) time.Duration { return chunkedPrefill(p, 32000, 8192) }},
 }
 
 // calibTolerance is the largest relative error the model may make on a
@@ -104,7 +104,7 @@ var calibPoints = []calibPoint{
 // 3.1% (CALIBRATION.md), so the test holds it to 5%.
 const calibTolerance = 0.05
 
-func (pt calibPoint) profileFor(t testing.TB, ps map[string]Profile) Profile {
+func (pt calibPoint) profileFor(t testing.TB, ps map[string]GPUProfile) GPUProfile {
 	p, ok := ps[pt.profile]
 	if !ok {
 		t.Fatalf("%s: no profile %q", pt.id, pt.profile)
@@ -155,7 +155,7 @@ var calibGroups = []calibGroup{
 }
 
 // sse is Σ relative error² of a group's points under profile p.
-func sse(t testing.TB, p Profile, pts []calibPoint) float64 {
+func sse(t testing.TB, p GPUProfile, pts []calibPoint) float64 {
 	var s float64
 	for _, pt := range pts {
 		q := p
@@ -170,7 +170,7 @@ func sse(t testing.TB, p Profile, pts []calibPoint) float64 {
 
 // fitGroup minimises sse over PrefillMFU and DecodeBandwidthEfficiency on a
 // grid of 0.005, then refines to 0.001.
-func fitGroup(t testing.TB, p Profile, pts []calibPoint, g calibGroup) (mfu, eff, best float64) {
+func fitGroup(t testing.TB, p GPUProfile, pts []calibPoint, g calibGroup) (mfu, eff, best float64) {
 	mfu, eff, best = p.PrefillMFU, p.DecodeBandwidthEfficiency, math.Inf(1)
 	search := func(mlo, mhi, elo, ehi, step float64) {
 		ms, es := []float64{p.PrefillMFU}, []float64{p.DecodeBandwidthEfficiency}

@@ -23,7 +23,7 @@ const (
 // Config configures an Engine. Zero fields take defaults.
 type Config struct {
 	// Profile is the model and hardware; zero (Layers == 0) means DefaultProfile().
-	Profile Profile `yaml:"profile"`
+	Profile GPUProfile `yaml:"profile"`
 	// BlockSize is the KV-cache page size in tokens (default 16).
 	BlockSize int `yaml:"block_size"`
 	// NumBlocks is the KV capacity in blocks; 0 derives it from Profile.NumBlocks.

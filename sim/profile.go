@@ -18,7 +18,7 @@ import (
 	"gopkg.in/yaml.v3"
 )
 
-// Profile describes a model served on a group of GPUs: the architecture numbers
+// GPUProfile describes a model served on a group of GPUs: the architecture numbers
 // that size the KV cache and the work of a step, the hardware numbers that turn
 // that work into time, and the efficiency factors fitted to measured vLLM runs
 // (sim/CALIBRATION.md).
@@ -31,7 +31,7 @@ import (
 // Built-in profiles are YAML files in sim/profiles, embedded at build time;
 // LoadProfile reads a user's own. All sizes are in bytes, all rates per second,
 // per GPU unless stated.
-type Profile struct {
+type GPUProfile struct {
 	// Name is the key of the profile in Profiles(), e.g. "llama-3.1-70b-4xh100".
 	Name string `yaml:"name"`
 	// Model is the Hugging Face id of the model, used as the default served name.
@@ -120,12 +120,12 @@ const DefaultModel = "meta-llama/Llama-3.1-70B-Instruct"
 var profileFS embed.FS
 
 // builtin holds the embedded profiles, parsed and validated once.
-var builtin = sync.OnceValues(func() (map[string]Profile, error) {
+var builtin = sync.OnceValues(func() (map[string]GPUProfile, error) {
 	entries, err := fs.Glob(profileFS, "profiles/*.yaml")
 	if err != nil {
 		return nil, err
 	}
-	ps := make(map[string]Profile, len(entries))
+	ps := make(map[string]GPUProfile, len(entries))
 	for _, name := range entries {
 		data, err := profileFS.ReadFile(name)
 		if err != nil {
@@ -148,7 +148,7 @@ var builtin = sync.OnceValues(func() (map[string]Profile, error) {
 
 // mustBuiltin returns the embedded profiles; they are checked by tests, so an
 // error here is a build defect and panics.
-func mustBuiltin() map[string]Profile {
+func mustBuiltin() map[string]GPUProfile {
 	ps, err := builtin()
 	if err != nil {
 		panic("sim: " + err.Error())
@@ -159,7 +159,7 @@ func mustBuiltin() map[string]Profile {
 // Profiles returns the built-in profiles by name, loaded from the YAML files
 // embedded from sim/profiles (each documents its sources). The map is freshly
 // built on every call, so callers may modify it.
-func Profiles() map[string]Profile {
+func Profiles() map[string]GPUProfile {
 	return maps.Clone(mustBuiltin())
 }
 
@@ -172,38 +172,38 @@ func ProfileNames() []string {
 // tensor parallelism 4 (sim/profiles/llama-3.1-70b-4xh100.yaml). With the
 // calibrated constants an 8k-token prompt prefills in about 1.0 s and a decode
 // step at batch 16 with 8k context takes about 27 ms; see sim/CALIBRATION.md.
-func DefaultProfile() Profile { return mustBuiltin()[DefaultProfileName] }
+func DefaultProfile() GPUProfile { return mustBuiltin()[DefaultProfileName] }
 
 // Llama8BH100 is Llama-3.1-8B(-Instruct) in bf16 on one H100-80GB SXM
 // (sim/profiles/llama-3.1-8b-h100.yaml).
-func Llama8BH100() Profile { return mustBuiltin()["llama-3.1-8b-h100"] }
+func Llama8BH100() GPUProfile { return mustBuiltin()["llama-3.1-8b-h100"] }
 
 // ParseProfile decodes a profile from YAML (the format of sim/profiles/*.yaml)
 // and validates it. Unknown keys are errors, so a misspelt field is not
 // silently left zero.
-func ParseProfile(data []byte) (Profile, error) {
-	var p Profile
+func ParseProfile(data []byte) (GPUProfile, error) {
+	var p GPUProfile
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	dec.KnownFields(true)
 	if err := dec.Decode(&p); err != nil {
-		return Profile{}, fmt.Errorf("decode profile: %w", err)
+		return GPUProfile{}, fmt.Errorf("decode profile: %w", err)
 	}
 	if err := p.Validate(); err != nil {
-		return Profile{}, err
+		return GPUProfile{}, err
 	}
 	return p, nil
 }
 
 // LoadProfile reads and validates a user's profile YAML file. See
 // sim/profiles/*.yaml for the format and the meaning of each key.
-func LoadProfile(file string) (Profile, error) {
+func LoadProfile(file string) (GPUProfile, error) {
 	data, err := os.ReadFile(file)
 	if err != nil {
-		return Profile{}, err
+		return GPUProfile{}, err
 	}
 	p, err := ParseProfile(data)
 	if err != nil {
-		return Profile{}, fmt.Errorf("%s: %w", file, err)
+		return GPUProfile{}, fmt.Errorf("%s: %w", file, err)
 	}
 	return p, nil
 }
@@ -215,7 +215,7 @@ const archParamsTolerance = 0.02
 
 // Validate reports whether the profile can size a KV cache and time a step.
 // Every problem is listed, each naming the YAML key at fault.
-func (p Profile) Validate() error {
+func (p GPUProfile) Validate() error {
 	var errs []error
 	pos := func(name string, v float64) {
 		if !(v > 0) || math.IsInf(v, 0) {
@@ -277,14 +277,14 @@ func (p Profile) Validate() error {
 
 // qDim is the attention width NumHeads × HeadDim (8192 for Llama-3.1-70B and
 // for Qwen3-32B, whose hidden size is 5120).
-func (p Profile) qDim() float64 { return float64(p.NumHeads) * float64(p.HeadDim) }
+func (p GPUProfile) qDim() float64 { return float64(p.NumHeads) * float64(p.HeadDim) }
 
 // LayerMatmulParams is the weight count of the matrix multiplications of one
 // transformer layer: Q (hidden×qDim), K and V (hidden×kv_heads·head_dim each),
 // O (qDim×hidden) and the gated MLP (3×hidden×intermediate). Norm weights are
 // negligible and omitted. Llama-3.1-70B: 855.6M; Llama-3.1-8B: 218.1M;
 // Qwen3-32B: 487.6M.
-func (p Profile) LayerMatmulParams() float64 {
+func (p GPUProfile) LayerMatmulParams() float64 {
 	h := float64(p.HiddenSize)
 	kv := float64(p.NumKVHeads) * float64(p.HeadDim)
 	return 2*h*p.qDim() + 2*h*kv + 3*h*float64(p.IntermediateSize)
@@ -292,12 +292,12 @@ func (p Profile) LayerMatmulParams() float64 {
 
 // EmbeddingParams is vocab_size × hidden_size, the size of the embedding table
 // (and of the LM head).
-func (p Profile) EmbeddingParams() float64 { return float64(p.VocabSize) * float64(p.HiddenSize) }
+func (p GPUProfile) EmbeddingParams() float64 { return float64(p.VocabSize) * float64(p.HiddenSize) }
 
 // ArchParams is the parameter count implied by the architecture: layers ×
 // LayerMatmulParams plus the embedding table, plus the LM head unless tied.
 // Llama-3.1-70B: 70.55e9; Llama-3.1-8B: 8.03e9; Qwen3-32B: 32.76e9.
-func (p Profile) ArchParams() float64 {
+func (p GPUProfile) ArchParams() float64 {
 	n := float64(p.Layers)*p.LayerMatmulParams() + p.EmbeddingParams()
 	if !p.TieWordEmbeddings {
 		n += p.EmbeddingParams()
@@ -308,7 +308,7 @@ func (p Profile) ArchParams() float64 {
 // KVBytesPerToken is the KV-cache size of one token over all layers and all
 // tensor-parallel ranks: 2 (K and V) × layers × kv_heads × head_dim × element size.
 // Llama-3.1-70B bf16: 2×80×8×128×2 = 327,680 B = 320 KiB.
-func (p Profile) KVBytesPerToken() float64 {
+func (p GPUProfile) KVBytesPerToken() float64 {
 	elem := p.KVBytesPerElem
 	if elem == 0 {
 		elem = p.BytesPerParam
@@ -318,12 +318,12 @@ func (p Profile) KVBytesPerToken() float64 {
 
 // WeightBytes is the size of the weights over all ranks: params × bytes per param.
 // It is what the weights occupy in GPU memory.
-func (p Profile) WeightBytes() float64 { return p.Params * p.BytesPerParam }
+func (p GPUProfile) WeightBytes() float64 { return p.Params * p.BytesPerParam }
 
 // StreamedWeightBytes is the weight bytes one step reads from HBM: all weights
 // except an untied embedding table, of which a step only gathers the rows of
 // its tokens. Llama-3.1-70B bf16: 139.1e9 B of 141.2e9.
-func (p Profile) StreamedWeightBytes() float64 {
+func (p GPUProfile) StreamedWeightBytes() float64 {
 	n := p.Params
 	if !p.TieWordEmbeddings {
 		n -= p.EmbeddingParams()
@@ -334,7 +334,7 @@ func (p Profile) StreamedWeightBytes() float64 {
 // KVCacheBytes is the memory left for the KV cache over all ranks:
 // TP × memory × utilisation − weights − activation reserve (ActivationReserve × TP × memory).
 // It may be negative when the model does not fit.
-func (p Profile) KVCacheBytes() float64 {
+func (p GPUProfile) KVCacheBytes() float64 {
 	total := float64(p.TensorParallel) * p.GPUMemory
 	return total*p.GPUMemoryUtilization - p.WeightBytes() - total*p.ActivationReserve
 }
@@ -342,7 +342,7 @@ func (p Profile) KVCacheBytes() float64 {
 // NumBlocks is the KV capacity in blocks of blockSize tokens:
 // floor(KVCacheBytes / (KVBytesPerToken × blockSize)); 0 when nothing fits.
 // The 70B default gives 28,773 blocks of 16 (460k tokens).
-func (p Profile) NumBlocks(blockSize int) int {
+func (p GPUProfile) NumBlocks(blockSize int) int {
 	if blockSize <= 0 || p.KVBytesPerToken() <= 0 {
 		return 0
 	}
@@ -355,7 +355,7 @@ func (p Profile) NumBlocks(blockSize int) int {
 
 // NumBlocksAt is NumBlocks with gpu_memory_utilization replaced by util
 // (vLLM --gpu-memory-utilization).
-func (p Profile) NumBlocksAt(util float64, blockSize int) int {
+func (p GPUProfile) NumBlocksAt(util float64, blockSize int) int {
 	p.GPUMemoryUtilization = util
 	return p.NumBlocks(blockSize)
 }
@@ -396,7 +396,7 @@ func (c *StepCost) Add(newTokens, context int) {
 // kipply), no work for the embedding lookup, and for attention 2·qDim per
 // query–key pair for each of QKᵀ and AV, with qDim = NumHeads × HeadDim, not
 // HiddenSize (they differ for Qwen3).
-func (p Profile) FLOPs(c StepCost) float64 {
+func (p GPUProfile) FLOPs(c StepCost) float64 {
 	return 2*float64(p.Layers)*p.LayerMatmulParams()*float64(c.Tokens) +
 		2*p.EmbeddingParams()*float64(c.Seqs) +
 		4*float64(p.Layers)*p.qDim()*c.AttnPairs
@@ -406,7 +406,7 @@ func (p Profile) FLOPs(c StepCost) float64 {
 // once, plus the K and V of every token the step attends to or writes:
 //
 //	bytes = StreamedWeightBytes + KVBytesPerToken × KVTokens
-func (p Profile) BytesMoved(c StepCost) float64 {
+func (p GPUProfile) BytesMoved(c StepCost) float64 {
 	return p.StreamedWeightBytes() + p.KVBytesPerToken()*float64(c.KVTokens)
 }
 
@@ -420,7 +420,7 @@ func (p Profile) BytesMoved(c StepCost) float64 {
 // overhead covers scheduling, sampling, launches and all-reduce latency
 // (Yuan et al. 2024, §3). The efficiency factors and the overhead are fitted to
 // published vLLM measurements (sim/CALIBRATION.md). An empty step takes zero time.
-func (p Profile) StepTime(c StepCost) time.Duration {
+func (p GPUProfile) StepTime(c StepCost) time.Duration {
 	if c.Tokens == 0 {
 		return 0
 	}
@@ -432,7 +432,7 @@ func (p Profile) StepTime(c StepCost) time.Duration {
 
 // PrefillTime is the time of one step prefilling a single prompt of
 // uncached tokens on top of cached prefix tokens, with no other work in the step.
-func (p Profile) PrefillTime(uncached, cached int) time.Duration {
+func (p GPUProfile) PrefillTime(uncached, cached int) time.Duration {
 	var c StepCost
 	c.Add(uncached, cached)
 	return p.StepTime(c)
@@ -440,7 +440,7 @@ func (p Profile) PrefillTime(uncached, cached int) time.Duration {
 
 // DecodeTime is the time of one decode step of batch sequences, each with
 // context tokens in KV.
-func (p Profile) DecodeTime(batch, context int) time.Duration {
+func (p GPUProfile) DecodeTime(batch, context int) time.Duration {
 	var c StepCost
 	for range batch {
 		c.Add(1, context)

@@ -96,7 +96,7 @@ func TestLatencyMonotonic(t *testing.T) {
 			t.Errorf("%s: longer context must slow decode", p.Name)
 		}
 	}
-	if (Profile{}).StepTime(StepCost{}) != 0 {
+	if (GPUProfile{}).StepTime(StepCost{}) != 0 {
 		t.Error("empty step must take no time")
 	}
 }
@@ -160,7 +160,7 @@ func TestProfileYAML(t *testing.T) {
 		t.Fatal("LoadProfile of a missing file succeeded")
 	}
 	// The raw yaml.v3 decoding other code may do still works.
-	var r Profile
+	var r GPUProfile
 	if err := yaml.Unmarshal([]byte(customYAML), &r); err != nil || r != p {
 		t.Fatalf("yaml.Unmarshal: %+v, %v", r, err)
 	}

@@ -171,7 +171,7 @@ type benchRun struct {
 	model string
 	// prof, routing and policies: --compare's engine profile, the routing
 	// section of --config and the policies it compares.
-	prof     sim.Profile
+	prof     sim.GPUProfile
 	routing  sched.Config
 	policies []string
 	// recs are the workload's records in arrival order; sessions the chat

@@ -74,13 +74,13 @@ func (e *engineFlags) serverConfig() (simserver.ServerConfig, error) {
 
 // resolveProfile returns the profile from file if given, else the built-in
 // profile called name.
-func resolveProfile(name, file string) (sim.Profile, error) {
+func resolveProfile(name, file string) (sim.GPUProfile, error) {
 	if file != "" {
 		return sim.LoadProfile(file)
 	}
 	prof, ok := sim.Profiles()[name]
 	if !ok {
-		return sim.Profile{}, fmt.Errorf("unknown profile %q (have %s)", name, strings.Join(profileNames(), ", "))
+		return sim.GPUProfile{}, fmt.Errorf("unknown profile %q (have %s)", name, strings.Join(profileNames(), ", "))
 	}
 	return prof, nil
 }
