@@ -42,8 +42,11 @@ BASE_PORT="${BASE_PORT:-18100}"
 TARGETS="${TARGETS:-direct nginx round-robin prefix cache-aware}"
 ROUNDS="${ROUNDS:-3}" # the targets in turn, ROUNDS times; the table shows medians
 # BASELINE_BIN=/path/to/other/infergate adds the target "baseline": that
-# binary with --policy prefix (to measure a change against the build before it).
+# binary with --policy $BASELINE_POLICY (to measure a change against the build before it).
 BASELINE_BIN="${BASELINE_BIN:-}"
+# BASELINE_POLICY is the baseline binary's --policy (default prefix); compare
+# like with like (e.g. round-robin on both: the proxy's cost without routing).
+BASELINE_POLICY="${BASELINE_POLICY:-prefix}"
 if [ -n "$BASELINE_BIN" ] && [[ " $TARGETS " != *" baseline "* ]]; then TARGETS="$TARGETS baseline"; fi
 PROFILE="${PROFILE:-0}"
 # PROXY_ENV="K=V ..." is set for the infergate processes only (e.g. GOMAXPROCS=1).
@@ -177,7 +180,7 @@ EOF
     ;;
   *)
     bin="$WORK/infergate" policy="$target"
-    if [ "$target" = baseline ]; then bin="$BASELINE_BIN" policy=prefix; fi
+    if [ "$target" = baseline ]; then bin="$BASELINE_BIN" policy="$BASELINE_POLICY"; fi
     extra=()
     if [ "$PROFILE" = 1 ] && [ "$target" = prefix ] && [ "$round" = "$ROUNDS" ]; then
       extra=(--pprof "127.0.0.1:$((proxy_port + 1))")
