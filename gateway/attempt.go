@@ -43,7 +43,9 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	// The request's share of the endpoint's load: its prompt in flight until
 	// it ends, its uncached part in the prefill backlog until its first
 	// token (relayStream) or its end (load.Ledger).
-	ep.ledger.Send(&x.share, x.sreq.PromptTokens, d.MatchedBlocks*p.blockSize, clock(time.Now()))
+	if x.sreq.PromptTokens > 0 { // untokenized (round-robin): nothing to account, no clock read
+		ep.ledger.Send(&x.share, x.sreq.PromptTokens, d.MatchedBlocks*p.blockSize, clock(time.Now()))
+	}
 	defer x.share.Finish()
 	if d.MatchedBlocks > 0 {
 		rm.predicted.Add(float64(d.MatchedBlocks * p.blockSize))

@@ -269,13 +269,10 @@ func sameCredentials(a, b EndpointConfig) bool {
 	return true
 }
 
-// addHeader sets the endpoint's configured headers, those of the spec in
-// force (one atomic load), on h (an upstream request's), replacing any the
-// client sent under the same names. The values are shared, never modified:
-// no allocation, nothing at all when the endpoint has none.
-func (ep *endpoint) addHeader(h http.Header) { addHeader(h, ep.spec.Load().header) }
-
-// addHeader sets the spec's configured headers on h (see endpoint.addHeader).
+// addHeader sets the spec's configured headers on h (an upstream
+// request's), replacing any the client sent under the same names. The
+// values are shared, never modified: no allocation, nothing at all when the
+// endpoint has none.
 func (s *endpointSpec) addHeader(h http.Header) { addHeader(h, s.header) }
 
 // addHeader sets every header of add on h, sharing the values.

@@ -1088,14 +1088,21 @@ func TestNewCanceled(t *testing.T) {
 	t.Cleanup(func() { close(hold) })
 	cfg := Config{Endpoints: []EndpointConfig{{URL: silent.URL, Model: "m"}}, HealthCheckTimeout: time.Minute}
 	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
 	go func() {
-		// Cancel once the start-up probe is waiting on the engine.
+		// Cancel once the start-up probe is waiting on the engine (or New
+		// returned without probing: then the test fails below).
 		for asked.Load() == 0 {
-			time.Sleep(time.Millisecond)
+			select {
+			case <-done:
+				return
+			case <-time.After(time.Millisecond):
+			}
 		}
 		cancel()
 	}()
 	g, err := New(ctx, cfg, nil)
+	close(done)
 	if g != nil || !errors.Is(err, context.Canceled) {
 		t.Fatalf("New with a canceled context: %v, %v; want nil and context.Canceled", g, err)
 	}

@@ -11,7 +11,7 @@ import (
 )
 
 // WriteHTML writes the sweep as a self-contained HTML page (see
-// report.WriteHTMLPage): what produced it (r.Provenance), the
+// report.Page): what produced it (r.Provenance), the
 // recommendation, the table of WriteTable (the recommended row
 // highlighted), and against fleet size, one line per policy: each SLO
 // target's fleet-level value with the target as a horizontal line (TTFT p90

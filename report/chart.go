@@ -7,7 +7,7 @@ import (
 )
 
 // Chart is a line or bar chart laid out in SVG pixel coordinates, rendered
-// by the "chart" template of WriteHTMLPage. Build one with LineChart or
+// by the "chart" template of Page.Write. Build one with LineChart or
 // BarChart.
 type Chart struct {
 	Title, XLabel, YLabel string

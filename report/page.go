@@ -70,11 +70,6 @@ func (p Page) Write(w io.Writer) error {
 	}{p, time.Now().UTC().Format(time.RFC3339)})
 }
 
-// WriteHTMLPage writes Page{Title: title, Sections: sections}.
-func WriteHTMLPage(w io.Writer, title string, sections []Section) error {
-	return Page{Title: title, Sections: sections}.Write(w)
-}
-
 var pageTmpl = template.Must(template.New("page").Funcs(template.FuncMap{
 	"barmid": func(b Bar) float64 { return b.X + b.W/2 },
 	"cellclass": func(s string) string {
