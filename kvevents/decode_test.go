@@ -20,6 +20,10 @@ func TestDecodeBatchSimForms(t *testing.T) {
 		{Type: BlockRemoved, BlockHashes: []uint64{5}},
 		{Type: AllBlocksCleared},
 		{Type: TierBlocksCleared},
+		// An offload event of a lower tier: no token ids, no parent (vLLM's
+		// OffloadingConnector), and its removal.
+		{Type: BlockStored, BlockHashes: []uint64{9}, BlockSize: 2, Medium: MediumCPU},
+		{Type: BlockRemoved, BlockHashes: []uint64{9}, Medium: MediumRemote},
 	}
 	want := Batch{TS: 1.5, DataParallelRank: 0, Events: []Event{
 		{Type: BlockStored, BlockHashes: []uint64{1 << 63, 5}, HasParent: true, ParentBlockHash: 42,
@@ -28,6 +32,8 @@ func TestDecodeBatchSimForms(t *testing.T) {
 		{Type: BlockRemoved, BlockHashes: []uint64{5}, Medium: "GPU", GroupIdx: -1},
 		{Type: AllBlocksCleared, GroupIdx: -1},
 		{Type: TierBlocksCleared, Medium: "GPU", GroupIdx: -1},
+		{Type: BlockStored, BlockHashes: []uint64{9}, TokenIDs: []uint32{}, BlockSize: 2, Medium: "CPU", GroupIdx: 0},
+		{Type: BlockRemoved, BlockHashes: []uint64{9}, Medium: "REMOTE", GroupIdx: -1},
 	}}
 	for _, enc := range []string{EncodingArray, EncodingMap} {
 		got, err := DecodeBatch(AppendBatch(nil, 1.5, evs, 0, enc))

@@ -39,9 +39,11 @@ const (
 //	AllBlocksCleared (no fields)
 //	TierBlocksCleared medium ("GPU"); ownership (null: the default, omitted)
 //
-// Medium, group_idx and kv_cache_spec_kind are those of the simulated
-// engine's one full-attention KV-cache group on the GPU, whatever
-// Event.Medium and Event.GroupIdx hold (DecodeBatch fills those). Fields
+// medium is Event.Medium, "GPU" when empty (the simulated engine's GPU
+// block pool; its host-memory and disk tiers set "CPU" and "DISK", the
+// shared remote store "REMOTE"). group_idx and kv_cache_spec_kind are
+// those of the simulated engine's one full-attention KV-cache group,
+// whatever Event.GroupIdx holds (DecodeBatch fills it). Fields
 // without a default (up to lora_name, and BlockRemoved.medium) are always
 // written, null included. Integers use the shortest msgpack form, as
 // msgspec does; hashes above 2^63-1 are msgpack uint64.
@@ -104,7 +106,7 @@ func appendEvent(dst []byte, ev *Event, asMap bool) []byte {
 			dst = mpNil(dst)
 		}
 		dst = field(dst, "medium")
-		dst = mpStr(dst, MediumGPU)
+		dst = mpStr(dst, medium(ev))
 		dst = field(dst, "lora_name")
 		if ev.LoRAName != "" {
 			dst = mpStr(dst, ev.LoRAName)
@@ -131,10 +133,10 @@ func appendEvent(dst []byte, ev *Event, asMap bool) []byte {
 		dst = field(dst, "block_hashes")
 		dst = mpUints(dst, ev.BlockHashes)
 		dst = field(dst, "medium")
-		dst = mpStr(dst, MediumGPU)
+		dst = mpStr(dst, medium(ev))
 	case TierBlocksCleared:
 		dst = field(dst, "medium")
-		dst = mpStr(dst, MediumGPU)
+		dst = mpStr(dst, medium(ev))
 	}
 	return dst
 }
@@ -220,4 +222,12 @@ func mpUints(b []byte, vs []uint64) []byte {
 
 func mpFloat64(b []byte, f float64) []byte {
 	return binary.BigEndian.AppendUint64(append(b, 0xcb), math.Float64bits(f))
+}
+
+// medium is the medium field written for ev: Event.Medium, or "GPU" when empty.
+func medium(ev *Event) string {
+	if ev.Medium == "" {
+		return MediumGPU
+	}
+	return ev.Medium
 }

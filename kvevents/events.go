@@ -18,8 +18,11 @@ const (
 // KV-cache group on the GPU, as the simulated engine models.
 const (
 	// MediumGPU is BlockStored/BlockRemoved.medium of the GPU block pool
-	// (vLLM MEDIUM_GPU).
-	MediumGPU = "GPU"
+	// (vLLM MEDIUM_GPU); kvevent documents the other media.
+	MediumGPU    = kvevent.MediumGPU
+	MediumCPU    = kvevent.MediumCPU
+	MediumDisk   = kvevent.MediumDisk
+	MediumRemote = kvevent.MediumRemote
 	// CacheSpecFullAttention is BlockStored.kv_cache_spec_kind.
 	CacheSpecFullAttention = "full_attention"
 )

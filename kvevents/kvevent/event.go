@@ -48,6 +48,21 @@ func (t Type) String() string {
 	return fmt.Sprintf("kvevents.Type(%d)", uint8(t))
 }
 
+// Media: the medium field of BlockStored, BlockRemoved and
+// TierBlocksCleared, the tier a block is held in. vLLM's GPU block pool
+// writes "GPU" (vllm/v1/core/block_pool.py) and its CPU offloading connector
+// "CPU" (vllm/v1/kv_offload, medium of CPULoadStoreSpec); the names of the
+// newer disk and remote tiers are not fixed across engines (llm-d
+// lower-cases whatever it gets), so these are the ones infergate writes:
+// the simulated engine's local-disk tier "DISK" and the shared remote
+// store (infergate kvstore) "REMOTE".
+const (
+	MediumGPU    = "GPU"
+	MediumCPU    = "CPU"
+	MediumDisk   = "DISK"
+	MediumRemote = "REMOTE"
+)
+
 // Event is one KV-cache event (vllm/distributed/kv_events.py: BlockStored,
 // BlockRemoved, AllBlocksCleared, TierBlocksCleared; docs/PROTOCOLS.md §1.4).
 // Fields a type does not carry are zero. The simulated engine records its
