@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"time"
 
@@ -46,6 +47,9 @@ type Config struct {
 	KVEvents bool `yaml:"kv_events"`
 	// LoRA enables LoRA adapters (off when LoRA.Adapters is empty); see lora.go.
 	LoRA LoRAConfig `yaml:"lora"`
+	// Tiers puts host-memory, disk and remote KV tiers behind the GPU (all
+	// off by default); see tiers.go.
+	Tiers TiersConfig `yaml:"kv_tiers"`
 }
 
 // WithDefaults returns c with zero fields replaced by their defaults.
@@ -102,6 +106,11 @@ func (c Config) Validate() error {
 	if err := c.LoRA.Validate(); err != nil {
 		errs = append(errs, err)
 	}
+	if c.NumBlocks >= 1 && c.BlockSize >= 1 {
+		if err := validateTiers(c.Tiers, c.Profile, c.NumBlocks, c.BlockSize); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	return errors.Join(errs...)
 }
 
@@ -141,8 +150,12 @@ type Output struct {
 	// CachedTokens is the number of prompt tokens served from the prefix cache
 	// when the request was first scheduled. This is vLLM's num_cached_tokens,
 	// which reports the first admission and is not updated on re-admission after
-	// a preemption (vllm/v1/core/sched/scheduler.py).
+	// a preemption (vllm/v1/core/sched/scheduler.py). It counts the tokens
+	// loaded from lower tiers too, as vLLM's does with a KV connector.
 	CachedTokens int
+	// TierTokens splits CachedTokens by the tier each block came from
+	// (TierGPU: the GPU prefix cache; the others were loaded; tiers.go).
+	TierTokens [NumTiers]int
 	// OutputTokens is the number of tokens generated so far, this one included.
 	OutputTokens int
 	// Scheduled is the simulated time the request was first scheduled: the
@@ -195,8 +208,23 @@ type Stats struct {
 	// BusyTime is the simulated time spent in steps (for utilisation).
 	BusyTime time.Duration
 	// CachedPromptTokens counts prefix-cache hit tokens of prompts when their
-	// first token is produced (vLLM prompt_tokens_cached).
+	// first token is produced (vLLM prompt_tokens_cached), lower tiers included.
 	CachedPromptTokens int64
+	// ExternalQueries and ExternalHits are prompt tokens looked up in and
+	// found in the lower tiers at first admission (vLLM
+	// external_prefix_cache_queries and _hits, the KV connector's); TierHits
+	// splits the hits of every tier, the GPU's (PrefixHits) included, and
+	// LoadedBlocks counts the blocks loaded (re-admissions included).
+	ExternalQueries, ExternalHits int64
+	TierHits                      [NumTiers]int64
+	LoadedBlocks                  int64
+	// Loading is the number of waiting requests whose blocks are being
+	// loaded from a lower tier (vLLM WAITING_FOR_REMOTE_KVS).
+	Loading int
+	// TierBlocks and TierCapacity are the blocks each local tier holds and
+	// can hold (TierGPU: cached blocks in the GPU pool and its size; the
+	// remote tier's are the store's, 0 here).
+	TierBlocks, TierCapacity [NumTiers]int
 
 	// WaitingDeferred is the number of waiting requests that could not be
 	// admitted now whatever the free KV blocks and token budget, because
@@ -235,7 +263,11 @@ type seq struct {
 	numCachedBl int           // leading blocks registered in the prefix cache
 	computed    int           // tokens whose KV is computed (vLLM num_computed_tokens)
 	cached      int           // prefix-cache hit tokens at first admission; -1 before
+	tierTokens  [NumTiers]int // cached, split by tier
 	admitted    bool          // has been scheduled at least once
+	loading     bool          // waiting for its lower-tier blocks (loadDone)
+	loadDone    time.Duration // when they are all in GPU memory
+	loadBlocks  int           // leading blocks held once loaded (GPU hit + loaded)
 	arrival     time.Duration // simulated time of Add
 	scheduledAt time.Duration // start of the step that first admitted it
 }
@@ -263,6 +295,8 @@ type Engine struct {
 	stats   Stats
 	kv      *kvEventLog // nil unless cfg.KVEvents
 	lora    *loraState  // nil unless cfg.LoRA.Enabled()
+	tiers   *tiers      // nil unless cfg.Tiers.Enabled()
+	loads   int         // waiting requests loading
 }
 
 // NewEngine returns an idle engine. It panics if cfg.Validate fails; callers
@@ -285,6 +319,13 @@ func NewEngine(cfg Config) *Engine {
 	if cfg.LoRA.Enabled() {
 		e.lora = newLoRAState(cfg.LoRA)
 	}
+	e.tiers = newTiers(cfg, e.kv)
+	for t := TierHost; e.tiers != nil && t < TierRemote; t++ {
+		if tc := e.tiers.local[t]; tc != nil {
+			e.stats.TierCapacity[t] = tc.capacity
+		}
+	}
+	e.stats.TierCapacity[TierGPU] = cfg.NumBlocks
 	return e
 }
 
@@ -369,6 +410,11 @@ func (e *Engine) Abort(id string) {
 		return
 	}
 	e.waiting.remove(s)
+	if s.loading {
+		s.loading = false
+		e.loads--
+	}
+	e.freeBlocks(s) // a request loading from a lower tier holds blocks
 }
 
 // HasWork reports whether any request is waiting or running.
@@ -380,6 +426,15 @@ func (e *Engine) Stats() Stats {
 	st.Running = len(e.running)
 	st.Waiting = e.waiting.len()
 	st.KVUsage = float64(e.pool.used()) / float64(len(e.pool.blocks))
+	st.Loading = e.loads
+	st.TierBlocks[TierGPU] = len(e.pool.index)
+	if e.tiers != nil {
+		for t := TierHost; t < TierRemote; t++ {
+			if tc := e.tiers.local[t]; tc != nil {
+				st.TierBlocks[t] = tc.len()
+			}
+		}
+	}
 	if e.lora != nil {
 		st.LoRALoads = e.lora.loads
 		st.RunningLoRAs = e.lora.runningAdapters()
@@ -421,6 +476,13 @@ func (e *Engine) Stats() Stats {
 //     than MaxLoras distinct adapters run is skipped — it keeps its place in
 //     the queue and later requests may pass it — as vLLM skips it; an adapter
 //     that is not loaded adds LoadLatency to the step that admits it.
+//
+//  3. With KV tiers (tiers.go), loads that have ended are first registered in
+//     the GPU prefix cache; a waiting request whose prefix continues in a
+//     lower tier takes the blocks to load into and waits, skipped, until its
+//     load ends (vLLM WAITING_FOR_REMOTE_KVS); a step that schedules nothing
+//     while loads are in flight takes no time, and the driver steps again at
+//     NextLoad (or at the next arrival).
 //
 // A request whose computed tokens reach its length samples one token; one that
 // has MaxTokens tokens finishes and releases its blocks.
@@ -465,6 +527,16 @@ func (e *Engine) Step(now time.Duration) StepResult {
 		i++
 	}
 
+	// Loads that ended by now: their blocks join the GPU prefix cache before
+	// scheduling (vLLM's scheduler does this first:
+	// _update_waiting_for_remote_kv for finished_recving_kv_req_ids).
+	if e.loads > 0 {
+		for _, s := range e.waiting.buf[e.waiting.head:] {
+			if s.loading && s.loadDone <= now {
+				e.loaded(s)
+			}
+		}
+	}
 	loads := 0
 	if !preempted {
 		for i := 0; i < e.waiting.len() && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs; {
@@ -473,11 +545,36 @@ func (e *Engine) Step(now time.Duration) StepResult {
 				i++ // deferred: would exceed max_loras (vLLM skips it, keeping its place)
 				continue
 			}
-			hit := e.findCached(s)
-			computed := len(hit) * e.cfg.BlockSize
+			var hit []int32
+			computed := 0
+			if s.loading {
+				i++ // its blocks are still being loaded (vLLM skips it, keeping its place)
+				continue
+			} else if len(s.blocks) > 0 {
+				computed = s.computed // loaded earlier; the rest did not fit then
+			} else {
+				hit = e.findCached(s)
+				if lower, ok := e.lowerHits(s, len(hit)); ok {
+					if !e.startLoad(s, hit, lower, now) {
+						if e.unblock() {
+							continue
+						}
+						break // no free blocks to load into: admission stops, as for an allocation
+					}
+					i++ // it waits for its load, not running, using no budget
+					continue
+				}
+				computed = len(hit) * e.cfg.BlockSize
+			}
 			n := min(len(s.tokens)-computed, budget)
 			if !e.allocate(s, n, hit) {
+				if e.unblock() {
+					continue // the same request, with the blocks given back
+				}
 				break
+			}
+			if e.tiers != nil && len(hit) > 0 {
+				e.tiers.touch(s.hashes[:len(hit)])
 			}
 			e.waiting.removeAt(i)
 			e.running = append(e.running, s)
@@ -488,9 +585,9 @@ func (e *Engine) Step(now time.Duration) StepResult {
 			if !s.admitted {
 				s.admitted = true
 				s.scheduledAt = now
-				s.cached = computed
-				e.stats.PrefixQueries += int64(len(s.tokens))
-				e.stats.PrefixHits += int64(computed)
+				if s.cached < 0 {
+					e.firstLookup(s, computed, [NumTiers]int{TierGPU: computed / e.cfg.BlockSize})
+				}
 			}
 			e.sched = append(e.sched, scheduled{s, n})
 			budget -= n
@@ -518,6 +615,9 @@ func (e *Engine) Step(now time.Duration) StepResult {
 			e.stats.PromptTokens += int64(s.promptLen)
 			e.stats.Prompts++
 			e.stats.CachedPromptTokens += int64(max(s.cached, 0))
+			for t, n := range s.tierTokens {
+				e.stats.TierHits[t] += int64(n)
+			}
 		}
 		e.stats.GenerationTokens++
 		done := out >= s.maxTokens
@@ -529,6 +629,7 @@ func (e *Engine) Step(now time.Duration) StepResult {
 			Finished:     done,
 			PromptTokens: s.promptLen,
 			CachedTokens: max(s.cached, 0),
+			TierTokens:   s.tierTokens,
 			OutputTokens: out,
 			Scheduled:    s.scheduledAt,
 		})
@@ -598,16 +699,148 @@ func (e *Engine) allocate(s *seq, n int, hit []int32) bool {
 	}
 	full := min(computed+n, len(s.tokens)) / bs
 	if full > s.numCachedBl {
-		e.ensureHashes(s, full*bs)
-		for i := s.numCachedBl; i < full; i++ {
-			e.pool.register(s.blocks[i], s.hashes[i])
-		}
-		if e.kv != nil {
-			e.kv.stored(s, s.numCachedBl, full, bs)
-		}
-		s.numCachedBl = full
+		e.cacheBlocks(s, full)
 	}
 	return true
+}
+
+// cacheBlocks registers blocks [s.numCachedBl, full) of s in the GPU prefix
+// cache, records their BlockStored and writes them through to the lower
+// tiers.
+func (e *Engine) cacheBlocks(s *seq, full int) {
+	bs := e.cfg.BlockSize
+	e.ensureHashes(s, full*bs)
+	for i := s.numCachedBl; i < full; i++ {
+		e.pool.register(s.blocks[i], s.hashes[i])
+	}
+	if e.kv != nil {
+		e.kv.stored(s, s.numCachedBl, full, bs)
+	}
+	if e.tiers != nil {
+		e.tiers.store(s, s.numCachedBl, full, bs)
+	}
+	s.numCachedBl = full
+}
+
+// lowerHits returns how many blocks of s, after its first gpu blocks (its
+// GPU prefix hit), each lower tier would supply, block by block as
+// tiers.find picks them, up to the first block no tier holds and at most
+// prompt−1 tokens in all; ok is false when there is none.
+func (e *Engine) lowerHits(s *seq, gpu int) (n [NumTiers]int, ok bool) {
+	if e.tiers == nil {
+		return n, false
+	}
+	maxBlocks := min((len(s.tokens)-1)/e.cfg.BlockSize, len(s.hashes))
+	for _, h := range s.hashes[gpu:max(gpu, maxBlocks)] {
+		t := e.tiers.find(h)
+		if t == TierGPU {
+			break
+		}
+		n[t]++
+		ok = true
+	}
+	return n, ok
+}
+
+// startLoad admits s to load lower[t] blocks from each lower tier after
+// its GPU hit blocks at now: it takes the hit blocks and allocates the
+// loaded ones, queues the transfers, and leaves s waiting until loadDone
+// (vLLM: allocate_slots with the external tokens, then
+// WAITING_FOR_REMOTE_KVS). It reports false, changing nothing, when the free
+// queue is too short.
+func (e *Engine) startLoad(s *seq, hit []int32, lower [NumTiers]int, now time.Duration) bool {
+	n := 0
+	for _, k := range lower {
+		n += k
+	}
+	evictable := 0
+	for _, id := range hit {
+		if e.pool.blocks[id].ref == 0 {
+			evictable++
+		}
+	}
+	if n+evictable > e.pool.numFree {
+		return false
+	}
+	e.pool.touch(hit)
+	s.blocks = append(s.blocks, hit...)
+	s.numCachedBl = len(hit)
+	s.blocks = e.pool.allocate(s.blocks, n)
+	s.loadBlocks = len(hit) + n
+	s.loading = true
+	e.loads++
+	s.loadDone = e.tiers.load(now, lower)
+	e.stats.LoadedBlocks += int64(n)
+	e.tiers.touch(s.hashes[:len(hit)])
+	if s.cached < 0 {
+		blocks := lower
+		blocks[TierGPU] = len(hit)
+		e.firstLookup(s, s.loadBlocks*e.cfg.BlockSize, blocks)
+	}
+	return true
+}
+
+// unblock is called when a waiting request cannot get its blocks: if no
+// request runs — so none will free any — the waiting requests holding
+// loaded blocks give them back (cached on the GPU now, their next lookup
+// hits them there) rather than hold them for ever against the head of the
+// queue. It reports whether it freed any. Requests still loading keep
+// theirs; their loads end (NextLoad) and unblock runs again.
+func (e *Engine) unblock() bool {
+	if len(e.running) > 0 {
+		return false
+	}
+	freed := false
+	for _, s := range e.waiting.buf[e.waiting.head:] {
+		if !s.loading && len(s.blocks) > 0 {
+			e.freeBlocks(s)
+			s.computed = 0
+			freed = true
+		}
+	}
+	return freed
+}
+
+// loaded ends the load of s: its loaded blocks join the GPU prefix cache
+// (vLLM _update_waiting_for_remote_kv → cache_blocks: BlockStored on the
+// GPU) and count as computed.
+func (e *Engine) loaded(s *seq) {
+	s.loading = false
+	e.loads--
+	e.cacheBlocks(s, s.loadBlocks)
+	s.computed = s.loadBlocks * e.cfg.BlockSize
+}
+
+// firstLookup records the prefix-cache hit of s at its first admission:
+// cached tokens in all, blocks[t] from each tier.
+func (e *Engine) firstLookup(s *seq, cached int, blocks [NumTiers]int) {
+	bs := e.cfg.BlockSize
+	s.cached = cached
+	for t, n := range blocks {
+		s.tierTokens[t] = n * bs
+	}
+	e.stats.PrefixQueries += int64(len(s.tokens))
+	e.stats.PrefixHits += int64(s.tierTokens[TierGPU])
+	if e.tiers != nil {
+		e.stats.ExternalQueries += int64(len(s.tokens))
+		e.stats.ExternalHits += int64(cached - s.tierTokens[TierGPU])
+	}
+}
+
+// NextLoad returns when the earliest lower-tier load in progress completes
+// (ok false when none is): a driver whose Step scheduled nothing while
+// loads are pending steps again then.
+func (e *Engine) NextLoad() (at time.Duration, ok bool) {
+	if e.loads == 0 {
+		return 0, false
+	}
+	at = time.Duration(math.MaxInt64)
+	for _, s := range e.waiting.buf[e.waiting.head:] {
+		if s.loading {
+			at = min(at, s.loadDone)
+		}
+	}
+	return at, true
 }
 
 // ensureHashes extends s.hashes to cover the full blocks of s.tokens[:upTo].

@@ -30,6 +30,9 @@ func run(t testing.TB, e *Engine, now time.Duration) (time.Duration, map[string]
 		}
 		r := e.Step(now)
 		now += r.Duration
+		if at, ok := e.NextLoad(); ok && r.Duration == 0 {
+			now = max(now, at) // nothing ran: only lower-tier loads are in flight
+		}
 		for _, o := range r.Outputs {
 			outs[o.ID] = append(outs[o.ID], o)
 		}
@@ -50,10 +53,28 @@ func checkEngine(t *testing.T, e *Engine) {
 			t.Fatalf("%s: %d blocks for %d computed tokens", s.id, len(s.blocks), s.computed)
 		}
 	}
+	loads := 0
 	for i := 0; i < e.waiting.len(); i++ {
-		if s := e.waiting.buf[e.waiting.head+i]; len(s.blocks) != 0 || s.computed != 0 {
+		s := e.waiting.buf[e.waiting.head+i]
+		if s.loading {
+			loads++
+		}
+		if len(s.blocks) > 0 && (s.loading || s.computed == s.loadBlocks*16) {
+			// Loading from a lower tier, or loaded: it holds its blocks.
+			if len(s.blocks) != s.loadBlocks {
+				t.Fatalf("waiting %s holds %d blocks, loads %d", s.id, len(s.blocks), s.loadBlocks)
+			}
+			for _, id := range s.blocks {
+				refs[id]++
+			}
+			continue
+		}
+		if len(s.blocks) != 0 || s.computed != 0 {
 			t.Fatalf("waiting %s holds %d blocks, %d computed", s.id, len(s.blocks), s.computed)
 		}
+	}
+	if loads != e.loads {
+		t.Fatalf("%d requests loading, engine counts %d", loads, e.loads)
 	}
 	for i, r := range refs {
 		if e.pool.blocks[i].ref != r {

@@ -67,12 +67,19 @@ func (l *kvEventLog) stored(s *seq, from, to, blockSize int) {
 	l.events = append(l.events, ev)
 }
 
-// removed records a BlockRemoved for one evicted hash (vLLM
-// BlockPool._maybe_evict_cached_block).
-func (l *kvEventLog) removed(h uint64) {
+// removed records a BlockRemoved for one hash evicted from the GPU pool
+// (vLLM BlockPool._maybe_evict_cached_block).
+func (l *kvEventLog) removed(h uint64) { l.removedIn(h, "") }
+
+// removedIn records a BlockRemoved for one hash evicted from medium ("" for
+// the GPU, whose events leave the field to the encoder's default).
+func (l *kvEventLog) removedIn(h uint64, medium string) {
+	if medium == kvevent.MediumGPU {
+		medium = ""
+	}
 	h0 := len(l.hashes)
 	l.hashes = append(l.hashes, h)
-	l.events = append(l.events, kvevent.Event{Type: kvevent.BlockRemoved, BlockHashes: l.hashes[h0:len(l.hashes):len(l.hashes)]})
+	l.events = append(l.events, kvevent.Event{Type: kvevent.BlockRemoved, BlockHashes: l.hashes[h0:len(l.hashes):len(l.hashes)], Medium: medium})
 }
 
 // cleared records an AllBlocksCleared.
@@ -90,6 +97,8 @@ func (e *Engine) TakeKVEvents() []kvevent.Event { return e.kv.take() }
 // ResetPrefixCache drops the hash of every cached block so that no later
 // request hits them, and records an AllBlocksCleared event. Like vLLM's
 // BlockPool.reset_prefix_cache (vllm/v1/core/block_pool.py) it only succeeds
+// (and, AllBlocksCleared being pod-wide, it empties the host and disk tiers
+// too; the shared remote tier is not the engine's to reset)
 // when no block is held by a request — every cached block is then an
 // unreferenced one in the free queue — and otherwise changes nothing and
 // returns false. The free queue keeps its order. Running or waiting requests
@@ -99,6 +108,9 @@ func (e *Engine) ResetPrefixCache() bool {
 		return false
 	}
 	e.pool.clearHashes()
+	if e.tiers != nil {
+		e.tiers.clear() // AllBlocksCleared is pod-wide: every tier
+	}
 	if e.kv != nil {
 		e.kv.begin()
 		e.kv.cleared()

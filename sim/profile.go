@@ -94,6 +94,31 @@ type GPUProfile struct {
 	// StepOverhead is the fixed cost of one engine step: scheduling, input
 	// preparation, sampling, kernel launches and all-reduce latency.
 	StepOverhead time.Duration `yaml:"step_overhead"`
+
+	// The node's KV tiers behind the GPU (sim/tiers.go; zero: the profile
+	// knows no such tier, and TiersConfig cannot turn it on).
+	//
+	// HostKVBytes is the host memory an engine may give a KV tier, bytes
+	// (the upper bound of TiersConfig.Host).
+	HostKVBytes float64 `yaml:"host_kv_bytes"`
+	// HostBandwidth is one GPU's host→GPU copy bandwidth, bytes/s; the
+	// engine's TP GPUs load their shards over their own links in parallel.
+	HostBandwidth float64 `yaml:"host_bandwidth"`
+	// HostLatency is the fixed cost of one host→GPU load.
+	HostLatency time.Duration `yaml:"host_latency"`
+	// DiskKVBytes is the local disk an engine may give a KV tier, bytes.
+	DiskKVBytes float64 `yaml:"disk_kv_bytes"`
+	// DiskBandwidth is the engine's disk→GPU load bandwidth, bytes/s (all
+	// its drives together).
+	DiskBandwidth float64 `yaml:"disk_bandwidth"`
+	// DiskLatency is the fixed cost of one disk load.
+	DiskLatency time.Duration `yaml:"disk_latency"`
+	// NetworkBandwidth is the engine's remote-store→GPU load bandwidth,
+	// bytes/s.
+	NetworkBandwidth float64 `yaml:"network_bandwidth"`
+	// NetworkLatency is the fixed cost of one remote load (lookup and
+	// round trips).
+	NetworkLatency time.Duration `yaml:"network_latency"`
 }
 
 // Gibibyte is 2^30 bytes. GPU memory sizes such as "80GB" are binary (H100 80GB = 80 GiB).
@@ -260,6 +285,16 @@ func (p GPUProfile) Validate() error {
 	}
 	if p.MaxModelLen < 0 {
 		errs = append(errs, fmt.Errorf("max_model_len must not be negative, got %d", p.MaxModelLen))
+	}
+	for _, f := range []struct {
+		key string
+		v   float64
+	}{{"host_kv_bytes", p.HostKVBytes}, {"host_bandwidth", p.HostBandwidth}, {"disk_kv_bytes", p.DiskKVBytes},
+		{"disk_bandwidth", p.DiskBandwidth}, {"network_bandwidth", p.NetworkBandwidth},
+		{"host_latency", float64(p.HostLatency)}, {"disk_latency", float64(p.DiskLatency)}, {"network_latency", float64(p.NetworkLatency)}} {
+		if f.v < 0 || math.IsInf(f.v, 0) || math.IsNaN(f.v) {
+			errs = append(errs, fmt.Errorf("%s must be >= 0 and finite, got %v", f.key, f.v))
+		}
 	}
 	if p.KVBytesPerElem < 0 {
 		errs = append(errs, fmt.Errorf("kv_bytes_per_elem must not be negative, got %v", p.KVBytesPerElem))

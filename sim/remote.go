@@ -1,0 +1,138 @@
+package sim
+
+import (
+	"github.com/infergate/infergate/internal/lru"
+	"github.com/infergate/infergate/kvevents/kvevent"
+)
+
+// RemoteStore is an in-memory RemoteTier: the shared remote KV store of a
+// virtual fleet, holding metadata only (block hashes), bounded to a
+// capacity in blocks and evicting the least recently stored or loaded
+// block, as infergate kvstore's memory tier does. When events are on it
+// records them as kvstore publishes them: BlockStored with medium REMOTE,
+// the writer's token ids and parent (so a gateway's index can key them
+// without an engine's GPU event), and BlockRemoved on eviction.
+//
+// Not safe for concurrent use: the engines of a virtual fleet run on one
+// goroutine.
+type RemoteStore struct {
+	capacity int
+	index    map[uint64]int32
+	nodes    []lru.Node[uint64]
+	list     lru.List[uint64]
+	free     []int32
+	ev       *kvEventLog // nil: no events
+	stores   int64
+	hits     int64
+}
+
+// NewRemoteStore returns an empty store of capacity blocks (at least 1)
+// that records KV events when events is set.
+func NewRemoteStore(capacity int, events bool) *RemoteStore {
+	r := &RemoteStore{capacity: max(1, capacity), index: make(map[uint64]int32)}
+	r.list.Init()
+	if events {
+		r.ev = &kvEventLog{}
+	}
+	return r
+}
+
+// Capacity returns the store's capacity in blocks.
+func (r *RemoteStore) Capacity() int { return r.capacity }
+
+// Len returns the number of blocks held.
+func (r *RemoteStore) Len() int { return len(r.index) }
+
+// Holds implements RemoteTier. A held block is touched: an engine asks
+// only when it is about to load it.
+func (r *RemoteStore) Holds(h uint64) bool {
+	i, ok := r.index[h]
+	if ok {
+		r.list.MoveFront(r.nodes, i)
+		r.hits++
+	}
+	return ok
+}
+
+// Store implements RemoteTier.
+func (r *RemoteStore) Store(hashes []uint64, parent uint64, hasParent bool, tokens []uint32, blockSize int, lora string) {
+	if r.ev != nil {
+		r.ev.begin()
+	}
+	run := -1 // first block of the current run of new blocks
+	flush := func(end int) {
+		if run < 0 || r.ev == nil {
+			run = -1
+			return
+		}
+		l := r.ev
+		h0, t0 := len(l.hashes), len(l.tokens)
+		l.hashes = append(l.hashes, hashes[run:end]...)
+		l.tokens = append(l.tokens, tokens[run*blockSize:end*blockSize]...)
+		ev := kvevent.Event{
+			Type:        kvevent.BlockStored,
+			BlockHashes: l.hashes[h0:len(l.hashes):len(l.hashes)],
+			TokenIDs:    l.tokens[t0:len(l.tokens):len(l.tokens)],
+			BlockSize:   blockSize,
+			LoRAName:    lora,
+			Medium:      kvevent.MediumRemote,
+		}
+		switch {
+		case run > 0:
+			ev.ParentBlockHash, ev.HasParent = hashes[run-1], true
+		case hasParent:
+			ev.ParentBlockHash, ev.HasParent = parent, true
+		}
+		l.events = append(l.events, ev)
+		run = -1
+	}
+	for k, h := range hashes {
+		if i, ok := r.index[h]; ok {
+			r.list.MoveFront(r.nodes, i)
+			flush(k)
+			continue
+		}
+		for len(r.index) >= r.capacity {
+			flush(k) // its removal event follows the stores before it
+			r.evictLRU()
+		}
+		var i int32
+		if n := len(r.free); n > 0 {
+			i, r.free = r.free[n-1], r.free[:n-1]
+		} else {
+			i = int32(len(r.nodes))
+			r.nodes = append(r.nodes, lru.Node[uint64]{})
+		}
+		r.nodes[i].Val = h
+		r.list.PushFront(r.nodes, i)
+		r.index[h] = i
+		r.stores++
+		if run < 0 {
+			run = k
+		}
+	}
+	flush(len(hashes))
+}
+
+func (r *RemoteStore) evictLRU() {
+	i := r.list.Tail()
+	h := r.nodes[i].Val
+	r.list.Unlink(r.nodes, i)
+	delete(r.index, h)
+	r.free = append(r.free, i)
+	if r.ev != nil {
+		r.ev.removedIn(h, kvevent.MediumRemote)
+	}
+}
+
+// TakeEvents returns the events recorded since the last call (nil when
+// none or events are off); the slice is valid until the next Store or
+// TakeEvents.
+func (r *RemoteStore) TakeEvents() []kvevent.Event {
+	if r.ev == nil {
+		return nil
+	}
+	evs := r.ev.take()
+	r.ev.begin()
+	return evs
+}
