@@ -19,14 +19,18 @@ const (
 	MediumGPU Medium = iota
 	MediumCPU
 	MediumDisk
+	// MediumRemote is a store shared by several engines (LMCache's remote
+	// backends, Mooncake, infergate's kvstore), reported as "REMOTE".
+	MediumRemote
 	MediumOther
 	// NumMedia is the number of media.
-	NumMedia = 4
+	NumMedia = 5
 )
 
 // ParseMedium returns the medium named name, case-insensitively: "" (the
 // event's medium was null) and "GPU" are MediumGPU, "CPU" MediumCPU, "DISK"
-// MediumDisk. Any other name is MediumOther, and known is false.
+// MediumDisk, "REMOTE" MediumRemote (the names of kvevent's Medium
+// constants). Any other name is MediumOther, and known is false.
 func ParseMedium(name string) (m Medium, known bool) {
 	switch {
 	case name == "" || strings.EqualFold(name, "GPU"):
@@ -35,11 +39,13 @@ func ParseMedium(name string) (m Medium, known bool) {
 		return MediumCPU, true
 	case strings.EqualFold(name, "DISK"):
 		return MediumDisk, true
+	case strings.EqualFold(name, "REMOTE"):
+		return MediumRemote, true
 	}
 	return MediumOther, false
 }
 
-// String returns "GPU", "CPU", "DISK" or "OTHER".
+// String returns "GPU", "CPU", "DISK", "REMOTE" or "OTHER".
 func (m Medium) String() string {
 	switch m {
 	case MediumGPU:
@@ -48,6 +54,8 @@ func (m Medium) String() string {
 		return "CPU"
 	case MediumDisk:
 		return "DISK"
+	case MediumRemote:
+		return "REMOTE"
 	case MediumOther:
 		return "OTHER"
 	}
@@ -96,12 +104,14 @@ const preciseShards = 64
 // engine would not hit for it. The engines' block size must be the index's
 // (llm-d also maps one engine block to several request blocks and back).
 //
-// Memory: 140 bytes per (endpoint, block) measured for 200k blocks on one
+// Memory: 151 bytes per (endpoint, block) measured for 200k blocks on one
 // endpoint (map slots in the endpoint's engine → request map, in its
 // per-request-key entries — counts, kids counts, parent link for hole
 // tracking, engine key for eviction order — in the eviction lists, and in
 // the shared block table; TestPreciseIndexBytesPerBlock holds it under 160).
-// About 24 of them are the block table's, paid once per distinct block
+// It was 140 with four media: MediumRemote grew a heldEntry's per-medium
+// counts from 32 to 40 bytes (engCounts are packed, so an engEntry stayed
+// 16). About 24 of them are the block table's, paid once per distinct block
 // however many endpoints hold it. An endpoint's capacity bounds its share.
 //
 // Safe for concurrent use.
@@ -124,11 +134,28 @@ type preciseShard struct {
 // mediaCounts counts blocks per medium (saturating at 65535).
 type mediaCounts [NumMedia]uint16
 
-// engCounts counts the blocks of one engine key per medium (saturating at
-// 255: more identical blocks than that in one tier are not told apart).
-type engCounts [NumMedia]uint8
+// engCounts counts the blocks of one engine key per medium, 6 bits per
+// medium packed in a uint32 (saturating at 63: more identical blocks than
+// that in one tier are not told apart), so that an engEntry stays 16 bytes
+// with five media.
+type engCounts uint32
 
-const maxEngCount = ^uint8(0)
+const (
+	engCountBits        = 6
+	maxEngCount  uint8  = 1<<engCountBits - 1
+	engCountMask uint32 = 1<<engCountBits - 1
+)
+
+// get returns the count of medium m.
+func (c engCounts) get(m Medium) uint8 {
+	return uint8(uint32(c) >> (engCountBits * uint32(m)) & engCountMask)
+}
+
+// set returns c with medium m's count n (at most maxEngCount).
+func (c engCounts) set(m Medium, n uint8) engCounts {
+	sh := engCountBits * uint32(m)
+	return engCounts(uint32(c)&^(engCountMask<<sh) | uint32(n)<<sh)
+}
 
 // engEntry is one engine key of an endpoint: its request key, how many
 // blocks with that engine key the endpoint holds in each medium, and its
@@ -421,7 +448,7 @@ func (ix *PreciseIndex) hold(ep *preciseEndpoint, bit uint64, m Medium, h, req, 
 	if he.parent == 0 {
 		he.parent = parentReq
 	}
-	if ent.n[m] == maxEngCount || he.c[m] == ^uint16(0) {
+	if ent.n.get(m) == maxEngCount || he.c[m] == ^uint16(0) {
 		if ok {
 			ep.touch(h)
 		}
@@ -430,7 +457,7 @@ func (ix *PreciseIndex) hold(ep *preciseEndpoint, bit uint64, m Medium, h, req, 
 	if !ok {
 		ent = engEntry{req: req, node: ep.newNode(h)}
 	}
-	ent.n[m]++
+	ent.n = ent.n.set(m, ent.n.get(m)+1)
 	ep.eng[h] = ent
 	he.c[m]++
 	he.eng = h
@@ -445,9 +472,9 @@ func (ix *PreciseIndex) hold(ep *preciseEndpoint, bit uint64, m Medium, h, req, 
 	if ep.synthetic > 0 && h != syntheticKey(req) {
 		ix.dropSynthetic(ep, bit, req)
 	}
-	for md, c := range adopted {
-		for range c {
-			ix.hold(ep, bit, Medium(md), h, req, parentReq)
+	for md := range Medium(NumMedia) {
+		for range adopted.get(md) {
+			ix.hold(ep, bit, md, h, req, parentReq)
 		}
 	}
 }
@@ -465,14 +492,14 @@ func (ix *PreciseIndex) Removed(e int, m Medium, engineHashes []uint64) {
 	defer ep.mu.Unlock()
 	for _, h := range engineHashes {
 		ent, ok := ep.eng[h]
-		if !ok || ent.n[m] == 0 {
+		if !ok || ent.n.get(m) == 0 {
 			if !ep.removeOrphan(m, h) {
 				ix.unknownRemovals.Add(1)
 			}
 			continue
 		}
-		ent.n[m]--
-		if ent.n == (engCounts{}) {
+		ent.n = ent.n.set(m, ent.n.get(m)-1)
+		if ent.n == 0 {
 			ix.forgetEngineKey(ep, h, ent)
 		} else {
 			ep.eng[h] = ent
@@ -505,9 +532,9 @@ func (ix *PreciseIndex) release(ep *preciseEndpoint, bit uint64, m Medium, req u
 // dropEngineKey forgets engine key h of ep and every block it held. ep.mu is held.
 func (ix *PreciseIndex) dropEngineKey(ep *preciseEndpoint, bit uint64, h uint64, ent engEntry) {
 	ix.forgetEngineKey(ep, h, ent)
-	for m, n := range ent.n {
-		if n > 0 {
-			ix.release(ep, bit, Medium(m), ent.req, uint16(n))
+	for m := range Medium(NumMedia) {
+		if n := ent.n.get(m); n > 0 {
+			ix.release(ep, bit, m, ent.req, uint16(n))
 		}
 	}
 }
@@ -565,12 +592,12 @@ func (ix *PreciseIndex) ClearedMedium(e int, m Medium) {
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	for h, ent := range ep.eng {
-		n := ent.n[m]
+		n := ent.n.get(m)
 		if n == 0 {
 			continue
 		}
-		ent.n[m] = 0
-		if ent.n == (engCounts{}) {
+		ent.n = ent.n.set(m, 0)
+		if ent.n == 0 {
 			ix.forgetEngineKey(ep, h, ent)
 		} else {
 			ep.eng[h] = ent
@@ -578,7 +605,7 @@ func (ix *PreciseIndex) ClearedMedium(e int, m Medium) {
 		ix.release(ep, bit, m, ent.req, uint16(n))
 	}
 	for h, o := range ep.orphans {
-		if n := o.n[m]; n > 0 {
+		if n := o.n.get(m); n > 0 {
 			ep.orphansDropped.Add(uint64(n))
 			for ; n > 0; n-- {
 				ep.removeOrphan(m, h)

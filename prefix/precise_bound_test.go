@@ -56,15 +56,15 @@ func (ep *preciseEndpoint) consistent(ix *PreciseIndex, e int) error {
 		if _, o := ep.orphans[h]; o {
 			return fmt.Errorf("engine key %x is an orphan too", h)
 		}
-		if ent.n == (engCounts{}) {
+		if ent.n == 0 {
 			return fmt.Errorf("engine key %x holds nothing", h)
 		}
 		if h == syntheticKey(ent.req) {
 			synthetic++
 		}
 		c := counts[ent.req]
-		for m, n := range ent.n {
-			c[m] += uint16(n)
+		for m := range Medium(NumMedia) {
+			c[m] += uint16(ent.n.get(m))
 		}
 		counts[ent.req] = c
 	}
@@ -72,7 +72,7 @@ func (ep *preciseEndpoint) consistent(ix *PreciseIndex, e int) error {
 		return fmt.Errorf("%d synthetic keys, counted %d", synthetic, ep.synthetic)
 	}
 	for h, o := range ep.orphans {
-		if linked[h] != o.node || o.n == (engCounts{}) {
+		if linked[h] != o.node || o.n == 0 {
 			return fmt.Errorf("orphan %x: node %d linked %d, counts %v", h, o.node, linked[h], o.n)
 		}
 	}
