@@ -110,6 +110,9 @@ func (ep *preciseEndpoint) consistent(ix *PreciseIndex, e int) error {
 			return fmt.Errorf("medium %v: %d blocks, %d holes; counted %d, %d", m, blocks, holes, ep.blocks[m], ep.holes[m].Load())
 		}
 	}
+	if err := ep.consistentTiers(); err != nil {
+		return err
+	}
 	// The engine key last stored under a request key is in the inner list
 	// exactly while the key has held children.
 	for req, he := range ep.held {
@@ -125,6 +128,68 @@ func (ep *preciseEndpoint) consistent(ix *PreciseIndex, e int) error {
 		}
 		if inner != (he.kids != (mediaCounts{})) {
 			return fmt.Errorf("request key %x: kids %v, in the inner list %v", req, he.kids, inner)
+		}
+	}
+	return nil
+}
+
+// consistentTiers checks the per-medium lists: a bounded medium lists
+// every engine key held there exactly once, no more than its capacity, and
+// the engine key last stored under a request key is among its inner blocks
+// exactly while the key has held children there; an unbounded one keeps
+// nothing. ep.mu is held.
+func (ep *preciseEndpoint) consistentTiers() error {
+	for m := range Medium(NumMedia) {
+		t := &ep.tiers[m]
+		if t.capacity == 0 {
+			if t.nodes != nil {
+				return fmt.Errorf("medium %v: unbounded with %d nodes", m, len(t.nodes))
+			}
+			continue
+		}
+		leaf, inner := tierLists(m)
+		listed := map[uint64]uint32{}
+		innerKeys := map[uint64]bool{}
+		for _, l := range []uint32{leaf, inner} {
+			prev := l
+			for n := ep.nodes[l].next; n != l; prev, n = n, ep.nodes[n].next {
+				if ep.nodes[n].prev != prev {
+					return fmt.Errorf("medium %v list %d: node %d's prev %d, want %d", m, l, n, ep.nodes[n].prev, prev)
+				}
+				h := ep.nodes[n].key
+				if _, dup := listed[h]; dup {
+					return fmt.Errorf("medium %v: key %x listed twice", m, h)
+				}
+				listed[h] = n
+				innerKeys[h] = l == inner
+				if len(listed) > len(ep.nodes) {
+					return fmt.Errorf("medium %v list %d loops", m, l)
+				}
+			}
+		}
+		want := 0
+		for h, ent := range ep.eng {
+			if ent.n.get(m) == 0 {
+				continue
+			}
+			want++
+			if n, ok := t.nodes[h]; !ok || listed[h] != n {
+				return fmt.Errorf("medium %v: engine key %x node %d (%v), listed %d", m, h, n, ok, listed[h])
+			}
+		}
+		if want != len(listed) || want != len(t.nodes) {
+			return fmt.Errorf("medium %v: %d keys held, %d listed, %d nodes", m, want, len(listed), len(t.nodes))
+		}
+		if len(t.nodes) > t.capacity {
+			return fmt.Errorf("medium %v: %d keys over capacity %d", m, len(t.nodes), t.capacity)
+		}
+		for req, he := range ep.held {
+			if ent, ok := ep.eng[he.eng]; he.eng == 0 || !ok || ent.req != req || ent.n.get(m) == 0 {
+				continue
+			}
+			if innerKeys[he.eng] != (he.kids[m] != 0) {
+				return fmt.Errorf("medium %v: request key %x kids %d, inner %v", m, req, he.kids[m], innerKeys[he.eng])
+			}
 		}
 	}
 	return nil

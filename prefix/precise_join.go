@@ -114,12 +114,13 @@ func (ix *PreciseIndex) Routed(e int, hashes []uint64) {
 // request key that real engine keys (hashes) hit with probability 2^-64.
 func syntheticKey(req uint64) uint64 { return (req ^ 0x5a17c0de0f1a7e11) * 0x9e3779b97f4a7c15 }
 
-// dropSynthetic drops the synthetic engine key of req, now that a real one
-// holds it. ep.mu is held.
-func (ix *PreciseIndex) dropSynthetic(ep *preciseEndpoint, bit uint64, req uint64) {
+// dropSynthetic drops the synthetic engine key of req in medium m, now
+// that a real one holds it there (it keeps what the synthetic key holds in
+// other media). ep.mu is held.
+func (ix *PreciseIndex) dropSynthetic(ep *preciseEndpoint, bit uint64, m Medium, req uint64) {
 	s := syntheticKey(req)
-	if ent, ok := ep.eng[s]; ok && ent.req == req {
-		ix.dropEngineKey(ep, bit, s, ent)
+	if ent, ok := ep.eng[s]; ok && ent.req == req && ent.n.get(m) > 0 {
+		ix.dropIn(ep, bit, m, s, ent)
 	}
 }
 
