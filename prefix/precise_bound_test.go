@@ -496,9 +496,11 @@ func BenchmarkPreciseStored(b *testing.B) {
 
 // FuzzPreciseIndex interprets its input as operations on a 2-endpoint
 // index with small capacities — stores (rooted, chained, from unknown
-// parents), removals, routed prompts, clears, capacity changes — and checks
-// the internal invariants after each. The seeds are the attack shapes: a
-// flood of stores far over capacity, orphan chains, joins.
+// parents, without tokens as an offloading connector sends them) in three
+// media, removals, routed prompts, clears of all media or one, capacity
+// changes overall and per medium — and checks the internal invariants after
+// each. The seeds are the attack shapes: a flood of stores far over
+// capacity, orphan chains, joins.
 func FuzzPreciseIndex(f *testing.F) {
 	f.Add(seqBytes(0x00, 200))                  // a flood of rooted stores
 	f.Add(seqBytes(0x41, 200))                  // chained stores from unknown parents
@@ -515,24 +517,34 @@ func FuzzPreciseIndex(f *testing.F) {
 		ix, _ := NewPreciseIndex(2, 16)
 		ix.SetCapacity(0, 5)
 		ix.SetCapacity(1, 12)
+		ix.SetMediumCapacity(1, MediumCPU, 4)
 		for i, op := range ops {
 			e, d, from := int(op>>7), int(op>>3)&7, int(op&7)
+			md := Medium(i / 2 % 3) // GPU, GPU, CPU, CPU, DISK, DISK, ...
 			switch {
 			case i%7 == 6:
 				ix.Removed(e, Medium(op&1), docs[d][from:min(8, from+2)])
 			case op&0x60 == 0x60 && i%5 == 4:
 				ix.Cleared(e)
+			case op&0x60 == 0x40 && i%5 == 4:
+				ix.ClearedMedium(e, md)
 			case i%11 == 10:
 				ix.SetCapacity(e, int(op&15))
+			case i%13 == 12:
+				ix.SetMediumCapacity(e, md, int(op&7))
 			case op&0x80 != 0 && i%3 == 0:
 				ix.Routed(e, reqs[d])
+			case i%4 == 3: // an offload: no tokens, no parent
+				if err := ix.Stored(e, md, docs[d][from:min(8, from+3)], 0, false, nil, 0); err != nil {
+					t.Fatal(err)
+				}
 			default:
 				to := min(8, from+1+int(op>>6&1)*3)
 				var parent uint64
 				if from > 0 {
 					parent = docs[d][from-1]
 				}
-				if err := ix.Stored(e, MediumGPU, docs[d][from:to], parent, from > 0, toks[16*(8*d+from):16*(8*d+to)], 0); err != nil {
+				if err := ix.Stored(e, md, docs[d][from:to], parent, from > 0, toks[16*(8*d+from):16*(8*d+to)], 0); err != nil {
 					t.Fatal(err)
 				}
 			}
