@@ -92,6 +92,13 @@ const preciseShards = 64
 // Each endpoint holds at most its capacity of engine keys (SetCapacity: the
 // engine's blocks in all its tiers); beyond it the least recently stored
 // leaf block is evicted as if the engine had removed it (precise_evict.go).
+// SetMediumCapacity bounds one tier alike, dropping blocks from that medium
+// only.
+//
+// Tiers: offloading connectors store a GPU block's copy in another medium
+// without its tokens; Stored resolves it by engine key, and the engine key
+// stays mapped while any medium holds it. MatchTiers answers, per endpoint,
+// for every medium at once.
 //
 // Block tables are sharded 64 ways by request key, each shard behind its own
 // RWMutex, so Match (read locks, one block at a time) is never held up for
