@@ -27,7 +27,11 @@ func KVSeeds(model string) func(loraName string) uint64 {
 // KVEventApplier is the kvevents.Handler that keeps one engine's blocks in a
 // prefix.PreciseIndex, as endpoint Endpoint. Request keys are recomputed
 // from each BlockStored's token ids, the first block of a sequence chained
-// from SeedFor(lora_name).
+// from SeedFor(lora_name). Every event lands in the medium it names
+// (prefix.ParseMedium: GPU, CPU, DISK, REMOTE, else OTHER); a BlockStored
+// without token ids (an offloading connector copying GPU blocks to another
+// tier) is resolved through the blocks the endpoint stored with tokens
+// (prefix.PreciseIndex.Stored).
 type KVEventApplier struct {
 	ix      *prefix.PreciseIndex
 	e       int
@@ -51,12 +55,17 @@ type KVEventApplierStats struct {
 	// Evicted counts blocks the index evicted because the endpoint held more
 	// than its capacity (prefix.PreciseIndex.SetCapacity).
 	Evicted uint64
+	// UnresolvedStores counts blocks of BlockStored events without token
+	// ids (an offloading connector's, e.g. vLLM's CPU offload) whose engine
+	// hash the endpoint had not stored with tokens before: skipped, not
+	// invalid (such an event whose blocks are known counts in Stored).
+	UnresolvedStores uint64
 	// BlockSizeMismatch counts BlockStored events skipped because their
 	// block size is not the index's; Invalid other skipped BlockStored events
-	// (token count not blocks × block size).
+	// (token count neither blocks × block size nor 0).
 	BlockSizeMismatch, Invalid uint64
-	// OtherMedia counts events whose medium is not GPU, CPU or DISK (indexed
-	// as prefix.MediumOther).
+	// OtherMedia counts events whose medium is not GPU, CPU, DISK or REMOTE
+	// (indexed as prefix.MediumOther).
 	OtherMedia uint64
 }
 
@@ -118,6 +127,7 @@ func (a *KVEventApplier) Stats() KVEventApplierStats {
 	return KVEventApplierStats{
 		Stored: a.stored.Load(), Removed: a.removed.Load(), Cleared: a.cleared.Load(),
 		UnknownParents: ix.UnknownParents, Joined: ix.Joined, OrphansDropped: ix.OrphansDropped, Evicted: ix.Evicted,
+		UnresolvedStores:  ix.UnresolvedStores,
 		BlockSizeMismatch: a.blockSizeMismatch.Load(), Invalid: a.invalid.Load(), OtherMedia: a.otherMedia.Load(),
 	}
 }

@@ -789,3 +789,80 @@ type kvFuncHandler struct {
 
 func (h kvFuncHandler) KVBatch(seq uint64, b *kvevents.Batch) { h.f(seq, b) }
 func (h kvFuncHandler) KVReset(why kvevents.ResetReason)      { h.r.KVReset(why) }
+
+// kvMatchIn returns how many leading blocks of tokens (base model) endpoint
+// e of ix holds in medium m.
+func kvMatchIn(ix *prefix.PreciseIndex, e int, tokens []uint32, m prefix.Medium) int {
+	out := make([]int, ix.Endpoints())
+	ix.Match(prefix.Hashes(nil, tokens, 16, KVSeeds(kvModel)("")), m, out)
+	return out[e]
+}
+
+// TestKVEventsTiers feeds a tiered engine's events, encoded as vLLM does
+// (both encodings) and decoded, through the applier: GPU blocks with
+// tokens, their CPU and DISK copies without tokens (an offloading
+// connector's BlockStored: empty token_ids, null parent), a REMOTE store
+// with tokens, an offload of a block never stored with tokens, then GPU
+// evictions and tier removals. Each lands in its own medium; the tokenless
+// events are stored, not invalid.
+func TestKVEventsTiers(t *testing.T) {
+	for _, enc := range []string{kvevents.EncodingArray, kvevents.EncodingMap} {
+		t.Run(enc, func(t *testing.T) {
+			ix, _ := prefix.NewPreciseIndex(2, 16)
+			a := NewKVEventApplier(ix, 1, KVSeeds(kvModel))
+			x := kvTokens(1, 16*6)
+			h := prefix.Hashes(nil, x, 16, 0)
+			offload := func(medium string, hashes ...uint64) kvevents.Event {
+				return kvevents.Event{Type: kvevents.BlockStored, BlockHashes: hashes, BlockSize: 16, Medium: medium}
+			}
+			remote := kvStore(x, 0)
+			remote.Medium = kvevents.MediumRemote
+			removeIn := func(medium string, blocks ...int) kvevents.Event {
+				ev := kvRemove(x, blocks...)
+				ev.Medium = medium
+				return ev
+			}
+			apply := func(seq uint64, evs ...kvevents.Event) {
+				t.Helper()
+				b, err := kvevents.DecodeBatch(kvevents.AppendBatch(nil, 1, evs, 0, enc))
+				if err != nil {
+					t.Fatal(err)
+				}
+				a.KVBatch(seq, &b)
+			}
+			check := func(what string, gpu, cpu, disk, rem int) {
+				t.Helper()
+				got := [4]int{kvMatchIn(ix, 1, x, prefix.MediumGPU), kvMatchIn(ix, 1, x, prefix.MediumCPU), kvMatchIn(ix, 1, x, prefix.MediumDisk), kvMatchIn(ix, 1, x, prefix.MediumRemote)}
+				if want := [4]int{gpu, cpu, disk, rem}; got != want {
+					t.Fatalf("%s: GPU, CPU, DISK, REMOTE match %v, want %v", what, got, want)
+				}
+				if n := kvMatchIn(ix, 0, x, prefix.MediumCPU) + kvMatchIn(ix, 0, x, prefix.MediumGPU); n != 0 {
+					t.Fatalf("%s: endpoint 0 matches %d", what, n)
+				}
+			}
+			apply(0, kvStore(x, 0), offload(kvevents.MediumCPU, h...), offload(kvevents.MediumDisk, h[:3]...), remote,
+				offload(kvevents.MediumCPU, 0xdeadbeef))
+			check("stored", 6, 6, 3, 6)
+			st := a.Stats()
+			if st.Stored != 5 || st.Invalid != 0 || st.UnresolvedStores != 1 || st.OtherMedia != 0 || st.UnknownParents != 0 {
+				t.Fatalf("stats %+v", st)
+			}
+			// The engine evicts the GPU copies: the lower tiers keep them.
+			apply(1, removeIn(kvevents.MediumGPU, 0, 1, 2, 3, 4, 5))
+			check("GPU evicted", 0, 6, 3, 6)
+			apply(2, removeIn(kvevents.MediumCPU, 4), kvevents.Event{Type: kvevents.TierBlocksCleared, Medium: kvevents.MediumDisk})
+			check("CPU block 4 evicted, disk cleared", 0, 4, 0, 6)
+			// Loaded back onto the GPU: the engine stores it with tokens again.
+			apply(3, kvStore(x[:16*2], 0))
+			check("reloaded", 2, 4, 0, 6)
+			apply(4, removeIn(kvevents.MediumRemote, 0, 1, 2, 3, 4, 5), removeIn(kvevents.MediumCPU, 0, 1, 2, 3, 5), removeIn(kvevents.MediumGPU, 0, 1))
+			check("all evicted", 0, 0, 0, 0)
+			if st := ix.EndpointStats(1); st.EngineKeys != 0 || st.Orphans != 0 {
+				t.Fatalf("index keeps %+v", st)
+			}
+			if st := a.Stats(); st.Stored != 6 || st.Removed != 5 || st.Cleared != 1 || st.Invalid != 0 {
+				t.Fatalf("stats %+v", st)
+			}
+		})
+	}
+}

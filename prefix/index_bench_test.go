@@ -204,3 +204,74 @@ func BenchmarkIndexInsert(b *testing.B) {
 		ix.Insert(i%eps, prompts[i%len(prompts)])
 	})
 }
+
+// BenchmarkPreciseMatchTiers is the scheduler's per-decision question for
+// tier-aware scoring: how many leading blocks of a 1000-block prompt each
+// of 8 endpoints holds in each medium (MatchTiers). tiered: endpoint e
+// holds the first 1000·(e+1)/8 blocks on the GPU, twice that (capped) in
+// CPU (offloaded without tokens), its CPU blocks on disk too for even e,
+// and every endpoint the whole prompt in REMOTE, next to unrelated chains
+// of 20k blocks per endpoint; gpu-only: the same GPU blocks, other media
+// empty (the cost for an engine without tiers); match-gpu: Match on the GPU
+// alone, for comparison.
+func BenchmarkPreciseMatchTiers(b *testing.B) {
+	const (
+		eps     = 8
+		promptN = 1000
+		filler  = 20_000
+	)
+	build := func(tiered bool) (*PreciseIndex, []uint64) {
+		ix, _ := NewPreciseIndex(eps, 16)
+		toks := seq(promptN*16, 1)
+		eng := preciseEngineKeys(toks, 0)
+		for e := range eps {
+			gpu := promptN * (e + 1) / eps
+			cpu := min(promptN, 2*gpu)
+			preciseStore(b, ix, e, MediumGPU, eng[:cpu], 0, false, toks[:16*cpu], 0)
+			if tiered {
+				preciseStore(b, ix, e, MediumCPU, eng[:cpu], 0, false, nil, 0)
+				if e%2 == 0 {
+					preciseStore(b, ix, e, MediumDisk, eng[:cpu], 0, false, nil, 0)
+				}
+				preciseStore(b, ix, e, MediumRemote, eng, 0, false, toks, 0)
+			}
+			ix.Removed(e, MediumGPU, eng[gpu:cpu])
+			ftoks := seq(filler*16, uint32(1_000_000+e*filler*16))
+			fe := preciseEngineKeys(ftoks, 7)
+			for i := 0; i < filler; i += 250 {
+				preciseStore(b, ix, e, MediumGPU, fe[i:i+250], 0, false, ftoks[16*i:16*(i+250)], 0)
+			}
+		}
+		return ix, Hashes(nil, toks, 16, 0)
+	}
+	for _, tiered := range []bool{true, false} {
+		ix, req := build(tiered)
+		name := "tiered"
+		if !tiered {
+			name = "gpu-only"
+		}
+		m := make([][NumMedia]int, eps)
+		b.Run(name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				ix.MatchTiers(req, m)
+			}
+			want := [NumMedia]int{promptN * 8 / eps, 0, 0, 0, 0}
+			if tiered {
+				want = [NumMedia]int{promptN * 8 / eps, promptN, 0, promptN, 0}
+			}
+			if m[7] != want || m[0][MediumGPU] != promptN/eps {
+				b.Fatalf("matched %v", m)
+			}
+		})
+		if !tiered {
+			g := make([]int, eps)
+			b.Run("match-gpu", func(b *testing.B) {
+				b.ReportAllocs()
+				for b.Loop() {
+					ix.Match(req, MediumGPU, g)
+				}
+			})
+		}
+	}
+}

@@ -19,14 +19,18 @@ const (
 	MediumGPU Medium = iota
 	MediumCPU
 	MediumDisk
+	// MediumRemote is a store shared by several engines (LMCache's remote
+	// backends, Mooncake, infergate's kvstore), reported as "REMOTE".
+	MediumRemote
 	MediumOther
 	// NumMedia is the number of media.
-	NumMedia = 4
+	NumMedia = 5
 )
 
 // ParseMedium returns the medium named name, case-insensitively: "" (the
 // event's medium was null) and "GPU" are MediumGPU, "CPU" MediumCPU, "DISK"
-// MediumDisk. Any other name is MediumOther, and known is false.
+// MediumDisk, "REMOTE" MediumRemote (the names of kvevent's Medium
+// constants). Any other name is MediumOther, and known is false.
 func ParseMedium(name string) (m Medium, known bool) {
 	switch {
 	case name == "" || strings.EqualFold(name, "GPU"):
@@ -35,11 +39,13 @@ func ParseMedium(name string) (m Medium, known bool) {
 		return MediumCPU, true
 	case strings.EqualFold(name, "DISK"):
 		return MediumDisk, true
+	case strings.EqualFold(name, "REMOTE"):
+		return MediumRemote, true
 	}
 	return MediumOther, false
 }
 
-// String returns "GPU", "CPU", "DISK" or "OTHER".
+// String returns "GPU", "CPU", "DISK", "REMOTE" or "OTHER".
 func (m Medium) String() string {
 	switch m {
 	case MediumGPU:
@@ -48,6 +54,8 @@ func (m Medium) String() string {
 		return "CPU"
 	case MediumDisk:
 		return "DISK"
+	case MediumRemote:
+		return "REMOTE"
 	case MediumOther:
 		return "OTHER"
 	}
@@ -84,6 +92,13 @@ const preciseShards = 64
 // Each endpoint holds at most its capacity of engine keys (SetCapacity: the
 // engine's blocks in all its tiers); beyond it the least recently stored
 // leaf block is evicted as if the engine had removed it (precise_evict.go).
+// SetMediumCapacity bounds one tier alike, dropping blocks from that medium
+// only.
+//
+// Tiers: offloading connectors store a GPU block's copy in another medium
+// without its tokens; Stored resolves it by engine key, and the engine key
+// stays mapped while any medium holds it. MatchTiers answers, per endpoint,
+// for every medium at once.
 //
 // Block tables are sharded 64 ways by request key, each shard behind its own
 // RWMutex, so Match (read locks, one block at a time) is never held up for
@@ -96,12 +111,14 @@ const preciseShards = 64
 // engine would not hit for it. The engines' block size must be the index's
 // (llm-d also maps one engine block to several request blocks and back).
 //
-// Memory: 140 bytes per (endpoint, block) measured for 200k blocks on one
+// Memory: 151 bytes per (endpoint, block) measured for 200k blocks on one
 // endpoint (map slots in the endpoint's engine → request map, in its
 // per-request-key entries — counts, kids counts, parent link for hole
 // tracking, engine key for eviction order — in the eviction lists, and in
 // the shared block table; TestPreciseIndexBytesPerBlock holds it under 160).
-// About 24 of them are the block table's, paid once per distinct block
+// It was 140 with four media: MediumRemote grew a heldEntry's per-medium
+// counts from 32 to 40 bytes (engCounts are packed, so an engEntry stayed
+// 16). About 24 of them are the block table's, paid once per distinct block
 // however many endpoints hold it. An endpoint's capacity bounds its share.
 //
 // Safe for concurrent use.
@@ -112,6 +129,7 @@ type PreciseIndex struct {
 
 	storedEvents, removedEvents, clears atomic.Uint64
 	unknownParents, unknownRemovals     atomic.Uint64
+	unresolvedStores                    atomic.Uint64
 	blocks                              atomic.Int64
 }
 
@@ -124,11 +142,28 @@ type preciseShard struct {
 // mediaCounts counts blocks per medium (saturating at 65535).
 type mediaCounts [NumMedia]uint16
 
-// engCounts counts the blocks of one engine key per medium (saturating at
-// 255: more identical blocks than that in one tier are not told apart).
-type engCounts [NumMedia]uint8
+// engCounts counts the blocks of one engine key per medium, 6 bits per
+// medium packed in a uint32 (saturating at 63: more identical blocks than
+// that in one tier are not told apart), so that an engEntry stays 16 bytes
+// with five media.
+type engCounts uint32
 
-const maxEngCount = ^uint8(0)
+const (
+	engCountBits        = 6
+	maxEngCount  uint8  = 1<<engCountBits - 1
+	engCountMask uint32 = 1<<engCountBits - 1
+)
+
+// get returns the count of medium m.
+func (c engCounts) get(m Medium) uint8 {
+	return uint8(uint32(c) >> (engCountBits * uint32(m)) & engCountMask)
+}
+
+// set returns c with medium m's count n (at most maxEngCount).
+func (c engCounts) set(m Medium, n uint8) engCounts {
+	sh := engCountBits * uint32(m)
+	return engCounts(uint32(c)&^(engCountMask<<sh) | uint32(n)<<sh)
+}
 
 // engEntry is one engine key of an endpoint: its request key, how many
 // blocks with that engine key the endpoint holds in each medium, and its
@@ -158,6 +193,7 @@ type preciseEndpoint struct {
 	joinState  // precise_join.go
 
 	evicted, unknownParents, joined, orphansDropped atomic.Uint64
+	unresolvedStores                                atomic.Uint64
 }
 
 // heldEntry is one request key of an endpoint: how many engine blocks with
@@ -189,6 +225,10 @@ type PreciseStats struct {
 	// UnknownRemovals counts removed engine keys the endpoint did not hold in
 	// that medium (ignored).
 	UnknownRemovals uint64
+	// UnresolvedStores counts the blocks of Stored calls without tokens (an
+	// offloading connector's event) whose engine key the endpoint did not
+	// know (skipped).
+	UnresolvedStores uint64
 	// Blocks is the number of (endpoint, medium, request key) entries held.
 	Blocks int64
 }
@@ -207,6 +247,14 @@ type PreciseEndpointStats struct {
 	// prompt; OrphansDropped the orphan engine keys evicted or forgotten
 	// before they were joined.
 	UnknownParents, Joined, OrphansDropped uint64
+	// UnresolvedStores counts the blocks of Stored calls without tokens
+	// whose engine key the endpoint did not know (skipped).
+	UnresolvedStores uint64
+	// MediumCapacity is the bound per medium (SetMediumCapacity; 0: none),
+	// MediumEvicted the engine keys dropped from a medium because the
+	// endpoint held more than its bound there.
+	MediumCapacity [NumMedia]int
+	MediumEvicted  [NumMedia]uint64
 }
 
 // NewPreciseIndex returns an empty index over endpoints endpoints (at most
@@ -262,7 +310,7 @@ func (ep *preciseEndpoint) gained(m Medium, req uint64, h *heldEntry) {
 		return
 	}
 	p := ep.held[h.parent]
-	wasLeaf := p.kids == (mediaCounts{})
+	wasLeaf, wasLeafIn := p.kids == (mediaCounts{}), p.kids[m] == 0
 	if p.c[m] == 0 {
 		ep.holes[m].Add(1)
 	}
@@ -278,6 +326,9 @@ func (ep *preciseEndpoint) gained(m Medium, req uint64, h *heldEntry) {
 	ep.held[h.parent] = p
 	if wasLeaf {
 		ep.relist(p.eng, innerList, false)
+	}
+	if wasLeafIn {
+		ep.relistIn(m, p.eng, false, false)
 	}
 }
 
@@ -307,6 +358,9 @@ func (ep *preciseEndpoint) lost(m Medium, h *heldEntry) {
 		// A parent is used at least as recently as its children: it goes
 		// right after the child that was the least recent.
 		ep.relist(p.eng, leafList, true)
+	}
+	if p.kids[m] == 0 {
+		ep.relistIn(m, p.eng, true, true)
 	}
 }
 
@@ -339,21 +393,33 @@ func (ix *PreciseIndex) check(e int, m Medium) error {
 
 // Stored records a BlockStored event of endpoint e: the blocks with engine
 // keys engineHashes, whose tokens (concatenated) are tokens, are now held in
-// medium m. len(tokens) must be len(engineHashes) × BlockSize. The first
-// block's request key is chained from the request key of the parent block
-// (engine key parent) when hasParent, else from seed (the root: Seed of the
-// model or adapter name the blocks were computed under).
+// medium m. len(tokens) must be len(engineHashes) × BlockSize, or 0. The
+// first block's request key is chained from the request key of the parent
+// block (engine key parent) when hasParent, else from seed (the root: Seed
+// of the model or adapter name the blocks were computed under).
 //
 // If the parent is not held by e in any medium, or is an orphan, the event
 // is joined to a prompt recently routed to e when one explains it (Routed;
 // the prompt's blocks before it are then held too), and its blocks are kept
 // as orphans otherwise (precise_join.go). Either way it is not an error.
-// Afterwards e holds at most its capacity (SetCapacity).
+//
+// Without tokens (vLLM's CPU offloading connector stores a block it copied
+// from the GPU pool with empty token_ids and, usually, a null parent;
+// llm-d-kv-cache docs/architecture.md) each block is resolved by its engine
+// key alone: a key e knows with a request key (from an event with tokens, in
+// any medium) is held in m under that request key, chained from the same
+// parent as before; an orphan key is held in m as an orphan; an unknown key
+// is skipped and counted (UnresolvedStores). parent, hasParent and seed are
+// then not used.
+//
+// Afterwards e holds at most its capacity (SetCapacity) and, in each
+// medium, its capacity there (SetMediumCapacity).
 func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent uint64, hasParent bool, tokens []uint32, seed uint64) error {
 	if err := ix.check(e, m); err != nil {
 		return err
 	}
-	if len(tokens) != len(engineHashes)*ix.blockSize {
+	tokenless := len(tokens) == 0 && len(engineHashes) > 0
+	if !tokenless && len(tokens) != len(engineHashes)*ix.blockSize {
 		return fmt.Errorf("precise prefix index: %d tokens for %d blocks of %d", len(tokens), len(engineHashes), ix.blockSize)
 	}
 	ep := &ix.eps[e]
@@ -362,6 +428,10 @@ func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent ui
 	defer ep.mu.Unlock()
 	defer ix.evict(ep, bit)
 	ix.storedEvents.Add(1)
+	if tokenless {
+		ix.resolve(ep, bit, m, engineHashes)
+		return nil
+	}
 	if hasParent {
 		p, ok := ep.eng[parent]
 		if !ok {
@@ -392,8 +462,31 @@ func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent ui
 	}
 	if hasParent {
 		ep.touch(parent) // the request that stored the blocks used it
+		ep.touchIn(m, parent)
 	}
 	return nil
+}
+
+// resolve holds the blocks engineHashes, stored in medium m without
+// tokens, under the request keys ep knows them by (see Stored). ep.mu is
+// held.
+func (ix *PreciseIndex) resolve(ep *preciseEndpoint, bit uint64, m Medium, engineHashes []uint64) {
+	for _, h := range engineHashes {
+		if ent, ok := ep.eng[h]; ok {
+			ix.hold(ep, bit, m, h, ent.req, ep.held[ent.req].parent)
+			continue
+		}
+		if o, ok := ep.orphans[h]; ok {
+			if c := o.n.get(m); c < maxEngCount {
+				o.n = o.n.set(m, c+1)
+				ep.orphans[h] = o
+			}
+			ep.touch(h)
+			continue
+		}
+		ix.unresolvedStores.Add(1)
+		ep.unresolvedStores.Add(1)
+	}
 }
 
 // hold records one block with engine key h and request key req, chained
@@ -421,18 +514,23 @@ func (ix *PreciseIndex) hold(ep *preciseEndpoint, bit uint64, m Medium, h, req, 
 	if he.parent == 0 {
 		he.parent = parentReq
 	}
-	if ent.n[m] == maxEngCount || he.c[m] == ^uint16(0) {
+	if ent.n.get(m) == maxEngCount || he.c[m] == ^uint16(0) {
 		if ok {
 			ep.touch(h)
+			ep.touchIn(m, h)
 		}
 		return // saturated: a later removal may forget the block early
 	}
 	if !ok {
 		ent = engEntry{req: req, node: ep.newNode(h)}
 	}
-	ent.n[m]++
+	if ent.n.get(m) == 0 {
+		ep.tierAdd(m, h)
+	}
+	ent.n = ent.n.set(m, ent.n.get(m)+1)
 	ep.eng[h] = ent
 	he.c[m]++
+	prevEng := he.eng
 	he.eng = h
 	ep.held[req] = he
 	if he.c[m] == 1 {
@@ -442,12 +540,23 @@ func (ix *PreciseIndex) hold(ep *preciseEndpoint, bit uint64, m Medium, h, req, 
 		ep.gained(m, req, &he)
 	}
 	ep.touch(h)
-	if ep.synthetic > 0 && h != syntheticKey(req) {
-		ix.dropSynthetic(ep, bit, req)
+	ep.touchIn(m, h)
+	if prevEng != h {
+		// h is now the engine key that moves for req in every medium's
+		// lists; its nodes in other media may sit in the list of another
+		// kids count: they move too, as just used.
+		for md := range Medium(NumMedia) {
+			if md != m {
+				ep.touchIn(md, h)
+			}
+		}
 	}
-	for md, c := range adopted {
-		for range c {
-			ix.hold(ep, bit, Medium(md), h, req, parentReq)
+	if ep.synthetic > 0 && h != syntheticKey(req) {
+		ix.dropSynthetic(ep, bit, m, req)
+	}
+	for md := range Medium(NumMedia) {
+		for range adopted.get(md) {
+			ix.hold(ep, bit, md, h, req, parentReq)
 		}
 	}
 }
@@ -465,14 +574,17 @@ func (ix *PreciseIndex) Removed(e int, m Medium, engineHashes []uint64) {
 	defer ep.mu.Unlock()
 	for _, h := range engineHashes {
 		ent, ok := ep.eng[h]
-		if !ok || ent.n[m] == 0 {
+		if !ok || ent.n.get(m) == 0 {
 			if !ep.removeOrphan(m, h) {
 				ix.unknownRemovals.Add(1)
 			}
 			continue
 		}
-		ent.n[m]--
-		if ent.n == (engCounts{}) {
+		ent.n = ent.n.set(m, ent.n.get(m)-1)
+		if ent.n.get(m) == 0 {
+			ep.tierDrop(m, h)
+		}
+		if ent.n == 0 {
 			ix.forgetEngineKey(ep, h, ent)
 		} else {
 			ep.eng[h] = ent
@@ -505,11 +617,25 @@ func (ix *PreciseIndex) release(ep *preciseEndpoint, bit uint64, m Medium, req u
 // dropEngineKey forgets engine key h of ep and every block it held. ep.mu is held.
 func (ix *PreciseIndex) dropEngineKey(ep *preciseEndpoint, bit uint64, h uint64, ent engEntry) {
 	ix.forgetEngineKey(ep, h, ent)
-	for m, n := range ent.n {
-		if n > 0 {
-			ix.release(ep, bit, Medium(m), ent.req, uint16(n))
+	for m := range Medium(NumMedia) {
+		if n := ent.n.get(m); n > 0 {
+			ix.release(ep, bit, m, ent.req, uint16(n))
 		}
 	}
+}
+
+// dropIn takes every block of engine key h (entry ent) away from ep in
+// medium m, and keeps what h holds in other media. ep.mu is held.
+func (ix *PreciseIndex) dropIn(ep *preciseEndpoint, bit uint64, m Medium, h uint64, ent engEntry) {
+	n := ent.n.get(m)
+	ent.n = ent.n.set(m, 0)
+	ep.tierDrop(m, h)
+	if ent.n == 0 {
+		ix.forgetEngineKey(ep, h, ent)
+	} else {
+		ep.eng[h] = ent
+	}
+	ix.release(ep, bit, m, ent.req, uint16(n))
 }
 
 // forgetEngineKey deletes engine key h (entry ent) from ep's map and lists;
@@ -517,6 +643,9 @@ func (ix *PreciseIndex) dropEngineKey(ep *preciseEndpoint, bit uint64, h uint64,
 func (ix *PreciseIndex) forgetEngineKey(ep *preciseEndpoint, h uint64, ent engEntry) {
 	delete(ep.eng, h)
 	ep.freeNode(ent.node)
+	for m := range Medium(NumMedia) {
+		ep.tierDrop(m, h)
+	}
 	if h == syntheticKey(ent.req) {
 		ep.synthetic--
 	}
@@ -565,20 +694,12 @@ func (ix *PreciseIndex) ClearedMedium(e int, m Medium) {
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	for h, ent := range ep.eng {
-		n := ent.n[m]
-		if n == 0 {
-			continue
+		if ent.n.get(m) > 0 {
+			ix.dropIn(ep, bit, m, h, ent)
 		}
-		ent.n[m] = 0
-		if ent.n == (engCounts{}) {
-			ix.forgetEngineKey(ep, h, ent)
-		} else {
-			ep.eng[h] = ent
-		}
-		ix.release(ep, bit, m, ent.req, uint16(n))
 	}
 	for h, o := range ep.orphans {
-		if n := o.n[m]; n > 0 {
+		if n := o.n.get(m); n > 0 {
 			ep.orphansDropped.Add(uint64(n))
 			for ; n > 0; n-- {
 				ep.removeOrphan(m, h)
@@ -658,6 +779,24 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 	}
 }
 
+// MatchTiers sets matched[e][m] to the number of leading blocks of hashes
+// endpoint e holds in medium m, for every medium and every e <
+// len(matched) (extra entries are left alone): Match once per medium, for
+// scoring endpoints by what each tier holds. It allocates nothing. Cost:
+// NumMedia Matches; a medium no endpoint holds the prompt's first block in
+// costs one lookup (BenchmarkPreciseMatchTiers: 8 endpoints, a 1000-block
+// prompt in 4 media, a few µs).
+func (ix *PreciseIndex) MatchTiers(hashes []uint64, matched [][NumMedia]int) {
+	n := min(len(matched), len(ix.eps))
+	var one [MaxEndpoints]int
+	for m := range Medium(NumMedia) {
+		ix.Match(hashes, m, one[:n])
+		for e := range n {
+			matched[e][m] = one[e]
+		}
+	}
+}
+
 // lookup returns the owners of request key h in medium m.
 func (ix *PreciseIndex) lookup(m Medium, h uint64) uint64 {
 	s := ix.shard(h)
@@ -728,12 +867,13 @@ func (ix *PreciseIndex) Len(e int, m Medium) int {
 // Stats returns the index's counters.
 func (ix *PreciseIndex) Stats() PreciseStats {
 	return PreciseStats{
-		StoredEvents:    ix.storedEvents.Load(),
-		RemovedEvents:   ix.removedEvents.Load(),
-		Clears:          ix.clears.Load(),
-		UnknownParents:  ix.unknownParents.Load(),
-		UnknownRemovals: ix.unknownRemovals.Load(),
-		Blocks:          ix.blocks.Load(),
+		StoredEvents:     ix.storedEvents.Load(),
+		RemovedEvents:    ix.removedEvents.Load(),
+		Clears:           ix.clears.Load(),
+		UnknownParents:   ix.unknownParents.Load(),
+		UnknownRemovals:  ix.unknownRemovals.Load(),
+		UnresolvedStores: ix.unresolvedStores.Load(),
+		Blocks:           ix.blocks.Load(),
 	}
 }
 
@@ -746,9 +886,13 @@ func (ix *PreciseIndex) EndpointStats(e int) PreciseEndpointStats {
 	ep := &ix.eps[e]
 	ep.mu.Lock()
 	st := PreciseEndpointStats{EngineKeys: len(ep.eng), Orphans: len(ep.orphans), Capacity: ep.capacity}
+	for m := range ep.tiers {
+		st.MediumCapacity[m], st.MediumEvicted[m] = ep.tiers[m].capacity, ep.tiers[m].evicted
+	}
 	ep.mu.Unlock()
 	st.Evicted, st.UnknownParents = ep.evicted.Load(), ep.unknownParents.Load()
 	st.Joined, st.OrphansDropped = ep.joined.Load(), ep.orphansDropped.Load()
+	st.UnresolvedStores = ep.unresolvedStores.Load()
 	return st
 }
 

@@ -56,15 +56,15 @@ func (ep *preciseEndpoint) consistent(ix *PreciseIndex, e int) error {
 		if _, o := ep.orphans[h]; o {
 			return fmt.Errorf("engine key %x is an orphan too", h)
 		}
-		if ent.n == (engCounts{}) {
+		if ent.n == 0 {
 			return fmt.Errorf("engine key %x holds nothing", h)
 		}
 		if h == syntheticKey(ent.req) {
 			synthetic++
 		}
 		c := counts[ent.req]
-		for m, n := range ent.n {
-			c[m] += uint16(n)
+		for m := range Medium(NumMedia) {
+			c[m] += uint16(ent.n.get(m))
 		}
 		counts[ent.req] = c
 	}
@@ -72,7 +72,7 @@ func (ep *preciseEndpoint) consistent(ix *PreciseIndex, e int) error {
 		return fmt.Errorf("%d synthetic keys, counted %d", synthetic, ep.synthetic)
 	}
 	for h, o := range ep.orphans {
-		if linked[h] != o.node || o.n == (engCounts{}) {
+		if linked[h] != o.node || o.n == 0 {
 			return fmt.Errorf("orphan %x: node %d linked %d, counts %v", h, o.node, linked[h], o.n)
 		}
 	}
@@ -110,6 +110,9 @@ func (ep *preciseEndpoint) consistent(ix *PreciseIndex, e int) error {
 			return fmt.Errorf("medium %v: %d blocks, %d holes; counted %d, %d", m, blocks, holes, ep.blocks[m], ep.holes[m].Load())
 		}
 	}
+	if err := ep.consistentTiers(); err != nil {
+		return err
+	}
 	// The engine key last stored under a request key is in the inner list
 	// exactly while the key has held children.
 	for req, he := range ep.held {
@@ -125,6 +128,68 @@ func (ep *preciseEndpoint) consistent(ix *PreciseIndex, e int) error {
 		}
 		if inner != (he.kids != (mediaCounts{})) {
 			return fmt.Errorf("request key %x: kids %v, in the inner list %v", req, he.kids, inner)
+		}
+	}
+	return nil
+}
+
+// consistentTiers checks the per-medium lists: a bounded medium lists
+// every engine key held there exactly once, no more than its capacity, and
+// the engine key last stored under a request key is among its inner blocks
+// exactly while the key has held children there; an unbounded one keeps
+// nothing. ep.mu is held.
+func (ep *preciseEndpoint) consistentTiers() error {
+	for m := range Medium(NumMedia) {
+		t := &ep.tiers[m]
+		if t.capacity == 0 {
+			if t.nodes != nil {
+				return fmt.Errorf("medium %v: unbounded with %d nodes", m, len(t.nodes))
+			}
+			continue
+		}
+		leaf, inner := tierLists(m)
+		listed := map[uint64]uint32{}
+		innerKeys := map[uint64]bool{}
+		for _, l := range []uint32{leaf, inner} {
+			prev := l
+			for n := ep.nodes[l].next; n != l; prev, n = n, ep.nodes[n].next {
+				if ep.nodes[n].prev != prev {
+					return fmt.Errorf("medium %v list %d: node %d's prev %d, want %d", m, l, n, ep.nodes[n].prev, prev)
+				}
+				h := ep.nodes[n].key
+				if _, dup := listed[h]; dup {
+					return fmt.Errorf("medium %v: key %x listed twice", m, h)
+				}
+				listed[h] = n
+				innerKeys[h] = l == inner
+				if len(listed) > len(ep.nodes) {
+					return fmt.Errorf("medium %v list %d loops", m, l)
+				}
+			}
+		}
+		want := 0
+		for h, ent := range ep.eng {
+			if ent.n.get(m) == 0 {
+				continue
+			}
+			want++
+			if n, ok := t.nodes[h]; !ok || listed[h] != n {
+				return fmt.Errorf("medium %v: engine key %x node %d (%v), listed %d", m, h, n, ok, listed[h])
+			}
+		}
+		if want != len(listed) || want != len(t.nodes) {
+			return fmt.Errorf("medium %v: %d keys held, %d listed, %d nodes", m, want, len(listed), len(t.nodes))
+		}
+		if len(t.nodes) > t.capacity {
+			return fmt.Errorf("medium %v: %d keys over capacity %d", m, len(t.nodes), t.capacity)
+		}
+		for req, he := range ep.held {
+			if ent, ok := ep.eng[he.eng]; he.eng == 0 || !ok || ent.req != req || ent.n.get(m) == 0 {
+				continue
+			}
+			if innerKeys[he.eng] != (he.kids[m] != 0) {
+				return fmt.Errorf("medium %v: request key %x kids %d, inner %v", m, req, he.kids[m], innerKeys[he.eng])
+			}
 		}
 	}
 	return nil
@@ -431,9 +496,11 @@ func BenchmarkPreciseStored(b *testing.B) {
 
 // FuzzPreciseIndex interprets its input as operations on a 2-endpoint
 // index with small capacities — stores (rooted, chained, from unknown
-// parents), removals, routed prompts, clears, capacity changes — and checks
-// the internal invariants after each. The seeds are the attack shapes: a
-// flood of stores far over capacity, orphan chains, joins.
+// parents, without tokens as an offloading connector sends them) in three
+// media, removals, routed prompts, clears of all media or one, capacity
+// changes overall and per medium — and checks the internal invariants after
+// each. The seeds are the attack shapes: a flood of stores far over
+// capacity, orphan chains, joins.
 func FuzzPreciseIndex(f *testing.F) {
 	f.Add(seqBytes(0x00, 200))                  // a flood of rooted stores
 	f.Add(seqBytes(0x41, 200))                  // chained stores from unknown parents
@@ -450,24 +517,34 @@ func FuzzPreciseIndex(f *testing.F) {
 		ix, _ := NewPreciseIndex(2, 16)
 		ix.SetCapacity(0, 5)
 		ix.SetCapacity(1, 12)
+		ix.SetMediumCapacity(1, MediumCPU, 4)
 		for i, op := range ops {
 			e, d, from := int(op>>7), int(op>>3)&7, int(op&7)
+			md := Medium(i / 2 % 3) // GPU, GPU, CPU, CPU, DISK, DISK, ...
 			switch {
 			case i%7 == 6:
 				ix.Removed(e, Medium(op&1), docs[d][from:min(8, from+2)])
 			case op&0x60 == 0x60 && i%5 == 4:
 				ix.Cleared(e)
+			case op&0x60 == 0x40 && i%5 == 4:
+				ix.ClearedMedium(e, md)
 			case i%11 == 10:
 				ix.SetCapacity(e, int(op&15))
+			case i%13 == 12:
+				ix.SetMediumCapacity(e, md, int(op&7))
 			case op&0x80 != 0 && i%3 == 0:
 				ix.Routed(e, reqs[d])
+			case i%4 == 3: // an offload: no tokens, no parent
+				if err := ix.Stored(e, md, docs[d][from:min(8, from+3)], 0, false, nil, 0); err != nil {
+					t.Fatal(err)
+				}
 			default:
 				to := min(8, from+1+int(op>>6&1)*3)
 				var parent uint64
 				if from > 0 {
 					parent = docs[d][from-1]
 				}
-				if err := ix.Stored(e, MediumGPU, docs[d][from:to], parent, from > 0, toks[16*(8*d+from):16*(8*d+to)], 0); err != nil {
+				if err := ix.Stored(e, md, docs[d][from:to], parent, from > 0, toks[16*(8*d+from):16*(8*d+to)], 0); err != nil {
 					t.Fatal(err)
 				}
 			}

@@ -29,10 +29,12 @@ package prefix
 // has children (the key stays held through its other engine key).
 
 // Sentinel nodes of the two lists: lists[l].next is the least recent entry,
-// lists[l].prev the most recent.
+// lists[l].prev the most recent. The per-medium lists' sentinels follow
+// (tierLists); firstNode is the first node that is not a sentinel.
 const (
 	leafList  uint32 = 0
 	innerList uint32 = 1
+	firstNode uint32 = 2 + 2*NumMedia
 )
 
 // evictNode is one engine key's place in an eviction list.
@@ -44,17 +46,47 @@ type evictNode struct {
 // evictState is an endpoint's capacity and eviction lists (ep.mu guards it).
 type evictState struct {
 	capacity int         // engine keys and orphans held at most; 0: unbounded
-	nodes    []evictNode // [0] and [1] are the lists' sentinels
+	nodes    []evictNode // [0, firstNode) are the lists' sentinels
 	free     uint32      // first free node (linked by next); 0: none
+	tiers    [NumMedia]tierState
+}
+
+// tierState is an endpoint's bound in one medium (SetMediumCapacity) and,
+// while it is bounded, that medium's eviction lists: a node (in
+// evictState.nodes) per engine key held in the medium with a request key.
+type tierState struct {
+	capacity int               // engine keys held in the medium at most; 0: unbounded, no lists
+	nodes    map[uint64]uint32 // engine key -> its node in the medium's lists, while capacity > 0
+	evicted  uint64            // engine keys evicted from the medium (ep.mu)
+}
+
+// tierLists returns the sentinels of medium m's leaf and inner lists.
+func tierLists(m Medium) (leaf, inner uint32) {
+	return 2 + 2*uint32(m), 3 + 2*uint32(m)
 }
 
 func (ep *preciseEndpoint) resetLists() {
-	ep.nodes = append(ep.nodes[:0:0], evictNode{prev: leafList, next: leafList}, evictNode{prev: innerList, next: innerList})
+	ep.nodes = ep.nodes[:0:0]
+	for l := range firstNode {
+		ep.nodes = append(ep.nodes, evictNode{prev: l, next: l})
+	}
 	ep.free = 0
+	for m := range ep.tiers {
+		if t := &ep.tiers[m]; t.capacity > 0 {
+			t.nodes = make(map[uint64]uint32)
+		}
+	}
 }
 
 // newNode returns a node for key h at the most recent end of the leaves.
 func (ep *preciseEndpoint) newNode(h uint64) uint32 {
+	n := ep.allocNode(h)
+	ep.link(n, leafList, false)
+	return n
+}
+
+// allocNode returns an unlinked node for key h.
+func (ep *preciseEndpoint) allocNode(h uint64) uint32 {
 	n := ep.free
 	if n != 0 {
 		ep.free = ep.nodes[n].next
@@ -63,12 +95,11 @@ func (ep *preciseEndpoint) newNode(h uint64) uint32 {
 		n = uint32(len(ep.nodes))
 		ep.nodes = append(ep.nodes, evictNode{key: h})
 	}
-	ep.link(n, leafList, false)
 	return n
 }
 
 func (ep *preciseEndpoint) freeNode(n uint32) {
-	if n <= innerList {
+	if n < firstNode {
 		return
 	}
 	ep.unlink(n)
@@ -142,8 +173,12 @@ func (ix *PreciseIndex) SetCapacity(e int, blocks int) {
 	ix.evict(ep, uint64(1)<<e)
 }
 
-// evict brings ep down to its capacity. ep.mu is held.
+// evict brings ep down to its capacity in every medium, then overall.
+// ep.mu is held.
 func (ix *PreciseIndex) evict(ep *preciseEndpoint, bit uint64) {
+	for m := range Medium(NumMedia) {
+		ix.evictIn(ep, bit, m)
+	}
 	for ep.capacity > 0 && len(ep.eng)+len(ep.orphans) > ep.capacity {
 		n := ep.nodes[leafList].next
 		if n == leafList {
@@ -164,5 +199,161 @@ func (ix *PreciseIndex) evict(ep *preciseEndpoint, bit uint64) {
 			continue
 		}
 		ep.freeNode(n) // unreachable: a node without a key
+	}
+}
+
+// Per-medium bounds.
+//
+// An engine's tiers have capacities of their own: its GPU block pool, the
+// host memory of its CPU offloading connector, its disk. SetMediumCapacity
+// bounds the engine keys an endpoint holds in one medium; beyond it a key
+// is dropped from that medium only, as if the engine had removed it there
+// (BlockRemoved with that medium), and kept in the others.
+//
+// A bounded medium keeps its own pair of lists, with the same order as the
+// overall ones restricted to the medium: a node per engine key held there
+// (with a request key; orphans are bounded by the overall capacity alone),
+// leaves — request keys without held children in that medium — first,
+// least recently stored first. The nodes share evictState.nodes and its
+// free list; the medium's map finds an engine key's node. Every operation
+// that moves a key in the overall lists moves it in the medium's lists of
+// the media involved: a store in m, or a store chained from it in m, to the
+// most recent end; its request key's first child in m to the inner list,
+// its last child in m leaving to the least recent end of the leaves. Each
+// is one map lookup and O(1) list surgery, and each eviction removes a node
+// that one store added, so eviction is O(1) amortised. An unbounded medium
+// keeps no lists and costs nothing: GPU-only users pay no memory for this
+// (a bounded medium: about 40 bytes per engine key held there).
+//
+// Duplicates are as in the overall lists: only the engine key last stored
+// under a request key moves between a medium's leaves and inner blocks.
+
+// SetMediumCapacity bounds endpoint e to blocks engine keys held in medium
+// m (its KV capacity in that tier, in blocks of the index's block size); 0
+// removes the bound. Blocks beyond it are dropped from m now and whenever
+// a Stored call adds more. The overall bound (SetCapacity) still applies.
+// Bounding a medium that already holds keys lists them in the order of the
+// overall lists (least recent first). An out-of-range e or m is ignored.
+func (ix *PreciseIndex) SetMediumCapacity(e int, m Medium, blocks int) {
+	if ix.check(e, m) != nil {
+		return
+	}
+	ep := &ix.eps[e]
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	t := &ep.tiers[m]
+	if blocks <= 0 {
+		for _, n := range t.nodes {
+			ep.freeNode(n)
+		}
+		t.capacity, t.nodes = 0, nil
+		return
+	}
+	if t.capacity == 0 {
+		t.capacity = blocks
+		t.nodes = make(map[uint64]uint32)
+		for _, l := range []uint32{leafList, innerList} {
+			for n := ep.nodes[l].next; n != l; n = ep.nodes[n].next {
+				h := ep.nodes[n].key
+				if ent, ok := ep.eng[h]; ok && ent.n.get(m) > 0 {
+					ep.tierAdd(m, h)
+					ep.touchIn(m, h)
+				}
+			}
+		}
+	}
+	t.capacity = blocks
+	ix.evictIn(ep, uint64(1)<<e, m)
+}
+
+// tierAdd gives engine key h, just held in medium m, a node at the most
+// recent end of m's leaves, if m is bounded. ep.mu is held.
+func (ep *preciseEndpoint) tierAdd(m Medium, h uint64) {
+	t := &ep.tiers[m]
+	if t.nodes == nil {
+		return
+	}
+	if _, ok := t.nodes[h]; ok {
+		return
+	}
+	n := ep.allocNode(h)
+	leaf, _ := tierLists(m)
+	ep.link(n, leaf, false)
+	t.nodes[h] = n
+}
+
+// tierDrop frees engine key h's node in medium m, if it has one. ep.mu is
+// held.
+func (ep *preciseEndpoint) tierDrop(m Medium, h uint64) {
+	t := &ep.tiers[m]
+	if t.nodes == nil {
+		return
+	}
+	if n, ok := t.nodes[h]; ok {
+		delete(t.nodes, h)
+		ep.freeNode(n)
+	}
+}
+
+// touchIn marks engine key h as just used in medium m: the most recent end
+// of m's leaves or inner blocks. ep.mu is held.
+func (ep *preciseEndpoint) touchIn(m Medium, h uint64) {
+	t := &ep.tiers[m]
+	if t.nodes == nil {
+		return
+	}
+	n, ok := t.nodes[h]
+	if !ok {
+		return
+	}
+	leaf, inner := tierLists(m)
+	l := leaf
+	if ep.held[ep.eng[h].req].kids[m] != 0 {
+		l = inner
+	}
+	ep.unlink(n)
+	ep.link(n, l, false)
+}
+
+// relistIn moves engine key h, if it has a node in medium m, to m's leaves
+// (toLeaf) or inner blocks, at the least recent end when lru. ep.mu is held.
+func (ep *preciseEndpoint) relistIn(m Medium, h uint64, toLeaf, lru bool) {
+	t := &ep.tiers[m]
+	if h == 0 || t.nodes == nil {
+		return
+	}
+	n, ok := t.nodes[h]
+	if !ok {
+		return
+	}
+	leaf, inner := tierLists(m)
+	l := inner
+	if toLeaf {
+		l = leaf
+	}
+	ep.unlink(n)
+	ep.link(n, l, lru)
+}
+
+// evictIn brings ep down to its capacity in medium m. ep.mu is held.
+func (ix *PreciseIndex) evictIn(ep *preciseEndpoint, bit uint64, m Medium) {
+	t := &ep.tiers[m]
+	leaf, inner := tierLists(m)
+	for t.capacity > 0 && len(t.nodes) > t.capacity {
+		n := ep.nodes[leaf].next
+		if n == leaf {
+			if n = ep.nodes[inner].next; n == inner {
+				return // unreachable: every key held in m has a node
+			}
+		}
+		h := ep.nodes[n].key
+		ent, ok := ep.eng[h]
+		if !ok || ent.n.get(m) == 0 {
+			delete(t.nodes, h) // unreachable: a node without a key held in m
+			ep.freeNode(n)
+			continue
+		}
+		t.evicted++
+		ix.dropIn(ep, bit, m, h, ent)
 	}
 }

@@ -114,12 +114,13 @@ func (ix *PreciseIndex) Routed(e int, hashes []uint64) {
 // request key that real engine keys (hashes) hit with probability 2^-64.
 func syntheticKey(req uint64) uint64 { return (req ^ 0x5a17c0de0f1a7e11) * 0x9e3779b97f4a7c15 }
 
-// dropSynthetic drops the synthetic engine key of req, now that a real one
-// holds it. ep.mu is held.
-func (ix *PreciseIndex) dropSynthetic(ep *preciseEndpoint, bit uint64, req uint64) {
+// dropSynthetic drops the synthetic engine key of req in medium m, now
+// that a real one holds it there (it keeps what the synthetic key holds in
+// other media). ep.mu is held.
+func (ix *PreciseIndex) dropSynthetic(ep *preciseEndpoint, bit uint64, m Medium, req uint64) {
 	s := syntheticKey(req)
-	if ent, ok := ep.eng[s]; ok && ent.req == req {
-		ix.dropEngineKey(ep, bit, s, ent)
+	if ent, ok := ep.eng[s]; ok && ent.req == req && ent.n.get(m) > 0 {
+		ix.dropIn(ep, bit, m, s, ent)
 	}
 }
 
@@ -139,8 +140,8 @@ func (ix *PreciseIndex) storeOrphans(ep *preciseEndpoint, bit uint64, m Medium, 
 		if !ok {
 			o = orphanEntry{parent: prev, node: ep.newNode(h)}
 		}
-		if o.n[m] < maxEngCount {
-			o.n[m]++
+		if c := o.n.get(m); c < maxEngCount {
+			o.n = o.n.set(m, c+1)
 		}
 		ep.orphans[h] = o
 		ep.touch(h)
@@ -152,11 +153,11 @@ func (ix *PreciseIndex) storeOrphans(ep *preciseEndpoint, bit uint64, m Medium, 
 // reports whether h was an orphan held there. ep.mu is held.
 func (ep *preciseEndpoint) removeOrphan(m Medium, h uint64) bool {
 	o, ok := ep.orphans[h]
-	if !ok || o.n[m] == 0 {
+	if !ok || o.n.get(m) == 0 {
 		return false
 	}
-	o.n[m]--
-	if o.n == (engCounts{}) {
+	o.n = o.n.set(m, o.n.get(m)-1)
+	if o.n == 0 {
 		delete(ep.orphans, h)
 		ep.freeNode(o.node)
 	} else {
@@ -255,13 +256,13 @@ func (ix *PreciseIndex) adopt(ep *preciseEndpoint, bit uint64, m Medium, parent 
 			o := ep.orphans[h]
 			delete(ep.orphans, h)
 			ep.freeNode(o.node)
-			for md, c := range o.n {
-				for range c {
-					ix.hold(ep, bit, Medium(md), h, req, parentReq)
+			for md := range Medium(NumMedia) {
+				for range o.n.get(md) {
+					ix.hold(ep, bit, md, h, req, parentReq)
 				}
 			}
 		case i == j-L-1: // the engine key above the chain
-			if ent, ok := ep.eng[above]; !ok || ent.n[m] == 0 {
+			if ent, ok := ep.eng[above]; !ok || ent.n.get(m) == 0 {
 				ix.hold(ep, bit, m, above, req, parentReq)
 			}
 		default: // never seen: a synthetic engine key

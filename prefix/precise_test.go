@@ -225,7 +225,7 @@ func TestPreciseMediaSeparate(t *testing.T) {
 	if ix.Len(1, MediumDisk) != 3 {
 		t.Fatal("clearing 0 touched 1")
 	}
-	for name, want := range map[string]Medium{"": MediumGPU, "gpu": MediumGPU, "GPU": MediumGPU, "Cpu": MediumCPU, "disk": MediumDisk, "nvme": MediumOther} {
+	for name, want := range map[string]Medium{"": MediumGPU, "gpu": MediumGPU, "GPU": MediumGPU, "Cpu": MediumCPU, "disk": MediumDisk, "Remote": MediumRemote, "nvme": MediumOther} {
 		if got, known := ParseMedium(name); got != want || known != (want != MediumOther) {
 			t.Errorf("ParseMedium(%q) = %v, %v", name, got, known)
 		}
