@@ -57,6 +57,14 @@ type Record struct {
 	// CachedTokens is usage.prompt_tokens_details.cached_tokens, the prompt
 	// tokens served from the engine's prefix cache (tokens; 0 if unreported).
 	CachedTokens int `json:"cached_tokens"`
+	// TierTokens splits CachedTokens by the tier each block came from:
+	// GPU, host memory, disk, remote (a simulated engine with KV tiers
+	// reports it; nil otherwise).
+	TierTokens *[NumTiers]int `json:"tier_cached_tokens,omitempty"`
+	// PredictedTierTokens is what the precise index predicted the engine
+	// would take from each tier at routing time (tokens; nil when not
+	// tracked).
+	PredictedTierTokens *[NumTiers]int `json:"predicted_tier_tokens,omitempty"`
 	// OutputTokens is usage.completion_tokens, or the number of
 	// output-carrying chunks when usage was missing (tokens).
 	OutputTokens int `json:"output_tokens"`

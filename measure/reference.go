@@ -81,6 +81,43 @@ type References struct {
 	// of BlockSize tokens (0 when Pooled is nil).
 	PooledBlocks int `json:"pooled_blocks,omitempty"`
 	BlockSize    int `json:"block_size,omitempty"`
+	// Tiered is each record's hit in the pooled reference's tiered twin:
+	// one cache of TieredBlocks, the fleet's blocks in every tier (GPU,
+	// host, disk, remote) pooled; nil without tiers (AddTiered).
+	Tiered       []int `json:"-"`
+	TieredBlocks int   `json:"tiered_blocks,omitempty"`
+}
+
+// AddTiered computes the tiered twin of the pooled reference (Tiered) for
+// a fleet whose tiers hold tieredBlocks blocks in all, GPUs included. It
+// prices no load: a tiered hit is a hit, as the engines count it.
+func (r *References) AddTiered(records []trace.Record, tieredBlocks, blockSize int) {
+	if tieredBlocks <= 0 || blockSize <= 0 {
+		return
+	}
+	_, r.Tiered = pooledHits(records, tieredBlocks, blockSize)
+	r.TieredBlocks = tieredBlocks
+}
+
+// TieredRate is Rates' sum for the tiered twin (nil without one).
+func (r *References) TieredRate(recs []Record) *float64 {
+	if r == nil || r.Tiered == nil {
+		return nil
+	}
+	var prompt, h int64
+	for i := range recs {
+		k := recs[i].Index
+		if recs[i].Error != "" || recs[i].Warmup || k < 0 || k >= len(r.Prompt) {
+			continue
+		}
+		prompt += int64(r.Prompt[k])
+		h += int64(r.Tiered[k])
+	}
+	if prompt == 0 {
+		return nil
+	}
+	v := float64(h) / float64(prompt)
+	return &v
 }
 
 // NewReferences computes the references of records for a fleet whose KV
@@ -148,6 +185,7 @@ func (r *References) Rates(recs []Record) (pooled, infinite *float64) {
 // InfiniteHitRate) to Rates(recs); recs are the run's records.
 func (r *References) Apply(s *Summary, recs []Record) {
 	s.PooledHitRate, s.InfiniteHitRate = r.Rates(recs)
+	s.PooledTieredHitRate = r.TieredRate(recs)
 }
 
 // All returns the pooled and infinite reference hit rates of every record

@@ -90,6 +90,19 @@ type Summary struct {
 	// pool for a --target run; no hash ids for the infinite one).
 	PooledHitRate   *float64 `json:"pooled_hit_rate,omitempty"`
 	InfiniteHitRate *float64 `json:"infinite_hit_rate,omitempty"`
+	// PooledTieredHitRate is the pooled reference's tiered twin: one cache
+	// with the fleet's KV capacity in every tier (GPU, host, disk, remote)
+	// pooled; nil when the fleet has no tiers.
+	PooledTieredHitRate *float64 `json:"pooled_tiered_hit_rate,omitempty"`
+	// TierHitRate splits HitRate by the tier the engines took each cached
+	// block from (Record.TierTokens); nil when no record reports tiers.
+	TierHitRate *Tiers `json:"tier_hit_rate,omitempty"`
+	// TierPredictedHitRate and TierPredictionMAE compare, per tier, the
+	// precise index's prediction at routing time (Record.PredictedTierTokens)
+	// with what the engine reported: predicted hit rate, and the mean
+	// absolute error per request (tokens); nil when not tracked.
+	TierPredictedHitRate *Tiers `json:"tier_predicted_hit_rate,omitempty"`
+	TierPredictionMAE    *Tiers `json:"tier_prediction_mae_tokens,omitempty"`
 	// FleetLag is the simulated fleet's step lag (simserver.Fleet.Lag): how late
 	// its engines delivered their steps against their time scale (ms of
 	// engine time); nil when unknown (a --target run) or not applicable (a
@@ -112,6 +125,29 @@ type Summary struct {
 	// run was not judged against one (plan sets it; Summarize does not).
 	Goodput *Goodput `json:"goodput,omitempty"`
 }
+
+// NumTiers is the number of KV tiers a record splits its hits by: GPU, host
+// memory, disk, remote (sim.NumTiers).
+const NumTiers = 4
+
+// TierNames are the tiers of Tiers and Record.TierTokens, in order.
+var TierNames = [NumTiers]string{"gpu", "host", "disk", "remote"}
+
+// Tiers is one value per KV tier.
+type Tiers struct {
+	GPU    float64 `json:"gpu"`
+	Host   float64 `json:"host"`
+	Disk   float64 `json:"disk"`
+	Remote float64 `json:"remote"`
+}
+
+// TiersOf returns v as Tiers.
+func TiersOf(v [NumTiers]float64) *Tiers {
+	return &Tiers{GPU: v[0], Host: v[1], Disk: v[2], Remote: v[3]}
+}
+
+// Array returns t in tier order.
+func (t *Tiers) Array() [NumTiers]float64 { return [NumTiers]float64{t.GPU, t.Host, t.Disk, t.Remote} }
 
 // Goodput is the part of a run's requests that met every per-request target
 // of a service-level objective (see package plan for how an SLO applies to a
@@ -171,7 +207,47 @@ func Summarize(policy string, recs []Record) Summary {
 	}
 	s.TTFT, s.ITL, s.E2E = NewLatency(ttft), NewLatency(itl), NewLatency(e2e)
 	s.SendLag = sendLag(recs)
+	s.tiers(recs)
 	return s
+}
+
+// tiers sets the per-tier hit rates and prediction errors of recs.
+func (s *Summary) tiers(recs []Record) {
+	var hit, pred, mae [NumTiers]float64
+	var prompt float64
+	var reported, predicted bool
+	n := 0
+	for i := range recs {
+		r := &recs[i]
+		if r.Error != "" || r.TierTokens == nil {
+			continue
+		}
+		reported = true
+		prompt += float64(r.PromptTokens)
+		n++
+		for t, k := range r.TierTokens {
+			hit[t] += float64(k)
+		}
+		if p := r.PredictedTierTokens; p != nil {
+			predicted = true
+			for t, k := range p {
+				pred[t] += float64(k)
+				mae[t] += math.Abs(float64(k - r.TierTokens[t]))
+			}
+		}
+	}
+	if !reported || prompt == 0 {
+		return
+	}
+	for t := range hit {
+		hit[t] /= prompt
+		pred[t] /= prompt
+		mae[t] /= float64(n)
+	}
+	s.TierHitRate = TiersOf(hit)
+	if predicted {
+		s.TierPredictedHitRate, s.TierPredictionMAE = TiersOf(pred), TiersOf(mae)
+	}
 }
 
 // SetShares sets EndpointShareMax/Min from per-engine request counts.

@@ -72,11 +72,50 @@ func (r Report) WriteTable(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	if err := r.writeTierTable(w, pw); err != nil {
+		return err
+	}
 	if line := r.referenceLine(); line != "" {
 		_, err := fmt.Fprintln(w, line)
 		return err
 	}
 	return nil
+}
+
+// writeTierTable writes, when any run reports KV tiers, one row per such
+// run: its hit rate by tier (%), and, when tracked, the precise index's
+// predicted hit rate by tier (%) and mean absolute prediction error per
+// request by tier (tokens).
+func (r Report) writeTierTable(w io.Writer, pw int) error {
+	any := false
+	for _, s := range r.Runs {
+		any = any || s.TierHitRate != nil
+	}
+	if !any {
+		return nil
+	}
+	fmt.Fprintln(w, "\nhits by tier (gpu/host/disk/remote): reported %, predicted by the precise index %, prediction MAE tokens per request")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(tw, "%-*s\treported %%\tpredicted %%\tMAE tokens\t\n", pw, "policy")
+	join := func(t *measure.Tiers, scale float64, format string) string {
+		if t == nil {
+			return "-"
+		}
+		v := t.Array()
+		parts := make([]string, len(v))
+		for i, x := range v {
+			parts[i] = fmt.Sprintf(format, x*scale)
+		}
+		return strings.Join(parts, "/")
+	}
+	for _, s := range r.Runs {
+		if s.TierHitRate == nil {
+			continue
+		}
+		fmt.Fprintf(tw, "%-*s\t%s\t%s\t%s\t\n", pw, s.Policy, join(s.TierHitRate, 100, "%.1f"),
+			join(s.TierPredictedHitRate, 100, "%.1f"), join(s.TierPredictionMAE, 1, "%.0f"))
+	}
+	return tw.Flush()
 }
 
 // referenceLine is WriteTable's last line: the runs' reference hit rates
@@ -111,12 +150,16 @@ func (r Report) referenceLine() string {
 	}
 	pooled := one(func(s measure.Summary) *float64 { return s.PooledHitRate }, r.PooledHitRate)
 	inf := one(func(s measure.Summary) *float64 { return s.InfiniteHitRate }, r.InfiniteHitRate)
+	tiered := one(func(s measure.Summary) *float64 { return s.PooledTieredHitRate }, nil)
 	if pooled == "" && inf == "" {
 		return ""
 	}
 	var parts []string
 	if pooled != "" {
 		parts = append(parts, "pooled cache (one engine with the fleet's KV capacity) "+pooled)
+	}
+	if tiered != "" {
+		parts = append(parts, "pooled tiers (one cache with the fleet's GPU, host, disk and remote capacity) "+tiered)
 	}
 	if inf != "" {
 		parts = append(parts, "infinite cache "+inf)

@@ -80,6 +80,10 @@ type Cycle struct {
 	cands    []int
 	total    []float64
 	scores   []float64
+	// Per-endpoint tier split (TierBlocks), valid once tierDone.
+	tierBlocks  [][NumTiers]int
+	tierScratch []int
+	tierDone    bool
 	// The decision's random stream: n is its ordinal among the profile's
 	// decisions, seeded on the first draw.
 	n      uint64
@@ -170,6 +174,13 @@ type Profile struct {
 	hashes   bool        // some plugin reads Request.Hashes
 	forget   []func(int)
 	approx   *prefix.Index // the approximate index, nil when no scorer uses it
+	// tiers is the pool's tiers (nil: GPU only); tierWeights the profile's
+	// fixed tier credits (nil: priced from tiers' load costs); blockSize the
+	// routing block size (tokens).
+	tiers       *Tiers
+	tierWeights *TierWeights
+	blockSize   int
+	rate        float64 // the cost scorer's configured prefill rate (tokens/s)
 	// seed and decisions make each decision's random stream (Cycle.IntN):
 	// decision n draws from a PCG seeded by (seed, n), so that its draws
 	// depend on neither how many draws earlier decisions made (their ties,
@@ -221,7 +232,7 @@ func (p *Profile) Pick(req *Request, eps []Endpoint) Decision {
 		c.matched = make([]int, n)
 		c.other = make([]int, n)
 	}
-	c.Req, c.Eps, c.matchedDone, c.otherSrc = req, eps, false, nil
+	c.Req, c.Eps, c.matchedDone, c.otherSrc, c.tierDone = req, eps, false, nil, false
 	c.n, c.seeded = p.decisions.Add(1)-1, false
 	defer func() { c.Req, c.Eps, c.otherSrc = nil, nil, nil }()
 
@@ -260,6 +271,13 @@ func (p *Profile) Pick(req *Request, eps []Endpoint) Decision {
 	d := Decision{Endpoint: chosen}
 	if p.match != nil {
 		d.MatchedBlocks = c.Matched()[chosen]
+	}
+	if tb := c.TierBlocks(); tb != nil {
+		d.TierBlocks = tb[chosen]
+		d.MatchedBlocks = 0
+		for _, k := range d.TierBlocks {
+			d.MatchedBlocks += k
+		}
 	}
 	for _, l := range p.learners {
 		l.Learn(c, chosen)

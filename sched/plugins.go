@@ -141,7 +141,32 @@ type preciseScorer struct {
 func (*preciseScorer) Name() string { return ScorerPrecisePrefix }
 
 func (s *preciseScorer) Score(c *Cycle, cands []int, scores []float64) {
-	matchGain(c, c.MatchedBy(s.src), cands, scores, s.minGain)
+	tb := c.TierBlocks()
+	if tb == nil {
+		matchGain(c, c.MatchedBy(s.src), cands, scores, s.minGain)
+		return
+	}
+	// With tiers: each candidate's blocks credited by tier (tiers.go), the
+	// GPU's from the precise index.
+	gpu := c.MatchedBy(s.src)
+	least := math.Inf(1)
+	for k, i := range cands {
+		n := tb[i]
+		n[0] = min(gpu[i], n[0]+n[1]+n[2]+n[3]) // the precise GPU match, under the split's reach
+		scores[k] = c.tierCredit(i, n, c.rate(i))
+		least = min(least, scores[k])
+	}
+	total := float64(len(c.Req.Hashes))
+	for k := range cands {
+		g := 0.0
+		if total > 0 {
+			g = (scores[k] - least) / total
+		}
+		if g < s.minGain {
+			g = 0
+		}
+		scores[k] = g
+	}
 }
 
 // matchGain scores each candidate by the prompt blocks it holds beyond the
@@ -348,14 +373,23 @@ func (s *costScorer) Score(c *Cycle, cands []int, scores []float64) {
 	for _, i := range cands {
 		known = known && c.Eps[i].PrefillTokensPerSecond > 0
 	}
+	tb := c.TierBlocks()
 	for k, i := range cands {
 		ep := &c.Eps[i]
 		rate := s.rate
 		if known {
 			rate = ep.PrefillTokensPerSecond
 		}
-		own := max(1, p-float64(s.blockSize*matched[i]))
-		t := (float64(ep.PendingPrefillTokens) + own) / rate
+		hit, load := float64(matched[i]), 0.0
+		switch {
+		case tb != nil && c.p.tierWeights != nil:
+			hit = c.tierCredit(i, tb[i], rate) // fixed credits, no load time
+		case tb != nil:
+			n := tb[i]
+			hit, load = float64(n[0]+n[1]+n[2]+n[3]), c.loadSeconds(i, n)
+		}
+		own := max(1, p-float64(s.blockSize)*hit)
+		t := (float64(ep.PendingPrefillTokens)+own)/rate + load
 		scores[k] = t
 		best = min(best, t)
 	}

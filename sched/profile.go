@@ -30,6 +30,11 @@ type ProfileConfig struct {
 	Scorers []ScorerConfig `yaml:"scorers"`
 	// Picker: max-score (default), weighted-random or power-of-two.
 	Picker string `yaml:"picker"`
+	// TierWeights credits a prompt block by the tier it would come from
+	// (keys gpu, cpu, disk, remote; weights in [0, 1]) in the precise and
+	// cost scorers, as llm-d and Dynamo weigh tiers; unset, hits are
+	// priced by their load time (tiers.go). Only pools with Tiers use it.
+	TierWeights map[string]float64 `yaml:"tier_weights"`
 }
 
 // ScorerConfig is one weighted scorer of a profile.
@@ -61,8 +66,15 @@ const (
 	CacheAware = "cache-aware"
 	// PrecisePrefix is CacheAware led by the index fed by the engines' KV
 	// events (the approximate index assisting); it needs a pool whose
-	// endpoints publish them.
+	// endpoints publish them. With tiers, hits below the GPU are priced by
+	// their load time.
 	PrecisePrefix = "precise-prefix"
+	// LLMDTiered is PrecisePrefix with llm-d's fixed tier weights (gpu
+	// 1.0, cpu 0.8; no disk or remote tier) in place of priced loads.
+	LLMDTiered = "llm-d-tiered"
+	// DynamoTiered is PrecisePrefix with Dynamo's fixed tier weights (gpu
+	// 1.0, host 0.75, disk 0.25; no remote tier).
+	DynamoTiered = "dynamo-tiered"
 )
 
 // builtinProfiles are the profiles every configuration knows.
@@ -97,14 +109,29 @@ var builtinProfiles = map[string]ProfileConfig{
 		// engine's KV events for its predecessor (they come after the
 		// engine's step) still finds its home; once the events arrive the
 		// precise index outweighs it, eviction included.
-		Scorers: []ScorerConfig{
-			{Type: ScorerPrecisePrefix, Weight: 1.5},
-			{Type: ScorerPrefix, Weight: 0.5},
-			{Type: ScorerCost, Weight: 1},
-			{Type: ScorerLoRA, Weight: 0.5},
-		},
-		Picker: PickerMaxScore,
+		Scorers: precisePrefixScorers,
+		Picker:  PickerMaxScore,
 	},
+	LLMDTiered: {
+		Filters:     []string{FilterModel, FilterAdapterCapacity, FilterHotSpot},
+		Scorers:     precisePrefixScorers,
+		Picker:      PickerMaxScore,
+		TierWeights: map[string]float64{"gpu": 1, "cpu": 0.8},
+	},
+	DynamoTiered: {
+		Filters:     []string{FilterModel, FilterAdapterCapacity, FilterHotSpot},
+		Scorers:     precisePrefixScorers,
+		Picker:      PickerMaxScore,
+		TierWeights: map[string]float64{"gpu": 1, "cpu": 0.75, "disk": 0.25},
+	},
+}
+
+// precisePrefixScorers are the scorers of PrecisePrefix and its tiered peers.
+var precisePrefixScorers = []ScorerConfig{
+	{Type: ScorerPrecisePrefix, Weight: 1.5},
+	{Type: ScorerPrefix, Weight: 0.5},
+	{Type: ScorerCost, Weight: 1},
+	{Type: ScorerLoRA, Weight: 0.5},
 }
 
 // Pool is what a policy is told about its pool when it is built.
@@ -116,6 +143,9 @@ type Pool struct {
 	// when its endpoints publish none. Profiles with a precise-prefix scorer
 	// need it.
 	Precise MatchSource
+	// Tiers is what the pool's index knows of the tiers below the GPU, nil
+	// when the endpoints have none (or publish no events of them).
+	Tiers *Tiers
 }
 
 // ErrNoPrecise is returned by NewPolicy for a profile with a precise-prefix
@@ -226,7 +256,13 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint6
 	if err != nil {
 		return nil, err
 	}
-	p := &Profile{name: name, seed: seed}
+	p := &Profile{name: name, seed: seed, tiers: pool.Tiers, blockSize: pcfg.BlockSize, rate: cfg.Cost.PrefillTokensPerSecond}
+	if p.rate <= 0 {
+		p.rate = DefaultPrefillTokensPerSecond
+	}
+	if p.tierWeights, err = parseTierWeights(pc.TierWeights); err != nil {
+		return nil, fmt.Errorf("routing profile %q: %w", name, err)
+	}
 	where := func(format string, a ...any) error {
 		return fmt.Errorf("routing profile %q: %s", name, fmt.Sprintf(format, a...))
 	}

@@ -71,8 +71,12 @@ type Decision struct {
 	// no endpoint is ready.
 	Endpoint int
 	// MatchedBlocks is the number of leading prompt blocks the policy expects
-	// the endpoint to hold (prefix policy only; 0 otherwise).
+	// the endpoint to hold (prefix policy only; 0 otherwise), in all its
+	// tiers when the pool has Tiers: the prompt tokens it will not prefill.
 	MatchedBlocks int
+	// TierBlocks splits MatchedBlocks by tier (SplitTiers) when the pool
+	// has Tiers; zero otherwise.
+	TierBlocks [NumTiers]int
 }
 
 // Policy picks an endpoint for a request. Implementations are safe for

@@ -468,6 +468,7 @@ func (e *Engine) Stats() Stats {
 //     blocks cannot be allocated, the most recently admitted running request is
 //     preempted (blocks freed, back to the head of the waiting queue, to be
 //     recomputed) until allocation succeeds or the request preempted itself.
+//
 //  2. If nothing was preempted, waiting requests are admitted FCFS while the
 //     budget lasts and fewer than MaxNumSeqs run: each looks up its longest
 //     cached prefix of full blocks (at most prompt-1 tokens), then gets a

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"time"
 
@@ -49,6 +50,13 @@ type Config struct {
 	// negative: never, as for engines without a metrics page). A scrape at
 	// t reads every engine's state after the steps ending at t.
 	ScrapeInterval time.Duration
+	// Remote is the size of a shared remote KV tier every engine writes
+	// through to and loads from (sim.RemoteStore, as infergate kvstore
+	// serves it; a multiple is of one engine's GPU KV cache); zero: none.
+	// The engines' host and disk tiers are Engine.Tiers. With a precise
+	// index the store's KV events feed it as one more endpoint (index
+	// Engines), medium REMOTE.
+	Remote sim.TierSize
 }
 
 // DefaultScrapeInterval is Config.ScrapeInterval's default: the gateway's
@@ -97,6 +105,13 @@ type Result struct {
 	// said the chosen engine held at routing time; -1 without
 	// Config.TrackPrecise.
 	PreciseMatchedBlocks int
+	// TierTokens splits CachedTokens by the tier the engine took each
+	// block from (sim.Output.TierTokens).
+	TierTokens [sim.NumTiers]int
+	// PredictedTierBlocks is what the precise index predicted the chosen
+	// engine would take from each tier (sched.SplitTiers of its per-medium
+	// matches; zero without a precise index).
+	PredictedTierBlocks [sim.NumTiers]int
 	// Err is why the request was not served (no endpoint, or the engine
 	// rejected it as Engine.Add does); nil on success.
 	Err error
@@ -138,7 +153,9 @@ type Fleet struct {
 	cfg       Config
 	policy    sched.Policy
 	precise   *prefix.PreciseIndex // nil unless tracked
+	remote    *sim.RemoteStore     // nil unless Config.Remote
 	matched   []int                // precise match scratch
+	tierMatch [sim.NumTiers][]int  // precise match scratch, per medium
 	seed      uint64               // routing hash seed
 	blockSize int                  // routing block size
 	engines   []engine
@@ -167,11 +184,15 @@ type engine struct {
 	// engine (in flight, in-flight tokens, prefill backlog, learnt prefill
 	// rate), driven here with simulated time.
 	ledger  load.Ledger
-	busy    bool // a step is in progress; it ends at end
+	busy    bool // a step is in progress (or a sleep, when sleeping); it ends at end
 	pending bool // its step ended now and the next starts after this instant's arrivals
-	end     time.Duration
-	outs    []sim.Output    // the step's outputs, delivered at end (owned by e)
-	events  []kvevent.Event // the step's KV events, applied at end (owned by e)
+	// sleeping: its last step scheduled nothing while loads were in flight,
+	// and it waits for the first to end (its heap entry); an arrival ends
+	// the wait early.
+	sleeping bool
+	end      time.Duration
+	outs     []sim.Output    // the step's outputs, delivered at end (owned by e)
+	events   []kvevent.Event // the step's KV events, applied at end (owned by e)
 }
 
 // NewFleet returns a fleet of cfg.Engines idle engines at time 0.
@@ -199,17 +220,41 @@ func NewFleet(cfg Config) (*Fleet, error) {
 	if bs < 1 {
 		return nil, fmt.Errorf("sim: routing block size %d: must be at least 1", bs)
 	}
+	var remote *sim.RemoteStore
 	var precise *prefix.PreciseIndex
-	if cfg.TrackPrecise || (cfg.Policy == nil && sched.UsesPrecise(cfg.Routing)) {
+	tracked := cfg.TrackPrecise || (cfg.Policy == nil && sched.UsesPrecise(cfg.Routing))
+	if !cfg.Remote.IsZero() {
+		remote = sim.NewRemoteStore(eng.TierBlocks(cfg.Remote), tracked)
+		eng.Tiers.Remote = remote
+		if err := eng.Validate(); err != nil {
+			return nil, fmt.Errorf("sim: %w", err)
+		}
+	}
+	// The engines' blocks in all their local tiers.
+	held := eng.NumBlocks + eng.TierBlocks(eng.Tiers.Host) + eng.TierBlocks(eng.Tiers.Disk)
+	if tracked {
 		if bs != eng.BlockSize {
 			return nil, fmt.Errorf("sim: the precise prefix index needs the routing block size (%d) to equal the engines' (%d)", bs, eng.BlockSize)
 		}
 		var err error
-		if precise, err = prefix.NewPreciseIndex(cfg.Engines, bs); err != nil {
+		n := cfg.Engines
+		if remote != nil {
+			n++ // the remote store's events, as one more endpoint
+		}
+		if precise, err = prefix.NewPreciseIndex(n, bs); err != nil {
 			return nil, fmt.Errorf("sim: %w", err)
 		}
 		for i := range cfg.Engines {
-			precise.SetCapacity(i, eng.NumBlocks) // as the gateway bounds it
+			// As the gateway bounds it: all the engine's tiers, and each.
+			precise.SetCapacity(i, held)
+			if eng.Tiers.Enabled() {
+				precise.SetMediumCapacity(i, prefix.MediumGPU, eng.NumBlocks)
+				precise.SetMediumCapacity(i, prefix.MediumCPU, eng.TierBlocks(eng.Tiers.Host))
+				precise.SetMediumCapacity(i, prefix.MediumDisk, eng.TierBlocks(eng.Tiers.Disk))
+			}
+		}
+		if remote != nil {
+			precise.SetCapacity(cfg.Engines, remote.Capacity())
 		}
 		eng.KVEvents = true
 	}
@@ -217,11 +262,14 @@ func NewFleet(cfg Config) (*Fleet, error) {
 	if policy == nil {
 		capacity := make([]int, cfg.Engines)
 		for i := range capacity {
-			capacity[i] = max(1, eng.NumBlocks*eng.BlockSize/bs)
+			capacity[i] = max(1, held*eng.BlockSize/bs)
 		}
 		pool := sched.Pool{Capacity: capacity}
 		if precise != nil {
 			pool.Precise = precise.On(prefix.MediumGPU)
+			if eng.Tiers.Enabled() {
+				pool.Tiers = tierPool(precise, cfg.Engines, remote != nil, eng)
+			}
 		}
 		var err error
 		if policy, err = sched.NewPolicy(cfg.Routing, pool); err != nil {
@@ -233,6 +281,7 @@ func NewFleet(cfg Config) (*Fleet, error) {
 		nextScrape: never,
 		policy:     policy,
 		precise:    precise,
+		remote:     remote,
 		matched:    make([]int, cfg.Engines),
 		seed:       prefix.Seed(cfg.Model + "\x00"),
 		blockSize:  bs,
@@ -246,7 +295,29 @@ func NewFleet(cfg Config) (*Fleet, error) {
 	if cfg.ScrapeInterval > 0 {
 		f.nextScrape = 0
 	}
+	if precise != nil {
+		for m := range f.tierMatch {
+			f.tierMatch[m] = make([]int, precise.Endpoints())
+		}
+	}
 	return f, nil
+}
+
+// tierPool is what routing is told of the engines' tiers: the precise
+// index per medium (the remote store its endpoint n when there is one)
+// and every engine's load costs.
+func tierPool(ix *prefix.PreciseIndex, n int, remote bool, eng sim.Config) *sched.Tiers {
+	t := &sched.Tiers{Source: ix, Remote: -1}
+	if remote {
+		t.Remote = n
+	}
+	perBlock, latency := eng.LoadCost()
+	t.LoadSeconds = make([][sched.NumTiers]float64, n)
+	t.Latency = make([][sched.NumTiers]float64, n)
+	for i := range n {
+		t.LoadSeconds[i], t.Latency[i] = perBlock, latency
+	}
+	return t
 }
 
 // never is a time no event reaches.
@@ -334,7 +405,7 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 		for f.heap.len() > 0 && f.engines[f.heap.top()].end == t {
 			i := f.heap.pop(f.engines)
 			ve := &f.engines[i]
-			ve.busy = false
+			ve.busy, ve.sleeping = false, false
 			if f.precise != nil {
 				f.applyKVEvents(int(i), ve)
 			}
@@ -403,6 +474,9 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	if f.precise != nil {
 		f.precise.Match(f.sreq.Hashes, prefix.MediumGPU, f.matched)
 		r.PreciseMatchedBlocks = f.matched[d.Endpoint]
+		if f.cfg.Engine.Tiers.Enabled() || f.remote != nil {
+			r.PredictedTierBlocks = f.predictTiers(d.Endpoint, len(tokens))
+		}
 		f.precise.Routed(d.Endpoint, f.sreq.Hashes) // as the gateway does
 	}
 	ve := &f.engines[d.Endpoint]
@@ -417,17 +491,72 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	// prompt in flight and its uncached part in the prefill backlog.
 	ve.ledger.Acquire()
 	ve.ledger.Send(&f.shares[k], len(tokens), d.MatchedBlocks*f.blockSize, t)
-	if !ve.busy && !ve.pending {
+	switch {
+	case ve.sleeping:
+		// Waiting for a load, and now it has work to run meanwhile.
+		f.heap.remove(f.engines, int32(d.Endpoint))
+		ve.busy, ve.sleeping = false, false
+		f.step(int32(d.Endpoint), t)
+	case !ve.busy && !ve.pending:
 		f.step(int32(d.Endpoint), t)
 	}
 }
 
-// step starts a step of engine i at time t.
+// predictTiers is what the precise index says engine e would take from
+// each tier for a prompt of tokens tokens whose hashes are f.sreq.Hashes.
+func (f *Fleet) predictTiers(e, tokens int) [sim.NumTiers]int {
+	var m [sim.NumTiers]int
+	for t := range m {
+		f.precise.Match(f.sreq.Hashes, prefix.Medium(t), f.tierMatch[t])
+		m[t] = f.tierMatch[t][e]
+	}
+	if f.remote != nil {
+		m[sim.TierRemote] = f.tierMatch[sim.TierRemote][f.cfg.Engines]
+	}
+	return sched.SplitTiers(m, (tokens-1)/f.blockSize)
+}
+
+// step starts a step of engine i at time t. A step that schedules nothing
+// while lower-tier loads are in flight is a wait for the first to end: the
+// engine sleeps until then, and an arrival wakes it earlier (arrive).
 func (f *Fleet) step(i int32, t time.Duration) {
 	ve := &f.engines[i]
 	res := ve.e.Step(t)
-	ve.busy, ve.end, ve.outs, ve.events = true, t+res.Duration, res.Outputs, res.Events
+	if f.remote != nil && f.precise != nil {
+		f.applyRemoteEvents()
+	}
+	end := t + res.Duration
+	if res.Duration == 0 {
+		at, ok := ve.e.NextLoad()
+		if !ok {
+			// Nothing ran and nothing loads (every running request was
+			// preempted, say): step again at once, after this instant.
+			at = t
+		}
+		end = max(at, t)
+		ve.sleeping = ok
+	}
+	ve.busy, ve.end, ve.outs, ve.events = true, end, res.Outputs, res.Events
 	f.heap.push(f.engines, i)
+}
+
+// applyRemoteEvents feeds the remote store's events to the precise index
+// as those of endpoint Engines, as a gateway subscribed to the kvstore's
+// event stream applies them.
+func (f *Fleet) applyRemoteEvents() {
+	e := f.cfg.Engines
+	for _, ev := range f.remote.TakeEvents() {
+		switch ev.Type {
+		case kvevent.BlockStored:
+			seed := f.seed
+			if ev.LoRAName != "" {
+				seed = prefix.Seed(ev.LoRAName + "\x00")
+			}
+			_ = f.precise.Stored(e, prefix.MediumRemote, ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, seed)
+		case kvevent.BlockRemoved:
+			f.precise.Removed(e, prefix.MediumRemote, ev.BlockHashes)
+		}
+	}
 }
 
 // applyKVEvents feeds engine i's step events to the precise index, at the
@@ -443,9 +572,11 @@ func (f *Fleet) applyKVEvents(i int, ve *engine) {
 			}
 			// A parent evicted before the event: kept as an orphan, as a
 			// subscriber would.
-			_ = f.precise.Stored(i, prefix.MediumGPU, ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, seed)
+			m, _ := prefix.ParseMedium(ev.Medium)
+			_ = f.precise.Stored(i, m, ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, seed)
 		case kvevent.BlockRemoved:
-			f.precise.Removed(i, prefix.MediumGPU, ev.BlockHashes)
+			m, _ := prefix.ParseMedium(ev.Medium)
+			f.precise.Removed(i, m, ev.BlockHashes)
 		case kvevent.AllBlocksCleared:
 			f.precise.Cleared(i)
 		}
@@ -464,7 +595,7 @@ func (f *Fleet) deliver(ve *engine, t time.Duration) {
 		if o.FirstToken {
 			f.shares[k].FirstToken(t) // the learnt prefill rate, as relayStream teaches it
 			r.FirstToken = t
-			r.PromptTokens, r.CachedTokens = o.PromptTokens, o.CachedTokens
+			r.PromptTokens, r.CachedTokens, r.TierTokens = o.PromptTokens, o.CachedTokens, o.TierTokens
 			if m := f.reqs[k].MaxTokens; !f.cfg.SkipITL && m > 1 {
 				r.ITL = make([]time.Duration, 0, m-1)
 			}
@@ -514,6 +645,52 @@ func (h *stepHeap) push(es []engine, i int32) {
 		}
 		h.h[j], h.h[p] = h.h[p], h.h[j]
 		j = p
+	}
+}
+
+// remove takes engine i out of the heap.
+func (h *stepHeap) remove(es []engine, i int32) {
+	j := slices.Index(h.h, i)
+	if j < 0 {
+		return
+	}
+	n := len(h.h) - 1
+	h.h[j] = h.h[n]
+	h.h = h.h[:n]
+	if j == n {
+		return
+	}
+	h.down(es, j)
+	h.up(es, j)
+}
+
+func (h *stepHeap) up(es []engine, j int) {
+	for j > 0 {
+		p := (j - 1) / 2
+		if !stepBefore(es, h.h[j], h.h[p]) {
+			break
+		}
+		h.h[j], h.h[p] = h.h[p], h.h[j]
+		j = p
+	}
+}
+
+func (h *stepHeap) down(es []engine, j int) {
+	n := len(h.h)
+	for {
+		l := 2*j + 1
+		if l >= n {
+			break
+		}
+		c := l
+		if r := l + 1; r < n && stepBefore(es, h.h[r], h.h[l]) {
+			c = r
+		}
+		if !stepBefore(es, h.h[c], h.h[j]) {
+			break
+		}
+		h.h[j], h.h[c] = h.h[c], h.h[j]
+		j = c
 	}
 }
 

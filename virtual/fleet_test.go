@@ -395,3 +395,85 @@ func must(t testing.TB, err error) {
 		t.Fatal(err)
 	}
 }
+
+// TestVirtualTiers: a fleet with host tiers and a shared remote store
+// serves lower-tier hits, reports them by tier, and the precise index (fed
+// by every medium's events and the store's) predicts what each engine
+// takes from each tier; a precise policy prices them.
+func TestVirtualTiers(t *testing.T) {
+	eng := sim.Config{NumBlocks: 400}
+	eng.Tiers.Host = sim.TierSize{Multiple: 2}
+	reqs := virtualTrace(300, 7)
+	for _, policy := range []string{sched.CacheAware, sched.PrecisePrefix, sched.LLMDTiered} {
+		f, err := NewFleet(Config{Engines: 3, Engine: eng, Remote: sim.TierSize{Multiple: 4}, TrackPrecise: true,
+			Routing: sched.Config{Policy: policy}})
+		must(t, err)
+		res, err := f.Run(reqs)
+		must(t, err)
+		var tier, predicted [sim.NumTiers]int
+		exact, served := 0, 0
+		for i := range res {
+			r := &res[i]
+			if r.Err != nil {
+				t.Fatalf("%s: request %d: %v", policy, i, r.Err)
+			}
+			sum := 0
+			for k, v := range r.TierTokens {
+				tier[k] += v
+				sum += v
+				predicted[k] += r.PredictedTierBlocks[k] * 16
+			}
+			if sum != r.CachedTokens {
+				t.Fatalf("%s: request %d: tiers %v do not add up to %d cached", policy, i, r.TierTokens, r.CachedTokens)
+			}
+			served++
+			if r.PredictedTierBlocks[0]*16 == r.TierTokens[0] && r.PredictedTierBlocks[1]*16 == r.TierTokens[1] && r.PredictedTierBlocks[3]*16 == r.TierTokens[3] {
+				exact++
+			}
+		}
+		for _, k := range []sim.Tier{sim.TierGPU, sim.TierHost, sim.TierRemote} {
+			if tier[k] == 0 || predicted[k] == 0 {
+				t.Errorf("%s: tier %s: %d tokens served, %d predicted", policy, k, tier[k], predicted[k])
+			}
+		}
+		// Predictions are made at routing time, before the engine's step
+		// (and the events of steps still running), so a few differ.
+		if exact < served*8/10 {
+			t.Errorf("%s: %d of %d predictions exact per tier (tiers %v, predicted %v)", policy, exact, served, tier, predicted)
+		}
+		var st [sim.NumTiers]int64
+		for _, s := range f.Stats() {
+			for k := range st {
+				st[k] += s.TierHits[k]
+			}
+		}
+		if int(st[sim.TierHost]) != tier[sim.TierHost] || int(st[sim.TierRemote]) != tier[sim.TierRemote] {
+			t.Errorf("%s: engine stats %v, results %v", policy, st, tier)
+		}
+	}
+}
+
+// TestVirtualSleepWake: an engine waiting for a load with nothing to run
+// sleeps until it ends, and an arrival meanwhile runs at once.
+func TestVirtualSleepWake(t *testing.T) {
+	eng := sim.Config{NumBlocks: 64}
+	eng.Profile = sim.DefaultProfile()
+	eng.Profile.NetworkLatency = time.Second // a slow remote load
+	f, err := NewFleet(Config{Engines: 1, Engine: eng, Remote: sim.TierSize{Multiple: 4}, Routing: sched.Config{Policy: sched.RoundRobin}})
+	must(t, err)
+	a := seqTokens(1, 640)
+	_, err = f.Run([]Request{{Arrival: 0, Tokens: a, MaxTokens: 1}, {Arrival: 0, Tokens: seqTokens(5000, 1024), MaxTokens: 1}})
+	must(t, err)
+	start := f.Now() + time.Second
+	// a's blocks left the GPU (1024 + 640 > 64 blocks of 16); the remote
+	// store has them: a loads for over a second, and b, arriving 10 ms
+	// later, does not wait for that load.
+	res, err := f.Run([]Request{{Arrival: start, Tokens: a, MaxTokens: 1}, {Arrival: start + 10*time.Millisecond, Tokens: seqTokens(9000, 32), MaxTokens: 1}})
+	must(t, err)
+	if res[0].TierTokens[sim.TierRemote] == 0 || res[0].TTFT() < time.Second {
+		t.Fatalf("a: %+v", res[0])
+	}
+	if res[1].TTFT() > 200*time.Millisecond {
+		t.Fatalf("b waited %v behind a's load", res[1].TTFT())
+	}
+}

@@ -53,6 +53,9 @@ type ReplayOptions struct {
 	// SkipITL leaves Record.ITLMs empty (Summary.ITL is then zero), saving
 	// memory on very large traces.
 	SkipITL bool
+	// Remote is the shared remote KV tier's size (Config.Remote); the
+	// engines' host and disk tiers are Engine.Tiers.
+	Remote sim.TierSize
 }
 
 // ReplayResult is the outcome of Replay.
@@ -115,6 +118,7 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 		Routing:      routing,
 		SkipITL:      opts.SkipITL,
 		TrackPrecise: opts.TrackPrecise,
+		Remote:       opts.Remote,
 	})
 	if err != nil {
 		return ReplayResult{}, fmt.Errorf("virtual: %w", err)
@@ -145,6 +149,7 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 		Wall:    wall,
 	}
 	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+	tiered := eng.Tiers.Enabled() || !opts.Remote.IsZero()
 	for i := range res {
 		r := &res[i]
 		out := &run.Records[i]
@@ -159,6 +164,17 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 		}
 		out.TTFTMs, out.E2EMs = ms(r.TTFT()), ms(r.E2E())
 		out.PromptTokens, out.CachedTokens, out.OutputTokens = r.PromptTokens, r.CachedTokens, r.OutputTokens
+		if tiered {
+			tt := r.TierTokens
+			out.TierTokens = &tt
+			if fleet.precise != nil {
+				var p [measure.NumTiers]int
+				for t, b := range r.PredictedTierBlocks {
+					p[t] = b * fleet.BlockSize()
+				}
+				out.PredictedTierTokens = &p
+			}
+		}
 		if len(r.ITL) > 0 {
 			out.ITLMs = make([]float64, len(r.ITL))
 			for j, g := range r.ITL {

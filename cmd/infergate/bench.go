@@ -50,6 +50,7 @@ type benchFlags struct {
 	rateList    string
 	concurrency int
 	maxLag      time.Duration
+	tiers       tierFlags
 }
 
 func newBenchCmd() *cobra.Command {
@@ -133,6 +134,7 @@ func (fl *benchFlags) bind(f *pflag.FlagSet) {
 	fl.warm.register(f)
 	f.StringVar(&fl.rateList, "rate", "", "request-rate sweep: comma-separated rates (req/s, e.g. 1,2,4,8); the workload's arrivals are re-timed as a Poisson process at each rate (fixed seed, same requests in the same order) and run once per rate (per policy with --compare)")
 	f.DurationVar(&fl.maxLag, "max-lag", measure.DefaultMaxLag, "real-time runs: the largest p99 lag (engine time) of the simulated fleet's steps and of the client's sends against their schedule; a run past it is marked BEHIND and bench exits non-zero")
+	fl.tiers.register(f)
 	f.IntVar(&fl.concurrency, "concurrency", 0, "closed loop (real time only, not --virtual): N users each send their next request as soon as the previous one finished, ignoring timestamps; with --workload chat, at most N sessions active at once, each turn sent when the previous answer has arrived plus the think time")
 }
 
@@ -288,6 +290,10 @@ func (r *benchRun) describe(prov *measure.Provenance) error {
 	if len(replayed) > 0 {
 		ec = ec.WithDefaults()
 		r.refs = measure.NewReferences(replayed, n*ec.NumBlocks, ec.BlockSize)
+		if t := fl.tiers; !t.host.IsZero() || !t.disk.IsZero() || !t.remote.IsZero() {
+			tiered := n*(ec.NumBlocks+ec.TierBlocks(t.host)+ec.TierBlocks(t.disk)) + ec.TierBlocks(t.remote)
+			r.refs.AddTiered(replayed, tiered, ec.BlockSize)
+		}
 	}
 	return nil
 }
@@ -363,8 +369,8 @@ func (r *benchRun) compareVirtual(recs []trace.Record, rate float64) error {
 	fl := r.fl
 	for _, p := range r.policies {
 		run, err := virtual.Replay(r.ctx, virtual.ReplayOptions{Policy: p, Engines: fl.engines, TrackPrecise: true,
-			Engine: sim.Config{Profile: r.prof}, Records: recs, Requests: fl.requests, Model: r.model, Routing: r.routing,
-			Warmup: fl.warm.w, RateRPS: rate})
+			Engine: fl.tiers.engine(sim.Config{Profile: r.prof}), Remote: fl.tiers.remote, Records: recs, Requests: fl.requests,
+			Model: r.model, Routing: r.routing, Warmup: fl.warm.w, RateRPS: rate})
 		if err != nil {
 			return err
 		}

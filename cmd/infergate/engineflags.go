@@ -109,3 +109,20 @@ func parseKVEvents(s string) (kvevents.PublisherConfig, error) {
 }
 
 func profileNames() []string { return sim.ProfileNames() }
+
+// tierFlags size the simulated engines' KV tiers behind the GPU (sim/tiers.go).
+type tierFlags struct {
+	host, disk, remote sim.TierSize
+}
+
+func (t *tierFlags) register(f *pflag.FlagSet) {
+	f.Var(&t.host, "kv-host", "host-memory KV tier of each engine: 0 (off), a multiple of its GPU KV cache (4x) or bytes (512GiB); bandwidth from the profile")
+	f.Var(&t.disk, "kv-disk", "local-disk KV tier of each engine: 0 (off), a multiple of its GPU KV cache or bytes")
+	f.Var(&t.remote, "kv-remote", "shared remote KV tier (one store for the fleet): 0 (off), a multiple of one engine's GPU KV cache or bytes")
+}
+
+// engine returns c with the host and disk tiers set.
+func (t *tierFlags) engine(c sim.Config) sim.Config {
+	c.Tiers.Host, c.Tiers.Disk = t.host, t.disk
+	return c
+}

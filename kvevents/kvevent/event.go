@@ -97,8 +97,9 @@ type Event struct {
 	// is ""). kvevents.DecodeBatch does not read lora_id (vLLM deprecated it; the
 	// gateway keys adapters by name) and leaves it 0.
 	LoRAID int
-	// Medium is the cache tier ("" when null, which means the GPU). Filled by
-	// kvevents.DecodeBatch; kvevents.AppendBatch always writes kvevents.MediumGPU.
+	// Medium is the cache tier ("" when null, which means the GPU; the
+	// Medium* constants). Filled by kvevents.DecodeBatch; kvevents.AppendBatch
+	// writes it, MediumGPU when "".
 	Medium string
 	// GroupIdx is the KV-cache group of hybrid models (-1 when null or
 	// absent). Filled by kvevents.DecodeBatch; kvevents.AppendBatch always writes group 0 on

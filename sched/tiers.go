@@ -1,0 +1,221 @@
+package sched
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/infergate/infergate/prefix"
+)
+
+// Tier pricing: what routing knows of the KV tiers behind each endpoint's
+// GPU (host memory, local disk) and of the shared remote tier, and what a
+// hit in each is worth.
+//
+// An engine serves a prompt's leading blocks from its GPU prefix cache,
+// then block by block from its host tier, its disk tier, the remote store,
+// stopping at the first block none holds (vLLM's offloading connector and
+// LMCache; sim/tiers.go). The index knows, per endpoint and medium, the
+// leading blocks held (prefix.PreciseIndex fed by the engines' and the
+// kvstore's KV events); SplitTiers turns those into the blocks each tier
+// supplies. The cost scorer then estimates
+//
+//	TTFT_e ≈ (PendingPrefillTokens_e + max(1, P − B·Σ_t n_t)) / rate_e
+//	         + Σ_{t below GPU, n_t > 0} (n_t · LoadSeconds_e[t] + Latency_e[t])
+//
+// (queue drain, prefill of the rest, loads of the lower-tier part; loads are
+// asynchronous in the engine and queue on their tier's link, which the
+// estimate leaves out), and the precise scorer credits a block from tier t
+// with weight w_t = max(0, 1 − LoadSeconds_e[t] / (B / rate_e)): the
+// fraction of its prefill time a load saves.
+//
+// Peers weigh tiers by fixed factors instead, and a profile's tier_weights
+// reproduce them (both scorers then use Σ_t w_t · n_t as the matched blocks
+// and price no load time): llm-d's precise prefix scorer gpu 1.0, cpu 0.8
+// (llm-d-kv-cache, kvblock tier weights, docs/PROTOCOLS.md §8); Dynamo's
+// kv-router --router-host-cache-hit-weight 0.75 and
+// --router-disk-cache-hit-weight 0.25 (ai-dynamo/dynamo router docs).
+
+// NumTiers is the number of tiers routing prices: the media of
+// prefix.PreciseIndex from MediumGPU to MediumRemote.
+const NumTiers = int(prefix.MediumRemote) + 1
+
+// TierSource answers per-medium prefix matches: matched[e] is the number of
+// leading blocks of hashes endpoint e holds in medium m, for every
+// e < len(matched). *prefix.PreciseIndex implements it.
+type TierSource interface {
+	Match(hashes []uint64, m prefix.Medium, matched []int)
+}
+
+// Tiers is what a policy is told about its pool's tiers (Pool.Tiers).
+type Tiers struct {
+	// Source is the per-medium index; its endpoints are the pool's, then
+	// (Remote) the remote store's.
+	Source TierSource
+	// Remote is the index in Source of the remote store, or -1 when the
+	// pool has no remote tier.
+	Remote int
+	// LoadSeconds[e][t] is the time to load one block from tier t into
+	// endpoint e's GPUs, seconds; Latency[e][t] the fixed cost of one load
+	// (sim.Config.LoadCost for a simulated engine). Entries of tiers an
+	// endpoint lacks are 0. Length: the pool size.
+	LoadSeconds, Latency [][NumTiers]float64
+}
+
+// SplitTiers turns leading matches per tier (m[t]: leading prompt blocks
+// tier t holds; the remote tier's are the store's, shared) into the blocks
+// an engine takes from each: the GPU its m[GPU], then each lower tier,
+// fastest first, the blocks past what faster tiers supplied, at most
+// maxBlocks in all (an engine computes at least one prompt token:
+// maxBlocks = (P − 1) / B). It assumes each tier's blocks are
+// prefix-closed, which the lookup's block-by-block walk makes an
+// underestimate when they are not.
+func SplitTiers(m [NumTiers]int, maxBlocks int) (n [NumTiers]int) {
+	reach := 0
+	for t, k := range m {
+		k = min(k, maxBlocks)
+		if k > reach {
+			n[t] = k - reach
+			reach = k
+		}
+	}
+	return n
+}
+
+// TierWeights are the fixed per-tier credits of a profile's tier_weights
+// (YAML map: gpu, cpu, disk, remote; missing tiers 0, gpu 1 when missing).
+type TierWeights [NumTiers]float64
+
+// parseTierWeights reads a profile's tier_weights; nil for none (priced).
+func parseTierWeights(m map[string]float64) (*TierWeights, error) {
+	if m == nil {
+		return nil, nil
+	}
+	w := TierWeights{1}
+	for k, v := range m {
+		if v < 0 || v > 1 || v != v {
+			return nil, fmt.Errorf("tier_weights.%s %g must be in [0, 1]", k, v)
+		}
+		switch strings.ToLower(k) {
+		case "gpu":
+			w[prefix.MediumGPU] = v
+		case "cpu", "host":
+			w[prefix.MediumCPU] = v
+		case "disk":
+			w[prefix.MediumDisk] = v
+		case "remote":
+			w[prefix.MediumRemote] = v
+		default:
+			return nil, fmt.Errorf("tier_weights: unknown tier %q (want gpu, cpu, disk, remote)", k)
+		}
+	}
+	return &w, nil
+}
+
+// TierBlocks returns, for every endpoint of c.Eps, the prompt blocks it
+// would take from each tier (SplitTiers of the pool's per-medium matches,
+// the GPU's being the profile's own Matched), or nil when the pool has no
+// Tiers. Computed once per decision; valid until the decision ends.
+func (c *Cycle) TierBlocks() [][NumTiers]int {
+	t := c.p.tiers
+	if t == nil || t.Source == nil {
+		return nil
+	}
+	if c.tierDone {
+		return c.tierBlocks
+	}
+	c.tierDone = true
+	n := len(c.Eps)
+	if cap(c.tierBlocks) < n {
+		c.tierBlocks = make([][NumTiers]int, n)
+	}
+	out := c.tierBlocks[:n]
+	clear(out)
+	hashes := c.Req.Hashes
+	if len(hashes) == 0 {
+		return out
+	}
+	gpu := c.Matched()
+	width := n
+	if t.Remote >= n {
+		width = t.Remote + 1
+	}
+	if cap(c.tierScratch) < width {
+		c.tierScratch = make([]int, width)
+	}
+	scratch := c.tierScratch[:width]
+	for m := prefix.MediumCPU; int(m) < NumTiers; m++ {
+		t.Source.Match(hashes, m, scratch)
+		remote := 0
+		if t.Remote >= 0 && t.Remote < width {
+			remote = scratch[t.Remote]
+		}
+		for e := range n {
+			if m == prefix.MediumRemote {
+				out[e][m] = remote
+			} else {
+				out[e][m] = scratch[e]
+			}
+		}
+	}
+	maxBlocks := max(0, (c.Req.PromptTokens-1)/max(1, c.p.blockSize))
+	if c.Req.PromptTokens == 0 {
+		maxBlocks = len(hashes)
+	}
+	for e := range n {
+		out[e][prefix.MediumGPU] = gpu[e]
+		out[e] = SplitTiers(out[e], maxBlocks)
+	}
+	return out
+}
+
+// tierCredit is the matched blocks endpoint e is credited with from its
+// tier split n: Σ_t w_t · n_t with the profile's fixed weights, or priced
+// weights (Tiers) at prefill rate (tokens/s) when the profile has none.
+func (c *Cycle) tierCredit(e int, n [NumTiers]int, rate float64) float64 {
+	if w := c.p.tierWeights; w != nil {
+		s := 0.0
+		for t, k := range n {
+			s += w[t] * float64(k)
+		}
+		return s
+	}
+	s := float64(n[prefix.MediumGPU])
+	perBlock := float64(c.p.blockSize) / rate // prefill seconds a block costs
+	for t := 1; t < NumTiers; t++ {
+		if n[t] == 0 {
+			continue
+		}
+		ld := c.p.tiers.LoadSeconds
+		w := 1.0
+		if e < len(ld) {
+			w = max(0, 1-ld[e][t]/perBlock)
+		}
+		s += w * float64(n[t])
+	}
+	return s
+}
+
+// rate is endpoint i's prefill rate for pricing tier hits: its own when
+// known, else the cost scorer's configured one.
+func (c *Cycle) rate(i int) float64 {
+	if r := c.Eps[i].PrefillTokensPerSecond; r > 0 {
+		return r
+	}
+	return c.p.rate
+}
+
+// loadSeconds is the estimated time endpoint e spends loading its
+// lower-tier blocks n (0 with fixed tier weights, which price no loads).
+func (c *Cycle) loadSeconds(e int, n [NumTiers]int) float64 {
+	t := c.p.tiers
+	if c.p.tierWeights != nil || t == nil || e >= len(t.LoadSeconds) {
+		return 0
+	}
+	s := 0.0
+	for k := 1; k < NumTiers; k++ {
+		if n[k] > 0 {
+			s += float64(n[k])*t.LoadSeconds[e][k] + t.Latency[e][k]
+		}
+	}
+	return s
+}
