@@ -3,6 +3,7 @@
 // KV cache. Subcommands: up (gateway plus a simulated fleet), serve (gateway in
 // front of real engines), sim (one simulated vLLM-compatible engine), bench
 // (trace replay and policy comparison), plan (fleet sizing in virtual time),
+// kvstore (the shared remote KV-cache tier),
 // version.
 package main
 
@@ -54,7 +55,7 @@ engine most likely to hold its prompt prefix in KV cache, balanced against load.
 		},
 	}
 	root.CompletionOptions.DisableDefaultCmd = true
-	root.AddCommand(newUpCmd(), newServeCmd(), newSimCmd(), newBenchCmd(), newPlanCmd(), newKeysCmd(), newVersionCmd())
+	root.AddCommand(newUpCmd(), newServeCmd(), newSimCmd(), newBenchCmd(), newPlanCmd(), newKVStoreCmd(), newKeysCmd(), newVersionCmd())
 	return root
 }
 
