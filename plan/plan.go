@@ -46,8 +46,12 @@ type Options struct {
 	// Policies are the routing policies to sweep (sched.Names), at least one;
 	// their order breaks ties in the recommendation.
 	Policies []string
-	// Engine is the engine model of every engine (zero: sim's defaults).
+	// Engine is the engine model of every engine (zero: sim's defaults),
+	// its host and disk KV tiers (Engine.Tiers) included.
 	Engine sim.Config
+	// Remote is the size of the fleet's shared remote KV tier (one store
+	// whatever the fleet size; zero: none).
+	Remote sim.TierSize
 	// Model is the served model name, which seeds routing hashes (default:
 	// the engine profile's model).
 	Model string
@@ -227,7 +231,7 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 	start := time.Now()
 	var refs *refCache
 	if !opts.NoReferences {
-		refs = newRefCache(recs, opts.Engine)
+		refs = newRefCache(recs, opts.Engine, opts.Remote)
 	}
 	jobs := make(chan int)
 	var (
@@ -309,7 +313,7 @@ func dispatchOrder(engines []int, policies []string, routing sched.Config) []int
 func runOne(ctx context.Context, opts Options, recs []trace.Record, engines int, policy string, refs *refCache) (Row, error) {
 	start := time.Now()
 	run, err := virtual.Replay(ctx, virtual.ReplayOptions{
-		Policy: policy, Engines: engines, Engine: opts.Engine, Records: recs,
+		Policy: policy, Engines: engines, Engine: opts.Engine, Remote: opts.Remote, Records: recs,
 		Model: opts.Model, Seed: opts.Seed, Routing: opts.Routing, Warmup: opts.Warmup,
 	})
 	if err != nil {
@@ -337,6 +341,7 @@ func runOne(ctx context.Context, opts Options, recs []trace.Record, engines int,
 type refCache struct {
 	recs   []trace.Record
 	engine sim.Config // defaults applied
+	remote sim.TierSize
 	mu     sync.Mutex
 	bySize map[int]*refOnce
 }
@@ -346,8 +351,8 @@ type refOnce struct {
 	refs *measure.References
 }
 
-func newRefCache(recs []trace.Record, engine sim.Config) *refCache {
-	return &refCache{recs: recs, engine: engine.WithDefaults(), bySize: map[int]*refOnce{}}
+func newRefCache(recs []trace.Record, engine sim.Config, remote sim.TierSize) *refCache {
+	return &refCache{recs: recs, engine: engine.WithDefaults(), remote: remote, bySize: map[int]*refOnce{}}
 }
 
 // get returns the references for a fleet of engines engines, computing
@@ -361,7 +366,12 @@ func (c *refCache) get(engines int) *measure.References {
 	}
 	c.mu.Unlock()
 	o.once.Do(func() {
-		o.refs = measure.NewReferences(c.recs, engines*c.engine.NumBlocks, c.engine.BlockSize)
+		e := c.engine
+		o.refs = measure.NewReferences(c.recs, engines*e.NumBlocks, e.BlockSize)
+		if e.Tiers.Enabled() || !c.remote.IsZero() {
+			tiered := engines*(e.NumBlocks+e.TierBlocks(e.Tiers.Host)+e.TierBlocks(e.Tiers.Disk)) + e.TierBlocks(c.remote)
+			o.refs.AddTiered(c.recs, tiered, e.BlockSize)
+		}
 	})
 	return o.refs
 }

@@ -205,14 +205,70 @@ func (r HTMLReport) Page() Page {
 	} else {
 		run.Facts = []Fact{LagFact(sums)}
 	}
+	cache := Section{Title: "Prefix cache", Charts: []Chart{hitBars, hitT}}
+	if tiers, table := tierCharts(sums, names); tiers != nil {
+		cache.Charts = append(cache.Charts, tiers...)
+		cache.Table = table
+	}
 	sections := []Section{
 		run,
 		{Title: "Summary", Text: text, Table: SummaryTable(sums)},
 		{Title: "Latency", Charts: []Chart{ttftCDF, itlCDF, ttftBars, itlBars}},
-		{Title: "Prefix cache", Charts: []Chart{hitBars, hitT}},
+		cache,
 		{Title: "Load over time and per engine", Charts: []Chart{ttftTC, inflightC, share}},
 	}
 	return Page{Title: r.Title, Subtitle: subtitle(r.Provenance), Sections: sections}
+}
+
+// tierCharts are the hits by KV tier of the runs that report tiers
+// (Summary.TierHitRate): the engines' reported hit rate per tier and the
+// precise index's prediction per tier, as bar charts grouped by tier, and a
+// table with the prediction's mean absolute error; nil when no run reports
+// tiers.
+func tierCharts(sums []measure.Summary, names []string) ([]Chart, *Table) {
+	var rep, pred [][]float64
+	var rnames, pnames []string
+	t := &Table{Head: []string{"policy", "gpu %", "host %", "disk %", "remote %", "predicted gpu/host/disk/remote %", "MAE gpu/host/disk/remote tokens"}}
+	for i, s := range sums {
+		if s.TierHitRate == nil {
+			continue
+		}
+		v := s.TierHitRate.Array()
+		rep = append(rep, v[:])
+		rnames = append(rnames, names[i])
+		row := []string{names[i]}
+		for _, x := range v {
+			row = append(row, fmt.Sprintf("%.1f", x*100))
+		}
+		pcell, mcell := "-", "-"
+		if p := s.TierPredictedHitRate; p != nil {
+			pv := p.Array()
+			pred = append(pred, pv[:])
+			pnames = append(pnames, names[i])
+			pcell = fmt.Sprintf("%.1f/%.1f/%.1f/%.1f", pv[0]*100, pv[1]*100, pv[2]*100, pv[3]*100)
+		}
+		if m := s.TierPredictionMAE; m != nil {
+			mv := m.Array()
+			mcell = fmt.Sprintf("%.0f/%.0f/%.0f/%.0f", mv[0], mv[1], mv[2], mv[3])
+		}
+		t.Rows = append(t.Rows, append(row, pcell, mcell))
+	}
+	if len(rep) == 0 {
+		return nil, nil
+	}
+	groups := measure.TierNames[:]
+	axis := Axis{Label: "hit rate (Σcached in the tier / Σprompt)", Format: FormatPercent}
+	reported := BarChart("Hits by tier, as the engines served them", "", axis, groups, rnames, rep)
+	reported.Key = "tier-hits"
+	reported.Note = "Prompt tokens served from each tier: the GPU prefix cache, then blocks loaded from host memory, local disk and the shared remote store (sim/tiers.go)."
+	charts := []Chart{reported}
+	if len(pred) > 0 {
+		p := BarChart("Hits by tier, as the precise index predicted them at routing time", "", axis, groups, pnames, pred)
+		p.Key = "tier-predicted"
+		p.Note = "The table below gives the mean absolute error per request and tier between prediction and what the engine served."
+		charts = append(charts, p)
+	}
+	return charts, t
 }
 
 // subtitle is the page's line under the title: version and start.

@@ -318,3 +318,38 @@ func TestMeasuredRun(t *testing.T) {
 		t.Errorf("MeasuredRun: %d records, engines %v", len(m.Records), m.Engine)
 	}
 }
+
+// TestHTMLReportTiers: runs that report KV tiers get the hits-by-tier charts
+// and table; runs that do not, none.
+func TestHTMLReportTiers(t *testing.T) {
+	plain := synthRun("gpu-only", 200, 4, 3)
+	tiered := synthRun("tiered", 200, 4, 4)
+	for i := range tiered.Records {
+		r := &tiered.Records[i]
+		r.TierTokens = &[measure.NumTiers]int{r.CachedTokens / 2, r.CachedTokens / 4, 0, r.CachedTokens - r.CachedTokens/2 - r.CachedTokens/4}
+		p := *r.TierTokens
+		p[1] += 16
+		r.PredictedTierTokens = &p
+	}
+	tiered.Summary = measure.Summarize("tiered", tiered.Records)
+	if s := tiered.Summary; s.TierHitRate == nil || s.TierPredictionMAE == nil || s.TierPredictionMAE.Host != 16 || s.TierPredictionMAE.GPU != 0 {
+		t.Fatalf("summary tiers: %+v %+v", s.TierHitRate, s.TierPredictionMAE)
+	}
+	var b bytes.Buffer
+	if err := WriteHTML(&b, "tiers", []HTMLRun{plain, tiered}); err != nil {
+		t.Fatal(err)
+	}
+	out := b.String()
+	for _, want := range []string{"Hits by tier, as the engines served them", "as the precise index predicted them", "MAE gpu/host/disk/remote tokens", "0/16/0/0"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("report lacks %q", want)
+		}
+	}
+	b.Reset()
+	if err := WriteHTML(&b, "plain", []HTMLRun{plain}); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(b.String(), "Hits by tier") {
+		t.Error("a report without tiers has tier charts")
+	}
+}

@@ -34,6 +34,7 @@ type planFlags struct {
 	workers  int
 	seed     int64
 	htmlPath string
+	tiers    tierFlags
 }
 
 func newPlanCmd() *cobra.Command {
@@ -78,6 +79,7 @@ overhead, and engines never fail.`,
 // bind registers plan's flags on f.
 func (fl *planFlags) bind(f *pflag.FlagSet) {
 	fl.wl.register(f)
+	fl.tiers.register(f)
 	fl.warm.register(f)
 	f.StringVar(&fl.profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile)")
 	f.StringVar(&fl.profile, "profile", sim.DefaultProfile().Name, "engine profile: "+strings.Join(profileNames(), ", "))
@@ -170,7 +172,7 @@ func (fl *planFlags) options() (plan.Options, error) {
 	}
 	return plan.Options{
 		Records: recs, Requests: fl.requests, Engines: sizes, Policies: pols,
-		Engine: sim.Config{Profile: prof}, Model: model, Routing: routing, Seed: fl.seed,
+		Engine: fl.tiers.engine(sim.Config{Profile: prof}), Remote: fl.tiers.remote, Model: model, Routing: routing, Seed: fl.seed,
 		SLO: slo, Workers: fl.workers, Warmup: fl.warm.w,
 	}, nil
 }
