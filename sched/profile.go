@@ -75,6 +75,13 @@ const (
 	// DynamoTiered is PrecisePrefix with Dynamo's fixed tier weights (gpu
 	// 1.0, host 0.75, disk 0.25; no remote tier).
 	DynamoTiered = "dynamo-tiered"
+	// TieredCost routes on the estimated TTFT alone — queue drain, load time
+	// of the lower-tier part, prefill of the rest (the cost scorer with the
+	// pool's tiers priced; the precise index its only match source) — and
+	// lets no affinity score outweigh it: with a shared remote tier any
+	// endpoint can load a prefix, so load balance decides (sched/README.md,
+	// "KV tiers").
+	TieredCost = "tiered-cost"
 )
 
 // builtinProfiles are the profiles every configuration knows.
@@ -117,6 +124,13 @@ var builtinProfiles = map[string]ProfileConfig{
 		Scorers:     precisePrefixScorers,
 		Picker:      PickerMaxScore,
 		TierWeights: map[string]float64{"gpu": 1, "cpu": 0.8},
+	},
+	TieredCost: {
+		Filters: []string{FilterModel, FilterAdapterCapacity, FilterHotSpot},
+		// The precise scorer at weight 0 only makes the precise index the
+		// profile's match source (Cycle.Matched, the tiers' GPU part).
+		Scorers: []ScorerConfig{{Type: ScorerPrecisePrefix, Weight: 0}, {Type: ScorerCost, Weight: 1}, {Type: ScorerLoRA, Weight: 0.5}},
+		Picker:  PickerMaxScore,
 	},
 	DynamoTiered: {
 		Filters:     []string{FilterModel, FilterAdapterCapacity, FilterHotSpot},
@@ -217,14 +231,16 @@ func Validate(cfg Config) error {
 	return err
 }
 
-// UsesPrecise reports whether cfg's policy scores with the precise index.
+// UsesPrecise reports whether cfg's policy reads the precise index.
 func UsesPrecise(cfg Config) bool {
 	_, pc, ok := cfg.profile()
 	if !ok {
 		return false
 	}
+	// Any precise-prefix scorer, weight 0 included: it makes the precise
+	// index the profile's match source (TieredCost).
 	for _, s := range pc.Scorers {
-		if s.Type == ScorerPrecisePrefix && s.Weight > 0 {
+		if s.Type == ScorerPrecisePrefix {
 			return true
 		}
 	}
