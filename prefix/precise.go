@@ -797,6 +797,15 @@ func (ix *PreciseIndex) MatchTiers(hashes []uint64, matched [][NumMedia]int) {
 	}
 }
 
+// Owners returns the endpoints holding request key h in medium m, as a
+// bitmask (bit e for endpoint e): one shard read lock, no allocation.
+func (ix *PreciseIndex) Owners(h uint64, m Medium) uint64 {
+	if m >= NumMedia {
+		return 0
+	}
+	return ix.lookup(m, h)
+}
+
 // lookup returns the owners of request key h in medium m.
 func (ix *PreciseIndex) lookup(m Medium, h uint64) uint64 {
 	s := ix.shard(h)

@@ -2,6 +2,7 @@ package sched
 
 import (
 	"fmt"
+	"math/bits"
 	"strings"
 
 	"github.com/infergate/infergate/prefix"
@@ -41,9 +42,11 @@ const NumTiers = int(prefix.MediumRemote) + 1
 
 // TierSource answers per-medium prefix matches: matched[e] is the number of
 // leading blocks of hashes endpoint e holds in medium m, for every
-// e < len(matched). *prefix.PreciseIndex implements it.
+// e < len(matched); Owners is the endpoints holding one block in medium m
+// (bit e for endpoint e). *prefix.PreciseIndex implements it.
 type TierSource interface {
 	Match(hashes []uint64, m prefix.Medium, matched []int)
+	Owners(h uint64, m prefix.Medium) uint64
 }
 
 // Tiers is what a policy is told about its pool's tiers (Pool.Tiers).
@@ -112,9 +115,9 @@ func parseTierWeights(m map[string]float64) (*TierWeights, error) {
 }
 
 // TierBlocks returns, for every endpoint of c.Eps, the prompt blocks it
-// would take from each tier (SplitTiers of the pool's per-medium matches,
-// the GPU's being the profile's own Matched), or nil when the pool has no
-// Tiers. Computed once per decision; valid until the decision ends.
+// would take from each tier (Tiers.Split, the GPU's part being the
+// profile's own Matched), or nil when the pool has no Tiers. Computed once
+// per decision; valid until the decision ends.
 func (c *Cycle) TierBlocks() [][NumTiers]int {
 	t := c.p.tiers
 	if t == nil || t.Source == nil {
@@ -130,42 +133,117 @@ func (c *Cycle) TierBlocks() [][NumTiers]int {
 	}
 	out := c.tierBlocks[:n]
 	clear(out)
-	hashes := c.Req.Hashes
-	if len(hashes) == 0 {
+	if len(c.Req.Hashes) == 0 {
 		return out
 	}
-	gpu := c.Matched()
+	maxBlocks := len(c.Req.Hashes)
+	if c.Req.PromptTokens > 0 {
+		maxBlocks = min(maxBlocks, (c.Req.PromptTokens-1)/max(1, c.p.blockSize))
+	}
+	c.tierScratch = t.Split(c.Req.Hashes, maxBlocks, c.Matched(), out, c.tierScratch)
+	return out
+}
+
+// Split sets out[e], for every e < len(out), to the blocks of a prompt
+// (its request keys hashes) endpoint e would take from each tier: gpu[e]
+// leading blocks from its GPU, then block by block from the fastest lower
+// tier holding the next one (its host memory, its disk, the remote store),
+// up to the first block none holds and at most maxBlocks in all — the
+// engine's own lookup (sim/tiers.go). It starts from SplitTiers of the
+// per-medium leading matches (a bisecting Match per medium) and walks on
+// from there (extend), so the total is the engine's; within the leading
+// prefixes a slower tier may be credited with blocks a faster one also
+// holds past a hole (the load time is then an upper bound). scratch is
+// reused and returned. No allocation once scratch is large enough.
+func (t *Tiers) Split(hashes []uint64, maxBlocks int, gpu []int, out [][NumTiers]int, scratch []int) []int {
+	n := len(out)
 	width := n
 	if t.Remote >= n {
 		width = t.Remote + 1
 	}
-	if cap(c.tierScratch) < width {
-		c.tierScratch = make([]int, width)
+	if cap(scratch) < width {
+		scratch = make([]int, width)
 	}
-	scratch := c.tierScratch[:width]
-	for m := prefix.MediumCPU; int(m) < NumTiers; m++ {
-		t.Source.Match(hashes, m, scratch)
+	m := scratch[:width]
+	for md := prefix.MediumCPU; int(md) < NumTiers; md++ {
+		t.Source.Match(hashes, md, m)
 		remote := 0
 		if t.Remote >= 0 && t.Remote < width {
-			remote = scratch[t.Remote]
+			remote = m[t.Remote]
 		}
 		for e := range n {
-			if m == prefix.MediumRemote {
-				out[e][m] = remote
+			if md == prefix.MediumRemote {
+				out[e][md] = remote
 			} else {
-				out[e][m] = scratch[e]
+				out[e][md] = m[e]
 			}
 		}
-	}
-	maxBlocks := max(0, (c.Req.PromptTokens-1)/max(1, c.p.blockSize))
-	if c.Req.PromptTokens == 0 {
-		maxBlocks = len(hashes)
 	}
 	for e := range n {
 		out[e][prefix.MediumGPU] = gpu[e]
 		out[e] = SplitTiers(out[e], maxBlocks)
 	}
-	return out
+	t.extend(hashes, out, maxBlocks)
+	return scratch
+}
+
+// extend continues each endpoint's split past its reach block by block,
+// as the engine's lookup does (sim/tiers.go: after the GPU prefix, each
+// block from the fastest lower tier holding it, the remote store's
+// included, up to the first block none holds): SplitTiers sees each tier's
+// leading prefix only, and a tier evicting LRU by block keeps a prompt's
+// later blocks after its first ones (which a faster tier may still hold).
+// Each step reads the block's owners in the lower media once for every
+// endpoint at that position; positions no endpoint is at are skipped, so
+// the work is the length of the extensions, not of the prompt.
+func (t *Tiers) extend(hashes []uint64, out [][NumTiers]int, maxBlocks int) {
+	var reach [64]int
+	var alive uint64
+	for e := range min(len(out), 64) {
+		k := out[e][0] + out[e][1] + out[e][2] + out[e][3]
+		reach[e] = k
+		if k < maxBlocks && k < len(hashes) {
+			alive |= 1 << e
+		}
+	}
+	remoteBit := uint64(0)
+	if t.Remote >= 0 && t.Remote < 64 {
+		remoteBit = 1 << t.Remote
+	}
+	for alive != 0 {
+		i := maxBlocks
+		for s := alive; s != 0; s &= s - 1 {
+			i = min(i, reach[bits.TrailingZeros64(s)])
+		}
+		if i >= maxBlocks || i >= len(hashes) {
+			return
+		}
+		h := hashes[i]
+		cpu, disk := t.Source.Owners(h, prefix.MediumCPU), t.Source.Owners(h, prefix.MediumDisk)
+		remote := remoteBit != 0 && t.Source.Owners(h, prefix.MediumRemote)&remoteBit != 0
+		for s := alive; s != 0; s &= s - 1 {
+			e := bits.TrailingZeros64(s)
+			if reach[e] != i {
+				continue
+			}
+			bit := uint64(1) << e
+			switch {
+			case cpu&bit != 0:
+				out[e][prefix.MediumCPU]++
+			case disk&bit != 0:
+				out[e][prefix.MediumDisk]++
+			case remote:
+				out[e][prefix.MediumRemote]++
+			default:
+				alive &^= bit
+				continue
+			}
+			reach[e]++
+			if reach[e] >= maxBlocks || reach[e] >= len(hashes) {
+				alive &^= bit
+			}
+		}
+	}
 }
 
 // tierCredit is the matched blocks endpoint e is credited with from its

@@ -115,3 +115,44 @@ func TestCostScorerPricesTiers(t *testing.T) {
 		t.Fatalf("fixed weights %v then %v", s1, s2)
 	}
 }
+
+// TestTiersSplitWalksHoles: a tier that lost a prompt's first blocks but
+// kept the next ones still serves them after a slower tier served the
+// first: the split walks on past the tiers' leading prefixes block by
+// block, as the engine's lookup does, so the total is the engine's. (Inside
+// the leading prefixes a slower tier's may be credited with blocks a faster
+// tier also holds past a hole: the total is exact, the load time an upper
+// bound.)
+func TestTiersSplitWalksHoles(t *testing.T) {
+	prompt := make([]uint32, 16*12+1)
+	for i := range prompt {
+		prompt[i] = uint32(3 * i)
+	}
+	hashes := prefix.Hashes(nil, prompt, 16, 0)
+	ix, err := prefix.NewPreciseIndex(2, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	must := func(err error) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Endpoint 0 held blocks 0-9 in host memory and lost 0-4; the remote
+	// store (endpoint 1) holds blocks 0-4.
+	must(ix.Stored(0, prefix.MediumCPU, hashes[:10], 0, false, prompt[:160], 0))
+	ix.Removed(0, prefix.MediumCPU, hashes[:5])
+	must(ix.Stored(1, prefix.MediumRemote, hashes[:5], 0, false, prompt[:80], 0))
+	tr := &Tiers{Source: ix, Remote: 1}
+	out := make([][NumTiers]int, 1)
+	tr.Split(hashes, 12, []int{0}, out, nil)
+	// Blocks 0-4 from the remote store, then 5-9 from host memory.
+	if want := [NumTiers]int{0, 5, 0, 5}; out[0] != want {
+		t.Fatalf("split %v, want %v", out[0], want)
+	}
+	// Capped at maxBlocks.
+	tr.Split(hashes, 7, []int{0}, out, nil)
+	if want := [NumTiers]int{0, 2, 0, 5}; out[0] != want {
+		t.Fatalf("capped split %v, want %v", out[0], want)
+	}
+}

@@ -575,7 +575,7 @@ func (e *Engine) Step(now time.Duration) StepResult {
 				break
 			}
 			if e.tiers != nil && len(hit) > 0 {
-				e.tiers.touch(s.hashes[:len(hit)])
+				e.tiers.hit(s, len(hit), e.cfg.BlockSize)
 			}
 			e.waiting.removeAt(i)
 			e.running = append(e.running, s)
@@ -772,7 +772,7 @@ func (e *Engine) startLoad(s *seq, hit []int32, lower [NumTiers]int, now time.Du
 	e.loads++
 	s.loadDone = e.tiers.load(now, lower)
 	e.stats.LoadedBlocks += int64(n)
-	e.tiers.touch(s.hashes[:len(hit)])
+	e.tiers.hit(s, len(hit), e.cfg.BlockSize)
 	if s.cached < 0 {
 		blocks := lower
 		blocks[TierGPU] = len(hit)

@@ -7,8 +7,12 @@ import (
 
 // RemoteStore is an in-memory RemoteTier: the shared remote KV store of a
 // virtual fleet, holding metadata only (block hashes), bounded to a
-// capacity in blocks and evicting the least recently stored or loaded
-// block, as infergate kvstore's memory tier does. When events are on it
+// capacity in blocks and evicting the least recently stored block. A
+// store's chain is touched tail first, so its head is the most recent and
+// outlives its tail (as vLLM's GPU free queue orders a request's blocks):
+// eviction keeps stored prefixes closed, so a stored block's parent is
+// almost always held and a gateway's index can key it (an evicted parent
+// would orphan every descendant's event). Lookups (Holds) do not touch. When events are on it
 // records them as kvstore publishes them: BlockStored with medium REMOTE,
 // the writer's token ids and parent (so a gateway's index can key them
 // without an engine's GPU event), and BlockRemoved on eviction.
@@ -22,8 +26,6 @@ type RemoteStore struct {
 	list     lru.List[uint64]
 	free     []int32
 	ev       *kvEventLog // nil: no events
-	stores   int64
-	hits     int64
 }
 
 // NewRemoteStore returns an empty store of capacity blocks (at least 1)
@@ -43,14 +45,9 @@ func (r *RemoteStore) Capacity() int { return r.capacity }
 // Len returns the number of blocks held.
 func (r *RemoteStore) Len() int { return len(r.index) }
 
-// Holds implements RemoteTier. A held block is touched: an engine asks
-// only when it is about to load it.
+// Holds implements RemoteTier.
 func (r *RemoteStore) Holds(h uint64) bool {
-	i, ok := r.index[h]
-	if ok {
-		r.list.MoveFront(r.nodes, i)
-		r.hits++
-	}
+	_, ok := r.index[h]
 	return ok
 }
 
@@ -106,12 +103,16 @@ func (r *RemoteStore) Store(hashes []uint64, parent uint64, hasParent bool, toke
 		r.nodes[i].Val = h
 		r.list.PushFront(r.nodes, i)
 		r.index[h] = i
-		r.stores++
 		if run < 0 {
 			run = k
 		}
 	}
 	flush(len(hashes))
+	for k := len(hashes) - 1; k >= 0; k-- {
+		if i, ok := r.index[hashes[k]]; ok {
+			r.list.MoveFront(r.nodes, i) // the chain's head ends most recent
+		}
+	}
 }
 
 func (r *RemoteStore) evictLRU() {

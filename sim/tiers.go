@@ -236,6 +236,7 @@ type tierCache struct {
 	nodes    []lru.Node[uint64]
 	list     lru.List[uint64]
 	free     []int32
+	added    []uint64 // scratch: the hashes one store added
 	ev       *kvEventLog
 	// linkFree is when its link finishes the transfers queued on it.
 	linkFree time.Duration
@@ -264,17 +265,14 @@ func (c *tierCache) touch(h uint64) {
 // offloading connector publishes them: subscribers resolve the hashes
 // through the GPU events that named their tokens.
 func (c *tierCache) store(hashes []uint64, blockSize int, lora string, loraID int) {
-	var h0 int
-	if c.ev != nil {
-		h0 = len(c.ev.hashes)
-	}
+	c.added = c.added[:0]
 	for _, h := range hashes {
 		if i, ok := c.index[h]; ok {
 			c.list.MoveFront(c.nodes, i)
 			continue
 		}
 		for len(c.index) >= c.capacity {
-			c.evictLRU()
+			c.evictLRU() // its BlockRemoved precedes the BlockStored below
 		}
 		var i int32
 		if n := len(c.free); n > 0 {
@@ -286,11 +284,13 @@ func (c *tierCache) store(hashes []uint64, blockSize int, lora string, loraID in
 		c.nodes[i].Val = h
 		c.list.PushFront(c.nodes, i)
 		c.index[h] = i
-		if c.ev != nil {
-			c.ev.hashes = append(c.ev.hashes, h)
-		}
+		c.added = append(c.added, h)
 	}
-	if c.ev != nil && len(c.ev.hashes) > h0 {
+	if c.ev != nil && len(c.added) > 0 {
+		// The stored hashes go to the arena after the removals' (which
+		// share it), so that the event's slice holds them alone.
+		h0 := len(c.ev.hashes)
+		c.ev.hashes = append(c.ev.hashes, c.added...)
 		c.ev.events = append(c.ev.events, kvevent.Event{
 			Type:        kvevent.BlockStored,
 			BlockHashes: c.ev.hashes[h0:len(c.ev.hashes):len(c.ev.hashes)],
@@ -472,8 +472,15 @@ func (t *tiers) store(s *seq, from, to, blockSize int) {
 	}
 }
 
-// touch marks the blocks of hashes used in every local tier holding them.
-func (t *tiers) touch(hashes []uint64) {
+// hit marks the first n blocks of s, a GPU prefix hit, used: touched in
+// every local tier holding them, and written to the remote tier again —
+// touched there, or stored back where it lost them — as LMCache's connector
+// saves every chunk its own lookup missed, GPU hits included (its store
+// mask skips the tokens LMCache holds, not those vLLM had on the GPU). A
+// remote store that kept a chain's tail but lost its head would orphan the
+// tail's events in a gateway's index.
+func (t *tiers) hit(s *seq, n, blockSize int) {
+	hashes := s.hashes[:n]
 	for _, tc := range t.local[TierHost:TierRemote] {
 		if tc == nil {
 			continue
@@ -481,6 +488,9 @@ func (t *tiers) touch(hashes []uint64) {
 		for _, h := range hashes {
 			tc.touch(h)
 		}
+	}
+	if t.remote != nil && n > 0 {
+		t.remote.Store(hashes, 0, false, s.tokens[:n*blockSize], blockSize, s.lora)
 	}
 }
 
@@ -509,4 +519,14 @@ func (t *tiers) clear() {
 			tc.clear()
 		}
 	}
+}
+
+// TierHolds reports whether the engine's local tier t (TierHost or
+// TierDisk) holds the block with hash h: for tests comparing a gateway's
+// index with the engine.
+func (e *Engine) TierHolds(t Tier, h uint64) bool {
+	if e.tiers == nil || t < TierHost || t > TierDisk || e.tiers.local[t] == nil {
+		return false
+	}
+	return e.tiers.local[t].holds(h)
 }

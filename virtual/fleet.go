@@ -152,12 +152,14 @@ var ErrNoEndpoint = errors.New("sim: no endpoint available")
 type Fleet struct {
 	cfg       Config
 	policy    sched.Policy
-	precise   *prefix.PreciseIndex // nil unless tracked
-	remote    *sim.RemoteStore     // nil unless Config.Remote
-	matched   []int                // precise match scratch
-	tierMatch [sim.NumTiers][]int  // precise match scratch, per medium
-	seed      uint64               // routing hash seed
-	blockSize int                  // routing block size
+	precise   *prefix.PreciseIndex  // nil unless tracked
+	remote    *sim.RemoteStore      // nil unless Config.Remote
+	tiers     *sched.Tiers          // the routing view of the tiers; nil without
+	matched   []int                 // precise match scratch
+	tierMatch []int                 // Tiers.Split scratch
+	tierSplit [][sched.NumTiers]int // Tiers.Split result, per engine
+	seed      uint64                // routing hash seed
+	blockSize int                   // routing block size
 	engines   []engine
 	snap      []sched.Endpoint
 	heap      stepHeap
@@ -193,6 +195,10 @@ type engine struct {
 	end      time.Duration
 	outs     []sim.Output    // the step's outputs, delivered at end (owned by e)
 	events   []kvevent.Event // the step's KV events, applied at end (owned by e)
+	// The remote store's events of its step, applied at the step's end.
+	rEvents []kvevent.Event
+	rHashes []uint64
+	rTokens []uint32
 }
 
 // NewFleet returns a fleet of cfg.Engines idle engines at time 0.
@@ -295,10 +301,8 @@ func NewFleet(cfg Config) (*Fleet, error) {
 	if cfg.ScrapeInterval > 0 {
 		f.nextScrape = 0
 	}
-	if precise != nil {
-		for m := range f.tierMatch {
-			f.tierMatch[m] = make([]int, precise.Endpoints())
-		}
+	if precise != nil && eng.Tiers.Enabled() {
+		f.tiers = tierPool(precise, cfg.Engines, remote != nil, eng)
 	}
 	return f, nil
 }
@@ -408,6 +412,9 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 			ve.busy, ve.sleeping = false, false
 			if f.precise != nil {
 				f.applyKVEvents(int(i), ve)
+				if f.remote != nil {
+					f.applyRemoteEvents(ve)
+				}
 			}
 			f.deliver(ve, t)
 			if ve.e.HasWork() {
@@ -474,7 +481,7 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	if f.precise != nil {
 		f.precise.Match(f.sreq.Hashes, prefix.MediumGPU, f.matched)
 		r.PreciseMatchedBlocks = f.matched[d.Endpoint]
-		if f.cfg.Engine.Tiers.Enabled() || f.remote != nil {
+		if f.tiers != nil {
 			r.PredictedTierBlocks = f.predictTiers(d.Endpoint, len(tokens))
 		}
 		f.precise.Routed(d.Endpoint, f.sreq.Hashes) // as the gateway does
@@ -503,17 +510,16 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 }
 
 // predictTiers is what the precise index says engine e would take from
-// each tier for a prompt of tokens tokens whose hashes are f.sreq.Hashes.
+// each tier for a prompt of tokens tokens whose hashes are f.sreq.Hashes:
+// the routing view (sched.Tiers.Split, every engine's, as a policy sees
+// it) with the precise GPU match.
 func (f *Fleet) predictTiers(e, tokens int) [sim.NumTiers]int {
-	var m [sim.NumTiers]int
-	for t := range m {
-		f.precise.Match(f.sreq.Hashes, prefix.Medium(t), f.tierMatch[t])
-		m[t] = f.tierMatch[t][e]
+	f.precise.Match(f.sreq.Hashes, prefix.MediumGPU, f.matched)
+	if len(f.tierSplit) != len(f.engines) {
+		f.tierSplit = make([][sched.NumTiers]int, len(f.engines))
 	}
-	if f.remote != nil {
-		m[sim.TierRemote] = f.tierMatch[sim.TierRemote][f.cfg.Engines]
-	}
-	return sched.SplitTiers(m, (tokens-1)/f.blockSize)
+	f.tierMatch = f.tiers.Split(f.sreq.Hashes, min(len(f.sreq.Hashes), (tokens-1)/f.blockSize), f.matched, f.tierSplit, f.tierMatch)
+	return f.tierSplit[e]
 }
 
 // step starts a step of engine i at time t. A step that schedules nothing
@@ -523,7 +529,7 @@ func (f *Fleet) step(i int32, t time.Duration) {
 	ve := &f.engines[i]
 	res := ve.e.Step(t)
 	if f.remote != nil && f.precise != nil {
-		f.applyRemoteEvents()
+		ve.keepRemoteEvents(f.remote.TakeEvents())
 	}
 	end := t + res.Duration
 	if res.Duration == 0 {
@@ -540,12 +546,30 @@ func (f *Fleet) step(i int32, t time.Duration) {
 	f.heap.push(f.engines, i)
 }
 
-// applyRemoteEvents feeds the remote store's events to the precise index
-// as those of endpoint Engines, as a gateway subscribed to the kvstore's
-// event stream applies them.
-func (f *Fleet) applyRemoteEvents() {
+// keepRemoteEvents copies the remote store's events of ve's step (the
+// store reuses its buffers at the next write, another engine's) to be
+// applied at the step's end, when the engine's writes reach the store.
+func (ve *engine) keepRemoteEvents(evs []kvevent.Event) {
+	for _, ev := range evs {
+		h0, t0 := len(ve.rHashes), len(ve.rTokens)
+		ve.rHashes = append(ve.rHashes, ev.BlockHashes...)
+		ve.rTokens = append(ve.rTokens, ev.TokenIDs...)
+		ev.BlockHashes = ve.rHashes[h0:len(ve.rHashes):len(ve.rHashes)]
+		ev.TokenIDs = ve.rTokens[t0:len(ve.rTokens):len(ve.rTokens)]
+		ve.rEvents = append(ve.rEvents, ev)
+	}
+}
+
+// applyRemoteEvents feeds the remote store's events of ve's step to the
+// precise index as those of endpoint Engines, as a gateway subscribed to
+// the kvstore's event stream applies them, at the step's end (the engine's
+// own events are applied then too: applied at its start, the store's
+// would tell routing of blocks the engine's tiers hold but have not yet
+// announced).
+func (f *Fleet) applyRemoteEvents(ve *engine) {
 	e := f.cfg.Engines
-	for _, ev := range f.remote.TakeEvents() {
+	defer func() { ve.rEvents, ve.rHashes, ve.rTokens = ve.rEvents[:0], ve.rHashes[:0], ve.rTokens[:0] }()
+	for _, ev := range ve.rEvents {
 		switch ev.Type {
 		case kvevent.BlockStored:
 			seed := f.seed

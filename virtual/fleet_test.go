@@ -431,10 +431,22 @@ func TestVirtualTiers(t *testing.T) {
 				exact++
 			}
 		}
-		for _, k := range []sim.Tier{sim.TierGPU, sim.TierHost, sim.TierRemote} {
-			if tier[k] == 0 || predicted[k] == 0 {
-				t.Errorf("%s: tier %s: %d tokens served, %d predicted", policy, k, tier[k], predicted[k])
+		var cumPred, cumServed int
+		for _, k := range []sim.Tier{sim.TierGPU, sim.TierHost, sim.TierDisk, sim.TierRemote} {
+			if k != sim.TierDisk && tier[k] == 0 {
+				t.Errorf("%s: tier %s: no token served", policy, k)
 			}
+			// The router must not promise what the engines do not serve:
+			// a hit predicted in a tier is served from it or from a faster
+			// one (a block cached again meanwhile), and the engines may
+			// serve more (a block stored after the decision).
+			cumPred, cumServed = cumPred+predicted[k], cumServed+tier[k]
+			if cumPred > cumServed+cumServed/50+160 {
+				t.Errorf("%s: tiers up to %s: %d tokens predicted, %d served (predicted %v, served %v)", policy, k, cumPred, cumServed, predicted, tier)
+			}
+		}
+		if predicted[sim.TierGPU] == 0 || predicted[sim.TierHost] == 0 {
+			t.Errorf("%s: predicted %v", policy, predicted)
 		}
 		// Predictions are made at routing time, before the engine's step
 		// (and the events of steps still running), so a few differ.
