@@ -50,6 +50,13 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	if d.MatchedBlocks > 0 {
 		rm.predicted.Add(float64(d.MatchedBlocks * p.blockSize))
 	}
+	if rm.predictedTier[0] != nil {
+		for t, n := range d.TierBlocks {
+			if n > 0 {
+				rm.predictedTier[t].Add(float64(n * p.blockSize))
+			}
+		}
+	}
 	x.predicted, x.precisePredicted = -1, -1
 	if p.policy.NeedsHashes() {
 		x.predicted, x.predictedBy = d.MatchedBlocks*p.blockSize, indexApproximate
@@ -59,6 +66,14 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	}
 	if p.precise != nil && !p.precisePolicy {
 		x.precisePredicted = p.preciseMatch(x.hashes, i) * p.blockSize
+		if p.tiers != nil {
+			// What the engine takes from all its tiers, as the index
+			// sees them (the engine reports only the total).
+			x.precisePredicted = 0
+			for _, n := range p.preciseTiers(x.hashes, i, x.sreq.PromptTokens) {
+				x.precisePredicted += n * p.blockSize
+			}
+		}
 	}
 	if p.precise != nil {
 		p.precise.Routed(i, x.hashes) // joins the engine's events for it (prefix/precise_join.go)

@@ -321,16 +321,21 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 		p.endpoints, forget = reslotted(old.endpoints, eps)
 	}
 	reslot := func(i int) bool { return slices.Contains(forget, i) }
-	live, pcap := p.size(specOf, st)
+	live, pcap, mcap := p.size(specOf, st)
 
-	// The precise index: every endpoint publishes KV events.
+	// The precise index: every endpoint publishes KV events; the model's
+	// kv_store, if any, feeds its last slot.
 	if allKVEvents(p.endpoints, specOf) {
-		if err := p.buildPrecise(old, pcap, blockChanged, reslot, pl); err != nil {
+		if s, ok := cfg.KVStores[model]; ok {
+			p.store = &s
+		}
+		if err := p.buildPrecise(old, pcap, mcap, blockChanged, reslot, pl); err != nil {
 			return nil, err
 		}
 		p.precisePolicy = sched.UsesPrecise(cfg.Routing)
+		p.tiers = p.buildTiers(specOf)
 	}
-	p.pcap = pcap
+	p.pcap, p.mcap = pcap, mcap
 	if err := p.buildPolicy(old, cfg.Routing, routingChanged, reslot, pl); err != nil {
 		return nil, err
 	}
@@ -340,6 +345,9 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 		p.routes[i] = p.none
 		if ep != vacant {
 			p.routes[i] = g.metrics.route(model, ep.name, policyName)
+			if p.tiers != nil {
+				g.metrics.tiered(p.routes[i])
+			}
 		}
 	}
 	if p.policy.NeedsHashes() || p.precise != nil {
@@ -407,11 +415,13 @@ func reslotted(olds, eps []*endpoint) (slots []*endpoint, forget []int) {
 // size sets p's per-slot capacity (prompt blocks of p's block size), route
 // and scrape slices, context length and scrape flag from its endpoints'
 // specs, and returns the live endpoints and each slot's bound for the
-// precise index (0 without KV events).
-func (p *pool) size(specOf func(*endpoint) *endpointSpec, st *state) (live []*endpoint, pcap []int) {
+// precise index (0 without KV events) and per medium (with
+// kv_events.tiers: GPU kv_blocks, CPU and DISK their tiers' blocks; else
+// none).
+func (p *pool) size(specOf func(*endpoint) *endpointSpec, st *state) (live []*endpoint, pcap []int, mcap [][prefix.NumMedia]int) {
 	n := len(p.endpoints)
 	p.capacity, p.routes, p.scrapes = make([]int, n), make([]*routeMetrics, n), make([]*scrapeFeed, n)
-	pcap = make([]int, n)
+	pcap, mcap = make([]int, n), make([][prefix.NumMedia]int, n)
 	for i, ep := range p.endpoints {
 		p.capacity[i] = 1
 		if ep == vacant {
@@ -424,21 +434,49 @@ func (p *pool) size(specOf func(*endpoint) *endpointSpec, st *state) (live []*en
 			// The engine's blocks in all its tiers bound what the index
 			// holds of it (its events may announce more: lost removals,
 			// a broken or hostile engine).
-			pcap[i] = p.capacity[i] + spec.kvEvents.OffloadBlocks
+			pcap[i] = p.capacity[i] + spec.kvEvents.offloadBlocks()
+			if t := spec.kvEvents.Tiers; t != nil {
+				mcap[i][prefix.MediumGPU] = p.capacity[i]
+				mcap[i][prefix.MediumCPU] = t.CPU.blocks()
+				mcap[i][prefix.MediumDisk] = t.Disk.blocks()
+			}
 		}
 		p.maxModelLen = max(p.maxModelLen, spec.maxModelLen) // a bound wherever the request goes
 		p.scrapes[i] = st.feeds[ep].scrape
 		p.scraped = p.scraped || p.scrapes[i] != nil
 	}
 	p.live = len(live)
-	return live, pcap
+	return live, pcap, mcap
+}
+
+// storeSlot is the slot of the precise index a pool's kv_store takes.
+const storeSlot = prefix.MaxEndpoints - 1
+
+// setMediumCapacities sets slot's per-medium bounds in ix (0: unbounded).
+func setMediumCapacities(ix *prefix.PreciseIndex, slot int, mcap *[prefix.NumMedia]int) {
+	for m, n := range mcap {
+		ix.SetMediumCapacity(slot, prefix.Medium(m), n)
+	}
+}
+
+// storeBlocks is the capacity of p's kv_store (0 when it has none).
+func (p *pool) storeBlocks() int {
+	if p == nil || p.store == nil {
+		return 0
+	}
+	return p.store.Blocks
 }
 
 // buildPrecise gives p its precise prefix index: old's, its changed slots
 // forgotten or re-bounded through pl, unless the block size changed; else
-// a new one bounded by pcap.
-func (p *pool) buildPrecise(old *pool, pcap []int, blockChanged bool, reslot func(int) bool, pl *plan) error {
+// a new one bounded by pcap and mcap. The kv_store's slot is bounded by
+// its blocks, and forgotten when the store's stream changes or goes.
+func (p *pool) buildPrecise(old *pool, pcap []int, mcap [][prefix.NumMedia]int, blockChanged bool, reslot func(int) bool, pl *plan) error {
 	n := len(p.endpoints)
+	if p.store != nil && n > storeSlot {
+		return fmt.Errorf("precise prefix index for model %q: %d endpoint slots, and its kv_store takes slot %d (at most %d endpoints; a restart renumbers the slots)",
+			p.model, n, storeSlot, storeSlot)
+	}
 	if old != nil && old.precise != nil && !blockChanged {
 		p.precise = old.precise
 		for i := range max(n, len(old.endpoints)) {
@@ -447,9 +485,18 @@ func (p *pool) buildPrecise(old *pool, pcap []int, blockChanged bool, reslot fun
 				if reslot(i) {
 					pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: i, forget: true, cap: -1})
 				}
-			case reslot(i) || i >= len(old.pcap) || pcap[i] != old.pcap[i]:
-				pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: i, forget: reslot(i), cap: pcap[i]})
+			case reslot(i) || i >= len(old.pcap) || pcap[i] != old.pcap[i] || i >= len(old.mcap) || mcap[i] != old.mcap[i]:
+				m := mcap[i]
+				pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: i, forget: reslot(i), cap: pcap[i], mcap: &m})
 			}
+		}
+		switch {
+		case p.store == nil && old.store != nil:
+			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: storeSlot, forget: true, cap: 0})
+		case p.store != nil && (old.store == nil || old.store.stream() != p.store.stream()):
+			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: storeSlot, forget: true, cap: p.store.Blocks})
+		case p.store != nil && old.storeBlocks() != p.store.Blocks:
+			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: storeSlot, cap: p.store.Blocks})
 		}
 		return nil
 	}
@@ -462,8 +509,79 @@ func (p *pool) buildPrecise(old *pool, pcap []int, blockChanged bool, reslot fun
 	}
 	for i := range n {
 		p.precise.SetCapacity(i, pcap[i])
+		if mcap[i] != ([prefix.NumMedia]int{}) {
+			setMediumCapacities(p.precise, i, &mcap[i])
+		}
+	}
+	if p.store != nil {
+		p.precise.SetCapacity(storeSlot, p.store.Blocks)
 	}
 	return nil
+}
+
+// buildTiers is what p's policy is told of its endpoints' tiers (nil when
+// no endpoint has kv_events.tiers and the model has no kv_store): the
+// precise index per medium, the store's slot, and each endpoint's load
+// cost per tier, block_bytes / bandwidth seconds a block plus a latency
+// (0 where a tier has no bandwidth: unpriced).
+func (p *pool) buildTiers(specOf func(*endpoint) *endpointSpec) *sched.Tiers {
+	tiered := p.store != nil
+	for _, ep := range p.endpoints {
+		if ep != vacant && specOf(ep).kvEvents.Tiers != nil {
+			tiered = true
+		}
+	}
+	if !tiered {
+		return nil
+	}
+	n := len(p.endpoints)
+	t := &sched.Tiers{Source: p.precise, Remote: -1,
+		LoadSeconds: make([][sched.NumTiers]float64, n), Latency: make([][sched.NumTiers]float64, n)}
+	if p.store != nil {
+		t.Remote = storeSlot
+	}
+	for i, ep := range p.endpoints {
+		if ep == vacant {
+			continue
+		}
+		kt := specOf(ep).kvEvents.Tiers
+		price := func(m prefix.Medium, blockBytes, bw float64, lat time.Duration) {
+			if bw > 0 && blockBytes > 0 {
+				t.LoadSeconds[i][m] = blockBytes / bw
+			}
+			t.Latency[i][m] = lat.Seconds()
+		}
+		if kt != nil {
+			for _, c := range []struct {
+				m prefix.Medium
+				c *KVTierConfig
+			}{{prefix.MediumCPU, kt.CPU}, {prefix.MediumDisk, kt.Disk}} {
+				if c.c != nil && c.c.Blocks > 0 {
+					price(c.m, kt.BlockBytes, c.c.Bandwidth, c.c.Latency)
+				}
+			}
+		}
+		if s := p.store; s != nil {
+			bb, bw, lat := s.BlockBytes, s.Bandwidth, s.Latency
+			if kt != nil && kt.BlockBytes > 0 {
+				bb = kt.BlockBytes
+			}
+			if kt != nil && kt.Remote != nil {
+				bw, lat = kt.Remote.Bandwidth, kt.Remote.Latency
+			}
+			price(prefix.MediumRemote, bb, bw, lat)
+		}
+	}
+	return t
+}
+
+// sameTiers reports whether a and b tell a policy the same.
+func sameTiers(a, b *sched.Tiers) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return a.Source == b.Source && a.Remote == b.Remote &&
+		slices.Equal(a.LoadSeconds, b.LoadSeconds) && slices.Equal(a.Latency, b.Latency)
 }
 
 // buildPolicy gives p its routing policy: old's, kept unless routing
@@ -474,7 +592,7 @@ func (p *pool) buildPrecise(old *pool, pcap []int, blockChanged bool, reslot fun
 func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool, reslot func(int) bool, pl *plan) error {
 	n := len(p.endpoints)
 	keep := old != nil && !routingChanged && n <= old.policySlots &&
-		(p.precise == old.precise || !sched.UsesPrecise(routing))
+		(p.precise == old.precise || !sched.UsesPrecise(routing)) && sameTiers(p.tiers, old.tiers)
 	if !keep {
 		p.policySlots = max(n, prefix.MaxEndpoints)
 		capacity := make([]int, p.policySlots)
@@ -486,6 +604,7 @@ func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool,
 		if p.precise != nil {
 			sp.Precise = p.precise.On(prefix.MediumGPU)
 		}
+		sp.Tiers = p.tiers
 		var err error
 		if p.policy, err = sched.NewPolicy(routing, sp); err != nil {
 			return fmt.Errorf("routing policy for model %q: %w", p.model, err)
@@ -541,9 +660,9 @@ func (g *Gateway) buildKVFeeds(st, prev *state, specOf func(*endpoint) *endpoint
 		}
 		kc := specOf(ep).kvEvents
 		f := old
-		if old == nil || !reflect.DeepEqual(old.cfg, *kc) {
+		if old == nil || old.cfg != streamOf(kc) {
 			var err error
-			if f, err = newKVFeed(ep, kc); err != nil {
+			if f, err = newKVFeed(ep.name, kc); err != nil {
 				return err
 			}
 			if old != nil {
@@ -574,6 +693,50 @@ func (g *Gateway) buildKVFeeds(st, prev *state, specOf func(*endpoint) *endpoint
 	for _, ep := range pl.removed {
 		if old := prev.feeds[ep].kv; old != nil {
 			pl.detach = append(pl.detach, old) // stopped by the drain
+		}
+	}
+	return g.buildStoreFeeds(st, prev, pl)
+}
+
+// buildStoreFeeds gives every pool with a kv_store (and a precise index)
+// the subscription to the store's events (kept while its stream is the
+// same) and its applier, which puts them in the store's slot.
+func (g *Gateway) buildStoreFeeds(st, prev *state, pl *plan) error {
+	st.stores = map[string]*kvFeed{}
+	for _, model := range slices.Sorted(maps.Keys(st.pools)) {
+		p := st.pools[model]
+		if p.precise == nil || p.store == nil {
+			continue
+		}
+		kc := p.store.stream()
+		old := prev.stores[model]
+		f := old
+		if old == nil || old.cfg != kc {
+			var err error
+			if f, err = newKVFeed(p.store.Endpoint, &kc); err != nil {
+				return fmt.Errorf("kv_stores[%q]: %w", model, err)
+			}
+			if old != nil {
+				pl.stop, pl.detach = append(pl.stop, &old.loop), append(pl.detach, old)
+			}
+			pl.start = append(pl.start, func() { f.run(g) })
+		}
+		t := feedTarget{ix: p.precise, slot: storeSlot, model: model}
+		var a *fleet.KVEventApplier
+		if f == old {
+			if as, ts := old.current(); len(ts) == 1 && ts[0] == t {
+				a = as[0]
+			}
+		}
+		if a == nil {
+			a = fleet.NewKVEventApplier(t.ix, t.slot, fleet.KVSeeds(model))
+		}
+		pl.feedSets[f] = feedSet{appliers: []*fleet.KVEventApplier{a}, targets: []feedTarget{t}}
+		st.stores[model] = f
+	}
+	for model, old := range prev.stores {
+		if st.stores[model] == nil {
+			pl.stop, pl.detach = append(pl.stop, &old.loop), append(pl.detach, old)
 		}
 	}
 	return nil

@@ -67,6 +67,9 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 		switch {
 		case op.ix != nil && op.cap >= 0:
 			op.ix.SetCapacity(op.slot, op.cap)
+			if op.mcap != nil {
+				setMediumCapacities(op.ix, op.slot, op.mcap)
+			}
 		case op.policy != nil && op.cap >= 0:
 			if r, ok := op.policy.(sched.Resizer); ok {
 				r.SetCapacity(op.slot, op.cap)

@@ -6,9 +6,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
+	"math"
 	"net"
 	"net/url"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -87,6 +90,10 @@ type Config struct {
 	Routing sched.Config `yaml:"routing"`
 	// Endpoints are the engines behind the gateway.
 	Endpoints []EndpointConfig `yaml:"endpoints"`
+	// KVStores are the models' shared remote KV stores, by model
+	// (KVStoreConfig): their events feed the model's precise index, and
+	// routing prices hits in them.
+	KVStores map[string]KVStoreConfig `yaml:"kv_stores"`
 	// Aliases are model names served by configured models, each an ordered
 	// fallback list (alias.go): `fast: [llama-8b, llama-70b]`.
 	Aliases map[string][]string `yaml:"aliases"`
@@ -265,6 +272,94 @@ type KVEventsConfig struct {
 	// beside the GPU's kv_blocks: the precise index holds at most kv_blocks
 	// + OffloadBlocks of the endpoint's blocks and evicts the rest.
 	OffloadBlocks int `yaml:"offload_blocks"`
+	// Tiers describes the engine's KV tiers below the GPU (its offloading
+	// connector's CPU and disk tiers, its link to the pool's kv_store):
+	// their capacities bound the precise index per medium, their load
+	// costs price hits in them (sched/tiers.go). nil: the events' lower
+	// media are held within offload_blocks and credited as GPU blocks.
+	Tiers *KVTiersConfig `yaml:"tiers"`
+}
+
+// KVTiersConfig is an engine's KV tiers below the GPU (kv_events.tiers).
+type KVTiersConfig struct {
+	// BlockBytes is the KV size of one block of block_size tokens over all
+	// TP ranks, in bytes (e.g. 5242880 for Llama-3.1-70B in bf16, 16
+	// tokens): a load of n blocks from a tier takes n × block_bytes /
+	// bandwidth + latency. Required when a tier has a bandwidth.
+	BlockBytes float64 `yaml:"block_bytes"`
+	// CPU and Disk are the host-memory and local-disk tiers (events of
+	// medium CPU and DISK).
+	CPU  *KVTierConfig `yaml:"cpu"`
+	Disk *KVTierConfig `yaml:"disk"`
+	// Remote is the engine's link to its pool's kv_store (medium REMOTE):
+	// bandwidth and latency only, overriding the store's; the capacity is
+	// the store's blocks.
+	Remote *KVTierConfig `yaml:"remote"`
+}
+
+// KVTierConfig is one KV tier of an engine.
+type KVTierConfig struct {
+	// Blocks is the tier's capacity in blocks of block_size tokens (the
+	// precise index's bound for the medium; 0: no tier).
+	Blocks int `yaml:"blocks"`
+	// Bandwidth is the rate of loads from the tier into the engine's GPUs,
+	// bytes per second (host: PCIe over the TP ranks; 0: loads unpriced,
+	// a hit there credited as a GPU hit).
+	Bandwidth float64 `yaml:"bandwidth"`
+	// Latency is the fixed cost of one load (e.g. 100us).
+	Latency time.Duration `yaml:"latency"`
+}
+
+// blocks returns the tier's capacity (0 when nil).
+func (c *KVTierConfig) blocks() int {
+	if c == nil {
+		return 0
+	}
+	return c.Blocks
+}
+
+// offloadBlocks is the engine's KV capacity below the GPU: the tiers'
+// blocks, else offload_blocks.
+func (k *KVEventsConfig) offloadBlocks() int {
+	if k.Tiers != nil {
+		if n := k.Tiers.CPU.blocks() + k.Tiers.Disk.blocks(); n > 0 {
+			return n
+		}
+	}
+	return k.OffloadBlocks
+}
+
+// KVStoreConfig is a model pool's shared remote KV store (kv_stores): its
+// event stream, as infergate kvstore (or an LMCache remote with events)
+// publishes it — BlockStored with medium REMOTE, token ids and parents —
+// and its capacity and default load cost. Its blocks are held in the
+// pool's precise index as one reserved slot (the last of
+// prefix.MaxEndpoints), so a pool with a kv_store has at most
+// prefix.MaxEndpoints − 1 endpoints.
+type KVStoreConfig struct {
+	// Endpoint is the store's ZeroMQ PUB address, tcp://host:port.
+	Endpoint string `yaml:"endpoint"`
+	// ReplayEndpoint is its replay ROUTER address ("" for none).
+	ReplayEndpoint string `yaml:"replay_endpoint"`
+	// Topic is the subscription prefix (kvstore's: kv@kvstore@<model>; ""
+	// = every topic).
+	Topic string `yaml:"topic"`
+	// MaxMessageBytes bounds one message (0: kvevents' default).
+	MaxMessageBytes int `yaml:"max_message_bytes"`
+	// Blocks is the store's capacity in blocks of the routing block size
+	// (required): the index's bound for the store's slot.
+	Blocks int `yaml:"blocks"`
+	// BlockBytes, Bandwidth and Latency are the load cost of a block from
+	// the store into an engine, for the endpoints whose kv_events.tiers
+	// do not set their own (block_bytes, remote.bandwidth/latency).
+	BlockBytes float64       `yaml:"block_bytes"`
+	Bandwidth  float64       `yaml:"bandwidth"`
+	Latency    time.Duration `yaml:"latency"`
+}
+
+// stream is the subscription the store's feed makes.
+func (c KVStoreConfig) stream() KVEventsConfig {
+	return KVEventsConfig{Endpoint: c.Endpoint, ReplayEndpoint: c.ReplayEndpoint, Topic: c.Topic, MaxMessageBytes: c.MaxMessageBytes}
 }
 
 // LoadConfig reads a YAML configuration file. Unknown keys are an error;
@@ -408,6 +503,7 @@ func (c Config) Validate() error {
 	errs = append(errs, c.validateAliases()...)
 	errs = append(errs, c.Responses.validate()...)
 	errs = append(errs, c.validateEndpoints()...)
+	errs = append(errs, c.validateKVStores()...)
 	if len(errs) > 0 {
 		return fmt.Errorf("invalid gateway config: %w", errors.Join(errs...))
 	}
@@ -501,12 +597,93 @@ func (e EndpointConfig) validate(at string, routing sched.Config) []error {
 		if kv.OffloadBlocks < 0 {
 			bad("%s.kv_events.offload_blocks %d: must be >= 0", at, kv.OffloadBlocks)
 		}
+		if t := kv.Tiers; t != nil {
+			errs = append(errs, t.validate(at+".kv_events.tiers", kv.OffloadBlocks)...)
+		}
 		if e.BlockSize != routing.Prefix.BlockSize {
 			bad("%s.kv_events: the engine's block_size %d must equal routing.prefix.block_size %d for the precise index",
 				at, e.BlockSize, routing.Prefix.BlockSize)
 		}
 	} else if sched.UsesPrecise(routing) {
 		bad("%s: routing policy %q needs kv_events on every endpoint", at, routing.Policy)
+	}
+	return errs
+}
+
+// validate checks an endpoint's kv_events.tiers, at (its path in
+// errors), against its offload_blocks.
+func (t *KVTiersConfig) validate(at string, offload int) []error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if t.BlockBytes < 0 || t.BlockBytes != t.BlockBytes {
+		bad("%s.block_bytes %g: must be >= 0", at, t.BlockBytes)
+	}
+	for _, tc := range []struct {
+		name string
+		c    *KVTierConfig
+	}{{"cpu", t.CPU}, {"disk", t.Disk}, {"remote", t.Remote}} {
+		c := tc.c
+		if c == nil {
+			continue
+		}
+		switch {
+		case c.Blocks < 0:
+			bad("%s.%s.blocks %d: must be >= 0", at, tc.name, c.Blocks)
+		case tc.name == "remote" && c.Blocks != 0:
+			bad("%s.remote.blocks %d: the remote tier's capacity is its kv_stores entry's blocks", at, c.Blocks)
+		}
+		if !(c.Bandwidth >= 0) || math.IsInf(c.Bandwidth, 0) {
+			bad("%s.%s.bandwidth %g: must be >= 0 bytes/s", at, tc.name, c.Bandwidth)
+		} else if c.Bandwidth > 0 && !(t.BlockBytes > 0) {
+			bad("%s.block_bytes: required to price %s loads (bandwidth %g)", at, tc.name, c.Bandwidth)
+		}
+		if c.Latency < 0 {
+			bad("%s.%s.latency %v: must be >= 0", at, tc.name, c.Latency)
+		}
+	}
+	if n := t.CPU.blocks() + t.Disk.blocks(); offload != 0 && n != 0 && offload != n {
+		bad("%s: cpu.blocks + disk.blocks = %d contradicts offload_blocks %d (set one, or both alike)", at, n, offload)
+	}
+	return errs
+}
+
+// validateKVStores checks kv_stores: each names a model of the endpoints,
+// all of whose endpoints publish KV events, at most prefix.MaxEndpoints −
+// 1 of them (the store takes the last slot of the index).
+func (c Config) validateKVStores() []error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	perModel, withEvents := map[string]int{}, map[string]int{}
+	for _, e := range c.Endpoints {
+		perModel[e.Model]++
+		if e.KVEvents != nil {
+			withEvents[e.Model]++
+		}
+	}
+	for _, model := range slices.Sorted(maps.Keys(c.KVStores)) {
+		s, at := c.KVStores[model], fmt.Sprintf("kv_stores[%q]", model)
+		switch n := perModel[model]; {
+		case n == 0:
+			bad("%s: no endpoint serves the model", at)
+		case withEvents[model] != n:
+			bad("%s: needs kv_events on every endpoint of the model (the store's blocks go to its precise index)", at)
+		case n > prefix.MaxEndpoints-1:
+			bad("%s: the model has %d endpoints; with a kv_store at most %d (the store takes a slot of the precise index)", at, n, prefix.MaxEndpoints-1)
+		}
+		for _, a := range []struct{ key, v string }{{"endpoint", s.Endpoint}, {"replay_endpoint", s.ReplayEndpoint}} {
+			if (a.v != "" || a.key == "endpoint") && !strings.HasPrefix(a.v, "tcp://") {
+				bad("%s.%s %q: want tcp://host:port", at, a.key, a.v)
+			}
+		}
+		if s.MaxMessageBytes < 0 {
+			bad("%s.max_message_bytes %d: must be >= 0", at, s.MaxMessageBytes)
+		}
+		if s.Blocks < 1 {
+			bad("%s.blocks %d: the store's capacity in blocks is required (>= 1)", at, s.Blocks)
+		}
+		if !(s.BlockBytes >= 0) || !(s.Bandwidth >= 0) || math.IsInf(s.Bandwidth, 0) || s.Latency < 0 {
+			bad("%s: block_bytes, bandwidth and latency must be >= 0", at)
+		}
 	}
 	return errs
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"sync"
 	"time"
 
@@ -12,6 +14,7 @@ import (
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sched"
 )
 
 // feeds are what an endpoint's engine tells the gateway besides its
@@ -106,9 +109,9 @@ func allKVEvents(eps []*endpoint, specs func(*endpoint) *endpointSpec) bool {
 // endpoint's slot in it).
 type kvFeed struct {
 	loop
-	ep  *endpoint
-	cfg KVEventsConfig // what it subscribes to, to tell at a reload whether it changed
-	sub *kvevents.Subscriber
+	name string         // the endpoint's name, or the kv_store's address
+	cfg  KVEventsConfig // what it subscribes to (streamOf), to tell at a reload whether it changed
+	sub  *kvevents.Subscriber
 
 	// mu is held while a batch or a reset is applied, so that a reload's
 	// setAppliers returns only once no event is still going to the
@@ -126,23 +129,30 @@ type feedTarget struct {
 	model string
 }
 
-// newKVFeed returns the subscription to ep's KV events (kv_events set);
-// not started.
-func newKVFeed(ep *endpoint, kc *KVEventsConfig) (*kvFeed, error) {
+// streamOf is the part of kc a subscription depends on: a reload that
+// changes only the rest (capacities, tiers) keeps the feed and what it
+// learnt.
+func streamOf(kc *KVEventsConfig) KVEventsConfig {
+	return KVEventsConfig{Endpoint: kc.Endpoint, ReplayEndpoint: kc.ReplayEndpoint, Topic: kc.Topic, MaxMessageBytes: kc.MaxMessageBytes}
+}
+
+// newKVFeed returns the subscription to the KV events kc locates (an
+// endpoint's kv_events, a kv_store's stream), named name; not started.
+func newKVFeed(name string, kc *KVEventsConfig) (*kvFeed, error) {
 	sub, err := kvevents.NewSubscriber(kvevents.SubscriberConfig{
 		Endpoint: kc.Endpoint, ReplayEndpoint: kc.ReplayEndpoint, Topic: kc.Topic,
 		MaxMessageBytes: kc.MaxMessageBytes})
 	if err != nil {
-		return nil, fmt.Errorf("gateway: kv_events of %s: %w", ep.name, err)
+		return nil, fmt.Errorf("gateway: kv_events of %s: %w", name, err)
 	}
-	return &kvFeed{ep: ep, cfg: *kc, sub: sub}, nil
+	return &kvFeed{name: name, cfg: streamOf(kc), sub: sub}, nil
 }
 
 // run subscribes until the feed is stopped or g closed.
 func (f *kvFeed) run(g *Gateway) {
 	f.start(g, func(ctx context.Context) {
 		if err := f.sub.Run(ctx, f); err != nil && ctx.Err() == nil {
-			slog.Error("gateway: KV-event subscription ended", "endpoint", f.ep.name, "err", err)
+			slog.Error("gateway: KV-event subscription ended", "endpoint", f.name, "err", err)
 		}
 	})
 }
@@ -244,24 +254,30 @@ func (c *kvCollector) Collect(ch chan<- prometheus.Metric) {
 	if st == nil {
 		return
 	}
+	fs := make([]*kvFeed, 0, len(st.endpoints)+len(st.stores))
 	for _, ep := range st.endpoints {
-		f := st.feeds[ep].kv
-		if f == nil {
-			continue
+		if f := st.feeds[ep].kv; f != nil {
+			fs = append(fs, f)
 		}
+	}
+	for _, model := range slices.Sorted(maps.Keys(st.stores)) {
+		fs = append(fs, st.stores[model]) // endpoint: the store's address
+	}
+	for _, f := range fs {
+		name := f.name
 		ss := f.sub.Stats()
-		counter(c.batches, ss.Batches, ep.name)
-		counter(c.resets, ss.Resets, ep.name)
-		counter(c.dropped, ss.Oversized, ep.name, "oversized")
-		counter(c.dropped, ss.Panics, ep.name, "panic")
+		counter(c.batches, ss.Batches, name)
+		counter(c.resets, ss.Resets, name)
+		counter(c.dropped, ss.Oversized, name, "oversized")
+		counter(c.dropped, ss.Panics, name, "panic")
 		appliers, targets := f.current()
 		for i, a := range appliers {
 			as, model := a.Stats(), targets[i].model
-			counter(c.stored, as.Stored, model, ep.name)
-			counter(c.unknownParent, as.UnknownParents, model, ep.name)
-			counter(c.joined, as.Joined, model, ep.name)
-			counter(c.orphansDropped, as.OrphansDropped, model, ep.name)
-			counter(c.evicted, as.Evicted, model, ep.name)
+			counter(c.stored, as.Stored, model, name)
+			counter(c.unknownParent, as.UnknownParents, model, name)
+			counter(c.joined, as.Joined, model, name)
+			counter(c.orphansDropped, as.OrphansDropped, model, name)
+			counter(c.evicted, as.Evicted, model, name)
 		}
 	}
 }
@@ -286,6 +302,29 @@ func (p *pool) preciseMatch(hashes []uint64, e int) int {
 		return 0
 	}
 	return m[e]
+}
+
+// preciseTiers is the blocks of hashes endpoint e would take from each
+// tier (sched.SplitTiers of the precise index's per-medium matches, the
+// remote tier's from the kv_store's slot) for a prompt of promptTokens.
+func (p *pool) preciseTiers(hashes []uint64, e, promptTokens int) [sched.NumTiers]int {
+	var buf [prefix.MaxEndpoints]int
+	var m [sched.NumTiers]int
+	for t := range m {
+		p.precise.Match(hashes, prefix.Medium(t), buf[:])
+		m[t] = buf[e]
+		if t == int(prefix.MediumRemote) {
+			m[t] = 0
+			if p.store != nil {
+				m[t] = buf[storeSlot]
+			}
+		}
+	}
+	maxBlocks := len(hashes)
+	if promptTokens > 0 {
+		maxBlocks = max(0, (promptTokens-1)/max(1, p.blockSize))
+	}
+	return sched.SplitTiers(m, maxBlocks)
 }
 
 // Policy returns the name of the routing policy in use (the configured one,

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/infergate/infergate/sched"
 )
 
 // unknownModel is the model label of requests whose model is not configured
@@ -42,7 +44,10 @@ type metrics struct {
 	cached    *prometheus.CounterVec
 	generated *prometheus.CounterVec
 	predicted *prometheus.CounterVec
-	predErr   *prometheus.HistogramVec // model, endpoint, policy, index
+	// predictedTier splits predicted by KV tier (model, endpoint, policy,
+	// tier) in pools with tiers.
+	predictedTier *prometheus.CounterVec
+	predErr       *prometheus.HistogramVec // model, endpoint, policy, index
 	// api counts requests received per API (infergate_api_requests_total;
 	// children resolved at start).
 	api [numKinds]prometheus.Counter
@@ -84,6 +89,9 @@ func newMetrics(reg prometheus.Registerer, fleet *fleetCollector) (*metrics, err
 		cached:    counter("cached_prompt_tokens_total", "Prompt tokens the engines served from their prefix cache (usage.prompt_tokens_details.cached_tokens; tokens)."),
 		generated: counter("generation_tokens_total", "Completion tokens reported by the engines' usage (tokens)."),
 		predicted: counter("prefix_predicted_matched_tokens_total", "Prompt tokens the routing policy predicted the chosen endpoint holds (matched blocks × routing block size; tokens)."),
+		predictedTier: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "prefix_predicted_tier_tokens_total",
+			Help: "Prompt tokens the routing policy predicted the chosen endpoint takes from each KV tier (tier: gpu, cpu, disk, remote; the split of prefix_predicted_matched_tokens_total in pools whose endpoints have kv_events.tiers or a kv_store; engines report only the total, cached_prompt_tokens_total; tokens)."},
+			[]string{"model", "endpoint", "policy", "tier"}),
 		predErr: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "infergate", Name: "prefix_prediction_error_tokens",
 			Help:    "Absolute difference between the prompt tokens a prefix index predicted the chosen endpoint holds and the cached tokens it reported, per request (index: approximate = learnt from routing, precise = fed by KV events; tokens).",
@@ -96,7 +104,7 @@ func newMetrics(reg prometheus.Registerer, fleet *fleetCollector) (*metrics, err
 	for k, name := range apiNames {
 		m.api[k] = apis.WithLabelValues(name)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.ttft, m.itl, m.e2e, m.prompt, m.cached, m.generated, m.predicted, m.predErr, apis, fleet} {
+	for _, c := range []prometheus.Collector{m.requests, m.ttft, m.itl, m.e2e, m.prompt, m.cached, m.generated, m.predicted, m.predictedTier, m.predErr, apis, fleet} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register gateway metrics: %w", err)
 		}
@@ -111,8 +119,9 @@ type routeMetrics struct {
 	ttft, itl, e2e           prometheus.Observer
 	prompt, cached, generate prometheus.Counter
 	predicted                prometheus.Counter
-	predErr                  [2]prometheus.Observer // by index
-	labels                   [3]string              // model, endpoint, policy
+	predictedTier            [sched.NumTiers]prometheus.Counter // nil unless the pool has tiers (tiered)
+	predErr                  [2]prometheus.Observer             // by index
+	labels                   [3]string                          // model, endpoint, policy
 }
 
 func (m *metrics) route(model, endpoint, policy string) *routeMetrics {
@@ -133,6 +142,17 @@ func (m *metrics) route(model, endpoint, policy string) *routeMetrics {
 		}
 	}
 	return rm
+}
+
+// tierNames label infergate_prefix_predicted_tier_tokens_total, by
+// medium (prefix.Medium names, lower case).
+var tierNames = [sched.NumTiers]string{"gpu", "cpu", "disk", "remote"}
+
+// tiered resolves rm's per-tier prediction counters (a pool with tiers).
+func (m *metrics) tiered(rm *routeMetrics) {
+	for t, name := range tierNames {
+		rm.predictedTier[t] = m.predictedTier.WithLabelValues(rm.labels[0], rm.labels[1], rm.labels[2], name)
+	}
 }
 
 // count records one finished request with status code.

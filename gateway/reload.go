@@ -41,7 +41,10 @@ package gateway
 //
 // A change of routing builds new policies (their learnt state starts
 // empty); the precise index is kept unless routing.prefix.block_size
-// changed. An endpoint no longer configured is drained: it gets no new
+// changed. A change of an endpoint's kv_events.tiers or of a kv_stores
+// entry re-bounds the index's slots and rebuilds the pool's policy (its
+// tier prices changed); the KV feeds stay unless their stream changed. An
+// endpoint no longer configured is drained: it gets no new
 // pick, its requests in flight finish, and its health loop and feeds stop
 // after the last of them (at most response_header_timeout later).
 //
@@ -77,6 +80,7 @@ var reloadable = map[string]bool{
 	"admission":       true,
 	"circuit_breaker": true,
 	"aliases":         true,
+	"kv_stores":       true,
 }
 
 // state is what a reload replaces: an immutable snapshot of the pools,
@@ -91,7 +95,9 @@ type state struct {
 	// configuration order.
 	endpoints []*endpoint
 	feeds     map[*endpoint]feeds
-	keys      *keyring // nil: authentication off
+	// stores are the KV-event feeds of the models' kv_stores, by model.
+	stores map[string]*kvFeed
+	keys   *keyring // nil: authentication off
 	// targets are the pools a model name is served by: a model's own, an
 	// alias's in fallback order (alias.go).
 	targets map[string][]*pool
@@ -153,6 +159,9 @@ type slotOp struct {
 	slot   int
 	forget bool
 	cap    int
+	// mcap, when set, is the slot's new per-medium bounds (ix only;
+	// 0: unbounded).
+	mcap *[prefix.NumMedia]int
 }
 
 // gateSet is an admission gate's configuration in the new state; early

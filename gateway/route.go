@@ -236,6 +236,14 @@ type pool struct {
 	scraped   bool            // some endpoint is
 	capacity  []int           // per endpoint: the policy's bound (routing blocks)
 	pcap      []int           // per endpoint: the precise index's bound (0: none)
+	// mcap is each endpoint's per-medium bound in the precise index
+	// (kv_events.tiers; 0: none).
+	mcap [][prefix.NumMedia]int
+	// store is the model's kv_store (nil: none), whose blocks the precise
+	// index holds in slot storeSlot; tiers what the policy is told of the
+	// tiers (nil: GPU only).
+	store *KVStoreConfig
+	tiers *sched.Tiers
 	// policySlots is the number of slots the policy was built for.
 	policySlots int
 	live        int           // endpoints that are not vacant

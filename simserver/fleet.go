@@ -16,6 +16,11 @@ type Fleet struct {
 	// Servers are the engines, in the order of URLs.
 	Servers []*Server
 
+	// Remote is the fleet's shared remote KV tier (cfg.KVRemote), nil
+	// when off: every engine writes through to it and loads from it, and
+	// it publishes its own KV events (RemoteStore.KVEventEndpoints).
+	Remote *RemoteStore
+
 	https []*http.Server
 	wg    sync.WaitGroup
 	once  sync.Once
@@ -23,6 +28,7 @@ type Fleet struct {
 
 // StartFleet starts n engines configured by cfg on 127.0.0.1 ephemeral ports.
 // Replicas share the seed, so a prompt gets the same output on any of them.
+// With cfg.KVRemote the engines share one remote store (Fleet.Remote).
 func StartFleet(n int, cfg ServerConfig) (*Fleet, error) {
 	if n < 1 {
 		return nil, fmt.Errorf("sim: fleet size must be >= 1, got %d", n)
@@ -31,6 +37,15 @@ func StartFleet(n int, cfg ServerConfig) (*Fleet, error) {
 	if cfg.KVEvents.Publishes() && cfg.KVEvents.Endpoint == "" {
 		// Each engine publishes on its own loopback port, with replay.
 		cfg.KVEvents.Endpoint, cfg.KVEvents.ReplayEndpoint, cfg.KVEvents.Bind = "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", true
+	}
+	if cfg.Engine.Tiers.Remote == nil {
+		r, err := newRemoteFor(cfg)
+		if err != nil {
+			return nil, err
+		}
+		if r != nil {
+			f.Remote, cfg.Engine.Tiers.Remote = r, r
+		}
 	}
 	for i := range n {
 		s, err := newServer(cfg, i)
@@ -116,6 +131,7 @@ func (f *Fleet) Close() {
 			_ = hs.Close()
 		}
 		f.wg.Wait()
+		f.Remote.close() // once no engine stores
 	})
 }
 

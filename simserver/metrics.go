@@ -48,6 +48,12 @@ func buckets125(max int) []float64 {
 	}
 }
 
+// Help of the per-tier occupancy gauges.
+const (
+	tierBlocksHelp = "Simulator only (not vLLM): KV blocks held in each tier (gpu: cached blocks in the GPU pool; remote: the shared store's)."
+	tierCapHelp    = "Simulator only (not vLLM): KV capacity of each tier, in blocks."
+)
+
 // maxLoRAInfoSeries bounds the label sets of vllm:lora_requests_info kept
 // for exposition. vLLM keeps every label set it ever set (readers take the
 // sample with the largest value); the simulator drops the least recently
@@ -86,6 +92,7 @@ type metrics struct {
 
 func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats]) *metrics {
 	reg := prometheus.NewRegistry()
+	tiers := cfg.Tiers
 	labels := prometheus.Labels{"model_name": model, "engine": "0"}
 	with := func(k, v string) prometheus.Labels {
 		l := prometheus.Labels{k: v}
@@ -130,12 +137,17 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats]) *
 		func(s *sim.Stats) float64 { return float64(s.PrefixQueries) })
 	counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.",
 		func(s *sim.Stats) float64 { return float64(s.PrefixHits) })
+	// The KV connector's counters (vllm/v1/metrics/loggers.py,
+	// counter_connector_prefix_cache_queries and _hits, from
+	// PrefixCacheStats of the connector: the prompt tokens looked up in,
+	// and found in, the tiers below the GPU at first admission). 0 when the
+	// engine has no tiers, as vLLM without a KV connector.
 	counter("vllm:external_prefix_cache_queries_total",
 		"External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
-		func(*sim.Stats) float64 { return 0 }) // no KV connector
+		func(s *sim.Stats) float64 { return float64(s.ExternalQueries) })
 	counter("vllm:external_prefix_cache_hits_total",
 		"External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
-		func(*sim.Stats) float64 { return 0 })
+		func(s *sim.Stats) float64 { return float64(s.ExternalHits) })
 	counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.",
 		func(s *sim.Stats) float64 { return float64(s.PromptTokens) })
 	counter("vllm:prompt_tokens_cached_total", "Number of cached prompt tokens (local + external).",
@@ -144,6 +156,38 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats]) *
 		func(s *sim.Stats) float64 { return float64(s.GenerationTokens) })
 	counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
 		func(s *sim.Stats) float64 { return float64(s.Preemptions) })
+
+	// KV tiers (simulator only, not vLLM: vLLM exports no per-tier
+	// occupancy): blocks held and capacity per tier, hit tokens per tier
+	// and the requests waiting for their loads (WAITING_FOR_REMOTE_KVS).
+	if tiers.Enabled() {
+		on := [sim.NumTiers]bool{sim.TierGPU: true, sim.TierHost: !tiers.Host.IsZero(),
+			sim.TierDisk: !tiers.Disk.IsZero(), sim.TierRemote: tiers.Remote != nil}
+		remote, _ := tiers.Remote.(*RemoteStore)
+		for t := sim.TierGPU; t < sim.NumTiers; t++ {
+			if !on[t] {
+				continue
+			}
+			l := with("tier", t.String())
+			switch {
+			case t == sim.TierRemote && remote != nil:
+				// The shared store's own occupancy (the same on every
+				// engine of a fleet).
+				gauge("infergate_sim_kv_tier_blocks", tierBlocksHelp, l, func(*sim.Stats) float64 { return float64(remote.Len()) })
+				gauge("infergate_sim_kv_tier_capacity_blocks", tierCapHelp, l, func(*sim.Stats) float64 { return float64(remote.Capacity()) })
+			case t != sim.TierRemote:
+				gauge("infergate_sim_kv_tier_blocks", tierBlocksHelp, l, func(s *sim.Stats) float64 { return float64(s.TierBlocks[t]) })
+				gauge("infergate_sim_kv_tier_capacity_blocks", tierCapHelp, l, func(s *sim.Stats) float64 { return float64(s.TierCapacity[t]) })
+			}
+			reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "infergate_sim_kv_tier_hit_tokens_total",
+				Help: "Simulator only (not vLLM): prompt tokens served from each KV tier at first scheduling (gpu: the prefix cache; the others loaded).", ConstLabels: l},
+				func() float64 { return float64(stat().TierHits[t]) }))
+		}
+		gauge("infergate_sim_requests_loading", "Simulator only (not vLLM): waiting requests whose KV blocks are being loaded from a lower tier (vLLM WAITING_FOR_REMOTE_KVS).", labels,
+			func(s *sim.Stats) float64 { return float64(s.Loading) })
+		counter("infergate_sim_kv_loaded_blocks_total", "Simulator only (not vLLM): KV blocks loaded from the tiers below the GPU (re-admissions included).",
+			func(s *sim.Stats) float64 { return float64(s.LoadedBlocks) })
+	}
 
 	// Cache config: an info gauge permanently 1 (vLLM log_metrics_info,
 	// labels from CacheConfig.metrics_info() plus engine, no model_name).

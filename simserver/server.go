@@ -56,6 +56,46 @@ type ServerConfig struct {
 	// (off by default, as in vLLM: store is then ignored and every
 	// previous_response_id is not found). See responses.go.
 	ResponsesStore bool `yaml:"responses_store"`
+	// KVRemote sizes a remote KV tier behind the engine's GPU and its
+	// kv_tiers (sim.TiersConfig.Remote): "0" (off), a multiple of the
+	// engine's GPU KV cache ("8x") or bytes ("2TiB"). A Server gets a store
+	// of its own; StartFleet gives every engine of the fleet one shared
+	// store (remote.go). Loads use the profile's network bandwidth.
+	KVRemote sim.TierSize `yaml:"kv_remote"`
+	// KVRemoteEvents configures the publisher of the remote store's KV
+	// events (medium REMOTE, with token ids and parents, as infergate
+	// kvstore publishes them; topic DefaultRemoteTopic(model) unless set).
+	// When it does not publish but KVEvents does, the store publishes on
+	// loopback (ephemeral ports, with replay; RemoteStore.KVEventEndpoints).
+	KVRemoteEvents kvevents.PublisherConfig `yaml:"kv_remote_events"`
+}
+
+// servedModel is the model name a server of cfg serves.
+func servedModel(cfg ServerConfig) string {
+	if cfg.Model != "" {
+		return cfg.Model
+	}
+	if m := cfg.Engine.WithDefaults().Profile.Model; m != "" {
+		return m
+	}
+	return sim.DefaultModel
+}
+
+// newRemoteFor returns the remote store cfg.KVRemote sizes, publishing its
+// events as KVRemoteEvents (or KVEvents) says, or nil when it is off.
+func newRemoteFor(cfg ServerConfig) (*RemoteStore, error) {
+	if cfg.KVRemote.IsZero() {
+		return nil, nil
+	}
+	n := cfg.Engine.TierBlocks(cfg.KVRemote)
+	if n < 1 {
+		return nil, fmt.Errorf("sim: kv_remote %s holds no KV block", cfg.KVRemote)
+	}
+	pc := cfg.KVRemoteEvents
+	if !pc.Publishes() && cfg.KVEvents.Publishes() {
+		pc = kvevents.PublisherConfig{Enable: true, Encoding: cfg.KVEvents.Encoding}
+	}
+	return newRemoteStore(n, pc, servedModel(cfg))
 }
 
 // Server is a vLLM-compatible OpenAI HTTP front over a simulated sim.Engine.
@@ -90,6 +130,10 @@ type Server struct {
 	started   atomic.Bool
 	startWall atomic.Int64 // driver start, unix nanoseconds
 	lag       lagHistogram // step lags (lag.go)
+	// remote is the engine's remote tier when it is a RemoteStore (its
+	// own, closed with it, when ownsRemote; else its fleet's).
+	remote     *RemoteStore
+	ownsRemote bool
 }
 
 // NewServer validates cfg, loads the tokenizer and builds the handler. The
@@ -112,6 +156,37 @@ func newServer(cfg ServerConfig, index int) (*Server, error) {
 	if err := cfg.Engine.Validate(); err != nil {
 		return nil, fmt.Errorf("sim: %w", err)
 	}
+	var remote *RemoteStore
+	owns := false
+	if cfg.Engine.Tiers.Remote == nil {
+		r, err := newRemoteFor(cfg)
+		if err != nil {
+			return nil, err
+		}
+		if r != nil {
+			remote, owns, cfg.Engine.Tiers.Remote = r, true, r
+			if err := cfg.Engine.Validate(); err != nil {
+				r.close()
+				return nil, fmt.Errorf("sim: %w", err)
+			}
+		}
+	} else {
+		remote, _ = cfg.Engine.Tiers.Remote.(*RemoteStore)
+	}
+	s, err := buildServer(cfg, index)
+	if err != nil {
+		if owns {
+			remote.close()
+		}
+		return nil, err
+	}
+	s.remote, s.ownsRemote = remote, owns
+	return s, nil
+}
+
+// buildServer is newServer once the engine's configuration is valid and
+// its remote tier set.
+func buildServer(cfg ServerConfig, index int) (*Server, error) {
 	if cfg.KVEvents.Publishes() {
 		if err := cfg.KVEvents.Validate(); err != nil {
 			return nil, fmt.Errorf("sim: %w", err)
@@ -192,6 +267,10 @@ func (s *Server) Model() string { return s.cfg.Model }
 // EngineConfig returns the engine configuration with defaults applied.
 func (s *Server) EngineConfig() sim.Config { return s.eng }
 
+// RemoteStore returns the engine's remote KV tier (its own, or its
+// fleet's shared store), or nil when it has none.
+func (s *Server) RemoteStore() *RemoteStore { return s.remote }
+
 // Stats returns the engine snapshot published after the latest step.
 func (s *Server) Stats() sim.Stats { return *s.snap.Load() }
 
@@ -236,6 +315,9 @@ func (s *Server) Close() {
 		<-s.done
 		if s.kvpub != nil {
 			_ = s.kvpub.Close()
+		}
+		if s.ownsRemote {
+			s.remote.close()
 		}
 	})
 	<-s.done
@@ -350,7 +432,27 @@ func (s *Server) drive() {
 		res := e.Step(vnow)
 		end := vnow + res.Duration
 		kvBatch := s.kvEncode(res.Events, end) // the events are only valid until the engine is used again
+		// A step that scheduled nothing while lower-tier loads are in
+		// flight (sim/tiers.go) is a wait for the first to end: the engine
+		// sleeps until NextLoad, and a request submitted or cancelled, or
+		// an engine call, wakes it earlier, at the wall-derived time — as
+		// the virtual fleet's engine wakes at an arrival (virtual/fleet.go
+		// step and arrive). Its events (loads registered) happened at vnow.
+		loading := false
+		if res.Duration == 0 {
+			if at, ok := e.NextLoad(); ok && at > vnow {
+				end, loading = at, true
+				kvBatch = s.kvEnqueue(kvBatch)
+				publish() // Stats().Loading while it sleeps
+			}
+		}
 		deadline := start.Add(time.Duration(float64(end) / s.cfg.TimeScale))
+		woken := false
+		// wake ends a load wait at the wall-derived time, within [vnow, end].
+		wake := func() time.Duration {
+			end, woken = min(max(wallVirtual(), vnow), end), true
+			return end
+		}
 	wait:
 		for {
 			d := time.Until(deadline)
@@ -362,10 +464,22 @@ func (s *Server) drive() {
 			case <-timer.C:
 				break wait
 			case c := <-s.submit:
+				if loading {
+					add(c, wake())
+					break wait
+				}
 				add(c, min(max(wallVirtual(), vnow), end))
 			case c := <-s.cancel:
 				abort(c)
+				if loading {
+					wake()
+					break wait
+				}
 			case c := <-s.control:
+				if loading {
+					s.runEngineCall(e, c, wake())
+					break wait
+				}
 				kvBatch = s.kvEnqueue(kvBatch) // the step's events precede the call's
 				s.runEngineCall(e, c, end)     // after the step, whose events it follows
 			case <-s.quit:
@@ -374,9 +488,11 @@ func (s *Server) drive() {
 			}
 		}
 		vnow = end
-		lag := max(0, time.Duration(float64(time.Since(deadline))*s.cfg.TimeScale))
-		s.lag.observe(lag)
-		s.metrics.stepLag.Observe(lag.Seconds())
+		if !woken {
+			lag := max(0, time.Duration(float64(time.Since(deadline))*s.cfg.TimeScale))
+			s.lag.observe(lag)
+			s.metrics.stepLag.Observe(lag.Seconds())
+		}
 		// Publish before delivering, so a client that has seen a token also
 		// sees the engine state that produced it.
 		publish()

@@ -327,3 +327,68 @@ func TestBenchWorkloads(t *testing.T) {
 		t.Fatalf("unknown workload: %v %s", err, msg)
 	}
 }
+
+var engineURLRe = regexp.MustCompile(`engine \d+: (http://[0-9.:]+) `)
+
+// TestUpTiers runs `infergate up` with host tiers and a shared remote store
+// and the precise-prefix policy, replays multi-turn conversations that
+// overflow the engines' GPU caches, and checks that lower tiers served
+// cached tokens (the engines' vllm:external_prefix_cache_hits_total) and
+// that the gateway predicted tokens from them
+// (infergate_prefix_predicted_tier_tokens_total).
+func TestUpTiers(t *testing.T) {
+	p := start(t, "up", "--engines", "2", "--listen", "127.0.0.1:0", "--time-scale", "100", "--access-log=false",
+		"--num-gpu-blocks", "64", "--kv-host", "4x", "--kv-remote", "8x", "--policy", "precise-prefix")
+	base := p.await(t, apiRe)
+	engines := []string{p.await(t, engineURLRe), p.await(t, engineURLRe)}
+	model := "meta-llama/Llama-3.1-70B-Instruct"
+	type session struct{ sys, reply string }
+	var ss []session
+	for i := range 6 { // ~30 blocks each: 180 blocks over 2 × 64 GPU blocks
+		ss = append(ss, session{sys: strings.Repeat(fmt.Sprintf("Session %d: you are a careful assistant. ", i), 60)})
+	}
+	chat := func(s *session, turn2 bool) float64 {
+		msgs := []map[string]string{{"role": "system", "content": s.sys}, {"role": "user", "content": "Hello!"}}
+		if turn2 {
+			msgs = append(msgs, map[string]string{"role": "assistant", "content": s.reply}, map[string]string{"role": "user", "content": "More, please."})
+		}
+		body, _ := json.Marshal(map[string]any{"model": model, "messages": msgs, "max_tokens": 8})
+		code, v := postJSON(t, base+"/v1/chat/completions", string(body))
+		if code != 200 {
+			t.Fatalf("chat: %d %v", code, v)
+		}
+		s.reply = v["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["content"].(string)
+		return cachedTokens(v)
+	}
+	for i := range ss {
+		chat(&ss[i], false)
+	}
+	// The engines are idle: wait until the gateway has applied their
+	// events (its batch counters stop moving).
+	last := -1.0
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		n := metricSum(t, http.DefaultClient, base, "infergate_kv_events_batches_total", "")
+		if n > 0 && n == last {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("KV-event batches applied: %v, still changing", n)
+		}
+		last = n
+	}
+	cached := 0.0
+	for i := range ss {
+		cached += chat(&ss[i], true)
+	}
+	ext := 0.0
+	for _, u := range engines {
+		ext += metricSum(t, http.DefaultClient, u, "vllm:external_prefix_cache_hits_total", "")
+	}
+	lower := metricSum(t, http.DefaultClient, base, "infergate_prefix_predicted_tier_tokens_total", `tier="cpu"`) +
+		metricSum(t, http.DefaultClient, base, "infergate_prefix_predicted_tier_tokens_total", `tier="remote"`)
+	if cached == 0 || ext == 0 || lower == 0 {
+		t.Fatalf("second turns cached %v tokens; engines' external hits %v; gateway's lower-tier predictions %v", cached, ext, lower)
+	}
+	t.Logf("second turns: %v cached tokens, %v from lower tiers; gateway predicted %v from cpu/remote", cached, ext, lower)
+	p.stop(t)
+}

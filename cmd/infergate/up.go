@@ -15,6 +15,7 @@ import (
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/simserver"
 )
 
@@ -29,6 +30,7 @@ type upFlags struct {
 	lf      logFlags
 	access  bool
 	keys    string
+	tiers   tierFlags
 }
 
 func newUpCmd() *cobra.Command {
@@ -48,9 +50,20 @@ turns it off.
 API keys: --keys-file (see 'infergate keys') and/or the INFERGATE_API_KEYS
 environment variable, as for serve; without them the gateway is open. At
 SIGHUP the keys file is read again (keys, models and limits change without a
-restart; gateway/README.md, "Reload").`,
+restart; gateway/README.md, "Reload").
+
+KV tiers: --kv-host and --kv-disk put a host-memory and a local-disk tier
+behind each engine's GPU, --kv-remote one remote store shared by the fleet
+(sizes as multiples of the GPU KV cache, 4x, or bytes, 512GiB; bandwidths
+and latencies from the profile; sim/tiers.go). The engines publish their
+tiers' KV events, the store its own, and the gateway is configured with the
+tiers' capacities and load costs (kv_events.tiers, kv_stores). Any policy's
+prediction is then split by tier (infergate_prefix_predicted_tier_tokens_total);
+--policy precise-prefix (or a cost profile) prices hits by the tier they load
+from; llm-d-tiered and dynamo-tiered weigh them by fixed factors.`,
 		Example: `  infergate up
   infergate up --engines 8 --policy round-robin --listen 127.0.0.1:9000
+  infergate up --kv-host 4x --kv-remote 8x --policy precise-prefix
   infergate keys new alice >> keys.txt && infergate up --keys-file keys.txt`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return fl.run(cmd) },
@@ -67,6 +80,8 @@ func (fl *upFlags) bind(f *pflag.FlagSet) {
 	f.DurationVar(&fl.grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage)
 	f.StringVar(&fl.pprofAt, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default; the engines share the process)")
 	fl.ef.register(f, false, "vLLM's --kv-events-config JSON for every engine; engine i publishes on the endpoint's port + i")
+	f.IntVar(&fl.ef.engine.NumBlocks, "num-gpu-blocks", 0, "KV cache capacity of each engine in blocks (default: derived from the profile)")
+	fl.tiers.register(f)
 	fl.lf.register(f)
 	accessLogFlag(f, &fl.access)
 	f.StringVar(&fl.keys, "keys-file", "", "API keys file (see 'infergate keys'); also $"+auth.EnvAPIKeys+"; read again at SIGHUP")
@@ -85,6 +100,11 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 	if fl.engines < 1 || fl.engines > 64 {
 		return fmt.Errorf("--engines %d: want 1..64", fl.engines)
 	}
+	if !fl.tiers.remote.IsZero() && fl.engines > 63 {
+		return fmt.Errorf("--engines %d with --kv-remote: want 1..63 (the store takes a slot of the gateway's precise index)", fl.engines)
+	}
+	scfg.Engine = fl.tiers.engine(scfg.Engine)
+	scfg.KVRemote = fl.tiers.remote
 	prof, model, lora := scfg.Engine.Profile, scfg.Model, scfg.Engine.LoRA
 	if !cmd.Flags().Changed("responses-store") {
 		scfg.ResponsesStore = true // the embedded demo: continuations work
@@ -107,6 +127,7 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 		for _, m := range append([]string{model}, lora.Adapters...) {
 			cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, m)...)
 		}
+		fleetTiers(fleet, &cfg)
 		if err := applyEdgeFlags(cmd, &cfg, "", "", fl.keys); err != nil {
 			return cfg, err
 		}
@@ -127,6 +148,9 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 			fmt.Fprintf(out, "infergate %s is up: OpenAI API at %s/v1 (policy %s; %s)\n", buildVersion(), base, resolved, auth)
 			fmt.Fprintf(out, "  fleet: %d simulated engines, profile %s, model %q, time scale %gx, %d KV blocks each\n",
 				fl.engines, prof.Name, model, scfg.TimeScale, fleet.KVBlocks())
+			if t := fl.tiers; !t.host.IsZero() || !t.disk.IsZero() || !t.remote.IsZero() {
+				fmt.Fprintf(out, "  KV tiers: host %s, disk %s each; shared remote %s\n", t.host, t.disk, t.remote)
+			}
 			for i, u := range fleet.URLs {
 				fmt.Fprintf(out, "    engine %d: %s (metrics %s/metrics)\n", i, u, u)
 			}
@@ -136,4 +160,56 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 			fmt.Fprintf(out, "Press Ctrl-C to stop.\n")
 		}
 	})
+}
+
+// fleetTiers tells cfg (the gateway in front of fleet) the engines' KV
+// tiers: each endpoint's kv_events.tiers (capacities in blocks, load costs
+// from the engine's profile: sim.Config.LoadCost) and, with a shared remote
+// store, a kv_stores entry per model subscribing to its events.
+func fleetTiers(fleet *simserver.Fleet, cfg *gateway.Config) {
+	if len(fleet.Servers) == 0 {
+		return
+	}
+	eng := fleet.Servers[0].EngineConfig()
+	if !eng.Tiers.Enabled() {
+		return
+	}
+	perBlock, latency := eng.LoadCost()
+	bb := eng.BlockBytes()
+	tier := func(t sim.Tier, blocks int) *gateway.KVTierConfig {
+		c := &gateway.KVTierConfig{Blocks: blocks, Latency: time.Duration(latency[t] * float64(time.Second))}
+		if perBlock[t] > 0 {
+			c.Bandwidth = bb / perBlock[t]
+		}
+		return c
+	}
+	models := map[string]bool{}
+	for i := range cfg.Endpoints {
+		e := &cfg.Endpoints[i]
+		models[e.Model] = true
+		if e.KVEvents == nil {
+			continue
+		}
+		kv := *e.KVEvents
+		kv.Tiers = &gateway.KVTiersConfig{BlockBytes: bb}
+		if !eng.Tiers.Host.IsZero() {
+			kv.Tiers.CPU = tier(sim.TierHost, eng.TierBlocks(eng.Tiers.Host))
+		}
+		if !eng.Tiers.Disk.IsZero() {
+			kv.Tiers.Disk = tier(sim.TierDisk, eng.TierBlocks(eng.Tiers.Disk))
+		}
+		if fleet.Remote != nil {
+			kv.Tiers.Remote = tier(sim.TierRemote, 0)
+		}
+		e.KVEvents = &kv
+	}
+	pub, replay := fleet.Remote.KVEventEndpoints()
+	if pub == "" {
+		return
+	}
+	cfg.KVStores = map[string]gateway.KVStoreConfig{}
+	for m := range models {
+		cfg.KVStores[m] = gateway.KVStoreConfig{Endpoint: pub, ReplayEndpoint: replay,
+			Topic: simserver.DefaultRemoteTopic(fleet.Servers[0].Model()), Blocks: fleet.Remote.Capacity()}
+	}
 }
