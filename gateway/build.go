@@ -429,14 +429,18 @@ func (p *pool) size(specOf func(*endpoint) *endpointSpec, st *state) (live []*en
 		}
 		live = append(live, ep)
 		spec := specOf(ep)
-		p.capacity[i] = max(1, spec.kvBlocks*spec.blockSize/p.blockSize)
+		gpu := max(1, spec.kvBlocks*spec.blockSize/p.blockSize)
+		p.capacity[i] = gpu
 		if spec.kvEvents != nil {
 			// The engine's blocks in all its tiers bound what the index
 			// holds of it (its events may announce more: lost removals,
-			// a broken or hostile engine).
-			pcap[i] = p.capacity[i] + spec.kvEvents.offloadBlocks()
+			// a broken or hostile engine), and what the approximate index
+			// remembers of it: a prefix its GPU evicted is still a hit
+			// from its host or disk tier (as virtual.NewFleet sizes it).
+			pcap[i] = gpu + spec.kvEvents.offloadBlocks()
+			p.capacity[i] = gpu + spec.kvEvents.offloadBlocks()*spec.blockSize/p.blockSize
 			if t := spec.kvEvents.Tiers; t != nil {
-				mcap[i][prefix.MediumGPU] = p.capacity[i]
+				mcap[i][prefix.MediumGPU] = gpu
 				mcap[i][prefix.MediumCPU] = t.CPU.blocks()
 				mcap[i][prefix.MediumDisk] = t.Disk.blocks()
 			}

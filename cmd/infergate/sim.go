@@ -1,12 +1,14 @@
 package main
 
 import (
+	"errors"
 	"net"
 	"os"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/infergate/infergate/kvstore"
 	"github.com/infergate/infergate/simserver"
 )
 
@@ -15,6 +17,9 @@ type simFlags struct {
 	listen string
 	ef     engineFlags
 	lf     logFlags
+	tiers  tierFlags
+	// store: an infergate kvstore as the remote tier (kvstore.EngineTier).
+	storeURL, storeEvents, storeReplay string
 }
 
 func newSimCmd() *cobra.Command {
@@ -28,7 +33,9 @@ with prefix caching, continuous batching with chunked prefill, and a roofline
 latency model of the chosen model-and-GPU profile.`,
 		Example: `  infergate sim --listen 127.0.0.1:8001
   infergate sim --profile llama-3.1-8b-h100 --time-scale 10
-  VLLM_API_KEY=secret infergate sim --listen 127.0.0.1:8001`,
+  VLLM_API_KEY=secret infergate sim --listen 127.0.0.1:8001
+  # host-memory tier 4x the GPU cache, a running kvstore as the shared remote tier
+  infergate sim --kv-host 4x --kv-store-url http://127.0.0.1:8100 --kv-store-events tcp://127.0.0.1:5570`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return fl.run(cmd) },
 	}
@@ -41,6 +48,10 @@ func (fl *simFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.listen, "listen", "127.0.0.1:8001", "address to serve on")
 	f.StringArrayVar(&fl.ef.apiKeys, "api-key", nil, "require Authorization: Bearer <key> on every /v1 path, as vLLM's --api-key (repeatable: any of them; default $"+simserver.EnvAPIKey+"); /health and /metrics stay open")
 	fl.lf.register(f)
+	fl.tiers.register(f)
+	f.StringVar(&fl.storeURL, "kv-store-url", "", "an infergate kvstore's native API (http://host:port) as the engine's shared remote KV tier, written through and loaded from (with --kv-store-events; instead of --kv-remote)")
+	f.StringVar(&fl.storeEvents, "kv-store-events", "", "the kvstore's KV-event PUB endpoint (tcp://host:port), whose events tell the engine what the store holds")
+	f.StringVar(&fl.storeReplay, "kv-store-events-replay", "", "the kvstore's KV-event replay (ROUTER) endpoint, if any")
 	fl.ef.register(f, true, `vLLM's --kv-events-config JSON, all of its fields, e.g. '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}' (plus "encoding": "array"|"map")`)
 }
 
@@ -56,6 +67,23 @@ func (fl *simFlags) run(cmd *cobra.Command) error {
 	scfg, err := fl.ef.serverConfig()
 	if err != nil {
 		return err
+	}
+	scfg.Engine = fl.tiers.engine(scfg.Engine)
+	scfg.KVRemote = fl.tiers.remote
+	if (fl.storeURL == "") != (fl.storeEvents == "") {
+		return errors.New("--kv-store-url and --kv-store-events go together")
+	}
+	if fl.storeURL != "" {
+		if !fl.tiers.remote.IsZero() {
+			return errors.New("--kv-store-url and --kv-remote: one remote tier")
+		}
+		tier, err := kvstore.NewEngineTier(kvstore.EngineTierConfig{URL: fl.storeURL, Events: fl.storeEvents, EventsReplay: fl.storeReplay,
+			Model: scfg.Model, BlockBytes: int64(scfg.Engine.BlockBytes())})
+		if err != nil {
+			return err
+		}
+		defer tier.Close()
+		scfg.Engine.Tiers.Remote = tier
 	}
 	srv, err := simserver.NewServer(scfg)
 	if err != nil {
