@@ -16,6 +16,7 @@ import (
 	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
 	"github.com/infergate/infergate/virtual"
 )
@@ -117,10 +118,17 @@ func requireKeptUp(t *testing.T, s measure.Summary, margin time.Duration) {
 // loopback and returns the per-request records and the run's Summary.
 func realRun(t *testing.T, policy string, recs []trace.Record) ([]measure.Record, measure.Summary) {
 	t.Helper()
+	return realRunWith(t, policy, recs, sim.Config{})
+}
+
+// realRunWith is realRun with engines of configuration eng.
+func realRunWith(t *testing.T, policy string, recs []trace.Record, eng sim.Config) ([]measure.Record, measure.Summary) {
+	t.Helper()
 	var out bytes.Buffer
 	rep, err := Compare(context.Background(), CompareOptions{
 		Policies: []string{policy},
 		Engines:  twinEngine,
+		Engine:   eng,
 		Records:  recs,
 		Speedup:  twinScale(),
 		Seed:     1,
@@ -147,8 +155,13 @@ func realRun(t *testing.T, policy string, recs []trace.Record) ([]measure.Record
 
 func virtualRun(t *testing.T, policy string, recs []trace.Record) virtual.ReplayResult {
 	t.Helper()
+	return virtualRunWith(t, policy, recs, sim.Config{})
+}
+
+func virtualRunWith(t *testing.T, policy string, recs []trace.Record, eng sim.Config) virtual.ReplayResult {
+	t.Helper()
 	run, err := virtual.Replay(context.Background(), virtual.ReplayOptions{
-		Policy: policy, Engines: twinEngine, Records: recs, Seed: 1,
+		Policy: policy, Engines: twinEngine, Engine: eng, Records: recs, Seed: 1,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -276,4 +289,63 @@ func TestTwinCompareMooncake(t *testing.T) {
 	requireKeptUp(t, px, measure.DefaultMaxLag)
 	requireKeptUp(t, rr, measure.DefaultMaxLag)
 	checkRouting(t, px, rr, hits[px.Policy], hits[rr.Policy], possible)
+}
+
+// TestTwinTiers is TestTwinRealVirtual's round-robin check with KV tiers:
+// engines whose GPU cache holds about one conversation (so later turns
+// load their prefix from the host tier, the request waiting for its load
+// while others run, the real-time driver sleeping until the load ends or a
+// request arrives) serve the same cached tokens per request in both worlds,
+// and their TTFTs agree as TestTwinRealVirtual's do.
+func TestTwinTiers(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real-time replays; skipped with -short")
+	}
+	recs := conversationTrace(twinConvs, twinTurns, twinGap, 3)
+	eng := sim.Config{NumBlocks: 2048} // 32k tokens: a few conversations
+	eng.Tiers.Host = sim.TierSize{Multiple: 16}
+	real, realSum := realRunWith(t, sched.RoundRobin, recs, eng)
+	virt := virtualRunWith(t, sched.RoundRobin, recs, eng)
+	var host, deltas []float64
+	tokMismatch := 0
+	for i := range recs {
+		r, v := real[i], virt.Records[i]
+		if r.Error != "" || v.Error != "" {
+			t.Fatalf("request %d: real error %q, virtual error %q", i, r.Error, v.Error)
+		}
+		if r.CachedTokens != v.CachedTokens || r.PromptTokens != v.PromptTokens || r.OutputTokens != v.OutputTokens {
+			tokMismatch++
+		}
+		if v.TierTokens != nil {
+			host = append(host, float64(v.TierTokens[sim.TierHost]))
+		}
+		deltas = append(deltas, r.TTFTMs-v.TTFTMs)
+	}
+	loaded := 0.0
+	for _, h := range host {
+		loaded += h
+	}
+	if loaded == 0 {
+		t.Fatal("no request loaded from the host tier: the test exercises nothing")
+	}
+	requireKeptUp(t, realSum, twinMaxLag)
+	if tokMismatch > 0 {
+		t.Errorf("%d requests differ in prompt, cached or output tokens", tokMismatch)
+	}
+	sorted := slices.Sorted(slices.Values(deltas))
+	offset := measure.Percentile(sorted, 50)
+	within := 0
+	for i := range recs {
+		if d := math.Abs(deltas[i] - offset); d <= max(0.15*virt.Records[i].TTFTMs, 100) {
+			within++
+		}
+	}
+	t.Logf("tiers, round-robin: %.0f tokens loaded from host memory; TTFT real−virtual p50 (offset) %.0f ms; %d/%d within max(15%%, 100 ms)",
+		loaded, offset, within, len(recs))
+	if maxOffset := twinMaxOffsetWall * twinScale(); offset < 0 || offset > maxOffset {
+		t.Errorf("real−virtual TTFT offset %.0f ms, want within [0, %v] ms", offset, maxOffset)
+	}
+	if within < len(recs)*9/10 {
+		t.Errorf("only %d of %d TTFTs within max(15%%, 100 ms)", within, len(recs))
+	}
 }
