@@ -38,8 +38,11 @@ type CompareOptions struct {
 	// Engines is the number of simulated engines per fleet (default 4).
 	Engines int
 	// Engine is the engine model of every simulated engine (zero: sim's
-	// defaults).
+	// defaults), its host and disk KV tiers included.
 	Engine sim.Config
+	// Remote sizes the fleet's shared remote KV tier (simserver's
+	// kv_remote; zero: none). The gateway is told every tier (FleetTiers).
+	Remote sim.TierSize
 	// Records are the requests to replay, in arrival order.
 	Records []trace.Record
 	// Requests limits each run to the first Requests records (0: all).
@@ -153,6 +156,58 @@ func FleetEndpoints(fleet *simserver.Fleet, model string) []gateway.EndpointConf
 	return eps
 }
 
+// FleetTiers tells cfg (the gateway in front of fleet) the engines' KV
+// tiers: each endpoint's kv_events.tiers (capacities in blocks, load costs
+// from the engine's profile: sim.Config.LoadCost) and, with a shared remote
+// store, a kv_stores entry per model subscribing to its events.
+func FleetTiers(fleet *simserver.Fleet, cfg *gateway.Config) {
+	if len(fleet.Servers) == 0 {
+		return
+	}
+	eng := fleet.Servers[0].EngineConfig()
+	if !eng.Tiers.Enabled() {
+		return
+	}
+	perBlock, latency := eng.LoadCost()
+	bb := eng.BlockBytes()
+	tier := func(t sim.Tier, blocks int) *gateway.KVTierConfig {
+		c := &gateway.KVTierConfig{Blocks: blocks, Latency: time.Duration(latency[t] * float64(time.Second))}
+		if perBlock[t] > 0 {
+			c.Bandwidth = bb / perBlock[t]
+		}
+		return c
+	}
+	models := map[string]bool{}
+	for i := range cfg.Endpoints {
+		e := &cfg.Endpoints[i]
+		models[e.Model] = true
+		if e.KVEvents == nil {
+			continue
+		}
+		kv := *e.KVEvents
+		kv.Tiers = &gateway.KVTiersConfig{BlockBytes: bb}
+		if !eng.Tiers.Host.IsZero() {
+			kv.Tiers.CPU = tier(sim.TierHost, eng.TierBlocks(eng.Tiers.Host))
+		}
+		if !eng.Tiers.Disk.IsZero() {
+			kv.Tiers.Disk = tier(sim.TierDisk, eng.TierBlocks(eng.Tiers.Disk))
+		}
+		if fleet.Remote != nil {
+			kv.Tiers.Remote = tier(sim.TierRemote, 0)
+		}
+		e.KVEvents = &kv
+	}
+	pub, replay := fleet.Remote.KVEventEndpoints()
+	if pub == "" {
+		return
+	}
+	cfg.KVStores = map[string]gateway.KVStoreConfig{}
+	for m := range models {
+		cfg.KVStores[m] = gateway.KVStoreConfig{Endpoint: pub, ReplayEndpoint: replay,
+			Topic: simserver.DefaultRemoteTopic(fleet.Servers[0].Model()), Blocks: fleet.Remote.Capacity()}
+	}
+}
+
 // compareOne runs one policy on a fresh fleet and gateway.
 func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ measure.Summary, err error) {
 	fleet, err := simserver.StartFleet(opts.Engines, simserver.ServerConfig{
@@ -164,6 +219,7 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ meas
 		// subscribes, for the precise-prefix policy and for the precise
 		// index's prediction error under any policy.
 		KVEvents: kvevents.PublisherConfig{Enable: true},
+		KVRemote: opts.Remote,
 	})
 	if err != nil {
 		return measure.Summary{}, fmt.Errorf("start fleet: %w", err)
@@ -171,7 +227,8 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ meas
 	defer fleet.Close()
 
 	blockSize := fleet.BlockSize()
-	eps := FleetEndpoints(fleet, opts.Model)
+	gcfg := gateway.Config{Endpoints: FleetEndpoints(fleet, opts.Model)}
+	FleetTiers(fleet, &gcfg)
 	routing := opts.Routing
 	routing.Policy = policy
 	if routing.Seed == 0 {
@@ -183,7 +240,8 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ meas
 	gw, err := gateway.New(ctx, gateway.Config{
 		Listen:    "127.0.0.1:0", // unused: served on ln below
 		Routing:   routing,
-		Endpoints: eps,
+		Endpoints: gcfg.Endpoints,
+		KVStores:  gcfg.KVStores,
 		// The fleet is in-process and up until Close: active probes could
 		// only eject engines falsely when the host is saturated (a probe
 		// timing out is then the benchmark's own CPU load, not the engine).

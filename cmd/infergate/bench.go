@@ -391,7 +391,8 @@ func (r *benchRun) compareVirtual(recs []trace.Record, rate float64) error {
 // fleet behind a fresh gateway, open loop or closed loop (--concurrency).
 func (r *benchRun) compareReal(recs []trace.Record, rate float64) error {
 	fl := r.fl
-	opts := bench.CompareOptions{Routing: r.routing, Policies: r.policies, Engines: fl.engines, Engine: sim.Config{Profile: r.prof},
+	opts := bench.CompareOptions{Routing: r.routing, Policies: r.policies, Engines: fl.engines, Engine: fl.tiers.engine(sim.Config{Profile: r.prof}),
+		Remote:  fl.tiers.remote,
 		Records: recs, Requests: fl.requests, Speedup: fl.speedup, Model: r.model, Progress: os.Stderr,
 		Warmup: fl.warm.w, Concurrency: fl.concurrency, Sessions: r.sessions, RateRPS: rate, OnRun: r.addHTML, MaxLag: fl.maxLag,
 		References: r.refs}

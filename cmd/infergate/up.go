@@ -15,7 +15,6 @@ import (
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/sched"
-	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/simserver"
 )
 
@@ -127,7 +126,7 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 		for _, m := range append([]string{model}, lora.Adapters...) {
 			cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, m)...)
 		}
-		fleetTiers(fleet, &cfg)
+		bench.FleetTiers(fleet, &cfg)
 		if err := applyEdgeFlags(cmd, &cfg, "", "", fl.keys); err != nil {
 			return cfg, err
 		}
@@ -160,56 +159,4 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 			fmt.Fprintf(out, "Press Ctrl-C to stop.\n")
 		}
 	})
-}
-
-// fleetTiers tells cfg (the gateway in front of fleet) the engines' KV
-// tiers: each endpoint's kv_events.tiers (capacities in blocks, load costs
-// from the engine's profile: sim.Config.LoadCost) and, with a shared remote
-// store, a kv_stores entry per model subscribing to its events.
-func fleetTiers(fleet *simserver.Fleet, cfg *gateway.Config) {
-	if len(fleet.Servers) == 0 {
-		return
-	}
-	eng := fleet.Servers[0].EngineConfig()
-	if !eng.Tiers.Enabled() {
-		return
-	}
-	perBlock, latency := eng.LoadCost()
-	bb := eng.BlockBytes()
-	tier := func(t sim.Tier, blocks int) *gateway.KVTierConfig {
-		c := &gateway.KVTierConfig{Blocks: blocks, Latency: time.Duration(latency[t] * float64(time.Second))}
-		if perBlock[t] > 0 {
-			c.Bandwidth = bb / perBlock[t]
-		}
-		return c
-	}
-	models := map[string]bool{}
-	for i := range cfg.Endpoints {
-		e := &cfg.Endpoints[i]
-		models[e.Model] = true
-		if e.KVEvents == nil {
-			continue
-		}
-		kv := *e.KVEvents
-		kv.Tiers = &gateway.KVTiersConfig{BlockBytes: bb}
-		if !eng.Tiers.Host.IsZero() {
-			kv.Tiers.CPU = tier(sim.TierHost, eng.TierBlocks(eng.Tiers.Host))
-		}
-		if !eng.Tiers.Disk.IsZero() {
-			kv.Tiers.Disk = tier(sim.TierDisk, eng.TierBlocks(eng.Tiers.Disk))
-		}
-		if fleet.Remote != nil {
-			kv.Tiers.Remote = tier(sim.TierRemote, 0)
-		}
-		e.KVEvents = &kv
-	}
-	pub, replay := fleet.Remote.KVEventEndpoints()
-	if pub == "" {
-		return
-	}
-	cfg.KVStores = map[string]gateway.KVStoreConfig{}
-	for m := range models {
-		cfg.KVStores[m] = gateway.KVStoreConfig{Endpoint: pub, ReplayEndpoint: replay,
-			Topic: simserver.DefaultRemoteTopic(fleet.Servers[0].Model()), Blocks: fleet.Remote.Capacity()}
-	}
 }
