@@ -493,12 +493,26 @@ func (e *Engine) Stats() Stats {
 func (e *Engine) Step(now time.Duration) StepResult {
 	e.sched = e.sched[:0]
 	e.out = e.out[:0]
-	budget := e.cfg.MaxNumBatchedTokens
-	preempted := false
 	if e.kv != nil {
 		e.kv.begin()
 	}
+	budget, preempted := e.scheduleRunning(e.cfg.MaxNumBatchedTokens)
+	e.finishLoads(now)
+	loads := 0
+	if !preempted {
+		loads = e.admitWaiting(budget, now)
+	}
+	cost := e.run()
+	d := e.cfg.Profile.StepTime(cost) + time.Duration(loads)*e.cfg.LoRA.LoadLatency
+	e.stats.BusyTime += d
+	return StepResult{Duration: d, Outputs: e.out, Cost: cost, Events: e.kv.take(), LoRALoads: loads}
+}
 
+// scheduleRunning is Step's phase 1: every running request, in admission
+// order, gets min(remaining, budget) tokens, preempting from the tail when
+// its blocks cannot be allocated. It returns the budget left and whether it
+// preempted.
+func (e *Engine) scheduleRunning(budget int) (left int, preempted bool) {
 	for i := 0; i < len(e.running) && budget > 0; {
 		s := e.running[i]
 		n := min(len(s.tokens)-s.computed, budget)
@@ -527,74 +541,87 @@ func (e *Engine) Step(now time.Duration) StepResult {
 		budget -= n
 		i++
 	}
+	return budget, preempted
+}
 
-	// Loads that ended by now: their blocks join the GPU prefix cache before
-	// scheduling (vLLM's scheduler does this first:
-	// _update_waiting_for_remote_kv for finished_recving_kv_req_ids).
-	if e.loads > 0 {
-		for _, s := range e.waiting.buf[e.waiting.head:] {
-			if s.loading && s.loadDone <= now {
-				e.loaded(s)
-			}
+// finishLoads registers the loads that ended by now: their blocks join the
+// GPU prefix cache before admission (vLLM's scheduler does this first:
+// _update_waiting_for_remote_kv for finished_recving_kv_req_ids).
+func (e *Engine) finishLoads(now time.Duration) {
+	if e.loads == 0 {
+		return
+	}
+	for _, s := range e.waiting.buf[e.waiting.head:] {
+		if s.loading && s.loadDone <= now {
+			e.loaded(s)
 		}
 	}
-	loads := 0
-	if !preempted {
-		for i := 0; i < e.waiting.len() && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs; {
-			s := e.waiting.at(i)
-			if e.lora != nil && !e.lora.admissible(s.lora) {
-				i++ // deferred: would exceed max_loras (vLLM skips it, keeping its place)
-				continue
-			}
-			var hit []int32
-			computed := 0
-			if s.loading {
-				i++ // its blocks are still being loaded (vLLM skips it, keeping its place)
-				continue
-			} else if len(s.blocks) > 0 {
-				computed = s.computed // loaded earlier; the rest did not fit then
-			} else {
-				hit = e.findCached(s)
-				if lower, ok := e.lowerHits(s, len(hit)); ok {
-					if !e.startLoad(s, hit, lower, now) {
-						if e.unblock() {
-							continue
-						}
-						break // no free blocks to load into: admission stops, as for an allocation
+}
+
+// admitWaiting is Step's phase 2: waiting requests are admitted FCFS while
+// the budget lasts and fewer than MaxNumSeqs run (Step's comment); a
+// request whose prefix continues in a lower tier starts its load instead.
+// It returns the adapters it loaded.
+func (e *Engine) admitWaiting(budget int, now time.Duration) (loads int) {
+	for i := 0; i < e.waiting.len() && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs; {
+		s := e.waiting.at(i)
+		if e.lora != nil && !e.lora.admissible(s.lora) {
+			i++ // deferred: would exceed max_loras (vLLM skips it, keeping its place)
+			continue
+		}
+		if s.loading {
+			i++ // its blocks are still being loaded (vLLM skips it, keeping its place)
+			continue
+		}
+		var hit []int32
+		computed := s.computed // loaded earlier, the rest did not fit then; else 0
+		if len(s.blocks) == 0 {
+			hit = e.findCached(s)
+			if lower, ok := e.lowerHits(s, len(hit)); ok {
+				if !e.startLoad(s, hit, lower, now) {
+					if e.unblock() {
+						continue
 					}
-					i++ // it waits for its load, not running, using no budget
-					continue
+					break // no free blocks to load into: admission stops, as for an allocation
 				}
-				computed = len(hit) * e.cfg.BlockSize
+				i++ // it waits for its load, not running, using no budget
+				continue
 			}
-			n := min(len(s.tokens)-computed, budget)
-			if !e.allocate(s, n, hit) {
-				if e.unblock() {
-					continue // the same request, with the blocks given back
-				}
-				break
-			}
-			if e.tiers != nil && len(hit) > 0 {
-				e.tiers.hit(s, len(hit), e.cfg.BlockSize)
-			}
-			e.waiting.removeAt(i)
-			e.running = append(e.running, s)
-			if e.lora != nil && e.lora.start(s.lora) {
-				loads++
-			}
-			s.computed = computed
-			if !s.admitted {
-				s.admitted = true
-				s.scheduledAt = now
-				if s.cached < 0 {
-					e.firstLookup(s, computed, [NumTiers]int{TierGPU: computed / e.cfg.BlockSize})
-				}
-			}
-			e.sched = append(e.sched, scheduled{s, n})
-			budget -= n
+			computed = len(hit) * e.cfg.BlockSize
 		}
+		n := min(len(s.tokens)-computed, budget)
+		if !e.allocate(s, n, hit) {
+			if e.unblock() {
+				continue // the same request, with the blocks given back
+			}
+			break
+		}
+		if e.tiers != nil && len(hit) > 0 {
+			e.tiers.hit(s, len(hit), e.cfg.BlockSize)
+		}
+		e.waiting.removeAt(i)
+		e.running = append(e.running, s)
+		if e.lora != nil && e.lora.start(s.lora) {
+			loads++
+		}
+		s.computed = computed
+		if !s.admitted {
+			s.admitted = true
+			s.scheduledAt = now
+			if s.cached < 0 {
+				e.firstLookup(s, computed, [NumTiers]int{TierGPU: computed / e.cfg.BlockSize})
+			}
+		}
+		e.sched = append(e.sched, scheduled{s, n})
+		budget -= n
 	}
+	return loads
+}
 
+// run computes the scheduled tokens: a request whose computed tokens reach
+// its length samples one token, one with MaxTokens tokens finishes and
+// releases its blocks. It returns the step's cost.
+func (e *Engine) run() StepCost {
 	var cost StepCost
 	for _, sc := range e.sched {
 		cost.Add(sc.n, sc.s.computed)
@@ -609,47 +636,53 @@ func (e *Engine) Step(now time.Duration) StepResult {
 		if s.computed < len(s.tokens) {
 			continue // partial prefill chunk: the sampled token is discarded
 		}
-		tok := e.sample(s)
-		s.tokens = append(s.tokens, tok)
-		out := s.output()
-		if out == 1 {
-			e.stats.PromptTokens += int64(s.promptLen)
-			e.stats.Prompts++
-			e.stats.CachedPromptTokens += int64(max(s.cached, 0))
-			for t, n := range s.tierTokens {
-				e.stats.TierHits[t] += int64(n)
-			}
-		}
-		e.stats.GenerationTokens++
-		done := out >= s.maxTokens
-		e.out = append(e.out, Output{
-			ID:           s.id,
-			NewTokens:    1,
-			Token:        tok,
-			FirstToken:   out == 1,
-			Finished:     done,
-			PromptTokens: s.promptLen,
-			CachedTokens: max(s.cached, 0),
-			TierTokens:   s.tierTokens,
-			OutputTokens: out,
-			Scheduled:    s.scheduledAt,
-		})
-		if done {
-			e.freeBlocks(s)
-			if e.lora != nil {
-				e.lora.stop(s.lora)
-			}
-			delete(e.byID, s.id)
-			s.computed = -1 // marks finished for the compaction below
+		if e.emit(s) {
 			finished = true
 		}
 	}
 	if finished {
 		e.running = slices.DeleteFunc(e.running, func(s *seq) bool { return s.computed < 0 })
 	}
-	d := e.cfg.Profile.StepTime(cost) + time.Duration(loads)*e.cfg.LoRA.LoadLatency
-	e.stats.BusyTime += d
-	return StepResult{Duration: d, Outputs: e.out, Cost: cost, Events: e.kv.take(), LoRALoads: loads}
+	return cost
+}
+
+// emit samples s's next token and records its output; it reports whether s
+// finished (its blocks released, marked by computed −1 for run's compaction).
+func (e *Engine) emit(s *seq) bool {
+	tok := e.sample(s)
+	s.tokens = append(s.tokens, tok)
+	out := s.output()
+	if out == 1 {
+		e.stats.PromptTokens += int64(s.promptLen)
+		e.stats.Prompts++
+		e.stats.CachedPromptTokens += int64(max(s.cached, 0))
+		for t, n := range s.tierTokens {
+			e.stats.TierHits[t] += int64(n)
+		}
+	}
+	e.stats.GenerationTokens++
+	done := out >= s.maxTokens
+	e.out = append(e.out, Output{
+		ID:           s.id,
+		NewTokens:    1,
+		Token:        tok,
+		FirstToken:   out == 1,
+		Finished:     done,
+		PromptTokens: s.promptLen,
+		CachedTokens: max(s.cached, 0),
+		TierTokens:   s.tierTokens,
+		OutputTokens: out,
+		Scheduled:    s.scheduledAt,
+	})
+	if done {
+		e.freeBlocks(s)
+		if e.lora != nil {
+			e.lora.stop(s.lora)
+		}
+		delete(e.byID, s.id)
+		s.computed = -1
+	}
+	return done
 }
 
 // findCached returns the blocks of the longest cached prefix of s, capped so
