@@ -47,37 +47,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 		ep.ledger.Send(&x.share, x.sreq.PromptTokens, d.MatchedBlocks*p.blockSize, clock(time.Now()))
 	}
 	defer x.share.Finish()
-	if d.MatchedBlocks > 0 {
-		rm.predicted.Add(float64(d.MatchedBlocks * p.blockSize))
-	}
-	if rm.predictedTier[0] != nil {
-		for t, n := range d.TierBlocks {
-			if n > 0 {
-				rm.predictedTier[t].Add(float64(n * p.blockSize))
-			}
-		}
-	}
-	x.predicted, x.precisePredicted = -1, -1
-	if p.policy.NeedsHashes() {
-		x.predicted, x.predictedBy = d.MatchedBlocks*p.blockSize, indexApproximate
-		if p.precisePolicy {
-			x.predictedBy = indexPrecise
-		}
-	}
-	if p.precise != nil && !p.precisePolicy {
-		x.precisePredicted = p.preciseMatch(x.hashes, i) * p.blockSize
-		if p.tiers != nil {
-			// What the engine takes from all its tiers, as the index
-			// sees them (the engine reports only the total).
-			x.precisePredicted = 0
-			for _, n := range p.preciseTiers(x.hashes, i, x.sreq.PromptTokens) {
-				x.precisePredicted += n * p.blockSize
-			}
-		}
-	}
-	if p.precise != nil {
-		p.precise.Routed(i, x.hashes) // joins the engine's events for it (prefix/precise_join.go)
-	}
+	g.predict(x, p, i, d, rm)
 
 	body := x.upstreamBody()
 	strip := false
@@ -250,4 +220,43 @@ func truncate(s string, n int) string {
 		s = s[:n]
 	}
 	return strings.ToValidUTF8(s, "")
+}
+
+// predict records what routing expects endpoint i of p to hold of x's
+// prompt: the policy's prediction (by tier when the pool has tiers) in rm's
+// counters and in x (compared with the engine's cached tokens when the
+// request finishes), and the precise index's own when the policy is not
+// the precise one; and it tells the index the prompt was routed there.
+func (g *Gateway) predict(x *exchange, p *pool, i int, d sched.Decision, rm *routeMetrics) {
+	if d.MatchedBlocks > 0 {
+		rm.predicted.Add(float64(d.MatchedBlocks * p.blockSize))
+	}
+	if rm.predictedTier[0] != nil {
+		for t, n := range d.TierBlocks {
+			if n > 0 {
+				rm.predictedTier[t].Add(float64(n * p.blockSize))
+			}
+		}
+	}
+	x.predicted, x.precisePredicted = -1, -1
+	if p.policy.NeedsHashes() {
+		x.predicted, x.predictedBy = d.MatchedBlocks*p.blockSize, indexApproximate
+		if p.precisePolicy {
+			x.predictedBy = indexPrecise
+		}
+	}
+	if p.precise != nil && !p.precisePolicy {
+		x.precisePredicted = p.preciseMatch(x.hashes, i) * p.blockSize
+		if p.tiers != nil {
+			// What the engine takes from all its tiers, as the index
+			// sees them (the engine reports only the total).
+			x.precisePredicted = 0
+			for _, n := range p.preciseTiers(x.hashes, i, x.sreq.PromptTokens) {
+				x.precisePredicted += n * p.blockSize
+			}
+		}
+	}
+	if p.precise != nil {
+		p.precise.Routed(i, x.hashes) // joins the engine's events for it (prefix/precise_join.go)
+	}
 }
