@@ -377,14 +377,15 @@ func BenchmarkDecision64x1M(b *testing.B) {
 	ix, _ := prefix.NewIndex(caps(n, perEndpoint))
 	px, _ := prefix.NewPreciseIndex(n, 16)
 	var engineKey uint64
-	store := func(e int, toks []uint32) {
+	storeIn := func(e int, m prefix.Medium, toks []uint32) {
 		keys := make([]uint64, len(toks)/16)
 		for i := range keys {
 			engineKey++
 			keys[i] = engineKey
 		}
-		_ = px.Stored(e, prefix.MediumGPU, keys, 0, false, toks, 0)
+		_ = px.Stored(e, m, keys, 0, false, toks, 0)
 	}
+	store := func(e int, toks []uint32) { storeIn(e, prefix.MediumGPU, toks) }
 	for e := range n {
 		// Fill each endpoint with distinct 750-block prompts.
 		for k := 0; k < perEndpoint/750+1; k++ {
@@ -403,6 +404,7 @@ func BenchmarkDecision64x1M(b *testing.B) {
 		}
 		ix.Insert(i%n, reqs[i].Hashes)
 		store(i%n, toks)
+		storeIn((i+1)%n, prefix.MediumCPU, toks) // the next endpoint has it in host memory
 	}
 	b.Logf("approximate index: %d blocks on endpoint 0; precise index: %+v", ix.Len(0), px.Stats())
 	eps := ready(n)
@@ -417,9 +419,19 @@ func BenchmarkDecision64x1M(b *testing.B) {
 		{"cache-aware/decide", CacheAware, false},
 		{"cache-aware/decide+learn", CacheAware, true},
 		{"precise-prefix/decide", PrecisePrefix, false},
+		{"precise-prefix/tiered", PrecisePrefix, false},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
-			p := newProfileT(b, Config{Policy: tc.policy}, Pool{Capacity: caps(n, perEndpoint), Precise: px.On(prefix.MediumGPU)})
+			pool := Pool{Capacity: caps(n, perEndpoint), Precise: px.On(prefix.MediumGPU)}
+			if strings.HasSuffix(tc.name, "tiered") {
+				// GPU, host memory (the next endpoint's copy), no remote.
+				t := &Tiers{Source: px, Remote: -1, LoadSeconds: make([][NumTiers]float64, n), Latency: make([][NumTiers]float64, n)}
+				for e := range n {
+					t.LoadSeconds[e] = [NumTiers]float64{0, 26e-6, 187e-6, 120e-6}
+				}
+				pool.Tiers = t
+			}
+			p := newProfileT(b, Config{Policy: tc.policy}, pool)
 			if tc.policy == CacheAware {
 				// Share the filled index with the approximate scorer.
 				ps := p.scorers[0].Scorer.(*prefixScorer)
