@@ -108,7 +108,10 @@ func (r Row) cells(minGoodput float64) []string {
 		meets = "no (" + strings.Join(r.Failed(minGoodput), ", ") + ")"
 	}
 	pooled := "-"
-	if s.PooledHitRate != nil {
+	switch {
+	case s.PooledTieredHitRate != nil: // the fleet has tiers: the reference pools them too
+		pooled = fmt.Sprintf("%.1f", *s.PooledTieredHitRate*100)
+	case s.PooledHitRate != nil:
 		pooled = fmt.Sprintf("%.1f", *s.PooledHitRate*100)
 	}
 	return []string{strconv.Itoa(r.Engines), r.Policy, strconv.Itoa(s.Errors),

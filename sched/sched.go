@@ -124,7 +124,7 @@ const DefaultPolicy = CacheAware
 // Names lists the built-in policy names (every one a built-in profile, see
 // builtinProfiles), the default first.
 func Names() []string {
-	return []string{CacheAware, Prefix, RoundRobin, LeastRequest, Random, PowerOfTwo, PrecisePrefix}
+	return []string{CacheAware, Prefix, RoundRobin, LeastRequest, Random, PowerOfTwo, PrecisePrefix, TieredCost, LLMDTiered, DynamoTiered}
 }
 
 // Config selects and tunes a policy (YAML key "routing").

@@ -35,7 +35,7 @@ latency model of the chosen model-and-GPU profile.`,
   infergate sim --profile llama-3.1-8b-h100 --time-scale 10
   VLLM_API_KEY=secret infergate sim --listen 127.0.0.1:8001
   # host-memory tier 4x the GPU cache, a running kvstore as the shared remote tier
-  infergate sim --kv-host 4x --kv-store-url http://127.0.0.1:8100 --kv-store-events tcp://127.0.0.1:5570`,
+  infergate sim --kv-host 4x --kv-store-url http://127.0.0.1:8100 --kv-store-events tcp://127.0.0.1:5557   # kvstore's defaults`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return fl.run(cmd) },
 	}
@@ -95,6 +95,19 @@ func (fl *simFlags) run(cmd *cobra.Command) error {
 	return listenAndServe(cmd.Context(), log, fl.listen, srv.Handler(), func(a net.Addr) {
 		log.Info("simulated engine listening", "addr", "http://"+a.String(), "profile", scfg.Engine.Profile.Name, "model", scfg.Model, "time_scale", scfg.TimeScale,
 			"api_keys", len(scfg.APIKeys))
+		if t := scfg.Engine.Tiers; t.Enabled() {
+			remote := "off"
+			switch {
+			case fl.storeURL != "":
+				remote = "kvstore " + fl.storeURL
+			case !fl.tiers.remote.IsZero():
+				remote = "own store " + fl.tiers.remote.String()
+			}
+			log.Info("KV tiers", "host", t.Host.String(), "disk", t.Disk.String(), "remote", remote)
+		}
+		if pub, replay := srv.RemoteStore().KVEventEndpoints(); pub != "" {
+			log.Info("remote store publishing KV events", "endpoint", pub, "replay", replay, "topic", simserver.DefaultRemoteTopic(scfg.Model))
+		}
 		if p := srv.KVEventPublisher(); p != nil {
 			args := []any{"endpoint", p.Addr(), "encoding", p.Config().Encoding, "topic", p.Config().Topic}
 			if r := p.ReplayAddr(); r != nil {
