@@ -36,6 +36,12 @@ type KVEventApplier struct {
 	ix      *prefix.PreciseIndex
 	e       int
 	seedFor func(loraName string) uint64
+	// media are the media the stream may name (bit m for prefix.Medium m):
+	// an engine's every medium but the shared store's, a store's only
+	// REMOTE. Events of other media are skipped and counted (Refused), so
+	// that a stream cannot fill the slot's bounds in media it has none of.
+	media   uint32
+	refused atomic.Uint64
 
 	stored, removed, cleared      atomic.Uint64
 	invalid                       atomic.Uint64
@@ -67,13 +73,31 @@ type KVEventApplierStats struct {
 	// OtherMedia counts events whose medium is not GPU, CPU, DISK or REMOTE
 	// (indexed as prefix.MediumOther).
 	OtherMedia uint64
+	// Refused counts events skipped because their medium is not the
+	// stream's (REMOTE from an engine; anything else from a store).
+	Refused uint64
 }
 
 // NewKVEventApplier returns an applier of endpoint e's events to ix; seedFor
 // gives the root seed of a sequence computed under an adapter ("" for the
 // base model); see KVSeeds.
 func NewKVEventApplier(ix *prefix.PreciseIndex, e int, seedFor func(loraName string) uint64) *KVEventApplier {
-	return &KVEventApplier{ix: ix, e: e, seedFor: seedFor}
+	return &KVEventApplier{ix: ix, e: e, seedFor: seedFor, media: (1<<prefix.NumMedia - 1) &^ (1 << prefix.MediumRemote)}
+}
+
+// NewStoreEventApplier is NewKVEventApplier for a shared remote store's
+// stream (infergate kvstore): only its REMOTE events are applied.
+func NewStoreEventApplier(ix *prefix.PreciseIndex, e int, seedFor func(loraName string) uint64) *KVEventApplier {
+	return &KVEventApplier{ix: ix, e: e, seedFor: seedFor, media: 1 << prefix.MediumRemote}
+}
+
+// allowed reports whether the stream may name medium m, counting refusals.
+func (a *KVEventApplier) allowed(m prefix.Medium) bool {
+	if a.media&(1<<m) != 0 {
+		return true
+	}
+	a.refused.Add(1)
+	return false
 }
 
 // KVBatch applies b's events in order.
@@ -86,21 +110,29 @@ func (a *KVEventApplier) KVBatch(_ uint64, b *kvevents.Batch) {
 				a.blockSizeMismatch.Add(1)
 				continue
 			}
-			err := a.ix.Stored(a.e, a.medium(ev.Medium), ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, a.seedFor(ev.LoRAName))
+			m := a.medium(ev.Medium)
+			if !a.allowed(m) {
+				continue
+			}
+			err := a.ix.Stored(a.e, m, ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, a.seedFor(ev.LoRAName))
 			if err == nil {
 				a.stored.Add(1)
 			} else {
 				a.invalid.Add(1)
 			}
 		case kvevents.BlockRemoved:
-			a.ix.Removed(a.e, a.medium(ev.Medium), ev.BlockHashes)
-			a.removed.Add(1)
+			if m := a.medium(ev.Medium); a.allowed(m) {
+				a.ix.Removed(a.e, m, ev.BlockHashes)
+				a.removed.Add(1)
+			}
 		case kvevents.AllBlocksCleared:
 			a.ix.Cleared(a.e)
 			a.cleared.Add(1)
 		case kvevents.TierBlocksCleared:
-			a.ix.ClearedMedium(a.e, a.medium(ev.Medium))
-			a.cleared.Add(1)
+			if m := a.medium(ev.Medium); a.allowed(m) {
+				a.ix.ClearedMedium(a.e, m)
+				a.cleared.Add(1)
+			}
 		}
 	}
 }
@@ -129,5 +161,6 @@ func (a *KVEventApplier) Stats() KVEventApplierStats {
 		UnknownParents: ix.UnknownParents, Joined: ix.Joined, OrphansDropped: ix.OrphansDropped, Evicted: ix.Evicted,
 		UnresolvedStores:  ix.UnresolvedStores,
 		BlockSizeMismatch: a.blockSizeMismatch.Load(), Invalid: a.invalid.Load(), OtherMedia: a.otherMedia.Load(),
+		Refused: a.refused.Load(),
 	}
 }

@@ -842,11 +842,27 @@ func TestKVEventsTiers(t *testing.T) {
 			}
 			apply(0, kvStore(x, 0), offload(kvevents.MediumCPU, h...), offload(kvevents.MediumDisk, h[:3]...), remote,
 				offload(kvevents.MediumCPU, 0xdeadbeef))
-			check("stored", 6, 6, 3, 6)
+			// An engine's stream cannot claim the shared store's medium.
+			check("stored", 6, 6, 3, 0)
 			st := a.Stats()
-			if st.Stored != 5 || st.Invalid != 0 || st.UnresolvedStores != 1 || st.OtherMedia != 0 || st.UnknownParents != 0 {
+			if st.Stored != 4 || st.Refused != 1 || st.Invalid != 0 || st.UnresolvedStores != 1 || st.OtherMedia != 0 || st.UnknownParents != 0 {
 				t.Fatalf("stats %+v", st)
 			}
+			// The store's stream (endpoint 1's slot here) may name REMOTE only.
+			sa := NewStoreEventApplier(ix, 1, KVSeeds(kvModel))
+			storeApply := func(seq uint64, evs ...kvevents.Event) {
+				t.Helper()
+				b, err := kvevents.DecodeBatch(kvevents.AppendBatch(nil, 1, evs, 0, enc))
+				if err != nil {
+					t.Fatal(err)
+				}
+				sa.KVBatch(seq, &b)
+			}
+			storeApply(0, remote, kvStore(x, 0))
+			if st := sa.Stats(); st.Stored != 1 || st.Refused != 1 {
+				t.Fatalf("store stats %+v", st)
+			}
+			check("store applied", 6, 6, 3, 6)
 			// The engine evicts the GPU copies: the lower tiers keep them.
 			apply(1, removeIn(kvevents.MediumGPU, 0, 1, 2, 3, 4, 5))
 			check("GPU evicted", 0, 6, 3, 6)
@@ -855,12 +871,13 @@ func TestKVEventsTiers(t *testing.T) {
 			// Loaded back onto the GPU: the engine stores it with tokens again.
 			apply(3, kvStore(x[:16*2], 0))
 			check("reloaded", 2, 4, 0, 6)
-			apply(4, removeIn(kvevents.MediumRemote, 0, 1, 2, 3, 4, 5), removeIn(kvevents.MediumCPU, 0, 1, 2, 3, 5), removeIn(kvevents.MediumGPU, 0, 1))
+			storeApply(1, removeIn(kvevents.MediumRemote, 0, 1, 2, 3, 4, 5))
+			apply(4, removeIn(kvevents.MediumCPU, 0, 1, 2, 3, 5), removeIn(kvevents.MediumGPU, 0, 1))
 			check("all evicted", 0, 0, 0, 0)
 			if st := ix.EndpointStats(1); st.EngineKeys != 0 || st.Orphans != 0 {
 				t.Fatalf("index keeps %+v", st)
 			}
-			if st := a.Stats(); st.Stored != 6 || st.Removed != 5 || st.Cleared != 1 || st.Invalid != 0 {
+			if st := a.Stats(); st.Stored != 5 || st.Removed != 4 || st.Cleared != 1 || st.Invalid != 0 {
 				t.Fatalf("stats %+v", st)
 			}
 		})

@@ -733,7 +733,7 @@ func (g *Gateway) buildStoreFeeds(st, prev *state, pl *plan) error {
 			}
 		}
 		if a == nil {
-			a = fleet.NewKVEventApplier(t.ix, t.slot, fleet.KVSeeds(model))
+			a = fleet.NewStoreEventApplier(t.ix, t.slot, fleet.KVSeeds(model))
 		}
 		pl.feedSets[f] = feedSet{appliers: []*fleet.KVEventApplier{a}, targets: []feedTarget{t}}
 		st.stores[model] = f

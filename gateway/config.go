@@ -594,8 +594,8 @@ func (e EndpointConfig) validate(at string, routing sched.Config) []error {
 		if kv.MaxMessageBytes < 0 {
 			bad("%s.kv_events.max_message_bytes %d: must be >= 0", at, kv.MaxMessageBytes)
 		}
-		if kv.OffloadBlocks < 0 {
-			bad("%s.kv_events.offload_blocks %d: must be >= 0", at, kv.OffloadBlocks)
+		if kv.OffloadBlocks < 0 || kv.OffloadBlocks > maxTierBlocks {
+			bad("%s.kv_events.offload_blocks %d: must be in [0, %d]", at, kv.OffloadBlocks, maxTierBlocks)
 		}
 		if t := kv.Tiers; t != nil {
 			errs = append(errs, t.validate(at+".kv_events.tiers", kv.OffloadBlocks)...)
@@ -610,13 +610,18 @@ func (e EndpointConfig) validate(at string, routing sched.Config) []error {
 	return errs
 }
 
+// maxTierBlocks bounds a tier's or a store's blocks in the configuration
+// (2^40: 5 EiB of the 70B default's 5 MiB blocks), so that sums of them
+// cannot overflow.
+const maxTierBlocks = 1 << 40
+
 // validate checks an endpoint's kv_events.tiers, at (its path in
 // errors), against its offload_blocks.
 func (t *KVTiersConfig) validate(at string, offload int) []error {
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
-	if t.BlockBytes < 0 || t.BlockBytes != t.BlockBytes {
-		bad("%s.block_bytes %g: must be >= 0", at, t.BlockBytes)
+	if t.BlockBytes < 0 || t.BlockBytes != t.BlockBytes || math.IsInf(t.BlockBytes, 0) {
+		bad("%s.block_bytes %g: must be >= 0 and finite", at, t.BlockBytes)
 	}
 	for _, tc := range []struct {
 		name string
@@ -627,8 +632,8 @@ func (t *KVTiersConfig) validate(at string, offload int) []error {
 			continue
 		}
 		switch {
-		case c.Blocks < 0:
-			bad("%s.%s.blocks %d: must be >= 0", at, tc.name, c.Blocks)
+		case c.Blocks < 0 || c.Blocks > maxTierBlocks:
+			bad("%s.%s.blocks %d: must be in [0, %d]", at, tc.name, c.Blocks, maxTierBlocks)
 		case tc.name == "remote" && c.Blocks != 0:
 			bad("%s.remote.blocks %d: the remote tier's capacity is its kv_stores entry's blocks", at, c.Blocks)
 		}
@@ -636,6 +641,8 @@ func (t *KVTiersConfig) validate(at string, offload int) []error {
 			bad("%s.%s.bandwidth %g: must be >= 0 bytes/s", at, tc.name, c.Bandwidth)
 		} else if c.Bandwidth > 0 && !(t.BlockBytes > 0) {
 			bad("%s.block_bytes: required to price %s loads (bandwidth %g)", at, tc.name, c.Bandwidth)
+		} else if c.Bandwidth > 0 && math.IsInf(t.BlockBytes/c.Bandwidth, 0) {
+			bad("%s.%s: block_bytes / bandwidth (%g / %g) is not a finite load time", at, tc.name, t.BlockBytes, c.Bandwidth)
 		}
 		if c.Latency < 0 {
 			bad("%s.%s.latency %v: must be >= 0", at, tc.name, c.Latency)
@@ -678,11 +685,13 @@ func (c Config) validateKVStores() []error {
 		if s.MaxMessageBytes < 0 {
 			bad("%s.max_message_bytes %d: must be >= 0", at, s.MaxMessageBytes)
 		}
-		if s.Blocks < 1 {
-			bad("%s.blocks %d: the store's capacity in blocks is required (>= 1)", at, s.Blocks)
+		if s.Blocks < 1 || s.Blocks > maxTierBlocks {
+			bad("%s.blocks %d: the store's capacity in blocks is required, in [1, %d]", at, s.Blocks, maxTierBlocks)
 		}
-		if !(s.BlockBytes >= 0) || !(s.Bandwidth >= 0) || math.IsInf(s.Bandwidth, 0) || s.Latency < 0 {
-			bad("%s: block_bytes, bandwidth and latency must be >= 0", at)
+		if !(s.BlockBytes >= 0) || math.IsInf(s.BlockBytes, 0) || !(s.Bandwidth >= 0) || math.IsInf(s.Bandwidth, 0) || s.Latency < 0 {
+			bad("%s: block_bytes, bandwidth and latency must be >= 0 and finite", at)
+		} else if s.Bandwidth > 0 && math.IsInf(s.BlockBytes/s.Bandwidth, 0) {
+			bad("%s: block_bytes / bandwidth (%g / %g) is not a finite load time", at, s.BlockBytes, s.Bandwidth)
 		}
 	}
 	return errs

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"encoding/json"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -77,6 +78,14 @@ kv_stores:
 	bad("remote blocks", func(c *Config) { c.Endpoints[0].KVEvents.Tiers.Remote.Blocks = 5 }, "remote.blocks 5")
 	bad("store blocks", func(c *Config) { s := c.KVStores["m"]; s.Blocks = 0; c.KVStores["m"] = s }, "capacity in blocks is required")
 	bad("store model", func(c *Config) { c.KVStores["x"] = c.KVStores["m"] }, `kv_stores["x"]: no endpoint`)
+	// Sizes whose sums would overflow, load costs that are not finite
+	// (found by an attack run: they passed and unbounded the index).
+	bad("huge cpu blocks", func(c *Config) { c.Endpoints[0].KVEvents.Tiers.CPU.Blocks = math.MaxInt }, "cpu.blocks")
+	bad("huge store", func(c *Config) { s := c.KVStores["m"]; s.Blocks = math.MaxInt; c.KVStores["m"] = s }, "capacity in blocks is required")
+	bad("infinite block bytes", func(c *Config) { c.Endpoints[0].KVEvents.Tiers.BlockBytes = math.Inf(1) }, "block_bytes +Inf")
+	bad("infinite load time", func(c *Config) {
+		c.Endpoints[0].KVEvents.Tiers.BlockBytes, c.Endpoints[0].KVEvents.Tiers.CPU.Bandwidth = 1e308, 1e-320
+	}, "not a finite load time")
 	bad("store without events", func(c *Config) {
 		c.Endpoints = append(c.Endpoints, EndpointConfig{URL: "http://10.0.0.8:8000", Model: "m"})
 	}, "needs kv_events on every endpoint")

@@ -19,10 +19,12 @@ import (
 // Defaults of PublisherConfig, those of vLLM's KVEventsConfig
 // (vllm/config/kv_events.py).
 const (
-	DefaultEndpoint     = "tcp://*:5557"
-	DefaultBufferSteps  = 10000
-	DefaultHWM          = 100000
-	DefaultMaxQueueSize = 100000
+	DefaultEndpoint    = "tcp://*:5557"
+	DefaultBufferSteps = 10000
+	// DefaultMaxBufferBytes is PublisherConfig.MaxBufferBytes's default.
+	DefaultMaxBufferBytes = 64 << 20
+	DefaultHWM            = 100000
+	DefaultMaxQueueSize   = 100000
 )
 
 // PublisherConfig configures a Publisher (the simulator's
@@ -47,6 +49,10 @@ type PublisherConfig struct {
 	ReplayEndpoint string `yaml:"replay_endpoint" json:"replay_endpoint"`
 	// BufferSteps is the number of past batches kept for replay (default 10000).
 	BufferSteps int `yaml:"buffer_steps" json:"buffer_steps"`
+	// MaxBufferBytes bounds the payload bytes of the batches kept for replay
+	// (default 64 MiB; the newest batch is always kept): BufferSteps alone
+	// lets large batches hold unbounded memory. Not a vLLM option.
+	MaxBufferBytes int `yaml:"max_buffer_bytes" json:"max_buffer_bytes"`
 	// HWM is the send high-water mark of the PUB socket, in messages
 	// (default 100000): messages beyond it are dropped by the socket.
 	HWM int `yaml:"hwm" json:"hwm"`
@@ -97,6 +103,9 @@ func (c PublisherConfig) WithDefaults() PublisherConfig {
 	if c.Endpoint == "" {
 		c.Endpoint = DefaultEndpoint
 	}
+	if c.MaxBufferBytes == 0 {
+		c.MaxBufferBytes = DefaultMaxBufferBytes
+	}
 	if c.BufferSteps == 0 {
 		c.BufferSteps = DefaultBufferSteps
 	}
@@ -131,6 +140,9 @@ func (c PublisherConfig) Validate() error {
 	checkEP("endpoint", c.Endpoint)
 	if c.ReplayEndpoint != "" {
 		checkEP("replay_endpoint", c.ReplayEndpoint)
+	}
+	if c.MaxBufferBytes < 0 {
+		errs = append(errs, fmt.Errorf("kv events max_buffer_bytes must be >= 0, got %d", c.MaxBufferBytes))
 	}
 	if c.BufferSteps < 1 {
 		errs = append(errs, fmt.Errorf("kv events buffer_steps must be >= 1, got %d", c.BufferSteps))
@@ -197,9 +209,12 @@ type Publisher struct {
 	replayWG sync.WaitGroup
 	once     sync.Once
 
-	bufMu   sync.Mutex
-	buf     []message // ring of the last BufferSteps sent batches
-	bufHead int       // index of the oldest batch once the ring is full
+	bufMu sync.Mutex
+	// buf[bufHead:] are the last sent batches kept for replay, oldest
+	// first: at most BufferSteps of them and MaxBufferBytes of payload.
+	buf      []message
+	bufHead  int
+	bufBytes int
 
 	published, dropped atomic.Uint64
 }
@@ -419,11 +434,17 @@ func (p *Publisher) send(m message) {
 	_ = p.pub.SendMulti(zmq4.NewMsgFrom(p.topic, seq[:], m.payload))
 	p.published.Add(1)
 	p.bufMu.Lock()
-	if len(p.buf) < p.cfg.BufferSteps {
-		p.buf = append(p.buf, m)
-	} else {
-		p.buf[p.bufHead] = m
-		p.bufHead = (p.bufHead + 1) % len(p.buf)
+	p.buf = append(p.buf, m)
+	p.bufBytes += len(m.payload)
+	for n := len(p.buf) - p.bufHead; n > p.cfg.BufferSteps || (n > 1 && p.bufBytes > p.cfg.MaxBufferBytes); n-- {
+		p.bufBytes -= len(p.buf[p.bufHead].payload)
+		p.buf[p.bufHead] = message{}
+		p.bufHead++
+	}
+	if p.bufHead >= 1024 && p.bufHead*2 >= len(p.buf) {
+		n := copy(p.buf, p.buf[p.bufHead:])
+		clear(p.buf[n:])
+		p.buf, p.bufHead = p.buf[:n], 0
 	}
 	p.bufMu.Unlock()
 }
@@ -432,9 +453,9 @@ func (p *Publisher) send(m message) {
 func (p *Publisher) buffered(start uint64) []message {
 	p.bufMu.Lock()
 	defer p.bufMu.Unlock()
-	out := make([]message, 0, len(p.buf))
-	for i := range p.buf {
-		if m := p.buf[(p.bufHead+i)%len(p.buf)]; m.seq >= start {
+	out := make([]message, 0, len(p.buf)-p.bufHead)
+	for _, m := range p.buf[p.bufHead:] {
+		if m.seq >= start {
 			out = append(out, m)
 		}
 	}

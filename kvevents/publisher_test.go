@@ -158,6 +158,26 @@ func TestPublisherDropsAndCloses(t *testing.T) {
 	}
 	p.Close()
 
+	// The replay buffer is bounded in bytes too: batches of ~81 KiB with a
+	// 200 KiB bound keep the last two (and a batch over the bound alone,
+	// the newest is always kept).
+	p, err = NewPublisher(PublisherConfig{Endpoint: "tcp://*:0", ReplayEndpoint: "tcp://127.0.0.1:0", MaxBufferBytes: 200 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := []Event{{Type: BlockStored, BlockHashes: make([]uint64, 1024), TokenIDs: make([]uint32, 16<<10), BlockSize: 16}}
+	for i := range big[0].TokenIDs {
+		big[0].TokenIDs[i] = 70000 // 5 bytes each on the wire: ~81 KiB a batch
+	}
+	for i := range 5 {
+		p.Publish(float64(i), big)
+	}
+	waitSent(t, p)
+	if got := replayFrom(t, p.ReplayAddr().String(), 0); len(got) != 2 || got[0].seq != 3 || got[1].seq != 4 {
+		t.Fatalf("replay of a byte-bounded buffer: %d batches", len(got))
+	}
+	p.Close()
+
 	// A connecting publisher (reconnecting automatically) closes without leaks.
 	sub := zmq4.NewSub(context.Background())
 	if err := sub.Listen("tcp://127.0.0.1:0"); err != nil {

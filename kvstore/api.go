@@ -1,14 +1,19 @@
 package kvstore
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"mime"
 	"net/http"
 	"strconv"
 	"time"
+
+	"golang.org/x/sync/semaphore"
 )
 
 // The native API: HTTP/1.1 and JSON, for engines (the simulated engines
@@ -40,7 +45,7 @@ type Block struct {
 	ParentBlockHash *uint64 `json:"parent_block_hash,omitempty"`
 	// TokenIDs are its tokens (published as token_ids; at most the
 	// store's MaxTokenIDs); BlockSize its block_size (0: len(TokenIDs)).
-	TokenIDs  []uint32 `json:"token_ids,omitempty"`
+	TokenIDs  TokenIDs `json:"token_ids,omitempty"`
 	BlockSize int      `json:"block_size,omitempty"`
 	// Size is the declared size in bytes of a metadata-only block (Data
 	// empty); with Data it must be 0 or len(Data).
@@ -109,6 +114,7 @@ func (e *APIError) Error() string { return fmt.Sprintf("kvstore: %d: %s", e.Stat
 // Defaults of APIConfig.
 const (
 	DefaultMaxBodyBytes      = 128 << 20
+	DefaultMaxBodyBytesTotal = 512 << 20
 	DefaultMaxBlocks         = 4096
 	DefaultMaxInflight       = 32
 	DefaultInflightWait      = 5 * time.Second
@@ -123,6 +129,12 @@ const (
 type APIConfig struct {
 	// MaxBodyBytes bounds a request body (base64 payloads included).
 	MaxBodyBytes int64
+	// MaxBodyBytesTotal bounds the bodies held in memory at once, being
+	// read or served (a request is charged its Content-Length, or
+	// MaxBodyBytes without one); one more waits up to InflightWait, then
+	// gets 503. Bodies are read whole before a serving slot is taken, so a
+	// slow sender holds only the bytes it announced.
+	MaxBodyBytesTotal int64
 	// MaxBlocks bounds the blocks, hashes or keys of one request.
 	MaxBlocks int
 	// MaxInflight bounds requests served at once; one more waits up to
@@ -143,6 +155,9 @@ func (c APIConfig) withDefaults() APIConfig {
 	}
 	if c.MaxBodyBytes <= 0 {
 		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if c.MaxBodyBytesTotal <= 0 {
+		c.MaxBodyBytesTotal = max(DefaultMaxBodyBytesTotal, c.MaxBodyBytes)
 	}
 	if c.MaxBlocks <= 0 {
 		c.MaxBlocks = DefaultMaxBlocks
@@ -166,10 +181,11 @@ func (c APIConfig) withDefaults() APIConfig {
 
 // API is the native API's handler over a Store.
 type API struct {
-	store *Store
-	cfg   APIConfig
-	sem   chan struct{}
-	stats func() any
+	store  *Store
+	cfg    APIConfig
+	sem    chan struct{}
+	bodies *semaphore.Weighted // MaxBodyBytesTotal
+	stats  func() any
 }
 
 // NewAPI returns the native API over store; stats, when set, gives
@@ -179,7 +195,7 @@ func NewAPI(store *Store, cfg APIConfig, stats func() any) *API {
 	if stats == nil {
 		stats = func() any { return store.Stats() }
 	}
-	return &API{store: store, cfg: cfg, sem: make(chan struct{}, cfg.MaxInflight), stats: stats}
+	return &API{store: store, cfg: cfg, sem: make(chan struct{}, cfg.MaxInflight), bodies: semaphore.NewWeighted(cfg.MaxBodyBytesTotal), stats: stats}
 }
 
 // Server returns an http.Server for the API with its timeouts and header
@@ -240,6 +256,13 @@ func (a *API) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		apiError(w, http.StatusMethodNotAllowed, "use POST")
 		return
 	}
+	if r.Method != http.MethodGet && r.Method != http.MethodDelete {
+		release, ok := a.readBody(w, r)
+		if !ok {
+			return
+		}
+		defer release()
+	}
 	t := time.NewTimer(a.cfg.InflightWait)
 	select {
 	case a.sem <- struct{}{}:
@@ -256,9 +279,44 @@ func (a *API) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h(w, r)
 }
 
+// readBody reads r's body whole into memory within the byte budget
+// (MaxBodyBytesTotal) and gives it back to r; release returns the budget.
+func (a *API) readBody(w http.ResponseWriter, r *http.Request) (release func(), ok bool) {
+	n := a.cfg.MaxBodyBytes
+	if r.ContentLength >= 0 {
+		if r.ContentLength > a.cfg.MaxBodyBytes {
+			apiError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body over %d bytes", a.cfg.MaxBodyBytes))
+			return nil, false
+		}
+		n = r.ContentLength
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), a.cfg.InflightWait)
+	err := a.bodies.Acquire(ctx, n)
+	cancel()
+	if err != nil {
+		w.Header().Set("Retry-After", "1")
+		apiError(w, http.StatusServiceUnavailable, "busy: too many request bodies in memory")
+		return nil, false
+	}
+	release = func() { a.bodies.Release(n) }
+	b, err := io.ReadAll(http.MaxBytesReader(w, r.Body, n))
+	if err != nil {
+		release()
+		var mb *http.MaxBytesError
+		if errors.As(err, &mb) {
+			apiError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body over %d bytes", n))
+		} else {
+			apiError(w, http.StatusBadRequest, "reading the body: "+err.Error())
+		}
+		return nil, false
+	}
+	r.Body = io.NopCloser(bytes.NewReader(b))
+	return release, true
+}
+
 // decode reads r's JSON body into v, bounded.
 func (a *API) decode(w http.ResponseWriter, r *http.Request, v any) bool {
-	if ct := r.Header.Get("Content-Type"); ct != "" && ct != "application/json" {
+	if ct := r.Header.Get("Content-Type"); ct != "" && !isJSON(ct) {
 		apiError(w, http.StatusUnsupportedMediaType, "body must be application/json")
 		return false
 	}
@@ -469,4 +527,34 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 
 func apiError(w http.ResponseWriter, status int, msg string) {
 	writeJSON(w, status, map[string]*APIError{"error": {Message: msg, Status: status}})
+}
+
+// isJSON reports whether a Content-Type is application/json, parameters
+// (charset=utf-8) allowed.
+func isJSON(ct string) bool {
+	mt, _, err := mime.ParseMediaType(ct)
+	return err == nil && mt == "application/json"
+}
+
+// TokenIDs are a block's token ids on the wire. Decoding counts the array's
+// elements in the raw bytes before it allocates for them, and refuses more
+// than MaxWireTokenIDs: a body of small numbers would otherwise decode into
+// slices many times its size before the store's own bound (MaxTokenIDs)
+// is checked.
+type TokenIDs []uint32
+
+// MaxWireTokenIDs bounds the token ids of one block a request may carry.
+const MaxWireTokenIDs = 1 << 16
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (t *TokenIDs) UnmarshalJSON(b []byte) error {
+	if n := bytes.Count(b, []byte{','}) + 1; n > MaxWireTokenIDs {
+		return fmt.Errorf("%d token ids, at most %d a block", n, MaxWireTokenIDs)
+	}
+	var v []uint32
+	if err := json.Unmarshal(b, &v); err != nil {
+		return err
+	}
+	*t = v
+	return nil
 }

@@ -130,6 +130,7 @@ func TestAPIHostile(t *testing.T) {
 		{"/v1/lookup", "application/json", `{"model":"m","hashes":[1],"keys":["k"]}`, 400},
 		{"/v1/nope", "application/json", `{}`, 404},
 		{"/v1/blocks", "application/json", `{"model":"m","blocks":[{"hash":18446744073709551615,"size":5}]}`, 200},
+		{"/v1/blocks", "application/json; charset=utf-8", `{"model":"m","blocks":[{"hash":7,"size":5}]}`, 200},
 	} {
 		status, body := post(c.path, c.ct, c.body)
 		if status != c.status || (status != 200 && !strings.Contains(body, `"error"`)) {
@@ -157,5 +158,46 @@ func TestAPIHostile(t *testing.T) {
 	}
 	if err := newTestClient(t, svc).Health(context.Background()); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestAPIBounds: what an attack run found. Token ids are counted before
+// they are decoded (a body of small numbers decoded into slices many times
+// its size first); bodies are read before a serving slot is taken, so slow
+// senders hold only the bytes they announced, not the slots.
+func TestAPIBounds(t *testing.T) {
+	svc := startService(t, ServiceConfig{Store: Config{MemoryBytes: 1 << 20},
+		API: APIConfig{MaxBodyBytes: 8 << 20, MaxInflight: 1, InflightWait: wait}})
+	base := "http://" + svc.Addr().String()
+	var b strings.Builder
+	b.WriteString(`{"model":"m","blocks":[{"hash":1,"size":5,"token_ids":[`)
+	for i := range MaxWireTokenIDs + 1 {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteByte('0')
+	}
+	b.WriteString(`]}]}`)
+	resp, err := http.Post(base+"/v1/blocks", "application/json", strings.NewReader(b.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 400 || !strings.Contains(string(msg), "token ids, at most") {
+		t.Fatalf("too many token ids: %d %s", resp.StatusCode, msg)
+	}
+	// Two senders stuck mid-body, the one serving slot free: a lookup is
+	// served at once.
+	for range 2 {
+		c, err := net.DialTimeout("tcp", svc.Addr().String(), wait)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.Write([]byte("POST /v1/blocks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"))
+	}
+	if n, err := newTestClient(t, svc).Lookup(context.Background(), "m", "", []uint64{1}); err != nil || n != 0 {
+		t.Fatalf("lookup beside slow senders: %d %v", n, err)
 	}
 }

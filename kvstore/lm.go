@@ -14,6 +14,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/sync/semaphore"
 )
 
 // LMCache's lm:// protocol (docs/PROTOCOLS.md §6.2; lmcache/v1/protocol.py,
@@ -120,6 +122,8 @@ const (
 	DefaultLMIdleTimeout = 5 * time.Minute
 	DefaultLMIOTimeout   = 60 * time.Second
 	DefaultLMMaxConns    = 64
+	// DefaultLMMaxPutBytes is LMConfig.MaxPutBytes's default.
+	DefaultLMMaxPutBytes = 512 << 20
 )
 
 // LMConfig configures an LMServer. Zero fields take defaults.
@@ -131,7 +135,13 @@ type LMConfig struct {
 	IdleTimeout, IOTimeout time.Duration
 	// MaxConns bounds concurrent connections; more are closed at accept.
 	MaxConns int
-	Logger   *slog.Logger
+	// MaxPutBytes bounds the PUT payloads being received at once over all
+	// connections (default 512 MiB, and never more than the store's memory
+	// tier): a PUT waits up to IOTimeout for its length's share, then its
+	// connection is closed, so that connections announcing large objects
+	// cannot together hold more memory than the store has.
+	MaxPutBytes int64
+	Logger      *slog.Logger
 }
 
 // LMStats are an LMServer's counters.
@@ -157,6 +167,8 @@ type LMServer struct {
 	closed bool
 	wg     sync.WaitGroup
 
+	putBytes *semaphore.Weighted // MaxPutBytes
+
 	conn, rejected, requests, puts, gets, getHits, exists, health, failed, panics atomic.Uint64
 }
 
@@ -174,7 +186,12 @@ func NewLMServer(store *Store, cfg LMConfig) *LMServer {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &LMServer{store: store, cfg: cfg, conns: map[net.Conn]struct{}{}}
+	if cfg.MaxPutBytes <= 0 {
+		cfg.MaxPutBytes = DefaultLMMaxPutBytes
+	}
+	// Never more than the memory tier, where every PUT lands first.
+	cfg.MaxPutBytes = min(cfg.MaxPutBytes, max(store.cfg.MemoryBytes, 1<<20))
+	return &LMServer{store: store, cfg: cfg, conns: map[net.Conn]struct{}{}, putBytes: semaphore.NewWeighted(cfg.MaxPutBytes)}
 }
 
 // Stats returns the server's counters.
@@ -303,13 +320,20 @@ func (s *LMServer) serve(r io.Reader, c net.Conn, h *LMHeader) (*LMReply, []byte
 	switch h.Command {
 	case LMPut:
 		s.puts.Add(1)
-		if h.Length < 0 || int64(h.Length) > s.store.cfg.MaxObjectBytes {
+		if h.Length < 0 || int64(h.Length) > min(s.store.cfg.MaxObjectBytes, s.cfg.MaxPutBytes) {
 			s.failed.Add(1)
 			s.cfg.Logger.Warn("kvstore: lm:// PUT over the object bound; connection closed", "remote", c.RemoteAddr(),
-				"length", h.Length, "max", s.store.cfg.MaxObjectBytes)
+				"length", h.Length, "max", min(s.store.cfg.MaxObjectBytes, s.cfg.MaxPutBytes))
+			return nil, nil, false
+		}
+		if err := s.putBytes.Acquire(ctx, int64(h.Length)); err != nil {
+			s.failed.Add(1)
+			s.cfg.Logger.Warn("kvstore: lm:// PUT waited too long for memory to receive it; connection closed", "remote", c.RemoteAddr(),
+				"length", h.Length)
 			return nil, nil, false
 		}
 		data, err := readN(r, int(h.Length))
+		s.putBytes.Release(int64(h.Length))
 		if err != nil {
 			return nil, nil, false
 		}

@@ -93,7 +93,7 @@ func Start(ctx context.Context, cfg ServiceConfig) (_ *Service, err error) {
 		}
 		pub := s.pub
 		sc.Events = func(evs []kvevent.Event) {
-			pub.Publish(float64(time.Now().UnixNano())/1e9, evs)
+			publishSplit(pub, float64(time.Now().UnixNano())/1e9, evs)
 		}
 	}
 	if cfg.Redis.URL != "" {
@@ -237,4 +237,28 @@ func (s *Service) closeAll() error {
 		_ = s.pub.Close()
 	}
 	return err
+}
+
+// maxBatchTokens bounds the token ids of one published batch: a put of
+// thousands of blocks with thousands of token ids each would otherwise be
+// one message of tens of MiB, over what subscribers accept (the gateway's
+// default kv_events max_message_bytes is 8 MiB) and heavy in the replay
+// buffer. 256k token ids are at most ~1.3 MiB on the wire.
+const maxBatchTokens = 256 << 10
+
+// publishSplit publishes evs in batches of at most maxBatchTokens token ids
+// (a single event over it alone), in order.
+func publishSplit(pub *kvevents.Publisher, ts float64, evs []kvevent.Event) {
+	start, tokens := 0, 0
+	for i := range evs {
+		n := len(evs[i].TokenIDs)
+		if i > start && tokens+n > maxBatchTokens {
+			pub.Publish(ts, evs[start:i])
+			start, tokens = i, 0
+		}
+		tokens += n
+	}
+	if start < len(evs) {
+		pub.Publish(ts, evs[start:])
+	}
 }

@@ -344,11 +344,19 @@ var ErrTierConfig = errors.New("sim: kv_tiers")
 // tierBlocks converts a TierSize into blocks of blockBytes, against a GPU
 // cache of gpuBlocks.
 func tierBlocks(s TierSize, gpuBlocks int, blockBytes float64) int {
+	n := math.Floor(s.Bytes / blockBytes)
 	if s.Multiple != 0 {
-		return int(math.Floor(s.Multiple * float64(gpuBlocks)))
+		n = math.Floor(s.Multiple * float64(gpuBlocks))
 	}
-	return int(math.Floor(s.Bytes / blockBytes))
+	if !(n < maxTierBlocks) { // NaN, Inf, or more than anything holds
+		return maxTierBlocks
+	}
+	return int(n)
 }
+
+// maxTierBlocks caps a tier's size in blocks (2^40: 5 EiB of 5 MiB blocks),
+// so that sizes past any machine's read as too large, not as overflowed.
+const maxTierBlocks = 1 << 40
 
 // TierBlocks is the capacity in blocks of a tier of size s behind an engine
 // of configuration c (defaults applied): s's bytes over the KV bytes of one
