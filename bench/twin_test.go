@@ -122,13 +122,14 @@ func realRun(t *testing.T, policy string, recs []trace.Record) ([]measure.Record
 }
 
 // realRunWith is realRun with engines of configuration eng.
-func realRunWith(t *testing.T, policy string, recs []trace.Record, eng sim.Config) ([]measure.Record, measure.Summary) {
+func realRunWith(t *testing.T, policy string, recs []trace.Record, eng sim.Config, remote ...sim.TierSize) ([]measure.Record, measure.Summary) {
 	t.Helper()
 	var out bytes.Buffer
 	rep, err := Compare(context.Background(), CompareOptions{
 		Policies: []string{policy},
 		Engines:  twinEngine,
 		Engine:   eng,
+		Remote:   first(remote),
 		Records:  recs,
 		Speedup:  twinScale(),
 		Seed:     1,
@@ -158,10 +159,10 @@ func virtualRun(t *testing.T, policy string, recs []trace.Record) virtual.Replay
 	return virtualRunWith(t, policy, recs, sim.Config{})
 }
 
-func virtualRunWith(t *testing.T, policy string, recs []trace.Record, eng sim.Config) virtual.ReplayResult {
+func virtualRunWith(t *testing.T, policy string, recs []trace.Record, eng sim.Config, remote ...sim.TierSize) virtual.ReplayResult {
 	t.Helper()
 	run, err := virtual.Replay(context.Background(), virtual.ReplayOptions{
-		Policy: policy, Engines: twinEngine, Engine: eng, Records: recs, Seed: 1,
+		Policy: policy, Engines: twinEngine, Engine: eng, Remote: first(remote), Records: recs, Seed: 1,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -342,6 +343,69 @@ func TestTwinTiers(t *testing.T) {
 	}
 	t.Logf("tiers, round-robin: %.0f tokens loaded from host memory; TTFT real−virtual p50 (offset) %.0f ms; %d/%d within max(15%%, 100 ms)",
 		loaded, offset, within, len(recs))
+	if maxOffset := twinMaxOffsetWall * twinScale(); offset < 0 || offset > maxOffset {
+		t.Errorf("real−virtual TTFT offset %.0f ms, want within [0, %v] ms", offset, maxOffset)
+	}
+	if within < len(recs)*9/10 {
+		t.Errorf("only %d of %d TTFTs within max(15%%, 100 ms)", within, len(recs))
+	}
+}
+
+func first(s []sim.TierSize) sim.TierSize {
+	if len(s) == 0 {
+		return sim.TierSize{}
+	}
+	return s[0]
+}
+
+// TestTwinTiersRemote is TestTwinTiers with the fleet's shared remote store
+// instead of host tiers: round-robin sends a conversation's turns to other
+// engines, which load its prefix from the store. The engines of the
+// real-time fleet write to the store concurrently, so a request may find a
+// block another engine stored a moment earlier or later than in virtual
+// time: cached tokens must agree for 90% of the requests, TTFTs as in
+// TestTwinTiers.
+func TestTwinTiersRemote(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real-time replays; skipped with -short")
+	}
+	recs := conversationTrace(twinConvs, twinTurns, twinGap, 4)
+	eng := sim.Config{NumBlocks: 2048}
+	remote := sim.TierSize{Multiple: 32}
+	real, realSum := realRunWith(t, sched.RoundRobin, recs, eng, remote)
+	virt := virtualRunWith(t, sched.RoundRobin, recs, eng, remote)
+	var deltas []float64
+	same, loaded := 0, 0.0
+	for i := range recs {
+		r, v := real[i], virt.Records[i]
+		if r.Error != "" || v.Error != "" {
+			t.Fatalf("request %d: real error %q, virtual error %q", i, r.Error, v.Error)
+		}
+		if r.CachedTokens == v.CachedTokens && r.PromptTokens == v.PromptTokens && r.OutputTokens == v.OutputTokens {
+			same++
+		}
+		if v.TierTokens != nil {
+			loaded += float64(v.TierTokens[sim.TierRemote])
+		}
+		deltas = append(deltas, r.TTFTMs-v.TTFTMs)
+	}
+	if loaded == 0 {
+		t.Fatal("no request loaded from the remote store: the test exercises nothing")
+	}
+	t.Logf("remote store: %.0f tokens loaded from it in virtual time; %d/%d requests with the same tokens in both worlds", loaded, same, len(recs))
+	requireKeptUp(t, realSum, twinMaxLag)
+	sorted := slices.Sorted(slices.Values(deltas))
+	offset := measure.Percentile(sorted, 50)
+	within := 0
+	for i := range recs {
+		if d := math.Abs(deltas[i] - offset); d <= max(0.15*virt.Records[i].TTFTMs, 100) {
+			within++
+		}
+	}
+	t.Logf("remote store, round-robin: TTFT offset %.0f ms; %d/%d within max(15%%, 100 ms)", offset, within, len(recs))
+	if same < len(recs)*9/10 {
+		t.Errorf("only %d of %d requests agree on prompt, cached and output tokens", same, len(recs))
+	}
 	if maxOffset := twinMaxOffsetWall * twinScale(); offset < 0 || offset > maxOffset {
 		t.Errorf("real−virtual TTFT offset %.0f ms, want within [0, %v] ms", offset, maxOffset)
 	}
