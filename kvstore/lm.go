@@ -133,7 +133,9 @@ type LMConfig struct {
 	// IOTimeout bounds reading the rest of a request (header and payload)
 	// once it began, and writing a reply.
 	IdleTimeout, IOTimeout time.Duration
-	// MaxConns bounds concurrent connections; more are closed at accept.
+	// MaxConns bounds concurrent connections. One more takes the place of
+	// the connection idle the longest, and is closed at accept when none is
+	// idle (all are being served).
 	MaxConns int
 	// MaxPutBytes bounds the PUT payloads being received at once over all
 	// connections (default 512 MiB, and never more than the store's memory
@@ -146,7 +148,9 @@ type LMConfig struct {
 
 // LMStats are an LMServer's counters.
 type LMStats struct {
-	Conns, Rejected, Requests, Puts, Gets, GetHits, Exists, Health, Failed, Panics uint64
+	// Evicted counts idle connections closed to make room for a new one
+	// (MaxConns reached); Rejected new ones refused when none was idle.
+	Conns, Rejected, Evicted, Requests, Puts, Gets, GetHits, Exists, Health, Failed, Panics uint64
 }
 
 // LMServer serves LMCache's lm:// protocol over a Store: PUT stores the
@@ -163,13 +167,15 @@ type LMServer struct {
 
 	mu     sync.Mutex
 	ln     net.Listener
-	conns  map[net.Conn]struct{}
+	// conns maps each connection to when it began waiting for its next
+	// request (its idle time; 0 while it is being served).
+	conns  map[net.Conn]*atomic.Int64
 	closed bool
 	wg     sync.WaitGroup
 
 	putBytes *semaphore.Weighted // MaxPutBytes
 
-	conn, rejected, requests, puts, gets, getHits, exists, health, failed, panics atomic.Uint64
+	conn, rejected, evicted, requests, puts, gets, getHits, exists, health, failed, panics atomic.Uint64
 }
 
 // NewLMServer returns a server over store.
@@ -191,12 +197,12 @@ func NewLMServer(store *Store, cfg LMConfig) *LMServer {
 	}
 	// Never more than the memory tier, where every PUT lands first.
 	cfg.MaxPutBytes = min(cfg.MaxPutBytes, max(store.cfg.MemoryBytes, 1<<20))
-	return &LMServer{store: store, cfg: cfg, conns: map[net.Conn]struct{}{}, putBytes: semaphore.NewWeighted(cfg.MaxPutBytes)}
+	return &LMServer{store: store, cfg: cfg, conns: map[net.Conn]*atomic.Int64{}, putBytes: semaphore.NewWeighted(cfg.MaxPutBytes)}
 }
 
 // Stats returns the server's counters.
 func (s *LMServer) Stats() LMStats {
-	return LMStats{Conns: s.conn.Load(), Rejected: s.rejected.Load(), Requests: s.requests.Load(), Puts: s.puts.Load(),
+	return LMStats{Conns: s.conn.Load(), Rejected: s.rejected.Load(), Evicted: s.evicted.Load(), Requests: s.requests.Load(), Puts: s.puts.Load(),
 		Gets: s.gets.Load(), GetHits: s.getHits.Load(), Exists: s.exists.Load(), Health: s.health.Load(),
 		Failed: s.failed.Load(), Panics: s.panics.Load()}
 }
@@ -231,17 +237,21 @@ func (s *LMServer) Serve(ln net.Listener) error {
 		}
 		backoff = 0
 		s.mu.Lock()
+		if !s.closed && len(s.conns) >= s.cfg.MaxConns {
+			s.evictIdle()
+		}
 		if s.closed || len(s.conns) >= s.cfg.MaxConns {
 			s.mu.Unlock()
 			s.rejected.Add(1)
 			_ = c.Close()
 			continue
 		}
-		s.conns[c] = struct{}{}
+		idle := new(atomic.Int64)
+		s.conns[c] = idle
 		s.wg.Add(1)
 		s.mu.Unlock()
 		s.conn.Add(1)
-		go s.handle(c)
+		go s.handle(c, idle)
 	}
 }
 
@@ -261,7 +271,26 @@ func (s *LMServer) Close() error {
 	return nil
 }
 
-func (s *LMServer) handle(c net.Conn) {
+// evictIdle closes the connection idle the longest, if one is idle (not
+// being served), to make room for a new one: connections that only hold
+// their place cannot keep clients out (as a proxy reuses its oldest idle
+// keep-alive connection). s.mu is held.
+func (s *LMServer) evictIdle() {
+	var oldest net.Conn
+	var since int64
+	for c, idle := range s.conns {
+		if t := idle.Load(); t != 0 && (oldest == nil || t < since) {
+			oldest, since = c, t
+		}
+	}
+	if oldest != nil {
+		_ = oldest.Close() // its handler sees the close and deletes it
+		delete(s.conns, oldest)
+		s.evicted.Add(1)
+	}
+}
+
+func (s *LMServer) handle(c net.Conn, idle *atomic.Int64) {
 	defer func() {
 		if r := recover(); r != nil {
 			s.panics.Add(1)
@@ -278,9 +307,11 @@ func (s *LMServer) handle(c net.Conn) {
 	out := make([]byte, 0, LMReplyBytes)
 	for {
 		_ = c.SetReadDeadline(time.Now().Add(s.cfg.IdleTimeout))
+		idle.Store(time.Now().UnixNano())
 		if _, err := r.Peek(1); err != nil {
 			return // EOF, idle timeout or a closed connection
 		}
+		idle.Store(0)
 		_ = c.SetReadDeadline(time.Now().Add(s.cfg.IOTimeout))
 		if _, err := io.ReadFull(r, hdr); err != nil {
 			return // a short header

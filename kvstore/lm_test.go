@@ -3,9 +3,11 @@ package kvstore
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"runtime"
 	"strings"
 	"testing"
@@ -204,18 +206,67 @@ func TestLMHostile(t *testing.T) {
 	}
 }
 
+// TestLMMaxConns: past MaxConns a new connection takes the place of the
+// one idle the longest (idle connections cannot keep clients out: an attack
+// run locked lm:// with 64 of them), and is refused when every connection
+// is being served.
 func TestLMMaxConns(t *testing.T) {
 	s, _ := New(Config{MemoryBytes: 1 << 20, Logger: quietLogger()})
 	defer s.Close()
-	addr := startLM(t, s, LMConfig{MaxConns: 1})
+	lm := NewLMServer(s, LMConfig{MaxConns: 1, Logger: quietLogger()})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go lm.Serve(ln)
+	defer lm.Close()
+	addr := ln.Addr().String()
 	a := dialLM(t, addr)
 	a.Write(specHeader(LMHealth, 0, 0, 0, 0, [4]int32{}, ""))
-	readReply(t, a) // a is being served
-	b := dialLM(t, addr)
-	_ = b.SetReadDeadline(time.Now().Add(30 * time.Second))
-	if _, err := b.Read(make([]byte, 1)); err == nil {
-		t.Fatal("a connection over MaxConns was served")
+	readReply(t, a) // served; now idle, waiting for its next request
+	for deadline := time.Now().Add(wait); busy(lm); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("a never became idle")
+		}
 	}
+	b := dialLM(t, addr)
+	b.Write(specHeader(LMHealth, 0, 0, 0, 0, [4]int32{}, ""))
+	if r := readReply(t, b); r.Code != LMSuccess {
+		t.Fatalf("the new connection: %+v", r)
+	}
+	_ = a.SetReadDeadline(time.Now().Add(wait))
+	if _, err := a.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("the idle connection was not closed for the new one: %v", err)
+	}
+	// b is mid-request (half a header): busy, not evicted; c is refused.
+	b.Write(specHeader(LMHealth, 0, 0, 0, 0, [4]int32{}, "")[:10])
+	deadline := time.Now().Add(wait)
+	for lm.Stats().Requests < 2 || !busy(lm) {
+		if time.Now().After(deadline) {
+			t.Fatal("b never became busy")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	c := dialLM(t, addr)
+	_ = c.SetReadDeadline(time.Now().Add(wait))
+	if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a connection over MaxConns, every one busy, was kept: %v", err)
+	}
+	if st := lm.Stats(); st.Evicted != 1 || st.Rejected != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// busy reports whether every connection of lm is being served.
+func busy(lm *LMServer) bool {
+	lm.mu.Lock()
+	defer lm.mu.Unlock()
+	for _, idle := range lm.conns {
+		if idle.Load() != 0 {
+			return false
+		}
+	}
+	return len(lm.conns) > 0
 }
 
 func FuzzLMHeader(f *testing.F) {
