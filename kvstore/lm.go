@@ -165,8 +165,8 @@ type LMServer struct {
 	store *Store
 	cfg   LMConfig
 
-	mu     sync.Mutex
-	ln     net.Listener
+	mu sync.Mutex
+	ln net.Listener
 	// conns maps each connection to when it began waiting for its next
 	// request (its idle time; 0 while it is being served).
 	conns  map[net.Conn]*atomic.Int64
