@@ -661,15 +661,7 @@ func stepBefore(es []engine, a, b int32) bool {
 
 func (h *stepHeap) push(es []engine, i int32) {
 	h.h = append(h.h, i)
-	j := len(h.h) - 1
-	for j > 0 {
-		p := (j - 1) / 2
-		if !stepBefore(es, h.h[j], h.h[p]) {
-			break
-		}
-		h.h[j], h.h[p] = h.h[p], h.h[j]
-		j = p
-	}
+	h.up(es, len(h.h)-1)
 }
 
 // remove takes engine i out of the heap.
@@ -723,21 +715,6 @@ func (h *stepHeap) pop(es []engine) int32 {
 	n := len(h.h) - 1
 	h.h[0] = h.h[n]
 	h.h = h.h[:n]
-	j := 0
-	for {
-		l := 2*j + 1
-		if l >= n {
-			break
-		}
-		c := l
-		if r := l + 1; r < n && stepBefore(es, h.h[r], h.h[l]) {
-			c = r
-		}
-		if !stepBefore(es, h.h[c], h.h[j]) {
-			break
-		}
-		h.h[j], h.h[c] = h.h[c], h.h[j]
-		j = c
-	}
+	h.down(es, 0)
 	return top
 }
