@@ -1,7 +1,6 @@
 package sim
 
 import (
-	"github.com/infergate/infergate/internal/lru"
 	"github.com/infergate/infergate/kvevents/kvevent"
 )
 
@@ -20,19 +19,14 @@ import (
 // Not safe for concurrent use: the engines of a virtual fleet run on one
 // goroutine.
 type RemoteStore struct {
-	capacity int
-	index    map[uint64]int32
-	nodes    []lru.Node[uint64]
-	list     lru.List[uint64]
-	free     []int32
-	ev       *kvEventLog // nil: no events
+	hashLRU
+	ev *kvEventLog // nil: no events
 }
 
 // NewRemoteStore returns an empty store of capacity blocks (at least 1)
 // that records KV events when events is set.
 func NewRemoteStore(capacity int, events bool) *RemoteStore {
-	r := &RemoteStore{capacity: max(1, capacity), index: make(map[uint64]int32)}
-	r.list.Init()
+	r := &RemoteStore{hashLRU: newHashLRU(max(1, capacity))}
 	if events {
 		r.ev = &kvEventLog{}
 	}
@@ -43,13 +37,10 @@ func NewRemoteStore(capacity int, events bool) *RemoteStore {
 func (r *RemoteStore) Capacity() int { return r.capacity }
 
 // Len returns the number of blocks held.
-func (r *RemoteStore) Len() int { return len(r.index) }
+func (r *RemoteStore) Len() int { return r.len() }
 
 // Holds implements RemoteTier.
-func (r *RemoteStore) Holds(h uint64) bool {
-	_, ok := r.index[h]
-	return ok
-}
+func (r *RemoteStore) Holds(h uint64) bool { return r.holds(h) }
 
 // Store implements RemoteTier.
 func (r *RemoteStore) Store(hashes []uint64, parent uint64, hasParent bool, tokens []uint32, blockSize int, lora string) {
@@ -84,43 +75,27 @@ func (r *RemoteStore) Store(hashes []uint64, parent uint64, hasParent bool, toke
 		run = -1
 	}
 	for k, h := range hashes {
-		if i, ok := r.index[h]; ok {
-			r.list.MoveFront(r.nodes, i)
+		if r.touch(h) {
 			flush(k)
 			continue
 		}
-		for len(r.index) >= r.capacity {
+		for r.full() {
 			flush(k) // its removal event follows the stores before it
 			r.evictLRU()
 		}
-		var i int32
-		if n := len(r.free); n > 0 {
-			i, r.free = r.free[n-1], r.free[:n-1]
-		} else {
-			i = int32(len(r.nodes))
-			r.nodes = append(r.nodes, lru.Node[uint64]{})
-		}
-		r.nodes[i].Val = h
-		r.list.PushFront(r.nodes, i)
-		r.index[h] = i
+		r.insert(h)
 		if run < 0 {
 			run = k
 		}
 	}
 	flush(len(hashes))
 	for k := len(hashes) - 1; k >= 0; k-- {
-		if i, ok := r.index[hashes[k]]; ok {
-			r.list.MoveFront(r.nodes, i) // the chain's head ends most recent
-		}
+		r.touch(hashes[k]) // the chain's head ends most recent
 	}
 }
 
 func (r *RemoteStore) evictLRU() {
-	i := r.list.Tail()
-	h := r.nodes[i].Val
-	r.list.Unlink(r.nodes, i)
-	delete(r.index, h)
-	r.free = append(r.free, i)
+	h := r.evict()
 	if r.ev != nil {
 		r.ev.removedIn(h, kvevent.MediumRemote)
 	}

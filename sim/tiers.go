@@ -8,7 +8,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/infergate/infergate/internal/lru"
 	"github.com/infergate/infergate/kvevents/kvevent"
 )
 
@@ -228,35 +227,18 @@ type RemoteTier interface {
 // bounded to capacity blocks. It records BlockStored/BlockRemoved events of
 // its medium when ev is set.
 type tierCache struct {
-	tier     Tier
-	capacity int
-	bw       float64       // bytes/s of loads from it into the GPU
-	latency  time.Duration // fixed cost of one transfer
-	index    map[uint64]int32
-	nodes    []lru.Node[uint64]
-	list     lru.List[uint64]
-	free     []int32
-	added    []uint64 // scratch: the hashes one store added
-	ev       *kvEventLog
+	hashLRU
+	tier    Tier
+	bw      float64       // bytes/s of loads from it into the GPU
+	latency time.Duration // fixed cost of one transfer
+	added   []uint64      // scratch: the hashes one store added
+	ev      *kvEventLog
 	// linkFree is when its link finishes the transfers queued on it.
 	linkFree time.Duration
 }
 
 func newTierCache(t Tier, capacity int, bw float64, latency time.Duration) *tierCache {
-	c := &tierCache{tier: t, capacity: capacity, bw: bw, latency: latency, index: make(map[uint64]int32)}
-	c.list.Init()
-	return c
-}
-
-func (c *tierCache) holds(h uint64) bool { _, ok := c.index[h]; return ok }
-
-func (c *tierCache) len() int { return len(c.index) }
-
-// touch makes h the most recently used block, if held.
-func (c *tierCache) touch(h uint64) {
-	if i, ok := c.index[h]; ok {
-		c.list.MoveFront(c.nodes, i)
-	}
+	return &tierCache{hashLRU: newHashLRU(capacity), tier: t, bw: bw, latency: latency}
 }
 
 // store adds the blocks of hashes not yet held (touching the others),
@@ -267,23 +249,13 @@ func (c *tierCache) touch(h uint64) {
 func (c *tierCache) store(hashes []uint64, blockSize int, lora string, loraID int) {
 	c.added = c.added[:0]
 	for _, h := range hashes {
-		if i, ok := c.index[h]; ok {
-			c.list.MoveFront(c.nodes, i)
+		if c.touch(h) {
 			continue
 		}
-		for len(c.index) >= c.capacity {
+		for c.full() {
 			c.evictLRU() // its BlockRemoved precedes the BlockStored below
 		}
-		var i int32
-		if n := len(c.free); n > 0 {
-			i, c.free = c.free[n-1], c.free[:n-1]
-		} else {
-			i = int32(len(c.nodes))
-			c.nodes = append(c.nodes, lru.Node[uint64]{})
-		}
-		c.nodes[i].Val = h
-		c.list.PushFront(c.nodes, i)
-		c.index[h] = i
+		c.insert(h)
 		c.added = append(c.added, h)
 	}
 	if c.ev != nil && len(c.added) > 0 {
@@ -303,21 +275,10 @@ func (c *tierCache) store(hashes []uint64, blockSize int, lora string, loraID in
 }
 
 func (c *tierCache) evictLRU() {
-	i := c.list.Tail()
-	h := c.nodes[i].Val
-	c.list.Unlink(c.nodes, i)
-	delete(c.index, h)
-	c.free = append(c.free, i)
+	h := c.evict()
 	if c.ev != nil {
 		c.ev.removedIn(h, c.tier.Medium())
 	}
-}
-
-// clear drops every block (a prefix-cache reset of every tier).
-func (c *tierCache) clear() {
-	clear(c.index)
-	c.nodes, c.free = c.nodes[:0], c.free[:0]
-	c.list.Init()
 }
 
 // transfer queues a load of n blocks of blockBytes each on the tier's link
