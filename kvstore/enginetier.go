@@ -188,8 +188,13 @@ func (r *EngineTier) Store(hashes []uint64, parent uint64, hasParent bool, token
 	}
 }
 
-// send writes the queue in batches of one adapter until ctx ends.
+// send writes the queue in batches of one adapter until ctx ends. A store
+// that is down fails every batch at once: failures are logged at most once
+// per warnEvery, with the count since the last warning.
 func (r *EngineTier) send(ctx context.Context) {
+	const warnEvery = 10 * time.Second
+	var lastWarn time.Time
+	var unwarned uint64
 	for {
 		select {
 		case <-ctx.Done():
@@ -223,7 +228,11 @@ func (r *EngineTier) send(ctx context.Context) {
 				if ctx.Err() != nil {
 					return
 				}
-				slog.Warn("kvstore engine tier: put failed", "blocks", n, "err", err)
+				unwarned += uint64(n)
+				if now := time.Now(); now.Sub(lastWarn) >= warnEvery {
+					slog.Warn("kvstore engine tier: puts failed", "blocks", unwarned, "err", err)
+					lastWarn, unwarned = now, 0
+				}
 			}
 		}
 	}
