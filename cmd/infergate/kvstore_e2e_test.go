@@ -80,26 +80,9 @@ func TestServeKVStoreTiers(t *testing.T) {
 	base := g.await(t, regexp.MustCompile(`gateway listening.* addr=(http://[0-9.:]+)`))
 	defer g.stop(t)
 
-	type session struct{ sys, reply string }
-	var ss []session
-	for i := range 6 { // ~30 blocks each: 180 blocks over 2 × 64 GPU blocks
-		ss = append(ss, session{sys: strings.Repeat(fmt.Sprintf("Session %d: you are a careful assistant. ", i), 60)})
-	}
-	chat := func(s *session, turn2 bool) float64 {
-		msgs := []map[string]string{{"role": "system", "content": s.sys}, {"role": "user", "content": "Hello!"}}
-		if turn2 {
-			msgs = append(msgs, map[string]string{"role": "assistant", "content": s.reply}, map[string]string{"role": "user", "content": "More, please."})
-		}
-		body, _ := json.Marshal(map[string]any{"model": model, "messages": msgs, "max_tokens": 8})
-		code, v := postJSON(t, base+"/v1/chat/completions", string(body))
-		if code != 200 {
-			t.Fatalf("chat: %d %v", code, v)
-		}
-		s.reply = v["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["content"].(string)
-		return cachedTokens(v)
-	}
+	ss := tierSessions(6) // 180 blocks over 2 × 64 GPU blocks
 	for i := range ss {
-		chat(&ss[i], false)
+		ss[i].chat(t, base, model, false)
 	}
 	// The store holds the first turns' blocks once the engines' writes have
 	// landed; wait for its count to settle, then for the gateway to have
@@ -136,7 +119,7 @@ func TestServeKVStoreTiers(t *testing.T) {
 	})
 	cached := 0.0
 	for i := range ss {
-		cached += chat(&ss[i], true)
+		cached += ss[i].chat(t, base, model, true)
 	}
 	ext := 0.0
 	for _, e := range engines {

@@ -342,26 +342,9 @@ func TestUpTiers(t *testing.T) {
 	base := p.await(t, apiRe)
 	engines := []string{p.await(t, engineURLRe), p.await(t, engineURLRe)}
 	model := "meta-llama/Llama-3.1-70B-Instruct"
-	type session struct{ sys, reply string }
-	var ss []session
-	for i := range 6 { // ~30 blocks each: 180 blocks over 2 × 64 GPU blocks
-		ss = append(ss, session{sys: strings.Repeat(fmt.Sprintf("Session %d: you are a careful assistant. ", i), 60)})
-	}
-	chat := func(s *session, turn2 bool) float64 {
-		msgs := []map[string]string{{"role": "system", "content": s.sys}, {"role": "user", "content": "Hello!"}}
-		if turn2 {
-			msgs = append(msgs, map[string]string{"role": "assistant", "content": s.reply}, map[string]string{"role": "user", "content": "More, please."})
-		}
-		body, _ := json.Marshal(map[string]any{"model": model, "messages": msgs, "max_tokens": 8})
-		code, v := postJSON(t, base+"/v1/chat/completions", string(body))
-		if code != 200 {
-			t.Fatalf("chat: %d %v", code, v)
-		}
-		s.reply = v["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["content"].(string)
-		return cachedTokens(v)
-	}
+	ss := tierSessions(6)
 	for i := range ss {
-		chat(&ss[i], false)
+		ss[i].chat(t, base, model, false)
 	}
 	// The engines are idle: wait until the gateway has applied their
 	// events (its batch counters stop moving).
@@ -378,7 +361,7 @@ func TestUpTiers(t *testing.T) {
 	}
 	cached := 0.0
 	for i := range ss {
-		cached += chat(&ss[i], true)
+		cached += ss[i].chat(t, base, model, true)
 	}
 	ext := 0.0
 	for _, u := range engines {
@@ -391,4 +374,36 @@ func TestUpTiers(t *testing.T) {
 	}
 	t.Logf("second turns: %v cached tokens, %v from lower tiers; gateway predicted %v from cpu/remote", cached, ext, lower)
 	p.stop(t)
+}
+
+// tierSession is a two-turn chat whose system prompt (~30 blocks of 16
+// tokens) makes a handful of them overflow small GPU caches, so that their
+// second turns are served from lower KV tiers (TestUpTiers,
+// TestServeKVStoreTiers).
+type tierSession struct{ sys, reply string }
+
+// tierSessions returns n distinct sessions.
+func tierSessions(n int) []tierSession {
+	ss := make([]tierSession, n)
+	for i := range ss {
+		ss[i].sys = strings.Repeat(fmt.Sprintf("Session %d: you are a careful assistant. ", i), 60)
+	}
+	return ss
+}
+
+// chat sends the session's first turn, or its second (after the first's
+// reply), to the gateway at base and returns the cached tokens reported.
+func (s *tierSession) chat(t *testing.T, base, model string, turn2 bool) float64 {
+	t.Helper()
+	msgs := []map[string]string{{"role": "system", "content": s.sys}, {"role": "user", "content": "Hello!"}}
+	if turn2 {
+		msgs = append(msgs, map[string]string{"role": "assistant", "content": s.reply}, map[string]string{"role": "user", "content": "More, please."})
+	}
+	body, _ := json.Marshal(map[string]any{"model": model, "messages": msgs, "max_tokens": 8})
+	code, v := postJSON(t, base+"/v1/chat/completions", string(body))
+	if code != 200 {
+		t.Fatalf("chat: %d %v", code, v)
+	}
+	s.reply = v["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["content"].(string)
+	return cachedTokens(v)
 }
