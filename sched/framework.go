@@ -238,7 +238,7 @@ func (p *Profile) Pick(req *Request, eps []Endpoint) Decision {
 
 	cands := c.cands[:0]
 	for i := range eps {
-		if eps[i].Ready {
+		if eps[i].Ready && serves(eps[i].Role, req.Role) {
 			cands = append(cands, i)
 		}
 	}

@@ -45,6 +45,8 @@ type Endpoint struct {
 	// Models lists the model names (bases and adapters) the endpoint serves;
 	// nil means every model of its pool.
 	Models []string
+	// Role is the endpoint's part in a P/D pool (pd.go); RoleBoth outside one.
+	Role Role
 }
 
 // Request is the scheduler's view of one request.
@@ -63,6 +65,10 @@ type Request struct {
 	SessionKey string
 	// Priority orders admission (higher first); routing ignores it today.
 	Priority int
+	// Role is the leg being routed in a P/D pool (PD sets it for each of
+	// its picks): only endpoints of that role or RoleBoth are candidates.
+	// RoleBoth, the zero value, puts no constraint.
+	Role Role
 }
 
 // Decision is a policy's pick.
@@ -150,6 +156,9 @@ type Config struct {
 	Session SessionConfig `yaml:"session"`
 	// Cost tunes the cost scorer.
 	Cost CostConfig `yaml:"cost"`
+	// PD configures the decisions of pools whose endpoints have P/D roles
+	// (pd.go).
+	PD PDConfig `yaml:"pd"`
 	// TieTolerance is how close to the best total a candidate's total must
 	// be for the max-score picker to count it as a tie (default 0.02, in
 	// units of scorer weight).

@@ -1,0 +1,249 @@
+package sched
+
+import (
+	"fmt"
+	"strings"
+)
+
+// Disaggregated prefill and decode (P/D). A P/D pool's endpoints each have
+// a Role; a request is either served whole by one endpoint (aggregated) or
+// split: a prefill endpoint (P) computes its prompt's KV and hands it to a
+// decode endpoint (D), which decodes (DistServe, Zhong et al., OSDI'24).
+//
+// PD decides as llm-d's scheduler does with its two profiles and its
+// prefix-based P/D decider (llm-d/llm-d-inference-scheduler,
+// pkg/plugins/profile/pd_profile_handler.go and prefix_based_pd_decider.go):
+//
+//  1. The decode profile picks D among the decode (and both-role)
+//     endpoints, by its own scorers (load, KV headroom, prefix: D prefills
+//     the request itself when it is not split).
+//  2. The decider splits when the prompt's part D is not expected to hold,
+//     nonCached = PromptTokens − Decision.MatchedBlocks × block size, is at
+//     least Threshold tokens (llm-d's nonCachedTokens parameter; Dynamo's
+//     conditional disaggregation likewise prefills locally below
+//     max_local_prefill_length, components/src/dynamo/vllm/handlers.py).
+//  3. The prefill profile picks P among the prefill (and both-role)
+//     endpoints, by prefix (where the prompt's KV already lives, tiers
+//     included) and prefill load.
+//  4. P busy: when P's prefill backlog (PendingPrefillTokens /
+//     PrefillTokensPerSecond) exceeds MaxPrefillQueue seconds, the request
+//     is prefilled on D instead (Dynamo's prefill-queue bound).
+//
+// Each profile learns only its own decisions: the decode profile's
+// approximate index that D will hold the prompt (computed there, or
+// received from P and cached), the prefill profile's that P holds it.
+
+// Role is what an endpoint of a P/D pool does.
+type Role uint8
+
+const (
+	// RoleBoth serves whole requests, and either leg of a split one (the
+	// default; every endpoint of a pool without P/D).
+	RoleBoth Role = iota
+	// RolePrefill computes prompts for decode endpoints (vLLM
+	// kv_role kv_producer; SGLang --disaggregation-mode prefill).
+	RolePrefill
+	// RoleDecode decodes prompts computed elsewhere, and whole requests the
+	// decider keeps local (kv_consumer; --disaggregation-mode decode).
+	RoleDecode
+)
+
+// String returns "both", "prefill" or "decode".
+func (r Role) String() string {
+	switch r {
+	case RolePrefill:
+		return "prefill"
+	case RoleDecode:
+		return "decode"
+	}
+	return "both"
+}
+
+// ParseRole parses "prefill", "decode", "both" or "" (both).
+func ParseRole(s string) (Role, error) {
+	switch strings.ToLower(strings.TrimSpace(s)) {
+	case "", "both":
+		return RoleBoth, nil
+	case "prefill":
+		return RolePrefill, nil
+	case "decode":
+		return RoleDecode, nil
+	}
+	return RoleBoth, fmt.Errorf("unknown endpoint role %q (want prefill, decode or both)", s)
+}
+
+// serves reports whether an endpoint of role ep may take a request (or
+// leg) wanting role want: a request without a role (RoleBoth) goes
+// anywhere, a leg to its role or to both-role endpoints.
+func serves(ep, want Role) bool { return want == RoleBoth || ep == RoleBoth || ep == want }
+
+// DefaultPDThreshold is PDConfig.Threshold's default, in tokens: Dynamo's
+// max_local_prefill_length default is 1000 and llm-d's examples use 512 to
+// 2048; 2048 is where, on the default profile, a prefill chunk starts to
+// take longer than a decode step several times over (8192-token steps take
+// ~0.2 s against ~25 ms) and where the sweep in sched/README.md ("P/D")
+// put the best value on the Mooncake and Azure traces.
+const DefaultPDThreshold = 2048
+
+// PDConfig configures P/D decisions (YAML routing.pd).
+type PDConfig struct {
+	// Threshold is the number of prompt tokens D is not expected to hold
+	// at or above which a request is split (0: DefaultPDThreshold;
+	// negative: always split).
+	Threshold int `yaml:"threshold"`
+	// MaxPrefillQueue is P's prefill backlog, in seconds of its prefill
+	// throughput, above which a request is prefilled on D instead
+	// (0: no bound).
+	MaxPrefillQueue float64 `yaml:"max_prefill_queue_seconds"`
+	// Decode and Prefill name the profiles (built-in or of Config.Profiles)
+	// that pick D and P; "" takes the routing policy.
+	Decode  string `yaml:"decode_policy"`
+	Prefill string `yaml:"prefill_policy"`
+}
+
+// WithDefaults returns c with zero fields replaced by their defaults.
+func (c PDConfig) WithDefaults() PDConfig {
+	if c.Threshold == 0 {
+		c.Threshold = DefaultPDThreshold
+	}
+	return c
+}
+
+// Validate reports settings PD cannot use.
+func (c PDConfig) Validate() error {
+	if c.MaxPrefillQueue < 0 || c.MaxPrefillQueue != c.MaxPrefillQueue {
+		return fmt.Errorf("routing.pd.max_prefill_queue_seconds must be >= 0, got %g", c.MaxPrefillQueue)
+	}
+	return nil
+}
+
+// PDDecision is PD's pick for one request.
+type PDDecision struct {
+	// Decode is D's decision (Endpoint −1: no decode endpoint is ready).
+	Decode Decision
+	// Prefill is P's when Split, else Endpoint −1.
+	Prefill Decision
+	// Split is true when the request runs on P then D; false when D serves
+	// it whole.
+	Split bool
+	// Reason says why a request was not split (a PDReason* constant), ""
+	// when it was.
+	Reason string
+}
+
+// Why a request was served whole (PDDecision.Reason; metric label values).
+const (
+	PDReasonShort       = "short"      // its uncached part is under Threshold
+	PDReasonNoPrefill   = "no-prefill" // no prefill endpoint is ready
+	PDReasonPrefillBusy = "prefill-busy"
+	PDReasonNoDecode    = "no-decode" // no decode endpoint is ready (nothing served)
+)
+
+// PD picks decode and prefill endpoints and decides when to split. It is
+// safe for concurrent use if its policies are.
+type PD struct {
+	cfg             PDConfig
+	decode, prefill Policy
+	blockSize       int
+}
+
+// NewPD builds the P/D decisions of cfg.PD for pool: the decode and
+// prefill profiles (cfg.PD.Decode and .Prefill, else cfg.Policy), each its
+// own Policy with its own per-endpoint state.
+func NewPD(cfg Config, pool Pool) (*PD, error) {
+	pc := cfg.PD.WithDefaults()
+	if err := pc.Validate(); err != nil {
+		return nil, err
+	}
+	build := func(name string) (Policy, error) {
+		c := cfg
+		if name != "" {
+			c.Policy = name
+		}
+		return NewPolicy(c, pool)
+	}
+	d, err := build(pc.Decode)
+	if err != nil {
+		return nil, fmt.Errorf("routing.pd decode: %w", err)
+	}
+	p, err := build(pc.Prefill)
+	if err != nil {
+		return nil, fmt.Errorf("routing.pd prefill: %w", err)
+	}
+	return &PD{cfg: pc, decode: d, prefill: p, blockSize: cfg.Prefix.WithDefaults().BlockSize}, nil
+}
+
+// Config returns the P/D configuration with defaults applied.
+func (pd *PD) Config() PDConfig { return pd.cfg }
+
+// Decode and Prefill are the two profiles (for Forget and SetCapacity,
+// and for a retry's second pick).
+func (pd *PD) Decode() Policy  { return pd.decode }
+func (pd *PD) Prefill() Policy { return pd.prefill }
+
+// NeedsHashes reports whether either profile reads Request.Hashes.
+func (pd *PD) NeedsHashes() bool { return pd.decode.NeedsHashes() || pd.prefill.NeedsHashes() }
+
+// Pick decides for req over eps (PD's comment): D, whether to split, P.
+// req.Role is set for each profile's pick and restored.
+func (pd *PD) Pick(req *Request, eps []Endpoint) PDDecision {
+	d := pd.PickDecode(req, eps)
+	out := PDDecision{Decode: d, Prefill: Decision{Endpoint: -1}}
+	if d.Endpoint < 0 {
+		out.Reason = PDReasonNoDecode
+		return out
+	}
+	if !pd.Wants(req, d) {
+		out.Reason = PDReasonShort
+		return out
+	}
+	p := pd.PickPrefill(req, eps)
+	switch {
+	case p.Endpoint < 0:
+		out.Reason = PDReasonNoPrefill
+	case pd.busy(&eps[p.Endpoint]):
+		out.Reason = PDReasonPrefillBusy
+	default:
+		out.Prefill, out.Split = p, true
+	}
+	return out
+}
+
+// Wants reports whether the decider splits req given D's decision d.
+func (pd *PD) Wants(req *Request, d Decision) bool {
+	if pd.cfg.Threshold < 0 {
+		return true
+	}
+	nonCached := req.PromptTokens - d.MatchedBlocks*pd.blockSize
+	return nonCached >= pd.cfg.Threshold
+}
+
+// busy reports whether P's prefill backlog exceeds MaxPrefillQueue.
+func (pd *PD) busy(ep *Endpoint) bool {
+	if pd.cfg.MaxPrefillQueue <= 0 {
+		return false
+	}
+	rate := ep.PrefillTokensPerSecond
+	if rate <= 0 {
+		rate = DefaultPrefillTokensPerSecond
+	}
+	return float64(ep.PendingPrefillTokens)/rate > pd.cfg.MaxPrefillQueue
+}
+
+// PickDecode is the decode profile's pick alone (a retry of D).
+func (pd *PD) PickDecode(req *Request, eps []Endpoint) Decision {
+	return pd.pickRole(pd.decode, RoleDecode, req, eps)
+}
+
+// PickPrefill is the prefill profile's pick alone (a retry of P).
+func (pd *PD) PickPrefill(req *Request, eps []Endpoint) Decision {
+	return pd.pickRole(pd.prefill, RolePrefill, req, eps)
+}
+
+func (pd *PD) pickRole(p Policy, role Role, req *Request, eps []Endpoint) Decision {
+	was := req.Role
+	req.Role = role
+	d := p.Pick(req, eps)
+	req.Role = was
+	return d
+}
