@@ -50,6 +50,8 @@ type Config struct {
 	// Tiers puts host-memory, disk and remote KV tiers behind the GPU (all
 	// off by default); see tiers.go.
 	Tiers TiersConfig `yaml:"kv_tiers"`
+	// PD tunes the engine's side of P/D hand-offs (pd.go).
+	PD PDConfig `yaml:"pd"`
 }
 
 // WithDefaults returns c with zero fields replaced by their defaults.
@@ -73,6 +75,7 @@ func (c Config) WithDefaults() Config {
 		c.OutputVocab = defaultVocab
 	}
 	c.LoRA = c.LoRA.WithDefaults()
+	c.PD = c.PD.WithDefaults()
 	return c
 }
 
@@ -106,6 +109,9 @@ func (c Config) Validate() error {
 	if err := c.LoRA.Validate(); err != nil {
 		errs = append(errs, err)
 	}
+	if err := validatePD(c); err != nil {
+		errs = append(errs, err)
+	}
 	if c.NumBlocks >= 1 && c.BlockSize >= 1 {
 		if err := validateTiers(c.Tiers, c.Profile, c.NumBlocks, c.BlockSize); err != nil {
 			errs = append(errs, err)
@@ -131,6 +137,13 @@ type Request struct {
 	// LoRA names the adapter the request runs under ("" for the base model);
 	// it must be one of Config.LoRA.Adapters.
 	LoRA string
+	// HoldKV keeps the request's blocks after it finishes, for a decode
+	// engine to read (a P leg: kv_transfer_params.do_remote_decode; pd.go).
+	HoldKV bool
+	// RemotePrefill reads the prompt's KV from the prefill engine that
+	// computed it instead of computing it (a D leg:
+	// kv_transfer_params.do_remote_prefill with P's blocks; pd.go).
+	RemotePrefill bool
 }
 
 // Output is what one step produced for one request.
@@ -156,6 +169,9 @@ type Output struct {
 	// TierTokens splits CachedTokens by the tier each block came from
 	// (TierGPU: the GPU prefix cache; the others were loaded; tiers.go).
 	TierTokens [NumTiers]int
+	// TransferredTokens is the part of CachedTokens read from a prefill
+	// engine (RemotePrefill; pd.go).
+	TransferredTokens int
 	// OutputTokens is the number of tokens generated so far, this one included.
 	OutputTokens int
 	// Scheduled is the simulated time the request was first scheduled: the
@@ -182,6 +198,11 @@ type StepResult struct {
 	// LoRALoads is the number of adapters loaded for the step; Duration
 	// includes LoRALoads × LoRAConfig.LoadLatency.
 	LoRALoads int
+	// Transferred lists the RemotePrefill requests whose KV reads from
+	// their prefill engine ended by the step's start: the driver releases
+	// their blocks there (Engine.Release). Owned by the Engine, valid until
+	// the next Step.
+	Transferred []string
 }
 
 // Stats is a snapshot of engine state and cumulative counters.
@@ -237,6 +258,15 @@ type Stats struct {
 	RunningLoRAs, WaitingLoRAs []string
 	// LoRALoads counts adapter loads (each cost LoRAConfig.LoadLatency).
 	LoRALoads int64
+
+	// P/D (pd.go). HeldRequests and HeldBlocks are the finished prefill
+	// requests whose blocks are held for a decode engine, and their
+	// blocks (counted in KVUsage); HeldReleased and HeldExpired count the
+	// holds that ended by Release or Abort and by the abort timeout.
+	HeldRequests, HeldBlocks  int
+	HeldReleased, HeldExpired int64
+	// TransferredBlocks counts blocks read from prefill engines.
+	TransferredBlocks int64
 }
 
 // Errors returned by Engine.Add.
@@ -268,6 +298,9 @@ type seq struct {
 	loading     bool          // waiting for its lower-tier blocks (loadDone)
 	loadDone    time.Duration // when they are all in GPU memory
 	loadBlocks  int           // leading blocks held once loaded (GPU hit + loaded)
+	holdKV      bool          // Request.HoldKV
+	remote      bool          // Request.RemotePrefill
+	transferred int           // prompt tokens read from the prefill engine
 	arrival     time.Duration // simulated time of Add
 	scheduledAt time.Duration // start of the step that first admitted it
 }
@@ -297,6 +330,12 @@ type Engine struct {
 	lora    *loraState  // nil unless cfg.LoRA.Enabled()
 	tiers   *tiers      // nil unless cfg.Tiers.Enabled()
 	loads   int         // waiting requests loading
+	// P/D (pd.go).
+	xfer        link               // the interconnect D reads P's blocks over
+	held        map[string]*heldKV // finished HoldKV requests' blocks
+	heldBlocks  int
+	justHeld    []*heldKV // held in the current step: their timeout starts at its end
+	transferred []string  // StepResult.Transferred
 }
 
 // NewEngine returns an idle engine. It panics if cfg.Validate fails; callers
@@ -326,6 +365,7 @@ func NewEngine(cfg Config) *Engine {
 		}
 	}
 	e.stats.TierCapacity[TierGPU] = cfg.NumBlocks
+	e.xfer = link{bw: cfg.Profile.KVTransferBandwidth, latency: cfg.Profile.KVTransferLatency}
 	return e
 }
 
@@ -346,6 +386,12 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 	if _, dup := e.byID[r.ID]; dup {
 		return fmt.Errorf("%w: %q", ErrDuplicateID, r.ID)
 	}
+	if _, dup := e.held[r.ID]; dup {
+		return fmt.Errorf("%w: %q (its blocks are held for a decode engine)", ErrDuplicateID, r.ID)
+	}
+	if r.RemotePrefill && e.xfer.bw <= 0 {
+		return ErrNoInterconnect
+	}
 	total := len(r.Tokens) + r.MaxTokens
 	bs := e.cfg.BlockSize
 	s := &seq{
@@ -359,6 +405,8 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 		cached:    -1,
 		arrival:   now,
 		hashes:    make([]uint64, 0, total/bs),
+		holdKV:    r.HoldKV,
+		remote:    r.RemotePrefill,
 	}
 	copy(s.tokens, r.Tokens)
 	s.hashes = prefix.Hashes(s.hashes, s.tokens, bs, s.root)
@@ -393,11 +441,13 @@ func (c Config) CheckRequest(promptTokens, maxTokens int) error {
 	return nil
 }
 
-// Abort removes a request, waiting or running, and releases its blocks.
-// Unknown or finished IDs are ignored.
+// Abort removes a request, waiting or running, and releases its blocks;
+// a finished HoldKV request's held blocks too. Other unknown or finished
+// IDs are ignored.
 func (e *Engine) Abort(id string) {
 	s, ok := e.byID[id]
 	if !ok {
+		e.Release(id)
 		return
 	}
 	delete(e.byID, id)
@@ -428,6 +478,7 @@ func (e *Engine) Stats() Stats {
 	st.KVUsage = float64(e.pool.used()) / float64(len(e.pool.blocks))
 	st.Loading = e.loads
 	st.TierBlocks[TierGPU] = len(e.pool.index)
+	st.HeldRequests, st.HeldBlocks = len(e.held), e.heldBlocks
 	if e.tiers != nil {
 		for t := TierHost; t < TierRemote; t++ {
 			if tc := e.tiers.local[t]; tc != nil {
@@ -493,8 +544,12 @@ func (e *Engine) Stats() Stats {
 func (e *Engine) Step(now time.Duration) StepResult {
 	e.sched = e.sched[:0]
 	e.out = e.out[:0]
+	e.transferred = e.transferred[:0]
 	if e.kv != nil {
 		e.kv.begin()
+	}
+	if len(e.held) > 0 {
+		e.ExpireHeld(now)
 	}
 	budget, preempted := e.scheduleRunning(e.cfg.MaxNumBatchedTokens)
 	e.finishLoads(now)
@@ -505,7 +560,12 @@ func (e *Engine) Step(now time.Duration) StepResult {
 	cost := e.run()
 	d := e.cfg.Profile.StepTime(cost) + time.Duration(loads)*e.cfg.LoRA.LoadLatency
 	e.stats.BusyTime += d
-	return StepResult{Duration: d, Outputs: e.out, Cost: cost, Events: e.kv.take(), LoRALoads: loads}
+	for _, h := range e.justHeld {
+		h.expires = now + d + e.cfg.PD.AbortTimeout
+	}
+	clear(e.justHeld)
+	e.justHeld = e.justHeld[:0]
+	return StepResult{Duration: d, Outputs: e.out, Cost: cost, Events: e.kv.take(), LoRALoads: loads, Transferred: e.transferred}
 }
 
 // scheduleRunning is Step's phase 1: every running request, in admission
@@ -577,6 +637,16 @@ func (e *Engine) admitWaiting(budget int, now time.Duration) (loads int) {
 		computed := s.computed // loaded earlier, the rest did not fit then; else 0
 		if len(s.blocks) == 0 {
 			hit = e.findCached(s)
+			if s.remote {
+				if !e.startTransfer(s, hit, now) {
+					if e.unblock() {
+						continue
+					}
+					break
+				}
+				i++ // it waits for its read, as for a load
+				continue
+			}
 			if lower, ok := e.lowerHits(s, len(hit)); ok {
 				if !e.startLoad(s, hit, lower, now) {
 					if e.unblock() {
@@ -673,9 +743,15 @@ func (e *Engine) emit(s *seq) bool {
 		TierTokens:   s.tierTokens,
 		OutputTokens: out,
 		Scheduled:    s.scheduledAt,
+
+		TransferredTokens: s.transferred,
 	})
 	if done {
-		e.freeBlocks(s)
+		if s.holdKV {
+			e.hold(s)
+		} else {
+			e.freeBlocks(s)
+		}
 		if e.lora != nil {
 			e.lora.stop(s.lora)
 		}
@@ -841,8 +917,18 @@ func (e *Engine) unblock() bool {
 func (e *Engine) loaded(s *seq) {
 	s.loading = false
 	e.loads--
-	e.cacheBlocks(s, s.loadBlocks)
-	s.computed = s.loadBlocks * e.cfg.BlockSize
+	bs := e.cfg.BlockSize
+	// A read from a prefill engine covers the partial last block too: only
+	// full blocks are cached, and the last prompt token is recomputed to
+	// sample the first output (pd.go). A tier load stops at prompt − 1.
+	if full := min(s.loadBlocks, len(s.tokens)/bs); full > s.numCachedBl {
+		e.cacheBlocks(s, full)
+	}
+	s.computed = min(s.loadBlocks*bs, len(s.tokens)-1)
+	if s.remote {
+		s.remote = false // preempted later, it recomputes
+		e.transferred = append(e.transferred, s.id)
+	}
 }
 
 // firstLookup records the prefix-cache hit of s at its first admission:

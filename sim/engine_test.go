@@ -59,8 +59,9 @@ func checkEngine(t *testing.T, e *Engine) {
 		if s.loading {
 			loads++
 		}
-		if len(s.blocks) > 0 && (s.loading || s.computed == s.loadBlocks*16) {
-			// Loading from a lower tier, or loaded: it holds its blocks.
+		loadedRemote := s.loadBlocks > 0 && s.computed == min(s.loadBlocks*16, len(s.tokens)-1)
+		if len(s.blocks) > 0 && (s.loading || s.computed == s.loadBlocks*16 || loadedRemote) {
+			// Loading from a lower tier or a prefill engine, or loaded: it holds its blocks.
 			if len(s.blocks) != s.loadBlocks {
 				t.Fatalf("waiting %s holds %d blocks, loads %d", s.id, len(s.blocks), s.loadBlocks)
 			}
@@ -75,6 +76,16 @@ func checkEngine(t *testing.T, e *Engine) {
 	}
 	if loads != e.loads {
 		t.Fatalf("%d requests loading, engine counts %d", loads, e.loads)
+	}
+	held := 0
+	for _, h := range e.held {
+		for _, id := range h.blocks {
+			refs[id]++
+		}
+		held += len(h.blocks)
+	}
+	if held != e.heldBlocks {
+		t.Fatalf("%d blocks held for decode engines, engine counts %d", held, e.heldBlocks)
 	}
 	for i, r := range refs {
 		if e.pool.blocks[i].ref != r {

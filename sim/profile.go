@@ -119,6 +119,16 @@ type GPUProfile struct {
 	// NetworkLatency is the fixed cost of one remote load (lookup and
 	// round trips).
 	NetworkLatency time.Duration `yaml:"network_latency"`
+
+	// KVTransferBandwidth is the bandwidth at which a decode engine reads
+	// a prompt's KV from a prefill engine, bytes/s: its GPUs' RDMA NICs
+	// together (NIXL reads each TP rank's shard over its own NIC; pd.go).
+	// Zero: the profile knows no interconnect, and its engines cannot take
+	// RemotePrefill requests.
+	KVTransferBandwidth float64 `yaml:"kv_transfer_bandwidth"`
+	// KVTransferLatency is the fixed cost of one read (posting it and the
+	// completion notification).
+	KVTransferLatency time.Duration `yaml:"kv_transfer_latency"`
 }
 
 // Gibibyte is 2^30 bytes. GPU memory sizes such as "80GB" are binary (H100 80GB = 80 GiB).
@@ -291,6 +301,7 @@ func (p GPUProfile) Validate() error {
 		v   float64
 	}{{"host_kv_bytes", p.HostKVBytes}, {"host_bandwidth", p.HostBandwidth}, {"disk_kv_bytes", p.DiskKVBytes},
 		{"disk_bandwidth", p.DiskBandwidth}, {"network_bandwidth", p.NetworkBandwidth},
+		{"kv_transfer_bandwidth", p.KVTransferBandwidth}, {"kv_transfer_latency", float64(p.KVTransferLatency)},
 		{"host_latency", float64(p.HostLatency)}, {"disk_latency", float64(p.DiskLatency)}, {"network_latency", float64(p.NetworkLatency)}} {
 		if f.v < 0 || math.IsInf(f.v, 0) || math.IsNaN(f.v) {
 			errs = append(errs, fmt.Errorf("%s must be >= 0 and finite, got %v", f.key, f.v))

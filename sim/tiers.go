@@ -228,17 +228,30 @@ type RemoteTier interface {
 // its medium when ev is set.
 type tierCache struct {
 	hashLRU
-	tier    Tier
-	bw      float64       // bytes/s of loads from it into the GPU
-	latency time.Duration // fixed cost of one transfer
-	added   []uint64      // scratch: the hashes one store added
-	ev      *kvEventLog
-	// linkFree is when its link finishes the transfers queued on it.
-	linkFree time.Duration
+	link  // loads from it into the GPU
+	tier  Tier
+	added []uint64 // scratch: the hashes one store added
+	ev    *kvEventLog
 }
 
 func newTierCache(t Tier, capacity int, bw float64, latency time.Duration) *tierCache {
-	return &tierCache{hashLRU: newHashLRU(capacity), tier: t, bw: bw, latency: latency}
+	return &tierCache{hashLRU: newHashLRU(capacity), tier: t, link: link{bw: bw, latency: latency}}
+}
+
+// link is one transfer path into an engine's GPUs (a tier's, or the P/D
+// interconnect's) on which transfers queue first come, first served:
+// done = max(now, free) + latency + bytes / bw.
+type link struct {
+	bw      float64       // bytes/s
+	latency time.Duration // fixed cost of one transfer
+	free    time.Duration // when it finishes the transfers queued on it
+}
+
+// send queues a transfer of bytes at now and returns when it completes.
+func (l *link) send(now time.Duration, bytes float64) time.Duration {
+	start := max(now, l.free)
+	l.free = start + l.latency + time.Duration(bytes/l.bw*float64(time.Second))
+	return l.free
 }
 
 // store adds the blocks of hashes not yet held (touching the others),
@@ -284,10 +297,7 @@ func (c *tierCache) evictLRU() {
 // transfer queues a load of n blocks of blockBytes each on the tier's link
 // at now and returns when it completes.
 func (c *tierCache) transfer(now time.Duration, n int, blockBytes float64) time.Duration {
-	start := max(now, c.linkFree)
-	d := c.latency + time.Duration(float64(n)*blockBytes/c.bw*float64(time.Second))
-	c.linkFree = start + d
-	return c.linkFree
+	return c.send(now, float64(n)*blockBytes)
 }
 
 // tiers is an engine's lower tiers: local caches (nil when off) and the

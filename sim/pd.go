@@ -1,0 +1,181 @@
+package sim
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Disaggregated prefill and decode (P/D): one engine computes a prompt's KV
+// (the prefill engine, P) and another reads it over the interconnect and
+// decodes (D), as vLLM's NixlConnector does
+// (vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py,
+// v0.11–v0.13; ../shared/PROTOCOLS.md §3.1). Roles are a routing matter:
+// every engine here is kv_both, and what a request asks decides.
+//
+//   - P: a request with HoldKV (kv_transfer_params.do_remote_decode) runs
+//     as usual — with max_tokens 1 from the proxy, it finishes after its
+//     prefill — but its blocks are not freed when it finishes: they stay
+//     allocated, counted in KV usage, for D to read (vLLM's
+//     request_finished returns delay_free_blocks), until Release(id) (D
+//     read them: vLLM's finished-sending notification), Abort(id), or
+//     PDConfig.AbortTimeout after its finish (VLLM_NIXL_ABORT_REQUEST_TIMEOUT,
+//     480 s in vllm/envs.py), whichever comes first.
+//   - D: a request with RemotePrefill (do_remote_prefill with P's
+//     remote_block_ids) takes its local GPU prefix hit, then gets blocks
+//     for the rest of its prompt and waits, skipped, while they are read
+//     from P (WAITING_FOR_REMOTE_KVS, as for a lower-tier load): the read
+//     queues on the engine's interconnect link (GPUProfile.KVTransferBandwidth,
+//     its RDMA NICs) first come, first served,
+//     done = max(now, link free) + KVTransferLatency + bytes / bandwidth,
+//     bytes = the missing blocks × BlockBytes (vLLM's get_num_new_matched_tokens:
+//     the prompt's tokens beyond the local hit, the partial last block
+//     included). When the read ends, its full blocks join D's prefix cache
+//     (BlockStored GPU) and all but the last prompt token count as computed:
+//     D recomputes one token and samples the first output token
+//     (_update_waiting_for_remote_kv: num_computed_tokens −1 when it covers
+//     the whole request). Its cached_tokens is then prompt − 1, as vLLM
+//     reports it (the gateway rewrites it from P's, as llm-d's sidecar does).
+//     StepResult.Transferred names the requests whose reads ended, for the
+//     driver to release P's blocks. A D request without RemotePrefill —
+//     P's blocks gone, or no P at all — is computed whole (vLLM recomputes
+//     when the read fails: kv_load_failure_policy "recompute").
+//
+// What the model leaves out: P's side of the link (reads of one P by many
+// D's share P's NICs; only D's inbound link queues), layer-wise pipelining
+// of the transfer with P's prefill (vLLM's NIXL reads after P finishes),
+// and the side channel's handshake, done once per P/D pair.
+
+// PDConfig tunes an engine's side of P/D hand-offs.
+type PDConfig struct {
+	// AbortTimeout is how long a prefill request's blocks are held for a
+	// decode engine after it finishes (default DefaultAbortTimeout).
+	AbortTimeout time.Duration `yaml:"abort_timeout"`
+}
+
+// DefaultAbortTimeout is vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default
+// (vllm/envs.py: 480 s).
+const DefaultAbortTimeout = 480 * time.Second
+
+// WithDefaults returns c with zero fields replaced by their defaults.
+func (c PDConfig) WithDefaults() PDConfig {
+	if c.AbortTimeout == 0 {
+		c.AbortTimeout = DefaultAbortTimeout
+	}
+	return c
+}
+
+// ErrNoInterconnect is returned by Add for a RemotePrefill request on an
+// engine whose profile has no kv_transfer_bandwidth.
+var ErrNoInterconnect = errors.New("sim: remote prefill needs the profile's kv_transfer_bandwidth")
+
+// heldKV is a finished prefill request's blocks, kept for D.
+type heldKV struct {
+	blocks  []int32
+	expires time.Duration // set at the end of the step that finished it
+}
+
+// hold keeps the blocks of s, which finished with HoldKV, for D.
+func (e *Engine) hold(s *seq) {
+	if e.held == nil {
+		e.held = make(map[string]*heldKV)
+	}
+	h := &heldKV{blocks: s.blocks, expires: -1}
+	s.blocks = nil
+	s.numCachedBl = 0
+	e.held[s.id] = h
+	e.heldBlocks += len(h.blocks)
+	e.justHeld = append(e.justHeld, h)
+}
+
+// Release frees the blocks a finished HoldKV request id holds for D (D
+// read them). It reports whether id held any.
+func (e *Engine) Release(id string) bool {
+	h, ok := e.held[id]
+	if !ok {
+		return false
+	}
+	e.dropHeld(id, h)
+	e.stats.HeldReleased++
+	return true
+}
+
+func (e *Engine) dropHeld(id string, h *heldKV) {
+	delete(e.held, id)
+	e.heldBlocks -= len(h.blocks)
+	// Freed in reverse order, as freeBlocks does: the tail is evicted first.
+	for i, j := 0, len(h.blocks)-1; i < j; i, j = i+1, j-1 {
+		h.blocks[i], h.blocks[j] = h.blocks[j], h.blocks[i]
+	}
+	e.pool.release(h.blocks)
+}
+
+// ExpireHeld frees the held blocks whose abort timeout has passed by now
+// (vLLM's P frees them then, whether or not D read them) and returns how
+// many requests' blocks it freed. Step calls it; a driver may call it on an
+// idle engine.
+func (e *Engine) ExpireHeld(now time.Duration) int {
+	n := 0
+	for id, h := range e.held {
+		if h.expires >= 0 && h.expires <= now {
+			e.dropHeld(id, h)
+			e.stats.HeldExpired++
+			n++
+		}
+	}
+	return n
+}
+
+// NextHeldExpiry returns the earliest abort timeout of the held blocks (ok
+// false when none is held).
+func (e *Engine) NextHeldExpiry() (at time.Duration, ok bool) {
+	for _, h := range e.held {
+		if h.expires >= 0 && (!ok || h.expires < at) {
+			at, ok = h.expires, true
+		}
+	}
+	return at, ok
+}
+
+// Holds reports whether the finished request id holds blocks for D.
+func (e *Engine) Holds(id string) bool { _, ok := e.held[id]; return ok }
+
+// startTransfer admits s, a RemotePrefill request, to read the blocks of
+// its prompt beyond its local hit from P at now (the package comment's D
+// side). It reports false, changing nothing, when the free queue is too
+// short.
+func (e *Engine) startTransfer(s *seq, hit []int32, now time.Duration) bool {
+	bs := e.cfg.BlockSize
+	n := (s.promptLen+bs-1)/bs - len(hit)
+	evictable := 0
+	for _, id := range hit {
+		if e.pool.blocks[id].ref == 0 {
+			evictable++
+		}
+	}
+	if n+evictable > e.pool.numFree {
+		return false
+	}
+	e.pool.touch(hit)
+	s.blocks = append(s.blocks, hit...)
+	s.numCachedBl = len(hit)
+	s.blocks = e.pool.allocate(s.blocks, n)
+	s.loadBlocks = len(hit) + n
+	s.loading = true
+	e.loads++
+	s.loadDone = e.xfer.send(now, float64(n)*e.cfg.BlockBytes())
+	e.stats.TransferredBlocks += int64(n)
+	if s.cached < 0 {
+		e.firstLookup(s, s.promptLen-1, [NumTiers]int{TierGPU: len(hit)})
+		s.transferred = s.promptLen - 1 - len(hit)*bs
+	}
+	return true
+}
+
+// validatePD checks the P/D settings of c.
+func validatePD(c Config) error {
+	if c.PD.AbortTimeout < 0 {
+		return fmt.Errorf("pd.abort_timeout must not be negative, got %v", c.PD.AbortTimeout)
+	}
+	return nil
+}
