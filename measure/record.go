@@ -77,6 +77,24 @@ type Record struct {
 	// Warmup is true for a warm-up request (see Warmup): sent, but left out
 	// of the Summary, the HTML report and goodput.
 	Warmup bool `json:"warmup,omitempty"`
+	// PD is the request's P/D hand-off in a fleet with prefill and decode
+	// engines (nil outside one).
+	PD *PDLeg `json:"pd,omitempty"`
+}
+
+// PDLeg is how a P/D fleet served one request.
+type PDLeg struct {
+	// Split is true when a prefill engine computed the prompt and a decode
+	// engine read its KV; false when the decode engine served it whole.
+	Split bool `json:"split"`
+	// Reason says why it was not split (sched.PDDecision.Reason).
+	Reason string `json:"reason,omitempty"`
+	// PrefillMs is arrival to the prefill leg's answer (ms; split only).
+	PrefillMs float64 `json:"prefill_ms,omitempty"`
+	// TransferMs is the prefill leg's answer to the end of the decode
+	// engine's read of the KV (ms; split only): the P→D transfer with its
+	// queueing on D (admission and its interconnect link).
+	TransferMs float64 `json:"transfer_ms,omitempty"`
 }
 
 // WriteRecords writes recs as JSON lines (the --records format).

@@ -103,6 +103,9 @@ type Summary struct {
 	// absolute error per request (tokens); nil when not tracked.
 	TierPredictedHitRate *Tiers `json:"tier_predicted_hit_rate,omitempty"`
 	TierPredictionMAE    *Tiers `json:"tier_prediction_mae_tokens,omitempty"`
+	// PD summarizes the P/D hand-offs of a fleet with prefill and decode
+	// engines (Record.PD); nil outside one.
+	PD *PDSummary `json:"pd,omitempty"`
 	// FleetLag is the simulated fleet's step lag (simserver.Fleet.Lag): how late
 	// its engines delivered their steps against their time scale (ms of
 	// engine time); nil when unknown (a --target run) or not applicable (a
@@ -124,6 +127,47 @@ type Summary struct {
 	// Goodput counts the requests that met a per-request SLO; nil when the
 	// run was not judged against one (plan sets it; Summarize does not).
 	Goodput *Goodput `json:"goodput,omitempty"`
+}
+
+// PDSummary is the P/D part of a Summary.
+type PDSummary struct {
+	// Split and Whole count the successful requests split across a prefill
+	// and a decode engine, and those a decode engine served whole.
+	Split int `json:"split"`
+	Whole int `json:"whole"`
+	// Reasons counts the whole ones by reason (sched.PDDecision.Reason).
+	Reasons map[string]int `json:"reasons,omitempty"`
+	// Prefill and Transfer are the split requests' PDLeg.PrefillMs and
+	// TransferMs (ms).
+	Prefill  Latency `json:"prefill_ms"`
+	Transfer Latency `json:"transfer_ms"`
+}
+
+func (s *Summary) pd(recs []Record) {
+	var p PDSummary
+	var prefill, transfer []float64
+	for i := range recs {
+		r := &recs[i]
+		if r.PD == nil || r.Error != "" {
+			continue
+		}
+		if !r.PD.Split {
+			p.Whole++
+			if p.Reasons == nil {
+				p.Reasons = map[string]int{}
+			}
+			p.Reasons[r.PD.Reason]++
+			continue
+		}
+		p.Split++
+		prefill = append(prefill, r.PD.PrefillMs)
+		transfer = append(transfer, r.PD.TransferMs)
+	}
+	if p.Split+p.Whole == 0 {
+		return
+	}
+	p.Prefill, p.Transfer = NewLatency(prefill), NewLatency(transfer)
+	s.PD = &p
 }
 
 // NumTiers is the number of KV tiers a record splits its hits by: GPU, host
@@ -208,6 +252,7 @@ func Summarize(policy string, recs []Record) Summary {
 	s.TTFT, s.ITL, s.E2E = NewLatency(ttft), NewLatency(itl), NewLatency(e2e)
 	s.SendLag = sendLag(recs)
 	s.tiers(recs)
+	s.pd(recs)
 	return s
 }
 

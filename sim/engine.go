@@ -335,6 +335,7 @@ type Engine struct {
 	held        map[string]*heldKV // finished HoldKV requests' blocks
 	heldBlocks  int
 	justHeld    []*heldKV // held in the current step: their timeout starts at its end
+	expiry      []*heldKV // holds in expiry order (done ones skipped)
 	transferred []string  // StepResult.Transferred
 }
 

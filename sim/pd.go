@@ -71,8 +71,10 @@ var ErrNoInterconnect = errors.New("sim: remote prefill needs the profile's kv_t
 
 // heldKV is a finished prefill request's blocks, kept for D.
 type heldKV struct {
+	id      string
 	blocks  []int32
 	expires time.Duration // set at the end of the step that finished it
+	done    bool          // released, aborted or expired (still queued in expiry)
 }
 
 // hold keeps the blocks of s, which finished with HoldKV, for D.
@@ -80,12 +82,13 @@ func (e *Engine) hold(s *seq) {
 	if e.held == nil {
 		e.held = make(map[string]*heldKV)
 	}
-	h := &heldKV{blocks: s.blocks, expires: -1}
+	h := &heldKV{id: s.id, blocks: s.blocks, expires: -1}
 	s.blocks = nil
 	s.numCachedBl = 0
 	e.held[s.id] = h
 	e.heldBlocks += len(h.blocks)
 	e.justHeld = append(e.justHeld, h)
+	e.expiry = append(e.expiry, h) // holds start in time order, with one timeout
 }
 
 // Release frees the blocks a finished HoldKV request id holds for D (D
@@ -101,6 +104,7 @@ func (e *Engine) Release(id string) bool {
 }
 
 func (e *Engine) dropHeld(id string, h *heldKV) {
+	h.done = true
 	delete(e.held, id)
 	e.heldBlocks -= len(h.blocks)
 	// Freed in reverse order, as freeBlocks does: the tail is evicted first.
@@ -116,12 +120,21 @@ func (e *Engine) dropHeld(id string, h *heldKV) {
 // idle engine.
 func (e *Engine) ExpireHeld(now time.Duration) int {
 	n := 0
-	for id, h := range e.held {
-		if h.expires >= 0 && h.expires <= now {
-			e.dropHeld(id, h)
+	for len(e.expiry) > 0 {
+		h := e.expiry[0]
+		if !h.done {
+			if h.expires < 0 || h.expires > now {
+				break
+			}
+			e.dropHeld(h.id, h)
 			e.stats.HeldExpired++
 			n++
 		}
+		e.expiry[0] = nil
+		e.expiry = e.expiry[1:]
+	}
+	if len(e.expiry) == 0 {
+		e.expiry = nil // let the backing array go
 	}
 	return n
 }
@@ -129,12 +142,12 @@ func (e *Engine) ExpireHeld(now time.Duration) int {
 // NextHeldExpiry returns the earliest abort timeout of the held blocks (ok
 // false when none is held).
 func (e *Engine) NextHeldExpiry() (at time.Duration, ok bool) {
-	for _, h := range e.held {
-		if h.expires >= 0 && (!ok || h.expires < at) {
-			at, ok = h.expires, true
+	for _, h := range e.expiry {
+		if !h.done {
+			return h.expires, h.expires >= 0
 		}
 	}
-	return at, ok
+	return 0, false
 }
 
 // Holds reports whether the finished request id holds blocks for D.

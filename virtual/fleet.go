@@ -57,6 +57,12 @@ type Config struct {
 	// index the store's KV events feed it as one more endpoint (index
 	// Engines), medium REMOTE.
 	Remote sim.TierSize
+	// Prefill makes the first Prefill engines prefill engines and the
+	// others decode engines (sched.RolePrefill, RoleDecode), routed by
+	// sched.PD built from Routing (Routing.PD tunes the decider), with
+	// vLLM's NIXL hand-off (sim/pd.go, pd.go here); 0: every engine
+	// serves whole requests. It needs Policy nil and fewer than Engines.
+	Prefill int
 }
 
 // DefaultScrapeInterval is Config.ScrapeInterval's default: the gateway's
@@ -112,6 +118,18 @@ type Result struct {
 	// engine would take from each tier (sched.SplitTiers of its per-medium
 	// matches; zero without a precise index).
 	PredictedTierBlocks [sim.NumTiers]int
+	// P/D (Config.Prefill; pd.go). Prefill is the prefill engine of a
+	// split request, −1 for one served whole (Engine is its decode engine
+	// either way); PDReason is sched.PDDecision.Reason. For a split
+	// request, CachedTokens and TierTokens are the prefill engine's (as
+	// the gateway rewrites D's usage from P's), HandOff is when P's answer
+	// reached the gateway and D was sent the request, Transferred when D's
+	// read of the KV ended, and TransferredTokens what D read.
+	Prefill           int
+	PDReason          string
+	HandOff           time.Duration
+	Transferred       time.Duration
+	TransferredTokens int
 	// Err is why the request was not served (no endpoint, or the engine
 	// rejected it as Engine.Add does); nil on success.
 	Err error
@@ -168,6 +186,12 @@ type Fleet struct {
 	nextID    int // id of the next request (across Runs)
 	// nextScrape is the time of the next metrics scrape (never: none).
 	nextScrape time.Duration
+
+	// P/D (Config.Prefill): the decisions, and the split requests whose
+	// prefill leg ended at the current instant (sent to D after the
+	// instant's deliveries).
+	pd       *sched.PD
+	handoffs []int
 
 	// Per Run.
 	reqs   []Request
@@ -264,6 +288,13 @@ func NewFleet(cfg Config) (*Fleet, error) {
 		}
 		eng.KVEvents = true
 	}
+	if cfg.Prefill < 0 || cfg.Prefill >= cfg.Engines || (cfg.Prefill > 0 && cfg.Policy != nil) {
+		return nil, fmt.Errorf("sim: %d prefill engines of %d (want 0, or 1..%d with no given Policy)", cfg.Prefill, cfg.Engines, cfg.Engines-1)
+	}
+	if cfg.Prefill > 0 && eng.Profile.KVTransferBandwidth <= 0 {
+		return nil, fmt.Errorf("sim: prefill engines need the profile's kv_transfer_bandwidth (%s has none)", eng.Profile.Name)
+	}
+	var pd *sched.PD
 	policy := cfg.Policy
 	if policy == nil {
 		capacity := make([]int, cfg.Engines)
@@ -281,6 +312,12 @@ func NewFleet(cfg Config) (*Fleet, error) {
 		if policy, err = sched.NewPolicy(cfg.Routing, pool); err != nil {
 			return nil, fmt.Errorf("sim: %w", err)
 		}
+		if cfg.Prefill > 0 {
+			if pd, err = sched.NewPD(cfg.Routing, pool); err != nil {
+				return nil, fmt.Errorf("sim: %w", err)
+			}
+			policy = pd.Decode()
+		}
 	}
 	f := &Fleet{
 		cfg:        cfg,
@@ -293,10 +330,17 @@ func NewFleet(cfg Config) (*Fleet, error) {
 		blockSize:  bs,
 		engines:    make([]engine, cfg.Engines),
 		snap:       make([]sched.Endpoint, cfg.Engines),
+		pd:         pd,
 	}
 	for i := range f.engines {
 		f.engines[i].e = sim.NewEngine(eng)
 		f.snap[i] = sched.Endpoint{Name: "virtual-" + strconv.Itoa(i), Ready: true}
+		if pd != nil {
+			f.snap[i].Role = sched.RoleDecode
+			if i < cfg.Prefill {
+				f.snap[i].Role = sched.RolePrefill
+			}
+		}
 	}
 	if cfg.ScrapeInterval > 0 {
 		f.nextScrape = 0
@@ -427,7 +471,9 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 			f.scrape()
 			f.nextScrape += f.cfg.ScrapeInterval
 		}
-		// 3. Route the arrivals of this instant.
+		// 3. Send the split requests whose prefill ended now to their
+		// decode engines, then route the arrivals of this instant.
+		f.handOff(t)
 		for next < len(reqs) && reqs[next].Arrival == t {
 			f.arrive(next, &reqs[next], t)
 			next++
@@ -465,19 +511,38 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		tokens = f.prompt
 	}
 	f.sreq = sched.Request{Model: f.cfg.Model}
-	if f.policy.NeedsHashes() || f.precise != nil {
+	if f.policy.NeedsHashes() || f.precise != nil || (f.pd != nil && f.pd.NeedsHashes()) {
 		f.hashes = prefix.Hashes(f.hashes[:0], tokens, f.blockSize, f.seed)
 		f.sreq.Hashes, f.sreq.PromptTokens = f.hashes, len(tokens)
 	}
 	for i := range f.engines {
 		f.engines[i].ledger.Fill(&f.snap[i])
 	}
-	d := f.policy.Pick(&f.sreq, f.snap)
+	r.Prefill = -1
+	var d sched.Decision
+	var maxTokens int
+	if f.pd != nil {
+		pdd := f.pd.Pick(&f.sreq, f.snap)
+		r.PDReason = pdd.Reason
+		if pdd.Split && pdd.Decode.Endpoint >= 0 {
+			// The prefill leg first: D (chosen now, as llm-d's
+			// scheduler picks both) gets the request when it ends.
+			r.Engine, r.Prefill = pdd.Decode.Endpoint, pdd.Prefill.Endpoint
+			d, maxTokens = pdd.Prefill, 1
+		} else {
+			d = pdd.Decode
+		}
+	} else {
+		d = f.policy.Pick(&f.sreq, f.snap)
+	}
 	if d.Endpoint < 0 || d.Endpoint >= len(f.engines) {
-		r.Err = ErrNoEndpoint
+		r.Engine, r.Err = -1, ErrNoEndpoint
 		return
 	}
-	r.Engine, r.MatchedBlocks, r.PreciseMatchedBlocks = d.Endpoint, d.MatchedBlocks, -1
+	if r.Prefill < 0 {
+		r.Engine = d.Endpoint
+	}
+	r.MatchedBlocks, r.PreciseMatchedBlocks = d.MatchedBlocks, -1
 	if f.precise != nil {
 		f.precise.Match(f.sreq.Hashes, prefix.MediumGPU, f.matched)
 		r.PreciseMatchedBlocks = f.matched[d.Endpoint]
@@ -486,27 +551,69 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		}
 		f.precise.Routed(d.Endpoint, f.sreq.Hashes) // as the gateway does
 	}
-	ve := &f.engines[d.Endpoint]
-	f.req = sim.Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: vr.MaxTokens}
+	if maxTokens == 0 {
+		maxTokens = vr.MaxTokens
+	}
+	f.req = sim.Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: maxTokens, HoldKV: r.Prefill >= 0}
+	f.send(k, d.Endpoint, len(tokens), d.MatchedBlocks*f.blockSize, t)
+}
+
+// send adds f.req, request k's leg of promptTokens to engine e at t with
+// matched tokens expected cached there, accounting it as the gateway's
+// attempt does (an in-flight slot, its prompt in flight, its uncached part
+// in the prefill backlog), and starts a step at once if e is idle.
+func (f *Fleet) send(k, e, promptTokens, matched int, t time.Duration) {
+	r := &f.res[k]
+	ve := &f.engines[e]
 	err := ve.e.Add(&f.req, t)
 	f.req.Tokens = nil
 	if err != nil {
 		r.Err = err
 		return
 	}
-	// As the gateway's attempt: the request holds an in-flight slot, its
-	// prompt in flight and its uncached part in the prefill backlog.
 	ve.ledger.Acquire()
-	ve.ledger.Send(&f.shares[k], len(tokens), d.MatchedBlocks*f.blockSize, t)
+	ve.ledger.Send(&f.shares[k], promptTokens, matched, t)
 	switch {
 	case ve.sleeping:
 		// Waiting for a load, and now it has work to run meanwhile.
-		f.heap.remove(f.engines, int32(d.Endpoint))
+		f.heap.remove(f.engines, int32(e))
 		ve.busy, ve.sleeping = false, false
-		f.step(int32(d.Endpoint), t)
+		f.step(int32(e), t)
 	case !ve.busy && !ve.pending:
-		f.step(int32(d.Endpoint), t)
+		f.step(int32(e), t)
 	}
+}
+
+// handOff sends every split request whose prefill leg ended now to its
+// decode engine with RemotePrefill (the NIXL flow's second leg: D reads
+// the blocks P holds), accounted on D with its whole prompt expected
+// cached: D prefills nothing but one token.
+func (f *Fleet) handOff(t time.Duration) {
+	for _, k := range f.handoffs {
+		r := &f.res[k]
+		vr := &f.reqs[k]
+		tokens := vr.Tokens
+		if tokens == nil {
+			f.prompt = vr.Prompt(f.prompt[:0])
+			tokens = f.prompt
+		}
+		r.HandOff = t
+		if f.precise != nil {
+			f.precise.Routed(r.Engine, f.hashesOf(tokens))
+		}
+		f.req = sim.Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: vr.MaxTokens, RemotePrefill: true}
+		f.send(k, r.Engine, len(tokens), len(tokens), t)
+		if r.Err != nil {
+			f.engines[r.Prefill].e.Release(f.req.ID) // no D will read them
+		}
+	}
+	f.handoffs = f.handoffs[:0]
+}
+
+// hashesOf returns the routing block hashes of tokens (f.hashes reused).
+func (f *Fleet) hashesOf(tokens []uint32) []uint64 {
+	f.hashes = prefix.Hashes(f.hashes[:0], tokens, f.blockSize, f.seed)
+	return f.hashes
 }
 
 // predictTiers is what the precise index says engine e would take from
@@ -528,6 +635,12 @@ func (f *Fleet) predictTiers(e, tokens int) [sim.NumTiers]int {
 func (f *Fleet) step(i int32, t time.Duration) {
 	ve := &f.engines[i]
 	res := ve.e.Step(t)
+	for _, id := range res.Transferred {
+		// D read the blocks: P frees them (NIXL's finished-sending notification).
+		k := f.index(id)
+		f.res[k].Transferred = t
+		f.engines[f.res[k].Prefill].e.Release(id)
+	}
 	if f.remote != nil && f.precise != nil {
 		ve.keepRemoteEvents(f.remote.TakeEvents())
 	}
@@ -616,10 +729,23 @@ func (f *Fleet) deliver(ve *engine, t time.Duration) {
 		}
 		k := f.index(o.ID)
 		r := &f.res[k]
+		if r.Prefill >= 0 && &f.engines[r.Prefill] == ve { // prefill and decode engines differ
+			// The prefill leg's one token: P's answer, with the usage the
+			// gateway rewrites D's from; D gets the request now.
+			r.PromptTokens, r.CachedTokens, r.TierTokens = o.PromptTokens, o.CachedTokens, o.TierTokens
+			f.shares[k].Finish()
+			ve.ledger.Release()
+			f.handoffs = append(f.handoffs, k)
+			continue
+		}
 		if o.FirstToken {
 			f.shares[k].FirstToken(t) // the learnt prefill rate, as relayStream teaches it
 			r.FirstToken = t
-			r.PromptTokens, r.CachedTokens, r.TierTokens = o.PromptTokens, o.CachedTokens, o.TierTokens
+			if r.Prefill < 0 {
+				r.PromptTokens, r.CachedTokens, r.TierTokens = o.PromptTokens, o.CachedTokens, o.TierTokens
+			} else {
+				r.TransferredTokens = o.TransferredTokens
+			}
 			if m := f.reqs[k].MaxTokens; !f.cfg.SkipITL && m > 1 {
 				r.ITL = make([]time.Duration, 0, m-1)
 			}

@@ -56,6 +56,9 @@ type ReplayOptions struct {
 	// Remote is the shared remote KV tier's size (Config.Remote); the
 	// engines' host and disk tiers are Engine.Tiers.
 	Remote sim.TierSize
+	// Prefill is the number of the Engines that are prefill engines, the
+	// others decode engines (Config.Prefill); 0: aggregated.
+	Prefill int
 }
 
 // ReplayResult is the outcome of Replay.
@@ -119,6 +122,7 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 		SkipITL:      opts.SkipITL,
 		TrackPrecise: opts.TrackPrecise,
 		Remote:       opts.Remote,
+		Prefill:      opts.Prefill,
 	})
 	if err != nil {
 		return ReplayResult{}, fmt.Errorf("virtual: %w", err)
@@ -173,6 +177,12 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 					p[t] = b * fleet.BlockSize()
 				}
 				out.PredictedTierTokens = &p
+			}
+		}
+		if opts.Prefill > 0 {
+			out.PD = &measure.PDLeg{Split: r.Prefill >= 0, Reason: r.PDReason}
+			if r.Prefill >= 0 {
+				out.PD.PrefillMs, out.PD.TransferMs = ms(r.HandOff-r.Arrival), ms(r.Transferred-r.HandOff)
 			}
 		}
 		if len(r.ITL) > 0 {
