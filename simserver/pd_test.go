@@ -2,10 +2,12 @@ package simserver
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -617,3 +619,57 @@ func FuzzPDParams(f *testing.F) {
 		}
 	})
 }
+
+// A P/D fleet: prefill engines with bootstrap listeners, decode engines;
+// the members say what a gateway needs, and the SGLang flow runs between
+// them.
+func TestPDFleet(t *testing.T) {
+	before := runtimeGoroutines()
+	f, err := StartPDFleet(1, 2, ServerConfig{TimeScale: 1000, PD: PDConfig{EngineID: "sim"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(f.Members) != 3 || len(f.URLs) != 3 {
+		t.Fatalf("members %+v", f.Members)
+	}
+	for i, m := range f.Members {
+		wantRole := RoleDecode
+		if i == 0 {
+			wantRole = RolePrefill
+		}
+		if m.URL != f.URLs[i] || m.Role != wantRole || (m.BootstrapAddr != "") != (i == 0) || m.EngineID != fmt.Sprintf("sim-%d", i) {
+			t.Fatalf("member %d: %+v", i, m)
+		}
+	}
+	host, port, _ := net.SplitHostPort(f.Members[0].BootstrapAddr)
+	portN, _ := strconv.Atoi(port)
+	body := pdBodyFor(3, nil)
+	body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"] = host, portN, 77
+	var wg sync.WaitGroup
+	var dr pdResp
+	var dstatus int
+	wg.Add(1)
+	go func() { defer wg.Done(); dstatus, dr, _ = complete(t, f.URLs[2], body) }()
+	waitFor(t, "D to wait on P", func() bool { return f.Servers[0].pdReg.numWaiters() == 1 })
+	if status, _, raw := complete(t, f.URLs[0], body); status != http.StatusOK {
+		t.Fatalf("P: %d %s", status, raw)
+	}
+	wg.Wait()
+	if dstatus != http.StatusOK || dr.Usage.PromptTokensDetails.CachedTokens != dr.Usage.PromptTokens-1 || f.Servers[0].Stats().HeldRequests != 0 {
+		t.Fatalf("D: %d %+v; P %+v", dstatus, dr.Usage, f.Servers[0].Stats())
+	}
+	f.Close()
+	http.DefaultClient.CloseIdleConnections()
+	waitFor(t, "fleet goroutines to exit", func() bool { return runtimeGoroutines() <= before })
+	if _, err := StartPDFleet(0, 1, ServerConfig{}); err == nil {
+		t.Fatal("a P/D fleet without prefill engines accepted")
+	}
+	if got := offsetAddrPort("127.0.0.1:8998", 2); got != "127.0.0.1:9000" {
+		t.Fatalf("offset %s", got)
+	}
+	if got := offsetAddrPort("127.0.0.1:0", 2); got != "127.0.0.1:0" {
+		t.Fatalf("offset of port 0: %s", got)
+	}
+}
+
+func runtimeGoroutines() int { return runtime.NumGoroutine() }
