@@ -173,6 +173,9 @@ type pdRequest struct {
 	// request id (a transfer id, a room).
 	hold bool
 	keys []string
+	// params: the hold came from kv_transfer_params, so the response
+	// carries P's (SGLang's prefill answers without them).
+	params bool
 	// oneToken: SGLang's prefill server generates one token whatever
 	// max_tokens says.
 	oneToken bool
@@ -309,7 +312,7 @@ func parseKVParams(raw json.RawMessage, pd *pdRequest) *openai.Error {
 		}
 	}
 	if decode {
-		pd.hold = true
+		pd.hold, pd.params = true, true
 		if xfer != "" {
 			pd.keys = append(pd.keys, xferKey(xfer))
 		}
@@ -616,7 +619,7 @@ func (s *Server) pdStep(e *sim.Engine, calls map[string]*call, res *sim.StepResu
 // prefill leg's kv_transfer_params added at its top level (PROTOCOLS.md
 // §3.1 step 2) when held names the blocks it holds; v itself otherwise.
 func (s *Server) withKVParams(v any, g *genRequest, held []int32) any {
-	if held == nil || g.pd == nil || !g.pd.hold {
+	if held == nil || g.pd == nil || !g.pd.params {
 		return v
 	}
 	b, err := json.Marshal(v)

@@ -392,8 +392,8 @@ func TestPDSGLangFlow(t *testing.T) {
 			body[k] = v
 		}
 		pr, dr := legs(t, ps, p, d, body, body)
-		if pr.Usage.CompletionTokens != 1 {
-			t.Fatalf("P generated %d tokens", pr.Usage.CompletionTokens)
+		if pr.Usage.CompletionTokens != 1 || len(pr.KVTransferParams) != 0 {
+			t.Fatalf("P generated %d tokens, kv_transfer_params %s", pr.Usage.CompletionTokens, pr.KVTransferParams)
 		}
 		if u := dr.Usage; u.CompletionTokens != 6 || u.PromptTokensDetails.CachedTokens != pr.Usage.PromptTokens-1 {
 			t.Fatalf("D's usage %+v", u)
