@@ -153,6 +153,17 @@ func (e *Engine) NextHeldExpiry() (at time.Duration, ok bool) {
 // Holds reports whether the finished request id holds blocks for D.
 func (e *Engine) Holds(id string) bool { _, ok := e.held[id]; return ok }
 
+// HeldBlockIDs returns a copy of the ids of the blocks the finished
+// request id holds for D, in prompt order (what vLLM's P returns as
+// kv_transfer_params.remote_block_ids), or nil when it holds none.
+func (e *Engine) HeldBlockIDs(id string) []int32 {
+	h, ok := e.held[id]
+	if !ok {
+		return nil
+	}
+	return append([]int32(nil), h.blocks...)
+}
+
 // startTransfer admits s, a RemotePrefill request, to read the blocks of
 // its prompt beyond its local hit from P at now (the package comment's D
 // side). It reports false, changing nothing, when the free queue is too

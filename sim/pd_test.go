@@ -27,6 +27,19 @@ func TestPrefillHoldsBlocksForDecode(t *testing.T) {
 		t.Fatalf("after the prefill leg: %+v", st)
 	}
 	checkEngine(t, e)
+	ids := e.HeldBlockIDs("p")
+	if len(ids) != 7 || e.HeldBlockIDs("nope") != nil {
+		t.Fatalf("HeldBlockIDs = %v", ids)
+	}
+	for i, id := range ids {
+		if b := e.pool.blocks[id]; b.ref != 1 || b.cached != (i < 6) {
+			t.Fatalf("held block %d (id %d): %+v", i, id, b)
+		}
+	}
+	ids[0] = -1 // a copy
+	if e.HeldBlockIDs("p")[0] == -1 {
+		t.Fatal("HeldBlockIDs returned the engine's own slice")
+	}
 	if err := e.Add(&Request{ID: "p", Tokens: prompt, MaxTokens: 1}, end); !errors.Is(err, ErrDuplicateID) {
 		t.Fatalf("re-adding a held id: %v", err)
 	}

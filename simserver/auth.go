@@ -27,7 +27,8 @@ const unauthorizedBody = `{"error":"Unauthorized"}`
 // prefix, "/v1x" included), or its Authorization header is "<scheme> <token>" with the scheme "bearer" in
 // any case and the token, everything after the first space, one of the
 // keys (compared digest to digest, constant-time, against every key).
-// Otherwise it answers 401 unauthorizedBody.
+// Otherwise it answers 401 unauthorizedBody. The simulator guards its P/D
+// side channel (paths under /infergate/pd/) the same way.
 type apiKeyAuth struct {
 	next   http.Handler
 	tokens [][sha256.Size]byte
@@ -49,13 +50,19 @@ func withAPIKeys(next http.Handler, keys []string) http.Handler {
 }
 
 func (a *apiKeyAuth) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	if r.Method == http.MethodOptions || !strings.HasPrefix(r.URL.Path, "/v1") || a.verify(r.Header) {
+	if r.Method == http.MethodOptions || !guarded(r.URL.Path) || a.verify(r.Header) {
 		a.next.ServeHTTP(w, r)
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusUnauthorized)
 	_, _ = w.Write([]byte(unauthorizedBody))
+}
+
+// guarded reports whether path needs a key: vLLM's "/v1" prefix, and the
+// simulator's P/D side channel (pdchannel.go), which can release a hold.
+func guarded(path string) bool {
+	return strings.HasPrefix(path, "/v1") || strings.HasPrefix(path, pdPathPrefix)
 }
 
 // verify is vLLM's verify_token: the first Authorization header (Starlette's

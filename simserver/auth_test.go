@@ -88,6 +88,8 @@ func FuzzAPIKeyAuth(f *testing.F) {
 	f.Add("", "/health")
 	f.Add("", "/v1")
 	f.Add("x", "/V1/models")
+	f.Add("", "/infergate/pd/v1/release")
+	f.Add("Bearer sk-test", "/infergate/pd/v1/read")
 	h := withAPIKeys(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(299) }), []string{key})
 	f.Fuzz(func(t *testing.T, auth, path string) {
 		r := httptest.NewRequest(http.MethodGet, "/", nil)
@@ -96,9 +98,10 @@ func FuzzAPIKeyAuth(f *testing.F) {
 		w := httptest.NewRecorder()
 		h.ServeHTTP(w, r)
 		passed := w.Code == 299
-		guarded := strings.HasPrefix(path, "/v1")
+		// vLLM's /v1 prefix, and the simulator's P/D side channel.
+		guarded := strings.HasPrefix(path, "/v1") || strings.HasPrefix(path, "/infergate/pd/")
 		if !guarded && !passed {
-			t.Fatalf("%q refused outside /v1", path)
+			t.Fatalf("%q refused outside /v1 and /infergate/pd/", path)
 		}
 		if guarded && passed && (len(auth) != len("Bearer ")+len(key) || !strings.EqualFold(auth[:6], "bearer") || auth[6:] != " "+key) {
 			t.Fatalf("%q let through with Authorization %q", path, auth)

@@ -30,7 +30,22 @@ var (
 	stepLagBuckets = []float64{0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60}
 	// paramsNBuckets: vllm:request_params_n.
 	paramsNBuckets = []float64{1, 2, 5, 10, 20}
+	// pdTransferBuckets: infergate_sim_pd_kv_transfer_seconds (engine
+	// seconds), from a small prompt over RDMA to a long wait for blocks.
+	pdTransferBuckets = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}
 )
+
+// pdRecomputeReasons are the label values of
+// infergate_sim_pd_recompute_total: why a decode leg computed its prompt
+// instead of reading it from its prefill.
+var pdRecomputeReasons = [...]string{
+	"invalid_params",     // the P/D fields do not name a prefill in full (vLLM warns)
+	"no_interconnect",    // the profile has no kv_transfer_bandwidth
+	"unreachable",        // P's side channel did not answer in time
+	"not_held",           // P does not hold the blocks (released, expired, another engine, never came)
+	"engine_mismatch",    // P's engine id is not remote_engine_id
+	"side_channel_error", // P answered with another status
+}
 
 // buckets125 returns 1, 2, 5, 10, 20, 50, … up to max inclusive (vLLM
 // build_1_2_5_buckets(max_model_len), the buckets of the per-request token
@@ -82,6 +97,12 @@ type metrics struct {
 	stepLag prometheus.Histogram
 
 	success *prometheus.CounterVec
+
+	// P/D (pd.go): decode legs' reads, recomputes and failed release
+	// notifications, and their reads' times (engine seconds).
+	pdTransfers, pdNotifyFailures prometheus.Counter
+	pdRecomputes                  *prometheus.CounterVec
+	pdTransferTime                prometheus.Histogram
 
 	// LoRA (nil when disabled).
 	loraInfo   *prometheus.GaugeVec
@@ -189,6 +210,19 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats]) *
 			func(s *sim.Stats) float64 { return float64(s.LoadedBlocks) })
 	}
 
+	// P/D (simulator only: vLLM's NIXL connector exports its own transfer
+	// metrics, whose names and buckets are not copied here).
+	gauge("infergate_sim_pd_held_requests", "Simulator only (not vLLM): finished prefill requests whose KV blocks are held for a decode engine (vLLM delay_free_blocks).", labels,
+		func(s *sim.Stats) float64 { return float64(s.HeldRequests) })
+	gauge("infergate_sim_pd_held_blocks", "Simulator only (not vLLM): KV blocks held for decode engines (counted in vllm:kv_cache_usage_perc).", labels,
+		func(s *sim.Stats) float64 { return float64(s.HeldBlocks) })
+	counter("infergate_sim_pd_held_released_total", "Simulator only (not vLLM): holds freed by a release (the decode engine read them, or a gateway released them) or an abort.",
+		func(s *sim.Stats) float64 { return float64(s.HeldReleased) })
+	counter("infergate_sim_pd_held_expired_total", "Simulator only (not vLLM): holds freed by the abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT) without a release.",
+		func(s *sim.Stats) float64 { return float64(s.HeldExpired) })
+	counter("infergate_sim_pd_transferred_blocks_total", "Simulator only (not vLLM): KV blocks read from prefill engines.",
+		func(s *sim.Stats) float64 { return float64(s.TransferredBlocks) })
+
 	// Cache config: an info gauge permanently 1 (vLLM log_metrics_info,
 	// labels from CacheConfig.metrics_info() plus engine, no model_name).
 	info := prometheus.NewGauge(prometheus.GaugeOpts{
@@ -252,6 +286,18 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats]) *
 			Help: "Count of successfully processed requests.", ConstLabels: labels}, []string{"finished_reason"}),
 	}
 	reg.MustRegister(m.success)
+	m.pdTransfers = prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_sim_pd_kv_transfers_total",
+		Help: "Simulator only (not vLLM): decode requests whose prompt KV was read from a prefill engine.", ConstLabels: labels})
+	m.pdNotifyFailures = prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_sim_pd_release_notify_failures_total",
+		Help: "Simulator only (not vLLM): release notifications to a prefill engine that failed after a read (its blocks then wait for the abort timeout).", ConstLabels: labels})
+	m.pdRecomputes = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "infergate_sim_pd_recompute_total",
+		Help: "Simulator only (not vLLM): decode requests that computed their prompt because its KV could not be read from the prefill engine (vLLM kv_load_failure_policy recompute), by reason.", ConstLabels: labels}, []string{"reason"})
+	m.pdTransferTime = hist("infergate_sim_pd_kv_transfer_seconds",
+		"Simulator only (not vLLM): per decode request reading its prompt from a prefill engine, from its arrival to the end of the read, in engine seconds (waiting for free blocks and the link included).", pdTransferBuckets)
+	reg.MustRegister(m.pdTransfers, m.pdNotifyFailures, m.pdRecomputes)
+	for _, r := range pdRecomputeReasons {
+		m.pdRecomputes.WithLabelValues(r)
+	}
 	// Expose the series before the first request, as vLLM does for every
 	// FinishReason; the simulator produces "length" and "abort".
 	for _, r := range [...]string{"stop", "length", "abort"} {
@@ -272,6 +318,9 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats]) *
 	}
 	return m
 }
+
+// pdRecompute counts a decode request that recomputes its prompt.
+func (m *metrics) pdRecompute(reason string) { m.pdRecomputes.WithLabelValues(reason).Inc() }
 
 // firstToken records what vLLM records when a request's first token comes
 // out: its TTFT (simulated seconds), n (always 1) and the maximum number of

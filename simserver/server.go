@@ -1,6 +1,7 @@
 package simserver
 
 import (
+	"context"
 	crand "crypto/rand"
 	"encoding/hex"
 	"encoding/json"
@@ -8,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
@@ -68,6 +70,10 @@ type ServerConfig struct {
 	// When it does not publish but KVEvents does, the store publishes on
 	// loopback (ephemeral ports, with replay; RemoteStore.KVEventEndpoints).
 	KVRemoteEvents kvevents.PublisherConfig `yaml:"kv_remote_events"`
+	// PD configures the server's side of disaggregated prefill/decode
+	// (pd.go, README "P/D"): its role, bootstrap listener, engine id and
+	// side-channel bounds. Requests without P/D fields ignore it.
+	PD PDConfig `yaml:"pd"`
 }
 
 // servedModel is the model name a server of cfg serves.
@@ -134,6 +140,14 @@ type Server struct {
 	// own, closed with it, when ownsRemote; else its fleet's).
 	remote     *RemoteStore
 	ownsRemote bool
+	// P/D (pd.go, pdchannel.go): the configuration with defaults, the
+	// holds of prefill legs, the side channel's client and the bootstrap
+	// listener (nil when none).
+	pd       PDConfig
+	pdReg    *pdRegistry
+	pdClient *http.Client
+	bootLn   net.Listener
+	bootSrv  *http.Server
 }
 
 // NewServer validates cfg, loads the tokenizer and builds the handler. The
@@ -214,6 +228,10 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 	if eng.LoRA.AdapterID(cfg.Model) != 0 {
 		return nil, fmt.Errorf("sim: LoRA adapter %q has the served model's name", cfg.Model)
 	}
+	pd, err := cfg.PD.withDefaults()
+	if err != nil {
+		return nil, err
+	}
 	s := &Server{
 		cfg:     cfg,
 		eng:     eng,
@@ -225,7 +243,10 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 		control: make(chan *engineCall),
 		quit:    make(chan struct{}),
 		done:    make(chan struct{}),
+		pd:      pd,
+		pdReg:   newPDRegistry(),
 	}
+	s.pdClient = newPDClient()
 	s.snap.Store(&sim.Stats{NumBlocks: eng.NumBlocks, BlockSize: eng.BlockSize})
 	s.metrics = newMetrics(cfg.Model, eng, &s.snap)
 
@@ -241,6 +262,7 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 	mux.HandleFunc("POST /detokenize", s.handleDetokenize)
 	mux.HandleFunc("/", handleNotFound)
 	mux.HandleFunc("GET /health", s.handleHealth)
+	s.pdRoutes(mux, pd.BootstrapOnMain)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{}))
 	s.handler = withAPIKeys(mux, cfg.APIKeys)
 	if cfg.KVEvents.Publishes() {
@@ -250,6 +272,12 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 		if s.kvpub, err = kvevents.NewPublisher(kc); err != nil {
 			return nil, fmt.Errorf("sim: %w", err)
 		}
+	}
+	if err := s.startBootstrap(); err != nil {
+		if s.kvpub != nil {
+			_ = s.kvpub.Close()
+		}
+		return nil, err
 	}
 	return s, nil
 }
@@ -298,6 +326,9 @@ func (s *Server) Start() {
 		}
 		s.started.Store(true)
 		go s.drive()
+		if s.bootSrv != nil {
+			go func() { _ = s.bootSrv.Serve(s.bootLn) }() // http.ErrServerClosed after Close
+		}
 	})
 }
 
@@ -313,6 +344,10 @@ func (s *Server) Close() {
 			close(s.done)
 		}
 		<-s.done
+		if s.bootSrv != nil {
+			_ = s.bootSrv.Close() // closes the listener, served or not
+		}
+		s.pdClient.CloseIdleConnections()
 		if s.kvpub != nil {
 			_ = s.kvpub.Close()
 		}
@@ -330,6 +365,9 @@ type event struct {
 	finished bool
 	usage    openai.Usage
 	err      *openai.Error
+	// held is set on a prefill leg's last event: the blocks it holds for
+	// a decode engine (its kv_transfer_params.remote_block_ids).
+	held []int32
 }
 
 // call is one request between its handler and the driver. The driver appends
@@ -348,6 +386,15 @@ type call struct {
 	// Owned by the driver: simulated times of Add, of the first token and of
 	// the latest token.
 	arrival, first, last time.Duration
+
+	// P/D: a prefill leg's registry keys besides its id, and the blocks it
+	// holds once finished (driver-owned); a decode leg's prefill, and
+	// readDone, set by the driver when its read ended (before the event
+	// of its first token).
+	pdKeys   []string
+	held     []int32
+	pdSrc    *pdSource
+	readDone atomic.Bool
 }
 
 func (c *call) push(ev event) {
@@ -415,7 +462,20 @@ func (s *Server) drive() {
 	for {
 		if !e.HasWork() {
 			publish()
+			// Held blocks expire on an idle engine too: wake at the
+			// earliest abort timeout.
+			var expiry <-chan time.Time
+			expireAt, holding := e.NextHeldExpiry()
+			if holding {
+				timer.Reset(max(0, time.Until(start.Add(time.Duration(float64(expireAt)/s.cfg.TimeScale)))))
+				expiry = timer.C
+			}
 			select {
+			case <-expiry:
+				vnow = max(vnow, wallVirtual(), expireAt)
+				if e.ExpireHeld(vnow) > 0 {
+					s.pdReg.sweep(e.Holds)
+				}
 			case c := <-s.submit:
 				vnow = max(vnow, wallVirtual())
 				add(c, vnow)
@@ -497,6 +557,7 @@ func (s *Server) drive() {
 		// sees the engine state that produced it.
 		publish()
 		s.kvEnqueue(kvBatch)
+		s.pdStep(e, calls, &res, end)
 		s.deliver(calls, res.Outputs, end)
 	drain:
 		for {
@@ -542,6 +603,9 @@ func (s *Server) deliver(calls map[string]*call, outs []sim.Output, at time.Dura
 		}
 		c.last = at
 		ev := event{text: s.words[o.Token], first: o.FirstToken, finished: o.Finished, usage: usage(o)}
+		if o.Finished && c.held != nil {
+			ev.held = c.held
+		}
 		if o.Finished {
 			s.metrics.finished(c.arrival, o.Scheduled, c.first, at, o.PromptTokens, o.OutputTokens, c.maxTokensParam)
 			delete(calls, o.ID)
@@ -573,11 +637,17 @@ type genRequest struct {
 	cacheSalt      string
 	// resp is set for a Responses API request (responses.go).
 	resp *responsesCall
+	// pd holds the request's P/D fields (nil: none; pd.go); a prefill
+	// leg names pdHost:pdPort as its side channel.
+	pd     *pdRequest
+	pdHost string
+	pdPort int
 }
 
 func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 	var req openai.ChatRequest
-	if e := s.decode(w, r, &req); e != nil {
+	pd, e := s.decodeGen(w, r, &req)
+	if e != nil {
 		openai.WriteError(w, e)
 		return
 	}
@@ -595,6 +665,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		stream:         req.Stream,
 		streamOptions:  req.StreamOptions,
 		cacheSalt:      req.CacheSalt,
+		pd:             pd,
 	}
 	if e := s.check(&g, req.N); e != nil {
 		openai.WriteError(w, e)
@@ -605,7 +676,8 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 	var req openai.CompletionRequest
-	if e := s.decode(w, r, &req); e != nil {
+	pd, e := s.decodeGen(w, r, &req)
+	if e != nil {
 		openai.WriteError(w, e)
 		return
 	}
@@ -625,6 +697,7 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		stream:         req.Stream,
 		streamOptions:  req.StreamOptions,
 		cacheSalt:      req.CacheSalt,
+		pd:             pd,
 	}
 	if len(req.Prompt.Texts) == 1 {
 		g.tokens = s.encode(req.Prompt.Texts[0])
@@ -656,16 +729,35 @@ func (s *Server) decode(w http.ResponseWriter, r *http.Request, v interface{ Val
 
 // decodeBody reads a JSON body of at most MaxRequestBytes into v.
 func (s *Server) decodeBody(w http.ResponseWriter, r *http.Request, v any) *openai.Error {
+	_, e := s.decodeRaw(w, r, v)
+	return e
+}
+
+// decodeRaw is decodeBody, returning the body too.
+func (s *Server) decodeRaw(w http.ResponseWriter, r *http.Request, v any) ([]byte, *openai.Error) {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, MaxRequestBytes))
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
-			return openai.NewError(http.StatusRequestEntityTooLarge,
+			return nil, openai.NewError(http.StatusRequestEntityTooLarge,
 				fmt.Sprintf("request body exceeds %d bytes", tooBig.Limit), "", openai.CodeRequestTooLarge)
 		}
-		return openai.NewError(http.StatusBadRequest, "reading request body: "+err.Error(), "", "")
+		return nil, openai.NewError(http.StatusBadRequest, "reading request body: "+err.Error(), "", "")
 	}
-	return openai.Decode(body, v)
+	return body, openai.Decode(body, v)
+}
+
+// decodeGen decodes and validates a generation request, and reads its P/D
+// fields (kv_transfer_params, SGLang's bootstrap_*; pd.go).
+func (s *Server) decodeGen(w http.ResponseWriter, r *http.Request, v interface{ Validate() *openai.Error }) (*pdRequest, *openai.Error) {
+	body, e := s.decodeRaw(w, r, v)
+	if e != nil {
+		return nil, e
+	}
+	if e := v.Validate(); e != nil {
+		return nil, e
+	}
+	return parsePD(body, s.pd.Role)
 }
 
 // maxBytesPerToken bounds how much prompt text is tokenized per token of
@@ -705,6 +797,9 @@ func (s *Server) check(g *genRequest, n *int) *openai.Error {
 	if n != nil && *n != 1 {
 		return openai.Errorf("n", "the simulator generates one choice per request (n must be 1)")
 	}
+	if g.pd != nil && g.pd.oneToken {
+		g.maxTokens = 1 // SGLang's prefill server does not decode
+	}
 	if err := s.eng.CheckRequest(len(g.tokens), g.maxTokens); err != nil {
 		msg := err.Error()
 		switch {
@@ -740,6 +835,19 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, g *genRequest) {
 		notify:         make(chan struct{}, 1),
 	}
 	ctx := r.Context()
+	auth := r.Header.Get("Authorization")
+	if g.pd != nil && !s.pdPrepare(ctx, r, g, c, auth) {
+		return // the client went away while D waited for P
+	}
+	released := false
+	// release tells P that D read its blocks, once, when the read ended.
+	release := func() {
+		if c.pdSrc != nil && !released && c.readDone.Load() {
+			released = true
+			s.pdRelease(context.WithoutCancel(ctx), c.pdSrc, auth)
+		}
+	}
+	defer release()
 	select {
 	case s.submit <- c:
 	case <-ctx.Done():
@@ -778,6 +886,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, g *genRequest) {
 			return
 		}
 		buf = c.take(buf)
+		release()
 		if out.events(buf) {
 			return
 		}
@@ -826,7 +935,7 @@ func (f *fullResponder) events(evs []event) bool {
 				Usage:   &u,
 			}
 		}
-		writeJSON(f.w, http.StatusOK, body)
+		writeJSON(f.w, http.StatusOK, f.s.withKVParams(body, f.g, ev.held))
 		return true
 	}
 	return false
@@ -841,6 +950,7 @@ func (f *fullResponder) fail(e *openai.Error) { openai.WriteError(f.w, e) }
 type streamResponder struct {
 	w       http.ResponseWriter
 	flusher http.Flusher
+	s       *Server
 	g       *genRequest
 	created int64
 	buf     []byte
@@ -853,7 +963,7 @@ func newStreamResponder(w http.ResponseWriter, s *Server, g *genRequest) *stream
 	h.Set("Connection", "keep-alive")
 	w.WriteHeader(http.StatusOK)
 	f, _ := w.(http.Flusher)
-	sr := &streamResponder{w: w, flusher: f, g: g, created: time.Now().Unix()}
+	sr := &streamResponder{w: w, flusher: f, s: s, g: g, created: time.Now().Unix()}
 	sr.flush()
 	return sr
 }
@@ -901,11 +1011,11 @@ func (sr *streamResponder) events(evs []event) bool {
 				sr.send(openai.ChatChunk{ID: g.id, Object: openai.ObjectChatCompletionChunk, Created: sr.created, Model: g.model,
 					Choices: []openai.ChatChunkChoice{{Delta: openai.Delta{Role: "assistant", Content: &empty}}}})
 			}
-			sr.send(openai.ChatChunk{ID: g.id, Object: openai.ObjectChatCompletionChunk, Created: sr.created, Model: g.model,
-				Choices: []openai.ChatChunkChoice{{Delta: openai.Delta{Content: &text}, FinishReason: reason}}, Usage: u})
+			sr.send(sr.s.withKVParams(openai.ChatChunk{ID: g.id, Object: openai.ObjectChatCompletionChunk, Created: sr.created, Model: g.model,
+				Choices: []openai.ChatChunkChoice{{Delta: openai.Delta{Content: &text}, FinishReason: reason}}, Usage: u}, g, ev.held))
 		} else {
-			sr.send(openai.Completion{ID: g.id, Object: openai.ObjectTextCompletion, Created: sr.created, Model: g.model,
-				Choices: []openai.CompletionChoice{{Text: text, FinishReason: reason}}, Usage: u})
+			sr.send(sr.s.withKVParams(openai.Completion{ID: g.id, Object: openai.ObjectTextCompletion, Created: sr.created, Model: g.model,
+				Choices: []openai.CompletionChoice{{Text: text, FinishReason: reason}}, Usage: u}, g, ev.held))
 		}
 		if ev.finished {
 			if g.streamOptions != nil && g.streamOptions.IncludeUsage {

@@ -2,8 +2,11 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"os"
+	"strconv"
+	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
@@ -20,6 +23,14 @@ type simFlags struct {
 	tiers  tierFlags
 	// store: an infergate kvstore as the remote tier (kvstore.EngineTier).
 	storeURL, storeEvents, storeReplay string
+	// P/D (simserver PDConfig; SGLang's server args for the mode and port).
+	pdMode         string
+	bootstrapPort  int
+	bootstrapMain  bool
+	pdEngineID     string
+	pdAdvertise    string
+	pdWait         time.Duration
+	pdAbortTimeout time.Duration
 }
 
 func newSimCmd() *cobra.Command {
@@ -52,6 +63,13 @@ func (fl *simFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.storeURL, "kv-store-url", "", "an infergate kvstore's native API (http://host:port) as the engine's shared remote KV tier, written through and loaded from (with --kv-store-events; instead of --kv-remote)")
 	f.StringVar(&fl.storeEvents, "kv-store-events", "", "the kvstore's KV-event PUB endpoint (tcp://host:port), whose events tell the engine what the store holds")
 	f.StringVar(&fl.storeReplay, "kv-store-events-replay", "", "the kvstore's KV-event replay (ROUTER) endpoint, if any")
+	f.StringVar(&fl.pdMode, "disaggregation-mode", "null", "P/D role, as SGLang's flag: prefill (SGLang bootstrap bodies are prefill legs: one token, KV held by room), decode (they are decode legs: wait for the room, read it), or null; vLLM's kv_transfer_params work in any mode")
+	f.IntVar(&fl.bootstrapPort, "disaggregation-bootstrap-port", simserver.DefaultBootstrapPort, "port of the bootstrap listener (GET /query and the P/D side channel) on --listen's host; it runs in prefill mode or when this flag is given; 0 takes a free port")
+	f.BoolVar(&fl.bootstrapMain, "pd-bootstrap-on-main", false, "also serve the bootstrap GET /query on --listen")
+	f.StringVar(&fl.pdEngineID, "pd-engine-id", "", "engine id in kv_transfer_params and /query (default a random UUID)")
+	f.StringVar(&fl.pdAdvertise, "pd-advertise-addr", "", "host:port a prefill response names as remote_host/remote_port (default the address the request came in on)")
+	f.DurationVar(&fl.pdWait, "pd-wait", 0, "how long a concurrent decode leg (Mooncake, SGLang) waits for its prefill before recomputing (default 30s)")
+	f.DurationVar(&fl.pdAbortTimeout, "pd-abort-timeout", 0, "how long a finished prefill's KV is held for its decode leg (default $VLLM_NIXL_ABORT_REQUEST_TIMEOUT seconds, else 480s)")
 	fl.ef.register(f, true, `vLLM's --kv-events-config JSON, all of its fields, e.g. '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}' (plus "encoding": "array"|"map")`)
 }
 
@@ -70,6 +88,9 @@ func (fl *simFlags) run(cmd *cobra.Command) error {
 	}
 	scfg.Engine = fl.tiers.engine(scfg.Engine)
 	scfg.KVRemote = fl.tiers.remote
+	if err := fl.pdConfig(cmd.Flags(), &scfg); err != nil {
+		return err
+	}
 	if (fl.storeURL == "") != (fl.storeEvents == "") {
 		return errors.New("--kv-store-url and --kv-store-events go together")
 	}
@@ -115,5 +136,45 @@ func (fl *simFlags) run(cmd *cobra.Command) error {
 			}
 			log.Info("publishing KV events", args...)
 		}
+		if b := srv.BootstrapAddr(); b != "" || srv.Role() != simserver.RoleBoth {
+			log.Info("P/D", "role", srv.Role(), "engine_id", srv.EngineID(), "bootstrap", b)
+		}
 	})
+}
+
+// pdConfig sets scfg's P/D configuration from the flags.
+func (fl *simFlags) pdConfig(f *pflag.FlagSet, scfg *simserver.ServerConfig) error {
+	role, err := simserver.ParseRole(fl.pdMode)
+	if err != nil || fl.pdMode == "" || fl.pdMode == "both" {
+		return fmt.Errorf("--disaggregation-mode %q: must be prefill, decode or null", fl.pdMode)
+	}
+	pd := simserver.PDConfig{Role: role, BootstrapOnMain: fl.bootstrapMain, EngineID: fl.pdEngineID,
+		AdvertiseAddr: fl.pdAdvertise, Wait: fl.pdWait}
+	if role == simserver.RolePrefill || f.Changed("disaggregation-bootstrap-port") {
+		if fl.bootstrapPort < 0 || fl.bootstrapPort > 65535 {
+			return fmt.Errorf("--disaggregation-bootstrap-port %d: must be in [0, 65535]", fl.bootstrapPort)
+		}
+		host, _, err := net.SplitHostPort(fl.listen)
+		if err != nil {
+			return fmt.Errorf("--listen %q: %w", fl.listen, err)
+		}
+		pd.BootstrapAddr = net.JoinHostPort(host, strconv.Itoa(fl.bootstrapPort))
+	}
+	scfg.PD = pd
+	abort := fl.pdAbortTimeout
+	if abort == 0 {
+		// vLLM's variable, in seconds (vllm/envs.py).
+		if v := os.Getenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT"); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil || n <= 0 {
+				return fmt.Errorf("VLLM_NIXL_ABORT_REQUEST_TIMEOUT=%q: must be a positive number of seconds", v)
+			}
+			abort = time.Duration(n) * time.Second
+		}
+	}
+	if abort < 0 {
+		return fmt.Errorf("--pd-abort-timeout %v: must not be negative", abort)
+	}
+	scfg.Engine.PD.AbortTimeout = abort
+	return nil
 }
