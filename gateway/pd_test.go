@@ -487,3 +487,17 @@ func TestPDConfigErrors(t *testing.T) {
 		}
 	}
 }
+
+// TestPDExampleConfig: deploy/pd's example loads and validates.
+func TestPDExampleConfig(t *testing.T) {
+	cfg, err := LoadConfig("../deploy/pd/infergate-pd.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cfg.WithDefaults().Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Endpoints[0].Role != "prefill" || cfg.PD.Connector != "nixl" || cfg.Routing.PD.Threshold != 2048 {
+		t.Fatalf("%+v", cfg.PD)
+	}
+}
