@@ -565,7 +565,7 @@ func (g *Gateway) decodeDone(x *exchange, p *pool, f *failure) {
 	x.pd.leg = nil
 }
 
-// endSplit ends a P/D request: a concurrent leg still running is canceled,
+// endSplit ends a P/D request's routing to p: a concurrent leg still running is canceled,
 // and blocks P still holds for a D that did not answer (failed, refused,
 // abandoned by the client) are released (pd.release) or counted stranded.
 // The body sent is given back to what it was.
@@ -573,6 +573,7 @@ func (g *Gateway) endSplit(x *exchange, p *pool) {
 	if !x.pd.on {
 		return
 	}
+	defer x.pd.reset() // an alias's next target starts afresh
 	if x.pd.leg != nil {
 		g.decodeDone(x, p, &failure{})
 	}

@@ -39,7 +39,7 @@ type pdEngine struct {
 	fail     atomic.Int32  // the next n inference requests answer 503
 	shared   *atomic.Int32 // instead of fail, shared with other engines
 	unhealth atomic.Bool   // /health answers 503
-	hang     bool          // streams stop after their first chunk until the client goes
+	hang     atomic.Bool   // streams stop after their first chunk until the client goes
 	mu       sync.Mutex
 	legs     []pdLeg
 	releases []pdLeg
@@ -124,7 +124,7 @@ func (e *pdEngine) serve(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "text/event-stream")
 	fmt.Fprintf(w, "data: {\"id\":\"cmpl-d\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"hello from %s\",\"finish_reason\":null}],\"usage\":null}\n\n", e.name)
 	w.(http.Flusher).Flush()
-	if e.hang {
+	if e.hang.Load() {
 		<-r.Context().Done()
 		return
 	}
@@ -322,7 +322,7 @@ func cancelMidStream(t *testing.T, gw string) {
 
 func TestPDClientCancelReleases(t *testing.T) {
 	p, d := newPDEngine(t, "p"), newPDEngine(t, "d")
-	d.hang = true
+	d.hang.Store(true)
 	_, gw := startGateway(t, pdConfig("nixl", []*pdEngine{p}, []*pdEngine{d}))
 	cancelMidStream(t, gw)
 	select {
@@ -343,7 +343,7 @@ func TestPDClientCancelReleases(t *testing.T) {
 
 func TestPDStrandedWithoutRelease(t *testing.T) {
 	p, d := newPDEngine(t, "p"), newPDEngine(t, "d")
-	d.hang = true
+	d.hang.Store(true)
 	cfg := pdConfig("nixl", []*pdEngine{p}, []*pdEngine{d})
 	cfg.PD.Release = false
 	_, gw := startGateway(t, cfg)
@@ -500,4 +500,45 @@ func TestPDExampleConfig(t *testing.T) {
 	if cfg.Endpoints[0].Role != "prefill" || cfg.PD.Connector != "nixl" || cfg.Routing.PD.Threshold != 2048 {
 		t.Fatalf("%+v", cfg.PD)
 	}
+}
+
+// TestPDNoGoroutineLeak: the concurrent connectors' prefill legs end with
+// their requests: answered, D failed and retried, client gone.
+func TestPDNoGoroutineLeak(t *testing.T) {
+	before := settledGoroutines()
+	for _, conn := range []string{"mooncake", "sglang", "nixl"} {
+		func() {
+			p, d1, d2 := newPDEngine(t, "p"), newPDEngine(t, "d"), newPDEngine(t, "d")
+			defer func() {
+				for _, e := range []*pdEngine{p, d1, d2} {
+					e.Close()
+					e.boot.Close()
+				}
+			}()
+			var first atomic.Int32
+			first.Store(1)
+			d1.shared, d2.shared = &first, &first
+			g, err := New(context.Background(), pdConfig(conn, []*pdEngine{p}, []*pdEngine{d1, d2}), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer g.Close()
+			srv := newServerNoCleanup(g.Handler())
+			defer srv.Close()
+			tr := &http.Transport{}
+			defer tr.CloseIdleConnections()
+			c := &http.Client{Transport: tr}
+			if resp, body := post(t, c, srv.URL+"/v1/completions", longPrompt(`,"stream":true`)); resp.StatusCode != 200 {
+				t.Fatalf("%s: %d %s", conn, resp.StatusCode, body)
+			}
+			post(t, c, srv.URL+"/v1/completions", longPrompt(""))
+			d1.hang.Store(true)
+			d2.hang.Store(true)
+			cancelMidStream(t, srv.URL)
+			waitFor(t, "the canceled request's end", func() bool {
+				return scrape(t, c, srv.URL).value("infergate_requests_total", `code="499"`) == 1
+			})
+		}()
+	}
+	requireGoroutinesBack(t, before)
 }
