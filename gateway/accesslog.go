@@ -76,6 +76,13 @@ type obsWriter struct {
 	cached   int
 	output   int
 
+	// pd and pdReason are a P/D request's decision (split, whole,
+	// fallback) and why; prefill the prefill endpoint of its split and
+	// prefillTime its leg's duration (pd.go).
+	pd, pdReason string
+	prefill      string
+	prefillTime  time.Duration
+
 	trace requestTrace // tracing.go; zero when tracing is off
 	line  []byte       // the encoded access line (reused)
 }
@@ -133,6 +140,20 @@ func (w *obsWriter) used(u *openai.Usage) {
 	if w != nil && u != nil {
 		w.usage = true
 		w.prompt, w.cached, w.output = u.PromptTokens, u.Cached(), u.CompletionTokens
+	}
+}
+
+// pdDecided records a P/D request's decision and its reason.
+func (w *obsWriter) pdDecided(outcome, reason string) {
+	if w != nil {
+		w.pd, w.pdReason = outcome, reason
+	}
+}
+
+// prefilled records the prefill leg of a split request.
+func (w *obsWriter) prefilled(endpoint string, d time.Duration) {
+	if w != nil {
+		w.prefill, w.prefillTime = endpoint, d
 	}
 }
 
@@ -336,6 +357,18 @@ func (w *obsWriter) appendLine(dst []byte, r *http.Request, code int, end time.T
 	}
 	if w.attempts > 0 {
 		e.int("attempts", int64(w.attempts))
+	}
+	if w.pd != "" {
+		e.str("pd", w.pd)
+		if w.pdReason != "" {
+			e.str("pd_reason", w.pdReason)
+		}
+		if w.prefill != "" {
+			e.str("prefill_endpoint", w.prefill)
+		}
+		if w.prefillTime > 0 {
+			e.seconds("prefill_seconds", w.prefillTime)
+		}
 	}
 	if w.usage {
 		e.int("prompt_tokens", int64(w.prompt))

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/infergate/infergate/disagg"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/upstream"
@@ -76,6 +77,9 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	x.upHeader = upstreamHeader(x.upHeader, r.Header, x.requestIDValue(reqID), r.RemoteAddr)
 	spec := ep.spec.Load()
 	spec.addHeader(x.upHeader) // the endpoint's credentials and headers (credentials.go)
+	if x.pd.prefiller != "" {
+		x.upHeader[http.CanonicalHeaderKey(disagg.PrefillerHeader)] = []string{x.pd.prefiller} // llm-d's sidecar runs the flow
+	}
 	req.Header = x.upHeader
 	x.obs.inject(req.Header) // this attempt's traceparent (tracing.go)
 
@@ -118,6 +122,10 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 			"The model server could not be reached.", "", openai.CodeUpstream)}
 	}
 	defer resp.Body.Close()
+	if !x.pd.readyAt.IsZero() { // D's first byte after P's answer
+		g.pdm.handoff.WithLabelValues(p.model).Observe(time.Since(x.pd.readyAt).Seconds())
+		x.pd.readyAt = time.Time{}
+	}
 
 	if resp.StatusCode >= 500 {
 		g.outlierFailure(ep, reason5xx, time.Now())
@@ -153,6 +161,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 			panic(http.ErrAbortHandler)
 		}
 	}
+	x.pd.dCode = code
 	if x.pass.respID != "" && f == nil && code/100 == 2 {
 		g.affinity.learn(x.pass.respID, p.model, ep, x.pass.key) // the engine stored it (responses.go)
 	}

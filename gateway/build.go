@@ -336,6 +336,7 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 		p.tiers = p.buildTiers(specOf)
 	}
 	p.pcap, p.mcap = pcap, mcap
+	p.buildRoles(cfg)
 	if err := p.buildPolicy(old, cfg.Routing, routingChanged, reslot, pl); err != nil {
 		return nil, err
 	}
@@ -350,7 +351,7 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 			}
 		}
 	}
-	if p.policy.NeedsHashes() || p.precise != nil {
+	if p.policy.NeedsHashes() || p.precise != nil || p.pd != nil {
 		tok, err := prefix.NewTokenizer()
 		if err != nil {
 			return nil, fmt.Errorf("gateway: %w", err)
@@ -596,7 +597,8 @@ func sameTiers(a, b *sched.Tiers) bool {
 func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool, reslot func(int) bool, pl *plan) error {
 	n := len(p.endpoints)
 	keep := old != nil && !routingChanged && n <= old.policySlots &&
-		(p.precise == old.precise || !sched.UsesPrecise(routing)) && sameTiers(p.tiers, old.tiers)
+		(p.precise == old.precise || !sched.UsesPrecise(routing)) && sameTiers(p.tiers, old.tiers) &&
+		(p.roles != nil) == (old.pd != nil)
 	if !keep {
 		p.policySlots = max(n, prefix.MaxEndpoints)
 		capacity := make([]int, p.policySlots)
@@ -609,20 +611,39 @@ func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool,
 			sp.Precise = p.precise.On(prefix.MediumGPU)
 		}
 		sp.Tiers = p.tiers
+		if p.roles != nil { // a P/D pool: the decode profile is its policy
+			pd, err := sched.NewPD(routing, sp)
+			if err != nil {
+				return fmt.Errorf("routing P/D for model %q: %w", p.model, err)
+			}
+			p.pd, p.policy = pd, pd.Decode()
+			return nil
+		}
 		var err error
 		if p.policy, err = sched.NewPolicy(routing, sp); err != nil {
 			return fmt.Errorf("routing policy for model %q: %w", p.model, err)
 		}
 		return nil
 	}
-	p.policy, p.policySlots = old.policy, old.policySlots
-	_, forgets := p.policy.(sched.Forgetter)
-	_, resizes := p.policy.(sched.Resizer)
+	p.policy, p.policySlots, p.pd = old.policy, old.policySlots, old.pd
+	p.slotOps(p.policy, old, reslot, pl)
+	if p.pd != nil {
+		p.slotOps(p.pd.Prefill(), old, reslot, pl)
+	}
+	return nil
+}
+
+// slotOps records in pl what kept policy of p must forget or resize of the
+// slots that changed since old.
+func (p *pool) slotOps(policy sched.Policy, old *pool, reslot func(int) bool, pl *plan) {
+	n := len(p.endpoints)
+	_, forgets := policy.(sched.Forgetter)
+	_, resizes := policy.(sched.Resizer)
 	for i := range max(n, len(old.endpoints)) {
 		switch {
 		case i >= n || p.endpoints[i] == vacant:
 			if reslot(i) && forgets {
-				pl.slots = append(pl.slots, slotOp{policy: p.policy, slot: i, forget: true, cap: -1})
+				pl.slots = append(pl.slots, slotOp{policy: policy, slot: i, forget: true, cap: -1})
 			}
 		case reslot(i) || i >= len(old.capacity) || p.capacity[i] != old.capacity[i]:
 			if forgets || resizes {
@@ -630,11 +651,10 @@ func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool,
 				if resizes {
 					c = p.capacity[i]
 				}
-				pl.slots = append(pl.slots, slotOp{policy: p.policy, slot: i, forget: reslot(i) && forgets, cap: c})
+				pl.slots = append(pl.slots, slotOp{policy: policy, slot: i, forget: reslot(i) && forgets, cap: c})
 			}
 		}
 	}
-	return nil
 }
 
 // buildKVFeeds gives every endpoint that feeds a precise index its KV-event

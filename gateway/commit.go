@@ -109,6 +109,10 @@ func (g *Gateway) setHooks(st *state) {
 	for _, model := range slices.Sorted(maps.Keys(st.pools)) {
 		p := st.pools[model]
 		f, forgets := p.policy.(sched.Forgetter)
+		var pf sched.Forgetter
+		if p.pd != nil {
+			pf, _ = p.pd.Prefill().(sched.Forgetter)
+		}
 		for i, ep := range p.endpoints {
 			if ep == vacant {
 				continue
@@ -116,6 +120,9 @@ func (g *Gateway) setHooks(st *state) {
 			gates[ep] = append(gates[ep], p.gate)
 			if forgets {
 				hooks[ep] = append(hooks[ep], func() { f.Forget(i) })
+			}
+			if pf != nil {
+				hooks[ep] = append(hooks[ep], func() { pf.Forget(i) })
 			}
 		}
 	}

@@ -100,6 +100,10 @@ type Config struct {
 	// Responses configures the Responses API's session affinity
 	// (responses.go).
 	Responses ResponsesConfig `yaml:"responses"`
+	// PD configures the hand-off of requests split between a prefill and a
+	// decode endpoint, in pools whose endpoints have roles (pd.go; the
+	// split decision is routing.pd's).
+	PD PDConfig `yaml:"pd"`
 	// MaxBodyBytes bounds a request body (bytes, default 16 MiB); larger
 	// bodies get 413 request_too_large.
 	MaxBodyBytes int64 `yaml:"max_body_bytes"`
@@ -250,6 +254,17 @@ type EndpointConfig struct {
 	// gateway's own headers are refused (credentials.go,
 	// refusedEndpointHeader). Values are never shown (Secret).
 	Headers map[string]Secret `yaml:"headers"`
+
+	// Role is the endpoint's part in a P/D pool: prefill, decode or both
+	// (the default). A model whose endpoints have roles is routed by
+	// routing.pd's decisions and split across a prefill and a decode
+	// endpoint by pd.connector (pd.go).
+	Role string `yaml:"role"`
+	// BootstrapPort is a prefill endpoint's KV bootstrap port (SGLang
+	// --disaggregation-bootstrap-port, vLLM VLLM_MOONCAKE_BOOTSTRAP_PORT;
+	// 0: disagg.DefaultBootstrapPort, 8998), for the sglang and mooncake
+	// connectors.
+	BootstrapPort int `yaml:"bootstrap_port"`
 }
 
 // KVEventsConfig locates an engine's KV-event publisher.
@@ -440,6 +455,7 @@ func (c Config) WithDefaults() Config {
 	c.CircuitBreaker, c.Admission = c.CircuitBreaker.withDefaults(), c.Admission.withDefaults()
 	c.EdgeConfig = c.EdgeConfig.withDefaults()
 	c.Responses = c.Responses.withDefaults()
+	c.PD = c.PD.withDefaults(c.FirstEventTimeout)
 	c.ObservabilityConfig = c.ObservabilityConfig.withDefaults()
 	eps := make([]EndpointConfig, len(c.Endpoints))
 	for i, e := range c.Endpoints {
@@ -504,6 +520,7 @@ func (c Config) Validate() error {
 	errs = append(errs, c.Responses.validate()...)
 	errs = append(errs, c.validateEndpoints()...)
 	errs = append(errs, c.validateKVStores()...)
+	errs = append(errs, c.validatePD()...)
 	if len(errs) > 0 {
 		return fmt.Errorf("invalid gateway config: %w", errors.Join(errs...))
 	}

@@ -75,6 +75,7 @@ type Gateway struct {
 	metrics *metrics
 	unknown *routeMetrics // model "unknown", no endpoint
 	res     *resilienceMetrics
+	pdm     *pdMetrics  // P/D (pd.go)
 	hold    *holdBudget // bytes of non-streaming answers held (hold.go)
 
 	edge // TLS, trusted proxies, edge metrics (edge.go)
@@ -161,6 +162,9 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	g.metrics = m
 	g.unknown = m.route(unknownModel, "", cfg.Routing.Policy)
 	if err := g.setupResilience(reg); err != nil {
+		return fail(err)
+	}
+	if g.pdm, err = newPDMetrics(reg); err != nil {
 		return fail(err)
 	}
 	if g.engineAuthFailures, err = newAuthFailures(reg); err != nil {

@@ -146,6 +146,9 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 		Usage *openai.Usage `json:"usage"`
 	}
 	if !sent {
+		if x.pd.cached >= 0 && resp.StatusCode/100 == 2 {
+			x.capture = x.pdRewrite(x.capture, nil)
+		}
 		if !send(x.capture) {
 			g.count(w, rm, codeClientClosed)
 			return nil, codeClientClosed
@@ -288,7 +291,10 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 			chunks = chunks || c.Choices > 0
 			if c.Usage != nil {
-				usage = c.Usage // freshly allocated: safe to keep
+				usage = c.Usage       // freshly allocated: safe to keep
+				if x.pd.cached >= 0 { // P's hits, not the prompt D received (pd.go)
+					data = x.pdRewrite(data, usage)
+				}
 			}
 			streamErr = streamErr || c.IsError
 			if strip && c.Choices == 0 && c.Usage != nil && !c.IsError {

@@ -102,13 +102,17 @@ type exchange struct {
 	// pass is the state of the other APIs, aliases and response affinity
 	// (passthrough.go).
 	pass passState
+	// pd is a P/D request's hand-off (pd.go).
+	pd pdState
 }
 
 func (g *Gateway) getExchange() *exchange {
 	if x, _ := g.exchanges.Get().(*exchange); x != nil {
 		return x
 	}
-	return &exchange{copyBuf: make([]byte, 32<<10)}
+	x := &exchange{copyBuf: make([]byte, 32<<10)}
+	x.pd.reset()
+	return x
 }
 
 // requestIDValue returns id as a one-element header value held by x.
@@ -159,6 +163,7 @@ func (g *Gateway) putExchange(x *exchange) {
 		x.er = nil // grown by a huge event (a Responses stream's final event echoes the request)
 	}
 	x.pass.reset()
+	x.pd.reset()
 	g.exchanges.Put(x)
 }
 

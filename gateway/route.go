@@ -24,7 +24,7 @@ func (g *Gateway) prepareTarget(w http.ResponseWriter, x *exchange, kind apiKind
 			return e
 		}
 	}
-	if (p.policy.NeedsHashes() || p.precise != nil) && x.routable(kind) {
+	if (p.policy.NeedsHashes() || p.precise != nil || p.pd != nil) && x.routable(kind) {
 		want := uint8(1)
 		if p.precise != nil {
 			want = 2
@@ -74,6 +74,10 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 			budget.done()
 		}
 	}()
+	split := x.pdRoutable(kind, p)
+	if split {
+		defer g.endSplit(x, p)
+	}
 	for attempt := 1; ; attempt++ {
 		if n := p.latest(); n != p {
 			// Slots keep their endpoint across reloads: what failed
@@ -81,7 +85,20 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 			p, excluded = n, x.resizeExcluded(len(n.endpoints))
 			x.pinned(p, excluded)
 		}
-		i, d := g.pickExcluding(p, &x.sreq, excluded)
+		var (
+			i int
+			d sched.Decision
+		)
+		switch {
+		case split && p.pd == nil: // a reload made it a plain pool
+			i, d = g.pickExcluding(p, &x.sreq, excluded)
+		case split && attempt == 1:
+			i, d = g.pickSplit(r, x, kind, p, excluded, reqID)
+		case split:
+			i, d = g.pickDecodeRetry(r, x, kind, p, excluded, reqID)
+		default:
+			i, d = g.pickExcluding(p, &x.sreq, excluded)
+		}
 		if attempt == 1 {
 			gate.picked()
 		}
@@ -105,6 +122,9 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 			w.Header()[AttemptsHeader] = []string{strconv.Itoa(x.pass.tries)}
 		}
 		f := g.attempt(w, r, x, kind, p, i, d, reqID, start)
+		if split {
+			g.decodeDone(x, p, f)
+		}
 		x.obs.attemptFailed(f)
 		if f == nil {
 			return false
@@ -228,8 +248,11 @@ func (b *retryBudget) done() { b.inFlight.Add(-1) }
 // holds vacant until a new endpoint takes it, so the per-slot state of the
 // policy and the precise index stays the same endpoint's.
 type pool struct {
-	model     string
-	policy    sched.Policy
+	model  string
+	policy sched.Policy
+	// pdPool is a P/D pool's decisions, roles and bootstrap ports (pd.go;
+	// pd nil: not a P/D pool). policy is then pd's decode profile.
+	pdPool
 	endpoints []*endpoint
 	routes    []*routeMetrics // per endpoint
 	scrapes   []*scrapeFeed   // per endpoint, nil when not scraped
@@ -303,6 +326,9 @@ func (p *pool) snapshot() *[]sched.Endpoint {
 	}
 	for i, ep := range p.endpoints {
 		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load()}
+		if p.roles != nil {
+			s[i].Role = p.roles[i]
+		}
 		ep.ledger.Fill(&s[i])
 		if f := p.scrapes[i]; f != nil {
 			if l, _, ok := f.latest(now); ok && l.HasQueue {

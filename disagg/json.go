@@ -1,0 +1,246 @@
+package disagg
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	"github.com/infergate/infergate/openai"
+)
+
+// Bounds of what the package parses and edits (every parser here is
+// bounded, gateway/README.md "Limits"): a body at most MaxBodyBytes, nested
+// at most openai.MaxDepth levels (what the gateway accepts from clients),
+// and an engine's answer read for its parameters at most MaxResponseBytes.
+const (
+	MaxBodyBytes     = 64 << 20
+	MaxResponseBytes = 1 << 20
+)
+
+// errNotObject is returned for a body that is not one JSON object.
+var errNotObject = errors.New("not a JSON object")
+
+// member is one top-level member of a JSON object: its key (escapes
+// decoded) and the byte spans of its raw key and of its value.
+type member struct {
+	key    string
+	k0, v0 int // start of the raw key (its quote), of the value
+	v1     int // end of the value
+}
+
+// checkObject reports why body cannot be edited: too large, not valid
+// JSON, nested deeper than openai.MaxDepth, or not an object.
+func checkObject(body []byte) error {
+	switch {
+	case len(body) > MaxBodyBytes:
+		return fmt.Errorf("body of %d bytes over the limit of %d", len(body), MaxBodyBytes)
+	case openai.TooDeep(body):
+		return fmt.Errorf("body nested deeper than %d levels", openai.MaxDepth)
+	case !json.Valid(body):
+		return errors.New("body is not valid JSON")
+	}
+	b := bytes.TrimLeft(body, " \t\r\n")
+	if len(b) == 0 || b[0] != '{' {
+		return errNotObject
+	}
+	return nil
+}
+
+// members lists the top-level members of body, which checkObject
+// accepted, in order. The walk is iterative: strings are skipped quote to
+// quote, nested values by counting brackets outside strings.
+func members(body []byte, dst []member) ([]member, error) {
+	i := skipWS(body, 0)
+	if i >= len(body) || body[i] != '{' {
+		return nil, errNotObject
+	}
+	i = skipWS(body, i+1)
+	if i < len(body) && body[i] == '}' {
+		return dst, nil
+	}
+	for i < len(body) {
+		if body[i] != '"' {
+			return nil, errNotObject
+		}
+		k0 := i
+		end, esc := skipString(body, i)
+		if end < 0 {
+			return nil, errNotObject
+		}
+		key := string(body[k0+1 : end-1])
+		if esc {
+			if err := json.Unmarshal(body[k0:end], &key); err != nil {
+				return nil, err
+			}
+		}
+		i = skipWS(body, end)
+		if i >= len(body) || body[i] != ':' {
+			return nil, errNotObject
+		}
+		v0 := skipWS(body, i+1)
+		v1 := skipValue(body, v0)
+		if v1 < 0 {
+			return nil, errNotObject
+		}
+		dst = append(dst, member{key: key, k0: k0, v0: v0, v1: v1})
+		i = skipWS(body, v1)
+		if i >= len(body) {
+			return nil, errNotObject
+		}
+		if body[i] == '}' {
+			return dst, nil
+		}
+		if body[i] != ',' {
+			return nil, errNotObject
+		}
+		i = skipWS(body, i+1)
+	}
+	return nil, errNotObject
+}
+
+func skipWS(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// skipString returns the index after the string starting at b[i] (a
+// quote) and whether it holds an escape; -1 when it does not end.
+func skipString(b []byte, i int) (int, bool) {
+	esc := false
+	for j := i + 1; j < len(b); j++ {
+		switch b[j] {
+		case '\\':
+			esc = true
+			j++
+		case '"':
+			return j + 1, esc
+		}
+	}
+	return -1, esc
+}
+
+// skipValue returns the index after the value starting at b[i], -1 when
+// it breaks off.
+func skipValue(b []byte, i int) int {
+	if i >= len(b) {
+		return -1
+	}
+	switch b[i] {
+	case '"':
+		end, _ := skipString(b, i)
+		return end
+	case '{', '[':
+		depth := 0
+		for j := i; j < len(b); j++ {
+			switch b[j] {
+			case '"':
+				end, _ := skipString(b, j)
+				if end < 0 {
+					return -1
+				}
+				j = end - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				if depth--; depth == 0 {
+					return j + 1
+				}
+			}
+		}
+		return -1
+	}
+	j := i
+	for j < len(b) && b[j] != ',' && b[j] != '}' && b[j] != ']' && b[j] != ' ' && b[j] != '\t' && b[j] != '\n' && b[j] != '\r' {
+		j++
+	}
+	if j == i {
+		return -1
+	}
+	return j
+}
+
+// field is a top-level member to set: its key and raw JSON value.
+type field struct {
+	key   string
+	value []byte
+}
+
+// edit appends to dst the JSON object body with the members of set given
+// their values (in place, where body has the key: its first occurrence;
+// appended in set's order otherwise), the members named in del removed,
+// and every other member kept byte for byte in its order. Repeated keys
+// that are set or deleted keep none of their later occurrences (Python's
+// json reads the last one: the engine must see the value set). The spaces
+// between members are not kept.
+func edit(dst, body []byte, set []field, del ...string) ([]byte, error) {
+	if err := checkObject(body); err != nil {
+		return nil, err
+	}
+	var scratch [32]member
+	ms, err := members(body, scratch[:0])
+	if err != nil {
+		return nil, err
+	}
+	done := make([]bool, len(set))
+	dst = append(dst, '{')
+	n := 0
+	sep := func() {
+		if n > 0 {
+			dst = append(dst, ',')
+		}
+		n++
+	}
+next:
+	for _, m := range ms {
+		for _, d := range del {
+			if m.key == d {
+				continue next
+			}
+		}
+		for j, f := range set {
+			if m.key != f.key {
+				continue
+			}
+			if !done[j] {
+				done[j] = true
+				sep()
+				dst = append(append(dst, body[m.k0:m.v0]...), f.value...)
+			}
+			continue next
+		}
+		sep()
+		dst = append(dst, body[m.k0:m.v1]...)
+	}
+	for j, f := range set {
+		if done[j] {
+			continue
+		}
+		sep()
+		kb, _ := json.Marshal(f.key)
+		dst = append(append(append(dst, kb...), ':'), f.value...)
+	}
+	return append(dst, '}'), nil
+}
+
+// lookup returns the raw value of body's last top-level member named key
+// (the one Python's json keeps) and whether there is one; body must be an
+// object checkObject accepted.
+func lookup(body []byte, key string) ([]byte, bool) {
+	var scratch [32]member
+	ms, err := members(body, scratch[:0])
+	if err != nil {
+		return nil, false
+	}
+	for i := len(ms) - 1; i >= 0; i-- {
+		if ms[i].key == key {
+			return body[ms[i].v0:ms[i].v1], true
+		}
+	}
+	return nil, false
+}
+
+// isNull reports whether a raw value is JSON null.
+func isNull(v []byte) bool { return bytes.Equal(bytes.TrimSpace(v), []byte("null")) }
