@@ -71,18 +71,82 @@ type Options struct {
 	// Progress, if set, is called once per finished run, from one goroutine
 	// at a time, in completion order.
 	Progress func(Row)
+	// PD are the P/D splits to sweep at every fleet size (nil: aggregated
+	// only, as {Prefill: 0}). A variant whose Prefill is not below a fleet
+	// size is skipped at that size.
+	PD []PDVariant
 	// NoReferences skips the reference hit rates (Summary.PooledHitRate,
 	// InfiniteHitRate): the pooled cache costs about one prefix-policy run
 	// per fleet size.
 	NoReferences bool
 }
 
-// Row is one run of the sweep: one fleet size with one policy.
+// PDVariant is one P/D configuration of a sweep: Prefill of a fleet's
+// engines prefill, the rest decode (virtual.Config.Prefill), decided with
+// Threshold and Local (sched.PDConfig; zero values take its defaults).
+// Prefill 0 is the aggregated fleet.
+type PDVariant struct {
+	Prefill   int    `json:"prefill,omitempty"`
+	Threshold int    `json:"pd_threshold,omitempty"`
+	Local     string `json:"pd_local,omitempty"`
+}
+
+// Label is "" for the aggregated fleet, else e.g. "3P t2048" (with
+// " local=any" when it is set).
+func (v PDVariant) Label() string {
+	if v.Prefill == 0 {
+		return ""
+	}
+	l := fmt.Sprintf("%dP", v.Prefill)
+	if v.Threshold != 0 {
+		l += fmt.Sprintf(" t%d", v.Threshold)
+	}
+	if v.Local != "" {
+		l += " local=" + v.Local
+	}
+	return l
+}
+
+// combo is one run of a sweep.
+type combo struct {
+	engines int
+	policy  string
+	pd      PDVariant
+}
+
+// combos lists the runs of opts: by fleet size, then policy, then P/D
+// variant, in the given orders.
+func combos(opts Options) []combo {
+	pds := opts.PD
+	if len(pds) == 0 {
+		pds = []PDVariant{{}}
+	}
+	var out []combo
+	for _, n := range opts.Engines {
+		for _, p := range opts.Policies {
+			for _, v := range pds {
+				if v.Prefill < n {
+					out = append(out, combo{n, p, v})
+				}
+			}
+		}
+	}
+	return out
+}
+
+// Row is one run of the sweep: one fleet size with one policy (and P/D
+// split).
 type Row struct {
 	// Engines is the fleet size.
 	Engines int `json:"engines"`
 	// Policy is the routing policy.
 	Policy string `json:"policy"`
+	// PD is the P/D split (zero: aggregated).
+	PD PDVariant `json:"pd"`
+	// GoodputPerGPU is the requests meeting the SLO per second per GPU
+	// (Goodput.PerS over Engines × the profile's tensor parallelism):
+	// DistServe's per-GPU goodput (Zhong et al., OSDI'24, §2.2).
+	GoodputPerGPU float64 `json:"goodput_per_gpu"`
 	// Summary aggregates the run (latencies in ms, hit rate, output tok/s,
 	// utilisation); Summary.Goodput is set.
 	Summary measure.Summary `json:"summary"`
@@ -114,10 +178,14 @@ func (r Row) cells(minGoodput float64) []string {
 	case s.PooledHitRate != nil:
 		pooled = fmt.Sprintf("%.1f", *s.PooledHitRate*100)
 	}
-	return []string{strconv.Itoa(r.Engines), r.Policy, strconv.Itoa(s.Errors),
+	xfer := "-"
+	if s.PD != nil && s.PD.Split > 0 {
+		xfer = fmt.Sprintf("%.0f", s.PD.Transfer.P90)
+	}
+	return []string{strconv.Itoa(r.Engines), r.label(), strconv.Itoa(s.Errors),
 		fmt.Sprintf("%.1f", s.HitRate*100), pooled, fmt.Sprintf("%.0f", s.TTFT.P50), fmt.Sprintf("%.0f", s.TTFT.P90),
 		fmt.Sprintf("%.0f", s.TTFT.P99), fmt.Sprintf("%.1f", s.ITL.P50), fmt.Sprintf("%.1f", s.ITL.P99),
-		fmt.Sprintf("%.0f", s.E2E.P90), fmt.Sprintf("%.0f", s.OutputTokPerS), util, good, meets}
+		fmt.Sprintf("%.0f", s.E2E.P90), fmt.Sprintf("%.0f", s.OutputTokPerS), util, good, fmt.Sprintf("%.3f", r.GoodputPerGPU), xfer, meets}
 }
 
 // Failed returns the reasons r misses its SLO, e.g. "ttft_p90=3.1s>2s" or
@@ -142,6 +210,8 @@ type Recommendation struct {
 	// Policy is the best policy at that size: of those meeting the SLO, the
 	// highest goodput share, then the lowest TTFT p90, then the first given.
 	Policy string `json:"policy"`
+	// PD is its P/D split (zero: aggregated).
+	PD PDVariant `json:"pd"`
 	// Row is the index of its run in Result.Rows.
 	Row int `json:"row"`
 }
@@ -215,6 +285,18 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 			return Result{}, fmt.Errorf("plan: policy %s on %d engines: %w", p, largest, err)
 		}
 	}
+	for _, v := range opts.PD {
+		if v.Prefill < 0 {
+			return Result{}, fmt.Errorf("plan: %d prefill engines", v.Prefill)
+		}
+		if err := (sched.PDConfig{Threshold: v.Threshold, Local: v.Local}).Validate(); err != nil {
+			return Result{}, fmt.Errorf("plan: %w", err)
+		}
+	}
+	runs := combos(opts)
+	if len(runs) == 0 {
+		return Result{}, errors.New("plan: every P/D split has as many prefill engines as the fleet or more")
+	}
 	recs := opts.Records
 	if opts.Requests > 0 && opts.Requests < len(recs) {
 		recs = recs[:opts.Requests]
@@ -222,7 +304,7 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 	res := Result{
 		SLO: opts.SLO.String(), MinGoodput: opts.SLO.MinGoodput, Requests: len(recs),
 		Engines: opts.Engines, Policies: opts.Policies,
-		Rows: make([]Row, len(opts.Engines)*len(opts.Policies)),
+		Rows: make([]Row, len(runs)),
 	}
 	workers := opts.Workers
 	if workers <= 0 {
@@ -245,7 +327,7 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 	for range workers {
 		wg.Go(func() {
 			for k := range jobs {
-				row, err := runOne(ctx, opts, recs, opts.Engines[k/len(opts.Policies)], opts.Policies[k%len(opts.Policies)], refs)
+				row, err := runOne(ctx, opts, recs, runs[k], refs)
 				mu.Lock()
 				if err != nil && firstErr == nil {
 					firstErr = err
@@ -260,7 +342,7 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 			}
 		})
 	}
-	for _, k := range dispatchOrder(opts.Engines, opts.Policies, opts.Routing) {
+	for _, k := range dispatchOrder(runs, opts.Routing) {
 		mu.Lock()
 		stop := firstErr != nil
 		mu.Unlock()
@@ -278,7 +360,7 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 		return Result{}, err
 	}
 	res.WallS = time.Since(start).Seconds()
-	res.Recommendation = recommend(res.Rows, len(opts.Policies))
+	res.Recommendation = recommend(res.Rows)
 	if refs != nil {
 		_, res.InfiniteHitRate = refs.get(opts.Engines[0]).All()
 	}
@@ -290,21 +372,21 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 // conversation trace a run's wall time depends mostly on the policy — one that
 // hashes prompts (prefix) takes about twice as long as one that does not — and
 // little on the fleet size, so hashing policies go first, then larger fleets.
-func dispatchOrder(engines []int, policies []string, routing sched.Config) []int {
-	hashes := make([]bool, len(policies))
-	for j, p := range policies {
-		routing.Policy = p
-		if pol, err := sched.NewPolicy(routing, sched.Pool{Capacity: []int{1}, Precise: noMatch{}}); err == nil {
-			hashes[j] = pol.NeedsHashes()
+func dispatchOrder(runs []combo, routing sched.Config) []int {
+	hashes := map[string]bool{}
+	for _, r := range runs {
+		if _, ok := hashes[r.policy]; ok {
+			continue
 		}
+		routing.Policy = r.policy
+		pol, err := sched.NewPolicy(routing, sched.Pool{Capacity: []int{1}, Precise: noMatch{}})
+		hashes[r.policy] = err == nil && pol.NeedsHashes()
 	}
-	order := make([]int, 0, len(engines)*len(policies))
+	order := make([]int, 0, len(runs))
 	for _, first := range []bool{true, false} {
-		for i := len(engines) - 1; i >= 0; i-- {
-			for j := range policies {
-				if hashes[j] == first {
-					order = append(order, i*len(policies)+j)
-				}
+		for k := len(runs) - 1; k >= 0; k-- {
+			if hashes[runs[k].policy] == first {
+				order = append(order, k)
 			}
 		}
 	}
@@ -313,18 +395,31 @@ func dispatchOrder(engines []int, policies []string, routing sched.Config) []int
 
 // runOne replays recs on engines engines with policy and judges the run;
 // refs (nil: none) gives its reference hit rates.
-func runOne(ctx context.Context, opts Options, recs []trace.Record, engines int, policy string, refs *refCache) (Row, error) {
+func runOne(ctx context.Context, opts Options, recs []trace.Record, c combo, refs *refCache) (Row, error) {
 	start := time.Now()
+	engines, policy := c.engines, c.policy
+	routing := opts.Routing
+	if c.pd.Prefill > 0 {
+		if c.pd.Threshold != 0 {
+			routing.PD.Threshold = c.pd.Threshold
+		}
+		if c.pd.Local != "" {
+			routing.PD.Local = c.pd.Local
+		}
+	}
 	run, err := virtual.Replay(ctx, virtual.ReplayOptions{
 		Policy: policy, Engines: engines, Engine: opts.Engine, Remote: opts.Remote, Records: recs,
-		Model: opts.Model, Seed: opts.Seed, Routing: opts.Routing, Warmup: opts.Warmup,
+		Model: opts.Model, Seed: opts.Seed, Routing: routing, Warmup: opts.Warmup, Prefill: c.pd.Prefill,
 	})
 	if err != nil {
-		return Row{}, fmt.Errorf("plan: %d engines, %s: %w", engines, policy, err)
+		return Row{}, fmt.Errorf("plan: %d engines, %s %s: %w", engines, policy, c.pd.Label(), err)
 	}
 	checks, good := Evaluate(opts.SLO, measure.Measured(run.Records), run.Summary.DurationS)
-	row := Row{Engines: engines, Policy: policy, Summary: run.Summary, Checks: checks, MeetsSLO: true}
+	row := Row{Engines: engines, Policy: policy, PD: c.pd, Summary: run.Summary, Checks: checks, MeetsSLO: true}
 	row.Summary.Goodput = &good
+	if gpus := engines * opts.Engine.WithDefaults().Profile.TensorParallel; gpus > 0 {
+		row.GoodputPerGPU = good.PerS / float64(gpus)
+	}
 	if refs != nil {
 		refs.get(engines).Apply(&row.Summary, run.Records)
 	}
@@ -381,11 +476,15 @@ func (c *refCache) get(engines int) *measure.References {
 
 // recommend picks, at the smallest fleet size with a run meeting the SLO,
 // the best such run (see Recommendation.Policy); nil if no run meets it.
-// rows are grouped by size, npol policies per size, in policy order.
-func recommend(rows []Row, npol int) *Recommendation {
-	for base := 0; base < len(rows); base += npol {
+// rows are grouped by size (combos' order).
+func recommend(rows []Row) *Recommendation {
+	for base := 0; base < len(rows); {
+		end := base
+		for end < len(rows) && rows[end].Engines == rows[base].Engines {
+			end++
+		}
 		best := -1
-		for k := base; k < base+npol; k++ {
+		for k := base; k < end; k++ {
 			if !rows[k].MeetsSLO {
 				continue
 			}
@@ -394,8 +493,9 @@ func recommend(rows []Row, npol int) *Recommendation {
 			}
 		}
 		if best >= 0 {
-			return &Recommendation{Engines: rows[best].Engines, Policy: rows[best].Policy, Row: best}
+			return &Recommendation{Engines: rows[best].Engines, Policy: rows[best].Policy, PD: rows[best].PD, Row: best}
 		}
+		base = end
 	}
 	return nil
 }
@@ -434,12 +534,12 @@ func (r *Result) WriteJSON(w io.Writer) error {
 // the recommendation line (see Verdict).
 func (r *Result) WriteTable(w io.Writer) error {
 	pw := len("policy")
-	for _, p := range r.Policies {
-		pw = max(pw, len(p))
+	for k := range r.Rows {
+		pw = max(pw, len(r.Rows[k].label()))
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(tw, "engines\t%-*s\t", pw, "policy")
-	fmt.Fprintln(tw, "errors\thit %\tpooled hit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tE2E p90 ms\tout tok/s\tutil %\tgoodput %\t  meets SLO")
+	fmt.Fprintln(tw, "errors\thit %\tpooled hit %\tTTFT p50 ms\tTTFT p90 ms\tTTFT p99 ms\tITL p50 ms\tITL p99 ms\tE2E p90 ms\tout tok/s\tutil %\tgoodput %\tgood/GPU/s\tP→D ms p90\t  meets SLO")
 	for _, row := range r.Rows {
 		c := row.cells(r.MinGoodput)
 		c[1] = fmt.Sprintf("%-*s", pw, c[1])
@@ -468,7 +568,7 @@ func (r *Result) Verdict() string {
 	row := r.Rows[r.Recommendation.Row]
 	s := row.Summary
 	return fmt.Sprintf("recommendation: %d engines, policy %s (SLO %s: goodput %.1f%%, TTFT p90 %s, ITL p99 %s, hit rate %.1f%%, utilisation %s)",
-		row.Engines, row.Policy, r.SLO, s.Goodput.Share*100, fmtMs(s.TTFT.P90), fmtMs(s.ITL.P99), s.HitRate*100, fmtUtil(s.MeanEngineUtilization))
+		row.Engines, row.label(), r.SLO, s.Goodput.Share*100, fmtMs(s.TTFT.P90), fmtMs(s.ITL.P99), s.HitRate*100, fmtUtil(s.MeanEngineUtilization))
 }
 
 // fmtMs formats a latency in ms as a rounded duration ("1.42s", "87.3ms");

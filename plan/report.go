@@ -23,7 +23,7 @@ func (r *Result) WriteHTML(w io.Writer) error { return r.HTMLPage().Write(w) }
 // HTMLPage lays out the page WriteHTML writes.
 func (r *Result) HTMLPage() report.Page {
 	t := &report.Table{Head: []string{"engines", "policy", "errors", "hit %", "pooled-cache hit %", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
-		"ITL p50 ms", "ITL p99 ms", "E2E p90 ms", "out tok/s", "util %", "goodput %", "meets SLO"}}
+		"ITL p50 ms", "ITL p99 ms", "E2E p90 ms", "out tok/s", "util %", "goodput %", "good/GPU/s", "P→D ms p90", "meets SLO"}}
 	for k, row := range r.Rows {
 		t.Rows = append(t.Rows, row.cells(r.MinGoodput))
 		if r.Recommendation != nil && k == r.Recommendation.Row {
@@ -144,23 +144,32 @@ func (r *Result) HTMLPage() report.Page {
 // perPolicy returns one data series per policy of value against fleet
 // size (NaN and +Inf values are not drawn).
 func (r *Result) perPolicy(value func(*Row) float64) []report.Series {
-	out := make([]report.Series, len(r.Policies))
-	for j, p := range r.Policies {
-		out[j].Name = p
-	}
-	if len(r.Policies) == 0 {
-		return out
-	}
+	var out []report.Series
+	at := map[string]int{}
 	for k := range r.Rows {
 		row := &r.Rows[k]
-		j := k % len(r.Policies)
+		name := row.label()
+		j, ok := at[name]
+		if !ok {
+			j = len(out)
+			at[name] = j
+			out = append(out, report.Series{Name: name})
+		}
 		out[j].X, out[j].Y = append(out[j].X, float64(row.Engines)), append(out[j].Y, value(row))
 	}
 	return out
 }
 
+// label is the row's policy with its P/D split, if any.
+func (row *Row) label() string {
+	if l := row.PD.Label(); l != "" {
+		return row.Policy + " " + l
+	}
+	return row.Policy
+}
+
 // mark is the recommended run's point at y.
 func (r *Result) mark(rec *Row, y float64) report.Series {
-	return report.Series{Name: fmt.Sprintf("recommended: %d × %s", rec.Engines, rec.Policy), Kind: report.SeriesMark, Key: "recommended",
+	return report.Series{Name: fmt.Sprintf("recommended: %d × %s", rec.Engines, rec.label()), Kind: report.SeriesMark, Key: "recommended",
 		X: []float64{float64(rec.Engines)}, Y: []float64{y}, Color: "#111111"}
 }

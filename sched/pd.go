@@ -99,12 +99,26 @@ type PDConfig struct {
 	// that pick D and P; "" takes the routing policy.
 	Decode  string `yaml:"decode_policy"`
 	Prefill string `yaml:"prefill_policy"`
+	// Local is where a request that is not split runs: PDLocalDecode
+	// (default: on a decode endpoint, as llm-d and Dynamo do) or
+	// PDLocalAny (on any endpoint, prefill endpoints included, so that on
+	// short-prompt traffic the whole fleet serves whole requests; pd.go).
+	Local string `yaml:"local"`
 }
+
+// PDConfig.Local values.
+const (
+	PDLocalDecode = "decode"
+	PDLocalAny    = "any"
+)
 
 // WithDefaults returns c with zero fields replaced by their defaults.
 func (c PDConfig) WithDefaults() PDConfig {
 	if c.Threshold == 0 {
 		c.Threshold = DefaultPDThreshold
+	}
+	if c.Local == "" {
+		c.Local = PDLocalDecode
 	}
 	return c
 }
@@ -113,6 +127,9 @@ func (c PDConfig) WithDefaults() PDConfig {
 func (c PDConfig) Validate() error {
 	if c.MaxPrefillQueue < 0 || c.MaxPrefillQueue != c.MaxPrefillQueue {
 		return fmt.Errorf("routing.pd.max_prefill_queue_seconds must be >= 0, got %g", c.MaxPrefillQueue)
+	}
+	if l := c.WithDefaults().Local; l != PDLocalDecode && l != PDLocalAny {
+		return fmt.Errorf("routing.pd.local %q: want %q or %q", c.Local, PDLocalDecode, PDLocalAny)
 	}
 	return nil
 }
@@ -187,6 +204,9 @@ func (pd *PD) NeedsHashes() bool { return pd.decode.NeedsHashes() || pd.prefill.
 // Pick decides for req over eps (PD's comment): D, whether to split, P.
 // req.Role is set for each profile's pick and restored.
 func (pd *PD) Pick(req *Request, eps []Endpoint) PDDecision {
+	if pd.cfg.Local == PDLocalAny {
+		return pd.pickAny(req, eps)
+	}
 	d := pd.PickDecode(req, eps)
 	out := PDDecision{Decode: d, Prefill: Decision{Endpoint: -1}}
 	if d.Endpoint < 0 {
@@ -195,6 +215,44 @@ func (pd *PD) Pick(req *Request, eps []Endpoint) PDDecision {
 	}
 	if !pd.Wants(req, d) {
 		out.Reason = PDReasonShort
+		return out
+	}
+	p := pd.PickPrefill(req, eps)
+	switch {
+	case p.Endpoint < 0:
+		out.Reason = PDReasonNoPrefill
+	case pd.busy(&eps[p.Endpoint]):
+		out.Reason = PDReasonPrefillBusy
+	default:
+		out.Prefill, out.Split = p, true
+	}
+	return out
+}
+
+// pickAny is Pick with Local PDLocalAny: the decode profile picks among
+// every endpoint; a request the decider keeps whole runs there. A split
+// one takes that endpoint as P when it is a prefill endpoint (the profile
+// chose it for its prefix and load) and picks D among the decode ones,
+// else takes it as D and picks P.
+func (pd *PD) pickAny(req *Request, eps []Endpoint) PDDecision {
+	out := PDDecision{Prefill: Decision{Endpoint: -1}}
+	first := pd.pickRole(pd.decode, RoleBoth, req, eps)
+	out.Decode = first
+	if first.Endpoint < 0 {
+		out.Reason = PDReasonNoDecode
+		return out
+	}
+	if !pd.Wants(req, first) {
+		out.Reason = PDReasonShort
+		return out
+	}
+	if eps[first.Endpoint].Role == RolePrefill {
+		d := pd.PickDecode(req, eps)
+		if d.Endpoint < 0 {
+			out.Reason = PDReasonNoDecode // served whole where it was picked
+			return out
+		}
+		out.Decode, out.Prefill, out.Split = d, first, true
 		return out
 	}
 	p := pd.PickPrefill(req, eps)

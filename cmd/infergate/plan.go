@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -35,6 +37,10 @@ type planFlags struct {
 	seed     int64
 	htmlPath string
 	tiers    tierFlags
+	// P/D sweep (--pd, --pd-threshold, --pd-local).
+	pd          string
+	pdThreshold string
+	pdLocal     string
 }
 
 func newPlanCmd() *cobra.Command {
@@ -93,6 +99,76 @@ func (fl *planFlags) bind(f *pflag.FlagSet) {
 	f.IntVar(&fl.workers, "workers", 0, "runs to simulate at once (0 = one per CPU)")
 	f.StringVar(&fl.htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it, the sweep table, and against fleet size each SLO target's value with its threshold line, goodput, and the hit rate with its references, the recommended point marked")
 	f.Int64Var(&fl.seed, "seed", 0, "seed of the engines' outputs and the policies' tie-breaking")
+	f.StringVar(&fl.pd, "pd", "", "P/D splits to sweep at every fleet size: prefill-engine counts (0 = aggregated) and ranges, comma-separated, e.g. 0,2..6; 'all' = 0 to N-1")
+	f.StringVar(&fl.pdThreshold, "pd-threshold", "", "with --pd: the decider's non-cached-token thresholds to sweep, comma-separated (-1 = always split; default 2048)")
+	f.StringVar(&fl.pdLocal, "pd-local", "", "with --pd: where requests that are not split run, comma-separated: decode, any (default decode)")
+}
+
+// pdVariants parses --pd, --pd-threshold and --pd-local into the sweep's
+// P/D variants for fleet sizes up to largest (nil without --pd).
+func (fl *planFlags) pdVariants(largest int) ([]plan.PDVariant, error) {
+	if fl.pd == "" {
+		if fl.pdThreshold != "" || fl.pdLocal != "" {
+			return nil, errors.New("--pd-threshold and --pd-local need --pd")
+		}
+		return nil, nil
+	}
+	var prefill []int
+	for _, item := range strings.Split(fl.pd, ",") {
+		item = strings.TrimSpace(item)
+		lo, hi, ok := strings.Cut(item, "..")
+		if item == "all" {
+			lo, hi, ok = "0", strconv.Itoa(largest-1), true
+		}
+		a, err := strconv.Atoi(lo)
+		b := a
+		if err == nil && ok {
+			b, err = strconv.Atoi(hi)
+		}
+		if err != nil || a < 0 || b < a || b > 1<<10 {
+			return nil, fmt.Errorf("--pd %q: want prefill-engine counts such as 0,2..6 or all", item)
+		}
+		for n := a; n <= b; n++ {
+			if !slices.Contains(prefill, n) {
+				prefill = append(prefill, n)
+			}
+		}
+	}
+	thresholds := []int{0}
+	if fl.pdThreshold != "" {
+		thresholds = thresholds[:0]
+		for _, item := range strings.Split(fl.pdThreshold, ",") {
+			t, err := strconv.Atoi(strings.TrimSpace(item))
+			if err != nil || t == 0 || t < -1 {
+				return nil, fmt.Errorf("--pd-threshold %q: want a token count >= 1, or -1 to always split", item)
+			}
+			thresholds = append(thresholds, t)
+		}
+	}
+	locals := []string{""}
+	if fl.pdLocal != "" {
+		locals = locals[:0]
+		for _, item := range strings.Split(fl.pdLocal, ",") {
+			l := strings.TrimSpace(item)
+			if l != sched.PDLocalDecode && l != sched.PDLocalAny {
+				return nil, fmt.Errorf("--pd-local %q: want decode or any", item)
+			}
+			locals = append(locals, l)
+		}
+	}
+	var out []plan.PDVariant
+	for _, p := range prefill {
+		if p == 0 {
+			out = append(out, plan.PDVariant{})
+			continue
+		}
+		for _, t := range thresholds {
+			for _, l := range locals {
+				out = append(out, plan.PDVariant{Prefill: p, Threshold: t, Local: l})
+			}
+		}
+	}
+	return out, nil
 }
 
 // run is plan's RunE: sweep the fleet sizes and policies (plan.Run), print
@@ -118,7 +194,11 @@ func (fl *planFlags) run(cmd *cobra.Command) error {
 		if !r.MeetsSLO {
 			verdict = "misses: " + strings.Join(r.Failed(opts.SLO.MinGoodput), ", ")
 		}
-		fmt.Fprintf(stderr, "plan: %d engines, %s: %s wall, %s\n", r.Engines, r.Policy,
+		pol := r.Policy
+		if l := r.PD.Label(); l != "" {
+			pol += " " + l
+		}
+		fmt.Fprintf(stderr, "plan: %d engines, %s: %s wall, %s\n", r.Engines, pol,
 			time.Duration(r.WallS*float64(time.Second)).Round(10*time.Millisecond), verdict)
 	}
 	res, err := plan.Run(cmd.Context(), opts)
@@ -166,11 +246,15 @@ func (fl *planFlags) options() (plan.Options, error) {
 	if err != nil {
 		return plan.Options{}, fmt.Errorf("--policy: %w", err)
 	}
+	pds, err := fl.pdVariants(slices.Max(sizes))
+	if err != nil {
+		return plan.Options{}, err
+	}
 	recs, err := fl.wl.load()
 	if err != nil {
 		return plan.Options{}, err
 	}
-	return plan.Options{
+	return plan.Options{PD: pds,
 		Records: recs, Requests: fl.requests, Engines: sizes, Policies: pols,
 		Engine: fl.tiers.engine(sim.Config{Profile: prof}), Remote: fl.tiers.remote, Model: model, Routing: routing, Seed: fl.seed,
 		SLO: slo, Workers: fl.workers, Warmup: fl.warm.w,
