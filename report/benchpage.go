@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"slices"
 	"strconv"
@@ -217,7 +218,60 @@ func (r HTMLReport) Page() Page {
 		cache,
 		{Title: "Load over time and per engine", Charts: []Chart{ttftTC, inflightC, share}},
 	}
+	if pd := pdSection(runs, names); pd != nil {
+		sections = append(sections[:3], append([]Section{*pd}, sections[3:]...)...)
+	}
 	return Page{Title: r.Title, Subtitle: subtitle(r.Provenance), Sections: sections}
+}
+
+// pdSection shows the P/D hand-offs of the runs on prefill and decode
+// engines (Summary.PD): the prefill leg's and the P→D transfer's
+// percentiles and the transfer's CDF, and a table of split and whole
+// requests; nil when no run has P/D.
+func pdSection(runs []HTMLRun, names []string) *Section {
+	var pnames []string
+	var prefill, transfer [][]float64
+	var cdf []Series
+	t := &Table{Head: []string{"policy", "split", "whole", "whole by reason", "prefill leg p50/p90/p99 ms", "P→D transfer p50/p90/p99 ms"}}
+	for i, run := range runs {
+		s := run.Summary.PD
+		if s == nil {
+			continue
+		}
+		pnames = append(pnames, names[i])
+		prefill = append(prefill, []float64{s.Prefill.P50, s.Prefill.P90, s.Prefill.P99})
+		transfer = append(transfer, []float64{s.Transfer.P50, s.Transfer.P90, s.Transfer.P99})
+		var xs []float64
+		for k := range run.Records {
+			if r := &run.Records[k]; r.Error == "" && r.PD != nil && r.PD.Split {
+				xs = append(xs, r.PD.TransferMs)
+			}
+		}
+		x, y := CDF(xs)
+		cdf = append(cdf, Series{Name: names[i], X: x, Y: y})
+		reasons := make([]string, 0, len(s.Reasons))
+		for _, k := range slices.Sorted(maps.Keys(s.Reasons)) {
+			reasons = append(reasons, fmt.Sprintf("%s %d", k, s.Reasons[k]))
+		}
+		t.Rows = append(t.Rows, []string{names[i], strconv.Itoa(s.Split), strconv.Itoa(s.Whole), strings.Join(reasons, ", "),
+			fmt.Sprintf("%.0f/%.0f/%.0f", s.Prefill.P50, s.Prefill.P90, s.Prefill.P99),
+			fmt.Sprintf("%.1f/%.1f/%.1f", s.Transfer.P50, s.Transfer.P90, s.Transfer.P99)})
+	}
+	if len(pnames) == 0 {
+		return nil
+	}
+	groups := []string{"p50", "p90", "p99"}
+	ms := Axis{Label: "engine time (log scale)", Log: true, Format: FormatMs}
+	pb := BarChart("Prefill leg: arrival to the prefill engine's answer", "", ms, groups, pnames, prefill)
+	pb.Key = "pd-prefill"
+	tb := BarChart("P→D transfer: the prefill engine's answer to the end of the decode engine's read", "", ms, groups, pnames, transfer)
+	tb.Key = "pd-transfer"
+	tb.Note = "Includes the decode engine's admission wait for free KV blocks and its queue on the interconnect link (sim/pd.go)."
+	tc := LineChart("P→D transfer CDF", Axis{Label: "transfer (log scale)", Log: true, Format: FormatMs},
+		Axis{Label: "fraction of split requests ≤ x", Min: 0, Max: 1, Format: FormatPercent}, cdf)
+	tc.Key = "pd-transfer-cdf"
+	return &Section{Title: "Prefill/decode hand-offs", Table: t, Charts: []Chart{pb, tb, tc},
+		Text: []string{"Requests split across a prefill and a decode engine, and those the decider kept whole on one engine (sched/pd.go)."}}
 }
 
 // tierCharts are the hits by KV tier of the runs that report tiers

@@ -51,6 +51,10 @@ type benchFlags struct {
 	concurrency int
 	maxLag      time.Duration
 	tiers       tierFlags
+	// pd lists the prefill-engine counts each policy runs with (--pd;
+	// [0]: aggregated only).
+	pd    []int
+	pdThr int
 }
 
 func newBenchCmd() *cobra.Command {
@@ -128,6 +132,8 @@ func (fl *benchFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.profFile, "profile-file", "", "engine profile from a YAML file for --compare (overrides --profile)")
 	f.StringVarP(&fl.outPath, "out", "o", "", "write the summary as JSON to this file")
 	f.StringVarP(&fl.cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the compared policies (--compare)")
+	f.IntSliceVar(&fl.pd, "pd", []int{0}, "with --compare --virtual: prefill-engine counts each policy runs with, the others decode engines (0 = aggregated), e.g. 0,6")
+	f.IntVar(&fl.pdThr, "pd-threshold", 0, "with --pd: the decider's non-cached-token threshold (0 = 2048, -1 = always split)")
 	f.BoolVar(&fl.virtual, "virtual", false, "with --compare: run the same engine model and policies in virtual time (discrete events, no sleeping, no HTTP): seconds instead of minutes")
 	f.StringVar(&fl.htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it (command, version, host, trace digest, profile, clock, lag), the summary table with the pooled- and infinite-cache reference hit rates, TTFT and ITL CDFs and percentiles, hit rate against the references, time series, per-engine share")
 	f.StringVar(&fl.recPath, "records", "", "write per-request records as JSONL to this file")
@@ -153,6 +159,18 @@ func (fl *benchFlags) validate() ([]float64, error) {
 	rates, err := parseRates(fl.rateList)
 	if err != nil {
 		return nil, err
+	}
+	for _, p := range fl.pd {
+		n := fl.engines
+		if n <= 0 {
+			n = bench.DefaultEngines
+		}
+		switch {
+		case p < 0 || p >= n:
+			return nil, fmt.Errorf("--pd %d: want 0 (aggregated) to %d prefill engines of --engines %d", p, n-1, n)
+		case p > 0 && !fl.virtual:
+			return nil, errors.New("--pd runs in virtual time (--compare --virtual); for a real-time P/D fleet run infergate up --pd and bench --target")
+		}
 	}
 	switch {
 	case fl.concurrency > 0 && fl.virtual:
@@ -368,11 +386,40 @@ func (r *benchRun) replayTarget(recs []trace.Record, rate float64) error {
 func (r *benchRun) compareVirtual(recs []trace.Record, rate float64) error {
 	fl := r.fl
 	for _, p := range r.policies {
-		run, err := virtual.Replay(r.ctx, virtual.ReplayOptions{Policy: p, Engines: fl.engines, TrackPrecise: true,
+		for _, pd := range fl.pd {
+			if err := r.runVirtual(recs, rate, p, pd); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// runVirtual is one run of compareVirtual: policy p on a fresh fleet, pd
+// of its engines prefill engines (0: aggregated).
+func (r *benchRun) runVirtual(recs []trace.Record, rate float64, p string, pd int) error {
+	fl := r.fl
+	routing := r.routing
+	if pd > 0 && fl.pdThr != 0 {
+		routing.PD.Threshold = fl.pdThr
+	}
+	engines := fl.engines
+	if engines <= 0 {
+		engines = bench.DefaultEngines
+	}
+	{
+		run, err := virtual.Replay(r.ctx, virtual.ReplayOptions{Policy: p, Engines: fl.engines, TrackPrecise: true, Prefill: pd,
 			Engine: fl.tiers.engine(sim.Config{Profile: r.prof}), Remote: fl.tiers.remote, Records: recs, Requests: fl.requests,
-			Model: r.model, Routing: r.routing, Warmup: fl.warm.w, RateRPS: rate})
+			Model: r.model, Routing: routing, Warmup: fl.warm.w, RateRPS: rate})
 		if err != nil {
 			return err
+		}
+		if pd > 0 {
+			name := fmt.Sprintf("%s %dP%dD", p, pd, engines-pd)
+			run.Summary.Policy = name
+			for i := range run.Records {
+				run.Records[i].Policy = name
+			}
 		}
 		if r.recOut != nil {
 			if err := measure.WriteRecords(r.recOut, run.Records); err != nil {
