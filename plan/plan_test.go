@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -181,5 +183,46 @@ func TestRunRejectsOversizedPolicyUpFront(t *testing.T) {
 	}
 	if d := time.Since(start); d > 2*time.Second {
 		t.Errorf("took %v: should fail before simulating", d)
+	}
+}
+
+// A P/D sweep: one row per split below each fleet size, labelled, with the
+// transfer times and per-GPU goodput; a split with as many prefill engines
+// as the fleet is skipped at that size.
+func TestRunSweepsPDSplits(t *testing.T) {
+	recs := burstTrace(48, 100*time.Millisecond)
+	pds := []PDVariant{{}, {Prefill: 1}, {Prefill: 2, Threshold: -1}, {Prefill: 3, Local: sched.PDLocalAny}}
+	res, err := Run(context.Background(), Options{Records: recs, Engines: []int{2, 4}, Policies: []string{sched.CacheAware},
+		PD: pds, SLO: mustSLO(t, "ttft_p90=30s,itl_p99=200ms"), Seed: 1, Workers: 2, NoReferences: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var labels []string
+	for _, r := range res.Rows {
+		labels = append(labels, fmt.Sprintf("%d %s", r.Engines, r.label()))
+		if r.PD.Prefill > 0 && r.Summary.PD == nil {
+			t.Fatalf("%d engines %s: no P/D summary", r.Engines, r.label())
+		}
+		if r.PD.Prefill > 0 && r.Summary.PD.Split > 0 && r.Summary.PD.Transfer.P50 <= 0 {
+			t.Fatalf("%d engines %s: transfer p50 %v", r.Engines, r.label(), r.Summary.PD.Transfer.P50)
+		}
+		if r.GoodputPerGPU < 0 || (r.Summary.Goodput.Requests > 0 && r.GoodputPerGPU == 0) {
+			t.Fatalf("%d engines %s: goodput per GPU %v", r.Engines, r.label(), r.GoodputPerGPU)
+		}
+	}
+	want := []string{"2 cache-aware", "2 cache-aware 1P", "4 cache-aware", "4 cache-aware 1P", "4 cache-aware 2P t-1", "4 cache-aware 3P local=any"}
+	if !slices.Equal(labels, want) {
+		t.Fatalf("rows %q, want %q", labels, want)
+	}
+	var table bytes.Buffer
+	if err := res.WriteTable(&table); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(table.String(), "P→D ms p90") || !strings.Contains(table.String(), "cache-aware 2P t-1") {
+		t.Fatalf("table:\n%s", table.String())
+	}
+	if _, err := Run(context.Background(), Options{Records: recs, Engines: []int{2}, Policies: []string{sched.CacheAware},
+		PD: []PDVariant{{Prefill: 2}}, SLO: mustSLO(t, "ttft_p90=1s")}); err == nil {
+		t.Fatal("a sweep whose only split has no decode engine ran")
 	}
 }

@@ -636,10 +636,17 @@ func (f *Fleet) step(i int32, t time.Duration) {
 	ve := &f.engines[i]
 	res := ve.e.Step(t)
 	for _, id := range res.Transferred {
-		// D read the blocks: P frees them (NIXL's finished-sending notification).
+		// D read the blocks: P frees them (NIXL's finished-sending
+		// notification), which wakes P if it waits for free blocks.
 		k := f.index(id)
 		f.res[k].Transferred = t
-		f.engines[f.res[k].Prefill].e.Release(id)
+		p := int32(f.res[k].Prefill)
+		f.engines[p].e.Release(id)
+		if pe := &f.engines[p]; pe.sleeping {
+			f.heap.remove(f.engines, p)
+			pe.busy, pe.sleeping = false, false
+			f.step(p, t)
+		}
 	}
 	if f.remote != nil && f.precise != nil {
 		ve.keepRemoteEvents(f.remote.TakeEvents())
@@ -647,6 +654,11 @@ func (f *Fleet) step(i int32, t time.Duration) {
 	end := t + res.Duration
 	if res.Duration == 0 {
 		at, ok := ve.e.NextLoad()
+		if !ok && ve.e.HasWork() {
+			// Its free blocks are held for decode engines: it waits for a
+			// release (which wakes it) or the holds' abort timeout.
+			at, ok = ve.e.NextHeldExpiry()
+		}
 		if !ok {
 			// Nothing ran and nothing loads (every running request was
 			// preempted, say): step again at once, after this instant.
