@@ -244,6 +244,13 @@ func (pd *PD) pickAny(req *Request, eps []Endpoint) PDDecision {
 	}
 	if !pd.Wants(req, first) {
 		out.Reason = PDReasonShort
+		if ep := &eps[first.Endpoint]; ep.Role == RolePrefill && ep.PendingPrefillTokens >= max(pd.cfg.Threshold, 1) {
+			// A prefill endpoint with a long prefill queued would stall
+			// this request's decode behind it: a decode endpoint serves it.
+			if d := pd.PickDecode(req, eps); d.Endpoint >= 0 {
+				out.Decode = d
+			}
+		}
 		return out
 	}
 	if eps[first.Endpoint].Role == RolePrefill {

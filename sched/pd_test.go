@@ -110,3 +110,29 @@ func TestParseRole(t *testing.T) {
 		t.Error("ParseRole(encode) accepted")
 	}
 }
+
+func TestPDLocalAny(t *testing.T) {
+	pd, err := NewPD(Config{Policy: LeastRequest, PD: PDConfig{Threshold: 1000, Local: PDLocalAny}}, Pool{Capacity: []int{1, 1, 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eps := pdEndpoints(RolePrefill, RoleDecode, RoleDecode)
+	eps[1].InFlight, eps[2].InFlight = 3, 4
+	// Short: whole on the least loaded endpoint, a prefill one.
+	if d := pd.Pick(&Request{PromptTokens: 10}, eps); d.Split || d.Decode.Endpoint != 0 {
+		t.Fatalf("short: %+v, want whole on endpoint 0", d)
+	}
+	// ... unless it has a long prefill queued: then a decode endpoint.
+	eps[0].PendingPrefillTokens = 5000
+	if d := pd.Pick(&Request{PromptTokens: 10}, eps); d.Split || d.Decode.Endpoint != 1 {
+		t.Fatalf("short, busy prefill endpoint: %+v, want whole on endpoint 1", d)
+	}
+	// Long, first pick a prefill endpoint: it is P, D is picked among the decode ones.
+	eps[0].PendingPrefillTokens = 0
+	if d := pd.Pick(&Request{PromptTokens: 5000}, eps); !d.Split || d.Prefill.Endpoint != 0 || d.Decode.Endpoint != 1 {
+		t.Fatalf("long: %+v, want P 0 → D 1", d)
+	}
+	if err := (PDConfig{Local: "nowhere"}).Validate(); err == nil {
+		t.Fatal("local nowhere accepted")
+	}
+}
