@@ -45,7 +45,11 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	// it ends, its uncached part in the prefill backlog until its first
 	// token (relayStream) or its end (load.Ledger).
 	if x.sreq.PromptTokens > 0 { // untokenized (round-robin): nothing to account, no clock read
-		ep.ledger.Send(&x.share, x.sreq.PromptTokens, d.MatchedBlocks*p.blockSize, clock(time.Now()))
+		matched := d.MatchedBlocks * p.blockSize
+		if x.pd.split {
+			matched = x.sreq.PromptTokens // D reads the prompt's KV from P: nothing to prefill (virtual.Fleet's hand-off)
+		}
+		ep.ledger.Send(&x.share, x.sreq.PromptTokens, matched, clock(time.Now()))
 	}
 	defer x.share.Finish()
 	g.predict(x, p, i, d, rm)

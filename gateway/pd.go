@@ -179,6 +179,7 @@ type pdState struct {
 	leg       *disagg.Leg // a concurrent P leg in flight
 	legStart  time.Time
 	pshare    load.Share
+	pMatched  int // P's expected cached tokens (the prefill profile's decision)
 	cached    int       // P's cached tokens, written into D's usage (-1: no rewrite)
 	prefiller string    // llm-d: the x-prefiller-host-port value
 	readyAt   time.Time // P's answer: the hand-off's start
@@ -298,6 +299,7 @@ func (g *Gateway) pickSplit(r *http.Request, x *exchange, kind apiKind, p *pool,
 	if di < 0 || !dec.Split {
 		return di, dd
 	}
+	x.pd.pMatched = dec.Prefill.MatchedBlocks * p.blockSize
 	g.runFlow(r, x, kind, p, di, dec.Prefill.Endpoint, reqID)
 	return di, dd
 }
@@ -396,7 +398,8 @@ func (g *Gateway) pickPrefill(p *pool, x *exchange, di int, ex []bool) int {
 	excl := make([]bool, len(p.endpoints))
 	copy(excl, ex)
 	excl[di] = true
-	i, _ := g.pickWith(p, &x.sreq, excl, p.pd.PickPrefill)
+	i, d := g.pickWith(p, &x.sreq, excl, p.pd.PickPrefill)
+	x.pd.pMatched = d.MatchedBlocks * p.blockSize
 	return i
 }
 
@@ -439,7 +442,9 @@ func (g *Gateway) prefillLeg(r *http.Request, x *exchange, kind apiKind, p *pool
 	header := x.pd.header.Clone() // the leg's own: D's attempt builds its own
 	send := g.legSender(r.Method, ep.url(kind, r.URL.Path, r.URL.RawQuery), header)
 	if x.sreq.PromptTokens > 0 {
-		ep.ledger.Send(&x.pd.pshare, x.sreq.PromptTokens, 0, clock(time.Now()))
+		// As virtual.Fleet accounts a prefill leg: its uncached part in
+		// P's prefill backlog.
+		ep.ledger.Send(&x.pd.pshare, x.sreq.PromptTokens, x.pd.pMatched, clock(time.Now()))
 	}
 	x.pd.pEP, x.pd.pi = ep, pi
 	start := time.Now()

@@ -555,23 +555,32 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		maxTokens = vr.MaxTokens
 	}
 	f.req = sim.Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: maxTokens, HoldKV: r.Prefill >= 0}
-	f.send(k, d.Endpoint, len(tokens), d.MatchedBlocks*f.blockSize, t)
+	if r.Prefill >= 0 {
+		// As the gateway takes D's slot when it decides, before P's leg.
+		f.engines[r.Engine].ledger.Acquire()
+	}
+	f.send(k, d.Endpoint, len(tokens), d.MatchedBlocks*f.blockSize, t, true)
 }
 
 // send adds f.req, request k's leg of promptTokens to engine e at t with
 // matched tokens expected cached there, accounting it as the gateway's
 // attempt does (an in-flight slot, its prompt in flight, its uncached part
 // in the prefill backlog), and starts a step at once if e is idle.
-func (f *Fleet) send(k, e, promptTokens, matched int, t time.Duration) {
+func (f *Fleet) send(k, e, promptTokens, matched int, t time.Duration, acquire bool) {
 	r := &f.res[k]
 	ve := &f.engines[e]
 	err := ve.e.Add(&f.req, t)
 	f.req.Tokens = nil
 	if err != nil {
 		r.Err = err
+		if !acquire || r.Prefill >= 0 {
+			f.engines[r.Engine].ledger.Release() // D's slot, taken at the decision
+		}
 		return
 	}
-	ve.ledger.Acquire()
+	if acquire {
+		ve.ledger.Acquire()
+	}
 	ve.ledger.Send(&f.shares[k], promptTokens, matched, t)
 	switch {
 	case ve.sleeping:
@@ -602,7 +611,7 @@ func (f *Fleet) handOff(t time.Duration) {
 			f.precise.Routed(r.Engine, f.hashesOf(tokens))
 		}
 		f.req = sim.Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: vr.MaxTokens, RemotePrefill: true}
-		f.send(k, r.Engine, len(tokens), len(tokens), t)
+		f.send(k, r.Engine, len(tokens), len(tokens), t, false) // D's slot was taken at the decision
 		if r.Err != nil {
 			f.engines[r.Prefill].e.Release(f.req.ID) // no D will read them
 		}
