@@ -179,7 +179,7 @@ type pdState struct {
 	leg       *disagg.Leg // a concurrent P leg in flight
 	legStart  time.Time
 	pshare    load.Share
-	pMatched  int // P's expected cached tokens (the prefill profile's decision)
+	pMatched  int       // P's expected cached tokens (the prefill profile's decision)
 	cached    int       // P's cached tokens, written into D's usage (-1: no rewrite)
 	prefiller string    // llm-d: the x-prefiller-host-port value
 	readyAt   time.Time // P's answer: the hand-off's start
