@@ -217,16 +217,7 @@ func (pd *PD) Pick(req *Request, eps []Endpoint) PDDecision {
 		out.Reason = PDReasonShort
 		return out
 	}
-	p := pd.PickPrefill(req, eps)
-	switch {
-	case p.Endpoint < 0:
-		out.Reason = PDReasonNoPrefill
-	case pd.busy(&eps[p.Endpoint]):
-		out.Reason = PDReasonPrefillBusy
-	default:
-		out.Prefill, out.Split = p, true
-	}
-	return out
+	return pd.withPrefill(req, eps, out)
 }
 
 // pickAny is Pick with Local PDLocalAny: the decode profile picks among
@@ -262,6 +253,12 @@ func (pd *PD) pickAny(req *Request, eps []Endpoint) PDDecision {
 		out.Decode, out.Prefill, out.Split = d, first, true
 		return out
 	}
+	return pd.withPrefill(req, eps, out)
+}
+
+// withPrefill completes out, whose D is chosen, with P: split, unless no
+// prefill endpoint is ready or the chosen one is busy.
+func (pd *PD) withPrefill(req *Request, eps []Endpoint, out PDDecision) PDDecision {
 	p := pd.PickPrefill(req, eps)
 	switch {
 	case p.Endpoint < 0:

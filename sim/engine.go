@@ -864,6 +864,25 @@ func (e *Engine) startLoad(s *seq, hit []int32, lower [NumTiers]int, now time.Du
 	for _, k := range lower {
 		n += k
 	}
+	if !e.takeForLoad(s, hit, n) {
+		return false
+	}
+	s.loadDone = e.tiers.load(now, lower)
+	e.stats.LoadedBlocks += int64(n)
+	e.tiers.hit(s, len(hit), e.cfg.BlockSize)
+	if s.cached < 0 {
+		blocks := lower
+		blocks[TierGPU] = len(hit)
+		e.firstLookup(s, s.loadBlocks*e.cfg.BlockSize, blocks)
+	}
+	return true
+}
+
+// takeForLoad gives s, waiting, its GPU hit blocks and n more to load
+// into, and marks it loading (the caller sets loadDone). It reports false,
+// changing nothing, when the free queue is too short: hit blocks in the
+// free queue consume free blocks too.
+func (e *Engine) takeForLoad(s *seq, hit []int32, n int) bool {
 	evictable := 0
 	for _, id := range hit {
 		if e.pool.blocks[id].ref == 0 {
@@ -880,14 +899,6 @@ func (e *Engine) startLoad(s *seq, hit []int32, lower [NumTiers]int, now time.Du
 	s.loadBlocks = len(hit) + n
 	s.loading = true
 	e.loads++
-	s.loadDone = e.tiers.load(now, lower)
-	e.stats.LoadedBlocks += int64(n)
-	e.tiers.hit(s, len(hit), e.cfg.BlockSize)
-	if s.cached < 0 {
-		blocks := lower
-		blocks[TierGPU] = len(hit)
-		e.firstLookup(s, s.loadBlocks*e.cfg.BlockSize, blocks)
-	}
 	return true
 }
 

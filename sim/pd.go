@@ -171,22 +171,9 @@ func (e *Engine) HeldBlockIDs(id string) []int32 {
 func (e *Engine) startTransfer(s *seq, hit []int32, now time.Duration) bool {
 	bs := e.cfg.BlockSize
 	n := (s.promptLen+bs-1)/bs - len(hit)
-	evictable := 0
-	for _, id := range hit {
-		if e.pool.blocks[id].ref == 0 {
-			evictable++
-		}
-	}
-	if n+evictable > e.pool.numFree {
+	if !e.takeForLoad(s, hit, n) {
 		return false
 	}
-	e.pool.touch(hit)
-	s.blocks = append(s.blocks, hit...)
-	s.numCachedBl = len(hit)
-	s.blocks = e.pool.allocate(s.blocks, n)
-	s.loadBlocks = len(hit) + n
-	s.loading = true
-	e.loads++
 	s.loadDone = e.xfer.send(now, float64(n)*e.cfg.BlockBytes())
 	e.stats.TransferredBlocks += int64(n)
 	if s.cached < 0 {
