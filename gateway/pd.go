@@ -177,6 +177,7 @@ type pdState struct {
 	pre       disagg.Prefill
 	held      bool        // P holds blocks for D (NIXL)
 	leg       *disagg.Leg // a concurrent P leg in flight
+	legRead   bool        // its answer's cached tokens were looked for (pdCached)
 	legStart  time.Time
 	pshare    load.Share
 	cached    int       // P's cached tokens, written into D's usage (-1: no rewrite)
@@ -473,6 +474,9 @@ func (g *Gateway) prefillLeg(r *http.Request, x *exchange, kind apiKind, p *pool
 		x.pd.body = append(x.pd.body[:0], pbody...)
 		x.pd.leg, x.pd.legStart = disagg.StartLeg(r.Context(), g.cfg.PD.PrefillTimeout, send, pbody), start
 	}
+	if x.pd.leg != nil { // a new flow's P: its own cached tokens (pdCached)
+		x.pd.cached, x.pd.legRead = -1, false
+	}
 	if bodyErr != nil {
 		g.legEnded(x, p, nil, start)
 		return nil, bodyErr
@@ -629,6 +633,21 @@ func trimChatPath(path string) string {
 		return path[:n]
 	}
 	return path
+}
+
+// pdCached reports whether D's usage is to be rewritten with P's cached
+// tokens (x.pd.cached): NIXL's P answered before D was sent; a concurrent
+// leg's answer is waited for here, at D's usage, once (P answers when it
+// holds the prompt's KV, before D can have read it; a P that fails or
+// stalls ends within pd.prefill_timeout, and D's own count is kept).
+func (x *exchange) pdCached() bool {
+	if x.pd.cached < 0 && x.pd.leg != nil && !x.pd.legRead {
+		x.pd.legRead = true
+		if c, ok := x.pd.leg.Cached(); ok {
+			x.pd.cached = c
+		}
+	}
+	return x.pd.cached >= 0
 }
 
 // pdRewrite returns data (D's usage chunk or whole answer) with its

@@ -146,7 +146,7 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 		Usage *openai.Usage `json:"usage"`
 	}
 	if !sent {
-		if x.pd.cached >= 0 && resp.StatusCode/100 == 2 {
+		if resp.StatusCode/100 == 2 && x.pdCached() {
 			x.capture = x.pdRewrite(x.capture, nil)
 		}
 		if !send(x.capture) {
@@ -291,8 +291,8 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 			chunks = chunks || c.Choices > 0
 			if c.Usage != nil {
-				usage = c.Usage       // freshly allocated: safe to keep
-				if x.pd.cached >= 0 { // P's hits, not the prompt D received (pd.go)
+				usage = c.Usage   // freshly allocated: safe to keep
+				if x.pdCached() { // P's hits, not the prompt D received (pd.go)
 					data = x.pdRewrite(data, usage)
 				}
 			}
