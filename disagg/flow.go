@@ -136,14 +136,14 @@ func (l *Leg) Wait() *LegError {
 }
 
 // Cached waits for the leg's end and returns P's
-// usage.prompt_tokens_details.cached_tokens (PromptCached), false when the
+// usage.prompt_tokens_details.cached_tokens (AnswerCached), false when the
 // leg failed or P reported no usage.
 func (l *Leg) Cached() (int, bool) {
 	<-l.done
 	if l.err != nil {
 		return 0, false
 	}
-	return PromptCached(l.answer)
+	return AnswerCached(l.answer)
 }
 
 // Cancel ends the leg (its request canceled, its connection closed) and
