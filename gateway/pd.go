@@ -555,6 +555,17 @@ func (g *Gateway) legEnded(x *exchange, p *pool, le *disagg.LegError, start time
 // decodeDone settles the concurrent P leg after D's attempt, f its failure
 // (nil: answered): canceled when D failed (both run again on a retry),
 // else waited for (bounded by pd.prefill_timeout).
+//
+// Known gap: a concurrent P leg that fails while D's attempt is still
+// waiting for its KV does not cancel D: D's engine fails or recomputes the
+// transfer (vLLM's kv_load_failure_policy; the simulator at once when P is
+// unreachable, after PDConfig.Wait when P lives but holds nothing), or D's
+// timeouts apply. Canceling D from here needs D's attempt under a context
+// of its own (leg.Done() before D's response headers), a failure kind the
+// retry loop (route.go) neither charges to D's outlier state nor excludes D
+// for, and the whole request resent to the same D (or the flow run again
+// with another P) without spending a retry attempt: not small enough for
+// this path.
 func (g *Gateway) decodeDone(x *exchange, p *pool, f *failure) {
 	if x.pd.leg == nil {
 		return
