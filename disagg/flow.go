@@ -106,6 +106,7 @@ type Leg struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 	err    *LegError
+	answer []byte // P's answer when it succeeded
 }
 
 // StartLeg sends body with send in a goroutine of its own, within timeout
@@ -115,7 +116,10 @@ func StartLeg(ctx context.Context, timeout time.Duration, send Send, body []byte
 	l := &Leg{cancel: cancel, done: make(chan struct{})}
 	go func() {
 		defer close(l.done)
-		_, l.err = exchange(ctx, timeout, send, body)
+		l.answer, l.err = exchange(ctx, timeout, send, body)
+		if l.err != nil {
+			l.answer = nil
+		}
 	}()
 	return l
 }
@@ -129,6 +133,17 @@ func (l *Leg) Wait() *LegError {
 	<-l.done
 	l.cancel()
 	return l.err
+}
+
+// Cached waits for the leg's end and returns P's
+// usage.prompt_tokens_details.cached_tokens (AnswerCached), false when the
+// leg failed or P reported no usage.
+func (l *Leg) Cached() (int, bool) {
+	<-l.done
+	if l.err != nil {
+		return 0, false
+	}
+	return AnswerCached(l.answer)
 }
 
 // Cancel ends the leg (its request canceled, its connection closed) and

@@ -35,6 +35,9 @@ func TestRunPrefill(t *testing.T) {
 			w.WriteHeader(503)
 		case "/400":
 			w.WriteHeader(400)
+		case "/sse":
+			io.WriteString(w, "data: {\"choices\":[{\"text\":\"x\"}],\"usage\":null}\n\n"+
+				"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"prompt_tokens_details\":{\"cached_tokens\":7}}}\n\ndata: [DONE]\n\n")
 		case "/bad":
 			io.WriteString(w, `{"choices":[]}`)
 		case "/slow":
@@ -78,6 +81,16 @@ func TestRunPrefill(t *testing.T) {
 	}
 	if le := StartLeg(ctx, 0, sender(srv.URL+"/ok"), []byte(`{}`)).Wait(); le != nil {
 		t.Errorf("leg: %v", le)
+	}
+	// P's cached tokens, from a whole answer or a stream.
+	if c, ok := StartLeg(ctx, 0, sender(srv.URL+"/sse"), []byte(`{}`)).Cached(); c != 7 || !ok {
+		t.Errorf("streamed leg's cached tokens %d %v", c, ok)
+	}
+	if c, ok := StartLeg(ctx, 0, sender(srv.URL+"/bad"), []byte(`{}`)).Cached(); c != 0 || ok {
+		t.Errorf("no usage: cached tokens %d %v", c, ok)
+	}
+	if _, ok := StartLeg(ctx, 0, sender(srv.URL+"/503"), []byte(`{}`)).Cached(); ok {
+		t.Error("a failed leg's cached tokens")
 	}
 	var le *LegError
 	if _, err := QueryBootstrap(ctx, time.Minute, sender(srv.URL+"/bad"), 0); !errors.As(error(err), &le) {

@@ -49,3 +49,23 @@ func RewriteCached(dst, data []byte, cached int) ([]byte, bool) {
 	}
 	return out, true
 }
+
+// AnswerCached is PromptCached of an answer whole or streamed (SGLang's P
+// gets the client's body, stream included): a stream's last event with
+// usage counts.
+func AnswerCached(resp []byte) (int, bool) {
+	if c, ok := PromptCached(resp); ok {
+		return c, true
+	}
+	c, ok := 0, false
+	for line := range bytes.Lines(resp) {
+		d, found := bytes.CutPrefix(bytes.TrimSpace(line), []byte("data:"))
+		if !found {
+			continue
+		}
+		if n, has := PromptCached(bytes.TrimSpace(d)); has {
+			c, ok = n, true
+		}
+	}
+	return c, ok
+}

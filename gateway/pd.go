@@ -177,6 +177,7 @@ type pdState struct {
 	pre       disagg.Prefill
 	held      bool        // P holds blocks for D (NIXL)
 	leg       *disagg.Leg // a concurrent P leg in flight
+	legRead   bool        // its answer's cached tokens were looked for (pdCached)
 	legStart  time.Time
 	pshare    load.Share
 	pMatched  int       // P's expected cached tokens (the prefill profile's decision)
@@ -478,6 +479,9 @@ func (g *Gateway) prefillLeg(r *http.Request, x *exchange, kind apiKind, p *pool
 		x.pd.body = append(x.pd.body[:0], pbody...)
 		x.pd.leg, x.pd.legStart = disagg.StartLeg(r.Context(), g.cfg.PD.PrefillTimeout, send, pbody), start
 	}
+	if x.pd.leg != nil { // a new flow's P: its own cached tokens (pdCached)
+		x.pd.cached, x.pd.legRead = -1, false
+	}
 	if bodyErr != nil {
 		g.legEnded(x, p, nil, start)
 		return nil, bodyErr
@@ -556,6 +560,17 @@ func (g *Gateway) legEnded(x *exchange, p *pool, le *disagg.LegError, start time
 // decodeDone settles the concurrent P leg after D's attempt, f its failure
 // (nil: answered): canceled when D failed (both run again on a retry),
 // else waited for (bounded by pd.prefill_timeout).
+//
+// Known gap: a concurrent P leg that fails while D's attempt is still
+// waiting for its KV does not cancel D: D's engine fails or recomputes the
+// transfer (vLLM's kv_load_failure_policy; the simulator at once when P is
+// unreachable, after PDConfig.Wait when P lives but holds nothing), or D's
+// timeouts apply. Canceling D from here needs D's attempt under a context
+// of its own (leg.Done() before D's response headers), a failure kind the
+// retry loop (route.go) neither charges to D's outlier state nor excludes D
+// for, and the whole request resent to the same D (or the flow run again
+// with another P) without spending a retry attempt: not small enough for
+// this path.
 func (g *Gateway) decodeDone(x *exchange, p *pool, f *failure) {
 	if x.pd.leg == nil {
 		return
@@ -634,6 +649,21 @@ func trimChatPath(path string) string {
 		return path[:n]
 	}
 	return path
+}
+
+// pdCached reports whether D's usage is to be rewritten with P's cached
+// tokens (x.pd.cached): NIXL's P answered before D was sent; a concurrent
+// leg's answer is waited for here, at D's usage, once (P answers when it
+// holds the prompt's KV, before D can have read it; a P that fails or
+// stalls ends within pd.prefill_timeout, and D's own count is kept).
+func (x *exchange) pdCached() bool {
+	if x.pd.cached < 0 && x.pd.leg != nil && !x.pd.legRead {
+		x.pd.legRead = true
+		if c, ok := x.pd.leg.Cached(); ok {
+			x.pd.cached = c
+		}
+	}
+	return x.pd.cached >= 0
 }
 
 // pdRewrite returns data (D's usage chunk or whole answer) with its

@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -81,11 +82,15 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 	var held int64 // bytes of x.capture reserved in g.hold
 	defer g.hold.release(&held)
 	sent := false // the status line and the held body have been written
+	length := ""  // the held body's Content-Length when it was rewritten (P/D)
 	idle := idleDeadline{idle: g.cfg.StreamIdleTimeout, by: time.Now().Add(g.cfg.ResponseHeaderTimeout)}
 	idle.dl, _ = resp.Body.(upstream.ReadDeadliner)
 	send := func(b []byte) bool {
 		if !sent {
 			copyResponseHeader(w.Header(), resp.Header, true)
+			if length != "" {
+				w.Header()["Content-Length"] = []string{length}
+			}
 			w.WriteHeader(resp.StatusCode)
 			sent = true
 		}
@@ -146,8 +151,11 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 		Usage *openai.Usage `json:"usage"`
 	}
 	if !sent {
-		if x.pd.cached >= 0 && resp.StatusCode/100 == 2 {
-			x.capture = x.pdRewrite(x.capture, nil)
+		if resp.StatusCode/100 == 2 && x.pdCached() {
+			n := len(x.capture)
+			if x.capture = x.pdRewrite(x.capture, nil); len(x.capture) != n {
+				length = strconv.Itoa(len(x.capture)) // D's counted the body before the rewrite
+			}
 		}
 		if !send(x.capture) {
 			g.count(w, rm, codeClientClosed)
@@ -291,8 +299,8 @@ func (g *Gateway) relayStream(w http.ResponseWriter, r *http.Request, resp *http
 			}
 			chunks = chunks || c.Choices > 0
 			if c.Usage != nil {
-				usage = c.Usage       // freshly allocated: safe to keep
-				if x.pd.cached >= 0 { // P's hits, not the prompt D received (pd.go)
+				usage = c.Usage   // freshly allocated: safe to keep
+				if x.pdCached() { // P's hits, not the prompt D received (pd.go)
 					data = x.pdRewrite(data, usage)
 				}
 			}

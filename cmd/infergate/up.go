@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"strconv"
 	"strings"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 
 	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/bench"
+	"github.com/infergate/infergate/disagg"
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/sched"
@@ -30,6 +32,10 @@ type upFlags struct {
 	access  bool
 	keys    string
 	tiers   tierFlags
+
+	pd          string // "P:D": a P/D fleet (parsePD)
+	pdConnector string
+	pdThreshold int
 }
 
 func newUpCmd() *cobra.Command {
@@ -59,10 +65,17 @@ tiers' KV events, the store its own, and the gateway is configured with the
 tiers' capacities and load costs (kv_events.tiers, kv_stores). Any policy's
 prediction is then split by tier (infergate_prefix_predicted_tier_tokens_total);
 --policy precise-prefix (or a cost profile) prices hits by the tier they load
-from; llm-d-tiered and dynamo-tiered weigh them by fixed factors.`,
+from; llm-d-tiered and dynamo-tiered weigh them by fixed factors.
+
+P/D: --pd P:D runs P prefill and D decode engines instead of --engines, and
+the gateway splits prompts whose uncached part reaches --pd-threshold tokens
+(routing.pd.threshold): P computes the prompt and holds its KV, D reads it
+and decodes, over --pd-connector's protocol (nixl, mooncake or sglang;
+gateway/README.md "P/D"). Shorter prompts are served whole on a decode engine.`,
 		Example: `  infergate up
   infergate up --engines 8 --policy round-robin --listen 127.0.0.1:9000
   infergate up --kv-host 4x --kv-remote 8x --policy precise-prefix
+  infergate up --pd 1:3 --pd-connector mooncake --pd-threshold 1024
   infergate keys new alice >> keys.txt && infergate up --keys-file keys.txt`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return fl.run(cmd) },
@@ -84,6 +97,92 @@ func (fl *upFlags) bind(f *pflag.FlagSet) {
 	fl.lf.register(f)
 	accessLogFlag(f, &fl.access)
 	f.StringVar(&fl.keys, "keys-file", "", "API keys file (see 'infergate keys'); also $"+auth.EnvAPIKeys+"; read again at SIGHUP")
+	f.StringVar(&fl.pd, "pd", "", "disaggregated prefill/decode: P:D runs P prefill and D decode engines (e.g. 1:3) instead of --engines")
+	f.StringVar(&fl.pdConnector, "pd-connector", string(disagg.NIXL), "with --pd, the P→D hand-off protocol: nixl, mooncake or sglang")
+	f.IntVar(&fl.pdThreshold, "pd-threshold", 0, fmt.Sprintf("with --pd, split prompts with at least this many uncached tokens (routing.pd.threshold; 0: %d)", sched.DefaultPDThreshold))
+}
+
+// upPD is a parsed --pd: the number of prefill and decode engines and the
+// connector.
+type upPD struct {
+	prefill, decode int
+	connector       disagg.Connector
+}
+
+// parsePD checks --pd and the flags that go with it; the zero upPD (and
+// nil) when --pd is not given.
+func (fl *upFlags) parsePD(cmd *cobra.Command) (upPD, error) {
+	f := cmd.Flags()
+	if !f.Changed("pd") {
+		for _, n := range []string{"pd-connector", "pd-threshold"} {
+			if f.Changed(n) {
+				return upPD{}, fmt.Errorf("--%s needs --pd P:D", n)
+			}
+		}
+		return upPD{}, nil
+	}
+	if f.Changed("engines") {
+		return upPD{}, fmt.Errorf("--pd %q and --engines: give one (--pd P:D sets the fleet's size)", fl.pd)
+	}
+	ps, ds, ok := strings.Cut(strings.TrimSpace(fl.pd), ":")
+	p, perr := strconv.Atoi(strings.TrimSpace(ps))
+	d, derr := strconv.Atoi(strings.TrimSpace(ds))
+	switch {
+	case !ok || perr != nil || derr != nil:
+		return upPD{}, fmt.Errorf("--pd %q: want P:D, the number of prefill and decode engines, e.g. 1:3", fl.pd)
+	case p < 1 || d < 1:
+		return upPD{}, fmt.Errorf("--pd %q: want at least one prefill and one decode engine", fl.pd)
+	case p+d > 64:
+		return upPD{}, fmt.Errorf("--pd %q: %d engines, want at most 64", fl.pd, p+d)
+	}
+	c, err := disagg.ParseConnector(fl.pdConnector)
+	if err == nil && c == disagg.LLMD {
+		err = fmt.Errorf("llm-d's hand-off runs in a routing sidecar the simulated engines do not have")
+	}
+	if err != nil {
+		return upPD{}, fmt.Errorf("--pd-connector %q: %v (want nixl, mooncake or sglang)", fl.pdConnector, err)
+	}
+	if fl.pdThreshold < 0 {
+		return upPD{}, fmt.Errorf("--pd-threshold %d: want a number of tokens, >= 0 (0: %d)", fl.pdThreshold, sched.DefaultPDThreshold)
+	}
+	return upPD{prefill: p, decode: d, connector: c}, nil
+}
+
+// on reports whether --pd was given.
+func (pd upPD) on() bool { return pd.prefill > 0 }
+
+// apply makes cfg's endpoints (those of fleet, in its order for each of
+// its models) a P/D pool: each its engine's role and bootstrap port, the
+// hand-off's connector, releases (the simulated engines serve
+// disagg.ReleasePath) and the split threshold.
+func (pd upPD) apply(cfg *gateway.Config, fleet *simserver.Fleet, threshold int) error {
+	if !pd.on() {
+		return nil
+	}
+	byURL := map[string]simserver.FleetMember{}
+	for _, m := range fleet.Members {
+		byURL[m.URL] = m
+	}
+	for i := range cfg.Endpoints {
+		e := &cfg.Endpoints[i]
+		m, ok := byURL[e.URL]
+		if !ok {
+			continue
+		}
+		e.Role = string(m.Role)
+		if m.BootstrapAddr != "" {
+			_, port, err := net.SplitHostPort(m.BootstrapAddr)
+			if err != nil {
+				return fmt.Errorf("engine %s: bootstrap address %q: %v", m.URL, m.BootstrapAddr, err)
+			}
+			if e.BootstrapPort, err = strconv.Atoi(port); err != nil {
+				return fmt.Errorf("engine %s: bootstrap address %q: %v", m.URL, m.BootstrapAddr, err)
+			}
+		}
+	}
+	cfg.PD = gateway.PDConfig{Connector: string(pd.connector), Release: true}
+	cfg.Routing.PD.Threshold = threshold
+	return nil
 }
 
 // run is up's RunE: start the fleet, then the gateway in front of it
@@ -95,6 +194,13 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 	}
 	if err := checkPprofAddr(fl.pprofAt); err != nil {
 		return err
+	}
+	pd, err := fl.parsePD(cmd)
+	if err != nil {
+		return err
+	}
+	if pd.on() {
+		fl.engines = pd.prefill + pd.decode
 	}
 	if fl.engines < 1 || fl.engines > 64 {
 		return fmt.Errorf("--engines %d: want 1..64", fl.engines)
@@ -113,7 +219,12 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 		// gateway subscribes: the precise-prefix policy's input.
 		scfg.KVEvents = kvevents.PublisherConfig{Enable: true}
 	}
-	fleet, err := simserver.StartFleet(fl.engines, scfg)
+	var fleet *simserver.Fleet
+	if pd.on() {
+		fleet, err = simserver.StartPDFleet(pd.prefill, pd.decode, scfg)
+	} else {
+		fleet, err = simserver.StartFleet(fl.engines, scfg)
+	}
 	if err != nil {
 		return err
 	}
@@ -127,6 +238,9 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 			cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, m)...)
 		}
 		bench.FleetTiers(fleet, &cfg)
+		if err := pd.apply(&cfg, fleet, fl.pdThreshold); err != nil {
+			return cfg, err
+		}
 		if err := applyEdgeFlags(cmd, &cfg, "", "", fl.keys); err != nil {
 			return cfg, err
 		}
@@ -147,11 +261,26 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 			fmt.Fprintf(out, "infergate %s is up: OpenAI API at %s/v1 (policy %s; %s)\n", buildVersion(), base, resolved, auth)
 			fmt.Fprintf(out, "  fleet: %d simulated engines, profile %s, model %q, time scale %gx, %d KV blocks each\n",
 				fl.engines, prof.Name, model, scfg.TimeScale, fleet.KVBlocks())
+			if pd.on() {
+				threshold := fl.pdThreshold
+				if threshold == 0 {
+					threshold = sched.DefaultPDThreshold
+				}
+				fmt.Fprintf(out, "  P/D: %d prefill + %d decode engines, connector %s, prompts with %d+ uncached tokens split\n",
+					pd.prefill, pd.decode, pd.connector, threshold)
+			}
 			if t := fl.tiers; !t.host.IsZero() || !t.disk.IsZero() || !t.remote.IsZero() {
 				fmt.Fprintf(out, "  KV tiers: host %s, disk %s each; shared remote %s\n", t.host, t.disk, t.remote)
 			}
 			for i, u := range fleet.URLs {
-				fmt.Fprintf(out, "    engine %d: %s (metrics %s/metrics)\n", i, u, u)
+				role := ""
+				if m := fleet.Members[i]; pd.on() {
+					role = fmt.Sprintf(" %s", m.Role)
+					if m.BootstrapAddr != "" && pd.connector != disagg.NIXL {
+						role += fmt.Sprintf(" (bootstrap %s)", m.BootstrapAddr)
+					}
+				}
+				fmt.Fprintf(out, "    engine %d%s: %s (metrics %s/metrics)\n", i, role, u, u)
 			}
 			fmt.Fprintf(out, "  dashboard: %s/dashboard   metrics: %s/metrics   health: %s/healthz\n\n", base, base, base)
 			fmt.Fprintf(out, "Try:\n  curl -s %s/v1/chat/completions -H 'Content-Type: application/json' \\\n"+
