@@ -126,7 +126,7 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 			"The model server could not be reached.", "", openai.CodeUpstream)}
 	}
 	defer resp.Body.Close()
-	if !x.pd.readyAt.IsZero() { // D's first byte after P's answer
+	if !x.pd.readyAt.IsZero() && x.stream { // D's first byte after P's answer (a whole answer's headers come after its decode)
 		g.pdm.handoff.WithLabelValues(p.model).Observe(time.Since(x.pd.readyAt).Seconds())
 		x.pd.readyAt = time.Time{}
 	}

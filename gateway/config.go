@@ -394,6 +394,9 @@ func LoadConfig(path string) (Config, error) {
 	for _, w := range c.Routing.Deprecated() {
 		slog.Warn("gateway config " + path + ": " + w)
 	}
+	for _, w := range c.pdWarnings() {
+		slog.Warn("gateway config " + path + ": " + w)
+	}
 	return c, nil
 }
 

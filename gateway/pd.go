@@ -119,6 +119,26 @@ func (c Config) validatePD() []error {
 	return errs
 }
 
+// pdWarnings are settings that validate but are likely wrong: with the
+// sglang and mooncake connectors, a prefill endpoint without bootstrap_port
+// is assumed to serve its bootstrap on 8998; a wrong port is not an error the
+// gateway sees (D cannot reach P, recomputes the prompt, and P holds its
+// KV until its timeout), so the assumption is said aloud.
+func (c Config) pdWarnings() []string {
+	conn, err := disagg.ParseConnector(c.PD.Connector)
+	if err != nil || !conn.Bootstraps() {
+		return nil
+	}
+	var out []string
+	for i, e := range c.Endpoints {
+		if r, _ := sched.ParseRole(e.Role); r != sched.RoleDecode && e.Role != "" && e.BootstrapPort == 0 {
+			out = append(out, fmt.Sprintf("endpoints[%d] (%s): pd.connector %s and no bootstrap_port: assuming %d; a wrong port makes every decode recompute its prompt",
+				i, e.URL, conn, disagg.DefaultBootstrapPort))
+		}
+	}
+	return out
+}
+
 // pdPool is what a P/D pool adds to its pool.
 type pdPool struct {
 	pd        *sched.PD
@@ -224,7 +244,7 @@ func newPDMetrics(reg prometheus.Registerer) (*pdMetrics, error) {
 			[]string{"model", "endpoint"}),
 		prefillOK: cv("pd_prefill_legs_total", "Prefill legs by endpoint and result (ok, or the failure: connect_failure, 5xx, status, timeout, bad_params, canceled).", "model", "endpoint", "result"),
 		handoff: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "infergate", Name: "pd_handoff_seconds",
-			Help: "P→D hand-off time: from the prefill endpoint's answer to the decode endpoint's response headers (nixl; seconds).", Buckets: latencyBuckets},
+			Help: "P→D hand-off time: from the prefill endpoint's answer to the decode endpoint's response headers (nixl, streaming requests: a whole answer's headers come after its decode; seconds).", Buckets: latencyBuckets},
 			[]string{"model"}),
 		fallbacks: cv("pd_fallbacks_total", "Split requests served whole on the decode endpoint because no prefill leg succeeded, by the last failure (or body: the body could not be rewritten).", "model", "reason"),
 		retries:   cv("pd_retries_total", "Legs of split requests sent again: prefill (another prefill endpoint after a failed leg) or decode (another decode endpoint, with the same kv_transfer_params for nixl, both legs again for mooncake and sglang).", "model", "leg"),
@@ -532,6 +552,9 @@ func (g *Gateway) legEnded(x *exchange, p *pool, le *disagg.LegError, start time
 	ep.releaseSlot()
 	x.pd.pEP = nil
 	g.pdm.prefill.WithLabelValues(p.model, ep.name).Observe(now.Sub(start).Seconds())
+	if le == nil {
+		x.obs.prefilled(ep.name, now.Sub(start)) // a concurrent leg ends after D's is sent: its whole duration
+	}
 	result := "ok"
 	if le != nil {
 		result = le.Reason

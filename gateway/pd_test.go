@@ -209,8 +209,10 @@ func TestPDNIXL(t *testing.T) {
 			if v := metricValue(t, gw, "infergate_pd_decisions_total", `outcome="split"`); v != 1 {
 				t.Fatalf("split decisions %v", v)
 			}
-			if v := metricValue(t, gw, "infergate_pd_handoff_seconds_count", ""); v != 1 {
-				t.Fatalf("hand-offs %v", v)
+			// Hand-offs are timed to a streamed D's headers only (a whole
+			// answer's come after its decode).
+			if v, want := metricValue(t, gw, "infergate_pd_handoff_seconds_count", ""), map[bool]float64{true: 1, false: 0}[stream]; v != want {
+				t.Fatalf("hand-offs %v, want %v", v, want)
 			}
 			if v := metricValue(t, gw, "infergate_pd_prefill_legs_total", `result="ok"`); v != 1 {
 				t.Fatalf("prefill legs %v", v)
@@ -365,7 +367,7 @@ func TestPDWholeOnDecode(t *testing.T) {
 		if resp.StatusCode != 200 || len(p.got()) != 0 || string(d.got()[0].raw) != in {
 			t.Fatalf("status %d, P legs %d, D body %s", resp.StatusCode, len(p.got()), body)
 		}
-		if v := metricValue(t, gw, "infergate_pd_decisions_total", `reason="short"`); v != 1 {
+		if v := metricValue(t, gw, "infergate_pd_decisions_total", `reason="below-threshold"`); v != 1 {
 			t.Fatalf("short decisions %v", v)
 		}
 	})
@@ -541,4 +543,20 @@ func TestPDNoGoroutineLeak(t *testing.T) {
 		}()
 	}
 	requireGoroutinesBack(t, before)
+}
+
+func TestPDWarnsOfAssumedBootstrapPort(t *testing.T) {
+	c := Config{PD: PDConfig{Connector: "sglang"}, Endpoints: []EndpointConfig{
+		{URL: "http://127.0.0.1:1", Model: "m", Role: "prefill"},
+		{URL: "http://127.0.0.1:2", Model: "m", Role: "prefill", BootstrapPort: 9000},
+		{URL: "http://127.0.0.1:3", Model: "m", Role: "decode"},
+	}}
+	w := c.pdWarnings()
+	if len(w) != 1 || !strings.Contains(w[0], "endpoints[0]") || !strings.Contains(w[0], "8998") {
+		t.Fatalf("warnings %q", w)
+	}
+	c.PD.Connector = "nixl"
+	if w := c.pdWarnings(); len(w) != 0 {
+		t.Fatalf("nixl warnings %q", w)
+	}
 }

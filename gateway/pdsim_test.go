@@ -235,7 +235,7 @@ func TestPDSimFleet(t *testing.T) {
 				if err != nil || a.status != 200 || a.text == "" {
 					t.Fatalf("short: %+v %v", a, err)
 				}
-				if v := metricValue(t, gw, "infergate_pd_decisions_total", `reason="short"`); v != 1 {
+				if v := metricValue(t, gw, "infergate_pd_decisions_total", `reason="below-threshold"`); v != 1 {
 					t.Fatalf("short decisions %v", v)
 				}
 				if n := simValue(t, c, P, "vllm:request_success_total"); n != 2 {

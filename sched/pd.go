@@ -150,8 +150,8 @@ type PDDecision struct {
 
 // Why a request was served whole (PDDecision.Reason; metric label values).
 const (
-	PDReasonShort       = "short"      // its uncached part is under Threshold
-	PDReasonNoPrefill   = "no-prefill" // no prefill endpoint is ready
+	PDReasonShort       = "below-threshold" // its part D does not hold is under Threshold (short, or cached on D)
+	PDReasonNoPrefill   = "no-prefill"      // no prefill endpoint is ready
 	PDReasonPrefillBusy = "prefill-busy"
 	PDReasonNoDecode    = "no-decode" // no decode endpoint is ready (nothing served)
 )

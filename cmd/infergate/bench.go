@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -159,6 +160,12 @@ func (fl *benchFlags) validate() ([]float64, error) {
 	rates, err := parseRates(fl.rateList)
 	if err != nil {
 		return nil, err
+	}
+	if err := checkPDThreshold(fl.pdThr); err != nil {
+		return nil, err
+	}
+	if fl.pdThr != 0 && !slices.ContainsFunc(fl.pd, func(p int) bool { return p > 0 }) {
+		return nil, errors.New("--pd-threshold needs --pd with prefill engines (e.g. --pd 0,6)")
 	}
 	for _, p := range fl.pd {
 		n := fl.engines
@@ -426,7 +433,7 @@ func (r *benchRun) runVirtual(recs []trace.Record, rate float64, p string, pd in
 				return err
 			}
 		}
-		fmt.Fprintf(os.Stderr, "%s: %d requests in virtual time, %s wall\n", p, len(run.Records), run.Wall.Round(time.Millisecond))
+		fmt.Fprintf(os.Stderr, "%s: %d requests in virtual time, %s wall\n", run.Summary.Policy, len(run.Records), run.Wall.Round(time.Millisecond))
 		r.refs.Apply(&run.Summary, run.Records)
 		r.report.Runs = append(r.report.Runs, run.Summary)
 		r.addHTML(report.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})

@@ -118,7 +118,7 @@ type tierFlags struct {
 func (t *tierFlags) register(f *pflag.FlagSet) {
 	f.Var(&t.host, "kv-host", "host-memory KV tier of each engine: 0 (off), a multiple of its GPU KV cache (4x) or bytes (512GiB); bandwidth from the profile")
 	f.Var(&t.disk, "kv-disk", "local-disk KV tier of each engine: 0 (off), a multiple of its GPU KV cache or bytes")
-	f.Var(&t.remote, "kv-remote", "shared remote KV tier (one in-process store for the fleet's engines; `sim` gets one of its own, kvstore's via --kv-store-url): 0 (off), a multiple of one engine's GPU KV cache or bytes")
+	f.Var(&t.remote, "kv-remote", "shared remote KV tier (one in-process store for the fleet's engines; infergate sim gets one of its own, kvstore's via --kv-store-url): 0 (off), a multiple of one engine's GPU KV cache or bytes")
 }
 
 // engine returns c with the host and disk tiers set.

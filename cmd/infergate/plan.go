@@ -100,7 +100,7 @@ func (fl *planFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it, the sweep table, and against fleet size each SLO target's value with its threshold line, goodput, and the hit rate with its references, the recommended point marked")
 	f.Int64Var(&fl.seed, "seed", 0, "seed of the engines' outputs and the policies' tie-breaking")
 	f.StringVar(&fl.pd, "pd", "", "P/D splits to sweep at every fleet size: prefill-engine counts (0 = aggregated) and ranges, comma-separated, e.g. 0,2..6; 'all' = 0 to N-1")
-	f.StringVar(&fl.pdThreshold, "pd-threshold", "", "with --pd: the decider's non-cached-token thresholds to sweep, comma-separated (-1 = always split; default 2048)")
+	f.StringVar(&fl.pdThreshold, "pd-threshold", "", "with --pd: the decider's non-cached-token thresholds to sweep, comma-separated (0 = the default 2048, -1 = always split)")
 	f.StringVar(&fl.pdLocal, "pd-local", "", "with --pd: where requests that are not split run, comma-separated: decode, any (default decode)")
 }
 
@@ -139,8 +139,11 @@ func (fl *planFlags) pdVariants(largest int) ([]plan.PDVariant, error) {
 		thresholds = thresholds[:0]
 		for _, item := range strings.Split(fl.pdThreshold, ",") {
 			t, err := strconv.Atoi(strings.TrimSpace(item))
-			if err != nil || t == 0 || t < -1 {
-				return nil, fmt.Errorf("--pd-threshold %q: want a token count >= 1, or -1 to always split", item)
+			if err != nil {
+				return nil, fmt.Errorf("--pd-threshold %q: want a number of tokens, 0 for the default (%d), or -1 to always split", item, sched.DefaultPDThreshold)
+			}
+			if err := checkPDThreshold(t); err != nil {
+				return nil, err
 			}
 			thresholds = append(thresholds, t)
 		}
@@ -249,6 +252,11 @@ func (fl *planFlags) options() (plan.Options, error) {
 	pds, err := fl.pdVariants(slices.Max(sizes))
 	if err != nil {
 		return plan.Options{}, err
+	}
+	for _, v := range pds {
+		if v.Prefill >= slices.Max(sizes) {
+			return plan.Options{}, fmt.Errorf("--pd %d: want fewer prefill engines than the largest fleet of --engines (%d), so that decode engines remain", v.Prefill, slices.Max(sizes))
+		}
 	}
 	recs, err := fl.wl.load()
 	if err != nil {

@@ -99,7 +99,7 @@ func (fl *upFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.keys, "keys-file", "", "API keys file (see 'infergate keys'); also $"+auth.EnvAPIKeys+"; read again at SIGHUP")
 	f.StringVar(&fl.pd, "pd", "", "disaggregated prefill/decode: P:D runs P prefill and D decode engines (e.g. 1:3) instead of --engines")
 	f.StringVar(&fl.pdConnector, "pd-connector", string(disagg.NIXL), "with --pd, the P→D hand-off protocol: nixl, mooncake or sglang")
-	f.IntVar(&fl.pdThreshold, "pd-threshold", 0, fmt.Sprintf("with --pd, split prompts with at least this many uncached tokens (routing.pd.threshold; 0: %d)", sched.DefaultPDThreshold))
+	f.IntVar(&fl.pdThreshold, "pd-threshold", 0, fmt.Sprintf("with --pd, split prompts with at least this many uncached tokens (routing.pd.threshold; 0: %d, -1: always split)", sched.DefaultPDThreshold))
 }
 
 // upPD is a parsed --pd: the number of prefill and decode engines and the
@@ -136,14 +136,14 @@ func (fl *upFlags) parsePD(cmd *cobra.Command) (upPD, error) {
 		return upPD{}, fmt.Errorf("--pd %q: %d engines, want at most 64", fl.pd, p+d)
 	}
 	c, err := disagg.ParseConnector(fl.pdConnector)
-	if err == nil && c == disagg.LLMD {
-		err = fmt.Errorf("llm-d's hand-off runs in a routing sidecar the simulated engines do not have")
+	switch {
+	case err == nil && c == disagg.LLMD:
+		return upPD{}, fmt.Errorf("--pd-connector llm-d: its hand-off runs in a routing sidecar the simulated engines do not have (want nixl, mooncake or sglang)")
+	case err != nil:
+		return upPD{}, fmt.Errorf("--pd-connector %q: want nixl, mooncake or sglang", fl.pdConnector)
 	}
-	if err != nil {
-		return upPD{}, fmt.Errorf("--pd-connector %q: %v (want nixl, mooncake or sglang)", fl.pdConnector, err)
-	}
-	if fl.pdThreshold < 0 {
-		return upPD{}, fmt.Errorf("--pd-threshold %d: want a number of tokens, >= 0 (0: %d)", fl.pdThreshold, sched.DefaultPDThreshold)
+	if err := checkPDThreshold(fl.pdThreshold); err != nil {
+		return upPD{}, err
 	}
 	return upPD{prefill: p, decode: d, connector: c}, nil
 }
@@ -288,4 +288,13 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 			fmt.Fprintf(out, "Press Ctrl-C to stop.\n")
 		}
 	})
+}
+
+// checkPDThreshold checks a --pd-threshold of up, bench or plan: a token
+// count, 0 for the default, or -1 to always split (routing.pd.threshold).
+func checkPDThreshold(t int) error {
+	if t < -1 {
+		return fmt.Errorf("--pd-threshold %d: want a number of tokens, 0 for the default (%d), or -1 to always split", t, sched.DefaultPDThreshold)
+	}
+	return nil
 }

@@ -44,7 +44,7 @@ func TestUpPD(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	code, v = postJSON(t, base+"/v1/chat/completions", fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"Hi"}],"max_tokens":4}`, model))
-	if code != 200 || metricValue(t, base, "infergate_pd_decisions_total", `reason="short"`) != 1 {
+	if code != 200 || metricValue(t, base, "infergate_pd_decisions_total", `reason="below-threshold"`) != 1 {
 		t.Fatalf("short chat: %d %v", code, v)
 	}
 	p.stop(t)
@@ -61,7 +61,7 @@ func TestUpPDFlags(t *testing.T) {
 		{[]string{"--pd", "a:b"}, "want P:D"},
 		{[]string{"--pd", "40:40"}, "at most 64"},
 		{[]string{"--pd", "1:1", "--engines", "3"}, "give one"},
-		{[]string{"--pd", "1:1", "--pd-connector", "rdma"}, "unknown P/D connector"},
+		{[]string{"--pd", "1:1", "--pd-connector", "rdma"}, `--pd-connector "rdma": want nixl, mooncake or sglang`},
 		{[]string{"--pd", "1:1", "--pd-connector", "llm-d"}, "sidecar"},
 		{[]string{"--pd", "1:1", "--pd-threshold", "-5"}, "--pd-threshold -5"},
 		{[]string{"--pd-connector", "mooncake"}, "needs --pd"},
