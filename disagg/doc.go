@@ -5,7 +5,7 @@
 // leg, a concurrent one, the bootstrap query, the release of held blocks).
 // It knows nothing of the gateway: a leg is sent by a Send the caller gives.
 //
-// The connectors (/work/shared/PROTOCOLS.md §3; sources there):
+// The connectors (docs/PROTOCOLS.md §3; sources there):
 //
 //   - NIXL (vLLM NixlConnector, serial "pull"; vllm-project/vllm
 //     tests/v1/kv_connector/nixl_integration/toy_proxy_server.py@030ea52e):

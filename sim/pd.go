@@ -10,7 +10,7 @@ import (
 // (the prefill engine, P) and another reads it over the interconnect and
 // decodes (D), as vLLM's NixlConnector does
 // (vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py,
-// v0.11–v0.13; ../shared/PROTOCOLS.md §3.1). Roles are a routing matter:
+// v0.11–v0.13; docs/PROTOCOLS.md §3.1). Roles are a routing matter:
 // every engine here is kv_both, and what a request asks decides.
 //
 //   - P: a request with HoldKV (kv_transfer_params.do_remote_decode) runs

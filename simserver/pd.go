@@ -22,7 +22,7 @@ import (
 )
 
 // Disaggregated prefill/decode (P/D) on the HTTP front: the request
-// protocols of ../shared/PROTOCOLS.md §3 over the engine's P/D model
+// protocols of docs/PROTOCOLS.md §3 over the engine's P/D model
 // (sim/pd.go: Request.HoldKV, Request.RemotePrefill). README.md "P/D"
 // describes the flows; this file parses the request fields (bounded: they
 // are client input) and defines the server's configuration. The side
