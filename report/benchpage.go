@@ -232,7 +232,7 @@ func pdSection(runs []HTMLRun, names []string) *Section {
 	var pnames []string
 	var prefill, transfer [][]float64
 	var cdf []Series
-	t := &Table{Head: []string{"policy", "split", "whole", "whole by reason", "prefill leg p50/p90/p99 ms", "P→D transfer p50/p90/p99 ms"}}
+	t := &Table{Head: []string{"policy", "split", "whole", "whole by reason", "prefill leg p50/p90/p99 ms", "P→D transfer (D's wait for blocks + read) p50/p90/p99 ms"}}
 	for i, run := range runs {
 		s := run.Summary.PD
 		if s == nil {
