@@ -325,3 +325,22 @@ func FuzzBootstrapAndBatch(f *testing.F) {
 		}
 	})
 }
+
+func TestStripClientParams(t *testing.T) {
+	body := []byte(`{"model":"m","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.9.9.9"},"messages":[],"bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":5,"kv\u005ftransfer_params":{}}`)
+	out, ok, err := StripClientParams(nil, body)
+	if err != nil || !ok {
+		t.Fatalf("StripClientParams: %v %v", ok, err)
+	}
+	if string(out) != `{"model":"m","messages":[]}` {
+		t.Fatalf("stripped: %s", out)
+	}
+	plain := []byte(`{"model":"m","messages":[{"role":"user","content":"kv_transfer_params"}]}`)
+	out, ok, err = StripClientParams(nil, plain)
+	if err != nil || ok || &out[0] != &plain[0] {
+		t.Fatalf("a body without them: %s %v %v", out, ok, err)
+	}
+	if _, _, err := StripClientParams(nil, []byte(`[1]`)); err == nil {
+		t.Fatal("an array accepted")
+	}
+}

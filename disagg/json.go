@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/infergate/infergate/openai"
 )
@@ -244,3 +245,38 @@ func lookup(body []byte, key string) ([]byte, bool) {
 
 // isNull reports whether a raw value is JSON null.
 func isNull(v []byte) bool { return bytes.Equal(bytes.TrimSpace(v), []byte("null")) }
+
+// ClientParams are the top-level request members that steer a P/D hand-off:
+// vLLM's kv_transfer_params (NIXL and Mooncake: which engine's KV to read
+// or to hold) and SGLang's bootstrap_host, bootstrap_port and
+// bootstrap_room. They are the gateway's to set: from a client they would
+// make an engine connect to a host the client names (with the gateway's
+// credentials) or hold its KV until its abort timeout.
+var ClientParams = []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
+
+// StripClientParams appends to dst body without its ClientParams members
+// (every occurrence, keys compared unescaped as an engine's JSON reader
+// reads them) and reports whether it had any; with none it returns body
+// itself and false, allocating nothing. body must be a JSON object.
+func StripClientParams(dst, body []byte) ([]byte, bool, error) {
+	if err := checkObject(body); err != nil {
+		return nil, false, err
+	}
+	var scratch [32]member
+	ms, err := members(body, scratch[:0])
+	if err != nil {
+		return nil, false, err
+	}
+	found := false
+	for _, m := range ms {
+		if slices.Contains(ClientParams, m.key) {
+			found = true
+			break
+		}
+	}
+	if !found {
+		return body, false, nil
+	}
+	out, err := edit(dst, body, nil, ClientParams...)
+	return out, true, err
+}

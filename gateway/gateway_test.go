@@ -186,9 +186,9 @@ func TestMethodsAndPaths(t *testing.T) {
 // streamBody is a streaming chat request; usage asks for include_usage.
 func streamBody(usage bool) string {
 	if usage {
-		return `{"model":"m","messages":[{"role":"user","content":"Say hello"}],"stream":true,"stream_options":{"include_usage":true},"kv_transfer_params":{"x":1}}`
+		return `{"model":"m","messages":[{"role":"user","content":"Say hello"}],"stream":true,"stream_options":{"include_usage":true},"vllm_xargs":{"x":1}}`
 	}
-	return `{"model":"m","messages":[{"role":"user","content":"Say hello"}],"stream":true,"kv_transfer_params":{"x":1}}`
+	return `{"model":"m","messages":[{"role":"user","content":"Say hello"}],"stream":true,"vllm_xargs":{"x":1}}`
 }
 
 func TestStreamingPassthrough(t *testing.T) {
@@ -214,7 +214,7 @@ func TestStreamingPassthrough(t *testing.T) {
 			if err := json.Unmarshal(upstream, &sent); err != nil {
 				t.Fatal(err)
 			}
-			if string(sent["stream_options"]) != `{"include_usage":true}` || string(sent["kv_transfer_params"]) != `{"x":1}` {
+			if string(sent["stream_options"]) != `{"include_usage":true}` || string(sent["vllm_xargs"]) != `{"x":1}` {
 				t.Errorf("upstream body %s", upstream)
 			}
 			if usage && string(upstream) != streamBody(true) {

@@ -50,7 +50,21 @@ type PDConfig struct {
 	Release bool `yaml:"release"`
 	// ReleaseTimeout bounds a release call (default 5s).
 	ReleaseTimeout time.Duration `yaml:"release_timeout"`
+	// ClientParams is what becomes of a client's own P/D members
+	// (disagg.ClientParams: kv_transfer_params, bootstrap_host/port/room) in
+	// a chat or completion: "strip" (default) removes them before any
+	// engine sees them, in every pool — from a client they would make an
+	// engine connect where the client says, with the gateway's engine key,
+	// or hold its KV until its abort timeout; "pass" forwards them, for a
+	// deployment whose own proxy behind the gateway runs the hand-off.
+	ClientParams string `yaml:"client_params"`
 }
+
+// PDConfig.ClientParams values.
+const (
+	PDClientParamsStrip = "strip"
+	PDClientParamsPass  = "pass"
+)
 
 func (c PDConfig) withDefaults(firstEvent time.Duration) PDConfig {
 	if c.Connector == "" {
@@ -64,6 +78,9 @@ func (c PDConfig) withDefaults(firstEvent time.Duration) PDConfig {
 	}
 	if c.ReleaseTimeout == 0 {
 		c.ReleaseTimeout = DefaultPDReleaseTimeout
+	}
+	if c.ClientParams == "" {
+		c.ClientParams = PDClientParamsStrip
 	}
 	return c
 }
@@ -86,6 +103,9 @@ func (c Config) validatePD() []error {
 	}
 	if c.PD.PrefillTimeout <= 0 {
 		bad("pd.prefill_timeout %v: must be positive", c.PD.PrefillTimeout)
+	}
+	if v := c.PD.ClientParams; v != PDClientParamsStrip && v != PDClientParamsPass {
+		bad("pd.client_params %q: want %q or %q", v, PDClientParamsStrip, PDClientParamsPass)
 	}
 	if c.PD.ReleaseTimeout <= 0 {
 		bad("pd.release_timeout %v: must be positive", c.PD.ReleaseTimeout)
@@ -227,6 +247,7 @@ type pdMetrics struct {
 	prefill   *prometheus.HistogramVec // model, endpoint
 	prefillOK *prometheus.CounterVec   // model, endpoint, result
 	handoff   *prometheus.HistogramVec // model
+	stripped  prometheus.Counter       // client bodies whose P/D members were removed
 	fallbacks *prometheus.CounterVec   // model, reason
 	retries   *prometheus.CounterVec   // model, leg
 	releases  *prometheus.CounterVec   // model, result
@@ -251,7 +272,9 @@ func newPDMetrics(reg prometheus.Registerer) (*pdMetrics, error) {
 		releases:  cv("pd_releases_total", "Release calls for blocks a prefill endpoint held for a decode that failed or was abandoned (pd.release), by result: released, not_held (404: read or expired), error.", "model", "result"),
 		stranded:  cv("pd_stranded_holds_total", "Blocks a prefill endpoint holds for a decode that failed or was abandoned, left to expire (pd.release off, or no remote_request_id to name them).", "model"),
 	}
-	for _, c := range []prometheus.Collector{m.decisions, m.prefill, m.prefillOK, m.handoff, m.fallbacks, m.retries, m.releases, m.stranded} {
+	m.stripped = prometheus.NewCounter(prometheus.CounterOpts{Namespace: "infergate", Name: "pd_client_params_stripped_total",
+		Help: "Chat and completion bodies whose client-supplied kv_transfer_params or bootstrap_host/port/room were removed before routing (pd.client_params strip)."})
+	for _, c := range []prometheus.Collector{m.decisions, m.prefill, m.prefillOK, m.handoff, m.fallbacks, m.retries, m.releases, m.stranded, m.stripped} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register gateway P/D metrics: %w", err)
 		}
@@ -509,6 +532,21 @@ func (g *Gateway) prefillLeg(r *http.Request, x *exchange, kind apiKind, p *pool
 	x.pass.sendBody = x.pd.body
 	x.obs.prefilled(ep.name, time.Since(start))
 	return nil, nil
+}
+
+// stripClientParams removes a client's P/D members from x's body
+// (PDConfig.ClientParams) before it is routed; a body that cannot be read
+// as an object is left to the engine, which refuses it as it would have.
+func (g *Gateway) stripClientParams(x *exchange, kind apiKind) {
+	if (kind != kindChat && kind != kindCompletion) || g.cfg.PD.ClientParams == PDClientParamsPass {
+		return
+	}
+	b, ok, err := disagg.StripClientParams(nil, x.upstreamBody())
+	if err != nil || !ok {
+		return
+	}
+	x.pass.sendBody = b
+	g.pdm.stripped.Inc()
 }
 
 // legSender sends a leg's body to u with header (nil: none) through the

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/disagg"
+	"github.com/infergate/infergate/sched"
 )
 
 // pdLeg is one request a fake P/D engine received.
@@ -558,5 +560,29 @@ func TestPDWarnsOfAssumedBootstrapPort(t *testing.T) {
 	c.PD.Connector = "nixl"
 	if w := c.pdWarnings(); len(w) != 0 {
 		t.Fatalf("nixl warnings %q", w)
+	}
+}
+
+// A client's own P/D members never reach an engine: not on a P/D pool's
+// whole-on-D path, not on a plain pool; pd.client_params pass forwards them.
+func TestPDStripsClientParams(t *testing.T) {
+	for _, pass := range []bool{false, true} {
+		e := newFakeEngine(t, "e0")
+		cfg := testConfig(sched.RoundRobin, e)
+		if pass {
+			cfg.PD.ClientParams = PDClientParamsPass
+		}
+		gw, url := startGateway(t, cfg)
+		_ = gw
+		body := `{"model":"m","messages":[{"role":"user","content":"Hi"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"127.0.0.1","remote_port":19999},"bootstrap_host":"127.0.0.1","bootstrap_port":19999,"bootstrap_room":5}`
+		resp, _ := post(t, testClient(t), url+pathChat, body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("pass=%v: status %d", pass, resp.StatusCode)
+		}
+		_, upstream := e.last()
+		has := bytes.Contains(upstream, []byte("kv_transfer_params")) || bytes.Contains(upstream, []byte("bootstrap_"))
+		if has != pass {
+			t.Fatalf("pass=%v: upstream body %s", pass, upstream)
+		}
 	}
 }

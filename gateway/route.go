@@ -60,6 +60,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 	if !g.admitQueued(w, r, p, x) {
 		return x.pass.fell != ""
 	}
+	g.stripClientParams(x, kind)
 	gate, budget := p.gate, p.budget // kept by the model's later pools
 	defer gate.release()
 
