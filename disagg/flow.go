@@ -173,7 +173,14 @@ func QueryBootstrap(ctx context.Context, timeout time.Duration, get Send, rank i
 // within timeout: true when it released them, false when it held none
 // (404: D read them, or they expired).
 func Release(ctx context.Context, timeout time.Duration, send Send, p *Prefill) (bool, error) {
-	_, le := exchange(ctx, timeout, send, ReleaseBody(p))
+	return ReleaseWith(ctx, timeout, send, ReleaseBody(p))
+}
+
+// ReleaseWith is Release with the release body given: ReleaseBody's for a
+// NIXL hold, ReleaseTransferBody's or ReleaseRoomBody's for the concurrent
+// connectors' holds.
+func ReleaseWith(ctx context.Context, timeout time.Duration, send Send, body []byte) (bool, error) {
+	_, le := exchange(ctx, timeout, send, body)
 	switch {
 	case le == nil:
 		return true, nil

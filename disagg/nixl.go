@@ -162,3 +162,20 @@ func ReleaseBody(p *Prefill) []byte {
 	}{p.EngineID, p.RequestID})
 	return b
 }
+
+// ReleaseTransferBody names a Mooncake hold by its transfer_id, and
+// ReleaseRoomBody an SGLang hold by its bootstrap_room, for ReleasePath.
+func ReleaseTransferBody(transferID string) []byte {
+	b, _ := json.Marshal(struct {
+		TransferID string `json:"transfer_id"`
+	}{transferID})
+	return b
+}
+
+// ReleaseRoomBody: see ReleaseTransferBody.
+func ReleaseRoomBody(room uint64) []byte {
+	b, _ := json.Marshal(struct {
+		Room uint64 `json:"bootstrap_room"`
+	}{room})
+	return b
+}

@@ -220,14 +220,18 @@ type pdState struct {
 	legRead   bool        // its answer's cached tokens were looked for (pdCached)
 	legStart  time.Time
 	pshare    load.Share
-	pMatched  int       // P's expected cached tokens (the prefill profile's decision)
-	cached    int       // P's cached tokens, written into D's usage (-1: no rewrite)
-	prefiller string    // llm-d: the x-prefiller-host-port value
-	readyAt   time.Time // P's answer: the hand-off's start
-	dCode     int       // D's relay result (2xx: D answered)
-	header    http.Header
-	pName     string // the P that holds the blocks (held)
-	reqID     string
+	pMatched  int // P's expected cached tokens (the prefill profile's decision)
+	// A concurrent leg's hold, by its name on P (pName): the Mooncake
+	// transfer id, or the SGLang rooms.
+	transferID string
+	rooms      []uint64
+	cached     int       // P's cached tokens, written into D's usage (-1: no rewrite)
+	prefiller  string    // llm-d: the x-prefiller-host-port value
+	readyAt    time.Time // P's answer: the hand-off's start
+	dCode      int       // D's relay result (2xx: D answered)
+	header     http.Header
+	pName      string // the P that holds the blocks (held)
+	reqID      string
 }
 
 func (s *pdState) reset() {
@@ -462,6 +466,7 @@ func (g *Gateway) prefillLeg(r *http.Request, x *exchange, kind apiKind, p *pool
 		pbody, bodyErr = disagg.NIXLPrefillBody(x.pd.pbody[:0], orig)
 	case disagg.Mooncake:
 		tid = disagg.NewTransferID()
+		x.pd.transferID = tid
 		pbody, bodyErr = disagg.MooncakePrefillBody(x.pd.pbody[:0], orig, tid)
 	case disagg.SGLang:
 		var n int
@@ -471,6 +476,7 @@ func (g *Gateway) prefillLeg(r *http.Request, x *exchange, kind apiKind, p *pool
 				rooms[i] = disagg.NewRoom()
 			}
 			pbody, bodyErr = disagg.SGLangBody(x.pd.pbody[:0], orig, u.Hostname(), port, rooms)
+			x.pd.rooms = rooms
 		}
 	}
 	if bodyErr != nil {
@@ -491,6 +497,9 @@ func (g *Gateway) prefillLeg(r *http.Request, x *exchange, kind apiKind, p *pool
 		ep.ledger.Send(&x.pd.pshare, x.sreq.PromptTokens, x.pd.pMatched, clock(time.Now()))
 	}
 	x.pd.pEP, x.pd.pi = ep, pi
+	if x.pd.connector.Concurrent() {
+		x.pd.pName = ep.name // the hold's engine, for a release
+	}
 	start := time.Now()
 	switch x.pd.connector {
 	case disagg.NIXL:
@@ -661,21 +670,34 @@ func (g *Gateway) endSplit(x *exchange, p *pool) {
 	if x.pd.origSet {
 		x.pass.sendBody = x.pd.orig
 	}
-	if !x.pd.held || x.pd.dCode/100 == 2 {
-		return
+	if x.pd.dCode/100 == 2 {
+		return // D answered: it read the KV (or recomputed: P's hold then ends at its timeout)
 	}
-	pre := &x.pd.pre
+	var bodies [][]byte // the holds D did not read
 	switch {
-	case !g.cfg.PD.Release || pre.RequestID == "":
-		g.pdm.stranded.WithLabelValues(p.model).Inc()
-	default:
-		g.release(p, x.pd.pName, pre)
+	case x.pd.held && x.pd.pre.RequestID != "":
+		bodies = append(bodies, disagg.ReleaseBody(&x.pd.pre))
+	case x.pd.held:
+		g.pdm.stranded.WithLabelValues(p.model).Inc() // no remote_request_id to name it
+	case x.pd.split && x.pd.transferID != "":
+		bodies = append(bodies, disagg.ReleaseTransferBody(x.pd.transferID))
+	case x.pd.split:
+		for _, room := range x.pd.rooms {
+			bodies = append(bodies, disagg.ReleaseRoomBody(room))
+		}
+	}
+	for _, b := range bodies {
+		if !g.cfg.PD.Release {
+			g.pdm.stranded.WithLabelValues(p.model).Inc()
+			continue
+		}
+		g.release(p, x.pd.pName, b)
 	}
 }
 
 // release asks P (the endpoint named name, if a reload kept it) to free the
-// blocks pre names.
-func (g *Gateway) release(p *pool, name string, pre *disagg.Prefill) {
+// blocks body names (disagg.ReleaseBody and its peers).
+func (g *Gateway) release(p *pool, name string, body []byte) {
 	var ep *endpoint
 	for _, e := range p.latest().endpoints {
 		if e != vacant && e.name == name {
@@ -690,10 +712,10 @@ func (g *Gateway) release(p *pool, name string, pre *disagg.Prefill) {
 		u.RawQuery = ""
 		h := http.Header{"Content-Type": {"application/json"}}
 		ep.spec.Load().addHeader(h)
-		ok, err := disagg.Release(context.Background(), g.cfg.PD.ReleaseTimeout, g.legSender(http.MethodPost, &u, h), pre)
+		ok, err := disagg.ReleaseWith(context.Background(), g.cfg.PD.ReleaseTimeout, g.legSender(http.MethodPost, &u, h), body)
 		switch {
 		case err != nil:
-			slog.Warn("gateway: P/D release failed", "endpoint", ep.name, "remote_request_id", pre.RequestID, "err", err)
+			slog.Warn("gateway: P/D release failed", "endpoint", ep.name, "hold", string(body), "err", err)
 		case ok:
 			result = "released"
 		default:
