@@ -338,6 +338,11 @@ func (g *Gateway) pickSplit(r *http.Request, x *exchange, kind apiKind, p *pool,
 	} else if dec.Decode.Endpoint >= 0 { // filled up since the snapshot
 		di, dd = g.pickWith(p, &x.sreq, excluded, p.pd.PickDecode)
 	}
+	if dec.Split && di >= 0 && x.overContext(kind, p.endpoints[di].spec.Load().maxModelLen) {
+		// D would refuse it after P computed and held its prompt: served
+		// whole, refused without a hold.
+		dec.Split, dec.Reason = false, pdReasonOverContext
+	}
 	outcome, reason := "whole", dec.Reason
 	if dec.Split && di >= 0 {
 		outcome, reason = "split", "long"
@@ -556,6 +561,27 @@ func (g *Gateway) stripClientParams(x *exchange, kind apiKind) {
 	}
 	x.pass.sendBody = b
 	g.pdm.stripped.Inc()
+}
+
+// pdReasonOverContext is the decision reason of a request the gateway does
+// not split because its prompt and max tokens exceed D's context length.
+const pdReasonOverContext = "over-context"
+
+// overContext reports whether x's prompt (the gateway's token count) and
+// its explicit max tokens exceed maxModelLen (0: unknown, never): a split
+// would make P compute and hold the prompt for a D that refuses it.
+func (x *exchange) overContext(kind apiKind, maxModelLen int) bool {
+	var mt *int
+	switch kind {
+	case kindChat:
+		mt = x.chat.MaxTokens
+		if x.chat.MaxCompletionTokens != nil {
+			mt = x.chat.MaxCompletionTokens
+		}
+	case kindCompletion:
+		mt = x.comp.MaxTokens
+	}
+	return maxModelLen > 0 && mt != nil && x.sreq.PromptTokens+*mt > maxModelLen
 }
 
 // legSender sends a leg's body to u with header (nil: none) through the

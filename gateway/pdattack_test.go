@@ -82,34 +82,50 @@ func TestPDAttackSGLangSplitKeepsClientKVParams(t *testing.T) {
 }
 
 // Finding 3: with a concurrent connector (mooncake, sglang), a decode leg
-// that is refused (here: max_tokens beyond D's context; P's leg asks one
-// token and fits) leaves P holding the prompt's KV until its abort timeout
-// (480 s): the gateway neither releases it (it knows the transfer id or
-// room, and the release endpoint takes them) nor counts it in
-// infergate_pd_stranded_holds_total. One cheap 400 per long prompt strands
-// P's memory at will.
+// that is refused (max_tokens beyond D's context; P's leg asks one token and
+// fits) left P holding the prompt's KV until its abort timeout, neither
+// released nor counted. Now the gateway, knowing D's context length, does not
+// split such a request at all; and when it does not know it (a configured
+// max_model_len larger than the engine's), the hold D never read is released
+// by its transfer id or room.
 func TestPDAttackConcurrentHoldStrandedAfterDecodeRefused(t *testing.T) {
 	for _, conn := range []string{"mooncake", "sglang"} {
-		t.Run(conn, func(t *testing.T) {
-			f, cfg := startSimPD(t, 1, 1, conn)
-			_, gw := startGateway(t, cfg)
-			c := testClient(t)
-			body := pdSimPrompt("strand"+conn, 300, false)
-			body = strings.Replace(body, `"max_tokens":12`, `"max_tokens":130500`, 1)
-			a, err := chat(context.Background(), c, gw, body)
-			if err != nil || a.status != http.StatusBadRequest {
-				t.Fatalf("want D's 400: %+v %v", a, err)
-			}
-			P := f.URLs[0]
-			waitFor(t, "P's leg served", func() bool { return simValue(t, c, P, "vllm:request_success_total") == 1 })
-			// The fleet runs at 1000x: the 480 s abort timeout is 0.48 s of
-			// wall time, so a stranded hold shows as an expiry, not a release.
-			waitFor(t, "P holds nothing", func() bool { return simValue(t, c, P, "infergate_sim_pd_held_requests") == 0 })
-			if exp := simValue(t, c, P, "infergate_sim_pd_held_expired_total"); exp != 0 {
-				t.Fatalf("P's hold for a refused decode expired at the abort timeout (%v expired, %v released); gateway stranded counter %v",
-					exp, simValue(t, c, P, "infergate_sim_pd_held_released_total"), metricValue(t, gw, "infergate_pd_stranded_holds_total", ""))
-			}
-		})
+		for _, misled := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/misled=%v", conn, misled), func(t *testing.T) {
+				f, cfg := startSimPD(t, 1, 1, conn)
+				if misled {
+					for i := range cfg.Endpoints {
+						cfg.Endpoints[i].MaxModelLen = 1 << 20
+					}
+				}
+				_, gw := startGateway(t, cfg)
+				c := testClient(t)
+				body := pdSimPrompt("strand"+conn, 300, false)
+				body = strings.Replace(body, `"max_tokens":12`, `"max_tokens":130500`, 1)
+				a, err := chat(context.Background(), c, gw, body)
+				if err != nil || a.status != http.StatusBadRequest {
+					t.Fatalf("want D's 400: %+v %v", a, err)
+				}
+				P := f.URLs[0]
+				if !misled {
+					if v := metricValue(t, gw, "infergate_pd_decisions_total", `reason="over-context"`); v != 1 {
+						t.Fatalf("over-context decisions %v", v)
+					}
+					if v := simValue(t, c, P, "vllm:request_success_total"); v != 0 {
+						t.Fatalf("P served %v legs for a request D refuses", v)
+					}
+					return
+				}
+				waitFor(t, "P's leg served", func() bool { return simValue(t, c, P, "vllm:request_success_total") == 1 })
+				// The fleet runs at 1000x: the 480 s abort timeout is 0.48 s of
+				// wall time, so a stranded hold shows as an expiry, not a release.
+				waitFor(t, "P holds nothing", func() bool { return simValue(t, c, P, "infergate_sim_pd_held_requests") == 0 })
+				if exp := simValue(t, c, P, "infergate_sim_pd_held_expired_total"); exp != 0 {
+					t.Fatalf("P's hold for a refused decode expired at the abort timeout (%v expired, %v released); gateway stranded counter %v",
+						exp, simValue(t, c, P, "infergate_sim_pd_held_released_total"), metricValue(t, gw, "infergate_pd_stranded_holds_total", ""))
+				}
+			})
+		}
 	}
 }
 
