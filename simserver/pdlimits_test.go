@@ -298,3 +298,16 @@ func TestPDReadBodyLimit(t *testing.T) {
 		t.Fatal("the /read bound grows past MaxRemoteBlockIDs")
 	}
 }
+
+// The limits' configuration: defaults, and negative values refused.
+func TestPDLimitsConfig(t *testing.T) {
+	c, err := PDConfig{}.withDefaults()
+	if err != nil || c.MaxWaiters != DefaultPDMaxWaiters || c.BodyTimeout != DefaultPDBodyTimeout {
+		t.Fatalf("defaults %+v %v", c, err)
+	}
+	for _, bad := range []PDConfig{{MaxWaiters: -1}, {BodyTimeout: -time.Second}} {
+		if _, err := NewServer(ServerConfig{PD: bad}); err == nil {
+			t.Fatalf("%+v accepted", bad)
+		}
+	}
+}
