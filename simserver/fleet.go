@@ -131,7 +131,7 @@ func StartFleetEngines(cfg ServerConfig, engines []FleetEngine) (*Fleet, error) 
 			return nil, fmt.Errorf("sim: engine %d: %w", i, err)
 		}
 		s.Start()
-		hs := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 10 * time.Second}
+		hs := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: serverIdleTimeout}
 		f.Servers = append(f.Servers, s)
 		f.https = append(f.https, hs)
 		f.URLs = append(f.URLs, "http://"+ln.Addr().String())

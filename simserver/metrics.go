@@ -101,6 +101,7 @@ type metrics struct {
 	// P/D (pd.go): decode legs' reads, recomputes and failed release
 	// notifications, and their reads' times (engine seconds).
 	pdTransfers, pdNotifyFailures prometheus.Counter
+	pdWaitRejects                 prometheus.Counter
 	pdRecomputes                  *prometheus.CounterVec
 	pdTransferTime                prometheus.Histogram
 
@@ -294,7 +295,9 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats]) *
 		Help: "Simulator only (not vLLM): decode requests that computed their prompt because its KV could not be read from the prefill engine (vLLM kv_load_failure_policy recompute), by reason.", ConstLabels: labels}, []string{"reason"})
 	m.pdTransferTime = hist("infergate_sim_pd_kv_transfer_seconds",
 		"Simulator only (not vLLM): per decode request reading its prompt from a prefill engine, from its arrival to the end of the read, in engine seconds (waiting for free blocks and the link included).", pdTransferBuckets)
-	reg.MustRegister(m.pdTransfers, m.pdNotifyFailures, m.pdRecomputes)
+	m.pdWaitRejects = prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_sim_pd_transfer_waiters_rejected_total",
+		Help: "Simulator only (not vLLM): side-channel transfer long polls answered 503 because PDConfig.MaxWaiters waited already.", ConstLabels: labels})
+	reg.MustRegister(m.pdTransfers, m.pdNotifyFailures, m.pdWaitRejects, m.pdRecomputes)
 	for _, r := range pdRecomputeReasons {
 		m.pdRecomputes.WithLabelValues(r)
 	}

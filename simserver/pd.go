@@ -68,6 +68,12 @@ const (
 	// DefaultSideChannelTimeout bounds every other side-channel call (the
 	// NIXL read check, the release notification), in wall time.
 	DefaultSideChannelTimeout = 5 * time.Second
+	// DefaultPDMaxWaiters bounds the transfer long polls a server holds
+	// open at once (PDConfig.MaxWaiters).
+	DefaultPDMaxWaiters = 1024
+	// DefaultPDBodyTimeout bounds, in wall time, how long a side-channel
+	// request's body may take to arrive (PDConfig.BodyTimeout).
+	DefaultPDBodyTimeout = 5 * time.Second
 )
 
 // PDConfig configures a Server's side of P/D hand-offs (the engine's own,
@@ -98,6 +104,14 @@ type PDConfig struct {
 	// SideChannelTimeout bounds the other side-channel calls (default
 	// DefaultSideChannelTimeout).
 	SideChannelTimeout time.Duration `yaml:"side_channel_timeout"`
+	// MaxWaiters bounds the side channel's transfer long polls waiting at
+	// once on this server (default DefaultPDMaxWaiters); one more is
+	// answered 503 with Retry-After at once.
+	MaxWaiters int `yaml:"max_waiters"`
+	// BodyTimeout bounds how long the body of a side-channel POST may take
+	// to arrive (default DefaultPDBodyTimeout); a slower one is answered
+	// 408 and its connection closed.
+	BodyTimeout time.Duration `yaml:"body_timeout"`
 }
 
 // withDefaults returns c with its defaults filled in.
@@ -119,8 +133,17 @@ func (c PDConfig) withDefaults() (PDConfig, error) {
 	if c.SideChannelTimeout == 0 {
 		c.SideChannelTimeout = DefaultSideChannelTimeout
 	}
-	if c.Wait < 0 || c.SideChannelTimeout < 0 {
-		return c, errors.New("sim: pd.wait and pd.side_channel_timeout must not be negative")
+	if c.MaxWaiters == 0 {
+		c.MaxWaiters = DefaultPDMaxWaiters
+	}
+	if c.BodyTimeout == 0 {
+		c.BodyTimeout = DefaultPDBodyTimeout
+	}
+	if c.Wait < 0 || c.SideChannelTimeout < 0 || c.BodyTimeout < 0 {
+		return c, errors.New("sim: pd.wait, pd.side_channel_timeout and pd.body_timeout must not be negative")
+	}
+	if c.MaxWaiters < 0 {
+		return c, fmt.Errorf("sim: pd.max_waiters must not be negative, got %d", c.MaxWaiters)
 	}
 	if c.AdvertiseAddr != "" {
 		if _, err := splitHostPort(c.AdvertiseAddr); err != nil {

@@ -493,10 +493,12 @@ func TestPDHostileFields(t *testing.T) {
 			t.Fatalf("%s %s %s: %d", c.method, c.path, c.body, resp.StatusCode)
 		}
 	}
-	resp := post(t, p, "/infergate/pd/v1/read", `{"x":"`+strings.Repeat("a", maxPDBody)+`"}`)
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusRequestEntityTooLarge {
-		t.Fatalf("an oversized side-channel body: %d", resp.StatusCode)
+	for path, limit := range map[string]int64{"/infergate/pd/v1/read": ps.pdReadBody, "/infergate/pd/v1/release": maxPDBody} {
+		resp := post(t, p, path, `{"x":"`+strings.Repeat("a", int(limit))+`"}`)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusRequestEntityTooLarge {
+			t.Fatalf("an oversized side-channel body on %s: %d", path, resp.StatusCode)
+		}
 	}
 	if ps.Stats().HeldRequests != 0 || ds.Stats().TransferredBlocks != 0 {
 		t.Fatal("a rejected request held or read")

@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"slices"
 	"strconv"
 	"sync"
@@ -36,7 +37,8 @@ import (
 //	     → 200 {"blocks":n} when this engine (the id matches) holds exactly those blocks for that request, else 404
 //	GET  /infergate/pd/v1/transfer?transfer_id=ID|room=N[&wait_ms=MS]
 //	     → 200 {"remote_engine_id","remote_request_id","remote_block_ids"} once a prefill
-//	       keyed so holds its blocks (a long poll, at most wait_ms, ≤ maxPDWait), else 404
+//	       keyed so holds its blocks (a long poll, at most wait_ms, ≤ maxPDWait), else 404;
+//	       503 with Retry-After at once when PDConfig.MaxWaiters polls wait already
 //	POST /infergate/pd/v1/release  {"remote_engine_id"?, one of "remote_request_id","transfer_id","bootstrap_room"}
 //	     → 200 {"released_blocks":n} after Engine.Release, 404 when nothing is held so
 //	       (D's notification after its read: vLLM's finished-sending notification;
@@ -45,15 +47,27 @@ import (
 //	GET  /query (bootstrap listener; main with BootstrapOnMain)
 //	     → {"0":{"engine_id":"<uuid>"}} (vLLM MooncakeConnector's bootstrap query)
 //
-// Bodies are bounded (maxPDBody), waits too; with API keys the
+// Bodies are bounded (maxPDBody; /read's by the engine's block count,
+// pdReadBodyLimit) and must arrive within PDConfig.BodyTimeout; waits are
+// bounded (maxPDWait) and so is the number of waiters (PDConfig.MaxWaiters,
+// beyond it 503 with Retry-After); with API keys the
 // /infergate/pd/ paths need one as /v1 does (auth.go), and D sends the
 // Authorization header of the request it serves.
 
 const (
 	// pdPathPrefix is the side channel's path prefix.
 	pdPathPrefix = "/infergate/pd/"
-	// maxPDBody bounds a side-channel body; remote_block_ids dominate.
-	maxPDBody = 16 * MaxRemoteBlockIDs
+	// maxPDBody bounds a side-channel body without block ids (/release):
+	// a few ids of at most maxPDString bytes, JSON-escaped.
+	maxPDBody = 64 << 10
+	// maxPDBlockIDBytes is what one of remote_block_ids may take in a
+	// /read body: an int32 and a comma (pdReadBodyLimit).
+	maxPDBlockIDBytes = 12
+	// serverIdleTimeout closes a keep-alive connection idle that long
+	// (the fleet's and the bootstrap listener's http.Servers).
+	serverIdleTimeout = 120 * time.Second
+	// pdRetryAfter is the Retry-After of a 503 for too many waiters (seconds).
+	pdRetryAfter = "1"
 	// maxPDWait bounds a transfer long poll, whatever wait_ms asks.
 	maxPDWait = 10 * time.Minute
 	// maxPDAnswer bounds what D reads of P's answers.
@@ -71,15 +85,25 @@ type pdHold struct {
 // channel: the driver adds holds as prefill legs finish and drops them
 // when the engine no longer holds them; handlers read it and wait on it.
 type pdRegistry struct {
-	mu      sync.Mutex
-	byKey   map[string]*pdHold
-	holds   map[string]*pdHold // by request id
-	changed chan struct{}      // closed (and replaced) at every add
-	waiters int                // handlers in wait (tests watch it)
+	mu    sync.Mutex
+	byKey map[string]*pdHold
+	holds map[string]*pdHold // by request id
+	// waits are the keys that handlers wait on; an add closes and deletes
+	// the entries of its keys only, so that it wakes their waiters alone.
+	waits      map[string]*pdWaitKey
+	waiters    int // handlers in wait, at most maxWaiters
+	maxWaiters int
 }
 
-func newPDRegistry() *pdRegistry {
-	return &pdRegistry{byKey: map[string]*pdHold{}, holds: map[string]*pdHold{}, changed: make(chan struct{})}
+// pdWaitKey is one key's waiters: ch is closed when a hold is added
+// under the key.
+type pdWaitKey struct {
+	ch chan struct{}
+	n  int // waiters on ch
+}
+
+func newPDRegistry(maxWaiters int) *pdRegistry {
+	return &pdRegistry{byKey: map[string]*pdHold{}, holds: map[string]*pdHold{}, waits: map[string]*pdWaitKey{}, maxWaiters: maxWaiters}
 }
 
 func (r *pdRegistry) add(h *pdHold) {
@@ -88,9 +112,11 @@ func (r *pdRegistry) add(h *pdHold) {
 	r.holds[h.reqID] = h
 	for _, k := range h.keys {
 		r.byKey[k] = h // a reused transfer id or room names the latest
+		if w := r.waits[k]; w != nil {
+			close(w.ch)
+			delete(r.waits, k)
+		}
 	}
-	close(r.changed)
-	r.changed = make(chan struct{})
 }
 
 func (r *pdRegistry) lookup(key string) *pdHold {
@@ -133,41 +159,98 @@ func (r *pdRegistry) numWaiters() int {
 	return r.waiters
 }
 
+// numWaitKeys returns how many keys have waiters (tests watch it).
+func (r *pdRegistry) numWaitKeys() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.waits)
+}
+
 func (r *pdRegistry) len() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return len(r.holds)
 }
 
+// errPDWaitersFull is wait's answer when maxWaiters handlers wait already.
+var errPDWaitersFull = errors.New("too many transfer waiters")
+
+// waitOnLocked registers a waiter on key and returns its channel, or nil when
+// maxWaiters wait already. The caller holds r.mu and calls unwaitLocked
+// once.
+func (r *pdRegistry) waitOnLocked(key string) *pdWaitKey {
+	if r.waiters >= r.maxWaiters {
+		return nil
+	}
+	r.waiters++
+	w := r.waits[key]
+	if w == nil {
+		w = &pdWaitKey{ch: make(chan struct{})}
+		r.waits[key] = w
+	}
+	w.n++
+	return w
+}
+
+// unwaitLocked ends a waiter on key registered on w (the caller holds r.mu).
+func (r *pdRegistry) unwaitLocked(key string, w *pdWaitKey) {
+	r.waiters--
+	w.n--
+	if w.n == 0 && r.waits[key] == w {
+		delete(r.waits, key) // no hold came for it: no entry stays behind
+	}
+}
+
 // wait returns the hold under key, waiting up to d for one to be added
-// (nil when none came, or ctx or quit ended first).
-func (r *pdRegistry) wait(ctx context.Context, quit <-chan struct{}, key string, d time.Duration) *pdHold {
+// (nil when none came, or ctx or quit ended first). A wait counts against
+// maxWaiters while it lasts; beyond it wait returns errPDWaitersFull at
+// once. A hold already there is returned without waiting.
+func (r *pdRegistry) wait(ctx context.Context, quit <-chan struct{}, key string, d time.Duration) (*pdHold, error) {
+	r.mu.Lock()
+	if h := r.byKey[key]; h != nil || d <= 0 {
+		r.mu.Unlock()
+		return h, nil
+	}
+	w := r.waitOnLocked(key)
+	r.mu.Unlock()
+	if w == nil {
+		return nil, errPDWaitersFull
+	}
 	t := time.NewTimer(d)
 	defer t.Stop()
-	r.mu.Lock()
-	r.waiters++
-	r.mu.Unlock()
-	defer func() {
-		r.mu.Lock()
-		r.waiters--
-		r.mu.Unlock()
-	}()
 	for {
-		r.mu.Lock()
-		h, ch := r.byKey[key], r.changed
-		r.mu.Unlock()
-		if h != nil {
-			return h
-		}
 		select {
-		case <-ch:
+		case <-w.ch:
 		case <-t.C:
-			return nil
 		case <-ctx.Done():
-			return nil
 		case <-quit:
-			return nil
 		}
+		r.mu.Lock()
+		r.unwaitLocked(key, w)
+		h := r.byKey[key]
+		if h != nil || ctx.Err() != nil || !isClosed(w.ch) {
+			// Held; or the timer, ctx or quit ended the wait (a hold
+			// added at the same moment is still taken).
+			r.mu.Unlock()
+			return h, nil
+		}
+		// Woken, but the hold was dropped before this waiter looked:
+		// wait again, on a fresh entry (the slot was just freed).
+		w = r.waitOnLocked(key)
+		r.mu.Unlock()
+		if w == nil {
+			return nil, errPDWaitersFull
+		}
+	}
+}
+
+// isClosed reports whether ch is closed.
+func isClosed(ch chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
 	}
 }
 
@@ -204,13 +287,27 @@ func pdNotFound(msg string) *openai.Error {
 	return openai.NewError(http.StatusNotFound, msg, "", "not_found")
 }
 
-// readPDBody decodes a side-channel body of at most maxPDBody bytes into v.
-func readPDBody(w http.ResponseWriter, r *http.Request, v any) *openai.Error {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxPDBody))
+// readPDBody decodes a side-channel body of at most limit bytes into v.
+// The body must arrive within PDConfig.BodyTimeout (a per-request read
+// deadline: the main listener's other handlers read longer bodies), else
+// 408 and the connection is closed.
+func (s *Server) readPDBody(w http.ResponseWriter, r *http.Request, limit int64, v any) *openai.Error {
+	rc := http.NewResponseController(w)
+	deadline := rc.SetReadDeadline(time.Now().Add(s.pd.BodyTimeout)) == nil
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
+	if deadline && err == nil {
+		// Read in full: the connection's background read (its client gone)
+		// must not time out while the handler works.
+		_ = rc.SetReadDeadline(time.Time{})
+	}
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
 			return openai.NewError(http.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds %d bytes", tooBig.Limit), "", openai.CodeRequestTooLarge)
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			w.Header().Set("Connection", "close")
+			return openai.NewError(http.StatusRequestTimeout, fmt.Sprintf("request body not received within %v", s.pd.BodyTimeout), "", "request_timeout")
 		}
 		return openai.NewError(http.StatusBadRequest, "reading request body: "+err.Error(), "", "")
 	}
@@ -224,6 +321,13 @@ func readPDBody(w http.ResponseWriter, r *http.Request, v any) *openai.Error {
 		return openai.NewError(http.StatusBadRequest, "invalid request body: "+err.Error(), "", openai.CodeInvalidJSON)
 	}
 	return nil
+}
+
+// pdReadBodyLimit bounds a /read body on an engine of numBlocks KV
+// blocks: a hold names at most that many (each an int32), besides the
+// ids maxPDBody allows for.
+func pdReadBodyLimit(numBlocks int) int64 {
+	return maxPDBody + maxPDBlockIDBytes*int64(min(max(numBlocks, 0), MaxRemoteBlockIDs))
 }
 
 // pdKeyBody names a hold: the fields of /read and /release.
@@ -265,7 +369,7 @@ func (b *pdKeyBody) key() (key, engineID string, e *openai.Error) {
 
 func (s *Server) handlePDRead(w http.ResponseWriter, r *http.Request) {
 	var b pdKeyBody
-	if e := readPDBody(w, r, &b); e != nil {
+	if e := s.readPDBody(w, r, s.pdReadBody, &b); e != nil {
 		openai.WriteError(w, e)
 		return
 	}
@@ -329,7 +433,14 @@ func (s *Server) handlePDTransfer(w http.ResponseWriter, r *http.Request) {
 		}
 		wait = time.Duration(min(v, int64(maxPDWait/time.Millisecond))) * time.Millisecond
 	}
-	h := s.pdReg.wait(r.Context(), s.quit, key, wait)
+	h, err := s.pdReg.wait(r.Context(), s.quit, key, wait)
+	if err != nil {
+		s.metrics.pdWaitRejects.Inc()
+		w.Header().Set("Retry-After", pdRetryAfter)
+		openai.WriteError(w, openai.NewError(http.StatusServiceUnavailable,
+			fmt.Sprintf("too many transfer long polls wait on this engine (at most %d)", s.pd.MaxWaiters), "", "overloaded"))
+		return
+	}
 	if h == nil {
 		openai.WriteError(w, pdNotFound("no KV blocks are held for that transfer"))
 		return
@@ -339,7 +450,7 @@ func (s *Server) handlePDTransfer(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) handlePDRelease(w http.ResponseWriter, r *http.Request) {
 	var b pdKeyBody
-	if e := readPDBody(w, r, &b); e != nil {
+	if e := s.readPDBody(w, r, maxPDBody, &b); e != nil {
 		openai.WriteError(w, e)
 		return
 	}
@@ -542,6 +653,6 @@ func (s *Server) startBootstrap() error {
 	s.pdRoutes(mux, true)
 	mux.HandleFunc("/", handleNotFound)
 	s.bootLn = ln
-	s.bootSrv = &http.Server{Handler: withAPIKeys(mux, s.cfg.APIKeys), ReadHeaderTimeout: 10 * time.Second}
+	s.bootSrv = &http.Server{Handler: withAPIKeys(mux, s.cfg.APIKeys), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: serverIdleTimeout}
 	return nil
 }

@@ -148,6 +148,8 @@ type Server struct {
 	pdClient *http.Client
 	bootLn   net.Listener
 	bootSrv  *http.Server
+	// pdReadBody bounds a /read body (pdReadBodyLimit).
+	pdReadBody int64
 }
 
 // NewServer validates cfg, loads the tokenizer and builds the handler. The
@@ -244,8 +246,9 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 		quit:    make(chan struct{}),
 		done:    make(chan struct{}),
 		pd:      pd,
-		pdReg:   newPDRegistry(),
+		pdReg:   newPDRegistry(pd.MaxWaiters),
 	}
+	s.pdReadBody = pdReadBodyLimit(eng.NumBlocks)
 	s.pdClient = newPDClient()
 	s.snap.Store(&sim.Stats{NumBlocks: eng.NumBlocks, BlockSize: eng.BlockSize})
 	s.metrics = newMetrics(cfg.Model, eng, &s.snap)

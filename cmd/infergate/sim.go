@@ -30,6 +30,7 @@ type simFlags struct {
 	pdEngineID     string
 	pdAdvertise    string
 	pdWait         time.Duration
+	pdMaxWaiters   int
 	pdAbortTimeout time.Duration
 }
 
@@ -69,6 +70,7 @@ func (fl *simFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.pdEngineID, "pd-engine-id", "", "engine id in kv_transfer_params and /query (default a random UUID)")
 	f.StringVar(&fl.pdAdvertise, "pd-advertise-addr", "", "host:port a prefill response names as remote_host/remote_port (default the address the request came in on)")
 	f.DurationVar(&fl.pdWait, "pd-wait", 0, "how long a concurrent decode leg (Mooncake, SGLang) waits for its prefill before recomputing (default 30s)")
+	f.IntVar(&fl.pdMaxWaiters, "pd-max-waiters", 0, "side-channel transfer long polls this engine holds open at once; beyond it 503 with Retry-After (default 1024)")
 	f.DurationVar(&fl.pdAbortTimeout, "pd-abort-timeout", 0, "how long a finished prefill's KV is held for its decode leg (default $VLLM_NIXL_ABORT_REQUEST_TIMEOUT seconds, else 480s)")
 	fl.ef.register(f, true, `vLLM's --kv-events-config JSON, all of its fields, e.g. '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}' (plus "encoding": "array"|"map")`)
 }
@@ -149,7 +151,10 @@ func (fl *simFlags) pdConfig(f *pflag.FlagSet, scfg *simserver.ServerConfig) err
 		return fmt.Errorf("--disaggregation-mode %q: must be prefill, decode or null", fl.pdMode)
 	}
 	pd := simserver.PDConfig{Role: role, BootstrapOnMain: fl.bootstrapMain, EngineID: fl.pdEngineID,
-		AdvertiseAddr: fl.pdAdvertise, Wait: fl.pdWait}
+		AdvertiseAddr: fl.pdAdvertise, Wait: fl.pdWait, MaxWaiters: fl.pdMaxWaiters}
+	if fl.pdMaxWaiters < 0 {
+		return fmt.Errorf("--pd-max-waiters %d: must not be negative", fl.pdMaxWaiters)
+	}
 	if role == simserver.RolePrefill || f.Changed("disaggregation-bootstrap-port") {
 		if fl.bootstrapPort < 0 || fl.bootstrapPort > 65535 {
 			return fmt.Errorf("--disaggregation-bootstrap-port %d: must be in [0, 65535]", fl.bootstrapPort)
