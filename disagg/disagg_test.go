@@ -344,3 +344,17 @@ func TestStripClientParams(t *testing.T) {
 		t.Fatal("an array accepted")
 	}
 }
+
+// BenchmarkStripClientParams is the request path's cost for a body without
+// P/D members (every chat and completion passes through it).
+func BenchmarkStripClientParams(b *testing.B) {
+	body := []byte(`{"model":"m","stream":true,"max_tokens":128,"messages":[{"role":"system","content":"` +
+		strings.Repeat(`You are a helpful assistant.\n`, 400) + `"},{"role":"user","content":"Hi"}]}`)
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, ok, err := StripClientParams(nil, body); ok || err != nil {
+			b.Fatal(ok, err)
+		}
+	}
+}
