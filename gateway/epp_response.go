@@ -261,4 +261,3 @@ func (pk *Picked) finishStream() {
 	pk.finished = true
 	pk.g.finish(pk.rm, x, code, r.usage, pk.start)
 }
-
