@@ -59,6 +59,7 @@ func (pk *Picked) ResponseHeaders(status int, h http.Header) {
 		return
 	}
 	r.headers, r.status = true, status
+	pk.x.capture = pk.x.capture[:0] // the pooled exchange's, from its previous request
 	r.sse = pk.x.stream && isEventStream(h) && status/100 == 2
 	if status >= 500 {
 		pk.g.outlierFailure(pk.ep, reason5xx, time.Now())
@@ -79,7 +80,7 @@ func (pk *Picked) ResponseBody(chunk []byte, eos bool) []byte {
 	}
 	r := &pk.resp
 	if !r.headers {
-		r.headers, r.status = true, http.StatusOK
+		pk.ResponseHeaders(http.StatusOK, nil)
 	}
 	if !r.sse {
 		pk.holdBody(chunk)
