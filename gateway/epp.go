@@ -147,15 +147,6 @@ func (pk *Picked) Body() []byte { return pk.body }
 // proxy then needs a new Content-Length).
 func (pk *Picked) BodyChanged() bool { return pk.changed }
 
-// Model returns the model whose pool the request was picked in ("" for a
-// request without body).
-func (pk *Picked) Model() string {
-	if pk.p == nil {
-		return ""
-	}
-	return pk.p.model
-}
-
 // eppRecorder records the gateway's answer to a request it refuses (the
 // request path's own errors: g.fail, failNoEndpoint, admitQueued), so that
 // the picker answers them as they are.
@@ -501,14 +492,6 @@ func (pk *Picked) Served(addr string) {
 	}
 }
 
-// Served endpoint's address (ip:port), or "" for none.
-func (pk *Picked) Endpoint() string {
-	if pk.ep == nil {
-		return ""
-	}
-	return pk.ep.addr
-}
-
 // Done ends the request: one whose answer did not end (the stream went
 // away, the proxy gave up) is counted 499, and what the pick took is
 // released. Safe to call more than once.
@@ -551,15 +534,4 @@ func (g *Gateway) ReadyEndpoints() (ready, total int, draining bool) {
 		}
 	}
 	return ready, len(st.endpoints), g.draining.Load()
-}
-
-// EndpointAddrs returns the ip:port of every endpoint of the configuration
-// in force, in configuration order.
-func (g *Gateway) EndpointAddrs() []string {
-	st := g.state.Load()
-	out := make([]string, 0, len(st.endpoints))
-	for _, ep := range st.endpoints {
-		out = append(out, ep.addr)
-	}
-	return out
 }
