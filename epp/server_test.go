@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/sched"
 )
 
@@ -583,3 +584,28 @@ func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	return nil
 }
 func (rawCodec) Name() string { return "proto" }
+
+// TestPDPoolPicksDecode: in a P/D pool the picker sends requests whole to
+// the decode endpoints, never to a prefill-only one.
+func TestPDPoolPicksDecode(t *testing.T) {
+	urls := startEngines(t, 4)
+	cfg := testConfig("least-request")
+	cfg.PD.Connector = "llm-d"
+	for i, u := range urls {
+		role := "decode"
+		if i < 2 {
+			role = "prefill"
+		}
+		cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: u, Model: "m", KVBlocks: 1000, MaxModelLen: 4096, Role: role})
+	}
+	tp := startPicker(t, cfg, Options{})
+	decode := map[string]bool{addrOf(urls[2]): true, addrOf(urls[3]): true}
+	for i := range 8 {
+		s := tp.open(t)
+		s.headers("POST", "/v1/chat/completions", false, nil)
+		s.body(chatBody(2000, strconv.Itoa(i)), true)
+		if h, _, _, _ := s.routed(true); !decode[h] {
+			t.Fatalf("request %d sent to %s, not a decode endpoint", i, h)
+		}
+	}
+}

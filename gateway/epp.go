@@ -321,7 +321,18 @@ func (g *Gateway) pickRouted(w http.ResponseWriter, r *http.Request, x *exchange
 			excluded[j] = !inSubset(ep.addr, req.Subset)
 		}
 	}
-	i, d := g.pickExcluding(p, &x.sreq, excluded)
+	var (
+		i int
+		d sched.Decision
+	)
+	if p.pd != nil {
+		// A P/D pool: the picker sends the request whole to a decode (or
+		// both-role) endpoint, as serve does when it does not split; the
+		// prefill hand-off is not the picker's (no x-prefiller-host-port).
+		i, d = g.pickWith(p, &x.sreq, excluded, p.pd.PickDecode)
+	} else {
+		i, d = g.pickExcluding(p, &x.sreq, excluded)
+	}
 	gate.picked()
 	if i < 0 {
 		gate.release()
