@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -27,8 +28,9 @@ import (
 // request's headers and body (split in pieces) to the picker, the
 // request as the picker returned it to the picked engine, and the
 // engine's answer back through the picker; it returns the destination and
-// the answer as the client gets it.
-func envoyLike(t *testing.T, c extprocv3.ExternalProcessorClient, body []byte) (string, []byte) {
+// the answer as the client gets it, or "" and the status of the picker's
+// immediate response. subset, when not nil, is the proxy's subset hint.
+func envoyLike(t *testing.T, c extprocv3.ExternalProcessorClient, body []byte, subset []string) (string, []byte) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -48,7 +50,16 @@ func envoyLike(t *testing.T, c extprocv3.ExternalProcessorClient, body []byte) (
 		}
 		return r
 	}
-	send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
+	var md *corev3.Metadata
+	if subset != nil {
+		l := make([]*structpb.Value, len(subset))
+		for i, a := range subset {
+			l[i] = structpb.NewStringValue(a)
+		}
+		md = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{"envoy.lb.subset_hint": {Fields: map[string]*structpb.Value{
+			"x-gateway-destination-endpoint-subset": structpb.NewListValue(&structpb.ListValue{Values: l})}}}}
+	}
+	send(&extprocv3.ProcessingRequest{MetadataContext: md, Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
 		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":method", RawValue: []byte("POST")},
 			{Key: ":path", RawValue: []byte("/v1/chat/completions")}, {Key: "content-type", RawValue: []byte("application/json")}}}}}})
 	for off := 0; off < len(body); off += 4099 { // pieces that never line up with the picker's chunks
@@ -56,7 +67,11 @@ func envoyLike(t *testing.T, c extprocv3.ExternalProcessorClient, body []byte) (
 		send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{
 			Body: body[off:end], EndOfStream: end == len(body)}}})
 	}
-	hr := recv().GetRequestHeaders()
+	first := recv()
+	if ir := first.GetImmediateResponse(); ir != nil {
+		return "", fmt.Appendf(nil, "%d", ir.GetStatus().GetCode())
+	}
+	hr := first.GetRequestHeaders()
 	if hr == nil {
 		t.Fatal("no request-headers response")
 	}
@@ -111,8 +126,9 @@ func envoyLike(t *testing.T, c extprocv3.ExternalProcessorClient, body []byte) (
 // TestEPPEndToEnd runs `infergate epp` as a process in front of simulated
 // engines, driven as Envoy drives it: requests that share a long prefix
 // go to the same engine (cache-aware routing through the picker), the
-// answers are accounted, the health and HTTP listeners answer, SIGTERM
-// ends it cleanly.
+// answers are accounted, the health and HTTP listeners answer, an engine
+// added to the file is picked after SIGHUP (the gateway's reload path, which
+// discovery feeds too), SIGTERM ends it cleanly.
 func TestEPPEndToEnd(t *testing.T) {
 	f, err := simserver.StartFleet(4, simserver.ServerConfig{Model: "m", TimeScale: 100})
 	if err != nil {
@@ -122,7 +138,8 @@ func TestEPPEndToEnd(t *testing.T) {
 	var yaml strings.Builder
 	yaml.WriteString("listen: 127.0.0.1:0\nhealth_check_interval: 50ms\nrouting: {policy: cache-aware}\n" +
 		"epp: {listen: \"127.0.0.1:0\", health_listen: \"127.0.0.1:0\"}\nendpoints:\n")
-	for _, u := range f.URLs {
+	head := yaml.String()
+	for _, u := range f.URLs[:3] { // the 4th joins at the reload
 		fmt.Fprintf(&yaml, "  - {url: %q, model: m}\n", u)
 	}
 	cfg := filepath.Join(t.TempDir(), "epp.yaml")
@@ -147,7 +164,7 @@ func TestEPPEndToEnd(t *testing.T) {
 	defer conn.Close()
 	c := extprocv3.NewExternalProcessorClient(conn)
 	engines := map[string]bool{}
-	for _, u := range f.URLs {
+	for _, u := range f.URLs[:3] {
 		engines[strings.TrimPrefix(u, "http://")] = true
 	}
 	homes := map[int]string{}
@@ -156,7 +173,7 @@ func TestEPPEndToEnd(t *testing.T) {
 			system := fmt.Sprintf("conversation %d: ", conv) + strings.Repeat(fmt.Sprintf("the %d-th shared instructions, word for word. ", conv), 120)
 			body := fmt.Appendf(nil, `{"model":"m","max_tokens":4,"messages":[{"role":"system","content":%q},{"role":"user","content":"turn %d"}]}`,
 				system, round)
-			dest, _ := envoyLike(t, c, body)
+			dest, _ := envoyLike(t, c, body, nil)
 			if !engines[dest] {
 				t.Fatalf("destination %q is no engine of %v", dest, f.URLs)
 			}
@@ -203,6 +220,34 @@ func TestEPPEndToEnd(t *testing.T) {
 		t.Errorf("the HTTP listener serves the API: %v %v", r, err)
 	} else {
 		r.Body.Close()
+	}
+
+	// An engine added to the file joins at SIGHUP; the proxy's subset hint
+	// names it alone.
+	yaml.Reset()
+	yaml.WriteString(head)
+	for _, u := range f.URLs {
+		fmt.Fprintf(&yaml, "  - {url: %q, model: m}\n", u)
+	}
+	if err := os.WriteFile(cfg, []byte(yaml.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	p.await(t, regexp.MustCompile(`(configuration reloaded)`))
+	fourth := strings.TrimPrefix(f.URLs[3], "http://")
+	body := []byte(`{"model":"m","max_tokens":2,"messages":[{"role":"user","content":"new engine"}]}`)
+	deadline := time.Now().Add(time.Minute) // a bound on its first health check, not a timing claim
+	for {
+		dest, status := envoyLike(t, c, body, []string{fourth})
+		if dest == fourth {
+			break
+		}
+		if dest != "" || string(status) != "503" || time.Now().After(deadline) {
+			t.Fatalf("subset {%s} after the reload: %q %s", fourth, dest, status)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 	p.stop(t)
 }
