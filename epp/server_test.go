@@ -609,3 +609,26 @@ func TestPDPoolPicksDecode(t *testing.T) {
 		}
 	}
 }
+
+// TestRequestTrailers: a body that ends with trailers (no end_of_stream on
+// its last chunk) is routed at the trailers, which are answered too.
+func TestRequestTrailers(t *testing.T) {
+	urls := startEngines(t, 1)
+	tp := startPicker(t, testConfig(sched.Prefix, urls...), Options{})
+	s := tp.open(t)
+	s.headers("POST", "/v1/chat/completions", false, nil)
+	b := chatBody(70_000, "trailers")
+	s.body(b, false, 33_333)
+	s.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}})
+	if h, _, _, body := s.routed(true); h != addrOf(urls[0]) || !bytes.Equal(body, b) {
+		t.Fatalf("routed to %q, %d bytes echoed of %d", h, len(body), len(b))
+	}
+	if r := s.recv(); r.GetRequestTrailers() == nil {
+		t.Fatalf("want a trailers response, got %v", r)
+	}
+	s.responseHeaders("200", "application/json", "", true) // an answer without body
+	if r := s.recv(); r.GetResponseHeaders() == nil {
+		t.Fatalf("want a response-headers response, got %v", r)
+	}
+	waitFor(t, "in-flight back to 0", func() bool { return tp.inFlight(t) == 0 })
+}
