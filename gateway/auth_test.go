@@ -273,6 +273,7 @@ func (l *logCapture) Handle(_ context.Context, r slog.Record) error {
 	l.buf.WriteByte('\n')
 	return nil
 }
+
 // lines returns the captured records that contain sub, one per line.
 func (l *logCapture) lines(sub string) string {
 	l.mu.Lock()
