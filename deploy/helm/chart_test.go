@@ -566,3 +566,37 @@ func TestSplitDocuments(t *testing.T) {
 		t.Errorf("SplitDocuments = %q, want %q", got, want)
 	}
 }
+
+// The chart's crds/inferencepool.yaml (CONTRACT: the one copy in the
+// repository) renders with IncludeCRDs as the InferencePool v1 CRD, ahead
+// of the pool that needs it.
+func TestChartCRD(t *testing.T) {
+	bin := Require(t)
+	dir, err := ChartDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "crds", "inferencepool.yaml")); err != nil {
+		t.Skipf("no CRD manifest in the chart yet: %v", err)
+	}
+	docs, err := Template(context.Background(), bin, Options{IncludeCRDs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ms := decode(t, docs)
+	crd := ms[0]
+	if crd.kind != "CustomResourceDefinition" || crd.name != "inferencepools.inference.networking.k8s.io" ||
+		str(crd.obj, "spec", "group") != "inference.networking.k8s.io" {
+		t.Fatalf("first document %s/%s, want the CustomResourceDefinition inferencepools.inference.networking.k8s.io", crd.kind, crd.name)
+	}
+	served := false
+	for _, v := range list(crd.obj, "spec", "versions") {
+		if str(v, "name") == "v1" && get(v, "served") == true {
+			served = true
+		}
+	}
+	if !served {
+		t.Error("the CRD does not serve v1")
+	}
+	one(t, ms, "InferencePool")
+}

@@ -122,6 +122,10 @@ type Options struct {
 	Values []string
 	// Set are helm --set assignments ("replicas=3").
 	Set []string
+	// IncludeCRDs adds the chart's crds/ files to Template's documents
+	// (helm template --include-crds; CRDs first), for applying the whole
+	// rendering to an API server that lacks them.
+	IncludeCRDs bool
 }
 
 func (o Options) args(cmd, chart, valuesDir string) ([]string, error) {
@@ -136,6 +140,9 @@ func (o Options) args(cmd, chart, valuesDir string) ([]string, error) {
 	switch cmd {
 	case "template":
 		args = append(args, release)
+		if o.IncludeCRDs {
+			args = append(args, "--include-crds")
+		}
 	case "lint":
 		args = append(args, "--strict")
 	}
