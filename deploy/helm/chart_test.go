@@ -151,8 +151,8 @@ func TestChartTemplate(t *testing.T) {
 			mode: "epp", pool: "llama-pool", replicas: 1},
 		{name: "serve service discovery", opts: Options{Release: "gw", Set: []string{"mode=serve", "discovery.service=vllm", "discovery.port=http"}},
 			mode: "serve", service: "vllm", replicas: 1},
-		{name: "serve pool discovery", opts: Options{Set: []string{"mode=serve", "inferencePool.name=llama-pool"}},
-			mode: "serve", pool: "llama-pool", replicas: 1},
+		{name: "serve pool discovery with route", opts: Options{Set: []string{"mode=serve", "inferencePool.name=llama-pool", "httpRoute.create=true"}},
+			mode: "serve", pool: "llama-pool", route: true, replicas: 1},
 		{name: "serve custom config", mode: "serve", replicas: 2, endpoints: 2, opts: Options{Values: []string{`
 mode: serve
 replicas: 2
@@ -352,9 +352,18 @@ func checkRendering(t *testing.T, ms []manifest, c chartCase, ns string) {
 	if c.route {
 		r := routes[0]
 		br := get(r.obj, "spec", "rules", 0, "backendRefs", 0)
-		if str(r.obj, "apiVersion") != "gateway.networking.k8s.io/v1" || str(br, "group") != "inference.networking.k8s.io" ||
-			str(br, "kind") != "InferencePool" || str(br, "name") != c.pool {
-			t.Errorf("HTTPRoute %s backendRef %v: want the InferencePool %s", str(r.obj, "apiVersion"), br, c.pool)
+		if str(r.obj, "apiVersion") != "gateway.networking.k8s.io/v1" {
+			t.Errorf("HTTPRoute apiVersion %s", str(r.obj, "apiVersion"))
+		}
+		switch c.mode {
+		case "epp":
+			if str(br, "group") != "inference.networking.k8s.io" || str(br, "kind") != "InferencePool" || str(br, "name") != c.pool {
+				t.Errorf("HTTPRoute backendRef %v: want the InferencePool %s", br, c.pool)
+			}
+		case "serve":
+			if str(br, "kind") != "Service" || str(br, "name") != svc.name || num(br, "port") != num(svcPorts["http"], "port") {
+				t.Errorf("HTTPRoute backendRef %v: want Service %s port %d", br, svc.name, num(svcPorts["http"], "port"))
+			}
 		}
 		if len(list(r.obj, "spec", "parentRefs")) == 0 {
 			t.Error("HTTPRoute without parentRefs")
@@ -554,6 +563,53 @@ func TestChartRefuses(t *testing.T) {
 		}
 		if !strings.Contains(err.Error(), c.want) {
 			t.Errorf("--set %v: error does not mention %q: %v", c.set, c.want, err)
+		}
+	}
+}
+
+// NOTES.txt renders for every case (helm template leaves it out, so a copy
+// of the chart wraps it in a ConfigMap): it names the Service and prints no
+// missing value.
+func TestChartNotes(t *testing.T) {
+	bin := Require(t)
+	src, err := ChartDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(t.TempDir(), "infergate")
+	if err := os.CopyFS(dir, os.DirFS(src)); err != nil {
+		t.Fatal(err)
+	}
+	notes, err := os.ReadFile(filepath.Join(src, "templates", "NOTES.txt"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := "{{- define \"notescheck\" -}}\n" + string(notes) + "\n{{- end -}}\n" +
+		"apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes-check}\ndata:\n  notes: {{ include \"notescheck\" . | quote }}\n"
+	if err := os.WriteFile(filepath.Join(dir, "templates", "zz-notes-check.yaml"), []byte(check), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, set := range [][]string{
+		nil,
+		{"replicas=3", "httpRoute.create=true", "inferencePool.targetPorts={8000,8001}"},
+		{"inferencePool.create=false", "inferencePool.name=llama-pool"},
+		{"mode=serve", "discovery.service=vllm"},
+		{"mode=serve", "inferencePool.name=llama-pool", "httpRoute.create=true"},
+		{"mode=serve", "discovery.enabled=false", "config.endpoints[0].url=http://10.0.0.1:8000", "config.endpoints[0].model=m"},
+	} {
+		ms := render(t, bin, Options{Set: set, chart: dir})
+		var text string
+		for _, m := range find(ms, "ConfigMap") {
+			if m.name == "notes-check" {
+				text = str(m.obj, "data", "notes")
+			}
+		}
+		svc := one(t, ms, "Service")
+		if !strings.Contains(text, "Service "+svc.name) || strings.Contains(text, "<no value>") || strings.Contains(text, "%!") {
+			t.Errorf("--set %v: NOTES.txt renders badly:\n%s", set, text)
+		}
+		if len(set) > 1 && set[1] == "httpRoute.create=true" && !strings.Contains(text, "8000,8001") {
+			t.Errorf("--set %v: NOTES.txt does not list the target ports:\n%s", set, text)
 		}
 	}
 }

@@ -126,6 +126,9 @@ type Options struct {
 	// (helm template --include-crds; CRDs first), for applying the whole
 	// rendering to an API server that lacks them.
 	IncludeCRDs bool
+
+	// chart replaces ChartDir (tests render a modified copy).
+	chart string
 }
 
 func (o Options) args(cmd, chart, valuesDir string) ([]string, error) {
@@ -165,9 +168,13 @@ func (o Options) args(cmd, chart, valuesDir string) ([]string, error) {
 // directories in a temporary folder: nothing is read from or written to
 // the user's Helm setup). It returns stdout; stderr is in the error.
 func run(ctx context.Context, bin, cmd string, o Options) (string, error) {
-	chart, err := ChartDir()
-	if err != nil {
-		return "", err
+	chart := o.chart
+	if chart == "" {
+		dir, err := ChartDir()
+		if err != nil {
+			return "", err
+		}
+		chart = dir
 	}
 	tmp, err := os.MkdirTemp("", "infergate-helm-")
 	if err != nil {
