@@ -16,8 +16,9 @@
 # (pure Go, CGO_ENABLED=0). v3.22.0's go.mod asks for go 1.26.0, so the
 # installed Go 1.26.8 builds it without a toolchain download. The version
 # string `helm version` prints is set with -ldflags as Helm's own Makefile does
-# (internal/version.version). Cold build: ~2-4 min on 2 shared cores (module
-# downloads ~100 MB once into GOMODCACHE). The finished binary is renamed into
+# (internal/version.version). Cold build (empty GOCACHE, modules downloaded once
+# into GOMODCACHE): about 4 CPU-minutes; 262 s wall on 2 cores at load average 2-12,
+# 700 s at load average 14-22 (other jobs on the same cores). The finished binary is renamed into
 # place atomically, so a concurrent or interrupted build never leaves a
 # half-written binary at the final path.
 set -euo pipefail
@@ -65,7 +66,7 @@ build() {
   # shellcheck disable=SC2064
   trap "rm -rf '$work' '$BIN.tmp.$$'" EXIT
   start=$(date +%s)
-  log "building $MODULE@$VERSION; takes ~2-4 min cold on 2 cores"
+  log "building $MODULE@$VERSION; about 4 CPU-minutes cold (4-12 min on 2 shared cores)"
   (
     cd "$work"
     export GOWORK=off GOFLAGS=-mod=mod GO111MODULE=on

@@ -66,7 +66,7 @@ func Binary() (string, error) {
 	}
 	p := CachedPath()
 	if err := executable(p); err != nil {
-		return "", fmt.Errorf("%w: %s not built; run scripts/helm.sh build (a few minutes cold on 2 cores), or set %s=/path/to/helm",
+		return "", fmt.Errorf("%w: %s not built; run scripts/helm.sh build (about 4 CPU-minutes cold), or set %s=/path/to/helm",
 			ErrNoHelm, p, EnvHelm)
 	}
 	return p, nil
