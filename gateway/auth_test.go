@@ -273,6 +273,20 @@ func (l *logCapture) Handle(_ context.Context, r slog.Record) error {
 	l.buf.WriteByte('\n')
 	return nil
 }
+
+// lines returns the captured records that contain sub, one per line.
+func (l *logCapture) lines(sub string) string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for _, line := range strings.Split(l.buf.String(), "\n") {
+		if strings.Contains(line, sub+" ") || strings.HasSuffix(line, sub) {
+			out = append(out, line)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
 func (l *logCapture) WithAttrs([]slog.Attr) slog.Handler { return l }
 func (l *logCapture) WithGroup(string) slog.Handler      { return l }
 

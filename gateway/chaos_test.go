@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"strconv"
 	"sync"
@@ -141,6 +142,11 @@ func TestChaosKillEngine(t *testing.T) {
 		t.Fatal(err)
 	}
 	recs = recs[:requests]
+	// The gateway's warnings, to explain a failed request by its id.
+	lc := &logCapture{}
+	prev := slog.Default()
+	slog.SetDefault(slog.New(lc))
+	defer slog.SetDefault(prev)
 	for i := range recs {
 		if len(recs[i].HashIDs) > maxBlocks {
 			recs[i].HashIDs = recs[i].HashIDs[:maxBlocks]
@@ -243,7 +249,8 @@ func TestChaosKillEngine(t *testing.T) {
 		case e.outcome == outExplicitError && !straddles:
 			t.Errorf("%s: error though not in flight at the kill: %s", id, e.detail)
 		case e.outcome == outExplicitError && (e.status != 200 || !e.output):
-			t.Errorf("%s: failed before any output reached the client (status %d): should have been retried: %s", id, e.status, e.detail)
+			t.Errorf("%s: failed before any output reached the client (status %d, %d attempts): should have been retried: %s\n%s",
+				id, e.status, e.attempts, e.detail, lc.lines("request_id="+id))
 		}
 	}
 	if len(l.dup) > 0 {
@@ -267,9 +274,10 @@ func TestChaosKillEngine(t *testing.T) {
 		t.Error("the killed engine is still in rotation")
 	}
 	t.Logf("ledger: %d sent: %d completed, %d retried+completed, %d explicit errors (mid-stream); "+
-		"%d in flight at the kill, %d started after it; retries_total %v, ejections %v",
+		"%d in flight at the kill, %d started after it; retries_total %v, denied %v (budget) %v (no endpoint), ejections %v",
 		requests, counts[outCompleted], counts[outRetriedCompleted], counts[outExplicitError],
-		inFlightAtKill, startedAfter, retries, m.value("infergate_endpoint_ejections_total", ""))
+		inFlightAtKill, startedAfter, retries, m.value("infergate_retries_denied_total", `reason="budget"`),
+		m.value("infergate_retries_denied_total", `reason="no_endpoint"`), m.value("infergate_endpoint_ejections_total", ""))
 }
 
 // chaosBody renders rec as a streaming token-id completion (bench's request
