@@ -172,6 +172,7 @@ func newEndpoint(base string) (*endpoint, error) {
 		}
 		ep.urls[kind] = u
 	}
+	ep.addr = endpointAddr(ep.urls[0]) // epp.go
 	return ep, nil
 }
 

@@ -200,6 +200,9 @@ type Config struct {
 	// ObservabilityConfig holds the log, access log, response headers and
 	// tracing settings (observability.go); its keys are top-level.
 	ObservabilityConfig `yaml:",inline"`
+	// EPP is `infergate epp`'s ext_proc and health listeners (epp.go);
+	// serve ignores it.
+	EPP EPPConfig `yaml:"epp"`
 }
 
 // EndpointConfig describes one engine.
@@ -487,6 +490,9 @@ func (c Config) Validate() error {
 	}
 	if c.MaxBodyBytes <= 0 {
 		bad("max_body_bytes %d: must be positive", c.MaxBodyBytes)
+	}
+	if err := c.EPP.Validate(); err != nil {
+		errs = append(errs, err)
 	}
 	for _, d := range []struct {
 		key string

@@ -27,6 +27,9 @@ type endpoint struct {
 	urls [numPathKinds]*url.URL
 	// servedBy is the EndpointHeader value naming it ([name]; read-only).
 	servedBy []string
+	// addr is the URL's host:port, the port the scheme's when the URL has
+	// none: the endpoint's address as an endpoint picker names it (epp.go).
+	addr string
 
 	// spec is what the configuration says of the engine, with what was
 	// discovered from it: replaced whole by a reload, never changed.

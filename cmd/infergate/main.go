@@ -55,7 +55,7 @@ engine most likely to hold its prompt prefix in KV cache, balanced against load.
 		},
 	}
 	root.CompletionOptions.DisableDefaultCmd = true
-	root.AddCommand(newUpCmd(), newServeCmd(), newSimCmd(), newBenchCmd(), newPlanCmd(), newKVStoreCmd(), newKeysCmd(), newVersionCmd())
+	root.AddCommand(newUpCmd(), newServeCmd(), newEPPCmd(), newSimCmd(), newBenchCmd(), newPlanCmd(), newKVStoreCmd(), newKeysCmd(), newVersionCmd())
 	return root
 }
 

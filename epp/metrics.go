@@ -1,0 +1,50 @@
+package epp
+
+import (
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Registerer is where the picker's metrics are registered.
+type Registerer = prometheus.Registerer
+
+// metrics are the picker's own collectors; the requests' metrics are the
+// gateway's (infergate_requests_total, TTFT, ITL, tokens …).
+type metrics struct {
+	streams        prometheus.Gauge
+	decisions      *prometheus.CounterVec
+	decide         prometheus.Observer
+	panics         prometheus.Counter
+	protocolErrors prometheus.Counter
+}
+
+// decideBuckets are the decision's durations (seconds): 10 µs to 10 s (a
+// decision includes its wait in the admission queue).
+var decideBuckets = []float64{1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2, 0.1, 1, 10}
+
+func newMetrics(reg Registerer) (*metrics, error) {
+	m := &metrics{
+		streams: prometheus.NewGauge(prometheus.GaugeOpts{Name: "infergate_epp_streams",
+			Help: "ext_proc streams open (one per request through the proxy)."}),
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "infergate_epp_decisions_total",
+			Help: "Endpoint picker decisions by result: picked, or the status of the immediate response (400, 404, 413, 429, 503, 499: the stream went away while queued), too_large, buffer_full."},
+			[]string{"result"}),
+		panics: prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_epp_stream_panics_total",
+			Help: "ext_proc streams ended by a recovered panic."}),
+		protocolErrors: prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_epp_protocol_errors_total",
+			Help: "ext_proc streams ended for a message out of order or unknown."}),
+	}
+	h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: "infergate_epp_decision_seconds",
+		Help: "Time from the request's end of body to its pick (admission queueing included).", Buckets: decideBuckets})
+	m.decide = h
+	if reg == nil {
+		return m, nil
+	}
+	for _, c := range []prometheus.Collector{m.streams, m.decisions, h, m.panics, m.protocolErrors} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("epp: register metrics: %w", err)
+		}
+	}
+	return m, nil
+}

@@ -1,0 +1,544 @@
+// Package epp serves infergate's scheduler as a Gateway API Inference
+// Extension endpoint picker: Envoy's external processor
+// (envoy.service.ext_proc.v3.ExternalProcessor, go-control-plane's envoy
+// module, over gRPC) with the request and response bodies in
+// FULL_DUPLEX_STREAMED mode. Each request's body is buffered to its end
+// (at most max_body_bytes), the gateway picks its endpoint
+// (gateway.Gateway.Pick), the request-headers phase is answered with the
+// x-gateway-destination-endpoint header and the same value in the envoy.lb
+// dynamic metadata, and the body is echoed in chunks of at most
+// MaxChunkBytes; the answer passes through the gateway's accounting
+// (gateway.Picked) and is echoed likewise.
+//
+// Protocol: kubernetes-sigs/gateway-api-inference-extension
+// docs/proposals/004-endpoint-picker-protocol/README.md@84436a96 (v1.0.0);
+// behaviour as llm-d/llm-d-router pkg/epp/handlers/request.go and
+// pkg/common/envoy@ebab6879 (the chunk size, ClearRouteCache, Content-Length
+// of a changed body); conformance hooks as GIE pkg/lwepp@84436a96.
+package epp
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"runtime/debug"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/openai"
+)
+
+// Names of the endpoint picker protocol (GIE pkg/lwepp/metadata/consts.go
+// and docs/proposals/004-endpoint-picker-protocol@84436a96).
+const (
+	// DestinationHeader and DestinationKey carry the pick, ip:port with
+	// fallbacks after commas, in the request header and in the
+	// DestinationNamespace dynamic metadata.
+	DestinationHeader    = "x-gateway-destination-endpoint"
+	DestinationNamespace = "envoy.lb"
+	DestinationKey       = DestinationHeader
+	// ServedKey is the proxy's report of the endpoint that served the
+	// request (response metadata_context, namespace envoy.lb).
+	ServedKey = "x-gateway-destination-endpoint-served"
+	// SubsetNamespace/SubsetKey are the proxy's subset hint (request
+	// metadata_context): the list of ip:port the pick must be among.
+	SubsetNamespace = "envoy.lb.subset_hint"
+	SubsetKey       = "x-gateway-destination-endpoint-subset"
+	// TestSelectionHeader (request) and TestServedHeader,
+	// TestSelectedHeader (response) are the conformance hooks
+	// (EPPConfig.ConformanceTestHooks).
+	TestSelectionHeader = "test-epp-endpoint-selection"
+	TestServedHeader    = "x-conformance-test-served-endpoint"
+	TestSelectedHeader  = "x-conformance-test-selected-endpoint"
+	// ServiceName is the ext_proc service's gRPC name, also a health
+	// service name.
+	ServiceName = "envoy.service.ext_proc.v3.ExternalProcessor"
+)
+
+// MaxChunkBytes bounds one StreamedBodyResponse's body (bytes): llm-d's
+// pkg/common/envoy bodyByteLimit, under Envoy's 64 KiB buffer.
+const MaxChunkBytes = 62000
+
+// servedMissing is the conformance header's value when the proxy reported
+// no served endpoint (lwepp's, so the conformance check fails visibly).
+const servedMissing = "fail: missing destination endpoint served metadata"
+
+// Server is the ext_proc service. Each Process stream is one HTTP request
+// through Envoy; a stream's state is its own goroutine's, and a panic in
+// one ends that stream only.
+type Server struct {
+	extprocv3.UnimplementedExternalProcessorServer
+	g       *gateway.Gateway
+	hooks   bool
+	maxBody int64
+	// budget bounds the request bytes all streams buffer together
+	// (bytes); over it a request is shed with 429.
+	budget   int64
+	buffered atomic.Int64
+	m        *metrics
+}
+
+// Options configures a Server beyond the gateway's own configuration.
+type Options struct {
+	// MaxBufferedBytes bounds the request bodies buffered by all streams
+	// at once (bytes; 0: DefaultMaxBufferedBytes).
+	MaxBufferedBytes int64
+	// Metrics registers the picker's metrics (nil: none registered).
+	Metrics Registerer
+}
+
+// DefaultMaxBufferedBytes is Options.MaxBufferedBytes's default: 1 GiB.
+const DefaultMaxBufferedBytes = 1 << 30
+
+// New returns the ext_proc service picking with g; cfg is g's epp section.
+func New(g *gateway.Gateway, cfg gateway.EPPConfig, o Options) (*Server, error) {
+	if o.MaxBufferedBytes <= 0 {
+		o.MaxBufferedBytes = DefaultMaxBufferedBytes
+	}
+	m, err := newMetrics(o.Metrics)
+	if err != nil {
+		return nil, err
+	}
+	return &Server{g: g, hooks: cfg.ConformanceTestHooks, maxBody: g.MaxBodyBytes(), budget: o.MaxBufferedBytes, m: m}, nil
+}
+
+// Register registers the service on gs.
+func (s *Server) Register(gs *grpc.Server) { extprocv3.RegisterExternalProcessorServer(gs, s) }
+
+// Buffered returns the request bytes the streams hold now.
+func (s *Server) Buffered() int64 { return s.buffered.Load() }
+
+// Process implements ExternalProcessorServer: one request's phases, in the
+// order Envoy sends them.
+func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err error) {
+	x := &exchange{s: s, ctx: stream.Context()}
+	s.m.streams.Inc()
+	defer func() {
+		if v := recover(); v != nil {
+			slog.Error("epp: stream panicked", "panic", v, "stack", string(debug.Stack()))
+			s.m.panics.Inc()
+			err = status.Error(codes.Internal, "epp: internal error")
+		}
+		x.end()
+		s.m.streams.Dec()
+	}()
+	for {
+		req, rerr := stream.Recv()
+		if rerr == io.EOF {
+			return nil
+		}
+		if rerr != nil {
+			return nil // the proxy went away (canceled, reset): nothing to answer
+		}
+		out, herr := x.handle(req)
+		for _, r := range out {
+			if serr := stream.Send(r); serr != nil {
+				return nil
+			}
+		}
+		if herr != nil {
+			s.m.protocolErrors.Inc()
+			return herr
+		}
+	}
+}
+
+// phase is where a stream is.
+type phase uint8
+
+const (
+	phaseHeaders  phase = iota // waiting for the request headers
+	phaseBody                  // buffering the request body
+	phaseRouted                // the request was picked (and its body echoed)
+	phaseAnswered              // an immediate response was sent
+)
+
+// exchange is one stream's state.
+type exchange struct {
+	s      *Server
+	ctx    context.Context
+	phase  phase
+	start  time.Time
+	method string
+	path   string
+	header http.Header
+	// subset is the proxy's subset hint or the conformance header's list
+	// (hasSubset: given).
+	subset    []string
+	hasSubset bool
+	body      []byte
+	held      int64 // of body, reserved in s.buffered
+	picked    *gateway.Picked
+	// respDone: the answer's end was observed.
+	respDone bool
+	served   string
+}
+
+// end releases what the stream holds.
+func (x *exchange) end() {
+	x.release()
+	if x.picked != nil {
+		x.picked.Done()
+		x.picked = nil
+	}
+}
+
+// release gives back the buffered body's reservation.
+func (x *exchange) release() {
+	if x.held != 0 {
+		x.s.buffered.Add(-x.held)
+		x.held = 0
+	}
+	x.body = nil
+}
+
+// handle answers one message of the proxy: the responses to send (none
+// while a body is buffered), or an error that ends the stream (a message
+// out of order).
+func (x *exchange) handle(req *extprocv3.ProcessingRequest) ([]*extprocv3.ProcessingResponse, error) {
+	switch r := req.GetRequest().(type) {
+	case *extprocv3.ProcessingRequest_RequestHeaders:
+		if x.phase != phaseHeaders {
+			return nil, status.Error(codes.InvalidArgument, "epp: request headers twice")
+		}
+		return x.requestHeaders(req, r.RequestHeaders), nil
+	case *extprocv3.ProcessingRequest_RequestBody:
+		switch x.phase {
+		case phaseBody:
+			return x.requestBody(r.RequestBody.GetBody(), r.RequestBody.GetEndOfStream()), nil
+		case phaseAnswered:
+			return nil, nil // the rest of a refused body
+		}
+		return nil, status.Error(codes.InvalidArgument, "epp: request body out of order")
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		var out []*extprocv3.ProcessingResponse
+		if x.phase == phaseBody { // the body ends with the trailers
+			out = x.route(false)
+		}
+		if x.phase == phaseAnswered {
+			return out, nil
+		}
+		return append(out, &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
+			RequestTrailers: &extprocv3.TrailersResponse{}}}), nil
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		if x.phase != phaseRouted {
+			return nil, status.Error(codes.InvalidArgument, "epp: response headers before the request was routed")
+		}
+		return x.responseHeaders(req, r.ResponseHeaders), nil
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		if x.phase != phaseRouted {
+			return nil, status.Error(codes.InvalidArgument, "epp: response body before the request was routed")
+		}
+		return x.responseBody(r.ResponseBody.GetBody(), r.ResponseBody.GetEndOfStream()), nil
+	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		var out []*extprocv3.ProcessingResponse
+		if x.phase == phaseRouted && !x.respDone {
+			out = x.responseBody(nil, true)
+		}
+		return append(out, &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{
+			ResponseTrailers: &extprocv3.TrailersResponse{}}}), nil
+	}
+	return nil, status.Error(codes.InvalidArgument, "epp: unknown processing request")
+}
+
+// requestHeaders records the request's headers and subset hint; a request
+// without body is picked at once.
+func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3.HttpHeaders) []*extprocv3.ProcessingResponse {
+	x.start = time.Now()
+	x.header = make(http.Header, len(h.GetHeaders().GetHeaders()))
+	for _, hv := range h.GetHeaders().GetHeaders() {
+		k, v := hv.GetKey(), headerValue(hv)
+		switch k {
+		case ":method":
+			x.method = v
+		case ":path":
+			x.path = v
+		}
+		if strings.HasPrefix(k, ":") {
+			continue
+		}
+		x.header.Add(k, v)
+	}
+	if i := strings.IndexByte(x.path, '?'); i >= 0 {
+		x.path = x.path[:i]
+	}
+	x.subset, x.hasSubset = subsetHint(req.GetMetadataContext())
+	if x.s.hooks {
+		if v := x.header.Get(TestSelectionHeader); v != "" {
+			list := strings.Split(v, ",")
+			if x.hasSubset { // both: the hint and the hook
+				list = intersect(list, x.subset)
+			}
+			x.subset, x.hasSubset = list, true
+		}
+	}
+	x.phase = phaseBody
+	if h.GetEndOfStream() {
+		return x.route(true)
+	}
+	return nil
+}
+
+// requestBody buffers one chunk; at the body's end the request is routed.
+func (x *exchange) requestBody(chunk []byte, eos bool) []*extprocv3.ProcessingResponse {
+	if n := int64(len(x.body) + len(chunk)); n > x.s.maxBody {
+		x.s.m.decisions.WithLabelValues("too_large").Inc()
+		return x.immediate(x.s.g.Refuse(openai.NewError(http.StatusRequestEntityTooLarge,
+			fmt.Sprintf("Request body is larger than the limit of %d bytes.", x.s.maxBody), "", openai.CodeRequestTooLarge)))
+	}
+	if len(chunk) > 0 {
+		if x.s.buffered.Add(int64(len(chunk))) > x.s.budget {
+			x.s.buffered.Add(-int64(len(chunk)))
+			x.s.m.decisions.WithLabelValues("buffer_full").Inc()
+			r := x.s.g.Refuse(openai.NewError(http.StatusTooManyRequests,
+				"The endpoint picker is holding too many request bodies; retry later.", "", "rate_limit_exceeded"))
+			r.Header.Set("Retry-After", "1")
+			return x.immediate(r)
+		}
+		x.held += int64(len(chunk))
+		x.body = append(x.body, chunk...)
+	}
+	if !eos {
+		return nil
+	}
+	return x.route(false)
+}
+
+// route picks the request's endpoint and answers the request-headers
+// phase with it, then echoes the body (unless headersOnly).
+func (x *exchange) route(headersOnly bool) []*extprocv3.ProcessingResponse {
+	body := x.body
+	if !headersOnly && body == nil {
+		body = []byte{} // a body phase that carried no byte
+	}
+	if headersOnly {
+		body = nil
+	}
+	t := time.Now()
+	pk, refusal := x.s.g.Pick(x.ctx, &gateway.PickRequest{Method: x.method, Path: x.path, Header: x.header,
+		Body: body, Subset: x.subset, HasSubset: x.hasSubset, Start: x.start})
+	x.s.m.decide.Observe(time.Since(t).Seconds())
+	if refusal != nil {
+		x.s.m.decisions.WithLabelValues(strconv.Itoa(refusal.Status)).Inc()
+		return x.immediate(refusal)
+	}
+	x.s.m.decisions.WithLabelValues("picked").Inc()
+	x.picked, x.phase = pk, phaseRouted
+	dest := strings.Join(pk.Destinations(), ",")
+	set := []*corev3.HeaderValueOption{setHeader(DestinationHeader, dest)}
+	out := []*extprocv3.ProcessingResponse{nil}
+	if !headersOnly {
+		b := pk.Body()
+		if pk.BodyChanged() {
+			set = append(set, setHeader("content-length", strconv.Itoa(len(b))))
+		}
+		out = appendChunks(out, b, true, requestBody)
+	}
+	out[0] = &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{
+			Response: &extprocv3.CommonResponse{ClearRouteCache: true, HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}},
+		}},
+		DynamicMetadata: destinationMetadata(dest),
+	}
+	// The body stays reserved until the stream ends: the gateway reads it
+	// until the request is done (Picked.Body aliases it).
+	return out
+}
+
+// immediate ends the request with r as the proxy's answer.
+func (x *exchange) immediate(r *gateway.Refusal) []*extprocv3.ProcessingResponse {
+	x.phase = phaseAnswered
+	x.release()
+	if r.Status == 499 { // the client went away while queued: no one to answer
+		return nil
+	}
+	set := []*corev3.HeaderValueOption{setHeader("content-type", "application/json")}
+	for _, k := range []string{"Retry-After"} {
+		if v := r.Header.Get(k); v != "" {
+			set = append(set, setHeader(strings.ToLower(k), v))
+		}
+	}
+	return []*extprocv3.ProcessingResponse{{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
+		ImmediateResponse: &extprocv3.ImmediateResponse{
+			Status:  &typev3.HttpStatus{Code: typev3.StatusCode(r.Status)},
+			Headers: &extprocv3.HeaderMutation{SetHeaders: set},
+			Body:    r.Body,
+			Details: "infergate_epp_" + strconv.Itoa(r.Status),
+		}}}}
+}
+
+// responseHeaders observes the answer's status and headers and the served
+// endpoint; with the conformance hooks, it reports the served endpoint.
+func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, h *extprocv3.HttpHeaders) []*extprocv3.ProcessingResponse {
+	code := http.StatusOK
+	hdr := make(http.Header, 4)
+	for _, hv := range h.GetHeaders().GetHeaders() {
+		switch k := hv.GetKey(); k {
+		case ":status":
+			if n, err := strconv.Atoi(headerValue(hv)); err == nil && n >= 100 && n <= 999 {
+				code = n
+			}
+		case "content-type":
+			hdr.Set("Content-Type", headerValue(hv))
+		}
+	}
+	x.served = servedEndpoint(req.GetMetadataContext())
+	x.picked.Served(x.served)
+	x.picked.ResponseHeaders(code, hdr)
+	var set []*corev3.HeaderValueOption
+	if x.s.hooks {
+		v := x.served
+		if v == "" {
+			v = servedMissing
+		}
+		set = append(set, setHeader(TestServedHeader, v), setHeader(TestSelectedHeader, x.picked.Destinations()[0]))
+	}
+	out := []*extprocv3.ProcessingResponse{{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
+		ResponseHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{
+			HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}}}}}}
+	if h.GetEndOfStream() { // no body
+		x.respDone = true
+		x.picked.ResponseBody(nil, true)
+		x.picked.Done()
+	}
+	return out
+}
+
+// responseBody observes one chunk of the answer and echoes what the
+// gateway passes on of it.
+func (x *exchange) responseBody(chunk []byte, eos bool) []*extprocv3.ProcessingResponse {
+	if x.respDone {
+		return appendChunks(nil, chunk, eos, responseBody)
+	}
+	b := x.picked.ResponseBody(chunk, eos)
+	if eos {
+		x.respDone = true
+	}
+	if len(b) == 0 && !eos {
+		return nil // an event not complete yet: held until it is
+	}
+	out := appendChunks(nil, b, eos, responseBody)
+	if eos {
+		x.picked.Done()
+	}
+	return out
+}
+
+// Body phases a chunk answers.
+const (
+	requestBody = iota
+	responseBody
+)
+
+// appendChunks appends to out the StreamedBodyResponses carrying b in
+// chunks of at most MaxChunkBytes, end_of_stream on the last when eos (one
+// empty chunk for an empty b). The chunks alias b.
+func appendChunks(out []*extprocv3.ProcessingResponse, b []byte, eos bool, which int) []*extprocv3.ProcessingResponse {
+	for first := true; first || len(b) > 0; first = false {
+		n := min(len(b), MaxChunkBytes)
+		c := &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+			StreamedResponse: &extprocv3.StreamedBodyResponse{Body: b[:n], EndOfStream: eos && n == len(b)}}}}
+		b = b[n:]
+		r := &extprocv3.ProcessingResponse{}
+		if which == requestBody {
+			r.Response = &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: c}}
+		} else {
+			r.Response = &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{Response: c}}
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+// setHeader is a header mutation that replaces any value the request had
+// (a client's own x-gateway-destination-endpoint is never kept).
+func setHeader(k, v string) *corev3.HeaderValueOption {
+	return &corev3.HeaderValueOption{
+		Header:       &corev3.HeaderValue{Key: k, RawValue: []byte(v)},
+		AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD,
+	}
+}
+
+// headerValue is an Envoy header's value: raw_value, or value when the
+// proxy sent that.
+func headerValue(h *corev3.HeaderValue) string {
+	if len(h.GetRawValue()) > 0 {
+		return string(h.GetRawValue())
+	}
+	return h.GetValue()
+}
+
+// destinationMetadata is {"envoy.lb": {"x-gateway-destination-endpoint": dest}}.
+func destinationMetadata(dest string) *structpb.Struct {
+	return &structpb.Struct{Fields: map[string]*structpb.Value{
+		DestinationNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+			DestinationKey: structpb.NewStringValue(dest),
+		}}),
+	}}
+}
+
+// subsetHint reads the proxy's subset hint: the list, and whether it was
+// given (an empty or malformed one is given and empty).
+func subsetHint(md *corev3.Metadata) ([]string, bool) {
+	ns := md.GetFilterMetadata()[SubsetNamespace]
+	if ns == nil {
+		return nil, false
+	}
+	v, ok := ns.GetFields()[SubsetKey]
+	if !ok {
+		return nil, false
+	}
+	var out []string
+	for _, e := range v.GetListValue().GetValues() {
+		if s := e.GetStringValue(); s != "" && len(out) < maxSubset {
+			out = append(out, s)
+		}
+	}
+	if s := v.GetStringValue(); s != "" { // a comma list, as some proxies send it
+		for e := range strings.SplitSeq(s, ",") {
+			if e = strings.TrimSpace(e); e != "" && len(out) < maxSubset {
+				out = append(out, e)
+			}
+		}
+	}
+	return out, true
+}
+
+// maxSubset bounds the subset entries read (a hostile proxy's list).
+const maxSubset = 4096
+
+// servedEndpoint reads the proxy's served endpoint ("" when not reported).
+func servedEndpoint(md *corev3.Metadata) string {
+	ns := md.GetFilterMetadata()[DestinationNamespace]
+	if ns == nil {
+		return ""
+	}
+	return strings.TrimSpace(ns.GetFields()[ServedKey].GetStringValue())
+}
+
+// intersect returns the entries of a that b lists (ip or ip:port).
+func intersect(a, b []string) []string {
+	var out []string
+	for _, e := range a {
+		e = strings.TrimSpace(e)
+		for _, f := range b {
+			if e == f || strings.HasPrefix(f, e+":") {
+				out = append(out, f)
+			}
+		}
+	}
+	return out
+}
