@@ -100,6 +100,10 @@ var jsonAddrRe = regexp.MustCompile(`"addr":"(http://[0-9.:]+)"`)
 
 // send posts body to url with X-Request-Id id and extra header pairs; it
 // returns the status and the X-Infergate-Attempts header.
+// sendClient bounds every request of send: a gateway that never answers
+// fails the test instead of hanging the suite.
+var sendClient = &http.Client{Timeout: 2 * time.Minute}
+
 func send(t *testing.T, ctx context.Context, url, id, body string, hdr ...string) (int, string) {
 	t.Helper()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
@@ -108,7 +112,7 @@ func send(t *testing.T, ctx context.Context, url, id, body string, hdr ...string
 	for i := 0; i+1 < len(hdr); i += 2 {
 		req.Header.Set(hdr[i], hdr[i+1])
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := sendClient.Do(req)
 	if err != nil {
 		return 0, err.Error()
 	}
