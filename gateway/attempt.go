@@ -28,6 +28,12 @@ type failure struct {
 	err    *openai.Error
 }
 
+// connectionFailed reports whether f is a failure of the connection itself
+// (refused, reset or closed before the answer), not of an answer.
+func (f *failure) connectionFailed() bool {
+	return f.reason == reasonConnect || f.reason == reasonReset
+}
+
 // codeAbort is relayBody's result for a body that broke off after the
 // status line was sent (accounted as 502).
 const codeAbort = -1
