@@ -65,6 +65,9 @@ func TestUpPDFlags(t *testing.T) {
 		{[]string{"--pd", "1:1", "--pd-connector", "llm-d"}, "sidecar"},
 		{[]string{"--pd", "1:1", "--pd-threshold", "-5"}, "--pd-threshold -5"},
 		{[]string{"--pd-connector", "mooncake"}, "needs --pd"},
+		{[]string{"--pd", "1:1", "--pd-busy", "soon"}, `--pd-busy "soon"`},
+		{[]string{"--pd", "1:1", "--pd-decode-budget", "-1"}, "--pd-decode-budget -1"},
+		{[]string{"--pd-decode-budget", "384"}, "needs --pd"},
 	} {
 		c := exec.Command(os.Args[0], append([]string{"up", "--listen", "127.0.0.1:0"}, tc.args...)...)
 		c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
