@@ -225,6 +225,17 @@ func TestDecodeTokenBudget(t *testing.T) {
 	if a, b := DecodeTokenBudget(p, 100*time.Millisecond, 32, 12000, 8000), DecodeTokenBudget(p, 100*time.Millisecond, 32, 12000, 64000); a <= b {
 		t.Fatalf("budget at 8k context %d, at 64k %d", a, b)
 	}
+	// The table in sim/README.md ("Disaggregated prefill and decode").
+	for _, ctx := range []int{8000, 32000, 64000, 100000} {
+		t.Logf("32 decodes of 12k tokens, chunk after %d tokens: budget %d (50 ms), %d (75 ms), %d (100 ms)", ctx,
+			DecodeTokenBudget(p, 50*time.Millisecond, 32, 12000, ctx), DecodeTokenBudget(p, 75*time.Millisecond, 32, 12000, ctx),
+			DecodeTokenBudget(p, 100*time.Millisecond, 32, 12000, ctx))
+	}
+	for _, chunk := range []int{256, 384, 512, 8192} {
+		var c StepCost
+		c.Add(chunk, 8000)
+		t.Logf("a %d-token chunk after 8000 tokens alone: %v, %.0f tokens/s", chunk, p.StepTime(c), float64(chunk)/p.StepTime(c).Seconds())
+	}
 	// No room: the decodes alone overrun it.
 	if got := DecodeTokenBudget(p, time.Millisecond, 32, 12000, 0); got != 32 {
 		t.Fatalf("1 ms: %d, want 32", got)
