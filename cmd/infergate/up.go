@@ -280,8 +280,15 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 				if threshold == 0 {
 					threshold = sched.DefaultPDThreshold
 				}
-				fmt.Fprintf(out, "  P/D: %d prefill + %d decode engines, connector %s, prompts with %d+ uncached tokens split\n",
-					pd.prefill, pd.decode, pd.connector, threshold)
+				extra := ""
+				if fl.pdBusy == sched.PDBusyCost {
+					extra += ", prefilled on D when P's backlog is longer (--pd-busy cost)"
+				}
+				if fl.pdBudget > 0 {
+					extra += fmt.Sprintf(", decode engines' token budget %d", fl.pdBudget)
+				}
+				fmt.Fprintf(out, "  P/D: %d prefill + %d decode engines, connector %s, prompts with %d+ uncached tokens split%s\n",
+					pd.prefill, pd.decode, pd.connector, threshold, extra)
 			}
 			if t := fl.tiers; !t.host.IsZero() || !t.disk.IsZero() || !t.remote.IsZero() {
 				fmt.Fprintf(out, "  KV tiers: host %s, disk %s each; shared remote %s\n", t.host, t.disk, t.remote)
