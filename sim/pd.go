@@ -223,21 +223,23 @@ func validatePD(c Config) error {
 // al., OSDI'24, §4.3: the largest chunk whose hybrid batch meets the TBT
 // SLO), evaluated on the roofline StepTime instead of by profiling. It
 // returns decodes (no room for a chunk) when even a chunk of one token
-// overruns itl, and at most 1<<20.
+// overruns itl, and at most decodes + 1<<20. StepTime grows with the
+// chunk, so a bisection over the chunk finds it in ~20 steps.
 func DecodeTokenBudget(p GPUProfile, itl time.Duration, decodes, decodeContext, prefillContext int) int {
+	decodes = max(decodes, 0)
+	var base StepCost // decodes × Add(1, decodeContext), in closed form
+	base.Tokens, base.Seqs = decodes, decodes
+	base.AttnPairs = float64(decodes) * (float64(decodeContext) + 1)
+	base.KVTokens = decodes * (decodeContext + 1)
 	step := func(chunk int) time.Duration {
-		var c StepCost
-		for range decodes {
-			c.Add(1, decodeContext)
-		}
+		c := base
 		c.Add(chunk, prefillContext)
 		return p.StepTime(c)
 	}
-	lo, hi := 0, 1<<20 // step(lo) ≤ itl or lo = 0; step(hi) > itl unless hi is the cap
 	if step(1) > itl {
 		return decodes
 	}
-	lo = 1
+	lo, hi := 1, 1<<20 // step(lo) ≤ itl < step(hi), unless hi is the cap
 	if step(hi) <= itl {
 		return decodes + hi
 	}
