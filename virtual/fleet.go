@@ -333,14 +333,17 @@ func NewFleet(cfg Config) (*Fleet, error) {
 		pd:         pd,
 	}
 	for i := range f.engines {
-		f.engines[i].e = sim.NewEngine(eng)
 		f.snap[i] = sched.Endpoint{Name: "virtual-" + strconv.Itoa(i), Ready: true}
+		ecfg := eng
 		if pd != nil {
 			f.snap[i].Role = sched.RoleDecode
 			if i < cfg.Prefill {
 				f.snap[i].Role = sched.RolePrefill
+			} else {
+				ecfg = eng.ForDecode() // its own token budget (sim.PDConfig)
 			}
 		}
+		f.engines[i].e = sim.NewEngine(ecfg)
 	}
 	if cfg.ScrapeInterval > 0 {
 		f.nextScrape = 0
