@@ -37,10 +37,24 @@
 // etcd (go.etcd.io/etcd/server/v3 ETCD_VERSION of scripts/kube.sh) listens
 // on plain HTTP on loopback with --unsafe-no-fsync: its data is thrown away.
 //
-// # Costs (measured: go test -race -v -run TestServer ./internal/kubetest)
+// --endpoint-reconciler-type=none: v1.37 refuses the loopback advertise
+// address with the default reconciler, so the "kubernetes" Service has no
+// endpoints.
 //
-// See README.md in this directory for the start-up time and memory on the
-// project's 2-core CI machine.
+// # Costs
+//
+// Measured with go test -race -count=1 -v -run TestServer ./internal/kubetest
+// on 2 cores shared with other jobs (load average 12-19): start to /readyz
+// 4.4-5.8 s; peak RSS kube-apiserver 281-297 MB, etcd 41 MB. README.md has
+// the build's cost and the commands.
+//
+// # Limits
+//
+// A test binary killed outright (SIGKILL, or go test's -timeout) takes its
+// etcd and kube-apiserver with it (Pdeathsig) but leaves its directory
+// (os.TempDir()/infergate-kubetest-*). InferencePoolCRDPath finds the
+// repository from this file's compiled-in path, so tests built with
+// -trimpath cannot use it.
 //
 // # Environment
 //
