@@ -84,6 +84,9 @@ type Server struct {
 	g       *gateway.Gateway
 	hooks   bool
 	maxBody int64
+	// bodyTimeout bounds a stream's wait for its request to be routed,
+	// from the stream's start (body_read_timeout).
+	bodyTimeout time.Duration
 	// budget bounds the request bytes all streams buffer together
 	// (bytes); over it a request is shed with 429.
 	budget   int64
@@ -112,7 +115,8 @@ func New(g *gateway.Gateway, cfg gateway.EPPConfig, o Options) (*Server, error) 
 	if err != nil {
 		return nil, err
 	}
-	return &Server{g: g, hooks: cfg.ConformanceTestHooks, maxBody: g.MaxBodyBytes(), budget: o.MaxBufferedBytes, m: m}, nil
+	return &Server{g: g, hooks: cfg.ConformanceTestHooks, maxBody: g.MaxBodyBytes(),
+		bodyTimeout: g.BodyReadTimeout(), budget: o.MaxBufferedBytes, m: m}, nil
 }
 
 // Register registers the service on gs.
@@ -135,8 +139,23 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 		x.end()
 		s.m.streams.Dec()
 	}()
+	// The messages are received on a goroutine of their own, so that a
+	// stream that stalls before its request is routed can be ended: it
+	// has s.bodyTimeout from its start (serve's body_read_timeout).
+	in := make(chan received, 1)
+	go receive(stream, in)
+	stall := time.NewTimer(s.bodyTimeout)
+	defer stall.Stop()
 	for {
-		req, rerr := stream.Recv()
+		var m received
+		select {
+		case m = <-in:
+		case <-x.ctx.Done():
+			return nil // the proxy went away (canceled, reset): nothing to answer
+		case <-stall.C:
+			return x.stalled(stream)
+		}
+		req, rerr := m.req, m.err
 		if rerr == io.EOF {
 			return nil
 		}
@@ -144,6 +163,9 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 			return nil // the proxy went away (canceled, reset): nothing to answer
 		}
 		out, herr := x.handle(req)
+		if x.phase == phaseRouted {
+			stall.Stop() // the answer takes what it takes: the proxy's timeouts
+		}
 		for _, r := range out {
 			if serr := stream.Send(r); serr != nil {
 				return nil
@@ -154,6 +176,50 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 			return herr
 		}
 	}
+}
+
+// received is one stream.Recv's result.
+type received struct {
+	req *extprocv3.ProcessingRequest
+	err error
+}
+
+// receive passes stream's messages to in until Recv fails (the stream
+// ended, or Process returned and canceled it).
+func receive(stream extprocv3.ExternalProcessor_ProcessServer, in chan<- received) {
+	for {
+		req, err := stream.Recv()
+		select {
+		case in <- received{req, err}:
+		case <-stream.Context().Done():
+			return
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// stalled ends a stream whose request was not routed within
+// s.bodyTimeout: one whose body was awaited is answered 408 as serve
+// answers a body not received in time; one without headers ends with
+// DeadlineExceeded; one already answered (an immediate response the
+// proxy kept the stream open after) just ends.
+func (x *exchange) stalled(stream extprocv3.ExternalProcessor_ProcessServer) error {
+	switch x.phase {
+	case phaseHeaders:
+		x.s.m.decisions.WithLabelValues("timeout").Inc()
+		return status.Errorf(codes.DeadlineExceeded, "epp: no request headers within %s", x.s.bodyTimeout)
+	case phaseBody:
+		x.s.m.decisions.WithLabelValues("408").Inc()
+		for _, r := range x.immediate(x.s.g.Refuse(openai.NewError(http.StatusRequestTimeout,
+			fmt.Sprintf("The request body was not received within %s.", x.s.bodyTimeout), "", "request_timeout"))) {
+			if err := stream.Send(r); err != nil {
+				break
+			}
+		}
+	}
+	return nil
 }
 
 // phase is where a stream is.

@@ -192,6 +192,11 @@ func (g *Gateway) Refuse(e *openai.Error) *Refusal {
 // (max_body_bytes).
 func (g *Gateway) MaxBodyBytes() int64 { return g.cfg.MaxBodyBytes }
 
+// BodyReadTimeout bounds the wait for a request's body
+// (body_read_timeout); the endpoint picker bounds with it a stream's wait
+// for its request to be routed.
+func (g *Gateway) BodyReadTimeout() time.Duration { return g.cfg.BodyReadTimeout }
+
 // eppKind is the API of a request to path: the routes the gateway serves
 // (route, routePassthrough) that are sent to an engine with a body.
 func eppKind(method, path string) (apiKind, bool) {

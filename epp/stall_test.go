@@ -1,0 +1,118 @@
+package epp
+
+import (
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/infergate/infergate/sched"
+)
+
+// TestStalledStreamsEnd: a stream that stalls before its request is
+// routed — no message at all, headers and no body, part of a body, or
+// kept open after an immediate response — is answered 408 (while its body
+// is awaited) and ended within body_read_timeout, as serve bounds a
+// body's read: its buffered bytes and its goroutine are given back. (The
+// attack: 20,000 streams left open after their headers held 20,000
+// goroutines and 285 MB RSS; 70 streams sending 15 MB bodies without end
+// filled the 1 GiB buffer budget — two refused buffer_full, any body over
+// the 4 MB left refused 429 — and held 2.88 GB RSS, for as long as the
+// client liked.) A routed request's answer may take longer.
+func TestStalledStreamsEnd(t *testing.T) {
+	urls := startEngines(t, 1)
+	cfg := testConfig(sched.Prefix, urls...)
+	cfg.BodyReadTimeout = 200 * time.Millisecond
+	cfg.MaxBodyBytes = 4096
+	tp := startPicker(t, cfg, Options{})
+	warm := tp.open(t)
+	warm.headers("GET", "/v1/models", true, nil)
+	warm.routed(false)
+	warm.cancel()
+	waitFor(t, "the warm-up stream ended", func() bool { return tp.gauge(t, "infergate_epp_streams") == 0 })
+	before := runtime.NumGoroutine()
+
+	// end reads until the stream ends and returns its status (a bound on
+	// the wait, not a timing claim).
+	end := func(s *stream) error {
+		t.Helper()
+		done := make(chan error, 1)
+		go func() {
+			for {
+				if _, err := s.s.Recv(); err != nil {
+					done <- err
+					return
+				}
+			}
+		}()
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(time.Minute):
+			t.Fatal("the stalled stream was not ended")
+			return nil
+		}
+	}
+	timedOut := func(what string, s *stream) {
+		t.Helper()
+		code, body := s.immediate()
+		if code != 408 || !strings.Contains(body, `"code":"request_timeout"`) {
+			t.Fatalf("%s: %d %s, want 408 request_timeout", what, code, body)
+		}
+		if err := end(s); status.Code(err) != codes.OK && err.Error() != "EOF" {
+			t.Fatalf("%s: stream ended with %v", what, err)
+		}
+	}
+
+	s := tp.open(t) // no message at all
+	if err := end(s); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("a stream without headers ended with %v, want DeadlineExceeded", err)
+	}
+
+	s = tp.open(t) // headers, no body
+	s.headers("POST", "/v1/chat/completions", false, nil)
+	timedOut("headers only", s)
+
+	s = tp.open(t) // part of a body
+	s.headers("POST", "/v1/chat/completions", false, nil)
+	s.body(chatBody(3000, "stall")[:2000], false)
+	waitFor(t, "the part buffered", func() bool { return tp.srv.Buffered() > 0 })
+	timedOut("mid-body", s)
+	if b := tp.srv.Buffered(); b != 0 {
+		t.Fatalf("buffered %d after the timeout", b)
+	}
+
+	s = tp.open(t) // refused 413, then kept open
+	s.headers("POST", "/v1/chat/completions", false, nil)
+	s.body(chatBody(10_000, "big"), false)
+	if code, _ := s.immediate(); code != 413 {
+		t.Fatalf("got %d, want 413", code)
+	}
+	if err := end(s); err != nil && status.Code(err) != codes.OK && err.Error() != "EOF" {
+		t.Fatalf("a refused stream ended with %v", err)
+	}
+
+	// A routed request waits for its answer past body_read_timeout.
+	s = tp.open(t)
+	s.headers("POST", "/v1/chat/completions", false, nil)
+	s.body(chatBody(1000, "slow answer"), true)
+	s.routed(true)
+	time.Sleep(3 * cfg.BodyReadTimeout)
+	s.responseHeaders("200", "application/json", "", false)
+	if r := s.recv(); r.GetResponseHeaders() == nil {
+		t.Fatalf("want the response-headers answer, got %v", r)
+	}
+	s.responseBody([]byte(`{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}`), true)
+	if r := s.recv(); r.GetResponseBody() == nil {
+		t.Fatalf("want the response body, got %v", r)
+	}
+	s.cancel()
+
+	waitFor(t, "every stream released", func() bool {
+		return tp.inFlight(t) == 0 && tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
+	})
+	requireGoroutinesBack(t, before, 2)
+}
