@@ -581,7 +581,9 @@ func (x *exchange) overContext(kind apiKind, maxModelLen int) bool {
 	case kindCompletion:
 		mt = x.comp.MaxTokens
 	}
-	return maxModelLen > 0 && mt != nil && x.sreq.PromptTokens+*mt > maxModelLen
+	// prompt > maxModelLen − max tokens: the sum overflows for a max tokens
+	// near the int range, which the API accepts.
+	return maxModelLen > 0 && mt != nil && x.sreq.PromptTokens > maxModelLen-*mt
 }
 
 // legSender sends a leg's body to u with header (nil: none) through the

@@ -203,3 +203,52 @@ func TestPDAttackEngineKeySentToClientNamedHost(t *testing.T) {
 	default: // D makes its side-channel call before it answers: had it made one, it would be here
 	}
 }
+
+// A huge max_tokens (2^63−1, which the API accepts) overflowed the
+// over-context check's prompt + max_tokens into a negative sum, so the
+// request was split anyway: P computed and held the prompt for a D that
+// refuses it (the attack run's max_tokens 9223372036854775807: one P leg
+// served and held per request, as finding 3 before its fix).
+func TestPDAttackHugeMaxTokensNotSplit(t *testing.T) {
+	for _, conn := range []string{"nixl", "sglang"} {
+		t.Run(conn, func(t *testing.T) {
+			f, cfg := startSimPD(t, 1, 1, conn)
+			_, gw := startGateway(t, cfg)
+			c := testClient(t)
+			body := pdSimPrompt("huge"+conn, 300, false)
+			body = strings.Replace(body, `"max_tokens":12`, `"max_tokens":9223372036854775807`, 1)
+			a, err := chat(context.Background(), c, gw, body)
+			if err != nil || a.status != http.StatusBadRequest {
+				t.Fatalf("want D's 400: %+v %v", a, err)
+			}
+			if v := metricValue(t, gw, "infergate_pd_decisions_total", `reason="over-context"`); v != 1 {
+				t.Fatalf("over-context decisions %v", v)
+			}
+			if v := simValue(t, c, f.URLs[0], "vllm:request_success_total"); v != 0 {
+				t.Fatalf("P served %v legs for a request D refuses", v)
+			}
+		})
+	}
+}
+
+func TestOverContextOverflow(t *testing.T) {
+	huge := int(^uint(0) >> 1)
+	for _, tc := range []struct {
+		prompt, maxTokens, maxModelLen int
+		want                           bool
+	}{
+		{100, 10, 1000, false},
+		{100, 901, 1000, true},
+		{100, huge, 1000, true},
+		{huge, 1, 1000, true},
+		{100, huge, 0, false}, // unknown context length: never
+	} {
+		x := &exchange{}
+		mt := tc.maxTokens
+		x.comp.MaxTokens = &mt
+		x.sreq.PromptTokens = tc.prompt
+		if got := x.overContext(kindCompletion, tc.maxModelLen); got != tc.want {
+			t.Errorf("prompt %d + max_tokens %d over %d: %v, want %v", tc.prompt, tc.maxTokens, tc.maxModelLen, got, tc.want)
+		}
+	}
+}
