@@ -96,8 +96,8 @@ type Server struct {
 
 // Options configures a Server beyond the gateway's own configuration.
 type Options struct {
-	// MaxBufferedBytes bounds the request bodies buffered by all streams
-	// at once (bytes; 0: DefaultMaxBufferedBytes).
+	// MaxBufferedBytes bounds the request bytes, headers and bodies,
+	// held by all streams at once (bytes; 0: DefaultMaxBufferedBytes).
 	MaxBufferedBytes int64
 	// Metrics registers the picker's metrics (nil: none registered).
 	Metrics Registerer
@@ -246,7 +246,7 @@ type exchange struct {
 	subset    []string
 	hasSubset bool
 	body      []byte
-	held      int64 // of body, reserved in s.buffered
+	held      int64 // of the headers and body, reserved in s.buffered
 	picked    *gateway.Picked
 	// respDone: the answer's end was observed.
 	respDone bool
@@ -325,8 +325,10 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) ([]*extprocv3.Proces
 func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3.HttpHeaders) []*extprocv3.ProcessingResponse {
 	x.start = time.Now()
 	x.header = make(http.Header, len(h.GetHeaders().GetHeaders()))
+	size := 0
 	for _, hv := range h.GetHeaders().GetHeaders() {
 		k, v := hv.GetKey(), headerValue(hv)
+		size += len(k) + len(v)
 		switch k {
 		case ":method":
 			x.method = v
@@ -341,6 +343,10 @@ func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3
 	if i := strings.IndexByte(x.path, '?'); i >= 0 {
 		x.path = x.path[:i]
 	}
+	x.phase = phaseBody
+	if out := x.reserve(int64(size)); out != nil {
+		return out // the headers, held until the stream ends, count as its body does
+	}
 	x.subset, x.hasSubset = subsetHint(req.GetMetadataContext())
 	if x.s.hooks {
 		if v := x.header.Get(TestSelectionHeader); v != "" {
@@ -351,7 +357,6 @@ func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3
 			x.subset, x.hasSubset = list, true
 		}
 	}
-	x.phase = phaseBody
 	if h.GetEndOfStream() {
 		return x.route(true)
 	}
@@ -366,21 +371,31 @@ func (x *exchange) requestBody(chunk []byte, eos bool) []*extprocv3.ProcessingRe
 			fmt.Sprintf("Request body is larger than the limit of %d bytes.", x.s.maxBody), "", openai.CodeRequestTooLarge)))
 	}
 	if len(chunk) > 0 {
-		if x.s.buffered.Add(int64(len(chunk))) > x.s.budget {
-			x.s.buffered.Add(-int64(len(chunk)))
-			x.s.m.decisions.WithLabelValues("buffer_full").Inc()
-			r := x.s.g.Refuse(openai.NewError(http.StatusTooManyRequests,
-				"The endpoint picker is holding too many request bodies; retry later.", "", "rate_limit_exceeded"))
-			r.Header.Set("Retry-After", "1")
-			return x.immediate(r)
+		if out := x.reserve(int64(len(chunk))); out != nil {
+			return out
 		}
-		x.held += int64(len(chunk))
 		x.body = append(x.body, chunk...)
 	}
 	if !eos {
 		return nil
 	}
 	return x.route(false)
+}
+
+// reserve takes n more bytes of the stream's request (headers, body) in
+// s.buffered, given back when the stream ends; over the budget the request
+// is answered 429 (the responses returned).
+func (x *exchange) reserve(n int64) []*extprocv3.ProcessingResponse {
+	if x.s.buffered.Add(n) > x.s.budget {
+		x.s.buffered.Add(-n)
+		x.s.m.decisions.WithLabelValues("buffer_full").Inc()
+		r := x.s.g.Refuse(openai.NewError(http.StatusTooManyRequests,
+			"The endpoint picker is holding too many request bytes; retry later.", "", "rate_limit_exceeded"))
+		r.Header.Set("Retry-After", "1")
+		return x.immediate(r)
+	}
+	x.held += n
+	return nil
 }
 
 // route picks the request's endpoint and answers the request-headers

@@ -116,3 +116,33 @@ func TestStalledStreamsEnd(t *testing.T) {
 	})
 	requireGoroutinesBack(t, before, 2)
 }
+
+// TestHeadersInBufferBudget: request headers count in the buffer budget
+// as the body does (held until the stream ends): a stream whose headers
+// would take the picked streams' bytes over it is answered 429. (The
+// attack: 210 streams sending 3.9 MB of headers each, the bodies' budget
+// untouched, held 2.24 GB RSS.)
+func TestHeadersInBufferBudget(t *testing.T) {
+	urls := startEngines(t, 1)
+	cfg := testConfig(sched.Prefix, urls...)
+	cfg.BodyReadTimeout = 2 * time.Second // the failure's bound, not a timing claim
+	tp := startPicker(t, cfg, Options{MaxBufferedBytes: 1 << 20})
+	pad := strings.Repeat("p", 600<<10)
+	first := tp.open(t)
+	first.headers("POST", "/v1/chat/completions", false, nil, "x-pad", pad)
+	first.body(chatBody(50, "a"), true)
+	first.routed(true)
+	if b := tp.srv.Buffered(); b < int64(len(pad)) {
+		t.Fatalf("buffered %d with %d bytes of headers held", b, len(pad))
+	}
+	second := tp.open(t)
+	second.headers("POST", "/v1/chat/completions", false, nil, "x-pad", pad)
+	if code, body := second.immediate(); code != 429 || !strings.Contains(body, "rate_limit_exceeded") {
+		t.Fatalf("second: %d %s, want 429", code, body)
+	}
+	first.cancel()
+	second.cancel()
+	waitFor(t, "the budget given back", func() bool {
+		return tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
+	})
+}
