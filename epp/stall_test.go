@@ -146,3 +146,32 @@ func TestHeadersInBufferBudget(t *testing.T) {
 		return tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
 	})
 }
+
+// TestAnswerCutHoldReleased: a whole answer's held prefix is given back to
+// the gateway's hold budget (max_held_response_bytes) when the stream ends
+// before the answer did (the client or the proxy went away mid-answer).
+// Before, each such request kept its reservation — at least 64 KiB — for
+// the life of the process: 4,096 cut answers held the default 256 MiB and
+// every later answer was passed on unread, its usage not accounted.
+func TestAnswerCutHoldReleased(t *testing.T) {
+	urls := startEngines(t, 1)
+	tp := startPicker(t, testConfig(sched.Prefix, urls...), Options{})
+	for i := range 3 {
+		s := tp.open(t)
+		s.headers("POST", "/v1/chat/completions", false, nil)
+		s.body(chatBody(100, "cut"+strings.Repeat("x", i)), true)
+		s.routed(true)
+		s.responseHeaders("200", "application/json", "", false)
+		s.recv()
+		s.responseBody([]byte(`{"id":"x","choices":[{"message":{"content":"partial`), false)
+		s.recv()
+		if h := tp.gauge(t, "infergate_response_held_bytes"); h == 0 {
+			t.Fatal("no bytes held for the answer's usage")
+		}
+		s.cancel()
+		waitFor(t, "the stream ended", func() bool { return tp.gauge(t, "infergate_epp_streams") == 0 && tp.inFlight(t) == 0 })
+		if h := tp.gauge(t, "infergate_response_held_bytes"); h != 0 {
+			t.Fatalf("request %d: %v bytes of the hold budget kept after the stream ended", i, h)
+		}
+	}
+}

@@ -557,6 +557,8 @@ func (pk *Picked) release() {
 	x := pk.x
 	pk.x, pk.body = nil, nil
 	x.body = nil // the caller's buffer: not the pool's
+	// An answer cut before its end gives back its held prefix.
+	pk.g.hold.release(&pk.resp.held)
 	pk.resp.reset()
 	pk.g.putExchange(x)
 }
