@@ -37,6 +37,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/infergate/infergate/disagg"
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/openai"
 )
@@ -87,6 +88,9 @@ type Server struct {
 	// bodyTimeout bounds a stream's wait for its request to be routed,
 	// from the stream's start (body_read_timeout).
 	bodyTimeout time.Duration
+	// remove are the request headers the proxy is to remove: a client's
+	// own x-prefiller-host-port (gateway.StripsClientPDParams).
+	remove []string
 	// budget bounds the request bytes all streams buffer together
 	// (bytes); over it a request is shed with 429.
 	budget   int64
@@ -108,6 +112,12 @@ const DefaultMaxBufferedBytes = 1 << 30
 
 // New returns the ext_proc service picking with g; cfg is g's epp section.
 func New(g *gateway.Gateway, cfg gateway.EPPConfig, o Options) (*Server, error) {
+	var remove []string
+	if g.StripsClientPDParams() {
+		// llm-d's routing sidecar in front of an engine would prefill at
+		// the host:port it names, with the request's headers.
+		remove = []string{disagg.PrefillerHeader}
+	}
 	if o.MaxBufferedBytes <= 0 {
 		o.MaxBufferedBytes = DefaultMaxBufferedBytes
 	}
@@ -116,7 +126,7 @@ func New(g *gateway.Gateway, cfg gateway.EPPConfig, o Options) (*Server, error) 
 		return nil, err
 	}
 	return &Server{g: g, hooks: cfg.ConformanceTestHooks, maxBody: g.MaxBodyBytes(),
-		bodyTimeout: g.BodyReadTimeout(), budget: o.MaxBufferedBytes, m: m}, nil
+		bodyTimeout: g.BodyReadTimeout(), remove: remove, budget: o.MaxBufferedBytes, m: m}, nil
 }
 
 // Register registers the service on gs.
@@ -430,7 +440,7 @@ func (x *exchange) route(headersOnly bool) []*extprocv3.ProcessingResponse {
 	}
 	out[0] = &extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{
-			Response: &extprocv3.CommonResponse{ClearRouteCache: true, HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}},
+			Response: &extprocv3.CommonResponse{ClearRouteCache: true, HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set, RemoveHeaders: x.s.remove}},
 		}},
 		DynamicMetadata: destinationMetadata(dest),
 	}

@@ -2,6 +2,7 @@ package epp
 
 import (
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -9,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/sched"
 )
 
@@ -172,6 +174,28 @@ func TestAnswerCutHoldReleased(t *testing.T) {
 		waitFor(t, "the stream ended", func() bool { return tp.gauge(t, "infergate_epp_streams") == 0 && tp.inFlight(t) == 0 })
 		if h := tp.gauge(t, "infergate_response_held_bytes"); h != 0 {
 			t.Fatalf("request %d: %v bytes of the hold budget kept after the stream ended", i, h)
+		}
+	}
+}
+
+// TestClientPrefillerHeaderRemoved: the proxy forwards the client's own
+// headers to the endpoint picked; a client's x-prefiller-host-port would
+// make llm-d's routing sidecar in front of the decode endpoint prefill at
+// the host:port it names. With pd.client_params strip (the default) the
+// request-headers answer removes it, as serve does; with pass it is left.
+func TestClientPrefillerHeaderRemoved(t *testing.T) {
+	for _, mode := range []string{gateway.PDClientParamsStrip, gateway.PDClientParamsPass} {
+		urls := startEngines(t, 1)
+		cfg := testConfig(sched.Prefix, urls...)
+		cfg.PD.ClientParams = mode
+		tp := startPicker(t, cfg, Options{})
+		s := tp.open(t)
+		s.headers("POST", "/v1/chat/completions", false, nil, "x-prefiller-host-port", "attacker.example:6666")
+		s.body(chatBody(100, "pf"+mode), true)
+		r := s.recv()
+		removed := slices.Contains(r.GetRequestHeaders().GetResponse().GetHeaderMutation().GetRemoveHeaders(), "x-prefiller-host-port")
+		if removed != (mode == gateway.PDClientParamsStrip) {
+			t.Fatalf("%s: x-prefiller-host-port removed %v (answer %v)", mode, removed, r)
 		}
 	}
 }

@@ -192,6 +192,12 @@ func (g *Gateway) Refuse(e *openai.Error) *Refusal {
 // (max_body_bytes).
 func (g *Gateway) MaxBodyBytes() int64 { return g.cfg.MaxBodyBytes }
 
+// StripsClientPDParams reports whether a client's own P/D hand-off fields
+// are removed before an engine sees them (pd.client_params strip): the
+// endpoint picker then has the proxy remove the client's
+// x-prefiller-host-port (disagg.PrefillerHeader).
+func (g *Gateway) StripsClientPDParams() bool { return g.cfg.PD.ClientParams != PDClientParamsPass }
+
 // BodyReadTimeout bounds the wait for a request's body
 // (body_read_timeout); the endpoint picker bounds with it a stream's wait
 // for its request to be routed.

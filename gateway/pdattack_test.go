@@ -252,3 +252,36 @@ func TestOverContextOverflow(t *testing.T) {
 		}
 	}
 }
+
+// A client's own x-prefiller-host-port header reached the decode engine
+// of a request served whole on D (short prompt, llm-d connector) — and any
+// engine's with the other connectors: llm-d's routing sidecar in front of
+// D runs a prefill at the host:port it names, with the request's headers,
+// the gateway's engine key among them (finding 1's hand-off by header).
+// With pd.client_params strip it is removed as the body's P/D members are;
+// with pass it is forwarded.
+func TestPDAttackClientPrefillerHeader(t *testing.T) {
+	for _, mode := range []string{PDClientParamsStrip, PDClientParamsPass} {
+		for _, conn := range []string{"llm-d", "nixl"} {
+			t.Run(mode+"/"+conn, func(t *testing.T) {
+				p, d := newPDEngine(t, "p"), newPDEngine(t, "d")
+				cfg := pdConfig(conn, []*pdEngine{p}, []*pdEngine{d})
+				cfg.PD.ClientParams = mode
+				_, gw := startGateway(t, cfg)
+				in := `{"model":"m","prompt":[1,2,3,4,5,6,7,8],"max_tokens":3}`
+				resp, body := post(t, http.DefaultClient, gw+"/v1/completions", in, "X-Prefiller-Host-Port", "attacker.example:6666")
+				if resp.StatusCode != 200 {
+					t.Fatalf("status %d: %s", resp.StatusCode, body)
+				}
+				dl := d.got()
+				if len(dl) != 1 {
+					t.Fatalf("D legs %d", len(dl))
+				}
+				got := dl[0].header.Get("X-Prefiller-Host-Port")
+				if want := map[string]string{PDClientParamsStrip: "", PDClientParamsPass: "attacker.example:6666"}[mode]; got != want {
+					t.Fatalf("D received x-prefiller-host-port %q, want %q", got, want)
+				}
+			})
+		}
+	}
+}
