@@ -10,7 +10,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/infergate/infergate/disagg"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/upstream"
@@ -88,7 +87,9 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	spec := ep.spec.Load()
 	spec.addHeader(x.upHeader) // the endpoint's credentials and headers (credentials.go)
 	if x.pd.prefiller != "" {
-		x.upHeader[http.CanonicalHeaderKey(disagg.PrefillerHeader)] = []string{x.pd.prefiller} // llm-d's sidecar runs the flow
+		x.upHeader[prefillerKey] = []string{x.pd.prefiller} // llm-d's sidecar runs the flow
+	} else {
+		g.stripClientPrefiller(x.upHeader)
 	}
 	req.Header = x.upHeader
 	x.obs.inject(req.Header) // this attempt's traceparent (tracing.go)
