@@ -43,7 +43,7 @@ func (h *Health) Register(gs *grpc.Server) { healthpb.RegisterHealthServer(gs, h
 // Ready reports the readiness the service reports.
 func (h *Health) Ready() bool {
 	ready, _, draining := h.g.ReadyEndpoints()
-	return ready > 0 && !draining
+	return ready > 0 && !draining && h.g.ReadinessHold() == ""
 }
 
 func (h *Health) update() {

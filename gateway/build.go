@@ -283,6 +283,9 @@ func (g *Gateway) buildPools(cfg Config, prev *state, st *state, specOf func(*en
 		}
 		members[ec.Model] = append(members[ec.Model], byBase[base])
 	}
+	if m := cfg.discoveredModel(); m != "" && members[m] == nil {
+		models = append(models, m) // no engine discovered yet (or any more): a pool without endpoints
+	}
 	for _, model := range models {
 		p, err := g.buildPool(model, members[model], prev.pools[model], cfg, routingChanged, blockChanged, specOf, st, pl)
 		if err != nil {
