@@ -97,7 +97,9 @@ func (k *KubernetesDiscovery) endpoint(ip string, port int) EndpointConfig {
 // endpoint of an example address.
 func (k *KubernetesDiscovery) validate(c Config) []error {
 	var errs []error
-	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf("discovery.kubernetes"+format, args...)) }
+	bad := func(format string, args ...any) {
+		errs = append(errs, fmt.Errorf("discovery.kubernetes"+format, args...))
+	}
 	switch {
 	case (k.InferencePool == "") == (k.Service == ""):
 		bad(": want one of inference_pool and service")
