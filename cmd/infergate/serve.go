@@ -127,6 +127,10 @@ type serveFlags struct {
 	grace      time.Duration
 	lf         logFlags
 	access     bool
+	kubeconfig string
+	// amend, when set, changes the file's configuration before the flags
+	// apply (epp's --pool-* flags).
+	amend func(*gateway.Config) error
 }
 
 func newServeCmd() *cobra.Command {
@@ -217,6 +221,7 @@ func (fl *serveFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.keysFile, "keys-file", "", "API keys file (overrides auth.keys_file; see 'infergate keys')")
 	f.StringVar(&fl.pprofAddr, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default)")
 	f.DurationVar(&fl.grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage+" (overrides shutdown_grace)")
+	f.StringVar(&fl.kubeconfig, "kubeconfig", "", "kubeconfig file for discovery.kubernetes (overrides its kubeconfig; default $KUBECONFIG, ~/.kube/config, else the pod's service account)")
 	fl.lf.register(f)
 	accessLogFlag(f, &fl.access)
 }
@@ -232,6 +237,11 @@ func (fl *serveFlags) config(cmd *cobra.Command) (gateway.Config, error) {
 			return cfg, err
 		}
 		cfg = c
+	}
+	if fl.amend != nil {
+		if err := fl.amend(&cfg); err != nil {
+			return cfg, err
+		}
 	}
 	if cmd.Flags().Changed("listen") || cfg.Listen == "" {
 		cfg.Listen = fl.listen
@@ -252,8 +262,13 @@ func (fl *serveFlags) config(cmd *cobra.Command) (gateway.Config, error) {
 	if fl.keyEnv != "" && len(fl.endpoints) == 0 {
 		return cfg, errors.New("--endpoint-api-key-env is for the --endpoint flags' engines: give it with --endpoint URL=MODEL (or set api_key_env in the config)")
 	}
-	if len(cfg.Endpoints) == 0 {
-		return cfg, errors.New("no endpoints: give -c config.yaml or --endpoint URL=MODEL")
+	if k := cfg.Discovery.Kubernetes; k != nil && fl.kubeconfig != "" {
+		c := *k
+		c.Kubeconfig = fl.kubeconfig
+		cfg.Discovery.Kubernetes = &c
+	}
+	if len(cfg.Endpoints) == 0 && cfg.Discovery.Kubernetes == nil {
+		return cfg, errors.New("no endpoints: give -c config.yaml (endpoints or discovery.kubernetes) or --endpoint URL=MODEL")
 	}
 	if err := applyEdgeFlags(cmd, &cfg, fl.tlsCert, fl.tlsKey, fl.keysFile); err != nil {
 		return cfg, err
@@ -290,10 +305,19 @@ func runGateway(cmd *cobra.Command, pprofAddr string, load func() (gateway.Confi
 		return err
 	}
 	defer g.Close()
+	if cfg.Discovery.Kubernetes != nil {
+		g.HoldReadiness("kubernetes discovery: starting")
+	}
 	warnExposure(log, cfg.Listen, g)
 	ctx, stop := context.WithCancel(cmd.Context())
 	defer stop()
-	go reloadOnHUP(ctx, log, hup, g, load)
+	r := &reloader{g: g, log: log, load: load, static: cfg}
+	stopDiscovery, err := r.startDiscovery(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer stopDiscovery()
+	go reloadOnHUP(ctx, log, hup, r)
 	onReady := ready(g, log, cfg)
 	if pprofAddr != "" {
 		stop, err := startPprof(log, pprofAddr)
@@ -305,17 +329,17 @@ func runGateway(cmd *cobra.Command, pprofAddr string, load func() (gateway.Confi
 	return serveGateway(ctx, log, cfg.Listen, g, onReady)
 }
 
-// reloadOnHUP applies the configuration load returns at every SIGHUP on
-// hup until ctx is done (Gateway.ReloadWith logs and counts the outcome).
-func reloadOnHUP(ctx context.Context, log *slog.Logger, hup <-chan os.Signal, g *gateway.Gateway,
-	load func() (gateway.Config, error)) {
+// reloadOnHUP applies the configuration r loads, with the engines
+// discovery found, at every SIGHUP on hup until ctx is done
+// (Gateway.ReloadWith logs and counts the outcome).
+func reloadOnHUP(ctx context.Context, log *slog.Logger, hup <-chan os.Signal, r *reloader) {
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-hup:
 			log.Info("SIGHUP: reloading the configuration")
-			_ = g.ReloadWith(load)
+			r.hup()
 		}
 	}
 }
