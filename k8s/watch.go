@@ -243,8 +243,8 @@ func (w *Watcher) Synced() bool { return w.synced.Load() }
 // reported. It returns ctx's error, having stopped the informers.
 func (w *Watcher) Run(ctx context.Context) error {
 	w.start(ctx.Done())
-	if !cache.WaitForCacheSync(ctx.Done(), w.has...) {
-		return ctx.Err()
+	if err := w.waitSynced(ctx); err != nil {
+		return err
 	}
 	w.synced.Store(true)
 	var last []Target
@@ -266,6 +266,39 @@ func (w *Watcher) Run(ctx context.Context) error {
 		}
 		if err := w.settle(ctx); err != nil {
 			return err
+		}
+	}
+}
+
+// unsyncedWarning is the period of the warning that the informers have
+// not synced (the API server unreachable, the Role without list/watch,
+// the CRD not installed: client-go retries at its debug log level).
+const unsyncedWarning = 10 * time.Second
+
+// waitSynced waits until every informer has synced or ctx ends, warning
+// every unsyncedWarning.
+func (w *Watcher) waitSynced(ctx context.Context) error {
+	poll := time.NewTicker(50 * time.Millisecond)
+	defer poll.Stop()
+	start := time.Now()
+	next := start.Add(unsyncedWarning)
+	for {
+		synced := true
+		for _, has := range w.has {
+			synced = synced && has()
+		}
+		if synced {
+			return nil
+		}
+		if now := time.Now(); now.After(next) {
+			w.log.Warn("kubernetes discovery: not synced yet (is the API server reachable, the InferencePool CRD installed, "+
+				"the Role granting get/list/watch?); retrying", "source", w.src, "waiting", now.Sub(start).Round(time.Second))
+			next = now.Add(unsyncedWarning)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-poll.C:
 		}
 	}
 }

@@ -1,0 +1,262 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/infergate/infergate/internal/kubetest"
+	"github.com/infergate/infergate/k8s"
+	"github.com/infergate/infergate/simserver"
+)
+
+// discoveryCycles is how many times each end-to-end test adds and removes
+// an engine through the API server (the figures' sample).
+const discoveryCycles = 5
+
+// TestKubernetesDiscoveryEndToEnd runs `infergate serve` and `infergate epp`
+// as processes with --kubeconfig against a real kube-apiserver
+// (internal/kubetest; skipped without scripts/kube.sh build) in front of
+// simulated engines on loopback: engines written to the API server are
+// routed to, engines taken out of it are drained, without a restart; the
+// time from each API write to the change seen through the gateway is
+// logged (go test -v).
+func TestKubernetesDiscoveryEndToEnd(t *testing.T) {
+	s := kubetest.Start(t, kubetest.Options{})
+	s.InstallInferencePoolCRD(t)
+	f, err := simserver.StartFleet(3, simserver.ServerConfig{Model: "m", TimeScale: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ports := make([]int, len(f.URLs))
+	for i, u := range f.URLs {
+		_, p, _ := strings.Cut(strings.TrimPrefix(u, "http://"), ":")
+		ports[i], _ = strconv.Atoi(p)
+	}
+	t.Run("epp", func(t *testing.T) { testDiscoveryEPP(t, s, ports) })
+	t.Run("serve", func(t *testing.T) { testDiscoveryServe(t, s, ports) })
+}
+
+// summary is durations as "min / median / max (n)".
+func summary(ds []time.Duration) string {
+	ds = slices.Clone(ds)
+	slices.Sort(ds)
+	r := func(d time.Duration) string { return d.Round(time.Millisecond).String() }
+	return fmt.Sprintf("min %s, median %s, max %s (n=%d): %v", r(ds[0]), r(ds[len(ds)/2]), r(ds[len(ds)-1]), len(ds), ds)
+}
+
+// testDiscoveryEPP: the picker serves an InferencePool whose pods are the
+// engines, all at 127.0.0.1, each on its own target port (the active-ports
+// annotation says which). A pod made Ready is picked (the proxy's subset
+// hint names it alone), a deleted one is not (503 for that subset).
+func testDiscoveryEPP(t *testing.T, s *kubetest.Server, ports []int) {
+	ctx := context.Background()
+	ns := s.Namespace(t, "epp")
+	var tp []any
+	for _, p := range ports {
+		tp = append(tp, map[string]any{"number": int64(p)})
+	}
+	pool := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+		"metadata": map[string]any{"name": "llama", "namespace": ns},
+		"spec": map[string]any{"selector": map[string]any{"matchLabels": map[string]any{"app": "sim"}}, "targetPorts": tp,
+			"endpointPickerRef": map[string]any{"name": "epp", "port": map[string]any{"number": int64(9002)}}},
+	}}
+	if _, err := s.Dynamic().Resource(k8s.InferencePoolGVR).Namespace(ns).Create(ctx, pool, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	labels := map[string]string{"app": "sim"}
+	pods := s.Clientset().CoreV1().Pods(ns)
+	addPod := func(name string, port int) {
+		s.CreatePod(t, ns, name, labels, int32(port))
+		if _, err := pods.Patch(ctx, name, types.MergePatchType,
+			fmt.Appendf(nil, `{"metadata":{"annotations":{%q:"%d"}}}`, k8s.ActivePortsAnnotation, port), metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	addPod("sim-0", ports[0])
+	s.SetPodReady(t, ns, "sim-0", "127.0.0.1", true)
+
+	cfg := filepath.Join(t.TempDir(), "epp.yaml")
+	if err := os.WriteFile(cfg, []byte("listen: 127.0.0.1:0\nhealth_check_interval: 50ms\nrouting: {policy: cache-aware}\n"+
+		"epp: {listen: \"127.0.0.1:0\", health_listen: \"127.0.0.1:0\"}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := start(t, "epp", "-c", cfg, "--kubeconfig", s.Kubeconfig, "--pool-name", "llama", "--pool-namespace", ns, "--pool-model", "m")
+	line := p.await(t, regexp.MustCompile(`(epp listening.*)`))
+	field := func(k string) string {
+		m := regexp.MustCompile(k + `=(\S+)`).FindStringSubmatch(line)
+		if m == nil {
+			t.Fatalf("no %s in %q", k, line)
+		}
+		return m[1]
+	}
+	conn, err := grpc.NewClient(field("ext_proc"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	c := extprocv3.NewExternalProcessorClient(conn)
+	hc, err := grpc.NewClient(field("health"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hc.Close()
+	ready := func() bool {
+		r, err := healthpb.NewHealthClient(hc).Check(ctx, &healthpb.HealthCheckRequest{Service: "readiness"})
+		return err == nil && r.GetStatus() == healthpb.HealthCheckResponse_SERVING
+	}
+	waitUntil(t, "the picker's readiness after discovery synced", ready)
+
+	body := []byte(`{"model":"m","max_tokens":2,"messages":[{"role":"user","content":"discovered"}]}`)
+	// picked reports whether a request whose subset hint is addr alone
+	// is sent there (else the picker answers 503: not in rotation).
+	picked := func(addr string) bool {
+		dest, status := envoyLike(t, c, body, []string{addr})
+		if dest == "" && string(status) != "503" {
+			t.Fatalf("subset {%s}: %s", addr, status)
+		}
+		return dest == addr
+	}
+	first := "127.0.0.1:" + strconv.Itoa(ports[0])
+	if !picked(first) {
+		t.Fatal("the pod ready at start is not picked")
+	}
+	var in, out []time.Duration
+	for i := range discoveryCycles {
+		name := fmt.Sprintf("sim-%d-%d", 1+i%2, i)
+		port := ports[1+i%2]
+		addr := "127.0.0.1:" + strconv.Itoa(port)
+		addPod(name, port)
+		if picked(addr) {
+			t.Fatalf("%s picked before its pod is ready", addr)
+		}
+		t0 := time.Now()
+		s.SetPodReady(t, ns, name, "127.0.0.1", true)
+		waitUntil(t, addr+" picked after its pod became ready", func() bool { return picked(addr) })
+		in = append(in, time.Since(t0))
+
+		t0 = time.Now()
+		s.DeletePod(t, ns, name)
+		waitUntil(t, addr+" out of rotation after its pod was deleted", func() bool { return !picked(addr) })
+		out = append(out, time.Since(t0))
+	}
+	t.Logf("epp: pod made Ready (status write) -> first pick through the subset hint: %s", summary(in))
+	t.Logf("epp: pod deleted (delete returned) -> out of rotation (503 for its subset): %s", summary(out))
+
+	// Un-readied and deleted: the picker is not ready without engines.
+	s.SetPodReady(t, ns, "sim-0", "127.0.0.1", false)
+	waitUntil(t, "sim-0 out after it is not ready", func() bool { return !picked(first) })
+	waitUntil(t, "the picker not ready without engines", func() bool { return !ready() })
+	p.stop(t)
+}
+
+// testDiscoveryServe: the gateway serves a Service's EndpointSlices (one
+// slice per engine, as each listens on its own port; the port named
+// "http"). An engine whose slice is written is in rotation (/readyz) and
+// answers requests, one whose slice is deleted leaves it.
+func testDiscoveryServe(t *testing.T, s *kubetest.Server, ports []int) {
+	ctx := context.Background()
+	ns := s.Namespace(t, "serve")
+	api := s.Clientset().DiscoveryV1().EndpointSlices(ns)
+	name := "http"
+	createSlice := func(slice string, port int) {
+		t.Helper()
+		p, ready := int32(port), true
+		if _, err := api.Create(ctx, &discoveryv1.EndpointSlice{
+			ObjectMeta:  metav1.ObjectMeta{Name: slice, Labels: map[string]string{discoveryv1.LabelServiceName: "sim"}},
+			AddressType: discoveryv1.AddressTypeIPv4,
+			Ports:       []discoveryv1.EndpointPort{{Name: &name, Port: &p}},
+			Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{"127.0.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}}},
+		}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	createSlice("sim-0", ports[0])
+	cfg := filepath.Join(t.TempDir(), "serve.yaml")
+	if err := os.WriteFile(cfg, fmt.Appendf(nil, "listen: 127.0.0.1:0\nhealth_check_interval: 50ms\nresponse_headers: {endpoint: true}\n"+
+		"discovery:\n  kubernetes:\n    namespace: %s\n    service: sim\n    port: http\n    kubeconfig: %s\n    endpoint: {model: m, kind: sim}\n",
+		ns, s.Kubeconfig), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := start(t, "serve", "-c", cfg)
+	url := p.await(t, regexp.MustCompile(`gateway listening.*addr=(\S+)`))
+	type readiness struct {
+		Ready     int `json:"ready_endpoints"`
+		Endpoints int `json:"endpoints"`
+	}
+	readyz := func() (int, readiness) {
+		resp, err := http.Get(url + "/readyz")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var rd readiness
+		_ = json.NewDecoder(resp.Body).Decode(&rd)
+		return resp.StatusCode, rd
+	}
+	waitUntil(t, "/readyz 200 after discovery synced", func() bool { code, _ := readyz(); return code == http.StatusOK })
+	var in, out []time.Duration
+	for i := range discoveryCycles {
+		slice := fmt.Sprintf("sim-%d-%d", 1+i%2, i)
+		port := ports[1+i%2]
+		t0 := time.Now()
+		createSlice(slice, port)
+		waitUntil(t, slice+" in rotation", func() bool { _, rd := readyz(); return rd.Ready == 2 })
+		in = append(in, time.Since(t0))
+		// It is served: requests spread until one lands there.
+		want := "http://127.0.0.1:" + strconv.Itoa(port)
+		waitUntil(t, "a request answered by "+want, func() bool {
+			req, _ := http.NewRequest(http.MethodPost, url+"/v1/chat/completions", strings.NewReader(
+				fmt.Sprintf(`{"model":"m","max_tokens":1,"messages":[{"role":"user","content":"%d"}]}`, time.Now().UnixNano())))
+			req.Header.Set("Content-Type", "application/json")
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			return resp.StatusCode == http.StatusOK && resp.Header.Get("X-Infergate-Endpoint") == want
+		})
+		t0 = time.Now()
+		if err := api.Delete(ctx, slice, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		waitUntil(t, slice+" out of rotation", func() bool { _, rd := readyz(); return rd.Endpoints == 1 })
+		out = append(out, time.Since(t0))
+	}
+	t.Logf("serve: EndpointSlice created (create returned) -> in rotation (/readyz): %s", summary(in))
+	t.Logf("serve: EndpointSlice deleted (delete returned) -> out of rotation (/readyz): %s", summary(out))
+	p.stop(t)
+}
+
+// waitUntil polls cond every 10 ms until it holds, failing after a minute
+// (a generous bound on a loaded machine, not a timing claim).
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
