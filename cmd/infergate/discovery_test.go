@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/internal/kubetest"
 	"github.com/infergate/infergate/k8s"
 	"github.com/infergate/infergate/simserver"
@@ -258,5 +259,25 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 			t.Fatalf("timed out waiting for %s", what)
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestReloaderMerged: the discovered engines are appended to the static
+// endpoints from the template, an engine the file lists already for the
+// template's model is not added twice, and without discovery nothing is
+// added.
+func TestReloaderMerged(t *testing.T) {
+	static := gateway.Config{Endpoints: []gateway.EndpointConfig{{URL: "http://127.0.0.1:8001/", Model: "m"}}}
+	r := &reloader{targets: []k8s.Target{{IP: "127.0.0.1", Port: 8001, Name: "pod/a"}, {IP: "10.0.0.2", Port: 8000, Name: "pod/b"}}}
+	if got := r.merged(static); len(got.Endpoints) != 1 {
+		t.Fatalf("without discovery: %+v", got.Endpoints)
+	}
+	static.Discovery.Kubernetes = &gateway.KubernetesDiscovery{Service: "s", Endpoint: gateway.EndpointConfig{Model: "m", Kind: "sim"}}
+	got := r.merged(static)
+	if len(got.Endpoints) != 2 || got.Endpoints[1].URL != "http://10.0.0.2:8000" || got.Endpoints[1].Kind != "sim" {
+		t.Fatalf("merged: %+v", got.Endpoints)
+	}
+	if len(static.Endpoints) != 1 {
+		t.Fatal("merged changed the static configuration")
 	}
 }
