@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -54,7 +55,7 @@ func TestKubernetesDiscoveryEndToEnd(t *testing.T) {
 		ports[i], _ = strconv.Atoi(p)
 	}
 	t.Run("epp", func(t *testing.T) { testDiscoveryEPP(t, s, ports) })
-	t.Run("serve", func(t *testing.T) { testDiscoveryServe(t, s, ports) })
+	t.Run("serve", func(t *testing.T) { testDiscoveryServe(t, s, f) })
 }
 
 // summary is durations as "min / median / max (n)".
@@ -175,8 +176,22 @@ func testDiscoveryEPP(t *testing.T, s *kubetest.Server, ports []int) {
 // slice per engine, as each listens on its own port; the port named
 // "http"). An engine whose slice is written is in rotation (/readyz) and
 // answers requests, one whose slice is deleted leaves it.
-func testDiscoveryServe(t *testing.T, s *kubetest.Server, ports []int) {
+func testDiscoveryServe(t *testing.T, s *kubetest.Server, f *simserver.Fleet) {
 	ctx := context.Background()
+	// EndpointSlices refuse loopback addresses: the engines are served
+	// on the host's own address too.
+	ip := hostIPv4(t)
+	var ports []int
+	for _, sv := range f.Servers {
+		ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs := &http.Server{Handler: sv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+		go func() { _ = hs.Serve(ln) }()
+		t.Cleanup(func() { _ = hs.Close() })
+		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
+	}
 	ns := s.Namespace(t, "serve")
 	api := s.Clientset().DiscoveryV1().EndpointSlices(ns)
 	name := "http"
@@ -187,14 +202,14 @@ func testDiscoveryServe(t *testing.T, s *kubetest.Server, ports []int) {
 			ObjectMeta:  metav1.ObjectMeta{Name: slice, Labels: map[string]string{discoveryv1.LabelServiceName: "sim"}},
 			AddressType: discoveryv1.AddressTypeIPv4,
 			Ports:       []discoveryv1.EndpointPort{{Name: &name, Port: &p}},
-			Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{"127.0.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}}},
+			Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{ip}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}}},
 		}, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	createSlice("sim-0", ports[0])
 	cfg := filepath.Join(t.TempDir(), "serve.yaml")
-	if err := os.WriteFile(cfg, fmt.Appendf(nil, "listen: 127.0.0.1:0\nhealth_check_interval: 50ms\nresponse_headers: {endpoint: true}\n"+
+	if err := os.WriteFile(cfg, fmt.Appendf(nil, "listen: 127.0.0.1:0\nhealth_check_interval: 50ms\nresponse_headers: {endpoint: true}\nrouting: {policy: round-robin}\n"+
 		"discovery:\n  kubernetes:\n    namespace: %s\n    service: sim\n    port: http\n    kubeconfig: %s\n    endpoint: {model: m, kind: sim}\n",
 		ns, s.Kubeconfig), 0o600); err != nil {
 		t.Fatal(err)
@@ -224,8 +239,8 @@ func testDiscoveryServe(t *testing.T, s *kubetest.Server, ports []int) {
 		createSlice(slice, port)
 		waitUntil(t, slice+" in rotation", func() bool { _, rd := readyz(); return rd.Ready == 2 })
 		in = append(in, time.Since(t0))
-		// It is served: requests spread until one lands there.
-		want := "http://127.0.0.1:" + strconv.Itoa(port)
+		// It is served: round-robin sends it every other request.
+		want := "http://" + net.JoinHostPort(ip, strconv.Itoa(port))
 		waitUntil(t, "a request answered by "+want, func() bool {
 			req, _ := http.NewRequest(http.MethodPost, url+"/v1/chat/completions", strings.NewReader(
 				fmt.Sprintf(`{"model":"m","max_tokens":1,"messages":[{"role":"user","content":"%d"}]}`, time.Now().UnixNano())))
@@ -247,6 +262,22 @@ func testDiscoveryServe(t *testing.T, s *kubetest.Server, ports []int) {
 	t.Logf("serve: EndpointSlice created (create returned) -> in rotation (/readyz): %s", summary(in))
 	t.Logf("serve: EndpointSlice deleted (delete returned) -> out of rotation (/readyz): %s", summary(out))
 	p.stop(t)
+}
+
+// hostIPv4 is a non-loopback IPv4 address of this host (the test skips
+// without one).
+func hostIPv4(t *testing.T) string {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && n.IP.To4() != nil && n.IP.IsGlobalUnicast() {
+			return n.IP.String()
+		}
+	}
+	t.Skip("skipping: no non-loopback IPv4 address on this host, and EndpointSlices refuse loopback addresses")
+	return ""
 }
 
 // waitUntil polls cond every 10 ms until it holds, failing after a minute
