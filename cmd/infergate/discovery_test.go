@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -12,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -165,7 +167,31 @@ func testDiscoveryEPP(t *testing.T, s *kubetest.Server, ports []int) {
 	t.Logf("epp: pod made Ready (status write) -> first pick through the subset hint: %s", summary(in))
 	t.Logf("epp: pod deleted (delete returned) -> out of rotation (503 for its subset): %s", summary(out))
 
-	// Un-readied and deleted: the picker is not ready without engines.
+	// SIGHUP re-reads the file and keeps the discovered engines.
+	reloads := func() int {
+		resp, err := http.Get(field("http") + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		m := regexp.MustCompile(`(?m)^infergate_config_reloads_total\{result="success"\} (\d+)`).FindSubmatch(b)
+		if m == nil {
+			t.Fatalf("no infergate_config_reloads_total{result=\"success\"} in /metrics")
+		}
+		n, _ := strconv.Atoi(string(m[1]))
+		return n
+	}
+	before := reloads()
+	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the SIGHUP reload", func() bool { return reloads() > before })
+	if !picked(first) || !ready() {
+		t.Fatal("the discovered engine is gone after SIGHUP")
+	}
+
+	// Un-readied: the picker is not ready without engines.
 	s.SetPodReady(t, ns, "sim-0", "127.0.0.1", false)
 	waitUntil(t, "sim-0 out after it is not ready", func() bool { return !picked(first) })
 	waitUntil(t, "the picker not ready without engines", func() bool { return !ready() })
@@ -261,6 +287,42 @@ func testDiscoveryServe(t *testing.T, s *kubetest.Server, f *simserver.Fleet) {
 	}
 	t.Logf("serve: EndpointSlice created (create returned) -> in rotation (/readyz): %s", summary(in))
 	t.Logf("serve: EndpointSlice deleted (delete returned) -> out of rotation (/readyz): %s", summary(out))
+	p.stop(t)
+}
+
+// TestDiscoveryNotReadyUntilSynced: serve with discovery whose API server
+// does not answer starts, serves, and reports not ready with the reason;
+// the discovered model answers 503, not 404.
+func TestDiscoveryNotReadyUntilSynced(t *testing.T) {
+	dir := t.TempDir()
+	kc := filepath.Join(dir, "kubeconfig")
+	if err := os.WriteFile(kc, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: none}}]
+contexts: [{name: x, context: {cluster: c, user: u, namespace: llm}}]
+current-context: x
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "serve.yaml")
+	if err := os.WriteFile(cfg, []byte("listen: 127.0.0.1:0\ndiscovery: {kubernetes: {service: vllm, endpoint: {model: m}}}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := startEnv(t, []string{"KUBECONFIG=" + kc}, "serve", "-c", cfg)
+	url := p.await(t, regexp.MustCompile(`gateway listening.*addr=(\S+)`))
+	resp, err := http.Get(url + "/readyz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(b), "waiting for the informers of Service llm/vllm") {
+		t.Fatalf("/readyz before sync: %d %s", resp.StatusCode, b)
+	}
+	if code, _ := postJSON(t, url+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"x"}]}`); code != http.StatusServiceUnavailable {
+		t.Fatalf("the discovered model before sync: %d, want 503", code)
+	}
 	p.stop(t)
 }
 
