@@ -74,7 +74,10 @@ type Watcher struct {
 	kick   chan struct{}
 	synced atomic.Bool
 	start  func(stop <-chan struct{})
-	has    []cache.InformerSynced
+	// shutdown waits for the informers' goroutines, once their stop
+	// channel is closed.
+	shutdown func()
+	has      []cache.InformerSynced
 	// targets computes the targets from the informers' stores.
 	targets func() ([]Target, error)
 }
@@ -140,7 +143,7 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 		if err := w.setup(inf, handler, "EndpointSlices of Service "+src.Namespace+"/"+src.Service); err != nil {
 			return nil, err
 		}
-		w.start = f.Start
+		w.start, w.shutdown = f.Start, f.Shutdown
 		w.targets = func() ([]Target, error) {
 			var eps []*discoveryv1.EndpointSlice
 			for _, o := range inf.GetStore().List() {
@@ -171,6 +174,7 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 		return nil, err
 	}
 	w.start = func(stop <-chan struct{}) { pf.Start(stop); f.Start(stop) }
+	w.shutdown = func() { pf.Shutdown(); f.Shutdown() }
 	w.targets = func() ([]Target, error) {
 		var pool *unstructured.Unstructured
 		for _, o := range poolInf.GetStore().List() {
@@ -240,9 +244,11 @@ func (w *Watcher) Synced() bool { return w.synced.Load() }
 // every informer has synced (its first list), then after each burst of
 // events (debounced: Options.Quiet after the last, at most
 // Options.MaxDelay after the first) whose targets differ from the last
-// reported. It returns ctx's error, having stopped the informers.
+// reported. It returns ctx's error, having stopped the informers and
+// waited for their goroutines. Run once.
 func (w *Watcher) Run(ctx context.Context) error {
 	w.start(ctx.Done())
+	defer w.shutdown()
 	if err := w.waitSynced(ctx); err != nil {
 		return err
 	}
