@@ -329,7 +329,10 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 
 	// The precise index: every endpoint publishes KV events; the model's
 	// kv_store, if any, feeds its last slot.
-	if allKVEvents(p.endpoints, specOf) {
+	// A discovered model's pool without engines yet (or any more) has the
+	// precise index its template's engines will feed.
+	waiting := len(live) == 0 && model == cfg.discoveredModel() && cfg.Discovery.Kubernetes.Endpoint.KVEvents != nil
+	if allKVEvents(p.endpoints, specOf) || waiting {
 		if s, ok := cfg.KVStores[model]; ok {
 			p.store = &s
 		}

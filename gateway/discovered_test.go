@@ -9,6 +9,11 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/kvevents"
+	"github.com/infergate/infergate/simserver"
 )
 
 // TestDiscoveryConfigHelm reads the discovery section as the Helm chart
@@ -161,5 +166,100 @@ func TestDiscoveryEmptyPool(t *testing.T) {
 	}
 	if resp, body := post(t, c, url+"/v1/chat/completions", chat); resp.StatusCode != http.StatusServiceUnavailable {
 		t.Fatalf("after the engine left: %d %s", resp.StatusCode, body)
+	}
+}
+
+// TestDiscoveredFeedsFollow: the discovered engines' metrics scrapes and
+// KV-event subscriptions (kv_events.endpoint "tcp://{ip}:K" from the
+// template) start when they appear, stay (the same feeds) while they
+// stay, and stop when they leave. The engines are simulated, each on its
+// own loopback address with the same KV-event port, as pods would be.
+func TestDiscoveredFeedsFollow(t *testing.T) {
+	kvPort := 0
+	var addrs []DiscoveredAddr
+	for _, ip := range []string{"127.0.0.2", "127.0.0.3"} {
+		if kvPort == 0 {
+			ln, err := net.Listen("tcp", ip+":0")
+			if err != nil {
+				t.Skipf("skipping: cannot listen on %s: %v", ip, err)
+			}
+			kvPort = ln.Addr().(*net.TCPAddr).Port
+			ln.Close()
+		}
+		kv := "tcp://" + net.JoinHostPort(ip, strconv.Itoa(kvPort))
+		s, err := simserver.NewServer(simserver.ServerConfig{Model: "m", TimeScale: 100,
+			KVEvents: kvevents.PublisherConfig{Enable: true, Endpoint: kv, Bind: true}})
+		if err != nil {
+			t.Skipf("skipping: KV-event publisher on %s: %v", kv, err)
+		}
+		ln, err := net.Listen("tcp", ip+":0")
+		if err != nil {
+			s.Close()
+			t.Fatal(err)
+		}
+		s.Start()
+		hs := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 10 * time.Second}
+		go func() { _ = hs.Serve(ln) }()
+		t.Cleanup(func() { _ = hs.Close(); s.Close() })
+		addrs = append(addrs, DiscoveredAddr{IP: ip, Port: ln.Addr().(*net.TCPAddr).Port})
+	}
+	cfg := testConfig("precise-prefix")
+	cfg.Discovery.Kubernetes = &KubernetesDiscovery{Service: "s", Endpoint: EndpointConfig{Model: "m", Kind: fleet.Sim,
+		KVEvents: &KVEventsConfig{Endpoint: "tcp://{ip}:" + strconv.Itoa(kvPort)}}}
+	g, gw := startGateway(t, cfg)
+	c := testClient(t)
+	chat := func() int {
+		resp, _ := post(t, c, gw+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`)
+		return resp.StatusCode
+	}
+	if code := chat(); code != http.StatusServiceUnavailable {
+		t.Fatalf("precise-prefix pool before any engine: %d, want 503", code)
+	}
+	feedsOf := func(url string) feeds {
+		st := g.state.Load()
+		for _, ep := range st.endpoints {
+			if ep.name == url {
+				return st.feeds[ep]
+			}
+		}
+		return feeds{}
+	}
+	url := func(a DiscoveredAddr) string { return "http://" + net.JoinHostPort(a.IP, strconv.Itoa(a.Port)) }
+	with := func(as ...DiscoveredAddr) Config {
+		c := cfg
+		c.Endpoints = cfg.Discovery.Kubernetes.Endpoints(as)
+		return c
+	}
+
+	mustReload(t, g, with(addrs[0]))
+	a := feedsOf(url(addrs[0]))
+	if a.scrape == nil || a.kv == nil || a.kv.cfg.Endpoint != "tcp://127.0.0.2:"+strconv.Itoa(kvPort) {
+		t.Fatalf("the first engine's feeds: %+v", a)
+	}
+	mustReload(t, g, with(addrs[0], addrs[1]))
+	if got := feedsOf(url(addrs[0])); got.scrape != a.scrape || got.kv != a.kv {
+		t.Fatal("the engine that stayed got new feeds")
+	}
+	b := feedsOf(url(addrs[1]))
+	if b.scrape == nil || b.kv == nil || b.kv.cfg.Endpoint != "tcp://127.0.0.3:"+strconv.Itoa(kvPort) {
+		t.Fatalf("the second engine's feeds: %+v", b)
+	}
+	mustReload(t, g, with(addrs[1]))
+	for name, l := range map[string]*loop{"scrape": &a.scrape.loop, "kv": &a.kv.loop} {
+		select {
+		case <-l.done:
+		case <-time.After(time.Minute): // a bound, not a timing claim: its drain has no request to wait for
+			t.Fatalf("the removed engine's %s feed still runs", name)
+		}
+	}
+	if got := feedsOf(url(addrs[1])); got.kv != b.kv {
+		t.Fatal("the engine that stayed got a new KV feed")
+	}
+	if code := chat(); code != http.StatusOK {
+		t.Fatalf("with the second engine: %d", code)
+	}
+	mustReload(t, g, with())
+	if code := chat(); code != http.StatusServiceUnavailable {
+		t.Fatalf("after the last engine left: %d, want 503", code)
 	}
 }
