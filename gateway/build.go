@@ -331,7 +331,8 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 	// kv_store, if any, feeds its last slot.
 	// A discovered model's pool without engines yet (or any more) has the
 	// precise index its template's engines will feed.
-	waiting := len(live) == 0 && model == cfg.discoveredModel() && cfg.Discovery.Kubernetes.Endpoint.KVEvents != nil
+	k := cfg.Discovery.Kubernetes
+	waiting := len(live) == 0 && k != nil && model == k.Endpoint.Model && k.Endpoint.KVEvents != nil
 	if allKVEvents(p.endpoints, specOf) || waiting {
 		if s, ok := cfg.KVStores[model]; ok {
 			p.store = &s
