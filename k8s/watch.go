@@ -254,11 +254,17 @@ func (w *Watcher) Run(ctx context.Context) error {
 	}
 	w.synced.Store(true)
 	var last []Target
-	first := true
+	first, lastErr := true, ""
 	for {
 		t, err := w.targets()
-		if err != nil {
-			w.log.Warn("kubernetes discovery: no engines", "err", err)
+		// An error is logged when it appears or changes, not at every
+		// event of a busy namespace.
+		switch {
+		case err != nil && err.Error() != lastErr:
+			w.log.Warn("kubernetes discovery: the source does not say (its engines are what could be read)", "err", err)
+			lastErr = err.Error()
+		case err == nil:
+			lastErr = ""
 		}
 		if first || !slices.Equal(t, last) {
 			w.log.Info("kubernetes discovery: engines", "count", len(t), "engines", names(t))
