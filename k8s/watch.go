@@ -261,7 +261,7 @@ func (w *Watcher) Run(ctx context.Context) error {
 		// event of a busy namespace.
 		switch {
 		case err != nil && err.Error() != lastErr:
-			w.log.Warn("kubernetes discovery: the source does not say (its engines are what could be read)", "err", err)
+			w.log.Warn("kubernetes discovery: the source is missing or invalid (engines: what could be read)", "err", err)
 			lastErr = err.Error()
 		case err == nil:
 			lastErr = ""
