@@ -179,6 +179,14 @@ api_key_env (or --endpoint-api-key-env) to the name of an environment variable
 holding it; the gateway sends its own key, never the client's. An engine that
 refuses it (401/403) is ejected and the client gets 502 upstream_auth.
 
+Kubernetes: with a discovery.kubernetes section (namespace, inference_pool
+or service and port, endpoint: the template of a discovered engine) the
+engines are the ready pods of an InferencePool or the ready addresses of a
+Service's EndpointSlices, watched through the API server (--kubeconfig,
+$KUBECONFIG, ~/.kube/config, else in-cluster); they join and leave without a
+restart, and /readyz is not ready until the watch has synced. See
+gateway/README.md "Kubernetes discovery".
+
 Observability: --log-level/--log-format (log.level, log.format); one access
 log line per API request, on unless --access-log=false (access_log.enabled,
 access_log.path); X-Infergate-Endpoint on answers with
@@ -266,6 +274,9 @@ func (fl *serveFlags) config(cmd *cobra.Command) (gateway.Config, error) {
 		c := *k
 		c.Kubeconfig = fl.kubeconfig
 		cfg.Discovery.Kubernetes = &c
+	}
+	if fl.kubeconfig != "" && cfg.Discovery.Kubernetes == nil {
+		return cfg, errors.New("--kubeconfig is for Kubernetes discovery: the configuration has no discovery.kubernetes section")
 	}
 	if len(cfg.Endpoints) == 0 && cfg.Discovery.Kubernetes == nil {
 		return cfg, errors.New("no endpoints: give -c config.yaml (endpoints or discovery.kubernetes) or --endpoint URL=MODEL")
