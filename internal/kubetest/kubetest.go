@@ -110,7 +110,7 @@ func Binaries() (apiserver, etcd string, err error) {
 	how := EnvKubeDir + "=" + dir
 	if dir == "" {
 		dir = CacheDir()
-		how = "not built; run scripts/kube.sh build (about 20 CPU-minutes cold), or set " + EnvKubeDir
+		how = "not built; run scripts/kube.sh build (about 16 CPU-minutes cold), or set " + EnvKubeDir
 	}
 	apiserver, etcd = filepath.Join(dir, "kube-apiserver"), filepath.Join(dir, "etcd")
 	for _, p := range []string{apiserver, etcd} {

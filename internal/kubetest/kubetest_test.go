@@ -3,6 +3,7 @@ package kubetest
 import (
 	"context"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -125,6 +126,10 @@ spec:
 		}
 	})
 
+	// The figures README.md quotes: peak resident memory of each process.
+	t.Logf("peak RSS after the subtests: kube-apiserver %s, etcd %s",
+		procStatus(s.apiserver.cmd.Process.Pid, "VmHWM"), procStatus(s.etcd.cmd.Process.Pid, "VmHWM"))
+
 	t.Run("stop", func(t *testing.T) {
 		// A second server stops cleanly and takes its directory with it.
 		s2, err := New(context.Background(), Options{})
@@ -142,6 +147,20 @@ spec:
 			t.Errorf("%s still there after Stop: %v", dir, err)
 		}
 	})
+}
+
+// procStatus reads one field of /proc/<pid>/status ("?" where unreadable).
+func procStatus(pid int, field string) string {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return "?"
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, field+":"); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	return "?"
 }
 
 func podReady(p *corev1.Pod) bool {
