@@ -76,7 +76,7 @@ func checkServiceName(in *healthpb.HealthCheckRequest) error {
 // Ready reports the readiness the service reports.
 func (h *Health) Ready() bool {
 	ready, _, draining := h.g.ReadyEndpoints()
-	return ready > 0 && !draining
+	return ready > 0 && !draining && h.g.ReadinessHold() == ""
 }
 
 func (h *Health) update() {

@@ -68,6 +68,9 @@ func (c Config) validateAliases() []error {
 	for _, e := range c.Endpoints {
 		models[e.Model] = true
 	}
+	if m := c.discoveredModel(); m != "" {
+		models[m] = true
+	}
 	for _, name := range slices.Sorted(mapKeys(c.Aliases)) {
 		targets := c.Aliases[name]
 		at := fmt.Sprintf("aliases[%q]", name)

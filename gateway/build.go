@@ -283,6 +283,9 @@ func (g *Gateway) buildPools(cfg Config, prev *state, st *state, specOf func(*en
 		}
 		members[ec.Model] = append(members[ec.Model], byBase[base])
 	}
+	if m := cfg.discoveredModel(); m != "" && members[m] == nil {
+		models = append(models, m) // no engine discovered yet (or any more): a pool without endpoints
+	}
 	for _, model := range models {
 		p, err := g.buildPool(model, members[model], prev.pools[model], cfg, routingChanged, blockChanged, specOf, st, pl)
 		if err != nil {
@@ -326,7 +329,11 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 
 	// The precise index: every endpoint publishes KV events; the model's
 	// kv_store, if any, feeds its last slot.
-	if allKVEvents(p.endpoints, specOf) {
+	// A discovered model's pool without engines yet (or any more) has the
+	// precise index its template's engines will feed.
+	k := cfg.Discovery.Kubernetes
+	waiting := len(live) == 0 && k != nil && model == k.Endpoint.Model && k.Endpoint.KVEvents != nil
+	if allKVEvents(p.endpoints, specOf) || waiting {
 		if s, ok := cfg.KVStores[model]; ok {
 			p.store = &s
 		}

@@ -203,6 +203,10 @@ type Config struct {
 	// EPP is `infergate epp`'s ext_proc and health listeners (epp.go);
 	// serve ignores it.
 	EPP EPPConfig `yaml:"epp"`
+	// Discovery adds the engines found through the Kubernetes API to
+	// Endpoints (discovered.go); the gateway only validates it and keeps
+	// its model's pool, `infergate serve` and `epp` watch.
+	Discovery DiscoveryConfig `yaml:"discovery"`
 }
 
 // EndpointConfig describes one engine.
@@ -522,8 +526,10 @@ func (c Config) Validate() error {
 		bad("health_check_path %q: must start with / (or be %q to disable probing, or empty for each kind's own path)", c.HealthCheckPath, healthCheckOff)
 	}
 
-	if len(c.Endpoints) == 0 {
-		bad("endpoints: at least one endpoint is required")
+	if k := c.Discovery.Kubernetes; k != nil {
+		errs = append(errs, k.validate(c)...)
+	} else if len(c.Endpoints) == 0 {
+		bad("endpoints: at least one endpoint is required (or discovery.kubernetes)")
 	}
 	errs = append(errs, c.validateAliases()...)
 	errs = append(errs, c.Responses.validate()...)
@@ -696,6 +702,8 @@ func (c Config) validateKVStores() []error {
 	for _, model := range slices.Sorted(maps.Keys(c.KVStores)) {
 		s, at := c.KVStores[model], fmt.Sprintf("kv_stores[%q]", model)
 		switch n := perModel[model]; {
+		case n == 0 && model == c.discoveredModel():
+			// engines yet to be discovered
 		case n == 0:
 			bad("%s: no endpoint serves the model", at)
 		case withEvents[model] != n:

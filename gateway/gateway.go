@@ -44,6 +44,9 @@ type Gateway struct {
 	// counts them.
 	reloadMu sync.Mutex
 	reloads  *reloadMetrics
+	// readinessHold, when set, is why the gateway reports not ready
+	// (HoldReadiness: discovery not synced yet).
+	readinessHold readinessHoldPtr
 	// gatesMu guards retired: the admission gates of models a reload
 	// removed, drained at shutdown with the others while requests may
 	// still wait in them.

@@ -176,6 +176,10 @@ func (g *Gateway) serveReadyz(w http.ResponseWriter, st *state) {
 		status = http.StatusServiceUnavailable
 		rd.Status = "not ready"
 		rd.Reason = "shutting down"
+	case g.ReadinessHold() != "":
+		status = http.StatusServiceUnavailable
+		rd.Status = "not ready"
+		rd.Reason = g.ReadinessHold()
 	case rd.Ready == 0:
 		status = http.StatusServiceUnavailable
 		rd.Status = "not ready"

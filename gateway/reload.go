@@ -81,6 +81,9 @@ var reloadable = map[string]bool{
 	"circuit_breaker": true,
 	"aliases":         true,
 	"kv_stores":       true,
+	// discovery: its template and model apply at a reload; what is
+	// watched is the caller's (cmd/infergate) to restart.
+	"discovery": true,
 }
 
 // state is what a reload replaces: an immutable snapshot of the pools,

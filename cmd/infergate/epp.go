@@ -31,6 +31,7 @@ type eppFlags struct {
 	grpcPort         int
 	grpcHealthPort   int
 	poolName, poolNS string
+	poolModel        string
 	hooks            bool
 	maxBuffered      int64
 }
@@ -81,8 +82,9 @@ for an invalid body. See gateway/README.md "Endpoint picker".`,
 	f.StringVar(&fl.health, "health-listen", "", "address of the gRPC health service (overrides epp.health_listen; default "+gateway.DefaultEPPHealthListen+")")
 	f.IntVar(&fl.grpcPort, "grpc-port", 0, "GIE alias: serve ext_proc on :PORT (epp.listen)")
 	f.IntVar(&fl.grpcHealthPort, "grpc-health-port", 0, "GIE alias: serve gRPC health on :PORT (epp.health_listen)")
-	f.StringVar(&fl.poolName, "pool-name", "", "GIE alias: the InferencePool whose pods are the endpoints (needs Kubernetes discovery)")
-	f.StringVar(&fl.poolNS, "pool-namespace", "", "GIE alias: the InferencePool's namespace (with --pool-name)")
+	f.StringVar(&fl.poolName, "pool-name", "", "GIE alias: the InferencePool whose ready pods are the endpoints (discovery.kubernetes.inference_pool)")
+	f.StringVar(&fl.poolNS, "pool-namespace", "", "GIE alias: the InferencePool's namespace (discovery.kubernetes.namespace; default the kubeconfig's, in a pod its own)")
+	f.StringVar(&fl.poolModel, "pool-model", "", "the model the pool's engines serve (discovery.kubernetes.endpoint.model), for --pool-name without a discovery section")
 	f.BoolVar(&fl.hooks, "conformance-test-hooks", false, "Gateway API Inference Extension conformance hooks (test-epp-endpoint-selection, x-conformance-test-served-endpoint): test only")
 	f.Int64Var(&fl.maxBuffered, "max-buffered-bytes", epp.DefaultMaxBufferedBytes, "request bytes (headers and bodies) all streams may hold at once; past it a request is answered 429")
 	return cmd
@@ -90,12 +92,12 @@ for an invalid body. See gateway/README.md "Endpoint picker".`,
 
 // config is the gateway configuration with the epp flags applied.
 func (fl *eppFlags) config(cmd *cobra.Command) (gateway.Config, error) {
-	if fl.poolName != "" || fl.poolNS != "" {
-		return gateway.Config{}, errors.New("--pool-name/--pool-namespace need Kubernetes discovery, which this build does not have: list the endpoints in the configuration (-c) or with --endpoint")
-	}
 	if fl.configPath != "" && !cmd.Flags().Changed("listen") {
 		// The file's listen, if it has one, wins over epp's default.
 		fl.listen = ""
+	}
+	if fl.poolName != "" || fl.poolNS != "" || fl.poolModel != "" {
+		fl.amend = fl.applyPool
 	}
 	cfg, err := fl.serveFlags.config(cmd)
 	if err != nil {
@@ -122,6 +124,32 @@ func (fl *eppFlags) config(cmd *cobra.Command) (gateway.Config, error) {
 	}
 	*e = e.WithDefaults()
 	return cfg, nil
+}
+
+// applyPool applies the --pool-* flags (GIE's EPP flags) to cfg's
+// discovery.kubernetes, making it when the file has none.
+func (fl *eppFlags) applyPool(cfg *gateway.Config) error {
+	var k gateway.KubernetesDiscovery
+	if cfg.Discovery.Kubernetes != nil {
+		k = *cfg.Discovery.Kubernetes
+	}
+	switch {
+	case fl.poolName != "":
+		k.InferencePool, k.Service, k.Port = fl.poolName, "", ""
+	case k.InferencePool == "":
+		return errors.New("--pool-namespace and --pool-model go with --pool-name (or an inference_pool in the configuration's discovery.kubernetes)")
+	}
+	if fl.poolNS != "" {
+		k.Namespace = fl.poolNS
+	}
+	if fl.poolModel != "" {
+		k.Endpoint.Model = fl.poolModel
+	}
+	if k.Endpoint.Model == "" {
+		return errors.New("--pool-name: the model the pool's engines serve is unknown: give --pool-model, or discovery.kubernetes.endpoint.model in -c")
+	}
+	cfg.Discovery.Kubernetes = &k
+	return nil
 }
 
 // runEPP runs the picker until cmd's context ends (SIGINT, SIGTERM): the
@@ -152,6 +180,9 @@ func runEPP(cmd *cobra.Command, fl *eppFlags) error {
 		return err
 	}
 	defer g.Close()
+	if cfg.Discovery.Kubernetes != nil {
+		g.HoldReadiness("kubernetes discovery: starting")
+	}
 	srv, err := epp.New(g, cfg.EPP, epp.Options{MaxBufferedBytes: fl.maxBuffered, Metrics: reg})
 	if err != nil {
 		return err
@@ -176,7 +207,13 @@ func runEPP(cmd *cobra.Command, fl *eppFlags) error {
 
 	ctx, stop := context.WithCancel(cmd.Context())
 	defer stop()
-	go reloadOnHUP(ctx, log, hup, g, load)
+	r := &reloader{g: g, log: log, load: load, static: cfg}
+	stopDiscovery, err := r.startDiscovery(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer stopDiscovery()
+	go reloadOnHUP(ctx, log, hup, r)
 	go health.Run(ctx, time.Second)
 	served := make(chan struct{}, 2)
 	go func() { _ = gs.Serve(ln); served <- struct{}{} }()

@@ -127,6 +127,10 @@ type serveFlags struct {
 	grace      time.Duration
 	lf         logFlags
 	access     bool
+	kubeconfig string
+	// amend, when set, changes the file's configuration before the flags
+	// apply (epp's --pool-* flags).
+	amend func(*gateway.Config) error
 }
 
 func newServeCmd() *cobra.Command {
@@ -175,6 +179,14 @@ api_key_env (or --endpoint-api-key-env) to the name of an environment variable
 holding it; the gateway sends its own key, never the client's. An engine that
 refuses it (401/403) is ejected and the client gets 502 upstream_auth.
 
+Kubernetes: with a discovery.kubernetes section (namespace, inference_pool
+or service and port, endpoint: the template of a discovered engine) the
+engines are the ready pods of an InferencePool or the ready addresses of a
+Service's EndpointSlices, watched through the API server (--kubeconfig,
+$KUBECONFIG, ~/.kube/config, else in-cluster); they join and leave without a
+restart, and /readyz is not ready until the watch has synced. See
+gateway/README.md "Kubernetes discovery".
+
 Observability: --log-level/--log-format (log.level, log.format); one access
 log line per API request, on unless --access-log=false (access_log.enabled,
 access_log.path); X-Infergate-Endpoint on answers with
@@ -217,6 +229,7 @@ func (fl *serveFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.keysFile, "keys-file", "", "API keys file (overrides auth.keys_file; see 'infergate keys')")
 	f.StringVar(&fl.pprofAddr, "pprof", "", "serve net/http/pprof on this loopback address, e.g. 127.0.0.1:6060 (off by default)")
 	f.DurationVar(&fl.grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage+" (overrides shutdown_grace)")
+	f.StringVar(&fl.kubeconfig, "kubeconfig", "", "kubeconfig file for discovery.kubernetes (overrides its kubeconfig; default $KUBECONFIG, ~/.kube/config, else the pod's service account)")
 	fl.lf.register(f)
 	accessLogFlag(f, &fl.access)
 }
@@ -232,6 +245,11 @@ func (fl *serveFlags) config(cmd *cobra.Command) (gateway.Config, error) {
 			return cfg, err
 		}
 		cfg = c
+	}
+	if fl.amend != nil {
+		if err := fl.amend(&cfg); err != nil {
+			return cfg, err
+		}
 	}
 	if cmd.Flags().Changed("listen") || cfg.Listen == "" {
 		cfg.Listen = fl.listen
@@ -252,8 +270,16 @@ func (fl *serveFlags) config(cmd *cobra.Command) (gateway.Config, error) {
 	if fl.keyEnv != "" && len(fl.endpoints) == 0 {
 		return cfg, errors.New("--endpoint-api-key-env is for the --endpoint flags' engines: give it with --endpoint URL=MODEL (or set api_key_env in the config)")
 	}
-	if len(cfg.Endpoints) == 0 {
-		return cfg, errors.New("no endpoints: give -c config.yaml or --endpoint URL=MODEL")
+	if k := cfg.Discovery.Kubernetes; k != nil && fl.kubeconfig != "" {
+		c := *k
+		c.Kubeconfig = fl.kubeconfig
+		cfg.Discovery.Kubernetes = &c
+	}
+	if fl.kubeconfig != "" && cfg.Discovery.Kubernetes == nil {
+		return cfg, errors.New("--kubeconfig is for Kubernetes discovery: the configuration has no discovery.kubernetes section")
+	}
+	if len(cfg.Endpoints) == 0 && cfg.Discovery.Kubernetes == nil {
+		return cfg, errors.New("no endpoints: give -c config.yaml (endpoints or discovery.kubernetes) or --endpoint URL=MODEL")
 	}
 	if err := applyEdgeFlags(cmd, &cfg, fl.tlsCert, fl.tlsKey, fl.keysFile); err != nil {
 		return cfg, err
@@ -290,10 +316,19 @@ func runGateway(cmd *cobra.Command, pprofAddr string, load func() (gateway.Confi
 		return err
 	}
 	defer g.Close()
+	if cfg.Discovery.Kubernetes != nil {
+		g.HoldReadiness("kubernetes discovery: starting")
+	}
 	warnExposure(log, cfg.Listen, g)
 	ctx, stop := context.WithCancel(cmd.Context())
 	defer stop()
-	go reloadOnHUP(ctx, log, hup, g, load)
+	r := &reloader{g: g, log: log, load: load, static: cfg}
+	stopDiscovery, err := r.startDiscovery(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer stopDiscovery()
+	go reloadOnHUP(ctx, log, hup, r)
 	onReady := ready(g, log, cfg)
 	if pprofAddr != "" {
 		stop, err := startPprof(log, pprofAddr)
@@ -305,17 +340,17 @@ func runGateway(cmd *cobra.Command, pprofAddr string, load func() (gateway.Confi
 	return serveGateway(ctx, log, cfg.Listen, g, onReady)
 }
 
-// reloadOnHUP applies the configuration load returns at every SIGHUP on
-// hup until ctx is done (Gateway.ReloadWith logs and counts the outcome).
-func reloadOnHUP(ctx context.Context, log *slog.Logger, hup <-chan os.Signal, g *gateway.Gateway,
-	load func() (gateway.Config, error)) {
+// reloadOnHUP applies the configuration r loads, with the engines
+// discovery found, at every SIGHUP on hup until ctx is done
+// (Gateway.ReloadWith logs and counts the outcome).
+func reloadOnHUP(ctx context.Context, log *slog.Logger, hup <-chan os.Signal, r *reloader) {
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-hup:
 			log.Info("SIGHUP: reloading the configuration")
-			_ = g.ReloadWith(load)
+			r.hup()
 		}
 	}
 }
