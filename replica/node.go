@@ -1,6 +1,7 @@
 package replica
 
 import (
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -19,87 +20,166 @@ const DefaultLoadTTL = time.Second
 const MaxPeers = 256
 
 // Peers is the load every other replica reported, per endpoint URL, each
-// counted for TTL after it was received (the receiver's clock: no skew
-// between replicas matters). Update is called by the exchange's reader;
-// Add is lock-free (an immutable view swapped on each update), for the
-// request path. Times are durations since any fixed origin of the
-// caller's clock.
+// counted for TTL after the peer was last heard from (the receiver's
+// clock: no skew between replicas matters). A peer's load report replaces
+// what it reported before; each of its learns adds the routed request
+// (Routed) until its next report, which counts it itself: so a peer's
+// decisions weigh on this replica's view within the exchange's delay, not
+// the load interval's. A peer's messages must arrive in the order it sent
+// them (one Redis stream; FIFO in virtual time). Update and Routed are
+// called by the exchange's reader; Add is lock-free, for the request path.
+// Times are durations since any fixed origin of the caller's clock.
 type Peers struct {
-	ttl  time.Duration
-	mu   sync.Mutex
-	last map[string]peerLoad // replica id → its latest load
-	view atomic.Pointer[peerView]
+	ttl   time.Duration
+	mu    sync.Mutex
+	peers map[string]*peerState // replica id → its state
+	view  atomic.Pointer[peerView]
 }
 
-type peerLoad struct {
-	at    time.Duration
-	loads []LoadEntry
+type peerState struct {
+	at    atomic.Int64 // when last heard from (ns of the caller's clock)
+	cells map[string]*cell
 }
 
-// peerView is an immutable index of last: endpoint URL → every peer's
-// load of it, stamped with its receipt time.
+// cell is one peer's load of one endpoint.
+type cell struct {
+	peer                     *peerState
+	inFlight, tokens, prefil atomic.Int64
+}
+
+// peerView is an immutable index of the cells by endpoint URL, rebuilt
+// when a peer or an endpoint comes or goes.
 type peerView struct {
-	byURL map[string][]stamped
-	at    []time.Duration // receipt times, one per peer
+	byURL map[string][]*cell
+	peers []*peerState
 }
 
-type stamped struct {
-	at time.Duration
-	Load
-}
-
-// NewPeers returns an empty table whose loads count for ttl after receipt
-// (DefaultLoadTTL when ttl ≤ 0).
+// NewPeers returns an empty table whose loads count for ttl after their
+// peer was last heard from (DefaultLoadTTL when ttl ≤ 0).
 func NewPeers(ttl time.Duration) *Peers {
 	if ttl <= 0 {
 		ttl = DefaultLoadTTL
 	}
-	p := &Peers{ttl: ttl, last: map[string]peerLoad{}}
+	p := &Peers{ttl: ttl, peers: map[string]*peerState{}}
 	p.view.Store(&peerView{})
 	return p
 }
 
-// Update records replica id's load per endpoint, received at now; it
-// replaces what id reported before. Peers not heard from for TTL are
-// dropped; beyond MaxPeers live peers a new one is ignored (reported
-// false).
-func (p *Peers) Update(id string, now time.Duration, loads []LoadEntry) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for k, l := range p.last {
-		if now-l.at > p.ttl {
-			delete(p.last, k)
+// peer returns id's state, created when new (false beyond MaxPeers live
+// peers), with peers silent for TTL dropped first; changed reports whether
+// the view needs rebuilding. Called with p.mu held.
+func (p *Peers) peer(id string, now time.Duration) (ps *peerState, changed, ok bool) {
+	for k, q := range p.peers {
+		if now-time.Duration(q.at.Load()) > p.ttl {
+			delete(p.peers, k)
+			changed = true
 		}
 	}
-	if _, ok := p.last[id]; !ok && len(p.last) >= MaxPeers {
-		return false
+	if ps = p.peers[id]; ps == nil {
+		if len(p.peers) >= MaxPeers {
+			return nil, changed, false
+		}
+		ps = &peerState{cells: map[string]*cell{}}
+		p.peers[id] = ps
+		changed = true
 	}
-	p.last[id] = peerLoad{at: now, loads: append([]LoadEntry(nil), loads...)}
-	v := &peerView{byURL: make(map[string][]stamped, len(loads))}
-	for _, l := range p.last {
-		v.at = append(v.at, l.at)
-		for _, e := range l.loads {
-			v.byURL[e.Endpoint] = append(v.byURL[e.Endpoint], stamped{at: l.at, Load: e.Load})
+	ps.at.Store(int64(now))
+	return ps, changed, true
+}
+
+// cell returns ps's cell of url, created when new (changed true).
+func (ps *peerState) cell(url string) (c *cell, changed bool) {
+	if c = ps.cells[url]; c == nil {
+		c = &cell{peer: ps}
+		ps.cells[url] = c
+		changed = true
+	}
+	return c, changed
+}
+
+// rebuild publishes a new view of p.peers. Called with p.mu held.
+func (p *Peers) rebuild() {
+	v := &peerView{byURL: map[string][]*cell{}}
+	for _, ps := range p.peers {
+		v.peers = append(v.peers, ps)
+		for url, c := range ps.cells {
+			v.byURL[url] = append(v.byURL[url], c)
 		}
 	}
 	p.view.Store(v)
+}
+
+// Update records replica id's load per endpoint, received at now; it
+// replaces what id reported or was credited with (Routed) before. Peers
+// not heard from for TTL are dropped; beyond MaxPeers live peers a new
+// one is ignored (reported false).
+func (p *Peers) Update(id string, now time.Duration, loads []LoadEntry) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ps, changed, ok := p.peer(id, now)
+	if !ok {
+		if changed {
+			p.rebuild()
+		}
+		return false
+	}
+	for url, c := range ps.cells {
+		if !slices.ContainsFunc(loads, func(e LoadEntry) bool { return e.Endpoint == url }) {
+			delete(ps.cells, url)
+			changed = true
+			c.inFlight.Store(0)
+			c.tokens.Store(0)
+			c.prefil.Store(0)
+		}
+	}
+	for _, e := range loads {
+		c, ch := ps.cell(e.Endpoint)
+		changed = changed || ch
+		c.inFlight.Store(e.InFlight)
+		c.tokens.Store(e.InFlightTokens)
+		c.prefil.Store(e.PendingPrefill)
+	}
+	if changed {
+		p.rebuild()
+	}
 	return true
 }
 
+// Routed credits replica id, heard from at now, with a request it routed
+// to endpoint url: one in flight, prompt tokens in flight, pending of them
+// in the prefill backlog, until id's next Update. false: id is beyond
+// MaxPeers.
+func (p *Peers) Routed(id, url string, now time.Duration, prompt, pending int64) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ps, changed, ok := p.peer(id, now)
+	if ok {
+		c, ch := ps.cell(url)
+		changed = changed || ch
+		c.inFlight.Add(1)
+		c.tokens.Add(prompt)
+		c.prefil.Add(pending)
+	}
+	if changed {
+		p.rebuild()
+	}
+	return ok
+}
+
 // Add adds to e's load fields (InFlight, InFlightTokens,
-// PendingPrefillTokens) the loads that peers received within TTL of now
-// reported for endpoint url. It allocates nothing.
+// PendingPrefillTokens) the loads of endpoint url of the peers heard from
+// within TTL of now. It takes no lock and allocates nothing.
 func (p *Peers) Add(url string, now time.Duration, e *sched.Endpoint) {
-	for _, s := range p.view.Load().byURL[url] {
-		if now-s.at <= p.ttl {
-			e.InFlight += int(s.InFlight)
-			e.InFlightTokens += int(s.InFlightTokens)
-			e.PendingPrefillTokens += int(s.PendingPrefill)
+	for _, c := range p.view.Load().byURL[url] {
+		if now-time.Duration(c.peer.at.Load()) <= p.ttl {
+			e.InFlight += int(c.inFlight.Load())
+			e.InFlightTokens += int(c.tokens.Load())
+			e.PendingPrefillTokens += int(c.prefil.Load())
 		}
 	}
 }
 
-// Sum is the load peers received within TTL of now reported for url.
+// Sum is the load of url of the peers heard from within TTL of now.
 func (p *Peers) Sum(url string, now time.Duration) Load {
 	var e sched.Endpoint
 	p.Add(url, now, &e)
@@ -109,18 +189,33 @@ func (p *Peers) Sum(url string, now time.Duration) Load {
 // Live is the number of peers heard from within TTL of now.
 func (p *Peers) Live(now time.Duration) int {
 	n := 0
-	for _, at := range p.view.Load().at {
-		if now-at <= p.ttl {
+	for _, ps := range p.view.Load().peers {
+		if now-time.Duration(ps.at.Load()) <= p.ttl {
 			n++
 		}
 	}
 	return n
 }
 
+// Seed is the routing seed (sched.Config.Seed) of replica id for a
+// configured seed: each replica draws its tie-breaks from its own streams.
+// Replicas sharing one seed draw alike at their n-th decisions and, on
+// ties (a cold prompt, equal loads), herd onto the same endpoint.
+func Seed(seed uint64, id string) uint64 {
+	h := uint64(0xcbf29ce484222325) // FNV-1a, 64-bit
+	for i := 0; i < len(id); i++ {
+		h = (h ^ uint64(id[i])) * 0x100000001b3
+	}
+	if s := seed ^ h; s != 0 {
+		return s
+	}
+	return 1
+}
+
 // Target resolves a learn message to this replica's policy: the policy
-// of model's pool and the slot of endpoint (its URL) in it; ok false when
-// this replica has no such pool or endpoint, or its policy learns nothing
-// (no approximate index).
+// of model's pool (nil when it learns nothing: no approximate index) and
+// the slot of endpoint (its URL) in it; ok false when this replica has no
+// such pool or endpoint (the learn is then neither learnt nor credited).
 type Target interface {
 	Resolve(model, endpoint string) (l sched.PeerLearner, slot int, ok bool)
 }
@@ -150,8 +245,9 @@ type Node struct {
 
 // Apply decodes message b, received at now (the Peers clock), and applies
 // it unless it is this replica's own: a learn teaches the resolved
-// policy's approximate index (sched.PeerLearner), a load replaces the
-// sender's entry in Peers. It returns the decoded message (valid until the
+// policy's approximate index (sched.PeerLearner) and credits the sender
+// with the request in Peers (Routed), a load replaces the sender's entry
+// in Peers. It returns the decoded message (valid until the
 // next Apply) and an error wrapping ErrMalformed for a bad one.
 func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
 	m := &n.msg
@@ -170,8 +266,13 @@ func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
 			n.Counts.Unknown.Add(1)
 			return m, nil
 		}
-		l.LearnPeer(slot, m.Hashes)
+		if l != nil {
+			l.LearnPeer(slot, m.Hashes)
+		}
 		n.Counts.Learns.Add(1)
+		if m.Prompt > 0 && !n.Peers.Routed(m.ID, m.Endpoint, now, m.Prompt, m.Pending) {
+			n.Counts.PeersFull.Add(1)
+		}
 	case KindLoad:
 		if !n.Peers.Update(m.ID, now, m.Loads) {
 			n.Counts.PeersFull.Add(1)

@@ -13,17 +13,17 @@ import (
 
 func TestLearnRoundTrip(t *testing.T) {
 	hashes := []uint64{1, 2, 1 << 63, 0xdeadbeef}
-	b := AppendLearn(nil, "gw-1", -5, "llama", "http://10.0.0.1:8000", hashes)
+	b := AppendLearn(nil, "gw-1", -5, "llama", "http://10.0.0.1:8000", 9000, 300, hashes)
 	var m Msg
 	if err := Decode(b, &m); err != nil {
 		t.Fatal(err)
 	}
-	if m.Kind != KindLearn || m.ID != "gw-1" || m.At != -5 || m.Model != "llama" || m.Endpoint != "http://10.0.0.1:8000" || !slices.Equal(m.Hashes, hashes) {
+	if m.Kind != KindLearn || m.ID != "gw-1" || m.At != -5 || m.Model != "llama" || m.Prompt != 9000 || m.Pending != 300 || m.Endpoint != "http://10.0.0.1:8000" || !slices.Equal(m.Hashes, hashes) {
 		t.Fatalf("decoded %+v", m)
 	}
-	// 2 + (1+4) + 1 + (1+5) + (1+20) + 1 + 4×8 bytes.
-	if len(b) != 68 {
-		t.Errorf("learn of 4 hashes is %d bytes, want 68", len(b))
+	// 2 + (1+4) + 1 + (1+5) + (1+20) + 2 + 2 + 1 + 4×8 bytes.
+	if len(b) != 72 {
+		t.Errorf("learn of 4 hashes is %d bytes, want 72", len(b))
 	}
 }
 
@@ -43,7 +43,7 @@ func TestLoadRoundTrip(t *testing.T) {
 
 func TestEncodeBounds(t *testing.T) {
 	long := strings.Repeat("x", 10_000)
-	b := AppendLearn(nil, long, 0, long, long, make([]uint64, MaxHashes+10))
+	b := AppendLearn(nil, long, 0, long, long, 1, 1, make([]uint64, MaxHashes+10))
 	var m Msg
 	if err := Decode(b, &m); err != nil {
 		t.Fatal(err)
@@ -57,15 +57,15 @@ func TestEncodeBounds(t *testing.T) {
 }
 
 func TestDecodeMalformed(t *testing.T) {
-	good := AppendLearn(nil, "a", 1, "m", "e", []uint64{1, 2})
+	good := AppendLearn(nil, "a", 1, "m", "e", 0, 0, []uint64{1, 2})
 	cases := map[string][]byte{
 		"empty":       nil,
 		"version":     append([]byte{9}, good[1:]...),
 		"kind":        append([]byte{Version, 7}, good[2:]...),
 		"truncated":   good[:len(good)-1],
 		"trailing":    append(slices.Clone(good), 0),
-		"huge count":  append(AppendLearn(nil, "a", 1, "m", "e", nil)[:len(AppendLearn(nil, "a", 1, "m", "e", nil))-1], 0xff, 0xff, 0xff, 0xff, 0x0f),
-		"no id":       AppendLearn(nil, "", 1, "m", "e", nil),
+		"huge count":  append(AppendLearn(nil, "a", 1, "m", "e", 0, 0, nil)[:len(AppendLearn(nil, "a", 1, "m", "e", 0, 0, nil))-1], 0xff, 0xff, 0xff, 0xff, 0x0f),
+		"no id":       AppendLearn(nil, "", 1, "m", "e", 0, 0, nil),
 		"too big":     make([]byte, MaxMessage+1),
 		"long string": append([]byte{Version, byte(KindLoad), 0xff, 0x01}, bytes.Repeat([]byte{'a'}, 255)...),
 	}
@@ -80,7 +80,7 @@ func TestDecodeMalformed(t *testing.T) {
 // FuzzDecode: no panic, and a message that decodes re-encodes to the same
 // bytes (the format has one encoding per message) within the bounds.
 func FuzzDecode(f *testing.F) {
-	f.Add(AppendLearn(nil, "gw", 7, "m", "http://e", []uint64{1, 2, 3}))
+	f.Add(AppendLearn(nil, "gw", 7, "m", "http://e", 100, 50, []uint64{1, 2, 3}))
 	f.Add(AppendLoad(nil, "gw", -7, []LoadEntry{{"http://e", Load{1, 2, 3}}}))
 	f.Add([]byte{Version, byte(KindLoad), 1, 'a', 0, 0xff, 0xff, 0xff, 0xff, 0x0f})
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -94,7 +94,7 @@ func FuzzDecode(f *testing.F) {
 		var again []byte
 		switch m.Kind {
 		case KindLearn:
-			again = AppendLearn(nil, m.ID, m.At, m.Model, m.Endpoint, m.Hashes)
+			again = AppendLearn(nil, m.ID, m.At, m.Model, m.Endpoint, m.Prompt, m.Pending, m.Hashes)
 		case KindLoad:
 			again = AppendLoad(nil, m.ID, m.At, m.Loads)
 		}
@@ -102,7 +102,7 @@ func FuzzDecode(f *testing.F) {
 			// Varints have non-minimal encodings Uvarint accepts; the
 			// re-encoding must decode to the same message.
 			var m2 Msg
-			if err := Decode(again, &m2); err != nil || m2.ID != m.ID || m2.At != m.At || !slices.Equal(m2.Hashes, m.Hashes) || !slices.Equal(m2.Loads, m.Loads) {
+			if err := Decode(again, &m2); err != nil || m2.ID != m.ID || m2.At != m.At || m2.Prompt != m.Prompt || m2.Pending != m.Pending || !slices.Equal(m2.Hashes, m.Hashes) || !slices.Equal(m2.Loads, m.Loads) {
 				t.Fatalf("re-encoding differs: %v %+v vs %+v", err, m2, m)
 			}
 		}
@@ -145,6 +145,9 @@ func TestPeersBounded(t *testing.T) {
 	if p.Update("one more", 0, nil) {
 		t.Fatal("peer beyond MaxPeers accepted")
 	}
+	if p.Routed("yet another", "u", 0, 1, 1) {
+		t.Fatal("learn of a peer beyond MaxPeers credited")
+	}
 	if !p.Update("one more", 2*time.Second, nil) { // the others expired
 		t.Fatal("peer refused after the others expired")
 	}
@@ -173,11 +176,17 @@ func TestNodeApply(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	apply(AppendLearn(nil, "b", 0, "m", "http://e1", []uint64{5, 6}))
-	apply(AppendLearn(nil, "a", 0, "m", "http://e0", []uint64{7})) // own
-	apply(AppendLearn(nil, "b", 0, "m", "http://e9", []uint64{7})) // unknown endpoint
-	apply(AppendLearn(nil, "b", 0, "x", "http://e0", []uint64{7})) // unknown model
+	apply(AppendLearn(nil, "b", 0, "m", "http://e1", 32, 20, []uint64{5, 6}))
+	apply(AppendLearn(nil, "a", 0, "m", "http://e0", 16, 16, []uint64{7})) // own
+	apply(AppendLearn(nil, "b", 0, "m", "http://e9", 16, 16, []uint64{7})) // unknown endpoint
+	apply(AppendLearn(nil, "b", 0, "x", "http://e0", 16, 16, []uint64{7})) // unknown model
+	if got := n.Peers.Sum("http://e1", 0); got != (Load{1, 32, 20}) {
+		t.Fatalf("learn credited %+v", got)
+	}
 	apply(AppendLoad(nil, "b", 0, []LoadEntry{{"http://e0", Load{1, 2, 3}}}))
+	if got := n.Peers.Sum("http://e1", 0); got != (Load{}) {
+		t.Fatalf("report did not replace the credit: %+v", got)
+	}
 	if _, err := n.Apply([]byte{1, 2, 3}, 0); !errors.Is(err, ErrMalformed) {
 		t.Fatalf("malformed: %v", err)
 	}

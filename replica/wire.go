@@ -21,14 +21,16 @@ import (
 // then bytes):
 //
 //	message  = version(1 byte: 1) kind(1 byte) id(string) at(varint ns) body
-//	learn    = model(string) endpoint(string) n(uvarint) n × hash(8 bytes, little endian)
+//	learn    = model(string) endpoint(string) prompt pending (uvarints) n(uvarint) n × hash(8 bytes, little endian)
 //	load     = n(uvarint) n × (endpoint(string) in_flight tokens prefill (uvarints))
 //
 // id is the sending replica's id, at its clock when it sent (ns; the wall
 // clock's Unix time live, simulated time in virtual time), endpoint the
 // endpoint's URL as the configuration names it (a slot index means
 // nothing to another replica whose configuration may order endpoints
-// differently), hashes the prompt's chained block hashes (prefix.Hashes
+// differently), prompt the request's prompt tokens and pending those it
+// was not expected to find cached (its part of the endpoint's prefill
+// backlog, load.Ledger.Send), hashes the prompt's chained block hashes (prefix.Hashes
 // under the pool's seed: every replica of one configuration computes the
 // same). Every size is bounded (the Max constants) and a message must end
 // exactly where its body does: a hostile or corrupt stream entry is an
@@ -93,22 +95,27 @@ type Msg struct {
 	// ID is the sender's replica id; At its clock when sent (ns).
 	ID string
 	At int64
-	// Learn: the pool's model, the endpoint's URL and the prompt's block
+	// Learn: the pool's model, the endpoint's URL, the prompt's tokens,
+	// those of them the endpoint was expected to prefill, and its block
 	// hashes.
 	Model, Endpoint string
+	Prompt, Pending int64
 	Hashes          []uint64
 	// Load: the sender's load per endpoint.
 	Loads []LoadEntry
 }
 
 // AppendLearn appends a learn message to dst: replica id routed a prompt
-// with these block hashes to endpoint of model's pool at time at (ns).
-// Strings longer than their bound are cut to it and hashes beyond
+// of prompt tokens, pending of them expected uncached, with these block
+// hashes to endpoint of model's pool at time at (ns). Strings longer than
+// their bound are cut to it, counts clamped to [0, 2^40] and hashes beyond
 // MaxHashes dropped (the tail: the index matches leading blocks).
-func AppendLearn(dst []byte, id string, at int64, model, endpoint string, hashes []uint64) []byte {
+func AppendLearn(dst []byte, id string, at int64, model, endpoint string, prompt, pending int64, hashes []uint64) []byte {
 	dst = appendHeader(dst, KindLearn, id, at)
 	dst = appendString(dst, model, MaxModel)
 	dst = appendString(dst, endpoint, MaxEndpoint)
+	dst = binary.AppendUvarint(dst, clampCount(prompt))
+	dst = binary.AppendUvarint(dst, clampCount(pending))
 	hashes = hashes[:min(len(hashes), MaxHashes)]
 	dst = binary.AppendUvarint(dst, uint64(len(hashes)))
 	for _, h := range hashes {
@@ -174,12 +181,14 @@ func decode(b []byte, m *Msg) error {
 	m.Kind = Kind(b[1])
 	m.ID = r.str(MaxID, "id")
 	m.At = r.varint("time")
-	m.Model, m.Endpoint = "", ""
+	m.Model, m.Endpoint, m.Prompt, m.Pending = "", "", 0, 0
 	m.Hashes, m.Loads = m.Hashes[:0], m.Loads[:0]
 	switch m.Kind {
 	case KindLearn:
 		m.Model = r.str(MaxModel, "model")
 		m.Endpoint = r.str(MaxEndpoint, "endpoint")
+		m.Prompt = r.load("prompt")
+		m.Pending = r.load("pending")
 		n := r.count(MaxHashes, 8, "hashes")
 		for range n {
 			if r.err != nil {
