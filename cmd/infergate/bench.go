@@ -54,14 +54,14 @@ type benchFlags struct {
 	tiers       tierFlags
 	// pd lists the prefill-engine counts each policy runs with (--pd;
 	// [0]: aggregated only).
-	pd    []int
+	pd []int
 	// replicas, replicaSync, replicaDelay and replicaKill are the gateway
 	// replica setups each policy runs with (--replicas etc., virtual time).
 	replicas     []int
 	replicaSync  []bool
 	replicaDelay []time.Duration
 	replicaKill  []bool
-	pdThr int
+	pdThr        int
 }
 
 func newBenchCmd() *cobra.Command {
