@@ -61,6 +61,9 @@ type benchFlags struct {
 	replicaSync  []bool
 	replicaDelay []time.Duration
 	replicaKill  []bool
+	// spread moves each arrival to a random instant within it after its
+	// timestamp (--spread; 0: as given).
+	spread time.Duration
 	pdThr        int
 }
 
@@ -145,6 +148,7 @@ func (fl *benchFlags) bind(f *pflag.FlagSet) {
 	f.BoolSliceVar(&fl.replicaSync, "replica-sync", []bool{true}, "with --replicas > 1: whether the replicas exchange what they learn and their load (true, false or both: true,false)")
 	f.DurationSliceVar(&fl.replicaDelay, "replica-delay", []time.Duration{5 * time.Millisecond}, "with --replica-sync: the exchange's delivery delay, one run per value, e.g. 1ms,10ms")
 	f.BoolSliceVar(&fl.replicaKill, "replica-kill", []bool{false}, "with --replicas > 1: also (true) or only with (false,true / true) replica 1 killed when the middle request arrives: its requests in flight fail, the survivors take the rest")
+	f.DurationVar(&fl.spread, "spread", 0, "move each arrival to a uniformly random instant within this long after its timestamp (fixed seed; e.g. 1s for the Mooncake traces' whole-second timestamps, whose requests of one second otherwise all arrive at one instant)")
 	f.BoolVar(&fl.virtual, "virtual", false, "with --compare: run the same engine model and policies in virtual time (discrete events, no sleeping, no HTTP): seconds instead of minutes")
 	f.StringVar(&fl.htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it (command, version, host, trace digest, profile, clock, lag), the summary table with the pooled- and infinite-cache reference hit rates, TTFT and ITL CDFs and percentiles, hit rate against the references, time series, per-engine share")
 	f.StringVar(&fl.recPath, "records", "", "write per-request records as JSONL to this file")
@@ -198,6 +202,9 @@ func (fl *benchFlags) validate() ([]float64, error) {
 		case n > 1 && slices.ContainsFunc(fl.pd, func(p int) bool { return p > 0 }):
 			return nil, errors.New("--replicas > 1 with --pd is not modelled")
 		}
+	}
+	if fl.spread < 0 {
+		return nil, fmt.Errorf("--spread %v: must not be negative", fl.spread)
 	}
 	for _, d := range fl.replicaDelay {
 		if d < 0 {
@@ -352,6 +359,12 @@ func (r *benchRun) describe(prov *measure.Provenance) error {
 // first --requests records re-timed as a Poisson process at each rate.
 func (r *benchRun) sweep(rates []float64) error {
 	recs := r.recs
+	if r.fl.spread > 0 {
+		var err error
+		if recs, err = bench.Spread(recs, r.fl.spread, rateSeed); err != nil {
+			return err
+		}
+	}
 	if rates == nil {
 		return r.runAt(recs, 0)
 	}
