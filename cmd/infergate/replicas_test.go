@@ -208,6 +208,7 @@ func TestReplicasEndToEnd(t *testing.T) {
 		}
 	}
 	runTurns(0, 2)
+	t.Logf("%d of %d follow-up turns hit their history across replicas", hits, follow)
 	if hits < follow*9/10 {
 		t.Fatalf("%d of %d follow-up turns hit their history across replicas, want 90%%", hits, follow)
 	}
@@ -256,6 +257,7 @@ func TestReplicasEndToEnd(t *testing.T) {
 	// The survivors go on: every request served, affinity kept.
 	hits, follow = 0, 0
 	runTurns(2, turns)
+	t.Logf("after the kill: %d of %d follow-up turns hit their history", hits, follow)
 	if hits < follow*9/10 {
 		t.Fatalf("after the kill %d of %d follow-up turns hit their history, want 90%%", hits, follow)
 	}
