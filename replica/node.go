@@ -1,7 +1,6 @@
 package replica
 
 import (
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -123,8 +122,12 @@ func (p *Peers) Update(id string, now time.Duration, loads []LoadEntry) bool {
 		}
 		return false
 	}
+	reported := make(map[string]struct{}, len(loads))
+	for _, e := range loads {
+		reported[e.Endpoint] = struct{}{}
+	}
 	for url, c := range ps.cells {
-		if !slices.ContainsFunc(loads, func(e LoadEntry) bool { return e.Endpoint == url }) {
+		if _, ok := reported[url]; !ok {
 			delete(ps.cells, url)
 			changed = true
 			c.inFlight.Store(0)

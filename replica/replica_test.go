@@ -235,3 +235,52 @@ func mustPolicy(t *testing.T, name string) sched.Policy {
 	}
 	return p
 }
+
+// BenchmarkAppendLearn: the request path's cost of a decision's learn
+// (a 13.7k-token prompt, the Mooncake mean: 857 blocks).
+func BenchmarkAppendLearn(b *testing.B) {
+	hashes := make([]uint64, 857)
+	b.ReportAllocs()
+	for b.Loop() {
+		_ = AppendLearn(nil, "gw-1", 1, "meta-llama/Llama-3.1-70B-Instruct", "http://10.0.0.1:8000", 13720, 9000, hashes)
+	}
+}
+
+// BenchmarkPeersAdd: the request path's cost per endpoint of a snapshot
+// with two peers' loads.
+func BenchmarkPeersAdd(b *testing.B) {
+	p := NewPeers(time.Hour)
+	var loads []LoadEntry
+	for i := range 64 {
+		loads = append(loads, LoadEntry{Endpoint: "http://10.0.0." + strings.Repeat("1", i%8+1) + ":" + string(rune('a'+i%26)), Load: Load{1, 2, 3}})
+	}
+	p.Update("b", 0, loads)
+	p.Update("c", 0, loads)
+	var e sched.Endpoint
+	b.ReportAllocs()
+	for b.Loop() {
+		p.Add(loads[7].Endpoint, 0, &e)
+	}
+}
+
+// BenchmarkNodeApplyLearn: a peer's learn applied to a cache-aware policy
+// (857 blocks), on the exchange's reader.
+func BenchmarkNodeApplyLearn(b *testing.B) {
+	pol, _ := sched.NewPolicy(sched.Config{}, sched.Pool{Capacity: []int{100000, 100000}})
+	n := &Node{ID: "a", Peers: NewPeers(0), Target: polTarget{pol.(sched.PeerLearner)}}
+	hashes := make([]uint64, 857)
+	for i := range hashes {
+		hashes[i] = uint64(i) * 0x9e3779b97f4a7c15
+	}
+	msg := AppendLearn(nil, "b", 1, "m", "http://e", 13720, 9000, hashes)
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := n.Apply(msg, 0); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+type polTarget struct{ l sched.PeerLearner }
+
+func (t polTarget) Resolve(string, string) (sched.PeerLearner, int, bool) { return t.l, 1, true }

@@ -14,6 +14,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 )
 
 // Wire format, version 1 (all integers unsigned LEB128 varints as
@@ -111,12 +112,13 @@ type Msg struct {
 // their bound are cut to it, counts clamped to [0, 2^40] and hashes beyond
 // MaxHashes dropped (the tail: the index matches leading blocks).
 func AppendLearn(dst []byte, id string, at int64, model, endpoint string, prompt, pending int64, hashes []uint64) []byte {
+	hashes = hashes[:min(len(hashes), MaxHashes)]
+	dst = slices.Grow(dst, 2+len(id)+len(model)+len(endpoint)+8*len(hashes)+7*binary.MaxVarintLen64) // one allocation
 	dst = appendHeader(dst, KindLearn, id, at)
 	dst = appendString(dst, model, MaxModel)
 	dst = appendString(dst, endpoint, MaxEndpoint)
 	dst = binary.AppendUvarint(dst, clampCount(prompt))
 	dst = binary.AppendUvarint(dst, clampCount(pending))
-	hashes = hashes[:min(len(hashes), MaxHashes)]
 	dst = binary.AppendUvarint(dst, uint64(len(hashes)))
 	for _, h := range hashes {
 		dst = binary.LittleEndian.AppendUint64(dst, h)

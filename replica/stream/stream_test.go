@@ -39,7 +39,7 @@ func newNode(id string) *node {
 	return n
 }
 
-func (n *node) handler(t *testing.T) Handler {
+func (n *node) handler() Handler {
 	var mu sync.Mutex
 	return func(b []byte, _ bool) {
 		mu.Lock()
@@ -65,12 +65,12 @@ func eventually(t *testing.T, what string, ok func() bool) {
 func TestExchange(t *testing.T) {
 	srv := redistest.Start(t, 0)
 	a, b := newNode("a"), newNode("b")
-	xa, err := Start(Config{URL: srv.URL(), Stream: "t"}, a.handler(t))
+	xa, err := Start(Config{URL: srv.URL(), Stream: "t"}, a.handler())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer xa.Close()
-	xb, err := Start(Config{URL: srv.URL(), Stream: "t"}, b.handler(t))
+	xb, err := Start(Config{URL: srv.URL(), Stream: "t"}, b.handler())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,7 +111,7 @@ func TestExchange(t *testing.T) {
 func TestExchangeRedisDown(t *testing.T) {
 	srv := redistest.Start(t, 0)
 	a, b := newNode("a"), newNode("b")
-	xa, err := Start(Config{URL: srv.URL(), Stream: "t", Queue: 4, Timeout: 500 * time.Millisecond}, a.handler(t))
+	xa, err := Start(Config{URL: srv.URL(), Stream: "t", Queue: 4, Timeout: 500 * time.Millisecond}, a.handler())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -131,7 +131,7 @@ func TestExchangeRedisDown(t *testing.T) {
 	_, port, _ := net.SplitHostPort(srv.Addr)
 	p, _ := strconv.Atoi(port)
 	srv2 := redistest.Start(t, p)
-	xb, err := Start(Config{URL: srv2.URL(), Stream: "t"}, b.handler(t))
+	xb, err := Start(Config{URL: srv2.URL(), Stream: "t"}, b.handler())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -149,7 +149,7 @@ func TestExchangeRedisDown(t *testing.T) {
 func TestReplay(t *testing.T) {
 	srv := redistest.Start(t, 0)
 	a := newNode("a")
-	xa, err := Start(Config{URL: srv.URL(), Stream: "t"}, a.handler(t))
+	xa, err := Start(Config{URL: srv.URL(), Stream: "t"}, a.handler())
 	if err != nil {
 		t.Fatal(err)
 	}
