@@ -54,7 +54,8 @@ type benchFlags struct {
 	tiers       tierFlags
 	// pd lists the prefill-engine counts each policy runs with (--pd;
 	// [0]: aggregated only).
-	pd []int
+	pd    []int
+	pdThr int
 	// replicas, replicaSync, replicaDelay and replicaKill are the gateway
 	// replica setups each policy runs with (--replicas etc., virtual time).
 	replicas     []int
@@ -64,7 +65,6 @@ type benchFlags struct {
 	// spread moves each arrival to a random instant within it after its
 	// timestamp (--spread; 0: as given).
 	spread time.Duration
-	pdThr        int
 }
 
 func newBenchCmd() *cobra.Command {
