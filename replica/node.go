@@ -15,8 +15,10 @@ import (
 const DefaultLoadTTL = time.Second
 
 // MaxPeers bounds the peers whose load is kept: a stream that names more
-// replicas (a hostile or misconfigured one) has the excess ignored.
-const MaxPeers = 256
+// replicas (a hostile or misconfigured one) has the excess ignored. With
+// MaxLoadEntries endpoints per peer, a Peers holds at most 262,144 cells
+// (about 30 MB) whatever its stream says.
+const MaxPeers = 64
 
 // Peers is the load every other replica reported, per endpoint URL, each
 // counted for TTL after the peer was last heard from (the receiver's
