@@ -120,6 +120,7 @@ type replicas struct {
 	peers *replica.Peers
 	x     atomic.Pointer[stream.Exchange]
 	lag   prometheus.Histogram
+	known atomic.Pointer[knownURLs] // replicaTarget.Known's set
 }
 
 // initReplicas registers the exchange's metrics (always, zero when off)
@@ -274,6 +275,30 @@ func (r *replicas) learnt(p *pool, i int, req *sched.Request, d sched.Decision) 
 
 // replicaTarget resolves peers' learns in the configuration in force.
 type replicaTarget struct{ g *Gateway }
+
+// knownURLs is the set of a state's endpoint URLs.
+type knownURLs struct {
+	st   *state
+	urls map[string]struct{}
+}
+
+// Known implements replica.Target: endpoint is configured now. The set is
+// rebuilt when a reload published a new state.
+func (t replicaTarget) Known(endpoint string) bool {
+	st := t.g.state.Load()
+	k := t.g.replicas.known.Load()
+	if k == nil || k.st != st {
+		k = &knownURLs{st: st, urls: map[string]struct{}{}}
+		if st != nil {
+			for _, ep := range st.endpoints {
+				k.urls[ep.name] = struct{}{}
+			}
+		}
+		t.g.replicas.known.Store(k)
+	}
+	_, ok := k.urls[endpoint]
+	return ok
+}
 
 func (t replicaTarget) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
 	st := t.g.state.Load()

@@ -1,6 +1,7 @@
 package replica
 
 import (
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,9 +16,10 @@ import (
 const DefaultLoadTTL = time.Second
 
 // MaxPeers bounds the peers whose load is kept: a stream that names more
-// replicas (a hostile or misconfigured one) has the excess ignored. With
-// MaxLoadEntries endpoints per peer, a Peers holds at most 262,144 cells
-// (about 30 MB) whatever its stream says.
+// replicas (a hostile or misconfigured one) has the excess ignored. Node
+// keeps only the loads of endpoints its Target knows, so a Peers holds at
+// most MaxPeers × the replica's own endpoints cells whatever its stream
+// says.
 const MaxPeers = 64
 
 // Peers is the load every other replica reported, per endpoint URL, each
@@ -223,6 +225,9 @@ func Seed(seed uint64, id string) uint64 {
 // such pool or endpoint (the learn is then neither learnt nor credited).
 type Target interface {
 	Resolve(model, endpoint string) (l sched.PeerLearner, slot int, ok bool)
+	// Known reports whether endpoint (a URL) is one of this replica's:
+	// load report entries for others are dropped.
+	Known(endpoint string) bool
 }
 
 // Counts are a Node's message counters (monotonic).
@@ -279,6 +284,7 @@ func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
 			n.Counts.PeersFull.Add(1)
 		}
 	case KindLoad:
+		m.Loads = slices.DeleteFunc(m.Loads, func(e LoadEntry) bool { return !n.Target.Known(e.Endpoint) })
 		if !n.Peers.Update(m.ID, now, m.Loads) {
 			n.Counts.PeersFull.Add(1)
 			return m, nil

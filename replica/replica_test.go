@@ -158,6 +158,8 @@ type target struct {
 	slots map[string]int
 }
 
+func (t target) Known(endpoint string) bool { _, ok := t.slots[endpoint]; return ok }
+
 func (t target) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
 	i, ok := t.slots[endpoint]
 	return t.l, i, ok && model == "m"
@@ -183,7 +185,10 @@ func TestNodeApply(t *testing.T) {
 	if got := n.Peers.Sum("http://e1", 0); got != (Load{1, 32, 20}) {
 		t.Fatalf("learn credited %+v", got)
 	}
-	apply(AppendLoad(nil, "b", 0, []LoadEntry{{"http://e0", Load{1, 2, 3}}}))
+	apply(AppendLoad(nil, "b", 0, []LoadEntry{{"http://e0", Load{1, 2, 3}}, {"http://unknown", Load{9, 9, 9}}}))
+	if got := n.Peers.Sum("http://unknown", 0); got != (Load{}) {
+		t.Fatalf("an unknown endpoint's load kept: %+v", got)
+	}
 	if got := n.Peers.Sum("http://e1", 0); got != (Load{}) {
 		t.Fatalf("report did not replace the credit: %+v", got)
 	}
@@ -284,3 +289,4 @@ func BenchmarkNodeApplyLearn(b *testing.B) {
 type polTarget struct{ l sched.PeerLearner }
 
 func (t polTarget) Resolve(string, string) (sched.PeerLearner, int, bool) { return t.l, 1, true }
+func (polTarget) Known(string) bool                                       { return true }

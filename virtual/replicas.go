@@ -88,6 +88,8 @@ type target struct {
 	slots   map[string]int
 }
 
+func (t *target) Known(endpoint string) bool { _, ok := t.slots[endpoint]; return ok }
+
 func (t *target) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
 	i, ok := t.slots[endpoint]
 	return t.learner, i, ok && model == t.model

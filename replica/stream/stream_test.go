@@ -27,6 +27,8 @@ func (n *node) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
 	return n, 0, model == "m" && endpoint == "http://e"
 }
 
+func (n *node) Known(endpoint string) bool { return endpoint == "http://e" }
+
 func (n *node) LearnPeer(_ int, h []uint64) {
 	n.mu.Lock()
 	n.learnt = append(n.learnt, append([]uint64(nil), h...))
