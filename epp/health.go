@@ -5,8 +5,10 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
 
 	"github.com/infergate/infergate/gateway"
 )
@@ -38,7 +40,38 @@ func NewHealth(g *gateway.Gateway) *Health {
 }
 
 // Register registers the service on gs.
-func (h *Health) Register(gs *grpc.Server) { healthpb.RegisterHealthServer(gs, h.srv) }
+func (h *Health) Register(gs *grpc.Server) { healthpb.RegisterHealthServer(gs, boundedHealth{h.srv}) }
+
+// maxServiceName bounds a health request's service name (bytes): the names
+// served are short, and grpc's health server keeps a watcher's name for as
+// long as its stream lives (100 Watch streams naming 3 MB services kept
+// 301 MB of live heap).
+const maxServiceName = 256
+
+// boundedHealth is grpc's health server refusing service names over
+// maxServiceName with InvalidArgument.
+type boundedHealth struct{ *health.Server }
+
+func (b boundedHealth) Check(ctx context.Context, in *healthpb.HealthCheckRequest) (*healthpb.HealthCheckResponse, error) {
+	if err := checkServiceName(in); err != nil {
+		return nil, err
+	}
+	return b.Server.Check(ctx, in)
+}
+
+func (b boundedHealth) Watch(in *healthpb.HealthCheckRequest, stream healthpb.Health_WatchServer) error {
+	if err := checkServiceName(in); err != nil {
+		return err
+	}
+	return b.Server.Watch(in, stream)
+}
+
+func checkServiceName(in *healthpb.HealthCheckRequest) error {
+	if n := len(in.GetService()); n > maxServiceName {
+		return status.Errorf(codes.InvalidArgument, "health: service name of %d bytes, over %d", n, maxServiceName)
+	}
+	return nil
+}
 
 // Ready reports the readiness the service reports.
 func (h *Health) Ready() bool {

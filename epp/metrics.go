@@ -28,7 +28,7 @@ func newMetrics(reg Registerer) (*metrics, error) {
 		streams: prometheus.NewGauge(prometheus.GaugeOpts{Name: "infergate_epp_streams",
 			Help: "ext_proc streams open (one per request through the proxy)."}),
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "infergate_epp_decisions_total",
-			Help: "Endpoint picker decisions by result: picked, or the status of the immediate response (400, 404, 413, 429, 503, 499: the stream went away while queued), too_large, buffer_full."},
+			Help: "Endpoint picker decisions by result: picked, or the status of the immediate response (400, 404, 408: the body not received within body_read_timeout, 413, 429, 503, 499: the stream went away while queued), too_large, buffer_full, timeout (no request headers within body_read_timeout)."},
 			[]string{"result"}),
 		panics: prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_epp_stream_panics_total",
 			Help: "ext_proc streams ended by a recovered panic."}),

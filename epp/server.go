@@ -37,6 +37,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/infergate/infergate/disagg"
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/openai"
 )
@@ -84,6 +85,12 @@ type Server struct {
 	g       *gateway.Gateway
 	hooks   bool
 	maxBody int64
+	// bodyTimeout bounds a stream's wait for its request to be routed,
+	// from the stream's start (body_read_timeout).
+	bodyTimeout time.Duration
+	// remove are the request headers the proxy is to remove: a client's
+	// own x-prefiller-host-port (gateway.StripsClientPDParams).
+	remove []string
 	// budget bounds the request bytes all streams buffer together
 	// (bytes); over it a request is shed with 429.
 	budget   int64
@@ -93,8 +100,8 @@ type Server struct {
 
 // Options configures a Server beyond the gateway's own configuration.
 type Options struct {
-	// MaxBufferedBytes bounds the request bodies buffered by all streams
-	// at once (bytes; 0: DefaultMaxBufferedBytes).
+	// MaxBufferedBytes bounds the request bytes, headers and bodies,
+	// held by all streams at once (bytes; 0: DefaultMaxBufferedBytes).
 	MaxBufferedBytes int64
 	// Metrics registers the picker's metrics (nil: none registered).
 	Metrics Registerer
@@ -105,6 +112,12 @@ const DefaultMaxBufferedBytes = 1 << 30
 
 // New returns the ext_proc service picking with g; cfg is g's epp section.
 func New(g *gateway.Gateway, cfg gateway.EPPConfig, o Options) (*Server, error) {
+	var remove []string
+	if g.StripsClientPDParams() {
+		// llm-d's routing sidecar in front of an engine would prefill at
+		// the host:port it names, with the request's headers.
+		remove = []string{disagg.PrefillerHeader}
+	}
 	if o.MaxBufferedBytes <= 0 {
 		o.MaxBufferedBytes = DefaultMaxBufferedBytes
 	}
@@ -112,7 +125,8 @@ func New(g *gateway.Gateway, cfg gateway.EPPConfig, o Options) (*Server, error) 
 	if err != nil {
 		return nil, err
 	}
-	return &Server{g: g, hooks: cfg.ConformanceTestHooks, maxBody: g.MaxBodyBytes(), budget: o.MaxBufferedBytes, m: m}, nil
+	return &Server{g: g, hooks: cfg.ConformanceTestHooks, maxBody: g.MaxBodyBytes(),
+		bodyTimeout: g.BodyReadTimeout(), remove: remove, budget: o.MaxBufferedBytes, m: m}, nil
 }
 
 // Register registers the service on gs.
@@ -135,8 +149,23 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 		x.end()
 		s.m.streams.Dec()
 	}()
+	// The messages are received on a goroutine of their own, so that a
+	// stream that stalls before its request is routed can be ended: it
+	// has s.bodyTimeout from its start (serve's body_read_timeout).
+	in := make(chan received, 1)
+	go receive(stream, in)
+	stall := time.NewTimer(s.bodyTimeout)
+	defer stall.Stop()
 	for {
-		req, rerr := stream.Recv()
+		var m received
+		select {
+		case m = <-in:
+		case <-x.ctx.Done():
+			return nil // the proxy went away (canceled, reset): nothing to answer
+		case <-stall.C:
+			return x.stalled(stream)
+		}
+		req, rerr := m.req, m.err
 		if rerr == io.EOF {
 			return nil
 		}
@@ -144,6 +173,9 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 			return nil // the proxy went away (canceled, reset): nothing to answer
 		}
 		out, herr := x.handle(req)
+		if x.phase == phaseRouted {
+			stall.Stop() // the answer takes what it takes: the proxy's timeouts
+		}
 		for _, r := range out {
 			if serr := stream.Send(r); serr != nil {
 				return nil
@@ -154,6 +186,50 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 			return herr
 		}
 	}
+}
+
+// received is one stream.Recv's result.
+type received struct {
+	req *extprocv3.ProcessingRequest
+	err error
+}
+
+// receive passes stream's messages to in until Recv fails (the stream
+// ended, or Process returned and canceled it).
+func receive(stream extprocv3.ExternalProcessor_ProcessServer, in chan<- received) {
+	for {
+		req, err := stream.Recv()
+		select {
+		case in <- received{req, err}:
+		case <-stream.Context().Done():
+			return
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// stalled ends a stream whose request was not routed within
+// s.bodyTimeout: one whose body was awaited is answered 408 as serve
+// answers a body not received in time; one without headers ends with
+// DeadlineExceeded; one already answered (an immediate response the
+// proxy kept the stream open after) just ends.
+func (x *exchange) stalled(stream extprocv3.ExternalProcessor_ProcessServer) error {
+	switch x.phase {
+	case phaseHeaders:
+		x.s.m.decisions.WithLabelValues("timeout").Inc()
+		return status.Errorf(codes.DeadlineExceeded, "epp: no request headers within %s", x.s.bodyTimeout)
+	case phaseBody:
+		x.s.m.decisions.WithLabelValues("408").Inc()
+		for _, r := range x.immediate(x.s.g.Refuse(openai.NewError(http.StatusRequestTimeout,
+			fmt.Sprintf("The request body was not received within %s.", x.s.bodyTimeout), "", "request_timeout"))) {
+			if err := stream.Send(r); err != nil {
+				break
+			}
+		}
+	}
+	return nil
 }
 
 // phase is where a stream is.
@@ -180,7 +256,7 @@ type exchange struct {
 	subset    []string
 	hasSubset bool
 	body      []byte
-	held      int64 // of body, reserved in s.buffered
+	held      int64 // of the headers and body, reserved in s.buffered
 	picked    *gateway.Picked
 	// respDone: the answer's end was observed.
 	respDone bool
@@ -259,8 +335,10 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) ([]*extprocv3.Proces
 func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3.HttpHeaders) []*extprocv3.ProcessingResponse {
 	x.start = time.Now()
 	x.header = make(http.Header, len(h.GetHeaders().GetHeaders()))
+	size := 0
 	for _, hv := range h.GetHeaders().GetHeaders() {
 		k, v := hv.GetKey(), headerValue(hv)
+		size += len(k) + len(v)
 		switch k {
 		case ":method":
 			x.method = v
@@ -275,6 +353,10 @@ func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3
 	if i := strings.IndexByte(x.path, '?'); i >= 0 {
 		x.path = x.path[:i]
 	}
+	x.phase = phaseBody
+	if out := x.reserve(int64(size)); out != nil {
+		return out // the headers, held until the stream ends, count as its body does
+	}
 	x.subset, x.hasSubset = subsetHint(req.GetMetadataContext())
 	if x.s.hooks {
 		if v := x.header.Get(TestSelectionHeader); v != "" {
@@ -285,7 +367,6 @@ func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3
 			x.subset, x.hasSubset = list, true
 		}
 	}
-	x.phase = phaseBody
 	if h.GetEndOfStream() {
 		return x.route(true)
 	}
@@ -300,21 +381,31 @@ func (x *exchange) requestBody(chunk []byte, eos bool) []*extprocv3.ProcessingRe
 			fmt.Sprintf("Request body is larger than the limit of %d bytes.", x.s.maxBody), "", openai.CodeRequestTooLarge)))
 	}
 	if len(chunk) > 0 {
-		if x.s.buffered.Add(int64(len(chunk))) > x.s.budget {
-			x.s.buffered.Add(-int64(len(chunk)))
-			x.s.m.decisions.WithLabelValues("buffer_full").Inc()
-			r := x.s.g.Refuse(openai.NewError(http.StatusTooManyRequests,
-				"The endpoint picker is holding too many request bodies; retry later.", "", "rate_limit_exceeded"))
-			r.Header.Set("Retry-After", "1")
-			return x.immediate(r)
+		if out := x.reserve(int64(len(chunk))); out != nil {
+			return out
 		}
-		x.held += int64(len(chunk))
 		x.body = append(x.body, chunk...)
 	}
 	if !eos {
 		return nil
 	}
 	return x.route(false)
+}
+
+// reserve takes n more bytes of the stream's request (headers, body) in
+// s.buffered, given back when the stream ends; over the budget the request
+// is answered 429 (the responses returned).
+func (x *exchange) reserve(n int64) []*extprocv3.ProcessingResponse {
+	if x.s.buffered.Add(n) > x.s.budget {
+		x.s.buffered.Add(-n)
+		x.s.m.decisions.WithLabelValues("buffer_full").Inc()
+		r := x.s.g.Refuse(openai.NewError(http.StatusTooManyRequests,
+			"The endpoint picker is holding too many request bytes; retry later.", "", "rate_limit_exceeded"))
+		r.Header.Set("Retry-After", "1")
+		return x.immediate(r)
+	}
+	x.held += n
+	return nil
 }
 
 // route picks the request's endpoint and answers the request-headers
@@ -349,7 +440,7 @@ func (x *exchange) route(headersOnly bool) []*extprocv3.ProcessingResponse {
 	}
 	out[0] = &extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{
-			Response: &extprocv3.CommonResponse{ClearRouteCache: true, HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}},
+			Response: &extprocv3.CommonResponse{ClearRouteCache: true, HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set, RemoveHeaders: x.s.remove}},
 		}},
 		DynamicMetadata: destinationMetadata(dest),
 	}

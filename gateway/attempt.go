@@ -10,7 +10,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/infergate/infergate/disagg"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/upstream"
@@ -26,6 +25,12 @@ type failure struct {
 	status int
 	body   []byte
 	err    *openai.Error
+}
+
+// connectionFailed reports whether f is a failure of the connection itself
+// (refused, reset or closed before the answer), not of an answer.
+func (f *failure) connectionFailed() bool {
+	return f.reason == reasonConnect || f.reason == reasonReset
 }
 
 // codeAbort is relayBody's result for a body that broke off after the
@@ -82,7 +87,9 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	spec := ep.spec.Load()
 	spec.addHeader(x.upHeader) // the endpoint's credentials and headers (credentials.go)
 	if x.pd.prefiller != "" {
-		x.upHeader[http.CanonicalHeaderKey(disagg.PrefillerHeader)] = []string{x.pd.prefiller} // llm-d's sidecar runs the flow
+		x.upHeader[prefillerKey] = []string{x.pd.prefiller} // llm-d's sidecar runs the flow
+	} else {
+		g.stripClientPrefiller(x.upHeader)
 	}
 	req.Header = x.upHeader
 	x.obs.inject(req.Header) // this attempt's traceparent (tracing.go)

@@ -192,6 +192,17 @@ func (g *Gateway) Refuse(e *openai.Error) *Refusal {
 // (max_body_bytes).
 func (g *Gateway) MaxBodyBytes() int64 { return g.cfg.MaxBodyBytes }
 
+// StripsClientPDParams reports whether a client's own P/D hand-off fields
+// are removed before an engine sees them (pd.client_params strip): the
+// endpoint picker then has the proxy remove the client's
+// x-prefiller-host-port (disagg.PrefillerHeader).
+func (g *Gateway) StripsClientPDParams() bool { return g.cfg.PD.ClientParams != PDClientParamsPass }
+
+// BodyReadTimeout bounds the wait for a request's body
+// (body_read_timeout); the endpoint picker bounds with it a stream's wait
+// for its request to be routed.
+func (g *Gateway) BodyReadTimeout() time.Duration { return g.cfg.BodyReadTimeout }
+
 // eppKind is the API of a request to path: the routes the gateway serves
 // (route, routePassthrough) that are sent to an engine with a body.
 func eppKind(method, path string) (apiKind, bool) {
@@ -317,8 +328,9 @@ func (g *Gateway) pickRouted(w http.ResponseWriter, r *http.Request, x *exchange
 	gate := p.gate
 	excluded := x.excludedFor(len(p.endpoints))
 	if req.HasSubset {
+		set := newSubsetSet(req.Subset)
 		for j, ep := range p.endpoints {
-			excluded[j] = !inSubset(ep.addr, req.Subset)
+			excluded[j] = !set.has(ep.addr)
 		}
 	}
 	var (
@@ -376,11 +388,15 @@ func (g *Gateway) pickBodiless(st *state, req *PickRequest, w *eppRecorder, star
 	eps := st.endpoints
 	n := len(eps)
 	best, bestLoad := -1, int64(0)
+	var set subsetSet
+	if req.HasSubset {
+		set = newSubsetSet(req.Subset)
+	}
 	off := int(eppRotate.Add(1))
 	for k := range n {
 		j := (off + k) % n
 		ep := eps[j]
-		if !ep.ready.Load() || (req.HasSubset && !inSubset(ep.addr, req.Subset)) {
+		if !ep.ready.Load() || (req.HasSubset && !set.has(ep.addr)) {
 			continue
 		}
 		if l := ep.ledger.InFlight(); best < 0 || l < bestLoad {
@@ -436,9 +452,28 @@ func listed(s []string, v string) bool {
 	return false
 }
 
-// inSubset reports whether addr (ip:port) is in subset, whose entries are
+// subsetSet is a subset hint as sets, built once per pick: a hint of k
+// entries over n endpoints costs O(k + n), not O(k × n) (a hostile
+// proxy's 4,096 entries over 1,000 endpoints took 97 ms a pick).
+type subsetSet struct {
+	// exact holds the entries trimmed (ip:port, or ip); bare the same
+	// without the brackets of an IPv6 host.
+	exact, bare map[string]struct{}
+}
+
+func newSubsetSet(subset []string) subsetSet {
+	s := subsetSet{exact: make(map[string]struct{}, len(subset)), bare: make(map[string]struct{}, len(subset))}
+	for _, e := range subset {
+		e = strings.TrimSpace(e)
+		s.exact[e] = struct{}{}
+		s.bare[strings.Trim(e, "[]")] = struct{}{}
+	}
+	return s
+}
+
+// has reports whether addr (ip:port) is in the subset, whose entries are
 // ip:port, or ip for any port of it.
-func inSubset(addr string, subset []string) bool {
+func (s subsetSet) has(addr string) bool {
 	if addr == "" {
 		return false
 	}
@@ -446,13 +481,10 @@ func inSubset(addr string, subset []string) bool {
 	if h, _, err := net.SplitHostPort(addr); err == nil {
 		host = h
 	}
-	for _, s := range subset {
-		s = strings.TrimSpace(s)
-		if s == addr || s == host || strings.Trim(s, "[]") == host {
-			return true
-		}
-	}
-	return false
+	_, a := s.exact[addr]
+	_, h := s.exact[host]
+	_, b := s.bare[host]
+	return a || h || b
 }
 
 // endpointAddr is the ip:port (host:port) a base URL's requests go to:
@@ -531,6 +563,8 @@ func (pk *Picked) release() {
 	x := pk.x
 	pk.x, pk.body = nil, nil
 	x.body = nil // the caller's buffer: not the pool's
+	// An answer cut before its end gives back its held prefix.
+	pk.g.hold.release(&pk.resp.held)
 	pk.resp.reset()
 	pk.g.putExchange(x)
 }

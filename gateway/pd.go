@@ -55,7 +55,9 @@ type PDConfig struct {
 	// a chat or completion: "strip" (default) removes them before any
 	// engine sees them, in every pool — from a client they would make an
 	// engine connect where the client says, with the gateway's engine key,
-	// or hold its KV until its abort timeout; "pass" forwards them, for a
+	// or hold its KV until its abort timeout (and a client's
+	// x-prefiller-host-port header, from every engine request: llm-d's
+	// sidecar would prefill where it says); "pass" forwards them, for a
 	// deployment whose own proxy behind the gateway runs the hand-off.
 	ClientParams string `yaml:"client_params"`
 }
@@ -490,6 +492,7 @@ func (g *Gateway) prefillLeg(r *http.Request, x *exchange, kind apiKind, p *pool
 	}
 	x.pd.pbody = pbody
 	x.pd.header = upstreamHeader(x.pd.header, r.Header, []string{reqID}, r.RemoteAddr)
+	g.stripClientPrefiller(x.pd.header)
 	ep.spec.Load().addHeader(x.pd.header)
 	if x.pd.connector == disagg.Mooncake {
 		x.pd.header.Set(disagg.DataParallelRankHeader, "0")
@@ -563,6 +566,19 @@ func (g *Gateway) stripClientParams(x *exchange, kind apiKind) {
 	g.pdm.stripped.Inc()
 }
 
+// prefillerKey is disagg.PrefillerHeader's canonical key.
+var prefillerKey = http.CanonicalHeaderKey(disagg.PrefillerHeader)
+
+// stripClientPrefiller removes a client's own x-prefiller-host-port from
+// an engine request's header h (PDConfig.ClientParams strip): llm-d's
+// routing sidecar in front of an engine would run a prefill at the
+// host:port it names, with the request's headers and the engine's key.
+func (g *Gateway) stripClientPrefiller(h http.Header) {
+	if g.cfg.PD.ClientParams != PDClientParamsPass {
+		delete(h, prefillerKey)
+	}
+}
+
 // pdReasonOverContext is the decision reason of a request the gateway does
 // not split because its prompt and max tokens exceed D's context length.
 const pdReasonOverContext = "over-context"
@@ -581,7 +597,9 @@ func (x *exchange) overContext(kind apiKind, maxModelLen int) bool {
 	case kindCompletion:
 		mt = x.comp.MaxTokens
 	}
-	return maxModelLen > 0 && mt != nil && x.sreq.PromptTokens+*mt > maxModelLen
+	// prompt > maxModelLen − max tokens: the sum overflows for a max tokens
+	// near the int range, which the API accepts.
+	return maxModelLen > 0 && mt != nil && x.sreq.PromptTokens > maxModelLen-*mt
 }
 
 // legSender sends a leg's body to u with header (nil: none) through the

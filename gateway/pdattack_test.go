@@ -203,3 +203,85 @@ func TestPDAttackEngineKeySentToClientNamedHost(t *testing.T) {
 	default: // D makes its side-channel call before it answers: had it made one, it would be here
 	}
 }
+
+// A huge max_tokens (2^63−1, which the API accepts) overflowed the
+// over-context check's prompt + max_tokens into a negative sum, so the
+// request was split anyway: P computed and held the prompt for a D that
+// refuses it (the attack run's max_tokens 9223372036854775807: one P leg
+// served and held per request, as finding 3 before its fix).
+func TestPDAttackHugeMaxTokensNotSplit(t *testing.T) {
+	for _, conn := range []string{"nixl", "sglang"} {
+		t.Run(conn, func(t *testing.T) {
+			f, cfg := startSimPD(t, 1, 1, conn)
+			_, gw := startGateway(t, cfg)
+			c := testClient(t)
+			body := pdSimPrompt("huge"+conn, 300, false)
+			body = strings.Replace(body, `"max_tokens":12`, `"max_tokens":9223372036854775807`, 1)
+			a, err := chat(context.Background(), c, gw, body)
+			if err != nil || a.status != http.StatusBadRequest {
+				t.Fatalf("want D's 400: %+v %v", a, err)
+			}
+			if v := metricValue(t, gw, "infergate_pd_decisions_total", `reason="over-context"`); v != 1 {
+				t.Fatalf("over-context decisions %v", v)
+			}
+			if v := simValue(t, c, f.URLs[0], "vllm:request_success_total"); v != 0 {
+				t.Fatalf("P served %v legs for a request D refuses", v)
+			}
+		})
+	}
+}
+
+func TestOverContextOverflow(t *testing.T) {
+	huge := int(^uint(0) >> 1)
+	for _, tc := range []struct {
+		prompt, maxTokens, maxModelLen int
+		want                           bool
+	}{
+		{100, 10, 1000, false},
+		{100, 901, 1000, true},
+		{100, huge, 1000, true},
+		{huge, 1, 1000, true},
+		{100, huge, 0, false}, // unknown context length: never
+	} {
+		x := &exchange{}
+		mt := tc.maxTokens
+		x.comp.MaxTokens = &mt
+		x.sreq.PromptTokens = tc.prompt
+		if got := x.overContext(kindCompletion, tc.maxModelLen); got != tc.want {
+			t.Errorf("prompt %d + max_tokens %d over %d: %v, want %v", tc.prompt, tc.maxTokens, tc.maxModelLen, got, tc.want)
+		}
+	}
+}
+
+// A client's own x-prefiller-host-port header reached the decode engine
+// of a request served whole on D (short prompt, llm-d connector) — and any
+// engine's with the other connectors: llm-d's routing sidecar in front of
+// D runs a prefill at the host:port it names, with the request's headers,
+// the gateway's engine key among them (finding 1's hand-off by header).
+// With pd.client_params strip it is removed as the body's P/D members are;
+// with pass it is forwarded.
+func TestPDAttackClientPrefillerHeader(t *testing.T) {
+	for _, mode := range []string{PDClientParamsStrip, PDClientParamsPass} {
+		for _, conn := range []string{"llm-d", "nixl"} {
+			t.Run(mode+"/"+conn, func(t *testing.T) {
+				p, d := newPDEngine(t, "p"), newPDEngine(t, "d")
+				cfg := pdConfig(conn, []*pdEngine{p}, []*pdEngine{d})
+				cfg.PD.ClientParams = mode
+				_, gw := startGateway(t, cfg)
+				in := `{"model":"m","prompt":[1,2,3,4,5,6,7,8],"max_tokens":3}`
+				resp, body := post(t, http.DefaultClient, gw+"/v1/completions", in, "X-Prefiller-Host-Port", "attacker.example:6666")
+				if resp.StatusCode != 200 {
+					t.Fatalf("status %d: %s", resp.StatusCode, body)
+				}
+				dl := d.got()
+				if len(dl) != 1 {
+					t.Fatalf("D legs %d", len(dl))
+				}
+				got := dl[0].header.Get("X-Prefiller-Host-Port")
+				if want := map[string]string{PDClientParamsStrip: "", PDClientParamsPass: "attacker.example:6666"}[mode]; got != want {
+					t.Fatalf("D received x-prefiller-host-port %q, want %q", got, want)
+				}
+			})
+		}
+	}
+}

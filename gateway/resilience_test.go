@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -342,6 +343,55 @@ func TestNo4xxRetry(t *testing.T) {
 	}
 	if v := scrape(t, c, url).value("infergate_retries_total", ""); v != 0 {
 		t.Errorf("retries_total = %v, want 0", v)
+	}
+}
+
+// TestRetryBudgetLostEndpoint: a connection lost on an endpoint that its
+// failure took out of rotation is retried even with the budget spent (an
+// engine that dies fails every request waiting on it at once, and the
+// survivors can take them); one lost on an endpoint still in rotation is
+// charged like any retry.
+func TestRetryBudgetLostEndpoint(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		consecutive int // outlier.consecutive_errors: 1 ejects at the first lost connection
+		want        map[int]int
+		denied      float64
+	}{
+		{"ejected", 1, map[int]int{200: 2}, 0},
+		{"in rotation", 100, map[int]int{200: 1, 502: 1}, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			bad := newFuncEngine(t, func(w http.ResponseWriter, _ *http.Request) {
+				conn, _, err := http.NewResponseController(w).Hijack()
+				if err == nil {
+					_ = conn.Close() // the connection closes before any answer: connection_lost
+				}
+			})
+			good := newFakeEngine(t, "good")
+			cfg := resilienceConfig(sched.RoundRobin, bad.URL(), good.URL())
+			cfg.Outlier.ConsecutiveErrors = tc.consecutive
+			g, url := startGateway(t, cfg)
+			c := testClient(t)
+			p := g.state.Load().pools["m"]
+			p.budget.inFlight.Store(DefaultMinRetryConcurrency) // spent: max(3, 20% of 1 active)
+			codes := map[int]int{}
+			for range 2 {
+				resp, _ := post(t, c, url+pathChat, chatBody)
+				codes[resp.StatusCode]++
+			}
+			if !maps.Equal(codes, tc.want) || bad.requests.Load() != 1 {
+				t.Errorf("codes %v (bad engine asked %d times), want %v after one request to the bad engine",
+					codes, bad.requests.Load(), tc.want)
+			}
+			m := scrape(t, c, url)
+			if v := m.value("infergate_retries_denied_total", `reason="budget"`); v != tc.denied {
+				t.Errorf("retries_denied{budget} = %v, want %v", v, tc.denied)
+			}
+			if n := p.budget.inFlight.Load(); n != DefaultMinRetryConcurrency {
+				t.Errorf("retry budget holds %d after the requests ended, want the %d stored", n, DefaultMinRetryConcurrency)
+			}
+		})
 	}
 }
 

@@ -146,6 +146,14 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 			// (upstream/wait.go). The budget, sized against overload, turned
 			// such a burst into 502s while the other engines idled (16 of
 			// 40 in the second attack run).
+		case f.connectionFailed() && !p.endpoints[i].ready.Load():
+			// Not charged either: the connection failed on an endpoint
+			// that is out of rotation now (this failure or an earlier one
+			// of the same outage ejected it, or its probes failed). An
+			// engine that dies with requests waiting for their first byte
+			// fails them all at once, as a frozen one does; charged, the
+			// ones beyond the budget were 502s while the survivors idled
+			// (TestChaosKillEngine on a loaded host).
 		case !retrying:
 			if !budget.take(gate.active.Load(), g.cfg.Retry.BudgetPercent, g.cfg.Retry.MinRetryConcurrency) {
 				g.res.retriesDenied.WithLabelValues(p.model, "budget").Inc()

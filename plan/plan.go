@@ -89,6 +89,11 @@ type PDVariant struct {
 	Prefill   int    `json:"prefill,omitempty"`
 	Threshold int    `json:"pd_threshold,omitempty"`
 	Local     string `json:"pd_local,omitempty"`
+	// Busy is the decider's routing.pd.prefill_busy ("" keeps Routing's).
+	Busy string `json:"pd_busy,omitempty"`
+	// DecodeBudget is the decode engines' token budget
+	// (sim.PDConfig.DecodeMaxNumBatchedTokens; 0 keeps Engine's).
+	DecodeBudget int `json:"pd_decode_budget,omitempty"`
 }
 
 // Label is "" for the aggregated fleet, else e.g. "3P t2048" (with
@@ -103,6 +108,12 @@ func (v PDVariant) Label() string {
 	}
 	if v.Local != "" {
 		l += " local=" + v.Local
+	}
+	if v.Busy != "" {
+		l += " busy=" + v.Busy
+	}
+	if v.DecodeBudget != 0 {
+		l += fmt.Sprintf(" Db%d", v.DecodeBudget)
 	}
 	return l
 }
@@ -406,9 +417,16 @@ func runOne(ctx context.Context, opts Options, recs []trace.Record, c combo, ref
 		if c.pd.Local != "" {
 			routing.PD.Local = c.pd.Local
 		}
+		if c.pd.Busy != "" {
+			routing.PD.PrefillBusy = c.pd.Busy
+		}
+	}
+	eng := opts.Engine
+	if c.pd.Prefill > 0 && c.pd.DecodeBudget != 0 {
+		eng.PD.DecodeMaxNumBatchedTokens = c.pd.DecodeBudget
 	}
 	run, err := virtual.Replay(ctx, virtual.ReplayOptions{
-		Policy: policy, Engines: engines, Engine: opts.Engine, Remote: opts.Remote, Records: recs,
+		Policy: policy, Engines: engines, Engine: eng, Remote: opts.Remote, Records: recs,
 		Model: opts.Model, Seed: opts.Seed, Routing: routing, Warmup: opts.Warmup, Prefill: c.pd.Prefill,
 	})
 	if err != nil {

@@ -27,7 +27,14 @@ import (
 //     included) and prefill load.
 //  4. P busy: when P's prefill backlog (PendingPrefillTokens /
 //     PrefillTokensPerSecond) exceeds MaxPrefillQueue seconds, the request
-//     is prefilled on D instead (Dynamo's prefill-queue bound).
+//     is prefilled on D instead (Dynamo's prefill-queue bound). With
+//     PrefillBusy PDBusyCost the bound is no constant but the request's
+//     own local cost: P is busy when the wait for P's backlog alone is
+//     longer than D would take to prefill the request itself, its own
+//     backlog first, (D.PendingPrefillTokens + nonCached) / D's rate
+//     (DistServe's and Dynamo's point that a split pays only while the
+//     prefill pool keeps up; the local prefill's cost to D's decodes is
+//     bounded by D's token budget, sim.PDConfig.DecodeMaxNumBatchedTokens).
 //
 // Each profile learns only its own decisions: the decode profile's
 // approximate index that D will hold the prompt (computed there, or
@@ -95,6 +102,10 @@ type PDConfig struct {
 	// throughput, above which a request is prefilled on D instead
 	// (0: no bound).
 	MaxPrefillQueue float64 `yaml:"max_prefill_queue_seconds"`
+	// PrefillBusy is how the decider judges P busy: PDBusyQueue (default:
+	// MaxPrefillQueue, when set) or PDBusyCost (P's backlog wait against
+	// D's estimated local prefill; PD's comment, item 4).
+	PrefillBusy string `yaml:"prefill_busy"`
 	// Decode and Prefill name the profiles (built-in or of Config.Profiles)
 	// that pick D and P; "" takes the routing policy.
 	Decode  string `yaml:"decode_policy"`
@@ -105,6 +116,12 @@ type PDConfig struct {
 	// short-prompt traffic the whole fleet serves whole requests; pd.go).
 	Local string `yaml:"local"`
 }
+
+// PDConfig.PrefillBusy values.
+const (
+	PDBusyQueue = "queue"
+	PDBusyCost  = "cost"
+)
 
 // PDConfig.Local values.
 const (
@@ -120,6 +137,9 @@ func (c PDConfig) WithDefaults() PDConfig {
 	if c.Local == "" {
 		c.Local = PDLocalDecode
 	}
+	if c.PrefillBusy == "" {
+		c.PrefillBusy = PDBusyQueue
+	}
 	return c
 }
 
@@ -130,6 +150,9 @@ func (c PDConfig) Validate() error {
 	}
 	if l := c.WithDefaults().Local; l != PDLocalDecode && l != PDLocalAny {
 		return fmt.Errorf("routing.pd.local %q: want %q or %q", c.Local, PDLocalDecode, PDLocalAny)
+	}
+	if b := c.WithDefaults().PrefillBusy; b != PDBusyQueue && b != PDBusyCost {
+		return fmt.Errorf("routing.pd.prefill_busy %q: want %q or %q", c.PrefillBusy, PDBusyQueue, PDBusyCost)
 	}
 	return nil
 }
@@ -263,7 +286,7 @@ func (pd *PD) withPrefill(req *Request, eps []Endpoint, out PDDecision) PDDecisi
 	switch {
 	case p.Endpoint < 0:
 		out.Reason = PDReasonNoPrefill
-	case pd.busy(&eps[p.Endpoint]):
+	case pd.busy(req, &eps[p.Endpoint], eps, out.Decode):
 		out.Reason = PDReasonPrefillBusy
 	default:
 		out.Prefill, out.Split = p, true
@@ -280,16 +303,36 @@ func (pd *PD) Wants(req *Request, d Decision) bool {
 	return nonCached >= pd.cfg.Threshold
 }
 
-// busy reports whether P's prefill backlog exceeds MaxPrefillQueue.
-func (pd *PD) busy(ep *Endpoint) bool {
-	if pd.cfg.MaxPrefillQueue <= 0 {
+// busy reports whether P (ep) is too busy to take req, whose D decision
+// is d: its prefill backlog exceeds MaxPrefillQueue seconds or, with
+// PrefillBusy PDBusyCost, the time D would take to prefill req itself
+// (localPrefillSeconds).
+func (pd *PD) busy(req *Request, ep *Endpoint, eps []Endpoint, d Decision) bool {
+	wait := float64(ep.PendingPrefillTokens) / prefillRate(ep)
+	if pd.cfg.MaxPrefillQueue > 0 && wait > pd.cfg.MaxPrefillQueue {
+		return true
+	}
+	if pd.cfg.PrefillBusy != PDBusyCost || d.Endpoint < 0 || d.Endpoint >= len(eps) {
 		return false
 	}
-	rate := ep.PrefillTokensPerSecond
-	if rate <= 0 {
-		rate = DefaultPrefillTokensPerSecond
+	return wait > pd.localPrefillSeconds(req, &eps[d.Endpoint], d)
+}
+
+// localPrefillSeconds is the time D (ep, decision d) is expected to take
+// to prefill req itself: its own prefill backlog, then req's tokens it
+// does not hold, at its prefill rate, in seconds.
+func (pd *PD) localPrefillSeconds(req *Request, ep *Endpoint, d Decision) float64 {
+	nonCached := max(0, req.PromptTokens-d.MatchedBlocks*pd.blockSize)
+	return float64(ep.PendingPrefillTokens+nonCached) / prefillRate(ep)
+}
+
+// prefillRate is ep's prefill throughput in tokens/s, or
+// DefaultPrefillTokensPerSecond when unknown.
+func prefillRate(ep *Endpoint) float64 {
+	if r := ep.PrefillTokensPerSecond; r > 0 {
+		return r
 	}
-	return float64(ep.PendingPrefillTokens)/rate > pd.cfg.MaxPrefillQueue
+	return DefaultPrefillTokensPerSecond
 }
 
 // PickDecode is the decode profile's pick alone (a retry of D).

@@ -136,3 +136,48 @@ func TestPDLocalAny(t *testing.T) {
 		t.Fatal("local nowhere accepted")
 	}
 }
+
+// prefill_busy: cost keeps a request on D when the wait for P's backlog
+// alone is longer than D's own backlog plus the request's uncached tokens;
+// an idle P always takes it.
+func TestPDPrefillBusyCost(t *testing.T) {
+	pd, err := NewPD(Config{Policy: LeastRequest, PD: PDConfig{Threshold: 1, PrefillBusy: PDBusyCost}}, Pool{Capacity: []int{1, 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eps := pdEndpoints(RolePrefill, RoleDecode)
+	eps[0].PrefillTokensPerSecond, eps[1].PrefillTokensPerSecond = 1000, 1000
+	req := &Request{PromptTokens: 3000}
+	if d := pd.Pick(req, eps); !d.Split {
+		t.Fatalf("idle P: %+v, want split", d)
+	}
+	// P waits 3.5 s, D would take 1 s of backlog + 3 s: split.
+	eps[0].PendingPrefillTokens, eps[1].PendingPrefillTokens = 3500, 1000
+	if d := pd.Pick(req, eps); !d.Split {
+		t.Fatalf("P 3.5 s, D 4 s: %+v, want split", d)
+	}
+	// P waits 4.5 s: D is sooner.
+	eps[0].PendingPrefillTokens = 4500
+	if d := pd.Pick(req, eps); d.Split || d.Reason != PDReasonPrefillBusy || d.Decode.Endpoint != 1 {
+		t.Fatalf("P 4.5 s, D 4 s: %+v, want whole on D, prefill-busy", d)
+	}
+	// Rates are each endpoint's own: a D twice as fast takes 2 s.
+	eps[0].PendingPrefillTokens, eps[1].PrefillTokensPerSecond = 2500, 2000
+	if d := pd.Pick(req, eps); d.Split {
+		t.Fatalf("P 2.5 s, D 2 s: %+v, want whole", d)
+	}
+	// The queue mode (default) ignores D's estimate.
+	q, err := NewPD(Config{Policy: LeastRequest, PD: PDConfig{Threshold: 1}}, Pool{Capacity: []int{1, 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q.Config().PrefillBusy != PDBusyQueue {
+		t.Fatalf("default prefill_busy %q", q.Config().PrefillBusy)
+	}
+	if d := q.Pick(req, eps); !d.Split {
+		t.Fatalf("queue mode without a bound: %+v, want split", d)
+	}
+	if _, err := NewPD(Config{PD: PDConfig{PrefillBusy: "soon"}}, Pool{Capacity: []int{1}}); err == nil {
+		t.Fatal("prefill_busy \"soon\" accepted")
+	}
+}

@@ -430,6 +430,10 @@ func (c Config) CheckRequest(promptTokens, maxTokens int) error {
 		return ErrEmptyPrompt
 	case maxTokens < 1:
 		return ErrBadMaxTokens
+	case promptTokens > maxRequestTokens || maxTokens > maxRequestTokens:
+		// Too long for any cache, and their sum would overflow (the API
+		// accepts a max_tokens of 2^63-1).
+		return fmt.Errorf("%w: %d prompt + %d output tokens", ErrTooLong, promptTokens, maxTokens)
 	}
 	total := promptTokens + maxTokens
 	if m := c.Profile.MaxModelLen; m > 0 && total > m {
@@ -441,6 +445,11 @@ func (c Config) CheckRequest(promptTokens, maxTokens int) error {
 	}
 	return nil
 }
+
+// maxRequestTokens bounds a request's prompt and its output (tokens): far
+// beyond any model's context, low enough that their sum and the block
+// arithmetic cannot overflow.
+const maxRequestTokens = 1 << 40
 
 // Abort removes a request, waiting or running, and releases its blocks;
 // a finished HoldKV request's held blocks too. Other unknown or finished

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"errors"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -117,6 +118,19 @@ func TestAddValidation(t *testing.T) {
 	e = NewEngine(Config{Profile: p, NumBlocks: 100})
 	if err := e.Add(&Request{ID: "x", Tokens: seqTokens(1, 90), MaxTokens: 11}, 0); !errors.Is(err, ErrTooLong) {
 		t.Errorf("max model len: got %v", err)
+	}
+	// A max_tokens near the int range (the API accepts 2^63-1) is too
+	// long, with or without a model length: the sum with the prompt
+	// overflowed negative, passed, and Add's make panicked (one request
+	// crashed infergate sim and up).
+	for _, mml := range []int{100, 0} {
+		p.MaxModelLen = mml
+		e = NewEngine(Config{Profile: p, NumBlocks: 100})
+		for _, mt := range []int{math.MaxInt, math.MaxInt - 3, math.MaxInt / 2} {
+			if err := e.Add(&Request{ID: "x", Tokens: seqTokens(1, 4), MaxTokens: mt}, 0); !errors.Is(err, ErrTooLong) && !errors.Is(err, ErrNoCapacity) {
+				t.Errorf("max model len %d, max tokens %d: got %v", mml, mt, err)
+			}
+		}
 	}
 	_, outs := run(t, NewEngineWith(t, 10, seqTokens(1, 100), 61), 0)
 	if n := len(outs["r"]); n != 61 {

@@ -51,6 +51,27 @@ type PDConfig struct {
 	// AbortTimeout is how long a prefill request's blocks are held for a
 	// decode engine after it finishes (default DefaultAbortTimeout).
 	AbortTimeout time.Duration `yaml:"abort_timeout"`
+	// DecodeMaxNumBatchedTokens is the per-step token budget
+	// (Config.MaxNumBatchedTokens) of an engine started as a decode
+	// engine of a P/D fleet (ForDecode); 0 keeps MaxNumBatchedTokens.
+	// P/D deployments launch their decode instances with their own
+	// --max-num-batched-tokens; a small one bounds the step that mixes a
+	// local prefill chunk with the running decodes, and so the decodes'
+	// inter-token latency, as Sarathi-Serve chooses its token budget from
+	// the TBT SLO (Agrawal et al., OSDI'24, §4.3). DecodeTokenBudget
+	// computes that budget from the profile.
+	DecodeMaxNumBatchedTokens int `yaml:"decode_max_num_batched_tokens"`
+}
+
+// ForDecode returns c as configured for an engine started as a decode
+// engine of a P/D fleet: MaxNumBatchedTokens replaced by
+// PD.DecodeMaxNumBatchedTokens when that is set. Prefill engines and
+// engines of an aggregated fleet use c unchanged.
+func (c Config) ForDecode() Config {
+	if b := c.PD.DecodeMaxNumBatchedTokens; b > 0 {
+		c.MaxNumBatchedTokens = b
+	}
+	return c
 }
 
 // DefaultAbortTimeout is vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default
@@ -188,5 +209,47 @@ func validatePD(c Config) error {
 	if c.PD.AbortTimeout < 0 {
 		return fmt.Errorf("pd.abort_timeout must not be negative, got %v", c.PD.AbortTimeout)
 	}
+	if c.PD.DecodeMaxNumBatchedTokens < 0 {
+		return fmt.Errorf("pd.decode_max_num_batched_tokens must not be negative, got %d", c.PD.DecodeMaxNumBatchedTokens)
+	}
 	return nil
+}
+
+// DecodeTokenBudget is the largest per-step token budget (tokens) whose
+// step stays within itl on profile p when it runs decodes sequences of
+// decodeContext tokens each (one new token apiece) and fills the rest of
+// the budget with one prefill chunk on top of prefillContext tokens
+// already computed: Sarathi-Serve's rule for the token budget (Agrawal et
+// al., OSDI'24, §4.3: the largest chunk whose hybrid batch meets the TBT
+// SLO), evaluated on the roofline StepTime instead of by profiling. It
+// returns decodes (no room for a chunk) when even a chunk of one token
+// overruns itl, and at most decodes + 1<<20. StepTime grows with the
+// chunk, so a bisection over the chunk finds it in ~20 steps.
+func DecodeTokenBudget(p GPUProfile, itl time.Duration, decodes, decodeContext, prefillContext int) int {
+	decodes = max(decodes, 0)
+	var base StepCost // decodes × Add(1, decodeContext), in closed form
+	base.Tokens, base.Seqs = decodes, decodes
+	base.AttnPairs = float64(decodes) * (float64(decodeContext) + 1)
+	base.KVTokens = decodes * (decodeContext + 1)
+	step := func(chunk int) time.Duration {
+		c := base
+		c.Add(chunk, prefillContext)
+		return p.StepTime(c)
+	}
+	if step(1) > itl {
+		return decodes
+	}
+	lo, hi := 1, 1<<20 // step(lo) ≤ itl < step(hi), unless hi is the cap
+	if step(hi) <= itl {
+		return decodes + hi
+	}
+	for hi-lo > 1 {
+		mid := lo + (hi-lo)/2
+		if step(mid) <= itl {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	return decodes + lo
 }

@@ -187,3 +187,57 @@ func TestPDRandomizedInvariants(t *testing.T) {
 		t.Fatalf("after draining and expiry: %+v", st)
 	}
 }
+
+// ForDecode gives a decode engine its own token budget; the budget rule
+// keeps the mixed step within the ITL and is the largest such.
+func TestDecodeTokenBudget(t *testing.T) {
+	c := Config{MaxNumBatchedTokens: 4096, PD: PDConfig{DecodeMaxNumBatchedTokens: 384}}
+	if got := c.ForDecode().MaxNumBatchedTokens; got != 384 {
+		t.Fatalf("ForDecode budget %d, want 384", got)
+	}
+	if got := (Config{MaxNumBatchedTokens: 4096}).ForDecode().MaxNumBatchedTokens; got != 4096 {
+		t.Fatalf("ForDecode without a decode budget: %d, want 4096", got)
+	}
+	if err := (Config{PD: PDConfig{DecodeMaxNumBatchedTokens: -1}}).Validate(); err == nil {
+		t.Fatal("negative decode_max_num_batched_tokens accepted")
+	}
+	p := DefaultProfile()
+	step := func(decodes, chunk, ctx int) time.Duration {
+		var c StepCost
+		for range decodes {
+			c.Add(1, 12000)
+		}
+		c.Add(chunk, ctx)
+		return p.StepTime(c)
+	}
+	prev := 0
+	for _, itl := range []time.Duration{50 * time.Millisecond, 75 * time.Millisecond, 100 * time.Millisecond} {
+		b := DecodeTokenBudget(p, itl, 32, 12000, 64000)
+		if chunk := b - 32; chunk < 1 || step(32, chunk, 64000) > itl || step(32, chunk+1, 64000) <= itl {
+			t.Fatalf("ITL %v: budget %d is not the largest within it", itl, b)
+		}
+		if b <= prev {
+			t.Fatalf("ITL %v: budget %d not above %d", itl, b, prev)
+		}
+		prev = b
+	}
+	// Longer context, smaller chunk.
+	if a, b := DecodeTokenBudget(p, 100*time.Millisecond, 32, 12000, 8000), DecodeTokenBudget(p, 100*time.Millisecond, 32, 12000, 64000); a <= b {
+		t.Fatalf("budget at 8k context %d, at 64k %d", a, b)
+	}
+	// The table in sim/README.md ("Disaggregated prefill and decode").
+	for _, ctx := range []int{8000, 32000, 64000, 100000} {
+		t.Logf("32 decodes of 12k tokens, chunk after %d tokens: budget %d (50 ms), %d (75 ms), %d (100 ms)", ctx,
+			DecodeTokenBudget(p, 50*time.Millisecond, 32, 12000, ctx), DecodeTokenBudget(p, 75*time.Millisecond, 32, 12000, ctx),
+			DecodeTokenBudget(p, 100*time.Millisecond, 32, 12000, ctx))
+	}
+	for _, chunk := range []int{256, 384, 512, 8192} {
+		var c StepCost
+		c.Add(chunk, 8000)
+		t.Logf("a %d-token chunk after 8000 tokens alone: %v, %.0f tokens/s", chunk, p.StepTime(c), float64(chunk)/p.StepTime(c).Seconds())
+	}
+	// No room: the decodes alone overrun it.
+	if got := DecodeTokenBudget(p, time.Millisecond, 32, 12000, 0); got != 32 {
+		t.Fatalf("1 ms: %d, want 32", got)
+	}
+}

@@ -120,7 +120,11 @@ func StartFleetEngines(cfg ServerConfig, engines []FleetEngine) (*Fleet, error) 
 		if engineID != "" && n > 1 {
 			cfg.PD.EngineID = fmt.Sprintf("%s-%d", engineID, i)
 		}
-		s, err := newServer(cfg, i)
+		ecfg := cfg
+		if cfg.PD.Role == RoleDecode {
+			ecfg.Engine = cfg.Engine.ForDecode() // its own token budget (sim.PDConfig)
+		}
+		s, err := newServer(ecfg, i)
 		if err != nil {
 			f.Close()
 			return nil, err

@@ -627,12 +627,19 @@ func FuzzPDParams(f *testing.F) {
 // them.
 func TestPDFleet(t *testing.T) {
 	before := runtimeGoroutines()
-	f, err := StartPDFleet(1, 2, ServerConfig{TimeScale: 1000, PD: PDConfig{EngineID: "sim"}})
+	f, err := StartPDFleet(1, 2, ServerConfig{TimeScale: 1000, PD: PDConfig{EngineID: "sim"},
+		Engine: sim.Config{PD: sim.PDConfig{DecodeMaxNumBatchedTokens: 384}}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(f.Members) != 3 || len(f.URLs) != 3 {
 		t.Fatalf("members %+v", f.Members)
+	}
+	// The decode engines take their own token budget, the prefill engine the default.
+	for i, want := range []int{sim.DefaultMaxNumBatchedTokens, 384, 384} {
+		if got := f.Servers[i].EngineConfig().MaxNumBatchedTokens; got != want {
+			t.Fatalf("engine %d budget %d, want %d", i, got, want)
+		}
 	}
 	for i, m := range f.Members {
 		wantRole := RoleDecode

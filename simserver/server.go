@@ -808,7 +808,7 @@ func (s *Server) check(g *genRequest, n *int) *openai.Error {
 		switch {
 		case errors.Is(err, sim.ErrTooLong):
 			msg = fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
-				s.eng.Profile.MaxModelLen, len(g.tokens)+g.maxTokens, len(g.tokens), g.maxTokens)
+				s.eng.Profile.MaxModelLen, uint64(len(g.tokens))+uint64(g.maxTokens), len(g.tokens), g.maxTokens)
 		case errors.Is(err, sim.ErrEmptyPrompt):
 			msg = "the prompt must not be empty"
 		}

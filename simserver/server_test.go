@@ -253,6 +253,8 @@ func TestErrors(t *testing.T) {
 		{"/v1/completions", `{"model":"` + testModel + `","prompt":[1,2,300000]}`, 400, "prompt"},
 		{"/v1/completions", `{"model":"` + testModel + `","prompt":[1,2],"max_tokens":200000}`, 400, ""},
 		{"/v1/completions", `{"model":"` + testModel + `","prompt":"x","max_tokens":0}`, 400, "max_tokens"},
+		{"/v1/completions", `{"model":"` + testModel + `","prompt":"x","max_tokens":9223372036854775807}`, 400, ""},
+		{"/v1/chat/completions", `{"model":"` + testModel + `","messages":[{"role":"user","content":"x"}],"max_completion_tokens":9223372036854775805}`, 400, ""},
 		{"/v1/completions", `{"model":"` + testModel + `","prompt":"x","padding":"` + strings.Repeat("x", MaxRequestBytes) + `"}`, 413, ""},
 		// The nesting attack (openai.MaxDepth): a 400, not a stack overflow.
 		{"/v1/chat/completions", `{"model":"` + testModel + `","messages":[{"role":"user","content":"x"}],"x":` + strings.Repeat("[", 1<<20) + `}`, 400, ""},

@@ -366,14 +366,17 @@ func NewFleet(cfg Config) (*Fleet, error) {
 	}
 	snap := make([]sched.Endpoint, cfg.Engines)
 	for i := range f.engines {
-		f.engines[i].e = sim.NewEngine(eng)
 		snap[i] = sched.Endpoint{Name: "virtual-" + strconv.Itoa(i), Ready: true}
+		ecfg := eng
 		if pd != nil {
 			snap[i].Role = sched.RoleDecode
 			if i < cfg.Prefill {
 				snap[i].Role = sched.RolePrefill
+			} else {
+				ecfg = eng.ForDecode() // its own token budget (sim.PDConfig)
 			}
 		}
+		f.engines[i].e = sim.NewEngine(ecfg)
 	}
 	if err := f.newReplicas(snap, pool); err != nil {
 		return nil, err

@@ -156,3 +156,32 @@ func mustPolicy(t *testing.T) sched.Policy {
 	}
 	return p
 }
+
+// A decode budget (sim.PDConfig.DecodeMaxNumBatchedTokens) applies to the
+// decode engines only; prefill engines keep the fleet's.
+func TestPDFleetDecodeBudget(t *testing.T) {
+	f, err := NewFleet(Config{Engines: 4, Prefill: 1, Engine: sim.Config{PD: sim.PDConfig{DecodeMaxNumBatchedTokens: 256}},
+		Routing: sched.Config{Policy: sched.CacheAware, PD: sched.PDConfig{PrefillBusy: sched.PDBusyCost}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range f.engines {
+		want := sim.DefaultMaxNumBatchedTokens
+		if i >= 1 {
+			want = 256
+		}
+		if got := f.engines[i].e.Config().MaxNumBatchedTokens; got != want {
+			t.Fatalf("engine %d budget %d, want %d", i, got, want)
+		}
+	}
+	reqs := longPromptTrace(40, 5)
+	res, err := f.Run(reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range res {
+		if res[i].Err != nil || res[i].Engine < 1 || res[i].OutputTokens != reqs[i].MaxTokens {
+			t.Fatalf("request %d: engine %d, %d of %d tokens, %v", i, res[i].Engine, res[i].OutputTokens, reqs[i].MaxTokens, res[i].Err)
+		}
+	}
+}

@@ -84,7 +84,7 @@ for an invalid body. See gateway/README.md "Endpoint picker".`,
 	f.StringVar(&fl.poolName, "pool-name", "", "GIE alias: the InferencePool whose pods are the endpoints (needs Kubernetes discovery)")
 	f.StringVar(&fl.poolNS, "pool-namespace", "", "GIE alias: the InferencePool's namespace (with --pool-name)")
 	f.BoolVar(&fl.hooks, "conformance-test-hooks", false, "Gateway API Inference Extension conformance hooks (test-epp-endpoint-selection, x-conformance-test-served-endpoint): test only")
-	f.Int64Var(&fl.maxBuffered, "max-buffered-bytes", epp.DefaultMaxBufferedBytes, "request body bytes all streams may buffer at once; past it a request is answered 429")
+	f.Int64Var(&fl.maxBuffered, "max-buffered-bytes", epp.DefaultMaxBufferedBytes, "request bytes (headers and bodies) all streams may hold at once; past it a request is answered 429")
 	return cmd
 }
 

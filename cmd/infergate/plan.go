@@ -41,6 +41,10 @@ type planFlags struct {
 	pd          string
 	pdThreshold string
 	pdLocal     string
+	pdBusy      string
+	pdBudget    string
+	// budget is every engine's token budget per step (--max-num-batched-tokens).
+	budget int
 }
 
 func newPlanCmd() *cobra.Command {
@@ -102,14 +106,17 @@ func (fl *planFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.pd, "pd", "", "P/D splits to sweep at every fleet size: prefill-engine counts (0 = aggregated) and ranges, comma-separated, e.g. 0,2..6; 'all' = 0 to N-1")
 	f.StringVar(&fl.pdThreshold, "pd-threshold", "", "with --pd: the decider's non-cached-token thresholds to sweep, comma-separated (0 = the default 2048, -1 = always split)")
 	f.StringVar(&fl.pdLocal, "pd-local", "", "with --pd: where requests that are not split run, comma-separated: decode, any (default decode)")
+	f.IntVar(&fl.budget, "max-num-batched-tokens", 0, "every engine's token budget per step, as vLLM's flag (0: 8192; with --pd the decode engines' is --pd-decode-budget when given)")
+	f.StringVar(&fl.pdBusy, "pd-busy", "", "with --pd: how the decider judges a prefill engine busy, comma-separated: queue (routing.pd.max_prefill_queue_seconds), cost (its backlog's wait against the decode engine's own prefill; default queue)")
+	f.StringVar(&fl.pdBudget, "pd-decode-budget", "", "with --pd: the decode engines' token budgets per step to sweep, comma-separated (sim pd.decode_max_num_batched_tokens; 0 = the engines' --max-num-batched-tokens, 8192)")
 }
 
 // pdVariants parses --pd, --pd-threshold and --pd-local into the sweep's
 // P/D variants for fleet sizes up to largest (nil without --pd).
 func (fl *planFlags) pdVariants(largest int) ([]plan.PDVariant, error) {
 	if fl.pd == "" {
-		if fl.pdThreshold != "" || fl.pdLocal != "" {
-			return nil, errors.New("--pd-threshold and --pd-local need --pd")
+		if fl.pdThreshold != "" || fl.pdLocal != "" || fl.pdBusy != "" || fl.pdBudget != "" {
+			return nil, errors.New("--pd-threshold, --pd-local, --pd-busy and --pd-decode-budget need --pd")
 		}
 		return nil, nil
 	}
@@ -159,6 +166,28 @@ func (fl *planFlags) pdVariants(largest int) ([]plan.PDVariant, error) {
 			locals = append(locals, l)
 		}
 	}
+	busies := []string{""}
+	if fl.pdBusy != "" {
+		busies = busies[:0]
+		for _, item := range strings.Split(fl.pdBusy, ",") {
+			b := strings.TrimSpace(item)
+			if b != sched.PDBusyQueue && b != sched.PDBusyCost {
+				return nil, fmt.Errorf("--pd-busy %q: want queue or cost", item)
+			}
+			busies = append(busies, b)
+		}
+	}
+	budgets := []int{0}
+	if fl.pdBudget != "" {
+		budgets = budgets[:0]
+		for _, item := range strings.Split(fl.pdBudget, ",") {
+			b, err := strconv.Atoi(strings.TrimSpace(item))
+			if err != nil || b < 0 || b > 1<<20 {
+				return nil, fmt.Errorf("--pd-decode-budget %q: want a number of tokens (0 = the engines' budget)", item)
+			}
+			budgets = append(budgets, b)
+		}
+	}
 	var out []plan.PDVariant
 	for _, p := range prefill {
 		if p == 0 {
@@ -167,7 +196,11 @@ func (fl *planFlags) pdVariants(largest int) ([]plan.PDVariant, error) {
 		}
 		for _, t := range thresholds {
 			for _, l := range locals {
-				out = append(out, plan.PDVariant{Prefill: p, Threshold: t, Local: l})
+				for _, b := range busies {
+					for _, db := range budgets {
+						out = append(out, plan.PDVariant{Prefill: p, Threshold: t, Local: l, Busy: b, DecodeBudget: db})
+					}
+				}
 			}
 		}
 	}
@@ -233,6 +266,9 @@ func (fl *planFlags) options() (plan.Options, error) {
 	if fl.requests < 0 {
 		return plan.Options{}, fmt.Errorf("--requests %d: must not be negative", fl.requests)
 	}
+	if fl.budget < 0 || fl.budget > 1<<20 {
+		return plan.Options{}, fmt.Errorf("--max-num-batched-tokens %d: want 1..%d tokens (0: the default)", fl.budget, 1<<20)
+	}
 	prof, err := resolveProfile(fl.profile, fl.profFile)
 	if err != nil {
 		return plan.Options{}, err
@@ -264,7 +300,7 @@ func (fl *planFlags) options() (plan.Options, error) {
 	}
 	return plan.Options{PD: pds,
 		Records: recs, Requests: fl.requests, Engines: sizes, Policies: pols,
-		Engine: fl.tiers.engine(sim.Config{Profile: prof}), Remote: fl.tiers.remote, Model: model, Routing: routing, Seed: fl.seed,
+		Engine: fl.tiers.engine(sim.Config{Profile: prof, MaxNumBatchedTokens: fl.budget}), Remote: fl.tiers.remote, Model: model, Routing: routing, Seed: fl.seed,
 		SLO: slo, Workers: fl.workers, Warmup: fl.warm.w,
 	}, nil
 }

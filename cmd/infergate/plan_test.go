@@ -103,6 +103,10 @@ func TestPlanBadInput(t *testing.T) {
 		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--policy", "prefix,nope"}, "--policy: unknown routing policy"},
 		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--profile", "nope"}, "unknown profile"},
 		{[]string{"--trace", filepath.Join(t.TempDir(), "missing.jsonl"), "--slo", "ttft_p90=1s"}, "no such file"},
+		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--pd-busy", "cost"}, "need --pd"},
+		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--pd", "1", "--pd-busy", "soon"}, "--pd-busy \"soon\""},
+		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--pd", "1", "--pd-decode-budget", "-5"}, "--pd-decode-budget \"-5\""},
+		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--max-num-batched-tokens", "-1"}, "--max-num-batched-tokens -1"},
 	} {
 		msg, err := runMain(append([]string{"plan"}, tc.args...)...)
 		if err == nil || !strings.Contains(msg, tc.want) {
@@ -112,5 +116,23 @@ func TestPlanBadInput(t *testing.T) {
 	msg, err := runMain("plan", "--help")
 	if err != nil || !strings.Contains(msg, "Usage:") || !strings.Contains(msg, "--slo") || !strings.Contains(msg, "4..32") {
 		t.Errorf("plan --help: %v\n%s", err, msg)
+	}
+}
+
+// --pd-busy and --pd-decode-budget multiply the P/D variants; the
+// aggregated fleet is swept once.
+func TestPlanPDVariants(t *testing.T) {
+	fl := planFlags{pd: "0,2", pdThreshold: "4096", pdBusy: "queue,cost", pdBudget: "0,384"}
+	vs, err := fl.pdVariants(8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var labels []string
+	for _, v := range vs {
+		labels = append(labels, v.Label())
+	}
+	want := []string{"", "2P t4096 busy=queue", "2P t4096 busy=queue Db384", "2P t4096 busy=cost", "2P t4096 busy=cost Db384"}
+	if strings.Join(labels, "|") != strings.Join(want, "|") {
+		t.Fatalf("variants %q, want %q", labels, want)
 	}
 }

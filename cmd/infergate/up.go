@@ -36,6 +36,8 @@ type upFlags struct {
 	pd          string // "P:D": a P/D fleet (parsePD)
 	pdConnector string
 	pdThreshold int
+	pdBusy      string
+	pdBudget    int
 }
 
 func newUpCmd() *cobra.Command {
@@ -99,6 +101,8 @@ func (fl *upFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.keys, "keys-file", "", "API keys file (see 'infergate keys'); also $"+auth.EnvAPIKeys+"; read again at SIGHUP")
 	f.StringVar(&fl.pd, "pd", "", "disaggregated prefill/decode: P:D runs P prefill and D decode engines (e.g. 1:3) instead of --engines")
 	f.StringVar(&fl.pdConnector, "pd-connector", string(disagg.NIXL), "with --pd, the P→D hand-off protocol: nixl, mooncake or sglang")
+	f.StringVar(&fl.pdBusy, "pd-busy", "", "with --pd, how a prefill engine is judged busy (routing.pd.prefill_busy): queue (default) or cost (its backlog's wait against the decode engine's own prefill: then the decode engine prefills)")
+	f.IntVar(&fl.pdBudget, "pd-decode-budget", 0, "with --pd, the decode engines' token budget per step (sim pd.decode_max_num_batched_tokens; 0: --max-num-batched-tokens)")
 	f.IntVar(&fl.pdThreshold, "pd-threshold", 0, fmt.Sprintf("with --pd, split prompts with at least this many uncached tokens (routing.pd.threshold; 0: %d, -1: always split)", sched.DefaultPDThreshold))
 }
 
@@ -114,7 +118,7 @@ type upPD struct {
 func (fl *upFlags) parsePD(cmd *cobra.Command) (upPD, error) {
 	f := cmd.Flags()
 	if !f.Changed("pd") {
-		for _, n := range []string{"pd-connector", "pd-threshold"} {
+		for _, n := range []string{"pd-connector", "pd-threshold", "pd-busy", "pd-decode-budget"} {
 			if f.Changed(n) {
 				return upPD{}, fmt.Errorf("--%s needs --pd P:D", n)
 			}
@@ -144,6 +148,12 @@ func (fl *upFlags) parsePD(cmd *cobra.Command) (upPD, error) {
 	}
 	if err := checkPDThreshold(fl.pdThreshold); err != nil {
 		return upPD{}, err
+	}
+	if b := fl.pdBusy; b != "" && b != sched.PDBusyQueue && b != sched.PDBusyCost {
+		return upPD{}, fmt.Errorf("--pd-busy %q: want queue or cost", b)
+	}
+	if fl.pdBudget < 0 || fl.pdBudget > 1<<20 {
+		return upPD{}, fmt.Errorf("--pd-decode-budget %d: want 1..%d tokens (0: the engines' budget)", fl.pdBudget, 1<<20)
 	}
 	return upPD{prefill: p, decode: d, connector: c}, nil
 }
@@ -201,6 +211,7 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 	}
 	if pd.on() {
 		fl.engines = pd.prefill + pd.decode
+		scfg.Engine.PD.DecodeMaxNumBatchedTokens = fl.pdBudget
 	}
 	if fl.engines < 1 || fl.engines > 64 {
 		return fmt.Errorf("--engines %d: want 1..64", fl.engines)
@@ -241,6 +252,9 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 		if err := pd.apply(&cfg, fleet, fl.pdThreshold); err != nil {
 			return cfg, err
 		}
+		if pd.on() {
+			cfg.Routing.PD.PrefillBusy = fl.pdBusy
+		}
 		if err := applyEdgeFlags(cmd, &cfg, "", "", fl.keys); err != nil {
 			return cfg, err
 		}
@@ -266,8 +280,15 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 				if threshold == 0 {
 					threshold = sched.DefaultPDThreshold
 				}
-				fmt.Fprintf(out, "  P/D: %d prefill + %d decode engines, connector %s, prompts with %d+ uncached tokens split\n",
-					pd.prefill, pd.decode, pd.connector, threshold)
+				extra := ""
+				if fl.pdBusy == sched.PDBusyCost {
+					extra += ", prefilled on D when P's backlog is longer (--pd-busy cost)"
+				}
+				if fl.pdBudget > 0 {
+					extra += fmt.Sprintf(", decode engines' token budget %d", fl.pdBudget)
+				}
+				fmt.Fprintf(out, "  P/D: %d prefill + %d decode engines, connector %s, prompts with %d+ uncached tokens split%s\n",
+					pd.prefill, pd.decode, pd.connector, threshold, extra)
 			}
 			if t := fl.tiers; !t.host.IsZero() || !t.disk.IsZero() || !t.remote.IsZero() {
 				fmt.Fprintf(out, "  KV tiers: host %s, disk %s each; shared remote %s\n", t.host, t.disk, t.remote)

@@ -10,15 +10,16 @@ import (
 	"time"
 )
 
-// TestUpPD runs `infergate up --pd 1:1`: the banner names the engines'
-// roles, and a long chat is split across them (P's prefill leg holds its
-// KV, D reads it and answers, P's hold is released); a short one is served
+// TestUpPD runs `infergate up --pd 1:1` (P busy by cost, a decode
+// budget): the banner names the engines' roles, and a long chat is split
+// across them, an idle P never being busy (P's prefill leg holds its KV,
+// D reads it and answers, P's hold is released); a short one is served
 // whole on D.
 func TestUpPD(t *testing.T) {
 	p := start(t, "up", "--pd", "1:1", "--pd-threshold", "64", "--listen", "127.0.0.1:0", "--time-scale", "100",
-		"--access-log=false", "--shutdown-grace", "5s")
+		"--access-log=false", "--shutdown-grace", "5s", "--pd-busy", "cost", "--pd-decode-budget", "384")
 	base := p.await(t, apiRe)
-	if c := p.await(t, regexp.MustCompile(`P/D: 1 prefill \+ 1 decode engines, connector (\S+),`)); c != "nixl" {
+	if c := p.await(t, regexp.MustCompile(`P/D: 1 prefill \+ 1 decode engines, connector (\S+),.*--pd-busy cost`)); c != "nixl" {
 		t.Fatalf("connector %s, want nixl (the default)", c)
 	}
 	P := p.await(t, regexp.MustCompile(`engine 0 prefill: (http://[0-9.:]+) `))
@@ -65,6 +66,9 @@ func TestUpPDFlags(t *testing.T) {
 		{[]string{"--pd", "1:1", "--pd-connector", "llm-d"}, "sidecar"},
 		{[]string{"--pd", "1:1", "--pd-threshold", "-5"}, "--pd-threshold -5"},
 		{[]string{"--pd-connector", "mooncake"}, "needs --pd"},
+		{[]string{"--pd", "1:1", "--pd-busy", "soon"}, `--pd-busy "soon"`},
+		{[]string{"--pd", "1:1", "--pd-decode-budget", "-1"}, "--pd-decode-budget -1"},
+		{[]string{"--pd-decode-budget", "384"}, "needs --pd"},
 	} {
 		c := exec.Command(os.Args[0], append([]string{"up", "--listen", "127.0.0.1:0"}, tc.args...)...)
 		c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")

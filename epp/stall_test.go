@@ -1,0 +1,201 @@
+package epp
+
+import (
+	"runtime"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/sched"
+)
+
+// TestStalledStreamsEnd: a stream that stalls before its request is
+// routed — no message at all, headers and no body, part of a body, or
+// kept open after an immediate response — is answered 408 (while its body
+// is awaited) and ended within body_read_timeout, as serve bounds a
+// body's read: its buffered bytes and its goroutine are given back. (The
+// attack: 20,000 streams left open after their headers held 20,000
+// goroutines and 285 MB RSS; 70 streams sending 15 MB bodies without end
+// filled the 1 GiB buffer budget — two refused buffer_full, any body over
+// the 4 MB left refused 429 — and held 2.88 GB RSS, for as long as the
+// client liked.) A routed request's answer may take longer.
+func TestStalledStreamsEnd(t *testing.T) {
+	urls := startEngines(t, 1)
+	cfg := testConfig(sched.Prefix, urls...)
+	cfg.BodyReadTimeout = 200 * time.Millisecond
+	cfg.MaxBodyBytes = 4096
+	tp := startPicker(t, cfg, Options{})
+	warm := tp.open(t)
+	warm.headers("GET", "/v1/models", true, nil)
+	warm.routed(false)
+	warm.cancel()
+	waitFor(t, "the warm-up stream ended", func() bool { return tp.gauge(t, "infergate_epp_streams") == 0 })
+	before := runtime.NumGoroutine()
+
+	// end reads until the stream ends and returns its status (a bound on
+	// the wait, not a timing claim).
+	end := func(s *stream) error {
+		t.Helper()
+		done := make(chan error, 1)
+		go func() {
+			for {
+				if _, err := s.s.Recv(); err != nil {
+					done <- err
+					return
+				}
+			}
+		}()
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(time.Minute):
+			t.Fatal("the stalled stream was not ended")
+			return nil
+		}
+	}
+	timedOut := func(what string, s *stream) {
+		t.Helper()
+		code, body := s.immediate()
+		if code != 408 || !strings.Contains(body, `"code":"request_timeout"`) {
+			t.Fatalf("%s: %d %s, want 408 request_timeout", what, code, body)
+		}
+		if err := end(s); status.Code(err) != codes.OK && err.Error() != "EOF" {
+			t.Fatalf("%s: stream ended with %v", what, err)
+		}
+	}
+
+	s := tp.open(t) // no message at all
+	if err := end(s); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("a stream without headers ended with %v, want DeadlineExceeded", err)
+	}
+
+	s = tp.open(t) // headers, no body
+	s.headers("POST", "/v1/chat/completions", false, nil)
+	timedOut("headers only", s)
+
+	s = tp.open(t) // part of a body
+	s.headers("POST", "/v1/chat/completions", false, nil)
+	s.body(chatBody(3000, "stall")[:2000], false)
+	waitFor(t, "the part buffered", func() bool { return tp.srv.Buffered() > 0 })
+	timedOut("mid-body", s)
+	if b := tp.srv.Buffered(); b != 0 {
+		t.Fatalf("buffered %d after the timeout", b)
+	}
+
+	s = tp.open(t) // refused 413, then kept open
+	s.headers("POST", "/v1/chat/completions", false, nil)
+	s.body(chatBody(10_000, "big"), false)
+	if code, _ := s.immediate(); code != 413 {
+		t.Fatalf("got %d, want 413", code)
+	}
+	if err := end(s); err != nil && status.Code(err) != codes.OK && err.Error() != "EOF" {
+		t.Fatalf("a refused stream ended with %v", err)
+	}
+
+	// A routed request waits for its answer past body_read_timeout.
+	s = tp.open(t)
+	s.headers("POST", "/v1/chat/completions", false, nil)
+	s.body(chatBody(1000, "slow answer"), true)
+	s.routed(true)
+	time.Sleep(3 * cfg.BodyReadTimeout)
+	s.responseHeaders("200", "application/json", "", false)
+	if r := s.recv(); r.GetResponseHeaders() == nil {
+		t.Fatalf("want the response-headers answer, got %v", r)
+	}
+	s.responseBody([]byte(`{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}`), true)
+	if r := s.recv(); r.GetResponseBody() == nil {
+		t.Fatalf("want the response body, got %v", r)
+	}
+	s.cancel()
+
+	waitFor(t, "every stream released", func() bool {
+		return tp.inFlight(t) == 0 && tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
+	})
+	requireGoroutinesBack(t, before, 2)
+}
+
+// TestHeadersInBufferBudget: request headers count in the buffer budget
+// as the body does (held until the stream ends): a stream whose headers
+// would take the picked streams' bytes over it is answered 429. (The
+// attack: 210 streams sending 3.9 MB of headers each, the bodies' budget
+// untouched, held 2.24 GB RSS.)
+func TestHeadersInBufferBudget(t *testing.T) {
+	urls := startEngines(t, 1)
+	cfg := testConfig(sched.Prefix, urls...)
+	cfg.BodyReadTimeout = 2 * time.Second // the failure's bound, not a timing claim
+	tp := startPicker(t, cfg, Options{MaxBufferedBytes: 1 << 20})
+	pad := strings.Repeat("p", 600<<10)
+	first := tp.open(t)
+	first.headers("POST", "/v1/chat/completions", false, nil, "x-pad", pad)
+	first.body(chatBody(50, "a"), true)
+	first.routed(true)
+	if b := tp.srv.Buffered(); b < int64(len(pad)) {
+		t.Fatalf("buffered %d with %d bytes of headers held", b, len(pad))
+	}
+	second := tp.open(t)
+	second.headers("POST", "/v1/chat/completions", false, nil, "x-pad", pad)
+	if code, body := second.immediate(); code != 429 || !strings.Contains(body, "rate_limit_exceeded") {
+		t.Fatalf("second: %d %s, want 429", code, body)
+	}
+	first.cancel()
+	second.cancel()
+	waitFor(t, "the budget given back", func() bool {
+		return tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
+	})
+}
+
+// TestAnswerCutHoldReleased: a whole answer's held prefix is given back to
+// the gateway's hold budget (max_held_response_bytes) when the stream ends
+// before the answer did (the client or the proxy went away mid-answer).
+// Before, each such request kept its reservation — at least 64 KiB — for
+// the life of the process: 4,096 cut answers held the default 256 MiB and
+// every later answer was passed on unread, its usage not accounted.
+func TestAnswerCutHoldReleased(t *testing.T) {
+	urls := startEngines(t, 1)
+	tp := startPicker(t, testConfig(sched.Prefix, urls...), Options{})
+	for i := range 3 {
+		s := tp.open(t)
+		s.headers("POST", "/v1/chat/completions", false, nil)
+		s.body(chatBody(100, "cut"+strings.Repeat("x", i)), true)
+		s.routed(true)
+		s.responseHeaders("200", "application/json", "", false)
+		s.recv()
+		s.responseBody([]byte(`{"id":"x","choices":[{"message":{"content":"partial`), false)
+		s.recv()
+		if h := tp.gauge(t, "infergate_response_held_bytes"); h == 0 {
+			t.Fatal("no bytes held for the answer's usage")
+		}
+		s.cancel()
+		waitFor(t, "the stream ended", func() bool { return tp.gauge(t, "infergate_epp_streams") == 0 && tp.inFlight(t) == 0 })
+		if h := tp.gauge(t, "infergate_response_held_bytes"); h != 0 {
+			t.Fatalf("request %d: %v bytes of the hold budget kept after the stream ended", i, h)
+		}
+	}
+}
+
+// TestClientPrefillerHeaderRemoved: the proxy forwards the client's own
+// headers to the endpoint picked; a client's x-prefiller-host-port would
+// make llm-d's routing sidecar in front of the decode endpoint prefill at
+// the host:port it names. With pd.client_params strip (the default) the
+// request-headers answer removes it, as serve does; with pass it is left.
+func TestClientPrefillerHeaderRemoved(t *testing.T) {
+	for _, mode := range []string{gateway.PDClientParamsStrip, gateway.PDClientParamsPass} {
+		urls := startEngines(t, 1)
+		cfg := testConfig(sched.Prefix, urls...)
+		cfg.PD.ClientParams = mode
+		tp := startPicker(t, cfg, Options{})
+		s := tp.open(t)
+		s.headers("POST", "/v1/chat/completions", false, nil, "x-prefiller-host-port", "attacker.example:6666")
+		s.body(chatBody(100, "pf"+mode), true)
+		r := s.recv()
+		removed := slices.Contains(r.GetRequestHeaders().GetResponse().GetHeaderMutation().GetRemoveHeaders(), "x-prefiller-host-port")
+		if removed != (mode == gateway.PDClientParamsStrip) {
+			t.Fatalf("%s: x-prefiller-host-port removed %v (answer %v)", mode, removed, r)
+		}
+	}
+}
