@@ -36,6 +36,27 @@ func Retime(recs []trace.Record, rate float64, seed uint64) ([]trace.Record, err
 	return out, nil
 }
 
+// Spread returns recs with each arrival moved to a uniformly random
+// instant within res after its timestamp (fixed seed), in arrival order:
+// a trace whose timestamps have a resolution of res (the Mooncake traces'
+// are whole seconds) says only that a request arrived somewhere in
+// [t, t+res); replayed as given, every request of a second arrives at one
+// instant, which no real client does and which no exchange between
+// gateway replicas can make known to the others in time (gateway/README.md
+// "Replicas"). The records are otherwise unchanged; recs is not modified.
+func Spread(recs []trace.Record, res time.Duration, seed uint64) ([]trace.Record, error) {
+	if res <= 0 {
+		return nil, fmt.Errorf("bench: spread %v: must be positive", res)
+	}
+	r := rand.New(rand.NewPCG(seed, 0x53505244)) // "SPRD"
+	out := slices.Clone(recs)
+	for i := range out {
+		out[i].Timestamp += time.Duration(r.Int64N(int64(res)))
+	}
+	slices.SortStableFunc(out, func(a, b trace.Record) int { return cmp.Compare(a.Timestamp, b.Timestamp) })
+	return out, nil
+}
+
 // closedLoop sends recs closed-loop: conc users, each sending the next
 // unsent record as soon as its previous request finished, until every
 // record is sent.

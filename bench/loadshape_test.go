@@ -196,3 +196,31 @@ func TestVirtualRateSweep(t *testing.T) {
 		t.Errorf("table:\n%s", tab.String())
 	}
 }
+
+func TestSpread(t *testing.T) {
+	var recs []trace.Record
+	for i := range 100 {
+		recs = append(recs, trace.Record{Timestamp: time.Duration(i/10) * time.Second, InputLength: i})
+	}
+	out, err := Spread(recs, time.Second, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[time.Duration]bool{}
+	for i, r := range out {
+		if i > 0 && r.Timestamp < out[i-1].Timestamp {
+			t.Fatalf("out of order at %d", i)
+		}
+		orig := time.Duration(r.InputLength/10) * time.Second
+		if r.Timestamp < orig || r.Timestamp >= orig+time.Second {
+			t.Fatalf("record %d moved to %v, outside [%v, +1s)", r.InputLength, r.Timestamp, orig)
+		}
+		seen[r.Timestamp] = true
+	}
+	if len(seen) != 100 || recs[5].Timestamp != 0 {
+		t.Fatalf("%d distinct arrivals; input modified: %v", len(seen), recs[5].Timestamp != 0)
+	}
+	if _, err := Spread(recs, 0, 1); err == nil {
+		t.Fatal("spread 0 accepted")
+	}
+}

@@ -345,7 +345,8 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 	}
 	p.pcap, p.mcap = pcap, mcap
 	p.buildRoles(cfg)
-	if err := p.buildPolicy(old, cfg.Routing, routingChanged, reslot, pl); err != nil {
+	p.peers = g.peersOf()
+	if err := p.buildPolicy(old, g.replicaRouting(cfg.Routing), routingChanged, reslot, pl); err != nil {
 		return nil, err
 	}
 	policyName := p.policy.Name()

@@ -207,6 +207,9 @@ type Config struct {
 	// Endpoints (discovered.go); the gateway only validates it and keeps
 	// its model's pool, `infergate serve` and `epp` watch.
 	Discovery DiscoveryConfig `yaml:"discovery"`
+	// Replicas is the exchange between gateway replicas behind one L4
+	// balancer (replicas.go); off without redis_url.
+	Replicas ReplicasConfig `yaml:"replicas"`
 }
 
 // EndpointConfig describes one engine.
@@ -467,6 +470,7 @@ func (c Config) WithDefaults() Config {
 	c.Responses = c.Responses.withDefaults()
 	c.PD = c.PD.withDefaults(c.FirstEventTimeout)
 	c.ObservabilityConfig = c.ObservabilityConfig.withDefaults()
+	c.Replicas = c.Replicas.withDefaults()
 	eps := make([]EndpointConfig, len(c.Endpoints))
 	for i, e := range c.Endpoints {
 		if e.BlockSize == 0 {
@@ -536,6 +540,7 @@ func (c Config) Validate() error {
 	errs = append(errs, c.validateEndpoints()...)
 	errs = append(errs, c.validateKVStores()...)
 	errs = append(errs, c.validatePD()...)
+	errs = append(errs, c.Replicas.validate()...)
 	if len(errs) > 0 {
 		return fmt.Errorf("invalid gateway config: %w", errors.Join(errs...))
 	}

@@ -80,6 +80,9 @@ type Gateway struct {
 	res     *resilienceMetrics
 	pdm     *pdMetrics  // P/D (pd.go)
 	hold    *holdBudget // bytes of non-streaming answers held (hold.go)
+	// replicas is the exchange with the other gateway replicas
+	// (replicas.go; its node nil when off).
+	replicas *replicas
 
 	edge // TLS, trusted proxies, edge metrics (edge.go)
 
@@ -186,6 +189,9 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	if g.reloads, err = newReloadMetrics(reg); err != nil {
 		return fail(err)
 	}
+	if err := g.initReplicas(reg); err != nil {
+		return fail(err)
+	}
 	if err := reg.Register(newKVCollector(g)); err != nil {
 		return fail(fmt.Errorf("gateway: register KV-event metrics: %w", err))
 	}
@@ -211,6 +217,9 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	}
 	g.commit(st, plan, nil)
 	g.reloadMu.Unlock()
+	if err := g.startReplicas(); err != nil {
+		return fail(err)
+	}
 	g.reloads.succeeded(time.Now())
 	warnOpenUsage(st)
 	return g, nil

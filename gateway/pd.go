@@ -303,7 +303,7 @@ func (g *Gateway) pickWith(p *pool, req *sched.Request, excluded []bool,
 	s := *snap
 	for range len(s) {
 		for i := range s {
-			if excluded[i] || s[i].InFlight >= limit {
+			if excluded[i] || int(p.endpoints[i].ledger.InFlight()) >= limit { // own requests (route.go)
 				s[i].Ready = false
 			}
 		}
@@ -328,7 +328,7 @@ func (g *Gateway) pickSplit(r *http.Request, x *exchange, kind apiKind, p *pool,
 	snap := p.snapshot()
 	s := *snap
 	for i := range s {
-		if excluded[i] || s[i].InFlight >= p.maxRequests {
+		if excluded[i] || int(p.endpoints[i].ledger.InFlight()) >= p.maxRequests { // own requests (route.go)
 			s[i].Ready = false
 		}
 	}

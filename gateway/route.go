@@ -10,6 +10,7 @@ import (
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/replica"
 	"github.com/infergate/infergate/sched"
 )
 
@@ -210,7 +211,9 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 	s := *snap
 	for range len(s) { // each round takes a slot or rules one endpoint out
 		for i := range s {
-			if excluded[i] || s[i].InFlight >= limit {
+			// The breaker bounds this replica's own requests: peers' add to
+			// the snapshot's InFlight (p.peers).
+			if excluded[i] || int(p.endpoints[i].ledger.InFlight()) >= limit {
 				s[i].Ready = false
 			}
 		}
@@ -219,6 +222,9 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 			return -1, d
 		}
 		if p.endpoints[d.Endpoint].tryAcquire(limit) {
+			if p.peers != nil {
+				g.replicas.learnt(p, d.Endpoint, req, d)
+			}
 			return d.Endpoint, d
 		}
 		s[d.Endpoint].Ready = false // filled up since the snapshot
@@ -296,6 +302,9 @@ type pool struct {
 	maxModelLen int
 	// maxRequests is the circuit breaker's bound per endpoint.
 	maxRequests int
+	// peers is the other gateway replicas' load (replicas.go), added to
+	// snapshots; nil without the exchange.
+	peers *replica.Peers
 	// gate is the model's admission control; budget bounds its retries
 	// (admission.go, route.go). Both outlive reloads with the model.
 	gate   *admission
@@ -330,7 +339,7 @@ func (p *pool) snapshot() *[]sched.Endpoint {
 	}
 	s := *sp
 	var now time.Time
-	if p.scraped {
+	if p.scraped || p.peers != nil {
 		now = time.Now()
 	}
 	for i, ep := range p.endpoints {
@@ -339,6 +348,9 @@ func (p *pool) snapshot() *[]sched.Endpoint {
 			s[i].Role = p.roles[i]
 		}
 		ep.ledger.Fill(&s[i])
+		if p.peers != nil {
+			p.peers.Add(ep.name, clock(now), &s[i])
+		}
 		if f := p.scrapes[i]; f != nil {
 			if l, _, ok := f.latest(now); ok && l.HasQueue {
 				e := &s[i]

@@ -205,6 +205,15 @@ func (p *Profile) Forget(i int) {
 	}
 }
 
+// LearnPeer implements PeerLearner: the approximate index (when the
+// profile has one) learns that endpoint i holds hashes, as the prefix
+// scorer's Learn does for the profile's own decisions.
+func (p *Profile) LearnPeer(i int, hashes []uint64) {
+	if p.approx != nil {
+		p.approx.Insert(i, hashes)
+	}
+}
+
 // SetCapacity implements Resizer: the approximate index's bound for
 // endpoint i.
 func (p *Profile) SetCapacity(i, blocks int) {

@@ -118,6 +118,18 @@ type Resizer interface {
 	SetCapacity(i, blocks int)
 }
 
+// PeerLearner is implemented by policies whose scorers learn from
+// routing decisions (the approximate prefix index of the prefix scorer):
+// LearnPeer records that another gateway replica sent endpoint i a prompt
+// of these chained block hashes (prefix.Hashes, the pool's block size and
+// seed), as if this replica had routed it, so that replicas behind one L4
+// balancer share what their approximate indexes learn (package replica).
+// Out-of-range i and empty hashes are ignored. Safe for concurrent use with
+// Pick.
+type PeerLearner interface {
+	LearnPeer(i int, hashes []uint64)
+}
+
 // DefaultPolicy is the policy of a configuration that names none, in the
 // gateway, bench and plan alike: cache-aware, the best measured on the
 // Mooncake conversation trace (README.md "Evaluation": in real time the one

@@ -57,6 +57,28 @@ type Config struct {
 	// index the store's KV events feed it as one more endpoint (index
 	// Engines), medium REMOTE.
 	Remote sim.TierSize
+	// Replicas is the number of gateway replicas behind a round-robin
+	// front (replicas.go; 0 or 1: one gateway). Each has its own policy
+	// (its own approximate index) and its own load ledgers; with
+	// ReplicaSync they exchange replica messages. It needs Policy nil and
+	// Prefill 0.
+	Replicas int
+	// ReplicaSync makes the replicas exchange what they learn and their
+	// load (package replica's messages through replica.Node.Apply, as the
+	// live gateway does over Redis Streams), each message delivered
+	// ReplicaDelay after it was sent, loads every LoadInterval (default
+	// 200 ms) counted for LoadTTL (default replica.DefaultLoadTTL).
+	ReplicaSync  bool
+	ReplicaDelay time.Duration
+	LoadInterval time.Duration
+	LoadTTL      time.Duration
+	// KillAt, when positive, kills replica KillReplica at that time: the
+	// requests it holds (routed, not finished) end with ErrReplicaKilled
+	// and are aborted on their engines, as a gateway process's death
+	// closes its engine connections; the front sends later arrivals to
+	// the survivors only.
+	KillAt      time.Duration
+	KillReplica int
 	// Prefill makes the first Prefill engines prefill engines and the
 	// others decode engines (sched.RolePrefill, RoleDecode), routed by
 	// sched.PD built from Routing (Routing.PD tunes the decider), with
@@ -130,6 +152,9 @@ type Result struct {
 	HandOff           time.Duration
 	Transferred       time.Duration
 	TransferredTokens int
+	// Replica is the gateway replica that routed it (Config.Replicas; 0
+	// with one).
+	Replica int
 	// Err is why the request was not served (no endpoint, or the engine
 	// rejected it as Engine.Add does); nil on success.
 	Err error
@@ -179,11 +204,14 @@ type Fleet struct {
 	seed      uint64                // routing hash seed
 	blockSize int                   // routing block size
 	engines   []engine
-	snap      []sched.Endpoint
-	heap      stepHeap
-	pending   []int32
-	now       time.Duration
-	nextID    int // id of the next request (across Runs)
+	// reps are the gateway replicas (one without Config.Replicas), each
+	// with its policy, load ledgers and snapshot (replicas.go).
+	reps    []*rep
+	rx      exchange
+	heap    stepHeap
+	pending []int32
+	now     time.Duration
+	nextID  int // id of the next request (across Runs)
 	// nextScrape is the time of the next metrics scrape (never: none).
 	nextScrape time.Duration
 
@@ -197,6 +225,8 @@ type Fleet struct {
 	reqs   []Request
 	res    []Result
 	shares []load.Share // per request: its part of its engine's load ledger
+	owner  []int32      // per request: the replica that routed it
+	open   []bool       // per request: routed and not finished
 	base   int
 	prompt []uint32
 	hashes []uint64
@@ -205,11 +235,7 @@ type Fleet struct {
 }
 
 type engine struct {
-	e *sim.Engine
-	// ledger is the gateway-side accounting the live gateway keeps of the
-	// engine (in flight, in-flight tokens, prefill backlog, learnt prefill
-	// rate), driven here with simulated time.
-	ledger  load.Ledger
+	e       *sim.Engine
 	busy    bool // a step is in progress (or a sleep, when sleeping); it ends at end
 	pending bool // its step ended now and the next starts after this instant's arrivals
 	// sleeping: its last step scheduled nothing while loads were in flight,
@@ -294,14 +320,21 @@ func NewFleet(cfg Config) (*Fleet, error) {
 	if cfg.Prefill > 0 && eng.Profile.KVTransferBandwidth <= 0 {
 		return nil, fmt.Errorf("sim: prefill engines need the profile's kv_transfer_bandwidth (%s has none)", eng.Profile.Name)
 	}
+	if cfg.Replicas > 1 && (cfg.Policy != nil || cfg.Prefill > 0) {
+		return nil, fmt.Errorf("sim: %d replicas need a policy built from Routing and no prefill engines", cfg.Replicas)
+	}
+	if cfg.KillAt > 0 && (cfg.KillReplica < 0 || cfg.KillReplica >= max(cfg.Replicas, 1) || cfg.Replicas < 2) {
+		return nil, fmt.Errorf("sim: kill replica %d of %d: want one of 2 or more replicas", cfg.KillReplica, cfg.Replicas)
+	}
 	var pd *sched.PD
+	var pool sched.Pool
 	policy := cfg.Policy
 	if policy == nil {
 		capacity := make([]int, cfg.Engines)
 		for i := range capacity {
 			capacity[i] = max(1, held*eng.BlockSize/bs)
 		}
-		pool := sched.Pool{Capacity: capacity}
+		pool = sched.Pool{Capacity: capacity}
 		if precise != nil {
 			pool.Precise = precise.On(prefix.MediumGPU)
 			if eng.Tiers.Enabled() {
@@ -329,21 +362,24 @@ func NewFleet(cfg Config) (*Fleet, error) {
 		seed:       prefix.Seed(cfg.Model + "\x00"),
 		blockSize:  bs,
 		engines:    make([]engine, cfg.Engines),
-		snap:       make([]sched.Endpoint, cfg.Engines),
 		pd:         pd,
 	}
+	snap := make([]sched.Endpoint, cfg.Engines)
 	for i := range f.engines {
-		f.snap[i] = sched.Endpoint{Name: "virtual-" + strconv.Itoa(i), Ready: true}
+		snap[i] = sched.Endpoint{Name: "virtual-" + strconv.Itoa(i), Ready: true}
 		ecfg := eng
 		if pd != nil {
-			f.snap[i].Role = sched.RoleDecode
+			snap[i].Role = sched.RoleDecode
 			if i < cfg.Prefill {
-				f.snap[i].Role = sched.RolePrefill
+				snap[i].Role = sched.RolePrefill
 			} else {
 				ecfg = eng.ForDecode() // its own token budget (sim.PDConfig)
 			}
 		}
 		f.engines[i].e = sim.NewEngine(ecfg)
+	}
+	if err := f.newReplicas(snap, pool); err != nil {
+		return nil, err
 	}
 	if cfg.ScrapeInterval > 0 {
 		f.nextScrape = 0
@@ -380,6 +416,9 @@ func (f *Fleet) BlockSize() int { return f.blockSize }
 // Policy returns the routing policy in use.
 func (f *Fleet) Policy() sched.Policy { return f.policy }
 
+// ReplicaPolicy returns replica r's routing policy (r 0 is Policy's).
+func (f *Fleet) ReplicaPolicy(r int) sched.Policy { return f.reps[r].policy }
+
 // Now is the simulated time of the last event processed: after Run, when the
 // last request finished (or the last arrival, if later).
 func (f *Fleet) Now() time.Duration { return f.now }
@@ -405,8 +444,15 @@ func (f *Fleet) Utilization() float64 {
 	return float64(busy) / float64(f.now) / float64(len(f.engines))
 }
 
-// InFlight returns the gateway-side in-flight count of engine i.
-func (f *Fleet) InFlight(i int) int { return int(f.engines[i].ledger.InFlight()) }
+// InFlight returns the gateway-side in-flight count of engine i, summed
+// over the replicas.
+func (f *Fleet) InFlight(i int) int {
+	n := 0
+	for _, r := range f.reps {
+		n += int(r.ledgers[i].InFlight())
+	}
+	return n
+}
 
 // Run replays reqs, which must be in non-decreasing Arrival order and not
 // before Now, and advances the fleet until every engine is idle. It returns
@@ -427,9 +473,10 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 	}
 	f.reqs, f.res = reqs, make([]Result, len(reqs))
 	f.shares = make([]load.Share, len(reqs))
+	f.owner, f.open = make([]int32, len(reqs)), make([]bool, len(reqs))
 	f.base = f.nextID
 	f.nextID += len(reqs)
-	defer func() { f.reqs, f.res, f.shares = nil, nil, nil }()
+	defer func() { f.reqs, f.res, f.shares, f.owner, f.open = nil, nil, nil, nil, nil }()
 
 	next := 0
 	for next < len(reqs) || f.heap.len() > 0 {
@@ -450,6 +497,9 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 		if scrape {
 			t = f.nextScrape
 		}
+		if rt := f.rx.next(); rt < t {
+			t, scrape = rt, false
+		}
 		f.now = t
 		// 1. Deliver the steps ending now.
 		f.pending = f.pending[:0]
@@ -463,7 +513,7 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 					f.applyRemoteEvents(ve)
 				}
 			}
-			f.deliver(ve, t)
+			f.deliver(int(i), ve, t)
 			if ve.e.HasWork() {
 				ve.pending = true
 				f.pending = append(f.pending, i)
@@ -474,6 +524,8 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 			f.scrape()
 			f.nextScrape += f.cfg.ScrapeInterval
 		}
+		// 2b. The replicas' messages due now, their load reports, a kill.
+		f.exchange(t)
 		// 3. Send the split requests whose prefill ended now to their
 		// decode engines, then route the arrivals of this instant.
 		f.handOff(t)
@@ -498,8 +550,10 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 func (f *Fleet) scrape() {
 	for i := range f.engines {
 		st := f.engines[i].e.Stats()
-		e := &f.snap[i]
-		e.Metrics, e.Waiting, e.Running, e.KVUtil = true, st.Waiting, st.Running, max(st.KVUsage, 0)
+		for _, r := range f.reps { // every replica scrapes every engine
+			e := &r.snap[i]
+			e.Metrics, e.Waiting, e.Running, e.KVUtil = true, st.Waiting, st.Running, max(st.KVUsage, 0)
+		}
 	}
 }
 
@@ -508,24 +562,25 @@ func (f *Fleet) scrape() {
 func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	r := &f.res[k]
 	r.Arrival, r.Engine = t, -1
+	rp := f.front(k)
+	r.Replica = int(f.owner[k])
+	policy := rp.policy
 	tokens := vr.Tokens
 	if tokens == nil {
 		f.prompt = vr.Prompt(f.prompt[:0])
 		tokens = f.prompt
 	}
 	f.sreq = sched.Request{Model: f.cfg.Model}
-	if f.policy.NeedsHashes() || f.precise != nil || (f.pd != nil && f.pd.NeedsHashes()) {
+	if policy.NeedsHashes() || f.precise != nil || (f.pd != nil && f.pd.NeedsHashes()) {
 		f.hashes = prefix.Hashes(f.hashes[:0], tokens, f.blockSize, f.seed)
 		f.sreq.Hashes, f.sreq.PromptTokens = f.hashes, len(tokens)
 	}
-	for i := range f.engines {
-		f.engines[i].ledger.Fill(&f.snap[i])
-	}
+	rp.fill(t)
 	r.Prefill = -1
 	var d sched.Decision
 	var maxTokens int
 	if f.pd != nil {
-		pdd := f.pd.Pick(&f.sreq, f.snap)
+		pdd := f.pd.Pick(&f.sreq, rp.snap)
 		r.PDReason = pdd.Reason
 		if pdd.Split && pdd.Decode.Endpoint >= 0 {
 			// The prefill leg first: D (chosen now, as llm-d's
@@ -536,12 +591,13 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 			d = pdd.Decode
 		}
 	} else {
-		d = f.policy.Pick(&f.sreq, f.snap)
+		d = policy.Pick(&f.sreq, rp.snap)
 	}
 	if d.Endpoint < 0 || d.Endpoint >= len(f.engines) {
 		r.Engine, r.Err = -1, ErrNoEndpoint
 		return
 	}
+	f.learnt(rp, d, t)
 	if r.Prefill < 0 {
 		r.Engine = d.Endpoint
 	}
@@ -560,7 +616,7 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	f.req = sim.Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: maxTokens, HoldKV: r.Prefill >= 0}
 	if r.Prefill >= 0 {
 		// As the gateway takes D's slot when it decides, before P's leg.
-		f.engines[r.Engine].ledger.Acquire()
+		f.ledger(k, r.Engine).Acquire()
 	}
 	f.send(k, d.Endpoint, len(tokens), d.MatchedBlocks*f.blockSize, t, true)
 }
@@ -577,14 +633,15 @@ func (f *Fleet) send(k, e, promptTokens, matched int, t time.Duration, acquire b
 	if err != nil {
 		r.Err = err
 		if !acquire || r.Prefill >= 0 {
-			f.engines[r.Engine].ledger.Release() // D's slot, taken at the decision
+			f.ledger(k, r.Engine).Release() // D's slot, taken at the decision
 		}
 		return
 	}
 	if acquire {
-		ve.ledger.Acquire()
+		f.ledger(k, e).Acquire()
 	}
-	ve.ledger.Send(&f.shares[k], promptTokens, matched, t)
+	f.ledger(k, e).Send(&f.shares[k], promptTokens, matched, t)
+	f.open[k] = true
 	switch {
 	case ve.sleeping:
 		// Waiting for a load, and now it has work to run meanwhile.
@@ -746,19 +803,22 @@ func (f *Fleet) applyKVEvents(i int, ve *engine) {
 }
 
 // deliver hands the outputs of ve's step, ending at t, to their requests.
-func (f *Fleet) deliver(ve *engine, t time.Duration) {
+func (f *Fleet) deliver(i int, ve *engine, t time.Duration) {
 	for _, o := range ve.outs {
 		if o.NewTokens == 0 {
 			continue
 		}
 		k := f.index(o.ID)
 		r := &f.res[k]
+		if r.Err != nil { // its replica was killed mid-step (replicas.go)
+			continue
+		}
 		if r.Prefill >= 0 && &f.engines[r.Prefill] == ve { // prefill and decode engines differ
 			// The prefill leg's one token: P's answer, with the usage the
 			// gateway rewrites D's from; D gets the request now.
 			r.PromptTokens, r.CachedTokens, r.TierTokens = o.PromptTokens, o.CachedTokens, o.TierTokens
 			f.shares[k].Finish()
-			ve.ledger.Release()
+			f.ledger(k, i).Release()
 			f.handoffs = append(f.handoffs, k)
 			continue
 		}
@@ -780,7 +840,8 @@ func (f *Fleet) deliver(ve *engine, t time.Duration) {
 		r.OutputTokens = o.OutputTokens
 		if o.Finished {
 			f.shares[k].Finish()
-			ve.ledger.Release()
+			f.ledger(k, i).Release()
+			f.open[k] = false
 		}
 	}
 	ve.outs = nil

@@ -2,6 +2,7 @@ package virtual
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"time"
@@ -59,6 +60,16 @@ type ReplayOptions struct {
 	// Prefill is the number of the Engines that are prefill engines, the
 	// others decode engines (Config.Prefill); 0: aggregated.
 	Prefill int
+	// Replicas, ReplicaSync, ReplicaDelay and LoadInterval run several
+	// gateway replicas behind a round-robin front (Config.Replicas,
+	// replicas.go); KillAtRequest > 0 kills replica KillReplica when
+	// record KillAtRequest arrives (before it is routed).
+	Replicas      int
+	ReplicaSync   bool
+	ReplicaDelay  time.Duration
+	LoadInterval  time.Duration
+	KillAtRequest int
+	KillReplica   int
 }
 
 // ReplayResult is the outcome of Replay.
@@ -69,6 +80,11 @@ type ReplayResult struct {
 	Records []measure.Record
 	// Engine is the index of the engine each record was routed to (-1: none).
 	Engine []int
+	// Replica is the gateway replica that routed each record.
+	Replica []int
+	// KilledAt is the arrival (ms) of the first record after a replica
+	// kill (ReplayOptions.KillAtRequest); 0 without one.
+	KilledAt float64
 	// Summary aggregates Records, with the fleet's utilisation, prefill
 	// tokens and preemptions, like a bench.Compare run.
 	Summary measure.Summary
@@ -114,6 +130,14 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 	if opts.Requests > 0 && opts.Requests < len(recs) {
 		recs = recs[:opts.Requests]
 	}
+	var killAt time.Duration
+	if k := opts.KillAtRequest; k > 0 {
+		if k >= len(recs) {
+			return ReplayResult{}, fmt.Errorf("virtual: kill at request %d of %d", k, len(recs))
+		}
+		// At least 1 ns: KillAt 0 means no kill.
+		killAt = max(recs[k].Timestamp-recs[0].Timestamp, 1)
+	}
 	fleet, err := NewFleet(Config{
 		Engines:      opts.Engines,
 		Engine:       eng,
@@ -123,6 +147,12 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 		TrackPrecise: opts.TrackPrecise,
 		Remote:       opts.Remote,
 		Prefill:      opts.Prefill,
+		Replicas:     opts.Replicas,
+		ReplicaSync:  opts.ReplicaSync,
+		ReplicaDelay: opts.ReplicaDelay,
+		LoadInterval: opts.LoadInterval,
+		KillAt:       killAt,
+		KillReplica:  opts.KillReplica,
 	})
 	if err != nil {
 		return ReplayResult{}, fmt.Errorf("virtual: %w", err)
@@ -149,19 +179,26 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 	run := ReplayResult{
 		Records: make([]measure.Record, len(res)),
 		Engine:  make([]int, len(res)),
+		Replica: make([]int, len(res)),
 		Stats:   fleet.Stats(),
 		Wall:    wall,
 	}
 	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+	if killAt > 0 {
+		run.KilledAt = ms(killAt)
+	}
 	tiered := eng.Tiers.Enabled() || !opts.Remote.IsZero()
 	for i := range res {
 		r := &res[i]
 		out := &run.Records[i]
 		*out = measure.Record{Policy: opts.Policy, Index: i, ArrivalMs: ms(r.Arrival), Status: 200}
-		run.Engine[i] = r.Engine
+		run.Engine[i], run.Replica[i] = r.Engine, r.Replica
 		if r.Err != nil {
 			out.Status, out.Error = 400, r.Err.Error()
-			if r.Engine < 0 {
+			switch {
+			case errors.Is(r.Err, ErrReplicaKilled):
+				out.Status = 502 // the connection the L4 front held was reset
+			case r.Engine < 0:
 				out.Status = 503
 			}
 			continue

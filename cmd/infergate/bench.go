@@ -56,6 +56,15 @@ type benchFlags struct {
 	// [0]: aggregated only).
 	pd    []int
 	pdThr int
+	// replicas, replicaSync, replicaDelay and replicaKill are the gateway
+	// replica setups each policy runs with (--replicas etc., virtual time).
+	replicas     []int
+	replicaSync  []bool
+	replicaDelay []time.Duration
+	replicaKill  []bool
+	// spread moves each arrival to a random instant within it after its
+	// timestamp (--spread; 0: as given).
+	spread time.Duration
 }
 
 func newBenchCmd() *cobra.Command {
@@ -135,6 +144,11 @@ func (fl *benchFlags) bind(f *pflag.FlagSet) {
 	f.StringVarP(&fl.cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the compared policies (--compare)")
 	f.IntSliceVar(&fl.pd, "pd", []int{0}, "with --compare --virtual: prefill-engine counts each policy runs with, the others decode engines (0 = aggregated), e.g. 0,6")
 	f.IntVar(&fl.pdThr, "pd-threshold", 0, "with --pd: the decider's non-cached-token threshold (0 = 2048, -1 = always split)")
+	f.IntSliceVar(&fl.replicas, "replicas", []int{1}, "with --compare --virtual: gateway replica counts each policy runs with, behind a round-robin (L4) front, each with its own index and load view, e.g. 1,3 (gateway/README.md \"Replicas\")")
+	f.BoolSliceVar(&fl.replicaSync, "replica-sync", []bool{true}, "with --replicas > 1: whether the replicas exchange what they learn and their load (true, false or both: true,false)")
+	f.DurationSliceVar(&fl.replicaDelay, "replica-delay", []time.Duration{5 * time.Millisecond}, "with --replica-sync: the exchange's delivery delay, one run per value, e.g. 1ms,10ms")
+	f.BoolSliceVar(&fl.replicaKill, "replica-kill", []bool{false}, "with --replicas > 1: also (true) or only with (false,true / true) replica 1 killed when the middle request arrives: its requests in flight fail, the survivors take the rest")
+	f.DurationVar(&fl.spread, "spread", 0, "move each arrival to a uniformly random instant within this long after its timestamp (fixed seed; e.g. 1s for the Mooncake traces' whole-second timestamps, whose requests of one second otherwise all arrive at one instant)")
 	f.BoolVar(&fl.virtual, "virtual", false, "with --compare: run the same engine model and policies in virtual time (discrete events, no sleeping, no HTTP): seconds instead of minutes")
 	f.StringVar(&fl.htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it (command, version, host, trace digest, profile, clock, lag), the summary table with the pooled- and infinite-cache reference hit rates, TTFT and ITL CDFs and percentiles, hit rate against the references, time series, per-engine share")
 	f.StringVar(&fl.recPath, "records", "", "write per-request records as JSONL to this file")
@@ -177,6 +191,24 @@ func (fl *benchFlags) validate() ([]float64, error) {
 			return nil, fmt.Errorf("--pd %d: want 0 (aggregated) to %d prefill engines of --engines %d", p, n-1, n)
 		case p > 0 && !fl.virtual:
 			return nil, errors.New("--pd runs in virtual time (--compare --virtual); for a real-time P/D fleet run infergate up --pd and bench --target")
+		}
+	}
+	for _, n := range fl.replicas {
+		switch {
+		case n < 1:
+			return nil, fmt.Errorf("--replicas %d: want at least 1", n)
+		case n > 1 && !fl.virtual:
+			return nil, errors.New("--replicas runs in virtual time (--compare --virtual); live replicas are infergate serve processes with a replicas section (gateway/README.md \"Replicas\")")
+		case n > 1 && slices.ContainsFunc(fl.pd, func(p int) bool { return p > 0 }):
+			return nil, errors.New("--replicas > 1 with --pd is not modelled")
+		}
+	}
+	if fl.spread < 0 {
+		return nil, fmt.Errorf("--spread %v: must not be negative", fl.spread)
+	}
+	for _, d := range fl.replicaDelay {
+		if d < 0 {
+			return nil, fmt.Errorf("--replica-delay %v: must not be negative", d)
 		}
 	}
 	switch {
@@ -327,6 +359,12 @@ func (r *benchRun) describe(prov *measure.Provenance) error {
 // first --requests records re-timed as a Poisson process at each rate.
 func (r *benchRun) sweep(rates []float64) error {
 	recs := r.recs
+	if r.fl.spread > 0 {
+		var err error
+		if recs, err = bench.Spread(recs, r.fl.spread, rateSeed); err != nil {
+			return err
+		}
+	}
 	if rates == nil {
 		return r.runAt(recs, 0)
 	}
@@ -394,17 +432,66 @@ func (r *benchRun) compareVirtual(recs []trace.Record, rate float64) error {
 	fl := r.fl
 	for _, p := range r.policies {
 		for _, pd := range fl.pd {
-			if err := r.runVirtual(recs, rate, p, pd); err != nil {
-				return err
+			for _, rs := range fl.replicaSetups() {
+				if err := r.runVirtual(recs, rate, p, pd, rs); err != nil {
+					return err
+				}
 			}
 		}
 	}
 	return nil
 }
 
+// replicaSetup is one gateway-replica setup of a virtual run.
+type replicaSetup struct {
+	n     int
+	sync  bool
+	delay time.Duration
+	kill  bool
+}
+
+// name is the setup's suffix of the run's name ("" for one replica).
+func (rs replicaSetup) name() string {
+	if rs.n <= 1 {
+		return ""
+	}
+	s := fmt.Sprintf(" %dR unshared", rs.n)
+	if rs.sync {
+		s = fmt.Sprintf(" %dR shared %v", rs.n, rs.delay)
+	}
+	if rs.kill {
+		s += " kill"
+	}
+	return s
+}
+
+// replicaSetups are the setups of --replicas, --replica-sync,
+// --replica-delay and --replica-kill, in that nesting.
+func (fl *benchFlags) replicaSetups() []replicaSetup {
+	var out []replicaSetup
+	for _, n := range fl.replicas {
+		if n <= 1 {
+			out = append(out, replicaSetup{n: 1})
+			continue
+		}
+		for _, sync := range fl.replicaSync {
+			delays := fl.replicaDelay
+			if !sync {
+				delays = delays[:min(len(delays), 1)]
+			}
+			for _, d := range delays {
+				for _, kill := range fl.replicaKill {
+					out = append(out, replicaSetup{n: n, sync: sync, delay: d, kill: kill})
+				}
+			}
+		}
+	}
+	return out
+}
+
 // runVirtual is one run of compareVirtual: policy p on a fresh fleet, pd
 // of its engines prefill engines (0: aggregated).
-func (r *benchRun) runVirtual(recs []trace.Record, rate float64, p string, pd int) error {
+func (r *benchRun) runVirtual(recs []trace.Record, rate float64, p string, pd int, rs replicaSetup) error {
 	fl := r.fl
 	routing := r.routing
 	if pd > 0 && fl.pdThr != 0 {
@@ -415,18 +502,34 @@ func (r *benchRun) runVirtual(recs []trace.Record, rate float64, p string, pd in
 		engines = bench.DefaultEngines
 	}
 	{
-		run, err := virtual.Replay(r.ctx, virtual.ReplayOptions{Policy: p, Engines: fl.engines, TrackPrecise: true, Prefill: pd,
+		opts := virtual.ReplayOptions{Policy: p, Engines: fl.engines, TrackPrecise: true, Prefill: pd,
 			Engine: fl.tiers.engine(sim.Config{Profile: r.prof}), Remote: fl.tiers.remote, Records: recs, Requests: fl.requests,
-			Model: r.model, Routing: routing, Warmup: fl.warm.w, RateRPS: rate})
+			Model: r.model, Routing: routing, Warmup: fl.warm.w, RateRPS: rate,
+			Replicas: rs.n, ReplicaSync: rs.sync, ReplicaDelay: rs.delay}
+		if rs.kill {
+			n := len(recs)
+			if fl.requests > 0 {
+				n = min(n, fl.requests)
+			}
+			opts.KillAtRequest, opts.KillReplica = n/2, 1
+		}
+		run, err := virtual.Replay(r.ctx, opts)
 		if err != nil {
 			return err
 		}
+		name := p
 		if pd > 0 {
-			name := fmt.Sprintf("%s %dP%dD", p, pd, engines-pd)
+			name = fmt.Sprintf("%s %dP%dD", p, pd, engines-pd)
+		}
+		name += rs.name()
+		if name != p {
 			run.Summary.Policy = name
 			for i := range run.Records {
 				run.Records[i].Policy = name
 			}
+		}
+		if slices.Contains(fl.replicaKill, true) {
+			printAfterMidpoint(os.Stderr, name, run)
 		}
 		if r.recOut != nil {
 			if err := measure.WriteRecords(r.recOut, run.Records); err != nil {
@@ -549,4 +652,43 @@ func describeBench(prov *measure.Provenance, wl *workloadFlags, recs []trace.Rec
 	var err error
 	prov.Workload, err = wl.describe(replayed, total)
 	return err
+}
+
+// printAfterMidpoint reports, for --replica-kill, the requests that failed
+// with the killed replica and every run's hit rate and TTFT on the
+// requests that arrived from the middle one on (where the kill happens),
+// so that runs with and without the kill compare on the same requests.
+func printAfterMidpoint(w io.Writer, name string, run virtual.ReplayResult) {
+	var killed, after, prompt, cached int
+	var ttft []float64
+	from := run.KilledAt
+	if n := len(run.Records); from == 0 && n > 0 {
+		from = run.Records[n/2].ArrivalMs
+	}
+	for i := range run.Records {
+		rec := &run.Records[i]
+		if rec.Status == 502 {
+			killed++
+		}
+		if rec.ArrivalMs < from || rec.Status != 200 {
+			continue
+		}
+		after++
+		prompt += rec.PromptTokens
+		cached += rec.CachedTokens
+		ttft = append(ttft, rec.TTFTMs)
+	}
+	hit := 0.0
+	if prompt > 0 {
+		hit = float64(cached) / float64(prompt)
+	}
+	slices.Sort(ttft)
+	q := func(p float64) float64 {
+		if len(ttft) == 0 {
+			return 0
+		}
+		return ttft[min(len(ttft)-1, int(p*float64(len(ttft))))]
+	}
+	fmt.Fprintf(w, "%s: from %.1f s (the middle request): %d requests served, hit rate %.2f%%, TTFT p50/p90/p99 %.0f/%.0f/%.0f ms; %d failed with a killed replica\n",
+		name, from/1000, after, 100*hit, q(0.5), q(0.9), q(0.99), killed)
 }

@@ -1,0 +1,340 @@
+package gateway
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/infergate/infergate/replica"
+	"github.com/infergate/infergate/replica/stream"
+	"github.com/infergate/infergate/sched"
+)
+
+// Replicas: several gateways behind one L4 balancer keep cache affinity
+// together (README.md "Replicas"). Each replica publishes, on one Redis
+// stream (package replica/stream), a learn per routing decision (the
+// endpoint's URL, the prompt's tokens and expected prefill, its block
+// hashes) and its per-endpoint load every load_interval; it applies its
+// peers' (package replica's Node.Apply, the code virtual time runs): their
+// learns teach its policy's approximate index (sched.PeerLearner) and
+// count on its view of the endpoint's load until the peer's next report,
+// which replaces them; peers' loads add to its snapshot (pool.snapshot)
+// until load_ttl after they were last heard from. The engines' KV events
+// need no exchange: every replica subscribes to them.
+
+// ReplicasConfig is the `replicas` section: off unless redis_url is set.
+type ReplicasConfig struct {
+	// RedisURL is the Redis server of the exchange
+	// (redis://[:password@]host:port[/db]); "" turns the exchange off.
+	RedisURL string `yaml:"redis_url"`
+	// Stream is the stream's key (stream.DefaultStream); replicas of one
+	// fleet share it, separate fleets on one Redis use separate keys.
+	Stream string `yaml:"stream"`
+	// ID is this replica's id, unique among the replicas (default
+	// hostname-pid).
+	ID string `yaml:"id"`
+	// LoadInterval is the period of the load reports (200ms); LoadTTL how
+	// long after a peer was last heard from its load counts (1s): a dead
+	// replica's load vanishes after it.
+	LoadInterval time.Duration `yaml:"load_interval"`
+	LoadTTL      time.Duration `yaml:"load_ttl"`
+	// MaxLen trims the stream to about this many entries (10000).
+	MaxLen int64 `yaml:"max_len"`
+	// Queue bounds the messages waiting to be written (4096); beyond it
+	// they are dropped, counted.
+	Queue int `yaml:"queue"`
+	// Replay reads the stream's history at start to warm the approximate
+	// index (default true).
+	Replay *bool `yaml:"replay"`
+}
+
+// enabled reports whether the exchange is on.
+func (c ReplicasConfig) enabled() bool { return c.RedisURL != "" }
+
+func (c ReplicasConfig) withDefaults() ReplicasConfig {
+	if !c.enabled() {
+		return c
+	}
+	if c.Stream == "" {
+		c.Stream = stream.DefaultStream
+	}
+	if c.ID == "" {
+		host, _ := os.Hostname()
+		c.ID = host + "-" + strconv.Itoa(os.Getpid())
+	}
+	if c.LoadInterval == 0 {
+		c.LoadInterval = stream.DefaultLoadInterval
+	}
+	if c.LoadTTL == 0 {
+		c.LoadTTL = replica.DefaultLoadTTL
+	}
+	if c.MaxLen == 0 {
+		c.MaxLen = stream.DefaultMaxLen
+	}
+	if c.Queue == 0 {
+		c.Queue = stream.DefaultQueue
+	}
+	if c.Replay == nil {
+		t := true
+		c.Replay = &t
+	}
+	return c
+}
+
+func (c ReplicasConfig) validate() []error {
+	if !c.enabled() {
+		return nil
+	}
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf("replicas."+format, args...)) }
+	if _, err := redis.ParseURL(c.RedisURL); err != nil {
+		bad("redis_url: %v", err)
+	}
+	if len(c.ID) > replica.MaxID {
+		bad("id %q: at most %d bytes", c.ID, replica.MaxID)
+	}
+	if c.LoadInterval <= 0 {
+		bad("load_interval %v: must be positive", c.LoadInterval)
+	}
+	if c.LoadTTL < 2*c.LoadInterval {
+		bad("load_ttl %v: must be at least twice load_interval (%v), or one late report drops a live peer's load", c.LoadTTL, c.LoadInterval)
+	}
+	if c.MaxLen < 100 {
+		bad("max_len %d: must be at least 100", c.MaxLen)
+	}
+	if c.Queue < 1 {
+		bad("queue %d: must be positive", c.Queue)
+	}
+	return errs
+}
+
+// replicas is the gateway's side of the exchange (nil fields when off).
+type replicas struct {
+	cfg   ReplicasConfig
+	node  *replica.Node
+	peers *replica.Peers
+	x     atomic.Pointer[stream.Exchange]
+	lag   prometheus.Histogram
+	known atomic.Pointer[knownURLs] // replicaTarget.Known's set
+}
+
+// initReplicas registers the exchange's metrics (always, zero when off)
+// and, when configured, builds the node the pools' snapshots read.
+func (g *Gateway) initReplicas(reg prometheus.Registerer) error {
+	r := &replicas{cfg: g.cfg.Replicas}
+	g.replicas = r
+	if r.cfg.enabled() {
+		r.peers = replica.NewPeers(r.cfg.LoadTTL)
+		r.node = &replica.Node{ID: r.cfg.ID, Peers: r.peers, Target: replicaTarget{g}}
+	}
+	r.lag = prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "infergate", Name: "replica_lag_seconds",
+		Help:    "Replica exchange: from a peer's sending a message to this replica's applying it (the two wall clocks; history replayed at start left out).",
+		Buckets: []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5}})
+	cs := []prometheus.Collector{r.lag,
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Name: "replica_peers",
+			Help: "Replica exchange: peers heard from within replicas.load_ttl."}, func() float64 {
+			if r.peers == nil {
+				return 0
+			}
+			return float64(r.peers.Live(clock(time.Now())))
+		}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Name: "replica_redis_up",
+			Help: "Replica exchange: 1 while the last Redis call succeeded (0 off or down: routing on this replica's own view)."}, func() float64 {
+			if x := r.x.Load(); x != nil && x.Up() {
+				return 1
+			}
+			return 0
+		}),
+	}
+	count := func(outcome string, f func(*replica.Counts, *stream.Counts) uint64) {
+		cs = append(cs, prometheus.NewCounterFunc(prometheus.CounterOpts{Namespace: "infergate", Name: "replica_messages_total",
+			Help:        "Replica exchange messages by outcome: published, dropped (queue full or write failed), learn and load (peers' applied), own (skipped), unknown (a pool or endpoint this replica lacks), malformed (refused), peers_full, not_message (an entry without the message field).",
+			ConstLabels: prometheus.Labels{"outcome": outcome}}, func() float64 {
+			var nc *replica.Counts
+			if r.node != nil {
+				nc = &r.node.Counts
+			}
+			var sc *stream.Counts
+			if x := r.x.Load(); x != nil {
+				sc = &x.Counts
+			}
+			return float64(f(nc, sc))
+		}))
+	}
+	node := func(f func(*replica.Counts) uint64) func(*replica.Counts, *stream.Counts) uint64 {
+		return func(n *replica.Counts, _ *stream.Counts) uint64 {
+			if n == nil {
+				return 0
+			}
+			return f(n)
+		}
+	}
+	xs := func(f func(*stream.Counts) uint64) func(*replica.Counts, *stream.Counts) uint64 {
+		return func(_ *replica.Counts, s *stream.Counts) uint64 {
+			if s == nil {
+				return 0
+			}
+			return f(s)
+		}
+	}
+	count("published", xs(func(s *stream.Counts) uint64 { return s.Published.Load() }))
+	count("dropped", xs(func(s *stream.Counts) uint64 { return s.Dropped.Load() }))
+	count("not_message", xs(func(s *stream.Counts) uint64 { return s.NotBytes.Load() }))
+	count("learn", node(func(n *replica.Counts) uint64 { return n.Learns.Load() }))
+	count("load", node(func(n *replica.Counts) uint64 { return n.Loads.Load() }))
+	count("own", node(func(n *replica.Counts) uint64 { return n.Own.Load() }))
+	count("unknown", node(func(n *replica.Counts) uint64 { return n.Unknown.Load() }))
+	count("malformed", node(func(n *replica.Counts) uint64 { return n.Malformed.Load() }))
+	count("peers_full", node(func(n *replica.Counts) uint64 { return n.PeersFull.Load() }))
+	for _, c := range cs {
+		if err := reg.Register(c); err != nil {
+			return fmt.Errorf("gateway: register replica metrics: %w", err)
+		}
+	}
+	return nil
+}
+
+// startReplicas starts the exchange and the load reports (configured
+// only); both stop when the gateway closes.
+func (g *Gateway) startReplicas() error {
+	r := g.replicas
+	if r.node == nil {
+		return nil
+	}
+	x, err := stream.Start(stream.Config{URL: r.cfg.RedisURL, Stream: r.cfg.Stream, MaxLen: r.cfg.MaxLen, Queue: r.cfg.Queue,
+		Replay: *r.cfg.Replay}, r.apply)
+	if err != nil {
+		return err
+	}
+	r.x.Store(x)
+	g.wg.Add(1)
+	go func() {
+		defer g.wg.Done()
+		defer x.Close()
+		t := time.NewTicker(r.cfg.LoadInterval)
+		defer t.Stop()
+		for {
+			select {
+			case <-g.loops.Done():
+				return
+			case <-t.C:
+				r.report(g.state.Load())
+			}
+		}
+	}()
+	return nil
+}
+
+// apply is the reader's handler: a peer's message applied (replayed
+// history: learns only, its loads being stale).
+func (r *replicas) apply(b []byte, replayed bool) {
+	if replayed {
+		var m replica.Msg
+		if replica.Decode(b, &m) == nil && m.Kind == replica.KindLoad {
+			return
+		}
+	}
+	now := time.Now()
+	m, err := r.node.Apply(b, clock(now))
+	if err != nil || replayed || m.ID == r.node.ID {
+		return
+	}
+	r.lag.Observe(max(0, float64(now.UnixNano()-m.At)/1e9))
+}
+
+// report publishes this replica's load of every endpoint.
+func (r *replicas) report(st *state) {
+	x := r.x.Load()
+	if x == nil || st == nil {
+		return
+	}
+	entries := make([]replica.LoadEntry, 0, len(st.endpoints))
+	for _, ep := range st.endpoints {
+		entries = append(entries, replica.LoadEntry{Endpoint: ep.name, Load: replica.Load{
+			InFlight: ep.ledger.InFlight(), InFlightTokens: ep.ledger.InFlightTokens(), PendingPrefill: ep.ledger.PendingPrefill()}})
+	}
+	x.Publish(replica.AppendLoad(nil, r.cfg.ID, time.Now().UnixNano(), entries))
+}
+
+// learnt publishes a routing decision: request req of pool p sent to
+// endpoint i with decision d. It does not wait (a full queue drops it).
+func (r *replicas) learnt(p *pool, i int, req *sched.Request, d sched.Decision) {
+	x := r.x.Load()
+	if x == nil || req.PromptTokens <= 0 {
+		return
+	}
+	prompt := int64(req.PromptTokens)
+	pending := max(1, prompt-int64(d.MatchedBlocks*p.blockSize)) // as load.Ledger.Send counts it
+	x.Publish(replica.AppendLearn(nil, r.cfg.ID, time.Now().UnixNano(), p.model, p.endpoints[i].name, prompt, pending, req.Hashes))
+}
+
+// replicaTarget resolves peers' learns in the configuration in force.
+type replicaTarget struct{ g *Gateway }
+
+// knownURLs is the set of a state's endpoint URLs.
+type knownURLs struct {
+	st   *state
+	urls map[string]struct{}
+}
+
+// Known implements replica.Target: endpoint is configured now. The set is
+// rebuilt when a reload published a new state.
+func (t replicaTarget) Known(endpoint string) bool {
+	st := t.g.state.Load()
+	k := t.g.replicas.known.Load()
+	if k == nil || k.st != st {
+		k = &knownURLs{st: st, urls: map[string]struct{}{}}
+		if st != nil {
+			for _, ep := range st.endpoints {
+				k.urls[ep.name] = struct{}{}
+			}
+		}
+		t.g.replicas.known.Store(k)
+	}
+	_, ok := k.urls[endpoint]
+	return ok
+}
+
+func (t replicaTarget) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
+	st := t.g.state.Load()
+	if st == nil {
+		return nil, 0, false
+	}
+	p := st.pools[model]
+	if p == nil {
+		return nil, 0, false
+	}
+	for i, ep := range p.endpoints {
+		if ep != nil && ep.name == endpoint {
+			l, _ := p.policy.(sched.PeerLearner)
+			if p.pd != nil {
+				l = nil // a P/D pool's two profiles: not exchanged (README "Replicas")
+			}
+			return l, i, true
+		}
+	}
+	return nil, 0, false
+}
+
+// replicaRouting is routing as this replica builds its policies: with
+// the exchange on, its seed mixed with the replica's id (replica.Seed), so
+// that replicas do not break ties alike and herd.
+func (g *Gateway) replicaRouting(routing sched.Config) sched.Config {
+	if g.replicas != nil && g.replicas.node != nil {
+		routing.Seed = replica.Seed(routing.Seed, g.replicas.cfg.ID)
+	}
+	return routing
+}
+
+// peersOf returns the peers' load table the pools read (nil when off).
+func (g *Gateway) peersOf() *replica.Peers {
+	if g.replicas == nil {
+		return nil
+	}
+	return g.replicas.peers
+}

@@ -1,0 +1,295 @@
+package replica
+
+import (
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/infergate/infergate/sched"
+)
+
+// DefaultLoadTTL is how long a peer's load counts after it was received
+// (Peers): three of the default 200 ms load intervals (stream.Config) and
+// a margin, so one late or lost message does not drop a live peer's load
+// while a dead replica's vanishes within a second.
+const DefaultLoadTTL = time.Second
+
+// MaxPeers bounds the peers whose load is kept: a stream that names more
+// replicas (a hostile or misconfigured one) has the excess ignored. Node
+// keeps only the loads of endpoints its Target knows, so a Peers holds at
+// most MaxPeers × the replica's own endpoints cells whatever its stream
+// says.
+const MaxPeers = 64
+
+// Peers is the load every other replica reported, per endpoint URL, each
+// counted for TTL after the peer was last heard from (the receiver's
+// clock: no skew between replicas matters). A peer's load report replaces
+// what it reported before; each of its learns adds the routed request
+// (Routed) until its next report, which counts it itself: so a peer's
+// decisions weigh on this replica's view within the exchange's delay, not
+// the load interval's. A peer's messages must arrive in the order it sent
+// them (one Redis stream; FIFO in virtual time). Update and Routed are
+// called by the exchange's reader; Add is lock-free, for the request path.
+// Times are durations since any fixed origin of the caller's clock.
+type Peers struct {
+	ttl   time.Duration
+	mu    sync.Mutex
+	peers map[string]*peerState // replica id → its state
+	view  atomic.Pointer[peerView]
+}
+
+type peerState struct {
+	at    atomic.Int64 // when last heard from (ns of the caller's clock)
+	cells map[string]*cell
+}
+
+// cell is one peer's load of one endpoint.
+type cell struct {
+	peer                     *peerState
+	inFlight, tokens, prefil atomic.Int64
+}
+
+// peerView is an immutable index of the cells by endpoint URL, rebuilt
+// when a peer or an endpoint comes or goes.
+type peerView struct {
+	byURL map[string][]*cell
+	peers []*peerState
+}
+
+// NewPeers returns an empty table whose loads count for ttl after their
+// peer was last heard from (DefaultLoadTTL when ttl ≤ 0).
+func NewPeers(ttl time.Duration) *Peers {
+	if ttl <= 0 {
+		ttl = DefaultLoadTTL
+	}
+	p := &Peers{ttl: ttl, peers: map[string]*peerState{}}
+	p.view.Store(&peerView{})
+	return p
+}
+
+// peer returns id's state, created when new (false beyond MaxPeers live
+// peers), with peers silent for TTL dropped first; changed reports whether
+// the view needs rebuilding. Called with p.mu held.
+func (p *Peers) peer(id string, now time.Duration) (ps *peerState, changed, ok bool) {
+	for k, q := range p.peers {
+		if now-time.Duration(q.at.Load()) > p.ttl {
+			delete(p.peers, k)
+			changed = true
+		}
+	}
+	if ps = p.peers[id]; ps == nil {
+		if len(p.peers) >= MaxPeers {
+			return nil, changed, false
+		}
+		ps = &peerState{cells: map[string]*cell{}}
+		p.peers[id] = ps
+		changed = true
+	}
+	ps.at.Store(int64(now))
+	return ps, changed, true
+}
+
+// cell returns ps's cell of url, created when new (changed true).
+func (ps *peerState) cell(url string) (c *cell, changed bool) {
+	if c = ps.cells[url]; c == nil {
+		c = &cell{peer: ps}
+		ps.cells[url] = c
+		changed = true
+	}
+	return c, changed
+}
+
+// rebuild publishes a new view of p.peers. Called with p.mu held.
+func (p *Peers) rebuild() {
+	v := &peerView{byURL: map[string][]*cell{}}
+	for _, ps := range p.peers {
+		v.peers = append(v.peers, ps)
+		for url, c := range ps.cells {
+			v.byURL[url] = append(v.byURL[url], c)
+		}
+	}
+	p.view.Store(v)
+}
+
+// Update records replica id's load per endpoint, received at now; it
+// replaces what id reported or was credited with (Routed) before. Peers
+// not heard from for TTL are dropped; beyond MaxPeers live peers a new
+// one is ignored (reported false).
+func (p *Peers) Update(id string, now time.Duration, loads []LoadEntry) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ps, changed, ok := p.peer(id, now)
+	if !ok {
+		if changed {
+			p.rebuild()
+		}
+		return false
+	}
+	reported := make(map[string]struct{}, len(loads))
+	for _, e := range loads {
+		reported[e.Endpoint] = struct{}{}
+	}
+	for url, c := range ps.cells {
+		if _, ok := reported[url]; !ok {
+			delete(ps.cells, url)
+			changed = true
+			c.inFlight.Store(0)
+			c.tokens.Store(0)
+			c.prefil.Store(0)
+		}
+	}
+	for _, e := range loads {
+		c, ch := ps.cell(e.Endpoint)
+		changed = changed || ch
+		c.inFlight.Store(e.InFlight)
+		c.tokens.Store(e.InFlightTokens)
+		c.prefil.Store(e.PendingPrefill)
+	}
+	if changed {
+		p.rebuild()
+	}
+	return true
+}
+
+// Routed credits replica id, heard from at now, with a request it routed
+// to endpoint url: one in flight, prompt tokens in flight, pending of them
+// in the prefill backlog, until id's next Update. false: id is beyond
+// MaxPeers.
+func (p *Peers) Routed(id, url string, now time.Duration, prompt, pending int64) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ps, changed, ok := p.peer(id, now)
+	if ok {
+		c, ch := ps.cell(url)
+		changed = changed || ch
+		c.inFlight.Add(1)
+		c.tokens.Add(prompt)
+		c.prefil.Add(pending)
+	}
+	if changed {
+		p.rebuild()
+	}
+	return ok
+}
+
+// Add adds to e's load fields (InFlight, InFlightTokens,
+// PendingPrefillTokens) the loads of endpoint url of the peers heard from
+// within TTL of now. It takes no lock and allocates nothing.
+func (p *Peers) Add(url string, now time.Duration, e *sched.Endpoint) {
+	for _, c := range p.view.Load().byURL[url] {
+		if now-time.Duration(c.peer.at.Load()) <= p.ttl {
+			e.InFlight += int(c.inFlight.Load())
+			e.InFlightTokens += int(c.tokens.Load())
+			e.PendingPrefillTokens += int(c.prefil.Load())
+		}
+	}
+}
+
+// Sum is the load of url of the peers heard from within TTL of now.
+func (p *Peers) Sum(url string, now time.Duration) Load {
+	var e sched.Endpoint
+	p.Add(url, now, &e)
+	return Load{int64(e.InFlight), int64(e.InFlightTokens), int64(e.PendingPrefillTokens)}
+}
+
+// Live is the number of peers heard from within TTL of now.
+func (p *Peers) Live(now time.Duration) int {
+	n := 0
+	for _, ps := range p.view.Load().peers {
+		if now-time.Duration(ps.at.Load()) <= p.ttl {
+			n++
+		}
+	}
+	return n
+}
+
+// Seed is the routing seed (sched.Config.Seed) of replica id for a
+// configured seed: each replica draws its tie-breaks from its own streams.
+// Replicas sharing one seed draw alike at their n-th decisions and, on
+// ties (a cold prompt, equal loads), herd onto the same endpoint.
+func Seed(seed uint64, id string) uint64 {
+	h := uint64(0xcbf29ce484222325) // FNV-1a, 64-bit
+	for i := 0; i < len(id); i++ {
+		h = (h ^ uint64(id[i])) * 0x100000001b3
+	}
+	if s := seed ^ h; s != 0 {
+		return s
+	}
+	return 1
+}
+
+// Target resolves a learn message to this replica's policy: the policy
+// of model's pool (nil when it learns nothing: no approximate index) and
+// the slot of endpoint (its URL) in it; ok false when this replica has no
+// such pool or endpoint (the learn is then neither learnt nor credited).
+type Target interface {
+	Resolve(model, endpoint string) (l sched.PeerLearner, slot int, ok bool)
+	// Known reports whether endpoint (a URL) is one of this replica's:
+	// load report entries for others are dropped.
+	Known(endpoint string) bool
+}
+
+// Counts are a Node's message counters (monotonic).
+type Counts struct {
+	// Applied learn and load messages; Own: this replica's, skipped;
+	// Unknown: learns for a pool or endpoint this replica does not have;
+	// Malformed: refused by Decode; PeersFull: loads of a peer beyond
+	// MaxPeers.
+	Learns, Loads, Own, Unknown, Malformed, PeersFull atomic.Uint64
+}
+
+// Node is one replica's side of the exchange: it applies its peers'
+// messages to its policies (Target) and load table (Peers). The same
+// Apply runs live (package replica/stream's reader) and in virtual time.
+// Apply is safe for concurrent use with Pick and Peers.Add, not with
+// itself (the one reader calls it).
+type Node struct {
+	// ID is this replica's id; its own messages are skipped.
+	ID     string
+	Peers  *Peers
+	Target Target
+	Counts Counts
+	msg    Msg
+}
+
+// Apply decodes message b, received at now (the Peers clock), and applies
+// it unless it is this replica's own: a learn teaches the resolved
+// policy's approximate index (sched.PeerLearner) and credits the sender
+// with the request in Peers (Routed), a load replaces the sender's entry
+// in Peers. It returns the decoded message (valid until the
+// next Apply) and an error wrapping ErrMalformed for a bad one.
+func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
+	m := &n.msg
+	if err := Decode(b, m); err != nil {
+		n.Counts.Malformed.Add(1)
+		return nil, err
+	}
+	if m.ID == n.ID {
+		n.Counts.Own.Add(1)
+		return m, nil
+	}
+	switch m.Kind {
+	case KindLearn:
+		l, slot, ok := n.Target.Resolve(m.Model, m.Endpoint)
+		if !ok {
+			n.Counts.Unknown.Add(1)
+			return m, nil
+		}
+		if l != nil {
+			l.LearnPeer(slot, m.Hashes)
+		}
+		n.Counts.Learns.Add(1)
+		if m.Prompt > 0 && !n.Peers.Routed(m.ID, m.Endpoint, now, m.Prompt, m.Pending) {
+			n.Counts.PeersFull.Add(1)
+		}
+	case KindLoad:
+		m.Loads = slices.DeleteFunc(m.Loads, func(e LoadEntry) bool { return !n.Target.Known(e.Endpoint) })
+		if !n.Peers.Update(m.ID, now, m.Loads) {
+			n.Counts.PeersFull.Add(1)
+			return m, nil
+		}
+		n.Counts.Loads.Add(1)
+	}
+	return m, nil
+}

@@ -1,0 +1,309 @@
+// Package replica is what gateway replicas behind one L4 balancer exchange
+// so that they keep cache affinity together: what each replica's
+// approximate prefix index learnt from its routing decisions (Learn), and
+// its per-endpoint in-flight load (Load). It is pure: messages are bytes
+// in and out, time is passed in; the live gateway carries them over Redis
+// Streams (package replica/stream) and the virtual-time fleet (package
+// virtual) delivers them after a modelled delay, both through Node.Apply.
+//
+// Precise state needs no exchange: every replica subscribes to every
+// engine's KV events itself.
+package replica
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"slices"
+)
+
+// Wire format, version 1 (all integers unsigned LEB128 varints as
+// encoding/binary's Uvarint, times zigzag varints; strings are a length
+// then bytes):
+//
+//	message  = version(1 byte: 1) kind(1 byte) id(string) at(varint ns) body
+//	learn    = model(string) endpoint(string) prompt pending (uvarints) n(uvarint) n × hash(8 bytes, little endian)
+//	load     = n(uvarint) n × (endpoint(string) in_flight tokens prefill (uvarints))
+//
+// id is the sending replica's id, at its clock when it sent (ns; the wall
+// clock's Unix time live, simulated time in virtual time), endpoint the
+// endpoint's URL as the configuration names it (a slot index means
+// nothing to another replica whose configuration may order endpoints
+// differently), prompt the request's prompt tokens and pending those it
+// was not expected to find cached (its part of the endpoint's prefill
+// backlog, load.Ledger.Send), hashes the prompt's chained block hashes (prefix.Hashes
+// under the pool's seed: every replica of one configuration computes the
+// same). Every size is bounded (the Max constants) and a message must end
+// exactly where its body does: a hostile or corrupt stream entry is an
+// error, never a panic nor an allocation beyond len(message).
+const (
+	// Version is the wire format's version byte.
+	Version = 1
+	// MaxMessage is the largest message accepted (bytes): a learn of
+	// MaxHashes hashes with the longest names fits.
+	MaxMessage = 1 << 20
+	// MaxID, MaxModel and MaxEndpoint bound the strings (bytes).
+	MaxID       = 128
+	MaxModel    = 256
+	MaxEndpoint = 512
+	// MaxHashes bounds a learn's block hashes: 65,536 blocks, a 1M-token
+	// prompt at the default 16-token block (a longer prompt's head is
+	// sent: the index matches leading blocks).
+	MaxHashes = 1 << 16
+	// MaxLoadEntries bounds a load message's endpoints.
+	MaxLoadEntries = 4096
+	// maxCount bounds a load count (requests, tokens): 2^40.
+	maxCount = 1 << 40
+)
+
+// Kind is a message's kind.
+type Kind uint8
+
+// Message kinds.
+const (
+	// KindLearn: a replica routed a prompt to an endpoint.
+	KindLearn Kind = 1
+	// KindLoad: a replica's in-flight load per endpoint.
+	KindLoad Kind = 2
+)
+
+func (k Kind) String() string {
+	switch k {
+	case KindLearn:
+		return "learn"
+	case KindLoad:
+		return "load"
+	}
+	return fmt.Sprintf("kind(%d)", uint8(k))
+}
+
+// Load is one endpoint's in-flight load as one replica accounts it
+// (load.Ledger: requests, their prompt tokens, the prefill backlog in
+// tokens).
+type Load struct {
+	InFlight, InFlightTokens, PendingPrefill int64
+}
+
+// LoadEntry is an endpoint's Load in a load message.
+type LoadEntry struct {
+	Endpoint string
+	Load
+}
+
+// Msg is a decoded message. Decode reuses its slices.
+type Msg struct {
+	Kind Kind
+	// ID is the sender's replica id; At its clock when sent (ns).
+	ID string
+	At int64
+	// Learn: the pool's model, the endpoint's URL, the prompt's tokens,
+	// those of them the endpoint was expected to prefill, and its block
+	// hashes.
+	Model, Endpoint string
+	Prompt, Pending int64
+	Hashes          []uint64
+	// Load: the sender's load per endpoint.
+	Loads []LoadEntry
+}
+
+// AppendLearn appends a learn message to dst: replica id routed a prompt
+// of prompt tokens, pending of them expected uncached, with these block
+// hashes to endpoint of model's pool at time at (ns). Strings longer than
+// their bound are cut to it, counts clamped to [0, 2^40] and hashes beyond
+// MaxHashes dropped (the tail: the index matches leading blocks).
+func AppendLearn(dst []byte, id string, at int64, model, endpoint string, prompt, pending int64, hashes []uint64) []byte {
+	hashes = hashes[:min(len(hashes), MaxHashes)]
+	dst = slices.Grow(dst, 2+len(id)+len(model)+len(endpoint)+8*len(hashes)+7*binary.MaxVarintLen64) // one allocation
+	dst = appendHeader(dst, KindLearn, id, at)
+	dst = appendString(dst, model, MaxModel)
+	dst = appendString(dst, endpoint, MaxEndpoint)
+	dst = binary.AppendUvarint(dst, clampCount(prompt))
+	dst = binary.AppendUvarint(dst, clampCount(pending))
+	dst = binary.AppendUvarint(dst, uint64(len(hashes)))
+	for _, h := range hashes {
+		dst = binary.LittleEndian.AppendUint64(dst, h)
+	}
+	return dst
+}
+
+// AppendLoad appends a load message to dst: replica id's load per
+// endpoint at time at (ns); entries beyond MaxLoadEntries are dropped and
+// counts clamped to [0, 2^40].
+func AppendLoad(dst []byte, id string, at int64, entries []LoadEntry) []byte {
+	dst = appendHeader(dst, KindLoad, id, at)
+	entries = entries[:min(len(entries), MaxLoadEntries)]
+	dst = binary.AppendUvarint(dst, uint64(len(entries)))
+	for _, e := range entries {
+		dst = appendString(dst, e.Endpoint, MaxEndpoint)
+		dst = binary.AppendUvarint(dst, clampCount(e.InFlight))
+		dst = binary.AppendUvarint(dst, clampCount(e.InFlightTokens))
+		dst = binary.AppendUvarint(dst, clampCount(e.PendingPrefill))
+	}
+	return dst
+}
+
+func clampCount(n int64) uint64 { return uint64(min(max(n, 0), maxCount)) }
+
+func appendHeader(dst []byte, k Kind, id string, at int64) []byte {
+	dst = append(dst, Version, byte(k))
+	dst = appendString(dst, id, MaxID)
+	return binary.AppendVarint(dst, at)
+}
+
+func appendString(dst []byte, s string, limit int) []byte {
+	s = s[:min(len(s), limit)]
+	dst = binary.AppendUvarint(dst, uint64(len(s)))
+	return append(dst, s...)
+}
+
+// ErrMalformed wraps every decoding error.
+var ErrMalformed = errors.New("replica: malformed message")
+
+// Decode parses b into m, reusing m's slices. It never panics and
+// allocates at most what b's length justifies (strings, hashes and entries
+// are bounded by the bytes present); an error wraps ErrMalformed.
+func Decode(b []byte, m *Msg) error {
+	if err := decode(b, m); err != nil {
+		return fmt.Errorf("%w: %v", ErrMalformed, err)
+	}
+	return nil
+}
+
+func decode(b []byte, m *Msg) error {
+	if len(b) > MaxMessage {
+		return fmt.Errorf("%d bytes, at most %d", len(b), MaxMessage)
+	}
+	if len(b) < 2 {
+		return errors.New("short header")
+	}
+	if b[0] != Version {
+		return fmt.Errorf("version %d, want %d", b[0], Version)
+	}
+	r := reader{b: b[2:]}
+	m.Kind = Kind(b[1])
+	m.ID = r.str(MaxID, "id")
+	m.At = r.varint("time")
+	m.Model, m.Endpoint, m.Prompt, m.Pending = "", "", 0, 0
+	m.Hashes, m.Loads = m.Hashes[:0], m.Loads[:0]
+	switch m.Kind {
+	case KindLearn:
+		m.Model = r.str(MaxModel, "model")
+		m.Endpoint = r.str(MaxEndpoint, "endpoint")
+		m.Prompt = r.load("prompt")
+		m.Pending = r.load("pending")
+		n := r.count(MaxHashes, 8, "hashes")
+		for range n {
+			if r.err != nil {
+				break
+			}
+			m.Hashes = append(m.Hashes, binary.LittleEndian.Uint64(r.take(8, "hash")))
+		}
+	case KindLoad:
+		n := r.count(MaxLoadEntries, 4, "load entries") // an entry takes at least 4 bytes
+		for range n {
+			if r.err != nil {
+				break
+			}
+			var e LoadEntry
+			e.Endpoint = r.str(MaxEndpoint, "endpoint")
+			e.InFlight = r.load("in_flight")
+			e.InFlightTokens = r.load("tokens")
+			e.PendingPrefill = r.load("prefill")
+			m.Loads = append(m.Loads, e)
+		}
+	default:
+		return fmt.Errorf("unknown kind %d", uint8(m.Kind))
+	}
+	if r.err != nil {
+		return r.err
+	}
+	if len(r.b) != 0 {
+		return fmt.Errorf("%d trailing bytes after the %s body", len(r.b), m.Kind)
+	}
+	if m.ID == "" {
+		return errors.New("empty replica id")
+	}
+	return nil
+}
+
+// reader reads b front to back; the first error sticks and later reads
+// return zero values.
+type reader struct {
+	b   []byte
+	err error
+}
+
+func (r *reader) fail(format string, a ...any) {
+	if r.err == nil {
+		r.err = fmt.Errorf(format, a...)
+	}
+	r.b = nil
+}
+
+func (r *reader) uvarint(what string) uint64 {
+	if r.err != nil {
+		return 0
+	}
+	v, n := binary.Uvarint(r.b)
+	if n <= 0 {
+		r.fail("bad %s varint", what)
+		return 0
+	}
+	r.b = r.b[n:]
+	return v
+}
+
+func (r *reader) varint(what string) int64 {
+	if r.err != nil {
+		return 0
+	}
+	v, n := binary.Varint(r.b)
+	if n <= 0 {
+		r.fail("bad %s varint", what)
+		return 0
+	}
+	r.b = r.b[n:]
+	return v
+}
+
+func (r *reader) take(n int, what string) []byte {
+	if r.err != nil {
+		return nil
+	}
+	if n > len(r.b) {
+		r.fail("%s: %d bytes, %d left", what, n, len(r.b))
+		return nil
+	}
+	v := r.b[:n]
+	r.b = r.b[n:]
+	return v
+}
+
+func (r *reader) str(limit int, what string) string {
+	n := r.uvarint(what)
+	if n > uint64(limit) {
+		r.fail("%s of %d bytes, at most %d", what, n, limit)
+		return ""
+	}
+	return string(r.take(int(n), what))
+}
+
+// count reads a count of at most limit items of at least size bytes each
+// that must fit in what is left.
+func (r *reader) count(limit, size int, what string) int {
+	n := r.uvarint(what)
+	if n > uint64(limit) || n*uint64(size) > uint64(len(r.b)) {
+		r.fail("%d %s (at most %d, %d bytes left)", n, what, limit, len(r.b))
+		return 0
+	}
+	return int(n)
+}
+
+func (r *reader) load(what string) int64 {
+	v := r.uvarint(what)
+	if v > maxCount {
+		r.fail("%s %d over %d", what, v, uint64(maxCount))
+		return 0
+	}
+	return int64(v)
+}

@@ -1,0 +1,244 @@
+package virtual
+
+import (
+	"errors"
+	"strconv"
+	"time"
+
+	"github.com/infergate/infergate/load"
+	"github.com/infergate/infergate/replica"
+	"github.com/infergate/infergate/sched"
+)
+
+// Gateway replicas in virtual time (Config.Replicas): N gateways behind a
+// round-robin (L4) front, each with its own policy — its own approximate
+// prefix index and session table — and its own load ledgers, all in front
+// of the same engines. With Config.ReplicaSync they exchange the messages
+// of package replica, encoded and applied by the code the live gateway
+// runs (replica.AppendLearn, AppendLoad, Node.Apply), each delivered
+// Config.ReplicaDelay after it was sent:
+//
+//   - a learn per routing decision (endpoint name, the prompt's block
+//     hashes), which every other replica's policy learns as if it had
+//     routed the prompt (sched.PeerLearner);
+//   - a load report every LoadInterval (per endpoint: the replica's in
+//     flight, in-flight tokens, prefill backlog), which every other
+//     replica adds to its snapshot for LoadTTL.
+//
+// The engines' precise index, where a policy uses one, is shared: every
+// live replica subscribes to every engine's KV events and so holds the
+// same one.
+
+// ErrReplicaKilled is Result.Err of a request whose replica was killed
+// while it was in flight (Config.KillAt).
+var ErrReplicaKilled = errors.New("sim: gateway replica killed with the request in flight")
+
+// DefaultLoadInterval is Config.LoadInterval's default, the live
+// exchange's (stream.DefaultLoadInterval).
+const DefaultLoadInterval = 200 * time.Millisecond
+
+// rep is one gateway replica.
+type rep struct {
+	id      string
+	policy  sched.Policy
+	learner sched.PeerLearner // policy's, nil when it learns nothing
+	ledgers []load.Ledger     // per engine: what this replica sent it
+	snap    []sched.Endpoint
+	node    *replica.Node // nil without ReplicaSync
+	alive   bool
+}
+
+// exchange is the replicas' messages in transit and the exchange's
+// timers.
+type exchange struct {
+	on       bool
+	msgs     []vmsg // in delivery order (one delay: FIFO)
+	nextLoad time.Duration
+	killAt   time.Duration // never when none or done
+	rr       int           // the front's round-robin counter
+	buf      []byte
+	entries  []replica.LoadEntry
+}
+
+// vmsg is a message in transit to replica to.
+type vmsg struct {
+	at time.Duration
+	to int
+	b  []byte
+}
+
+// next is the time of the exchange's next event (never: none).
+func (x *exchange) next() time.Duration {
+	t := x.killAt
+	if !x.on {
+		return t
+	}
+	t = min(t, x.nextLoad)
+	if len(x.msgs) > 0 {
+		t = min(t, x.msgs[0].at)
+	}
+	return t
+}
+
+// target resolves learns for a virtual replica: one model, endpoints by
+// their snapshot names.
+type target struct {
+	model   string
+	learner sched.PeerLearner
+	slots   map[string]int
+}
+
+func (t *target) Known(endpoint string) bool { _, ok := t.slots[endpoint]; return ok }
+
+func (t *target) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
+	i, ok := t.slots[endpoint]
+	return t.learner, i, ok && model == t.model
+}
+
+// newReplicas builds f's replicas over snapshot template snap; replica 0
+// gets f.policy, the others a policy built as it was, from pool.
+func (f *Fleet) newReplicas(snap []sched.Endpoint, pool sched.Pool) error {
+	cfg := &f.cfg
+	n := max(cfg.Replicas, 1)
+	slots := make(map[string]int, len(snap))
+	for i := range snap {
+		slots[snap[i].Name] = i
+	}
+	for r := range n {
+		p := f.policy
+		if r > 0 {
+			// Each replica its own random streams (ReplicaSeed), as live
+			// replicas seed theirs with their ids: with one seed, decision
+			// n of every replica breaks its ties alike and they herd.
+			routing := cfg.Routing
+			routing.Seed = replica.Seed(routing.Seed, "replica-"+strconv.Itoa(r))
+			var err error
+			if p, err = sched.NewPolicy(routing, pool); err != nil {
+				return err
+			}
+		}
+		rp := &rep{id: "replica-" + strconv.Itoa(r), policy: p, ledgers: make([]load.Ledger, len(snap)),
+			snap: append([]sched.Endpoint(nil), snap...), alive: true}
+		rp.learner, _ = p.(sched.PeerLearner)
+		if cfg.ReplicaSync && n > 1 {
+			rp.node = &replica.Node{ID: rp.id, Peers: replica.NewPeers(cfg.LoadTTL),
+				Target: &target{model: cfg.Model, learner: rp.learner, slots: slots}}
+		}
+		f.reps = append(f.reps, rp)
+	}
+	if cfg.LoadInterval <= 0 {
+		cfg.LoadInterval = DefaultLoadInterval
+	}
+	f.rx = exchange{on: cfg.ReplicaSync && n > 1, killAt: never}
+	if cfg.KillAt > 0 {
+		f.rx.killAt = cfg.KillAt
+	}
+	return nil
+}
+
+// front sends request k to the next live replica, round robin, and
+// returns it.
+func (f *Fleet) front(k int) *rep {
+	n := len(f.reps)
+	for range n {
+		r := f.rx.rr % n
+		f.rx.rr++
+		if f.reps[r].alive {
+			f.owner[k] = int32(r)
+			return f.reps[r]
+		}
+	}
+	f.owner[k] = 0 // unreachable: a kill leaves at least one
+	return f.reps[0]
+}
+
+// ledger is request k's replica's ledger of engine e.
+func (f *Fleet) ledger(k, e int) *load.Ledger { return &f.reps[f.owner[k]].ledgers[e] }
+
+// fill sets rp's snapshot load from its ledgers, plus its peers' reports.
+func (rp *rep) fill(t time.Duration) {
+	for i := range rp.snap {
+		rp.ledgers[i].Fill(&rp.snap[i])
+		if rp.node != nil {
+			rp.node.Peers.Add(rp.snap[i].Name, t, &rp.snap[i])
+		}
+	}
+}
+
+// learnt sends rp's decision d (an engine for the prompt of f.sreq) to
+// its peers.
+func (f *Fleet) learnt(rp *rep, d sched.Decision, t time.Duration) {
+	if !f.rx.on || len(f.sreq.Hashes) == 0 {
+		return
+	}
+	prompt := int64(f.sreq.PromptTokens)
+	pending := max(1, prompt-int64(d.MatchedBlocks*f.blockSize)) // as load.Ledger.Send counts it
+	b := replica.AppendLearn(nil, rp.id, int64(t), f.cfg.Model, rp.snap[d.Endpoint].Name, prompt, pending, f.sreq.Hashes)
+	f.post(rp, b, t)
+}
+
+// post puts b in transit from rp to every other live replica.
+func (f *Fleet) post(from *rep, b []byte, t time.Duration) {
+	for j, rp := range f.reps {
+		if rp != from && rp.alive {
+			f.rx.msgs = append(f.rx.msgs, vmsg{at: t + f.cfg.ReplicaDelay, to: j, b: b})
+		}
+	}
+}
+
+// exchange runs the exchange's events due at t: messages delivered (and
+// applied by their replica's Node), load reports sent, the kill.
+func (f *Fleet) exchange(t time.Duration) {
+	x := &f.rx
+	if x.on {
+		k := 0
+		for ; k < len(x.msgs) && x.msgs[k].at <= t; k++ {
+			m := x.msgs[k]
+			if rp := f.reps[m.to]; rp.alive {
+				_, _ = rp.node.Apply(m.b, t) // our own encoding: never malformed
+			}
+			x.msgs[k].b = nil
+		}
+		x.msgs = x.msgs[k:]
+		if len(x.msgs) == 0 {
+			x.msgs = x.msgs[:0:0] // let the drained backing array go
+		}
+		if x.nextLoad <= t {
+			for _, rp := range f.reps {
+				if !rp.alive {
+					continue
+				}
+				x.entries = x.entries[:0]
+				for i := range rp.ledgers {
+					l := &rp.ledgers[i]
+					x.entries = append(x.entries, replica.LoadEntry{Endpoint: rp.snap[i].Name,
+						Load: replica.Load{InFlight: l.InFlight(), InFlightTokens: l.InFlightTokens(), PendingPrefill: l.PendingPrefill()}})
+				}
+				f.post(rp, replica.AppendLoad(nil, rp.id, int64(t), x.entries), t)
+			}
+			x.nextLoad = t + f.cfg.LoadInterval
+		}
+	}
+	if x.killAt <= t {
+		x.killAt = never
+		f.kill(f.cfg.KillReplica)
+	}
+}
+
+// kill stops replica r: the requests it holds end with ErrReplicaKilled
+// and are aborted on their engines (the gateway's connections to them
+// close); its load and messages stop.
+func (f *Fleet) kill(r int) {
+	f.reps[r].alive = false
+	for k := range f.open {
+		if !f.open[k] || int(f.owner[k]) != r {
+			continue
+		}
+		f.open[k] = false
+		res := &f.res[k]
+		res.Err = ErrReplicaKilled
+		id := strconv.Itoa(f.base + k)
+		f.engines[res.Engine].e.Abort(id)
+		f.shares[k].Finish()
+	}
+}

@@ -1,0 +1,124 @@
+package virtual
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/infergate/infergate/trace"
+)
+
+// replicaRecords is a small multi-turn workload: sessions whose turns
+// extend the previous prompt, arriving 100 ms apart, so that the round-
+// robin front sends consecutive turns of a session to different replicas.
+func replicaRecords() []trace.Record {
+	var recs []trace.Record
+	const sessions, turns = 25, 5
+	for turn := range turns {
+		for s := range sessions {
+			var ids []int64
+			for b := 0; b <= 8*(turn+1); b++ {
+				ids = append(ids, int64(s*1000+b))
+			}
+			recs = append(recs, trace.Record{
+				Timestamp:    time.Duration(len(recs)) * 100 * time.Millisecond,
+				InputLength:  len(ids) * 512,
+				OutputLength: 8,
+				HashIDs:      ids,
+			})
+		}
+	}
+	return recs
+}
+
+func replay(t *testing.T, o ReplayOptions) ReplayResult {
+	t.Helper()
+	o.Records, o.Engines = replicaRecords(), 4
+	run, err := Replay(context.Background(), o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return run
+}
+
+// TestReplicasShareAffinity: three replicas behind a round-robin front
+// keep a single gateway's hit rate when they exchange what they learn,
+// and lose it when they do not.
+func TestReplicasShareAffinity(t *testing.T) {
+	one := replay(t, ReplayOptions{})
+	shared := replay(t, ReplayOptions{Replicas: 3, ReplicaSync: true, ReplicaDelay: 5 * time.Millisecond})
+	unshared := replay(t, ReplayOptions{Replicas: 3})
+	t.Logf("hit rate: one %.3f, shared %.3f, unshared %.3f", one.Summary.HitRate, shared.Summary.HitRate, unshared.Summary.HitRate)
+	if shared.Summary.HitRate < 0.95*one.Summary.HitRate {
+		t.Errorf("shared hit rate %.3f < 95%% of one replica's %.3f", shared.Summary.HitRate, one.Summary.HitRate)
+	}
+	if unshared.Summary.HitRate > shared.Summary.HitRate-0.05 {
+		t.Errorf("unshared hit rate %.3f not clearly below shared %.3f", unshared.Summary.HitRate, shared.Summary.HitRate)
+	}
+	seen := map[int]bool{}
+	for _, r := range shared.Replica {
+		seen[r] = true
+	}
+	if len(seen) != 3 {
+		t.Errorf("replicas used: %v", seen)
+	}
+}
+
+// TestReplicaKill: a replica killed mid-replay fails exactly the requests
+// it held; the others are served and the survivors keep affinity.
+func TestReplicaKill(t *testing.T) {
+	recs := replicaRecords()
+	mid := len(recs) / 2
+	shared := replay(t, ReplayOptions{Replicas: 3, ReplicaSync: true, ReplicaDelay: 5 * time.Millisecond})
+	killed := replay(t, ReplayOptions{Replicas: 3, ReplicaSync: true, ReplicaDelay: 5 * time.Millisecond, KillAtRequest: mid, KillReplica: 1})
+	failed := 0
+	for i, rec := range killed.Records {
+		switch {
+		case rec.Status == 502:
+			failed++
+			if killed.Replica[i] != 1 || i >= mid {
+				t.Errorf("request %d of replica %d failed with the kill", i, killed.Replica[i])
+			}
+		case rec.Status != 200:
+			t.Errorf("request %d: status %d %s", i, rec.Status, rec.Error)
+		case i >= mid && killed.Replica[i] == 1:
+			t.Errorf("request %d went to the killed replica", i)
+		}
+	}
+	if failed == 0 {
+		t.Error("no request was in flight on the killed replica")
+	}
+	// The sessions of a failed turn lose that turn's KV (the engine never
+	// computed it): left out, the survivors' hit rate measures affinity.
+	lost := map[int]bool{}
+	for i, rec := range killed.Records {
+		if rec.Status == 502 {
+			lost[i%25] = true
+		}
+	}
+	after := func(run ReplayResult) float64 {
+		var p, c int
+		for i, rec := range run.Records[mid:] {
+			if rec.Status == 200 && !lost[(mid+i)%25] {
+				p, c = p+rec.PromptTokens, c+rec.CachedTokens
+			}
+		}
+		return float64(c) / float64(p)
+	}
+	t.Logf("%d failed; hit rate after the kill %.3f, without it %.3f", failed, after(killed), after(shared))
+	if after(killed) < after(shared)-0.01 {
+		t.Errorf("survivors' hit rate %.3f more than a point below %.3f", after(killed), after(shared))
+	}
+}
+
+func TestReplicasConfig(t *testing.T) {
+	for name, c := range map[string]Config{
+		"kill one":    {Engines: 2, Replicas: 1, KillAt: time.Second},
+		"kill beyond": {Engines: 2, Replicas: 2, KillAt: time.Second, KillReplica: 2},
+		"with pd":     {Engines: 2, Replicas: 2, Prefill: 1},
+	} {
+		if _, err := NewFleet(c); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+}
