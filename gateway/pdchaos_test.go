@@ -188,7 +188,15 @@ func TestPDHostilePrefill(t *testing.T) {
 			t.Cleanup(f.Close)
 			cfg := Config{EjectDuration: 5 * time.Minute, HealthCheckPath: "-"}
 			cfg.Routing.PD.Threshold = pdSimThreshold
-			cfg.PD = PDConfig{Connector: tc.conn, PrefillTimeout: 300 * time.Millisecond, PrefillAttempts: 1, Release: true}
+			// The stalled legs end at a short prefill_timeout; the others
+			// get a long one, so that a loaded host reading a 2 MB or
+			// 200,000-deep answer under the race detector is not taken
+			// for a stall (their fallback reason is the answer's).
+			timeout := 30 * time.Second
+			if strings.HasPrefix(tc.name, "stall") {
+				timeout = 300 * time.Millisecond
+			}
+			cfg.PD = PDConfig{Connector: tc.conn, PrefillTimeout: timeout, PrefillAttempts: 1, Release: true}
 			cfg.Endpoints = []EndpointConfig{
 				{URL: hp.URL, Model: "m", Role: "prefill", BootstrapPort: bootstrapPort(strings.TrimPrefix(hp.URL, "http://"))},
 				{URL: f.URLs[0], Model: "m", KVBlocks: f.KVBlocks(), BlockSize: f.BlockSize(), Role: "decode"},
