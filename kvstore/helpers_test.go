@@ -1,100 +1,24 @@
 package kvstore
 
 import (
-	"bufio"
 	"context"
-	"net"
-	"os"
-	"os/exec"
-	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/internal/redistest"
 	"github.com/infergate/infergate/kvevents"
 )
 
-// envRequire is e2e.EnvRequire: "1" fails, instead of skipping, a test
-// whose tool (redis-server) is missing.
-const envRequire = "INFERGATE_E2E_REQUIRE"
-
 // wait is the bound of every wait in these tests: generous, never a
 // measured duration.
-const wait = 60 * time.Second
+const wait = redistest.Wait
 
-// startRedis starts a real redis-server on a free loopback port with its
-// files in a temp dir, no persistence, and stops it at the test's end. It
-// skips the test without redis-server (and in -short mode) unless
-// INFERGATE_E2E_REQUIRE=1, which fails it instead.
+// startRedis starts a real redis-server (internal/redistest) and returns
+// its address.
 func startRedis(t testing.TB) string {
 	t.Helper()
-	required := os.Getenv(envRequire) == "1"
-	if testing.Short() && !required {
-		t.Skip("skipping the redis-server test in -short mode")
-	}
-	bin, err := exec.LookPath("redis-server")
-	if err != nil {
-		if required {
-			t.Fatalf("redis-server not found in PATH (apt-get install redis-server); %s=1, so this is a failure", envRequire)
-		}
-		t.Skip("skipping: redis-server not found in PATH (apt-get install redis-server)")
-	}
-	dir := t.TempDir()
-	for range 3 { // a free port can be taken before redis binds it
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		port := ln.Addr().(*net.TCPAddr).Port
-		ln.Close()
-		cmd := exec.Command(bin, "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-			"--dir", dir, "--daemonize", "no", "--logfile", filepath.Join(dir, "redis.log"))
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		exited := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(exited) }()
-		stop := func() {
-			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-			<-exited
-		}
-		addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
-		if pingRedis(addr, exited) {
-			t.Cleanup(stop)
-			return addr
-		}
-		stop()
-	}
-	log, _ := os.ReadFile(filepath.Join(dir, "redis.log"))
-	t.Fatalf("redis-server did not start; its log:\n%s", log)
-	return ""
-}
-
-// pingRedis waits until addr answers PING, or the server exits.
-func pingRedis(addr string, exited <-chan struct{}) bool {
-	deadline := time.Now().Add(wait)
-	for time.Now().Before(deadline) {
-		select {
-		case <-exited:
-			return false
-		default:
-		}
-		if c, err := net.DialTimeout("tcp", addr, time.Second); err == nil {
-			_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-			_, _ = c.Write([]byte("PING\r\n"))
-			line, _ := bufio.NewReader(c).ReadString('\n')
-			c.Close()
-			if strings.HasPrefix(line, "+PONG") {
-				return true
-			}
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return false
+	return redistest.Start(t, 0).Addr
 }
 
 // sink is a kvevents.Handler that keeps every event received and the set

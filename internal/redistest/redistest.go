@@ -1,5 +1,5 @@
-// Package redistest starts a real redis-server for tests, as kvstore's
-// tests do (kvstore/helpers_test.go): on a loopback port, no persistence,
+// Package redistest starts a real redis-server for tests (kvstore's and the
+// replicas' exchange): on a loopback port, no persistence,
 // its files in the test's temp dir, killed at the test's end. Without
 // redis-server the test skips, unless INFERGATE_E2E_REQUIRE=1, which fails
 // it instead (.ci/run installs redis-server and sets it).
