@@ -38,6 +38,7 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/gguf"
+	"github.com/infergate/infergate/internal/realpart"
 )
 
 // Ollama build identity; must match scripts/ollama.sh defaults.
@@ -50,8 +51,8 @@ const (
 const (
 	EnvOllama  = "INFERGATE_OLLAMA"       // path to an ollama binary to use
 	EnvBuild   = "INFERGATE_OLLAMA_BUILD" // "1": build into the cache when missing
-	EnvRequire = "INFERGATE_E2E_REQUIRE"  // "1": fail instead of skip when unavailable
-	EnvCache   = "INFERGATE_CACHE"        // cache root (default $HOME/.cache/infergate)
+	EnvRequire = realpart.EnvRequire      // "1": fail instead of skip when unavailable
+	EnvCache   = realpart.EnvCache        // cache root (default $HOME/.cache/infergate)
 )
 
 // ErrNoOllama reports that no Ollama binary is available.
@@ -59,15 +60,7 @@ var ErrNoOllama = errors.New("e2e: ollama binary not available")
 
 // CachedOllamaPath is where scripts/ollama.sh build puts the binary.
 func CachedOllamaPath() string {
-	root := os.Getenv(EnvCache)
-	if root == "" {
-		home, err := os.UserHomeDir()
-		if err != nil || home == "" {
-			home = "/root"
-		}
-		root = filepath.Join(home, ".cache", "infergate")
-	}
-	return filepath.Join(root, "ollama", OllamaVersion+"-"+OllamaMarch, "ollama")
+	return filepath.Join(realpart.CacheDir("ollama", OllamaVersion+"-"+OllamaMarch), "ollama")
 }
 
 // OllamaBinary returns the Ollama binary to use: $INFERGATE_OLLAMA if set,
@@ -76,13 +69,13 @@ func CachedOllamaPath() string {
 // the error wraps ErrNoOllama and says how to get one.
 func OllamaBinary() (string, error) {
 	if p := os.Getenv(EnvOllama); p != "" {
-		if err := executable(p); err != nil {
+		if err := realpart.Executable(p); err != nil {
 			return "", fmt.Errorf("%w: %s=%s: %v", ErrNoOllama, EnvOllama, p, err)
 		}
 		return p, nil
 	}
 	p := CachedOllamaPath()
-	if executable(p) == nil {
+	if realpart.Executable(p) == nil {
 		return p, nil
 	}
 	if os.Getenv(EnvBuild) != "1" {
@@ -104,21 +97,10 @@ func OllamaBinary() (string, error) {
 	if i := strings.LastIndexByte(built, '\n'); i >= 0 {
 		built = built[i+1:]
 	}
-	if err := executable(built); err != nil {
+	if err := realpart.Executable(built); err != nil {
 		return "", fmt.Errorf("%w: build printed %q: %v", ErrNoOllama, built, err)
 	}
 	return built, nil
-}
-
-func executable(p string) error {
-	st, err := os.Stat(p)
-	if err != nil {
-		return err
-	}
-	if st.IsDir() || st.Mode()&0o111 == 0 {
-		return fmt.Errorf("%s is not an executable file", p)
-	}
-	return nil
 }
 
 // buildScript finds scripts/ollama.sh next to this package's source.
@@ -147,10 +129,7 @@ func RequireOllama(t testing.TB) string {
 	t.Helper()
 	bin, err := OllamaBinary()
 	if err != nil {
-		if os.Getenv(EnvRequire) == "1" {
-			t.Fatalf("%v (%s=1, so this is a failure)", err, EnvRequire)
-		}
-		t.Skipf("skipping: %v", err)
+		realpart.Missing(t, err)
 	}
 	return bin
 }

@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/infergate/infergate/internal/realpart"
 )
 
 // Real tools the dashboard tests drive (Debian packages: apt-get install
@@ -34,7 +36,7 @@ var ErrNoTool = errors.New("e2e: tool not available")
 // names found in PATH. The error wraps ErrNoTool and says how to install it.
 func ToolBinary(env, pkg string, names ...string) (string, error) {
 	if p := os.Getenv(env); p != "" {
-		if err := executable(p); err != nil {
+		if err := realpart.Executable(p); err != nil {
 			return "", fmt.Errorf("%w: %s=%s: %v", ErrNoTool, env, p, err)
 		}
 		return p, nil
@@ -52,16 +54,10 @@ func ToolBinary(env, pkg string, names ...string) (string, error) {
 // -short mode unless required.
 func RequireTool(t testing.TB, env, pkg string, names ...string) string {
 	t.Helper()
-	required := os.Getenv(EnvRequire) == "1"
-	if testing.Short() && !required {
-		t.Skipf("skipping %s test in -short mode", pkg)
-	}
+	realpart.SkipShort(t, "the "+pkg+" test")
 	bin, err := ToolBinary(env, pkg, names...)
 	if err != nil {
-		if required {
-			t.Fatalf("%v (%s=1, so this is a failure)", err, EnvRequire)
-		}
-		t.Skipf("skipping: %v", err)
+		realpart.Missing(t, err)
 	}
 	return bin
 }
@@ -70,7 +66,7 @@ func RequireTool(t testing.TB, env, pkg string, names ...string) string {
 // runs the tests (GOROOT/bin/go, else go in PATH) and returns the binary.
 func BuildInfergate(ctx context.Context, dir string) (string, error) {
 	goBin := filepath.Join(os.Getenv("GOROOT"), "bin", "go")
-	if os.Getenv("GOROOT") == "" || executable(goBin) != nil {
+	if os.Getenv("GOROOT") == "" || realpart.Executable(goBin) != nil {
 		p, err := exec.LookPath("go")
 		if err != nil {
 			return "", fmt.Errorf("e2e: build infergate: no go command: %w", err)

@@ -20,6 +20,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/infergate/infergate/internal/realpart"
 )
 
 // Version is the Helm release scripts/helm.sh builds by default
@@ -29,9 +31,9 @@ const Version = "v3.22.0"
 
 // Environment variables read by this package.
 const (
-	EnvHelm    = "INFERGATE_HELM"        // path to a helm binary to use instead of the cached build
-	EnvCache   = "INFERGATE_CACHE"       // cache root (default $HOME/.cache/infergate)
-	EnvRequire = "INFERGATE_E2E_REQUIRE" // "1": fail instead of skip when helm is missing
+	EnvHelm    = "INFERGATE_HELM"    // path to a helm binary to use instead of the cached build
+	EnvCache   = realpart.EnvCache   // cache root (default $HOME/.cache/infergate)
+	EnvRequire = realpart.EnvRequire // "1": fail instead of skip when helm is missing
 )
 
 // DefaultTimeout bounds one helm run (a template of this chart takes well
@@ -44,28 +46,20 @@ var ErrNoHelm = errors.New("helm: binary not available")
 // CachedPath is where scripts/helm.sh build puts the binary:
 // ${INFERGATE_CACHE:-$HOME/.cache/infergate}/helm/<Version>/helm.
 func CachedPath() string {
-	root := os.Getenv(EnvCache)
-	if root == "" {
-		home, err := os.UserHomeDir()
-		if err != nil || home == "" {
-			home = "/root"
-		}
-		root = filepath.Join(home, ".cache", "infergate")
-	}
-	return filepath.Join(root, "helm", Version, "helm")
+	return filepath.Join(realpart.CacheDir("helm", Version), "helm")
 }
 
 // Binary returns the helm binary: $INFERGATE_HELM if set, else the cached
 // build. The error wraps ErrNoHelm and says how to get one.
 func Binary() (string, error) {
 	if p := os.Getenv(EnvHelm); p != "" {
-		if err := executable(p); err != nil {
+		if err := realpart.Executable(p); err != nil {
 			return "", fmt.Errorf("%w: %s=%s: %v", ErrNoHelm, EnvHelm, p, err)
 		}
 		return p, nil
 	}
 	p := CachedPath()
-	if err := executable(p); err != nil {
+	if err := realpart.Executable(p); err != nil {
 		return "", fmt.Errorf("%w: %s not built; run scripts/helm.sh build (about 4 CPU-minutes cold), or set %s=/path/to/helm",
 			ErrNoHelm, p, EnvHelm)
 	}
@@ -78,23 +72,9 @@ func Require(t testing.TB) string {
 	t.Helper()
 	bin, err := Binary()
 	if err != nil {
-		if os.Getenv(EnvRequire) == "1" {
-			t.Fatalf("%v (%s=1, so this is a failure)", err, EnvRequire)
-		}
-		t.Skipf("skipping: %v", err)
+		realpart.Missing(t, err)
 	}
 	return bin
-}
-
-func executable(p string) error {
-	st, err := os.Stat(p)
-	if err != nil {
-		return err
-	}
-	if st.IsDir() || st.Mode()&0o111 == 0 {
-		return fmt.Errorf("%s is not an executable file", p)
-	}
-	return nil
 }
 
 // ChartDir returns the chart's directory, deploy/helm/infergate, found next

@@ -88,6 +88,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/infergate/infergate/internal/realpart"
 )
 
 // Version is the Kubernetes release scripts/kube.sh builds by default
@@ -97,9 +99,9 @@ const Version = "v1.37.2"
 
 // Environment variables read by this package.
 const (
-	EnvKubeDir = "INFERGATE_KUBE_DIR"    // directory with kube-apiserver and etcd, instead of the cached build
-	EnvCache   = "INFERGATE_CACHE"       // cache root (default $HOME/.cache/infergate)
-	EnvRequire = "INFERGATE_E2E_REQUIRE" // "1": fail instead of skip when the binaries are missing
+	EnvKubeDir = "INFERGATE_KUBE_DIR" // directory with kube-apiserver and etcd, instead of the cached build
+	EnvCache   = realpart.EnvCache    // cache root (default $HOME/.cache/infergate)
+	EnvRequire = realpart.EnvRequire  // "1": fail instead of skip when the binaries are missing
 )
 
 // Defaults for Options' zero values.
@@ -128,7 +130,7 @@ func Binaries() (apiserver, etcd string, err error) {
 	}
 	apiserver, etcd = filepath.Join(dir, "kube-apiserver"), filepath.Join(dir, "etcd")
 	for _, p := range []string{apiserver, etcd} {
-		if e := executable(p); e != nil {
+		if e := realpart.Executable(p); e != nil {
 			return "", "", fmt.Errorf("%w: %s: %s", ErrNoBinaries, p, how)
 		}
 	}
@@ -138,26 +140,7 @@ func Binaries() (apiserver, etcd string, err error) {
 // CacheDir is where scripts/kube.sh build puts the binaries:
 // ${INFERGATE_CACHE:-$HOME/.cache/infergate}/kube/<Version>.
 func CacheDir() string {
-	root := os.Getenv(EnvCache)
-	if root == "" {
-		home, err := os.UserHomeDir()
-		if err != nil || home == "" {
-			home = "/root"
-		}
-		root = filepath.Join(home, ".cache", "infergate")
-	}
-	return filepath.Join(root, "kube", Version)
-}
-
-func executable(p string) error {
-	st, err := os.Stat(p)
-	if err != nil {
-		return err
-	}
-	if st.IsDir() || st.Mode()&0o111 == 0 {
-		return fmt.Errorf("%s is not an executable file", p)
-	}
-	return nil
+	return realpart.CacheDir("kube", Version)
 }
 
 // Require returns the binaries, or skips the test with the reason (fails
@@ -165,15 +148,10 @@ func executable(p string) error {
 // unless INFERGATE_E2E_REQUIRE=1, as the other real-process tests do.
 func Require(t testing.TB) (apiserver, etcd string) {
 	t.Helper()
-	if testing.Short() && os.Getenv(EnvRequire) != "1" {
-		t.Skip("skipping the kube-apiserver test in -short mode")
-	}
+	realpart.SkipShort(t, "the kube-apiserver test")
 	apiserver, etcd, err := Binaries()
 	if err != nil {
-		if os.Getenv(EnvRequire) == "1" {
-			t.Fatalf("%v (%s=1, so this is a failure)", err, EnvRequire)
-		}
-		t.Skipf("skipping: %v", err)
+		realpart.Missing(t, err)
 	}
 	return apiserver, etcd
 }

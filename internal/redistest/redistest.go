@@ -7,6 +7,7 @@ package redistest
 
 import (
 	"bufio"
+	"errors"
 	"net"
 	"os"
 	"os/exec"
@@ -16,6 +17,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/infergate/infergate/internal/realpart"
 )
 
 // Wait bounds every wait of these helpers: generous, never a measured
@@ -38,16 +41,10 @@ func (s *Server) Stop() { s.stop() }
 // port, skipping or failing the test without the binary.
 func Start(t testing.TB, port int) *Server {
 	t.Helper()
-	required := os.Getenv("INFERGATE_E2E_REQUIRE") == "1"
-	if testing.Short() && !required {
-		t.Skip("skipping the redis-server test in -short mode")
-	}
+	realpart.SkipShort(t, "the redis-server test")
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
-		if required {
-			t.Fatalf("redis-server not found in PATH (apt-get install redis-server); INFERGATE_E2E_REQUIRE=1, so this is a failure")
-		}
-		t.Skip("skipping: redis-server not found in PATH (apt-get install redis-server)")
+		realpart.Missing(t, errors.New("redis-server not found in PATH (apt-get install redis-server)"))
 	}
 	dir := t.TempDir()
 	for range 3 { // a free port can be taken before redis binds it
