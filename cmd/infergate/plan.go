@@ -155,27 +155,13 @@ func (fl *planFlags) pdVariants(largest int) ([]plan.PDVariant, error) {
 			thresholds = append(thresholds, t)
 		}
 	}
-	locals := []string{""}
-	if fl.pdLocal != "" {
-		locals = locals[:0]
-		for _, item := range strings.Split(fl.pdLocal, ",") {
-			l := strings.TrimSpace(item)
-			if l != sched.PDLocalDecode && l != sched.PDLocalAny {
-				return nil, fmt.Errorf("--pd-local %q: want decode or any", item)
-			}
-			locals = append(locals, l)
-		}
+	locals, err := choiceList("--pd-local", fl.pdLocal, sched.PDLocalDecode, sched.PDLocalAny)
+	if err != nil {
+		return nil, err
 	}
-	busies := []string{""}
-	if fl.pdBusy != "" {
-		busies = busies[:0]
-		for _, item := range strings.Split(fl.pdBusy, ",") {
-			b := strings.TrimSpace(item)
-			if b != sched.PDBusyQueue && b != sched.PDBusyCost {
-				return nil, fmt.Errorf("--pd-busy %q: want queue or cost", item)
-			}
-			busies = append(busies, b)
-		}
+	busies, err := choiceList("--pd-busy", fl.pdBusy, sched.PDBusyQueue, sched.PDBusyCost)
+	if err != nil {
+		return nil, err
 	}
 	budgets := []int{0}
 	if fl.pdBudget != "" {
@@ -203,6 +189,23 @@ func (fl *planFlags) pdVariants(largest int) ([]plan.PDVariant, error) {
 				}
 			}
 		}
+	}
+	return out, nil
+}
+
+// choiceList parses flag's comma-separated value, each item one of
+// allowed; an empty value is [""] (the configuration's default).
+func choiceList(flag, value string, allowed ...string) ([]string, error) {
+	if value == "" {
+		return []string{""}, nil
+	}
+	var out []string
+	for _, item := range strings.Split(value, ",") {
+		v := strings.TrimSpace(item)
+		if !slices.Contains(allowed, v) {
+			return nil, fmt.Errorf("%s %q: want %s", flag, item, strings.Join(allowed, " or "))
+		}
+		out = append(out, v)
 	}
 	return out, nil
 }
