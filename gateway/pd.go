@@ -302,11 +302,7 @@ func (g *Gateway) pickWith(p *pool, req *sched.Request, excluded []bool,
 	defer p.release(snap)
 	s := *snap
 	for range len(s) {
-		for i := range s {
-			if excluded[i] || int(p.endpoints[i].ledger.InFlight()) >= limit { // own requests (route.go)
-				s[i].Ready = false
-			}
-		}
+		p.ruleOut(s, excluded, limit)
 		d := pick(req, s)
 		if d.Endpoint < 0 || d.Endpoint >= len(s) || !s[d.Endpoint].Ready {
 			return -1, d
@@ -327,11 +323,7 @@ func (g *Gateway) pickSplit(r *http.Request, x *exchange, kind apiKind, p *pool,
 	x.pd.orig, x.pd.origSet = x.pass.sendBody, true
 	snap := p.snapshot()
 	s := *snap
-	for i := range s {
-		if excluded[i] || int(p.endpoints[i].ledger.InFlight()) >= p.maxRequests { // own requests (route.go)
-			s[i].Ready = false
-		}
-	}
+	p.ruleOut(s, excluded, p.maxRequests)
 	dec := p.pd.Pick(&x.sreq, s)
 	p.release(snap)
 	di, dd := -1, dec.Decode

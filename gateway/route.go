@@ -210,13 +210,7 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 	defer p.release(snap)
 	s := *snap
 	for range len(s) { // each round takes a slot or rules one endpoint out
-		for i := range s {
-			// The breaker bounds this replica's own requests: peers' add to
-			// the snapshot's InFlight (p.peers).
-			if excluded[i] || int(p.endpoints[i].ledger.InFlight()) >= limit {
-				s[i].Ready = false
-			}
-		}
+		p.ruleOut(s, excluded, limit)
 		d := p.policy.Pick(req, s)
 		if d.Endpoint < 0 || d.Endpoint >= len(s) || !s[d.Endpoint].Ready {
 			return -1, d
@@ -230,6 +224,18 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 		s[d.Endpoint].Ready = false // filled up since the snapshot
 	}
 	return -1, sched.Decision{Endpoint: -1}
+}
+
+// ruleOut marks not ready in s, a snapshot of p, the endpoints excluded
+// (failed earlier in this request) and those at the circuit breaker's
+// limit. The breaker bounds this replica's own requests: the peers' add to
+// the snapshot's InFlight (p.peers), not to the ledger.
+func (p *pool) ruleOut(s []sched.Endpoint, excluded []bool, limit int) {
+	for i := range s {
+		if excluded[i] || int(p.endpoints[i].ledger.InFlight()) >= limit {
+			s[i].Ready = false
+		}
+	}
 }
 
 // AttemptsHeader is set on a response that needed more than one attempt:
