@@ -8,13 +8,16 @@ import (
 
 // fixedMatch is a MatchSource that reports the same leading blocks per
 // endpoint for every prompt (capped at the prompt's length).
-type fixedMatch []int
+// (A pointer: the framework compares match sources.)
+type fixedMatch struct{ m []int }
 
-func (f fixedMatch) Match(hashes []uint64, matched []int) {
+func fm(m ...int) *fixedMatch { return &fixedMatch{m} }
+
+func (f *fixedMatch) Match(hashes []uint64, matched []int) {
 	for i := range matched {
 		matched[i] = 0
-		if i < len(f) {
-			matched[i] = min(f[i], len(hashes))
+		if i < len(f.m) {
+			matched[i] = min(f.m[i], len(hashes))
 		}
 	}
 }
@@ -192,7 +195,7 @@ func TestSGLangRule(t *testing.T) {
 }
 
 func TestDynamoCost(t *testing.T) {
-	pool := Pool{Capacity: caps(3, 1000), Precise: fixedMatch{0, 50, 100}}
+	pool := Pool{Capacity: caps(3, 1000), Precise: fm(0, 50, 100)}
 	p := newProfileT(t, Config{Policy: Dynamo}, pool)
 	eps := ready(3)
 	r := req(tokens(1600, 1)) // 100 blocks
@@ -229,11 +232,47 @@ func TestPeerProfilesAllocFree(t *testing.T) {
 	r := req(tokens(12000, 1))
 	eps := ready(16)
 	for _, name := range []string{LLMD, SGLang, Dynamo} {
-		p := newProfileT(t, Config{Policy: name}, Pool{Capacity: caps(16, 100000), Precise: fixedMatch{3, 5}})
+		p := newProfileT(t, Config{Policy: name}, Pool{Capacity: caps(16, 100000), Precise: fm(3, 5)})
 		p.Pick(r, eps)
 		p.Pick(r, eps)
 		if n := testing.AllocsPerRun(50, func() { p.Pick(r, eps) }); n != 0 {
 			t.Errorf("%s: Pick allocates %.0f times", name, n)
 		}
+	}
+}
+
+// The ttft-bound filter drops candidates whose estimated TTFT exceeds the
+// fastest's by more than slack cold prefills, whatever their match.
+func TestTTFTBoundFilter(t *testing.T) {
+	prof := ProfileConfig{
+		Filters: []string{FilterTTFTBound},
+		Scorers: []ScorerConfig{{Type: ScorerPrecisePrefix, Weight: 10}, {Type: ScorerCost, Weight: 1}},
+	}
+	cfg := Config{Policy: "b", Profiles: map[string]ProfileConfig{"b": prof}}
+	// Endpoint 0 holds the whole 1,600-token prompt (100 blocks), 1 none.
+	pool := Pool{Capacity: caps(2, 1000), Precise: fm(100, 0)}
+	p := newProfileT(t, cfg, pool)
+	eps := ready(2)
+	r := req(tokens(1600, 1))
+	// At the default 10,000 tokens/s the cold prefill is 0.16 s. A backlog
+	// of 1,000 tokens (0.1 s) on the holder is within the bound: affinity.
+	eps[0].PendingPrefillTokens = 1000
+	if d := p.Pick(r, eps); d.Endpoint != 0 {
+		t.Fatalf("small backlog: %+v, want the holder", d)
+	}
+	// 100,000 tokens (10 s, another request's long prefill) is not: the
+	// holder is filtered out however strongly its match scores.
+	eps[0].PendingPrefillTokens = 100000
+	if d := p.Pick(r, eps); d.Endpoint != 1 {
+		t.Fatalf("long backlog: %+v, want the idle endpoint", d)
+	}
+	// Slack 100 (16 s) lets affinity wait for it again.
+	cfg.TTFTBound.Slack = 100
+	if d := newProfileT(t, cfg, pool).Pick(r, eps); d.Endpoint != 0 {
+		t.Fatalf("slack 100: %+v, want the holder", d)
+	}
+	cfg.TTFTBound.Slack = -1
+	if err := Validate(cfg); err == nil || !strings.Contains(err.Error(), "ttft_bound.slack") {
+		t.Fatalf("negative slack: %v", err)
 	}
 }

@@ -23,7 +23,8 @@ import (
 //
 // Readiness is always filtered first. Unknown names are errors.
 type ProfileConfig struct {
-	// Filters run in order (names: model, adapter-capacity, hot-spot).
+	// Filters run in order (names: model, adapter-capacity, hot-spot,
+	// ttft-bound).
 	Filters []string `yaml:"filters"`
 	// Scorers and their weights (≥ 0; names: prefix, precise-prefix, queue,
 	// kv-utilization, in-flight-tokens, session, lora, cost, and the peers'
@@ -296,6 +297,9 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint6
 	}
 	for _, fname := range pc.Filters {
 		f, err := newFilter(fname, balance)
+		if fname == FilterTTFTBound {
+			f, err = newTTFTBound(cfg, pcfg)
+		}
 		if err != nil {
 			return nil, where("%v", err)
 		}
@@ -417,7 +421,7 @@ func newFilter(name string, balance Balance) (Filter, error) {
 	case FilterHotSpot:
 		return hotSpotFilter{cfg: balance}, nil
 	}
-	return nil, fmt.Errorf("unknown filter %q (want model, adapter-capacity, hot-spot)", name)
+	return nil, fmt.Errorf("unknown filter %q (want model, adapter-capacity, hot-spot, ttft-bound)", name)
 }
 
 // newPicker returns the picker of that name ("": max-score); matched says

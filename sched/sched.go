@@ -171,6 +171,8 @@ type Config struct {
 	// PD configures the decisions of pools whose endpoints have P/D roles
 	// (pd.go).
 	PD PDConfig `yaml:"pd"`
+	// TTFTBound tunes the ttft-bound filter (ttftbound.go).
+	TTFTBound TTFTBoundConfig `yaml:"ttft_bound"`
 	// LLMD, SGLang and Dynamo tune the peers' plugins (peers.go): the
 	// llm-d-prefix and no-hit-lru scorers, SGLang's tree and picker,
 	// Dynamo's cost picker. Zero values take each peer's defaults.
