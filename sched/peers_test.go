@@ -276,3 +276,28 @@ func TestTTFTBoundFilter(t *testing.T) {
 		t.Fatalf("negative slack: %v", err)
 	}
 }
+
+// BenchmarkPeerPick is one decision of each peer profile with 16
+// endpoints on a 12k-token prompt (the llm-d profile's 64-token index,
+// SGLang's tree, Dynamo's cost on a fixed precise match), learning
+// included.
+func BenchmarkPeerPick(b *testing.B) {
+	eps := ready(16)
+	for i := range eps {
+		eps[i].Metrics, eps[i].KVUtil, eps[i].InFlight = true, 0.3, i%5
+	}
+	for _, name := range []string{LLMD, SGLang, Dynamo} {
+		b.Run(name, func(b *testing.B) {
+			p := newProfileT(b, Config{Policy: name}, Pool{Capacity: caps(16, 100000), Precise: fm(3, 5, 700)})
+			reqs := make([]*Request, 64)
+			for i := range reqs {
+				reqs[i] = req(append(tokens(4000, 1), tokens(8000, uint32(i+1)*100000)...))
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := range b.N {
+				p.Pick(reqs[i%len(reqs)], eps)
+			}
+		})
+	}
+}
