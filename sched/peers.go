@@ -50,15 +50,17 @@ const (
 )
 
 // LLMDConfig tunes the llm-d-prefix scorer (YAML routing.llm_d). Zero
-// values take the defaults, which are the Gateway API Inference Extension
-// prefix plugin's (kubernetes-sigs/gateway-api-inference-extension v1.0.0,
+// values take the Gateway API Inference Extension prefix plugin's defaults
+// (kubernetes-sigs/gateway-api-inference-extension v1.0.0,
 // pkg/epp/scheduling/framework/plugins/multi/prefix/plugin.go:
 // DefaultHashBlockSize 64, DefaultMaxPrefixBlocks 256,
-// DefaultLRUCapacityPerServer 31250), which llm-d's optimized-baseline
-// guide runs with its built-in defaults (llm-d v0.9.0,
-// llm-d-inference-scheduler v0.9.0 on GIE v1.5.0). GIE v1.0.0 counted the
-// 64 in characters of the prompt; later releases (blockSizeTokens) and
-// llm-d's guides count tokens, as here.
+// DefaultLRUCapacityPerServer 31250), the 64-token blocks issue 19 names
+// for llm-d's optimized baseline (whose guide, llm-d v0.9.0, sets no
+// prefix parameter). GIE v1.0.0 counted the 64 in characters of the
+// prompt; later releases (blockSizeTokens) and llm-d's guides count
+// tokens, as here. llm-d-router's current approximate producer defaults
+// differ (16-token blocks, a 131,072-token cap, autotuned from the
+// engines' metrics).
 type LLMDConfig struct {
 	// BlockSizeTokens is the scorer's hash block (tokens; default 64). It
 	// must be a multiple of routing.prefix.block_size: a block of it
