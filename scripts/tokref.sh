@@ -23,8 +23,9 @@
 #     @huggingface/jinja under Node over hftokenizer/testdata/corpus.json,
 #     data/fastchat_mtbench_question.jsonl and data/vllm_sonnet.txt.
 # The vectors are regenerated whenever the oracle or its inputs change (a
-# SHA-256 of them is kept in vectors.stamp). Cold: ~10 s (npm install of
-# ~90 MB, module download of ~16 MB, two oracle runs of ~3 s).
+# SHA-256 of them is kept in vectors.stamp). Cold (empty npm, Go module and
+# infergate caches): 28 s wall at load average 17 on the 2-core host (npm
+# install of ~90 MB, module download of ~16 MB, two oracle runs of ~3 s).
 #
 # Environment:
 #   INFERGATE_CACHE   cache root (default $HOME/.cache/infergate)
