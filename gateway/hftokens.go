@@ -16,7 +16,8 @@ import (
 //
 //   - chat: the messages and tools rendered with the tokenizer folder's
 //     chat_template (add_generation_prompt and chat_template_kwargs from the
-//     body; add_generation_prompt defaults to true, as vLLM's), tokenized
+//     body; add_generation_prompt defaults to true, as vLLM's; the messages
+//     preprocessed as vLLM does, hftokenizer.Chat.VLLMMessages), tokenized
 //     without added special tokens (vllm/entrypoints/openai/serving_engine.py
 //     tokenizes a rendered chat with add_special_tokens=False). Without a
 //     template, or when it fails on the request, the gateway's canonical
@@ -70,7 +71,7 @@ func renderChatBody(tpl *hftokenizer.ChatTemplate, body []byte) (string, bool) {
 	if msgs == nil {
 		return "", false
 	}
-	c := hftokenizer.Chat{Messages: msgs, Tools: memberValue(body, "tools"), AddGenerationPrompt: true}
+	c := hftokenizer.Chat{Messages: msgs, Tools: memberValue(body, "tools"), AddGenerationPrompt: true, VLLMMessages: true}
 	if v := memberValue(body, "add_generation_prompt"); v != nil {
 		c.AddGenerationPrompt = !bytes.Equal(v, []byte("false"))
 	}

@@ -171,6 +171,14 @@ type Chat struct {
 	// Now is strftime_now's clock (Llama-3.1+ templates print the date);
 	// zero means time.Now. Passed in so rendering stays reproducible.
 	Now time.Time
+	// VLLMMessages applies vLLM's message preprocessing before rendering
+	// (vllm/entrypoints/chat_utils.py, _postprocess_messages and
+	// _parse_chat_message_content): an assistant's tool-call "arguments"
+	// string is parsed into an object (null or "" → {}), an empty
+	// "tool_calls" list is dropped, and a null "content" becomes "" — what
+	// a vLLM engine renders, where transformers' apply_chat_template
+	// (false) takes the messages as given.
+	VLLMMessages bool
 }
 
 // Render renders c. The messages keep their keys' order (tojson prints
@@ -187,6 +195,11 @@ func (t *ChatTemplate) Render(c Chat) (string, error) {
 	}
 	if t.ContentAsString {
 		flattenContent(list)
+	}
+	if c.VLLMMessages {
+		if err := vllmMessages(list); err != nil {
+			return "", err
+		}
 	}
 	data := map[string]any{
 		"messages":              list,
@@ -277,6 +290,75 @@ func flattenContent(msgs []any) {
 			p.Value = exec.AsValue(strings.Join(texts, "\n"))
 		}
 	}
+}
+
+// vllmMessages is vLLM's preprocessing of Chat.VLLMMessages, in place.
+func vllmMessages(msgs []any) error {
+	for _, m := range msgs {
+		d, ok := m.(*exec.Dict)
+		if !ok {
+			continue
+		}
+		role := d.Get(exec.AsValue("role"))
+		keep := d.Pairs[:0]
+		for _, p := range d.Pairs {
+			switch p.Key.String() {
+			case "content":
+				if p.Value.IsNil() {
+					p.Value = exec.AsValue("")
+				}
+			case "tool_calls":
+				calls, ok := p.Value.Interface().([]any)
+				if !ok || !role.IsString() || role.String() != "assistant" {
+					break
+				}
+				if len(calls) == 0 {
+					continue // dropped
+				}
+				for _, c := range calls {
+					if err := parseArguments(c); err != nil {
+						return err
+					}
+				}
+			}
+			keep = append(keep, p)
+		}
+		d.Pairs = keep
+	}
+	return nil
+}
+
+// parseArguments turns a tool call's function.arguments string into the
+// object it encodes (vLLM: json.loads; "" or null → {}).
+func parseArguments(call any) error {
+	c, ok := call.(*exec.Dict)
+	if !ok {
+		return nil
+	}
+	fn, ok := c.Get(exec.AsValue("function")).Interface().(*exec.Dict)
+	if !ok {
+		return nil
+	}
+	for _, p := range fn.Pairs {
+		if p.Key.String() != "arguments" {
+			continue
+		}
+		switch v := p.Value.Interface().(type) {
+		case nil:
+			p.Value = exec.AsValue(exec.NewDict())
+		case string:
+			if v == "" {
+				p.Value = exec.AsValue(exec.NewDict())
+				continue
+			}
+			obj, err := decodeOrdered([]byte(v))
+			if err != nil {
+				return fmt.Errorf("tool call arguments are not JSON: %w", err)
+			}
+			p.Value = exec.AsValue(obj)
+		}
+	}
+	return nil
 }
 
 // decodeOrdered decodes JSON into template values that keep an object's key

@@ -63,6 +63,22 @@ func TestMultiPartContentFlattened(t *testing.T) {
 	}
 }
 
+func TestVLLMMessages(t *testing.T) {
+	src := `{% for m in messages %}{{ m.role }}:{{ m.content }}{% if m.tool_calls is defined %}{% for c in m.tool_calls %}{{ c.function.arguments | tojson }}{% endfor %}{% else %}(none){% endif %};{% endfor %}`
+	msgs := `[{"role":"assistant","content":null,"tool_calls":[{"function":{"name":"f","arguments":"{\"b\":1,\"a\":[2]}"}},{"function":{"name":"g","arguments":""}},{"function":{"name":"h","arguments":{"k":"v"}}}]},{"role":"assistant","content":"x","tool_calls":[]}]`
+	got, err := render(t, src, msgs, Chat{VLLMMessages: true})
+	if want := `assistant:{"b": 1, "a": [2]}{}{"k": "v"};assistant:x(none);`; err != nil || got != want {
+		t.Errorf("vLLM: %q %v, want %q", got, err, want)
+	}
+	got, err = render(t, src, msgs, Chat{})
+	if want := `assistant:"{\"b\":1,\"a\":[2]}"""{"k": "v"};assistant:x;`; err != nil || got != want {
+		t.Errorf("transformers: %q %v, want %q", got, err, want)
+	}
+	if _, err := render(t, src, `[{"role":"assistant","tool_calls":[{"function":{"arguments":"{bad"}}]}]`, Chat{VLLMMessages: true}); err == nil {
+		t.Error("arguments that are not JSON rendered")
+	}
+}
+
 func TestRenderErrors(t *testing.T) {
 	for name, c := range map[string]struct{ src, msgs string }{
 		"raise":     {`{{ raise_exception("no system role") }}`, `[]`},
