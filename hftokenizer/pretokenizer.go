@@ -26,7 +26,18 @@ type splitter struct {
 	re        *regexp2.Regexp // nil: no regex (split nothing)
 	fast      bool            // run scanFamily instead of re
 	maxDigits int             // scanFamily: \p{N}{1,maxDigits}; 0 = \p{N}+
+	keep      keepMode        // which pieces become words
 }
+
+// keepMode is what a Split keeps of its text: the matches and the text
+// between them, only the matches, or only the text between them.
+type keepMode uint8
+
+const (
+	keepBoth keepMode = iota
+	keepMatches
+	keepGaps
+)
 
 // Patterns recognised by the scanner. llama3Pattern is Meta-Llama-3's and
 // cl100k_base's; qwen2Pattern is Qwen2's, Qwen2.5's and Qwen3's (digits one

@@ -70,10 +70,14 @@ func Load(path string) (*Tokenizer, error) {
 	cfgPath := filepath.Join(dir, "tokenizer_config.json")
 	if cfg, err := readBounded(cfgPath); err == nil {
 		tpl, err := ParseConfig(cfg)
-		if err != nil {
+		switch {
+		case errors.Is(err, ErrNoChatTemplate):
+			// A tokenizer without a chat template: Template() is nil.
+		case err != nil:
 			return nil, fmt.Errorf("%s: %w", cfgPath, err)
+		default:
+			t.template = tpl
 		}
-		t.template = tpl
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return nil, err
 	}
@@ -216,8 +220,20 @@ func (t *Tokenizer) parsePreTokenizer(c *componentJSON) error {
 			}
 		}
 	case "Split":
-		if c.Behavior != "Isolated" || c.Invert {
-			return fmt.Errorf("Split pre-tokenizer with behavior %q invert %v is not supported (only Isolated)", c.Behavior, c.Invert)
+		// Isolated keeps matches and the text between them as words;
+		// Removed drops the delimiters: the matches, or with invert (the
+		// pattern then matches what is kept, GPT-4o's files) the text
+		// between them (tokenizers/src/pre_tokenizers/split.rs,
+		// normalizer.rs NormalizedString::split).
+		keep := keepBoth
+		switch {
+		case c.Behavior == "Isolated":
+		case c.Behavior == "Removed" && c.Invert:
+			keep = keepMatches
+		case c.Behavior == "Removed":
+			keep = keepGaps
+		default:
+			return fmt.Errorf("Split pre-tokenizer with behavior %q is not supported (only Isolated, Removed)", c.Behavior)
 		}
 		if c.Pattern == nil || (c.Pattern.Regex == nil) == (c.Pattern.String == nil) {
 			return errors.New("Split pre-tokenizer needs one pattern, Regex or String")
@@ -228,10 +244,11 @@ func (t *Tokenizer) parsePreTokenizer(c *componentJSON) error {
 		} else {
 			pat = regexpQuote(*c.Pattern.String)
 		}
-		s, err := newSplitter(pat, true)
+		s, err := newSplitter(pat, keep == keepBoth)
 		if err != nil {
 			return err
 		}
+		s.keep = keep
 		t.steps = append(t.steps, preStep{split: s})
 	case "ByteLevel":
 		st := preStep{addPrefixSpace: c.AddPrefixSpace}
@@ -509,22 +526,25 @@ func (t *Tokenizer) appendPre(dst []uint32, text string, k int) ([]uint32, error
 	if err != nil {
 		return dst, fmt.Errorf("%w: %v", ErrRegexTimeout, err)
 	}
+	keep := st.split.keep
 	prev := 0
 	for _, m := range idx {
 		if m[0] == m[1] {
 			continue
 		}
-		if m[0] > prev {
+		if m[0] > prev && keep != keepMatches {
 			if dst, err = t.appendPre(dst, prefixSpace(text[prev:m[0]], st.addPrefixSpace), k+1); err != nil {
 				return dst, err
 			}
 		}
-		if dst, err = t.appendPre(dst, prefixSpace(text[m[0]:m[1]], st.addPrefixSpace), k+1); err != nil {
-			return dst, err
+		if keep != keepGaps {
+			if dst, err = t.appendPre(dst, prefixSpace(text[m[0]:m[1]], st.addPrefixSpace), k+1); err != nil {
+				return dst, err
+			}
 		}
 		prev = m[1]
 	}
-	if prev < len(text) {
+	if prev < len(text) && keep != keepMatches {
 		dst, err = t.appendPre(dst, prefixSpace(text[prev:], st.addPrefixSpace), k+1)
 	}
 	return dst, err

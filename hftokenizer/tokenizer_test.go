@@ -175,6 +175,28 @@ func TestAddedTokens(t *testing.T) {
 	}
 }
 
+func TestSplitBehaviors(t *testing.T) {
+	split := func(behavior string, invert bool) *Tokenizer {
+		return mustParse(t, tinyJSON(t, nil, false, nil, map[string]any{
+			"pre_tokenizer": map[string]any{"type": "Split", "pattern": map[string]any{"Regex": `\d+`}, "behavior": behavior, "invert": invert},
+		}))
+	}
+	for _, c := range []struct {
+		behavior string
+		invert   bool
+		want     []uint32
+	}{
+		{"Isolated", false, []uint32{'a', 'b', '1', '2', 'c'}},
+		{"Removed", true, []uint32{'1', '2'}},       // only the matches
+		{"Removed", false, []uint32{'a', 'b', 'c'}}, // only the text between
+	} {
+		got, err := split(c.behavior, c.invert).Encode("ab12c", false)
+		if err != nil || !slices.Equal(got, c.want) {
+			t.Errorf("%s invert %v: %v %v, want %v", c.behavior, c.invert, got, err, c.want)
+		}
+	}
+}
+
 func TestNFC(t *testing.T) {
 	tok := mustParse(t, tinyJSON(t, nil, false, nil, map[string]any{"normalizer": map[string]any{"type": "NFC"}}))
 	a, _ := tok.Encode("Cafe\u0301", false)
@@ -188,7 +210,7 @@ func TestUnsupportedComponents(t *testing.T) {
 	for name, extra := range map[string]map[string]any{
 		"normalizer":     {"normalizer": map[string]any{"type": "Lowercase"}},
 		"pre_tokenizer":  {"pre_tokenizer": map[string]any{"type": "Metaspace"}},
-		"split behavior": {"pre_tokenizer": map[string]any{"type": "Split", "pattern": map[string]any{"Regex": "a"}, "behavior": "Removed"}},
+		"split behavior": {"pre_tokenizer": map[string]any{"type": "Split", "pattern": map[string]any{"Regex": "a"}, "behavior": "MergedWithNext"}},
 		"bad regex":      {"pre_tokenizer": map[string]any{"type": "Split", "pattern": map[string]any{"Regex": "(a"}, "behavior": "Isolated"}},
 		"post":           {"post_processor": map[string]any{"type": "BertProcessing"}},
 		"decoder":        {"decoder": map[string]any{"type": "WordPiece"}},

@@ -70,8 +70,9 @@ function tokenString(v) {
   return typeof v === "string" ? v : v.content;
 }
 
-const template = new Template(tokenizerConfig.chat_template);
-for (const c of chats) {
+// A model without a chat template (GPT-4o's files) has text vectors only.
+const template = tokenizerConfig.chat_template ? new Template(tokenizerConfig.chat_template) : null;
+for (const c of template ? chats : []) {
   const ctx = {
     messages: flatten(c.messages),
     add_generation_prompt: !!c.add_generation_prompt,
@@ -93,5 +94,5 @@ for (const c of chats) {
 process.stdout.write(JSON.stringify({
   oracle: { tokenizers: "@lenml/tokenizers", jinja: "@huggingface/jinja" },
   texts,
-  chats,
+  chats: template ? chats : [],
 }));
