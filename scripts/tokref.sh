@@ -28,8 +28,9 @@
 #     data/fastchat_mtbench_question.jsonl and data/vllm_sonnet.txt.
 # The vectors are regenerated whenever the oracle or its inputs change (a
 # SHA-256 of them is kept in vectors.stamp). Cold (empty npm, Go module and
-# infergate caches): 28 s wall at load average 17 on the 2-core host (npm
-# install of ~90 MB, module download of ~16 MB, two oracle runs of ~3 s).
+# infergate caches): 46 s wall at load average 20 on the 2-core host (npm
+# install of 53 MB of packages, a 16 MB module download, four oracle runs);
+# 262 MB in the cache.
 #
 # Environment:
 #   INFERGATE_CACHE   cache root (default $HOME/.cache/infergate)
