@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 	"unicode/utf8"
+
+	"golang.org/x/text/unicode/norm"
 )
 
 // tinyJSON builds a byte-level BPE tokenizer.json: the 256 byte tokens
@@ -405,6 +407,46 @@ func FuzzMergeMatchesNaive(f *testing.F) {
 		got := tok.model.merge(nil, s, new(mergeScratch))
 		if want := naiveMerge(&tok.model, s); !slices.Equal(got, want) {
 			t.Fatalf("%q: heap %v, naive %v", s, got, want)
+		}
+	})
+}
+
+// FuzzEncodeReference runs FuzzEncode's checks on the real Llama-3 and
+// Qwen3 files (scripts/tokref.sh; skipped without them): their added
+// tokens, NFC (Qwen3: round trip compared after NFC) and the scanner on
+// the real vocabularies.
+func FuzzEncodeReference(f *testing.F) {
+	for _, s := range splitSeeds {
+		f.Add(s)
+	}
+	f.Add("<|im_start|>user\nhi<|im_end|><|begin_of_text|><think>x</think>")
+	var toks []*Tokenizer
+	for _, m := range []string{"llama3", "qwen3"} {
+		tok, _ := reference(f, m)
+		toks = append(toks, tok)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		for _, tok := range toks {
+			ids, err := tok.Encode(s, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, id := range ids {
+				if int(id) >= tok.VocabSize() {
+					t.Fatalf("id %d outside the vocabulary", id)
+				}
+			}
+			if !utf8.ValidString(s) {
+				continue
+			}
+			plain, _ := tok.Encode(s, false)
+			want := s
+			if tok.nfc {
+				want = norm.NFC.String(s)
+			}
+			if got := tok.Decode(plain, false); got != want {
+				t.Fatalf("%q decodes to %q", s, got)
+			}
 		}
 	})
 }
