@@ -93,3 +93,15 @@ func BenchmarkEncode12k(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkLoad reads and parses the Llama-3 tokenizer.json (9 MB, 128,256
+// tokens, 280,147 merges) and its tokenizer_config.json.
+func BenchmarkLoad(b *testing.B) {
+	dir := filepath.Join(realpart.CacheDir("tokref", "daulet-v1.24.0_lenml-3.7.2_jinja-0.5.13"), "llama3")
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := hftokenizer.Load(dir); err != nil {
+			realpart.Missing(b, err)
+		}
+	}
+}
