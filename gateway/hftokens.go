@@ -28,7 +28,8 @@ import (
 //     as given;
 //   - responses: the canonical rendering of its messages.
 //
-// Text past maxRoutingTextBytes is cut as prefix.CutText cuts it.
+// Text past maxRoutingTextBytes is cut as prefix.CutText cuts it; a chat
+// is rendered only that far (hftokenizer.ChatTemplate.RenderPrefix).
 func (x *exchange) hfPromptTokens(kind apiKind, p *pool) []uint32 {
 	switch kind {
 	case kindChat:
@@ -82,7 +83,10 @@ func renderChatBody(tpl *hftokenizer.ChatTemplate, body []byte) (string, bool) {
 			return "", false
 		}
 	}
-	out, err := tpl.Render(c)
+	// One byte past what routing tokenizes, so a cut rendering is cut
+	// again at a word boundary (prefix.CutText) like any long prompt; a
+	// hostile chat costs no more rendering than that.
+	out, _, err := tpl.RenderPrefix(c, maxRoutingTextBytes+1)
 	return out, err == nil
 }
 

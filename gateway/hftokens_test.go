@@ -12,6 +12,7 @@ import (
 	"github.com/infergate/infergate/hftokenizer"
 	"github.com/infergate/infergate/internal/realpart"
 	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
 )
 
@@ -88,6 +89,16 @@ func TestPoolTokenizer(t *testing.T) {
 	want, _ = own.Encode(`<s>[user]hi<eot>`, false)
 	if got := x.promptTokens(kindChat, p, false); !slices.Equal(got, want) {
 		t.Fatalf("add_generation_prompt false: %v, want %v", got, want)
+	}
+	// A chat longer than routing tokenizes: rendered and tokenized only as
+	// far as prefix.CutText keeps of the full rendering.
+	long := strings.Repeat("hi there ", maxRoutingTextBytes/9+1000)
+	x = &exchange{body: []byte(`{"model":"m","messages":[{"role":"user","content":"` + long + `"}]}`)}
+	_ = openai.Decode(x.body, &x.chat)
+	cut, ok := prefix.CutText(`<s>[user]`+long+`<eot>[assistant]`, maxRoutingTextBytes)
+	want, _ = own.Encode(cut, false)
+	if got := x.promptTokens(kindChat, p, true); !ok || !slices.Equal(got, want) {
+		t.Fatalf("long chat: %d tokens, want the %d of its cut rendering", len(got), len(want))
 	}
 	x = &exchange{body: []byte(`{"model":"m","prompt":"hi"}`)}
 	if err := openai.Decode(x.body, &x.comp); err != nil {

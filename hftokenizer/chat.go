@@ -183,8 +183,36 @@ type Chat struct {
 
 // Render renders c. The messages keep their keys' order (tojson prints
 // them as given); multi-part content is flattened to its text parts joined
-// with "\n" when ContentAsString.
+// with "\n" when ContentAsString. A rendering past MaxRenderedBytes is an
+// error.
 func (t *ChatTemplate) Render(c Chat) (string, error) {
+	out, cut, err := t.RenderPrefix(c, MaxRenderedBytes)
+	if err == nil && cut {
+		err = errRenderTooLarge
+	}
+	if err != nil {
+		return "", err
+	}
+	return out, nil
+}
+
+// RenderPrefix renders at most the first maxBytes bytes of c (at most
+// MaxRenderedBytes): rendering stops there, and cut reports it. The
+// template writes its output in order, so the text is the full
+// rendering's prefix; a router that only hashes a prompt's first blocks
+// pays for no more of a hostile chat than it uses.
+func (t *ChatTemplate) RenderPrefix(c Chat, maxBytes int) (text string, cut bool, err error) {
+	if maxBytes <= 0 || maxBytes > MaxRenderedBytes {
+		maxBytes = MaxRenderedBytes
+	}
+	text, err = t.render(c, maxBytes)
+	if errors.Is(err, errRenderTooLarge) {
+		return text, true, nil
+	}
+	return text, false, err
+}
+
+func (t *ChatTemplate) render(c Chat, maxBytes int) (string, error) {
 	msgs, err := decodeOrdered(c.Messages)
 	if err != nil {
 		return "", fmt.Errorf("messages: %w", err)
@@ -230,22 +258,30 @@ func (t *ChatTemplate) Render(c Chat) (string, error) {
 		return strftime(now, format)
 	}
 	var out limitedBuffer
-	out.limit = MaxRenderedBytes
+	out.limit = maxBytes
 	if err := t.tpl.Execute(&out, exec.NewContext(data)); err != nil {
+		if out.full {
+			return out.String(), errRenderTooLarge
+		}
 		return "", fmt.Errorf("chat template: %w", err)
 	}
 	return out.String(), nil
 }
 
+// limitedBuffer keeps at most limit bytes; a write past it keeps what
+// fits, sets full and fails, which stops the template.
 type limitedBuffer struct {
 	bytes.Buffer
 	limit int
+	full  bool
 }
 
-var errRenderTooLarge = fmt.Errorf("rendered chat larger than %d bytes", MaxRenderedBytes)
+var errRenderTooLarge = errors.New("rendered chat larger than its limit")
 
 func (b *limitedBuffer) Write(p []byte) (int, error) {
 	if b.Len()+len(p) > b.limit {
+		b.Buffer.Write(p[:b.limit-b.Len()])
+		b.full = true
 		return 0, errRenderTooLarge
 	}
 	return b.Buffer.Write(p)
@@ -253,6 +289,8 @@ func (b *limitedBuffer) Write(p []byte) (int, error) {
 
 func (b *limitedBuffer) WriteString(s string) (int, error) {
 	if b.Len()+len(s) > b.limit {
+		b.Buffer.WriteString(s[:b.limit-b.Len()])
+		b.full = true
 		return 0, errRenderTooLarge
 	}
 	return b.Buffer.WriteString(s)

@@ -79,6 +79,27 @@ func TestVLLMMessages(t *testing.T) {
 	}
 }
 
+func TestRenderPrefix(t *testing.T) {
+	tpl, err := NewChatTemplate(`{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := Chat{Messages: []byte(`[{"role":"user","content":"` + strings.Repeat("x", 100) + `"},{"role":"assistant","content":"yy"}]`)}
+	full, err := tpl.Render(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []int{1, 6, 50, len(full) - 1} {
+		got, cut, err := tpl.RenderPrefix(c, n)
+		if err != nil || !cut || got != full[:n] {
+			t.Errorf("prefix %d: %q cut=%v %v, want %q", n, got, cut, err, full[:n])
+		}
+	}
+	if got, cut, err := tpl.RenderPrefix(c, len(full)); err != nil || cut || got != full {
+		t.Errorf("exact size: %q cut=%v %v", got, cut, err)
+	}
+}
+
 func TestRenderErrors(t *testing.T) {
 	for name, c := range map[string]struct{ src, msgs string }{
 		"raise":     {`{{ raise_exception("no system role") }}`, `[]`},
