@@ -2,11 +2,13 @@ package hftokenizer
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
 	"sort"
+	"sync"
 	"testing"
 
 	"github.com/infergate/infergate/internal/realpart"
@@ -35,24 +37,50 @@ type vectors struct {
 	} `json:"chats"`
 }
 
+// loaded caches reference's results per model: parsing a 10 MB
+// tokenizer.json under -race takes seconds, and several tests use each.
+var loaded sync.Map // model → *loadedRef
+
+type loadedRef struct {
+	once sync.Once
+	tok  *Tokenizer
+	v    *vectors
+	err  error
+}
+
 // reference loads model m's tokenizer and vectors from the cache, or ends t
 // (skip, or fail under INFERGATE_E2E_REQUIRE=1).
 func reference(t testing.TB, m string) (*Tokenizer, *vectors) {
 	t.Helper()
+	e, _ := loaded.LoadOrStore(m, &loadedRef{})
+	r := e.(*loadedRef)
+	r.once.Do(func() { r.tok, r.v, r.err = loadReference(m) })
+	if errors.Is(r.err, errNoReference) {
+		realpart.Missing(t, r.err)
+	}
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	return r.tok, r.v
+}
+
+var errNoReference = errors.New("no reference files")
+
+func loadReference(m string) (*Tokenizer, *vectors, error) {
 	dir := realpart.CacheDir("tokref", tokrefVersion)
 	raw, err := os.ReadFile(filepath.Join(dir, "vectors-"+m+".json"))
 	if err != nil {
-		realpart.Missing(t, fmt.Errorf("reference vectors for %s: %v (run scripts/tokref.sh build)", m, err))
+		return nil, nil, fmt.Errorf("%w: vectors for %s: %v (run scripts/tokref.sh build)", errNoReference, m, err)
 	}
 	var v vectors
 	if err := json.Unmarshal(raw, &v); err != nil {
-		t.Fatal(err)
+		return nil, nil, err
 	}
 	tok, err := Load(filepath.Join(dir, m))
 	if err != nil {
-		t.Fatal(err)
+		return nil, nil, err
 	}
-	return tok, &v
+	return tok, &v, nil
 }
 
 type tally struct{ cases, equal, ids, idsEqual int }

@@ -338,6 +338,11 @@ func (t *Tokenizer) parseModel(raw json.RawMessage, added []AddedToken) error {
 			b.merges[key] = uint64(rank)<<32 | uint64(mi)
 		}
 	}
+	// Ids index tables: a file whose ids run far past its token count
+	// (hostile or corrupt) must not make Load allocate gigabytes.
+	if n := len(b.vocab) + len(added); int(maxID) >= 2*n+1024 {
+		return fmt.Errorf("token id %d out of range for %d tokens", maxID, n)
+	}
 	t.idToBytes = make([][]byte, maxID+1)
 	t.special = make([]bool, maxID+1)
 	for raw, id := range b.vocab {

@@ -226,6 +226,10 @@ func TestUnsupportedComponents(t *testing.T) {
 	if _, err := Parse([]byte(`{"model": [}`)); err == nil {
 		t.Error("bad JSON: no error")
 	}
+	// An id far past the token count: refused, not a 32 GB table.
+	if _, err := Parse(tinyJSON(t, nil, false, []AddedToken{{ID: 4_000_000_000, Content: "<x>"}}, nil)); err == nil {
+		t.Error("huge id: no error")
+	}
 }
 
 func TestRegexTimeoutIsAnError(t *testing.T) {
