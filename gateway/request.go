@@ -513,6 +513,9 @@ const maxRoutingTextBytes = 512 << 10
 // segment cache, whose ids differ at message boundaries but are the same for
 // the same messages, which is all the approximate index needs.
 func (x *exchange) promptTokens(kind apiKind, p *pool, exact bool) []uint32 {
+	if p.hf != nil {
+		return x.hfPromptTokens(kind, p)
+	}
 	switch {
 	case kind == kindChat && exact:
 		ids, _ := p.tokenizer.EncodePrefix(x.chat.Prompt(), maxRoutingTextBytes)

@@ -65,8 +65,16 @@ func (t *Tokenizer) Encode(text string) []uint32 {
 // possibly the last few. BPE tokenizers need memory many times the input
 // size, so the gateway tokenizes only as much of a prompt as routing can use.
 func (t *Tokenizer) EncodePrefix(text string, maxBytes int) (ids []uint32, cut bool) {
+	text, cut = CutText(text, maxBytes)
+	return t.Encode(text), cut
+}
+
+// CutText returns at most the first maxBytes bytes of text (all of it for
+// maxBytes <= 0) and whether it cut: at the last ASCII space or newline
+// within the final 1 KiB, else at a rune boundary (EncodePrefix).
+func CutText(text string, maxBytes int) (string, bool) {
 	if maxBytes <= 0 || len(text) <= maxBytes {
-		return t.Encode(text), false
+		return text, false
 	}
 	end := maxBytes
 	if i := strings.LastIndexAny(text[max(0, end-1024):end], " \n"); i >= 0 {
@@ -76,7 +84,7 @@ func (t *Tokenizer) EncodePrefix(text string, maxBytes int) (ids []uint32, cut b
 			end--
 		}
 	}
-	return t.Encode(text[:end]), true
+	return text[:end], true
 }
 
 // Decode returns the text of token ids; ids outside the vocabulary are
