@@ -23,9 +23,9 @@ func TestStartupPhases(t *testing.T) {
 	}{
 		{StartupInput{Source: SourceRemote}, 10e9 / 200e6, w / 5e9},
 		{StartupInput{Source: SourceRemote, ImageCached: true}, 0, w / 5e9},
-		{StartupInput{Source: SourceNVMe, ImageCached: true}, 0, w / 28e9},            // disk_bandwidth
-		{StartupInput{Source: SourcePageCache, ImageCached: true}, 0, w / 40e9},       // startup.page_cache_bandwidth
-		{StartupInput{Source: SourcePeer, ImageCached: true}, 0, w / 174e9},           // kv_transfer_bandwidth, under PCIe's 4 × 50
+		{StartupInput{Source: SourceNVMe, ImageCached: true}, 0, w / 28e9},      // disk_bandwidth
+		{StartupInput{Source: SourcePageCache, ImageCached: true}, 0, w / 40e9}, // startup.page_cache_bandwidth
+		{StartupInput{Source: SourcePeer, ImageCached: true}, 0, w / 174e9},     // kv_transfer_bandwidth, under PCIe's 4 × 50
 		{StartupInput{Source: SourcePageCache, ImageCached: false}, 10e9 / 200e6, w / 40e9},
 	}
 	prev := time.Duration(math.MaxInt64)
