@@ -275,7 +275,7 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats], s
 	tokenBuckets := buckets125(maxLen)
 	m := &metrics{
 		phase: curPhase,
-		reg: reg,
+		reg:   reg,
 		ttft: hist("vllm:time_to_first_token_seconds",
 			"Histogram of time to first token in seconds.", ttftBuckets),
 		itl: hist("vllm:inter_token_latency_seconds",
