@@ -7,17 +7,30 @@ import (
 	"time"
 )
 
-// healthLoop checks ep every interval until ctx is done.
+// healthLoop checks ep every interval until ctx is done; every
+// scale_from_zero.probe_interval instead while ep is not ready and a pool
+// it serves holds requests, and at once when one begins to
+// (coldstart.go), so a held request is dispatched within that interval of
+// the endpoint's readiness.
 func (g *Gateway) healthLoop(ctx context.Context, ep *endpoint) {
-	t := time.NewTicker(g.cfg.HealthCheckInterval)
+	t := time.NewTimer(g.cfg.HealthCheckInterval)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			g.checkHealth(ctx, ep)
+		case <-ep.probeNow:
+			if _, held := ep.holding(); !held || ep.ready.Load() {
+				continue // the timer runs on
+			}
 		}
+		g.checkHealth(ctx, ep)
+		next := g.cfg.HealthCheckInterval
+		if d, held := ep.holding(); held && !ep.ready.Load() {
+			next = min(next, d)
+		}
+		t.Reset(next)
 	}
 }
 
