@@ -83,6 +83,7 @@ type admission struct {
 	wakes     *sync.WaitGroup
 	heldNow   atomic.Int64
 	probe     atomic.Int64 // nanoseconds
+	beating   atomic.Bool  // hold on with heartbeats
 
 	heldC, heldExpired, heldRejected prometheus.Counter
 	heldTime                         prometheus.Observer
@@ -400,12 +401,23 @@ func (a *admission) wake() {
 // admitQueued runs admission control for request x of pool p; false when it
 // was answered (503 no endpoint, 503 shutting down, 429 queue full or timed
 // out, or the client left while queued). A request refused here was never
-// admitted: its charge on the key's rate limits is given back.
+// admitted: its charge on the key's rate limits is given back. A streaming
+// request held while the pool has no ready endpoint gets heartbeats when
+// the pool's scale_from_zero says so (x.hb, coldstart.go): the answer is
+// then a committed event stream, and the caller writes the rest through
+// x.hb.stream.
 func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x *exchange) bool {
-	err := p.gate.acquire(r.Context(), x.sreq.Priority, int64(len(x.body)), nil)
+	var beat func() bool
+	if x.stream && p.gate.beating.Load() {
+		x.hb = heartbeat{g: g, w: w, x: x}
+		beat = x.hb.beat
+	}
+	err := p.gate.acquire(r.Context(), x.sreq.Priority, int64(len(x.body)), beat)
 	if err == nil {
 		return true
 	}
+	w, end := x.hb.stream(w)
+	defer end()
 	if x.pass.fallback { // the alias's next target may take it (alias.go)
 		switch {
 		case errors.Is(err, errNoEndpoint), errors.Is(err, errHoldFull), errors.Is(err, errHoldExpired):
@@ -496,6 +508,7 @@ func (a *admission) update(eps []*endpoint, limit int, c AdmissionConfig, hold S
 	a.maxQueue, a.timeout = c.MaxQueue, c.QueueTimeout
 	a.hold = hold
 	a.probe.Store(int64(hold.ProbeInterval))
+	a.beating.Store(hold.HoldTTL > 0 && hold.Heartbeat > 0)
 	a.dispatchLocked()
 	a.mu.Unlock()
 }

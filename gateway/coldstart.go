@@ -10,9 +10,12 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/infergate/infergate/openai"
 )
 
 // Scale from zero (README "Scale from zero"): a pool with no ready endpoint
@@ -317,4 +320,100 @@ func (ep *endpoint) probeSoon() {
 	case ep.probeNow <- struct{}{}:
 	default:
 	}
+}
+
+// heartbeat writes SSE comment heartbeats to a held streaming request
+// (scale_from_zero.heartbeat). The first one commits the answer as a 200
+// event stream; stream then returns the writer the rest of the request
+// must use, which turns an error answer into an SSE error event.
+type heartbeat struct {
+	g  *Gateway
+	w  http.ResponseWriter
+	x  *exchange
+	cs *committedStream // nil until the first heartbeat
+}
+
+// sseKeepAlive is one heartbeat: an SSE comment line, which clients ignore
+// (WHATWG HTML "Server-sent events", §9.2.6: lines starting with a colon).
+const sseKeepAlive = ": keep-alive\n\n"
+
+// beat writes one heartbeat and flushes it; false when the client is gone.
+func (h *heartbeat) beat() bool {
+	if h.cs == nil {
+		hd := h.w.Header()
+		hd.Set("Content-Type", "text/event-stream")
+		hd.Set("Cache-Control", "no-cache")
+		h.w.WriteHeader(http.StatusOK)
+		h.cs = &committedStream{ResponseWriter: h.w}
+	}
+	h.g.extendWriteDeadline(h.w, h.x, time.Now())
+	if _, err := io.WriteString(h.w, sseKeepAlive); err != nil {
+		return false
+	}
+	return http.NewResponseController(h.w).Flush() == nil
+}
+
+// stream returns the writer of the request's answer and the function that
+// ends it: w itself and a no-op until a heartbeat was written, then the
+// committed stream and its end.
+func (h *heartbeat) stream(w http.ResponseWriter) (http.ResponseWriter, func()) {
+	if h.cs == nil {
+		return w, func() {}
+	}
+	return h.cs, h.cs.end
+}
+
+// committedStream is the client's writer once a heartbeat committed the
+// answer as a 200 event stream: the status line is out, so a later status
+// is only recorded, a successful answer (the engine's event stream) passes
+// through, and an error answer's body (at most 1 MiB) is written by end as
+// an SSE error event then [DONE] — what vLLM and the relay do for errors
+// after a stream began.
+type committedStream struct {
+	http.ResponseWriter
+	status int
+	buf    []byte
+}
+
+const maxCommittedErrorBytes = 1 << 20
+
+func (c *committedStream) WriteHeader(code int) {
+	if c.status == 0 {
+		c.status = code
+	}
+}
+
+func (c *committedStream) Write(b []byte) (int, error) {
+	if c.status == 0 {
+		c.status = http.StatusOK
+	}
+	if c.status < 300 {
+		return c.ResponseWriter.Write(b)
+	}
+	if n := min(len(b), maxCommittedErrorBytes-len(c.buf)); n > 0 {
+		c.buf = append(c.buf, b[:n]...)
+	}
+	return len(b), nil
+}
+
+// Unwrap lets http.ResponseController reach the connection.
+func (c *committedStream) Unwrap() http.ResponseWriter { return c.ResponseWriter }
+
+// end writes a buffered error answer as an SSE error event and [DONE].
+func (c *committedStream) end() {
+	if c.status < 300 {
+		return
+	}
+	body := bytes.TrimSpace(c.buf)
+	var probe struct {
+		Error json.RawMessage `json:"error"`
+	}
+	if json.Unmarshal(body, &probe) != nil || len(probe.Error) == 0 {
+		e := openai.NewError(http.StatusBadGateway, "the engine answered status "+strconv.Itoa(c.status)+": "+string(body), "", openai.CodeUpstream)
+		body, _ = json.Marshal(openai.ErrorResponse{Error: e})
+	}
+	_, _ = io.WriteString(c.ResponseWriter, "data: ")
+	_, _ = c.ResponseWriter.Write(body)
+	_, _ = io.WriteString(c.ResponseWriter, "\n\ndata: [DONE]\n\n")
+	_ = http.NewResponseController(c.ResponseWriter).Flush()
 }

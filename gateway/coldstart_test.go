@@ -43,9 +43,9 @@ func newColdEngine(t testing.TB) *coldEngine {
 				e.ready.Store(true)
 			}
 		case r.Method == http.MethodPost:
-			_, _ = io.Copy(io.Discard, r.Body)
+			body, _ := io.ReadAll(r.Body)
 			e.served <- r.Header.Get("X-Request-Id")
-			if strings.Contains(r.Header.Get("Accept"), "event-stream") || r.Header.Get("X-Stream") != "" {
+			if strings.Contains(string(body), `"stream":true`) {
 				w.Header().Set("Content-Type", "text/event-stream")
 				_, _ = io.WriteString(w, "data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n"+
 					"data: {\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1,\"total_tokens\":4}}\n\ndata: [DONE]\n\n")
@@ -370,5 +370,73 @@ func TestScaleFromZeroConfig(t *testing.T) {
 		if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "scale_from_zero") {
 			t.Errorf("%s: %v", name, err)
 		}
+	}
+}
+
+// readUntil reads r until its output contains want (or fails the test).
+func readUntil(t *testing.T, r io.Reader, got *strings.Builder, want string) {
+	t.Helper()
+	buf := make([]byte, 512)
+	for !strings.Contains(got.String(), want) {
+		n, err := r.Read(buf)
+		got.Write(buf[:n])
+		if err != nil {
+			if !strings.Contains(got.String(), want) {
+				t.Fatalf("no %q in the answer: %v\n%s", want, err, got.String())
+			}
+			return
+		}
+	}
+}
+
+// TestScaleFromZeroHeartbeats: a held streaming request gets ": keep-alive"
+// comments (status 200, an event stream from the first one), then the
+// engine's events once it is ready; one whose hold expires ends with an
+// SSE error event and [DONE], counted 503. Non-streaming requests get none.
+func TestScaleFromZeroHeartbeats(t *testing.T) {
+	e := newColdEngine(t)
+	g, url := startGateway(t, coldConfig(e, ScaleFromZeroConfig{HoldTTL: time.Minute, Heartbeat: 100 * time.Millisecond}))
+	c := testClient(t)
+	p := g.state.Load().pools["m"]
+	ctx, cancel := contextWithCancel(t)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url+pathChat, strings.NewReader(streamBody(true)))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || resp.Header.Get("Content-Type") != "text/event-stream" {
+		t.Fatalf("held stream: %d %q", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
+	var got strings.Builder
+	readUntil(t, resp.Body, &got, ": keep-alive\n\n")
+	if p.gate.heldNow.Load() != 1 {
+		t.Fatal("the stream is not held")
+	}
+	e.ready.Store(true)
+	readUntil(t, resp.Body, &got, "data: [DONE]")
+	if s := got.String(); !strings.Contains(s, `"content":"hi"`) || strings.Contains(s, `"error"`) {
+		t.Errorf("stream after the heartbeats:\n%s", s)
+	}
+
+	// A non-streaming request held alongside gets no heartbeat.
+	e2 := newColdEngine(t)
+	_, url2 := startGateway(t, coldConfig(e2, ScaleFromZeroConfig{HoldTTL: 300 * time.Millisecond, Heartbeat: 100 * time.Millisecond}))
+	plain := sendAsync(ctx, c, url2+pathChat, chatBody)
+	r := await(t, sendAsync(ctx, c, url2+pathChat, streamBody(true)))
+	if r.status != http.StatusOK || !strings.HasPrefix(string(r.body), ": keep-alive\n\n") {
+		t.Fatalf("expired held stream: %d\n%s", r.status, r.body)
+	}
+	body := string(r.body)
+	if !strings.Contains(body, `"code":"no_endpoint_available"`) || !strings.HasSuffix(body, "data: [DONE]\n\n") {
+		t.Errorf("expired held stream does not end with an error event and [DONE]:\n%s", body)
+	}
+	if pr := await(t, plain); pr.status != http.StatusServiceUnavailable || strings.Contains(string(pr.body), "keep-alive") {
+		t.Errorf("non-streaming held request: %d %s", pr.status, pr.body)
+	}
+	if v := scrape(t, c, url2).value("infergate_requests_total", `code="503"`); v != 2 {
+		t.Errorf("requests_total{503} = %v, want 2 (the stream's status line said 200)", v)
 	}
 }
