@@ -38,7 +38,7 @@ import (
 const (
 	DefaultMaxHeld          = 1024
 	DefaultMaxHeldBytes     = 64 << 20
-	DefaultHoldProbe        = 50 * time.Millisecond
+	DefaultHoldProbe        = 25 * time.Millisecond
 	DefaultWakeTimeout      = 10 * time.Second
 	maxWebhookResponseBytes = 64 << 10
 )
@@ -314,7 +314,28 @@ func (ep *endpoint) holding() (time.Duration, bool) {
 	return d, d > 0
 }
 
-// probeSoon asks ep's health loop to probe now (a request was just held).
+// Probe asks the health loop of the endpoint at url (as configured) for a
+// probe now, when it is out of rotation and a pool it serves holds
+// requests: an event from whoever knows an engine turned ready (an
+// embedded fleet, discovery), so held requests are dispatched without
+// waiting for the next probe_interval. It reports whether the gateway has
+// an endpoint at url.
+func (g *Gateway) Probe(url string) bool {
+	base, err := normalizeURL(url)
+	if err != nil {
+		return false
+	}
+	for _, ep := range g.state.Load().endpoints {
+		if ep.name == base {
+			ep.probeSoon()
+			return true
+		}
+	}
+	return false
+}
+
+// probeSoon asks ep's health loop to probe now (a request was just held,
+// or Probe).
 func (ep *endpoint) probeSoon() {
 	select {
 	case ep.probeNow <- struct{}{}:

@@ -22,7 +22,7 @@ func (g *Gateway) healthLoop(ctx context.Context, ep *endpoint) {
 		case <-t.C:
 		case <-ep.probeNow:
 			if _, held := ep.holding(); !held || ep.ready.Load() {
-				continue // the timer runs on
+				continue // nothing waits for it: the timer runs on
 			}
 		}
 		g.checkHealth(ctx, ep)

@@ -32,6 +32,10 @@ type ElasticConfig struct {
 	ScaleUpOnQueue bool
 	// Tick is the period of the idle and queue checks (default 100ms).
 	Tick time.Duration
+	// OnReady, when set, is called (on its own goroutine) as each engine
+	// finishes its start-up: a gateway's Probe, so held requests are
+	// dispatched at once rather than at the next probe.
+	OnReady func(slot int, url string)
 }
 
 // ElasticFleet is up to Max simulated engines behind stable loopback URLs
@@ -233,6 +237,16 @@ func (f *ElasticFleet) reconcileLocked(now time.Time) {
 			}
 			s.Start()
 			sl.srv, sl.busy = s, now
+			if f.ecfg.OnReady != nil {
+				i, url := sl.index, f.URLs[sl.index]
+				f.wg.Go(func() {
+					select {
+					case <-s.Ready():
+						f.ecfg.OnReady(i, url)
+					case <-f.quit:
+					}
+				})
+			}
 			ph := s.StartupPhases()
 			slog.Info("sim: elastic fleet: engine starting", "slot", sl.index, "url", f.URLs[sl.index],
 				"modelled_startup", ph.Total(), "source", ph.Source)
