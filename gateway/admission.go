@@ -408,7 +408,7 @@ func (a *admission) wake() {
 // x.hb.stream.
 func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x *exchange) bool {
 	var beat func() bool
-	if x.stream && p.gate.beating.Load() {
+	if _, picker := w.(*eppRecorder); x.stream && !picker && p.gate.beating.Load() { // the endpoint picker has no client stream to write to
 		x.hb = heartbeat{g: g, w: w, x: x}
 		beat = x.hb.beat
 	}
