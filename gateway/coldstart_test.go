@@ -15,6 +15,8 @@ import (
 
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
 )
 
 // coldEngine is an engine whose /health answers 503 until it is ready; it
@@ -492,5 +494,44 @@ func BenchmarkHeldDispatch(b *testing.B) {
 			b.ReportMetric(float64(sum.Microseconds())/1e3/float64(b.N), "dispatch-ms")
 			b.ReportMetric(float64(worst.Microseconds())/1e3, "max-dispatch-ms")
 		})
+	}
+}
+
+// TestScaleFromZeroWakesSleepingEngine: a simulated engine put to sleep
+// (vLLM sleep mode: /health still 200) leaves rotation once its metrics
+// say so; a request is then held, the wake-up hook (kind engine) POSTs
+// its /wake_up, and the request is served once /is_sleeping says it woke.
+func TestScaleFromZeroWakesSleepingEngine(t *testing.T) {
+	s, err := simserver.NewServer(simserver.ServerConfig{TimeScale: 1000, EnableSleepMode: true, Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Start()
+	defer s.Close()
+	es := httptest.NewServer(s.Handler())
+	defer es.Close()
+	cfg := Config{HealthCheckInterval: 100 * time.Millisecond, HealthCheckTimeout: 2 * time.Second, ScrapeInterval: 500 * time.Millisecond,
+		Endpoints:     []EndpointConfig{{URL: es.URL, Model: "m", Kind: "sim"}},
+		ScaleFromZero: map[string]ScaleFromZeroConfig{"m": {HoldTTL: time.Minute, Wake: WakeConfig{Kind: WakeEngine}}}}
+	g, url := startGateway(t, cfg)
+	c := testClient(t)
+	ep := g.state.Load().pools["m"].endpoints[0]
+	waitFor(t, "the engine in rotation", ep.ready.Load)
+	if !s.Sleep(sim.SleepWeight) {
+		t.Fatal("Sleep")
+	}
+	waitFor(t, "the sleeping engine out of rotation", func() bool { return !ep.ready.Load() })
+	ctx, cancel := contextWithCancel(t)
+	defer cancel()
+	r := await(t, sendAsync(ctx, c, url+pathChat, `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`))
+	if r.status != http.StatusOK {
+		t.Fatalf("request to a sleeping pool: %d %s", r.status, r.body)
+	}
+	if st := s.State(); st != simserver.StateReady {
+		t.Errorf("engine state %q after the wake-up", st)
+	}
+	m := scrape(t, c, url)
+	if m.value("infergate_wakeups_total", `result="ok"`) != 1 || m.value("infergate_held_requests_total", `model="m"`) != 1 {
+		t.Errorf("wakeups %v, held %v; want 1 and 1", m.value("infergate_wakeups_total", `result="ok"`), m.value("infergate_held_requests_total", `model="m"`))
 	}
 }

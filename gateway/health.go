@@ -34,6 +34,33 @@ func (g *Gateway) healthLoop(ctx context.Context, ep *endpoint) {
 	}
 }
 
+// errAsleep fails the health check of an engine in vLLM's sleep mode.
+var errAsleep = errors.New("the engine is asleep (vLLM sleep mode: vllm:engine_sleep_state awake 0, /is_sleeping true)")
+
+// checkAwake fails an engine whose latest metrics page says it is asleep
+// (fleet.Load.Asleep) unless its /is_sleeping, asked now, says it woke
+// since: a sleeping vLLM answers /health 200 but must get no traffic, and
+// a wake-up (scale_from_zero wake.kind engine) is seen at the next probe,
+// not the next scrape. An engine that has no /is_sleeping (404) stays
+// asleep until a page says otherwise.
+func (g *Gateway) checkAwake(ctx context.Context, ep *endpoint, spec *endpointSpec) error {
+	st := g.state.Load()
+	if st == nil { // New's first probes: nothing scraped yet
+		return nil
+	}
+	f := st.feeds[ep].scrape
+	if f == nil {
+		return nil
+	}
+	if l, _, ok := f.latest(time.Now()); !ok || !l.Asleep {
+		return nil
+	}
+	if asleep, err := g.prober.IsSleeping(ctx, ep.base, spec.header); err == nil && !asleep {
+		return nil
+	}
+	return errAsleep
+}
+
 // checkHealth probes the endpoint once and updates its readiness: a failed
 // probe takes it out of rotation, a successful one restores it unless an
 // ejection is still running. path healthCheckOff skips the probe.
@@ -42,6 +69,9 @@ func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	spec := ep.spec.Load()
 	if spec.healthPath != healthCheckOff {
 		err = g.prober.Health(ctx, ep.name, ep.base+spec.healthPath, spec.header)
+	}
+	if err == nil {
+		err = g.checkAwake(ctx, ep, spec)
 	}
 	ok := err == nil
 	if ctx.Err() != nil {
