@@ -423,9 +423,11 @@ func TestScaleFromZeroHeartbeats(t *testing.T) {
 		t.Errorf("stream after the heartbeats:\n%s", s)
 	}
 
-	// A non-streaming request held alongside gets no heartbeat.
+	// A non-streaming request held alongside gets no heartbeat. The TTL is
+	// 20 heartbeats long, so a heartbeat precedes the expiry even on a
+	// loaded host.
 	e2 := newColdEngine(t)
-	_, url2 := startGateway(t, coldConfig(e2, ScaleFromZeroConfig{HoldTTL: 300 * time.Millisecond, Heartbeat: 100 * time.Millisecond}))
+	_, url2 := startGateway(t, coldConfig(e2, ScaleFromZeroConfig{HoldTTL: 2 * time.Second, Heartbeat: 100 * time.Millisecond}))
 	plain := sendAsync(ctx, c, url2+pathChat, chatBody)
 	r := await(t, sendAsync(ctx, c, url2+pathChat, streamBody(true)))
 	if r.status != http.StatusOK || !strings.HasPrefix(string(r.body), ": keep-alive\n\n") {
