@@ -429,9 +429,12 @@ func (c *committedStream) end() {
 	var probe struct {
 		Error json.RawMessage `json:"error"`
 	}
-	if json.Unmarshal(body, &probe) != nil || len(probe.Error) == 0 {
+	var compact bytes.Buffer
+	if json.Unmarshal(body, &probe) != nil || len(probe.Error) == 0 || json.Compact(&compact, body) != nil {
 		e := openai.NewError(http.StatusBadGateway, "the engine answered status "+strconv.Itoa(c.status)+": "+string(body), "", openai.CodeUpstream)
 		body, _ = json.Marshal(openai.ErrorResponse{Error: e})
+	} else {
+		body = compact.Bytes() // one line: an SSE data line ends at a newline
 	}
 	_, _ = io.WriteString(c.ResponseWriter, "data: ")
 	_, _ = c.ResponseWriter.Write(body)

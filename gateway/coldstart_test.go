@@ -537,3 +537,35 @@ func TestScaleFromZeroWakesSleepingEngine(t *testing.T) {
 		t.Errorf("wakeups %v, held %v; want 1 and 1", m.value("infergate_wakeups_total", `result="ok"`), m.value("infergate_held_requests_total", `model="m"`))
 	}
 }
+
+// FuzzCommittedStreamError: whatever error answer an engine or the gateway
+// writes after a heartbeat committed a held stream (any status, any body,
+// over the 1 MiB bound or not), the client gets exactly one SSE data event
+// holding a JSON object with an "error" member, then [DONE].
+func FuzzCommittedStreamError(f *testing.F) {
+	f.Add(503, []byte(`{"error":{"message":"x","type":"t","param":null,"code":"no_endpoint_available"}}`))
+	f.Add(400, []byte(`{"object":"error","message":"bad","type":"BadRequestError","code":400}`))
+	f.Add(502, []byte("<html>bad gateway</html>"))
+	f.Add(500, []byte(""))
+	f.Add(404, []byte(`{"error":`))
+	f.Add(503, []byte("{\"error\":\n\n{\"message\":\"a\\nb\"}}\n"))
+	f.Fuzz(func(t *testing.T, status int, body []byte) {
+		if status < 300 || status > 599 {
+			return
+		}
+		rec := httptest.NewRecorder()
+		cs := &committedStream{ResponseWriter: rec}
+		cs.WriteHeader(status)
+		_, _ = cs.Write(body)
+		cs.end()
+		out := rec.Body.String()
+		data, rest, ok := strings.Cut(out, "\n\n")
+		if !ok || !strings.HasPrefix(data, "data: ") || rest != "data: [DONE]\n\n" {
+			t.Fatalf("not one event then [DONE]: %q", out)
+		}
+		var v map[string]json.RawMessage
+		if err := json.Unmarshal([]byte(strings.TrimPrefix(data, "data: ")), &v); err != nil || v["error"] == nil {
+			t.Fatalf("event is not a JSON object with an error: %q (%v)", data, err)
+		}
+	})
+}
