@@ -92,6 +92,27 @@ func (p Prober) Health(ctx context.Context, name, url string, header http.Header
 	return nil
 }
 
+// IsSleeping sends GET <base>/is_sleeping (vLLM's sleep mode, served with
+// VLLM_SERVER_DEV_MODE=1) and returns its {"is_sleeping": bool}; the answer
+// is read up to 4 KiB.
+func (p Prober) IsSleeping(ctx context.Context, base string, header http.Header) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, p.Timeout)
+	defer cancel()
+	what := "read " + base + "/is_sleeping"
+	resp, err := p.get(ctx, base+"/is_sleeping", header, what, is200)
+	if err != nil {
+		return false, err
+	}
+	defer resp.Body.Close()
+	var v struct {
+		IsSleeping *bool `json:"is_sleeping"`
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 4<<10)).Decode(&v); err != nil || v.IsSleeping == nil {
+		return false, fmt.Errorf("%s: not {\"is_sleeping\": bool}", what)
+	}
+	return *v.IsSleeping, nil
+}
+
 // CacheConfig is an engine's KV cache as vllm:cache_config_info reports it.
 type CacheConfig struct {
 	NumGPUBlocks int // blocks

@@ -52,6 +52,11 @@ type Load struct {
 	HasQueue bool
 	// HasKVUtil is true when KVUtil is known.
 	HasKVUtil bool
+	// Asleep is true when the engine reports itself asleep: vLLM's sleep
+	// mode, vllm:engine_sleep_state{sleep_state="awake"} 0 (any of its
+	// engines; vllm/v1/metrics/loggers.py record_sleep_state). A sleeping
+	// vLLM still answers /health 200; false when unknown.
+	Asleep bool
 }
 
 // LoRAState is vLLM's vllm:lora_requests_info: the most recent sample
@@ -102,6 +107,8 @@ type pageSpec struct {
 	// to it when the label is present (SGLang splits device/host/storage).
 	hitsSource string
 	lora       string
+	// sleep is the sleep-state gauge (sleep_state="awake" 0: asleep).
+	sleep string
 }
 
 var vllmSpec = pageSpec{
@@ -117,6 +124,7 @@ var vllmSpec = pageSpec{
 	queries:     []string{"vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"},
 	hits:        []string{"vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"},
 	lora:        "vllm:lora_requests_info",
+	sleep:       "vllm:engine_sleep_state",
 }
 
 var specs = map[Kind]pageSpec{
@@ -162,7 +170,7 @@ var specs = map[Kind]pageSpec{
 func (sp *pageSpec) names() map[string]bool {
 	set := map[string]bool{}
 	for _, l := range [][]string{sp.waiting, sp.running, sp.kvUtil, sp.queries, sp.hits,
-		{sp.cacheInfo, sp.blockGauge, sp.blocksGauge, sp.lora}} {
+		{sp.cacheInfo, sp.blockGauge, sp.blocksGauge, sp.lora, sp.sleep}} {
 		for _, n := range l {
 			if n != "" {
 				set[n] = true
@@ -378,6 +386,15 @@ func (sp *pageSpec) load(p metricsPage) Load {
 	l.PrefixQueries, l.PrefixHits = sp.prefix(p)
 	if sp.lora != "" {
 		l.LoRA = loraState(p.first(sp.lora))
+	}
+	if sp.sleep != "" {
+		for _, m := range p.first(sp.sleep) {
+			if st, ok := sampleLabel(m, "sleep_state"); ok && st == "awake" {
+				if v, ok := sampleValue(m); ok && v == 0 {
+					l.Asleep = true
+				}
+			}
+		}
 	}
 	return l
 }

@@ -746,3 +746,28 @@ func TestScraperFollowsNoRedirect(t *testing.T) {
 		t.Errorf("the redirect target received %d scrapes", n)
 	}
 }
+
+// TestParseMetricsSleepState reads vLLM's sleep mode from
+// vllm:engine_sleep_state: asleep when the awake sample is 0 (any DP
+// engine's), awake when it is 1 or the metric is absent.
+func TestParseMetricsSleepState(t *testing.T) {
+	const head = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 0\n" +
+		"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\"} 0\n# TYPE vllm:engine_sleep_state gauge\n"
+	for _, tc := range []struct {
+		page string
+		want bool
+	}{
+		{head + "vllm:engine_sleep_state{engine=\"0\",sleep_state=\"awake\"} 1\nvllm:engine_sleep_state{engine=\"0\",sleep_state=\"weights_offloaded\"} 0\n", false},
+		{head + "vllm:engine_sleep_state{engine=\"0\",sleep_state=\"awake\"} 0\nvllm:engine_sleep_state{engine=\"0\",sleep_state=\"weights_offloaded\"} 1\n", true},
+		{head + "vllm:engine_sleep_state{engine=\"0\",sleep_state=\"awake\"} 1\nvllm:engine_sleep_state{engine=\"1\",sleep_state=\"awake\"} 0\n", true},
+		{head, false},
+	} {
+		l, err := ParseMetrics(VLLM, strings.NewReader(tc.page))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Asleep != tc.want {
+			t.Errorf("Asleep %v, want %v, for:\n%s", l.Asleep, tc.want, tc.page)
+		}
+	}
+}

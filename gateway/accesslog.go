@@ -176,6 +176,9 @@ type observer struct {
 // observedFor returns w as the request's obsWriter, nil when w is not one
 // (the request is not observed).
 func observedFor(w http.ResponseWriter) *obsWriter {
+	if c, ok := w.(*committedStream); ok { // a held stream's heartbeats committed it (coldstart.go)
+		w = c.ResponseWriter
+	}
 	ow, _ := w.(*obsWriter)
 	return ow
 }

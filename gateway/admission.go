@@ -68,6 +68,25 @@ type admission struct {
 	wait                                  prometheus.Observer
 	rejectFull, rejectTO, rejectDisplaced prometheus.Counter
 	rejectShutdown                        prometheus.Counter
+
+	// Scale from zero (coldstart.go), under mu: the pool's settings
+	// (hold.HoldTTL 0: off), the held requests (queued while no endpoint
+	// was ready) and their body bytes, whether this cold episode's
+	// wake-up was called. wakeCall makes the call on a goroutine of
+	// wakes (the gateway's loops). heldNow mirrors held and probe the
+	// probe interval (read without mu by the health loops).
+	hold      ScaleFromZeroConfig
+	held      int
+	heldBytes int64
+	woken     bool
+	wakeCall  func(hold ScaleFromZeroConfig, eps []*endpoint, held int)
+	wakes     *sync.WaitGroup
+	heldNow   atomic.Int64
+	probe     atomic.Int64 // nanoseconds
+	beating   atomic.Bool  // hold on with heartbeats
+
+	heldC, heldExpired, heldRejected prometheus.Counter
+	heldTime                         prometheus.Observer
 }
 
 // waiter is one queued request.
@@ -78,6 +97,10 @@ type waiter struct {
 	ready    chan struct{} // capacity 1: admitted or failed
 	granted  bool          // admitted (under mu)
 	err      error         // failed while queued (under mu)
+	// cold: held while the pool had no ready endpoint (scale from zero),
+	// counted in held until unheld; bytes its body's size.
+	cold, unheld bool
+	bytes        int64
 }
 
 // waitQueue is a max-heap on (priority, -seq).
@@ -129,13 +152,18 @@ func (a *admission) admitLocked() {
 }
 
 // dispatchLocked admits queued requests while there is capacity, and fails
-// them all when no endpoint is ready.
+// them all when no endpoint is ready — unless the pool holds requests
+// while it has none (scale from zero): they wait for one, or their TTL.
 func (a *admission) dispatchLocked() {
 	for len(a.queue) > 0 {
 		ok, anyReady := a.capacityLocked()
 		if !anyReady {
+			if a.hold.HoldTTL > 0 {
+				break
+			}
 			for len(a.queue) > 0 {
 				w := heap.Pop(&a.queue).(*waiter)
+				a.unholdLocked(w)
 				w.err = errNoEndpoint
 				w.ready <- struct{}{}
 			}
@@ -145,17 +173,44 @@ func (a *admission) dispatchLocked() {
 			break
 		}
 		w := heap.Pop(&a.queue).(*waiter)
+		a.unholdLocked(w)
 		w.granted = true
 		a.admitLocked()
 		w.ready <- struct{}{}
 	}
 	a.waiting.Store(int64(len(a.queue)))
+	a.endEpisodeLocked()
+}
+
+// unholdLocked takes w out of the held count, once.
+func (a *admission) unholdLocked(w *waiter) {
+	if w.cold && !w.unheld {
+		w.unheld = true
+		a.held--
+		a.heldBytes -= w.bytes
+		a.heldNow.Store(int64(a.held))
+	}
+}
+
+// endEpisodeLocked ends the cold episode (the next held request calls the
+// wake-up hook again) once an endpoint is ready or nothing is held.
+func (a *admission) endEpisodeLocked() {
+	if !a.woken {
+		return
+	}
+	if _, anyReady := a.capacityLocked(); anyReady || a.held == 0 {
+		a.woken = false
+	}
 }
 
 // acquire admits the request, waiting in the queue if need be. It returns
 // nil once admitted (release must follow), errNoEndpoint, errQueueFull,
-// errQueueTimeout, errQueueDisplaced, errShuttingDown or ctx's error.
-func (a *admission) acquire(ctx context.Context, priority int) error {
+// errQueueTimeout, errQueueDisplaced, errShuttingDown, errHoldFull,
+// errHoldExpired or ctx's error. bytes is the request body's size (the
+// scale-from-zero hold's bound); beat, when not nil, is called every
+// hold.Heartbeat while the request is held and ends the wait (as a client
+// gone) when it returns false.
+func (a *admission) acquire(ctx context.Context, priority int, bytes int64, beat func() bool) error {
 	a.mu.Lock()
 	if a.draining {
 		a.mu.Unlock()
@@ -164,10 +219,18 @@ func (a *admission) acquire(ctx context.Context, priority int) error {
 	}
 	a.dispatchLocked()
 	ok, anyReady := a.capacityLocked()
+	cold := false
 	switch {
-	case !anyReady:
+	case !anyReady && a.hold.HoldTTL <= 0:
 		a.mu.Unlock()
 		return errNoEndpoint
+	case !anyReady:
+		if a.held >= a.hold.MaxHeld || a.heldBytes+bytes > a.hold.MaxHeldBytes {
+			a.mu.Unlock()
+			a.heldRejected.Inc()
+			return errHoldFull
+		}
+		cold = true
 	case ok && len(a.queue) == 0:
 		a.admitLocked()
 		a.mu.Unlock()
@@ -178,25 +241,55 @@ func (a *admission) acquire(ctx context.Context, priority int) error {
 		return errQueueFull
 	}
 	a.seq++
-	w := &waiter{priority: priority, seq: a.seq, ready: make(chan struct{}, 1)}
+	w := &waiter{priority: priority, seq: a.seq, ready: make(chan struct{}, 1), cold: cold, bytes: bytes}
 	heap.Push(&a.queue, w)
 	a.waiting.Store(int64(len(a.queue)))
+	timeout, heartbeat := a.timeout, time.Duration(0)
+	var probe []*endpoint
+	if cold {
+		a.held++
+		a.heldBytes += bytes
+		a.heldNow.Store(int64(a.held))
+		a.heldC.Inc()
+		a.startWakeLocked()
+		timeout, probe = a.hold.HoldTTL, a.endpoints
+		if beat != nil {
+			heartbeat = a.hold.Heartbeat
+		}
+	}
 	// Capacity freed between the check above and waiting's update would
 	// have found waiting 0 and not woken anyone: check again.
 	a.dispatchLocked()
-	timeout := a.timeout
 	a.mu.Unlock()
+	for _, ep := range probe {
+		ep.probeSoon() // the health loops switch to the hold's probe interval at once
+	}
 
 	queued := time.Now()
 	timer := time.NewTimer(timeout)
 	defer timer.Stop()
+	var beats <-chan time.Time
+	if heartbeat > 0 {
+		t := time.NewTicker(heartbeat)
+		defer t.Stop()
+		beats = t.C
+	}
 	var err error
-	select {
-	case <-w.ready:
-	case <-ctx.Done():
-		err = ctx.Err()
-	case <-timer.C:
-		err = errQueueTimeout
+wait:
+	for {
+		select {
+		case <-w.ready:
+		case <-ctx.Done():
+			err = ctx.Err()
+		case <-timer.C:
+			err = errQueueTimeout
+		case <-beats:
+			if beat() {
+				continue
+			}
+			err = context.Canceled // the client is gone
+		}
+		break wait
 	}
 	a.mu.Lock()
 	switch {
@@ -210,12 +303,23 @@ func (a *admission) acquire(ctx context.Context, priority int) error {
 	default:
 		heap.Remove(&a.queue, w.index)
 		a.waiting.Store(int64(len(a.queue)))
+		a.unholdLocked(w)
+		if _, anyReady := a.capacityLocked(); err == errQueueTimeout && cold && !anyReady {
+			err = errHoldExpired // still no endpoint: 503, not 429
+		}
+		a.endEpisodeLocked()
 	}
 	a.mu.Unlock()
-	a.wait.Observe(time.Since(queued).Seconds())
+	waited := time.Since(queued).Seconds()
+	a.wait.Observe(waited)
+	if cold {
+		a.heldTime.Observe(waited)
+	}
 	switch err {
 	case errQueueTimeout:
 		a.rejectTO.Inc()
+	case errHoldExpired:
+		a.heldExpired.Inc()
 	case errShuttingDown:
 		a.rejectShutdown.Inc()
 	}
@@ -229,6 +333,7 @@ func (a *admission) drain() {
 	a.draining = true
 	for len(a.queue) > 0 {
 		w := heap.Pop(&a.queue).(*waiter)
+		a.unholdLocked(w)
 		w.err = errShuttingDown
 		w.ready <- struct{}{}
 	}
@@ -254,6 +359,7 @@ func (a *admission) displaceLocked(priority int) bool {
 		return false
 	}
 	heap.Remove(&a.queue, low.index)
+	a.unholdLocked(low)
 	low.err = errQueueDisplaced
 	low.ready <- struct{}{}
 	a.waiting.Store(int64(len(a.queue)))
@@ -295,15 +401,26 @@ func (a *admission) wake() {
 // admitQueued runs admission control for request x of pool p; false when it
 // was answered (503 no endpoint, 503 shutting down, 429 queue full or timed
 // out, or the client left while queued). A request refused here was never
-// admitted: its charge on the key's rate limits is given back.
+// admitted: its charge on the key's rate limits is given back. A streaming
+// request held while the pool has no ready endpoint gets heartbeats when
+// the pool's scale_from_zero says so (x.hb, coldstart.go): the answer is
+// then a committed event stream, and the caller writes the rest through
+// x.hb.stream.
 func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x *exchange) bool {
-	err := p.gate.acquire(r.Context(), x.sreq.Priority)
+	var beat func() bool
+	if _, picker := w.(*eppRecorder); x.stream && !picker && p.gate.beating.Load() { // the endpoint picker has no client stream to write to
+		x.hb = heartbeat{g: g, w: w, x: x}
+		beat = x.hb.beat
+	}
+	err := p.gate.acquire(r.Context(), x.sreq.Priority, int64(len(x.body)), beat)
 	if err == nil {
 		return true
 	}
+	w, end := x.hb.stream(w)
+	defer end()
 	if x.pass.fallback { // the alias's next target may take it (alias.go)
 		switch {
-		case errors.Is(err, errNoEndpoint):
+		case errors.Is(err, errNoEndpoint), errors.Is(err, errHoldFull), errors.Is(err, errHoldExpired):
 			x.pass.fell = fallbackNoEndpoint
 			return false
 		case errors.Is(err, errQueueFull), errors.Is(err, errQueueDisplaced), errors.Is(err, errQueueTimeout):
@@ -315,6 +432,15 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x
 	switch {
 	case errors.Is(err, errNoEndpoint):
 		g.failNoEndpoint(w, p, nil)
+	case errors.Is(err, errHoldExpired):
+		ttl := p.gate.holdTTL()
+		w.Header().Set("Retry-After", g.retryAfter)
+		g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable,
+			fmt.Sprintf("No endpoint serving model `%s` became ready within %s; retry later.", p.model, ttl), "", openai.CodeNoEndpoint))
+	case errors.Is(err, errHoldFull):
+		w.Header().Set("Retry-After", g.retryAfter)
+		g.fail(w, p.none, openai.NewError(http.StatusServiceUnavailable,
+			fmt.Sprintf("No endpoint serving model `%s` is available and too many requests are waiting for one; retry later.", p.model), "", openai.CodeNoEndpoint))
 	case errors.Is(err, errShuttingDown):
 		g.failShuttingDown(w, p.none)
 	case errors.Is(err, errQueueFull):
@@ -354,6 +480,12 @@ func (g *Gateway) failNoEndpoint(w http.ResponseWriter, p *pool, x *exchange) {
 func (g *Gateway) newGate(model string) *admission {
 	m := g.res
 	return &admission{
+		wakeCall:        g.wakeCall(model),
+		wakes:           &g.wg,
+		heldC:           g.cold.held.WithLabelValues(model),
+		heldExpired:     g.cold.expired.WithLabelValues(model),
+		heldRejected:    g.cold.rejected.WithLabelValues(model),
+		heldTime:        g.cold.heldTime.WithLabelValues(model),
 		wait:            m.queueWait.WithLabelValues(model),
 		rejectFull:      m.rejections.WithLabelValues(model, "queue_full"),
 		rejectTO:        m.rejections.WithLabelValues(model, "queue_timeout"),
@@ -366,7 +498,7 @@ func (g *Gateway) newGate(model string) *admission {
 // the queue and the admitted requests are kept) and admits the waiters the
 // new capacity allows. maxInFlight 0 is the sum of the endpoints'
 // circuit-breaker slots.
-func (a *admission) update(eps []*endpoint, limit int, c AdmissionConfig) {
+func (a *admission) update(eps []*endpoint, limit int, c AdmissionConfig, hold ScaleFromZeroConfig) {
 	maxInFlight := c.MaxInFlight
 	if maxInFlight == 0 {
 		maxInFlight = limit * len(eps)
@@ -374,6 +506,9 @@ func (a *admission) update(eps []*endpoint, limit int, c AdmissionConfig) {
 	a.mu.Lock()
 	a.endpoints, a.limit, a.maxInFlight = eps, limit, maxInFlight
 	a.maxQueue, a.timeout = c.MaxQueue, c.QueueTimeout
+	a.hold = hold
+	a.probe.Store(int64(hold.ProbeInterval))
+	a.beating.Store(hold.HoldTTL > 0 && hold.Heartbeat > 0)
 	a.dispatchLocked()
 	a.mu.Unlock()
 }
@@ -383,4 +518,11 @@ func (a *admission) settings() (maxInFlight, maxQueue int, timeout time.Duration
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.maxInFlight, a.maxQueue, a.timeout
+}
+
+// holdTTL returns the gate's scale-from-zero hold TTL (0: off).
+func (a *admission) holdTTL() time.Duration {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.hold.HoldTTL
 }

@@ -165,7 +165,7 @@ func (g *Gateway) buildEndpoints(ctx context.Context, cfg Config, prev *state, s
 
 // newEndpoint returns the endpoint of a base URL, its spec not yet set.
 func newEndpoint(base string) (*endpoint, error) {
-	ep := &endpoint{name: base, base: base, servedBy: []string{base}, done: make(chan struct{})}
+	ep := &endpoint{name: base, base: base, servedBy: []string{base}, done: make(chan struct{}), probeNow: make(chan struct{}, 1)}
 	for kind := range apiKind(numPathKinds) {
 		u, err := url.Parse(base + kind.path())
 		if err != nil {
@@ -375,7 +375,8 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 		}
 	}
 	g.metrics.poolTokenizer(model, cfg.Tokenizers[model], p.hf != nil, p.tokenizer != nil)
-	pl.gates = append(pl.gates, gateSet{a: p.gate, eps: live, limit: cfg.CircuitBreaker.MaxRequests, cfg: cfg.Admission, early: old == nil})
+	pl.gates = append(pl.gates, gateSet{a: p.gate, eps: live, limit: cfg.CircuitBreaker.MaxRequests, cfg: cfg.Admission,
+		hold: scaleFromZeroFor(cfg.ScaleFromZero, model), early: old == nil})
 	return p, nil
 }
 

@@ -27,7 +27,7 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 	}
 	for _, gs := range pl.gates {
 		if gs.early {
-			gs.a.update(gs.eps, gs.limit, gs.cfg)
+			gs.a.update(gs.eps, gs.limit, gs.cfg, gs.hold)
 		}
 	}
 
@@ -45,7 +45,7 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 
 	for _, gs := range pl.gates {
 		if !gs.early {
-			gs.a.update(gs.eps, gs.limit, gs.cfg)
+			gs.a.update(gs.eps, gs.limit, gs.cfg, gs.hold)
 		}
 	}
 	g.setHooks(st)

@@ -195,6 +195,10 @@ type Config struct {
 	// Admission bounds the requests in flight per model, queueing the
 	// excess by priority (admission.go).
 	Admission AdmissionConfig `yaml:"admission"`
+	// ScaleFromZero holds requests while a pool has no ready endpoint,
+	// per model ("*": every model without its own entry; coldstart.go,
+	// README "Scale from zero"). Off by default.
+	ScaleFromZero map[string]ScaleFromZeroConfig `yaml:"scale_from_zero"`
 
 	// ShutdownGrace is how long requests in flight get to finish after the
 	// server is told to stop (SIGTERM; default 25s) before they are ended
@@ -532,6 +536,7 @@ func (c Config) Validate() error {
 		bad("max_idle_conns_per_host %d: must be >= 0", c.MaxIdleConnsPerHost)
 	}
 	errs = append(errs, c.validateResilience()...)
+	errs = append(errs, c.validateScaleFromZero()...)
 	errs = append(errs, c.EdgeConfig.validate()...)
 	errs = append(errs, c.ObservabilityConfig.validate()...)
 	if c.HealthCheckPath != "" && c.HealthCheckPath != healthCheckOff && !strings.HasPrefix(c.HealthCheckPath, "/") {

@@ -67,6 +67,9 @@ type endpoint struct {
 	// woken when it frees a slot or changes readiness (replaced whole at
 	// each reload).
 	gates atomic.Pointer[[]*admission]
+	// probeNow asks the health loop for a probe at once (capacity 1): a
+	// pool of the endpoint began holding requests (coldstart.go).
+	probeNow chan struct{}
 
 	// stop ends the endpoint's health loop, which closes done when it has
 	// returned (reload.go retires an endpoint a reload removed).

@@ -83,8 +83,9 @@ type Gateway struct {
 	metrics *metrics
 	unknown *routeMetrics // model "unknown", no endpoint
 	res     *resilienceMetrics
-	pdm     *pdMetrics  // P/D (pd.go)
-	hold    *holdBudget // bytes of non-streaming answers held (hold.go)
+	pdm     *pdMetrics   // P/D (pd.go)
+	hold    *holdBudget  // bytes of non-streaming answers held (hold.go)
+	cold    *holdMetrics // scale from zero: requests held while no endpoint is ready (coldstart.go)
 	// replicas is the exchange with the other gateway replicas
 	// (replicas.go; its node nil when off).
 	replicas *replicas
@@ -173,6 +174,9 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	g.metrics = m
 	g.unknown = m.route(unknownModel, "", cfg.Routing.Policy)
 	if err := g.setupResilience(reg); err != nil {
+		return fail(err)
+	}
+	if g.cold, err = newHoldMetrics(reg); err != nil {
 		return fail(err)
 	}
 	if g.pdm, err = newPDMetrics(reg); err != nil {

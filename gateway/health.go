@@ -7,18 +7,58 @@ import (
 	"time"
 )
 
-// healthLoop checks ep every interval until ctx is done.
+// healthLoop checks ep every interval until ctx is done; every
+// scale_from_zero.probe_interval instead while ep is not ready and a pool
+// it serves holds requests, and at once when one begins to
+// (coldstart.go), so a held request is dispatched within that interval of
+// the endpoint's readiness.
 func (g *Gateway) healthLoop(ctx context.Context, ep *endpoint) {
-	t := time.NewTicker(g.cfg.HealthCheckInterval)
+	t := time.NewTimer(g.cfg.HealthCheckInterval)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			g.checkHealth(ctx, ep)
+		case <-ep.probeNow:
+			if _, held := ep.holding(); !held || ep.ready.Load() {
+				continue // nothing waits for it: the timer runs on
+			}
 		}
+		g.checkHealth(ctx, ep)
+		next := g.cfg.HealthCheckInterval
+		if d, held := ep.holding(); held && !ep.ready.Load() {
+			next = min(next, d)
+		}
+		t.Reset(next)
 	}
+}
+
+// errAsleep fails the health check of an engine in vLLM's sleep mode.
+var errAsleep = errors.New("the engine is asleep (vLLM sleep mode: vllm:engine_sleep_state awake 0, /is_sleeping true)")
+
+// checkAwake fails an engine whose latest metrics page says it is asleep
+// (fleet.Load.Asleep) unless its /is_sleeping, asked now, says it woke
+// since: a sleeping vLLM answers /health 200 but must get no traffic, and
+// a wake-up (scale_from_zero wake.kind engine) is seen at the next probe,
+// not the next scrape. An engine that has no /is_sleeping (404) stays
+// asleep until a page says otherwise.
+func (g *Gateway) checkAwake(ctx context.Context, ep *endpoint, spec *endpointSpec) error {
+	st := g.state.Load()
+	if st == nil { // New's first probes: nothing scraped yet
+		return nil
+	}
+	f := st.feeds[ep].scrape
+	if f == nil {
+		return nil
+	}
+	if l, _, ok := f.latest(time.Now()); !ok || !l.Asleep {
+		return nil
+	}
+	if asleep, err := g.prober.IsSleeping(ctx, ep.base, spec.header); err == nil && !asleep {
+		return nil
+	}
+	return errAsleep
 }
 
 // checkHealth probes the endpoint once and updates its readiness: a failed
@@ -29,6 +69,9 @@ func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
 	spec := ep.spec.Load()
 	if spec.healthPath != healthCheckOff {
 		err = g.prober.Health(ctx, ep.name, ep.base+spec.healthPath, spec.header)
+	}
+	if err == nil {
+		err = g.checkAwake(ctx, ep, spec)
 	}
 	ok := err == nil
 	if ctx.Err() != nil {

@@ -261,6 +261,8 @@ func newResilienceMetrics(reg prometheus.Registerer, g *Gateway) (*resilienceMet
 				"Requests waiting in the model's admission queue.", []string{"model"}, nil),
 			active: prometheus.NewDesc("infergate_admission_in_flight_requests",
 				"Requests of the model admitted and not finished.", []string{"model"}, nil),
+			held: prometheus.NewDesc("infergate_held_requests",
+				"Requests of the model held now because its pool has no ready endpoint (scale_from_zero; they count in infergate_admission_queue_length too).", []string{"model"}, nil),
 		},
 	}
 	for _, c := range []prometheus.Collector{m.retries, m.retriesDenied, m.ejections, m.rejections, m.queueWait, m.gauges} {
@@ -274,14 +276,15 @@ func newResilienceMetrics(reg prometheus.Registerer, g *Gateway) (*resilienceMet
 // admissionCollector exposes the admission queues' lengths and admitted
 // counts at scrape time.
 type admissionCollector struct {
-	g             *Gateway
-	queue, active *prometheus.Desc
+	g                   *Gateway
+	queue, active, held *prometheus.Desc
 }
 
 // Describe implements prometheus.Collector.
 func (c *admissionCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.queue
 	ch <- c.active
+	ch <- c.held
 }
 
 // Collect implements prometheus.Collector.
@@ -293,6 +296,7 @@ func (c *admissionCollector) Collect(ch chan<- prometheus.Metric) {
 	for model, p := range st.pools {
 		ch <- prometheus.MustNewConstMetric(c.queue, prometheus.GaugeValue, float64(p.gate.waiting.Load()), model)
 		ch <- prometheus.MustNewConstMetric(c.active, prometheus.GaugeValue, float64(p.gate.active.Load()), model)
+		ch <- prometheus.MustNewConstMetric(c.held, prometheus.GaugeValue, float64(p.gate.heldNow.Load()), model)
 	}
 }
 

@@ -174,6 +174,7 @@ type gateSet struct {
 	eps   []*endpoint
 	limit int
 	cfg   AdmissionConfig
+	hold  ScaleFromZeroConfig
 	early bool
 }
 

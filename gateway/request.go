@@ -40,6 +40,9 @@ const numPathKinds = int(kindDetokenize) + 1
 // exchange is the per-request scratch state, pooled so that the request path
 // allocates little beyond what JSON decoding and net/http need.
 type exchange struct {
+	// hb writes heartbeats to a streaming request held while its pool
+	// has no ready endpoint (coldstart.go; zero otherwise).
+	hb      heartbeat
 	body    []byte // the client's request body
 	upBody  []byte // the body sent upstream when it differs from body
 	chat    openai.ChatRequest

@@ -62,6 +62,8 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 	if !g.admitQueued(w, r, p, x) {
 		return x.pass.fell != ""
 	}
+	w, endStream := x.hb.stream(w) // a heartbeat committed the answer (scale from zero)
+	defer endStream()
 	g.stripClientParams(x, kind)
 	gate, budget := p.gate, p.budget // kept by the model's later pools
 	defer gate.release()

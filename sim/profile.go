@@ -129,6 +129,11 @@ type GPUProfile struct {
 	// KVTransferLatency is the fixed cost of one read (posting it and the
 	// completion notification).
 	KVTransferLatency time.Duration `yaml:"kv_transfer_latency"`
+
+	// Startup is the start-up model (startup.go): image, weight-read
+	// bandwidths per source tier and warm-up. Zero: none
+	// (StartupPhases returns ErrNoStartupModel).
+	Startup StartupProfile `yaml:"startup"`
 }
 
 // Gibibyte is 2^30 bytes. GPU memory sizes such as "80GB" are binary (H100 80GB = 80 GiB).
@@ -307,6 +312,7 @@ func (p GPUProfile) Validate() error {
 			errs = append(errs, fmt.Errorf("%s must be >= 0 and finite, got %v", f.key, f.v))
 		}
 	}
+	errs = append(errs, p.Startup.validate()...)
 	if p.KVBytesPerElem < 0 {
 		errs = append(errs, fmt.Errorf("kv_bytes_per_elem must not be negative, got %v", p.KVBytesPerElem))
 	}

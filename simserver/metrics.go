@@ -105,6 +105,9 @@ type metrics struct {
 	pdRecomputes                  *prometheus.CounterVec
 	pdTransferTime                prometheus.Histogram
 
+	// phase is the start-up phase the engine is in ("" when none).
+	phase *atomic.Value
+
 	// LoRA (nil when disabled).
 	loraInfo   *prometheus.GaugeVec
 	maxLora    string
@@ -112,7 +115,7 @@ type metrics struct {
 	loraSetSeq int64
 }
 
-func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats]) *metrics {
+func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats], sleep *atomic.Int32, startup sim.StartupPhases) *metrics {
 	reg := prometheus.NewRegistry()
 	tiers := cfg.Tiers
 	labels := prometheus.Labels{"model_name": model, "engine": "0"}
@@ -144,12 +147,31 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats]) *
 	gauge("vllm:num_requests_waiting_by_reason", byReasonHelp, with("reason", "deferred"),
 		func(s *sim.Stats) float64 { return float64(s.WaitingDeferred) })
 	const sleepHelp = "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2."
-	for _, st := range [...]string{"awake", "weights_offloaded", "discard_all"} {
-		v := 0.0
-		if st == "awake" {
-			v = 1 // the simulator never sleeps
-		}
-		gauge("vllm:engine_sleep_state", sleepHelp, with("sleep_state", st), func(*sim.Stats) float64 { return v })
+	// As vLLM's PrometheusStatLogger.record_sleep_state (vllm/v1/metrics/
+	// loggers.py): awake 1 and the others 0 while awake; asleep, awake 0
+	// and weights_offloaded (level 1) or discard_all (level 2) 1.
+	for i, st := range [...]string{"awake", "weights_offloaded", "discard_all"} {
+		gauge("vllm:engine_sleep_state", sleepHelp, with("sleep_state", st), func(*sim.Stats) float64 {
+			if int(sleep.Load()) == i {
+				return 1
+			}
+			return 0
+		})
+	}
+	curPhase := new(atomic.Value)
+	for _, ph := range startup.Phases() {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "infergate_sim_startup_seconds",
+			Help:        "Simulator only: the modelled duration of each phase of the engine's start-up (image_pull, weights_load, warm_up), engine seconds; 0 without a start-up model.",
+			ConstLabels: with("phase", string(ph.Phase))}, func() float64 { return ph.Duration.Seconds() }))
+		phase := string(ph.Phase)
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "infergate_sim_startup_phase",
+			Help:        "Simulator only: 1 for the start-up phase the engine is in (none once ready).",
+			ConstLabels: with("phase", phase)}, func() float64 {
+			if p, _ := curPhase.Load().(string); p == phase {
+				return 1
+			}
+			return 0
+		}))
 	}
 	gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
 		func(s *sim.Stats) float64 { return s.KVUsage })
@@ -252,7 +274,8 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats]) *
 	}
 	tokenBuckets := buckets125(maxLen)
 	m := &metrics{
-		reg: reg,
+		phase: curPhase,
+		reg:   reg,
 		ttft: hist("vllm:time_to_first_token_seconds",
 			"Histogram of time to first token in seconds.", ttftBuckets),
 		itl: hist("vllm:inter_token_latency_seconds",
@@ -384,3 +407,6 @@ func (m *metrics) setLoRAInfo(st *sim.Stats, now time.Time) {
 	m.loraSeries[key] = m.loraSetSeq
 	m.loraInfo.WithLabelValues(m.maxLora, key[0], key[1]).Set(float64(now.UnixNano()) / 1e9)
 }
+
+// setPhase records the start-up phase the engine is in ("" once ready).
+func (m *metrics) setPhase(p string) { m.phase.Store(p) }

@@ -74,6 +74,13 @@ type ServerConfig struct {
 	// (pd.go, README "P/D"): its role, bootstrap listener, engine id and
 	// side-channel bounds. Requests without P/D fields ignore it.
 	PD PDConfig `yaml:"pd"`
+	// Startup, when set, makes the server start unready and load for the
+	// modelled cold-start time (startup.go; README "Start-up and sleep").
+	Startup *StartupConfig `yaml:"startup"`
+	// EnableSleepMode serves vLLM's POST /sleep, POST /wake_up and GET
+	// /is_sleeping (vLLM --enable-sleep-mode with VLLM_SERVER_DEV_MODE=1;
+	// sleep.go). Off: those paths answer 404, as vLLM's.
+	EnableSleepMode bool `yaml:"enable_sleep_mode"`
 }
 
 // servedModel is the model name a server of cfg serves.
@@ -150,6 +157,18 @@ type Server struct {
 	bootSrv  *http.Server
 	// pdReadBody bounds a /read body (pdReadBodyLimit).
 	pdReadBody int64
+
+	// Start-up and sleep (startup.go, sleep.go): the modelled start-up,
+	// loading while it runs, ready closed when it ended; the sleep state.
+	// paused and inflight are the driver's (touched on its goroutine
+	// only, engine calls included): scheduling paused by a sleep, and
+	// the requests the engine holds.
+	startup  sim.StartupPhases
+	loading  atomic.Bool
+	ready    chan struct{}
+	sleep    sleepState
+	paused   bool
+	inflight map[string]*call
 }
 
 // NewServer validates cfg, loads the tokenizer and builds the handler. The
@@ -234,7 +253,13 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	ph, err := startupErr(cfg, eng)
+	if err != nil {
+		return nil, err
+	}
 	s := &Server{
+		startup: ph,
+		ready:   make(chan struct{}),
 		cfg:     cfg,
 		eng:     eng,
 		tok:     tok,
@@ -251,7 +276,7 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 	s.pdReadBody = pdReadBodyLimit(eng.NumBlocks)
 	s.pdClient = newPDClient()
 	s.snap.Store(&sim.Stats{NumBlocks: eng.NumBlocks, BlockSize: eng.BlockSize})
-	s.metrics = newMetrics(cfg.Model, eng, &s.snap)
+	s.metrics = newMetrics(cfg.Model, eng, &s.snap, &s.sleep.level, ph)
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", s.handleCompletions)
@@ -266,6 +291,9 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 	mux.HandleFunc("/", handleNotFound)
 	mux.HandleFunc("GET /health", s.handleHealth)
 	s.pdRoutes(mux, pd.BootstrapOnMain)
+	if cfg.EnableSleepMode {
+		s.sleepRoutes(mux)
+	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{}))
 	s.handler = withAPIKeys(mux, cfg.APIKeys)
 	if cfg.KVEvents.Publishes() {
@@ -328,6 +356,9 @@ func (s *Server) Start() {
 		default:
 		}
 		s.started.Store(true)
+		if s.cfg.Startup != nil {
+			s.loading.Store(true) // before any request can see the server started
+		}
 		go s.drive()
 		if s.bootSrv != nil {
 			go func() { _ = s.bootSrv.Serve(s.bootLn) }() // http.ErrServerClosed after Close
@@ -423,8 +454,12 @@ var errShutdown = openai.NewError(http.StatusServiceUnavailable, "the simulated 
 // drive is the driver goroutine: the only code touching the sim.Engine.
 func (s *Server) drive() {
 	defer close(s.done)
+	if !s.load() {
+		return // closed while starting up
+	}
 	e := sim.NewEngine(s.eng)
 	calls := make(map[string]*call)
+	s.inflight = calls
 	start := time.Now()
 	s.startWall.Store(start.UnixNano())
 	var vnow time.Duration
@@ -463,7 +498,7 @@ func (s *Server) drive() {
 	defer timer.Stop()
 
 	for {
-		if !e.HasWork() {
+		if !e.HasWork() || s.paused {
 			publish()
 			// Held blocks expire on an idle engine too: wake at the
 			// earliest abort timeout.
@@ -485,7 +520,10 @@ func (s *Server) drive() {
 			case c := <-s.cancel:
 				abort(c)
 			case c := <-s.control:
-				s.runEngineCall(e, c, max(vnow, wallVirtual()))
+				// An idle engine's clock follows the wall's (a wake-up
+				// resumes it after a sleep at the wall-derived time).
+				vnow = max(vnow, wallVirtual())
+				s.runEngineCall(e, c, vnow)
 			case <-s.quit:
 				shutdown()
 				return
@@ -823,6 +861,10 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, g *genRequest) {
 		openai.WriteError(w, openai.NewError(http.StatusServiceUnavailable, "the simulated engine is not running", "", ""))
 		return
 	}
+	if s.loading.Load() {
+		openai.WriteError(w, errLoading)
+		return
+	}
 	if slog.Default().Enabled(r.Context(), slog.LevelDebug) {
 		// What vLLM reads for its OpenTelemetry spans (--otlp-traces-endpoint):
 		// the request's W3C trace context, logged so a test or an operator
@@ -1079,8 +1121,8 @@ func (s *Server) handleHealth(w http.ResponseWriter, _ *http.Request) {
 		return
 	default:
 	}
-	if !s.started.Load() {
-		w.WriteHeader(http.StatusServiceUnavailable)
+	if !s.started.Load() || s.loading.Load() {
+		w.WriteHeader(http.StatusServiceUnavailable) // loading: vLLM does not answer at all yet (README "Start-up and sleep")
 		return
 	}
 	w.WriteHeader(http.StatusOK)

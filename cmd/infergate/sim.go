@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/infergate/infergate/kvstore"
+	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/simserver"
 )
 
@@ -32,6 +33,10 @@ type simFlags struct {
 	pdWait         time.Duration
 	pdMaxWaiters   int
 	pdAbortTimeout time.Duration
+	// Start-up and sleep (simserver startup.go, sleep.go).
+	sleepMode     bool
+	startupSource string
+	imageCached   bool
 }
 
 func newSimCmd() *cobra.Command {
@@ -71,6 +76,9 @@ func (fl *simFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.pdAdvertise, "pd-advertise-addr", "", "host:port a prefill response names as remote_host/remote_port (default the address the request came in on)")
 	f.DurationVar(&fl.pdWait, "pd-wait", 0, "how long a concurrent decode leg (Mooncake, SGLang) waits for its prefill before recomputing (default 30s)")
 	f.IntVar(&fl.pdMaxWaiters, "pd-max-waiters", 0, "side-channel transfer long polls this engine holds open at once; beyond it 503 with Retry-After (default 1024)")
+	f.BoolVar(&fl.sleepMode, "enable-sleep-mode", false, "serve vLLM's sleep mode: POST /sleep?level=1|2, POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping (vLLM --enable-sleep-mode with VLLM_SERVER_DEV_MODE=1)")
+	f.StringVar(&fl.startupSource, "startup-source", "", "model the engine's cold start: unready (/health 503) for image pull, weights read from remote, nvme, page_cache or peer, and warm-up (sim/startup.go), at --time-scale; default: ready at once")
+	f.BoolVar(&fl.imageCached, "image-cached", true, "with --startup-source, the image is on the node (no image pull)")
 	f.DurationVar(&fl.pdAbortTimeout, "pd-abort-timeout", 0, "how long a finished prefill's KV is held for its decode leg (default $VLLM_NIXL_ABORT_REQUEST_TIMEOUT seconds, else 480s)")
 	fl.ef.register(f, true, `vLLM's --kv-events-config JSON, all of its fields, e.g. '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}' (plus "encoding": "array"|"map")`)
 }
@@ -90,6 +98,16 @@ func (fl *simFlags) run(cmd *cobra.Command) error {
 	}
 	scfg.Engine = fl.tiers.engine(scfg.Engine)
 	scfg.KVRemote = fl.tiers.remote
+	scfg.EnableSleepMode = fl.sleepMode
+	if fl.startupSource != "" {
+		src, err := sim.ParseWeightSource(fl.startupSource)
+		if err != nil {
+			return fmt.Errorf("--startup-source: %w", err)
+		}
+		scfg.Startup = &simserver.StartupConfig{Source: src, ImageCached: fl.imageCached}
+	} else if cmd.Flags().Changed("image-cached") {
+		return errors.New("--image-cached needs --startup-source")
+	}
 	if err := fl.pdConfig(cmd.Flags(), &scfg); err != nil {
 		return err
 	}

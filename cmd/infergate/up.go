@@ -23,6 +23,10 @@ import (
 // upFlags are up's flags (bind).
 type upFlags struct {
 	engines int
+	// count is --engines as given: N, or MIN..MAX for an elastic fleet
+	// (upscale.go); engines is N, or MAX.
+	count   engineCount
+	elastic elasticFlags
 	listen  string
 	policy  string
 	grace   time.Duration
@@ -73,11 +77,22 @@ P/D: --pd P:D runs P prefill and D decode engines instead of --engines, and
 the gateway splits prompts whose uncached part reaches --pd-threshold tokens
 (routing.pd.threshold): P computes the prompt and holds its KV, D reads it
 and decodes, over --pd-connector's protocol (nixl, mooncake or sglang;
-gateway/README.md "P/D"). Shorter prompts are served whole on a decode engine.`,
+gateway/README.md "P/D"). Shorter prompts are served whole on a decode engine.
+
+Scale from zero: --engines MIN..MAX (e.g. 0..8) keeps MAX engine addresses
+and runs MIN engines. A request to a pool with no ready engine is held
+(gateway scale_from_zero: --hold-ttl, bounded), the gateway's wake-up hook
+starts one engine, which answers /health 503 for its modelled cold start
+(sim/startup.go: image pull unless --image-cached, weights read from
+--startup-source, warm-up; scaled by --time-scale), and the held requests
+are dispatched the moment it is ready. Engines idle for --idle-timeout
+drain and stop, down to MIN; while every ready engine has a queue, one
+more starts, up to MAX.`,
 		Example: `  infergate up
   infergate up --engines 8 --policy round-robin --listen 127.0.0.1:9000
   infergate up --kv-host 4x --kv-remote 8x --policy precise-prefix
   infergate up --pd 1:3 --pd-connector mooncake --pd-threshold 1024
+  infergate up --engines 0..8 --time-scale 20 --idle-timeout 30s
   infergate keys new alice >> keys.txt && infergate up --keys-file keys.txt`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return fl.run(cmd) },
@@ -88,7 +103,9 @@ gateway/README.md "P/D"). Shorter prompts are served whole on a decode engine.`,
 
 // bind registers up's flags on f.
 func (fl *upFlags) bind(f *pflag.FlagSet) {
-	f.IntVar(&fl.engines, "engines", 4, "number of simulated engines")
+	fl.count = engineCount{max: 4}
+	f.Var(&fl.count, "engines", "number of simulated engines, or MIN..MAX (e.g. 0..8) for a fleet that scales from zero: requests are held while no engine is ready, the first one starts an engine through its modelled cold start, idle engines stop after --idle-timeout")
+	fl.elastic.register(f)
 	f.StringVar(&fl.listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
 	f.StringVar(&fl.policy, "policy", "", "routing policy (default cache-aware; precise-prefix uses the engines' KV events): "+strings.Join(sched.Names(), ", "))
 	f.DurationVar(&fl.grace, "shutdown-grace", gateway.DefaultShutdownGrace, shutdownGraceUsage)
@@ -207,6 +224,13 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 	}
 	pd, err := fl.parsePD(cmd)
 	if err != nil {
+		return err
+	}
+	fl.engines = fl.count.max
+	if fl.count.elastic {
+		return fl.runElastic(cmd, scfg)
+	}
+	if err := fl.elastic.unused(cmd); err != nil {
 		return err
 	}
 	if pd.on() {

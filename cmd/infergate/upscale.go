@@ -1,0 +1,195 @@
+package main
+
+import (
+	"fmt"
+	"log/slog"
+	"net"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+
+	kinds "github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
+	"github.com/infergate/infergate/simserver"
+)
+
+// engineCount is up's --engines: N engines, or MIN..MAX for an elastic
+// fleet that scales from zero.
+type engineCount struct {
+	min, max int
+	elastic  bool
+}
+
+func (e *engineCount) String() string {
+	if e.elastic {
+		return fmt.Sprintf("%d..%d", e.min, e.max)
+	}
+	return strconv.Itoa(e.max)
+}
+
+// Set parses N or MIN..MAX (0 ≤ MIN ≤ MAX, 1 ≤ MAX ≤ 64).
+func (e *engineCount) Set(s string) error {
+	lo, hi, ranged := strings.Cut(strings.TrimSpace(s), "..")
+	a, err := strconv.Atoi(strings.TrimSpace(lo))
+	if err != nil {
+		return fmt.Errorf("want N or MIN..MAX, e.g. 4 or 0..8")
+	}
+	if !ranged {
+		*e = engineCount{min: a, max: a}
+		return nil
+	}
+	b, err := strconv.Atoi(strings.TrimSpace(hi))
+	switch {
+	case err != nil:
+		return fmt.Errorf("want MIN..MAX, e.g. 0..8")
+	case a < 0 || b < 1 || a > b || b > 64:
+		return fmt.Errorf("want 0 <= MIN <= MAX, 1 <= MAX <= 64")
+	}
+	*e = engineCount{min: a, max: b, elastic: true}
+	return nil
+}
+
+func (e *engineCount) Type() string { return "N|MIN..MAX" }
+
+// elasticFlags are up's flags for --engines MIN..MAX.
+type elasticFlags struct {
+	source      string
+	imageCached bool
+	idle        time.Duration
+	holdTTL     time.Duration
+	heartbeat   time.Duration
+}
+
+// elasticFlagNames are the flags that need --engines MIN..MAX.
+var elasticFlagNames = []string{"startup-source", "image-cached", "idle-timeout", "hold-ttl", "hold-heartbeat"}
+
+func (e *elasticFlags) register(f *pflag.FlagSet) {
+	f.StringVar(&e.source, "startup-source", string(sim.SourcePageCache), "with --engines MIN..MAX, where a starting engine reads its weights: remote, nvme, page_cache or peer (sim/startup.go)")
+	f.BoolVar(&e.imageCached, "image-cached", true, "with --engines MIN..MAX, the engine image is on the node (no image pull in the cold start)")
+	f.DurationVar(&e.idle, "idle-timeout", time.Minute, "with --engines MIN..MAX, stop an engine idle this long (wall time), down to MIN (0: never)")
+	f.DurationVar(&e.holdTTL, "hold-ttl", 0, "with --engines MIN..MAX, how long a request is held while no engine is ready (gateway scale_from_zero.hold_ttl; 0: twice the modelled cold start at --time-scale, plus 30s)")
+	f.DurationVar(&e.heartbeat, "hold-heartbeat", 0, "with --engines MIN..MAX, ': keep-alive' SSE comments to held streaming requests at this period (0: none)")
+}
+
+// unused refuses the elastic flags without --engines MIN..MAX.
+func (e *elasticFlags) unused(cmd *cobra.Command) error {
+	for _, n := range elasticFlagNames {
+		if cmd.Flags().Changed(n) {
+			return fmt.Errorf("--%s needs --engines MIN..MAX", n)
+		}
+	}
+	return nil
+}
+
+// elasticDrain is how long a stopping engine reports unready before it
+// stops: two of the gateway's health-check intervals (elasticHealth) and
+// a margin, so the gateway has taken it out of rotation.
+const (
+	elasticHealth = time.Second
+	elasticDrain  = 3 * elasticHealth
+)
+
+// runElastic is up with --engines MIN..MAX: an elastic fleet of simulated
+// engines (simserver.ElasticFleet) and the gateway holding requests while
+// none is ready, its wake-up hook the fleet.
+func (fl *upFlags) runElastic(cmd *cobra.Command, scfg simserver.ServerConfig) error {
+	f := cmd.Flags()
+	for _, n := range []string{"pd", "kv-remote", "kv-events-config"} {
+		if f.Lookup(n) != nil && f.Changed(n) {
+			return fmt.Errorf("--engines %s and --%s: an elastic fleet's engines publish no KV events and share no remote tier (their sockets would change at each start), and have no P/D roles; drop one", fl.count.String(), n)
+		}
+	}
+	if fl.policy == sched.PrecisePrefix {
+		return fmt.Errorf("--engines %s: --policy %s needs KV events, which an elastic fleet's engines do not publish", fl.count.String(), fl.policy)
+	}
+	src, err := sim.ParseWeightSource(fl.elastic.source)
+	if err != nil {
+		return fmt.Errorf("--startup-source: %w", err)
+	}
+	scfg.Engine = fl.tiers.engine(scfg.Engine)
+	scfg.Startup = &simserver.StartupConfig{Source: src, ImageCached: fl.elastic.imageCached}
+	scfg.EnableSleepMode = true
+	if !f.Changed("responses-store") {
+		scfg.ResponsesStore = true
+	}
+	eng := scfg.Engine.WithDefaults()
+	ph, err := eng.Profile.StartupPhases(sim.StartupInput{Source: src, ImageCached: fl.elastic.imageCached})
+	if err != nil {
+		return fmt.Errorf("--engines %s: profile %s: %w", fl.count.String(), eng.Profile.Name, err)
+	}
+	wallStart := time.Duration(float64(ph.Total()) / scfg.TimeScale)
+	hold := fl.elastic.holdTTL
+	if hold == 0 {
+		hold = 2*wallStart + 30*time.Second
+	}
+	// An engine that finishes its start-up tells the gateway, which probes
+	// it at once: held requests leave within a probe's round trip.
+	var gw atomic.Pointer[gateway.Gateway]
+	fleet, err := simserver.StartElasticFleet(scfg, simserver.ElasticConfig{Min: fl.count.min, Max: fl.count.max,
+		IdleTimeout: fl.elastic.idle, Drain: elasticDrain, ScaleUpOnQueue: true,
+		OnReady: func(_ int, url string) {
+			if g := gw.Load(); g != nil {
+				g.Probe(url)
+			}
+		}})
+	if err != nil {
+		return err
+	}
+	defer fleet.Close()
+	model := scfg.Model
+	if model == "" {
+		model = eng.Profile.Model
+	}
+	if model == "" {
+		model = sim.DefaultModel
+	}
+	load := func() (gateway.Config, error) {
+		cfg := gateway.Config{Listen: fl.listen, Routing: sched.Config{Policy: fl.policy}, ShutdownGrace: fl.grace,
+			HealthCheckInterval: elasticHealth}
+		for _, m := range append([]string{model}, eng.LoRA.Adapters...) {
+			for _, u := range fleet.URLs {
+				cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: u, Model: m, Kind: kinds.Sim,
+					KVBlocks: eng.NumBlocks, BlockSize: eng.BlockSize, MaxModelLen: eng.Profile.MaxModelLen})
+			}
+		}
+		cfg.ScaleFromZero = map[string]gateway.ScaleFromZeroConfig{"*": {HoldTTL: hold, Heartbeat: fl.elastic.heartbeat,
+			Wake: gateway.WakeConfig{Waker: fleet}}}
+		if err := applyEdgeFlags(cmd, &cfg, "", "", fl.keys); err != nil {
+			return cfg, err
+		}
+		applyAccessLog(cmd, &cfg.AccessLog, fl.access)
+		return cfg, resolveLog(cmd, &cfg.Log)
+	}
+	out := cmd.OutOrStdout()
+	return runGateway(cmd, fl.pprofAt, load, func(g *gateway.Gateway, _ *slog.Logger, _ gateway.Config) func(net.Addr) {
+		resolved := g.Policy()
+		gw.Store(g)
+		return func(a net.Addr) {
+			base := "http://" + a.String()
+			auth := "open (no API keys)"
+			if g.AuthEnabled() {
+				auth = "API keys required"
+			}
+			fmt.Fprintf(out, "infergate %s is up: OpenAI API at %s/v1 (policy %s; %s)\n", buildVersion(), base, resolved, auth)
+			fmt.Fprintf(out, "  fleet: %s simulated engines (scale from zero), profile %s, model %q, time scale %gx, %d KV blocks each\n",
+				fl.count.String(), eng.Profile.Name, model, scfg.TimeScale, eng.NumBlocks)
+			fmt.Fprintf(out, "  cold start: %.1fs modelled (image pull %.1fs, weights %.1fs from %s at %.1f GB/s, warm-up %.1fs), %s wall at %gx\n",
+				ph.Total().Seconds(), ph.ImagePull.Seconds(), ph.WeightsLoad.Seconds(), src, ph.ReadBandwidth/1e9, ph.WarmUp.Seconds(),
+				wallStart.Round(time.Millisecond), scfg.TimeScale)
+			fmt.Fprintf(out, "  requests held up to %s while no engine is ready; idle engines stop after %s (down to %d)\n", hold, fl.elastic.idle, fl.count.min)
+			for i, u := range fleet.URLs {
+				fmt.Fprintf(out, "    engine %d: %s (metrics %s/metrics)\n", i, u, u)
+			}
+			fmt.Fprintf(out, "  dashboard: %s/dashboard   metrics: %s/metrics   health: %s/healthz\n\n", base, base, base)
+			fmt.Fprintf(out, "Try:\n  curl -s %s/v1/chat/completions -H 'Content-Type: application/json' \\\n"+
+				"    -d '{\"model\": %q, \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'\n\n", base, model)
+			fmt.Fprintf(out, "Press Ctrl-C to stop.\n")
+		}
+	})
+}
