@@ -64,6 +64,9 @@ type admission struct {
 	// waiting mirrors len(queue), active mirrors inFlight (read without mu).
 	waiting atomic.Int64
 	active  atomic.Int64
+	// arrivals counts the requests that asked for admission (the
+	// autoscaling arrival rate, autoscale.go).
+	arrivals atomic.Uint64
 
 	wait                                  prometheus.Observer
 	rejectFull, rejectTO, rejectDisplaced prometheus.Counter
@@ -297,6 +300,7 @@ func (a *admission) wake() {
 // out, or the client left while queued). A request refused here was never
 // admitted: its charge on the key's rate limits is given back.
 func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x *exchange) bool {
+	p.gate.arrivals.Add(1)
 	err := p.gate.acquire(r.Context(), x.sreq.Priority)
 	if err == nil {
 		return true
