@@ -28,10 +28,12 @@ import (
 const (
 	// DefaultTargetInFlight is the requests in flight per engine the policy
 	// aims at when Config.TargetInFlight is 0: vLLM's scheduler runs up to
-	// max_num_seqs (256) at once, but TTFT holds only well below it; 16 is
-	// the concurrency at which one default-profile engine (Llama-3.1-70B on
-	// 4×H100) keeps the Azure conversation trace's TTFT p90 under 1 s in
-	// virtual time (README.md, "Calibration").
+	// max_num_seqs (256) at once, but TTFT holds only well below it. With
+	// the default profile (Llama-3.1-70B on 4×H100) on the Azure
+	// conversation trace, 16 kept TTFT p90 at 388 ms with 3.8 engines on
+	// average, 28 at 486 ms with 2.65 (virtual time, seed 0;
+	// plan/README.md, "Autoscaling"): a conservative default; size it for
+	// a workload with plan --autoscale.
 	DefaultTargetInFlight = 16
 	// DefaultKVThreshold and DefaultQueueThreshold are the saturation
 	// thresholds of the Gateway API Inference Extension's saturation
