@@ -82,7 +82,8 @@ type Config struct {
 	// in flight at the engines or queued at the gateway for them
 	// (Signals.InFlight + Signals.Queued): the concurrency at which one
 	// engine still meets the TTFT and ITL targets, as Knative's and
-	// KServe's concurrency target (default DefaultTargetInFlight).
+	// KServe's concurrency target (default DefaultTargetInFlight;
+	// negative: the load rule is off, e.g. for a rate-only policy).
 	TargetInFlight float64
 	// TargetRate, when positive, is the request rate one engine serves
 	// within the targets (requests/s), so the pool needs
@@ -168,8 +169,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("autoscale: max %d engines (want 1..%d)", c.Max, MaxEngines)
 	case c.Min < 0 || c.Min > c.Max:
 		return fmt.Errorf("autoscale: min %d engines with max %d (want 0..max)", c.Min, c.Max)
-	case c.TargetInFlight < 0 || math.IsNaN(c.TargetInFlight) || math.IsInf(c.TargetInFlight, 0):
-		return fmt.Errorf("autoscale: target in flight %v (want > 0)", c.TargetInFlight)
+	case math.IsNaN(c.TargetInFlight) || math.IsInf(c.TargetInFlight, 0):
+		return fmt.Errorf("autoscale: target in flight %v (want > 0; negative: off)", c.TargetInFlight)
 	case c.TargetRate < 0 || math.IsNaN(c.TargetRate) || math.IsInf(c.TargetRate, 0):
 		return fmt.Errorf("autoscale: target rate %v req/s (want ≥ 0)", c.TargetRate)
 	case math.IsNaN(c.KVThreshold) || c.KVThreshold > 1:
@@ -255,7 +256,9 @@ func (c Config) Recommend(s Signals) (int, Reason) {
 		}
 	}
 	load := max(s.InFlight, 0) + max(s.Queued, 0)
-	up(ceilDiv(float64(load), c.TargetInFlight), ReasonLoad)
+	if c.TargetInFlight > 0 {
+		up(ceilDiv(float64(load), c.TargetInFlight), ReasonLoad)
+	}
 	if c.TargetRate > 0 && s.ArrivalRate > 0 {
 		up(ceilDiv(s.ArrivalRate, c.TargetRate), ReasonRate)
 	}
@@ -291,7 +294,7 @@ func ceilDiv(a, b float64) int {
 // autoscale.policy, e.g. "min=0,max=8,target=16,cold_start=90s":
 //
 //	min, max             engines (max required)
-//	target               TargetInFlight (requests per engine)
+//	target               TargetInFlight (requests per engine; "off": no load rule)
 //	rate                 TargetRate (requests/s per engine)
 //	kv, queue            KVThreshold (0..1), QueueThreshold (waiting per engine); -1 off
 //	ttft                 TTFTTarget (a duration)
@@ -322,6 +325,10 @@ func ParseConfig(spec string) (c Config, rest []string, err error) {
 		case "max":
 			c.Max, err = strconv.Atoi(v)
 		case "target":
+			if v == "off" {
+				c.TargetInFlight = -1
+				break
+			}
 			c.TargetInFlight, err = positive(v)
 		case "rate":
 			c.TargetRate, err = positive(v)

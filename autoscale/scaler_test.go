@@ -36,6 +36,12 @@ func TestRecommend(t *testing.T) {
 	if got, why := rc.Recommend(Signals{Ready: 1, ArrivalRate: 5}); got != 3 || why != ReasonRate {
 		t.Errorf("rate rule: %d (%v), want 3 (rate)", got, why)
 	}
+	if got, why := (Config{Max: 8, TargetInFlight: -1, TargetRate: 2}).Recommend(Signals{Ready: 1, InFlight: 100, ArrivalRate: 3}); got != 2 || why != ReasonRate {
+		t.Errorf("load rule off: %d (%v), want 2 (rate)", got, why)
+	}
+	if c, _, err := ParseConfig("max=4,target=off,rate=3"); err != nil || c.TargetInFlight >= 0 {
+		t.Errorf("target=off: %+v %v", c, err)
+	}
 	if got, _ := (Config{Min: 2, Max: 8}).Recommend(Signals{}); got != 2 {
 		t.Errorf("min 2 idle: %d", got)
 	}

@@ -246,7 +246,10 @@ func saturation(c autoscale.Config, s autoscale.Signals) float64 {
 		}
 		return 0
 	}
-	sat := load / (c.TargetInFlight * float64(s.Ready))
+	sat := 0.0
+	if c.TargetInFlight > 0 {
+		sat = load / (c.TargetInFlight * float64(s.Ready))
+	}
 	if c.KVThreshold > 0 {
 		sat = max(sat, s.KVUtil/c.KVThreshold)
 	}

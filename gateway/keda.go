@@ -139,7 +139,7 @@ func (r kedaRef) targetOf(v PoolScale) float64 {
 		return 1
 	case r.target > 0:
 		return r.target
-	case r.metric == kedaMetricInFlight:
+	case r.metric == kedaMetricInFlight && v.Policy.TargetInFlight > 0:
 		return v.Policy.TargetInFlight
 	}
 	return 1
