@@ -73,7 +73,9 @@ type ScaleStats struct {
 	MaxHeldWait time.Duration `json:"max_held_wait_ns"`
 	// Started and Stopped count engine starts and stops; PeakEngines is
 	// the most engines up at once.
-	Started, Stopped, PeakEngines int
+	Started     int `json:"started"`
+	Stopped     int `json:"stopped"`
+	PeakEngines int `json:"peak_engines"`
 	// Timeline is every decision, in time order.
 	Timeline []ScalePoint `json:"timeline,omitempty"`
 	// Starts is every engine start, in time order.
