@@ -31,8 +31,8 @@ type AutoscaleConfig struct {
 	// restart.
 	Interval time.Duration `yaml:"interval"`
 	// KEDAListen is the address of KEDA's external scaler gRPC service
-	// (e.g. ":9100"; "" off), served by `infergate serve`. Needs a
-	// restart.
+	// (e.g. ":9100"; "" off), served by `infergate serve` and `epp`.
+	// Needs a restart.
 	KEDAListen string `yaml:"keda_listen"`
 }
 
