@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/infergate/infergate/autoscale"
 )
@@ -107,6 +108,7 @@ type poolScaler struct {
 	spec string
 	s    *autoscale.Scaler
 	rate *autoscale.RateWindow
+	ttft ttftWindow
 	last atomic.Pointer[PoolScale]
 }
 
@@ -184,6 +186,7 @@ func (g *Gateway) decideAll(now time.Time) {
 		}
 		sig := p.scaleSignals()
 		sig.ArrivalRate = ps.rate.Observe(t, p.gate.arrivals.Load())
+		sig.TTFT = ps.ttft.read(p)
 		d := ps.s.Decide(t, sig)
 		v := &PoolScale{Model: model, At: now, Decision: d, Signals: sig, Policy: ps.s.Config()}
 		v.Saturation = saturation(v.Policy, sig)
@@ -204,7 +207,8 @@ func (g *Gateway) decideAll(now time.Time) {
 // configured (or discovered) but not ready counts as starting: vLLM
 // answers /health 503 while it loads, so a new engine is not ready until
 // its start-up ends (an endpoint ejected for failures counts so too).
-// Requests held for a pool with no ready endpoint will join Queued when
+// Signals.TTFT is set by the caller (ttftWindow). Requests held for a pool
+// with no ready endpoint will join Queued when
 // the gateway holds them (scale from zero: issue 20).
 func (p *pool) scaleSignals() autoscale.Signals {
 	sp := p.snapshot()
@@ -337,4 +341,88 @@ func (c *autoscaleCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.arrivalRate, g, v.Signals.ArrivalRate, m)
 		ch <- prometheus.MustNewConstMetric(c.kvUtil, g, v.Signals.KVUtil, m)
 	}
+}
+
+// ttftWindow turns the cumulative TTFT histograms of a pool's endpoints
+// (infergate_time_to_first_token_seconds) into the TTFT p90 of the
+// requests that got their first token since the previous read: the
+// quantile Dynamo's SLA planner reads from Prometheus each adjustment
+// interval (histogram_quantile over the interval's increase, linear within
+// a bucket).
+type ttftWindow struct {
+	prev, cur []uint64 // cumulative bucket counts, summed over the pool's endpoints
+	bounds    []float64
+	prevN     uint64
+	primed    bool
+}
+
+// read returns the p90 TTFT of the requests observed since the previous
+// read (0 when none, or when an endpoint left the pool and the counts
+// went backwards).
+func (w *ttftWindow) read(p *pool) time.Duration {
+	var n uint64
+	clear(w.cur)
+	var m dto.Metric
+	for i, rm := range p.routes {
+		if p.endpoints[i] == vacant || rm == nil || rm == p.none {
+			continue
+		}
+		pm, ok := rm.ttft.(prometheus.Metric)
+		if !ok {
+			continue
+		}
+		m.Reset()
+		if pm.Write(&m) != nil || m.GetHistogram() == nil {
+			continue
+		}
+		h := m.GetHistogram()
+		if len(w.bounds) != len(h.GetBucket()) {
+			w.bounds = make([]float64, len(h.GetBucket()))
+			w.cur, w.prev, w.primed = make([]uint64, len(h.GetBucket())), make([]uint64, len(h.GetBucket())), false
+		}
+		for k, b := range h.GetBucket() {
+			w.bounds[k] = b.GetUpperBound()
+			w.cur[k] += b.GetCumulativeCount()
+		}
+		n += h.GetSampleCount()
+	}
+	defer func() {
+		w.prev, w.cur = w.cur, w.prev
+		w.prevN, w.primed = n, true
+	}()
+	if !w.primed || n <= w.prevN {
+		return 0
+	}
+	for k := range w.cur {
+		if w.cur[k] < w.prev[k] {
+			return 0
+		}
+	}
+	return quantileOfIncrease(0.9, w.bounds, w.cur, w.prev, n-w.prevN)
+}
+
+// quantileOfIncrease is Prometheus' histogram_quantile over the increase
+// cur − prev of cumulative buckets with upper bounds bounds (seconds; the
+// +Inf bucket implied, total observations in all): linear interpolation
+// within the bucket holding the rank, the highest finite bound when the
+// rank is beyond it.
+func quantileOfIncrease(q float64, bounds []float64, cur, prev []uint64, total uint64) time.Duration {
+	rank := q * float64(total)
+	lower, below := 0.0, 0.0
+	for k, ub := range bounds {
+		c := float64(cur[k] - prev[k])
+		if c >= rank {
+			in := c - below
+			x := ub
+			if in > 0 {
+				x = lower + (ub-lower)*(rank-below)/in
+			}
+			return time.Duration(x * float64(time.Second))
+		}
+		lower, below = ub, c
+	}
+	if len(bounds) == 0 {
+		return 0
+	}
+	return time.Duration(bounds[len(bounds)-1] * float64(time.Second))
 }

@@ -124,6 +124,9 @@ func TestExternalScaler(t *testing.T) {
 		st := g.state.Load()
 		return st.endpoints[0].ledger.InFlight()+st.endpoints[1].ledger.InFlight() == 1
 	})
+	waitFor(t, "the request's first token", func() bool {
+		return scrape(t, testClient(t), url).value("infergate_time_to_first_token_seconds_count", `model="m"`) == 1
+	})
 	g.decideAll(time.Now())
 	if r, err := stream.Recv(); err != nil || !r.GetResult() {
 		t.Fatalf("StreamIsActive after a request: %v, %v", r, err)
@@ -133,6 +136,11 @@ func TestExternalScaler(t *testing.T) {
 	}
 	if v := metrics(); v != 1 {
 		t.Fatalf("desired with one request in flight at target 1: %v", v)
+	}
+	// Its first event was relayed: the pool's TTFT p90 over the interval
+	// (from the TTFT histogram) is positive.
+	if v, ok := g.PoolScale("m"); !ok || v.Signals.TTFT <= 0 {
+		t.Fatalf("TTFT signal after a first token: %+v", v.Signals)
 	}
 	inflight := map[string]string{"pool": "m", "metric": "in_flight", "target": "2"}
 	spec, err = sc.GetMetricSpec(rpcCtx(t), ref(inflight))
@@ -250,6 +258,29 @@ func TestAutoscaleConfigValidate(t *testing.T) {
 		_, err := New(context.Background(), cfg, nil)
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%+v: %v, want an error with %q", tc.ac, err, tc.want)
+		}
+	}
+}
+
+// TestQuantileOfIncrease: histogram_quantile over the increase of
+// cumulative buckets (Prometheus' interpolation).
+func TestQuantileOfIncrease(t *testing.T) {
+	bounds := []float64{0.1, 0.5, 1}
+	prev := []uint64{5, 5, 5}
+	for _, tc := range []struct {
+		cur   []uint64
+		total uint64
+		want  time.Duration
+	}{
+		// 10 new, all in (0.1, 0.5]: p90 is 0.1 + 0.4 × 9/10.
+		{[]uint64{5, 15, 15}, 10, 460 * time.Millisecond},
+		// 10 new, all ≤ 0.1: 0.1 × 9/10.
+		{[]uint64{15, 15, 15}, 10, 90 * time.Millisecond},
+		// Beyond the last finite bound: that bound.
+		{[]uint64{5, 5, 6}, 10, time.Second},
+	} {
+		if got := quantileOfIncrease(0.9, bounds, tc.cur, prev, tc.total); (got-tc.want).Abs() > time.Microsecond {
+			t.Errorf("cur %v: %v, want %v", tc.cur, got, tc.want)
 		}
 	}
 }
