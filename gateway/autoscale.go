@@ -19,7 +19,8 @@ import (
 // gateway evaluates per pool (package autoscale, the same code plan
 // --autoscale runs in virtual time), whose decisions and signals it
 // exports as Prometheus gauges an HPA can use and, with keda_listen, as
-// KEDA's external scaler (keda.go). Off when no policy is given.
+// KEDA's external scaler (keda.go). Off when no policy is given. The
+// section needs a restart: a reload keeps it as at start (logged).
 type AutoscaleConfig struct {
 	// Policy is every pool's policy, in autoscale.ParseConfig's spelling
 	// ("min=0,max=8,target=16,down_window=5m"); "" leaves pools without an
@@ -28,12 +29,10 @@ type AutoscaleConfig struct {
 	// Pools overrides Policy per model (model name → policy).
 	Pools map[string]string `yaml:"pools"`
 	// Interval is the period of the decisions (default
-	// autoscale.DefaultInterval, 15 s, the HPA's sync period). Needs a
-	// restart.
+	// autoscale.DefaultInterval, 15 s, the HPA's sync period).
 	Interval time.Duration `yaml:"interval"`
 	// KEDAListen is the address of KEDA's external scaler gRPC service
 	// (e.g. ":9100"; "" off), served by `infergate serve` and `epp`.
-	// Needs a restart.
 	KEDAListen string `yaml:"keda_listen"`
 }
 
@@ -123,7 +122,7 @@ type scalers struct {
 }
 
 // startAutoscale starts the decision loop (New; a no-op without a
-// policy at start: interval and enabling need a restart).
+// policy at start: the autoscale section needs a restart).
 func (g *Gateway) startAutoscale(reg prometheus.Registerer) error {
 	g.scale.byPool = map[string]*poolScaler{}
 	g.scale.changed = make(chan struct{})
