@@ -279,7 +279,7 @@ func TestQuantileOfIncrease(t *testing.T) {
 		// Beyond the last finite bound: that bound.
 		{[]uint64{5, 5, 6}, 10, time.Second},
 	} {
-		if got := quantileOfIncrease(0.9, bounds, tc.cur, prev, tc.total); (got-tc.want).Abs() > time.Microsecond {
+		if got := quantileOfIncrease(0.9, bounds, tc.cur, prev, tc.total); (got - tc.want).Abs() > time.Microsecond {
 			t.Errorf("cur %v: %v, want %v", tc.cur, got, tc.want)
 		}
 	}
