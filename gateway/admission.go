@@ -64,6 +64,9 @@ type admission struct {
 	// waiting mirrors len(queue), active mirrors inFlight (read without mu).
 	waiting atomic.Int64
 	active  atomic.Int64
+	// arrivals counts the requests that asked for admission (the
+	// autoscaling arrival rate, autoscale.go).
+	arrivals atomic.Uint64
 
 	wait                                  prometheus.Observer
 	rejectFull, rejectTO, rejectDisplaced prometheus.Counter
@@ -412,6 +415,7 @@ func (g *Gateway) admitQueued(w http.ResponseWriter, r *http.Request, p *pool, x
 		x.hb = heartbeat{g: g, w: w, x: x}
 		beat = x.hb.beat
 	}
+	p.gate.arrivals.Add(1)
 	err := p.gate.acquire(r.Context(), x.sreq.Priority, int64(len(x.body)), beat)
 	if err == nil {
 		return true

@@ -222,6 +222,9 @@ type Config struct {
 	// Replicas is the exchange between gateway replicas behind one L4
 	// balancer (replicas.go); off without redis_url.
 	Replicas ReplicasConfig `yaml:"replicas"`
+	// Autoscale is the per-pool scaling policy whose decisions and signals
+	// the gateway exports (autoscale.go; off without a policy).
+	Autoscale AutoscaleConfig `yaml:"autoscale"`
 }
 
 // EndpointConfig describes one engine.
@@ -555,6 +558,7 @@ func (c Config) Validate() error {
 	errs = append(errs, c.validateTokenizers()...)
 	errs = append(errs, c.validatePD()...)
 	errs = append(errs, c.Replicas.validate()...)
+	errs = append(errs, c.Autoscale.validate()...)
 	if len(errs) > 0 {
 		return fmt.Errorf("invalid gateway config: %w", errors.Join(errs...))
 	}

@@ -89,6 +89,8 @@ type Gateway struct {
 	// replicas is the exchange with the other gateway replicas
 	// (replicas.go; its node nil when off).
 	replicas *replicas
+	// scale is the pools' autoscaling decisions (autoscale.go).
+	scale scalers
 
 	edge // TLS, trusted proxies, edge metrics (edge.go)
 
@@ -227,6 +229,9 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	g.commit(st, plan, nil)
 	g.reloadMu.Unlock()
 	if err := g.startReplicas(); err != nil {
+		return fail(err)
+	}
+	if err := g.startAutoscale(reg); err != nil {
 		return fail(err)
 	}
 	g.reloads.succeeded(time.Now())

@@ -155,6 +155,7 @@ func TestREADMEListsEveryMetric(t *testing.T) {
 	cfg := Config{HealthCheckPath: healthCheckOff, Endpoints: []EndpointConfig{{URL: "http://127.0.0.1:9", Model: "m", KVBlocks: 1000,
 		KVEvents: &KVEventsConfig{Endpoint: "tcp://127.0.0.1:9"}}}}
 	cfg.Auth.Keys = []auth.Key{{Name: "k", Hash: auth.HashKey("sk-k")}}
+	cfg.Autoscale.Policy = "max=4"
 	withAccessLog(t, &cfg, LogFormatJSON)
 	g, err := New(context.Background(), cfg, reg)
 	if err != nil {

@@ -79,6 +79,10 @@ type Options struct {
 	// InfiniteHitRate): the pooled cache costs about one prefix-policy run
 	// per fleet size.
 	NoReferences bool
+	// Autoscale, when set, adds one autoscaled run per policy (an
+	// aggregated fleet of at most Autoscale.Policy.Max engines; autoscale.go)
+	// and compares each with the smallest static size meeting the SLO.
+	Autoscale *Autoscale
 }
 
 // PDVariant is one P/D configuration of a sweep: Prefill of a fleet's
@@ -123,6 +127,7 @@ type combo struct {
 	engines int
 	policy  string
 	pd      PDVariant
+	auto    bool // autoscaled (Options.Autoscale), engines its most
 }
 
 // combos lists the runs of opts: by fleet size, then policy, then P/D
@@ -137,9 +142,14 @@ func combos(opts Options) []combo {
 		for _, p := range opts.Policies {
 			for _, v := range pds {
 				if v.Prefill < n {
-					out = append(out, combo{n, p, v})
+					out = append(out, combo{engines: n, policy: p, pd: v})
 				}
 			}
+		}
+	}
+	if a := opts.Autoscale; a != nil {
+		for _, p := range opts.Policies {
+			out = append(out, combo{engines: a.Policy.Max, policy: p, auto: true})
 		}
 	}
 	return out
@@ -168,6 +178,16 @@ type Row struct {
 	MeetsSLO bool `json:"meets_slo"`
 	// WallS is the wall time of the run, simulation and evaluation (s).
 	WallS float64 `json:"wall_s"`
+	// GPUHours is what the run's fleet costs: engine-seconds (Engines ×
+	// the run's length, or the autoscaled engines' up time) × the
+	// profile's GPUs per engine (tensor parallelism), in hours.
+	GPUHours float64 `json:"gpu_hours"`
+	// BurstTTFT is the TTFT of the requests that arrived in bursts
+	// (BurstMask; ms), BurstRequests their count.
+	BurstTTFT     measure.Latency `json:"burst_ttft_ms"`
+	BurstRequests int             `json:"burst_requests"`
+	// Scale is the autoscaling of an autoscaled run (nil: a static fleet).
+	Scale *ScaleRow `json:"autoscale,omitempty"`
 }
 
 // cells formats r as one table row (the columns of WriteTable and the HTML
@@ -193,7 +213,11 @@ func (r Row) cells(minGoodput float64) []string {
 	if s.PD != nil && s.PD.Split > 0 {
 		xfer = fmt.Sprintf("%.0f", s.PD.Transfer.P90)
 	}
-	return []string{strconv.Itoa(r.Engines), r.label(), strconv.Itoa(s.Errors),
+	engines := strconv.Itoa(r.Engines)
+	if r.Scale != nil {
+		engines = fmt.Sprintf("%d..%d", r.Scale.Min, r.Scale.Max)
+	}
+	return []string{engines, r.label(), strconv.Itoa(s.Errors),
 		fmt.Sprintf("%.1f", s.HitRate*100), pooled, fmt.Sprintf("%.0f", s.TTFT.P50), fmt.Sprintf("%.0f", s.TTFT.P90),
 		fmt.Sprintf("%.0f", s.TTFT.P99), fmt.Sprintf("%.1f", s.ITL.P50), fmt.Sprintf("%.1f", s.ITL.P99),
 		fmt.Sprintf("%.0f", s.E2E.P90), fmt.Sprintf("%.0f", s.OutputTokPerS), util, good, fmt.Sprintf("%.3f", r.GoodputPerGPU), xfer, meets}
@@ -256,6 +280,10 @@ type Result struct {
 	// Provenance says what produced the sweep (set by the caller; nil: not
 	// recorded).
 	Provenance *measure.Provenance `json:"provenance,omitempty"`
+	// AutoscaleSpec is Options.Autoscale's policy as given, and Autoscale
+	// each autoscaled run against the best static fleet of its policy.
+	AutoscaleSpec string       `json:"autoscale_spec,omitempty"`
+	Autoscale     []Comparison `json:"autoscale,omitempty"`
 }
 
 // Run sweeps every (fleet size, policy) pair of opts, judges each run against
@@ -285,6 +313,12 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 	// Build each policy for the largest fleet up front, so that a policy
 	// that cannot take that many endpoints fails now, not mid-sweep.
 	largest := slices.Max(opts.Engines)
+	if opts.Autoscale != nil {
+		if err := opts.Autoscale.Policy.Validate(); err != nil {
+			return Result{}, fmt.Errorf("plan: %w", err)
+		}
+		largest = max(largest, opts.Autoscale.Policy.Max)
+	}
 	for _, p := range opts.Policies {
 		cfg := opts.Routing
 		cfg.Policy = p
@@ -372,6 +406,10 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 	}
 	res.WallS = time.Since(start).Seconds()
 	res.Recommendation = recommend(res.Rows)
+	if opts.Autoscale != nil {
+		res.AutoscaleSpec = opts.Autoscale.Spec
+		res.compare()
+	}
 	if refs != nil {
 		_, res.InfiniteHitRate = refs.get(opts.Engines[0]).All()
 	}
@@ -425,9 +463,15 @@ func runOne(ctx context.Context, opts Options, recs []trace.Record, c combo, ref
 	if c.pd.Prefill > 0 && c.pd.DecodeBudget != 0 {
 		eng.PD.DecodeMaxNumBatchedTokens = c.pd.DecodeBudget
 	}
+	var as *virtual.Autoscale
+	if c.auto {
+		a := opts.Autoscale.Autoscale
+		as = &a
+	}
 	run, err := virtual.Replay(ctx, virtual.ReplayOptions{
 		Policy: policy, Engines: engines, Engine: eng, Remote: opts.Remote, Records: recs,
 		Model: opts.Model, Seed: opts.Seed, Routing: routing, Warmup: opts.Warmup, Prefill: c.pd.Prefill,
+		Autoscale: as,
 	})
 	if err != nil {
 		return Row{}, fmt.Errorf("plan: %d engines, %s %s: %w", engines, policy, c.pd.Label(), err)
@@ -435,8 +479,20 @@ func runOne(ctx context.Context, opts Options, recs []trace.Record, c combo, ref
 	checks, good := Evaluate(opts.SLO, measure.Measured(run.Records), run.Summary.DurationS)
 	row := Row{Engines: engines, Policy: policy, PD: c.pd, Summary: run.Summary, Checks: checks, MeetsSLO: true}
 	row.Summary.Goodput = &good
-	if gpus := engines * opts.Engine.WithDefaults().Profile.TensorParallel; gpus > 0 {
+	tp := opts.Engine.WithDefaults().Profile.TensorParallel
+	row.BurstTTFT, row.BurstRequests = burstTTFT(run.Records)
+	row.GPUHours = gpuHours(float64(engines)*run.Summary.DurationS, tp)
+	if run.Scale != nil {
+		a := opts.Autoscale
+		row.Scale = &ScaleRow{ScaleStats: *run.Scale, Min: a.Policy.Min, Max: a.Policy.Max, ColdStartS: a.ColdStartOrPolicy().Seconds()}
+		row.GPUHours = gpuHours(run.Scale.EngineSeconds, tp)
+	}
+	if gpus := engines * tp; gpus > 0 {
 		row.GoodputPerGPU = good.PerS / float64(gpus)
+		if row.Scale != nil && row.GPUHours > 0 {
+			// Per GPU up: good requests over the GPU-seconds paid for.
+			row.GoodputPerGPU = float64(good.Requests) / (row.GPUHours * 3600)
+		}
 	}
 	if refs != nil {
 		refs.get(engines).Apply(&row.Summary, run.Records)
@@ -503,7 +559,7 @@ func recommend(rows []Row) *Recommendation {
 		}
 		best := -1
 		for k := base; k < end; k++ {
-			if !rows[k].MeetsSLO {
+			if !rows[k].MeetsSLO || rows[k].Scale != nil {
 				continue
 			}
 			if best < 0 || better(&rows[k], &rows[best]) {
@@ -576,8 +632,10 @@ func (r *Result) WriteTable(w io.Writer) error {
 			return err
 		}
 	}
-	_, err := fmt.Fprintf(w, "\n%s\n", r.Verdict())
-	return err
+	if _, err := fmt.Fprintf(w, "\n%s\n", r.Verdict()); err != nil {
+		return err
+	}
+	return r.writeAutoscale(w)
 }
 
 // Verdict is the recommendation line: "recommendation: 8 engines, policy

@@ -135,12 +135,65 @@ func (r *Result) HTMLPage() report.Page {
 	if p := r.Provenance; p != nil {
 		sub = fmt.Sprintf("infergate %s · started %s · SLO %s", p.Version, p.Start, r.SLO)
 	}
-	return report.Page{Title: "infergate plan: SLO " + r.SLO, Subtitle: sub, Sections: []report.Section{
+	sections := []report.Section{
 		{Title: "Run", Alerts: alerts, Facts: facts},
 		{Title: "Fleet sizing sweep", Text: text, Table: t},
 		{Title: "TTFT by prompt length", Text: []string{"Requests and TTFT percentiles per prompt-length bucket, per row of the sweep (k = 1,024 tokens)."}, Table: report.BucketTable(r.bucketRuns())},
 		{Title: "Against fleet size", Charts: charts},
-	}}
+	}
+	if len(r.Autoscale) > 0 {
+		sections = append(sections, r.autoscaleSection())
+	}
+	return report.Page{Title: "infergate plan: SLO " + r.SLO, Subtitle: sub, Sections: sections}
+}
+
+// autoscaleSection is the HTML page's comparison of every autoscaled run
+// with the best static fleet of its policy, and its engines over time.
+func (r *Result) autoscaleSection() report.Section {
+	t := &report.Table{Head: []string{"fleet", "engines", "GPU-hours", "saving %", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
+		"burst TTFT p90 ms", "burst TTFT p99 ms", "held", "dropped", "meets SLO"}}
+	var charts []report.Chart
+	for _, c := range r.Autoscale {
+		a := &r.Rows[c.Row]
+		yes := func(ok bool) string {
+			if ok {
+				return "yes"
+			}
+			return "no"
+		}
+		t.Rows = append(t.Rows, []string{a.label(), fmt.Sprintf("%d..%d (peak %d)", a.Scale.Min, a.Scale.Max, a.Scale.PeakEngines),
+			fmt.Sprintf("%.2f", c.GPUHours), fmt.Sprintf("%.1f", c.Saving*100),
+			fmt.Sprintf("%.0f", a.Summary.TTFT.P50), fmt.Sprintf("%.0f", a.Summary.TTFT.P90), fmt.Sprintf("%.0f", a.Summary.TTFT.P99),
+			fmt.Sprintf("%.0f", a.BurstTTFT.P90), fmt.Sprintf("%.0f", a.BurstTTFT.P99),
+			strconv.Itoa(a.Scale.Held), strconv.Itoa(a.Scale.Dropped), yes(a.MeetsSLO)})
+		if c.Static >= 0 {
+			st := &r.Rows[c.Static]
+			t.Rows = append(t.Rows, []string{st.Policy + " static", strconv.Itoa(st.Engines), fmt.Sprintf("%.2f", c.StaticGPUHours), "-",
+				fmt.Sprintf("%.0f", st.Summary.TTFT.P50), fmt.Sprintf("%.0f", st.Summary.TTFT.P90), fmt.Sprintf("%.0f", st.Summary.TTFT.P99),
+				fmt.Sprintf("%.0f", st.BurstTTFT.P90), fmt.Sprintf("%.0f", st.BurstTTFT.P99), "0", "0", yes(st.MeetsSLO)})
+		}
+		tl := a.Scale.Timeline
+		desired := report.Series{Name: "desired", Key: "desired"}
+		ready := report.Series{Name: "ready", Key: "ready"}
+		starting := report.Series{Name: "starting", Key: "starting"}
+		hi := 1.0
+		for _, p := range tl {
+			desired.X, desired.Y = append(desired.X, p.AtS), append(desired.Y, float64(p.Desired))
+			ready.X, ready.Y = append(ready.X, p.AtS), append(ready.Y, float64(p.Ready))
+			starting.X, starting.Y = append(starting.X, p.AtS), append(starting.Y, float64(p.Starting))
+			hi = max(hi, p.AtS)
+		}
+		x := report.Axis{Label: "time (s)", Min: 0, Max: hi, Format: func(v float64) string { return strconv.Itoa(int(v)) }}
+		ch := report.LineChart(a.label()+": engines over time", x, report.Axis{Label: "engines", Min: 0, Max: float64(a.Scale.Max) + 0.5,
+			Format: func(v float64) string { return strconv.Itoa(int(v)) }}, []report.Series{desired, ready, starting})
+		ch.Key = "autoscale-" + a.Policy
+		ch.Note = "The Scaler's decisions: desired engines, and the engines ready and starting (not yet routable) when each was taken."
+		charts = append(charts, ch)
+	}
+	text := []string{fmt.Sprintf("Policy %s. GPU-hours: engine-seconds up (starting, ready or draining) × GPUs per engine. "+
+		"Bursts: requests arriving in a minute of the trace with at least %.2f× its mean arrivals per minute. "+
+		"The static fleet is the smallest swept size of the same policy meeting the SLO.", r.AutoscaleSpec, BurstFactor)}
+	return report.Section{Title: "Autoscaling", Text: text, Table: t, Charts: charts}
 }
 
 // bucketRuns labels the rows for the TTFT-by-prompt-length table ("8 ×
@@ -162,6 +215,9 @@ func (r *Result) perPolicy(value func(*Row) float64) []report.Series {
 	at := map[string]int{}
 	for k := range r.Rows {
 		row := &r.Rows[k]
+		if row.Scale != nil {
+			continue // not a fleet size: the "Autoscaling" section
+		}
 		name := row.label()
 		j, ok := at[name]
 		if !ok {
@@ -176,6 +232,9 @@ func (r *Result) perPolicy(value func(*Row) float64) []report.Series {
 
 // label is the row's policy with its P/D split, if any.
 func (row *Row) label() string {
+	if row.Scale != nil {
+		return row.Policy + " autoscaled"
+	}
 	if l := row.PD.Label(); l != "" {
 		return row.Policy + " " + l
 	}

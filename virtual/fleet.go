@@ -85,6 +85,11 @@ type Config struct {
 	// vLLM's NIXL hand-off (sim/pd.go, pd.go here); 0: every engine
 	// serves whole requests. It needs Policy nil and fewer than Engines.
 	Prefill int
+	// Autoscale, when set, scales the fleet with an autoscale.Scaler in
+	// virtual time (autoscale.go): Engines is then the most it runs, and
+	// engines start (unroutable for their start-up time) and stop as the
+	// policy decides. It needs one gateway replica and no prefill engines.
+	Autoscale *Autoscale
 }
 
 // DefaultScrapeInterval is Config.ScrapeInterval's default: the gateway's
@@ -221,6 +226,9 @@ type Fleet struct {
 	pd       *sched.PD
 	handoffs []int
 
+	// as is the autoscaling state (nil: a fixed fleet).
+	as *scaler
+
 	// Per Run.
 	reqs   []Request
 	res    []Result
@@ -249,6 +257,10 @@ type engine struct {
 	rEvents []kvevent.Event
 	rHashes []uint64
 	rTokens []uint32
+	// Autoscaling (Config.Autoscale): its state (engineReady for a fixed
+	// fleet), since when it is up and when a starting engine is ready.
+	state            uint8
+	upSince, readyAt time.Duration
 }
 
 // NewFleet returns a fleet of cfg.Engines idle engines at time 0.
@@ -381,6 +393,13 @@ func NewFleet(cfg Config) (*Fleet, error) {
 	if err := f.newReplicas(snap, pool); err != nil {
 		return nil, err
 	}
+	if cfg.Autoscale != nil {
+		var err error
+		if f.as, err = newScaler(*cfg.Autoscale, &cfg); err != nil {
+			return nil, err
+		}
+		f.startFleet()
+	}
 	if cfg.ScrapeInterval > 0 {
 		f.nextScrape = 0
 	}
@@ -432,7 +451,8 @@ func (f *Fleet) Stats() []sim.Stats {
 	return st
 }
 
-// Utilization is the engines' mean busy fraction of [0, Now] (0..1).
+// Utilization is the engines' mean busy fraction of [0, Now] (0..1); of
+// their up time (ScaleStats.EngineSeconds) when the fleet autoscales.
 func (f *Fleet) Utilization() float64 {
 	if f.now <= 0 {
 		return 0
@@ -440,6 +460,12 @@ func (f *Fleet) Utilization() float64 {
 	var busy time.Duration
 	for i := range f.engines {
 		busy += f.engines[i].e.Stats().BusyTime
+	}
+	if f.as != nil {
+		if up := f.ScaleStats().EngineSeconds; up > 0 {
+			return busy.Seconds() / up
+		}
+		return 0
 	}
 	return float64(busy) / float64(f.now) / float64(len(f.engines))
 }
@@ -479,7 +505,7 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 	defer func() { f.reqs, f.res, f.shares, f.owner, f.open = nil, nil, nil, nil, nil }()
 
 	next := 0
-	for next < len(reqs) || f.heap.len() > 0 {
+	for next < len(reqs) || f.heap.len() > 0 || (f.as != nil && len(f.as.held) > 0) {
 		t := never
 		if f.heap.len() > 0 {
 			t = f.engines[f.heap.top()].end
@@ -500,6 +526,11 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 		if rt := f.rx.next(); rt < t {
 			t, scrape = rt, false
 		}
+		if f.as != nil {
+			if at := f.nextScaleEvent(); at < t {
+				t, scrape = at, false
+			}
+		}
 		f.now = t
 		// 1. Deliver the steps ending now.
 		f.pending = f.pending[:0]
@@ -517,6 +548,8 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 			if ve.e.HasWork() {
 				ve.pending = true
 				f.pending = append(f.pending, i)
+			} else if ve.state == engineStopping {
+				f.maybeOff(int(i), t)
 			}
 		}
 		// 2. The metrics scrape of this instant, if any.
@@ -526,6 +559,11 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 		}
 		// 2b. The replicas' messages due now, their load reports, a kill.
 		f.exchange(t)
+		// 2c. Autoscaling: engines ready now, held requests' TTLs, a
+		// decision due now; then the held requests go to ready engines.
+		if f.as != nil {
+			f.scale(t)
+		}
 		// 3. Send the split requests whose prefill ended now to their
 		// decode engines, then route the arrivals of this instant.
 		f.handOff(t)
@@ -561,7 +599,16 @@ func (f *Fleet) scrape() {
 // starting a step at once if the engine is idle.
 func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	r := &f.res[k]
-	r.Arrival, r.Engine = t, -1
+	r.Arrival, r.Engine = vr.Arrival, -1
+	if f.as != nil {
+		if vr.Arrival == t {
+			f.as.arrived++
+		}
+		if f.readyCount() == 0 {
+			f.hold(k, t)
+			return
+		}
+	}
 	rp := f.front(k)
 	r.Replica = int(f.owner[k])
 	policy := rp.policy
@@ -825,6 +872,9 @@ func (f *Fleet) deliver(i int, ve *engine, t time.Duration) {
 		if o.FirstToken {
 			f.shares[k].FirstToken(t) // the learnt prefill rate, as relayStream teaches it
 			r.FirstToken = t
+			if f.as != nil && f.as.cfg.Policy.TTFTTarget > 0 {
+				f.as.ttfts = append(f.as.ttfts, t-r.Arrival)
+			}
 			if r.Prefill < 0 {
 				r.PromptTokens, r.CachedTokens, r.TierTokens = o.PromptTokens, o.CachedTokens, o.TierTokens
 			} else {

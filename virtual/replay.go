@@ -70,6 +70,9 @@ type ReplayOptions struct {
 	LoadInterval  time.Duration
 	KillAtRequest int
 	KillReplica   int
+	// Autoscale scales the fleet (Config.Autoscale); Engines is then its
+	// most engines (default: the policy's Max).
+	Autoscale *Autoscale
 }
 
 // ReplayResult is the outcome of Replay.
@@ -92,6 +95,8 @@ type ReplayResult struct {
 	Stats []sim.Stats
 	// Wall is the wall time the simulation took.
 	Wall time.Duration
+	// Scale is the autoscaling figures (nil without ReplayOptions.Autoscale).
+	Scale *ScaleStats
 }
 
 // Replay replays records through a Fleet: the same engine
@@ -113,6 +118,9 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 	}
 	if opts.Engines == 0 {
 		opts.Engines = DefaultEngines
+		if opts.Autoscale != nil {
+			opts.Engines = max(opts.Autoscale.Policy.Max, 1)
+		}
 	}
 	if opts.Policy == "" {
 		opts.Policy = sched.DefaultPolicy
@@ -153,6 +161,7 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 		LoadInterval: opts.LoadInterval,
 		KillAt:       killAt,
 		KillReplica:  opts.KillReplica,
+		Autoscale:    opts.Autoscale,
 	})
 	if err != nil {
 		return ReplayResult{}, fmt.Errorf("virtual: %w", err)
@@ -269,6 +278,10 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 		}
 	}
 	run.Summary.MeanEngineUtilization = &util
+	if opts.Autoscale != nil {
+		st := fleet.ScaleStats()
+		run.Scale = &st
+	}
 	run.Summary.EnginePrefillTokens, run.Summary.Preemptions = &prefill, &preempt
 	return run, nil
 }

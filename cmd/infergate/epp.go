@@ -180,6 +180,11 @@ func runEPP(cmd *cobra.Command, fl *eppFlags) error {
 		return err
 	}
 	defer g.Close()
+	stopScaler, err := serveExternalScaler(log, g) // autoscale.keda_listen, as serve
+	if err != nil {
+		return err
+	}
+	defer stopScaler()
 	if cfg.Discovery.Kubernetes != nil {
 		g.HoldReadiness("kubernetes discovery: starting")
 	}

@@ -45,6 +45,8 @@ type planFlags struct {
 	pdBudget    string
 	// budget is every engine's token budget per step (--max-num-batched-tokens).
 	budget int
+	// autoscale is --autoscale's policy ("" none).
+	autoscale string
 }
 
 func newPlanCmd() *cobra.Command {
@@ -108,6 +110,7 @@ func (fl *planFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.pdLocal, "pd-local", "", "with --pd: where requests that are not split run, comma-separated: decode, any (default decode)")
 	f.IntVar(&fl.budget, "max-num-batched-tokens", 0, "every engine's token budget per step, as vLLM's flag (0: 8192; with --pd the decode engines' is --pd-decode-budget when given)")
 	f.StringVar(&fl.pdBusy, "pd-busy", "", "with --pd: how the decider judges a prefill engine busy, comma-separated: queue (routing.pd.max_prefill_queue_seconds), cost (its backlog's wait against the decode engine's own prefill; default queue)")
+	f.StringVar(&fl.autoscale, "autoscale", "", "also run an autoscaled fleet per policy and compare its GPU-hours with the smallest static size meeting --slo: min=0,max=8 and optionally target= (requests in flight per engine, default 16), rate=, kv=, queue=, ttft=, down_window= (default 5m), up_window=, cold_start= (engine start-up, default 90s), interval= (decision period, default 15s), hold_ttl=, initial= (plan/README.md, \"Autoscaling\")")
 	f.StringVar(&fl.pdBudget, "pd-decode-budget", "", "with --pd: the decode engines' token budgets per step to sweep, comma-separated (sim pd.decode_max_num_batched_tokens; 0 = the engines' --max-num-batched-tokens, 8192)")
 }
 
@@ -297,11 +300,17 @@ func (fl *planFlags) options() (plan.Options, error) {
 			return plan.Options{}, fmt.Errorf("--pd %d: want fewer prefill engines than the largest fleet of --engines (%d), so that decode engines remain", v.Prefill, slices.Max(sizes))
 		}
 	}
+	var as *plan.Autoscale
+	if fl.autoscale != "" {
+		if as, err = plan.ParseAutoscale(fl.autoscale); err != nil {
+			return plan.Options{}, fmt.Errorf("--autoscale: %w", err)
+		}
+	}
 	recs, err := fl.wl.load()
 	if err != nil {
 		return plan.Options{}, err
 	}
-	return plan.Options{PD: pds,
+	return plan.Options{PD: pds, Autoscale: as,
 		Records: recs, Requests: fl.requests, Engines: sizes, Policies: pols,
 		Engine: fl.tiers.engine(sim.Config{Profile: prof, MaxNumBatchedTokens: fl.budget}), Remote: fl.tiers.remote, Model: model, Routing: routing, Seed: fl.seed,
 		SLO: slo, Workers: fl.workers, Warmup: fl.warm.w,

@@ -107,6 +107,8 @@ func TestPlanBadInput(t *testing.T) {
 		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--pd", "1", "--pd-busy", "soon"}, "--pd-busy \"soon\""},
 		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--pd", "1", "--pd-decode-budget", "-5"}, "--pd-decode-budget \"-5\""},
 		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--max-num-batched-tokens", "-1"}, "--max-num-batched-tokens -1"},
+		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--autoscale", "min=1"}, "--autoscale: autoscale: max is required"},
+		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--autoscale", "max=4,hold=1s"}, "unknown key \"hold\""},
 	} {
 		msg, err := runMain(append([]string{"plan"}, tc.args...)...)
 		if err == nil || !strings.Contains(msg, tc.want) {

@@ -13,6 +13,8 @@ import (
 	"syscall"
 	"time"
 
+	"google.golang.org/grpc"
+
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -56,8 +58,41 @@ func listenAndServe(ctx context.Context, log *slog.Logger, addr string, h http.H
 // serveGateway serves g on addr (g.Server(), TLS when configured) until ctx
 // is cancelled, then shuts it down within its shutdown_grace; ready as for
 // listenAndServe.
+//
+// With autoscale.keda_listen it also serves KEDA's external scaler gRPC
+// service there, stopped when the gateway is.
 func serveGateway(ctx context.Context, log *slog.Logger, addr string, g *gateway.Gateway, ready func(net.Addr)) error {
+	stop, err := serveExternalScaler(log, g)
+	if err != nil {
+		return err
+	}
+	defer stop()
 	return serveUntilDone(ctx, log, addr, g.Server(), shutdown{grace: g.Config().ShutdownGrace, drain: g}, ready)
+}
+
+// serveExternalScaler serves g's KEDA external scaler on
+// autoscale.keda_listen (nothing when unset); stop ends it, closing its
+// streams.
+func serveExternalScaler(log *slog.Logger, g *gateway.Gateway) (stop func(), err error) {
+	addr := g.Config().Autoscale.KEDAListen
+	if addr == "" {
+		return func() {}, nil
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("autoscale.keda_listen %s: %w", addr, err)
+	}
+	s := grpc.NewServer(grpc.MaxRecvMsgSize(64<<10), grpc.MaxConcurrentStreams(256))
+	g.RegisterExternalScaler(s)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := s.Serve(ln); err != nil {
+			log.Error("KEDA external scaler stopped", "err", err)
+		}
+	}()
+	log.Info("KEDA external scaler listening", "addr", ln.Addr().String())
+	return func() { s.Stop(); <-done }, nil
 }
 
 // serveUntilDone serves srv on addr (TLS when srv.TLSConfig is set) until

@@ -1,0 +1,286 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/infergate/infergate/autoscale/externalscaler"
+	"github.com/infergate/infergate/sched"
+)
+
+// startExternalScaler serves g's KEDA external scaler on a loopback port
+// and returns a real gRPC client of it.
+func startExternalScaler(t *testing.T, g *Gateway) externalscaler.ExternalScalerClient {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := grpc.NewServer()
+	g.RegisterExternalScaler(s)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = s.Serve(ln) }()
+	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = conn.Close()
+		s.Stop()
+		<-done
+	})
+	return externalscaler.NewExternalScalerClient(conn)
+}
+
+// rpcCtx bounds one call (a generous bound, not a timing claim).
+func rpcCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func ref(md map[string]string) *externalscaler.ScaledObjectRef {
+	return &externalscaler.ScaledObjectRef{Name: "llama", Namespace: "llm", ScalerMetadata: md}
+}
+
+// TestExternalScaler drives KEDA's external scaler service through a real
+// gRPC client over loopback: IsActive, StreamIsActive, GetMetricSpec and
+// GetMetrics follow the pool's decisions as a request comes and goes and an
+// endpoint leaves rotation, the gauges an HPA reads say the same, and bad
+// metadata is InvalidArgument (an unknown pool NotFound).
+func TestExternalScaler(t *testing.T) {
+	e0, e1 := newFakeEngine(t, "e0"), newFakeEngine(t, "e1")
+	cfg := testConfig(sched.LeastRequest, e0, e1)
+	// Decisions only when the test takes them (the loop's first tick is an
+	// hour away); no stabilisation, so each follows its signals.
+	cfg.Autoscale = AutoscaleConfig{Policy: "min=0,max=4,target=1,down_window=0s", Interval: time.Hour}
+	g, url := startGateway(t, cfg)
+	sc := startExternalScaler(t, g)
+	md := map[string]string{"scalerAddress": "infergate:9100", "pool": "m"}
+
+	// Idle: inactive, nothing wanted.
+	if r, err := sc.IsActive(rpcCtx(t), ref(md)); err != nil || r.GetResult() {
+		t.Fatalf("IsActive idle: %v, %v", r, err)
+	}
+	spec, err := sc.GetMetricSpec(rpcCtx(t), ref(md))
+	if err != nil || len(spec.GetMetricSpecs()) != 1 {
+		t.Fatalf("GetMetricSpec: %v, %v", spec, err)
+	}
+	ms := spec.GetMetricSpecs()[0]
+	if ms.GetMetricName() != "desired-replicas-m" || ms.GetTargetSizeFloat() != 1 || ms.GetTargetSize() != 1 {
+		t.Fatalf("metric spec %v", ms)
+	}
+	metrics := func() float64 {
+		t.Helper()
+		// KEDA asks with its "s0-" prefix.
+		r, err := sc.GetMetrics(rpcCtx(t), &externalscaler.GetMetricsRequest{ScaledObjectRef: ref(md), MetricName: "s0-desired-replicas-m"})
+		if err != nil || len(r.GetMetricValues()) != 1 {
+			t.Fatalf("GetMetrics: %v, %v", r, err)
+		}
+		return r.GetMetricValues()[0].GetMetricValueFloat()
+	}
+	if v := metrics(); v != 0 {
+		t.Fatalf("desired idle: %v", v)
+	}
+	sctx, scancel := context.WithTimeout(context.Background(), time.Minute)
+	defer scancel()
+	stream, err := sc.StreamIsActive(sctx, ref(md))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := stream.Recv(); err != nil || r.GetResult() {
+		t.Fatalf("StreamIsActive first: %v, %v", r, err)
+	}
+
+	// A request in flight (the engine hangs after its first event).
+	e0.mode.Store(int32(modeHang))
+	e1.mode.Store(int32(modeHang))
+	rctx, rcancel := context.WithTimeout(context.Background(), time.Minute)
+	defer rcancel()
+	req, _ := http.NewRequestWithContext(rctx, http.MethodPost, url+pathCompletions,
+		strings.NewReader(`{"model":"m","prompt":"hello","max_tokens":4,"stream":true}`))
+	req.Header.Set("Content-Type", "application/json")
+	respc := make(chan error, 1)
+	go func() {
+		resp, err := testClient(t).Do(req)
+		if err == nil {
+			_, err = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+		respc <- err
+	}()
+	waitFor(t, "the request in flight", func() bool {
+		st := g.state.Load()
+		return st.endpoints[0].ledger.InFlight()+st.endpoints[1].ledger.InFlight() == 1
+	})
+	waitFor(t, "the request's first token", func() bool {
+		return scrape(t, testClient(t), url).value("infergate_time_to_first_token_seconds_count", `model="m"`) == 1
+	})
+	g.decideAll(time.Now())
+	if r, err := stream.Recv(); err != nil || !r.GetResult() {
+		t.Fatalf("StreamIsActive after a request: %v, %v", r, err)
+	}
+	if r, err := sc.IsActive(rpcCtx(t), ref(md)); err != nil || !r.GetResult() {
+		t.Fatalf("IsActive busy: %v, %v", r, err)
+	}
+	if v := metrics(); v != 1 {
+		t.Fatalf("desired with one request in flight at target 1: %v", v)
+	}
+	// Its first event was relayed: the pool's TTFT p90 over the interval
+	// (from the TTFT histogram) is positive.
+	if v, ok := g.PoolScale("m"); !ok || v.Signals.TTFT <= 0 {
+		t.Fatalf("TTFT signal after a first token: %+v", v.Signals)
+	}
+	inflight := map[string]string{"pool": "m", "metric": "in_flight", "target": "2"}
+	spec, err = sc.GetMetricSpec(rpcCtx(t), ref(inflight))
+	if err != nil || spec.GetMetricSpecs()[0].GetTargetSizeFloat() != 2 || spec.GetMetricSpecs()[0].GetMetricName() != "in-flight-m" {
+		t.Fatalf("in_flight spec: %v, %v", spec, err)
+	}
+	if r, err := sc.GetMetrics(rpcCtx(t), &externalscaler.GetMetricsRequest{ScaledObjectRef: ref(inflight), MetricName: "in-flight-m"}); err != nil ||
+		r.GetMetricValues()[0].GetMetricValueFloat() != 1 {
+		t.Fatalf("in_flight: %v, %v", r, err)
+	}
+
+	// The gauges an HPA reads.
+	c := testClient(t)
+	m := scrape(t, c, url)
+	for name, want := range map[string]float64{
+		"infergate_autoscale_desired_replicas":   1,
+		"infergate_autoscale_in_flight_requests": 1,
+		"infergate_autoscale_queue_length":       0,
+		"infergate_autoscale_saturation":         0.5, // 1 in flight / (target 1 × 2 ready)
+	} {
+		if !m.has(name) {
+			t.Errorf("%s missing", name)
+		} else if v := m.value(name, `model="m"`); v != want {
+			t.Errorf("%s = %v, want %v", name, v, want)
+		}
+	}
+	if v := m.value("infergate_autoscale_engines", `state="ready"`); v != 2 {
+		t.Errorf("ready engines %v", v)
+	}
+	if v := m.value("infergate_autoscale_recommended_replicas", `reason="load"`); v != 1 {
+		t.Errorf("recommended (load) %v", v)
+	}
+
+	// An engine that fails its health checks is not ready: starting, as a
+	// loading vLLM is.
+	e1.down.Store(true)
+	waitFor(t, "e1 out of rotation", func() bool { return !g.state.Load().endpoints[1].ready.Load() })
+	g.decideAll(time.Now())
+	if v, ok := g.PoolScale("m"); !ok || v.Signals.Ready != 1 || v.Signals.Starting != 1 {
+		t.Fatalf("after e1 went down: %+v", v)
+	}
+
+	// The request ends: inactive once its arrival leaves the rate window.
+	rcancel()
+	if err := <-respc; err == nil {
+		t.Log("request ended without an error")
+	}
+	waitFor(t, "nothing in flight", func() bool {
+		st := g.state.Load()
+		return st.endpoints[0].ledger.InFlight()+st.endpoints[1].ledger.InFlight() == 0
+	})
+	g.decideAll(time.Now().Add(2 * time.Minute)) // the arrival is now outside the 1-minute window
+	if r, err := stream.Recv(); err != nil || r.GetResult() {
+		t.Fatalf("StreamIsActive after the request: %v, %v", r, err)
+	}
+
+	// Bad metadata.
+	for name, bad := range map[string]map[string]string{
+		"no pool":        {"metric": "desired_replicas"},
+		"unknown metric": {"pool": "m", "metric": "gpus"},
+		"bad target":     {"pool": "m", "metric": "queue_length", "target": "-1"},
+		"nan target":     {"pool": "m", "metric": "queue_length", "target": "NaN"},
+		"desired target": {"pool": "m", "target": "3"},
+		"unknown key":    {"pool": "m", "poool": "m"},
+		"long value":     {"pool": strings.Repeat("m", 300)},
+	} {
+		_, err := sc.GetMetricSpec(rpcCtx(t), ref(bad))
+		if status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%s: GetMetricSpec error %v, want InvalidArgument", name, err)
+		}
+		_, err = sc.IsActive(rpcCtx(t), ref(bad))
+		if status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%s: IsActive error %v, want InvalidArgument", name, err)
+		}
+		s, err := sc.StreamIsActive(rpcCtx(t), ref(bad))
+		if err == nil {
+			_, err = s.Recv()
+		}
+		if status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%s: StreamIsActive error %v, want InvalidArgument", name, err)
+		}
+	}
+	if _, err := sc.GetMetrics(rpcCtx(t), &externalscaler.GetMetricsRequest{ScaledObjectRef: ref(md), MetricName: "queue-length-m"}); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("GetMetrics of another metric: %v, want InvalidArgument", err)
+	}
+	if _, err := sc.GetMetrics(rpcCtx(t), &externalscaler.GetMetricsRequest{}); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("GetMetrics without a reference: %v, want InvalidArgument", err)
+	}
+	if _, err := sc.IsActive(rpcCtx(t), ref(map[string]string{"pool": "other"})); status.Code(err) != codes.NotFound {
+		t.Errorf("unknown pool: %v, want NotFound", err)
+	}
+
+	// The stream ends with the client.
+	scancel()
+	if _, err := stream.Recv(); err == nil || (status.Code(err) != codes.Canceled && !errors.Is(err, context.Canceled)) {
+		t.Errorf("stream after cancel: %v", err)
+	}
+}
+
+func TestAutoscaleConfigValidate(t *testing.T) {
+	e := newFakeEngine(t, "e0")
+	for _, tc := range []struct {
+		ac   AutoscaleConfig
+		want string
+	}{
+		{AutoscaleConfig{Policy: "min=0"}, "max is required"},
+		{AutoscaleConfig{Policy: "max=4,bogus=1"}, "unknown keys"},
+		{AutoscaleConfig{Pools: map[string]string{"m": "max=2,min=3"}}, "autoscale.pools.m"},
+		{AutoscaleConfig{KEDAListen: ":9100"}, "needs autoscale.policy"},
+		{AutoscaleConfig{Policy: "max=2", KEDAListen: "nohost"}, "keda_listen"},
+		{AutoscaleConfig{Policy: "max=2", Interval: -time.Second}, "interval"},
+	} {
+		cfg := testConfig(sched.LeastRequest, e)
+		cfg.Autoscale = tc.ac
+		_, err := New(context.Background(), cfg, nil)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: %v, want an error with %q", tc.ac, err, tc.want)
+		}
+	}
+}
+
+// TestQuantileOfIncrease: histogram_quantile over the increase of
+// cumulative buckets (Prometheus' interpolation).
+func TestQuantileOfIncrease(t *testing.T) {
+	bounds := []float64{0.1, 0.5, 1}
+	prev := []uint64{5, 5, 5}
+	for _, tc := range []struct {
+		cur   []uint64
+		total uint64
+		want  time.Duration
+	}{
+		// 10 new, all in (0.1, 0.5]: p90 is 0.1 + 0.4 × 9/10.
+		{[]uint64{5, 15, 15}, 10, 460 * time.Millisecond},
+		// 10 new, all ≤ 0.1: 0.1 × 9/10.
+		{[]uint64{15, 15, 15}, 10, 90 * time.Millisecond},
+		// Beyond the last finite bound: that bound.
+		{[]uint64{5, 5, 6}, 10, time.Second},
+	} {
+		if got := quantileOfIncrease(0.9, bounds, tc.cur, prev, tc.total); (got - tc.want).Abs() > time.Microsecond {
+			t.Errorf("cur %v: %v, want %v", tc.cur, got, tc.want)
+		}
+	}
+}
