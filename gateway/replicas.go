@@ -262,7 +262,9 @@ func (r *replicas) report(st *state) {
 }
 
 // learnt publishes a routing decision: request req of pool p sent to
-// endpoint i with decision d. It does not wait (a full queue drops it).
+// endpoint i with decision d, and counts it unseen by the peers until the
+// exchange delivers it back (replica.Unseen). It does not wait (a full
+// queue drops it).
 func (r *replicas) learnt(p *pool, i int, req *sched.Request, d sched.Decision) {
 	x := r.x.Load()
 	if x == nil || req.PromptTokens <= 0 {
@@ -270,8 +272,18 @@ func (r *replicas) learnt(p *pool, i int, req *sched.Request, d sched.Decision) 
 	}
 	prompt := int64(req.PromptTokens)
 	pending := max(1, prompt-int64(d.MatchedBlocks*p.blockSize)) // as load.Ledger.Send counts it
-	x.Publish(replica.AppendLearn(nil, r.cfg.ID, time.Now().UnixNano(), p.model, p.endpoints[i].name, prompt, pending, req.Hashes))
+	now := time.Now()
+	// Counted before it is queued, so that the reader cannot echo it
+	// first; a learn the queue drops is retired with the next one echoed.
+	r.node.Unseen.Sent(now.UnixNano(), clock(now), prompt, pending)
+	x.Publish(replica.AppendLearn(nil, r.cfg.ID, now.UnixNano(), p.model, p.endpoints[i].name, prompt, pending, req.Hashes))
 }
+
+// expect prepares snapshot s for a pick: this replica's share of the
+// endpoints marked Preferred and the load its peers are expected to have
+// routed that it has not heard of yet added (replica.Node.Expect, which
+// virtual time runs too).
+func (r *replicas) expect(s []sched.Endpoint) { r.node.Expect(s, clock(time.Now())) }
 
 // replicaTarget resolves peers' learns in the configuration in force.
 type replicaTarget struct{ g *Gateway }

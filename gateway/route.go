@@ -212,6 +212,12 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 	snap := p.snapshot()
 	defer p.release(snap)
 	s := *snap
+	if p.peers != nil && p.pd == nil {
+		// Other replicas: this one's share marked, the load they are
+		// expected to have routed unseen added (replicas.go).
+		p.ruleOut(s, excluded, limit)
+		g.replicas.expect(s)
+	}
 	for range len(s) { // each round takes a slot or rules one endpoint out
 		p.ruleOut(s, excluded, limit)
 		d := p.policy.Pick(req, s)

@@ -40,6 +40,7 @@ type Peers struct {
 }
 
 type peerState struct {
+	id    string
 	at    atomic.Int64 // when last heard from (ns of the caller's clock)
 	cells map[string]*cell
 }
@@ -82,7 +83,7 @@ func (p *Peers) peer(id string, now time.Duration) (ps *peerState, changed, ok b
 		if len(p.peers) >= MaxPeers {
 			return nil, changed, false
 		}
-		ps = &peerState{cells: map[string]*cell{}}
+		ps = &peerState{id: id, cells: map[string]*cell{}}
 		p.peers[id] = ps
 		changed = true
 	}
@@ -204,6 +205,22 @@ func (p *Peers) Live(now time.Duration) int {
 	return n
 }
 
+// rank returns the number of live replicas, self and the peers heard
+// from within TTL of now, and the rank of self among them by id (0 for the
+// least). It takes no lock and allocates nothing.
+func (p *Peers) rank(self string, now time.Duration) (rank, live int) {
+	live = 1
+	for _, ps := range p.view.Load().peers {
+		if now-time.Duration(ps.at.Load()) <= p.ttl && ps.id != self {
+			live++
+			if ps.id < self {
+				rank++
+			}
+		}
+	}
+	return rank, live
+}
+
 // Seed is the routing seed (sched.Config.Seed) of replica id for a
 // configured seed: each replica draws its tie-breaks from its own streams.
 // Replicas sharing one seed draw alike at their n-th decisions and, on
@@ -250,11 +267,17 @@ type Node struct {
 	Peers  *Peers
 	Target Target
 	Counts Counts
+	// Unseen is this replica's decisions the exchange has not delivered
+	// back to it yet (Expect): the publisher calls Unseen.Sent with each
+	// learn it publishes, Apply retires them as they come back.
+	Unseen Unseen
+	shared atomic.Pointer[share] // Expect's share of the pool, cached
 	msg    Msg
 }
 
 // Apply decodes message b, received at now (the Peers clock), and applies
-// it unless it is this replica's own: a learn teaches the resolved
+// it unless it is this replica's own (whose learn retires its decision
+// from Unseen): a learn teaches the resolved
 // policy's approximate index (sched.PeerLearner) and credits the sender
 // with the request in Peers (Routed), a load replaces the sender's entry
 // in Peers. It returns the decoded message (valid until the
@@ -267,6 +290,9 @@ func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
 	}
 	if m.ID == n.ID {
 		n.Counts.Own.Add(1)
+		if m.Kind == KindLearn {
+			n.Unseen.Echo(m.At)
+		}
 		return m, nil
 	}
 	switch m.Kind {

@@ -411,7 +411,9 @@ func (s *costScorer) estimate(c *Cycle, cands []int, ttft []float64) {
 
 // maxScorePicker takes the highest total; totals within tol of the best
 // are ties, broken uniformly at random (so that differences too small to
-// matter — one block of a long prompt — do not pile work on one endpoint).
+// matter — one block of a long prompt — do not pile work on one endpoint)
+// among the tied endpoints marked Preferred when there are any, else
+// among all of them.
 type maxScorePicker struct{ tol float64 }
 
 func (maxScorePicker) Name() string { return PickerMaxScore }
@@ -425,9 +427,16 @@ func (p maxScorePicker) Pick(c *Cycle, cands []int, total []float64) int {
 		top = max(top, t)
 	}
 	tol := max(p.tol, 1e-9)
+	pref := false
+	for k, t := range total {
+		if t >= top-tol && preferred(c, cands[k]) {
+			pref = true
+			break
+		}
+	}
 	pick, ties := -1, 0
 	for k, t := range total {
-		if t >= top-tol {
+		if t >= top-tol && (!pref || preferred(c, cands[k])) {
 			ties++
 			if c.IntN(ties) == 0 {
 				pick = k
@@ -436,6 +445,10 @@ func (p maxScorePicker) Pick(c *Cycle, cands []int, total []float64) int {
 	}
 	return pick
 }
+
+// preferred reports whether endpoint i of c is Preferred (false for an
+// index beyond the snapshot: a picker driven without one).
+func preferred(c *Cycle, i int) bool { return i < len(c.Eps) && c.Eps[i].Preferred }
 
 // weightedRandomPicker picks candidate k with probability total[k] / Σ total
 // (uniformly when every total is 0).
@@ -599,8 +612,9 @@ func (leastRequestPicker) Pick(c *Cycle, cands []int, _ []float64) int {
 
 // leastLoaded returns the k of the candidate with the fewest in-flight
 // requests, or -1 for no candidates. Ties go to the larger matched[cands[k]]
-// when matched is not nil, then uniformly at random (reservoir sampling:
-// one draw per tie after the first, in candidate order).
+// when matched is not nil, then to a Preferred endpoint, then uniformly at
+// random (reservoir sampling: one draw per tie after the first, in
+// candidate order).
 func leastLoaded(c *Cycle, cands []int, matched []int) int {
 	eps := c.Eps
 	best, ties := -1, 0
@@ -610,11 +624,13 @@ func leastLoaded(c *Cycle, cands []int, matched []int) int {
 			continue
 		}
 		b := cands[best]
+		same := eps[i].InFlight == eps[b].InFlight && (matched == nil || matched[i] == matched[b])
 		switch {
 		case eps[i].InFlight < eps[b].InFlight ||
-			(eps[i].InFlight == eps[b].InFlight && matched != nil && matched[i] > matched[b]):
+			(eps[i].InFlight == eps[b].InFlight && matched != nil && matched[i] > matched[b]) ||
+			(same && eps[i].Preferred && !eps[b].Preferred):
 			best, ties = k, 1
-		case eps[i].InFlight == eps[b].InFlight && (matched == nil || matched[i] == matched[b]):
+		case same && eps[i].Preferred == eps[b].Preferred:
 			ties++
 			if c.IntN(ties) == 0 {
 				best = k

@@ -47,6 +47,14 @@ type Endpoint struct {
 	Models []string
 	// Role is the endpoint's part in a P/D pool (pd.go); RoleBoth outside one.
 	Role Role
+	// Preferred marks the endpoints a gateway replica takes first among
+	// candidates its picker counts as tied (the max-score picker's totals
+	// within the tie tolerance, least-request's equal loads): its share of
+	// the pool (replica.Node.Expect), so that replicas deciding on one view
+	// at one instant spread over the ties instead of drawing from the same
+	// set. False everywhere without replicas: ties are then broken among
+	// all of them, exactly as before the field existed.
+	Preferred bool
 }
 
 // Request is the scheduler's view of one request.

@@ -90,6 +90,30 @@ func TestLeastRequest(t *testing.T) {
 	}
 }
 
+// TestPreferredTies: among tied candidates the pickers take a Preferred
+// one (a gateway replica's share, package replica); a better candidate
+// that is not preferred still wins.
+func TestPreferredTies(t *testing.T) {
+	for _, name := range []string{CacheAware, LeastRequest} {
+		p := mustNew(t, Config{Policy: name}, 4)
+		eps := ready(4)
+		eps[2].Preferred = true
+		seen := map[int]int{}
+		for range 200 {
+			seen[p.Pick(&Request{Model: "m", PromptTokens: 100}, eps).Endpoint]++
+		}
+		if seen[2] != 200 {
+			t.Errorf("%s: picks %v among four tied, want only the preferred 2", name, seen)
+		}
+		for i := 1; i < 4; i++ { // 0 is clearly the least loaded: no tie
+			eps[i].PendingPrefillTokens, eps[i].InFlight = 10_000, 5
+		}
+		if d := p.Pick(&Request{Model: "m", PromptTokens: 100}, eps); d.Endpoint != 0 {
+			t.Errorf("%s: picked %d, want the less loaded 0 over the preferred 2", name, d.Endpoint)
+		}
+	}
+}
+
 func TestRandomUniformish(t *testing.T) {
 	p := mustNew(t, Config{Policy: Random, Seed: 7}, 4)
 	eps := ready(4)

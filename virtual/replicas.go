@@ -155,13 +155,18 @@ func (f *Fleet) front(k int) *rep {
 // ledger is request k's replica's ledger of engine e.
 func (f *Fleet) ledger(k, e int) *load.Ledger { return &f.reps[f.owner[k]].ledgers[e] }
 
-// fill sets rp's snapshot load from its ledgers, plus its peers' reports.
+// fill sets rp's snapshot load from its ledgers, plus its peers' reports
+// and what they are expected to have routed unseen (replica.Node.Expect,
+// as the gateway's pickExcluding does).
 func (rp *rep) fill(t time.Duration) {
 	for i := range rp.snap {
 		rp.ledgers[i].Fill(&rp.snap[i])
 		if rp.node != nil {
 			rp.node.Peers.Add(rp.snap[i].Name, t, &rp.snap[i])
 		}
+	}
+	if rp.node != nil {
+		rp.node.Expect(rp.snap, t)
 	}
 }
 
@@ -174,13 +179,16 @@ func (f *Fleet) learnt(rp *rep, d sched.Decision, t time.Duration) {
 	prompt := int64(f.sreq.PromptTokens)
 	pending := max(1, prompt-int64(d.MatchedBlocks*f.blockSize)) // as load.Ledger.Send counts it
 	b := replica.AppendLearn(nil, rp.id, int64(t), f.cfg.Model, rp.snap[d.Endpoint].Name, prompt, pending, f.sreq.Hashes)
-	f.post(rp, b, t)
+	rp.node.Unseen.Sent(int64(t), t, prompt, pending)
+	f.post(b, t)
 }
 
-// post puts b in transit from rp to every other live replica.
-func (f *Fleet) post(from *rep, b []byte, t time.Duration) {
+// post puts b in transit to every live replica, its sender included: a
+// Redis stream returns a replica's own entries to its reader, which tells
+// it that its peers have read them too (replica.Unseen).
+func (f *Fleet) post(b []byte, t time.Duration) {
 	for j, rp := range f.reps {
-		if rp != from && rp.alive {
+		if rp.alive {
 			f.rx.msgs = append(f.rx.msgs, vmsg{at: t + f.cfg.ReplicaDelay, to: j, b: b})
 		}
 	}
@@ -214,7 +222,7 @@ func (f *Fleet) exchange(t time.Duration) {
 					x.entries = append(x.entries, replica.LoadEntry{Endpoint: rp.snap[i].Name,
 						Load: replica.Load{InFlight: l.InFlight(), InFlightTokens: l.InFlightTokens(), PendingPrefill: l.PendingPrefill()}})
 				}
-				f.post(rp, replica.AppendLoad(nil, rp.id, int64(t), x.entries), t)
+				f.post(replica.AppendLoad(nil, rp.id, int64(t), x.entries), t)
 			}
 			x.nextLoad = t + f.cfg.LoadInterval
 		}

@@ -122,3 +122,49 @@ func TestReplicasConfig(t *testing.T) {
 		}
 	}
 }
+
+// TestReplicasBurst: requests that reach three replicas at one instant —
+// six cold prompts of one size every 3 s, for six engines — are spread as
+// one gateway spreads them, one per engine, not sent by every replica to
+// the endpoints that look least loaded to it (replica.Node.Expect: the
+// unseen load water-filled, each replica's share preferred among ties).
+func TestReplicasBurst(t *testing.T) {
+	var recs []trace.Record
+	for burst := range 10 {
+		for k := range 6 {
+			var ids []int64
+			for b := range 8 {
+				ids = append(ids, int64(burst*10_000+k*100+b))
+			}
+			recs = append(recs, trace.Record{Timestamp: time.Duration(burst) * 3 * time.Second,
+				InputLength: len(ids) * 512, OutputLength: 4, HashIDs: ids})
+		}
+	}
+	worst := func(o ReplayOptions) int {
+		o.Records, o.Engines = recs, 6
+		run, err := Replay(context.Background(), o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		doubled := 0 // requests beyond the first on an engine, over the bursts
+		for burst := range 10 {
+			per := map[int]int{}
+			for _, e := range run.Engine[burst*6 : burst*6+6] {
+				if per[e]++; per[e] > 1 {
+					doubled++
+				}
+			}
+		}
+		return doubled
+	}
+	one := worst(ReplayOptions{})
+	shared := worst(ReplayOptions{Replicas: 3, ReplicaSync: true, ReplicaDelay: time.Millisecond})
+	unshared := worst(ReplayOptions{Replicas: 3})
+	t.Logf("requests of a burst sent to an engine that already had one of it, over 10 bursts of 6: one gateway %d, 3 shared replicas %d, 3 unshared %d", one, shared, unshared)
+	if one != 0 || shared > 3 {
+		t.Errorf("doubled up: one gateway %d, three shared replicas %d; want 0 and at most 3 of 60", one, shared)
+	}
+	if unshared < 20 {
+		t.Errorf("unshared replicas did not herd (%d): the test no longer shows what sharing prevents", unshared)
+	}
+}

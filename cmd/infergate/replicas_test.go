@@ -184,10 +184,39 @@ func TestReplicasEndToEnd(t *testing.T) {
 		sys := strings.Repeat(fmt.Sprintf("Session %d: you are a careful assistant who answers in full sentences. ", s), 30)
 		sessions[s].msgs = []map[string]string{{"role": "system", "content": sys}}
 	}
+	// learns is the number of peers' learns the live replicas applied
+	// (infergate_replica_messages_total{outcome="learn"}).
+	learns := func(live []int) float64 {
+		n := 0.0
+		for _, i := range live {
+			n += replicaMetric(t, bases[i], "infergate_replica_messages_total", `outcome="learn"`)
+		}
+		return n
+	}
+	// awaitLearns waits until the live replicas applied want learns: a
+	// request's turn is sent once every replica has applied the learns
+	// of the turns before it, so that the test measures what the exchange
+	// carries, not whether it carried it in time on a loaded host.
+	awaitLearns := func(live []int, want float64) {
+		deadline := time.Now().Add(redistest.Wait)
+		for n := learns(live); n < want; n = learns(live) {
+			if time.Now().After(deadline) {
+				t.Fatalf("replicas %v applied %v peer learns, want %v", live, n, want)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
 	var hits, follow int
-	runTurns := func(from, to int) {
+	// runTurns sends turns [from, to) of every session through the front
+	// to the live replicas, each request's learn applied by the others
+	// (peers of them) before the next request: applied is the learns they
+	// had applied before.
+	runTurns := func(from, to int, live []int, applied float64) {
+		sent := 0
 		for turn := from; turn < to; turn++ {
 			for s := range sessions {
+				awaitLearns(live, applied+float64(sent*(len(live)-1)))
+				sent++
 				ss := &sessions[s]
 				ss.msgs = append(ss.msgs, map[string]string{"role": "user", "content": fmt.Sprintf("Question %d, please.", turn)})
 				reply, cached := replicaChat(t, base, ss.msgs)
@@ -207,7 +236,7 @@ func TestReplicasEndToEnd(t *testing.T) {
 			}
 		}
 	}
-	runTurns(0, 2)
+	runTurns(0, 2, []int{0, 1, 2}, 0)
 	t.Logf("%d of %d follow-up turns hit their history across replicas", hits, follow)
 	if hits < follow*9/10 {
 		t.Fatalf("%d of %d follow-up turns hit their history across replicas, want 90%%", hits, follow)
@@ -226,6 +255,8 @@ func TestReplicasEndToEnd(t *testing.T) {
 
 	// A request in flight on replica 1 when it is killed: its connection
 	// fails, an explicit error for the client to retry.
+	survivors := []int{0, 2}
+	before := learns(survivors)
 	inflight := make(chan error, 1)
 	go func() {
 		body := `{"model":"m","messages":[{"role":"user","content":"A long answer, please."}],"max_tokens":20000,"stream":true}`
@@ -240,7 +271,8 @@ func TestReplicasEndToEnd(t *testing.T) {
 		_, err = io.Copy(io.Discard, resp.Body)
 		inflight <- fmt.Errorf("stream ended: %v (want a broken connection)", err)
 	}()
-	time.Sleep(200 * time.Millisecond) // let it start; a request still being sent fails alike
+	// Routed (its learn applied by both others) before the kill.
+	awaitLearns(survivors, before+2)
 	if err := gws[1].cmd.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
@@ -256,7 +288,7 @@ func TestReplicasEndToEnd(t *testing.T) {
 
 	// The survivors go on: every request served, affinity kept.
 	hits, follow = 0, 0
-	runTurns(2, turns)
+	runTurns(2, turns, survivors, learns(survivors))
 	t.Logf("after the kill: %d of %d follow-up turns hit their history", hits, follow)
 	if hits < follow*9/10 {
 		t.Fatalf("after the kill %d of %d follow-up turns hit their history, want 90%%", hits, follow)
