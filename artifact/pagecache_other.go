@@ -1,0 +1,10 @@
+//go:build !linux
+
+package artifact
+
+import "errors"
+
+func residentBytes(string) (int64, error) { return 0, nil }
+
+// DropPageCache is Linux-only.
+func DropPageCache(string) error { return errors.New("artifact: DropPageCache needs Linux") }
