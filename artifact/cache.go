@@ -99,9 +99,12 @@ type Cache struct {
 	flights   map[Digest]*flight
 	wg        sync.WaitGroup
 	closed    bool
+	lock      *os.File // flock on <dir>/.lock: one process per folder
 }
 
-// Open opens (or creates) the cache folder: it indexes the blobs found there
+// Open opens (or creates) the cache folder, which one process at a time may
+// hold (an exclusive flock on <dir>/.lock; engines reading the folder take
+// no lock): it indexes the blobs found there
 // (most recently used first, by mtime), drops manifests that name a missing
 // blob, optionally scrubs, and trims to the budget.
 func Open(cfg Config) (*Cache, error) {
@@ -113,6 +116,21 @@ func Open(cfg Config) (*Cache, error) {
 	if err != nil {
 		return nil, err
 	}
+	lock, err := lockDir(cfg.Dir)
+	if err != nil {
+		return nil, err
+	}
+	c, err := open(cfg, st)
+	if err != nil {
+		lock.Close()
+		return nil, err
+	}
+	c.lock = lock
+	return c, nil
+}
+
+func open(cfg Config, st *store) (*Cache, error) {
+	var err error
 	c := &Cache{
 		cfg: cfg, st: st, log: cfg.Logger, reg: cfg.Registry,
 		sem:       make(chan struct{}, cfg.Fetch.Concurrency),
@@ -176,12 +194,16 @@ func (c *Cache) Stats() IndexStats {
 // Leases stay valid (their blobs are files on disk).
 func (c *Cache) Close() error {
 	c.mu.Lock()
-	if !c.closed {
+	first := !c.closed
+	if first {
 		c.closed = true
 		close(c.close)
 	}
 	c.mu.Unlock()
 	c.wg.Wait()
+	if first && c.lock != nil {
+		return c.lock.Close() // releases the flock
+	}
 	return nil
 }
 

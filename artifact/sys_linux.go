@@ -1,7 +1,9 @@
 package artifact
 
 import (
+	"fmt"
 	"os"
+	"path/filepath"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -57,4 +59,18 @@ func DropPageCache(p string) error {
 		return err
 	}
 	return unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED)
+}
+
+// lockDir takes an exclusive, non-blocking flock on <dir>/.lock; closing the
+// file releases it (and so does the process's exit).
+func lockDir(dir string) (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(dir, ".lock"), os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("artifact: %s is in use by another process (flock: %w)", dir, err)
+	}
+	return f, nil
 }
