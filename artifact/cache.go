@@ -402,6 +402,9 @@ type Report struct {
 type AcquireOptions struct {
 	// Offline uses only the cached manifest, asking no source.
 	Offline bool
+	// Manifest, when set, is the model's manifest (e.g. read from a file):
+	// no source is asked for one; blobs still come from the sources.
+	Manifest []byte
 }
 
 // Acquire makes a model's blobs present and pinned, and returns the lease
@@ -437,7 +440,16 @@ func (c *Cache) acquire(ctx context.Context, r Ref, opts AcquireOptions, srcs []
 	if err := r.Validate(); err != nil {
 		return nil, err
 	}
-	m, from, err := c.resolve(ctx, r, opts.Offline, srcs)
+	var (
+		m    *Manifest
+		from = "given"
+		err  error
+	)
+	if opts.Manifest != nil {
+		m, err = ParseManifest(opts.Manifest)
+	} else {
+		m, from, err = c.resolve(ctx, r, opts.Offline, srcs)
+	}
 	if err != nil {
 		return nil, err
 	}
