@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"sort"
 	"strconv"
 	"strings"
@@ -22,6 +23,14 @@ type ServerConfig struct {
 	// client that stops reading loses its connection, however large the
 	// blob.
 	WriteIdle time.Duration
+	// BlobRedirect, when set, answers blob GETs that arrive under another
+	// host name with a 307 to the same path under this base URL (the OCI
+	// distribution spec lets a registry redirect blob GETs). Ollama's pull
+	// needs it: it asks for a blob expecting a 307 to a different host
+	// name, then fetches ranges there (server/download.go Prepare,
+	// @v0.17.4) — e.g. serve on 0.0.0.0:8200, clients use
+	// http://node1:8200, BlobRedirect http://node1.local:8200.
+	BlobRedirect *url.URL
 	// Logger (nil: slog.Default()).
 	Logger *slog.Logger
 }
@@ -236,6 +245,16 @@ func (s *Server) blob(w http.ResponseWriter, r *http.Request, dg string) {
 	d, err := ParseDigest(dg)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, "DIGEST_INVALID", err.Error())
+		return
+	}
+	if rd := s.cfg.BlobRedirect; rd != nil && r.Method == http.MethodGet && !strings.EqualFold(r.Host, rd.Host) {
+		if !s.c.Has(d) {
+			writeError(w, http.StatusNotFound, "BLOB_UNKNOWN", "blob unknown: "+string(d))
+			return
+		}
+		u := *rd
+		u.Path = strings.TrimRight(rd.Path, "/") + r.URL.Path
+		http.Redirect(w, r, u.String(), http.StatusTemporaryRedirect)
 		return
 	}
 	f, err := s.c.Open(d)

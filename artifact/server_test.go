@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
 )
@@ -144,5 +145,39 @@ func TestPeerFetch(t *testing.T) {
 	c.cfg.Origins = []Source{o2.source(t)}
 	if rep, err := c.Prefetch(testCtx(t), mustRef(t, other), AcquireOptions{}); err != nil || rep.Fetched[SourceHTTP] != o2.models[other].Size()-2 || rep.Fetched[SourcePeer] != 2 {
 		t.Fatalf("fallthrough %+v %v", rep, err)
+	}
+}
+
+func TestServerBlobRedirect(t *testing.T) {
+	o := newOrigin(t, map[string][]int{tinyRef: {5_000}})
+	c, _ := servedCache(t, o)
+	direct, _ := url.Parse("http://node1.local:8200/base")
+	srv := httptest.NewServer(NewServer(c, ServerConfig{BlobRedirect: direct}))
+	defer srv.Close()
+	big := o.biggest(tinyRef)
+	client := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	resp, err := client.Get(srv.URL + "/v2/library/tiny/blobs/" + string(big.Digest))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusTemporaryRedirect || resp.Header.Get("Location") != "http://node1.local:8200/base/v2/library/tiny/blobs/"+string(big.Digest) {
+		t.Fatalf("%d %v", resp.StatusCode, resp.Header)
+	}
+	// Under the direct host name the blob is served; an unknown blob is 404
+	// either way.
+	req, _ := http.NewRequest("GET", srv.URL+"/v2/library/tiny/blobs/"+string(big.Digest), nil)
+	req.Host = "node1.local:8200"
+	resp, err = client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || string(b) != string(o.blobs[big.Digest]) {
+		t.Fatalf("direct: %d", resp.StatusCode)
+	}
+	if resp, _ := do(t, "GET", srv.URL+"/v2/library/tiny/blobs/"+string(dg(3)), nil); resp.StatusCode != 404 {
+		t.Fatalf("unknown blob: %d", resp.StatusCode)
 	}
 }
