@@ -1,0 +1,206 @@
+package artifact_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/infergate/infergate/artifact"
+	"github.com/infergate/infergate/e2e"
+	"github.com/infergate/infergate/gguf"
+	"github.com/infergate/infergate/internal/realpart"
+)
+
+// BenchmarkOllamaStartup measures an Ollama engine's start-up — from asking
+// for the model to its first generated token — with the model's bytes coming
+// from each tier the simulator's start-up model distinguishes, side by side
+// in each iteration (issue 20: warm start-up at least 2× faster than cold):
+//
+//	cold_remote   the cache is empty: blobs fetched from an HTTP origin (a
+//	              file server over an Ollama store, on loopback, its files
+//	              in the page cache), verified, installed, hard-linked into
+//	              a fresh engine store; then ollama serve starts and loads
+//	cold_peer     the same, the blobs fetched from a peer node's cache
+//	              (`artifacts serve`, loopback)
+//	warm_disk     the cache holds the model; its blobs dropped from the page
+//	              cache first (posix_fadvise DONTNEED), so Ollama reads them
+//	              from the disk
+//	warm_page     the cache holds the model and the page cache its bytes
+//	reload        Ollama's own reload: the model unloaded (keep_alive 0) and
+//	              loaded again by the same warm server
+//
+// Metrics are seconds per scenario (startup = fetch + link + server ready +
+// load + first token; load = Ollama's load_duration), the model's bytes and
+// the bandwidths seen: HTTP and peer fetch (fetch + sha256 + write + fsync),
+// a sequential read of the GGUF from the disk after DONTNEED and from the
+// page cache. Not a test: nothing is asserted about time.
+//
+//	go test -run '^$' -bench OllamaStartup -benchtime 3x ./artifact
+//
+// INFERGATE_ARTIFACT_BENCH_LAYERS sets the model's size: layers of width
+// 1024 (F16, 16 heads, FFN 2816), 16 by default (~0.42 GB).
+func BenchmarkOllamaStartup(b *testing.B) {
+	realpart.SkipShort(b, "the Ollama start-up benchmark")
+	bin := e2e.RequireOllama(b)
+	opts := gguf.Options{Seed: 7, EmbeddingLength: 1024, BlockCount: envInt("INFERGATE_ARTIFACT_BENCH_LAYERS", 16),
+		FeedForwardLength: 2816, HeadCount: 16, F16: true}
+	_, origin := ollamaOrigin(b, bin, opts)
+	src, err := artifact.NewHTTP(origin.URL, artifact.LayoutOllamaDir, false)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ref, _ := artifact.ParseRef("tiny")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer cancel()
+
+	var sum struct {
+		startup, fetch, load map[string]float64
+		bytes, gguf          float64
+		httpBW, peerBW       float64
+		diskBW, pageBW       float64
+		resident             float64
+	}
+	sum.startup, sum.fetch, sum.load = map[string]float64{}, map[string]float64{}, map[string]float64{}
+	order := []string{"cold_remote", "cold_peer", "warm_disk", "warm_page", "reload"}
+
+	// start runs one start-up: acquire through c, link into a fresh
+	// engine store, start ollama serve, generate one token. The instance
+	// is left running for the caller to stop.
+	start := func(name string, c *artifact.Cache) (*e2e.Instance, *artifact.Lease, time.Duration) {
+		t0 := time.Now()
+		lease, err := c.Acquire(ctx, ref, artifact.AcquireOptions{Offline: name != "cold_remote" && name != "cold_peer"})
+		if err != nil {
+			b.Fatal(name, err)
+		}
+		fetched := time.Since(t0)
+		eng := b.TempDir()
+		if err := c.Link(ref, filepath.Join(eng, "models")); err != nil {
+			b.Fatal(err)
+		}
+		inst, err := e2e.StartOllama(ctx, bin, "", e2e.Options{Dir: eng, NoCreate: true, NoWarm: true, NumParallel: 1})
+		if err != nil {
+			b.Fatal(err)
+		}
+		g, err := generate(ctx, inst.URL, "tiny", 1, "")
+		if err != nil {
+			inst.Stop()
+			b.Fatal(err)
+		}
+		sum.startup[name] += time.Since(t0).Seconds()
+		sum.fetch[name] += fetched.Seconds()
+		sum.load[name] += time.Duration(g.LoadDuration).Seconds()
+		b.Logf("%-11s startup %6.2fs: acquire %6.2fs (%d hits, %d misses), server ready %5.2fs, load_duration %6.2fs",
+			name, time.Since(t0).Seconds(), fetched.Seconds(), lease.Report.Hits, lease.Report.Misses,
+			inst.StartupTime.Seconds(), time.Duration(g.LoadDuration).Seconds())
+		return inst, lease, fetched
+	}
+	stop := func(inst *e2e.Instance, l *artifact.Lease) {
+		l.Release()
+		if err := inst.Stop(); err != nil {
+			b.Fatal(err)
+		}
+	}
+
+	for b.Loop() {
+		a, err := artifact.Open(artifact.Config{Dir: b.TempDir(), Origins: []artifact.Source{src}})
+		if err != nil {
+			b.Fatal(err)
+		}
+		inst, l, fetched := start("cold_remote", a)
+		stop(inst, l)
+		m := a.Manifest(ref)
+		var gg artifact.Blob
+		for _, bl := range m.Blobs() {
+			if bl.MediaType == artifact.MediaTypeOllamaModel {
+				gg = bl
+			}
+		}
+		sum.bytes += float64(m.Size())
+		sum.gguf += float64(gg.Size)
+		sum.httpBW += float64(m.Size()) / fetched.Seconds() / 1e6
+
+		peerSrv := httptest.NewServer(artifact.NewServer(a, artifact.ServerConfig{}))
+		peer, _ := artifact.NewHTTP(peerSrv.URL, artifact.LayoutRegistry, true)
+		p, err := artifact.Open(artifact.Config{Dir: b.TempDir(), Peers: []artifact.Source{peer}})
+		if err != nil {
+			b.Fatal(err)
+		}
+		inst, l, fetched = start("cold_peer", p)
+		stop(inst, l)
+		peerSrv.Close()
+		p.Close()
+		sum.peerBW += float64(m.Size()) / fetched.Seconds() / 1e6
+
+		// The disk and the page cache, read directly.
+		for _, bl := range m.Blobs() {
+			if err := artifact.DropPageCache(a.BlobPath(bl.Digest)); err != nil {
+				b.Fatal(err)
+			}
+		}
+		sum.diskBW += readMBps(b, a.BlobPath(gg.Digest))
+		sum.pageBW += readMBps(b, a.BlobPath(gg.Digest))
+
+		for _, bl := range m.Blobs() {
+			if err := artifact.DropPageCache(a.BlobPath(bl.Digest)); err != nil {
+				b.Fatal(err)
+			}
+		}
+		plan, err := a.Locate(ctx, ref)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Logf("before warm_disk: %d of %d bytes in the page cache", plan.ResidentBytes(), m.Size())
+		inst, l, _ = start("warm_disk", a)
+		stop(inst, l)
+
+		plan, _ = a.Locate(ctx, ref)
+		sum.resident += float64(plan.ResidentBytes()) / float64(m.Size())
+		inst, l, _ = start("warm_page", a)
+		if err := unload(ctx, inst.URL, "tiny"); err != nil {
+			b.Fatal(err)
+		}
+		g, err := generate(ctx, inst.URL, "tiny", 1, "")
+		if err != nil {
+			b.Fatal(err)
+		}
+		sum.load["reload"] += time.Duration(g.LoadDuration).Seconds()
+		sum.startup["reload"] += time.Duration(g.TotalDuration).Seconds()
+		b.Logf("%-11s load_duration %6.2fs (total %6.2fs)", "reload", time.Duration(g.LoadDuration).Seconds(), time.Duration(g.TotalDuration).Seconds())
+		stop(inst, l)
+		a.Close()
+	}
+	n := float64(b.N)
+	for _, k := range order {
+		b.ReportMetric(sum.startup[k]/n, k+"_startup_s")
+		b.ReportMetric(sum.load[k]/n, k+"_load_s")
+	}
+	b.ReportMetric(sum.bytes/n, "model_bytes")
+	b.ReportMetric(sum.httpBW/n, "http_fetch_MB/s")
+	b.ReportMetric(sum.peerBW/n, "peer_fetch_MB/s")
+	b.ReportMetric(sum.diskBW/n, "disk_read_MB/s")
+	b.ReportMetric(sum.pageBW/n, "pagecache_read_MB/s")
+	b.ReportMetric(sum.resident/n, "warm_page_resident_frac")
+	b.ReportMetric(sum.startup["cold_remote"]/sum.startup["warm_page"], "cold/warm_page")
+	b.ReportMetric(sum.startup["cold_remote"]/sum.startup["warm_disk"], "cold/warm_disk")
+	fmt.Fprintf(os.Stderr, "model %.0f bytes (GGUF %.0f)\n", sum.bytes/n, sum.gguf/n)
+}
+
+// readMBps reads a file sequentially and returns MB/s.
+func readMBps(b *testing.B, p string) float64 {
+	f, err := os.Open(p)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer f.Close()
+	t0 := time.Now()
+	n, err := io.CopyBuffer(io.Discard, f, make([]byte, 1<<20))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return float64(n) / time.Since(t0).Seconds() / 1e6
+}
