@@ -104,7 +104,7 @@ type Cache struct {
 
 // Open opens (or creates) the cache folder, which one process at a time may
 // hold (an exclusive flock on <dir>/.lock; engines reading the folder take
-// no lock): it indexes the blobs found there
+// no lock): it removes partial downloads untouched for 24 h, indexes the blobs found there
 // (most recently used first, by mtime), drops manifests that name a missing
 // blob, optionally scrubs, and trims to the budget.
 func Open(cfg Config) (*Cache, error) {
@@ -147,6 +147,9 @@ func open(cfg Config, st *store) (*Cache, error) {
 	}
 	if c.m, err = newMetrics(c.reg, c); err != nil {
 		return nil, err
+	}
+	if n := st.prunePartials(time.Now()); n > 0 {
+		c.log.Info("artifact: removed stale partial downloads", "count", n)
 	}
 	blobs, err := st.scanBlobs()
 	if err != nil {

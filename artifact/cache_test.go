@@ -12,6 +12,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 )
 
 const tinyRef = "registry.ollama.ai/library/tiny:latest"
@@ -492,4 +493,22 @@ func TestOneProcessPerFolder(t *testing.T) {
 	}
 	c.Close()
 	openCache(t, Config{Dir: dir})
+}
+
+func TestStalePartialsPruned(t *testing.T) {
+	dir := t.TempDir()
+	part := filepath.Join(dir, "partial")
+	os.MkdirAll(part, 0o755)
+	fresh, stale, junk := filepath.Join(part, dg(1).FileName()), filepath.Join(part, dg(2).FileName()), filepath.Join(part, "junk")
+	for _, p := range []string{fresh, stale, junk} {
+		os.WriteFile(p, []byte("x"), 0o644)
+	}
+	old := time.Now().Add(-25 * time.Hour)
+	os.Chtimes(stale, old, old)
+	openCache(t, Config{Dir: dir})
+	for p, want := range map[string]bool{fresh: true, stale: false, junk: false} {
+		if _, err := os.Stat(p); (err == nil) != want {
+			t.Errorf("%s kept=%v, want %v", filepath.Base(p), err == nil, want)
+		}
+	}
 }

@@ -245,3 +245,31 @@ func verifyFile(p string, d Digest, size int64) error {
 	}
 	return nil
 }
+
+// partialMaxAge is how long a partial download is kept for a resume.
+const partialMaxAge = 24 * time.Hour
+
+// prunePartials removes partial downloads untouched for partialMaxAge (a
+// model nobody asked for again) and files in partial/ that are not named
+// for a digest; it returns how many.
+func (s *store) prunePartials(now time.Time) int {
+	dir := filepath.Join(s.dir, partialDir)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return 0
+	}
+	n := 0
+	for _, e := range ents {
+		info, err := e.Info()
+		if err != nil {
+			continue
+		}
+		if _, derr := ParseDigest(e.Name()); derr == nil && e.Type().IsRegular() && now.Sub(info.ModTime()) < partialMaxAge {
+			continue
+		}
+		if os.RemoveAll(filepath.Join(dir, e.Name())) == nil {
+			n++
+		}
+	}
+	return n
+}
