@@ -7,6 +7,8 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strings"
 	"testing"
 	"time"
 
@@ -43,7 +45,9 @@ import (
 //	go test -run '^$' -bench OllamaStartup -benchtime 3x ./artifact
 //
 // INFERGATE_ARTIFACT_BENCH_LAYERS sets the model's size: layers of width
-// 1024 (F16, 16 heads, FFN 2816), 16 by default (~0.42 GB).
+// 1024 (F16, 16 heads, FFN 2816), 16 by default (~0.42 GB);
+// INFERGATE_ARTIFACT_BENCH_LOG=DIR writes each scenario's Ollama server log
+// to DIR/<scenario>.log.
 func BenchmarkOllamaStartup(b *testing.B) {
 	realpart.SkipShort(b, "the Ollama start-up benchmark")
 	bin := e2e.RequireOllama(b)
@@ -60,12 +64,14 @@ func BenchmarkOllamaStartup(b *testing.B) {
 
 	var sum struct {
 		startup, fetch, load map[string]float64
+		alloc, weights       map[string]float64
 		bytes, gguf          float64
 		httpBW, peerBW       float64
 		diskBW, pageBW       float64
 		resident             float64
 	}
 	sum.startup, sum.fetch, sum.load = map[string]float64{}, map[string]float64{}, map[string]float64{}
+	sum.alloc, sum.weights = map[string]float64{}, map[string]float64{}
 	order := []string{"cold_remote", "cold_peer", "warm_disk", "warm_page", "reload"}
 
 	// start runs one start-up: acquire through c, link into a fresh
@@ -94,9 +100,17 @@ func BenchmarkOllamaStartup(b *testing.B) {
 		sum.startup[name] += time.Since(t0).Seconds()
 		sum.fetch[name] += fetched.Seconds()
 		sum.load[name] += time.Duration(g.LoadDuration).Seconds()
-		b.Logf("%-11s startup %6.2fs: acquire %6.2fs (%d hits, %d misses), server ready %5.2fs, load_duration %6.2fs",
+		ph := loadPhases(inst.LogTail(1 << 20))
+		sum.alloc[name] += ph.alloc.Seconds()
+		sum.weights[name] += ph.weights.Seconds()
+		if dir := os.Getenv("INFERGATE_ARTIFACT_BENCH_LOG"); dir != "" {
+			if err := os.WriteFile(filepath.Join(dir, name+".log"), []byte(inst.LogTail(1<<20)), 0o644); err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.Logf("%-11s startup %6.2fs: acquire %6.2fs (%d hits, %d misses), server ready %5.2fs, load_duration %6.2fs (alloc %5.2fs, weights %5.2fs)",
 			name, time.Since(t0).Seconds(), fetched.Seconds(), lease.Report.Hits, lease.Report.Misses,
-			inst.StartupTime.Seconds(), time.Duration(g.LoadDuration).Seconds())
+			inst.StartupTime.Seconds(), time.Duration(g.LoadDuration).Seconds(), ph.alloc.Seconds(), ph.weights.Seconds())
 		return inst, lease, fetched
 	}
 	stop := func(inst *e2e.Instance, l *artifact.Lease) {
@@ -178,6 +192,10 @@ func BenchmarkOllamaStartup(b *testing.B) {
 	for _, k := range order {
 		b.ReportMetric(sum.startup[k]/n, k+"_startup_s")
 		b.ReportMetric(sum.load[k]/n, k+"_load_s")
+		if k != "reload" {
+			b.ReportMetric(sum.alloc[k]/n, k+"_alloc_s")
+			b.ReportMetric(sum.weights[k]/n, k+"_weights_s")
+		}
 	}
 	b.ReportMetric(sum.bytes/n, "model_bytes")
 	b.ReportMetric(sum.httpBW/n, "http_fetch_MB/s")
@@ -203,4 +221,45 @@ func readMBps(b *testing.B, p string) float64 {
 		b.Fatal(err)
 	}
 	return float64(n) / time.Since(t0).Seconds() / 1e6
+}
+
+// phases of one model load, read from the Ollama server's log: alloc is
+// from the runner's "Operation:alloc" load request to its "Operation:commit"
+// (memory for weights, KV cache and compute graph allocated and the graph
+// reserved: engine warm-up), weights from commit to "llama runner started"
+// (the tensors read from the GGUF into those buffers). The log lines are
+// Ollama v0.17.4's (server/server.go, runner/ollamarunner/runner.go); a
+// phase not found is 0.
+type phases struct{ alloc, weights time.Duration }
+
+var logTime = regexp.MustCompile(`^time=(\S+) `)
+
+func loadPhases(log string) phases {
+	var allocAt, commitAt, startedAt time.Time
+	for _, line := range strings.Split(log, "\n") {
+		m := logTime.FindStringSubmatch(line)
+		if m == nil {
+			continue
+		}
+		at, err := time.Parse(time.RFC3339Nano, m[1])
+		if err != nil {
+			continue
+		}
+		switch {
+		case strings.Contains(line, "Operation:alloc"):
+			allocAt = at
+		case strings.Contains(line, "Operation:commit"):
+			commitAt = at
+		case strings.Contains(line, "llama runner started"):
+			startedAt = at
+		}
+	}
+	var p phases
+	if !allocAt.IsZero() && commitAt.After(allocAt) {
+		p.alloc = commitAt.Sub(allocAt)
+	}
+	if !commitAt.IsZero() && startedAt.After(commitAt) {
+		p.weights = startedAt.Sub(commitAt)
+	}
+	return p
 }
