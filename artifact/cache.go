@@ -85,13 +85,15 @@ func (f FetchConfig) withDefaults() FetchConfig {
 // blobs, fetches deduplicated per digest and bounded in number, leases that
 // pin a model's blobs while an engine uses them. Safe for concurrent use.
 type Cache struct {
-	cfg   Config
-	st    *store
-	log   *slog.Logger
-	reg   *prometheus.Registry
-	m     *metrics
-	sem   chan struct{}
-	close chan struct{}
+	cfg Config
+	st  *store
+	log *slog.Logger
+	reg *prometheus.Registry
+	m   *metrics
+	sem chan struct{}
+	// ctx is the parent of every fetch; Close cancels it.
+	ctx    context.Context
+	cancel context.CancelFunc
 
 	mu        sync.Mutex
 	idx       *Index
@@ -134,7 +136,6 @@ func open(cfg Config, st *store) (*Cache, error) {
 	c := &Cache{
 		cfg: cfg, st: st, log: cfg.Logger, reg: cfg.Registry,
 		sem:       make(chan struct{}, cfg.Fetch.Concurrency),
-		close:     make(chan struct{}),
 		idx:       NewIndex(cfg.Budget),
 		manifests: make(map[Ref]*Manifest),
 		flights:   make(map[Digest]*flight),
@@ -142,6 +143,7 @@ func open(cfg Config, st *store) (*Cache, error) {
 	if c.log == nil {
 		c.log = slog.Default()
 	}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
 	if c.reg == nil {
 		c.reg = prometheus.NewRegistry()
 	}
@@ -200,7 +202,7 @@ func (c *Cache) Close() error {
 	first := !c.closed
 	if first {
 		c.closed = true
-		close(c.close)
+		c.cancel()
 	}
 	c.mu.Unlock()
 	c.wg.Wait()
@@ -282,7 +284,9 @@ func (c *Cache) Manifest(r Ref) *Manifest {
 	return c.manifests[r]
 }
 
-// Has reports whether the cache holds blob d (a Holder).
+// Has reports whether the cache holds blob d (a Holder). A blob written
+// into the folder by someone else (an Ollama pointed at it that pulls) is
+// not indexed until the next Open: share the folder with engines read-only.
 func (c *Cache) Has(d Digest) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -292,10 +296,10 @@ func (c *Cache) Has(d Digest) bool {
 // BlobPath is where blob d's file is (whether or not it is held).
 func (c *Cache) BlobPath(d Digest) string { return c.st.blobPath(d) }
 
-// Open opens a held blob for reading, rehashing it first when
+// OpenBlob opens a held blob for reading, rehashing it first when
 // Config.VerifyReads is set (a bad blob is deleted and ErrIntegrity
 // returned). It returns an error wrapping ErrNotFound for a blob not held.
-func (c *Cache) Open(d Digest) (*os.File, error) {
+func (c *Cache) OpenBlob(d Digest) (*os.File, error) {
 	c.mu.Lock()
 	size, ok := c.idx.Size(d)
 	held := ok && c.idx.Has(d)

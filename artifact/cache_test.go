@@ -336,7 +336,7 @@ func TestCorruptOnDisk(t *testing.T) {
 			t.Fatal(err)
 		}
 		damage(c)
-		if _, err := c.Open(big.Digest); !errors.Is(err, ErrIntegrity) {
+		if _, err := c.OpenBlob(big.Digest); !errors.Is(err, ErrIntegrity) {
 			t.Fatalf("open: %v", err)
 		}
 		if c.Has(big.Digest) || c.Manifest(r) != nil {

@@ -10,6 +10,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"time"
 )
 
@@ -39,15 +40,13 @@ var sourceKinds = [3]SourceKind{SourceHTTP, SourcePeer, SourcePath}
 
 // startFlightLocked starts fetching a reserved blob.
 func (c *Cache) startFlightLocked(r Ref, b Blob, srcs []Source) *flight {
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancel(c.ctx)
 	f := &flight{done: make(chan struct{}), waiters: 1, cancel: cancel}
 	c.flights[b.Digest] = f
 	c.wg.Add(1)
 	go func() {
 		defer c.wg.Done()
 		defer cancel()
-		stop := context.AfterFunc(closeContext{c.close}, cancel)
-		defer stop()
 		start := time.Now()
 		err := c.fetch(ctx, r, b, f, srcs)
 		outcome := "ok"
@@ -74,21 +73,6 @@ func (c *Cache) startFlightLocked(r Ref, b Blob, srcs []Source) *flight {
 	}()
 	return f
 }
-
-// closeContext is a context done when the cache closes (for AfterFunc).
-type closeContext struct{ done chan struct{} }
-
-func (closeContext) Deadline() (time.Time, bool) { return time.Time{}, false }
-func (x closeContext) Done() <-chan struct{}     { return x.done }
-func (x closeContext) Err() error {
-	select {
-	case <-x.done:
-		return context.Canceled
-	default:
-		return nil
-	}
-}
-func (closeContext) Value(any) any { return nil }
 
 // wait waits for the flight or for ctx; a waiter that gives up leaves.
 func (f *flight) wait(ctx context.Context, c *Cache) error {
@@ -197,7 +181,7 @@ func (c *Cache) install(file *os.File, part string, d Digest) error {
 	if err := os.Rename(part, c.st.blobPath(d)); err != nil {
 		return err
 	}
-	return syncDir(c.st.dir + "/" + blobsDir)
+	return syncDir(filepath.Join(c.st.dir, blobsDir))
 }
 
 // partial is a download in progress: the file and the hash of its bytes.

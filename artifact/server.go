@@ -257,7 +257,7 @@ func (s *Server) blob(w http.ResponseWriter, r *http.Request, dg string) {
 		http.Redirect(w, r, u.String(), http.StatusTemporaryRedirect)
 		return
 	}
-	f, err := s.c.Open(d)
+	f, err := s.c.OpenBlob(d)
 	if err != nil {
 		if errors.Is(err, ErrNotFound) || errors.Is(err, ErrIntegrity) {
 			writeError(w, http.StatusNotFound, "BLOB_UNKNOWN", "blob unknown: "+string(d))
