@@ -14,7 +14,7 @@ import (
 )
 
 // testCtx bounds a test's waits.
-func testCtx(t *testing.T) context.Context {
+func testCtx(t testing.TB) context.Context {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	t.Cleanup(cancel)
@@ -37,7 +37,7 @@ type origin struct {
 
 // newOrigin adds each model (ref → sizes of its files, filled with seeded
 // random bytes) to a fresh store and serves it.
-func newOrigin(t *testing.T, models map[string][]int) *origin {
+func newOrigin(t testing.TB, models map[string][]int) *origin {
 	t.Helper()
 	o := &origin{dir: t.TempDir(), models: map[string]*Manifest{}, blobs: map[Digest][]byte{}, gets: map[string]int{}}
 	c, err := Open(Config{Dir: o.dir})
@@ -111,7 +111,7 @@ func (o *origin) blobGets() int {
 	return n
 }
 
-func (o *origin) source(t *testing.T) Source {
+func (o *origin) source(t testing.TB) Source {
 	t.Helper()
 	s, err := NewHTTP(o.srv.URL, LayoutOllamaDir, false)
 	if err != nil {
@@ -152,7 +152,7 @@ func openCache(t *testing.T, cfg Config) *Cache {
 	return c
 }
 
-func mustRef(t *testing.T, s string) Ref {
+func mustRef(t testing.TB, s string) Ref {
 	t.Helper()
 	r, err := ParseRef(s)
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -36,8 +37,10 @@ import (
 //	reload        Ollama's own reload: the model unloaded (keep_alive 0) and
 //	              loaded again by the same warm server
 //
-// Metrics are seconds per scenario (startup = fetch + link + server ready +
-// load + first token; load = Ollama's load_duration), the model's bytes and
+// Metrics are medians over the iterations (ranges on stderr, with one line
+// per scenario and iteration), in seconds per scenario (startup = acquire +
+// link + server ready + load + first token; load = Ollama's load_duration,
+// split into its alloc and weights phases, loadPhases), the model's bytes and
 // the bandwidths seen: HTTP and peer fetch (fetch + sha256 + write + fsync),
 // a sequential read of the GGUF from the disk after DONTNEED and from the
 // page cache. Not a test: nothing is asserted about time.
@@ -62,17 +65,11 @@ func BenchmarkOllamaStartup(b *testing.B) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
 
-	var sum struct {
-		startup, fetch, load map[string]float64
-		alloc, weights       map[string]float64
-		bytes, gguf          float64
-		httpBW, peerBW       float64
-		diskBW, pageBW       float64
-		resident             float64
-	}
-	sum.startup, sum.fetch, sum.load = map[string]float64{}, map[string]float64{}, map[string]float64{}
-	sum.alloc, sum.weights = map[string]float64{}, map[string]float64{}
-	order := []string{"cold_remote", "cold_peer", "warm_disk", "warm_page", "reload"}
+	// obs holds every iteration's value of each metric; the benchmark
+	// reports medians (other tenants of a shared host make means noisy)
+	// and prints the ranges.
+	obs := map[string][]float64{}
+	add := func(k string, v float64) { obs[k] = append(obs[k], v) }
 
 	// start runs one start-up: acquire through c, link into a fresh
 	// engine store, start ollama serve, generate one token. The instance
@@ -97,20 +94,20 @@ func BenchmarkOllamaStartup(b *testing.B) {
 			inst.Stop()
 			b.Fatal(err)
 		}
-		sum.startup[name] += time.Since(t0).Seconds()
-		sum.fetch[name] += fetched.Seconds()
-		sum.load[name] += time.Duration(g.LoadDuration).Seconds()
 		ph := loadPhases(inst.LogTail(1 << 20))
-		sum.alloc[name] += ph.alloc.Seconds()
-		sum.weights[name] += ph.weights.Seconds()
+		add(name+"_startup_s", time.Since(t0).Seconds())
+		add(name+"_load_s", time.Duration(g.LoadDuration).Seconds())
+		add(name+"_alloc_s", ph.alloc.Seconds())
+		add(name+"_weights_s", ph.weights.Seconds())
 		if dir := os.Getenv("INFERGATE_ARTIFACT_BENCH_LOG"); dir != "" {
 			if err := os.WriteFile(filepath.Join(dir, name+".log"), []byte(inst.LogTail(1<<20)), 0o644); err != nil {
 				b.Fatal(err)
 			}
 		}
-		b.Logf("%-11s startup %6.2fs: acquire %6.2fs (%d hits, %d misses), server ready %5.2fs, load_duration %6.2fs (alloc %5.2fs, weights %5.2fs)",
+		fmt.Fprintf(os.Stderr, "%-11s startup %6.2fs: acquire %6.2fs (%d hits, %d misses), server ready %5.2fs, load_duration %6.2fs (alloc %5.2fs, weights %5.2fs)",
 			name, time.Since(t0).Seconds(), fetched.Seconds(), lease.Report.Hits, lease.Report.Misses,
 			inst.StartupTime.Seconds(), time.Duration(g.LoadDuration).Seconds(), ph.alloc.Seconds(), ph.weights.Seconds())
+		fmt.Fprintln(os.Stderr)
 		return inst, lease, fetched
 	}
 	stop := func(inst *e2e.Instance, l *artifact.Lease) {
@@ -134,9 +131,8 @@ func BenchmarkOllamaStartup(b *testing.B) {
 				gg = bl
 			}
 		}
-		sum.bytes += float64(m.Size())
-		sum.gguf += float64(gg.Size)
-		sum.httpBW += float64(m.Size()) / fetched.Seconds() / 1e6
+		add("model_bytes", float64(m.Size()))
+		add("http_fetch_MB/s", float64(m.Size())/fetched.Seconds()/1e6)
 
 		peerSrv := httptest.NewServer(artifact.NewServer(a, artifact.ServerConfig{}))
 		peer, _ := artifact.NewHTTP(peerSrv.URL, artifact.LayoutRegistry, true)
@@ -148,7 +144,7 @@ func BenchmarkOllamaStartup(b *testing.B) {
 		stop(inst, l)
 		peerSrv.Close()
 		p.Close()
-		sum.peerBW += float64(m.Size()) / fetched.Seconds() / 1e6
+		add("peer_fetch_MB/s", float64(m.Size())/fetched.Seconds()/1e6)
 
 		// The disk and the page cache, read directly.
 		for _, bl := range m.Blobs() {
@@ -156,8 +152,8 @@ func BenchmarkOllamaStartup(b *testing.B) {
 				b.Fatal(err)
 			}
 		}
-		sum.diskBW += readMBps(b, a.BlobPath(gg.Digest))
-		sum.pageBW += readMBps(b, a.BlobPath(gg.Digest))
+		add("disk_read_MB/s", readMBps(b, a.BlobPath(gg.Digest)))
+		add("pagecache_read_MB/s", readMBps(b, a.BlobPath(gg.Digest)))
 
 		for _, bl := range m.Blobs() {
 			if err := artifact.DropPageCache(a.BlobPath(bl.Digest)); err != nil {
@@ -168,12 +164,12 @@ func BenchmarkOllamaStartup(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		b.Logf("before warm_disk: %d of %d bytes in the page cache", plan.ResidentBytes(), m.Size())
+		add("warm_disk_resident_frac", float64(plan.ResidentBytes())/float64(m.Size()))
 		inst, l, _ = start("warm_disk", a)
 		stop(inst, l)
 
 		plan, _ = a.Locate(ctx, ref)
-		sum.resident += float64(plan.ResidentBytes()) / float64(m.Size())
+		add("warm_page_resident_frac", float64(plan.ResidentBytes())/float64(m.Size()))
 		inst, l, _ = start("warm_page", a)
 		if err := unload(ctx, inst.URL, "tiny"); err != nil {
 			b.Fatal(err)
@@ -182,30 +178,30 @@ func BenchmarkOllamaStartup(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		sum.load["reload"] += time.Duration(g.LoadDuration).Seconds()
-		sum.startup["reload"] += time.Duration(g.TotalDuration).Seconds()
-		b.Logf("%-11s load_duration %6.2fs (total %6.2fs)", "reload", time.Duration(g.LoadDuration).Seconds(), time.Duration(g.TotalDuration).Seconds())
+		add("reload_load_s", time.Duration(g.LoadDuration).Seconds())
+		add("reload_startup_s", time.Duration(g.TotalDuration).Seconds())
+		fmt.Fprintf(os.Stderr, "%-11s load_duration %6.2fs (total %6.2fs)\n", "reload", time.Duration(g.LoadDuration).Seconds(), time.Duration(g.TotalDuration).Seconds())
 		stop(inst, l)
 		a.Close()
 	}
-	n := float64(b.N)
-	for _, k := range order {
-		b.ReportMetric(sum.startup[k]/n, k+"_startup_s")
-		b.ReportMetric(sum.load[k]/n, k+"_load_s")
-		if k != "reload" {
-			b.ReportMetric(sum.alloc[k]/n, k+"_alloc_s")
-			b.ReportMetric(sum.weights[k]/n, k+"_weights_s")
-		}
+	keys := make([]string, 0, len(obs))
+	for k := range obs {
+		keys = append(keys, k)
 	}
-	b.ReportMetric(sum.bytes/n, "model_bytes")
-	b.ReportMetric(sum.httpBW/n, "http_fetch_MB/s")
-	b.ReportMetric(sum.peerBW/n, "peer_fetch_MB/s")
-	b.ReportMetric(sum.diskBW/n, "disk_read_MB/s")
-	b.ReportMetric(sum.pageBW/n, "pagecache_read_MB/s")
-	b.ReportMetric(sum.resident/n, "warm_page_resident_frac")
-	b.ReportMetric(sum.startup["cold_remote"]/sum.startup["warm_page"], "cold/warm_page")
-	b.ReportMetric(sum.startup["cold_remote"]/sum.startup["warm_disk"], "cold/warm_disk")
-	fmt.Fprintf(os.Stderr, "model %.0f bytes (GGUF %.0f)\n", sum.bytes/n, sum.gguf/n)
+	sort.Strings(keys)
+	med := map[string]float64{}
+	for _, k := range keys {
+		v := append([]float64(nil), obs[k]...)
+		sort.Float64s(v)
+		med[k] = v[len(v)/2]
+		if len(v)%2 == 0 {
+			med[k] = (v[len(v)/2-1] + v[len(v)/2]) / 2
+		}
+		b.ReportMetric(med[k], k)
+		fmt.Fprintf(os.Stderr, "%-28s median %10.3f  range %10.3f – %10.3f  (%d runs)\n", k, med[k], v[0], v[len(v)-1], len(v))
+	}
+	b.ReportMetric(med["cold_remote_startup_s"]/med["warm_page_startup_s"], "cold/warm_page")
+	b.ReportMetric(med["cold_remote_startup_s"]/med["warm_disk_startup_s"], "cold/warm_disk")
 }
 
 // readMBps reads a file sequentially and returns MB/s.
