@@ -50,3 +50,38 @@ func TestParseRef(t *testing.T) {
 		t.Errorf("path %s repo %s", r.Path(), r.Repository())
 	}
 }
+
+// FuzzParseRef: names and digests from anywhere (URL paths, manifests,
+// command lines) never panic, and what is accepted stays inside the folder:
+// a relative path of four parts, none "." or "..", that parses back to the
+// same Ref. Seeds in testdata/fuzz/FuzzParseRef.
+func FuzzParseRef(f *testing.F) {
+	for _, s := range []string{"tiny", "library/tiny:latest", "127.0.0.1:8200/ns/m:t", "../../etc/passwd", "a/b/c/d",
+		"https://h/n/m:t", "sha256:" + strings.Repeat("0", 64), "sha256-" + strings.Repeat("f", 64), "m:..", "h:1/./m"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		if d, err := ParseDigest(s); err == nil {
+			if strings.ContainsAny(d.FileName(), `/\\.`) || len(d.FileName()) != 71 {
+				t.Fatalf("digest %q makes file name %q", s, d.FileName())
+			}
+		}
+		r, err := ParseRef(s)
+		if err != nil {
+			return
+		}
+		p := r.Path()
+		parts := strings.Split(p, string(filepath.Separator))
+		if filepath.IsAbs(p) || len(parts) != 4 || filepath.Clean(p) != p {
+			t.Fatalf("%q → path %q", s, p)
+		}
+		for _, q := range parts {
+			if q == "." || q == ".." || q == "" {
+				t.Fatalf("%q → path %q", s, p)
+			}
+		}
+		if r2, err := ParseRef(r.String()); err != nil || r2 != r {
+			t.Fatalf("%q → %v → %v %v", s, r, r2, err)
+		}
+	})
+}
