@@ -443,7 +443,18 @@ func (c *Cache) Prefetch(ctx context.Context, r Ref, opts AcquireOptions) (Repor
 	return l.Report, nil
 }
 
+// acquire is acquireOnce, again while it joined an abandoned fetch (at most
+// 8 times: each retry means another caller gave up on the same blob).
 func (c *Cache) acquire(ctx context.Context, r Ref, opts AcquireOptions, srcs []Source) (*Lease, error) {
+	for try := 0; ; try++ {
+		l, err := c.acquireOnce(ctx, r, opts, srcs)
+		if !errors.Is(err, errAbandoned) || try == 7 {
+			return l, err
+		}
+	}
+}
+
+func (c *Cache) acquireOnce(ctx context.Context, r Ref, opts AcquireOptions, srcs []Source) (*Lease, error) {
 	if err := r.Validate(); err != nil {
 		return nil, err
 	}

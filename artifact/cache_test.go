@@ -531,3 +531,83 @@ func BenchmarkPrefetch(b *testing.B) {
 		c.Close()
 	}
 }
+
+// TestConcurrentAcquiresUnderBudget: engines acquire and release random
+// models concurrently in a cache that holds about three of six. Whatever the
+// interleaving, a leased model's blobs are on disk with their sizes, the
+// budget holds, every manifest on disk names present blobs, every blob file
+// is indexed, and nothing stays pinned or reserved.
+func TestConcurrentAcquiresUnderBudget(t *testing.T) {
+	models := map[string][]int{}
+	var refs []string
+	for i := range 6 {
+		r := fmt.Sprintf("registry.ollama.ai/library/m%d:latest", i)
+		models[r] = []int{20_000 + 1_000*i, 3_000}
+		refs = append(refs, r)
+	}
+	o := newOrigin(t, models)
+	const budget = 80_000
+	c := openCache(t, Config{Origins: []Source{o.source(t)}, Budget: budget})
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		noSpace int
+		ok      int
+	)
+	for g := range 6 {
+		wg.Go(func() {
+			for i := range 25 {
+				ref := refs[(g*7+i*5)%len(refs)]
+				l, err := c.Acquire(testCtx(t), mustRef(t, ref), AcquireOptions{})
+				if errors.Is(err, ErrNoSpace) {
+					mu.Lock()
+					noSpace++
+					mu.Unlock()
+					continue
+				}
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				for _, b := range l.Manifest.Blobs() {
+					if st, err := os.Stat(c.BlobPath(b.Digest)); err != nil || st.Size() != b.Size {
+						t.Errorf("leased blob %s of %s: %v", b.Digest.Short(), ref, err)
+					}
+				}
+				if s := c.Stats(); s.Budget > 0 && s.Used > budget {
+					t.Errorf("over budget: %+v", s)
+				}
+				l.Release()
+				mu.Lock()
+				ok++
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	s := c.Stats()
+	if s.Pinned != 0 || s.Reserved != 0 || s.Used > budget {
+		t.Fatalf("after: %+v", s)
+	}
+	if ok == 0 {
+		t.Fatal("no acquire succeeded")
+	}
+	for _, m := range c.Models() {
+		for _, b := range m.Manifest.Blobs() {
+			if !c.Has(b.Digest) {
+				t.Errorf("model %s names missing blob %s", m.Ref, b.Digest.Short())
+			}
+		}
+	}
+	files, _ := filepath.Glob(filepath.Join(c.Dir(), "blobs", "sha256-*"))
+	if len(files) != s.Blobs {
+		t.Errorf("%d blob files, %d indexed", len(files), s.Blobs)
+	}
+	for _, f := range files {
+		d, _ := ParseDigest(filepath.Base(f))
+		if !c.Has(d) {
+			t.Errorf("unindexed blob file %s", filepath.Base(f))
+		}
+	}
+	t.Logf("%d acquires, %d refused for space, %d evictions", ok, noSpace, int(counter(t, c, "infergate_artifact_evictions_total")))
+}

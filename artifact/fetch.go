@@ -24,6 +24,10 @@ type flight struct {
 	fetched [3]int64           // bytes received by source kind (sourceIndex)
 	waiters int                // under Cache.mu
 	cancel  context.CancelFunc // cancels the fetch
+	// abandoned: its last waiter left and cancelled it (under Cache.mu).
+	// An acquire that joined it in between gets errAbandoned and starts
+	// over.
+	abandoned bool
 }
 
 func sourceIndex(k SourceKind) int {
@@ -78,6 +82,12 @@ func (c *Cache) startFlightLocked(r Ref, b Blob, srcs []Source) *flight {
 func (f *flight) wait(ctx context.Context, c *Cache) error {
 	select {
 	case <-f.done:
+		c.mu.Lock()
+		abandoned := f.abandoned
+		c.mu.Unlock()
+		if abandoned && f.err != nil && ctx.Err() == nil {
+			return errAbandoned
+		}
 		return f.err
 	case <-ctx.Done():
 		f.leave(c)
@@ -85,12 +95,17 @@ func (f *flight) wait(ctx context.Context, c *Cache) error {
 	}
 }
 
+// errAbandoned reports a fetch joined just as its other waiters gave up on
+// it; the acquire starts over (the reservation is gone by then).
+var errAbandoned = errors.New("artifact: joined a fetch its other waiters abandoned")
+
 // leave drops one waiter; the last one cancels the fetch.
 func (f *flight) leave(c *Cache) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	f.waiters--
 	if f.waiters == 0 {
+		f.abandoned = true
 		f.cancel()
 	}
 }
