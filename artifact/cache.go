@@ -416,13 +416,13 @@ type AcquireOptions struct {
 
 // Acquire makes a model's blobs present and pinned, and returns the lease
 // that holds them: the manifest comes from the first source that has it
-// (peers, then origins; the cached copy when every source fails, or with
+// (origins, then peers; the cached copy when every source fails, or with
 // Offline), each missing blob is fetched once however many callers want it
 // at the same time, and the manifest is written to the folder once all blobs
 // are present. On error nothing stays pinned.
 func (c *Cache) Acquire(ctx context.Context, r Ref, opts AcquireOptions) (*Lease, error) {
 	start := time.Now()
-	l, err := c.acquire(ctx, r, opts, c.sources())
+	l, err := c.acquire(ctx, r, opts, nil)
 	outcome := "ok"
 	if err != nil {
 		outcome = "error"
@@ -444,7 +444,11 @@ func (c *Cache) Prefetch(ctx context.Context, r Ref, opts AcquireOptions) (Repor
 }
 
 // acquire is acquireOnce, again while it joined an abandoned fetch (at most
-// 8 times: each retry means another caller gave up on the same blob).
+// 8 times: each retry means another caller gave up on the same blob). srcs
+// nil means the configured sources: origins then peers for the manifest (a
+// tag is mutable, and the origin says what it names now; a peer may hold an
+// older one), peers then origins for blobs (content-addressed: any holder's
+// bytes are the same).
 func (c *Cache) acquire(ctx context.Context, r Ref, opts AcquireOptions, srcs []Source) (*Lease, error) {
 	for try := 0; ; try++ {
 		l, err := c.acquireOnce(ctx, r, opts, srcs)
@@ -466,7 +470,11 @@ func (c *Cache) acquireOnce(ctx context.Context, r Ref, opts AcquireOptions, src
 	if opts.Manifest != nil {
 		m, err = ParseManifest(opts.Manifest)
 	} else {
-		m, from, err = c.resolve(ctx, r, opts.Offline, srcs)
+		msrcs := srcs
+		if msrcs == nil {
+			msrcs = append(append([]Source(nil), c.cfg.Origins...), c.cfg.Peers...)
+		}
+		m, from, err = c.resolve(ctx, r, opts.Offline, msrcs)
 	}
 	if err != nil {
 		return nil, err
@@ -511,7 +519,11 @@ func (c *Cache) acquireOnce(ctx context.Context, r Ref, opts AcquireOptions, src
 		}
 		c.evictLocked(victims)
 		pinned = append(pinned, b.Digest)
-		f := c.startFlightLocked(r, b, srcs)
+		bsrcs := srcs
+		if bsrcs == nil {
+			bsrcs = c.sources()
+		}
+		f := c.startFlightLocked(r, b, bsrcs)
 		waits = append(waits, f)
 		started = append(started, f)
 		l.Report.Misses++
@@ -619,7 +631,7 @@ func (c *Cache) resolve(ctx context.Context, r Ref, offline bool, srcs []Source)
 	return nil, "", fmt.Errorf("manifest of %s: %w", r, errors.Join(errs...))
 }
 
-// sources is peers, then origins.
+// sources is peers, then origins: where blobs are fetched from.
 func (c *Cache) sources() []Source {
 	return append(append([]Source(nil), c.cfg.Peers...), c.cfg.Origins...)
 }
@@ -632,7 +644,7 @@ func (c *Cache) Locate(ctx context.Context, r Ref) (Plan, error) {
 	m := c.Manifest(r)
 	if m == nil {
 		var err error
-		if m, _, err = c.resolve(ctx, r, false, c.sources()); err != nil {
+		if m, _, err = c.resolve(ctx, r, false, append(append([]Source(nil), c.cfg.Origins...), c.cfg.Peers...)); err != nil {
 			return Plan{}, err
 		}
 	}

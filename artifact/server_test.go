@@ -181,3 +181,24 @@ func TestServerBlobRedirect(t *testing.T) {
 		t.Fatalf("unknown blob: %d", resp.StatusCode)
 	}
 }
+
+// TestTagFromOriginBlobsFromPeer: a peer holding an older "latest" does not
+// decide what the tag names; the origin does, and the blobs the peer holds
+// still come from the peer.
+func TestTagFromOriginBlobsFromPeer(t *testing.T) {
+	old := newOrigin(t, map[string][]int{tinyRef: {10_000}})
+	_, srvA := servedCache(t, old)
+	peer, _ := NewHTTP(srvA.URL, LayoutRegistry, true)
+	cur := newOrigin(t, map[string][]int{tinyRef: {12_000}})
+	b := openCache(t, Config{Peers: []Source{peer}, Origins: []Source{cur.source(t)}})
+	rep, err := b.Prefetch(testCtx(t), mustRef(t, tinyRef), AcquireOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := b.Manifest(mustRef(t, tinyRef)); m == nil || m.Digest != cur.models[tinyRef].Digest {
+		t.Fatalf("manifest is not the origin's current one")
+	}
+	if rep.Fetched[SourcePeer] != 2 || rep.Fetched[SourceHTTP] != 12_000 { // the shared {} config from the peer
+		t.Fatalf("fetched %v", rep.Fetched)
+	}
+}
