@@ -112,6 +112,11 @@ type HTTP struct {
 	// Client sends the requests; its Transport should bound the wait for
 	// response headers (NewHTTP's does). The cache bounds reads itself.
 	Client *http.Client
+	// Username and Password, if set, are sent to a registry's token realm
+	// (auth.go); anonymous otherwise.
+	Username, Password string
+
+	tokens tokens
 }
 
 // NewHTTP makes an HTTP source for base (http or https) with a client whose
@@ -168,16 +173,30 @@ func (h *HTTP) blobURL(r Ref, d Digest) string {
 }
 
 func (h *HTTP) get(ctx context.Context, method, u string, hdr http.Header) (*http.Response, error) {
-	req, err := http.NewRequestWithContext(ctx, method, u, nil)
+	resp, err := h.do(ctx, method, u, hdr, "")
 	if err != nil {
 		return nil, err
 	}
-	for k, v := range hdr {
-		req.Header[k] = v
-	}
-	resp, err := h.Client.Do(req)
-	if err != nil {
-		return nil, err
+	if resp.StatusCode == http.StatusUnauthorized {
+		// A registry's token challenge (auth.go): fetch a token for its
+		// scope (or reuse one) and try once more.
+		params, ok := parseChallenge(resp.Header.Get("WWW-Authenticate"))
+		drain(resp)
+		if !ok {
+			return nil, &StatusError{Status: resp.StatusCode, URL: u}
+		}
+		scope := params["realm"] + " " + params["service"] + " " + params["scope"]
+		tok := h.tokens.get(scope, time.Now())
+		if tok == "" {
+			var exp time.Time
+			if tok, exp, err = h.fetchToken(ctx, params); err != nil {
+				return nil, err
+			}
+			h.tokens.put(scope, tok, exp)
+		}
+		if resp, err = h.do(ctx, method, u, hdr, tok); err != nil {
+			return nil, err
+		}
 	}
 	switch {
 	case resp.StatusCode == http.StatusOK || resp.StatusCode == http.StatusPartialContent:
@@ -194,6 +213,22 @@ func (h *HTTP) get(ctx context.Context, method, u string, hdr http.Header) (*htt
 		}
 	}
 	return nil, se
+}
+
+// do sends one request, with a bearer token if given. net/http drops the
+// Authorization header on a redirect to another host (a registry's CDN).
+func (h *HTTP) do(ctx context.Context, method, u string, hdr http.Header, bearer string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, method, u, nil)
+	if err != nil {
+		return nil, err
+	}
+	for k, v := range hdr {
+		req.Header[k] = v
+	}
+	if bearer != "" {
+		req.Header.Set("Authorization", "Bearer "+bearer)
+	}
+	return h.Client.Do(req)
 }
 
 // drain reads a little of an unwanted body, so the connection can be reused,

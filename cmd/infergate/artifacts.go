@@ -111,6 +111,9 @@ func (fl *artifactsFlags) open(cmd *cobra.Command, scrub bool) (*artifact.Cache,
 		if err != nil {
 			return nil, fmt.Errorf("--from: %w", err)
 		}
+		// Credentials for registries' token realms, from the environment
+		// (never a flag: command lines are visible to every local user).
+		s.Username, s.Password = os.Getenv("INFERGATE_REGISTRY_USERNAME"), os.Getenv("INFERGATE_REGISTRY_PASSWORD")
 		cfg.Origins = append(cfg.Origins, s)
 	}
 	for _, d := range fl.fromDir {
