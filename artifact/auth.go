@@ -112,6 +112,10 @@ func (h *HTTP) fetchToken(ctx context.Context, params map[string]string) (string
 		return "", time.Time{}, err
 	}
 	if h.Username != "" || h.Password != "" {
+		// Credentials never go in clear to a realm of an https registry.
+		if realm.Scheme != "https" && h.Base.Scheme == "https" {
+			return "", time.Time{}, fmt.Errorf("artifact: token realm %s is not https; credentials withheld", realm.Redacted())
+		}
 		req.SetBasicAuth(h.Username, h.Password)
 	}
 	resp, err := h.Client.Do(req)
