@@ -380,3 +380,36 @@ func (x *Index) Order() []Digest {
 	}
 	return out
 }
+
+// Hold is what a virtual node does when an engine starts on it (the
+// simulator's read-through): every blob present is pinned, every blob
+// missing is admitted present and pinned (its bytes arrived during the
+// start-up Locate priced), evicting unpinned blobs least recently used first;
+// the evicted are returned. On ErrNoSpace the pins taken are released (blobs
+// admitted before the failure stay, unpinned, as a failed live acquire
+// keeps what it fetched). Release undoes the pins when the engine stops. The
+// live Cache does the same through Acquire and Lease.
+func (x *Index) Hold(blobs []Blob) ([]Digest, error) {
+	var evicted []Digest
+	for i, b := range blobs {
+		if _, ok := x.at[b.Digest]; ok {
+			x.Pin(b.Digest)
+			continue
+		}
+		ev, err := x.Reserve(b.Digest, b.Size)
+		if err != nil {
+			x.Release(blobs[:i])
+			return nil, err
+		}
+		x.Commit(b.Digest)
+		evicted = append(evicted, ev...)
+	}
+	return evicted, nil
+}
+
+// Release drops one pin of each blob (Hold's).
+func (x *Index) Release(blobs []Blob) {
+	for _, b := range blobs {
+		x.Unpin(b.Digest)
+	}
+}

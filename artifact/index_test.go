@@ -129,3 +129,45 @@ func BenchmarkIndexReserveCommit(b *testing.B) {
 		i++
 	}
 }
+
+// TestIndexReadThrough is the simulator's use: Locate prices a start-up,
+// Hold records it, Release ends the engine; a later start finds its blobs
+// local unless the budget evicted them.
+func TestIndexReadThrough(t *testing.T) {
+	node, peer := NewIndex(100), NewIndex(0)
+	a := []Blob{{Digest: dg(1), Size: 40}, {Digest: dg(2), Size: 10}}
+	b := []Blob{{Digest: dg(3), Size: 50}, {Digest: dg(2), Size: 10}}
+	peer.Add(dg(3), 50)
+	if p := Locate(a, node, peer); p.Bytes != [numTiers]int64{TierRemote: 50} {
+		t.Fatalf("first start of a: %v", p.Bytes)
+	}
+	if ev, err := node.Hold(a); err != nil || ev != nil {
+		t.Fatal(ev, err)
+	}
+	if p := Locate(b, node, peer); p.Bytes != [numTiers]int64{TierLocal: 10, TierPeer: 50} {
+		t.Fatalf("b beside a: %v", p.Bytes)
+	}
+	if _, err := node.Hold(b); err != nil { // 40 + 10 + 50 = 100: fits
+		t.Fatal(err)
+	}
+	c := []Blob{{Digest: dg(4), Size: 30}}
+	if _, err := node.Hold(c); !errors.Is(err, ErrNoSpace) {
+		t.Fatalf("both engines running: %v", err)
+	}
+	node.Release(a) // a's engine stops: dg(1) unpinned, dg(2) still b's
+	ev, err := node.Hold(c)
+	if err != nil || !slices.Equal(ev, []Digest{dg(1)}) {
+		t.Fatalf("evicted %v %v, want a's weights", ev, err)
+	}
+	if p := Locate(a, node); p.Bytes != [numTiers]int64{TierLocal: 10, TierRemote: 40} {
+		t.Fatalf("a after eviction: %v", p.Bytes)
+	}
+	// A failed hold releases its pins.
+	before := node.Stats()
+	if _, err := node.Hold([]Blob{{Digest: dg(5), Size: 1}, {Digest: dg(6), Size: 1000}}); !errors.Is(err, ErrNoSpace) {
+		t.Fatal(err)
+	}
+	if after := node.Stats(); after.Pinned != before.Pinned {
+		t.Fatalf("failed hold left pins: %+v → %+v", before, after)
+	}
+}
