@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 
+	godigest "github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go"
 	v1 "github.com/opencontainers/image-spec/specs-go/v1"
 )
@@ -59,7 +60,7 @@ func (c *Cache) Add(ctx context.Context, r Ref, files []File) (*Manifest, error)
 		src.paths[d] = f.Path
 		m.Layers = append(m.Layers, v1.Descriptor{
 			MediaType:   mt,
-			Digest:      d.ocidigest(),
+			Digest:      godigest.Digest(d),
 			Size:        size,
 			Annotations: map[string]string{v1.AnnotationTitle: filepath.Base(f.Path)},
 		})
@@ -92,7 +93,7 @@ func hashFile(p string) (Digest, int64, error) {
 	if err != nil {
 		return "", 0, err
 	}
-	return Digest(digestPrefix + hex.EncodeToString(h.Sum(nil))), n, nil
+	return Digest("sha256:" + hex.EncodeToString(h.Sum(nil))), n, nil
 }
 
 // filesSource serves Add's manifest and files.

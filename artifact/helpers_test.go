@@ -2,6 +2,7 @@ package artifact
 
 import (
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
@@ -12,6 +13,8 @@ import (
 	"testing"
 	"time"
 )
+
+func dg(i int) Digest { return DigestOf([]byte(fmt.Sprint("blob", i))) }
 
 // testCtx bounds a test's waits.
 func testCtx(t testing.TB) context.Context {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 
+	godigest "github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
@@ -99,19 +100,11 @@ func checkDescriptor(d *ocispec.Descriptor, what string) error {
 	if err != nil {
 		return fmt.Errorf("%w: %s: %v", ErrManifest, what, err)
 	}
-	d.Digest = dg.ocidigest()
+	d.Digest = godigest.Digest(dg)
 	if d.Size < 0 || d.Size > MaxBlobBytes {
 		return fmt.Errorf("%w: %s: size %d out of [0, %d]", ErrManifest, what, d.Size, int64(MaxBlobBytes))
 	}
 	return nil
-}
-
-// Blob is one blob a manifest names: its digest, declared size and media
-// type.
-type Blob struct {
-	Digest    Digest
-	Size      int64
-	MediaType string
 }
 
 // Blobs lists the manifest's config and layers, each digest once, config

@@ -1,4 +1,4 @@
-package artifact
+package blob
 
 import (
 	"errors"
@@ -6,6 +6,9 @@ import (
 
 	"github.com/infergate/infergate/internal/lru"
 )
+
+// NumTiers is the number of tiers (the length of Plan.Bytes).
+const NumTiers = int(numTiers)
 
 // Tier is where a blob's bytes come from when an engine starts: the seam to
 // the simulator's start-up model, whose weights source tiers are the remote
@@ -33,6 +36,14 @@ func (t Tier) String() string {
 	return fmt.Sprintf("tier(%d)", t)
 }
 
+// Blob is one blob a manifest names: its digest, declared size (bytes) and
+// media type.
+type Blob struct {
+	Digest    Digest
+	Size      int64
+	MediaType string
+}
+
 // Holder answers whether a cache holds a blob: an Index (this node's, or a
 // virtual peer's in the simulator) or a live peer (Peer).
 type Holder interface {
@@ -47,8 +58,8 @@ type Placement struct {
 	// blob (TierPeer only; -1 otherwise).
 	Peer int
 	// Resident is how many of the blob's bytes the host page cache holds
-	// (TierLocal only, filled by Cache.Locate; an Index knows nothing of
-	// page caches and leaves it 0).
+	// (TierLocal only, filled by artifact's Cache.Locate; an Index knows
+	// nothing of page caches and leaves it 0).
 	Resident int64
 }
 
@@ -106,7 +117,8 @@ var ErrNoSpace = errors.New("artifact: cache budget exhausted by pinned blobs")
 
 // Index is the cache's accounting, a pure core (no I/O, no clock): which
 // blobs it holds and reserves, their sizes, pins, and recency, within a byte
-// budget. The disk cache (Cache) drives it and carries out its evictions;
+// budget. The disk cache (artifact.Cache) drives it and carries out its
+// evictions;
 // the simulator can drive the same code for a virtual node. Not safe for
 // concurrent use; Cache serialises it.
 //

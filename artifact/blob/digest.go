@@ -1,20 +1,17 @@
-// Package artifact is the node-local, content-addressed cache of model
-// artifacts (issue 20): weights shards, tokenizer and config files and opaque
-// container layers, stored as blobs keyed by their SHA-256 digest and named by
-// per-model manifests, fetched from a remote origin (an OCI registry such as
-// Ollama's, or a plain HTTP file server), a local path or a peer node's cache,
-// verified, deduplicated, pinned while engines use them and evicted LRU within
-// a byte budget. The on-disk layout is Ollama's model store, so an Ollama
-// engine can load straight from the cache. See README.md.
-package artifact
+// Package blob is the pure core of the node-local artifact cache (package
+// artifact): content digests, the blobs a manifest names, the node's Index
+// (byte budget, LRU over unpinned blobs, pins, reservations) and Locate,
+// which says from which tier — this node, a peer, the remote origin — each
+// blob of an engine's start-up is read. No I/O, no clock, no net/http: the
+// simulator's virtual nodes run the same accounting as the live cache
+// (artifact/README.md, "The seam to the simulator's start-up").
+package blob
 
 import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
-
-	godigest "github.com/opencontainers/go-digest"
 )
 
 // Digest is a validated OCI content digest of the SHA-256 algorithm:
@@ -67,6 +64,3 @@ func (d Digest) String() string { return string(d) }
 
 // Short is the first 12 hex digits, for logs.
 func (d Digest) Short() string { return d.Hex()[:12] }
-
-// ocidigest is d as the image-spec's digest type.
-func (d Digest) ocidigest() godigest.Digest { return godigest.Digest(d) }

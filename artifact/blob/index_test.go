@@ -1,4 +1,4 @@
-package artifact
+package blob
 
 import (
 	"errors"
