@@ -443,16 +443,17 @@ func (c *Cache) Prefetch(ctx context.Context, r Ref, opts AcquireOptions) (Repor
 	return l.Report, nil
 }
 
-// acquire is acquireOnce, again while it joined an abandoned fetch (at most
-// 8 times: each retry means another caller gave up on the same blob). srcs
+// acquire is acquireOnce, again while it joined an abandoned fetch and ctx
+// lasts (each retry waited for that fetch to end, and means another caller
+// gave up on the same blob: no spin). srcs
 // nil means the configured sources: origins then peers for the manifest (a
 // tag is mutable, and the origin says what it names now; a peer may hold an
 // older one), peers then origins for blobs (content-addressed: any holder's
 // bytes are the same).
 func (c *Cache) acquire(ctx context.Context, r Ref, opts AcquireOptions, srcs []Source) (*Lease, error) {
-	for try := 0; ; try++ {
+	for {
 		l, err := c.acquireOnce(ctx, r, opts, srcs)
-		if !errors.Is(err, errAbandoned) || try == 7 {
+		if !errors.Is(err, errAbandoned) || ctx.Err() != nil {
 			return l, err
 		}
 	}
