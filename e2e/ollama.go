@@ -165,6 +165,7 @@ type Options struct {
 	Dir          string        // instance folder (models, home, log); a new temp dir, removed by Stop
 	ReadyTimeout time.Duration // server readiness; 60s
 	NoWarm       bool          // skip loading the model with a 1-token request
+	NoCreate     bool          // the model is already in Dir/models (e.g. linked from the artifact cache): no Modelfile, no ollama create
 	Log          io.Writer     // also copy the server log here (the log file is always written)
 }
 
@@ -206,7 +207,11 @@ func StartOllama(ctx context.Context, binary, modelDir string, opts Options) (*I
 	if opts.ReadyTimeout == 0 {
 		opts.ReadyTimeout = 60 * time.Second
 	}
-	if _, err := os.Stat(filepath.Join(modelDir, "Modelfile")); err != nil {
+	if opts.NoCreate {
+		if opts.Dir == "" {
+			return nil, errors.New("e2e: NoCreate needs Options.Dir holding models/")
+		}
+	} else if _, err := os.Stat(filepath.Join(modelDir, "Modelfile")); err != nil {
 		return nil, fmt.Errorf("e2e: model dir: %w", err)
 	}
 	var lastErr error
@@ -354,6 +359,9 @@ func (i *Instance) ready(ctx context.Context) bool {
 }
 
 func (i *Instance) setup(ctx context.Context, binary, modelDir string, opts Options) error {
+	if opts.NoCreate {
+		return i.warm(ctx, opts)
+	}
 	start := time.Now()
 	cmd := exec.CommandContext(ctx, binary, "create", opts.Model, "-f", "Modelfile")
 	cmd.Dir = modelDir
@@ -363,10 +371,15 @@ func (i *Instance) setup(ctx context.Context, binary, modelDir string, opts Opti
 		return fmt.Errorf("e2e: ollama create: %v: %s", err, lastLines(string(out), 10))
 	}
 	i.CreateTime = time.Since(start)
+	return i.warm(ctx, opts)
+}
+
+// warm loads the model with a one-token request unless opts.NoWarm.
+func (i *Instance) warm(ctx context.Context, opts Options) error {
 	if opts.NoWarm {
 		return nil
 	}
-	start = time.Now()
+	start := time.Now()
 	if _, err := i.Chat(ctx, ChatRequest{Messages: []Message{{Role: "user", Content: "hi"}}, MaxTokens: 1}); err != nil {
 		return fmt.Errorf("e2e: warm-up request: %w; log tail:\n%s", err, i.LogTail(4000))
 	}

@@ -3,7 +3,8 @@
 // KV cache. Subcommands: up (gateway plus a simulated fleet), serve (gateway in
 // front of real engines), sim (one simulated vLLM-compatible engine), bench
 // (trace replay and policy comparison), plan (fleet sizing in virtual time),
-// kvstore (the shared remote KV-cache tier),
+// kvstore (the shared remote KV-cache tier), artifacts (the node-local model
+// artifact cache),
 // version.
 package main
 
@@ -55,7 +56,7 @@ engine most likely to hold its prompt prefix in KV cache, balanced against load.
 		},
 	}
 	root.CompletionOptions.DisableDefaultCmd = true
-	root.AddCommand(newUpCmd(), newServeCmd(), newEPPCmd(), newSimCmd(), newBenchCmd(), newPlanCmd(), newKVStoreCmd(), newKeysCmd(), newVersionCmd())
+	root.AddCommand(newUpCmd(), newServeCmd(), newEPPCmd(), newSimCmd(), newBenchCmd(), newPlanCmd(), newKVStoreCmd(), newArtifactsCmd(), newKeysCmd(), newVersionCmd())
 	return root
 }
 
