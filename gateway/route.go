@@ -208,6 +208,7 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 	limit := p.maxRequests
 	snap := p.snapshot()
 	defer p.release(snap)
+	defer g.settleLater(p)
 	s := *snap
 	for range len(s) { // each round takes a slot or rules one endpoint out
 		p.ruleOut(s, excluded, limit)
