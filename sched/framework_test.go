@@ -375,10 +375,10 @@ func TestProfileAllocFree(t *testing.T) {
 //
 //   - decide: filter, score and pick, nothing learnt (the learners off).
 //   - pick: Pick as the gateway runs it: the decision and its learning
-//     queued (prefix.Index.Learn: the 750 hashes copied), while a settler
-//     goroutine applies the queue as the gateway's does (learning.go) —
-//     the pick path's cost. On 2 cores the settler competes with it for a
-//     core, as in the gateway.
+//     queued (prefix.Index.Learn: the 750 hashes copied), the queue
+//     settled between the timed decisions, as the gateway's settler
+//     goroutine does (learning.go; waking it is the gateway's cost,
+//     measured by BenchmarkEPPDecision) — the pick path's cost.
 //   - pick+settle: Pick, then Settle on the same goroutine: the learning
 //     applied inline (an LRU touch per block), as the virtual fleet does
 //     after every decision and as Pick did until 2026-12-05 — the CPU a
@@ -436,10 +436,10 @@ func BenchmarkDecision64x1M(b *testing.B) {
 		learn        learnMode
 	}{
 		{"cache-aware/decide", CacheAware, false, learnOff},
-		{"cache-aware/pick", CacheAware, false, learnSettler},
+		{"cache-aware/pick", CacheAware, false, learnQueued},
 		{"cache-aware/pick+settle", CacheAware, false, learnInline},
 		{"precise-prefix/decide", PrecisePrefix, false, learnOff},
-		{"precise-prefix/pick", PrecisePrefix, false, learnSettler},
+		{"precise-prefix/pick", PrecisePrefix, false, learnQueued},
 		{"precise-prefix/tiered", PrecisePrefix, true, learnOff},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
@@ -513,9 +513,9 @@ func BenchmarkDecision1000(b *testing.B) {
 type learnMode int
 
 const (
-	learnOff     learnMode = iota // nothing learnt (the profile's learners off)
-	learnSettler                  // a settler goroutine applies it, as the gateway's
-	learnInline                   // Settle after every Pick, timed with it
+	learnOff    learnMode = iota // nothing learnt (the profile's learners off)
+	learnQueued                  // queued by Pick, applied between the timed decisions
+	learnInline                  // Settle after every Pick, timed with it
 )
 
 // benchPicks times f (one Pick of p) by benchDecisions, applying p's
@@ -524,42 +524,13 @@ func benchPicks(b *testing.B, p *Profile, mode learnMode, f func(i int)) {
 	switch mode {
 	case learnInline:
 		benchDecisions(b, nil, func(i int) { f(i); p.Settle() })
-	case learnSettler:
-		settles := make(chan struct{}, 64)
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			for range settles {
-				p.Settle()
-			}
-		}()
-		// Before each decision, untimed by the samples (not by ns/op),
-		// the settler finishes the previous one's learning, as a settler
-		// that keeps up with the request rate does.
-		benchDecisions(b, func(int) { waitSettled(b, p) }, func(i int) {
-			f(i)
-			if p.Unsettled() {
-				select {
-				case settles <- struct{}{}:
-				default:
-					p.Settle() // behind: as the gateway's settleLater
-				}
-			}
-		})
-		close(settles)
-		<-done
+	case learnQueued:
+		// The previous decision's learning is applied before each
+		// decision, outside the samples (not outside ns/op), as a
+		// settler that keeps up with the request rate has done.
+		benchDecisions(b, func(int) { p.Settle() }, f)
 	default:
 		benchDecisions(b, nil, f)
-	}
-}
-
-// waitSettled waits, at most 10 s, until p has no learning queued.
-func waitSettled(b *testing.B, p *Profile) {
-	for deadline := time.Now().Add(10 * time.Second); p.Unsettled(); {
-		if time.Now().After(deadline) {
-			b.Fatal("the settler did not apply the queued learning within 10 s")
-		}
-		runtime.Gosched()
 	}
 }
 
