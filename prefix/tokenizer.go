@@ -68,15 +68,19 @@ func (t *Tokenizer) EncodePrefix(text string, maxBytes int) (ids []uint32, cut b
 	if maxBytes <= 0 || len(text) <= maxBytes {
 		return t.Encode(text), false
 	}
+	return t.Encode(text[:prefixEnd(text, maxBytes)]), true
+}
+
+// prefixEnd is where EncodePrefix cuts text (longer than maxBytes > 0).
+func prefixEnd(text string, maxBytes int) int {
 	end := maxBytes
 	if i := strings.LastIndexAny(text[max(0, end-1024):end], " \n"); i >= 0 {
-		end = max(0, end-1024) + i
-	} else {
-		for end > 0 && !utf8.RuneStart(text[end]) {
-			end--
-		}
+		return max(0, end-1024) + i
 	}
-	return t.Encode(text[:end]), true
+	for end > 0 && !utf8.RuneStart(text[end]) {
+		end--
+	}
+	return end
 }
 
 // Decode returns the text of token ids; ids outside the vocabulary are
