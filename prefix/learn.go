@@ -27,11 +27,11 @@ import (
 // concurrent with an Insert may see part of it.
 //
 // Bounds: at most maxQueuedBlocks hashes (8 bytes each) and maxQueuedLearns
-// learns wait; a Learn that finds the queue full settles it first, on the
-// caller's goroutine (a settler that cannot keep up costs the pick path what
-// Insert did, no more), and a prompt longer than the whole queue is
-// inserted at once. The queue's two arenas grow to at most 2 ×
-// maxQueuedBlocks × 8 bytes (256 KiB) per index.
+// learns wait; a Learn that finds the queue full settles it and inserts its
+// own prompt on the caller's goroutine (a settler that cannot keep up costs
+// the pick path what Insert did, and what was queued before), and a prompt
+// longer than the whole queue is inserted at once. The queue's two arenas
+// grow to at most 2 × maxQueuedBlocks × 8 bytes (256 KiB) per index.
 
 const (
 	// maxQueuedBlocks bounds the block hashes waiting in one arena.
@@ -85,20 +85,21 @@ func (ix *Index) Learn(e int, hashes []uint64) {
 		return
 	}
 	q := &ix.learn
-	for {
-		q.mu.Lock()
-		a := &q.active
-		if len(a.hashes)+len(hashes) <= maxQueuedBlocks && len(a.learns) < maxQueuedLearns {
-			off := len(a.hashes)
-			a.hashes = append(a.hashes, hashes...)
-			a.learns = append(a.learns, queuedLearn{e: int32(e), off: int32(off), n: int32(len(hashes))})
-			q.queued.Add(1)
-			q.mu.Unlock()
-			return
-		}
+	q.mu.Lock()
+	a := &q.active
+	if len(a.hashes)+len(hashes) <= maxQueuedBlocks && len(a.learns) < maxQueuedLearns {
+		off := len(a.hashes)
+		a.hashes = append(a.hashes, hashes...)
+		a.learns = append(a.learns, queuedLearn{e: int32(e), off: int32(off), n: int32(len(hashes))})
+		q.queued.Add(1)
 		q.mu.Unlock()
-		ix.Settle() // full: the settler is behind
+		return
 	}
+	q.mu.Unlock()
+	// Full: the settler is behind. Apply the queue and this learn here,
+	// once (retrying to queue could lose the race for the freed room to
+	// other callers again and again).
+	ix.Insert(e, hashes)
 }
 
 // Queued returns the number of learns waiting for Settle.
