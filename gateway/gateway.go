@@ -26,6 +26,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/hftokenizer"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/upstream"
@@ -75,6 +76,10 @@ type Gateway struct {
 	// segments is the one segment cache of every pool's tokenizer (made
 	// by the first build that needs it, under reloadMu).
 	segments *prefix.SegmentCache
+	// hfTokenizers are the models' own tokenizers loaded so far, by path
+	// (under reloadMu): a reload that keeps a pool's tokenizer path does
+	// not read the file again.
+	hfTokenizers map[string]*hftokenizer.Tokenizer
 
 	metrics *metrics
 	unknown *routeMetrics // model "unknown", no endpoint

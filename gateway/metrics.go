@@ -48,6 +48,9 @@ type metrics struct {
 	// tier) in pools with tiers.
 	predictedTier *prometheus.CounterVec
 	predErr       *prometheus.HistogramVec // model, endpoint, policy, index
+	// tokenizer is 1 per model for the tokenizer routing uses (model,
+	// tokenizer: the configured path, or cl100k_fallback).
+	tokenizer *prometheus.GaugeVec
 	// api counts requests received per API (infergate_api_requests_total;
 	// children resolved at start).
 	api [numKinds]prometheus.Counter
@@ -98,18 +101,38 @@ func newMetrics(reg prometheus.Registerer, fleet *fleetCollector) (*metrics, err
 			Buckets: predictionBuckets,
 		}, []string{"model", "endpoint", "policy", "index"}),
 	}
+	m.tokenizer = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "infergate", Name: "pool_tokenizer",
+		Help: "1 for the tokenizer a model's routing tokenizes prompts with (tokenizer: the configured tokenizers path, or cl100k_fallback when none is configured); absent when the model's routing does not tokenize."},
+		[]string{"model", "tokenizer"})
 	apis := prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "api_requests_total",
 		Help: "Requests received per API (chat_completions, completions, responses, embeddings, tokenize, detokenize, responses_by_id, other: every other /v1/ path passed through)."},
 		[]string{"api"})
 	for k, name := range apiNames {
 		m.api[k] = apis.WithLabelValues(name)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.ttft, m.itl, m.e2e, m.prompt, m.cached, m.generated, m.predicted, m.predictedTier, m.predErr, apis, fleet} {
+	for _, c := range []prometheus.Collector{m.requests, m.ttft, m.itl, m.e2e, m.prompt, m.cached, m.generated, m.predicted, m.predictedTier, m.predErr, m.tokenizer, apis, fleet} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register gateway metrics: %w", err)
 		}
 	}
 	return m, nil
+}
+
+// TokenizerFallback is infergate_pool_tokenizer's label for a model
+// tokenized with cl100k_base because no tokenizer is configured for it.
+const TokenizerFallback = "cl100k_fallback"
+
+// poolTokenizer sets model's infergate_pool_tokenizer: path when the pool
+// tokenizes with it (own), else the cl100k fallback when it tokenizes at
+// all (tokenizes); its previous series go.
+func (m *metrics) poolTokenizer(model, path string, own, tokenizes bool) {
+	m.tokenizer.DeletePartialMatch(prometheus.Labels{"model": model})
+	switch {
+	case own:
+		m.tokenizer.WithLabelValues(model, path).Set(1)
+	case tokenizes:
+		m.tokenizer.WithLabelValues(model, TokenizerFallback).Set(1)
+	}
 }
 
 // routeMetrics are the children of the per-(model, endpoint) metrics,

@@ -516,6 +516,9 @@ const maxRoutingTextBytes = 512 << 10
 // boundaries but are the same for the same messages, which is all the
 // approximate index needs.
 func (x *exchange) promptTokens(kind apiKind, p *pool, exact bool) []uint32 {
+	if p.hf != nil {
+		return x.hfPromptTokens(kind, p)
+	}
 	switch {
 	case kind == kindChat && exact:
 		x.toks, _ = p.segments.AppendExact(x.toks[:0], x.chat.Prompt(), maxRoutingTextBytes)

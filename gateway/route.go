@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/hftokenizer"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/replica"
@@ -305,6 +306,9 @@ type pool struct {
 	// precise index (nil when neither needs hashes).
 	tokenizer *prefix.Tokenizer
 	segments  *prefix.SegmentCache
+	// hf is the model's own tokenizer (config tokenizers), nil for the
+	// cl100k fallback; when set it tokenizes every prompt (hftokens.go).
+	hf *hftokenizer.Tokenizer
 	// maxModelLen is the longest context of its endpoints (tokens).
 	maxModelLen int
 	// maxRequests is the circuit breaker's bound per endpoint.

@@ -122,11 +122,74 @@ type Summary struct {
 	// run fell behind its time scale and its latencies measure the host,
 	// not the modelled hardware.
 	Behind bool `json:"behind,omitempty"`
+	// TTFTByPromptLength splits TTFT by the prompt's length
+	// (Record.PromptTokens) into PromptBuckets, all four always present
+	// (Requests 0, zero latencies for an empty one): whether long prompts
+	// wait longer than their own prefill takes, which the pooled
+	// percentiles hide (issue 19, item 4). Successful requests only; nil
+	// when the summary was not built by Summarize.
+	TTFTByPromptLength []BucketLatency `json:"ttft_by_prompt_length,omitempty"`
 	// FirstError is the error of the first failed request ("" if none).
 	FirstError string `json:"first_error,omitempty"`
 	// Goodput counts the requests that met a per-request SLO; nil when the
 	// run was not judged against one (plan sets it; Summarize does not).
 	Goodput *Goodput `json:"goodput,omitempty"`
+}
+
+// PromptBucket is a range of prompt lengths: MinTokens ≤ prompt tokens <
+// MaxTokens (MaxTokens 0: no upper bound).
+type PromptBucket struct {
+	Name      string `json:"name"`
+	MinTokens int    `json:"min_tokens"`
+	MaxTokens int    `json:"max_tokens,omitempty"`
+}
+
+// PromptBuckets are the prompt-length buckets of TTFTByPromptLength,
+// issue 19's: < 8k, 8–32k, 32–64k and ≥ 64k tokens (k = 1,024 tokens, as
+// context windows are counted).
+var PromptBuckets = []PromptBucket{
+	{Name: "<8k", MinTokens: 0, MaxTokens: 8 << 10},
+	{Name: "8-32k", MinTokens: 8 << 10, MaxTokens: 32 << 10},
+	{Name: "32-64k", MinTokens: 32 << 10, MaxTokens: 64 << 10},
+	{Name: ">=64k", MinTokens: 64 << 10},
+}
+
+// bucketOf returns the index in PromptBuckets of a prompt of n tokens.
+func bucketOf(n int) int {
+	for i, b := range PromptBuckets {
+		if b.MaxTokens == 0 || n < b.MaxTokens {
+			return i
+		}
+	}
+	return len(PromptBuckets) - 1
+}
+
+// BucketLatency is the TTFT of one PromptBucket's requests.
+type BucketLatency struct {
+	PromptBucket
+	// Requests is the number of successful requests in the bucket.
+	Requests int `json:"requests"`
+	// TTFT is their time to first token (ms).
+	TTFT Latency `json:"ttft_ms"`
+}
+
+// ttftByPromptLength buckets the successful requests of recs by prompt
+// length (PromptBuckets) and summarizes each bucket's TTFT.
+func ttftByPromptLength(recs []Record) []BucketLatency {
+	xs := make([][]float64, len(PromptBuckets))
+	for i := range recs {
+		r := &recs[i]
+		if r.Error != "" {
+			continue
+		}
+		b := bucketOf(r.PromptTokens)
+		xs[b] = append(xs[b], r.TTFTMs)
+	}
+	out := make([]BucketLatency, len(PromptBuckets))
+	for i, b := range PromptBuckets {
+		out[i] = BucketLatency{PromptBucket: b, Requests: len(xs[i]), TTFT: NewLatency(xs[i])}
+	}
+	return out
 }
 
 // PDSummary is the P/D part of a Summary.
@@ -250,6 +313,7 @@ func Summarize(policy string, recs []Record) Summary {
 		s.OutputTokPerS = float64(s.OutputTokens) / s.DurationS
 	}
 	s.TTFT, s.ITL, s.E2E = NewLatency(ttft), NewLatency(itl), NewLatency(e2e)
+	s.TTFTByPromptLength = ttftByPromptLength(recs)
 	s.SendLag = sendLag(recs)
 	s.tiers(recs)
 	s.pd(recs)

@@ -72,3 +72,37 @@ func TestSummarize(t *testing.T) {
 		t.Errorf("empty summary %+v", empty)
 	}
 }
+
+func TestTTFTByPromptLength(t *testing.T) {
+	var recs []Record
+	add := func(prompt int, ttft float64) {
+		recs = append(recs, Record{PromptTokens: prompt, TTFTMs: ttft, E2EMs: ttft})
+	}
+	for i := range 10 {
+		add(100+i, float64(10+i)) // <8k: 10..19 ms
+	}
+	add(8191, 30)                                                    // still <8k
+	add(8192, 1000)                                                  // 8-32k
+	add(40000, 2000)                                                 // 32-64k
+	add(65536, 5000)                                                 // >=64k
+	add(130000, 9000)                                                // >=64k
+	recs = append(recs, Record{PromptTokens: 200000, Error: "boom"}) // failed: left out
+	s := Summarize("p", recs)
+	b := s.TTFTByPromptLength
+	if len(b) != 4 {
+		t.Fatalf("%d buckets", len(b))
+	}
+	want := []struct {
+		name     string
+		n        int
+		p50, p99 float64
+	}{{"<8k", 11, 15, Percentile([]float64{10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 30}, 99)}, {"8-32k", 1, 1000, 1000}, {"32-64k", 1, 2000, 2000}, {">=64k", 2, 7000, 5000 + 0.99*4000}}
+	for i, w := range want {
+		if b[i].Name != w.name || b[i].Requests != w.n || b[i].TTFT.P50 != w.p50 || math.Abs(b[i].TTFT.P99-w.p99) > 1e-9 {
+			t.Errorf("bucket %d: %+v, want %+v", i, b[i], w)
+		}
+	}
+	if e := Summarize("p", nil).TTFTByPromptLength; len(e) != 4 || e[3].Requests != 0 {
+		t.Fatalf("no records: %+v", e)
+	}
+}

@@ -567,6 +567,10 @@ func (r *Result) WriteTable(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	names, sums := r.bucketRuns()
+	if err := report.WriteBucketTable(w, names, sums); err != nil {
+		return err
+	}
 	if r.InfiniteHitRate != nil {
 		if _, err := fmt.Fprintf(w, "reference hit %%: pooled cache (one engine with the fleet's KV capacity) per row, infinite cache %.1f\n", *r.InfiniteHitRate*100); err != nil {
 			return err

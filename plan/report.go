@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/report"
 )
 
@@ -137,8 +138,21 @@ func (r *Result) HTMLPage() report.Page {
 	return report.Page{Title: "infergate plan: SLO " + r.SLO, Subtitle: sub, Sections: []report.Section{
 		{Title: "Run", Alerts: alerts, Facts: facts},
 		{Title: "Fleet sizing sweep", Text: text, Table: t},
+		{Title: "TTFT by prompt length", Text: []string{"Requests and TTFT percentiles per prompt-length bucket, per row of the sweep (k = 1,024 tokens)."}, Table: report.BucketTable(r.bucketRuns())},
 		{Title: "Against fleet size", Charts: charts},
 	}}
+}
+
+// bucketRuns labels the rows for the TTFT-by-prompt-length table ("8 ×
+// cache-aware") and returns their summaries.
+func (r *Result) bucketRuns() ([]string, []measure.Summary) {
+	names := make([]string, len(r.Rows))
+	sums := make([]measure.Summary, len(r.Rows))
+	for k := range r.Rows {
+		names[k] = fmt.Sprintf("%d × %s", r.Rows[k].Engines, r.Rows[k].label())
+		sums[k] = r.Rows[k].Summary
+	}
+	return names, sums
 }
 
 // perPolicy returns one data series per policy of value against fleet

@@ -40,10 +40,7 @@ import (
 // boundaries (above), each through the cache, and reports whether it cut
 // the text at maxBytes.
 func (c *SegmentCache) AppendExact(dst []uint32, text string, maxBytes int) ([]uint32, bool) {
-	cut := false
-	if maxBytes > 0 && len(text) > maxBytes {
-		text, cut = text[:prefixEnd(text, maxBytes)], true
-	}
+	text, cut := CutText(text, maxBytes)
 	start := 0
 	for i := 1; i < len(text); i++ {
 		if text[i-1] != '\n' || !startsPiece(text[i:]) {

@@ -65,22 +65,26 @@ func (t *Tokenizer) Encode(text string) []uint32 {
 // possibly the last few. BPE tokenizers need memory many times the input
 // size, so the gateway tokenizes only as much of a prompt as routing can use.
 func (t *Tokenizer) EncodePrefix(text string, maxBytes int) (ids []uint32, cut bool) {
-	if maxBytes <= 0 || len(text) <= maxBytes {
-		return t.Encode(text), false
-	}
-	return t.Encode(text[:prefixEnd(text, maxBytes)]), true
+	text, cut = CutText(text, maxBytes)
+	return t.Encode(text), cut
 }
 
-// prefixEnd is where EncodePrefix cuts text (longer than maxBytes > 0).
-func prefixEnd(text string, maxBytes int) int {
+// CutText returns at most the first maxBytes bytes of text (all of it for
+// maxBytes <= 0) and whether it cut: at the last ASCII space or newline
+// within the final 1 KiB, else at a rune boundary (EncodePrefix).
+func CutText(text string, maxBytes int) (string, bool) {
+	if maxBytes <= 0 || len(text) <= maxBytes {
+		return text, false
+	}
 	end := maxBytes
 	if i := strings.LastIndexAny(text[max(0, end-1024):end], " \n"); i >= 0 {
-		return max(0, end-1024) + i
+		end = max(0, end-1024) + i
+	} else {
+		for end > 0 && !utf8.RuneStart(text[end]) {
+			end--
+		}
 	}
-	for end > 0 && !utf8.RuneStart(text[end]) {
-		end--
-	}
-	return end
+	return text[:end], true
 }
 
 // Decode returns the text of token ids; ids outside the vocabulary are

@@ -215,6 +215,7 @@ func (r HTMLReport) Page() Page {
 		run,
 		{Title: "Summary", Text: text, Table: SummaryTable(sums)},
 		{Title: "Latency", Charts: []Chart{ttftCDF, itlCDF, ttftBars, itlBars}},
+		{Title: "TTFT by prompt length", Text: []string{bucketText}, Table: BucketTable(names, sums)},
 		cache,
 		{Title: "Load over time and per engine", Charts: []Chart{ttftTC, inflightC, share}},
 	}
@@ -223,6 +224,9 @@ func (r HTMLReport) Page() Page {
 	}
 	return Page{Title: r.Title, Subtitle: subtitle(r.Provenance), Sections: sections}
 }
+
+// bucketText explains the TTFT-by-prompt-length table.
+const bucketText = "Requests and TTFT percentiles per prompt-length bucket (prompt tokens as the engines reported them; k = 1,024 tokens): whether long prompts wait longer than their own prefill takes, which the pooled percentiles hide."
 
 // pdSection shows the P/D hand-offs of the runs on prefill and decode
 // engines (Summary.PD): the prefill leg's and the P→D transfer's

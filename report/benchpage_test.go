@@ -220,10 +220,17 @@ func TestHTMLReportReferences(t *testing.T) {
 		t.Errorf("hit rate over time: lines %v, want pooled and infinite reference curves", keys)
 	}
 	var tab *Table
+	var buckets *Table
 	for _, s := range page.Sections {
-		if s.Table != nil {
+		switch s.Title {
+		case "Summary":
 			tab = s.Table
+		case "TTFT by prompt length":
+			buckets = s.Table
 		}
+	}
+	if buckets == nil || len(buckets.Rows) != len(runs) || len(buckets.Head) != 1+2*len(measure.PromptBuckets) {
+		t.Errorf("TTFT by prompt length: %+v", buckets)
 	}
 	if tab.Head[4] != "pooled-cache hit %" || tab.Head[5] != "infinite-cache hit %" ||
 		tab.Rows[0][4] != fmt.Sprintf("%.1f", pooled*100) || tab.Rows[0][5] != fmt.Sprintf("%.1f", inf*100) {

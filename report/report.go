@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 
@@ -75,6 +76,13 @@ func (r Report) WriteTable(w io.Writer) error {
 	if err := r.writeTierTable(w, pw); err != nil {
 		return err
 	}
+	names := make([]string, len(r.Runs))
+	for i, run := range r.Runs {
+		names[i] = RunName(run)
+	}
+	if err := WriteBucketTable(w, names, r.Runs); err != nil {
+		return err
+	}
 	if line := r.referenceLine(); line != "" {
 		_, err := fmt.Fprintln(w, line)
 		return err
@@ -116,6 +124,57 @@ func (r Report) writeTierTable(w io.Writer, pw int) error {
 			join(s.TierPredictedHitRate, 100, "%.1f"), join(s.TierPredictionMAE, 1, "%.0f"))
 	}
 	return tw.Flush()
+}
+
+// WriteBucketTable writes, when any run has them, the runs' TTFT by prompt
+// length (measure.Summary.TTFTByPromptLength): one row per run, labelled by
+// names[i], and per bucket its request count and TTFT p50/p90/p99 (ms);
+// "-" for an empty bucket.
+func WriteBucketTable(w io.Writer, names []string, runs []measure.Summary) error {
+	t := BucketTable(names, runs)
+	if t == nil {
+		return nil
+	}
+	fmt.Fprintln(w, "\nTTFT by prompt length (tokens; k = 1,024): requests, p50/p90/p99 ms")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	pw := len(t.Head[0])
+	for _, row := range t.Rows {
+		pw = max(pw, len(row[0]))
+	}
+	for _, row := range append([][]string{t.Head}, t.Rows...) {
+		fmt.Fprintf(tw, "%-*s	%s	\n", pw, row[0], strings.Join(row[1:], "\t"))
+	}
+	return tw.Flush()
+}
+
+// BucketTable is WriteBucketTable's table (for HTML pages): a policy
+// column, then per prompt-length bucket its requests and TTFT p50/p90/p99
+// (ms); nil when no run has buckets.
+func BucketTable(names []string, runs []measure.Summary) *Table {
+	any := false
+	for _, s := range runs {
+		any = any || len(s.TTFTByPromptLength) > 0
+	}
+	if !any {
+		return nil
+	}
+	t := &Table{Head: []string{"policy"}}
+	for _, b := range measure.PromptBuckets {
+		t.Head = append(t.Head, b.Name+" n", b.Name+" TTFT p50/p90/p99 ms")
+	}
+	for i, s := range runs {
+		row := []string{names[i]}
+		for k := range measure.PromptBuckets {
+			if k >= len(s.TTFTByPromptLength) || s.TTFTByPromptLength[k].Requests == 0 {
+				row = append(row, "0", "-")
+				continue
+			}
+			b := s.TTFTByPromptLength[k]
+			row = append(row, strconv.Itoa(b.Requests), fmt.Sprintf("%.0f/%.0f/%.0f", b.TTFT.P50, b.TTFT.P90, b.TTFT.P99))
+		}
+		t.Rows = append(t.Rows, row)
+	}
+	return t
 }
 
 // referenceLine is WriteTable's last line: the runs' reference hit rates

@@ -55,7 +55,7 @@ func TestSummaryJSONKeys(t *testing.T) {
 		"itl_ms.mean", "itl_ms.p50", "itl_ms.p90", "itl_ms.p99",
 		"mean_engine_utilization", "output_tok_per_s", "output_tokens",
 		"policy", "prefill_tokens_computed", "prompt_tokens", "requests",
-		"ttft_ms.mean", "ttft_ms.p50", "ttft_ms.p90", "ttft_ms.p99",
+		"ttft_by_prompt_length", "ttft_ms.mean", "ttft_ms.p50", "ttft_ms.p90", "ttft_ms.p99",
 	}
 	if !slices.Equal(keys, want) {
 		t.Errorf("JSON keys\n got %v\nwant %v", keys, want)
@@ -80,9 +80,19 @@ func TestWriteTable(t *testing.T) {
 	if err := (Report{Runs: []measure.Summary{a, b}}).WriteTable(&buf); err != nil {
 		t.Fatal(err)
 	}
-	lines := strings.Split(strings.TrimRight(buf.String(), "\n"), "\n")
-	if len(lines) != 3 {
+	main, buckets, ok := strings.Cut(strings.TrimRight(buf.String(), "\n"), "\n\n")
+	lines := strings.Split(main, "\n")
+	if len(lines) != 3 || !ok {
 		t.Fatalf("table:\n%s", buf.String())
+	}
+	// The TTFT-by-prompt-length table: a title, a header, a row per run;
+	// syntheticRecords' prompts are all under 8k (3 successful of 4).
+	bl := strings.Split(buckets, "\n")
+	if len(bl) != 4 || !strings.HasPrefix(bl[0], "TTFT by prompt length") {
+		t.Fatalf("bucket table:\n%s", buckets)
+	}
+	if f := strings.Fields(bl[2]); len(f) != 9 || f[0] != "prefix" || f[1] != "3" || f[2] != "200/280/298" || f[3] != "0" || f[4] != "-" {
+		t.Errorf("prefix bucket row %q", bl[2])
 	}
 	for _, l := range lines[1:] {
 		if len(l) != len(lines[0]) {

@@ -174,6 +174,11 @@ type Profile struct {
 	hashes   bool        // some plugin reads Request.Hashes
 	forget   []func(int)
 	approx   *prefix.Index // the approximate index, nil when no scorer uses it
+	// peerMatch is a peer scorer's own index (llm-d-prefix, sglang-tree;
+	// peers.go), the match source when the profile has no precise one;
+	// sglang is the sglang-tree scorer, which its picker reads.
+	peerMatch MatchSource
+	sglang    *sglangTree
 	// tiers is the pool's tiers (nil: GPU only); tierWeights the profile's
 	// fixed tier credits (nil: priced from tiers' load costs); blockSize the
 	// routing block size (tokens).

@@ -366,9 +366,23 @@ type costScorer struct {
 func (*costScorer) Name() string { return ScorerCost }
 
 func (s *costScorer) Score(c *Cycle, cands []int, scores []float64) {
+	best := math.Inf(1)
+	s.estimate(c, cands, scores)
+	for k := range cands {
+		best = min(best, scores[k])
+	}
+	for k := range cands {
+		scores[k] = best / scores[k]
+	}
+}
+
+// estimate writes each candidate's estimated TTFT (s) into ttft[k]: its
+// prefill backlog plus the request's own uncached part at its prefill
+// rate, plus the load time of the lower-tier part when the pool has tiers
+// (the formula on costScorer; the ttft-bound filter reads it too).
+func (s *costScorer) estimate(c *Cycle, cands []int, ttft []float64) {
 	matched := c.Matched()
 	p := float64(c.Req.PromptTokens)
-	best := math.Inf(1)
 	// Per-endpoint rates only when every candidate has one: a fleet half
 	// learnt would compare learnt rates with the configured guess.
 	known := true
@@ -376,9 +390,9 @@ func (s *costScorer) Score(c *Cycle, cands []int, scores []float64) {
 		known = known && c.Eps[i].PrefillTokensPerSecond > 0
 	}
 	tb := c.TierBlocks()
+	rate := s.rate
 	for k, i := range cands {
 		ep := &c.Eps[i]
-		rate := s.rate
 		if known {
 			rate = ep.PrefillTokensPerSecond
 		}
@@ -391,12 +405,7 @@ func (s *costScorer) Score(c *Cycle, cands []int, scores []float64) {
 			hit, load = float64(n[0]+n[1]+n[2]+n[3]), c.loadSeconds(i, n)
 		}
 		own := max(1, p-float64(s.blockSize)*hit)
-		t := (float64(ep.PendingPrefillTokens)+own)/rate + load
-		scores[k] = t
-		best = min(best, t)
-	}
-	for k := range cands {
-		scores[k] = best / scores[k]
+		ttft[k] = (float64(ep.PendingPrefillTokens)+own)/rate + load
 	}
 }
 

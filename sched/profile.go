@@ -23,13 +23,21 @@ import (
 //
 // Readiness is always filtered first. Unknown names are errors.
 type ProfileConfig struct {
-	// Filters run in order (names: model, adapter-capacity, hot-spot).
+	// Filters run in order (names: model, adapter-capacity, hot-spot,
+	// ttft-bound).
 	Filters []string `yaml:"filters"`
 	// Scorers and their weights (≥ 0; names: prefix, precise-prefix, queue,
-	// kv-utilization, in-flight-tokens, session, lora, cost).
+	// kv-utilization, in-flight-tokens, session, lora, cost, and the peers'
+	// llm-d-prefix, no-hit-lru, sglang-tree; peers.go).
 	Scorers []ScorerConfig `yaml:"scorers"`
-	// Picker: max-score (default), weighted-random or power-of-two.
+	// Picker: max-score (default), weighted-random, power-of-two, or a
+	// rule picker (round-robin, least-request, prefix-rule, and the peers'
+	// sglang-cache-aware, dynamo-cost; peers.go).
 	Picker string `yaml:"picker"`
+	// TieTolerance overrides routing.tie_tolerance for this profile's
+	// max-score picker (0: only exactly equal totals tie, as GIE's
+	// max-score-picker; the llm-d profile's). Unset: routing.tie_tolerance.
+	TieTolerance *float64 `yaml:"tie_tolerance"`
 	// TierWeights credits a prompt block by the tier it would come from
 	// (keys gpu, cpu, disk, remote; weights in [0, 1]) in the precise and
 	// cost scorers, as llm-d and Dynamo weigh tiers; unset, hits are
@@ -138,6 +146,11 @@ var builtinProfiles = map[string]ProfileConfig{
 		Picker:      PickerMaxScore,
 		TierWeights: map[string]float64{"gpu": 1, "cpu": 0.75, "disk": 0.25},
 	},
+	// The peers' routers (peers.go, README.md "Reference profiles of the
+	// peers").
+	LLMD:   peerProfiles[LLMD],
+	SGLang: peerProfiles[SGLang],
+	Dynamo: peerProfiles[Dynamo],
 }
 
 // precisePrefixScorers are the scorers of PrecisePrefix and its tiered peers.
@@ -284,6 +297,9 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint6
 	}
 	for _, fname := range pc.Filters {
 		f, err := newFilter(fname, balance)
+		if fname == FilterTTFTBound {
+			f, err = newTTFTBound(cfg, pcfg)
+		}
 		if err != nil {
 			return nil, where("%v", err)
 		}
@@ -308,14 +324,30 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint6
 	switch {
 	case precise:
 		p.match = pool.Precise
+	case p.peerMatch != nil:
+		p.match = p.peerMatch
 	case p.approx != nil:
 		p.match = p.approx
 	}
 	if cost && p.match != nil {
 		p.hashes = true
 	}
-	if p.picker, err = newPicker(pc.Picker, cfg, p.match != nil, balance, pcfg.MinMatchGain); err != nil {
+	if p.picker, err = p.newPeerPicker(pc.Picker, cfg); err != nil {
 		return nil, where("%v", err)
+	}
+	if p.picker == nil {
+		if pc.TieTolerance != nil {
+			if t := *pc.TieTolerance; t < 0 || t != t {
+				return nil, where("tie_tolerance %g must be >= 0", t)
+			}
+		}
+		if p.picker, err = newPicker(pc.Picker, cfg, p.match != nil, balance, pcfg.MinMatchGain); err != nil {
+			return nil, where("%v", err)
+		}
+		if mp, ok := p.picker.(maxScorePicker); ok && pc.TieTolerance != nil {
+			mp.tol = *pc.TieTolerance
+			p.picker = mp
+		}
 	}
 	return p, nil
 }
@@ -364,6 +396,8 @@ func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfi
 		return ss, nil
 	case ScorerLoRA:
 		return loraScorer{}, nil
+	case ScorerLLMDPrefix, ScorerNoHitLRU, ScorerSGLangTree:
+		return p.newPeerScorer(name, cfg, pool, pcfg)
 	case ScorerCost:
 		rate := cfg.Cost.PrefillTokensPerSecond
 		if rate == 0 {
@@ -374,7 +408,7 @@ func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfi
 		}
 		return &costScorer{rate: rate, blockSize: pcfg.BlockSize}, nil
 	}
-	return nil, fmt.Errorf("unknown scorer %q (want prefix, precise-prefix, queue, kv-utilization, in-flight-tokens, session, lora, cost)", name)
+	return nil, fmt.Errorf("unknown scorer %q (want prefix, precise-prefix, queue, kv-utilization, in-flight-tokens, session, lora, cost, %s)", name, peerPluginsScorer)
 }
 
 // newFilter returns the filter of that name.
@@ -387,7 +421,7 @@ func newFilter(name string, balance Balance) (Filter, error) {
 	case FilterHotSpot:
 		return hotSpotFilter{cfg: balance}, nil
 	}
-	return nil, fmt.Errorf("unknown filter %q (want model, adapter-capacity, hot-spot)", name)
+	return nil, fmt.Errorf("unknown filter %q (want model, adapter-capacity, hot-spot, ttft-bound)", name)
 }
 
 // newPicker returns the picker of that name ("": max-score); matched says
@@ -417,7 +451,7 @@ func newPicker(name string, cfg Config, matched bool, balance Balance, minGain f
 		}
 		return prefixRulePicker{balance: balance, minGain: minGain}, nil
 	}
-	return nil, fmt.Errorf("unknown picker %q (want max-score, weighted-random, power-of-two, round-robin, least-request, prefix-rule)", name)
+	return nil, fmt.Errorf("unknown picker %q (want max-score, weighted-random, power-of-two, round-robin, least-request, prefix-rule, %s, %s)", name, PickerSGLang, PickerDynamoCost)
 }
 
 // scoreless reports whether a picker chooses without scores, so that its

@@ -154,7 +154,7 @@ const DefaultPolicy = CacheAware
 // Names lists the built-in policy names (every one a built-in profile, see
 // builtinProfiles), the default first.
 func Names() []string {
-	return []string{CacheAware, Prefix, RoundRobin, LeastRequest, Random, PowerOfTwo, PrecisePrefix, TieredCost, LLMDTiered, DynamoTiered}
+	return []string{CacheAware, Prefix, RoundRobin, LeastRequest, Random, PowerOfTwo, PrecisePrefix, TieredCost, LLMDTiered, DynamoTiered, LLMD, SGLang, Dynamo}
 }
 
 // Config selects and tunes a policy (YAML key "routing").
@@ -183,6 +183,14 @@ type Config struct {
 	// PD configures the decisions of pools whose endpoints have P/D roles
 	// (pd.go).
 	PD PDConfig `yaml:"pd"`
+	// TTFTBound tunes the ttft-bound filter (ttftbound.go).
+	TTFTBound TTFTBoundConfig `yaml:"ttft_bound"`
+	// LLMD, SGLang and Dynamo tune the peers' plugins (peers.go): the
+	// llm-d-prefix and no-hit-lru scorers, SGLang's tree and picker,
+	// Dynamo's cost picker. Zero values take each peer's defaults.
+	LLMD   LLMDConfig   `yaml:"llm_d"`
+	SGLang SGLangConfig `yaml:"sglang"`
+	Dynamo DynamoConfig `yaml:"dynamo"`
 	// TieTolerance is how close to the best total a candidate's total must
 	// be for the max-score picker to count it as a tie (default 0.02, in
 	// units of scorer weight).

@@ -328,6 +328,61 @@ func TestBenchWorkloads(t *testing.T) {
 	}
 }
 
+// TestBenchReuseWorkloadsAndPeers runs the agentic, rag and long-tail
+// workloads through `bench --compare --virtual` against the peers'
+// profiles: every policy serves every request, the JSON carries the
+// prompt-length buckets, and rag's questions hit their shared documents.
+func TestBenchReuseWorkloadsAndPeers(t *testing.T) {
+	for _, tc := range []struct {
+		workload string
+		args     []string
+		minHit   float64
+	}{
+		{"agentic", []string{"--agentic-sessions", "6", "--agentic-session-rate", "2"}, 0.2},
+		{"rag", []string{"--rag-documents", "3", "--rag-document-tokens", "2048", "--rag-rate", "4", "--requests", "30"}, 0.5},
+		{"long-tail", []string{"--long-tail-rate", "4", "--long-tail-prob", "0", "--requests", "30"}, 0},
+	} {
+		t.Run(tc.workload, func(t *testing.T) {
+			out := filepath.Join(t.TempDir(), "r.json")
+			args := append([]string{"bench", "--compare", "cache-aware,llm-d,sglang,dynamo", "--virtual", "--engines", "2",
+				"--workload", tc.workload, "--out", out}, tc.args...)
+			c := exec.Command(os.Args[0], args...)
+			c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
+			msg, err := c.CombinedOutput()
+			if err != nil {
+				t.Fatalf("bench: %v\n%s", err, msg)
+			}
+			if !strings.Contains(string(msg), "TTFT by prompt length") {
+				t.Errorf("no bucket table in\n%s", msg)
+			}
+			var rep struct {
+				Runs []struct {
+					Policy           string
+					Requests, Errors int
+					HitRate          float64 `json:"hit_rate"`
+					Buckets          []struct {
+						Name     string
+						Requests int
+					} `json:"ttft_by_prompt_length"`
+				}
+			}
+			raw, _ := os.ReadFile(out)
+			if err := json.Unmarshal(raw, &rep); err != nil || len(rep.Runs) != 4 {
+				t.Fatalf("report %s: %v", raw, err)
+			}
+			for _, r := range rep.Runs {
+				n := 0
+				for _, b := range r.Buckets {
+					n += b.Requests
+				}
+				if r.Requests == 0 || r.Errors != 0 || n != r.Requests || len(r.Buckets) != 4 || r.HitRate < tc.minHit {
+					t.Errorf("%s: %+v", r.Policy, r)
+				}
+			}
+		})
+	}
+}
+
 var engineURLRe = regexp.MustCompile(`engine \d+: (http://[0-9.:]+) `)
 
 // TestUpTiers runs `infergate up` with host tiers and a shared remote store

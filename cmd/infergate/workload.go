@@ -23,6 +23,9 @@ const (
 	workloadAzure        = "azure"
 	workloadSharedPrefix = "shared-prefix"
 	workloadChat         = "chat"
+	workloadAgentic      = "agentic"
+	workloadRAG          = "rag"
+	workloadLongTail     = "long-tail"
 )
 
 // workloadFlags selects and parameterises the requests bench and plan replay.
@@ -32,6 +35,9 @@ type workloadFlags struct {
 	azure  trace.PrefixModel
 	shared trace.SharedPrefixOptions
 	chat   trace.ChatOptions
+	agent  trace.AgenticOptions
+	rag    trace.RAGOptions
+	tail   trace.LongTailOptions
 	mtb    string
 	sonnet string
 }
@@ -40,7 +46,10 @@ func (w *workloadFlags) register(f *pflag.FlagSet) {
 	w.azure = trace.DefaultPrefixModel()
 	w.shared = trace.DefaultSharedPrefixOptions()
 	w.chat = trace.DefaultChatOptions()
-	f.StringVar(&w.kind, "workload", workloadMooncake, "requests to replay: mooncake (--trace JSONL), azure (--trace CSV + a synthetic prefix model), shared-prefix (generated), chat (MT-bench sessions)")
+	w.agent = trace.DefaultAgenticOptions()
+	w.rag = trace.DefaultRAGOptions()
+	w.tail = trace.DefaultLongTailOptions()
+	f.StringVar(&w.kind, "workload", workloadMooncake, "requests to replay: mooncake (--trace JSONL), azure (--trace CSV + a synthetic prefix model), shared-prefix (generated), chat (MT-bench sessions), agentic (tool-use sessions), rag (shared documents, distinct questions), long-tail (independent prompts, a tail of 60-130k-token ones); trace/README.md")
 	f.StringVar(&w.path, "trace", "", "trace file: Mooncake hash-id JSONL, or the Azure 2023 CSV with --workload azure (default: the copy embedded in the binary, data/"+data.Mooncake+" or data/"+data.Azure+")")
 	f.IntVar(&w.azure.SystemPromptTokens, "azure-system-tokens", w.azure.SystemPromptTokens, "azure: shared system-prompt tokens prepended to every request (synthetic)")
 	f.Float64Var(&w.azure.SessionProb, "azure-session-prob", w.azure.SessionProb, "azure: probability a request continues an earlier one (synthetic)")
@@ -51,6 +60,14 @@ func (w *workloadFlags) register(f *pflag.FlagSet) {
 	f.IntVar(&w.shared.OutputTokens, "sp-output-tokens", w.shared.OutputTokens, "shared-prefix: output tokens")
 	f.Float64Var(&w.shared.Rate, "sp-rate", w.shared.Rate, "shared-prefix: Poisson arrival rate in requests/s (0 = all at once)")
 	f.IntVar(&w.chat.Sessions, "chat-sessions", w.chat.Sessions, "chat: number of two-turn sessions")
+	f.IntVar(&w.agent.Sessions, "agentic-sessions", w.agent.Sessions, "agentic: number of agent sessions")
+	f.Float64Var(&w.agent.SessionRate, "agentic-session-rate", w.agent.SessionRate, "agentic: Poisson rate of session starts (sessions/s; 0 = all at once)")
+	f.IntVar(&w.rag.Documents, "rag-documents", w.rag.Documents, "rag: shared documents")
+	f.IntVar(&w.rag.DocumentTokens, "rag-document-tokens", w.rag.DocumentTokens, "rag: tokens per document")
+	f.IntVar(&w.rag.DocsPerRequest, "rag-docs-per-request", w.rag.DocsPerRequest, "rag: documents before each question")
+	f.Float64Var(&w.rag.Rate, "rag-rate", w.rag.Rate, "rag: Poisson arrival rate (requests/s; 0 = all at once)")
+	f.Float64Var(&w.tail.Rate, "long-tail-rate", w.tail.Rate, "long-tail: Poisson arrival rate (requests/s; 0 = all at once)")
+	f.Float64Var(&w.tail.TailProb, "long-tail-prob", w.tail.TailProb, "long-tail: probability that a new prompt is a 60-130k-token one")
 	f.StringVar(&w.mtb, "mtbench", "", "chat: MT-bench question.jsonl (default: the embedded data/"+data.MTBench+")")
 	f.StringVar(&w.sonnet, "sonnet", "", "chat: text for the shared system prompt (default: the embedded data/"+data.Sonnet+")")
 }
@@ -72,8 +89,21 @@ func (w *workloadFlags) load() ([]trace.Record, error) {
 		// Open loop: each turn after the previous one's estimated latency
 		// (0.5 s + 30 ms per output token) plus the think time.
 		return trace.Flatten(sessions, trace.LinearLatency(500*time.Millisecond, 30*time.Millisecond)), nil
+	case workloadAgentic:
+		sessions, err := trace.Agentic(w.agent)
+		if err != nil {
+			return nil, err
+		}
+		// Open loop: each turn after the previous one's estimated latency
+		// (1 s, the longer prompts' prefill, + 30 ms per output token) plus
+		// the tool's run time.
+		return trace.Flatten(sessions, trace.LinearLatency(time.Second, 30*time.Millisecond)), nil
+	case workloadRAG:
+		return trace.RAG(w.rag)
+	case workloadLongTail:
+		return trace.LongTail(w.tail)
 	}
-	return nil, fmt.Errorf("--workload %q: want mooncake, azure, shared-prefix or chat", w.kind)
+	return nil, fmt.Errorf("--workload %q: want mooncake, azure, shared-prefix, chat, agentic, rag or long-tail", w.kind)
 }
 
 // tracePath is --trace, or the embedded copy of the trace name when it is
@@ -198,6 +228,27 @@ func (w *workloadFlags) describe(replayed, total int) (*measure.Workload, error)
 		d.Params = map[string]string{"chat-sessions": strconv.Itoa(o.Sessions), "system-tokens": strconv.Itoa(o.SystemPromptTokens),
 			"answer-tokens": strconv.Itoa(o.AnswerTokens), "session-rate": g(o.Rate, 'g', -1, 64), "think-time": o.ThinkTime.String(),
 			"seed": strconv.FormatUint(o.Seed, 10)}
+	case workloadAgentic:
+		o := w.agent
+		d.Params = map[string]string{"agentic-sessions": strconv.Itoa(o.Sessions), "agents": strconv.Itoa(o.Agents),
+			"system-tokens": strconv.Itoa(o.SystemPromptTokens), "task-tokens-median": strconv.Itoa(o.TaskTokens),
+			"tool-output-tokens-median": strconv.Itoa(o.ToolOutputTokens), "output-tokens-median": strconv.Itoa(o.OutputTokens),
+			"mean-turns": g(o.MeanTurns, 'g', -1, 64), "max-turns": strconv.Itoa(o.MaxTurns), "max-context-tokens": strconv.Itoa(o.MaxContextTokens),
+			"agentic-session-rate": g(o.SessionRate, 'g', -1, 64), "tool-time": o.ToolTime.String(), "seed": strconv.FormatUint(o.Seed, 10)}
+	case workloadRAG:
+		o := w.rag
+		d.Params = map[string]string{"rag-documents": strconv.Itoa(o.Documents), "rag-document-tokens": strconv.Itoa(o.DocumentTokens),
+			"rag-docs-per-request": strconv.Itoa(o.DocsPerRequest), "zipf-s": g(o.ZipfS, 'g', -1, 64),
+			"system-tokens": strconv.Itoa(o.SystemPromptTokens), "question-tokens-median": strconv.Itoa(o.QuestionTokens),
+			"output-tokens-median": strconv.Itoa(o.OutputTokens), "rag-rate": g(o.Rate, 'g', -1, 64),
+			"requests": strconv.Itoa(o.Requests), "seed": strconv.FormatUint(o.Seed, 10)}
+	case workloadLongTail:
+		o := w.tail
+		d.Params = map[string]string{"prompt-tokens-median": strconv.Itoa(o.PromptTokens), "prompt-sigma": g(o.PromptSigma, 'g', -1, 64),
+			"long-tail-prob": g(o.TailProb, 'g', -1, 64), "tail-tokens": strconv.Itoa(o.TailMinTokens) + "-" + strconv.Itoa(o.TailMaxTokens),
+			"continue-prob": g(o.ContinueProb, 'g', -1, 64), "window": strconv.Itoa(o.Window), "append-tokens-median": strconv.Itoa(o.AppendTokens),
+			"output-tokens-median": strconv.Itoa(o.OutputTokens), "long-tail-rate": g(o.Rate, 'g', -1, 64),
+			"requests": strconv.Itoa(o.Requests), "seed": strconv.FormatUint(o.Seed, 10)}
 	}
 	for _, f := range files {
 		sf, err := measure.DescribeFile(f)

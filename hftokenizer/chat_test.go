@@ -1,0 +1,160 @@
+package hftokenizer
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+func render(t *testing.T, src, messages string, c Chat) (string, error) {
+	t.Helper()
+	tpl, err := NewChatTemplate(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Messages = []byte(messages)
+	return tpl.Render(c)
+}
+
+func TestToJSONIsPythons(t *testing.T) {
+	msgs := `[{"role": "user", "content": "x", "z": {"b": 1, "a": [1.5, 2, null, true, "é\"\\\n\u0001"], "e": {}, "f": []}}]`
+	for _, c := range []struct{ src, want string }{
+		{`{{ messages[0].z | tojson }}`, `{"b": 1, "a": [1.5, 2, null, true, "é\"\\\n\u0001"], "e": {}, "f": []}`},
+		{`{{ messages[0].z | tojson(indent=2) }}`, "{\n  \"b\": 1,\n  \"a\": [\n    1.5,\n    2,\n    null,\n    true,\n    \"é\\\"\\\\\\n\\u0001\"\n  ],\n  \"e\": {},\n  \"f\": []\n}"},
+		{`{{ "é😀" | tojson(ensure_ascii=true) }}`, `"\u00e9\ud83d\ude00"`},
+	} {
+		got, err := render(t, c.src, msgs, Chat{})
+		if err != nil || got != c.want {
+			t.Errorf("%s = %s (%v), want %s", c.src, got, err, c.want)
+		}
+	}
+}
+
+func TestPyFloat(t *testing.T) {
+	for f, want := range map[float64]string{1.5: "1.5", 10: "10.0", 0.0025: "0.0025", 1e-7: "1e-07", 1e16: "1e+16", -2.5e20: "-2.5e+20", 123456789.125: "123456789.125"} {
+		if got := pyFloat(f); got != want {
+			t.Errorf("%v → %s, want %s", f, got, want)
+		}
+	}
+}
+
+func TestStrftime(t *testing.T) {
+	now := time.Date(2026, 12, 5, 7, 8, 9, 0, time.UTC)
+	got, err := render(t, `{{ strftime_now("%d %b %Y %H:%M:%S %%") }}`, `[]`, Chat{Now: now})
+	if err != nil || got != "05 Dec 2026 07:08:09 %" {
+		t.Fatalf("%q %v", got, err)
+	}
+}
+
+func TestMultiPartContentFlattened(t *testing.T) {
+	msgs := `[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"}]}]`
+	got, err := render(t, `{% for m in messages %}{{ m.content }}{% endfor %}`, msgs, Chat{})
+	if err != nil || got != "a\nb" {
+		t.Fatalf("string template: %q %v", got, err)
+	}
+	// A template that loops over the parts gets them as they are.
+	tpl, _ := NewChatTemplate(`{% for m in messages %}{% for p in m.content %}[{{ p.type }}]{% endfor %}{% endfor %}`)
+	if tpl.ContentAsString {
+		t.Fatal("a template looping over content taken for a string one")
+	}
+	got, err = tpl.Render(Chat{Messages: []byte(msgs)})
+	if err != nil || got != "[text][image_url][text]" {
+		t.Fatalf("openai template: %q %v", got, err)
+	}
+}
+
+func TestVLLMMessages(t *testing.T) {
+	src := `{% for m in messages %}{{ m.role }}:{{ m.content }}{% if m.tool_calls is defined %}{% for c in m.tool_calls %}{{ c.function.arguments | tojson }}{% endfor %}{% else %}(none){% endif %};{% endfor %}`
+	msgs := `[{"role":"assistant","content":null,"tool_calls":[{"function":{"name":"f","arguments":"{\"b\":1,\"a\":[2]}"}},{"function":{"name":"g","arguments":""}},{"function":{"name":"h","arguments":{"k":"v"}}}]},{"role":"assistant","content":"x","tool_calls":[]}]`
+	got, err := render(t, src, msgs, Chat{VLLMMessages: true})
+	if want := `assistant:{"b": 1, "a": [2]}{}{"k": "v"};assistant:x(none);`; err != nil || got != want {
+		t.Errorf("vLLM: %q %v, want %q", got, err, want)
+	}
+	got, err = render(t, src, msgs, Chat{})
+	if want := `assistant:"{\"b\":1,\"a\":[2]}"""{"k": "v"};assistant:x;`; err != nil || got != want {
+		t.Errorf("transformers: %q %v, want %q", got, err, want)
+	}
+	if _, err := render(t, src, `[{"role":"assistant","tool_calls":[{"function":{"arguments":"{bad"}}]}]`, Chat{VLLMMessages: true}); err == nil {
+		t.Error("arguments that are not JSON rendered")
+	}
+}
+
+func TestRenderPrefix(t *testing.T) {
+	tpl, err := NewChatTemplate(`{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := Chat{Messages: []byte(`[{"role":"user","content":"` + strings.Repeat("x", 100) + `"},{"role":"assistant","content":"yy"}]`)}
+	full, err := tpl.Render(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []int{1, 6, 50, len(full) - 1} {
+		got, cut, err := tpl.RenderPrefix(c, n)
+		if err != nil || !cut || got != full[:n] {
+			t.Errorf("prefix %d: %q cut=%v %v, want %q", n, got, cut, err, full[:n])
+		}
+	}
+	if got, cut, err := tpl.RenderPrefix(c, len(full)); err != nil || cut || got != full {
+		t.Errorf("exact size: %q cut=%v %v", got, cut, err)
+	}
+}
+
+func TestRenderErrors(t *testing.T) {
+	for name, c := range map[string]struct{ src, msgs string }{
+		"raise":     {`{{ raise_exception("no system role") }}`, `[]`},
+		"not array": {`x`, `{"role":"user"}`},
+		"bad json":  {`x`, `[{"role":`},
+		"trailing":  {`x`, `[] []`},
+		"deep":      {`x`, strings.Repeat("[", 100) + strings.Repeat("]", 100)},
+		"too large": {`{% for i in range(100000) %}{{ "0123456789" * 100 }}{% endfor %}`, `[]`},
+	} {
+		if out, err := render(t, c.src, c.msgs, Chat{}); err == nil {
+			t.Errorf("%s: no error (rendered %d bytes)", name, len(out))
+		}
+	}
+	if _, err := NewChatTemplate(`{% include "/etc/passwd" %}`); err == nil {
+		if out, err := render(t, `{% include "/etc/passwd" %}`, `[]`, Chat{}); err == nil {
+			t.Errorf("include read a file: %q", out)
+		}
+	}
+	if _, err := ParseConfig([]byte(`{"bos_token": "<s>"}`)); err != ErrNoChatTemplate {
+		t.Errorf("no chat_template: %v", err)
+	}
+	tpl, err := ParseConfig([]byte(`{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}`))
+	if err != nil || tpl.Source != "D" {
+		t.Errorf("named templates: %v", err)
+	}
+}
+
+// FuzzRender: no message list, however hostile, panics the renderer.
+func FuzzRender(f *testing.F) {
+	f.Add(`[{"role":"user","content":"hi"}]`, `[{"type":"function","function":{"name":"f"}}]`)
+	f.Add(`[{"role":"assistant","content":null,"tool_calls":[{"function":{"name":"f","arguments":{"a":[1,2.5e300,{}]}}}]}]`, `null`)
+	f.Add(`[{"role":"tool","content":[{"type":"text","text":"x"}]},{"role":"user"}]`, ``)
+	f.Add(`[1, "x", null, [], {"content": 3}]`, `{}`)
+	tpl, err := NewChatTemplate(qwen3LikeTemplate)
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Fuzz(func(t *testing.T, msgs, tools string) {
+		if len(msgs)+len(tools) > 1<<16 {
+			return
+		}
+		_, _ = tpl.Render(Chat{Messages: []byte(msgs), Tools: []byte(tools), AddGenerationPrompt: true})
+	})
+}
+
+// qwen3LikeTemplate exercises what Qwen3's template uses: namespace, a
+// reversed loop, tojson, string methods.
+const qwen3LikeTemplate = `{%- if tools %}{%- for tool in tools %}{{ tool | tojson }}{%- endfor %}{%- endif %}
+{%- set ns = namespace(last=messages|length - 1) %}
+{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}
+{%- if message.role == "user" and message.content is string and not message.content.startswith('<tool_response>') %}{%- set ns.last = index %}{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+{%- if message.content is string and '</think>' in message.content %}{{ message.content.split('</think>')[-1].lstrip('\n') }}{%- endif %}
+{%- if message.tool_calls %}{%- for tc in message.tool_calls %}{%- if tc.function %}{%- set tc = tc.function %}{%- endif %}{{ tc.name }}{{ tc.arguments | tojson }}{%- endfor %}{%- endif %}
+<|im_start|>{{ message.role }}{{ '\n' }}{{ message.content }}<|im_end|>
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant{%- endif %}`
