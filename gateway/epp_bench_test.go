@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/internal/threadcpu"
 	"github.com/infergate/infergate/sched"
 )
 
@@ -126,11 +127,11 @@ func BenchmarkEPPDecision(b *testing.B) {
 			b.ResetTimer()
 			for i := 0; b.Loop(); i++ {
 				req.Body = bodies[i%distinct]
-				c0 := threadCPU()
+				c0 := threadcpu.Now()
 				t0 := time.Now()
 				pk, ref := g.Pick(ctx, req)
 				t1 := time.Now()
-				cpus = append(cpus, threadCPU()-c0)
+				cpus = append(cpus, threadcpu.Now()-c0)
 				if ref != nil {
 					b.Fatalf("refused: %d %s", ref.Status, ref.Body)
 				}

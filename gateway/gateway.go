@@ -28,6 +28,7 @@ import (
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/hftokenizer"
 	"github.com/infergate/infergate/prefix"
+	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/upstream"
 )
 
@@ -113,6 +114,10 @@ type Gateway struct {
 	// accesslog.go, tracing.go).
 	obs *observer
 
+	// settles are the policies whose queued learning the settler applies
+	// (learning.go).
+	settles chan sched.Settler
+
 	// loops is the parent context of every endpoint's health loop and
 	// feeds; stop (Close) ends them all, wg waits for them.
 	loops     context.Context
@@ -164,6 +169,7 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	_, _ = rand.Read(idb[:])
 	g.reqIDPrefix = "ig-" + hex.EncodeToString(idb[:]) + "-"
 	g.loops, g.stop = context.WithCancel(context.Background())
+	g.startSettler()
 	fail := func(err error) (*Gateway, error) {
 		g.Close() // the one cleanup path, whatever was started
 		return nil, err

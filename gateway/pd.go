@@ -300,6 +300,7 @@ func (g *Gateway) pickWith(p *pool, req *sched.Request, excluded []bool,
 	limit := p.maxRequests
 	snap := p.snapshot()
 	defer p.release(snap)
+	defer g.settleLater(p)
 	s := *snap
 	for range len(s) {
 		p.ruleOut(s, excluded, limit)
@@ -326,6 +327,7 @@ func (g *Gateway) pickSplit(r *http.Request, x *exchange, kind apiKind, p *pool,
 	p.ruleOut(s, excluded, p.maxRequests)
 	dec := p.pd.Pick(&x.sreq, s)
 	p.release(snap)
+	g.settleLater(p)
 	di, dd := -1, dec.Decode
 	if dec.Decode.Endpoint >= 0 && p.endpoints[dec.Decode.Endpoint].tryAcquire(p.maxRequests) {
 		di = dec.Decode.Endpoint

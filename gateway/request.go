@@ -512,17 +512,20 @@ const maxRoutingTextBytes = 512 << 10
 //
 // exact asks for the tokens of the whole rendered prompt, as an engine with
 // the same tokenizer computes them (the precise index matches the engines'
-// own tokens); otherwise a chat is tokenized message by message through the
-// segment cache, whose ids differ at message boundaries but are the same for
-// the same messages, which is all the approximate index needs.
+// own tokens): through the segment cache in chunks cut where the
+// tokenizer's pre-tokens split anyway, which gives the same ids
+// (prefix.SegmentCache.AppendExact); otherwise a chat is tokenized message
+// by message through the segment cache, whose ids differ at message
+// boundaries but are the same for the same messages, which is all the
+// approximate index needs.
 func (x *exchange) promptTokens(kind apiKind, p *pool, exact bool) []uint32 {
 	if p.hf != nil {
 		return x.hfPromptTokens(kind, p)
 	}
 	switch {
 	case kind == kindChat && exact:
-		ids, _ := p.tokenizer.EncodePrefix(x.chat.Prompt(), maxRoutingTextBytes)
-		return ids
+		x.toks, _ = p.segments.AppendExact(x.toks[:0], x.chat.Prompt(), maxRoutingTextBytes)
+		return x.toks
 	case kind == kindChat:
 		// Message by message, through the segment cache: a conversation's
 		// system prompt and earlier turns are tokenized once, not per turn.
@@ -533,8 +536,8 @@ func (x *exchange) promptTokens(kind apiKind, p *pool, exact bool) []uint32 {
 		// Rendered as a chat of its instructions and input items.
 		x.pass.msgs = x.pass.resp.AppendMessages(x.pass.msgs[:0])
 		if exact {
-			ids, _ := p.tokenizer.EncodePrefix(openai.RenderChat(x.pass.resp.Tools, x.pass.msgs), maxRoutingTextBytes)
-			return ids
+			x.toks, _ = p.segments.AppendExact(x.toks[:0], openai.RenderChat(x.pass.resp.Tools, x.pass.msgs), maxRoutingTextBytes)
+			return x.toks
 		}
 		x.segs = openai.AppendChatSegments(x.segs[:0], x.pass.resp.Tools, x.pass.msgs)
 		x.toks, _ = p.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
@@ -544,8 +547,8 @@ func (x *exchange) promptTokens(kind apiKind, p *pool, exact bool) []uint32 {
 	case len(x.comp.Prompt.Tokens) > 0:
 		return x.comp.Prompt.Tokens[0]
 	case len(x.comp.Prompt.Texts) > 0:
-		ids, _ := p.tokenizer.EncodePrefix(x.comp.Prompt.Texts[0], maxRoutingTextBytes)
-		return ids
+		x.toks, _ = p.segments.AppendExact(x.toks[:0], x.comp.Prompt.Texts[0], maxRoutingTextBytes)
+		return x.toks
 	}
 	return nil
 }

@@ -211,6 +211,7 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 	limit := p.maxRequests
 	snap := p.snapshot()
 	defer p.release(snap)
+	defer g.settleLater(p)
 	s := *snap
 	if p.peers != nil && p.pd == nil {
 		// Other replicas: this one's share marked, the load they are

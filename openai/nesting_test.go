@@ -270,6 +270,7 @@ func FuzzElementDecoders(f *testing.F) {
 		`[{"role":"user","content":"hi"},{"role":"assistant","tool_calls":[{"id":"1"}]}]`,
 		`[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}}]}]`,
 		`[{},{}]`, `[null]`, `[1]`, `[{"role":"bot"}]`, `[{"role":"user","content":[null]}]`, `[{"role":"user","content":[1]}]`,
+		`"plain text"`, `"quote \" inside"`, `"tab\there"`, `"\u00e9t\u00e9"`, "\"raw\ttab\"", "\"bad \xff utf-8\"", `"é"`, `""`,
 		`["a","b"]`, `[[1,2],[3]]`, `["a",null]`, `[[1],"a"]`, `[null,1]`, `[{"type":"text","text":"x"},{"type":"y"}]`,
 	} {
 		f.Add([]byte(s))

@@ -93,6 +93,8 @@ type Index struct {
 	eps    []endpoint
 	// linear counts Matches that fell back to the linear scan.
 	linear atomic.Uint64
+	// learn queues Learn's updates for Settle (learn.go).
+	learn learnQueue
 }
 
 // NewIndex returns an index over len(capacity) endpoints, endpoint e holding
@@ -114,8 +116,24 @@ func (ix *Index) Endpoints() int { return len(ix.eps) }
 
 // Match sets matched[e] to the number of leading blocks of hashes that
 // endpoint e is believed to hold, for every e < len(matched) (extra entries
-// are left alone). It does not change recency. It allocates nothing.
+// are left alone), learns queued for Settle included (learn.go). It does
+// not change recency. It allocates nothing.
 func (ix *Index) Match(hashes []uint64, matched []int) {
+	n := min(len(matched), len(ix.eps))
+	// The queue first: a learn Settle applies after this read is in the
+	// index when match reads it, so none is missed by both.
+	var queued [MaxEndpoints]int
+	overlaid := len(hashes) > 0 && ix.learn.overlay(hashes, queued[:n])
+	ix.match(hashes, matched)
+	if overlaid {
+		for e := range matched[:n] {
+			matched[e] = max(matched[e], queued[e])
+		}
+	}
+}
+
+// match is Match of the index alone.
+func (ix *Index) match(hashes []uint64, matched []int) {
 	n := min(len(matched), len(ix.eps))
 	matched = matched[:n]
 	for e := range matched {
@@ -274,7 +292,14 @@ func (ix *Index) lookup(h uint64) (mask, dig uint64) {
 // a prompt is the freshest and a prefix is forgotten tail-first, as vLLM frees
 // a finished request's blocks in reverse order (vllm/v1/core/block_pool.py).
 // An out-of-range e is ignored. Once e's LRU is full it allocates nothing.
+// Learns queued before it are applied first (Settle).
 func (ix *Index) Insert(e int, hashes []uint64) {
+	ix.Settle()
+	ix.insert(e, hashes)
+}
+
+// insert is Insert without settling the queue.
+func (ix *Index) insert(e int, hashes []uint64) {
 	if e < 0 || e >= len(ix.eps) || len(hashes) == 0 {
 		return
 	}
@@ -329,11 +354,13 @@ func (ix *Index) Insert(e int, hashes []uint64) {
 }
 
 // Clear forgets every block of endpoint e (for example after the engine
-// restarted or its cache was reset). An out-of-range e is ignored.
+// restarted or its cache was reset), queued learns included. An
+// out-of-range e is ignored.
 func (ix *Index) Clear(e int) {
 	if e < 0 || e >= len(ix.eps) {
 		return
 	}
+	ix.Settle()
 	ep := &ix.eps[e]
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
@@ -367,6 +394,7 @@ func (ix *Index) SetCapacity(e, capacity int) {
 		return
 	}
 	c := int32(min(max(capacity, 1), maxLRU))
+	ix.Settle()
 	ep := &ix.eps[e]
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
@@ -376,11 +404,13 @@ func (ix *Index) SetCapacity(e, capacity int) {
 	ep.lru.cap = c
 }
 
-// Len returns the number of blocks endpoint e is believed to hold.
+// Len returns the number of blocks endpoint e is believed to hold, once
+// the queued learns are applied (it settles them).
 func (ix *Index) Len(e int) int {
 	if e < 0 || e >= len(ix.eps) {
 		return 0
 	}
+	ix.Settle()
 	ep := &ix.eps[e]
 	ep.mu.Lock()
 	defer ep.mu.Unlock()

@@ -70,3 +70,36 @@ func BenchmarkSegmentCacheChat(b *testing.B) {
 		dst, _ = c.AppendTokens(dst[:0], segs, 0)
 	}
 }
+
+// TestSegmentCacheShort: segments shorter than MinCachedSegment are served
+// from the direct-mapped table with the ids the tokenizer gives, a distinct
+// segment in the same slot replaces the one there (and both stay right), and
+// a hit allocates nothing.
+func TestSegmentCacheShort(t *testing.T) {
+	tok, err := NewTokenizer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := NewSegmentCache(tok, 0)
+	segs := []string{"<|begin_of_text|>", "<|start_header_id|>assistant<|end_header_id|>\n\n", "short", "é and ü", ""}
+	for range 2 {
+		for _, s := range segs {
+			if got, want := c.segmentTokens(s), tok.Encode(s); !equalIDs(got, want) {
+				t.Fatalf("%q: %v, tokenizer %v", s, got, want)
+			}
+		}
+	}
+	// Many more distinct short segments than slots: every answer is still
+	// the tokenizer's.
+	for i := range 3 * shortSlots {
+		s := "turn " + strings.Repeat("x", i%7) + string(rune('a'+i%26)) + strings.Repeat("y", i/26%40)
+		if got, want := c.segmentTokens(s), tok.Encode(s); !equalIDs(got, want) {
+			t.Fatalf("%q: %v, tokenizer %v", s, got, want)
+		}
+	}
+	s := "<|begin_of_text|>"
+	c.segmentTokens(s)
+	if n := testing.AllocsPerRun(100, func() { c.segmentTokens(s) }); n != 0 {
+		t.Fatalf("a short segment's hit allocates %.0f times", n)
+	}
+}

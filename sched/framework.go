@@ -219,6 +219,17 @@ func (p *Profile) LearnPeer(i int, hashes []uint64) {
 	}
 }
 
+// Settle implements Settler: the approximate index applies the learns
+// its decisions queued (prefix.Index.Settle).
+func (p *Profile) Settle() {
+	if p.approx != nil {
+		p.approx.Settle()
+	}
+}
+
+// Unsettled implements Settler.
+func (p *Profile) Unsettled() bool { return p.approx != nil && p.approx.Queued() > 0 }
+
 // SetCapacity implements Resizer: the approximate index's bound for
 // endpoint i.
 func (p *Profile) SetCapacity(i, blocks int) {

@@ -335,6 +335,25 @@ func prefillRate(ep *Endpoint) float64 {
 	return DefaultPrefillTokensPerSecond
 }
 
+// Settle implements Settler for both profiles.
+func (pd *PD) Settle() {
+	for _, p := range [2]Policy{pd.decode, pd.prefill} {
+		if s, ok := p.(Settler); ok {
+			s.Settle()
+		}
+	}
+}
+
+// Unsettled implements Settler.
+func (pd *PD) Unsettled() bool {
+	for _, p := range [2]Policy{pd.decode, pd.prefill} {
+		if s, ok := p.(Settler); ok && s.Unsettled() {
+			return true
+		}
+	}
+	return false
+}
+
 // PickDecode is the decode profile's pick alone (a retry of D).
 func (pd *PD) PickDecode(req *Request, eps []Endpoint) Decision {
 	return pd.pickRole(pd.decode, RoleDecode, req, eps)

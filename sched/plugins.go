@@ -128,8 +128,10 @@ func (s *prefixScorer) Score(c *Cycle, cands []int, scores []float64) {
 	matchGain(c, c.MatchedBy(s.ix), cands, scores, s.minGain)
 }
 
-// Learn records the prompt's blocks as held by the chosen endpoint.
-func (s *prefixScorer) Learn(c *Cycle, chosen int) { s.ix.Insert(chosen, c.Req.Hashes) }
+// Learn records the prompt's blocks as held by the chosen endpoint: queued
+// for Profile.Settle, and counted by the index's Match at once
+// (prefix/learn.go).
+func (s *prefixScorer) Learn(c *Cycle, chosen int) { s.ix.Learn(chosen, c.Req.Hashes) }
 
 // preciseScorer: matched leading blocks / prompt blocks, from the index the
 // engines' KV events feed.

@@ -126,6 +126,18 @@ type Resizer interface {
 	SetCapacity(i, blocks int)
 }
 
+// Settler is implemented by policies that learn from their decisions off
+// the pick path (the approximate prefix index of the prefix scorer): Pick
+// queues what the decision taught, counted by the policy's next decisions
+// at once, and Settle applies it (prefix.Index.Learn). The gateway settles
+// on a goroutine of its own, the virtual fleet after every decision (so
+// that virtual time decides as if Pick applied it inline). Unsettled
+// reports whether anything is queued. Safe for concurrent use with Pick.
+type Settler interface {
+	Settle()
+	Unsettled() bool
+}
+
 // PeerLearner is implemented by policies whose scorers learn from
 // routing decisions (the approximate prefix index of the prefix scorer):
 // LearnPeer records that another gateway replica sent endpoint i a prompt

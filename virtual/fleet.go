@@ -640,6 +640,15 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	} else {
 		d = policy.Pick(&f.sreq, rp.snap)
 	}
+	// The decision's learning, queued by Pick (sched.Settler), applied
+	// before anything else happens: virtual time decides as if it were
+	// applied inline, deterministically, whatever the live gateway's
+	// settler does.
+	if f.pd != nil {
+		f.pd.Settle()
+	} else if s, ok := policy.(sched.Settler); ok {
+		s.Settle()
+	}
 	if d.Endpoint < 0 || d.Endpoint >= len(f.engines) {
 		r.Engine, r.Err = -1, ErrNoEndpoint
 		return

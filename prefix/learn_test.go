@@ -1,0 +1,199 @@
+package prefix
+
+import (
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"testing"
+)
+
+// TestLearnAgainstModel drives an index through Learns (queued), Inserts,
+// Clears and Settles at random points, against the brute-force model that
+// applies every learn at once: after a Settle every Match and Len equal the
+// model's; between Settles, on an index whose capacities never evict, Match
+// equals it too (the queue's overlay: a same-prefix request sees a learn
+// before it is applied), and with evictions it is never below it.
+func TestLearnAgainstModel(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		caps  []int
+		evict bool
+	}{
+		{"no-eviction", []int{100000, 100000, 100000, 100000, 100000}, false},
+		{"eviction", []int{1, 3, 8, 17, 40, 64}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for seed := range uint64(4) {
+				r := rand.New(rand.NewPCG(seed, 17))
+				ix, _ := NewIndex(tc.caps)
+				model := newLRUModel(tc.caps)
+				prompts := promptFamilies(r, 40, 80)
+				got := make([]int, len(tc.caps))
+				for step := range 2000 {
+					p := prompts[r.IntN(len(prompts))]
+					e := r.IntN(len(tc.caps))
+					switch k := r.IntN(100); {
+					case k == 0:
+						ix.Clear(e)
+						clear(model.held[e])
+					case k < 5:
+						ix.Insert(e, p)
+						model.insert(e, p)
+					case k < 15:
+						ix.Settle()
+						if ix.Queued() != 0 {
+							t.Fatalf("step %d: %d learns queued after Settle", step, ix.Queued())
+						}
+						checkModel(t, step, ix, model, prompts[r.IntN(len(prompts))])
+						continue
+					default:
+						ix.Learn(e, p)
+						model.insert(e, p)
+					}
+					q := prompts[r.IntN(len(prompts))]
+					ix.Match(q, got)
+					for e := range tc.caps {
+						want := model.match(q, e)
+						if !tc.evict && got[e] != want || got[e] < want {
+							t.Fatalf("step %d: endpoint %d matched %d (%d queued), model %d", step, e, got[e], ix.Queued(), want)
+						}
+					}
+				}
+				ix.Settle()
+				for _, q := range prompts {
+					checkModel(t, -1, ix, model, q)
+				}
+			}
+		})
+	}
+}
+
+// TestLearnQueueBounded: learns beyond the queue's bounds settle it on the
+// caller's goroutine, and a prompt longer than the queue is inserted at
+// once; nothing is lost either way.
+func TestLearnQueueBounded(t *testing.T) {
+	ix, _ := NewIndex([]int{1 << 20, 1 << 20})
+	prompts := promptFamilies(rand.New(rand.NewPCG(3, 4)), 3*maxQueuedLearns, 40)
+	for i, p := range prompts {
+		ix.Learn(i%2, p)
+		if q := ix.Queued(); q > maxQueuedLearns {
+			t.Fatalf("%d learns queued, bound %d", q, maxQueuedLearns)
+		}
+	}
+	long := Hashes(nil, seq(16*(maxQueuedBlocks+5), 7), 16, 0)
+	ix.Learn(1, long)
+	m := make([]int, 2)
+	ix.Match(long, m)
+	if m[1] != len(long) {
+		t.Fatalf("a prompt longer than the queue: matched %d of %d", m[1], len(long))
+	}
+	for i, p := range prompts {
+		ix.Match(p, m)
+		if m[i%2] != len(p) {
+			t.Fatalf("prompt %d: endpoint %d matched %d of %d", i, i%2, m[i%2], len(p))
+		}
+	}
+}
+
+// TestLearnNoAllocs: once the queue's arenas have grown, Learn, Match with
+// learns queued and Settle allocate nothing.
+func TestLearnNoAllocs(t *testing.T) {
+	caps := make([]int, 64)
+	for i := range caps {
+		caps[i] = 20000
+	}
+	ix, _ := NewIndex(caps)
+	prompts := promptFamilies(rand.New(rand.NewPCG(5, 6)), 64, 750)
+	for i := range 400 {
+		ix.Learn(i%64, prompts[i%len(prompts)])
+		if i%8 == 7 {
+			ix.Settle()
+		}
+	}
+	m := make([]int, 64)
+	i := 0
+	if n := testing.AllocsPerRun(200, func() {
+		i++
+		ix.Learn(i%64, prompts[i%len(prompts)])
+		ix.Match(prompts[(i+1)%len(prompts)], m)
+		if i%8 == 0 {
+			ix.Settle()
+		}
+	}); n != 0 {
+		t.Errorf("Learn, Match and Settle allocate %.1f times", n)
+	}
+}
+
+// TestLearnConcurrent runs Learn, Match, Settle, Insert and Clear from
+// several goroutines (run it with -race); once they stop and the queue is
+// settled, Match equals the linear definition over the index.
+func TestLearnConcurrent(t *testing.T) {
+	caps := []int{50, 200, 1000, 3000, 100, 700, 0, 64}
+	ix, _ := NewIndex(caps)
+	prompts := promptFamilies(rand.New(rand.NewPCG(8, 9)), 64, 300)
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := rand.New(rand.NewPCG(uint64(g), 2))
+			m := make([]int, len(caps))
+			for range 2000 {
+				p := prompts[r.IntN(len(prompts))]
+				switch r.IntN(20) {
+				case 0:
+					ix.Clear(r.IntN(len(caps)))
+				case 1:
+					ix.Insert(r.IntN(len(caps)), p)
+				case 2, 3:
+					ix.Settle()
+				case 4, 5, 6, 7, 8, 9:
+					ix.Learn(r.IntN(len(caps)), p)
+				default:
+					ix.Match(p, m)
+					for e, n := range m {
+						if n < 0 || n > len(p) {
+							t.Errorf("endpoint %d matched %d of %d", e, n, len(p))
+							return
+						}
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	ix.Settle()
+	m, lin := make([]int, len(caps)), make([]int, len(caps))
+	for _, p := range prompts {
+		ix.Match(p, m)
+		clear(lin)
+		matchLinear(p, lin, 1<<len(caps)-1, ix.owners)
+		if !slices.Equal(m, lin) {
+			t.Fatalf("after the writers stopped: match %v, linear %v", m, lin)
+		}
+	}
+}
+
+func TestCommonPrefix(t *testing.T) {
+	a := Hashes(nil, seq(16*40, 1), 16, 0)
+	b := slices.Clone(a)
+	for k := 0; k <= len(a); k++ {
+		c := slices.Clone(b[:k])
+		c = append(c, Hashes(nil, seq(16*(40-k), 999), 16, 0)...) // not a chain past k: only differing values matter here
+		if k < len(a) {
+			c[k] ^= 1
+		}
+		for j := k + 1; j < len(c); j++ {
+			c[j] ^= 1 // every block after a difference differs, as chained hashes do
+		}
+		if got := commonPrefix(a, c); got != k {
+			t.Fatalf("diverging at %d: commonPrefix %d", k, got)
+		}
+		if got := commonPrefix(a[:k], a); got != k {
+			t.Fatalf("a prefix of %d: commonPrefix %d", k, got)
+		}
+	}
+	if commonPrefix(nil, a) != 0 || commonPrefix(a, nil) != 0 {
+		t.Fatal("empty")
+	}
+}
