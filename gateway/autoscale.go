@@ -207,8 +207,10 @@ func (g *Gateway) decideAll(now time.Time) {
 // answers /health 503 while it loads, so a new engine is not ready until
 // its start-up ends (an endpoint ejected for failures counts so too).
 // Signals.TTFT is set by the caller (ttftWindow). Requests held for a pool
-// with no ready endpoint will join Queued when
-// the gateway holds them (scale from zero: issue 20).
+// with no ready endpoint (scale from zero, coldstart.go) wait in the same
+// admission queue, so Queued counts them: a pool at zero with held
+// requests wants at least one engine and is active for KEDA
+// (TestExternalScalerHeldRequests).
 func (p *pool) scaleSignals() autoscale.Signals {
 	sp := p.snapshot()
 	defer p.release(sp)
