@@ -63,11 +63,10 @@ type ElasticFleet struct {
 type slot struct {
 	index int
 	// srv is the engine (nil: stopped), draining whether it is being
-	// stopped, busy when it last had work; all under the fleet's mu.
+	// stopped; all under the fleet's mu.
 	srv      *Server
 	draining bool
 	drainEnd time.Time
-	busy     time.Time
 }
 
 // StartElasticFleet listens on ecfg.Max loopback ports and starts ecfg.Min
@@ -117,12 +116,9 @@ func (f *ElasticFleet) slotHandler(sl *slot) http.Handler {
 		api := r.URL.Path != "/health" && r.URL.Path != "/metrics"
 		f.mu.Lock()
 		s, draining := sl.srv, sl.draining
-		if s != nil && api {
-			sl.busy = time.Now()
-			if draining {
-				sl.draining = false // traffic: the stop is off
-				slog.Info("sim: elastic fleet: engine busy again; stop cancelled", "slot", sl.index)
-			}
+		if s != nil && api && draining {
+			sl.draining = false // traffic: the stop is off (the next reconcile drains it again once idle, if above desired)
+			slog.Info("sim: elastic fleet: engine busy again; stop cancelled", "slot", sl.index)
 		}
 		f.mu.Unlock()
 		switch {
@@ -229,7 +225,6 @@ func (f *ElasticFleet) Wake(_ context.Context, pool string) error {
 	for _, sl := range f.slots {
 		if sl.srv != nil && sl.draining {
 			sl.draining = false
-			sl.busy = time.Now()
 		}
 	}
 	f.reconcileLocked(time.Now())
@@ -253,7 +248,7 @@ func (f *ElasticFleet) reconcileLocked(now time.Time) {
 		}
 		switch {
 		case sl.srv != nil && sl.draining:
-			sl.draining, sl.busy = false, now
+			sl.draining = false
 			live++
 		case sl.srv == nil:
 			s, err := newServer(f.cfg, sl.index)
@@ -262,7 +257,7 @@ func (f *ElasticFleet) reconcileLocked(now time.Time) {
 				return
 			}
 			s.Start()
-			sl.srv, sl.busy = s, now
+			sl.srv = s
 			if f.ecfg.OnReady != nil {
 				i, url := sl.index, f.URLs[sl.index]
 				f.wg.Go(func() {
@@ -317,9 +312,6 @@ func (f *ElasticFleet) tick(now time.Time) {
 			continue
 		}
 		st := s.Stats()
-		if st.Running+st.Waiting > 0 {
-			sl.busy = now
-		}
 		if sl.draining && !now.Before(sl.drainEnd) && st.Running+st.Waiting == 0 {
 			stop = append(stop, s)
 			sl.srv, sl.draining = nil, false
