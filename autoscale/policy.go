@@ -121,9 +121,10 @@ type Config struct {
 	DownPercent int
 	// ColdStart is how long an engine takes from start to ready (image
 	// pull, weights load, warm-up). The policy itself needs only the
-	// starting count; virtual fleets model the start-up with it until the
-	// simulator's start-up model (a profile and weights tier → start-up
-	// phases) lands, and Scaler uses it to bound how long a start is
+	// starting count; virtual fleets model the start-up with it (plan
+	// --autoscale sets it from the profile's start-up model,
+	// sim.GPUProfile.StartupPhases, unless cold_start= fixes it), and
+	// Scaler uses it to bound how long a start is
 	// trusted (an engine starting for over 3 × ColdStart no longer holds
 	// back saturation scale-ups). 0: unknown.
 	ColdStart time.Duration

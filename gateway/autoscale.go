@@ -34,6 +34,29 @@ type AutoscaleConfig struct {
 	// KEDAListen is the address of KEDA's external scaler gRPC service
 	// (e.g. ":9100"; "" off), served by `infergate serve` and `epp`.
 	KEDAListen string `yaml:"keda_listen"`
+	// RateWindow is the window of the arrival-rate signal (default
+	// autoscale.DefaultRateWindow, 1 minute). A pool with min 0 is active
+	// (wants an engine) while a request arrived within it.
+	RateWindow time.Duration `yaml:"rate_window"`
+	// Target, when set, is an in-process fleet the decisions drive
+	// (embedding only: `infergate up --engines MIN..MAX`): after every
+	// decision it is told the pool's desired count, and it says how many
+	// of the pool's not-ready endpoints are starting (the others are
+	// stopped slots, not capacity on its way).
+	Target ScaleTarget `yaml:"-"`
+}
+
+// ScaleTarget is a fleet that a pool's autoscaling decisions drive in
+// process (AutoscaleConfig.Target). Its methods are called from the
+// decision loop, ScaleTo outside the gateway's locks; StartingEngines
+// must not call back into the gateway.
+type ScaleTarget interface {
+	// StartingEngines is the number of the pool's engines started and not
+	// yet ready (loading): Signals.Starting, in place of the count of
+	// not-ready endpoints, which includes slots whose engine is stopped.
+	StartingEngines(pool string) int
+	// ScaleTo is the pool's decision: run n engines.
+	ScaleTo(pool string, n int)
 }
 
 // Enabled reports whether some pool has a policy.
@@ -65,6 +88,12 @@ func (c AutoscaleConfig) validate() []error {
 	}
 	if c.Interval < 0 {
 		errs = append(errs, fmt.Errorf("autoscale.interval %v: must not be negative", c.Interval))
+	}
+	if c.RateWindow < 0 || c.RateWindow > time.Hour {
+		errs = append(errs, fmt.Errorf("autoscale.rate_window %v: want 0 (default) to 1h", c.RateWindow))
+	}
+	if c.Target != nil && !c.Enabled() {
+		errs = append(errs, fmt.Errorf("autoscale: a scale target needs autoscale.policy or autoscale.pools"))
 	}
 	if c.KEDAListen != "" {
 		if _, _, err := net.SplitHostPort(c.KEDAListen); err != nil {
@@ -161,6 +190,16 @@ func (g *Gateway) decideAll(now time.Time) {
 		return
 	}
 	ac := st.cfg.Autoscale
+	type order struct {
+		pool string
+		n    int
+	}
+	var orders []order
+	defer func() { // outside the lock: the target may call back
+		for _, o := range orders {
+			ac.Target.ScaleTo(o.pool, o.n)
+		}
+	}()
 	g.scale.mu.Lock()
 	defer g.scale.mu.Unlock()
 	t := now.Sub(g.scale.epoch)
@@ -180,16 +219,23 @@ func (g *Gateway) decideAll(now time.Time) {
 			if err != nil {
 				continue
 			}
-			ps = &poolScaler{spec: spec, s: s, rate: autoscale.NewRateWindow(0)}
+			ps = &poolScaler{spec: spec, s: s, rate: autoscale.NewRateWindow(ac.RateWindow)}
 			g.scale.byPool[model] = ps
 		}
 		sig := p.scaleSignals()
+		if ac.Target != nil {
+			// Not ready and not starting: a stopped slot, no capacity.
+			sig.Starting = min(sig.Starting, ac.Target.StartingEngines(model))
+		}
 		sig.ArrivalRate = ps.rate.Observe(t, p.gate.arrivals.Load())
 		sig.TTFT = ps.ttft.read(p)
 		d := ps.s.Decide(t, sig)
 		v := &PoolScale{Model: model, At: now, Decision: d, Signals: sig, Policy: ps.s.Config()}
 		v.Saturation = saturation(v.Policy, sig)
 		ps.last.Store(v)
+		if ac.Target != nil {
+			orders = append(orders, order{model, d.Desired})
+		}
 	}
 	for model := range g.scale.byPool {
 		if _, ok := st.pools[model]; !ok {
@@ -207,8 +253,10 @@ func (g *Gateway) decideAll(now time.Time) {
 // answers /health 503 while it loads, so a new engine is not ready until
 // its start-up ends (an endpoint ejected for failures counts so too).
 // Signals.TTFT is set by the caller (ttftWindow). Requests held for a pool
-// with no ready endpoint will join Queued when
-// the gateway holds them (scale from zero: issue 20).
+// with no ready endpoint (scale from zero, coldstart.go) wait in the same
+// admission queue, so Queued counts them: a pool at zero with held
+// requests wants at least one engine and is active for KEDA
+// (TestExternalScalerHeldRequests).
 func (p *pool) scaleSignals() autoscale.Signals {
 	sp := p.snapshot()
 	defer p.release(sp)

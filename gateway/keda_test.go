@@ -3,10 +3,13 @@ package gateway
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -282,5 +285,122 @@ func TestQuantileOfIncrease(t *testing.T) {
 		if got := quantileOfIncrease(0.9, bounds, tc.cur, prev, tc.total); (got - tc.want).Abs() > time.Microsecond {
 			t.Errorf("cur %v: %v, want %v", tc.cur, got, tc.want)
 		}
+	}
+}
+
+// TestExternalScalerHeldRequests: requests held for a pool at zero (scale
+// from zero: no endpoint ready) are in its admission queue, so they are
+// the queue signal: the pool's decision wants an engine per held request at
+// target 1 (not just the activation's one), KEDA's IsActive says true and
+// GetMetrics gives that count through a real gRPC client, and the HPA's
+// queue gauge counts them. Once the engine is ready and they are served,
+// the queue signal is empty again.
+func TestExternalScalerHeldRequests(t *testing.T) {
+	e := newColdEngine(t)
+	wk := &countingWaker{}
+	cfg := coldConfig(e, ScaleFromZeroConfig{HoldTTL: time.Minute, Wake: WakeConfig{Waker: wk}})
+	cfg.Autoscale = AutoscaleConfig{Policy: "min=0,max=4,target=1,down_window=0s", Interval: time.Hour}
+	g, url := startGateway(t, cfg)
+	sc := startExternalScaler(t, g)
+	md := map[string]string{"pool": "m"}
+	p := g.state.Load().pools["m"]
+
+	g.decideAll(time.Now())
+	if r, err := sc.IsActive(rpcCtx(t), ref(md)); err != nil || r.GetResult() {
+		t.Fatalf("IsActive at zero, idle: %v, %v", r, err)
+	}
+
+	const n = 3
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	c := testClient(t)
+	var chans []<-chan result
+	for range n {
+		chans = append(chans, sendAsync(ctx, c, url+pathChat, chatBody))
+	}
+	waitFor(t, "every request held", func() bool { return p.gate.heldNow.Load() == n })
+	// No rate rule (rate= unset) and activation asks for one: n engines
+	// at target 1 is the load rule reading the held requests as queued.
+	g.decideAll(time.Now())
+	v, ok := g.PoolScale("m")
+	if !ok || v.Signals.Queued != n || v.Signals.Ready != 0 || v.Desired != n {
+		t.Fatalf("decision with %d held at zero: %+v", n, v)
+	}
+	if r, err := sc.IsActive(rpcCtx(t), ref(md)); err != nil || !r.GetResult() {
+		t.Fatalf("IsActive with held requests: %v, %v", r, err)
+	}
+	r, err := sc.GetMetrics(rpcCtx(t), &externalscaler.GetMetricsRequest{ScaledObjectRef: ref(md), MetricName: "s0-desired-replicas-m"})
+	if err != nil || len(r.GetMetricValues()) != 1 || r.GetMetricValues()[0].GetMetricValueFloat() != n {
+		t.Fatalf("GetMetrics with %d held: %v, %v", n, r, err)
+	}
+	if got := scrape(t, c, url).value("infergate_autoscale_queue_length", `model="m"`); got != n {
+		t.Errorf("infergate_autoscale_queue_length = %v, want %d", got, n)
+	}
+
+	e.ready.Store(true)
+	for _, ch := range chans {
+		if r := await(t, ch); r.status != http.StatusOK {
+			t.Errorf("held request: %d %s", r.status, r.body)
+		}
+	}
+	g.decideAll(time.Now().Add(4 * time.Minute))
+	if v, ok := g.PoolScale("m"); !ok || v.Signals.Queued != 0 || v.Signals.Ready != 1 {
+		t.Fatalf("after the held requests were served: %+v", v)
+	}
+}
+
+// fakeTarget is a ScaleTarget that records its orders.
+type fakeTarget struct {
+	starting atomic.Int64
+	mu       sync.Mutex
+	orders   []string
+}
+
+func (f *fakeTarget) StartingEngines(string) int { return int(f.starting.Load()) }
+func (f *fakeTarget) ScaleTo(pool string, n int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.orders = append(f.orders, fmt.Sprintf("%s=%d", pool, n))
+}
+
+// TestAutoscaleTarget: with an in-process ScaleTarget (up's elastic fleet)
+// every decision is sent to it, and only the engines it says are starting
+// count as starting; the pool's other not-ready endpoints are stopped
+// slots, not capacity on its way.
+func TestAutoscaleTarget(t *testing.T) {
+	e := newColdEngine(t)
+	wk := &countingWaker{}
+	ft := &fakeTarget{}
+	cfg := coldConfig(e, ScaleFromZeroConfig{HoldTTL: time.Minute, Wake: WakeConfig{Waker: wk}})
+	cfg.Autoscale = AutoscaleConfig{Policy: "min=0,max=4,target=1,down_window=0s", Interval: time.Hour, RateWindow: time.Second, Target: ft}
+	g, url := startGateway(t, cfg)
+	p := g.state.Load().pools["m"]
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	ch := sendAsync(ctx, testClient(t), url+pathChat, chatBody)
+	waitFor(t, "the request held", func() bool { return p.gate.heldNow.Load() == 1 })
+
+	g.decideAll(time.Now())
+	if v, _ := g.PoolScale("m"); v.Signals.Starting != 0 || v.Signals.Queued != 1 || v.Desired != 1 {
+		t.Fatalf("stopped slot counted as starting: %+v", v)
+	}
+	ft.starting.Store(1)
+	g.decideAll(time.Now())
+	if v, _ := g.PoolScale("m"); v.Signals.Starting != 1 {
+		t.Fatalf("the target's starting engine not counted: %+v", v.Signals)
+	}
+	e.ready.Store(true)
+	if r := await(t, ch); r.status != http.StatusOK {
+		t.Fatalf("held request: %d %s", r.status, r.body)
+	}
+	ft.starting.Store(0)
+	g.decideAll(time.Now().Add(time.Minute)) // past the 1 s rate window: idle
+	ft.mu.Lock()
+	got := strings.Join(ft.orders, " ")
+	ft.mu.Unlock()
+	// The startup decision (nothing held: 0), two with the request held,
+	// one idle.
+	if got != "m=0 m=1 m=1 m=0" {
+		t.Fatalf("orders %q, want %q", got, "m=0 m=1 m=1 m=0")
 	}
 }

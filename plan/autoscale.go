@@ -1,6 +1,7 @@
 package plan
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"strconv"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/infergate/infergate/autoscale"
 	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/virtual"
 )
 
@@ -29,25 +31,77 @@ type Autoscale struct {
 	virtual.Autoscale
 	// Spec is the policy as given (--autoscale), for the report.
 	Spec string
+	// Startup is where a starting engine reads its weights and whether its
+	// image is on the node (spec keys startup= and image_cached=; default
+	// DefaultStartup, as `up --engines MIN..MAX`): the input of the
+	// profile's start-up model (sim.GPUProfile.StartupPhases), which gives
+	// the cold start unless cold_start= overrides it.
+	Startup sim.StartupInput
+	// Phases is the modelled cold start per phase (set by Run from the
+	// engine profile; nil: cold_start= was given, or the profile has no
+	// start-up model and DefaultColdStart stands in).
+	Phases *sim.StartupPhases
+	// fixedColdStart: cold_start= was given.
+	fixedColdStart bool
+}
+
+// DefaultStartup is the start-up model's input when the spec names none:
+// weights from the host's page cache, the image on the node (a warm node;
+// `up`'s --startup-source and --image-cached defaults).
+var DefaultStartup = sim.StartupInput{Source: sim.SourcePageCache, ImageCached: true}
+
+// resolveColdStart sets the cold start from the profile's start-up model
+// (prof, defaults applied) unless cold_start= fixed it: Policy.ColdStart
+// (what the Scaler and the virtual fleet use) and Phases. A profile
+// without a start-up model keeps DefaultColdStart.
+func (a *Autoscale) resolveColdStart(prof sim.GPUProfile) error {
+	if a.fixedColdStart {
+		return nil
+	}
+	a.ColdStart, a.StartUp = 0, nil
+	ph, err := prof.StartupPhases(a.Startup)
+	if errors.Is(err, sim.ErrNoStartupModel) {
+		a.Policy.ColdStart, a.Phases = DefaultColdStart, nil
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("autoscale: startup=%s: %w", a.Startup.Source, err)
+	}
+	a.Policy.ColdStart, a.Phases = ph.Total(), &ph
+	return nil
 }
 
 // ParseAutoscale reads plan's --autoscale value: autoscale.ParseConfig's
 // keys (min, max, target, rate, kv, queue, ttft, windows, rate limits,
 // cold_start) and plan's own: interval (the decisions' period), hold_ttl
 // (how long a request waits for an engine when none is ready; 0 or absent:
-// until one is) and initial (engines ready at 0; default min, "0" from
-// zero). cold_start is the start-up time until the simulator's start-up
-// model replaces it (virtual.Autoscale.StartUp is the seam); default 90s.
+// until one is), initial (engines ready at 0; default min, "0" from
+// zero), startup (the weights' source: remote, nvme, page_cache or peer;
+// default page_cache) and image_cached (true or false; default true). The
+// cold start is the engine profile's modelled start-up from that source
+// (sim/startup.go; Run resolves it); cold_start= fixes it instead.
 func ParseAutoscale(spec string) (*Autoscale, error) {
 	c, rest, err := autoscale.ParseConfig(spec)
 	if err != nil {
 		return nil, err
 	}
-	a := &Autoscale{Spec: spec}
+	a := &Autoscale{Spec: spec, Startup: DefaultStartup, fixedColdStart: c.ColdStart > 0}
 	a.Policy = c
 	for _, item := range rest {
 		k, v, _ := strings.Cut(item, "=")
 		switch k {
+		case "startup":
+			src, err := sim.ParseWeightSource(v)
+			if err != nil {
+				return nil, fmt.Errorf("autoscale: startup=%s: %w", v, err)
+			}
+			a.Startup.Source = src
+		case "image_cached":
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				return nil, fmt.Errorf("autoscale: image_cached=%s: want true or false", v)
+			}
+			a.Startup.ImageCached = b
 		case "interval", "hold_ttl":
 			d, err := time.ParseDuration(v)
 			if err != nil || d < 0 {
@@ -68,18 +122,22 @@ func ParseAutoscale(spec string) (*Autoscale, error) {
 				a.Initial = -1 // from zero, whatever min is
 			}
 		default:
-			return nil, fmt.Errorf("autoscale: unknown key %q (want min, max, target, rate, kv, queue, ttft, up_window, down_window, up_period, down_period, up_percent, up_engines, down_percent, cold_start, interval, hold_ttl, initial)", k)
+			return nil, fmt.Errorf("autoscale: unknown key %q (want min, max, target, rate, kv, queue, ttft, up_window, down_window, up_period, down_period, up_percent, up_engines, down_percent, cold_start, interval, hold_ttl, initial, startup, image_cached)", k)
 		}
 	}
+	if a.fixedColdStart && (strings.Contains(","+spec, ",startup=") || strings.Contains(","+spec, ",image_cached=")) {
+		return nil, errors.New("autoscale: cold_start= fixes the start-up time; startup= and image_cached= choose the modelled one: give one")
+	}
 	if a.Policy.ColdStart == 0 {
-		a.Policy.ColdStart = DefaultColdStart
+		a.Policy.ColdStart = DefaultColdStart // until Run resolves the profile's model
 	}
 	return a, nil
 }
 
-// DefaultColdStart is the start-up time of an autoscaled engine when the
-// spec gives none: 90 s, between a warm node (weights in the page cache,
-// the image present) and SageMaker's 258 s with container caching for
+// DefaultColdStart is the start-up time of an autoscaled engine whose
+// profile has no start-up model (YAML startup) and whose spec gives no
+// cold_start: 90 s, between a warm node (weights in the page cache, the
+// image present) and SageMaker's 258 s with container caching for
 // Qwen3-8B (issue 20).
 const DefaultColdStart = 90 * time.Second
 
@@ -91,6 +149,29 @@ type ScaleRow struct {
 	Max int `json:"max"`
 	// ColdStartS is the modelled start-up time (s).
 	ColdStartS float64 `json:"cold_start_s"`
+	// Startup is the weights' source of the start-up model and
+	// ImageCached its image input, with the phases (s) it gave: image
+	// pull, weights read, warm-up. Empty when cold_start= fixed it.
+	Startup     string  `json:"startup,omitempty"`
+	ImageCached bool    `json:"image_cached,omitempty"`
+	ImagePullS  float64 `json:"image_pull_s,omitempty"`
+	WeightsS    float64 `json:"weights_load_s,omitempty"`
+	WarmUpS     float64 `json:"warm_up_s,omitempty"`
+}
+
+// coldStartLabel is the report's description of a cold start: the
+// phases of the modelled one, or "fixed".
+func (s *ScaleRow) coldStartLabel() string {
+	cs := time.Duration(s.ColdStartS * float64(time.Second)).Round(100 * time.Millisecond)
+	if s.Startup == "" {
+		return fmt.Sprintf("cold start %s, fixed", cs)
+	}
+	img := "image pulled"
+	if s.ImageCached {
+		img = "image cached"
+	}
+	return fmt.Sprintf("cold start %s modelled: weights from %s, %s: image pull %.1fs + weights %.1fs + warm-up %.1fs",
+		cs, s.Startup, img, s.ImagePullS, s.WeightsS, s.WarmUpS)
 }
 
 // Comparison sets an autoscaled run against the best static fleet of the
@@ -188,8 +269,8 @@ func (res *Result) writeAutoscale(w io.Writer) error {
 		if !a.MeetsSLO {
 			verdict = "misses the SLO"
 		}
-		if _, err := fmt.Fprintf(w, "\nautoscaled %s (%s; cold start %s): %s; GPU-hours %.2f (engines %d..%d, peak %d, %d started, %d stopped, utilisation %s)\n",
-			a.Policy, res.AutoscaleSpec, time.Duration(s.ColdStartS*float64(time.Second)), verdict, c.GPUHours,
+		if _, err := fmt.Fprintf(w, "\nautoscaled %s (%s; %s): %s; GPU-hours %.2f (engines %d..%d, peak %d, %d started, %d stopped, utilisation %s)\n",
+			a.Policy, res.AutoscaleSpec, s.coldStartLabel(), verdict, c.GPUHours,
 			s.Min, s.Max, s.PeakEngines, s.Started, s.Stopped, fmtUtil(a.Summary.MeanEngineUtilization)); err != nil {
 			return err
 		}

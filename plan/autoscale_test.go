@@ -11,6 +11,7 @@ import (
 
 	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/sched"
+	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
 )
 
@@ -42,18 +43,25 @@ func TestParseAutoscale(t *testing.T) {
 		t.Fatal(err)
 	}
 	if a.Policy.Max != 6 || a.Policy.TargetInFlight != 8 || a.Interval != 5*time.Second || a.HoldTTL != time.Minute ||
-		a.Initial != 2 || a.Policy.ColdStart != DefaultColdStart {
+		a.Initial != 2 || a.Startup != DefaultStartup || a.fixedColdStart {
 		t.Fatalf("%+v", a)
+	}
+	if a, err := ParseAutoscale("max=2,startup=remote,image_cached=false"); err != nil ||
+		a.Startup != (sim.StartupInput{Source: sim.SourceRemote}) {
+		t.Fatalf("startup=remote,image_cached=false: %+v, %v", a, err)
 	}
 	if a, _ := ParseAutoscale("min=1,max=2,initial=0,cold_start=10s"); a.Initial != -1 || a.ColdStartOrPolicy() != 10*time.Second {
 		t.Fatalf("initial=0: %+v", a)
 	}
 	for spec, want := range map[string]string{
-		"max=4,interval=x":   "interval=x",
-		"max=4,initial=9":    "initial=9",
-		"max=4,bogus=1":      "unknown key",
-		"min=1":              "max is required",
-		"max=4,hold_ttl=-1s": "hold_ttl",
+		"max=4,interval=x":                 "interval=x",
+		"max=4,initial=9":                  "initial=9",
+		"max=4,bogus=1":                    "unknown key",
+		"min=1":                            "max is required",
+		"max=4,hold_ttl=-1s":               "hold_ttl",
+		"max=4,startup=s3":                 "startup=s3",
+		"max=4,image_cached=maybe":         "image_cached=maybe",
+		"max=4,cold_start=9s,startup=nvme": "give one",
 	} {
 		if _, err := ParseAutoscale(spec); err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("%q: %v, want %q", spec, err, want)
@@ -155,5 +163,68 @@ func TestAutoscaleAgainstStatic(t *testing.T) {
 	}
 	if !reflect.DeepEqual(again.Autoscale, res.Autoscale) || !reflect.DeepEqual(again.Rows[c.Row].Scale, auto.Scale) {
 		t.Fatal("autoscaled run differs between two sweeps")
+	}
+}
+
+// TestAutoscaleModelledColdStart: without cold_start= the autoscaled
+// fleet's start-up is the engine profile's start-up model for the spec's
+// source (a cold node: remote, image pulled; a warm one: page cache, image
+// cached), each started engine is ready that long after its start, and
+// the report names the source and phases; cold_start= overrides it.
+func TestAutoscaleModelledColdStart(t *testing.T) {
+	run := func(spec string) (Result, *Autoscale) {
+		t.Helper()
+		a, err := ParseAutoscale(spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		opts := Options{Records: waveTrace(), Engines: []int{2}, Policies: []string{sched.LeastRequest},
+			SLO: mustSLO(t, "ttft_p90=5s"), Workers: 2, NoReferences: true, Autoscale: a}
+		res, err := Run(context.Background(), opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a.Phases != nil {
+			t.Fatal("Run wrote the caller's Autoscale")
+		}
+		return res, a
+	}
+	prof := (&Options{}).Engine.WithDefaults().Profile
+	for _, tc := range []struct {
+		spec string
+		in   sim.StartupInput
+		text string
+	}{
+		{"min=1,max=4,target=2,down_window=1m,interval=5s,startup=remote,image_cached=false",
+			sim.StartupInput{Source: sim.SourceRemote}, "weights from remote, image pulled"},
+		{"min=1,max=4,target=2,down_window=1m,interval=5s", DefaultStartup, "weights from page_cache, image cached"},
+	} {
+		res, _ := run(tc.spec)
+		want, err := prof.StartupPhases(tc.in)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := res.Rows[res.Autoscale[0].Row].Scale
+		if s.ColdStartS != want.Total().Seconds() || s.Startup != string(tc.in.Source) || s.ImageCached != tc.in.ImageCached ||
+			s.ImagePullS != want.ImagePull.Seconds() || s.WeightsS != want.WeightsLoad.Seconds() || s.WarmUpS != want.WarmUp.Seconds() {
+			t.Errorf("%s: scale row %+v, want phases %+v", tc.spec, s, want)
+		}
+		for _, st := range s.Starts {
+			if st.Ready != st.At+want.Total() && !st.Cancelled {
+				t.Errorf("%s: engine %d started at %v, ready at %v: want +%v", tc.spec, st.Engine, st.At, st.Ready, want.Total())
+			}
+		}
+		var buf bytes.Buffer
+		if err := res.WriteTable(&buf); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(buf.String(), tc.text) || !strings.Contains(buf.String(), "modelled") {
+			t.Errorf("%s: the table does not say %q:\n%s", tc.spec, tc.text, buf.String())
+		}
+	}
+	// cold_start= overrides the model and says so.
+	res, _ := run("min=1,max=4,target=2,down_window=1m,interval=5s,cold_start=20s")
+	if s := res.Rows[res.Autoscale[0].Row].Scale; s.ColdStartS != 20 || s.Startup != "" {
+		t.Errorf("cold_start=20s: %+v", s)
 	}
 }

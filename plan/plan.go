@@ -314,6 +314,13 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 	// that cannot take that many endpoints fails now, not mid-sweep.
 	largest := slices.Max(opts.Engines)
 	if opts.Autoscale != nil {
+		// The cold start from the engine profile's start-up model, on a
+		// copy (the caller's Autoscale is not written).
+		a := *opts.Autoscale
+		if err := a.resolveColdStart(opts.Engine.WithDefaults().Profile); err != nil {
+			return Result{}, fmt.Errorf("plan: %w", err)
+		}
+		opts.Autoscale = &a
 		if err := opts.Autoscale.Policy.Validate(); err != nil {
 			return Result{}, fmt.Errorf("plan: %w", err)
 		}
@@ -485,6 +492,10 @@ func runOne(ctx context.Context, opts Options, recs []trace.Record, c combo, ref
 	if run.Scale != nil {
 		a := opts.Autoscale
 		row.Scale = &ScaleRow{ScaleStats: *run.Scale, Min: a.Policy.Min, Max: a.Policy.Max, ColdStartS: a.ColdStartOrPolicy().Seconds()}
+		if ph := a.Phases; ph != nil {
+			row.Scale.Startup, row.Scale.ImageCached = string(ph.Source), a.Startup.ImageCached
+			row.Scale.ImagePullS, row.Scale.WeightsS, row.Scale.WarmUpS = ph.ImagePull.Seconds(), ph.WeightsLoad.Seconds(), ph.WarmUp.Seconds()
+		}
 		row.GPUHours = gpuHours(run.Scale.EngineSeconds, tp)
 	}
 	if gpus := engines * tp; gpus > 0 {

@@ -17,20 +17,13 @@ import (
 type ElasticConfig struct {
 	// Min and Max bound the engines running (0 ≤ Min ≤ Max, Max ≥ 1).
 	Min, Max int
-	// IdleTimeout: a running engine with no request for this long is
-	// stopped while more than Min run (0: never).
-	IdleTimeout time.Duration
 	// Drain is how long a stopping engine reports unready (/health 503)
 	// while still serving, before it stops — a request that arrives
 	// meanwhile cancels the stop. Give it at least two of the gateway's
 	// health-check intervals, so the gateway has taken the engine out of
 	// rotation when it stops (Kubernetes' readiness-then-preStop pattern).
 	Drain time.Duration
-	// ScaleUpOnQueue starts one more engine (up to Max) when every ready
-	// engine has requests waiting and none is starting: a minimal rule,
-	// for the demo; an autoscaler sets the count with SetDesired instead.
-	ScaleUpOnQueue bool
-	// Tick is the period of the idle and queue checks (default 100ms).
+	// Tick is the period of the drain checks (default 100ms).
 	Tick time.Duration
 	// OnReady, when set, is called (on its own goroutine) as each engine
 	// finishes its start-up: a gateway's Probe, so held requests are
@@ -43,9 +36,11 @@ type ElasticConfig struct {
 // whose engine does not run answers /health and every API request 503 (a
 // replica scaled to zero, its address kept by the gateway); starting it
 // runs the engine's modelled cold start (ServerConfig.Startup) before it
-// serves. Who decides the count is outside: SetDesired (an autoscaler),
-// Wake (the gateway's scale-from-zero hook: at least one), and the fleet's
-// own minimal rules (IdleTimeout down to Min, ScaleUpOnQueue).
+// serves. Who decides the count is outside: SetDesired or ScaleTo (an
+// autoscaler: in `up`, the gateway's per-pool autoscale.Scaler decisions,
+// gateway.ScaleTarget) and Wake (the gateway's scale-from-zero hook: at
+// least one, at once, before the next decision). The fleet has no scaling
+// rule of its own.
 type ElasticFleet struct {
 	// URLs are the slots' base URLs, in order.
 	URLs []string
@@ -56,6 +51,7 @@ type ElasticFleet struct {
 	mu      sync.Mutex
 	slots   []*slot
 	desired int
+	wants   map[string]int // ScaleTo's count per pool; desired is their most
 	closed  bool
 
 	https []*http.Server
@@ -67,11 +63,10 @@ type ElasticFleet struct {
 type slot struct {
 	index int
 	// srv is the engine (nil: stopped), draining whether it is being
-	// stopped, busy when it last had work; all under the fleet's mu.
+	// stopped; all under the fleet's mu.
 	srv      *Server
 	draining bool
 	drainEnd time.Time
-	busy     time.Time
 }
 
 // StartElasticFleet listens on ecfg.Max loopback ports and starts ecfg.Min
@@ -92,7 +87,7 @@ func StartElasticFleet(cfg ServerConfig, ecfg ElasticConfig) (*ElasticFleet, err
 		return nil, err
 	}
 	probe.Close()
-	f := &ElasticFleet{cfg: cfg, ecfg: ecfg, quit: make(chan struct{})}
+	f := &ElasticFleet{cfg: cfg, ecfg: ecfg, quit: make(chan struct{}), wants: map[string]int{}}
 	for i := range ecfg.Max {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
@@ -121,12 +116,9 @@ func (f *ElasticFleet) slotHandler(sl *slot) http.Handler {
 		api := r.URL.Path != "/health" && r.URL.Path != "/metrics"
 		f.mu.Lock()
 		s, draining := sl.srv, sl.draining
-		if s != nil && api {
-			sl.busy = time.Now()
-			if draining {
-				sl.draining = false // traffic: the stop is off
-				slog.Info("sim: elastic fleet: engine busy again; stop cancelled", "slot", sl.index)
-			}
+		if s != nil && api && draining {
+			sl.draining = false // traffic: the stop is off (the next reconcile drains it again once idle, if above desired)
+			slog.Info("sim: elastic fleet: engine busy again; stop cancelled", "slot", sl.index)
 		}
 		f.mu.Unlock()
 		switch {
@@ -187,6 +179,35 @@ func (f *ElasticFleet) SetDesired(n int) {
 	f.reconcileLocked(time.Now())
 }
 
+// ScaleTo is a pool's scaling decision (gateway.ScaleTarget): the fleet
+// serves every pool (a model and its LoRA adapters) from the same engines,
+// so it runs the most engines any pool wants, clamped to [Min, Max].
+func (f *ElasticFleet) ScaleTo(pool string, n int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.wants[pool] = n
+	most := 0
+	for _, k := range f.wants {
+		most = max(most, k)
+	}
+	f.desired = min(max(most, f.ecfg.Min), f.ecfg.Max)
+	f.reconcileLocked(time.Now())
+}
+
+// StartingEngines is the number of engines started and still in their
+// modelled start-up (gateway.ScaleTarget); every pool shares them.
+func (f *ElasticFleet) StartingEngines(string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n := 0
+	for _, sl := range f.slots {
+		if sl.srv != nil && sl.srv.State() == StateLoading {
+			n++
+		}
+	}
+	return n
+}
+
 // Wake asks for at least one engine: the gateway's scale-from-zero hook
 // (it implements gateway.Waker). pool is the model; the fleet serves one.
 func (f *ElasticFleet) Wake(_ context.Context, pool string) error {
@@ -198,12 +219,12 @@ func (f *ElasticFleet) Wake(_ context.Context, pool string) error {
 	if f.desired < 1 {
 		slog.Info("sim: elastic fleet: woken from zero", "pool", pool)
 		f.desired = 1
+		f.wants[pool] = max(f.wants[pool], 1) // until the pool's next decision
 	}
 	// A draining engine is the fastest way back.
 	for _, sl := range f.slots {
 		if sl.srv != nil && sl.draining {
 			sl.draining = false
-			sl.busy = time.Now()
 		}
 	}
 	f.reconcileLocked(time.Now())
@@ -227,7 +248,7 @@ func (f *ElasticFleet) reconcileLocked(now time.Time) {
 		}
 		switch {
 		case sl.srv != nil && sl.draining:
-			sl.draining, sl.busy = false, now
+			sl.draining = false
 			live++
 		case sl.srv == nil:
 			s, err := newServer(f.cfg, sl.index)
@@ -236,7 +257,7 @@ func (f *ElasticFleet) reconcileLocked(now time.Time) {
 				return
 			}
 			s.Start()
-			sl.srv, sl.busy = s, now
+			sl.srv = s
 			if f.ecfg.OnReady != nil {
 				i, url := sl.index, f.URLs[sl.index]
 				f.wg.Go(func() {
@@ -267,8 +288,8 @@ func (f *ElasticFleet) reconcileLocked(now time.Time) {
 	}
 }
 
-// watch applies the idle timeout, the queue rule and the end of drains
-// every Tick until Close.
+// watch ends drains and drains busy engines above the desired count once
+// they are idle, every Tick until Close.
 func (f *ElasticFleet) watch() {
 	t := time.NewTicker(f.ecfg.Tick)
 	defer t.Stop()
@@ -285,45 +306,17 @@ func (f *ElasticFleet) watch() {
 func (f *ElasticFleet) tick(now time.Time) {
 	var stop []*Server
 	f.mu.Lock()
-	ready, queued, starting := 0, 0, 0
 	for _, sl := range f.slots {
 		s := sl.srv
-		if s == nil {
-			continue
-		}
-		if s.State() == StateLoading {
-			starting++
+		if s == nil || s.State() == StateLoading {
 			continue
 		}
 		st := s.Stats()
-		if st.Running+st.Waiting > 0 {
-			sl.busy = now
+		if sl.draining && !now.Before(sl.drainEnd) && st.Running+st.Waiting == 0 {
+			stop = append(stop, s)
+			sl.srv, sl.draining = nil, false
+			slog.Info("sim: elastic fleet: engine stopped", "slot", sl.index)
 		}
-		if sl.draining {
-			if !now.Before(sl.drainEnd) && st.Running+st.Waiting == 0 {
-				stop = append(stop, s)
-				sl.srv, sl.draining = nil, false
-				slog.Info("sim: elastic fleet: engine stopped", "slot", sl.index)
-			}
-			continue
-		}
-		ready++
-		if st.Waiting > 0 {
-			queued++
-		}
-	}
-	if idle := f.ecfg.IdleTimeout; idle > 0 && f.desired > f.ecfg.Min {
-		for _, sl := range f.slots {
-			if sl.srv != nil && !sl.draining && sl.srv.State() == StateReady && now.Sub(sl.busy) >= idle {
-				f.desired = max(f.ecfg.Min, f.desired-1)
-				slog.Info("sim: elastic fleet: engine idle; scaling down", "slot", sl.index, "idle", idle, "desired", f.desired)
-				break // one per tick
-			}
-		}
-	}
-	if f.ecfg.ScaleUpOnQueue && ready > 0 && queued == ready && starting == 0 && f.desired < f.ecfg.Max {
-		f.desired++
-		slog.Info("sim: elastic fleet: every engine has a queue; scaling up", "desired", f.desired)
 	}
 	f.reconcileLocked(now)
 	f.mu.Unlock()

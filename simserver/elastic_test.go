@@ -24,9 +24,9 @@ func slotHealth(t *testing.T, url string) int {
 }
 
 // TestElasticFleet: a fleet of 0..2 starts with no engine (its slots
-// answer 503), Wake starts one through its modelled cold start, an idle
-// engine drains and stops, SetDesired starts several, and Close leaves no
-// goroutine.
+// answer 503), Wake starts one through its modelled cold start, SetDesired
+// starts several and drains idle ones, ScaleTo takes the most of the pools'
+// decisions, and Close leaves no goroutine.
 func TestElasticFleet(t *testing.T) {
 	before := runtime.NumGoroutine()
 	func() {
@@ -91,25 +91,29 @@ func TestElasticFleet(t *testing.T) {
 			}
 		}
 
-		// The idle timeout scales a woken fleet back to zero by itself.
-		g, err := StartElasticFleet(cfg, ElasticConfig{Max: 1, IdleTimeout: 50 * time.Millisecond, Drain: 20 * time.Millisecond, Tick: 10 * time.Millisecond})
+		// ScaleTo: per-pool decisions; the fleet runs the most any pool
+		// wants, and a woken pool counts one until its next decision.
+		// StartingEngines counts the engines in their start-up.
+		g, err := StartElasticFleet(ServerConfig{TimeScale: 1, Startup: cfg.Startup},
+			ElasticConfig{Max: 3, Drain: 20 * time.Millisecond, Tick: 10 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer g.Close()
-		_ = g.Wake(context.Background(), testModel)
-		woken := g.Servers()[0] // set by Wake itself
-		if woken == nil {
-			t.Fatal("Wake started no engine")
+		_ = g.Wake(context.Background(), "a")
+		g.ScaleTo("b", 0)
+		if g.Desired() != 1 || g.StartingEngines("a") != 1 {
+			t.Fatalf("after Wake(a), ScaleTo(b, 0): desired %d, starting %d; want 1, 1", g.Desired(), g.StartingEngines("a"))
 		}
-		select {
-		case <-woken.Ready():
-		case <-time.After(10 * time.Second):
-			t.Fatal("the woken engine did not finish its start-up")
+		g.ScaleTo("b", 3)
+		g.ScaleTo("a", 0)
+		if g.Desired() != 3 || g.StartingEngines("b") != 3 {
+			t.Fatalf("ScaleTo(b, 3): desired %d, starting %d; want 3, 3 (a 63.5 s start at 1x: still loading)", g.Desired(), g.StartingEngines("b"))
 		}
-		waitFor(t, "the idle engine stopped", func() bool { started, _ := g.Running(); return started == 0 })
+		g.ScaleTo("b", 9) // clamped to max
+		g.ScaleTo("b", 0)
 		if g.Desired() != 0 {
-			t.Errorf("desired %d after the idle timeout", g.Desired())
+			t.Errorf("desired %d after every pool asked for 0", g.Desired())
 		}
 		if _, err := StartElasticFleet(cfg, ElasticConfig{Min: 3, Max: 2}); err == nil {
 			t.Error("min > max: want an error")

@@ -27,9 +27,10 @@ type Autoscale struct {
 	Interval time.Duration
 	// ColdStart is an engine's start-up time, from the decision that starts
 	// it to ready (default: Policy.ColdStart). StartUp, when set, is
-	// asked instead, per start: it is the seam for the simulator's start-up
-	// model (a profile and the weights' source tier → image pull, weights
-	// read, warm-up), which takes its place when it lands.
+	// asked instead, per start (a start-up that varies by engine or time).
+	// plan --autoscale sets Policy.ColdStart from the simulator's start-up
+	// model (sim.GPUProfile.StartupPhases: a profile and the weights'
+	// source tier → image pull, weights read, warm-up).
 	ColdStart time.Duration
 	StartUp   func(engine int, at time.Duration) time.Duration
 	// HoldTTL bounds how long a request that arrives while no engine is

@@ -85,14 +85,19 @@ and runs MIN engines. A request to a pool with no ready engine is held
 starts one engine, which answers /health 503 for its modelled cold start
 (sim/startup.go: image pull unless --image-cached, weights read from
 --startup-source, warm-up; scaled by --time-scale), and the held requests
-are dispatched the moment it is ready. Engines idle for --idle-timeout
-drain and stop, down to MIN; while every ready engine has a queue, one
-more starts, up to MAX.`,
+are dispatched the moment it is ready. From then on the gateway's
+autoscaling policy for the pool (package autoscale, the one plan
+--autoscale runs in virtual time; --autoscale target=16,... with min and
+max from --engines) decides how many engines run, every second: held and
+queued requests and requests in flight over the target start more, up to
+MAX, and the pool scales down to the most it wanted over the down window
+(--idle-timeout), to MIN, idle engines draining and stopping.`,
 		Example: `  infergate up
   infergate up --engines 8 --policy round-robin --listen 127.0.0.1:9000
   infergate up --kv-host 4x --kv-remote 8x --policy precise-prefix
   infergate up --pd 1:3 --pd-connector mooncake --pd-threshold 1024
   infergate up --engines 0..8 --time-scale 20 --idle-timeout 30s
+  infergate up --engines 0..8 --time-scale 20 --autoscale target=4,down_window=30s,rate_window=10s
   infergate keys new alice >> keys.txt && infergate up --keys-file keys.txt`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return fl.run(cmd) },
@@ -104,7 +109,7 @@ more starts, up to MAX.`,
 // bind registers up's flags on f.
 func (fl *upFlags) bind(f *pflag.FlagSet) {
 	fl.count = engineCount{max: 4}
-	f.Var(&fl.count, "engines", "number of simulated engines, or MIN..MAX (e.g. 0..8) for a fleet that scales from zero: requests are held while no engine is ready, the first one starts an engine through its modelled cold start, idle engines stop after --idle-timeout")
+	f.Var(&fl.count, "engines", "number of simulated engines, or MIN..MAX (e.g. 0..8) for a fleet that scales from zero: requests are held while no engine is ready, the first one starts an engine through its modelled cold start, then the gateway's autoscaling policy (--autoscale) sets the count")
 	fl.elastic.register(f)
 	f.StringVar(&fl.listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
 	f.StringVar(&fl.policy, "policy", "", "routing policy (default cache-aware; precise-prefix uses the engines' KV events): "+strings.Join(sched.Names(), ", "))

@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/infergate/infergate/autoscale"
 	kinds "github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/sched"
@@ -61,18 +62,20 @@ func (e *engineCount) Type() string { return "N|MIN..MAX" }
 type elasticFlags struct {
 	source      string
 	imageCached bool
+	autoscale   string
 	idle        time.Duration
 	holdTTL     time.Duration
 	heartbeat   time.Duration
 }
 
 // elasticFlagNames are the flags that need --engines MIN..MAX.
-var elasticFlagNames = []string{"startup-source", "image-cached", "idle-timeout", "hold-ttl", "hold-heartbeat"}
+var elasticFlagNames = []string{"startup-source", "image-cached", "autoscale", "idle-timeout", "hold-ttl", "hold-heartbeat"}
 
 func (e *elasticFlags) register(f *pflag.FlagSet) {
 	f.StringVar(&e.source, "startup-source", string(sim.SourcePageCache), "with --engines MIN..MAX, where a starting engine reads its weights: remote, nvme, page_cache or peer (sim/startup.go)")
 	f.BoolVar(&e.imageCached, "image-cached", true, "with --engines MIN..MAX, the engine image is on the node (no image pull in the cold start)")
-	f.DurationVar(&e.idle, "idle-timeout", time.Minute, "with --engines MIN..MAX, stop an engine idle this long (wall time), down to MIN (0: never)")
+	f.StringVar(&e.autoscale, "autoscale", "", "with --engines MIN..MAX, the scaling policy, in plan --autoscale's spelling (autoscale/README.md): target= (requests in flight per engine, default 16), rate=, kv=, queue=, ttft=, up_window=, down_window= (default --idle-timeout), rate limits; min and max come from --engines; and up's own interval= (decision period, wall time, default 1s) and rate_window= (arrival-rate window, default 1m)")
+	f.DurationVar(&e.idle, "idle-timeout", time.Minute, "with --engines MIN..MAX, the policy's down_window unless --autoscale gives one: the pool scales down to the highest count it wanted over this long (wall time)")
 	f.DurationVar(&e.holdTTL, "hold-ttl", 0, "with --engines MIN..MAX, how long a request is held while no engine is ready (gateway scale_from_zero.hold_ttl; 0: twice the modelled cold start at --time-scale, plus 30s)")
 	f.DurationVar(&e.heartbeat, "hold-heartbeat", 0, "with --engines MIN..MAX, ': keep-alive' SSE comments to held streaming requests at this period (0: none)")
 }
@@ -86,6 +89,65 @@ func (e *elasticFlags) unused(cmd *cobra.Command) error {
 	}
 	return nil
 }
+
+// elasticPolicy is the pool's autoscaling policy for --engines MIN..MAX:
+// --autoscale's keys (autoscale.ParseConfig's spelling) with min and max
+// from --engines (a min= or max= that differs is an error), down_window
+// from --idle-timeout unless given, and up's own keys interval (the
+// decisions' period; default elasticInterval) and rate_window (the
+// arrival rate's window; default autoscale.DefaultRateWindow).
+func (fl *upFlags) elasticPolicy() (gateway.AutoscaleConfig, error) {
+	ac := gateway.AutoscaleConfig{Interval: elasticInterval}
+	var keep []string
+	down := false
+	for _, item := range strings.Split(fl.elastic.autoscale, ",") {
+		item = strings.TrimSpace(item)
+		if item == "" {
+			continue
+		}
+		k, v, _ := strings.Cut(item, "=")
+		switch k {
+		case "min", "max":
+			want := fl.count.min
+			if k == "max" {
+				want = fl.count.max
+			}
+			if n, err := strconv.Atoi(v); err != nil || n != want {
+				return ac, fmt.Errorf("--autoscale %s=%s: --engines %s sets it (%d)", k, v, fl.count.String(), want)
+			}
+			continue
+		case "interval", "rate_window":
+			d, err := time.ParseDuration(v)
+			if err != nil || d <= 0 {
+				return ac, fmt.Errorf("--autoscale %s=%s: want a positive duration", k, v)
+			}
+			if k == "interval" {
+				ac.Interval = d
+			} else {
+				ac.RateWindow = d
+			}
+			continue
+		case "down_window":
+			down = true
+		}
+		keep = append(keep, item)
+	}
+	if !down {
+		keep = append(keep, "down_window="+fl.elastic.idle.String())
+	}
+	ac.Policy = strings.Join(append([]string{fmt.Sprintf("min=%d,max=%d", fl.count.min, fl.count.max)}, keep...), ",")
+	if _, rest, err := autoscale.ParseConfig(ac.Policy); err != nil {
+		return ac, fmt.Errorf("--autoscale: %w", err)
+	} else if len(rest) > 0 {
+		return ac, fmt.Errorf("--autoscale: unknown keys %q (up takes autoscale.ParseConfig's keys, interval and rate_window)", rest)
+	}
+	return ac, nil
+}
+
+// elasticInterval is the default period of an elastic fleet's scaling
+// decisions (wall time): the engines' health-check interval, so that a
+// decision sees each start-up's end within a second.
+const elasticInterval = time.Second
 
 // elasticDrain is how long a stopping engine reports unready before it
 // stops: two of the gateway's health-check intervals (elasticHealth) and
@@ -112,6 +174,10 @@ func (fl *upFlags) runElastic(cmd *cobra.Command, scfg simserver.ServerConfig) e
 	if err != nil {
 		return fmt.Errorf("--startup-source: %w", err)
 	}
+	policy, err := fl.elasticPolicy()
+	if err != nil {
+		return err
+	}
 	scfg.Engine = fl.tiers.engine(scfg.Engine)
 	scfg.Startup = &simserver.StartupConfig{Source: src, ImageCached: fl.elastic.imageCached}
 	scfg.EnableSleepMode = true
@@ -129,10 +195,12 @@ func (fl *upFlags) runElastic(cmd *cobra.Command, scfg simserver.ServerConfig) e
 		hold = 2*wallStart + 30*time.Second
 	}
 	// An engine that finishes its start-up tells the gateway, which probes
-	// it at once: held requests leave within a probe's round trip.
+	// it at once: held requests leave within a probe's round trip. The
+	// gateway's autoscaling decisions for the pool set the fleet's size
+	// (gateway.ScaleTarget); its wake-up hook starts the first engine.
 	var gw atomic.Pointer[gateway.Gateway]
 	fleet, err := simserver.StartElasticFleet(scfg, simserver.ElasticConfig{Min: fl.count.min, Max: fl.count.max,
-		IdleTimeout: fl.elastic.idle, Drain: elasticDrain, ScaleUpOnQueue: true,
+		Drain: elasticDrain,
 		OnReady: func(_ int, url string) {
 			if g := gw.Load(); g != nil {
 				g.Probe(url)
@@ -160,6 +228,8 @@ func (fl *upFlags) runElastic(cmd *cobra.Command, scfg simserver.ServerConfig) e
 		}
 		cfg.ScaleFromZero = map[string]gateway.ScaleFromZeroConfig{"*": {HoldTTL: hold, Heartbeat: fl.elastic.heartbeat,
 			Wake: gateway.WakeConfig{Waker: fleet}}}
+		cfg.Autoscale = policy
+		cfg.Autoscale.Target = fleet
 		if err := applyEdgeFlags(cmd, &cfg, "", "", fl.keys); err != nil {
 			return cfg, err
 		}
@@ -182,7 +252,8 @@ func (fl *upFlags) runElastic(cmd *cobra.Command, scfg simserver.ServerConfig) e
 			fmt.Fprintf(out, "  cold start: %.1fs modelled (image pull %.1fs, weights %.1fs from %s at %.1f GB/s, warm-up %.1fs), %s wall at %gx\n",
 				ph.Total().Seconds(), ph.ImagePull.Seconds(), ph.WeightsLoad.Seconds(), src, ph.ReadBandwidth/1e9, ph.WarmUp.Seconds(),
 				wallStart.Round(time.Millisecond), scfg.TimeScale)
-			fmt.Fprintf(out, "  requests held up to %s while no engine is ready; idle engines stop after %s (down to %d)\n", hold, fl.elastic.idle, fl.count.min)
+			fmt.Fprintf(out, "  requests held up to %s while no engine is ready; autoscaling %s, a decision every %s (infergate_autoscale_* in /metrics)\n",
+				hold, policy.Policy, policy.Interval)
 			for i, u := range fleet.URLs {
 				fmt.Fprintf(out, "    engine %d: %s (metrics %s/metrics)\n", i, u, u)
 			}

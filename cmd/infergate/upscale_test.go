@@ -45,22 +45,28 @@ func streamTTFT(t *testing.T, url, body string) (status int, ttft time.Duration,
 	return resp.StatusCode, ttft, done
 }
 
-// TestUpScaleFromZero runs `infergate up --engines 0..2` as a real process:
-// no engine runs; 8 concurrent streaming requests are held, the gateway's
-// wake-up hook (the fleet) starts one engine through its modelled cold
-// start, and every request is served (none lost); the first request's TTFT
-// is the cold start at the time scale plus its own prefill (logged, not
-// asserted: wall time). The idle engine then stops, and the next request
-// starts a new cold episode.
+// TestUpScaleFromZero runs `infergate up --engines 0..3 --autoscale
+// target=2,...` as a real process: no engine runs; 8 concurrent streaming
+// requests are held, the gateway's wake-up hook (the fleet) starts one
+// engine through its modelled cold start, and every request is served (none
+// lost); the first request's TTFT is the cold start at the time scale plus
+// its own prefill (logged, not asserted: wall time). The held requests are
+// the pool's queue signal, so the gateway's autoscale.Scaler asks for
+// ⌈8 / 2⌉ capped at max 3 engines and the fleet starts more than one (the
+// fleet's "engine starting" log for slot 1 and 2: events, not timings).
+// Once idle for the rate window and the down window, the policy scales the
+// fleet to zero (every engine stops), and the next request starts a new
+// cold episode.
 func TestUpScaleFromZero(t *testing.T) {
-	const scale = 50
-	p := start(t, "up", "--engines", "0..2", "--listen", "127.0.0.1:0", "--time-scale", strconv.Itoa(scale),
-		"--idle-timeout", "1s", "--access-log=false", "--shutdown-grace", "5s")
+	const scale = 20
+	p := start(t, "up", "--engines", "0..3", "--listen", "127.0.0.1:0", "--time-scale", strconv.Itoa(scale),
+		"--autoscale", "target=2,interval=100ms,rate_window=2s", "--idle-timeout", "1s", "--access-log=false", "--shutdown-grace", "5s")
 	base := p.await(t, apiRe)
 	modelled, err := strconv.ParseFloat(p.await(t, regexp.MustCompile(`cold start: ([0-9.]+)s modelled`)), 64)
 	if err != nil {
 		t.Fatal(err)
 	}
+	p.await(t, regexp.MustCompile(`autoscaling (min=0,max=3,target=2,down_window=1s)`))
 	model := "meta-llama/Llama-3.1-70B-Instruct"
 	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"Hello!"}],"max_tokens":4,"stream":true}`, model)
 
@@ -75,6 +81,11 @@ func TestUpScaleFromZero(t *testing.T) {
 			}
 			ttfts[i] = ttft
 		})
+	}
+	// Scale-up beyond one engine, while the requests are held (each
+	// start is logged as it happens).
+	for _, slot := range []string{"0", "1", "2"} {
+		p.await(t, regexp.MustCompile(`(engine starting).* slot=`+slot+` `))
 	}
 	wg.Wait()
 	first := ttfts[0]
@@ -95,12 +106,16 @@ func TestUpScaleFromZero(t *testing.T) {
 		t.Errorf("held_expired_total %v", v)
 	}
 
-	// Idle for --idle-timeout: the engine drains and stops; the gateway
+	// Idle for the rate window and then the down window (--idle-timeout):
+	// the policy wants 0, every engine drains and stops, and the gateway
 	// sees no ready endpoint.
+	if v := metricValue(t, base, "infergate_autoscale_desired_replicas"); v < 0 || v > 3 {
+		t.Errorf("desired replicas %v outside 0..3", v)
+	}
 	deadline := time.Now().Add(time.Minute)
-	for metricValue(t, base, "infergate_endpoint_ready") != 0 {
+	for metricValue(t, base, "infergate_endpoint_ready") != 0 || metricValue(t, base, "infergate_autoscale_desired_replicas") != 0 {
 		if time.Now().After(deadline) {
-			t.Fatal("the idle engine did not stop")
+			t.Fatal("the idle engines did not stop")
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -124,6 +139,10 @@ func TestUpElasticFlags(t *testing.T) {
 		{[]string{"--engines", "0..99"}, "MAX <= 64"},
 		{[]string{"--engines", "x"}, "N or MIN..MAX"},
 		{[]string{"--idle-timeout", "5s"}, "needs --engines MIN..MAX"},
+		{[]string{"--autoscale", "target=2"}, "needs --engines MIN..MAX"},
+		{[]string{"--engines", "0..2", "--autoscale", "max=4"}, "--engines 0..2 sets it"},
+		{[]string{"--engines", "0..2", "--autoscale", "bogus=1"}, "unknown keys"},
+		{[]string{"--engines", "0..2", "--autoscale", "interval=0s"}, "positive duration"},
 		{[]string{"--engines", "0..2", "--startup-source", "tape"}, "want remote, nvme, page_cache or peer"},
 		{[]string{"--engines", "0..2", "--policy", "precise-prefix"}, "KV events"},
 		{[]string{"--engines", "0..2", "--pd", "1:1"}, "give one"},
