@@ -288,7 +288,13 @@ func TestScaleFromZeroClientLeaves(t *testing.T) {
 		t.Errorf("canceled request answered %d", r.status)
 	}
 	waitFor(t, "a 499 recorded", func() bool { return scrape(t, c, url).value("infergate_requests_total", `code="499"`) == 1 })
-	// Nothing held: the next request starts a new episode.
+	// Nothing held and the first call over: the next request starts a new
+	// episode, with its own call.
+	waitFor(t, "the first wake-up call ended", func() bool {
+		p.gate.mu.Lock()
+		defer p.gate.mu.Unlock()
+		return wk.calls.Load() == 1 && !p.gate.waking
+	})
 	ctx2, cancel2 := contextWithCancel(t)
 	defer cancel2()
 	next := sendAsync(ctx2, c, url+pathChat, chatBody)
@@ -568,4 +574,41 @@ func FuzzCommittedStreamError(f *testing.F) {
 			t.Fatalf("event is not a JSON object with an error: %q (%v)", data, err)
 		}
 	})
+}
+
+// stallingWaker never answers: each call waits for its context.
+type stallingWaker struct{ calls, inFlight atomic.Int64 }
+
+func (w *stallingWaker) Wake(ctx context.Context, _ string) error {
+	w.calls.Add(1)
+	w.inFlight.Add(1)
+	defer w.inFlight.Add(-1)
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// TestScaleFromZeroWakeStormBounded: a client that sends a request to a
+// pool at zero and leaves, again and again, ends a cold episode each time;
+// while the wake-up hook stalls (up to wake.timeout), a new episode must
+// not start another call — one call at a time per pool, or the loop piles
+// up goroutines and connections to the hook (one per request).
+func TestScaleFromZeroWakeStormBounded(t *testing.T) {
+	e := newColdEngine(t)
+	wk := &stallingWaker{}
+	g, url := startGateway(t, coldConfig(e, ScaleFromZeroConfig{HoldTTL: time.Hour, Wake: WakeConfig{Waker: wk, Timeout: time.Hour}}))
+	c := testClient(t)
+	p := g.state.Load().pools["m"]
+	const n = 20
+	for i := range n {
+		ctx, cancel := context.WithCancel(context.Background())
+		gone := sendAsync(ctx, c, url+pathChat, chatBody)
+		waitFor(t, fmt.Sprintf("held %d", i), func() bool { return p.gate.heldNow.Load() == 1 })
+		cancel()
+		<-gone
+		waitFor(t, "left", func() bool { return p.gate.heldNow.Load() == 0 })
+	}
+	waitFor(t, "the first call", func() bool { return wk.calls.Load() >= 1 })
+	if got := wk.calls.Load(); got != 1 {
+		t.Errorf("%d wake-up calls for %d episodes while the first stalled (%d in flight), want 1", got, n, wk.inFlight.Load())
+	}
 }
