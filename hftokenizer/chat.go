@@ -428,6 +428,7 @@ func decodeValue(dec *json.Decoder, depth int) (any, error) {
 		switch v {
 		case '{':
 			d := exec.NewDict()
+			var index map[string]int // key → its pair's index
 			for dec.More() {
 				kt, err := dec.Token()
 				if err != nil {
@@ -438,13 +439,18 @@ func decodeValue(dec *json.Decoder, depth int) (any, error) {
 				if err != nil {
 					return nil, err
 				}
-				replaced := false
-				for _, p := range d.Pairs { // a repeated key: the last wins, as in Python
-					if p.Key.String() == key {
-						p.Value, replaced = exec.AsValue(val), true
-					}
+				// A repeated key: the last value wins, in the first one's
+				// place, as in Python. Looked up in a map, not by a scan of
+				// the pairs: a scan made an object of n keys cost n²/2
+				// comparisons, each boxing a key (40,000 keys, a 430 KB
+				// body: 30 s of CPU).
+				if index == nil {
+					index = make(map[string]int)
 				}
-				if !replaced {
+				if i, ok := index[key]; ok {
+					d.Pairs[i].Value = exec.AsValue(val)
+				} else {
+					index[key] = len(d.Pairs)
 					d.Pairs = append(d.Pairs, &exec.Pair{Key: exec.AsValue(key), Value: exec.AsValue(val)})
 				}
 			}
