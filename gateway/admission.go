@@ -521,6 +521,19 @@ func (a *admission) update(eps []*endpoint, limit int, c AdmissionConfig, hold S
 	a.mu.Unlock()
 }
 
+// retire ends the scale-from-zero hold of the gate of a model a reload
+// removed: nothing probes or wakes its endpoints any more, so its held
+// requests are answered 503 no_endpoint_available at once (they waited out
+// hold_ttl, then were told no endpoint became ready), as is any request
+// that still reaches it.
+func (a *admission) retire() {
+	a.mu.Lock()
+	a.hold = ScaleFromZeroConfig{}
+	a.beating.Store(false)
+	a.dispatchLocked()
+	a.mu.Unlock()
+}
+
 // settings returns the gate's current limits.
 func (a *admission) settings() (maxInFlight, maxQueue int, timeout time.Duration) {
 	a.mu.Lock()

@@ -612,3 +612,33 @@ func TestScaleFromZeroWakeStormBounded(t *testing.T) {
 		t.Errorf("%d wake-up calls for %d episodes while the first stalled (%d in flight), want 1", got, n, wk.inFlight.Load())
 	}
 }
+
+// TestScaleFromZeroModelRemoved: a reload that removes a model answers its
+// held requests at once (503 no_endpoint_available): nothing probes or
+// wakes its endpoints any more. Before, they waited out hold_ttl (3 s
+// measured with hold_ttl 3s; here an hour) and were then told no endpoint
+// became ready.
+func TestScaleFromZeroModelRemoved(t *testing.T) {
+	e, other := newColdEngine(t), newColdEngine(t)
+	other.ready.Store(true)
+	cfg := coldConfig(e, ScaleFromZeroConfig{HoldTTL: time.Hour})
+	cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: other.srv.URL, Model: "other", KVBlocks: 1000})
+	g, url := startGateway(t, cfg)
+	c := testClient(t)
+	p := g.state.Load().pools["m"]
+	ctx, cancel := contextWithCancel(t)
+	defer cancel()
+	held := sendAsync(ctx, c, url+pathChat, chatBody)
+	waitFor(t, "held", func() bool { return p.gate.heldNow.Load() == 1 })
+	cfg.Endpoints = cfg.Endpoints[1:]
+	if err := g.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	r := await(t, held)
+	if r.status != http.StatusServiceUnavailable || !strings.Contains(string(r.body), `"no_endpoint_available"`) {
+		t.Errorf("held request of a removed model: %d %s", r.status, r.body)
+	}
+	if n := p.gate.heldNow.Load(); n != 0 {
+		t.Errorf("%d still held", n)
+	}
+}
