@@ -290,7 +290,15 @@ func (g *Gateway) wakePost(ctx context.Context, u, contentType string, body []by
 	if contentType != "" {
 		req.Header.Set("Content-Type", contentType)
 	}
-	resp, err := (&http.Client{Transport: g.transport}).Do(req)
+	// Redirects are not followed (a 3xx fails the call): header carries
+	// the endpoint's credentials (api_key in api_key_header, headers), and
+	// a client following a redirect forwards such headers — any name but
+	// Authorization and Cookie even to another host — so an engine or
+	// hook that redirected got them sent wherever it pointed.
+	client := &http.Client{Transport: g.transport, CheckRedirect: func(*http.Request, []*http.Request) error {
+		return http.ErrUseLastResponse
+	}}
+	resp, err := client.Do(req)
 	if err != nil {
 		return err
 	}

@@ -642,3 +642,54 @@ func TestScaleFromZeroModelRemoved(t *testing.T) {
 		t.Errorf("%d still held", n)
 	}
 }
+
+// TestScaleFromZeroWakeNoRedirect: the engine wake-up call sends the
+// endpoint's credentials (here api_key in x-api-key); an engine whose
+// /wake_up redirects must not get them sent where it points. Before, the
+// client followed the 307 and the other server got the key.
+func TestScaleFromZeroWakeNoRedirect(t *testing.T) {
+	var leaked atomic.Value
+	elsewhere := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		leaked.Store(r.Header.Get("X-Api-Key"))
+	}))
+	defer elsewhere.Close()
+	redirected := make(chan struct{}, 1)
+	eng := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/health":
+			w.WriteHeader(http.StatusServiceUnavailable)
+		case "/wake_up":
+			http.Redirect(w, r, elsewhere.URL+"/steal", http.StatusTemporaryRedirect)
+			select {
+			case redirected <- struct{}{}:
+			default:
+			}
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	defer eng.Close()
+	cfg := resilienceConfig(sched.RoundRobin, eng.URL)
+	cfg.HealthCheckPath = "/health"
+	cfg.Endpoints[0].APIKey = "sekret"
+	cfg.Endpoints[0].APIKeyHeader = "x-api-key"
+	cfg.ScaleFromZero = map[string]ScaleFromZeroConfig{"*": {HoldTTL: time.Hour, Wake: WakeConfig{Kind: WakeEngine}}}
+	_, url := startGateway(t, cfg)
+	c := testClient(t)
+	ctx, cancel := contextWithCancel(t)
+	held := sendAsync(ctx, c, url+pathChat, chatBody)
+	<-redirected
+	var m scraped
+	waitFor(t, "the wake-up call counted", func() bool {
+		m = scrape(t, c, url)
+		return m.value("infergate_wakeups_total", `result="error"`)+m.value("infergate_wakeups_total", `result="ok"`) == 1
+	})
+	cancel()
+	<-held
+	if v, ok := leaked.Load().(string); ok {
+		t.Errorf("the redirect was followed: the other server got x-api-key %q", v)
+	}
+	if m.value("infergate_wakeups_total", `result="error"`) != 1 {
+		t.Error("a redirect answering the wake-up call: want the call counted as an error")
+	}
+}
