@@ -75,13 +75,17 @@ type admission struct {
 	// Scale from zero (coldstart.go), under mu: the pool's settings
 	// (hold.HoldTTL 0: off), the held requests (queued while no endpoint
 	// was ready) and their body bytes, whether this cold episode's
-	// wake-up was called. wakeCall makes the call on a goroutine of
+	// wake-up was called, whether a call is still in flight (one at a
+	// time: an episode that starts while the last one's call is pending
+	// counts as woken by it, so clients that come and go cannot pile up
+	// calls to a stalled hook). wakeCall makes the call on a goroutine of
 	// wakes (the gateway's loops). heldNow mirrors held and probe the
 	// probe interval (read without mu by the health loops).
 	hold      ScaleFromZeroConfig
 	held      int
 	heldBytes int64
 	woken     bool
+	waking    bool
 	wakeCall  func(hold ScaleFromZeroConfig, eps []*endpoint, held int)
 	wakes     *sync.WaitGroup
 	heldNow   atomic.Int64
@@ -513,6 +517,19 @@ func (a *admission) update(eps []*endpoint, limit int, c AdmissionConfig, hold S
 	a.hold = hold
 	a.probe.Store(int64(hold.ProbeInterval))
 	a.beating.Store(hold.HoldTTL > 0 && hold.Heartbeat > 0)
+	a.dispatchLocked()
+	a.mu.Unlock()
+}
+
+// retire ends the scale-from-zero hold of the gate of a model a reload
+// removed: nothing probes or wakes its endpoints any more, so its held
+// requests are answered 503 no_endpoint_available at once (they waited out
+// hold_ttl, then were told no endpoint became ready), as is any request
+// that still reaches it.
+func (a *admission) retire() {
+	a.mu.Lock()
+	a.hold = ScaleFromZeroConfig{}
+	a.beating.Store(false)
 	a.dispatchLocked()
 	a.mu.Unlock()
 }

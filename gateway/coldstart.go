@@ -218,20 +218,26 @@ var (
 )
 
 // startWakeLocked starts the cold episode's wake-up call unless one was
-// made already this episode (a.mu held).
+// made already this episode or one is still in flight (a.mu held).
 func (a *admission) startWakeLocked() {
 	if a.woken || a.hold.Wake.Kind == WakeNone {
 		return
 	}
 	a.woken = true
 	call := a.wakeCall
-	if call == nil {
-		return
+	if call == nil || a.waking {
+		return // the call in flight (a stalled hook, up to wake.timeout) wakes this episode too
 	}
+	a.waking = true
 	held := len(a.queue)
 	eps := append([]*endpoint(nil), a.endpoints...)
 	hold := a.hold
-	a.wakes.Go(func() { call(hold, eps, held) })
+	a.wakes.Go(func() {
+		call(hold, eps, held)
+		a.mu.Lock()
+		a.waking = false
+		a.mu.Unlock()
+	})
 }
 
 // wakeCall makes p's wake-up call of kind hold.Wake.Kind, bounded by its
@@ -284,7 +290,15 @@ func (g *Gateway) wakePost(ctx context.Context, u, contentType string, body []by
 	if contentType != "" {
 		req.Header.Set("Content-Type", contentType)
 	}
-	resp, err := (&http.Client{Transport: g.transport}).Do(req)
+	// Redirects are not followed (a 3xx fails the call): header carries
+	// the endpoint's credentials (api_key in api_key_header, headers), and
+	// a client following a redirect forwards such headers — any name but
+	// Authorization and Cookie even to another host — so an engine or
+	// hook that redirected got them sent wherever it pointed.
+	client := &http.Client{Transport: g.transport, CheckRedirect: func(*http.Request, []*http.Request) error {
+		return http.ErrUseLastResponse
+	}}
+	resp, err := client.Do(req)
 	if err != nil {
 		return err
 	}

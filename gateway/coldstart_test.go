@@ -288,7 +288,13 @@ func TestScaleFromZeroClientLeaves(t *testing.T) {
 		t.Errorf("canceled request answered %d", r.status)
 	}
 	waitFor(t, "a 499 recorded", func() bool { return scrape(t, c, url).value("infergate_requests_total", `code="499"`) == 1 })
-	// Nothing held: the next request starts a new episode.
+	// Nothing held and the first call over: the next request starts a new
+	// episode, with its own call.
+	waitFor(t, "the first wake-up call ended", func() bool {
+		p.gate.mu.Lock()
+		defer p.gate.mu.Unlock()
+		return wk.calls.Load() == 1 && !p.gate.waking
+	})
 	ctx2, cancel2 := contextWithCancel(t)
 	defer cancel2()
 	next := sendAsync(ctx2, c, url+pathChat, chatBody)
@@ -568,4 +574,122 @@ func FuzzCommittedStreamError(f *testing.F) {
 			t.Fatalf("event is not a JSON object with an error: %q (%v)", data, err)
 		}
 	})
+}
+
+// stallingWaker never answers: each call waits for its context.
+type stallingWaker struct{ calls, inFlight atomic.Int64 }
+
+func (w *stallingWaker) Wake(ctx context.Context, _ string) error {
+	w.calls.Add(1)
+	w.inFlight.Add(1)
+	defer w.inFlight.Add(-1)
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// TestScaleFromZeroWakeStormBounded: a client that sends a request to a
+// pool at zero and leaves, again and again, ends a cold episode each time;
+// while the wake-up hook stalls (up to wake.timeout), a new episode must
+// not start another call — one call at a time per pool, or the loop piles
+// up goroutines and connections to the hook (one per request).
+func TestScaleFromZeroWakeStormBounded(t *testing.T) {
+	e := newColdEngine(t)
+	wk := &stallingWaker{}
+	g, url := startGateway(t, coldConfig(e, ScaleFromZeroConfig{HoldTTL: time.Hour, Wake: WakeConfig{Waker: wk, Timeout: time.Hour}}))
+	c := testClient(t)
+	p := g.state.Load().pools["m"]
+	const n = 20
+	for i := range n {
+		ctx, cancel := context.WithCancel(context.Background())
+		gone := sendAsync(ctx, c, url+pathChat, chatBody)
+		waitFor(t, fmt.Sprintf("held %d", i), func() bool { return p.gate.heldNow.Load() == 1 })
+		cancel()
+		<-gone
+		waitFor(t, "left", func() bool { return p.gate.heldNow.Load() == 0 })
+	}
+	waitFor(t, "the first call", func() bool { return wk.calls.Load() >= 1 })
+	if got := wk.calls.Load(); got != 1 {
+		t.Errorf("%d wake-up calls for %d episodes while the first stalled (%d in flight), want 1", got, n, wk.inFlight.Load())
+	}
+}
+
+// TestScaleFromZeroModelRemoved: a reload that removes a model answers its
+// held requests at once (503 no_endpoint_available): nothing probes or
+// wakes its endpoints any more. Before, they waited out hold_ttl (3 s
+// measured with hold_ttl 3s; here an hour) and were then told no endpoint
+// became ready.
+func TestScaleFromZeroModelRemoved(t *testing.T) {
+	e, other := newColdEngine(t), newColdEngine(t)
+	other.ready.Store(true)
+	cfg := coldConfig(e, ScaleFromZeroConfig{HoldTTL: time.Hour})
+	cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: other.srv.URL, Model: "other", KVBlocks: 1000})
+	g, url := startGateway(t, cfg)
+	c := testClient(t)
+	p := g.state.Load().pools["m"]
+	ctx, cancel := contextWithCancel(t)
+	defer cancel()
+	held := sendAsync(ctx, c, url+pathChat, chatBody)
+	waitFor(t, "held", func() bool { return p.gate.heldNow.Load() == 1 })
+	cfg.Endpoints = cfg.Endpoints[1:]
+	if err := g.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	r := await(t, held)
+	if r.status != http.StatusServiceUnavailable || !strings.Contains(string(r.body), `"no_endpoint_available"`) {
+		t.Errorf("held request of a removed model: %d %s", r.status, r.body)
+	}
+	if n := p.gate.heldNow.Load(); n != 0 {
+		t.Errorf("%d still held", n)
+	}
+}
+
+// TestScaleFromZeroWakeNoRedirect: the engine wake-up call sends the
+// endpoint's credentials (here api_key in x-api-key); an engine whose
+// /wake_up redirects must not get them sent where it points. Before, the
+// client followed the 307 and the other server got the key.
+func TestScaleFromZeroWakeNoRedirect(t *testing.T) {
+	var leaked atomic.Value
+	elsewhere := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		leaked.Store(r.Header.Get("X-Api-Key"))
+	}))
+	defer elsewhere.Close()
+	redirected := make(chan struct{}, 1)
+	eng := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/health":
+			w.WriteHeader(http.StatusServiceUnavailable)
+		case "/wake_up":
+			http.Redirect(w, r, elsewhere.URL+"/steal", http.StatusTemporaryRedirect)
+			select {
+			case redirected <- struct{}{}:
+			default:
+			}
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	defer eng.Close()
+	cfg := resilienceConfig(sched.RoundRobin, eng.URL)
+	cfg.HealthCheckPath = "/health"
+	cfg.Endpoints[0].APIKey = "sekret"
+	cfg.Endpoints[0].APIKeyHeader = "x-api-key"
+	cfg.ScaleFromZero = map[string]ScaleFromZeroConfig{"*": {HoldTTL: time.Hour, Wake: WakeConfig{Kind: WakeEngine}}}
+	_, url := startGateway(t, cfg)
+	c := testClient(t)
+	ctx, cancel := contextWithCancel(t)
+	held := sendAsync(ctx, c, url+pathChat, chatBody)
+	<-redirected
+	var m scraped
+	waitFor(t, "the wake-up call counted", func() bool {
+		m = scrape(t, c, url)
+		return m.value("infergate_wakeups_total", `result="error"`)+m.value("infergate_wakeups_total", `result="ok"`) == 1
+	})
+	cancel()
+	<-held
+	if v, ok := leaked.Load().(string); ok {
+		t.Errorf("the redirect was followed: the other server got x-api-key %q", v)
+	}
+	if m.value("infergate_wakeups_total", `result="error"`) != 1 {
+		t.Error("a redirect answering the wake-up call: want the call counted as an error")
+	}
 }

@@ -35,6 +35,9 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 	for old, p := range pl.succ {
 		old.next.Store(p)
 	}
+	for _, a := range pl.gone {
+		a.retire()
+	}
 	// A Drain that read the state in force before the swap has not
 	// drained the new pools' gates.
 	if g.draining.Load() {

@@ -40,19 +40,29 @@ const (
 	// bytes of one key or value).
 	kedaMaxMetadata = 16
 	kedaMaxValue    = 256
+	// kedaMaxStreams bounds the StreamIsActive streams open at once,
+	// gateway-wide (KEDA keeps one per ScaledObject): each holds a
+	// goroutine until its client leaves, and grpc's MaxConcurrentStreams
+	// bounds them per connection only. Beyond it: ResourceExhausted.
+	kedaMaxStreams = 1024
 )
 
 // kedaScaler serves externalscaler.ExternalScalerServer from the gateway's
 // autoscaling decisions.
 type kedaScaler struct {
 	externalscaler.UnimplementedExternalScalerServer
-	g *Gateway
+	g       *Gateway
+	streams chan struct{} // a slot per open StreamIsActive (kedaMaxStreams)
 }
 
 // RegisterExternalScaler registers KEDA's external scaler service, answered
 // from the pools' autoscaling decisions (autoscale.policy), on s.
 func (g *Gateway) RegisterExternalScaler(s grpc.ServiceRegistrar) {
-	externalscaler.RegisterExternalScalerServer(s, &kedaScaler{g: g})
+	g.registerExternalScaler(s, kedaMaxStreams)
+}
+
+func (g *Gateway) registerExternalScaler(s grpc.ServiceRegistrar, maxStreams int) {
+	externalscaler.RegisterExternalScalerServer(s, &kedaScaler{g: g, streams: make(chan struct{}, maxStreams)})
 }
 
 // kedaRef is a validated ScaledObjectRef.
@@ -174,6 +184,12 @@ func (k *kedaScaler) StreamIsActive(ref *externalscaler.ScaledObjectRef, stream 
 	r, v, err := k.parseRef(ref)
 	if err != nil {
 		return err
+	}
+	select {
+	case k.streams <- struct{}{}:
+		defer func() { <-k.streams }()
+	default:
+		return status.Errorf(codes.ResourceExhausted, "%d StreamIsActive streams open already", cap(k.streams))
 	}
 	last := v.IsActive()
 	if err := stream.Send(&externalscaler.IsActiveResponse{Result: last}); err != nil {

@@ -26,12 +26,19 @@ import (
 // and returns a real gRPC client of it.
 func startExternalScaler(t *testing.T, g *Gateway) externalscaler.ExternalScalerClient {
 	t.Helper()
+	return startExternalScalerMax(t, g, kedaMaxStreams)
+}
+
+// startExternalScalerMax is startExternalScaler with maxStreams
+// StreamIsActive streams at most.
+func startExternalScalerMax(t *testing.T, g *Gateway, maxStreams int) externalscaler.ExternalScalerClient {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	s := grpc.NewServer()
-	g.RegisterExternalScaler(s)
+	g.registerExternalScaler(s, maxStreams)
 	done := make(chan struct{})
 	go func() { defer close(done); _ = s.Serve(ln) }()
 	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -402,5 +409,51 @@ func TestAutoscaleTarget(t *testing.T) {
 	// one idle.
 	if got != "m=0 m=1 m=1 m=0" {
 		t.Fatalf("orders %q, want %q", got, "m=0 m=1 m=1 m=0")
+	}
+}
+
+// TestExternalScalerStreamsBounded: StreamIsActive streams are bounded
+// gateway-wide (kedaMaxStreams; grpc's MaxConcurrentStreams bounds them per
+// connection only, so a client with many connections held a goroutine per
+// stream without limit: 2,000 streams that never read, +2,000 goroutines).
+// Past the bound a stream gets ResourceExhausted; a stream that ends gives
+// its slot back.
+func TestExternalScalerStreamsBounded(t *testing.T) {
+	e0 := newFakeEngine(t, "e0")
+	cfg := testConfig(sched.LeastRequest, e0)
+	cfg.Autoscale = AutoscaleConfig{Policy: "min=0,max=4,target=1", Interval: time.Hour}
+	g, _ := startGateway(t, cfg)
+	const max = 4
+	sc := startExternalScalerMax(t, g, max)
+	md := map[string]string{"pool": "m"}
+	cancels := make([]context.CancelFunc, 0, max)
+	for i := range max {
+		ctx, cancel := context.WithCancel(rpcCtx(t))
+		cancels = append(cancels, cancel)
+		st, err := sc.StreamIsActive(ctx, ref(md))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := st.Recv(); err != nil {
+			t.Fatalf("stream %d: %v", i, err)
+		}
+	}
+	st, err := sc.StreamIsActive(rpcCtx(t), ref(md))
+	if err == nil {
+		_, err = st.Recv()
+	}
+	if status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("stream %d: %v, want ResourceExhausted", max+1, err)
+	}
+	cancels[0]()
+	waitFor(t, "a slot given back", func() bool {
+		st, err := sc.StreamIsActive(rpcCtx(t), ref(md))
+		if err == nil {
+			_, err = st.Recv()
+		}
+		return err == nil
+	})
+	for _, c := range cancels[1:] {
+		c()
 	}
 }

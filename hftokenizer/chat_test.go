@@ -1,9 +1,12 @@
 package hftokenizer
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/nikolalohinski/gonja/v2/exec"
 )
 
 func render(t *testing.T, src, messages string, c Chat) (string, error) {
@@ -158,3 +161,69 @@ const qwen3LikeTemplate = `{%- if tools %}{%- for tool in tools %}{{ tool | tojs
 <|im_start|>{{ message.role }}{{ '\n' }}{{ message.content }}<|im_end|>
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant{%- endif %}`
+
+// TestDecodeManyKeysLinear: an object's keys are checked for repeats in a
+// map, not by scanning the pairs so far — the scan made a message of n keys
+// cost n²/2 key comparisons (40,000 keys in a 430 KB body: 30 s of CPU on
+// the pick path; the 300,000 here: about half an hour, so before the fix
+// this test ends in go test's timeout; it takes well under a second now).
+// A repeated key keeps its first place and takes the last value, as
+// Python's json.loads.
+func TestDecodeManyKeysLinear(t *testing.T) {
+	const n = 300000
+	var b strings.Builder
+	b.WriteString(`[{"role":"user","content":"x"`)
+	for i := range n {
+		fmt.Fprintf(&b, `,"k%d":1`, i)
+	}
+	b.WriteString(`}]`)
+	v, err := decodeOrdered([]byte(b.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := v.([]any)[0].(*exec.Dict); len(d.Pairs) != n+2 {
+		t.Errorf("%d keys decoded, want %d", len(d.Pairs), n+2)
+	}
+	v, err = decodeOrdered([]byte(`{"a":1,"b":2,"a":3}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := v.(*exec.Dict)
+	if len(d.Pairs) != 2 || d.Pairs[0].Key.String() != "a" || d.Pairs[0].Value.String() != "3" || d.Pairs[1].Key.String() != "b" {
+		t.Errorf("repeated key: %v", d.Pairs)
+	}
+}
+
+// TestRenderPrefixDecodesAPrefix: RenderPrefix(c, n) decodes at most
+// n × renderInputFactor bytes of the messages (and of the tools): the rest
+// cannot show in n bytes of rendering, and decoding a whole 14.5 MB chat of
+// empty messages into template values cost 4.1 s of CPU and 2.2 GB
+// allocated for 512 KiB of rendering with Qwen3's template (0.77 s and
+// 383 MB now, the same whatever the body's size). A message past the
+// budget is never seen (here it would make the template raise, as it
+// looks at every message before it prints); a rendering that stops short
+// of n on a chat decoded in part is an error, its prefix unknown.
+func TestRenderPrefixDecodesAPrefix(t *testing.T) {
+	tpl, err := NewChatTemplate(`{% for m in messages %}{% if m.role == 'boom' %}{{ raise_exception('saw the last message') }}{% endif %}{% endfor %}` +
+		`{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := "[" + strings.Repeat(`{"role":"user","content":"hello"},`, 10000) + `{"role":"boom","content":""}]`
+	c := Chat{Messages: []byte(msgs)}
+	const n = 1000
+	got, cut, err := tpl.RenderPrefix(c, n)
+	if err != nil || !cut || got != strings.Repeat("[user]hello", n/11+1)[:n] {
+		t.Errorf("prefix of a long chat: %q cut=%v %v", got, cut, err)
+	}
+	if _, err := tpl.Render(c); err == nil || !strings.Contains(err.Error(), "saw the last message") {
+		t.Errorf("full rendering: %v, want the template's exception", err)
+	}
+	quiet, err := NewChatTemplate(`{% for m in messages %}.{% endfor %}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, _, err := quiet.RenderPrefix(c, n); err == nil {
+		t.Errorf("a short rendering of a chat decoded in part: %d bytes, no error", len(got))
+	}
+}

@@ -258,6 +258,7 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{
+		sleep:   sleepState{turn: make(chan struct{}, 1)},
 		startup: ph,
 		ready:   make(chan struct{}),
 		cfg:     cfg,

@@ -1,11 +1,11 @@
 package simserver
 
 import (
+	"context"
 	"log/slog"
 	"net/http"
 	"slices"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -41,13 +41,17 @@ import (
 
 // sleepState is the server's sleep mode state.
 type sleepState struct {
-	// mu serialises sleeps and wake-ups (vLLM's engine core runs one
-	// utility call at a time) and guards the tags.
-	mu sync.Mutex
+	// turn serialises sleeps and wake-ups (vLLM's engine core runs one
+	// utility call at a time) and guards the tags: a call holds its one
+	// slot. A call waiting for its turn leaves when its client does — a
+	// storm of sleeps and wake-ups (each waits its modelled copy time)
+	// made the calls of clients long gone run one after the other, each
+	// putting the engine to sleep or waking it for nobody.
+	turn chan struct{}
 	// level is the sim.SleepLevel while any tag sleeps, 0 awake (read
 	// by /health, /is_sleeping and the metric without mu).
 	level atomic.Int32
-	// weights and kv: the tags asleep (under mu).
+	// weights and kv: the tags asleep (during a turn).
 	weights, kv bool
 }
 
@@ -71,11 +75,33 @@ func (s *Server) sleepRoutes(mux *http.ServeMux) {
 // Sleep puts the engine to sleep at level (1 or 2), as POST /sleep does;
 // false when the engine does not run (not started, loading or closed).
 func (s *Server) Sleep(level sim.SleepLevel) bool {
+	return s.sleepCtx(context.Background(), level)
+}
+
+// lockSleep takes the sleep state's turn; false when ctx ends first or
+// the server stops.
+func (s *Server) lockSleep(ctx context.Context) bool {
+	select {
+	case s.sleep.turn <- struct{}{}:
+		return true
+	case <-ctx.Done():
+	case <-s.quit:
+	}
+	return false
+}
+
+func (s *Server) unlockSleep() { <-s.sleep.turn }
+
+// sleepCtx is Sleep for a caller that may leave while it waits for its
+// turn (ctx).
+func (s *Server) sleepCtx(ctx context.Context, level sim.SleepLevel) bool {
 	if s.State() == StateLoading || s.State() == StateStopped {
 		return false
 	}
-	s.sleep.mu.Lock()
-	defer s.sleep.mu.Unlock()
+	if !s.lockSleep(ctx) {
+		return false
+	}
+	defer s.unlockSleep()
 	if s.sleep.level.Load() != int32(sim.Awake) {
 		return true // already asleep: a no-op, as vLLM's
 	}
@@ -105,8 +131,16 @@ func (s *Server) Sleep(level sim.SleepLevel) bool {
 // WakeUp wakes the tags named (weights, kv_cache; none: all), as POST
 // /wake_up does; false when the server stopped meanwhile.
 func (s *Server) WakeUp(tags []string) bool {
-	s.sleep.mu.Lock()
-	defer s.sleep.mu.Unlock()
+	return s.wakeUpCtx(context.Background(), tags)
+}
+
+// wakeUpCtx is WakeUp for a caller that may leave while it waits for its
+// turn (ctx).
+func (s *Server) wakeUpCtx(ctx context.Context, tags []string) bool {
+	if !s.lockSleep(ctx) {
+		return false
+	}
+	defer s.unlockSleep()
 	level := sim.SleepLevel(s.sleep.level.Load())
 	if level == sim.Awake {
 		return true
@@ -175,7 +209,7 @@ func (s *Server) handleSleep(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, openai.Errorf("mode", "only mode=abort (the default) is simulated, got "+strconv.Quote(m)))
 		return
 	}
-	if !s.Sleep(level) {
+	if !s.sleepCtx(r.Context(), level) {
 		openai.WriteError(w, openai.NewError(http.StatusServiceUnavailable, "the engine is not running", "", ""))
 		return
 	}
@@ -190,7 +224,7 @@ func (s *Server) handleWakeUp(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	if s.State() == StateLoading || s.State() == StateStopped || !s.WakeUp(tags) {
+	if s.State() == StateLoading || s.State() == StateStopped || !s.wakeUpCtx(r.Context(), tags) {
 		openai.WriteError(w, openai.NewError(http.StatusServiceUnavailable, "the engine is not running", "", ""))
 		return
 	}

@@ -1,6 +1,7 @@
 package simserver
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -245,5 +246,46 @@ func TestSleepWakeUp(t *testing.T) {
 	}
 	if code, _ := get(t, ts2, "/is_sleeping"); code != http.StatusNotFound {
 		t.Errorf("/is_sleeping without sleep mode: %d, want 404", code)
+	}
+}
+
+// TestSleepCallersLeave: sleeps and wake-ups take turns (one engine call
+// at a time, each waiting its modelled copy time); a call waiting for its
+// turn leaves when its client does. Before, a storm of /wake_up calls
+// behind a long /sleep kept every handler (50 here) waiting for the sleep,
+// and each then ran for a client long gone.
+func TestSleepCallersLeave(t *testing.T) {
+	// At time scale 0.001 the level-1 offload takes hours of wall time:
+	// the sleep holds the turn for the whole test.
+	s, ts := newTestServer(t, ServerConfig{TimeScale: 0.001, EnableSleepMode: true})
+	go func() {
+		r, err := http.Post(ts.URL+"/sleep?level=1", "", nil)
+		if err == nil {
+			r.Body.Close()
+		}
+	}()
+	waitFor(t, "the sleep under way", func() bool { return s.State() == StateSleeping })
+	base := runtime.NumGoroutine()
+	const n = 50
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{}, n)
+	for range n {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, ts.URL+"/wake_up", nil)
+			if r, err := http.DefaultClient.Do(req); err == nil {
+				r.Body.Close()
+			}
+		}()
+	}
+	waitFor(t, "the wake-ups waiting", func() bool { return runtime.NumGoroutine() >= base+2*n })
+	cancel()
+	for range n {
+		<-done
+	}
+	http.DefaultClient.CloseIdleConnections()
+	waitFor(t, "the wake-ups' handlers gone", func() bool { return runtime.NumGoroutine() <= base+5 })
+	if got := s.State(); got != StateSleeping {
+		t.Errorf("state %q after the wake-ups left, want sleeping", got)
 	}
 }
