@@ -86,6 +86,17 @@ func (fl *artifactsFlags) bind(f *pflag.FlagSet) {
 }
 
 // open opens the cache the flags describe.
+// openRef parses a model reference and opens the cache (no scrub): what
+// locate, add and link start with. The caller closes the cache.
+func (fl *artifactsFlags) openRef(cmd *cobra.Command, ref string) (*artifact.Cache, artifact.Ref, error) {
+	r, err := artifact.ParseRef(ref)
+	if err != nil {
+		return nil, r, err
+	}
+	c, err := fl.open(cmd, false)
+	return c, r, err
+}
+
 func (fl *artifactsFlags) open(cmd *cobra.Command, scrub bool) (*artifact.Cache, error) {
 	budget, err := kvstore.ParseBytes(fl.budget)
 	if err != nil {
@@ -333,11 +344,7 @@ func (fl *artifactsFlags) locateCmd() *cobra.Command {
 		Short: "Say where each blob of a model would come from if an engine started now (local, peer, remote)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			r, err := artifact.ParseRef(args[0])
-			if err != nil {
-				return err
-			}
-			c, err := fl.open(cmd, false)
+			c, r, err := fl.openRef(cmd, args[0])
 			if err != nil {
 				return err
 			}
@@ -394,11 +401,7 @@ func (fl *artifactsFlags) addCmd() *cobra.Command {
 		Short: "Add local files to the cache as a model (an OCI artifact manifest, one layer a file)",
 		Args:  cobra.MinimumNArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			r, err := artifact.ParseRef(args[0])
-			if err != nil {
-				return err
-			}
-			c, err := fl.open(cmd, false)
+			c, r, err := fl.openRef(cmd, args[0])
 			if err != nil {
 				return err
 			}
@@ -425,11 +428,7 @@ func (fl *artifactsFlags) linkCmd() *cobra.Command {
 		Short: "Hard-link a cached model into an Ollama model store (an engine's OLLAMA_MODELS)",
 		Args:  cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			r, err := artifact.ParseRef(args[0])
-			if err != nil {
-				return err
-			}
-			c, err := fl.open(cmd, false)
+			c, r, err := fl.openRef(cmd, args[0])
 			if err != nil {
 				return err
 			}
