@@ -106,7 +106,7 @@ func (c Config) validateAdapters() []error {
 // the names its engine lists: sched.Endpoint.Models) and adapter. Names of
 // configured models and aliases are never adapters. It reads the model
 // lists the endpoints last read (endpoint.models).
-func buildAdapters(st *state, cfg Config) {
+func (g *Gateway) buildAdapters(st *state, cfg Config) {
 	st.adapters = map[string]string{}
 	taken := func(name string) bool {
 		return st.pools[name] != nil || cfg.Aliases[name] != nil || st.adapters[name] != ""
@@ -139,12 +139,19 @@ func buildAdapters(st *state, cfg Config) {
 			}
 		}
 	}
-	// Each pool's engines' served names, where the pool has adapters.
+	// Each pool's engines' served names, where the pool has adapters, and
+	// its placement counters (resolved once: the pick path does no label
+	// lookup).
 	has := map[string]bool{}
 	for _, base := range st.adapters {
 		has[base] = true
 	}
 	for model, p := range st.pools {
+		if has[model] || p.adapter != "" {
+			for k, name := range placements {
+				p.loraPicks[k] = g.metrics.loraPicks.WithLabelValues(model, name)
+			}
+		}
 		if !has[model] {
 			continue
 		}
@@ -294,23 +301,34 @@ func (g *Gateway) refreshAdapters() error {
 	return nil
 }
 
+// Placements of an adapter's pick (infergate_lora_picks_total's label).
+const (
+	placementUnknown = iota // no vllm:lora_requests_info
+	placementResident
+	placementFreeSlot
+	placementFull
+	numPlacements
+)
+
+var placements = [numPlacements]string{"unknown", "resident", "free_slot", "full"}
+
 // markAdapterPick counts an adapter request's pick by where its adapter
 // stood on the endpoint chosen (infergate_lora_picks_total).
-func (g *Gateway) markAdapterPick(p *pool, req *sched.Request, e *sched.Endpoint) {
-	if req.Adapter == "" {
+func markAdapterPick(p *pool, req *sched.Request, e *sched.Endpoint) {
+	if req.Adapter == "" || p.loraPicks[0] == nil {
 		return
 	}
-	placement := "unknown" // no vllm:lora_requests_info
+	k := placementUnknown
 	switch {
 	case slices.Contains(e.Adapters, req.Adapter):
-		placement = "resident"
+		k = placementResident
 	case e.MaxAdapters == 0 && e.Adapters == nil:
 	case e.MaxAdapters == 0 || len(e.Adapters) < e.MaxAdapters:
-		placement = "free_slot"
+		k = placementFreeSlot
 	default:
-		placement = "full"
+		k = placementFull
 	}
-	g.metrics.loraPicks.WithLabelValues(p.model, placement).Inc()
+	p.loraPicks[k].Inc()
 }
 
 // setAdapterGauge sets infergate_lora_adapters to st's adapters per base

@@ -57,7 +57,7 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 
 	// The names served (models and aliases), GET /v1/models, then the
 	// keys (whose lists are filtered from it).
-	buildAdapters(st, cfg)
+	g.buildAdapters(st, cfg)
 	if st.targets, err = buildTargets(st.pools, cfg.Aliases, st.adapters); err != nil {
 		return nil, nil, err
 	}

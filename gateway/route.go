@@ -13,6 +13,7 @@ import (
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/replica"
 	"github.com/infergate/infergate/sched"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // prepareTarget readies x to be sent to pool p: the model sent (an alias
@@ -236,7 +237,7 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 			if p.peers != nil {
 				g.replicas.learnt(p, d.Endpoint, req, d)
 			}
-			g.markAdapterPick(p, req, &s[d.Endpoint])
+			markAdapterPick(p, req, &s[d.Endpoint])
 			return d.Endpoint, d
 		}
 		s[d.Endpoint].Ready = false // filled up since the snapshot
@@ -334,6 +335,9 @@ type pool struct {
 	// when the pool has no adapters (adapters.go).
 	adapter string
 	served  [][]string
+	// loraPicks are infergate_lora_picks_total's children of the pool's
+	// model by placement (nil without adapters).
+	loraPicks [numPlacements]prometheus.Counter
 	// maxModelLen is the longest context of its endpoints (tokens).
 	maxModelLen int
 	// maxRequests is the circuit breaker's bound per endpoint.
