@@ -234,7 +234,15 @@ func (g *Gateway) modelsLoop(ctx context.Context, ep *endpoint) {
 		}
 		spec := ep.spec.Load()
 		l, err := g.prober.ModelList(ctx, ep.base, spec.header)
-		if err == nil && ep.setModels(&l) {
+		if err != nil {
+			t.Reset(g.cfg.ModelsRefreshInterval)
+			continue
+		}
+		// A change matters when adapters are listed, were, or are
+		// configured (whose engines are those that list them): a fleet
+		// without adapters is never rebuilt.
+		if old, changed := ep.setModels(&l); changed &&
+			(len(l.Adapters) > 0 || (old != nil && len(old.Adapters) > 0) || len(g.state.Load().cfg.Adapters) > 0) {
 			slog.Info("gateway: endpoint's model list changed", "endpoint", ep.name, "models", len(l.IDs), "adapters", len(l.Adapters))
 			g.adapterChanged()
 		}
@@ -242,11 +250,11 @@ func (g *Gateway) modelsLoop(ctx context.Context, ep *endpoint) {
 	}
 }
 
-// setModels stores l as ep's model list and reports whether it differs
-// from the one it replaces.
-func (ep *endpoint) setModels(l *fleet.ModelList) bool {
+// setModels stores l as ep's model list and returns the one it replaces
+// (nil: none) and whether l differs from it.
+func (ep *endpoint) setModels(l *fleet.ModelList) (*fleet.ModelList, bool) {
 	old := ep.models.Swap(l)
-	return old == nil || !slices.Equal(old.IDs, l.IDs) || !slices.Equal(old.Adapters, l.Adapters)
+	return old, old == nil || !slices.Equal(old.IDs, l.IDs) || !slices.Equal(old.Adapters, l.Adapters)
 }
 
 // adapterChanged asks the refresher for a rebuild (coalesced: one pending
