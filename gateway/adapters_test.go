@@ -338,3 +338,32 @@ func (s scraped) lines(name string) []string {
 	}
 	return out
 }
+
+// TestLoRAAdapterConfiguredAsModel: an adapter whose engines are listed
+// under its own name (a pool of its own, as configurations had it before
+// adapters were known) is still routed as that adapter: its requests name
+// it to the scheduler (the lora scorer and the placement counter see it)
+// and are sent unchanged.
+func TestLoRAAdapterConfiguredAsModel(t *testing.T) {
+	e := newFakeEngine(t, "e")
+	setModels(e, `{"object":"list","data":[{"id":"m","max_model_len":4096},{"id":"a","parent":"m"}]}`)
+	cfg := testConfig(sched.CacheAware, e)
+	// max_model_len 0: GET /v1/models is read when the endpoint is added.
+	cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: e.URL(), Model: "a", KVBlocks: 1000})
+	cfg.ResponseHeaders.Endpoint = true
+	g, url := startGateway(t, cfg)
+	if p := g.state.Load().pools["a"]; p == nil || p.adapter != "a" {
+		t.Fatalf("pool a: %+v", p)
+	}
+	c := testClient(t)
+	resp, b := post(t, c, url+pathChat, `{"model":"a","messages":[{"role":"user","content":"hi"}],"max_tokens":1}`)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if _, sent := e.last(); modelOf(sent) != "a" {
+		t.Errorf("the engine was asked for %q", modelOf(sent))
+	}
+	if v := scrape(t, c, url).value("infergate_lora_picks_total", `model="a"`); v != 1 {
+		t.Errorf("adapter picks of pool a: %v, want 1", v)
+	}
+}
