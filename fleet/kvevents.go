@@ -1,6 +1,7 @@
 package fleet
 
 import (
+	"strconv"
 	"sync/atomic"
 
 	"github.com/infergate/infergate/kvevents"
@@ -22,6 +23,17 @@ func KVSeeds(model string) func(loraName string) uint64 {
 		}
 		return prefix.Seed(lora + "\x00")
 	}
+}
+
+// loraIDSeed is the root seed of blocks an engine says an adapter computed
+// by its lora_id alone (vLLM before lora_name, PR #27577): the id is the
+// engine's own numbering (vllm/entrypoints/openai/serving_models.py
+// assigns it at load), not a name a request sends, so no prompt is hashed
+// from this seed. The blocks are indexed, and never matched for the base
+// model, whose blocks they are not (vLLM's block hashes differ by the
+// adapter's extra key).
+func loraIDSeed(id int) uint64 {
+	return prefix.Seed("\x00lora_id\x00" + strconv.Itoa(id))
 }
 
 // KVEventApplier is the kvevents.Handler that keeps one engine's blocks in a
@@ -114,7 +126,11 @@ func (a *KVEventApplier) KVBatch(_ uint64, b *kvevents.Batch) {
 			if !a.allowed(m) {
 				continue
 			}
-			err := a.ix.Stored(a.e, m, ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, a.seedFor(ev.LoRAName))
+			seed := a.seedFor(ev.LoRAName)
+			if ev.LoRAName == "" && ev.LoRAID != 0 {
+				seed = loraIDSeed(ev.LoRAID)
+			}
+			err := a.ix.Stored(a.e, m, ev.BlockHashes, ev.ParentBlockHash, ev.HasParent, ev.TokenIDs, seed)
 			if err == nil {
 				a.stored.Add(1)
 			} else {

@@ -883,3 +883,25 @@ func TestKVEventsTiers(t *testing.T) {
 		})
 	}
 }
+
+// TestKVEventsLoRAIDOnly: an engine that names an adapter by lora_id alone
+// (vLLM before lora_name) has its adapter's blocks indexed apart from the
+// base model's: a base-model prompt with the same tokens matches nothing.
+func TestKVEventsLoRAIDOnly(t *testing.T) {
+	ix, _ := prefix.NewPreciseIndex(1, 16)
+	a := NewKVEventApplier(ix, 0, KVSeeds(kvModel))
+	toks := kvTokens(100, 64)
+	a.KVBatch(0, &kvevents.Batch{Events: []kvevents.Event{{Type: kvevents.BlockStored, BlockHashes: []uint64{11, 12, 13, 14},
+		TokenIDs: toks, BlockSize: 16, LoRAID: 3}}})
+	if st := a.Stats(); st.Stored != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+	if n := kvMatch(ix, 0, toks, ""); n != 0 {
+		t.Fatalf("a base-model prompt matches %d blocks an adapter computed", n)
+	}
+	a.KVBatch(1, &kvevents.Batch{Events: []kvevents.Event{{Type: kvevents.BlockStored, BlockHashes: []uint64{21, 22, 23, 24},
+		TokenIDs: toks, BlockSize: 16}}})
+	if n := kvMatch(ix, 0, toks, ""); n != 4 {
+		t.Fatalf("the base model's own blocks match %d, want 4", n)
+	}
+}

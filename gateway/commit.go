@@ -52,6 +52,7 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 		}
 	}
 	g.setHooks(st)
+	g.setAdapterGauge(st, prev)
 	// The feeds' appliers change before the slots they leave are
 	// forgotten: setAppliers waits for a batch in progress.
 	for _, f := range pl.detach {
@@ -139,7 +140,8 @@ func (g *Gateway) setHooks(st *state) {
 	}
 }
 
-// startEndpoint starts ep's health loop.
+// startEndpoint starts ep's health loop and its model list's refresh
+// (adapters.go).
 func (g *Gateway) startEndpoint(ep *endpoint) {
 	ctx, cancel := context.WithCancel(g.loops)
 	ep.stop = cancel
@@ -147,6 +149,7 @@ func (g *Gateway) startEndpoint(ep *endpoint) {
 		defer close(ep.done)
 		g.healthLoop(ctx, ep)
 	})
+	g.wg.Go(func() { g.modelsLoop(ctx, ep) })
 }
 
 // drainPoll is how often a removed endpoint's in-flight count is read.

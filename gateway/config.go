@@ -56,6 +56,12 @@ const (
 	// (fleet.DefaultScrapeInterval's rationale: the gateway's own in-flight
 	// accounting is exact, scraped queues only correct it).
 	DefaultScrapeInterval = time.Second
+	// DefaultModelsRefreshInterval is the period of the endpoints' GET
+	// /v1/models read (LoRA adapters loaded or unloaded at run time,
+	// vLLM's /v1/load_lora_adapter). Adapters change far less often than
+	// load, which is scraped every second; an adapter loaded on an engine
+	// is routed to within this period (and at once by a reload).
+	DefaultModelsRefreshInterval = 10 * time.Second
 	// DefaultKVBlocks is the KV capacity (blocks) assumed for an endpoint
 	// whose kv_blocks is 0 and whose /metrics does not report
 	// vllm:cache_config_info.
@@ -105,6 +111,14 @@ type Config struct {
 	// Aliases are model names served by configured models, each an ordered
 	// fallback list (alias.go): `fast: [llama-8b, llama-70b]`.
 	Aliases map[string][]string `yaml:"aliases"`
+	// Adapters are LoRA adapters served on configured models, by base
+	// model: `llama: [sql-lora, chat-lora]` (adapters.go). A request whose
+	// model is an adapter goes to its base model's pool with the adapter
+	// kept in the body; the engines that list it in GET /v1/models (or all
+	// of the pool's, where that list is not read) are its candidates.
+	// Adapters an engine lists with a `parent` are added to these without
+	// configuration (models_refresh_interval).
+	Adapters map[string][]string `yaml:"adapters"`
 	// Responses configures the Responses API's session affinity
 	// (responses.go).
 	Responses ResponsesConfig `yaml:"responses"`
@@ -183,6 +197,12 @@ type Config struct {
 	// whose kind has a metrics page (queue, KV utilisation, LoRA adapters
 	// for the load scorers); default 1s, negative disables scraping.
 	ScrapeInterval time.Duration `yaml:"scrape_interval"`
+	// ModelsRefreshInterval is the period of each endpoint's GET
+	// /v1/models read, which finds the LoRA adapters it serves and their
+	// base model (`parent`; adapters.go); default 10s, negative disables
+	// the reads after the one at start (and at a reload that adds the
+	// endpoint).
+	ModelsRefreshInterval time.Duration `yaml:"models_refresh_interval"`
 
 	// Retry resends a request that failed before any byte reached the
 	// client to another endpoint (resilience.go).
@@ -473,6 +493,9 @@ func (c Config) WithDefaults() Config {
 	if c.HealthCheckAbortAfter == 0 {
 		c.HealthCheckAbortAfter = DefaultHealthCheckAbortAfter
 	}
+	if c.ModelsRefreshInterval == 0 {
+		c.ModelsRefreshInterval = DefaultModelsRefreshInterval
+	}
 	if c.ScrapeInterval == 0 {
 		c.ScrapeInterval = DefaultScrapeInterval
 	}
@@ -552,6 +575,7 @@ func (c Config) Validate() error {
 		bad("endpoints: at least one endpoint is required (or discovery.kubernetes)")
 	}
 	errs = append(errs, c.validateAliases()...)
+	errs = append(errs, c.validateAdapters()...)
 	errs = append(errs, c.Responses.validate()...)
 	errs = append(errs, c.validateEndpoints()...)
 	errs = append(errs, c.validateKVStores()...)

@@ -35,6 +35,11 @@ type endpoint struct {
 	// discovered from it: replaced whole by a reload, never changed.
 	spec atomic.Pointer[endpointSpec]
 
+	// models is the engine's model list as last read (GET /v1/models, at
+	// start and every models_refresh_interval; nil before any read
+	// succeeded): the LoRA adapters it serves (adapters.go).
+	models atomic.Pointer[fleet.ModelList]
+
 	// ready is true while the endpoint is healthy and not ejected.
 	ready atomic.Bool
 	// ejectedUntil is the end of the current ejection (unix ns); the health

@@ -44,6 +44,8 @@ type fakeEngine struct {
 	down     atomic.Bool // /health answers 503
 	requests atomic.Int64
 	canceled chan struct{} // a hung request saw its context end
+	// models is GET /v1/models's answer (nil: 404).
+	models atomic.Pointer[string]
 
 	mu         sync.Mutex
 	lastHeader http.Header
@@ -91,6 +93,12 @@ func (e *fakeEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			"vllm:cache_config_info{block_size=\"32\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",gpu_memory_utilization=\"0.9\",num_gpu_blocks=\"%d\"} 1.0\n", e.kvBlocks)
 	case "/v1/chat/completions", "/v1/completions":
 		e.serveCompletion(w, r)
+	case "/v1/models":
+		if m := e.models.Load(); m != nil {
+			io.WriteString(w, *m)
+			return
+		}
+		http.NotFound(w, r)
 	default:
 		http.NotFound(w, r)
 	}

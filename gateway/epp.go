@@ -282,6 +282,7 @@ func (g *Gateway) Pick(ctx context.Context, req *PickRequest) (*Picked, *Refusal
 	}
 	verr := x.decode(kind)
 	targets := st.targets[x.model]
+	x.pass.adapterOf = st.adapters[x.model]
 	rm := g.unknown
 	if len(targets) > 0 {
 		rm = targets[0].none

@@ -117,6 +117,9 @@ type Gateway struct {
 	// settles are the policies whose queued learning the settler applies
 	// (learning.go).
 	settles chan sched.Settler
+	// adapterRefresh asks for a rebuild of the state when an endpoint's
+	// model list changed (adapters.go; capacity 1).
+	adapterRefresh chan struct{}
 
 	// loops is the parent context of every endpoint's health loop and
 	// feeds; stop (Close) ends them all, wg waits for them.
@@ -170,6 +173,7 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	g.reqIDPrefix = "ig-" + hex.EncodeToString(idb[:]) + "-"
 	g.loops, g.stop = context.WithCancel(context.Background())
 	g.startSettler()
+	g.adapterRefresh = make(chan struct{}, 1)
 	fail := func(err error) (*Gateway, error) {
 		g.Close() // the one cleanup path, whatever was started
 		return nil, err
@@ -234,6 +238,7 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	}
 	g.commit(st, plan, nil)
 	g.reloadMu.Unlock()
+	g.runAdapterRefresh()
 	if err := g.startReplicas(); err != nil {
 		return fail(err)
 	}

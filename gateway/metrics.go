@@ -51,6 +51,10 @@ type metrics struct {
 	// tokenizer is 1 per model for the tokenizer routing uses (model,
 	// tokenizer: the configured path, or cl100k_fallback).
 	tokenizer *prometheus.GaugeVec
+	// loraPicks counts adapter requests' picks by placement; adapters
+	// is the adapters served per base model (adapters.go).
+	loraPicks *prometheus.CounterVec // model, placement
+	adapters  *prometheus.GaugeVec   // model
 	// api counts requests received per API (infergate_api_requests_total;
 	// children resolved at start).
 	api [numKinds]prometheus.Counter
@@ -104,13 +108,19 @@ func newMetrics(reg prometheus.Registerer, fleet *fleetCollector) (*metrics, err
 	m.tokenizer = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "infergate", Name: "pool_tokenizer",
 		Help: "1 for the tokenizer a model's routing tokenizes prompts with (tokenizer: the configured tokenizers path, or cl100k_fallback when none is configured); absent when the model's routing does not tokenize."},
 		[]string{"model", "tokenizer"})
+	m.loraPicks = prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "lora_picks_total",
+		Help: "Picks of requests for a LoRA adapter, by base model and where the adapter stood on the endpoint picked (vllm:lora_requests_info as last scraped): resident (running or waiting there), free_slot (fewer adapters active than max_lora), full (loading it competes for max_lora slots), unknown (no LoRA metric)."},
+		[]string{"model", "placement"})
+	m.adapters = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "infergate", Name: "lora_adapters",
+		Help: "LoRA adapters served on a base model: configured (adapters) and listed by its endpoints' GET /v1/models with it as parent."},
+		[]string{"model"})
 	apis := prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "api_requests_total",
 		Help: "Requests received per API (chat_completions, completions, responses, embeddings, tokenize, detokenize, responses_by_id, other: every other /v1/ path passed through)."},
 		[]string{"api"})
 	for k, name := range apiNames {
 		m.api[k] = apis.WithLabelValues(name)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.ttft, m.itl, m.e2e, m.prompt, m.cached, m.generated, m.predicted, m.predictedTier, m.predErr, m.tokenizer, apis, fleet} {
+	for _, c := range []prometheus.Collector{m.requests, m.ttft, m.itl, m.e2e, m.prompt, m.cached, m.generated, m.predicted, m.predictedTier, m.predErr, m.tokenizer, m.loraPicks, m.adapters, apis, fleet} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register gateway metrics: %w", err)
 		}

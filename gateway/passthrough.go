@@ -167,6 +167,9 @@ type passState struct {
 	// answered; fell is why a target declined (the fallback reason).
 	fallback bool
 	fell     string
+	// adapterOf is the base model of the LoRA adapter the client asked
+	// for ("" when its model is none; adapters.go).
+	adapterOf string
 	// sendBody is the body sent upstream when it differs from the client's
 	// (an alias target's model spliced in; in aliasBody's buffer).
 	sendBody, aliasBody []byte

@@ -303,7 +303,7 @@ func (g *Gateway) pickWith(p *pool, req *sched.Request, excluded []bool,
 	defer g.settleLater(p)
 	s := *snap
 	for range len(s) {
-		p.ruleOut(s, excluded, limit)
+		p.ruleOut(s, req, excluded, limit)
 		d := pick(req, s)
 		if d.Endpoint < 0 || d.Endpoint >= len(s) || !s[d.Endpoint].Ready {
 			return -1, d
@@ -324,7 +324,7 @@ func (g *Gateway) pickSplit(r *http.Request, x *exchange, kind apiKind, p *pool,
 	x.pd.orig, x.pd.origSet = x.pass.sendBody, true
 	snap := p.snapshot()
 	s := *snap
-	p.ruleOut(s, excluded, p.maxRequests)
+	p.ruleOut(s, &x.sreq, excluded, p.maxRequests)
 	dec := p.pd.Pick(&x.sreq, s)
 	p.release(snap)
 	g.settleLater(p)

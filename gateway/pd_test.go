@@ -76,6 +76,10 @@ func (e *pdEngine) got() []pdLeg {
 }
 
 func (e *pdEngine) serve(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path == "/v1/models" { // the gateway's model list refresh: no leg
+		http.NotFound(w, r)
+		return
+	}
 	if r.URL.Path == "/health" {
 		if e.unhealth.Load() {
 			w.WriteHeader(503)

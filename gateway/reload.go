@@ -80,6 +80,7 @@ var reloadable = map[string]bool{
 	"admission":       true,
 	"circuit_breaker": true,
 	"aliases":         true,
+	"adapters":        true,
 	"kv_stores":       true,
 	// discovery: its template and model apply at a reload; what is
 	// watched is the caller's (cmd/infergate) to restart.
@@ -104,6 +105,9 @@ type state struct {
 	// targets are the pools a model name is served by: a model's own, an
 	// alias's in fallback order (alias.go).
 	targets map[string][]*pool
+	// adapters are the LoRA adapters served, each with its base model
+	// (adapters.go); targets has each one's base pool.
+	adapters map[string]string
 	// modelsBody is GET /v1/models, modelBodies each entry of it;
 	// created is each model's and alias's "created" (kept across
 	// reloads).

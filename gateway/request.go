@@ -204,6 +204,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	verr := x.decode(kind)
 	x.obs.decodedRequest(x.model, x.stream)
 	targets := st.targets[x.model]
+	x.pass.adapterOf = st.adapters[x.model]
 	if kind == kindResponseByID {
 		targets, verr = g.responseTarget(x, r, key, st)
 	}

@@ -13,15 +13,18 @@ import (
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/replica"
 	"github.com/infergate/infergate/sched"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // prepareTarget readies x to be sent to pool p: the model sent (an alias
-// target's name spliced into the body), and the routing hashes under p's
-// seed when its policy needs them.
+// target's name spliced into the body; a LoRA adapter's kept, its name in
+// sched.Request.Adapter), and the routing hashes under p's seed (the
+// adapter's for an adapter) when its policy needs them.
 func (g *Gateway) prepareTarget(w http.ResponseWriter, x *exchange, kind apiKind, p *pool) *openai.Error {
 	x.sreq.Model = p.model
+	x.sreq.Adapter = x.adapterOn(p)
 	x.sreq.Hashes, x.sreq.PromptTokens = nil, 0
-	if p.model != x.model && kind != kindResponseByID {
+	if p.model != x.model && kind != kindResponseByID && x.sreq.Adapter != x.model {
 		if e := g.aliasTarget(w, x, p); e != nil {
 			return e
 		}
@@ -36,7 +39,12 @@ func (g *Gateway) prepareTarget(w http.ResponseWriter, x *exchange, kind apiKind
 		}
 		tokens := x.pass.routeToks
 		seed := p.seed
-		if x.salt != "" {
+		switch a := x.sreq.Adapter; {
+		case a != "":
+			// The adapter's own identity (adapters.go), as the precise
+			// index keys its KV events (fleet.KVSeeds).
+			seed = prefix.Seed(a + "\x00" + x.salt)
+		case x.salt != "":
 			seed = prefix.Seed(p.model + "\x00" + x.salt)
 		}
 		x.hashes = prefix.Hashes(x.hashes[:0], tokens, p.blockSize, seed)
@@ -216,11 +224,11 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 	if p.peers != nil && p.pd == nil {
 		// Other replicas: this one's share marked, the load they are
 		// expected to have routed unseen added (replicas.go).
-		p.ruleOut(s, excluded, limit)
+		p.ruleOut(s, req, excluded, limit)
 		g.replicas.expect(s)
 	}
 	for range len(s) { // each round takes a slot or rules one endpoint out
-		p.ruleOut(s, excluded, limit)
+		p.ruleOut(s, req, excluded, limit)
 		d := p.policy.Pick(req, s)
 		if d.Endpoint < 0 || d.Endpoint >= len(s) || !s[d.Endpoint].Ready {
 			return -1, d
@@ -229,6 +237,7 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 			if p.peers != nil {
 				g.replicas.learnt(p, d.Endpoint, req, d)
 			}
+			markAdapterPick(p, req, &s[d.Endpoint])
 			return d.Endpoint, d
 		}
 		s[d.Endpoint].Ready = false // filled up since the snapshot
@@ -237,12 +246,14 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 }
 
 // ruleOut marks not ready in s, a snapshot of p, the endpoints excluded
-// (failed earlier in this request) and those at the circuit breaker's
-// limit. The breaker bounds this replica's own requests: the peers' add to
-// the snapshot's InFlight (p.peers), not to the ledger.
-func (p *pool) ruleOut(s []sched.Endpoint, excluded []bool, limit int) {
+// (failed earlier in this request), those at the circuit breaker's limit,
+// and, for a LoRA adapter's request, those whose engine does not list the
+// adapter (Endpoint.Models, adapters.go). The breaker bounds this
+// replica's own requests: the peers' add to the snapshot's InFlight
+// (p.peers), not to the ledger.
+func (p *pool) ruleOut(s []sched.Endpoint, req *sched.Request, excluded []bool, limit int) {
 	for i := range s {
-		if excluded[i] || int(p.endpoints[i].ledger.InFlight()) >= limit {
+		if excluded[i] || int(p.endpoints[i].ledger.InFlight()) >= limit || !serves(s[i].Models, req.Adapter) {
 			s[i].Ready = false
 		}
 	}
@@ -317,6 +328,16 @@ type pool struct {
 	// hf is the model's own tokenizer (config tokenizers), nil for the
 	// cl100k fallback; when set it tokenizes every prompt (hftokens.go).
 	hf *hftokenizer.Tokenizer
+	// adapter is the pool's model when its engines list that model as a
+	// LoRA adapter (an adapter configured as a model of its own), else "";
+	// served is, per slot, the model names the engine lists of those the
+	// pool serves (its model and adapters; nil: unknown, all of them), nil
+	// when the pool has no adapters (adapters.go).
+	adapter string
+	served  [][]string
+	// loraPicks are infergate_lora_picks_total's children of the pool's
+	// model by placement (nil without adapters).
+	loraPicks [numPlacements]prometheus.Counter
 	// maxModelLen is the longest context of its endpoints (tokens).
 	maxModelLen int
 	// maxRequests is the circuit breaker's bound per endpoint.
@@ -365,6 +386,9 @@ func (p *pool) snapshot() *[]sched.Endpoint {
 		s[i] = sched.Endpoint{Name: ep.name, Ready: ep.ready.Load()}
 		if p.roles != nil {
 			s[i].Role = p.roles[i]
+		}
+		if p.served != nil {
+			s[i].Models = p.served[i]
 		}
 		ep.ledger.Fill(&s[i])
 		if p.peers != nil {

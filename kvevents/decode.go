@@ -319,6 +319,8 @@ func (kd *kvDecoder) field(ev *Event, name string) error {
 		ev.Medium, err = kd.optString(name)
 	case "lora_name":
 		ev.LoRAName, err = kd.optString(name)
+	case "lora_id":
+		ev.LoRAID, err = kd.optInt(name, 0)
 	case "group_idx":
 		ev.GroupIdx, err = kd.optInt(name, -1)
 	default:

@@ -27,7 +27,7 @@ func TestDecodeBatchSimForms(t *testing.T) {
 	}
 	want := Batch{TS: 1.5, DataParallelRank: 0, Events: []Event{
 		{Type: BlockStored, BlockHashes: []uint64{1 << 63, 5}, HasParent: true, ParentBlockHash: 42,
-			TokenIDs: []uint32{1, 2, 3, 70000}, BlockSize: 2, LoRAName: "ad1", Medium: "GPU", GroupIdx: 0},
+			TokenIDs: []uint32{1, 2, 3, 70000}, BlockSize: 2, LoRAName: "ad1", LoRAID: 1, Medium: "GPU", GroupIdx: 0},
 		{Type: BlockStored, BlockHashes: []uint64{9}, TokenIDs: []uint32{7, 8}, BlockSize: 2, Medium: "GPU", GroupIdx: 0},
 		{Type: BlockRemoved, BlockHashes: []uint64{5}, Medium: "GPU", GroupIdx: -1},
 		{Type: AllBlocksCleared, GroupIdx: -1},
@@ -101,7 +101,7 @@ func TestDecodeBatchVariants(t *testing.T) {
 		name:    "long lora name",
 		payload: []any{1.0, []any{[]any{"BlockStored", []any{1}, nil, []any{1}, 1, 3, nil, strings.Repeat("a", 100)}}},
 		want: Batch{TS: 1, DataParallelRank: -1, Events: []Event{
-			{Type: BlockStored, BlockHashes: []uint64{1}, TokenIDs: []uint32{1}, BlockSize: 1, LoRAName: strings.Repeat("a", 100), GroupIdx: -1},
+			{Type: BlockStored, BlockHashes: []uint64{1}, TokenIDs: []uint32{1}, BlockSize: 1, LoRAID: 3, LoRAName: strings.Repeat("a", 100), GroupIdx: -1},
 		}},
 	}}
 	for _, tc := range cases {

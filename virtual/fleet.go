@@ -110,6 +110,12 @@ type Request struct {
 	Prompt func(dst []uint32) []uint32
 	// MaxTokens is the exact number of tokens to generate.
 	MaxTokens int
+	// Adapter is the LoRA adapter the request names ("" for the base
+	// model): one of Config.Engine.LoRA.Adapters. It is routed as the live
+	// gateway routes an adapter's request (gateway/adapters.go):
+	// sched.Request.Adapter set, the prompt hashed from the adapter's root
+	// seed, the engines' adapters scraped (Endpoint.Adapters).
+	Adapter string
 }
 
 // Result is the outcome of one Request. Times are simulated.
@@ -257,6 +263,9 @@ type engine struct {
 	rEvents []kvevent.Event
 	rHashes []uint64
 	rTokens []uint32
+	// adapters are its running then waiting adapters as last scraped
+	// (vllm:lora_requests_info), the snapshots' Endpoint.Adapters.
+	adapters []string
 	// Autoscaling (Config.Autoscale): its state (engineReady for a fixed
 	// fleet), since when it is up and when a starting engine is ready.
 	state            uint8
@@ -587,10 +596,20 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 // (simserver.Server publishes them from Engine.Stats after each step).
 func (f *Fleet) scrape() {
 	for i := range f.engines {
-		st := f.engines[i].e.Stats()
+		ve := &f.engines[i]
+		st := ve.e.Stats()
+		// vllm:lora_requests_info's running and waiting adapters and
+		// max_lora, as the gateway reads them (gateway/route.go
+		// loraAdapters).
+		ve.adapters = append(append(ve.adapters[:0], st.RunningLoRAs...), st.WaitingLoRAs...)
+		maxLoras := 0
+		if f.cfg.Engine.LoRA.Enabled() {
+			maxLoras = f.cfg.Engine.LoRA.MaxLoras
+		}
 		for _, r := range f.reps { // every replica scrapes every engine
 			e := &r.snap[i]
 			e.Metrics, e.Waiting, e.Running, e.KVUtil = true, st.Waiting, st.Running, max(st.KVUsage, 0)
+			e.Adapters, e.MaxAdapters = ve.adapters, maxLoras
 		}
 	}
 }
@@ -617,9 +636,9 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		f.prompt = vr.Prompt(f.prompt[:0])
 		tokens = f.prompt
 	}
-	f.sreq = sched.Request{Model: f.cfg.Model}
+	f.sreq = sched.Request{Model: f.cfg.Model, Adapter: vr.Adapter}
 	if policy.NeedsHashes() || f.precise != nil || (f.pd != nil && f.pd.NeedsHashes()) {
-		f.hashes = prefix.Hashes(f.hashes[:0], tokens, f.blockSize, f.seed)
+		f.hashes = prefix.Hashes(f.hashes[:0], tokens, f.blockSize, f.seedOf(vr.Adapter))
 		f.sreq.Hashes, f.sreq.PromptTokens = f.hashes, len(tokens)
 	}
 	rp.fill(t)
@@ -669,7 +688,7 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	if maxTokens == 0 {
 		maxTokens = vr.MaxTokens
 	}
-	f.req = sim.Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: maxTokens, HoldKV: r.Prefill >= 0}
+	f.req = sim.Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: maxTokens, HoldKV: r.Prefill >= 0, LoRA: vr.Adapter}
 	if r.Prefill >= 0 {
 		// As the gateway takes D's slot when it decides, before P's leg.
 		f.ledger(k, r.Engine).Acquire()
@@ -724,9 +743,9 @@ func (f *Fleet) handOff(t time.Duration) {
 		}
 		r.HandOff = t
 		if f.precise != nil {
-			f.precise.Routed(r.Engine, f.hashesOf(tokens))
+			f.precise.Routed(r.Engine, f.hashesOf(tokens, vr.Adapter))
 		}
-		f.req = sim.Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: vr.MaxTokens, RemotePrefill: true}
+		f.req = sim.Request{ID: strconv.Itoa(f.base + k), Tokens: tokens, MaxTokens: vr.MaxTokens, RemotePrefill: true, LoRA: vr.Adapter}
 		f.send(k, r.Engine, len(tokens), len(tokens), t, false) // D's slot was taken at the decision
 		if r.Err != nil {
 			f.engines[r.Prefill].e.Release(f.req.ID) // no D will read them
@@ -735,10 +754,21 @@ func (f *Fleet) handOff(t time.Duration) {
 	f.handoffs = f.handoffs[:0]
 }
 
-// hashesOf returns the routing block hashes of tokens (f.hashes reused).
-func (f *Fleet) hashesOf(tokens []uint32) []uint64 {
-	f.hashes = prefix.Hashes(f.hashes[:0], tokens, f.blockSize, f.seed)
+// hashesOf returns the routing block hashes of tokens under adapter ("":
+// the base model; f.hashes reused).
+func (f *Fleet) hashesOf(tokens []uint32, adapter string) []uint64 {
+	f.hashes = prefix.Hashes(f.hashes[:0], tokens, f.blockSize, f.seedOf(adapter))
 	return f.hashes
+}
+
+// seedOf is the root seed of a prompt under adapter: the model's for the
+// base model, the adapter's own otherwise, as the gateway hashes it and
+// the precise index keys the engines' KV events (lora_name).
+func (f *Fleet) seedOf(adapter string) uint64 {
+	if adapter == "" {
+		return f.seed
+	}
+	return prefix.Seed(adapter + "\x00")
 }
 
 // predictTiers is what the precise index says engine e would take from

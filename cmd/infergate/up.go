@@ -250,7 +250,7 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 	}
 	scfg.Engine = fl.tiers.engine(scfg.Engine)
 	scfg.KVRemote = fl.tiers.remote
-	prof, model, lora := scfg.Engine.Profile, scfg.Model, scfg.Engine.LoRA
+	prof, model := scfg.Engine.Profile, scfg.Model
 	if !cmd.Flags().Changed("responses-store") {
 		scfg.ResponsesStore = true // the embedded demo: continuations work
 	}
@@ -274,9 +274,10 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 	// at every SIGHUP.
 	load := func() (gateway.Config, error) {
 		cfg := gateway.Config{Listen: fl.listen, Routing: sched.Config{Policy: fl.policy}, ShutdownGrace: fl.grace}
-		for _, m := range append([]string{model}, lora.Adapters...) {
-			cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, m)...)
-		}
+		// The base model only: the gateway finds the engines' LoRA
+		// adapters (--lora-modules) in their GET /v1/models and routes
+		// them through the base model's pool (gateway/adapters.go).
+		cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, model)...)
 		bench.FleetTiers(fleet, &cfg)
 		if err := pd.apply(&cfg, fleet, fl.pdThreshold); err != nil {
 			return cfg, err

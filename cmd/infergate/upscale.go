@@ -220,11 +220,14 @@ func (fl *upFlags) runElastic(cmd *cobra.Command, scfg simserver.ServerConfig) e
 	load := func() (gateway.Config, error) {
 		cfg := gateway.Config{Listen: fl.listen, Routing: sched.Config{Policy: fl.policy}, ShutdownGrace: fl.grace,
 			HealthCheckInterval: elasticHealth}
-		for _, m := range append([]string{model}, eng.LoRA.Adapters...) {
-			for _, u := range fleet.URLs {
-				cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: u, Model: m, Kind: kinds.Sim,
-					KVBlocks: eng.NumBlocks, BlockSize: eng.BlockSize, MaxModelLen: eng.Profile.MaxModelLen})
-			}
+		for _, u := range fleet.URLs {
+			cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: u, Model: model, Kind: kinds.Sim,
+				KVBlocks: eng.NumBlocks, BlockSize: eng.BlockSize, MaxModelLen: eng.Profile.MaxModelLen})
+		}
+		// The engines' LoRA adapters are configured, not discovered: an
+		// elastic fleet may have no engine to list them.
+		if len(eng.LoRA.Adapters) > 0 {
+			cfg.Adapters = map[string][]string{model: eng.LoRA.Adapters}
 		}
 		cfg.ScaleFromZero = map[string]gateway.ScaleFromZeroConfig{"*": {HoldTTL: hold, Heartbeat: fl.elastic.heartbeat,
 			Wake: gateway.WakeConfig{Waker: fleet}}}

@@ -94,8 +94,10 @@ type Event struct {
 	// vLLM does (vllm/v1/core/block_pool.py cache_full_blocks).
 	LoRAName string
 	// LoRAID is the adapter's id, published as lora_id (null when LoRAName
-	// is ""). kvevents.DecodeBatch does not read lora_id (vLLM deprecated it; the
-	// gateway keys adapters by name) and leaves it 0.
+	// is ""; 0 when null). vLLM deprecated it for lora_name; the gateway
+	// keys adapters by name, and an event of an engine that publishes only
+	// the id (vLLM before lora_name, PR #27577) apart from the base model's
+	// (fleet.KVEventApplier).
 	LoRAID int
 	// Medium is the cache tier ("" when null, which means the GPU; the
 	// Medium* constants). Filled by kvevents.DecodeBatch; kvevents.AppendBatch
