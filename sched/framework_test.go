@@ -438,6 +438,8 @@ func BenchmarkDecision64x1M(b *testing.B) {
 		{"cache-aware/decide", CacheAware, false, learnOff},
 		{"cache-aware/pick", CacheAware, false, learnQueued},
 		{"cache-aware/pick+settle", CacheAware, false, learnInline},
+		{"cache-aware-ttft/decide", CacheAwareTTFT, false, learnOff},
+		{"cache-aware-ttft/pick", CacheAwareTTFT, false, learnQueued},
 		{"precise-prefix/decide", PrecisePrefix, false, learnOff},
 		{"precise-prefix/pick", PrecisePrefix, false, learnQueued},
 		{"precise-prefix/tiered", PrecisePrefix, true, learnOff},

@@ -27,7 +27,7 @@ type ProfileConfig struct {
 	// ttft-bound).
 	Filters []string `yaml:"filters"`
 	// Scorers and their weights (≥ 0; names: prefix, precise-prefix, queue,
-	// kv-utilization, in-flight-tokens, session, lora, cost, and the peers'
+	// kv-utilization, in-flight-tokens, session, lora, cost, ttft, and the peers'
 	// llm-d-prefix, no-hit-lru, sglang-tree; peers.go).
 	Scorers []ScorerConfig `yaml:"scorers"`
 	// Picker: max-score (default), weighted-random, power-of-two, or a

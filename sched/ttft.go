@@ -19,24 +19,32 @@ type TTFTConfig struct {
 	// BlockWeight is β of the ttft scorer: each request in flight at a
 	// candidate is charged β times this request's prefill time there, the
 	// head-of-line wait it imposes on the follow-ups of the sessions that
-	// candidate serves (≥ 0; default 0).
-	BlockWeight float64 `yaml:"block_weight"`
+	// candidate serves (≥ 0; default DefaultTTFTBlockWeight).
+	BlockWeight *float64 `yaml:"block_weight"`
 }
 
-// DefaultTTFTWorkWeight is TTFTConfig.WorkWeight's default: the weight
-// ratio of the cache-aware profile (prefix 2 : cost 1) that the ttft
-// scorer's one-unit form replaces (README.md, "Evaluation against the
-// peers": the measured choice).
-const DefaultTTFTWorkWeight = 2.0
+// Defaults of TTFTConfig, measured in virtual time on seven workloads ×
+// seeds 0–2 (README.md, "Evaluation against the peers": α 1, 2, 5, 10
+// and β 0, 0.1, 0.3). α 10 keeps the most hits (within 0.6 points of
+// cache-aware's everywhere) with most of the tail gain (long-tail TTFT p99
+// −15 to −20%); α 2 and 5 give up 0.9–2.0 points of hit rate on the
+// Mooncake and long-tail workloads for a little more tail; β 0.1 (at α 5)
+// gains hits back on Mooncake but costs the shared-prefix burst 12.8% of
+// its TTFT p99, so it is off by default.
+const (
+	DefaultTTFTWorkWeight  = 10.0
+	DefaultTTFTBlockWeight = 0.0
+)
 
 // ttftScorer rates each candidate by the seconds the decision costs there,
 // in one unit: the request's own estimated time to first token plus the
 // prefill work it adds, charged to the requests that will queue behind it,
 //
-//	cost_e = W_e + (1 + α) · U_e / rate_e + L_e
+//	cost_e = W_e + (1 + α + β · N_e) · U_e / rate_e + L_e
 //	W_e    = PendingPrefillTokens_e / rate_e          (the backlog ahead, s)
 //	U_e    = max(1, P − B · m_e)                      (its uncached tokens)
 //	L_e    = load time of its lower-tier blocks (tiers.go; 0 without tiers)
+//	N_e    = requests in flight at e (Endpoint.InFlight)
 //
 // and scores candidates min–max over cost (1 the cheapest, 0 the dearest,
 // 1 for all when equal). W_e + U_e / rate_e + L_e is the cost scorer's
@@ -45,7 +53,11 @@ const DefaultTTFTWorkWeight = 2.0
 // minimum wins); the α term is the cache's value to everyone else: a token
 // computed again is prefill capacity the fleet loses (Preble, Srivatsa et
 // al., ICLR 2025, §4: prefill load with cache hits subtracted; Dynamo's
-// KV router charges prefill blocks at overlap_score_weight). Unlike the
+// KV router charges prefill blocks at overlap_score_weight); the β term is
+// the head-of-line wait the prefill imposes on the sessions in flight at e,
+// whose next turns come back to e and queue behind it (an FCFS engine
+// prefills a waiting prompt only after the running ones: vLLM v1's
+// scheduler, sim/engine.go Step). Unlike the
 // cost scorer's ratio min TTFT / TTFT_e, which costs an endpoint at most
 // one weight unit however long its backlog, here a hit is worth exactly
 // the seconds it saves: a short follow-up is not queued behind another
@@ -80,7 +92,10 @@ func newTTFTScorer(cfg Config, pcfg PrefixConfig) (*ttftScorer, error) {
 	if !(rate > 0) || math.IsInf(rate, 0) {
 		return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", rate)
 	}
-	block := cfg.TTFT.BlockWeight
+	block := DefaultTTFTBlockWeight
+	if b := cfg.TTFT.BlockWeight; b != nil {
+		block = *b
+	}
 	if !(block >= 0) || math.IsInf(block, 0) {
 		return nil, fmt.Errorf("ttft.block_weight %g must be >= 0 and finite", block)
 	}

@@ -158,7 +158,8 @@ func TestCacheAwareTTFTProfile(t *testing.T) {
 // a long cold prompt goes where it blocks fewest sessions.
 func TestTTFTBlockWeight(t *testing.T) {
 	cfg := ttftOnly(2)
-	cfg.TTFT.BlockWeight = 0.1
+	b := 0.1
+	cfg.TTFT.BlockWeight = &b
 	p := newProfileT(t, cfg, Pool{Capacity: caps(2, 100000), Precise: fm(0, 0)})
 	eps := ready(2)
 	eps[0].InFlight, eps[0].PendingPrefillTokens = 20, 0
@@ -167,10 +168,11 @@ func TestTTFTBlockWeight(t *testing.T) {
 	if d := p.Pick(long, eps); d.Endpoint != 1 {
 		t.Fatalf("long cold prompt: %+v, want the endpoint with fewer sessions", d)
 	}
-	if d := newProfileT(t, ttftOnly(2), Pool{Capacity: caps(2, 100000), Precise: fm(0, 0)}).Pick(long, eps); d.Endpoint != 0 {
+	b = 0
+	if d := newProfileT(t, cfg, Pool{Capacity: caps(2, 100000), Precise: fm(0, 0)}).Pick(long, eps); d.Endpoint != 0 {
 		t.Fatalf("block_weight 0: %+v, want the shorter backlog", d)
 	}
-	cfg.TTFT.BlockWeight = -1
+	b = -1
 	if err := Validate(cfg); err == nil || !strings.Contains(err.Error(), "ttft.block_weight") {
 		t.Fatalf("negative block_weight: %v", err)
 	}
