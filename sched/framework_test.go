@@ -357,12 +357,18 @@ func TestProfileAllocFree(t *testing.T) {
 	if raceEnabled {
 		t.Skip("sync.Pool drops items under the race detector")
 	}
-	p := newProfileT(t, Config{Policy: CacheAware}, Pool{Capacity: caps(16, 100000)})
-	eps := ready(16)
-	r := req(tokens(12000, 1))
-	p.Pick(r, eps)
-	if n := testing.AllocsPerRun(50, func() { p.Pick(r, eps) }); n != 0 {
-		t.Fatalf("Pick allocates %.0f times", n)
+	// Pick queues its learning and Settle applies it, as the gateway's
+	// settler goroutine does: without Settle the queue grows (prefix.Index
+	// settles on the picking goroutine only when it is full).
+	for _, name := range []string{CacheAware, CacheAwareTTFT} {
+		p := newProfileT(t, Config{Policy: name}, Pool{Capacity: caps(16, 100000)})
+		eps := ready(16)
+		r := req(tokens(12000, 1))
+		p.Pick(r, eps)
+		p.Settle()
+		if n := testing.AllocsPerRun(50, func() { p.Pick(r, eps); p.Settle() }); n != 0 {
+			t.Fatalf("%s: Pick and Settle allocate %.0f times", name, n)
+		}
 	}
 }
 
@@ -438,6 +444,8 @@ func BenchmarkDecision64x1M(b *testing.B) {
 		{"cache-aware/decide", CacheAware, false, learnOff},
 		{"cache-aware/pick", CacheAware, false, learnQueued},
 		{"cache-aware/pick+settle", CacheAware, false, learnInline},
+		{"cache-aware-ttft/decide", CacheAwareTTFT, false, learnOff},
+		{"cache-aware-ttft/pick", CacheAwareTTFT, false, learnQueued},
 		{"precise-prefix/decide", PrecisePrefix, false, learnOff},
 		{"precise-prefix/pick", PrecisePrefix, false, learnQueued},
 		{"precise-prefix/tiered", PrecisePrefix, true, learnOff},

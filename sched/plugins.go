@@ -381,6 +381,15 @@ func (s *costScorer) Score(c *Cycle, cands []int, scores []float64) {
 // rate, plus the load time of the lower-tier part when the pool has tiers
 // (the formula on costScorer; the ttft-bound filter reads it too).
 func (s *costScorer) estimate(c *Cycle, cands []int, ttft []float64) {
+	s.estimateWork(c, cands, ttft, 0, 0, 0)
+}
+
+// estimateWork is estimate with the request's own uncached prefill
+// counted 1 + work + block·InFlight_e times, and a candidate's hit counted only when it
+// exceeds the least candidate's by at least minGain of the prompt's
+// blocks (else it is taken as the least's): the ttft scorer's cost. With
+// work 0 and minGain 0 it is estimate's TTFT.
+func (s *costScorer) estimateWork(c *Cycle, cands []int, ttft []float64, work, block, minGain float64) {
 	matched := c.Matched()
 	p := float64(c.Req.PromptTokens)
 	// Per-endpoint rates only when every candidate has one: a fleet half
@@ -391,21 +400,38 @@ func (s *costScorer) estimate(c *Cycle, cands []int, ttft []float64) {
 	}
 	tb := c.TierBlocks()
 	rate := s.rate
+	// Pass 1: each candidate's hit (blocks, tier-credited), into ttft.
+	least := math.Inf(1)
 	for k, i := range cands {
-		ep := &c.Eps[i]
 		if known {
-			rate = ep.PrefillTokensPerSecond
+			rate = c.Eps[i].PrefillTokensPerSecond
 		}
-		hit, load := float64(matched[i]), 0.0
+		hit := float64(matched[i])
 		switch {
 		case tb != nil && c.p.tierWeights != nil:
 			hit = c.tierCredit(i, tb[i], rate) // fixed credits, no load time
 		case tb != nil:
 			n := tb[i]
-			hit, load = float64(n[0]+n[1]+n[2]+n[3]), c.loadSeconds(i, n)
+			hit = float64(n[0] + n[1] + n[2] + n[3])
+		}
+		ttft[k] = hit
+		least = min(least, hit)
+	}
+	floor := minGain * float64(len(c.Req.Hashes))
+	for k, i := range cands {
+		ep := &c.Eps[i]
+		if known {
+			rate = ep.PrefillTokensPerSecond
+		}
+		hit, load := ttft[k], 0.0
+		if tb != nil && c.p.tierWeights == nil {
+			load = c.loadSeconds(i, tb[i])
+		}
+		if minGain > 0 && hit-least < floor {
+			hit = least
 		}
 		own := max(1, p-float64(s.blockSize)*hit)
-		ttft[k] = (float64(ep.PendingPrefillTokens)+own)/rate + load
+		ttft[k] = (float64(ep.PendingPrefillTokens)+(1+work+block*float64(ep.InFlight))*own)/rate + load
 	}
 }
 

@@ -27,7 +27,7 @@ type ProfileConfig struct {
 	// ttft-bound).
 	Filters []string `yaml:"filters"`
 	// Scorers and their weights (≥ 0; names: prefix, precise-prefix, queue,
-	// kv-utilization, in-flight-tokens, session, lora, cost, and the peers'
+	// kv-utilization, in-flight-tokens, session, lora, cost, ttft, and the peers'
 	// llm-d-prefix, no-hit-lru, sglang-tree; peers.go).
 	Scorers []ScorerConfig `yaml:"scorers"`
 	// Picker: max-score (default), weighted-random, power-of-two, or a
@@ -90,6 +90,10 @@ const (
 	// endpoint can load a prefix, so load balance decides (sched/README.md,
 	// "KV tiers").
 	TieredCost = "tiered-cost"
+	// CacheAwareTTFT routes on the ttft scorer alone on the approximate
+	// index: the request's estimated TTFT plus the prefill work it adds,
+	// hit and backlog in one unit (seconds; ttft.go), hot spots filtered.
+	CacheAwareTTFT = "cache-aware-ttft"
 )
 
 // builtinProfiles are the profiles every configuration knows.
@@ -132,6 +136,13 @@ var builtinProfiles = map[string]ProfileConfig{
 		Scorers:     precisePrefixScorers,
 		Picker:      PickerMaxScore,
 		TierWeights: map[string]float64{"gpu": 1, "cpu": 0.8},
+	},
+	CacheAwareTTFT: {
+		Filters: []string{FilterModel, FilterAdapterCapacity, FilterHotSpot},
+		// The prefix scorer at weight 0 only provides the approximate
+		// index (match and learning): the ttft scorer prices the hit.
+		Scorers: []ScorerConfig{{Type: ScorerPrefix, Weight: 0}, {Type: ScorerTTFT, Weight: 1}, {Type: ScorerLoRA, Weight: 0.5}},
+		Picker:  PickerMaxScore,
 	},
 	TieredCost: {
 		Filters: []string{FilterModel, FilterAdapterCapacity, FilterHotSpot},
@@ -319,7 +330,7 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint6
 		}
 		p.scorers = append(p.scorers, WeightedScorer{Scorer: s, Weight: sc.Weight})
 		precise = precise || sc.Type == ScorerPrecisePrefix
-		cost = cost || sc.Type == ScorerCost
+		cost = cost || sc.Type == ScorerCost || sc.Type == ScorerTTFT
 	}
 	switch {
 	case precise:
@@ -398,6 +409,8 @@ func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfi
 		return loraScorer{}, nil
 	case ScorerLLMDPrefix, ScorerNoHitLRU, ScorerSGLangTree:
 		return p.newPeerScorer(name, cfg, pool, pcfg)
+	case ScorerTTFT:
+		return newTTFTScorer(cfg, pcfg)
 	case ScorerCost:
 		rate := cfg.Cost.PrefillTokensPerSecond
 		if rate == 0 {
@@ -408,7 +421,7 @@ func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfi
 		}
 		return &costScorer{rate: rate, blockSize: pcfg.BlockSize}, nil
 	}
-	return nil, fmt.Errorf("unknown scorer %q (want prefix, precise-prefix, queue, kv-utilization, in-flight-tokens, session, lora, cost, %s)", name, peerPluginsScorer)
+	return nil, fmt.Errorf("unknown scorer %q (want prefix, precise-prefix, queue, kv-utilization, in-flight-tokens, session, lora, cost, ttft, %s)", name, peerPluginsScorer)
 }
 
 // newFilter returns the filter of that name.

@@ -162,7 +162,7 @@ const DefaultPolicy = CacheAware
 // Names lists the built-in policy names (every one a built-in profile, see
 // builtinProfiles), the default first.
 func Names() []string {
-	return []string{CacheAware, Prefix, RoundRobin, LeastRequest, Random, PowerOfTwo, PrecisePrefix, TieredCost, LLMDTiered, DynamoTiered, LLMD, SGLang, Dynamo}
+	return []string{CacheAware, Prefix, RoundRobin, LeastRequest, Random, PowerOfTwo, PrecisePrefix, TieredCost, LLMDTiered, DynamoTiered, CacheAwareTTFT, LLMD, SGLang, Dynamo}
 }
 
 // Config selects and tunes a policy (YAML key "routing").
@@ -191,6 +191,8 @@ type Config struct {
 	// PD configures the decisions of pools whose endpoints have P/D roles
 	// (pd.go).
 	PD PDConfig `yaml:"pd"`
+	// TTFT tunes the ttft scorer (ttft.go).
+	TTFT TTFTConfig `yaml:"ttft"`
 	// TTFTBound tunes the ttft-bound filter (ttftbound.go).
 	TTFTBound TTFTBoundConfig `yaml:"ttft_bound"`
 	// LLMD, SGLang and Dynamo tune the peers' plugins (peers.go): the
