@@ -373,8 +373,13 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 		if p.hf, err = g.hfTokenizer(cfg.Tokenizers[model]); err != nil {
 			return nil, fmt.Errorf("gateway: tokenizers[%q]: %w", model, err)
 		}
+		p.engineRender, p.renderTimeout = cfg.Render[model] == RenderEngine, cfg.RenderTimeout
 	}
-	g.metrics.poolTokenizer(model, cfg.Tokenizers[model], p.hf != nil, p.tokenizer != nil)
+	tokLabel := cfg.Tokenizers[model]
+	if p.engineRender {
+		tokLabel = TokenizerEngine
+	}
+	g.metrics.poolTokenizer(model, tokLabel, p.hf != nil || p.engineRender, p.tokenizer != nil)
 	pl.gates = append(pl.gates, gateSet{a: p.gate, eps: live, limit: cfg.CircuitBreaker.MaxRequests, cfg: cfg.Admission,
 		hold: scaleFromZeroFor(cfg.ScaleFromZero, model), early: old == nil})
 	return p, nil

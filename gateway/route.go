@@ -18,7 +18,7 @@ import (
 // prepareTarget readies x to be sent to pool p: the model sent (an alias
 // target's name spliced into the body), and the routing hashes under p's
 // seed when its policy needs them.
-func (g *Gateway) prepareTarget(w http.ResponseWriter, x *exchange, kind apiKind, p *pool) *openai.Error {
+func (g *Gateway) prepareTarget(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool) *openai.Error {
 	x.sreq.Model = p.model
 	x.sreq.Hashes, x.sreq.PromptTokens = nil, 0
 	if p.model != x.model && kind != kindResponseByID {
@@ -32,7 +32,15 @@ func (g *Gateway) prepareTarget(w http.ResponseWriter, x *exchange, kind apiKind
 			want = 2
 		}
 		if x.pass.toks != want { // once for all targets
-			x.pass.routeToks, x.pass.toks = x.promptTokens(kind, p, want == 2), want
+			ok := false
+			if p.engineRender {
+				x.toks, ok = g.engineTokens(r.Context(), x.toks[:0], x, kind, p)
+				x.pass.routeToks = x.toks
+			}
+			if !ok {
+				x.pass.routeToks = x.promptTokens(kind, p, want == 2)
+			}
+			x.pass.toks = want
 		}
 		tokens := x.pass.routeToks
 		seed := p.seed
@@ -317,6 +325,10 @@ type pool struct {
 	// hf is the model's own tokenizer (config tokenizers), nil for the
 	// cl100k fallback; when set it tokenizes every prompt (hftokens.go).
 	hf *hftokenizer.Tokenizer
+	// engineRender: routing asks the endpoints for the ids (config render:
+	// engine; render.go), within renderTimeout a call.
+	engineRender  bool
+	renderTimeout time.Duration
 	// maxModelLen is the longest context of its endpoints (tokens).
 	maxModelLen int
 	// maxRequests is the circuit breaker's bound per endpoint.
