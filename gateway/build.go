@@ -415,9 +415,10 @@ func (g *Gateway) hfTokenizer(path, dialect string) (*hftokenizer.Tokenizer, err
 	return t, nil
 }
 
-// ggufDialect is the GGUF reading of a pool's engines: Ollama's Go engine
-// when every endpoint is kind ollama, else llama.cpp's (llama-server, and
-// what a GGUF means anywhere else).
+// ggufDialect is the GGUF reading of a pool's engines: Ollama's when every
+// endpoint is kind ollama (its Go engine's or its llama.cpp runner's, by
+// architecture; hftokenizer.DialectOllama), else llama.cpp's (llama-server,
+// and what a GGUF means anywhere else).
 func ggufDialect(eps []*endpoint, specOf func(*endpoint) *endpointSpec) string {
 	for _, ep := range eps {
 		if sp := specOf(ep); sp == nil || sp.kind != fleet.Ollama {

@@ -15,11 +15,24 @@ const (
 	// runner): src/llama-vocab.cpp, llama_vocab::impl::load and
 	// llm_tokenizer_bpe, as vendored by Ollama v0.17.4.
 	DialectLlamaCpp = "llama.cpp"
-	// DialectOllama is Ollama's Go engine (ollamarunner):
-	// model/models/llama/model.go and tokenizer/bytepairencoding.go of
-	// Ollama v0.17.4.
+	// DialectOllama is Ollama v0.17.4 as it picks a runner
+	// (llm/server.go, NewLlamaServer): an architecture that requires its
+	// Go engine (fs/ggml/ggml.go, OllamaEngineRequired) is read as that
+	// engine's model reads it (qwen3 and qwen3moe here; others refused),
+	// any other, llama and qwen2 included, by its llama.cpp runner:
+	// DialectLlamaCpp's reading.
 	DialectOllama = "ollama"
+	// DialectOllamaEngine is Ollama's Go engine forced on a llama
+	// architecture (OLLAMA_NEW_ENGINE=1): model/models/llama/model.go and
+	// tokenizer/bytepairencoding.go of Ollama v0.17.4.
+	DialectOllamaEngine = "ollama-engine"
 )
+
+// ollamaEngineRequired are the architectures Ollama v0.17.4 serves only
+// with its Go engine (fs/ggml/ggml.go, KV.OllamaEngineRequired).
+var ollamaEngineRequired = []string{"bert", "deepseek2", "deepseekocr", "gemma3", "gemma3n", "gptoss", "gpt-oss",
+	"llama4", "mistral3", "mllama", "nemotron_h", "nemotron_h_moe", "nomic-bert", "olmo3", "qwen25vl", "qwen3",
+	"qwen3moe", "qwen35", "qwen35moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "glm4moelite", "glmocr", "lfm2", "lfm2moe"}
 
 // Pre-tokenizer patterns of llama.cpp's llm_tokenizer_bpe (regex_exprs),
 // by LLAMA_VOCAB_PRE_TYPE. llama.cpp writes Llama-3's and Qwen2's
@@ -155,13 +168,28 @@ func FromGGUF(m *gguf.Metadata, dialect string) (*Tokenizer, error) {
 			return nil, fmt.Errorf("tokenizer.ggml.pre %q is not supported for llama.cpp (llama3, qwen2, gpt-2 and default families)", pre)
 		}
 		v.Patterns, v.IgnoreMerges, addBOS = pats, ignore, bos
-	case DialectOllama:
-		if v.Patterns = ollamaPre(pre); v.Patterns == nil {
-			return nil, fmt.Errorf("tokenizer.ggml.pre %q is not supported for Ollama", pre)
+	case DialectOllama, DialectOllamaEngine:
+		arch, err := str("general.architecture")
+		if err != nil {
+			return nil, err
 		}
-		v.IgnoreMerges, addBOS = true, true // c.Bool("tokenizer.ggml.add_bos_token", true)
+		switch {
+		case dialect == DialectOllamaEngine && arch == "llama":
+			if v.Patterns = ollamaPre(pre); v.Patterns == nil {
+				return nil, fmt.Errorf("tokenizer.ggml.pre %q is not supported for Ollama's engine", pre)
+			}
+		case arch == "qwen3" || arch == "qwen3moe": // model/models/qwen3/model.go: Qwen2's pattern, whatever pre
+			v.Patterns = ggufQwen2
+		case dialect == DialectOllamaEngine || slices.Contains(ollamaEngineRequired, arch):
+			return nil, fmt.Errorf("Ollama's Go engine reading of architecture %q is not supported", arch)
+		default: // the llama.cpp runner
+			return FromGGUF(m, DialectLlamaCpp)
+		}
+		// Ollama's BPE takes a pre-token that is a token whole; BOS
+		// unless add_bos_token says not (c.Bool(…, true)).
+		v.IgnoreMerges, addBOS = true, true
 	default:
-		return nil, fmt.Errorf("GGUF dialect %q (want %s or %s)", dialect, DialectLlamaCpp, DialectOllama)
+		return nil, fmt.Errorf("GGUF dialect %q (want %s, %s or %s)", dialect, DialectLlamaCpp, DialectOllama, DialectOllamaEngine)
 	}
 	flag := func(k string, def bool) (bool, error) {
 		switch b := m.Get(k).(type) {

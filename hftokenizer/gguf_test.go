@@ -181,7 +181,8 @@ func TestReferenceGGUF(t *testing.T) {
 func TestGGUFVocab(t *testing.T) {
 	// The generator's tiny vocabulary: its own encoder (GPT-2's pattern,
 	// what Ollama's Go engine runs for pre "default") agrees with the
-	// Ollama dialect; llama.cpp's "default" is four patterns in turn.
+	// Ollama engine dialect; llama.cpp's "default" is four patterns in
+	// turn, and Ollama serves a llama architecture with llama.cpp.
 	dir := t.TempDir()
 	path := filepath.Join(dir, "tiny.gguf")
 	m, err := gguf.WriteFile(path, gguf.Options{EmbeddingLength: 64, BlockCount: 1, FeedForwardLength: 64, HeadCount: 2, ContextLength: 256})
@@ -192,9 +193,24 @@ func TestGGUFVocab(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ollama, err := FromGGUF(meta, DialectOllama)
+	ollama, err := FromGGUF(meta, DialectOllamaEngine)
 	if err != nil {
 		t.Fatal(err)
+	}
+	cpp, err := FromGGUF(meta, DialectLlamaCpp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	viaOllama, err := FromGGUF(meta, DialectOllama)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const digits = "Call 1234567 now!!! ok"
+	a, _ := cpp.Encode(digits, true)
+	b, _ := viaOllama.Encode(digits, true)
+	c, _ := ollama.Encode(digits, true)
+	if !slices.Equal(a, b) || slices.Equal(a, c) {
+		t.Fatalf("llama.cpp %v, Ollama (llama.cpp runner) %v, Ollama engine %v: want the first two equal, the third not", a, b, c)
 	}
 	text := "The quick brown fox's 12345 jumps -- over <|eot_id|> the lazy dog!\n\n  Done."
 	want := m.Vocab.Tokenize(text, true)
@@ -209,6 +225,23 @@ func TestGGUFVocab(t *testing.T) {
 	}
 	if got[0] != uint32(m.Vocab.ID(gguf.BeginOfText)) || !slices.Contains(got, uint32(m.Vocab.ID(gguf.EndOfTurn))) {
 		t.Fatalf("BOS or the control token missing: %v", got)
+	}
+	withArch := func(arch string) *gguf.Metadata {
+		kvs := slices.Clone(meta.KVs)
+		for i := range kvs {
+			if kvs[i].Key == "general.architecture" {
+				kvs[i].Value = arch
+			}
+		}
+		return &gguf.Metadata{KVs: kvs}
+	}
+	qwen := withArch("qwen3")
+	if q, err := FromGGUF(qwen, DialectOllama); err != nil || q.steps[0].split.maxDigits != 1 {
+		t.Fatalf("qwen3 under Ollama: %v", err)
+	}
+	gemma := withArch("gemma3")
+	if _, err := FromGGUF(gemma, DialectOllama); err == nil {
+		t.Fatal("gemma3 under Ollama's engine: no error")
 	}
 	if _, err := Load(path); err != nil { // llama.cpp's "default"
 		t.Fatal(err)
