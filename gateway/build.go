@@ -374,6 +374,10 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 			return nil, fmt.Errorf("gateway: tokenizers[%q]: %w", model, err)
 		}
 		p.engineRender, p.renderTimeout = cfg.Render[model] == RenderEngine, cfg.RenderTimeout
+		if p.engineRender {
+			p.renderHits = g.render.lookups.WithLabelValues(model, "hit")
+			p.renderMisses = g.render.lookups.WithLabelValues(model, "miss")
+		}
 	}
 	tokLabel := cfg.Tokenizers[model]
 	if p.engineRender {

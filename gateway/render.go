@@ -106,6 +106,7 @@ const (
 	renderUnsupported = "unsupported" // neither render nor /tokenize served
 	renderRejected    = "rejected"    // another 4xx: the engine refused the request
 	renderNoEndpoint  = "no_endpoint" // no ready endpoint, or all backing off
+	renderCanceled    = "canceled"    // the client went away during the call: nothing learnt of the endpoint
 )
 
 // Render APIs (infergate_render_requests_total's api).
@@ -153,12 +154,12 @@ func newEngineRender(reg prometheus.Registerer, transport http.RoundTripper) (*e
 		}},
 		backoff: errorBackoff,
 		calls: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "render_requests_total",
-			Help: "Engine render calls of render: engine pools, by model, endpoint, api (render, tokenize) and result (ok, timeout, error, unsupported, rejected)."},
+			Help: "Engine render calls of render: engine pools, by model, endpoint, api (render, tokenize) and result (ok, timeout, error, unsupported, rejected, canceled)."},
 			[]string{"model", "endpoint", "api", "result"}),
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "infergate", Name: "render_duration_seconds",
 			Help: "Duration of engine render calls, answered or not (seconds).", Buckets: renderBuckets}, []string{"model", "api"}),
 		fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "render_fallbacks_total",
-			Help: "Requests of render: engine pools routed on the gateway's own tokens (the tokenizers entry, else cl100k_base), by model and reason (timeout, error, unsupported, rejected, no_endpoint)."},
+			Help: "Requests of render: engine pools routed on the gateway's own tokens (the tokenizers entry, else cl100k_base), by model and reason (timeout, error, unsupported, rejected, no_endpoint, canceled)."},
 			[]string{"model", "reason"}),
 		lookups: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "render_cache_lookups_total",
 			Help: "Render answer cache lookups of render: engine pools, by model and result (hit, miss)."}, []string{"model", "result"}),
@@ -188,19 +189,19 @@ func (g *Gateway) engineTokens(ctx context.Context, dst []uint32, x *exchange, k
 	body := x.upstreamBody()
 	key := renderKey(p.model, kind, body)
 	if ids, ok := r.cache.get(dst, key); ok {
-		r.lookups.WithLabelValues(p.model, "hit").Inc()
+		p.renderHits.Inc()
 		return ids, true
 	}
-	r.lookups.WithLabelValues(p.model, "miss").Inc()
+	p.renderMisses.Inc()
 	ep, h := r.pick(p, time.Now())
 	if ep == nil {
 		r.fallbacks.WithLabelValues(p.model, renderNoEndpoint).Inc()
 		return dst, false
 	}
-	ctx, cancel := context.WithTimeout(ctx, p.renderTimeout)
+	callCtx, cancel := context.WithTimeout(ctx, p.renderTimeout)
 	defer cancel()
 	start := len(dst)
-	ids, reason := r.call(ctx, dst, ep, h, p.model, kind, x, body)
+	ids, reason := r.call(ctx, callCtx, dst, ep, h, p.model, kind, x, body)
 	if reason != renderOK {
 		r.fallbacks.WithLabelValues(p.model, reason).Inc()
 		return ids[:start], false
@@ -243,7 +244,10 @@ func (r *engineRender) healthOf(name string) *renderHealth {
 // lack render, or after render answered that it has none) and records the
 // outcome against ep. It returns dst with the ids appended and
 // renderOK, or dst unchanged in length and the failure.
-func (r *engineRender) call(ctx context.Context, dst []uint32, ep *endpoint, h *renderHealth, model string, kind apiKind,
+//
+// ctx is the call's (render_timeout), parent the request's: a call cut
+// short because the client went away says nothing of the endpoint.
+func (r *engineRender) call(parent, ctx context.Context, dst []uint32, ep *endpoint, h *renderHealth, model string, kind apiKind,
 	x *exchange, body []byte) ([]uint32, string) {
 	api := int(h.api.Load())
 	if api == apiNone {
@@ -262,6 +266,8 @@ func (r *engineRender) call(ctx context.Context, dst []uint32, ep *endpoint, h *
 		r.latency.WithLabelValues(model, renderAPINames[api]).Observe(time.Since(t0).Seconds())
 		result := renderOK
 		switch {
+		case err != nil && parent.Err() != nil:
+			result = renderCanceled
 		case err != nil && ctx.Err() != nil:
 			result = renderTimeout
 		case errors.Is(err, errNoRoute) || status == http.StatusMethodNotAllowed:

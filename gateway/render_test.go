@@ -34,7 +34,7 @@ type renderEngine struct {
 	auth   []string
 }
 
-func newRenderEngine(t *testing.T, answer func(w http.ResponseWriter, r *http.Request, body []byte)) *renderEngine {
+func newRenderEngine(t testing.TB, answer func(w http.ResponseWriter, r *http.Request, body []byte)) *renderEngine {
 	t.Helper()
 	e := &renderEngine{fakeEngine: newFakeEngine(t, "r"), answer: answer}
 	e.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -72,7 +72,7 @@ func renderConfig(engines ...*renderEngine) Config {
 	return cfg
 }
 
-func chatExchange(t *testing.T, body string) *exchange {
+func chatExchange(t testing.TB, body string) *exchange {
 	t.Helper()
 	x := &exchange{body: []byte(body)}
 	if err := openai.Decode(x.body, &x.chat); err != nil {
@@ -82,7 +82,7 @@ func chatExchange(t *testing.T, body string) *exchange {
 }
 
 // waitReady waits until every endpoint of the model's pool is in rotation.
-func waitReady(t *testing.T, g *Gateway, model string) *pool {
+func waitReady(t testing.TB, g *Gateway, model string) *pool {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
@@ -266,7 +266,25 @@ func TestEngineRenderStallAndBackoff(t *testing.T) {
 	g.render.backoff = time.Hour // no second call within the test, however slow the host
 	p := waitReady(t, g, "m")
 	ctx := context.Background()
+	// A client that goes away mid-call costs the endpoint nothing.
+	gone, leave := context.WithCancel(ctx)
 	done := make(chan bool, 1)
+	go func() {
+		_, ok := g.engineTokens(gone, nil, chatExchange(t, `{"model":"m","messages":[{"role":"user","content":"gone"}]}`), kindChat, p)
+		done <- ok
+	}()
+	for deadline := time.Now().Add(30 * time.Second); len(slow.asked()) == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the render call never reached the engine")
+		}
+	}
+	leave()
+	if <-done {
+		t.Fatal("ids from a canceled call")
+	}
+	if h := g.render.healthOf(slow.URL()); h.until.Load() != 0 || h.fails.Load() != 0 {
+		t.Fatal("a canceled call counted against the endpoint")
+	}
 	go func() {
 		_, ok := g.engineTokens(ctx, nil, chatExchange(t, renderChat), kindChat, p)
 		done <- ok
@@ -279,7 +297,7 @@ func TestEngineRenderStallAndBackoff(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("render call not bounded by render_timeout")
 	}
-	if _, ok := g.engineTokens(ctx, nil, chatExchange(t, `{"model":"m","messages":[{"role":"user","content":"x"}]}`), kindChat, p); ok || len(slow.asked()) != 1 {
+	if _, ok := g.engineTokens(ctx, nil, chatExchange(t, `{"model":"m","messages":[{"role":"user","content":"x"}]}`), kindChat, p); ok || len(slow.asked()) != 2 {
 		t.Fatalf("asked %d times: the stalled endpoint is backing off", len(slow.asked()))
 	}
 	// A request still routes (on the fallback tokens) while the engine
@@ -291,7 +309,8 @@ func TestEngineRenderStallAndBackoff(t *testing.T) {
 	m := scrape(t, c, url)
 	if m.value("infergate_render_fallbacks_total", `model="m",reason="timeout"`) != 1 ||
 		m.value("infergate_render_fallbacks_total", `model="m",reason="no_endpoint"`) != 2 ||
-		m.value("infergate_render_requests_total", `result="timeout"`) != 1 {
+		m.value("infergate_render_requests_total", `result="timeout"`) != 1 ||
+		m.value("infergate_render_fallbacks_total", `model="m",reason="canceled"`) != 1 {
 		t.Errorf("metrics:\n%s", strings.Join(m.grep("infergate_render"), "\n"))
 	}
 

@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/hftokenizer"
 	"github.com/infergate/infergate/openai"
@@ -329,6 +331,9 @@ type pool struct {
 	// engine; render.go), within renderTimeout a call.
 	engineRender  bool
 	renderTimeout time.Duration
+	// renderHits and renderMisses are the model's render cache lookups
+	// (infergate_render_cache_lookups_total), resolved at build.
+	renderHits, renderMisses prometheus.Counter
 	// maxModelLen is the longest context of its endpoints (tokens).
 	maxModelLen int
 	// maxRequests is the circuit breaker's bound per endpoint.
