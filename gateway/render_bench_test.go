@@ -67,7 +67,7 @@ func BenchmarkParseRenderIDs(b *testing.B) {
 	}
 	raw, _ := json.Marshal(map[string]any{"request_id": "chatcmpl-1", "token_ids": ids, "features": nil,
 		"sampling_params": map[string]any{"max_tokens": 128, "temperature": 0.7, "stop": []string{}, "logit_bias": map[string]float64{"1": -1}},
-		"model": "m", "stream": false})
+		"model":           "m", "stream": false})
 	dst := make([]uint32, 0, len(ids))
 	b.SetBytes(int64(len(raw)))
 	b.ReportAllocs()
@@ -78,4 +78,3 @@ func BenchmarkParseRenderIDs(b *testing.B) {
 		}
 	}
 }
-
