@@ -180,6 +180,12 @@ func (s *jscan) str() (raw []byte, escaped, ok bool) {
 	s.i++
 	from := s.i
 	for s.i < len(s.b) {
+		for s.i < len(s.b) && plainJSONByte[s.b[s.i]] {
+			s.i++
+		}
+		if s.i >= len(s.b) {
+			break
+		}
 		switch c := s.b[s.i]; {
 		case c == '"':
 			raw = s.b[from:s.i]
@@ -214,6 +220,15 @@ func (s *jscan) str() (raw []byte, escaped, ok bool) {
 	}
 	return nil, false, false
 }
+
+// plainJSONByte marks the bytes a JSON string holds as they are: all but
+// control characters, '"' and '\\'.
+var plainJSONByte = func() (t [256]bool) {
+	for c := 0x20; c < 256; c++ {
+		t[c] = c != '"' && c != '\\'
+	}
+	return t
+}()
 
 func (s *jscan) number() bool {
 	digits := func() int {
