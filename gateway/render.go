@@ -89,6 +89,8 @@ const (
 	errorBackoff       = time.Second
 	maxBackoff         = 30 * time.Second
 	unsupportedBackoff = 5 * time.Minute
+	// maxRenderHealth bounds the endpoints whose render state is kept.
+	maxRenderHealth = 4096
 )
 
 // Render modes (config render values).
@@ -124,6 +126,10 @@ type engineRender struct {
 	client *http.Client
 	next   atomic.Uint64 // rotation over a pool's endpoints
 	health sync.Map      // endpoint name → *renderHealth
+	// healthN counts health's entries: past maxRenderHealth (endpoints come
+	// and go under discovery) the map is cleared, which costs at most one
+	// more call to an endpoint that was backing off.
+	healthN atomic.Int64
 	cache  renderCache
 	// backoff is errorBackoff (tests lengthen it).
 	backoff time.Duration
@@ -236,7 +242,11 @@ func (r *engineRender) healthOf(name string) *renderHealth {
 	if v, ok := r.health.Load(name); ok {
 		return v.(*renderHealth)
 	}
-	v, _ := r.health.LoadOrStore(name, &renderHealth{})
+	v, loaded := r.health.LoadOrStore(name, &renderHealth{})
+	if !loaded && r.healthN.Add(1) > maxRenderHealth {
+		r.health.Clear()
+		r.healthN.Store(0)
+	}
 	return v.(*renderHealth)
 }
 

@@ -463,3 +463,23 @@ func (s scraped) grep(prefix string) []string {
 	}
 	return out
 }
+
+// The render state of endpoints is bounded: past maxRenderHealth names
+// (discovery churn) it starts over.
+func TestRenderHealthBounded(t *testing.T) {
+	var r engineRender
+	first := r.healthOf("http://a")
+	first.fails.Store(3)
+	if r.healthOf("http://a") != first {
+		t.Fatal("a second lookup made a new state")
+	}
+	for i := range maxRenderHealth {
+		r.healthOf(fmt.Sprintf("http://10.0.%d.%d", i/256, i%256))
+	}
+	if n := r.healthN.Load(); n > maxRenderHealth {
+		t.Fatalf("%d states kept", n)
+	}
+	if r.healthOf("http://a").fails.Load() != 0 {
+		t.Fatal("the state was not cleared past the bound")
+	}
+}
