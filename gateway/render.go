@@ -130,7 +130,7 @@ type engineRender struct {
 	// and go under discovery) the map is cleared, which costs at most one
 	// more call to an endpoint that was backing off.
 	healthN atomic.Int64
-	cache  renderCache
+	cache   renderCache
 	// backoff is errorBackoff (tests lengthen it).
 	backoff time.Duration
 
