@@ -69,6 +69,9 @@ func renderConfig(engines ...*renderEngine) Config {
 		cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: e.URL(), Model: "m", KVBlocks: 1000})
 	}
 	cfg.Render = map[string]string{"m": RenderEngine}
+	// A bound, not a measurement: a loaded host must not turn a render
+	// into a timeout (the stall test sets its own).
+	cfg.RenderTimeout = 30 * time.Second
 	return cfg
 }
 
@@ -115,7 +118,7 @@ func TestEngineRenderIDs(t *testing.T) {
 	cfg.Endpoints[0].APIKey = "sk-engine"
 	g, url := startGateway(t, cfg)
 	p := waitReady(t, g, "m")
-	if !p.engineRender || p.renderTimeout != DefaultRenderTimeout {
+	if !p.engineRender || p.renderTimeout != 30*time.Second {
 		t.Fatalf("pool: engineRender %v, timeout %v", p.engineRender, p.renderTimeout)
 	}
 	ctx := context.Background()
@@ -368,6 +371,9 @@ func TestRenderConfigErrors(t *testing.T) {
 	if err := cfg.WithDefaults().Validate(); err != nil {
 		t.Fatal(err)
 	}
+	if d := cfg.WithDefaults().RenderTimeout; d != DefaultRenderTimeout {
+		t.Fatalf("render_timeout defaults to %v", d)
+	}
 }
 
 // TestEngineRenderPreciseOnSimFleet: a pool whose gateway tokenizer is not
@@ -389,6 +395,7 @@ func TestEngineRenderPreciseOnSimFleet(t *testing.T) {
 	}
 	cfg.Tokenizers = map[string]string{"m": byteLevelFolder(t)} // the fallback: not the engines' tokens
 	cfg.Render = map[string]string{"m": RenderEngine}
+	cfg.RenderTimeout = 30 * time.Second // a bound: a loaded host must not make it a fallback
 	g, url := startGateway(t, cfg)
 	waitReady(t, g, "m")
 	c := testClient(t)
