@@ -404,7 +404,7 @@ func (g *Gateway) hfTokenizer(path, dialect string) (*hftokenizer.Tokenizer, err
 		t   *hftokenizer.Tokenizer
 		err error
 	)
-	if st, serr := os.Stat(path); serr == nil && !st.IsDir() && strings.HasSuffix(strings.ToLower(path), ".gguf") {
+	if st, serr := os.Stat(path); serr == nil && !st.IsDir() && hftokenizer.IsGGUF(path) {
 		t, err = hftokenizer.LoadGGUF(path, hftokenizer.GGUFOptions{Dialect: dialect})
 	} else {
 		t, err = hftokenizer.Load(path)

@@ -58,7 +58,7 @@ func Load(path string) (*Tokenizer, error) {
 	if err != nil {
 		return nil, err
 	}
-	if !st.IsDir() && isGGUF(path) {
+	if !st.IsDir() && IsGGUF(path) {
 		return LoadGGUF(path, GGUFOptions{})
 	}
 	file, dir := path, filepath.Dir(path)
@@ -90,8 +90,9 @@ func Load(path string) (*Tokenizer, error) {
 	return t, nil
 }
 
-// isGGUF reports whether the file at path starts with the GGUF magic.
-func isGGUF(path string) bool {
+// IsGGUF reports whether the file at path starts with the GGUF magic (an
+// Ollama store's blobs have no .gguf suffix).
+func IsGGUF(path string) bool {
 	f, err := os.Open(path)
 	if err != nil {
 		return false
