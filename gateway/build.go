@@ -383,34 +383,69 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 			g.segments = prefix.NewSegmentCache(tok, 0)
 		}
 		p.tokenizer, p.segments = tok, g.segments
-		if p.hf, err = g.hfTokenizer(cfg.Tokenizers[model]); err != nil {
+		if p.hf, err = g.hfTokenizer(cfg.Tokenizers[model], ggufDialect(live, specOf)); err != nil {
 			return nil, fmt.Errorf("gateway: tokenizers[%q]: %w", model, err)
 		}
+		p.engineRender, p.renderTimeout = cfg.Render[model] == RenderEngine, cfg.RenderTimeout
+		if p.engineRender {
+			p.renderHits = g.render.lookups.WithLabelValues(model, "hit")
+			p.renderMisses = g.render.lookups.WithLabelValues(model, "miss")
+		}
 	}
-	g.metrics.poolTokenizer(model, cfg.Tokenizers[model], p.hf != nil, p.tokenizer != nil)
+	tokLabel := cfg.Tokenizers[model]
+	if p.engineRender {
+		tokLabel = TokenizerEngine
+	}
+	g.metrics.poolTokenizer(model, tokLabel, p.hf != nil || p.engineRender, p.tokenizer != nil)
 	pl.gates = append(pl.gates, gateSet{a: p.gate, eps: live, limit: cfg.CircuitBreaker.MaxRequests, cfg: cfg.Admission,
 		hold: scaleFromZeroFor(cfg.ScaleFromZero, model), early: old == nil})
 	return p, nil
 }
 
 // hfTokenizer returns the tokenizer at path, loading it the first time
-// (reloads reuse it); nil for "". Under reloadMu.
-func (g *Gateway) hfTokenizer(path string) (*hftokenizer.Tokenizer, error) {
+// (reloads reuse it); nil for "". A GGUF file's embedded vocabulary is read
+// as dialect's engine reads it (hftokenizer.LoadGGUF). Under reloadMu.
+func (g *Gateway) hfTokenizer(path, dialect string) (*hftokenizer.Tokenizer, error) {
 	if path == "" {
 		return nil, nil
 	}
-	if t, ok := g.hfTokenizers[path]; ok {
+	key := path + "\x00" + dialect
+	if t, ok := g.hfTokenizers[key]; ok {
 		return t, nil
 	}
-	t, err := hftokenizer.Load(path)
+	var (
+		t   *hftokenizer.Tokenizer
+		err error
+	)
+	if st, serr := os.Stat(path); serr == nil && !st.IsDir() && hftokenizer.IsGGUF(path) {
+		t, err = hftokenizer.LoadGGUF(path, hftokenizer.GGUFOptions{Dialect: dialect})
+	} else {
+		t, err = hftokenizer.Load(path)
+	}
 	if err != nil {
 		return nil, err
 	}
 	if g.hfTokenizers == nil {
 		g.hfTokenizers = map[string]*hftokenizer.Tokenizer{}
 	}
-	g.hfTokenizers[path] = t
+	g.hfTokenizers[key] = t
 	return t, nil
+}
+
+// ggufDialect is the GGUF reading of a pool's engines: Ollama's when every
+// endpoint is kind ollama (its Go engine's or its llama.cpp runner's, by
+// architecture; hftokenizer.DialectOllama), else llama.cpp's (llama-server,
+// and what a GGUF means anywhere else).
+func ggufDialect(eps []*endpoint, specOf func(*endpoint) *endpointSpec) string {
+	for _, ep := range eps {
+		if sp := specOf(ep); sp == nil || sp.kind != fleet.Ollama {
+			return hftokenizer.DialectLlamaCpp
+		}
+	}
+	if len(eps) == 0 {
+		return hftokenizer.DialectLlamaCpp
+	}
+	return hftokenizer.DialectOllama
 }
 
 // reslotted returns the slots of a pool that had olds and now has eps: an

@@ -108,6 +108,17 @@ type Config struct {
 	// own tokens. A model without one is tokenized with cl100k_base (the
 	// fallback, metric infergate_pool_tokenizer).
 	Tokenizers map[string]string `yaml:"tokenizers"`
+	// Render is, by model, who turns a prompt into the token ids routing
+	// hashes: "gateway" (the default: the tokenizers entry, else
+	// cl100k_base) or "engine": one of the pool's engines is asked
+	// (vLLM's /v1/chat/completions/render and /v1/completions/render,
+	// /tokenize for engines without them), its answers cached, the
+	// gateway's own tokens the fallback when it fails (render.go).
+	Render map[string]string `yaml:"render"`
+	// RenderTimeout bounds one engine render call of a render: engine pool
+	// (default 200ms); past it the request is routed on the gateway's own
+	// tokens and the endpoint is not asked for a while.
+	RenderTimeout time.Duration `yaml:"render_timeout"`
 	// Aliases are model names served by configured models, each an ordered
 	// fallback list (alias.go): `fast: [llama-8b, llama-70b]`.
 	Aliases map[string][]string `yaml:"aliases"`
@@ -450,6 +461,9 @@ func (c Config) WithDefaults() Config {
 	if c.Listen == "" {
 		c.Listen = DefaultListen
 	}
+	if c.RenderTimeout == 0 {
+		c.RenderTimeout = DefaultRenderTimeout
+	}
 	if c.Routing.Policy == "" {
 		c.Routing.Policy = DefaultPolicy
 	}
@@ -580,6 +594,7 @@ func (c Config) Validate() error {
 	errs = append(errs, c.validateEndpoints()...)
 	errs = append(errs, c.validateKVStores()...)
 	errs = append(errs, c.validateTokenizers()...)
+	errs = append(errs, c.validateRender()...)
 	errs = append(errs, c.validatePD()...)
 	errs = append(errs, c.Replicas.validate()...)
 	errs = append(errs, c.Autoscale.validate()...)
@@ -749,6 +764,29 @@ func (c Config) validateTokenizers() []error {
 		case c.Tokenizers[model] == "":
 			errs = append(errs, fmt.Errorf("%s: want a tokenizer.json or a folder holding one", at))
 		}
+	}
+	return errs
+}
+
+// validateRender checks render and render_timeout: each entry names a
+// model of the endpoints and a known mode.
+func (c Config) validateRender() []error {
+	var errs []error
+	perModel := map[string]int{}
+	for _, e := range c.Endpoints {
+		perModel[e.Model]++
+	}
+	for _, model := range slices.Sorted(maps.Keys(c.Render)) {
+		at := fmt.Sprintf("render[%q]", model)
+		switch v := c.Render[model]; {
+		case perModel[model] == 0 && model != c.discoveredModel():
+			errs = append(errs, fmt.Errorf("%s: no endpoint serves the model", at))
+		case v != RenderEngine && v != RenderGateway:
+			errs = append(errs, fmt.Errorf("%s: %q: want %q or %q", at, v, RenderEngine, RenderGateway))
+		}
+	}
+	if c.RenderTimeout < 0 {
+		errs = append(errs, fmt.Errorf("render_timeout %v: must be >= 0", c.RenderTimeout))
 	}
 	return errs
 }

@@ -301,7 +301,7 @@ func (g *Gateway) Pick(ctx context.Context, req *PickRequest) (*Picked, *Refusal
 	x.sreq = sched.Request{SessionKey: sessionKey(r, x), Priority: priority}
 	for j, p := range targets {
 		x.pass.fallback, x.pass.fell = j < len(targets)-1, ""
-		if e := g.prepareTarget(w, x, kind, p); e != nil {
+		if e := g.prepareTarget(w, r, x, kind, p); e != nil {
 			return refuse(p.none, e)
 		}
 		if g.pickRouted(w, r, x, kind, p, req, pk) {

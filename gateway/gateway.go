@@ -87,6 +87,8 @@ type Gateway struct {
 	pdm     *pdMetrics   // P/D (pd.go)
 	hold    *holdBudget  // bytes of non-streaming answers held (hold.go)
 	cold    *holdMetrics // scale from zero: requests held while no endpoint is ready (coldstart.go)
+	// render is the engine render client of render: engine pools (render.go).
+	render *engineRender
 	// replicas is the exchange with the other gateway replicas
 	// (replicas.go; its node nil when off).
 	replicas *replicas
@@ -186,6 +188,9 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	g.metrics = m
 	g.unknown = m.route(unknownModel, "", cfg.Routing.Policy)
 	if err := g.setupResilience(reg); err != nil {
+		return fail(err)
+	}
+	if g.render, err = newEngineRender(reg, g.transport); err != nil {
 		return fail(err)
 	}
 	if g.cold, err = newHoldMetrics(reg); err != nil {

@@ -106,7 +106,7 @@ func newMetrics(reg prometheus.Registerer, fleet *fleetCollector) (*metrics, err
 		}, []string{"model", "endpoint", "policy", "index"}),
 	}
 	m.tokenizer = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "infergate", Name: "pool_tokenizer",
-		Help: "1 for the tokenizer a model's routing tokenizes prompts with (tokenizer: the configured tokenizers path, or cl100k_fallback when none is configured); absent when the model's routing does not tokenize."},
+		Help: "1 for the tokenizer a model's routing tokenizes prompts with (tokenizer: the configured tokenizers path, engine_render for render: engine, or cl100k_fallback when none is configured); absent when the model's routing does not tokenize."},
 		[]string{"model", "tokenizer"})
 	m.loraPicks = prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "lora_picks_total",
 		Help: "Picks of requests for a LoRA adapter, by base model and where the adapter stood on the endpoint picked (vllm:lora_requests_info as last scraped): resident (running or waiting there), free_slot (fewer adapters active than max_lora), full (loading it competes for max_lora slots), unknown (no LoRA metric)."},
@@ -131,6 +131,11 @@ func newMetrics(reg prometheus.Registerer, fleet *fleetCollector) (*metrics, err
 // TokenizerFallback is infergate_pool_tokenizer's label for a model
 // tokenized with cl100k_base because no tokenizer is configured for it.
 const TokenizerFallback = "cl100k_fallback"
+
+// TokenizerEngine is infergate_pool_tokenizer's label for a model whose
+// routing asks its engines for the ids (render: engine); its fallbacks are
+// counted in infergate_render_fallbacks_total.
+const TokenizerEngine = "engine_render"
 
 // poolTokenizer sets model's infergate_pool_tokenizer: path when the pool
 // tokenizes with it (own), else the cl100k fallback when it tokenizes at

@@ -260,7 +260,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	x.sreq = sched.Request{SessionKey: sessionKey(r, x), Priority: priority}
 	for j, p := range targets {
 		x.pass.fallback, x.pass.fell = j < len(targets)-1, ""
-		if e := g.prepareTarget(w, x, kind, p); e != nil {
+		if e := g.prepareTarget(w, r, x, kind, p); e != nil {
 			x.refundKey(w.Header())
 			g.fail(w, p.none, e)
 			return

@@ -7,20 +7,21 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/hftokenizer"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/replica"
 	"github.com/infergate/infergate/sched"
-	"github.com/prometheus/client_golang/prometheus"
 )
 
 // prepareTarget readies x to be sent to pool p: the model sent (an alias
 // target's name spliced into the body; a LoRA adapter's kept, its name in
 // sched.Request.Adapter), and the routing hashes under p's seed (the
 // adapter's for an adapter) when its policy needs them.
-func (g *Gateway) prepareTarget(w http.ResponseWriter, x *exchange, kind apiKind, p *pool) *openai.Error {
+func (g *Gateway) prepareTarget(w http.ResponseWriter, r *http.Request, x *exchange, kind apiKind, p *pool) *openai.Error {
 	x.sreq.Model = p.model
 	x.sreq.Adapter = x.adapterOn(p)
 	x.sreq.Hashes, x.sreq.PromptTokens = nil, 0
@@ -35,7 +36,15 @@ func (g *Gateway) prepareTarget(w http.ResponseWriter, x *exchange, kind apiKind
 			want = 2
 		}
 		if x.pass.toks != want { // once for all targets
-			x.pass.routeToks, x.pass.toks = x.promptTokens(kind, p, want == 2), want
+			ok := false
+			if p.engineRender {
+				x.toks, ok = g.engineTokens(r.Context(), x.toks[:0], x, kind, p)
+				x.pass.routeToks = x.toks
+			}
+			if !ok {
+				x.pass.routeToks = x.promptTokens(kind, p, want == 2)
+			}
+			x.pass.toks = want
 		}
 		tokens := x.pass.routeToks
 		seed := p.seed
@@ -338,6 +347,13 @@ type pool struct {
 	// loraPicks are infergate_lora_picks_total's children of the pool's
 	// model by placement (nil without adapters).
 	loraPicks [numPlacements]prometheus.Counter
+	// engineRender: routing asks the endpoints for the ids (config render:
+	// engine; render.go), within renderTimeout a call.
+	engineRender  bool
+	renderTimeout time.Duration
+	// renderHits and renderMisses are the model's render cache lookups
+	// (infergate_render_cache_lookups_total), resolved at build.
+	renderHits, renderMisses prometheus.Counter
 	// maxModelLen is the longest context of its endpoints (tokens).
 	maxModelLen int
 	// maxRequests is the circuit breaker's bound per endpoint.

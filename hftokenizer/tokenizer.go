@@ -16,6 +16,8 @@ import (
 	"unicode/utf8"
 
 	"golang.org/x/text/unicode/norm"
+
+	"github.com/infergate/infergate/gguf"
 )
 
 // MaxFileBytes bounds the tokenizer.json and tokenizer_config.json Load
@@ -49,11 +51,15 @@ type preStep struct {
 
 // Load reads a tokenizer from path: a tokenizer.json, or a folder holding
 // one (and, optionally, the tokenizer_config.json whose chat_template and
-// special tokens Template returns).
+// special tokens Template returns), or a GGUF model file, whose embedded
+// vocabulary is read as llama.cpp reads it (LoadGGUF).
 func Load(path string) (*Tokenizer, error) {
 	st, err := os.Stat(path)
 	if err != nil {
 		return nil, err
+	}
+	if !st.IsDir() && IsGGUF(path) {
+		return LoadGGUF(path, GGUFOptions{})
 	}
 	file, dir := path, filepath.Dir(path)
 	if st.IsDir() {
@@ -82,6 +88,19 @@ func Load(path string) (*Tokenizer, error) {
 		return nil, err
 	}
 	return t, nil
+}
+
+// IsGGUF reports whether the file at path starts with the GGUF magic (an
+// Ollama store's blobs have no .gguf suffix).
+func IsGGUF(path string) bool {
+	f, err := os.Open(path)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	var magic [4]byte
+	_, err = io.ReadFull(f, magic[:])
+	return err == nil && string(magic[:]) == gguf.Magic
 }
 
 func readBounded(path string) ([]byte, error) {
@@ -293,6 +312,16 @@ func (t *Tokenizer) parseModel(raw json.RawMessage, added []AddedToken) error {
 		(m.EndOfWordSuffix != nil && *m.EndOfWordSuffix != "") {
 		return errors.New("BPE model with byte_fallback, dropout, continuing_subword_prefix or end_of_word_suffix is not supported (byte-level BPE only)")
 	}
+	return t.buildModel(m.Vocab, len(m.Merges), func(i int) (string, string, error) { return parseMerge(m.Merges[i]) },
+		m.IgnoreMerges, added)
+}
+
+// buildModel builds the BPE model and the id tables from a vocabulary in
+// the byte-level alphabet (an added token's own entry may stand outside
+// it), n merges given by rank (merge(i): the pair of rank i) and the added
+// tokens: the one construction behind Parse (tokenizer.json) and NewBPE
+// (a GGUF's tokenizer.ggml.* fields).
+func (t *Tokenizer) buildModel(vocab map[string]uint32, n int, merge func(int) (string, string, error), ignoreMerges bool, added []AddedToken) error {
 	addedContent := make(map[string]bool, len(added))
 	maxID := uint32(0)
 	for _, a := range added {
@@ -300,8 +329,8 @@ func (t *Tokenizer) parseModel(raw json.RawMessage, added []AddedToken) error {
 		maxID = max(maxID, a.ID)
 	}
 	b := &t.model
-	b.vocab = make(map[string]uint32, len(m.Vocab))
-	for tok, id := range m.Vocab {
+	b.vocab = make(map[string]uint32, len(vocab))
+	for tok, id := range vocab {
 		if id >= deadSymbol-1 {
 			return fmt.Errorf("vocab id %d out of range", id)
 		}
@@ -318,10 +347,10 @@ func (t *Tokenizer) parseModel(raw json.RawMessage, added []AddedToken) error {
 	for c := 0; c < 256; c++ {
 		b.byteID[c], b.hasByte[c] = b.vocab[string([]byte{byte(c)})]
 	}
-	b.ignoreMerges = m.IgnoreMerges
-	b.merges = make(map[uint64]uint64, len(m.Merges))
-	for rank, rm := range m.Merges {
-		l, r, err := parseMerge(rm)
+	b.ignoreMerges = ignoreMerges
+	b.merges = make(map[uint64]uint64, n)
+	for rank := range n {
+		l, r, err := merge(rank)
 		if err != nil {
 			return fmt.Errorf("merge %d: %w", rank, err)
 		}

@@ -289,6 +289,7 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 	mux.HandleFunc("POST /v1/embeddings", s.handleEmbeddings)
 	mux.HandleFunc("POST /tokenize", s.handleTokenize)
 	mux.HandleFunc("POST /detokenize", s.handleDetokenize)
+	s.renderRoutes(mux)
 	mux.HandleFunc("/", handleNotFound)
 	mux.HandleFunc("GET /health", s.handleHealth)
 	s.pdRoutes(mux, pd.BootstrapOnMain)
@@ -701,7 +702,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		chat:           true,
 		id:             s.newID("chatcmpl-"),
 		model:          req.Model,
-		tokens:         s.encode(req.Prompt()),
+		tokens:         s.chatTokens(&req),
 		maxTokens:      orDefault(maxTokens, DefaultMaxTokens),
 		maxTokensParam: orDefault(maxTokens, 0),
 		stream:         req.Stream,
