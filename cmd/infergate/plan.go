@@ -104,7 +104,7 @@ func (fl *planFlags) bind(f *pflag.FlagSet) {
 	f.StringVarP(&fl.outPath, "out", "o", "", "write the sweep and the recommendation as JSON to this file")
 	f.IntVar(&fl.workers, "workers", 0, "runs to simulate at once (0 = one per CPU)")
 	f.StringVar(&fl.htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it, the sweep table, and against fleet size each SLO target's value with its threshold line, goodput, and the hit rate with its references, the recommended point marked")
-	f.Int64Var(&fl.seed, "seed", 0, "seed of the engines' outputs and the policies' tie-breaking")
+	f.Int64Var(&fl.seed, "seed", 0, "seed of the engines' outputs, the policies' tie-breaking and the workload generators (added to each generator's seed: 0 keeps their defaults; a fixed trace such as mooncake is unchanged)")
 	f.StringVar(&fl.pd, "pd", "", "P/D splits to sweep at every fleet size: prefill-engine counts (0 = aggregated) and ranges, comma-separated, e.g. 0,2..6; 'all' = 0 to N-1")
 	f.StringVar(&fl.pdThreshold, "pd-threshold", "", "with --pd: the decider's non-cached-token thresholds to sweep, comma-separated (0 = the default 2048, -1 = always split)")
 	f.StringVar(&fl.pdLocal, "pd-local", "", "with --pd: where requests that are not split run, comma-separated: decode, any (default decode)")
@@ -306,6 +306,7 @@ func (fl *planFlags) options() (plan.Options, error) {
 			return plan.Options{}, fmt.Errorf("--autoscale: %w", err)
 		}
 	}
+	fl.wl.reseed(uint64(fl.seed))
 	recs, err := fl.wl.load()
 	if err != nil {
 		return plan.Options{}, err
