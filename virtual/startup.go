@@ -39,7 +39,8 @@ type NodeCaches struct {
 	// Peers: a node fetches a blob another node's cache holds from that
 	// node (blob.TierPeer, sim.SourcePeer) rather than the origin.
 	Peers bool
-	// ImageCached: the engine image is on every node (no pull).
+	// ImageCached: the engine image is on every node at time 0 (no
+	// pull); a node pulls it at its first start otherwise, and keeps it.
 	ImageCached bool
 }
 
@@ -88,6 +89,7 @@ func ModelBlobs(model string, n int64) []blob.Blob {
 // engines on the node have read).
 type nodeCache struct {
 	disk, page *blob.Index
+	image      bool // the engine image is on the node
 }
 
 // nodeCaches is a fleet's per-node caches, and which engines hold pins.
@@ -111,7 +113,7 @@ func newNodeCaches(cfg NodeCaches, n int) (*nodeCaches, error) {
 	}
 	nc := &nodeCaches{cfg: cfg, holding: make([]bool, n)}
 	for range (n + cfg.EnginesPerNode - 1) / cfg.EnginesPerNode {
-		node := nodeCache{disk: blob.NewIndex(cfg.Budget), page: blob.NewIndex(0)}
+		node := nodeCache{disk: blob.NewIndex(cfg.Budget), page: blob.NewIndex(0), image: cfg.ImageCached}
 		if cfg.State >= CacheDisk {
 			if _, err := node.disk.Hold(cfg.Blobs); err != nil {
 				return nil, fmt.Errorf("sim: node caches: the model does not fit the budget: %w", err)
@@ -149,10 +151,11 @@ func (nc *nodeCaches) start(i int) (sim.StartupPhases, error) {
 		}
 	}
 	w := sim.PlacementOf(&plan)
-	ph, err := nc.cfg.Profile.StartupPhases(sim.StartupInput{Placement: &w, ImageCached: nc.cfg.ImageCached})
+	ph, err := nc.cfg.Profile.StartupPhases(sim.StartupInput{Placement: &w, ImageCached: node.image})
 	if err != nil {
 		return ph, err
 	}
+	node.image = true
 	// A node whose budget the running engines pin entirely streams the
 	// weights without keeping them (as a failed live acquire keeps
 	// nothing pinned); the page cache still holds them.

@@ -57,8 +57,18 @@ func TestNodeCachesTierChoice(t *testing.T) {
 			t.Errorf("%s: node 0 pins %d after its engines stopped", c.state, got)
 		}
 	}
+	// The image is pulled at a node's first start only.
+	nc, err := newNodeCaches(NodeCaches{Profile: p, Blobs: blobs, EnginesPerNode: 2}, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, _ := nc.start(0)
+	second, _ := nc.start(1)
+	if first.ImagePull <= 0 || second.ImagePull != 0 {
+		t.Errorf("image pull %v then %v on one node: want a pull, then none", first.ImagePull, second.ImagePull)
+	}
 	// A node whose budget cannot hold the model streams it every time.
-	nc, err := newNodeCaches(NodeCaches{Profile: p, Blobs: blobs, Budget: 1, ImageCached: true}, 2)
+	nc, err = newNodeCaches(NodeCaches{Profile: p, Blobs: blobs, Budget: 1, ImageCached: true}, 2)
 	if err != nil {
 		t.Fatal(err)
 	}
