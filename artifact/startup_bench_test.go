@@ -4,11 +4,14 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -37,6 +40,18 @@ import (
 //	reload        Ollama's own reload: the model unloaded (keep_alive 0) and
 //	              loaded again by the same warm server
 //
+// and, when asked:
+//
+//	cold_dropped  INFERGATE_ARTIFACT_BENCH_DROP_CACHES=1: cold_remote after
+//	              the host's whole page cache was dropped (sync; echo 3 >
+//	              /proc/sys/vm/drop_caches: root only), so the origin's
+//	              files, the Ollama binary and its libraries come from disk
+//	warm_dropped  then the same cache warm, the page cache dropped again: a
+//	              node whose disk holds the model after a reboot
+//	cold_throttled INFERGATE_ARTIFACT_BENCH_ORIGIN_MBPS=N: cold_remote from
+//	              an origin limited to N MB/s (one connection per blob, as
+//	              the cache fetches)
+//
 // Metrics are medians over the iterations (ranges on stderr, with one line
 // per scenario and iteration), in seconds per scenario (startup = acquire +
 // link + server ready + load + first token; load = Ollama's load_duration,
@@ -56,7 +71,17 @@ func BenchmarkOllamaStartup(b *testing.B) {
 	bin := e2e.RequireOllama(b)
 	opts := gguf.Options{Seed: 7, EmbeddingLength: 1024, BlockCount: envInt("INFERGATE_ARTIFACT_BENCH_LAYERS", 16),
 		FeedForwardLength: 2816, HeadCount: 16, F16: true}
-	_, origin := ollamaOrigin(b, bin, opts)
+	store, origin := ollamaOrigin(b, bin, opts)
+	dropCaches := os.Getenv("INFERGATE_ARTIFACT_BENCH_DROP_CACHES") == "1"
+	var throttledSrc artifact.Source
+	if mbps, _ := strconv.ParseFloat(os.Getenv("INFERGATE_ARTIFACT_BENCH_ORIGIN_MBPS"), 64); mbps > 0 {
+		fsrv := http.FileServer(http.Dir(store))
+		slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			fsrv.ServeHTTP(&throttled{ResponseWriter: w, bps: mbps * 1e6, t0: time.Now()}, r)
+		}))
+		defer slow.Close()
+		throttledSrc, _ = artifact.NewHTTP(slow.URL, artifact.LayoutOllamaDir, false)
+	}
 	src, err := artifact.NewHTTP(origin.URL, artifact.LayoutOllamaDir, false)
 	if err != nil {
 		b.Fatal(err)
@@ -76,7 +101,7 @@ func BenchmarkOllamaStartup(b *testing.B) {
 	// is left running for the caller to stop.
 	start := func(name string, c *artifact.Cache) (*e2e.Instance, *artifact.Lease, time.Duration) {
 		t0 := time.Now()
-		lease, err := c.Acquire(ctx, ref, artifact.AcquireOptions{Offline: name != "cold_remote" && name != "cold_peer"})
+		lease, err := c.Acquire(ctx, ref, artifact.AcquireOptions{Offline: !strings.HasPrefix(name, "cold_")})
 		if err != nil {
 			b.Fatal(name, err)
 		}
@@ -183,6 +208,31 @@ func BenchmarkOllamaStartup(b *testing.B) {
 		fmt.Fprintf(os.Stderr, "%-11s load_duration %6.2fs (total %6.2fs)\n", "reload", time.Duration(g.LoadDuration).Seconds(), time.Duration(g.TotalDuration).Seconds())
 		stop(inst, l)
 		a.Close()
+
+		if dropCaches {
+			d, err := artifact.Open(artifact.Config{Dir: b.TempDir(), Origins: []artifact.Source{src}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			dropAll(b)
+			inst, l, fetched = start("cold_dropped", d)
+			stop(inst, l)
+			add("dropped_fetch_MB/s", float64(m.Size())/fetched.Seconds()/1e6)
+			dropAll(b)
+			inst, l, _ = start("warm_dropped", d)
+			stop(inst, l)
+			d.Close()
+		}
+		if throttledSrc != nil {
+			d, err := artifact.Open(artifact.Config{Dir: b.TempDir(), Origins: []artifact.Source{throttledSrc}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			inst, l, fetched = start("cold_throttled", d)
+			stop(inst, l)
+			add("throttled_fetch_MB/s", float64(m.Size())/fetched.Seconds()/1e6)
+			d.Close()
+		}
 	}
 	keys := make([]string, 0, len(obs))
 	for k := range obs {
@@ -202,7 +252,56 @@ func BenchmarkOllamaStartup(b *testing.B) {
 	}
 	b.ReportMetric(med["cold_remote_startup_s"]/med["warm_page_startup_s"], "cold/warm_page")
 	b.ReportMetric(med["cold_remote_startup_s"]/med["warm_disk_startup_s"], "cold/warm_disk")
+	if dropCaches {
+		b.ReportMetric(med["cold_dropped_startup_s"]/med["warm_dropped_startup_s"], "cold_dropped/warm_dropped")
+		b.ReportMetric(med["cold_dropped_startup_s"]/med["warm_page_startup_s"], "cold_dropped/warm_page")
+	}
+	if throttledSrc != nil {
+		b.ReportMetric(med["cold_throttled_startup_s"]/med["warm_page_startup_s"], "cold_throttled/warm_page")
+	}
 }
+
+// dropAll drops the host's whole page cache (sync, then 3 into
+// /proc/sys/vm/drop_caches; root only).
+func dropAll(b *testing.B) {
+	if err := exec.Command("sync").Run(); err != nil {
+		b.Fatal(err)
+	}
+	if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("3\n"), 0o200); err != nil {
+		b.Fatalf("INFERGATE_ARTIFACT_BENCH_DROP_CACHES=1: %v (root only)", err)
+	}
+}
+
+// throttled limits a response's bytes to bps bytes/s from t0, sleeping
+// before each write that would exceed it (an origin's bandwidth).
+type throttled struct {
+	http.ResponseWriter
+	bps  float64
+	t0   time.Time
+	sent int64
+}
+
+func (t *throttled) Write(p []byte) (int, error) {
+	var n int
+	for len(p) > 0 {
+		k := min(len(p), 256<<10)
+		if ahead := time.Duration(float64(t.sent+int64(k))/t.bps*float64(time.Second)) - time.Since(t.t0); ahead > 0 {
+			time.Sleep(ahead)
+		}
+		w, err := t.ResponseWriter.Write(p[:k])
+		n += w
+		t.sent += int64(w)
+		if err != nil {
+			return n, err
+		}
+		p = p[k:]
+	}
+	return n, nil
+}
+
+// ReadFrom hides the writer's io.ReaderFrom (sendfile), so every byte
+// passes Write.
+func (t *throttled) ReadFrom(r io.Reader) (int64, error) { return io.Copy(struct{ io.Writer }{t}, r) }
 
 // readMBps reads a file sequentially and returns MB/s.
 func readMBps(b *testing.B, p string) float64 {

@@ -38,7 +38,7 @@ import (
 const (
 	DefaultMaxHeld          = 1024
 	DefaultMaxHeldBytes     = 64 << 20
-	DefaultHoldProbe        = 25 * time.Millisecond
+	DefaultHoldProbe        = 10 * time.Millisecond
 	DefaultWakeTimeout      = 10 * time.Second
 	maxWebhookResponseBytes = 64 << 10
 )
@@ -81,8 +81,11 @@ type ScaleFromZeroConfig struct {
 	// MiB).
 	MaxHeldBytes int64 `yaml:"max_held_bytes"`
 	// ProbeInterval is the health-check period of the pool's endpoints
-	// that are not ready while it holds requests (default 50ms), so a
-	// held request is dispatched within it of an endpoint's readiness.
+	// that are not ready while it holds requests (default 10ms, from each
+	// probe's start), so a held request is dispatched within it (plus a
+	// probe's round trip) of an endpoint's readiness. Each probe is one
+	// GET of the endpoint's health path: 100 a second per unready
+	// endpoint of a holding pool at the default, only while it holds.
 	ProbeInterval time.Duration `yaml:"probe_interval"`
 	// Heartbeat, when set, writes an SSE comment (": keep-alive") to
 	// held streaming requests at this period. The first one commits the

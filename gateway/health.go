@@ -25,10 +25,14 @@ func (g *Gateway) healthLoop(ctx context.Context, ep *endpoint) {
 				continue // nothing waits for it: the timer runs on
 			}
 		}
+		began := time.Now()
 		g.checkHealth(ctx, ep)
 		next := g.cfg.HealthCheckInterval
 		if d, held := ep.holding(); held && !ep.ready.Load() {
-			next = min(next, d)
+			// A fixed cadence from each probe's start: a probe slowed by a
+			// loaded host or a slow engine does not stretch the period, so
+			// readiness is seen within d (plus one probe's round trip).
+			next = max(min(next, d)-time.Since(began), 0)
 		}
 		t.Reset(next)
 	}

@@ -43,6 +43,12 @@ type Autoscale struct {
 	Phases *sim.StartupPhases
 	// fixedColdStart: cold_start= was given.
 	fixedColdStart bool
+	// cache is the nodes' artifact caches' declared state (spec key
+	// cache=; nil: none, every start from Startup.Source), with
+	// enginesPerNode (engines_per_node=) and peers (peers=).
+	cache          *virtual.CacheState
+	enginesPerNode int
+	peers          bool
 }
 
 // DefaultStartup is the start-up model's input when the spec names none:
@@ -58,9 +64,22 @@ func (a *Autoscale) resolveColdStart(prof sim.GPUProfile) error {
 	if a.fixedColdStart {
 		return nil
 	}
-	a.ColdStart, a.StartUp = 0, nil
-	ph, err := prof.StartupPhases(a.Startup)
+	a.ColdStart, a.StartUp, a.Caches = 0, nil, nil
+	in := a.Startup
+	if a.cache != nil {
+		// Each start reads through its node's cache (virtual.NodeCaches);
+		// the policy's cold-start estimate is a first start on a node in
+		// the declared state.
+		a.Caches = &virtual.NodeCaches{Profile: prof, Blobs: virtual.ModelBlobs(prof.Model, int64(prof.WeightBytes())),
+			EnginesPerNode: a.enginesPerNode, State: *a.cache, Peers: a.peers, ImageCached: a.Startup.ImageCached}
+		in.Source = map[virtual.CacheState]sim.WeightSource{virtual.CacheCold: sim.SourceRemote,
+			virtual.CacheDisk: sim.SourceNVMe, virtual.CacheWarm: sim.SourcePageCache}[*a.cache]
+	}
+	ph, err := prof.StartupPhases(in)
 	if errors.Is(err, sim.ErrNoStartupModel) {
+		if a.cache != nil {
+			return fmt.Errorf("autoscale: cache=%s: profile %s has no start-up model (YAML startup)", a.cache, prof.Name)
+		}
 		a.Policy.ColdStart, a.Phases = DefaultColdStart, nil
 		return nil
 	}
@@ -79,7 +98,13 @@ func (a *Autoscale) resolveColdStart(prof sim.GPUProfile) error {
 // zero), startup (the weights' source: remote, nvme, page_cache or peer;
 // default page_cache) and image_cached (true or false; default true). The
 // cold start is the engine profile's modelled start-up from that source
-// (sim/startup.go; Run resolves it); cold_start= fixes it instead.
+// (sim/startup.go; Run resolves it); cold_start= fixes it instead. cache=
+// (cold, disk or warm) reads every start through its node's artifact cache
+// instead of startup= (virtual.NodeCaches: the nodes start in that state,
+// a node holds the model after its first start and its page cache what its
+// engines read), with engines_per_node= (default 1) and peers= (true: a
+// node fetches from another node's cache before the origin; default
+// false).
 func ParseAutoscale(spec string) (*Autoscale, error) {
 	c, rest, err := autoscale.ParseConfig(spec)
 	if err != nil {
@@ -112,6 +137,24 @@ func ParseAutoscale(spec string) (*Autoscale, error) {
 			} else {
 				a.HoldTTL = d
 			}
+		case "cache":
+			st, err := virtual.ParseCacheState(v)
+			if err != nil {
+				return nil, fmt.Errorf("autoscale: cache=%s: %w", v, err)
+			}
+			a.cache = &st
+		case "engines_per_node":
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 1 {
+				return nil, fmt.Errorf("autoscale: engines_per_node=%s: want an integer ≥ 1", v)
+			}
+			a.enginesPerNode = n
+		case "peers":
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				return nil, fmt.Errorf("autoscale: peers=%s: want true or false", v)
+			}
+			a.peers = b
 		case "initial":
 			n, err := strconv.Atoi(v)
 			if err != nil || n < 0 || n > c.Max {
@@ -122,11 +165,17 @@ func ParseAutoscale(spec string) (*Autoscale, error) {
 				a.Initial = -1 // from zero, whatever min is
 			}
 		default:
-			return nil, fmt.Errorf("autoscale: unknown key %q (want min, max, target, rate, kv, queue, ttft, up_window, down_window, up_period, down_period, up_percent, up_engines, down_percent, cold_start, interval, hold_ttl, initial, startup, image_cached)", k)
+			return nil, fmt.Errorf("autoscale: unknown key %q (want min, max, target, rate, kv, queue, ttft, up_window, down_window, up_period, down_period, up_percent, up_engines, down_percent, cold_start, interval, hold_ttl, initial, startup, image_cached, cache, engines_per_node, peers)", k)
 		}
 	}
 	if a.fixedColdStart && (strings.Contains(","+spec, ",startup=") || strings.Contains(","+spec, ",image_cached=")) {
 		return nil, errors.New("autoscale: cold_start= fixes the start-up time; startup= and image_cached= choose the modelled one: give one")
+	}
+	if a.cache != nil && (a.fixedColdStart || strings.Contains(","+spec, ",startup=")) {
+		return nil, errors.New("autoscale: cache= reads each start through the node caches; cold_start= and startup= fix one source: give one")
+	}
+	if a.cache == nil && (strings.Contains(","+spec, ",engines_per_node=") || strings.Contains(","+spec, ",peers=")) {
+		return nil, errors.New("autoscale: engines_per_node= and peers= need cache=")
 	}
 	if a.Policy.ColdStart == 0 {
 		a.Policy.ColdStart = DefaultColdStart // until Run resolves the profile's model
@@ -152,7 +201,11 @@ type ScaleRow struct {
 	// Startup is the weights' source of the start-up model and
 	// ImageCached its image input, with the phases (s) it gave: image
 	// pull, weights read, warm-up. Empty when cold_start= fixed it.
-	Startup     string  `json:"startup,omitempty"`
+	Startup string `json:"startup,omitempty"`
+	// Cache is the nodes' artifact caches' declared state (cache=; empty
+	// without): Startup is then a first start's on such a node, and
+	// ScaleStats.StartsBySource says where every start read from.
+	Cache       string  `json:"cache,omitempty"`
 	ImageCached bool    `json:"image_cached,omitempty"`
 	ImagePullS  float64 `json:"image_pull_s,omitempty"`
 	WeightsS    float64 `json:"weights_load_s,omitempty"`
@@ -170,8 +223,18 @@ func (s *ScaleRow) coldStartLabel() string {
 	if s.ImageCached {
 		img = "image cached"
 	}
-	return fmt.Sprintf("cold start %s modelled: weights from %s, %s: image pull %.1fs + weights %.1fs + warm-up %.1fs",
+	label := fmt.Sprintf("cold start %s modelled: weights from %s, %s: image pull %.1fs + weights %.1fs + warm-up %.1fs",
 		cs, s.Startup, img, s.ImagePullS, s.WeightsS, s.WarmUpS)
+	if s.Cache != "" {
+		srcs := make([]string, 0, len(s.StartsBySource))
+		for _, src := range sim.WeightSources() {
+			if n := s.StartsBySource[string(src)]; n > 0 {
+				srcs = append(srcs, fmt.Sprintf("%s %d", src, n))
+			}
+		}
+		label = fmt.Sprintf("through node caches, %s at start (first start: %s); starts by source: %s", s.Cache, label, strings.Join(srcs, ", "))
+	}
+	return label
 }
 
 // Comparison sets an autoscaled run against the best static fleet of the

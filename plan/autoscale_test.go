@@ -54,14 +54,20 @@ func TestParseAutoscale(t *testing.T) {
 		t.Fatalf("initial=0: %+v", a)
 	}
 	for spec, want := range map[string]string{
-		"max=4,interval=x":                 "interval=x",
-		"max=4,initial=9":                  "initial=9",
-		"max=4,bogus=1":                    "unknown key",
-		"min=1":                            "max is required",
-		"max=4,hold_ttl=-1s":               "hold_ttl",
-		"max=4,startup=s3":                 "startup=s3",
-		"max=4,image_cached=maybe":         "image_cached=maybe",
-		"max=4,cold_start=9s,startup=nvme": "give one",
+		"max=4,interval=x":                    "interval=x",
+		"max=4,initial=9":                     "initial=9",
+		"max=4,bogus=1":                       "unknown key",
+		"min=1":                               "max is required",
+		"max=4,hold_ttl=-1s":                  "hold_ttl",
+		"max=4,startup=s3":                    "startup=s3",
+		"max=4,image_cached=maybe":            "image_cached=maybe",
+		"max=4,cold_start=9s,startup=nvme":    "give one",
+		"max=4,cache=hot":                     "cache=hot",
+		"max=4,cache=cold,startup=nvme":       "give one",
+		"max=4,cache=cold,cold_start=9s":      "give one",
+		"max=4,engines_per_node=2":            "need cache=",
+		"max=4,cache=cold,engines_per_node=0": "engines_per_node=0",
+		"max=4,cache=cold,peers=maybe":        "peers=maybe",
 	} {
 		if _, err := ParseAutoscale(spec); err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("%q: %v, want %q", spec, err, want)
@@ -222,8 +228,25 @@ func TestAutoscaleModelledColdStart(t *testing.T) {
 			t.Errorf("%s: the table does not say %q:\n%s", tc.spec, tc.text, buf.String())
 		}
 	}
+	// cache=cold: every start reads through its node's artifact cache; the
+	// first start on each node (one engine per node here, no peers) reads
+	// from the origin, a restart on a node from its page cache.
+	res, _ := run("min=1,max=4,target=2,down_window=1m,interval=5s,cache=cold,image_cached=false")
+	s := res.Rows[res.Autoscale[0].Row].Scale
+	remote, _ := prof.StartupPhases(sim.StartupInput{Source: sim.SourceRemote})
+	if s.Cache != "cold" || s.Startup != string(sim.SourceRemote) || s.ColdStartS != remote.Total().Seconds() ||
+		s.StartsBySource[string(sim.SourceRemote)] == 0 {
+		t.Errorf("cache=cold: %+v", s)
+	}
+	var buf bytes.Buffer
+	if err := res.WriteTable(&buf); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(buf.String(), "through node caches, cold at start") || !strings.Contains(buf.String(), "starts by source: remote") {
+		t.Errorf("cache=cold: the table does not say so:\n%s", buf.String())
+	}
 	// cold_start= overrides the model and says so.
-	res, _ := run("min=1,max=4,target=2,down_window=1m,interval=5s,cold_start=20s")
+	res, _ = run("min=1,max=4,target=2,down_window=1m,interval=5s,cold_start=20s")
 	if s := res.Rows[res.Autoscale[0].Row].Scale; s.ColdStartS != 20 || s.Startup != "" {
 		t.Errorf("cold_start=20s: %+v", s)
 	}

@@ -496,6 +496,9 @@ func runOne(ctx context.Context, opts Options, recs []trace.Record, c combo, ref
 			row.Scale.Startup, row.Scale.ImageCached = string(ph.Source), a.Startup.ImageCached
 			row.Scale.ImagePullS, row.Scale.WeightsS, row.Scale.WarmUpS = ph.ImagePull.Seconds(), ph.WeightsLoad.Seconds(), ph.WarmUp.Seconds()
 		}
+		if a.cache != nil {
+			row.Scale.Cache = a.cache.String()
+		}
 		row.GPUHours = gpuHours(run.Scale.EngineSeconds, tp)
 	}
 	if gpus := engines * tp; gpus > 0 {

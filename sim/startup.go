@@ -130,6 +130,11 @@ type StartupInput struct {
 	Source WeightSource
 	// ImageCached: the container image is already on the node (no pull).
 	ImageCached bool
+	// Placement, when set and not empty, is where the node's artifact
+	// cache found the weights (PlacementOf, startupplan.go): each source
+	// serves its share of the bytes, and Source is ignored
+	// (StartupPhases.Source is Placement.Source()).
+	Placement *WeightsPlacement
 }
 
 // StartupPhases is a cold start's duration per phase (modelled hardware
@@ -211,7 +216,8 @@ func (p GPUProfile) readTime(bw float64) (time.Duration, float64) {
 
 // StartupPhases is the pure start-up model: the duration of each phase of
 // a cold start of an engine of this profile reading its weights from
-// in.Source (see the formulas at the top of startup.go). The 70B default
+// in.Source, or from the sources in.Placement splits them between (see the
+// formulas at the top of startup.go; startupplan.go). The 70B default
 // (141 GB of weights) from the page cache, image on the node: 3.5 s of
 // weights and 60 s of warm-up; from the remote store with the image to
 // pull: 50 s + 28 s + 60 s.
@@ -219,12 +225,20 @@ func (p GPUProfile) StartupPhases(in StartupInput) (StartupPhases, error) {
 	if p.Startup.IsZero() {
 		return StartupPhases{}, ErrNoStartupModel
 	}
-	bw, err := p.sourceBandwidth(in.Source)
-	if err != nil {
-		return StartupPhases{}, err
-	}
 	out := StartupPhases{Source: in.Source, WarmUp: p.Startup.WarmUp}
-	out.WeightsLoad, out.ReadBandwidth = p.readTime(bw)
+	if in.Placement != nil && in.Placement.Total() > 0 {
+		var err error
+		out.Source = in.Placement.Source()
+		if out.WeightsLoad, out.ReadBandwidth, err = p.placedReadTime(*in.Placement); err != nil {
+			return StartupPhases{}, err
+		}
+	} else {
+		bw, err := p.sourceBandwidth(in.Source)
+		if err != nil {
+			return StartupPhases{}, err
+		}
+		out.WeightsLoad, out.ReadBandwidth = p.readTime(bw)
+	}
 	if !in.ImageCached && p.Startup.ImageBytes > 0 {
 		out.ImagePull = time.Duration(p.Startup.ImageBytes / p.Startup.ImagePullBandwidth * float64(time.Second))
 	}

@@ -268,9 +268,14 @@ func (f *ElasticFleet) reconcileLocked(now time.Time) {
 					}
 				})
 			}
-			ph := s.StartupPhases()
-			slog.Info("sim: elastic fleet: engine starting", "slot", sl.index, "url", f.URLs[sl.index],
-				"modelled_startup", ph.Total(), "source", ph.Source)
+			if st := f.cfg.Startup; st != nil && st.Weights != nil {
+				slog.Info("sim: elastic fleet: engine starting", "slot", sl.index, "url", f.URLs[sl.index],
+					"weights", st.Weights.Ref.String()) // the cache decides the tier: logged by the engine
+			} else {
+				ph := s.StartupPhases()
+				slog.Info("sim: elastic fleet: engine starting", "slot", sl.index, "url", f.URLs[sl.index],
+					"modelled_startup", ph.Total(), "source", ph.Source)
+			}
 			live++
 		}
 	}

@@ -105,8 +105,10 @@ type metrics struct {
 	pdRecomputes                  *prometheus.CounterVec
 	pdTransferTime                prometheus.Histogram
 
-	// phase is the start-up phase the engine is in ("" when none).
-	phase *atomic.Value
+	// phase is the start-up phase the engine is in ("" when none);
+	// startupFailures counts failed start-up attempts (Weights).
+	phase           *atomic.Value
+	startupFailures prometheus.Counter
 
 	// LoRA (nil when disabled).
 	loraInfo   *prometheus.GaugeVec
@@ -115,7 +117,7 @@ type metrics struct {
 	loraSetSeq int64
 }
 
-func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats], sleep *atomic.Int32, startup sim.StartupPhases) *metrics {
+func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats], sleep *atomic.Int32, startup *atomic.Pointer[sim.StartupPhases]) *metrics {
 	reg := prometheus.NewRegistry()
 	tiers := cfg.Tiers
 	labels := prometheus.Labels{"model_name": model, "engine": "0"}
@@ -159,10 +161,10 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats], s
 		})
 	}
 	curPhase := new(atomic.Value)
-	for _, ph := range startup.Phases() {
+	for i, ph := range startup.Load().Phases() {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "infergate_sim_startup_seconds",
 			Help:        "Simulator only: the modelled duration of each phase of the engine's start-up (image_pull, weights_load, warm_up), engine seconds; 0 without a start-up model.",
-			ConstLabels: with("phase", string(ph.Phase))}, func() float64 { return ph.Duration.Seconds() }))
+			ConstLabels: with("phase", string(ph.Phase))}, func() float64 { return startup.Load().Phases()[i].Duration.Seconds() }))
 		phase := string(ph.Phase)
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "infergate_sim_startup_phase",
 			Help:        "Simulator only: 1 for the start-up phase the engine is in (none once ready).",
@@ -275,7 +277,10 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats], s
 	tokenBuckets := buckets125(maxLen)
 	m := &metrics{
 		phase: curPhase,
-		reg:   reg,
+		startupFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_sim_startup_failures_total",
+			Help:        "Simulator only: start-up attempts that failed to locate, fetch or read the weights through the artifact cache (each retried with back-off).",
+			ConstLabels: labels}),
+		reg: reg,
 		ttft: hist("vllm:time_to_first_token_seconds",
 			"Histogram of time to first token in seconds.", ttftBuckets),
 		itl: hist("vllm:inter_token_latency_seconds",
@@ -342,6 +347,7 @@ func newMetrics(model string, cfg sim.Config, snap *atomic.Pointer[sim.Stats], s
 		m.loraSeries = make(map[[2]string]int64)
 		m.setLoRAInfo(&sim.Stats{}, time.Now())
 	}
+	reg.MustRegister(m.startupFailures)
 	return m
 }
 
@@ -407,6 +413,9 @@ func (m *metrics) setLoRAInfo(st *sim.Stats, now time.Time) {
 	m.loraSeries[key] = m.loraSetSeq
 	m.loraInfo.WithLabelValues(m.maxLora, key[0], key[1]).Set(float64(now.UnixNano()) / 1e9)
 }
+
+// startupFailed counts a failed start-up attempt.
+func (m *metrics) startupFailed() { m.startupFailures.Inc() }
 
 // setPhase records the start-up phase the engine is in ("" once ready).
 func (m *metrics) setPhase(p string) { m.phase.Store(p) }

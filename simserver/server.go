@@ -18,6 +18,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/infergate/infergate/artifact"
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
@@ -163,12 +164,17 @@ type Server struct {
 	// paused and inflight are the driver's (touched on its goroutine
 	// only, engine calls included): scheduling paused by a sleep, and
 	// the requests the engine holds.
-	startup  sim.StartupPhases
-	loading  atomic.Bool
-	ready    chan struct{}
-	sleep    sleepState
-	paused   bool
-	inflight map[string]*call
+	startup atomic.Pointer[sim.StartupPhases]
+	loading atomic.Bool
+	// With Startup.Weights (startupweights.go): the real start-up's report
+	// and the lease on the model's blobs, taken by the driver and released
+	// at Close.
+	weightsReport atomic.Pointer[WeightsReport]
+	lease         *artifact.Lease
+	ready         chan struct{}
+	sleep         sleepState
+	paused        bool
+	inflight      map[string]*call
 }
 
 // NewServer validates cfg, loads the tokenizer and builds the handler. The
@@ -259,7 +265,6 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 	}
 	s := &Server{
 		sleep:   sleepState{turn: make(chan struct{}, 1)},
-		startup: ph,
 		ready:   make(chan struct{}),
 		cfg:     cfg,
 		eng:     eng,
@@ -277,7 +282,8 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 	s.pdReadBody = pdReadBodyLimit(eng.NumBlocks)
 	s.pdClient = newPDClient()
 	s.snap.Store(&sim.Stats{NumBlocks: eng.NumBlocks, BlockSize: eng.BlockSize})
-	s.metrics = newMetrics(cfg.Model, eng, &s.snap, &s.sleep.level, ph)
+	s.startup.Store(&ph)
+	s.metrics = newMetrics(cfg.Model, eng, &s.snap, &s.sleep.level, &s.startup)
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", s.handleCompletions)
@@ -389,6 +395,9 @@ func (s *Server) Close() {
 		}
 		if s.ownsRemote {
 			s.remote.close()
+		}
+		if s.lease != nil { // the driver's, done: the engine has stopped reading the weights
+			s.lease.Release()
 		}
 	})
 	<-s.done

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/infergate/infergate/artifact"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sim"
 )
@@ -22,6 +23,18 @@ type StartupConfig struct {
 	Source sim.WeightSource `yaml:"source"`
 	// ImageCached: the container image is on the node (no pull).
 	ImageCached bool `yaml:"image_cached"`
+	// Weights, when set, makes the start-up read the weights through the
+	// node's artifact cache, which decides their source (Source is then
+	// only the level-2 wake-up's): startupweights.go.
+	Weights *Weights `yaml:"-"`
+}
+
+// source is Source or its default.
+func (c *StartupConfig) source() sim.WeightSource {
+	if c.Source == "" {
+		return sim.SourcePageCache
+	}
+	return c.Source
 }
 
 // phases returns the modelled start-up of a server of eng (engine time).
@@ -29,11 +42,10 @@ func (c *StartupConfig) phases(eng sim.Config) (sim.StartupPhases, error) {
 	if c == nil {
 		return sim.StartupPhases{}, nil
 	}
-	src := c.Source
-	if src == "" {
-		src = sim.SourcePageCache
+	if w := c.Weights; w != nil && (w.Cache == nil || w.Ref == (artifact.Ref{})) {
+		return sim.StartupPhases{}, errNoWeights
 	}
-	return eng.Profile.StartupPhases(sim.StartupInput{Source: src, ImageCached: c.ImageCached})
+	return eng.Profile.StartupPhases(sim.StartupInput{Source: c.source(), ImageCached: c.ImageCached})
 }
 
 // Lifecycle states of a Server (Server.State).
@@ -73,8 +85,10 @@ func (s *Server) State() string {
 func (s *Server) Ready() <-chan struct{} { return s.ready }
 
 // StartupPhases returns the modelled start-up of the server (zero without
-// StartupConfig), engine time.
-func (s *Server) StartupPhases() sim.StartupPhases { return s.startup }
+// StartupConfig), engine time. With Weights it is the estimate from
+// Source until the start-up has asked the artifact cache, then what the
+// cache's tiers give.
+func (s *Server) StartupPhases() sim.StartupPhases { return *s.startup.Load() }
 
 // load runs the start-up phases on the driver goroutine before the engine
 // serves: each phase's modelled time scaled by TimeScale, logged and
@@ -90,12 +104,25 @@ func (s *Server) load() bool {
 	t0 := time.Now()
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
-	for _, ph := range s.startup.Phases() {
+	if w := s.cfg.Startup.Weights; w != nil {
+		if !s.weightsStart(w, timer) {
+			return false
+		}
+		s.metrics.setPhase("")
+		ph, rep := s.StartupPhases(), s.WeightsReport()
+		slog.Info("sim: engine ready", "modelled", ph.Total(), "wall", time.Since(t0).Round(time.Millisecond),
+			"source", ph.Source, "image_pull", ph.ImagePull, "weights_load", ph.WeightsLoad, "warm_up", ph.WarmUp,
+			"fetched_bytes", rep.Acquire.Bytes-rep.Acquire.HitBytes, "fetch_wall", rep.Fetch.Round(time.Millisecond),
+			"read_bytes", rep.Bytes, "read_wall", rep.Read.Round(time.Millisecond))
+		return true
+	}
+	startup := s.StartupPhases()
+	for _, ph := range startup.Phases() {
 		if ph.Duration <= 0 {
 			continue
 		}
 		s.metrics.setPhase(string(ph.Phase))
-		slog.Info("sim: start-up phase", "phase", ph.Phase, "modelled", ph.Duration, "source", s.startup.Source,
+		slog.Info("sim: start-up phase", "phase", ph.Phase, "modelled", ph.Duration, "source", startup.Source,
 			"wall", scaled(ph.Duration, s.cfg.TimeScale))
 		timer.Reset(scaled(ph.Duration, s.cfg.TimeScale))
 		select {
@@ -105,8 +132,8 @@ func (s *Server) load() bool {
 		}
 	}
 	s.metrics.setPhase("")
-	slog.Info("sim: engine ready", "modelled", s.startup.Total(), "wall", time.Since(t0).Round(time.Millisecond),
-		"source", s.startup.Source, "image_pull", s.startup.ImagePull, "weights_load", s.startup.WeightsLoad, "warm_up", s.startup.WarmUp)
+	slog.Info("sim: engine ready", "modelled", startup.Total(), "wall", time.Since(t0).Round(time.Millisecond),
+		"source", startup.Source, "image_pull", startup.ImagePull, "weights_load", startup.WeightsLoad, "warm_up", startup.WarmUp)
 	return true
 }
 

@@ -33,6 +33,10 @@ type Autoscale struct {
 	// source tier → image pull, weights read, warm-up).
 	ColdStart time.Duration
 	StartUp   func(engine int, at time.Duration) time.Duration
+	// Caches, when set, makes each start-up read through its node's
+	// artifact cache (startup.go): the time comes from the tiers the cache
+	// finds, and ColdStart and StartUp are not used.
+	Caches *NodeCaches
 	// HoldTTL bounds how long a request that arrives while no engine is
 	// ready is held at the gateway for one (as the gateway holds requests
 	// for a pool scaling from zero); past it the request fails with
@@ -81,6 +85,10 @@ type ScaleStats struct {
 	Timeline []ScalePoint `json:"timeline,omitempty"`
 	// Starts is every engine start, in time order.
 	Starts []EngineStart `json:"-"`
+	// StartsBySource counts the start-ups through node caches
+	// (Autoscale.Caches) by the source of record of their weights
+	// (sim.WeightsPlacement.Source: remote, nvme, page_cache, peer).
+	StartsBySource map[string]int `json:"starts_by_source,omitempty"`
 }
 
 // EngineStart is one start of an engine: started at At, routable from
@@ -112,6 +120,9 @@ type scaler struct {
 	// TTFT target): their p90 is Signals.TTFT.
 	ttfts []time.Duration
 	stats ScaleStats
+	// caches are the nodes' artifact caches (Autoscale.Caches; nil
+	// without).
+	caches *nodeCaches
 }
 
 // newScaler validates a and returns its state for a fleet of n engines.
@@ -142,7 +153,13 @@ func newScaler(a Autoscale, cfg *Config) (*scaler, error) {
 		a.Initial = 0
 	}
 	a.Initial = min(a.Initial, a.Policy.Max)
-	return &scaler{cfg: a, s: s, rate: autoscale.NewRateWindow(a.RateWindow), nextTick: 0}, nil
+	sc := &scaler{cfg: a, s: s, rate: autoscale.NewRateWindow(a.RateWindow), nextTick: 0}
+	if a.Caches != nil {
+		if sc.caches, err = newNodeCaches(*a.Caches, cfg.Engines); err != nil {
+			return nil, err
+		}
+	}
+	return sc, nil
 }
 
 // startFleet puts the initial engines in rotation and the others off.
@@ -151,6 +168,8 @@ func (f *Fleet) startFleet() {
 		if i >= f.as.cfg.Initial {
 			f.engines[i].state = engineOff
 			f.setReady(i, false)
+		} else if f.as.caches != nil {
+			_, _ = f.as.caches.start(i) // loaded before time 0: its node holds and pins the model
 		}
 	}
 	f.as.stats.PeakEngines = f.as.cfg.Initial
@@ -286,10 +305,7 @@ func (f *Fleet) startEngine(t time.Duration) {
 		return
 	}
 	ve := &f.engines[i]
-	up := f.as.cfg.ColdStart
-	if f.as.cfg.StartUp != nil {
-		up = max(f.as.cfg.StartUp(i, t), 0)
-	}
+	up := f.startUpTime(i, t)
 	ve.state, ve.upSince, ve.readyAt = engineStarting, t, t+up
 	f.as.stats.Started++
 	f.as.stats.Starts = append(f.as.stats.Starts, EngineStart{Engine: i, At: t, Ready: t + up})
@@ -357,6 +373,9 @@ func (f *Fleet) off(i int, t time.Duration) {
 		}
 	}
 	ve.state = engineOff
+	if f.as.caches != nil {
+		f.as.caches.stop(i)
+	}
 	ve.e.ResetPrefixCache()
 	if f.precise != nil {
 		ve.e.TakeKVEvents() // AllBlocksCleared: applied now, not after its next step

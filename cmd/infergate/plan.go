@@ -104,13 +104,13 @@ func (fl *planFlags) bind(f *pflag.FlagSet) {
 	f.StringVarP(&fl.outPath, "out", "o", "", "write the sweep and the recommendation as JSON to this file")
 	f.IntVar(&fl.workers, "workers", 0, "runs to simulate at once (0 = one per CPU)")
 	f.StringVar(&fl.htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it, the sweep table, and against fleet size each SLO target's value with its threshold line, goodput, and the hit rate with its references, the recommended point marked")
-	f.Int64Var(&fl.seed, "seed", 0, "seed of the engines' outputs and the policies' tie-breaking")
+	f.Int64Var(&fl.seed, "seed", 0, "seed of the engines' outputs, the policies' tie-breaking and the workload generators (added to each generator's seed: 0 keeps their defaults; a fixed trace such as mooncake is unchanged)")
 	f.StringVar(&fl.pd, "pd", "", "P/D splits to sweep at every fleet size: prefill-engine counts (0 = aggregated) and ranges, comma-separated, e.g. 0,2..6; 'all' = 0 to N-1")
 	f.StringVar(&fl.pdThreshold, "pd-threshold", "", "with --pd: the decider's non-cached-token thresholds to sweep, comma-separated (0 = the default 2048, -1 = always split)")
 	f.StringVar(&fl.pdLocal, "pd-local", "", "with --pd: where requests that are not split run, comma-separated: decode, any (default decode)")
 	f.IntVar(&fl.budget, "max-num-batched-tokens", 0, "every engine's token budget per step, as vLLM's flag (0: 8192; with --pd the decode engines' is --pd-decode-budget when given)")
 	f.StringVar(&fl.pdBusy, "pd-busy", "", "with --pd: how the decider judges a prefill engine busy, comma-separated: queue (routing.pd.max_prefill_queue_seconds), cost (its backlog's wait against the decode engine's own prefill; default queue)")
-	f.StringVar(&fl.autoscale, "autoscale", "", "also run an autoscaled fleet per policy and compare its GPU-hours with the smallest static size meeting --slo: min=0,max=8 and optionally target= (requests in flight per engine, default 16), rate=, kv=, queue=, ttft=, down_window= (default 5m), up_window=, startup= (where a starting engine reads its weights: remote, nvme, page_cache (default) or peer) and image_cached= (default true), which the profile's start-up model turns into the cold start (sim/startup.go), or cold_start= (a fixed start-up time instead), interval= (decision period, default 15s), hold_ttl=, initial= (plan/README.md, \"Autoscaling\")")
+	f.StringVar(&fl.autoscale, "autoscale", "", "also run an autoscaled fleet per policy and compare its GPU-hours with the smallest static size meeting --slo: min=0,max=8 and optionally target= (requests in flight per engine, default 16), rate=, kv=, queue=, ttft=, down_window= (default 5m), up_window=, startup= (where a starting engine reads its weights: remote, nvme, page_cache (default) or peer) and image_cached= (default true), which the profile's start-up model turns into the cold start (sim/startup.go), or cold_start= (a fixed start-up time instead), or cache=cold|disk|warm (every start reads through its node's artifact cache, declared in that state at start; engines_per_node=, peers=true), interval= (decision period, default 15s), hold_ttl=, initial= (plan/README.md, \"Autoscaling\")")
 	f.StringVar(&fl.pdBudget, "pd-decode-budget", "", "with --pd: the decode engines' token budgets per step to sweep, comma-separated (sim pd.decode_max_num_batched_tokens; 0 = the engines' --max-num-batched-tokens, 8192)")
 }
 
@@ -306,6 +306,7 @@ func (fl *planFlags) options() (plan.Options, error) {
 			return plan.Options{}, fmt.Errorf("--autoscale: %w", err)
 		}
 	}
+	fl.wl.reseed(uint64(fl.seed))
 	recs, err := fl.wl.load()
 	if err != nil {
 		return plan.Options{}, err

@@ -37,6 +37,7 @@ type simFlags struct {
 	sleepMode     bool
 	startupSource string
 	imageCached   bool
+	weights       weightsFlags
 }
 
 func newSimCmd() *cobra.Command {
@@ -78,7 +79,8 @@ func (fl *simFlags) bind(f *pflag.FlagSet) {
 	f.IntVar(&fl.pdMaxWaiters, "pd-max-waiters", 0, "side-channel transfer long polls this engine holds open at once; beyond it 503 with Retry-After (default 1024)")
 	f.BoolVar(&fl.sleepMode, "enable-sleep-mode", false, "serve vLLM's sleep mode: POST /sleep?level=1|2, POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping (vLLM --enable-sleep-mode with VLLM_SERVER_DEV_MODE=1)")
 	f.StringVar(&fl.startupSource, "startup-source", "", "model the engine's cold start: unready (/health 503) for image pull, weights read from remote, nvme, page_cache or peer, and warm-up (sim/startup.go), at --time-scale; default: ready at once")
-	f.BoolVar(&fl.imageCached, "image-cached", true, "with --startup-source, the image is on the node (no image pull)")
+	f.BoolVar(&fl.imageCached, "image-cached", true, "with --startup-source or --weights, the image is on the node (no image pull)")
+	fl.weights.register(f, "model the engine's cold start (as --startup-source) with ")
 	f.DurationVar(&fl.pdAbortTimeout, "pd-abort-timeout", 0, "how long a finished prefill's KV is held for its decode leg (default $VLLM_NIXL_ABORT_REQUEST_TIMEOUT seconds, else 480s)")
 	fl.ef.register(f, true, `vLLM's --kv-events-config JSON, all of its fields, e.g. '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}' (plus "encoding": "array"|"map")`)
 }
@@ -99,14 +101,23 @@ func (fl *simFlags) run(cmd *cobra.Command) error {
 	scfg.Engine = fl.tiers.engine(scfg.Engine)
 	scfg.KVRemote = fl.tiers.remote
 	scfg.EnableSleepMode = fl.sleepMode
-	if fl.startupSource != "" {
-		src, err := sim.ParseWeightSource(fl.startupSource)
-		if err != nil {
-			return fmt.Errorf("--startup-source: %w", err)
+	weights, cache, err := fl.weights.open(cmd)
+	if err != nil {
+		return err
+	}
+	if cache != nil {
+		defer cache.Close() // after the engine (deferred below) released its lease
+	}
+	if fl.startupSource != "" || weights != nil {
+		var src sim.WeightSource
+		if fl.startupSource != "" {
+			if src, err = sim.ParseWeightSource(fl.startupSource); err != nil {
+				return fmt.Errorf("--startup-source: %w", err)
+			}
 		}
-		scfg.Startup = &simserver.StartupConfig{Source: src, ImageCached: fl.imageCached}
+		scfg.Startup = &simserver.StartupConfig{Source: src, ImageCached: fl.imageCached, Weights: weights}
 	} else if cmd.Flags().Changed("image-cached") {
-		return errors.New("--image-cached needs --startup-source")
+		return errors.New("--image-cached needs --startup-source or --weights")
 	}
 	if err := fl.pdConfig(cmd.Flags(), &scfg); err != nil {
 		return err

@@ -66,10 +66,11 @@ type elasticFlags struct {
 	idle        time.Duration
 	holdTTL     time.Duration
 	heartbeat   time.Duration
+	weights     weightsFlags
 }
 
 // elasticFlagNames are the flags that need --engines MIN..MAX.
-var elasticFlagNames = []string{"startup-source", "image-cached", "autoscale", "idle-timeout", "hold-ttl", "hold-heartbeat"}
+var elasticFlagNames = append([]string{"startup-source", "image-cached", "autoscale", "idle-timeout", "hold-ttl", "hold-heartbeat", "weights"}, weightsFlagNames...)
 
 func (e *elasticFlags) register(f *pflag.FlagSet) {
 	f.StringVar(&e.source, "startup-source", string(sim.SourcePageCache), "with --engines MIN..MAX, where a starting engine reads its weights: remote, nvme, page_cache or peer (sim/startup.go)")
@@ -78,6 +79,7 @@ func (e *elasticFlags) register(f *pflag.FlagSet) {
 	f.DurationVar(&e.idle, "idle-timeout", time.Minute, "with --engines MIN..MAX, the policy's down_window unless --autoscale gives one: the pool scales down to the highest count it wanted over this long (wall time)")
 	f.DurationVar(&e.holdTTL, "hold-ttl", 0, "with --engines MIN..MAX, how long a request is held while no engine is ready (gateway scale_from_zero.hold_ttl; 0: twice the modelled cold start at --time-scale, plus 30s)")
 	f.DurationVar(&e.heartbeat, "hold-heartbeat", 0, "with --engines MIN..MAX, ': keep-alive' SSE comments to held streaming requests at this period (0: none)")
+	e.weights.register(f, "with --engines MIN..MAX, ")
 }
 
 // unused refuses the elastic flags without --engines MIN..MAX.
@@ -178,14 +180,25 @@ func (fl *upFlags) runElastic(cmd *cobra.Command, scfg simserver.ServerConfig) e
 	if err != nil {
 		return err
 	}
+	weights, cache, err := fl.elastic.weights.open(cmd)
+	if err != nil {
+		return err
+	}
+	if cache != nil {
+		defer cache.Close() // after the fleet (deferred below) released the engines' leases
+	}
 	scfg.Engine = fl.tiers.engine(scfg.Engine)
-	scfg.Startup = &simserver.StartupConfig{Source: src, ImageCached: fl.elastic.imageCached}
+	scfg.Startup = &simserver.StartupConfig{Source: src, ImageCached: fl.elastic.imageCached, Weights: weights}
 	scfg.EnableSleepMode = true
 	if !f.Changed("responses-store") {
 		scfg.ResponsesStore = true
 	}
 	eng := scfg.Engine.WithDefaults()
-	ph, err := eng.Profile.StartupPhases(sim.StartupInput{Source: src, ImageCached: fl.elastic.imageCached})
+	in := sim.StartupInput{Source: src, ImageCached: fl.elastic.imageCached}
+	if weights != nil {
+		in.Source = sim.SourceRemote // the cache decides at each start: size the hold for the slowest tier
+	}
+	ph, err := eng.Profile.StartupPhases(in)
 	if err != nil {
 		return fmt.Errorf("--engines %s: profile %s: %w", fl.count.String(), eng.Profile.Name, err)
 	}

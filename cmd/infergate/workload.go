@@ -72,6 +72,20 @@ func (w *workloadFlags) register(f *pflag.FlagSet) {
 	f.StringVar(&w.sonnet, "sonnet", "", "chat: text for the shared system prompt (default: the embedded data/"+data.Sonnet+")")
 }
 
+// reseed offsets every generator's seed by off (plan's --seed): seed 0
+// keeps their defaults, so the published figures reproduce, and each other
+// seed draws another synthetic workload (the Azure prefix model's
+// sessions, the generated workloads' prompts and arrivals). A fixed trace
+// (mooncake) has no seed.
+func (w *workloadFlags) reseed(off uint64) {
+	w.azure.Seed += off
+	w.shared.Seed += off
+	w.chat.Seed += off
+	w.agent.Seed += off
+	w.rag.Seed += off
+	w.tail.Seed += off
+}
+
 // load builds the records of the selected workload, in arrival order.
 func (w *workloadFlags) load() ([]trace.Record, error) {
 	switch w.kind {
