@@ -178,8 +178,28 @@ func open(cfg Config, st *store) (*Cache, error) {
 	}
 	c.dropIncompleteLocked()
 	c.evictLocked(c.idx.Trim())
+	c.trimPartialsLocked()
 	c.mu.Unlock()
 	return c, nil
+}
+
+// trimPartialsLocked keeps the partial downloads no fetch is writing (those
+// of fetches that failed or were cancelled, kept for a resume) within what
+// the budget leaves: Budget − Used (held and reserved blobs), deleting the
+// least recently written first. Without it, a source that cuts every blob
+// near its end (or a prefetch cancelled each time) leaves a partial file per
+// digest outside the budget, for 24 h: the attack filled partial/ with
+// 481 MiB under a 100 MiB budget in 8 prefetches, and more prefetches add
+// more. Run when a fetch is admitted, when one fails, and at Open.
+func (c *Cache) trimPartialsLocked() {
+	if c.cfg.Budget <= 0 {
+		return
+	}
+	limit := max(c.cfg.Budget-c.idx.Stats().Used, 0)
+	n, b := c.st.trimPartials(limit, func(d Digest) bool { return c.flights[d] != nil })
+	if n > 0 {
+		c.log.Info("artifact: partial downloads deleted for the budget", "count", n, "bytes", b)
+	}
 }
 
 // Gatherer is the registry holding the cache's metrics.
@@ -525,6 +545,7 @@ func (c *Cache) acquireOnce(ctx context.Context, r Ref, opts AcquireOptions, src
 			bsrcs = c.sources()
 		}
 		f := c.startFlightLocked(r, b, bsrcs)
+		c.trimPartialsLocked()
 		waits = append(waits, f)
 		started = append(started, f)
 		l.Report.Misses++

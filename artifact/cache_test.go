@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"path"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -610,4 +611,58 @@ func TestConcurrentAcquiresUnderBudget(t *testing.T) {
 		}
 	}
 	t.Logf("%d acquires, %d refused for space, %d evictions", ok, noSpace, int(counter(t, c, "infergate_artifact_evictions_total")))
+}
+
+// TestFailedPartialsWithinBudget: partial downloads left by failed fetches
+// (kept for a resume) stay within what the budget leaves. The attack: an
+// origin that cuts every blob one byte short left a 60 MiB partial per model,
+// 481 MiB in partial/ after 8 prefetches under a 100 MiB budget.
+func TestFailedPartialsWithinBudget(t *testing.T) {
+	const blobSize, budget = 40_000, 100_000
+	models := map[string][]int{}
+	for i := range 6 {
+		models[fmt.Sprintf("m%d", i)] = []int{blobSize}
+	}
+	o := newOrigin(t, models)
+	o.setFault(func(w http.ResponseWriter, r *http.Request) bool {
+		d, err := ParseDigest(path.Base(r.URL.Path))
+		if err != nil || len(o.blobs[d]) != blobSize {
+			return false
+		}
+		w.Write(o.blobs[d][:blobSize-1]) // a 200 from 0, one byte short
+		return true
+	})
+	c := openCache(t, Config{Budget: budget, Origins: []Source{o.source(t)}})
+	partials := func() (n int, bytes int64) {
+		ents, err := os.ReadDir(filepath.Join(c.Dir(), partialDir))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range ents {
+			fi, err := e.Info()
+			if err != nil {
+				t.Fatal(err)
+			}
+			n, bytes = n+1, bytes+fi.Size()
+		}
+		return n, bytes
+	}
+	for i := range 6 {
+		if _, err := c.Prefetch(testCtx(t), mustRef(t, fmt.Sprintf("m%d", i)), AcquireOptions{}); err == nil {
+			t.Fatalf("m%d: a short body was accepted", i)
+		}
+		n, bytes := partials()
+		if used := c.Stats().Used; bytes+used > budget {
+			t.Errorf("after m%d failed: %d partial files of %d bytes, %d used, budget %d", i, n, bytes, used, budget)
+		}
+		if i == 0 && bytes != blobSize-1 {
+			t.Errorf("the first failure's partial (%d bytes) should stay for a resume: %d bytes", blobSize-1, bytes)
+		}
+	}
+	// A restart keeps the bound too.
+	c.Close()
+	c = openCache(t, Config{Dir: c.Dir(), Budget: budget / 4})
+	if _, bytes := partials(); bytes > budget/4 {
+		t.Errorf("after Open with budget %d: %d partial bytes", budget/4, bytes)
+	}
 }

@@ -70,6 +70,7 @@ func (c *Cache) startFlightLocked(r Ref, b Blob, srcs []Source) *flight {
 			c.idx.Commit(b.Digest)
 		} else {
 			c.idx.Abort(b.Digest)
+			c.trimPartialsLocked()
 		}
 		f.err = err
 		c.mu.Unlock()
