@@ -102,6 +102,10 @@ type Cache struct {
 	wg        sync.WaitGroup
 	closed    bool
 	lock      *os.File // flock on <dir>/.lock: one process per folder
+
+	// openPartial opens a fetch's file in partial/ (os.OpenFile; a test
+	// gives a file that fails its writes).
+	openPartial func(path string) (*os.File, error)
 }
 
 // Open opens (or creates) the cache folder, which one process at a time may
@@ -139,6 +143,9 @@ func open(cfg Config, st *store) (*Cache, error) {
 		idx:       NewIndex(cfg.Budget),
 		manifests: make(map[Ref]*Manifest),
 		flights:   make(map[Digest]*flight),
+		openPartial: func(p string) (*os.File, error) {
+			return os.OpenFile(p, os.O_RDWR|os.O_CREATE, 0o644)
+		},
 	}
 	if c.log == nil {
 		c.log = slog.Default()

@@ -666,3 +666,36 @@ func TestFailedPartialsWithinBudget(t *testing.T) {
 		t.Errorf("after Open with budget %d: %d partial bytes", budget/4, bytes)
 	}
 }
+
+// TestFullDiskStopsFetch: a blob that cannot be written (its partial file
+// is /dev/full: every write fails ENOSPC) fails its fetch at the first
+// attempt, asking no other attempt or source (the attack: a 3 MiB tmpfs and
+// a 5 MB blob, 5 attempts and 2 origins: 10 GETs, each downloading until
+// the disk was full again).
+func TestFullDiskStopsFetch(t *testing.T) {
+	if _, err := os.Stat("/dev/full"); err != nil {
+		t.Skip("no /dev/full here")
+	}
+	o := newOrigin(t, map[string][]int{tinyRef: {100_000}})
+	big := o.biggest(tinyRef)
+	c := openCache(t, Config{Origins: []Source{o.source(t), o.source(t)}})
+	c.openPartial = func(p string) (*os.File, error) {
+		if filepath.Base(p) == big.Digest.FileName() {
+			return os.OpenFile("/dev/full", os.O_RDWR, 0)
+		}
+		return os.OpenFile(p, os.O_RDWR|os.O_CREATE, 0o644)
+	}
+	_, err := c.Prefetch(testCtx(t), mustRef(t, tinyRef), AcquireOptions{})
+	if !errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("prefetch onto a full disk: %v, want ENOSPC", err)
+	}
+	o.mu.Lock()
+	gets := o.gets["/blobs/"+big.Digest.FileName()]
+	o.mu.Unlock()
+	if gets != 1 {
+		t.Errorf("%d GETs of the blob, want 1: a full disk is not the source's fault (%v)", gets, err)
+	}
+	if c.Has(big.Digest) {
+		t.Error("the blob is held")
+	}
+}
