@@ -52,6 +52,13 @@ type FetchConfig struct {
 	// IdleTimeout aborts an attempt that receives no byte for this long: a
 	// stalled server (30 s).
 	IdleTimeout time.Duration
+	// MinRate aborts an attempt that receives fewer than MinRate ×
+	// IdleTimeout bytes in an IdleTimeout: a server that trickles (bytes/s;
+	// 64 KiB/s, 1.9 MiB in 30 s; < 0: off). The idle timeout alone let a
+	// source sending a byte every 20 s hold a blob's fetch, and one of the
+	// Concurrency slots, for ever, and a slow peer was never left for the
+	// origin. An attempt so abandoned is retried, then the next source.
+	MinRate int64
 	// ManifestTimeout bounds a manifest fetch (30 s).
 	ManifestTimeout time.Duration
 }
@@ -74,6 +81,9 @@ func (f FetchConfig) withDefaults() FetchConfig {
 	}
 	if f.IdleTimeout <= 0 {
 		f.IdleTimeout = 30 * time.Second
+	}
+	if f.MinRate == 0 {
+		f.MinRate = 64 << 10
 	}
 	if f.ManifestTimeout <= 0 {
 		f.ManifestTimeout = 30 * time.Second

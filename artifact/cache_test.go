@@ -266,6 +266,7 @@ func TestStalledSource(t *testing.T) {
 	})
 	fc := fastFetch
 	fc.IdleTimeout = 50_000_000 // 50 ms
+	fc.MinRate = -1             // the idle timer alone (TestTricklingSourceLeft has the floor)
 	fc.Attempts = 2
 	c := openCache(t, Config{Origins: []Source{o.source(t)}, Fetch: fc})
 	_, err := c.Prefetch(testCtx(t), mustRef(t, tinyRef), AcquireOptions{})
@@ -697,5 +698,60 @@ func TestFullDiskStopsFetch(t *testing.T) {
 	}
 	if c.Has(big.Digest) {
 		t.Error("the blob is held")
+	}
+}
+
+// TestTricklingSourceLeft: a source that sends a byte every 20 ms, never
+// idle long enough for IdleTimeout, is abandoned for
+// sending under MinRate, and the next source serves the blob (the attack:
+// a peer sending a byte every 20 s held the blob's fetch, never falling
+// back to the origin, for as long as it kept trickling).
+func TestTricklingSourceLeft(t *testing.T) {
+	slow := newOrigin(t, map[string][]int{tinyRef: {100_000}})
+	good := newOrigin(t, map[string][]int{tinyRef: {100_000}})
+	big := slow.biggest(tinyRef)
+	slow.setFault(func(w http.ResponseWriter, r *http.Request) bool {
+		if !strings.Contains(r.URL.Path, big.Digest.Hex()) {
+			return false
+		}
+		w.Header().Set("Content-Length", strconv.FormatInt(big.Size, 10))
+		for i := 0; i < len(slow.blobs[big.Digest]); i++ {
+			if _, err := w.Write(slow.blobs[big.Digest][i : i+1]); err != nil {
+				return true
+			}
+			w.(http.Flusher).Flush()
+			select {
+			case <-r.Context().Done():
+				return true
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+		return true
+	})
+	// The floor: 2 KiB in any 2 s. The trickle sends at most 100 bytes in
+	// 2 s; the good origin's 100,000 bytes would fail it only if the
+	// process stood still for 2 s with under 2 KiB of them read.
+	fc := fastFetch
+	fc.IdleTimeout = 2 * time.Second
+	fc.MinRate = 1 << 10
+	fc.Attempts = 1
+	c := openCache(t, Config{Peers: []Source{slow.source(t)}, Origins: []Source{good.source(t)}, Fetch: fc})
+	l, err := c.Acquire(testCtx(t), mustRef(t, tinyRef), AcquireOptions{})
+	if err != nil {
+		t.Fatalf("acquire with a trickling peer and a good origin: %v", err)
+	}
+	defer l.Release()
+	checkHeld(t, c, good, l.Manifest)
+	good.mu.Lock()
+	gets := good.gets["/blobs/"+big.Digest.FileName()]
+	good.mu.Unlock()
+	if gets == 0 {
+		t.Error("the origin was never asked for the blob")
+	}
+
+	// The trickle alone fails as too slow, each attempt.
+	c2 := openCache(t, Config{Origins: []Source{slow.source(t)}, Fetch: fc})
+	if _, err := c2.Prefetch(testCtx(t), mustRef(t, tinyRef), AcquireOptions{}); !errors.Is(err, errSlow) {
+		t.Fatalf("a trickling origin alone: %v, want errSlow", err)
 	}
 }

@@ -124,6 +124,10 @@ func (e *localError) Unwrap() error { return e.err }
 // errStalled reports an attempt that received nothing for IdleTimeout.
 var errStalled = errors.New("artifact: source stalled")
 
+// errSlow reports an attempt that received less than MinRate × IdleTimeout
+// bytes in an IdleTimeout.
+var errSlow = errors.New("artifact: source too slow")
+
 // fetch downloads one blob into partial/, resuming what a failed attempt
 // (or an earlier process) left there, from each source in turn (peers, then
 // origins), each tried up to Attempts times with jittered exponential
@@ -279,8 +283,22 @@ func (c *Cache) attempt(ctx context.Context, s Source, r Ref, b Blob, w *partial
 	}
 	buf := make([]byte, copyBufSize)
 	var got int64
+	// The rate floor: at least minBytes in every window of idle.
+	minBytes := int64(float64(c.cfg.Fetch.MinRate) * idle.Seconds())
+	winStart, winBytes := time.Now(), int64(0)
 	for {
 		n, rerr := body.Read(buf)
+		if n > 0 && minBytes > 0 {
+			// Checked as bytes arrive: a read that waits IdleTimeout
+			// for nothing is a stall (the timer's), not this.
+			winBytes += int64(n)
+			if now := time.Now(); now.Sub(winStart) >= idle {
+				if winBytes < minBytes {
+					return got, fmt.Errorf("%w: %d bytes in %v, under %d B/s", errSlow, winBytes, now.Sub(winStart).Round(time.Millisecond), c.cfg.Fetch.MinRate)
+				}
+				winStart, winBytes = now, 0
+			}
+		}
 		if n > 0 {
 			timer.Reset(idle)
 			got += int64(n)
