@@ -154,7 +154,7 @@ func open(cfg Config, st *store) (*Cache, error) {
 		manifests: make(map[Ref]*Manifest),
 		flights:   make(map[Digest]*flight),
 		openPartial: func(p string) (*os.File, error) {
-			return os.OpenFile(p, os.O_RDWR|os.O_CREATE, 0o644)
+			return openNoFollow(p, os.O_RDWR|os.O_CREATE, 0o644)
 		},
 	}
 	if c.log == nil {
@@ -356,7 +356,7 @@ func (c *Cache) OpenBlob(d Digest) (*os.File, error) {
 			return nil, err
 		}
 	}
-	f, err := os.Open(c.st.blobPath(d))
+	f, err := openNoFollow(c.st.blobPath(d), os.O_RDONLY, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		c.discard(d)
 		return nil, fmt.Errorf("%w: blob %s vanished from disk", ErrNotFound, d.Short())

@@ -2,6 +2,7 @@ package artifact
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math/bits"
 	"os"
@@ -96,4 +97,26 @@ func lockDir(dir string) (*os.File, error) {
 		return nil, fmt.Errorf("artifact: %s is in use by another process (flock: %w)", dir, err)
 	}
 	return f, nil
+}
+
+// openNoFollow opens p of the cache's folder as os.OpenFile does, but never
+// through a symbolic link (O_NOFOLLOW): a link planted in blobs/ or partial/
+// by another user of the folder would have had the cache serve the file it
+// names to any client (a held blob's name linked to /etc/shadow), or write a
+// download into it and truncate it (a partial's name linked to any file the
+// cache's user may write). With O_CREATE, a link in p's place is removed and
+// a file made there; otherwise the open fails with an error wrapping
+// os.ErrNotExist, as for a missing file.
+func openNoFollow(p string, flag int, perm os.FileMode) (*os.File, error) {
+	f, err := os.OpenFile(p, flag|unix.O_NOFOLLOW, perm)
+	if err == nil || !errors.Is(err, unix.ELOOP) {
+		return f, err
+	}
+	if flag&os.O_CREATE == 0 {
+		return nil, fmt.Errorf("%w: %s is a symbolic link", os.ErrNotExist, p)
+	}
+	if rerr := os.Remove(p); rerr != nil {
+		return nil, rerr
+	}
+	return os.OpenFile(p, flag|unix.O_NOFOLLOW, perm)
 }
