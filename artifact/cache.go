@@ -52,6 +52,13 @@ type FetchConfig struct {
 	// IdleTimeout aborts an attempt that receives no byte for this long: a
 	// stalled server (30 s).
 	IdleTimeout time.Duration
+	// MinRate aborts an attempt that receives fewer than MinRate ×
+	// IdleTimeout bytes in an IdleTimeout: a server that trickles (bytes/s;
+	// 64 KiB/s, 1.9 MiB in 30 s; < 0: off). The idle timeout alone let a
+	// source sending a byte every 20 s hold a blob's fetch, and one of the
+	// Concurrency slots, for ever, and a slow peer was never left for the
+	// origin. An attempt so abandoned is retried, then the next source.
+	MinRate int64
 	// ManifestTimeout bounds a manifest fetch (30 s).
 	ManifestTimeout time.Duration
 }
@@ -74,6 +81,9 @@ func (f FetchConfig) withDefaults() FetchConfig {
 	}
 	if f.IdleTimeout <= 0 {
 		f.IdleTimeout = 30 * time.Second
+	}
+	if f.MinRate == 0 {
+		f.MinRate = 64 << 10
 	}
 	if f.ManifestTimeout <= 0 {
 		f.ManifestTimeout = 30 * time.Second
@@ -102,6 +112,10 @@ type Cache struct {
 	wg        sync.WaitGroup
 	closed    bool
 	lock      *os.File // flock on <dir>/.lock: one process per folder
+
+	// openPartial opens a fetch's file in partial/ (os.OpenFile; a test
+	// gives a file that fails its writes).
+	openPartial func(path string) (*os.File, error)
 }
 
 // Open opens (or creates) the cache folder, which one process at a time may
@@ -139,6 +153,9 @@ func open(cfg Config, st *store) (*Cache, error) {
 		idx:       NewIndex(cfg.Budget),
 		manifests: make(map[Ref]*Manifest),
 		flights:   make(map[Digest]*flight),
+		openPartial: func(p string) (*os.File, error) {
+			return openNoFollow(p, os.O_RDWR|os.O_CREATE, 0o644)
+		},
 	}
 	if c.log == nil {
 		c.log = slog.Default()
@@ -178,8 +195,28 @@ func open(cfg Config, st *store) (*Cache, error) {
 	}
 	c.dropIncompleteLocked()
 	c.evictLocked(c.idx.Trim())
+	c.trimPartialsLocked()
 	c.mu.Unlock()
 	return c, nil
+}
+
+// trimPartialsLocked keeps the partial downloads no fetch is writing (those
+// of fetches that failed or were cancelled, kept for a resume) within what
+// the budget leaves: Budget − Used (held and reserved blobs), deleting the
+// least recently written first. Without it, a source that cuts every blob
+// near its end (or a prefetch cancelled each time) leaves a partial file per
+// digest outside the budget, for 24 h: the attack filled partial/ with
+// 481 MiB under a 100 MiB budget in 8 prefetches, and more prefetches add
+// more. Run when a fetch is admitted, when one fails, and at Open.
+func (c *Cache) trimPartialsLocked() {
+	if c.cfg.Budget <= 0 {
+		return
+	}
+	limit := max(c.cfg.Budget-c.idx.Stats().Used, 0)
+	n, b := c.st.trimPartials(limit, func(d Digest) bool { return c.flights[d] != nil })
+	if n > 0 {
+		c.log.Info("artifact: partial downloads deleted for the budget", "count", n, "bytes", b)
+	}
 }
 
 // Gatherer is the registry holding the cache's metrics.
@@ -319,7 +356,7 @@ func (c *Cache) OpenBlob(d Digest) (*os.File, error) {
 			return nil, err
 		}
 	}
-	f, err := os.Open(c.st.blobPath(d))
+	f, err := openNoFollow(c.st.blobPath(d), os.O_RDONLY, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		c.discard(d)
 		return nil, fmt.Errorf("%w: blob %s vanished from disk", ErrNotFound, d.Short())
@@ -525,6 +562,7 @@ func (c *Cache) acquireOnce(ctx context.Context, r Ref, opts AcquireOptions, src
 			bsrcs = c.sources()
 		}
 		f := c.startFlightLocked(r, b, bsrcs)
+		c.trimPartialsLocked()
 		waits = append(waits, f)
 		started = append(started, f)
 		l.Report.Misses++

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"path"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -265,6 +266,7 @@ func TestStalledSource(t *testing.T) {
 	})
 	fc := fastFetch
 	fc.IdleTimeout = 50_000_000 // 50 ms
+	fc.MinRate = -1             // the idle timer alone (TestTricklingSourceLeft has the floor)
 	fc.Attempts = 2
 	c := openCache(t, Config{Origins: []Source{o.source(t)}, Fetch: fc})
 	_, err := c.Prefetch(testCtx(t), mustRef(t, tinyRef), AcquireOptions{})
@@ -610,4 +612,146 @@ func TestConcurrentAcquiresUnderBudget(t *testing.T) {
 		}
 	}
 	t.Logf("%d acquires, %d refused for space, %d evictions", ok, noSpace, int(counter(t, c, "infergate_artifact_evictions_total")))
+}
+
+// TestFailedPartialsWithinBudget: partial downloads left by failed fetches
+// (kept for a resume) stay within what the budget leaves. The attack: an
+// origin that cuts every blob one byte short left a 60 MiB partial per model,
+// 481 MiB in partial/ after 8 prefetches under a 100 MiB budget.
+func TestFailedPartialsWithinBudget(t *testing.T) {
+	const blobSize, budget = 40_000, 100_000
+	models := map[string][]int{}
+	for i := range 6 {
+		models[fmt.Sprintf("m%d", i)] = []int{blobSize}
+	}
+	o := newOrigin(t, models)
+	o.setFault(func(w http.ResponseWriter, r *http.Request) bool {
+		d, err := ParseDigest(path.Base(r.URL.Path))
+		if err != nil || len(o.blobs[d]) != blobSize {
+			return false
+		}
+		w.Write(o.blobs[d][:blobSize-1]) // a 200 from 0, one byte short
+		return true
+	})
+	c := openCache(t, Config{Budget: budget, Origins: []Source{o.source(t)}})
+	partials := func() (n int, bytes int64) {
+		ents, err := os.ReadDir(filepath.Join(c.Dir(), partialDir))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range ents {
+			fi, err := e.Info()
+			if err != nil {
+				t.Fatal(err)
+			}
+			n, bytes = n+1, bytes+fi.Size()
+		}
+		return n, bytes
+	}
+	for i := range 6 {
+		if _, err := c.Prefetch(testCtx(t), mustRef(t, fmt.Sprintf("m%d", i)), AcquireOptions{}); err == nil {
+			t.Fatalf("m%d: a short body was accepted", i)
+		}
+		n, bytes := partials()
+		if used := c.Stats().Used; bytes+used > budget {
+			t.Errorf("after m%d failed: %d partial files of %d bytes, %d used, budget %d", i, n, bytes, used, budget)
+		}
+		if i == 0 && bytes != blobSize-1 {
+			t.Errorf("the first failure's partial (%d bytes) should stay for a resume: %d bytes", blobSize-1, bytes)
+		}
+	}
+	// A restart keeps the bound too.
+	c.Close()
+	c = openCache(t, Config{Dir: c.Dir(), Budget: budget / 4})
+	if _, bytes := partials(); bytes > budget/4 {
+		t.Errorf("after Open with budget %d: %d partial bytes", budget/4, bytes)
+	}
+}
+
+// TestFullDiskStopsFetch: a blob that cannot be written (its partial file
+// is /dev/full: every write fails ENOSPC) fails its fetch at the first
+// attempt, asking no other attempt or source (the attack: a 3 MiB tmpfs and
+// a 5 MB blob, 5 attempts and 2 origins: 10 GETs, each downloading until
+// the disk was full again).
+func TestFullDiskStopsFetch(t *testing.T) {
+	if _, err := os.Stat("/dev/full"); err != nil {
+		t.Skip("no /dev/full here")
+	}
+	o := newOrigin(t, map[string][]int{tinyRef: {100_000}})
+	big := o.biggest(tinyRef)
+	c := openCache(t, Config{Origins: []Source{o.source(t), o.source(t)}})
+	c.openPartial = func(p string) (*os.File, error) {
+		if filepath.Base(p) == big.Digest.FileName() {
+			return os.OpenFile("/dev/full", os.O_RDWR, 0)
+		}
+		return os.OpenFile(p, os.O_RDWR|os.O_CREATE, 0o644)
+	}
+	_, err := c.Prefetch(testCtx(t), mustRef(t, tinyRef), AcquireOptions{})
+	if !errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("prefetch onto a full disk: %v, want ENOSPC", err)
+	}
+	o.mu.Lock()
+	gets := o.gets["/blobs/"+big.Digest.FileName()]
+	o.mu.Unlock()
+	if gets != 1 {
+		t.Errorf("%d GETs of the blob, want 1: a full disk is not the source's fault (%v)", gets, err)
+	}
+	if c.Has(big.Digest) {
+		t.Error("the blob is held")
+	}
+}
+
+// TestTricklingSourceLeft: a source that sends a byte every 20 ms, never
+// idle long enough for IdleTimeout, is abandoned for
+// sending under MinRate, and the next source serves the blob (the attack:
+// a peer sending a byte every 20 s held the blob's fetch, never falling
+// back to the origin, for as long as it kept trickling).
+func TestTricklingSourceLeft(t *testing.T) {
+	slow := newOrigin(t, map[string][]int{tinyRef: {100_000}})
+	good := newOrigin(t, map[string][]int{tinyRef: {100_000}})
+	big := slow.biggest(tinyRef)
+	slow.setFault(func(w http.ResponseWriter, r *http.Request) bool {
+		if !strings.Contains(r.URL.Path, big.Digest.Hex()) {
+			return false
+		}
+		w.Header().Set("Content-Length", strconv.FormatInt(big.Size, 10))
+		for i := 0; i < len(slow.blobs[big.Digest]); i++ {
+			if _, err := w.Write(slow.blobs[big.Digest][i : i+1]); err != nil {
+				return true
+			}
+			w.(http.Flusher).Flush()
+			select {
+			case <-r.Context().Done():
+				return true
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+		return true
+	})
+	// The floor: 2 KiB in any 2 s. The trickle sends at most 100 bytes in
+	// 2 s; the good origin's 100,000 bytes would fail it only if the
+	// process stood still for 2 s with under 2 KiB of them read.
+	fc := fastFetch
+	fc.IdleTimeout = 2 * time.Second
+	fc.MinRate = 1 << 10
+	fc.Attempts = 1
+	c := openCache(t, Config{Peers: []Source{slow.source(t)}, Origins: []Source{good.source(t)}, Fetch: fc})
+	l, err := c.Acquire(testCtx(t), mustRef(t, tinyRef), AcquireOptions{})
+	if err != nil {
+		t.Fatalf("acquire with a trickling peer and a good origin: %v", err)
+	}
+	defer l.Release()
+	checkHeld(t, c, good, l.Manifest)
+	good.mu.Lock()
+	gets := good.gets["/blobs/"+big.Digest.FileName()]
+	good.mu.Unlock()
+	if gets == 0 {
+		t.Error("the origin was never asked for the blob")
+	}
+
+	// The trickle alone fails as too slow, each attempt.
+	c2 := openCache(t, Config{Origins: []Source{slow.source(t)}, Fetch: fc})
+	if _, err := c2.Prefetch(testCtx(t), mustRef(t, tinyRef), AcquireOptions{}); !errors.Is(err, errSlow) {
+		t.Fatalf("a trickling origin alone: %v, want errSlow", err)
+	}
 }

@@ -70,6 +70,7 @@ func (c *Cache) startFlightLocked(r Ref, b Blob, srcs []Source) *flight {
 			c.idx.Commit(b.Digest)
 		} else {
 			c.idx.Abort(b.Digest)
+			c.trimPartialsLocked()
 		}
 		f.err = err
 		c.mu.Unlock()
@@ -110,8 +111,22 @@ func (f *flight) leave(c *Cache) {
 	}
 }
 
+// localError is a failure to write the cache's own disk (ENOSPC, EDQUOT,
+// EIO, a read-only file system): the fetch stops at once, trying no other
+// attempt or source. Retried as a source's fault, a full disk had each of
+// Attempts × sources download the blob again until the disk filled (10 GETs
+// of a 5 MB blob into a 3 MiB tmpfs, with 5 attempts and 2 origins).
+type localError struct{ err error }
+
+func (e *localError) Error() string { return "artifact: writing the cache: " + e.err.Error() }
+func (e *localError) Unwrap() error { return e.err }
+
 // errStalled reports an attempt that received nothing for IdleTimeout.
 var errStalled = errors.New("artifact: source stalled")
+
+// errSlow reports an attempt that received less than MinRate × IdleTimeout
+// bytes in an IdleTimeout.
+var errSlow = errors.New("artifact: source too slow")
 
 // fetch downloads one blob into partial/, resuming what a failed attempt
 // (or an earlier process) left there, from each source in turn (peers, then
@@ -126,7 +141,7 @@ func (c *Cache) fetch(ctx context.Context, r Ref, b Blob, f *flight, sources []S
 	}
 	defer func() { <-c.sem }()
 	part := c.st.partialPath(b.Digest)
-	file, err := os.OpenFile(part, os.O_RDWR|os.O_CREATE, 0o644)
+	file, err := c.openPartial(part)
 	if err != nil {
 		return err
 	}
@@ -168,6 +183,12 @@ func (c *Cache) fetch(ctx context.Context, r Ref, b Blob, f *flight, sources []S
 			}
 			if ctx.Err() != nil {
 				return errors.Join(append(errs, ctx.Err())...)
+			}
+			var le *localError
+			if errors.As(err, &le) {
+				// No source, and no later attempt, can fix the cache's own
+				// disk: each would download again until it fails.
+				return fmt.Errorf("blob %s: %w", b.Digest.Short(), errors.Join(append(errs, err)...))
 			}
 			if !retryable(err) || attempt == fc.Attempts-1 {
 				errs = append(errs, fmt.Errorf("%s: %w", s, err))
@@ -262,8 +283,22 @@ func (c *Cache) attempt(ctx context.Context, s Source, r Ref, b Blob, w *partial
 	}
 	buf := make([]byte, copyBufSize)
 	var got int64
+	// The rate floor: at least minBytes in every window of idle.
+	minBytes := int64(float64(c.cfg.Fetch.MinRate) * idle.Seconds())
+	winStart, winBytes := time.Now(), int64(0)
 	for {
 		n, rerr := body.Read(buf)
+		if n > 0 && minBytes > 0 {
+			// Checked as bytes arrive: a read that waits IdleTimeout
+			// for nothing is a stall (the timer's), not this.
+			winBytes += int64(n)
+			if now := time.Now(); now.Sub(winStart) >= idle {
+				if winBytes < minBytes {
+					return got, fmt.Errorf("%w: %d bytes in %v, under %d B/s", errSlow, winBytes, now.Sub(winStart).Round(time.Millisecond), c.cfg.Fetch.MinRate)
+				}
+				winStart, winBytes = now, 0
+			}
+		}
 		if n > 0 {
 			timer.Reset(idle)
 			got += int64(n)
@@ -272,7 +307,7 @@ func (c *Cache) attempt(ctx context.Context, s Source, r Ref, b Blob, w *partial
 			}
 			if _, err := w.file.Write(buf[:n]); err != nil {
 				// The file and the hash may disagree now: start over.
-				return got, errors.Join(err, w.reset())
+				return got, &localError{errors.Join(err, w.reset())}
 			}
 			w.h.Write(buf[:n])
 			w.n += int64(n)

@@ -273,3 +273,51 @@ func (s *store) prunePartials(now time.Time) int {
 	}
 	return n
 }
+
+// trimPartials deletes partial downloads, least recently written first,
+// until those left hold at most limit bytes; skip names the digests being
+// fetched (their files are open, and their bytes are counted in their
+// reservations). It returns how many files and bytes it deleted.
+func (s *store) trimPartials(limit int64, skip func(Digest) bool) (files int, bytes int64) {
+	dir := filepath.Join(s.dir, partialDir)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return 0, 0
+	}
+	type part struct {
+		name  string
+		size  int64
+		mtime time.Time
+	}
+	var parts []part
+	var total int64
+	for _, e := range ents {
+		d, err := ParseDigest(e.Name())
+		if err != nil || !e.Type().IsRegular() || skip(d) {
+			continue
+		}
+		info, err := e.Info()
+		if err != nil {
+			continue
+		}
+		parts = append(parts, part{e.Name(), info.Size(), info.ModTime()})
+		total += info.Size()
+	}
+	if total <= limit {
+		return 0, 0
+	}
+	slices.SortFunc(parts, func(a, b part) int {
+		return cmp.Or(a.mtime.Compare(b.mtime), strings.Compare(a.name, b.name))
+	})
+	for _, p := range parts {
+		if total <= limit {
+			break
+		}
+		if os.Remove(filepath.Join(dir, p.name)) == nil {
+			total -= p.size
+			files++
+			bytes += p.size
+		}
+	}
+	return files, bytes
+}

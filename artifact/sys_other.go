@@ -14,3 +14,8 @@ func DropPageCache(string) error { return errors.New("artifact: DropPageCache ne
 
 // lockDir takes no lock outside Linux.
 func lockDir(string) (*os.File, error) { return nil, nil }
+
+// openNoFollow is os.OpenFile outside Linux (links are followed).
+func openNoFollow(p string, flag int, perm os.FileMode) (*os.File, error) {
+	return os.OpenFile(p, flag, perm)
+}

@@ -25,14 +25,21 @@ const (
 // "readiness" and ServiceName are SERVING while at least one endpoint is in
 // rotation and the gateway is not shutting down, NOT_SERVING otherwise.
 type Health struct {
-	srv *health.Server
-	g   *gateway.Gateway
+	srv     *health.Server
+	g       *gateway.Gateway
+	watches chan struct{} // a slot per open Watch (maxWatches)
 }
+
+// maxWatches bounds the Watch streams open at once, process-wide: each
+// holds a goroutine and a watcher in grpc's health server until its client
+// leaves, and grpc's MaxConcurrentStreams bounds them per connection only
+// (a probe or a proxy keeps one or two). Beyond it: ResourceExhausted.
+const maxWatches = 1024
 
 // NewHealth returns the health service of g's picker, readiness as g has
 // it now.
 func NewHealth(g *gateway.Gateway) *Health {
-	h := &Health{srv: health.NewServer(), g: g}
+	h := &Health{srv: health.NewServer(), g: g, watches: make(chan struct{}, maxWatches)}
 	h.srv.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	h.srv.SetServingStatus(LivenessService, healthpb.HealthCheckResponse_SERVING)
 	h.update()
@@ -40,7 +47,9 @@ func NewHealth(g *gateway.Gateway) *Health {
 }
 
 // Register registers the service on gs.
-func (h *Health) Register(gs *grpc.Server) { healthpb.RegisterHealthServer(gs, boundedHealth{h.srv}) }
+func (h *Health) Register(gs *grpc.Server) {
+	healthpb.RegisterHealthServer(gs, boundedHealth{h.srv, h.watches})
+}
 
 // maxServiceName bounds a health request's service name (bytes): the names
 // served are short, and grpc's health server keeps a watcher's name for as
@@ -49,8 +58,12 @@ func (h *Health) Register(gs *grpc.Server) { healthpb.RegisterHealthServer(gs, b
 const maxServiceName = 256
 
 // boundedHealth is grpc's health server refusing service names over
-// maxServiceName with InvalidArgument.
-type boundedHealth struct{ *health.Server }
+// maxServiceName with InvalidArgument, and Watch streams beyond the slots
+// of watches with ResourceExhausted.
+type boundedHealth struct {
+	*health.Server
+	watches chan struct{}
+}
 
 func (b boundedHealth) Check(ctx context.Context, in *healthpb.HealthCheckRequest) (*healthpb.HealthCheckResponse, error) {
 	if err := checkServiceName(in); err != nil {
@@ -62,6 +75,12 @@ func (b boundedHealth) Check(ctx context.Context, in *healthpb.HealthCheckReques
 func (b boundedHealth) Watch(in *healthpb.HealthCheckRequest, stream healthpb.Health_WatchServer) error {
 	if err := checkServiceName(in); err != nil {
 		return err
+	}
+	select {
+	case b.watches <- struct{}{}:
+		defer func() { <-b.watches }()
+	default:
+		return status.Errorf(codes.ResourceExhausted, "health: %d Watch streams open already", cap(b.watches))
 	}
 	return b.Server.Watch(in, stream)
 }

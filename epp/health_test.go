@@ -2,8 +2,10 @@ package epp
 
 import (
 	"context"
+	"net"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -57,5 +59,68 @@ func TestHealthLongServiceName(t *testing.T) {
 	}
 	if r, err := hc.Check(context.Background(), &healthpb.HealthCheckRequest{Service: LivenessService}); err != nil || r.GetStatus() != healthpb.HealthCheckResponse_SERVING {
 		t.Fatalf("Check liveness: %v %v", r, err)
+	}
+}
+
+// TestHealthWatchesBounded: Watch streams beyond the process-wide slots are
+// refused ResourceExhausted, and a slot is given back when its client
+// leaves (the attack: 200 Watch streams, nothing else, were all served and
+// held; with 3 MiB of metadata each they held 730 MB of RSS on infergate
+// epp's health port, which had grpc's defaults: unbounded streams, 16 MiB
+// of metadata per stream).
+func TestHealthWatchesBounded(t *testing.T) {
+	urls := startEngines(t, 1)
+	tp := startPicker(t, testConfig(sched.Prefix, urls...), Options{})
+	h := NewHealth(tp.g)
+	h.watches = make(chan struct{}, 3)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer()
+	h.Register(gs)
+	go func() { _ = gs.Serve(ln) }()
+	defer gs.Stop()
+	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	hc := healthpb.NewHealthClient(conn)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	watch := func(ctx context.Context) error {
+		w, err := hc.Watch(ctx, &healthpb.HealthCheckRequest{Service: LivenessService})
+		if err == nil {
+			_, err = w.Recv()
+		}
+		return err
+	}
+	var cancels []context.CancelFunc
+	for i := range 3 {
+		wctx, wcancel := context.WithCancel(ctx)
+		cancels = append(cancels, wcancel)
+		if err := watch(wctx); err != nil {
+			t.Fatalf("watch %d: %v", i, err)
+		}
+	}
+	if err := watch(ctx); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("a 4th Watch with 3 slots: %v, want ResourceExhausted", err)
+	}
+	cancels[0]()
+	// The slot comes back once the server sees the stream end: retry
+	// until it does, within the test's minute.
+	for {
+		err := watch(ctx)
+		if err == nil {
+			break
+		}
+		if status.Code(err) != codes.ResourceExhausted || ctx.Err() != nil {
+			t.Fatalf("a Watch after one left: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	for _, c := range cancels {
+		c()
 	}
 }

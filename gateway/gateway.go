@@ -221,7 +221,7 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	if err := reg.Register(newKVCollector(g)); err != nil {
 		return fail(fmt.Errorf("gateway: register KV-event metrics: %w", err))
 	}
-	g.metricsHandler = promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{})
+	g.metricsHandler = promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{MaxRequestsInFlight: maxMetricsScrapes})
 	g.dash.init(time.Now())
 	g.handler = http.HandlerFunc(g.route)
 	if err := g.initObservability(reg); err != nil {

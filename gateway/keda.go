@@ -47,6 +47,16 @@ const (
 	kedaMaxStreams = 1024
 )
 
+// MaxGRPCHeaderBytes bounds the metadata (HTTP/2 header list, bytes) a client
+// may send on one stream of the gateway's gRPC servers: KEDA's scaler port
+// and epp's ext_proc and health ports (grpc.MaxHeaderListSize; grpc-go's
+// default is 16 MiB, internal/transport/defaults.go v1.83). A stream keeps
+// its metadata for as long as it lives, and a StreamIsActive or health Watch
+// lives until its client leaves: 200 streams sending 3 MiB of metadata each
+// held 730 MB of RSS on either port. KEDA, Envoy and kubelet send well under
+// a kilobyte; over the bound a stream is refused before its handler runs.
+const MaxGRPCHeaderBytes = 64 << 10
+
 // kedaScaler serves externalscaler.ExternalScalerServer from the gateway's
 // autoscaling decisions.
 type kedaScaler struct {

@@ -33,6 +33,7 @@ type artifactsFlags struct {
 	concurrency int
 	attempts    int
 	idle        time.Duration
+	minRate     string
 	verifyReads bool
 	lf          logFlags
 }
@@ -81,6 +82,7 @@ func (fl *artifactsFlags) bind(f *pflag.FlagSet) {
 	f.IntVar(&fl.concurrency, "concurrency", 4, "blobs downloaded at once")
 	f.IntVar(&fl.attempts, "attempts", 5, "attempts per source and blob (an attempt that received bytes resets the back-off)")
 	f.DurationVar(&fl.idle, "idle-timeout", 30*time.Second, "abandon an attempt that receives no byte for this long")
+	f.StringVar(&fl.minRate, "min-rate", "64KiB", `abandon an attempt that receives less than this many bytes a second over an --idle-timeout ("0": no floor)`)
 	f.BoolVar(&fl.verifyReads, "verify-reads", false, "rehash a blob each time it is served (serve)")
 	fl.lf.register(f)
 }
@@ -106,9 +108,16 @@ func (fl *artifactsFlags) open(cmd *cobra.Command, scrub bool) (*artifact.Cache,
 	if err != nil {
 		return nil, fmt.Errorf("--layout: %w", err)
 	}
+	minRate, err := kvstore.ParseBytes(fl.minRate)
+	if err != nil {
+		return nil, fmt.Errorf("--min-rate: %w", err)
+	}
+	if minRate == 0 {
+		minRate = -1 // FetchConfig: < 0 is off, 0 the default
+	}
 	cfg := artifact.Config{
 		Dir: fl.dir, Budget: budget, Scrub: scrub, VerifyReads: fl.verifyReads, Logger: newLogger(cmd),
-		Fetch: artifact.FetchConfig{Concurrency: fl.concurrency, Attempts: fl.attempts, IdleTimeout: fl.idle},
+		Fetch: artifact.FetchConfig{Concurrency: fl.concurrency, Attempts: fl.attempts, IdleTimeout: fl.idle, MinRate: minRate},
 	}
 	for _, u := range fl.peers {
 		s, err := artifact.NewHTTP(u, artifact.LayoutRegistry, true)

@@ -204,9 +204,13 @@ func runEPP(cmd *cobra.Command, fl *eppFlags) error {
 	gs := grpc.NewServer(
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
+		grpc.MaxHeaderListSize(gateway.MaxGRPCHeaderBytes),
 	)
 	srv.Register(gs)
-	hs := grpc.NewServer()
+	// The health port's streams (Watch lives until its client leaves) are
+	// bounded as the KEDA port's: metadata, streams per connection, and
+	// Watch streams process-wide (epp.Health).
+	hs := grpc.NewServer(grpc.MaxRecvMsgSize(64<<10), grpc.MaxConcurrentStreams(256), grpc.MaxHeaderListSize(gateway.MaxGRPCHeaderBytes))
 	health := epp.NewHealth(g)
 	health.Register(hs)
 

@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/infergate/infergate/simserver"
@@ -204,6 +205,13 @@ func TestEPPEndToEnd(t *testing.T) {
 		if err != nil || r.GetStatus() != healthpb.HealthCheckResponse_SERVING {
 			t.Errorf("health %q: %v %v", svc, r, err)
 		}
+	}
+	// The health port (and ext_proc's) bound a stream's gRPC metadata
+	// (gateway.MaxGRPCHeaderBytes; a Watch keeps it until its client
+	// leaves: 200 with 3 MiB each held 730 MB of RSS).
+	big := metadata.AppendToOutgoingContext(context.Background(), "x-pad", strings.Repeat("a", 1<<20))
+	if _, err := healthpb.NewHealthClient(hc).Check(big, &healthpb.HealthCheckRequest{}); err == nil {
+		t.Error("a health Check with 1 MiB of metadata was served")
 	}
 	resp, err := http.Get(httpURL + "/metrics")
 	if err != nil {

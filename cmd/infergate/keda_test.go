@@ -6,12 +6,14 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/infergate/infergate/autoscale/externalscaler"
@@ -63,5 +65,23 @@ autoscale:
 	bad := &externalscaler.ScaledObjectRef{ScalerMetadata: map[string]string{"metric": "gpus", "pool": "m"}}
 	if _, err := c.GetMetricSpec(ctx, bad); status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("bad metadata: %v, want InvalidArgument", err)
+	}
+	// A stream's gRPC metadata is bounded (gateway.MaxGRPCHeaderBytes): a
+	// StreamIsActive keeps it until its client leaves (the attack: 200
+	// streams with 3 MiB each held 730 MB of RSS).
+	big := metadata.AppendToOutgoingContext(ctx, "x-pad", strings.Repeat("a", 1<<20))
+	st, err := c.StreamIsActive(big, ref)
+	if err == nil {
+		_, err = st.Recv()
+	}
+	if err == nil {
+		t.Fatal("a StreamIsActive with 1 MiB of metadata was served")
+	}
+	small := metadata.AppendToOutgoingContext(ctx, "x-pad", strings.Repeat("a", 1<<10))
+	if st, err = c.StreamIsActive(small, ref); err == nil {
+		_, err = st.Recv()
+	}
+	if err != nil {
+		t.Fatalf("a StreamIsActive with 1 KiB of metadata: %v", err)
 	}
 }

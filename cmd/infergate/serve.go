@@ -82,7 +82,7 @@ func serveExternalScaler(log *slog.Logger, g *gateway.Gateway) (stop func(), err
 	if err != nil {
 		return nil, fmt.Errorf("autoscale.keda_listen %s: %w", addr, err)
 	}
-	s := grpc.NewServer(grpc.MaxRecvMsgSize(64<<10), grpc.MaxConcurrentStreams(256))
+	s := grpc.NewServer(grpc.MaxRecvMsgSize(64<<10), grpc.MaxConcurrentStreams(256), grpc.MaxHeaderListSize(gateway.MaxGRPCHeaderBytes))
 	g.RegisterExternalScaler(s)
 	done := make(chan struct{})
 	go func() {
