@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/infergate/infergate/kvevents"
@@ -325,6 +326,11 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 		if s.kvpub, err = kvevents.NewPublisher(kc); err != nil {
 			return nil, fmt.Errorf("sim: %w", err)
 		}
+		pub := s.kvpub
+		s.metrics.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "infergate_sim_kv_event_batches_total",
+			Help:        "Simulator only (not vLLM): KV-event batches queued for publishing (sequence numbers used, dropped ones included); a subscriber that applied as many has every event of the responses delivered so far.",
+			ConstLabels: prometheus.Labels{"model_name": cfg.Model, "engine": "0"}},
+			func() float64 { return float64(pub.NextSeq()) }))
 	}
 	if err := s.startBootstrap(); err != nil {
 		if s.kvpub != nil {

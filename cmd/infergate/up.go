@@ -273,7 +273,8 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 	// keys read from the keys file and the environment at start and
 	// at every SIGHUP.
 	load := func() (gateway.Config, error) {
-		cfg := gateway.Config{Listen: fl.listen, Routing: sched.Config{Policy: fl.policy}, ShutdownGrace: fl.grace}
+		cfg := gateway.Config{Listen: fl.listen, Routing: sched.Config{Policy: fl.policy}, ShutdownGrace: fl.grace,
+			Tokenizers: gatewayTokenizers(scfg.Tokenizer, append([]string{model}, lora.Adapters...)...)}
 		for _, m := range append([]string{model}, lora.Adapters...) {
 			cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, m)...)
 		}
@@ -318,6 +319,9 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 				}
 				fmt.Fprintf(out, "  P/D: %d prefill + %d decode engines, connector %s, prompts with %d+ uncached tokens split%s\n",
 					pd.prefill, pd.decode, pd.connector, threshold, extra)
+			}
+			if scfg.Tokenizer != "" {
+				fmt.Fprintf(out, "  tokenizer: %s (the engines' and the gateway's routing)\n", scfg.Tokenizer)
 			}
 			if t := fl.tiers; !t.host.IsZero() || !t.disk.IsZero() || !t.remote.IsZero() {
 				fmt.Fprintf(out, "  KV tiers: host %s, disk %s each; shared remote %s\n", t.host, t.disk, t.remote)

@@ -219,7 +219,7 @@ func (fl *upFlags) runElastic(cmd *cobra.Command, scfg simserver.ServerConfig) e
 	}
 	load := func() (gateway.Config, error) {
 		cfg := gateway.Config{Listen: fl.listen, Routing: sched.Config{Policy: fl.policy}, ShutdownGrace: fl.grace,
-			HealthCheckInterval: elasticHealth}
+			HealthCheckInterval: elasticHealth, Tokenizers: gatewayTokenizers(scfg.Tokenizer, append([]string{model}, eng.LoRA.Adapters...)...)}
 		for _, m := range append([]string{model}, eng.LoRA.Adapters...) {
 			for _, u := range fleet.URLs {
 				cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: u, Model: m, Kind: kinds.Sim,
