@@ -56,6 +56,11 @@ type chatHarness struct {
 	// as a client does, racing the KV events (a measurement run's
 	// INFERGATE_CHAT_NO_EVENT_WAIT=1).
 	noWait bool
+	// tokenIDs sends each turn as a completion whose prompt is own's
+	// ids of the rendered chat (the engines see the same ids; the
+	// gateway tokenizes nothing): the token-id baseline of a
+	// measurement run (INFERGATE_CHAT_TOKEN_IDS=1).
+	tokenIDs bool
 }
 
 // chatResult is what a harness run saw.
@@ -158,8 +163,21 @@ func (h chatHarness) session(c *http.Client, system string, q trace.Question, mu
 				return err
 			}
 		}
-		body, _ := json.Marshal(map[string]any{"model": h.model, "messages": msgs, "max_tokens": chatReplyTokens})
-		resp, err := c.Post(h.base+"/v1/chat/completions", "application/json", strings.NewReader(string(body)))
+		var want []uint32 // own's ids of the chat
+		if h.own != nil {
+			raw, _ := json.Marshal(msgs)
+			text, err := h.own.Template().Render(hftokenizer.Chat{Messages: raw, AddGenerationPrompt: true, VLLMMessages: true})
+			if err != nil {
+				return err
+			}
+			want, _ = h.own.Encode(text, false)
+		}
+		path, req := "/v1/chat/completions", map[string]any{"model": h.model, "messages": msgs, "max_tokens": chatReplyTokens}
+		if h.tokenIDs {
+			path, req = "/v1/completions", map[string]any{"model": h.model, "prompt": want, "max_tokens": chatReplyTokens}
+		}
+		body, _ := json.Marshal(req)
+		resp, err := c.Post(h.base+path, "application/json", strings.NewReader(string(body)))
 		if err != nil {
 			return err
 		}
@@ -171,6 +189,7 @@ func (h chatHarness) session(c *http.Client, system string, q trace.Question, mu
 		var out struct {
 			Choices []struct {
 				Message chatMsg `json:"message"`
+				Text    string  `json:"text"`
 			} `json:"choices"`
 			Usage struct {
 				Prompt  int `json:"prompt_tokens"`
@@ -183,16 +202,8 @@ func (h chatHarness) session(c *http.Client, system string, q trace.Question, mu
 			return fmt.Errorf("turn %d: %v: %s", k, err, b)
 		}
 		mismatch := ""
-		if h.own != nil {
-			raw, _ := json.Marshal(msgs)
-			text, err := h.own.Template().Render(hftokenizer.Chat{Messages: raw, AddGenerationPrompt: true, VLLMMessages: true})
-			if err != nil {
-				return err
-			}
-			ids, _ := h.own.Encode(text, false)
-			if len(ids) != out.Usage.Prompt {
-				mismatch = fmt.Sprintf("question %d turn %d: prompt_tokens %d, the tokenizer's rendering %d", q.ID, k, out.Usage.Prompt, len(ids))
-			}
+		if h.own != nil && len(want) != out.Usage.Prompt {
+			mismatch = fmt.Sprintf("question %d turn %d: prompt_tokens %d, the tokenizer's rendering %d", q.ID, k, out.Usage.Prompt, len(want))
 		}
 		mu.Lock()
 		res.requests++
@@ -210,7 +221,11 @@ func (h chatHarness) session(c *http.Client, system string, q trace.Question, mu
 		}
 		mu.Unlock()
 		prev = out.Usage.Prompt
-		msgs = append(msgs, out.Choices[0].Message)
+		reply := out.Choices[0].Message
+		if h.tokenIDs {
+			reply = chatMsg{"assistant", out.Choices[0].Text}
+		}
+		msgs = append(msgs, reply)
 	}
 	return nil
 }
@@ -319,7 +334,8 @@ func envInt(name string, def int) int {
 // follow-ups without waiting for the KV events; then a follow-up may be
 // sent elsewhere (by the load scorers, or before the index knows its
 // prefix), so hits and the prediction error are reported, not required.
-// INFERGATE_CHAT_TOKENIZERS (default llama3,cl100k) may add qwen3.
+// INFERGATE_CHAT_TOKENIZERS (default llama3,cl100k) may add qwen3;
+// INFERGATE_CHAT_TOKEN_IDS=1 sends the same prompts as token ids.
 func TestUpPreciseChatOwnTokenizer(t *testing.T) {
 	sessions, parallel := envInt("INFERGATE_CHAT_SESSIONS", 12), envInt("INFERGATE_CHAT_PARALLEL", 1)
 	names := strings.Split(os.Getenv("INFERGATE_CHAT_TOKENIZERS"), ",")
@@ -362,11 +378,11 @@ func TestUpPreciseChatOwnTokenizer(t *testing.T) {
 				t.Fatalf("infergate_pool_tokenizer{tokenizer=%q} = %v, want 1", tokLabel, v)
 			}
 			h := chatHarness{base: base, engines: engines, model: "meta-llama/Llama-3.1-70B-Instruct", own: own, sessions: sessions, parallel: parallel,
-				noWait: os.Getenv("INFERGATE_CHAT_NO_EVENT_WAIT") == "1"}
+				noWait: os.Getenv("INFERGATE_CHAT_NO_EVENT_WAIT") == "1", tokenIDs: own != nil && os.Getenv("INFERGATE_CHAT_TOKEN_IDS") == "1"}
 			exact := parallel == 1 && !h.noWait
 			r := h.run(t)
-			t.Logf("%s: %d sessions (%d in parallel, waiting for KV events %v), %d requests, %d follow-ups, %d hit their previous turn and reply; precise prediction error: MAE %.1f tokens over %v requests; predicted %v, cached %v prompt tokens",
-				name, sessions, parallel, !h.noWait, r.requests, r.followUps, r.hits, r.mae(), r.predErrCount, r.predicted, r.cached)
+			t.Logf("%s (token ids %v): %d sessions (%d in parallel, waiting for KV events %v), %d requests, %d follow-ups, %d hit their previous turn and reply; precise prediction error: MAE %.1f tokens over %v requests; predicted %v, cached %v prompt tokens",
+				name, h.tokenIDs, sessions, parallel, !h.noWait, r.requests, r.followUps, r.hits, r.mae(), r.predErrCount, r.predicted, r.cached)
 			if r.promptMismatches > 0 {
 				t.Errorf("%d of %d responses' prompt_tokens are not %s's (first: %s)", r.promptMismatches, r.requests, name, r.firstMismatch)
 			}
