@@ -87,6 +87,7 @@ type ServerConfig struct {
 	// tokenizer_config.json (chat template), as the gateway's
 	// tokenizers: entry for the model; "" is cl100k_base with the
 	// canonical Llama-3 layout (tokenizer.go, README "Tokenizer").
+	// Empty: the profile's (sim.GPUProfile.Tokenizer), if any.
 	Tokenizer string `yaml:"tokenizer"`
 	// LoadedTokenizer, when set, is used instead of loading Tokenizer
 	// (StartFleet loads a tokenizer.json once for all its engines).
@@ -242,7 +243,7 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 	tok := cfg.LoadedTokenizer
 	if tok == nil {
 		var err error
-		if tok, err = LoadTokenizer(cfg.Tokenizer); err != nil {
+		if tok, err = LoadTokenizer(tokenizerPath(cfg)); err != nil {
 			return nil, fmt.Errorf("sim: %w", err)
 		}
 	}

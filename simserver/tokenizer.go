@@ -219,10 +219,18 @@ func loadTokenizerOnce(cfg ServerConfig) (ServerConfig, error) {
 	if cfg.LoadedTokenizer != nil {
 		return cfg, nil
 	}
-	t, err := LoadTokenizer(cfg.Tokenizer)
+	t, err := LoadTokenizer(tokenizerPath(cfg))
 	if err != nil {
 		return cfg, fmt.Errorf("sim: %w", err)
 	}
 	cfg.LoadedTokenizer = t
 	return cfg, nil
+}
+
+// tokenizerPath is cfg's tokenizer: Tokenizer, else the profile's.
+func tokenizerPath(cfg ServerConfig) string {
+	if cfg.Tokenizer != "" {
+		return cfg.Tokenizer
+	}
+	return cfg.Engine.Profile.Tokenizer
 }

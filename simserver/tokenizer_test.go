@@ -15,6 +15,7 @@ import (
 	"github.com/infergate/infergate/hftokenizer"
 	"github.com/infergate/infergate/internal/realpart"
 	"github.com/infergate/infergate/openai"
+	"github.com/infergate/infergate/sim"
 )
 
 // llama3Pattern is Meta-Llama-3's pre-tokenizer pattern (hftokenizer's
@@ -395,5 +396,33 @@ func BenchmarkChatTokens(b *testing.B) {
 			}
 			b.ReportMetric(float64(n), "tokens/op")
 		})
+	}
+}
+
+// A profile's tokenizer is the engine's unless ServerConfig.Tokenizer
+// names another.
+func TestProfileTokenizer(t *testing.T) {
+	dir := llamaLikeFolder(t, "")
+	prof := sim.DefaultProfile()
+	prof.Tokenizer = dir
+	s, err := NewServer(ServerConfig{Engine: sim.Config{Profile: prof}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	if s.Tokenizer().Name() != dir {
+		t.Fatalf("tokenizer %q, want the profile's", s.Tokenizer().Name())
+	}
+	f, err := StartFleet(2, ServerConfig{Engine: sim.Config{Profile: prof}, Tokenizer: ""})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if a, b := f.Servers[0].Tokenizer(), f.Servers[1].Tokenizer(); a != b || a.Name() != dir {
+		t.Fatalf("fleet tokenizers %q, %q: want one, the profile's", a.Name(), b.Name())
+	}
+	prof.Tokenizer = filepath.Join(t.TempDir(), "missing")
+	if _, err := NewServer(ServerConfig{Engine: sim.Config{Profile: prof}}); err == nil {
+		t.Error("a profile naming a missing tokenizer started")
 	}
 }

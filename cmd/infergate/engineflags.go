@@ -35,7 +35,7 @@ func (e *engineFlags) register(f *pflag.FlagSet, tuning bool, kvHelp string) {
 	f.Float64Var(&e.timeScale, "time-scale", 1, "simulated seconds per wall-clock second")
 	f.StringVar(&e.profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile; see sim/profiles/)")
 	f.StringVar(&e.kvEvents, "kv-events-config", "", kvHelp)
-	f.StringVar(&e.tokenizer, "tokenizer", "", "the model's own Hugging Face tokenizer: a tokenizer.json, or a folder with it and tokenizer_config.json (chat template); the engines render and tokenize prompts with it as vLLM does (default: cl100k_base with a canonical Llama-3 chat layout)")
+	f.StringVar(&e.tokenizer, "tokenizer", "", "the model's own Hugging Face tokenizer: a tokenizer.json, or a folder with it and tokenizer_config.json (chat template); the engines render and tokenize prompts with it as vLLM does (default: the --profile-file's tokenizer key, else cl100k_base with a canonical Llama-3 chat layout)")
 	f.BoolVar(&e.store, "responses-store", os.Getenv("VLLM_ENABLE_RESPONSES_API_STORE") == "1",
 		"keep Responses API responses for previous_response_id (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1, the default when that is set)")
 	if tuning {
@@ -71,8 +71,12 @@ func (e *engineFlags) serverConfig() (simserver.ServerConfig, error) {
 	if model == "" {
 		model = prof.Model
 	}
+	tok := e.tokenizer
+	if tok == "" {
+		tok = prof.Tokenizer // --profile-file's tokenizer: key
+	}
 	return simserver.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv, APIKeys: e.apiKeys, ResponsesStore: e.store,
-		Tokenizer: e.tokenizer}, nil
+		Tokenizer: tok}, nil
 }
 
 // resolveProfile returns the profile from file if given, else the built-in
