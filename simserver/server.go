@@ -898,6 +898,11 @@ type templateFields struct {
 // tokens unless add_special_tokens (vLLM's default for chats: the template
 // writes them).
 func (s *Server) chatTokens(body []byte, msgs []openai.Message, tools json.RawMessage) ([]uint32, *openai.Error) {
+	if _, ok := s.tok.(cl100k); ok {
+		// The canonical layout reads none of the template fields: no
+		// second decode of the body.
+		return s.promptTokens(ChatPrompt{Messages: msgs, Tools: tools, AddGenerationPrompt: true}, false)
+	}
 	var f templateFields
 	if e := openai.Decode(body, &f); e != nil {
 		return nil, e
