@@ -677,6 +677,24 @@ func (t *Tokenizer) TokenID(s string) (uint32, bool) {
 	return id, ok
 }
 
+// TokenString returns the token of id as tokenizer.json spells it: an
+// added token's content, a vocabulary token in the byte-level alphabet
+// ("Ġthe" for " the"), as transformers' convert_ids_to_tokens and vLLM's
+// /tokenize token_strs give it; ok is false for an unknown id.
+func (t *Tokenizer) TokenString(id uint32) (s string, ok bool) {
+	if int(id) >= len(t.idToBytes) || t.idToBytes[id] == nil {
+		return "", false
+	}
+	if a, ok := t.addedByID[id]; ok {
+		return a.Content, true
+	}
+	var b strings.Builder
+	for _, c := range t.idToBytes[id] {
+		b.WriteRune(byteToRune[c])
+	}
+	return b.String(), true
+}
+
 // VocabSize is the number of ids, added tokens included (the largest id + 1).
 func (t *Tokenizer) VocabSize() int { return len(t.idToBytes) }
 

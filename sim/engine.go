@@ -41,6 +41,12 @@ type Config struct {
 	// re-tokenizes to the same ids, so that multi-turn prompts hit the cached
 	// output blocks as they do on a real engine.
 	OutputVocab []uint32 `yaml:"-"`
+	// FirstOutputVocab, when set, is the set a request's first output token
+	// is drawn from (OutputVocab the rest): a front whose chat template
+	// trims the assistant's content sets it to words without a leading
+	// space, as a model's reply starts, so that the reply still
+	// re-tokenizes to the same ids (simserver/words.go).
+	FirstOutputVocab []uint32 `yaml:"-"`
 	// KVEvents makes the engine record vLLM KV-cache events (BlockStored,
 	// BlockRemoved, AllBlocksCleared) in StepResult.Events; see kvevents.go.
 	// Off, recording costs nothing.
@@ -1054,6 +1060,9 @@ func (e *Engine) sample(s *seq) uint32 {
 	x = (x ^ (x >> 27)) * 0x94d049bb133111eb
 	x ^= x >> 31
 	v := e.cfg.OutputVocab
+	if s.output() == 0 && len(e.cfg.FirstOutputVocab) > 0 {
+		v = e.cfg.FirstOutputVocab
+	}
 	return v[x%uint64(len(v))]
 }
 

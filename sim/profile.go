@@ -10,6 +10,7 @@ import (
 	"math"
 	"os"
 	"path"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -134,6 +135,14 @@ type GPUProfile struct {
 	// bandwidths per source tier and warm-up. Zero: none
 	// (StartupPhases returns ErrNoStartupModel).
 	Startup StartupProfile `yaml:"startup"`
+
+	// Tokenizer is the model's own Hugging Face tokenizer the simulated
+	// engine tokenizes with (simserver ServerConfig.Tokenizer, which
+	// overrides it): a tokenizer.json, or a folder holding one and its
+	// tokenizer_config.json; a relative path is relative to the profile
+	// file (LoadProfile). "" (every built-in profile: no model files are
+	// shipped): cl100k_base. Informational to the engine model itself.
+	Tokenizer string `yaml:"tokenizer"`
 }
 
 // Gibibyte is 2^30 bytes. GPU memory sizes such as "80GB" are binary (H100 80GB = 80 GiB).
@@ -244,6 +253,9 @@ func LoadProfile(file string) (GPUProfile, error) {
 	p, err := ParseProfile(data)
 	if err != nil {
 		return GPUProfile{}, fmt.Errorf("%s: %w", file, err)
+	}
+	if p.Tokenizer != "" && !filepath.IsAbs(p.Tokenizer) {
+		p.Tokenizer = filepath.Join(filepath.Dir(file), p.Tokenizer)
 	}
 	return p, nil
 }

@@ -317,3 +317,22 @@ func TestProfileTable(t *testing.T) {
 // tableExempt are built-in profiles the CALIBRATION.md table leaves out:
 // fitted to a machine, not to published measurements (see their YAML).
 var tableExempt = []string{"tiny-llama-cpu-ollama"}
+
+// A profile file's tokenizer is resolved against the file's folder.
+func TestLoadProfileTokenizerPath(t *testing.T) {
+	raw, err := os.ReadFile("profiles/llama-3.1-8b-h100.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	for _, tc := range []struct{ key, want string }{{"tok/llama3", filepath.Join(dir, "tok/llama3")}, {"/models/x", "/models/x"}} {
+		f := filepath.Join(dir, "p.yaml")
+		if err := os.WriteFile(f, append(raw, []byte("\ntokenizer: "+tc.key+"\n")...), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		p, err := LoadProfile(f)
+		if err != nil || p.Tokenizer != tc.want {
+			t.Errorf("tokenizer %q: %q, %v; want %q", tc.key, p.Tokenizer, err, tc.want)
+		}
+	}
+}

@@ -82,6 +82,10 @@ func StartElasticFleet(cfg ServerConfig, ecfg ElasticConfig) (*ElasticFleet, err
 	if ecfg.Tick <= 0 {
 		ecfg.Tick = 100 * time.Millisecond
 	}
+	cfg, err := loadTokenizerOnce(cfg)
+	if err != nil {
+		return nil, err
+	}
 	probe, err := newServer(cfg, 0) // the configuration is checked once, up front
 	if err != nil {
 		return nil, err

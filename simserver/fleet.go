@@ -96,6 +96,10 @@ func StartFleetEngines(cfg ServerConfig, engines []FleetEngine) (*Fleet, error) 
 	if n < 1 {
 		return nil, fmt.Errorf("sim: fleet size must be >= 1, got %d", n)
 	}
+	cfg, err := loadTokenizerOnce(cfg)
+	if err != nil {
+		return nil, err
+	}
 	f := &Fleet{}
 	if cfg.KVEvents.Publishes() && cfg.KVEvents.Endpoint == "" {
 		// Each engine publishes on its own loopback port, with replay.

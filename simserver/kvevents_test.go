@@ -19,6 +19,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/infergate/infergate/kvevents"
+	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sim"
 )
@@ -780,5 +781,20 @@ func waitNoLeak(t *testing.T, before int) {
 		if time.Now().After(deadline) {
 			t.Fatalf("%d goroutines, want <= %d:\n%s", n, before, stacks)
 		}
+	}
+}
+
+// infergate_sim_kv_event_batches_total counts the batches queued for
+// publishing: a subscriber that applied as many has every event of the
+// responses it has seen.
+func TestKVEventBatchesMetric(t *testing.T) {
+	s, ts := newTestServer(t, ServerConfig{KVEvents: kvevents.PublisherConfig{Enable: true, Endpoint: "tcp://127.0.0.1:0", Bind: true}})
+	chatUsage(t, ts, []openai.Message{{Role: "user", Content: textContent(strings.Repeat("hello there ", 40))}}, 4)
+	m := gatherOne(t, s, "infergate_sim_kv_event_batches_total")
+	if m == nil || len(m.Metric) != 1 {
+		t.Fatalf("metric: %v", m)
+	}
+	if got, want := m.Metric[0].GetCounter().GetValue(), float64(s.KVEventPublisher().NextSeq()); got != want || got < 1 {
+		t.Fatalf("batches %v, publisher's next sequence number %v", got, want)
 	}
 }

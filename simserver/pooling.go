@@ -68,7 +68,13 @@ func (s *Server) handleEmbeddings(w http.ResponseWriter, r *http.Request) {
 	g := genRequest{model: req.Model, maxTokens: 1}
 	inputs := req.Input.Tokens
 	for _, text := range req.Input.Texts {
-		inputs = append(inputs, s.encode(text))
+		// vLLM's EmbeddingCompletionRequest.add_special_tokens: true.
+		toks, e := s.encode(text, true)
+		if e != nil {
+			openai.WriteError(w, e)
+			return
+		}
+		inputs = append(inputs, toks)
 	}
 	for _, toks := range inputs {
 		g.tokens = toks
@@ -182,7 +188,8 @@ func (s *Server) prefill(ctx context.Context, inputs [][]uint32, adapter string)
 
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 	var req openai.TokenizeRequest
-	if e := s.decodeBody(w, r, &req); e != nil {
+	body, e := s.decodeRaw(w, r, &req)
+	if e != nil {
 		openai.WriteError(w, e)
 		return
 	}
@@ -193,11 +200,23 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 	var toks []uint32
 	switch {
 	case req.Prompt != nil:
-		toks = s.tok.Encode(*req.Prompt)
+		var f templateFields
+		if e = openai.Decode(body, &f); e == nil {
+			// TokenizeCompletionRequest.add_special_tokens: true.
+			var cut bool
+			toks, cut, e = s.encodeCut(*req.Prompt, f.AddSpecialTokens == nil || *f.AddSpecialTokens)
+			if cut {
+				e = openai.Errorf("prompt", fmt.Sprintf("the prompt is longer than the simulator tokenizes (%d bytes: %d per token of max_model_len)",
+					maxBytesPerToken*s.eng.Profile.MaxModelLen, maxBytesPerToken))
+			}
+		}
 	case len(req.Messages) > 0:
-		toks = s.encode(openai.RenderChat(req.Tools, req.Messages))
+		toks, e = s.chatTokens(body, req.Messages, req.Tools)
 	default:
-		openai.WriteError(w, openai.Errorf("prompt", "either prompt or messages is required"))
+		e = openai.Errorf("prompt", "either prompt or messages is required")
+	}
+	if e != nil {
+		openai.WriteError(w, e)
 		return
 	}
 	resp := openai.TokenizeResponse{Count: len(toks), MaxModelLen: s.eng.Profile.MaxModelLen, Tokens: toks}
@@ -207,7 +226,7 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 	if req.ReturnTokenStrs {
 		resp.TokenStrs = make([]string, len(toks))
 		for i, t := range toks {
-			resp.TokenStrs[i] = s.tok.Decode([]uint32{t})
+			resp.TokenStrs[i] = s.tok.TokenString(t)
 		}
 	}
 	writeJSON(w, http.StatusOK, resp)
@@ -224,7 +243,7 @@ func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ids := make([]uint32, len(req.Tokens))
-	vocab := int64(s.eng.Profile.VocabSize)
+	vocab := int64(s.vocab)
 	for i, t := range req.Tokens {
 		if t < 0 || t > math.MaxUint32 || (vocab > 0 && t >= vocab) {
 			openai.WriteError(w, openai.Errorf("tokens", fmt.Sprintf("token id %d is out of vocabulary", t)))

@@ -38,12 +38,6 @@ func (s *Server) renderRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("POST /v1/completions/render", s.handleCompletionRender)
 }
 
-// chatTokens returns the prompt token ids of a chat request: the one
-// function the chat endpoint and its render endpoint tokenize with.
-func (s *Server) chatTokens(req *openai.ChatRequest) []uint32 {
-	return s.encode(req.Prompt())
-}
-
 // renderedRequest is vLLM's GenerateRequest as the render endpoints return
 // it.
 type renderedRequest struct {
@@ -83,7 +77,11 @@ func (s *Server) rendered(g *genRequest) renderedRequest {
 
 func (s *Server) handleChatRender(w http.ResponseWriter, r *http.Request) {
 	var req openai.ChatRequest
-	if e := s.decode(w, r, &req); e != nil {
+	body, e := s.decodeRaw(w, r, &req)
+	if e == nil {
+		e = req.Validate()
+	}
+	if e != nil {
 		openai.WriteError(w, e)
 		return
 	}
@@ -91,11 +89,16 @@ func (s *Server) handleChatRender(w http.ResponseWriter, r *http.Request) {
 	if req.MaxCompletionTokens != nil {
 		maxTokens = req.MaxCompletionTokens
 	}
+	toks, e := s.chatTokens(body, req.Messages, req.Tools)
+	if e != nil {
+		openai.WriteError(w, e)
+		return
+	}
 	g := genRequest{
 		chat:          true,
 		id:            s.newID("chatcmpl-"),
 		model:         req.Model,
-		tokens:        s.chatTokens(&req),
+		tokens:        toks,
 		maxTokens:     orDefault(maxTokens, DefaultMaxTokens),
 		stream:        req.Stream,
 		streamOptions: req.StreamOptions,
@@ -110,10 +113,21 @@ func (s *Server) handleChatRender(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) handleCompletionRender(w http.ResponseWriter, r *http.Request) {
 	var req openai.CompletionRequest
-	if e := s.decode(w, r, &req); e != nil {
+	body, e := s.decodeRaw(w, r, &req)
+	if e == nil {
+		e = req.Validate()
+	}
+	if e != nil {
 		openai.WriteError(w, e)
 		return
 	}
+	var opt templateFields
+	if e := openai.Decode(body, &opt); e != nil {
+		openai.WriteError(w, e)
+		return
+	}
+	// vLLM's CompletionRequest.add_special_tokens defaults to true.
+	addSpecial := opt.AddSpecialTokens == nil || *opt.AddSpecialTokens
 	out := make([]renderedRequest, 0, req.Prompt.Len())
 	for i := 0; i < req.Prompt.Len(); i++ {
 		g := genRequest{
@@ -125,10 +139,13 @@ func (s *Server) handleCompletionRender(w http.ResponseWriter, r *http.Request) 
 			cacheSalt:     req.CacheSalt,
 		}
 		if i < len(req.Prompt.Texts) {
-			g.tokens = s.encode(req.Prompt.Texts[i])
+			if g.tokens, e = s.encode(req.Prompt.Texts[i], addSpecial); e != nil {
+				openai.WriteError(w, e)
+				return
+			}
 		} else {
 			g.tokens = req.Prompt.Tokens[i-len(req.Prompt.Texts)]
-			if v := s.eng.Profile.VocabSize; v > 0 {
+			if v := s.vocab; v > 0 {
 				for _, t := range g.tokens {
 					if int64(t) >= int64(v) {
 						openai.WriteError(w, openai.Errorf("prompt", fmt.Sprintf("token id %d is out of vocabulary (size %d)", t, v)))

@@ -224,10 +224,17 @@ func (s *Server) handleResponses(w http.ResponseWriter, r *http.Request) {
 	if store {
 		rc.msgs = msgs
 	}
+	// Rendered as a chat: vLLM's serving_responses.py renders the
+	// messages with the model's chat template.
+	toks, e := s.promptTokens(ChatPrompt{Messages: msgs, AddGenerationPrompt: true}, false)
+	if e != nil {
+		openai.WriteError(w, e)
+		return
+	}
 	g := genRequest{
 		id:             id,
 		model:          req.Model,
-		tokens:         s.encode(openai.RenderChat(nil, msgs)),
+		tokens:         toks,
 		maxTokens:      orDefault(req.MaxOutputTokens, DefaultMaxTokens),
 		maxTokensParam: orDefault(req.MaxOutputTokens, 0),
 		stream:         req.Stream,

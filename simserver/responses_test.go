@@ -229,7 +229,9 @@ func TestEmbeddings(t *testing.T) {
 	if !strings.HasPrefix(r.ID, "embd-") || r.Object != "list" || r.Model != testModel || len(r.Data) != 3 {
 		t.Fatalf("%+v", r)
 	}
-	want := len(s.tok.Encode("hello world"))*2 + len(s.tok.Encode("hello"))
+	hw, _ := s.tok.Encode(nil, "hello world", true)
+	h, _ := s.tok.Encode(nil, "hello", true)
+	want := len(hw)*2 + len(h)
 	if r.Usage.PromptTokens != want || r.Usage.TotalTokens != want {
 		t.Errorf("usage %+v, want %d prompt tokens", r.Usage, want)
 	}

@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/infergate/infergate/artifact"
@@ -82,6 +83,16 @@ type ServerConfig struct {
 	// /is_sleeping (vLLM --enable-sleep-mode with VLLM_SERVER_DEV_MODE=1;
 	// sleep.go). Off: those paths answer 404, as vLLM's.
 	EnableSleepMode bool `yaml:"enable_sleep_mode"`
+	// Tokenizer is the model's own tokenizer the engine tokenizes with:
+	// a tokenizer.json, or a folder holding one and its
+	// tokenizer_config.json (chat template), as the gateway's
+	// tokenizers: entry for the model; "" is cl100k_base with the
+	// canonical Llama-3 layout (tokenizer.go, README "Tokenizer").
+	// Empty: the profile's (sim.GPUProfile.Tokenizer), if any.
+	Tokenizer string `yaml:"tokenizer"`
+	// LoadedTokenizer, when set, is used instead of loading Tokenizer
+	// (StartFleet loads a tokenizer.json once for all its engines).
+	LoadedTokenizer Tokenizer `yaml:"-"`
 }
 
 // servedModel is the model name a server of cfg serves.
@@ -126,7 +137,8 @@ func newRemoteFor(cfg ServerConfig) (*RemoteStore, error) {
 type Server struct {
 	cfg       ServerConfig
 	eng       sim.Config // engine config with defaults
-	tok       *prefix.Tokenizer
+	tok       Tokenizer  // every prompt's ids and every id's text (tokenizer.go)
+	vocab     int        // token ids must be below it (0: unchecked)
 	words     map[uint32]string
 	metrics   *metrics
 	snap      atomic.Pointer[sim.Stats]
@@ -234,16 +246,23 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 		}
 		cfg.Engine.KVEvents = true
 	}
-	tok, err := prefix.NewTokenizer()
-	if err != nil {
-		return nil, fmt.Errorf("sim: %w", err)
+	tok := cfg.LoadedTokenizer
+	if tok == nil {
+		var err error
+		if tok, err = LoadTokenizer(tokenizerPath(cfg)); err != nil {
+			return nil, fmt.Errorf("sim: %w", err)
+		}
 	}
-	vocab, words, err := wordVocab(tok)
+	out, err := wordVocab(tok)
 	if err != nil {
 		return nil, err
 	}
+	if !out.roundTrip {
+		slog.Warn("sim: a reply sent back as the assistant's turn does not re-tokenize to the ids generated: follow-up turns will not hit the reply's KV blocks",
+			"tokenizer", tok.Name())
+	}
 	if len(cfg.Engine.OutputVocab) == 0 {
-		cfg.Engine.OutputVocab = vocab
+		cfg.Engine.OutputVocab, cfg.Engine.FirstOutputVocab = out.ids, out.first
 	}
 	eng := cfg.Engine.WithDefaults()
 	if cfg.Model == "" {
@@ -269,7 +288,8 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 		cfg:     cfg,
 		eng:     eng,
 		tok:     tok,
-		words:   words,
+		vocab:   eng.Profile.VocabSize,
+		words:   out.words,
 		created: time.Now().Unix(),
 		submit:  make(chan *call),
 		cancel:  make(chan *call),
@@ -278,6 +298,9 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 		done:    make(chan struct{}),
 		pd:      pd,
 		pdReg:   newPDRegistry(pd.MaxWaiters),
+	}
+	if n := tok.VocabSize(); n > 0 {
+		s.vocab = n // vLLM checks ids against its tokenizer's
 	}
 	s.pdReadBody = pdReadBodyLimit(eng.NumBlocks)
 	s.pdClient = newPDClient()
@@ -311,6 +334,11 @@ func buildServer(cfg ServerConfig, index int) (*Server, error) {
 		if s.kvpub, err = kvevents.NewPublisher(kc); err != nil {
 			return nil, fmt.Errorf("sim: %w", err)
 		}
+		pub := s.kvpub
+		s.metrics.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "infergate_sim_kv_event_batches_total",
+			Help:        "Simulator only (not vLLM): KV-event batches queued for publishing (sequence numbers used, dropped ones included); a subscriber that applied as many has every event of the responses delivered so far.",
+			ConstLabels: prometheus.Labels{"model_name": cfg.Model, "engine": "0"}},
+			func() float64 { return float64(pub.NextSeq()) }))
 	}
 	if err := s.startBootstrap(); err != nil {
 		if s.kvpub != nil {
@@ -330,6 +358,10 @@ func (s *Server) Handler() http.Handler { return s.handler }
 
 // Model returns the served model name.
 func (s *Server) Model() string { return s.cfg.Model }
+
+// Tokenizer returns the tokenizer the server renders and tokenizes every
+// prompt with (tokenizer.go).
+func (s *Server) Tokenizer() Tokenizer { return s.tok }
 
 // EngineConfig returns the engine configuration with defaults applied.
 func (s *Server) EngineConfig() sim.Config { return s.eng }
@@ -698,7 +730,7 @@ type genRequest struct {
 
 func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 	var req openai.ChatRequest
-	pd, e := s.decodeGen(w, r, &req)
+	body, pd, e := s.decodeGen(w, r, &req)
 	if e != nil {
 		openai.WriteError(w, e)
 		return
@@ -707,11 +739,16 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 	if req.MaxCompletionTokens != nil {
 		maxTokens = req.MaxCompletionTokens
 	}
+	toks, e := s.chatTokens(body, req.Messages, req.Tools)
+	if e != nil {
+		openai.WriteError(w, e)
+		return
+	}
 	g := genRequest{
 		chat:           true,
 		id:             s.newID("chatcmpl-"),
 		model:          req.Model,
-		tokens:         s.chatTokens(&req),
+		tokens:         toks,
 		maxTokens:      orDefault(maxTokens, DefaultMaxTokens),
 		maxTokensParam: orDefault(maxTokens, 0),
 		stream:         req.Stream,
@@ -728,7 +765,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 	var req openai.CompletionRequest
-	pd, e := s.decodeGen(w, r, &req)
+	body, pd, e := s.decodeGen(w, r, &req)
 	if e != nil {
 		openai.WriteError(w, e)
 		return
@@ -752,10 +789,19 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		pd:             pd,
 	}
 	if len(req.Prompt.Texts) == 1 {
-		g.tokens = s.encode(req.Prompt.Texts[0])
+		var opt templateFields
+		if e := openai.Decode(body, &opt); e != nil {
+			openai.WriteError(w, e)
+			return
+		}
+		// vLLM's CompletionRequest.add_special_tokens defaults to true.
+		if g.tokens, e = s.encode(req.Prompt.Texts[0], opt.AddSpecialTokens == nil || *opt.AddSpecialTokens); e != nil {
+			openai.WriteError(w, e)
+			return
+		}
 	} else {
 		g.tokens = req.Prompt.Tokens[0]
-		if v := s.eng.Profile.VocabSize; v > 0 {
+		if v := s.vocab; v > 0 {
 			for _, t := range g.tokens {
 				if int64(t) >= int64(v) {
 					openai.WriteError(w, openai.Errorf("prompt", fmt.Sprintf("token id %d is out of vocabulary (size %d)", t, v)))
@@ -801,36 +847,89 @@ func (s *Server) decodeRaw(w http.ResponseWriter, r *http.Request, v any) ([]byt
 
 // decodeGen decodes and validates a generation request, and reads its P/D
 // fields (kv_transfer_params, SGLang's bootstrap_*; pd.go).
-func (s *Server) decodeGen(w http.ResponseWriter, r *http.Request, v interface{ Validate() *openai.Error }) (*pdRequest, *openai.Error) {
+func (s *Server) decodeGen(w http.ResponseWriter, r *http.Request, v interface{ Validate() *openai.Error }) ([]byte, *pdRequest, *openai.Error) {
 	body, e := s.decodeRaw(w, r, v)
 	if e != nil {
-		return nil, e
+		return nil, nil, e
 	}
 	if e := v.Validate(); e != nil {
-		return nil, e
+		return nil, nil, e
 	}
-	return parsePD(body, s.pd.Role)
+	pd, e := parsePD(body, s.pd.Role)
+	return body, pd, e
 }
 
 // maxBytesPerToken bounds how much prompt text is tokenized per token of
-// context: English averages about 4 bytes per cl100k token, so text longer
-// than 16 bytes per token of the model's context cannot fit, and tokenizing
-// it in full would only cost memory (BPE needs many times its input).
+// context: English averages about 4 bytes per cl100k token (Llama-3's and
+// Qwen3's alike), so text longer than 16 bytes per token of the model's
+// context cannot fit, and tokenizing it in full would only cost memory.
 const maxBytesPerToken = 16
 
-// encode tokenizes a text prompt. Text too long to fit the context is cut at
-// maxBytesPerToken × MaxModelLen bytes and marked with one extra token past
-// the limit, so check answers the usual context-length error.
-func (s *Server) encode(text string) []uint32 {
-	limit := s.eng.Profile.MaxModelLen
-	if limit <= 0 {
-		return s.tok.Encode(text)
-	}
-	ids, cut := s.tok.EncodePrefix(text, maxBytesPerToken*limit)
-	for cut && len(ids) <= limit {
+// encode tokenizes a text prompt with the server's tokenizer (addSpecial:
+// its BOS, as vLLM's add_special_tokens). Text too long to fit the context
+// is cut at maxBytesPerToken × MaxModelLen bytes (prefix.CutText) and
+// marked with one extra token past the limit, so check answers the usual
+// context-length error. A tokenizer error (a pre-tokenizer pattern out of
+// its match budget) is a 400.
+func (s *Server) encode(text string, addSpecial bool) ([]uint32, *openai.Error) {
+	ids, cut, e := s.encodeCut(text, addSpecial)
+	for cut && len(ids) <= s.eng.Profile.MaxModelLen {
 		ids = append(ids, 0)
 	}
-	return ids
+	return ids, e
+}
+
+// encodeCut is encode without the marker: cut reports that text was cut.
+func (s *Server) encodeCut(text string, addSpecial bool) (ids []uint32, cut bool, e *openai.Error) {
+	if limit := s.eng.Profile.MaxModelLen; limit > 0 {
+		text, cut = prefix.CutText(text, maxBytesPerToken*limit)
+	}
+	ids, err := s.tok.Encode(nil, text, addSpecial)
+	if err != nil {
+		return nil, false, openai.Errorf("prompt", "tokenizing the prompt: "+err.Error())
+	}
+	return ids, cut, nil
+}
+
+// templateFields are the fields of vLLM's chat and tokenize requests that
+// decide how a chat is rendered and a prompt tokenized
+// (vllm/entrypoints/openai/protocol.py, ChatCompletionRequest,
+// TokenizeChatRequest, TokenizeCompletionRequest; commit 00b6063f).
+type templateFields struct {
+	Messages             json.RawMessage `json:"messages"`
+	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`  // default true
+	ContinueFinalMessage bool            `json:"continue_final_message"` // default false
+	AddSpecialTokens     *bool           `json:"add_special_tokens"`     // chat: false; completion: true
+	ChatTemplateKwargs   map[string]any  `json:"chat_template_kwargs"`
+}
+
+// chatTokens renders a chat request (its body, decoded messages and tools)
+// with the server's tokenizer and tokenizes it, without added special
+// tokens unless add_special_tokens (vLLM's default for chats: the template
+// writes them).
+func (s *Server) chatTokens(body []byte, msgs []openai.Message, tools json.RawMessage) ([]uint32, *openai.Error) {
+	if _, ok := s.tok.(cl100k); ok {
+		// The canonical layout reads none of the template fields: no
+		// second decode of the body.
+		return s.promptTokens(ChatPrompt{Messages: msgs, Tools: tools, AddGenerationPrompt: true}, false)
+	}
+	var f templateFields
+	if e := openai.Decode(body, &f); e != nil {
+		return nil, e
+	}
+	c := ChatPrompt{Messages: msgs, RawMessages: f.Messages, Tools: tools, AddGenerationPrompt: f.AddGenerationPrompt == nil || *f.AddGenerationPrompt,
+		ContinueFinalMessage: f.ContinueFinalMessage, Kwargs: f.ChatTemplateKwargs}
+	return s.promptTokens(c, f.AddSpecialTokens != nil && *f.AddSpecialTokens)
+}
+
+// promptTokens renders c with the server's tokenizer and tokenizes it
+// (encode).
+func (s *Server) promptTokens(c ChatPrompt, addSpecial bool) ([]uint32, *openai.Error) {
+	text, err := s.tok.RenderChat(c)
+	if err != nil {
+		return nil, openai.Errorf("messages", err.Error())
+	}
+	return s.encode(text, addSpecial)
 }
 
 // check resolves the requested model to the base model or one of its LoRA

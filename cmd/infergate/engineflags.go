@@ -23,6 +23,7 @@ type engineFlags struct {
 	kvEvents  string
 	apiKeys   []string
 	store     bool
+	tokenizer string
 	engine    sim.Config
 }
 
@@ -34,6 +35,7 @@ func (e *engineFlags) register(f *pflag.FlagSet, tuning bool, kvHelp string) {
 	f.Float64Var(&e.timeScale, "time-scale", 1, "simulated seconds per wall-clock second")
 	f.StringVar(&e.profFile, "profile-file", "", "engine profile from a YAML file (overrides --profile; see sim/profiles/)")
 	f.StringVar(&e.kvEvents, "kv-events-config", "", kvHelp)
+	f.StringVar(&e.tokenizer, "tokenizer", "", "the model's own Hugging Face tokenizer: a tokenizer.json, or a folder with it and tokenizer_config.json (chat template); the engines render and tokenize prompts with it as vLLM does (default: the --profile-file's tokenizer key, else cl100k_base with a canonical Llama-3 chat layout)")
 	f.BoolVar(&e.store, "responses-store", os.Getenv("VLLM_ENABLE_RESPONSES_API_STORE") == "1",
 		"keep Responses API responses for previous_response_id (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1, the default when that is set)")
 	if tuning {
@@ -69,7 +71,12 @@ func (e *engineFlags) serverConfig() (simserver.ServerConfig, error) {
 	if model == "" {
 		model = prof.Model
 	}
-	return simserver.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv, APIKeys: e.apiKeys, ResponsesStore: e.store}, nil
+	tok := e.tokenizer
+	if tok == "" {
+		tok = prof.Tokenizer // --profile-file's tokenizer: key
+	}
+	return simserver.ServerConfig{Engine: ecfg, Model: model, TimeScale: e.timeScale, KVEvents: kv, APIKeys: e.apiKeys, ResponsesStore: e.store,
+		Tokenizer: tok}, nil
 }
 
 // resolveProfile returns the profile from file if given, else the built-in
@@ -125,4 +132,19 @@ func (t *tierFlags) register(f *pflag.FlagSet) {
 func (t *tierFlags) engine(c sim.Config) sim.Config {
 	c.Tiers.Host, c.Tiers.Disk = t.host, t.disk
 	return c
+}
+
+// gatewayTokenizers is the gateway's tokenizers: configuration for a fleet
+// of simulated engines that tokenize with path: every model they serve
+// (the base model and its LoRA adapters) routes on the engines' own token
+// ids; nil for the engines' default (cl100k, the gateway's fallback too).
+func gatewayTokenizers(path string, models ...string) map[string]string {
+	if path == "" {
+		return nil
+	}
+	m := make(map[string]string, len(models))
+	for _, model := range models {
+		m[model] = path
+	}
+	return m
 }

@@ -273,10 +273,12 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 	// keys read from the keys file and the environment at start and
 	// at every SIGHUP.
 	load := func() (gateway.Config, error) {
-		cfg := gateway.Config{Listen: fl.listen, Routing: sched.Config{Policy: fl.policy}, ShutdownGrace: fl.grace}
+		cfg := gateway.Config{Listen: fl.listen, Routing: sched.Config{Policy: fl.policy}, ShutdownGrace: fl.grace,
+			Tokenizers: gatewayTokenizers(scfg.Tokenizer, model)}
 		// The base model only: the gateway finds the engines' LoRA
 		// adapters (--lora-modules) in their GET /v1/models and routes
-		// them through the base model's pool (gateway/adapters.go).
+		// them through the base model's pool (gateway/adapters.go), which
+		// tokenizes them with the base model's tokenizer.
 		cfg.Endpoints = append(cfg.Endpoints, bench.FleetEndpoints(fleet, model)...)
 		bench.FleetTiers(fleet, &cfg)
 		if err := pd.apply(&cfg, fleet, fl.pdThreshold); err != nil {
@@ -319,6 +321,9 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 				}
 				fmt.Fprintf(out, "  P/D: %d prefill + %d decode engines, connector %s, prompts with %d+ uncached tokens split%s\n",
 					pd.prefill, pd.decode, pd.connector, threshold, extra)
+			}
+			if scfg.Tokenizer != "" {
+				fmt.Fprintf(out, "  tokenizer: %s (the engines' and the gateway's routing)\n", scfg.Tokenizer)
 			}
 			if t := fl.tiers; !t.host.IsZero() || !t.disk.IsZero() || !t.remote.IsZero() {
 				fmt.Fprintf(out, "  KV tiers: host %s, disk %s each; shared remote %s\n", t.host, t.disk, t.remote)

@@ -232,7 +232,7 @@ func (fl *upFlags) runElastic(cmd *cobra.Command, scfg simserver.ServerConfig) e
 	}
 	load := func() (gateway.Config, error) {
 		cfg := gateway.Config{Listen: fl.listen, Routing: sched.Config{Policy: fl.policy}, ShutdownGrace: fl.grace,
-			HealthCheckInterval: elasticHealth}
+			HealthCheckInterval: elasticHealth, Tokenizers: gatewayTokenizers(scfg.Tokenizer, model)}
 		for _, u := range fleet.URLs {
 			cfg.Endpoints = append(cfg.Endpoints, gateway.EndpointConfig{URL: u, Model: model, Kind: kinds.Sim,
 				KVBlocks: eng.NumBlocks, BlockSize: eng.BlockSize, MaxModelLen: eng.Profile.MaxModelLen})
@@ -268,6 +268,9 @@ func (fl *upFlags) runElastic(cmd *cobra.Command, scfg simserver.ServerConfig) e
 			fmt.Fprintf(out, "  cold start: %.1fs modelled (image pull %.1fs, weights %.1fs from %s at %.1f GB/s, warm-up %.1fs), %s wall at %gx\n",
 				ph.Total().Seconds(), ph.ImagePull.Seconds(), ph.WeightsLoad.Seconds(), src, ph.ReadBandwidth/1e9, ph.WarmUp.Seconds(),
 				wallStart.Round(time.Millisecond), scfg.TimeScale)
+			if scfg.Tokenizer != "" {
+				fmt.Fprintf(out, "  tokenizer: %s (the engines' and the gateway's routing)\n", scfg.Tokenizer)
+			}
 			fmt.Fprintf(out, "  requests held up to %s while no engine is ready; autoscaling %s, a decision every %s (infergate_autoscale_* in /metrics)\n",
 				hold, policy.Policy, policy.Interval)
 			for i, u := range fleet.URLs {
