@@ -471,14 +471,16 @@ func BenchmarkDecision64x1M(b *testing.B) {
 	}
 }
 
-// BenchmarkDecision1000 is one decision among 1,000 endpoints for the
-// policies a pool that large can run: those without a prefix index (the
-// approximate and precise indexes track at most prefix.MaxEndpoints, 64,
-// endpoints; gateway/README.md "Endpoint picker"), on a 12k-token prompt
-// with varied load. load-profile is a weighted profile of load scorers
-// (hot-spot filter, cost ×1, queue ×1, max-score).
+// BenchmarkDecision1000 is one decision among 1,000 endpoints, on a
+// 12k-token prompt with varied load: the policies without a prefix index
+// (load-profile is a weighted profile of load scorers: hot-spot filter,
+// cost ×1, queue ×1, max-score), and cache-aware, whose approximate index
+// holds 1,000,000 blocks (1,000 per endpoint; 16 groups of owners tables,
+// prefix.Index) with every endpoint holding the prompt's first 2,000 tokens
+// and one endpoint all of it, as BenchmarkDecision64x1M. The precise index
+// still tracks at most prefix.MaxEndpoints (64) endpoints.
 func BenchmarkDecision1000(b *testing.B) {
-	const n = 1000
+	const n, perEndpoint = 1000, 1_000_000 / 1000
 	eps := ready(n)
 	for i := range eps {
 		eps[i].InFlight = i % 5
@@ -504,6 +506,49 @@ func BenchmarkDecision1000(b *testing.B) {
 		b.Run(tc.name, func(b *testing.B) {
 			p := newProfileT(b, tc.cfg, Pool{Capacity: caps(n, 100000)})
 			benchPicks(b, p, learnOff, func(i int) { p.Pick(reqs[i%len(reqs)], eps) })
+		})
+	}
+	var ix *prefix.Index // built by the first cache-aware case
+	for _, tc := range []struct {
+		name  string
+		learn learnMode
+	}{
+		{"cache-aware/decide", learnOff},
+		{"cache-aware/pick", learnQueued},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			if ix == nil {
+				ix, _ = prefix.NewIndex(caps(n, perEndpoint))
+				for e := range n {
+					// Fill each endpoint with distinct 750-block prompts.
+					for k := 0; k < perEndpoint/750+1; k++ {
+						ix.Insert(e, prefix.Hashes(nil, tokens(12000, uint32(e*1000+k)*20000+1_000_000_000), 16, 0))
+					}
+				}
+				for i, r := range reqs {
+					for e := range n {
+						ix.Insert(e, r.Hashes[:125])
+					}
+					ix.Insert(i*n/len(reqs), r.Hashes)
+				}
+				b.Logf("approximate index: %d blocks on endpoint 0, %d on endpoint %d", ix.Len(0), ix.Len(n-1), n-1)
+			}
+			p := newProfileT(b, Config{Policy: CacheAware}, Pool{Capacity: caps(n, perEndpoint)})
+			for _, ws := range p.scorers {
+				if ps, ok := ws.Scorer.(*prefixScorer); ok {
+					ps.ix, p.approx, p.match = ix, ix, ix
+				}
+			}
+			if tc.learn == learnOff {
+				p.learners = nil
+			}
+			benchPicks(b, p, tc.learn, func(i int) {
+				r := reqs[i%len(reqs)]
+				if d := p.Pick(r, eps); d.MatchedBlocks < 125 {
+					b.Fatalf("request %d: matched %d blocks at endpoint %d", i%len(reqs), d.MatchedBlocks, d.Endpoint)
+				}
+			})
+			ix.Settle()
 		})
 	}
 }
