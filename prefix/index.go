@@ -37,9 +37,9 @@ const MaxIndexEndpoints = 1 << 14
 // its own Robin Hood table of 8-byte slots (32-bit tag, node number; at most
 // 7/8 full); Inserts share pooled update scratch (9 KiB per concurrent writer).
 // TestIndexBytesPerBlock measures 66 bytes per (endpoint, block) entry for
-// 200,000 blocks on one endpoint (24 node, 10.5 LRU slot, 31.5 owners slot)
-// and 71 for the same blocks spread over 64 endpoints, and holds both under
-// 80. Since tables double, the cost of a full LRU at other sizes ranges from
+// 200,000 blocks on one endpoint (24 node, 10.5 LRU slot, 31.5 owners slot),
+// 68.3 for the same blocks spread over 64 endpoints and 68.4 over 1,000, and
+// holds each under 80. Since tables double, the cost of a full LRU at other sizes ranges from
 // about 61 to 97 bytes (the tables between 7/16 and 7/8 full); a block held
 // by several endpoints pays the owners slot once.
 // Memory is bounded by the capacities: an endpoint's LRU never exceeds its
@@ -101,7 +101,7 @@ const MaxIndexEndpoints = 1 << 14
 // e/64, and every group has its own 64 shards of owners tables and its own
 // LRUs. A pool of at most 64 endpoints is one group, exactly the layout
 // above. In a larger pool a block held by endpoints of k groups has k owners
-// entries (24 bytes each; TestIndexBytesPerBlock1000 measures the whole),
+// entries (24 bytes each; TestIndexBytesPerBlock measures 1,000 endpoints),
 // Insert, Clear and SetCapacity touch only their endpoint's group, and
 // Match bisects every group whose owners hold the prompt's first block
 // (one lookup for the others) and verifies the digests of all groups in
