@@ -208,6 +208,8 @@ func (ix *Index) match(hashes []uint64, matched []int) {
 		return
 	}
 	var d *prefixDigests
+	var hints [maxHints]int
+	nh := 0
 	for gi := range ix.groups {
 		lo := gi * MaxEndpoints
 		if lo >= n {
@@ -215,9 +217,15 @@ func (ix *Index) match(hashes []uint64, matched []int) {
 		}
 		hi := min(n, lo+MaxEndpoints)
 		g := &ix.groups[gi]
-		s := bisection{hashes: hashes, matched: matched[lo:hi]}
+		s := bisection{hashes: hashes, matched: matched[lo:hi], hints: hints[:nh]}
 		if !g.bisect(&s) {
 			continue
+		}
+		if nh == 0 && s.nchecks <= maxHints {
+			for _, c := range s.checks[:s.nchecks] {
+				hints[nh] = c.pos
+				nh++
+			}
 		}
 		if d == nil {
 			d = digestPool.Get().(*prefixDigests)
@@ -297,6 +305,32 @@ type bisection struct {
 	// reported length and the digest its owners entry had when read.
 	checks  [MaxEndpoints]check
 	nchecks int
+	// hints are ends found in an earlier group of the same Match
+	// (increasing; nil for a pool of one group).
+	hints []int
+}
+
+// maxHints is the most ends of an earlier group a Match passes on as hints:
+// a few (a shared system prompt's end, the prompt's end) save most lookups;
+// many different ends (every endpoint its own length) are no pattern, and a
+// cut at a hint that is not this group's boundary costs up to two lookups.
+const maxHints = 4
+
+// mid is where split cuts (lo, hi): at a hinted end h, or just after it,
+// when one lies inside (a boundary an earlier group of the same Match found:
+// its endpoints left the prompt there, as a shared system prompt's end, so
+// this group's likely do too, and cutting at h and h+1 settles it in two
+// lookups), else halfway. Any cut inside gives the same answer.
+func (s *bisection) mid(lo, hi int) int {
+	for _, h := range s.hints {
+		switch {
+		case h > lo && h < hi:
+			return h
+		case h+1 > lo && h+1 < hi:
+			return h + 1
+		}
+	}
+	return lo + (hi-lo)/2
 }
 
 type check struct {
@@ -329,7 +363,7 @@ func (s *bisection) split(g *group, lo int, mlo, dlo uint64, hi int, mhi uint64)
 				s.end(lo, mlo&^mhi, dlo)
 				break
 			}
-			mid := lo + (hi-lo)/2
+			mid := s.mid(lo, hi)
 			raw, d := g.lookup(s.hashes[mid])
 			mm := raw&mlo | mhi
 			stack[n] = span{mid, mm, d, hi, mhi} // settle [mid, hi] after [lo, mid]
