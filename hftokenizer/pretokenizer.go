@@ -281,11 +281,13 @@ func scanOne(text string, i, maxDigits int) int {
 // that starts at i, given scanOne's end e (maxDigits 3). tiktoken-go runs
 // the pattern through regexp2's generated matcher (codec/regexp.gen.go,
 // splitRegexp_3_Execute), which differs from the pattern's meaning, and from
-// regexp2's interpreter, in two places:
+// regexp2's interpreter, in two places here and a third in
+// Tokenizer.appendTiktokenGo (its matcher puts DEL, U+007F, in none of the sets,
+// so it is dropped and ends the pre-token before it):
 //
 //   - `\s*[\r\n]+` backtracks its `\s*` to the *first* `\r` or `\n` of the
-//     whitespace run (helpers.IndexOfAny2 where .NET's generator searches
-//     from the end), so the pre-token ends after the first run of
+//     whitespace run (helpers.IndexOfAny2, where backtracking gives the run
+//     back from its end), so the pre-token ends after the first run of
 //     consecutive `\r`/`\n`, not the last: " \n  \n    #" is " \n", "  \n",
 //     "   ", " #" (the pattern: " \n  \n", "   ", " #").
 //   - `(?i:'s|'t|…)` is the set [STstſ] after the apostrophe: "'ſ" (U+017F,

@@ -11,7 +11,8 @@ import (
 // tiktoken-go's embedded tables), and pattern is the encoding's
 // pre-tokenizer regex (matches and the text between them are words, as a
 // `Split` with `"behavior": "Isolated"`; cl100k_base's is Llama-3's and runs
-// on the allocation-free scanner). There is no normalizer, no added token
+// on the allocation-free scanner, and TiktokenGoCl100k is that pattern as
+// tiktoken-go matches it). There is no normalizer, no added token
 // and no post-processor: Encode's addSpecial adds nothing, and special
 // tokens in the text are encoded as text, as tiktoken's encode_ordinary.
 //
