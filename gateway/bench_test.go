@@ -3,6 +3,7 @@ package gateway
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -85,6 +86,10 @@ func BenchmarkRequestPath(b *testing.B) {
 		{"completion-stream-8-events/prefix", sched.Prefix, pathCompletions, compStream, true, compSSE.String(), nil},
 		{"completion-token-ids/prefix", sched.Prefix, pathCompletions, tokenPrompt(1024, 32, 1), false, "", nil},
 		{"chat/prefix", sched.Prefix, pathChat, chat, false, "", nil},
+		// One pool of 1,000 endpoints (the approximate index's 16 groups;
+		// the same chat, so its prefix is held by the endpoint it went to).
+		{"chat/cache-aware/1000-endpoints", sched.CacheAware, pathChat, chat, false, "", nil},
+		{"completion-token-ids/cache-aware/1000-endpoints", sched.CacheAware, pathCompletions, tokenPrompt(1024, 32, 1), false, "", nil},
 		{"chat/round-robin", sched.RoundRobin, pathChat, chat, false, "", nil},
 		{"chat/precise-prefix", sched.PrecisePrefix, pathChat, chat, false, "", nil},
 		// A LoRA adapter of m (adapters.go): its base model's pool, the
@@ -112,8 +117,12 @@ func BenchmarkRequestPath(b *testing.B) {
 			// Nothing is sent to the endpoints' addresses (never dialled:
 			// no probe, no scrape, no start-up or model list read).
 			cfg.HealthCheckPath, cfg.ScrapeInterval, cfg.ModelsRefreshInterval = healthCheckOff, -1, -1
-			for i := range 4 {
-				cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: "http://10.0.0." + string(rune('1'+i)) + ":8000", Model: "m",
+			n := 4
+			if strings.HasSuffix(tc.name, "/1000-endpoints") {
+				n = 1000
+			}
+			for i := range n {
+				cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{URL: fmt.Sprintf("http://10.0.%d.%d:8000", (i+1)>>8, (i+1)&255), Model: "m",
 					KVBlocks: 100000, MaxModelLen: DefaultMaxModelLen})
 				if strings.HasSuffix(tc.name, "/credentials") {
 					cfg.Endpoints[i].APIKey = "sk-bench-0123456789abcdef"

@@ -336,7 +336,8 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 		p.endpoints = slices.Clone(eps)
 	} else {
 		p.gate, p.budget = old.gate, old.budget
-		p.endpoints, forget = reslotted(old.endpoints, eps)
+		limit, _ := slotLimit(cfg.Routing)
+		p.endpoints, forget = reslotted(old.endpoints, eps, limit)
 	}
 	reslot := func(i int) bool { return slices.Contains(forget, i) }
 	live, pcap, mcap := p.size(specOf, st)
@@ -452,8 +453,10 @@ func ggufDialect(eps []*endpoint, specOf func(*endpoint) *endpointSpec) string {
 // endpoint keeps its own slot; the new ones take the free ones first
 // (forgotten first), then new slots; trailing vacant slots are dropped. It
 // also returns the sorted slots whose endpoint changed (to be forgotten by
-// the index and the policy).
-func reslotted(olds, eps []*endpoint) (slots []*endpoint, forget []int) {
+// the index and the policy). Past limit slots (slotLimit: only a policy
+// without per-slot state gets there) the vacant slots are removed and the
+// endpoints renumbered.
+func reslotted(olds, eps []*endpoint, limit int) (slots []*endpoint, forget []int) {
 	slots = slices.Clone(olds)
 	stays := map[*endpoint]bool{}
 	for _, ep := range eps {
@@ -487,7 +490,7 @@ func reslotted(olds, eps []*endpoint) (slots []*endpoint, forget []int) {
 	for len(slots) > 0 && slots[len(slots)-1] == vacant {
 		slots = slots[:len(slots)-1]
 	}
-	if len(slots) > prefix.MaxEndpoints {
+	if len(slots) > limit {
 		// Only a policy without per-slot state serves this many
 		// (Validate): the slots may be renumbered.
 		slots = slices.DeleteFunc(slots, func(ep *endpoint) bool { return ep == vacant })
@@ -675,15 +678,18 @@ func sameTiers(a, b *sched.Tiers) bool {
 // buildPolicy gives p its routing policy: old's, kept unless routing
 // changed or it scores with a precise index that is not the one it was
 // built with (its changed slots forgotten or resized through pl); else a
-// new one with prefix.MaxEndpoints slots, so that endpoints added later
-// take free ones without a rebuild.
+// new one with n slots rounded up to a multiple of prefix.MaxEndpoints (at
+// least 64), so that endpoints added later take free ones without a
+// rebuild.
 func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool, reslot func(int) bool, pl *plan) error {
 	n := len(p.endpoints)
 	keep := old != nil && !routingChanged && n <= old.policySlots &&
 		(p.precise == old.precise || !sched.UsesPrecise(routing)) && sameTiers(p.tiers, old.tiers) &&
 		(p.roles != nil) == (old.pd != nil)
 	if !keep {
-		p.policySlots = max(n, prefix.MaxEndpoints)
+		// Whole groups of the approximate index (prefix.Index), so that
+		// endpoints added later take free slots without a rebuild.
+		p.policySlots = max((n+prefix.MaxEndpoints-1)/prefix.MaxEndpoints*prefix.MaxEndpoints, prefix.MaxEndpoints)
 		capacity := make([]int, p.policySlots)
 		for i := range capacity {
 			capacity[i] = 1

@@ -606,8 +606,8 @@ func (c Config) Validate() error {
 
 // validateEndpoints checks every entry of Endpoints (EndpointConfig.validate)
 // and what the entries must agree on: no URL twice for a model, one URL's
-// entries with the same KV shape and credentials, at most
-// prefix.MaxEndpoints per model for a policy with per-endpoint state.
+// entries with the same KV shape and credentials, at most slotLimit
+// endpoints per model for a policy with per-endpoint state.
 func (c Config) validateEndpoints() []error {
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
@@ -641,14 +641,31 @@ func (c Config) validateEndpoints() []error {
 			bad("%s: endpoint %s is listed again with different api_key, api_key_env, api_key_header or headers", at, base)
 		}
 	}
-	if c.Routing.Policy != sched.RoundRobin && c.Routing.Policy != sched.LeastRequest && c.Routing.Policy != sched.Random {
+	if limit, stateful := slotLimit(c.Routing); stateful {
 		for m, n := range perModel {
-			if n > prefix.MaxEndpoints {
-				bad("model %q: %d endpoints, the %s policy supports at most %d per model", m, n, c.Routing.Policy, prefix.MaxEndpoints)
+			if n > limit {
+				bad("model %q: %d endpoints, the %s policy supports at most %d per model", m, n, c.Routing.Policy, limit)
 			}
 		}
 	}
 	return errs
+}
+
+// slotLimit is the most endpoints a pool of routing's policy may have and
+// whether the policy keeps per-endpoint state (slots; reslotted): a policy
+// reading the precise index, prefix.MaxEndpoints (64: its owners masks);
+// any other stateful policy (the approximate index, a session table, the
+// peers' own indexes), prefix.MaxIndexEndpoints; round-robin,
+// least-request and random keep none (any number; reslotted renumbers
+// their slots past prefix.MaxEndpoints).
+func slotLimit(routing sched.Config) (int, bool) {
+	switch {
+	case routing.Policy == sched.RoundRobin || routing.Policy == sched.LeastRequest || routing.Policy == sched.Random:
+		return prefix.MaxEndpoints, false
+	case sched.UsesPrecise(routing):
+		return prefix.MaxEndpoints, true
+	}
+	return prefix.MaxIndexEndpoints, true
 }
 
 // validate checks one entry of Endpoints, at (its path in errors), for the

@@ -23,10 +23,11 @@ import (
 // therefore recognised and run by a hand-written scanner (scanFamily) that
 // allocates nothing and is checked against regexp2 by FuzzScannerMatchesRegexp.
 type splitter struct {
-	re        *regexp2.Regexp // nil: no regex (split nothing)
-	fast      bool            // run scanFamily instead of re
-	maxDigits int             // scanFamily: \p{N}{1,maxDigits}; 0 = \p{N}+
-	keep      keepMode        // which pieces become words
+	re         *regexp2.Regexp // nil: no regex (split nothing)
+	fast       bool            // run scanFamily instead of re
+	maxDigits  int             // scanFamily: \p{N}{1,maxDigits}; 0 = \p{N}+
+	tiktokenGo bool            // scanFamily with tiktokenGoEnd's two differences (FromRanks, TiktokenGoCl100k)
+	keep       keepMode        // which pieces become words
 }
 
 // keepMode is what a Split keeps of its text: the matches and the text
@@ -50,6 +51,11 @@ const (
 	gpt2Pattern = `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`
 )
 
+// TiktokenGoCl100k, given to FromRanks as the pattern, is cl100k_base's
+// pattern (llama3Pattern) as tiktoken-go v0.10.0 matches it, which differs
+// from the pattern in two places (tiktokenGoEnd). Only the scanner runs it.
+const TiktokenGoCl100k = "tiktoken-go:cl100k_base"
+
 // RegexTimeout bounds one regexp2 scan of a pre-tokenizer pattern that the
 // scanner does not cover (a safety net against pathological backtracking on
 // hostile input): past it Encode returns ErrRegexTimeout.
@@ -67,6 +73,9 @@ func newSplitter(pattern string, allowFast bool) (*splitter, error) {
 			s.fast, s.maxDigits = true, 3
 		case qwen2Pattern:
 			s.fast, s.maxDigits = true, 1
+		case TiktokenGoCl100k:
+			s.fast, s.maxDigits, s.tiktokenGo = true, 3, true
+			pattern = llama3Pattern
 		}
 	}
 	re, err := regexp2.Compile(pattern, regexp2.None)
@@ -266,6 +275,54 @@ func scanOne(text string, i, maxDigits int) int {
 	}
 	// \s+
 	return runEnd
+}
+
+// tiktokenGoEnd is where tiktoken-go v0.10.0 ends the cl100k_base pre-token
+// that starts at i, given scanOne's end e (maxDigits 3). tiktoken-go runs
+// the pattern through regexp2's generated matcher (codec/regexp.gen.go,
+// splitRegexp_3_Execute), which differs from the pattern's meaning, and from
+// regexp2's interpreter, in two places here and a third in
+// Tokenizer.appendTiktokenGo (its matcher puts DEL, U+007F, in none of the sets,
+// so it is dropped and ends the pre-token before it):
+//
+//   - `\s*[\r\n]+` backtracks its `\s*` to the *first* `\r` or `\n` of the
+//     whitespace run (helpers.IndexOfAny2, where backtracking gives the run
+//     back from its end), so the pre-token ends after the first run of
+//     consecutive `\r`/`\n`, not the last: " \n  \n    #" is " \n", "  \n",
+//     "   ", " #" (the pattern: " \n  \n", "   ", " #").
+//   - `(?i:'s|'t|…)` is the set [STstſ] after the apostrophe: "'ſ" (U+017F,
+//     which folds to s) is a contraction.
+//
+// The ids the gateway and the simulator hash have been tiktoken-go's, so
+// the cl100k_base tokenizer keeps them (prefix.Tokenizer).
+func tiktokenGoEnd(text string, i, e int) int {
+	if text[i] == '\'' && i+2 < len(text) && text[i+1] == 0xC5 && text[i+2] == 0xBF {
+		return i + 3 // 'ſ
+	}
+	j := i
+	for ; j < e; j++ {
+		c := text[j]
+		if c == '\r' || c == '\n' {
+			break
+		}
+	}
+	if j == e {
+		return e // no newline in the pre-token
+	}
+	// A newline in the pre-token: it is `\s*[\r\n]+` if the pre-token is
+	// all whitespace (the other alternatives hold a letter, a digit or a
+	// symbol before any newline they end with).
+	for k := i; k < j; {
+		if c, w := classAt(text, k); c != clSpace {
+			return e
+		} else {
+			k += w
+		}
+	}
+	for j < e && (text[j] == '\r' || text[j] == '\n') {
+		j++
+	}
+	return j
 }
 
 func scanWhile(text string, j int, want class) int {

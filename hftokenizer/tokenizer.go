@@ -548,6 +548,9 @@ func (t *Tokenizer) appendPre(dst []uint32, text string, k int) ([]uint32, error
 	}
 	if st.split.fast {
 		for i := 0; i < len(text); {
+			if st.split.tiktokenGo {
+				return t.appendTiktokenGo(dst, text, k)
+			}
 			e := scanOne(text, i, st.split.maxDigits)
 			if dst, err = t.appendPre(dst, prefixSpace(text[i:e], st.addPrefixSpace), k+1); err != nil {
 				return dst, err
@@ -582,6 +585,50 @@ func (t *Tokenizer) appendPre(dst []uint32, text string, k int) ([]uint32, error
 		dst, err = t.appendPre(dst, prefixSpace(text[prev:], st.addPrefixSpace), k+1)
 	}
 	return dst, err
+}
+
+// appendTiktokenGo is appendPre's split for TiktokenGoCl100k: the text
+// between DEL bytes (U+007F, which tiktoken-go's matcher drops: no set of
+// its pattern holds it) cut as scanOne and tiktokenGoEnd cut it, a
+// whitespace run before a DEL ending as before a non-space (the pattern's
+// `\s+(?!\S)`).
+func (t *Tokenizer) appendTiktokenGo(dst []uint32, text string, k int) ([]uint32, error) {
+	var err error
+	for len(text) > 0 {
+		seg, rest, del := strings.Cut(text, "\x7f")
+		for i := 0; i < len(seg); {
+			e := tiktokenGoEnd(seg, i, scanOne(seg, i, 3))
+			if del && e == len(seg) {
+				e = beforeNonSpace(seg, i)
+			}
+			if dst, err = t.appendPre(dst, seg[i:e], k+1); err != nil {
+				return dst, err
+			}
+			i = e
+		}
+		text = rest
+	}
+	return dst, nil
+}
+
+// beforeNonSpace is where the pre-token at i of seg ends when a non-space
+// that no alternative matches follows seg: a run of spaces without a
+// newline keeps all but its last rune for `\s+(?!\S)` (the last rune is
+// then a pre-token of its own, `\s+`); any other pre-token ends as at the
+// end of the text.
+func beforeNonSpace(seg string, i int) int {
+	for k := i; k < len(seg); {
+		c, w := classAt(seg, k)
+		if c != clSpace {
+			return len(seg)
+		}
+		k += w
+	}
+	_, lw := utf8.DecodeLastRuneInString(seg[i:])
+	if len(seg)-lw > i {
+		return len(seg) - lw
+	}
+	return len(seg)
 }
 
 // prefixSpace is the ByteLevel pre-tokenizer's add_prefix_space: a space

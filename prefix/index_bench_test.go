@@ -17,14 +17,18 @@ const (
 	benchBlocks    = benchTokens / DefaultBlockSize
 )
 
-// fixture1M is a filled 64x1M index plus the prompts the benchmarks use.
+// fixture1M is a filled index of about 1,000,000 blocks over n endpoints
+// (64, or 1,000 for the 1000x1M benchmarks) plus the prompts the benchmarks
+// use.
 type fixture1M struct {
 	ix *Index
+	n  int
 	// typical: every endpoint holds its first 125 blocks (a shared system
 	// prompt), endpoints 1-3 hold 400, endpoint 0 holds all 750.
 	typical []uint64
-	// staggered: endpoint e holds its first 750*(e+1)/64 blocks, so every
-	// endpoint has a different match length (the worst case for bisection).
+	// staggered: endpoint e holds its first 750*(e+1)/n blocks, so every
+	// endpoint has a different match length (the worst case for bisection;
+	// at 1,000 endpoints, 750 lengths).
 	staggered []uint64
 	// filler are the prompts that fill the endpoints and are still held
 	// (whole or, if partly evicted, a head) by one endpoint; cycling them
@@ -48,27 +52,34 @@ func benchPrompt(start uint32) []uint64 {
 
 // getFixture1M returns the 64x1M fixture called name, building it on first use.
 func getFixture1M(b *testing.B, name string) *fixture1M {
+	return getFixture(b, name, benchEndpoints)
+}
+
+// getFixture returns the fixture called name of n endpoints holding about
+// 1,000,000 blocks in all, building it on first use.
+func getFixture(b *testing.B, name string, n int) *fixture1M {
 	b.Helper()
 	if f, ok := fixtures.Load(name); ok {
 		return f.(*fixture1M)
 	}
-	caps := make([]int, benchEndpoints)
+	perEP := 1_000_000 / n
+	caps := make([]int, n)
 	for i := range caps {
-		caps[i] = benchPerEP
+		caps[i] = perEP
 	}
 	ix, err := NewIndex(caps)
 	if err != nil {
 		b.Fatal(err)
 	}
-	f := &fixture1M{ix: ix}
+	f := &fixture1M{ix: ix, n: n}
 	start := uint32(1_000_000_000)
 	fresh := func() []uint64 {
 		start += 20_000
 		return benchPrompt(start)
 	}
 	// Fill every endpoint with distinct prompts (21*750 > 15,625).
-	for e := range benchEndpoints {
-		for range benchPerEP/benchBlocks + 1 {
+	for e := range n {
+		for range perEP/benchBlocks + 1 {
 			p := fresh()
 			ix.Insert(e, p)
 			f.filler = append(f.filler, p)
@@ -76,7 +87,7 @@ func getFixture1M(b *testing.B, name string) *fixture1M {
 	}
 	head := seq(2000, 7) // shared system prompt: 125 blocks
 	f.typical = Hashes(nil, append(head, seq(benchTokens-2000, 3_000_000_000)...), DefaultBlockSize, 0)
-	for e := range benchEndpoints {
+	for e := range n {
 		ix.Insert(e, f.typical[:125])
 	}
 	for e := 1; e < 4; e++ {
@@ -84,10 +95,13 @@ func getFixture1M(b *testing.B, name string) *fixture1M {
 	}
 	ix.Insert(0, f.typical)
 	f.staggered = fresh()
-	for e := range benchEndpoints {
-		ix.Insert(e, f.staggered[:benchBlocks*(e+1)/benchEndpoints])
+	for e := range n {
+		ix.Insert(e, f.staggered[:benchBlocks*(e+1)/n])
 	}
 	for range 8 {
+		if perEP < 10*benchBlocks {
+			break // endpoint 0 could not hold them beside typical
+		}
 		p := fresh()
 		ix.Insert(0, p)
 		f.hit = append(f.hit, p)
@@ -96,7 +110,7 @@ func getFixture1M(b *testing.B, name string) *fixture1M {
 		f.miss = append(f.miss, fresh())
 	}
 	// Keep the fillers that are still (partly) held.
-	m := make([]int, benchEndpoints)
+	m := make([]int, n)
 	f.filler = slices.DeleteFunc(f.filler, func(p []uint64) bool {
 		ix.Match(p, m)
 		return slices.Max(m) == 0
@@ -105,9 +119,9 @@ func getFixture1M(b *testing.B, name string) *fixture1M {
 	return f
 }
 
-// timeOps runs op b.N times, timing each call, and reports the 99th
-// percentile latency of the first 65,536 calls as p99-ns besides ns/op and
-// allocs/op. The samples buffer is allocated before the timer starts.
+// timeOps runs op b.N times, timing each call, and reports the median and
+// 99th percentile latency of the first 65,536 calls as p50-ns and p99-ns
+// besides ns/op and allocs/op. The samples buffer is allocated before the timer starts.
 func timeOps(b *testing.B, op func()) {
 	samples := make([]time.Duration, 0, 1<<16)
 	op()
@@ -123,6 +137,7 @@ func timeOps(b *testing.B, op func()) {
 	b.StopTimer()
 	slices.Sort(samples)
 	if len(samples) > 0 {
+		b.ReportMetric(float64(samples[len(samples)/2]), "p50-ns")
 		b.ReportMetric(float64(samples[len(samples)*99/100]), "p99-ns")
 	}
 }
@@ -131,11 +146,22 @@ func timeOps(b *testing.B, op func()) {
 // Match of a 12k-token prompt (750 blocks) against 64 endpoints holding
 // about 1,000,000 blocks in all.
 func BenchmarkIndexMatch64x1M(b *testing.B) {
-	f := getFixture1M(b, "match")
-	m := make([]int, benchEndpoints)
+	benchMatch(b, getFixture1M(b, "match"))
+}
+
+// BenchmarkIndexMatch1000x1M is BenchmarkIndexMatch64x1M with 1,000
+// endpoints of 1,000 blocks each (16 groups of owners tables); staggered has
+// 750 different match lengths.
+func BenchmarkIndexMatch1000x1M(b *testing.B) {
+	benchMatch(b, getFixture(b, "match1000", 1000))
+}
+
+func benchMatch(b *testing.B, f *fixture1M) {
+	n := f.n
+	m := make([]int, n)
 	b.Run("typical", func(b *testing.B) {
 		timeOps(b, func() { f.ix.Match(f.typical, m) })
-		if m[0] != benchBlocks || m[1] != 400 || m[63] != 125 {
+		if m[0] != benchBlocks || m[1] != 400 || m[n-1] != 125 {
 			b.Fatalf("typical match %v", m)
 		}
 	})
@@ -151,8 +177,8 @@ func BenchmarkIndexMatch64x1M(b *testing.B) {
 	})
 	b.Run("staggered", func(b *testing.B) {
 		timeOps(b, func() { f.ix.Match(f.staggered, m) })
-		for e := range benchEndpoints {
-			if want := benchBlocks * (e + 1) / benchEndpoints; m[e] != want {
+		for e := range n {
+			if want := benchBlocks * (e + 1) / n; m[e] != want {
 				b.Fatalf("staggered: endpoint %d matched %d, want %d", e, m[e], want)
 			}
 		}

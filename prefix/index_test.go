@@ -88,7 +88,7 @@ func TestIndexEvictionKeepsOtherOwners(t *testing.T) {
 }
 
 func TestIndexTooManyEndpoints(t *testing.T) {
-	if _, err := NewIndex(make([]int, MaxEndpoints+1)); err == nil {
+	if _, err := NewIndex(make([]int, MaxIndexEndpoints+1)); err == nil {
 		t.Fatal("want error")
 	}
 	caps := make([]int, MaxEndpoints)
@@ -108,6 +108,69 @@ func TestIndexTooManyEndpoints(t *testing.T) {
 	}
 	ix.Insert(64, h) // ignored
 	ix.Insert(-1, h)
+}
+
+// TestIndexGroupsAgainstModel: a pool of 150 endpoints (three groups of
+// owners tables: 64, 64 and 22) under random Inserts of chained prompts,
+// their heads and mangled slices, and Clears, matches the linear definition
+// for every endpoint; chained queries of chained inserts verify in one
+// pass (no fallback) until misuse starts, which falls back per group.
+func TestIndexGroupsAgainstModel(t *testing.T) {
+	for seed := range uint64(2) {
+		r := rand.New(rand.NewPCG(seed, 150))
+		caps := make([]int, 150)
+		for e := range caps {
+			caps[e] = []int{1, 3, 8, 17, 40}[r.IntN(5)]
+		}
+		ix, err := NewIndex(caps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		model := newLRUModel(caps)
+		prompts := promptFamilies(r, 30, 60)
+		got := make([]int, len(caps))
+		for step := range 1200 {
+			p := prompts[r.IntN(len(prompts))]
+			e := r.IntN(len(caps))
+			switch {
+			case r.IntN(300) == 0:
+				ix.Clear(e)
+				clear(model.held[e])
+			case step >= 900 && r.IntN(3) == 0: // misuse: a hole
+				q := append([]uint64(nil), p...)
+				q[r.IntN(len(q))] = r.Uint64N(50)
+				ix.Insert(e, q)
+				model.insert(e, q)
+			case r.IntN(4) == 0:
+				k := r.IntN(len(p) + 1)
+				ix.Insert(e, p[:k])
+				model.insert(e, p[:k])
+			default:
+				ix.Insert(e, p)
+				model.insert(e, p)
+			}
+			q := prompts[r.IntN(len(prompts))]
+			if r.IntN(3) == 0 {
+				q = q[:r.IntN(len(q)+1)]
+			}
+			if step%100 == 0 {
+				checkModel(t, step, ix, model, q) // Len and the owners tables too
+			} else {
+				ix.Match(q, got)
+				for e := range caps {
+					if want := model.match(q, e); got[e] != want {
+						t.Fatalf("seed %d step %d: endpoint %d matched %d of %d blocks, model %d", seed, step, e, got[e], len(q), want)
+					}
+				}
+			}
+			if step == 899 && ix.linear.Load() != 0 {
+				t.Fatalf("seed %d: %d Matches of chained prompts fell back to the linear scan", seed, ix.linear.Load())
+			}
+		}
+		if ix.linear.Load() == 0 {
+			t.Fatalf("seed %d: misuse never triggered the linear fallback", seed)
+		}
+	}
 }
 
 // TestIndexAgainstModel checks Match against a brute-force model over random
@@ -210,11 +273,18 @@ func (m *lruModel) match(hashes []uint64, e int) int {
 	return n
 }
 
+// distinct is the number of owners entries the index should have: the
+// blocks some endpoint holds, counted once per group of MaxEndpoints
+// endpoints holding them.
 func (m *lruModel) distinct() int {
-	all := map[uint64]bool{}
-	for _, h := range m.held {
+	type key struct {
+		g int
+		h uint64
+	}
+	all := map[key]bool{}
+	for e, h := range m.held {
 		for k := range h {
-			all[k] = true
+			all[key{e / MaxEndpoints, k}] = true
 		}
 	}
 	return len(all)
@@ -490,7 +560,7 @@ func TestIndexConcurrent(t *testing.T) {
 	for _, p := range prompts {
 		ix.Match(p, m)
 		clear(lin)
-		matchLinear(p, lin, 1<<len(caps)-1, ix.owners)
+		matchLinear(p, lin, 1<<len(caps)-1, ix.groups[0].owners)
 		if !slices.Equal(m, lin) {
 			t.Fatalf("after the writers stopped: match %v, linear %v", m, lin)
 		}
@@ -515,11 +585,12 @@ func BenchmarkIndexMatch(b *testing.B) {
 }
 
 // TestIndexBytesPerBlock measures the index's heap cost per (endpoint, block)
-// entry, 200,000 entries on one endpoint and spread over 64, and holds it to
+// entry, 200,000 entries on one endpoint and spread over 64 and 1,000 (16
+// groups), and holds it to
 // the bound stated in Index's doc comment.
 func TestIndexBytesPerBlock(t *testing.T) {
 	const n = 200_000
-	for _, eps := range []int{1, 64} {
+	for _, eps := range []int{1, 64, 1000} {
 		hashes := Hashes(nil, seq(n*16, 0), 16, 0)
 		caps := make([]int, eps)
 		for e := range caps {

@@ -77,7 +77,7 @@ func (a *learnArena) reset() {
 // or empty hashes are ignored. It allocates nothing once the queue's arenas
 // have grown to the load.
 func (ix *Index) Learn(e int, hashes []uint64) {
-	if e < 0 || e >= len(ix.eps) || len(hashes) == 0 {
+	if e < 0 || e >= ix.n || len(hashes) == 0 {
 		return
 	}
 	if len(hashes) > maxQueuedBlocks {

@@ -167,7 +167,7 @@ func TestLearnConcurrent(t *testing.T) {
 	for _, p := range prompts {
 		ix.Match(p, m)
 		clear(lin)
-		matchLinear(p, lin, 1<<len(caps)-1, ix.owners)
+		matchLinear(p, lin, 1<<len(caps)-1, ix.groups[0].owners)
 		if !slices.Equal(m, lin) {
 			t.Fatalf("after the writers stopped: match %v, linear %v", m, lin)
 		}
@@ -195,5 +195,42 @@ func TestCommonPrefix(t *testing.T) {
 	}
 	if commonPrefix(nil, a) != 0 || commonPrefix(a, nil) != 0 {
 		t.Fatal("empty")
+	}
+}
+
+// TestLearnManyEndpoints: in a pool of more than 64 endpoints a queued
+// learn counts at once for its endpoint (Match's pooled overlay), and Match
+// allocates nothing with learns queued or not.
+func TestLearnManyEndpoints(t *testing.T) {
+	caps := make([]int, 1000)
+	for e := range caps {
+		caps[e] = 1000
+	}
+	ix, _ := NewIndex(caps)
+	p := Hashes(nil, seq(16*40, 5), 16, 0)
+	q := Hashes(nil, seq(16*50, 5), 16, 0) // p plus 10 more blocks
+	ix.Insert(3, p[:10])
+	ix.Learn(977, p)
+	m := make([]int, 1000)
+	ix.Match(q, m)
+	if m[977] != 40 || m[3] != 10 || m[976] != 0 {
+		t.Fatalf("queued: endpoint 977 matched %d (want 40), 3 matched %d (want 10), 976 %d", m[977], m[3], m[976])
+	}
+	ix.Settle()
+	clear(m)
+	ix.Match(q, m)
+	if m[977] != 40 || m[3] != 10 {
+		t.Fatalf("settled: endpoint 977 matched %d, 3 matched %d", m[977], m[3])
+	}
+	if raceEnabled {
+		return // sync.Pool drops items under the race detector
+	}
+	ix.Learn(500, q)
+	if n := testing.AllocsPerRun(50, func() { ix.Match(q, m) }); n != 0 {
+		t.Fatalf("Match with a learn queued allocates %.0f times", n)
+	}
+	ix.Settle()
+	if n := testing.AllocsPerRun(50, func() { ix.Match(q, m) }); n != 0 {
+		t.Fatalf("Match allocates %.0f times", n)
 	}
 }
