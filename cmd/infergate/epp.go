@@ -214,7 +214,7 @@ func runEPP(cmd *cobra.Command, fl *eppFlags) error {
 
 	ctx, stop := context.WithCancel(cmd.Context())
 	defer stop()
-	r := &reloader{g: g, log: log, load: load, static: cfg}
+	r := &reloader{g: g, log: log, load: load, static: cfg, reg: reg}
 	stopDiscovery, err := r.startDiscovery(ctx, cfg)
 	if err != nil {
 		return err
