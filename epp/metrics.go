@@ -13,6 +13,7 @@ type Registerer = prometheus.Registerer
 // gateway's (infergate_requests_total, TTFT, ITL, tokens …).
 type metrics struct {
 	streams        prometheus.Gauge
+	refused        prometheus.Counter
 	decisions      *prometheus.CounterVec
 	decide         prometheus.Observer
 	panics         prometheus.Counter
@@ -30,6 +31,8 @@ func newMetrics(reg Registerer) (*metrics, error) {
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "infergate_epp_decisions_total",
 			Help: "Endpoint picker decisions by result: picked, or the status of the immediate response (400, 404, 408: the body not received within body_read_timeout, 413, 429, 503, 499: the stream went away while queued), too_large, buffer_full, timeout (no request headers within body_read_timeout)."},
 			[]string{"result"}),
+		refused: prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_epp_streams_refused_total",
+			Help: "ext_proc streams refused with RESOURCE_EXHAUSTED: --max-streams were open already."}),
 		panics: prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_epp_stream_panics_total",
 			Help: "ext_proc streams ended by a recovered panic."}),
 		protocolErrors: prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_epp_protocol_errors_total",
@@ -41,7 +44,7 @@ func newMetrics(reg Registerer) (*metrics, error) {
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.streams, m.decisions, h, m.panics, m.protocolErrors} {
+	for _, c := range []prometheus.Collector{m.streams, m.refused, m.decisions, h, m.panics, m.protocolErrors} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("epp: register metrics: %w", err)
 		}

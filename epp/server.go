@@ -95,7 +95,11 @@ type Server struct {
 	// (bytes); over it a request is shed with 429.
 	budget   int64
 	buffered atomic.Int64
-	m        *metrics
+	// open counts the streams in Process; beyond maxStreams a new one is
+	// refused with ResourceExhausted.
+	open       atomic.Int64
+	maxStreams int64
+	m          *metrics
 }
 
 // Options configures a Server beyond the gateway's own configuration.
@@ -105,10 +109,24 @@ type Options struct {
 	MaxBufferedBytes int64
 	// Metrics registers the picker's metrics (nil: none registered).
 	Metrics Registerer
+	// MaxStreams bounds the ext_proc streams open at once, over all the
+	// proxy's connections (0: DefaultMaxStreams); beyond it a new stream
+	// ends at once with gRPC status RESOURCE_EXHAUSTED, which the proxy
+	// turns into an error for that request (or lets it through to its
+	// default cluster under ext_proc's failure_mode_allow). gRPC's own
+	// MaxConcurrentStreams bounds one connection only, and Envoy
+	// multiplexes every request over a few; GIE's EPP sets no bound
+	// (pkg/epp/server/runserver.go).
+	MaxStreams int
 }
 
 // DefaultMaxBufferedBytes is Options.MaxBufferedBytes's default: 1 GiB.
 const DefaultMaxBufferedBytes = 1 << 30
+
+// DefaultMaxStreams is Options.MaxStreams's default: each open stream
+// costs two goroutines (a few KiB of stacks) besides the bytes it buffers
+// (MaxBufferedBytes bounds those), so 16,384 streams are ~100 MiB at most.
+const DefaultMaxStreams = 16384
 
 // New returns the ext_proc service picking with g; cfg is g's epp section.
 func New(g *gateway.Gateway, cfg gateway.EPPConfig, o Options) (*Server, error) {
@@ -125,8 +143,11 @@ func New(g *gateway.Gateway, cfg gateway.EPPConfig, o Options) (*Server, error) 
 	if err != nil {
 		return nil, err
 	}
+	if o.MaxStreams <= 0 {
+		o.MaxStreams = DefaultMaxStreams
+	}
 	return &Server{g: g, hooks: cfg.ConformanceTestHooks, maxBody: g.MaxBodyBytes(),
-		bodyTimeout: g.BodyReadTimeout(), remove: remove, budget: o.MaxBufferedBytes, m: m}, nil
+		bodyTimeout: g.BodyReadTimeout(), remove: remove, budget: o.MaxBufferedBytes, maxStreams: int64(o.MaxStreams), m: m}, nil
 }
 
 // Register registers the service on gs.
@@ -138,6 +159,12 @@ func (s *Server) Buffered() int64 { return s.buffered.Load() }
 // Process implements ExternalProcessorServer: one request's phases, in the
 // order Envoy sends them.
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err error) {
+	if n := s.open.Add(1); n > s.maxStreams {
+		s.open.Add(-1)
+		s.m.refused.Inc()
+		return status.Errorf(codes.ResourceExhausted, "epp: %d ext_proc streams open already (--max-streams)", s.maxStreams)
+	}
+	defer s.open.Add(-1)
 	x := &exchange{s: s, ctx: stream.Context()}
 	s.m.streams.Inc()
 	defer func() {

@@ -16,9 +16,11 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/infergate/infergate/gateway"
@@ -636,4 +638,33 @@ func TestRequestTrailers(t *testing.T) {
 		t.Fatalf("want a response-headers response, got %v", r)
 	}
 	waitFor(t, "in-flight back to 0", func() bool { return tp.inFlight(t) == 0 })
+}
+
+// TestMaxStreams: with MaxStreams open streams, the next one ends at once
+// with RESOURCE_EXHAUSTED (counted); once one ends, a new stream routes.
+func TestMaxStreams(t *testing.T) {
+	urls := startEngines(t, 2)
+	tp := startPicker(t, testConfig(sched.Prefix, urls...), Options{MaxStreams: 2})
+	held := []*stream{tp.open(t), tp.open(t)}
+	for _, s := range held { // in Process: their headers are being buffered
+		s.headers("POST", "/v1/chat/completions", false, nil, "content-type", "application/json")
+	}
+	waitFor(t, "two streams open", func() bool { return tp.gauge(t, "infergate_epp_streams") == 2 })
+	over := tp.open(t)
+	stop := time.AfterFunc(time.Minute, over.cancel) // a stream let in would wait for its headers
+	defer stop.Stop()
+	if _, err := over.s.Recv(); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("third stream: %v, want ResourceExhausted", err)
+	}
+	if n := tp.gauge(t, "infergate_epp_streams_refused_total"); n != 1 {
+		t.Fatalf("refused streams counted: %v", n)
+	}
+	held[0].cancel()
+	waitFor(t, "one stream open", func() bool { return tp.gauge(t, "infergate_epp_streams") == 1 })
+	s := tp.open(t)
+	s.headers("POST", "/v1/chat/completions", false, nil, "content-type", "application/json")
+	s.body(chatBody(600, "after"), true)
+	if h, _, _, _ := s.routed(true); h == "" {
+		t.Fatal("no destination after a stream ended")
+	}
 }

@@ -344,6 +344,7 @@ func (g *Gateway) pickRouted(w http.ResponseWriter, r *http.Request, x *exchange
 		// prefill hand-off is not the picker's (no x-prefiller-host-port).
 		i, d = g.pickWith(p, &x.sreq, excluded, p.pd.PickDecode)
 	} else {
+		g.replicas.stagger(r.Context(), p) // this replica's turn in a burst (replicas.go)
 		i, d = g.pickExcluding(p, &x.sreq, excluded)
 	}
 	gate.picked()

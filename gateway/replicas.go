@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"strconv"
@@ -51,6 +52,11 @@ type ReplicasConfig struct {
 	// Replay reads the stream's history at start to warm the approximate
 	// index (default true).
 	Replay *bool `yaml:"replay"`
+	// Stagger makes this replica, while its decisions come in bursts,
+	// wait rank × 5/4 of the exchange's measured delay before each
+	// decision, so that replicas take turns in a burst instead of herding
+	// (replica.Node.Stagger; default true).
+	Stagger *bool `yaml:"stagger"`
 }
 
 // enabled reports whether the exchange is on.
@@ -82,6 +88,10 @@ func (c ReplicasConfig) withDefaults() ReplicasConfig {
 	if c.Replay == nil {
 		t := true
 		c.Replay = &t
+	}
+	if c.Stagger == nil {
+		t := true
+		c.Stagger = &t
 	}
 	return c
 }
@@ -120,6 +130,7 @@ type replicas struct {
 	peers *replica.Peers
 	x     atomic.Pointer[stream.Exchange]
 	lag   prometheus.Histogram
+	wait  prometheus.Histogram      // staggered decisions' waits
 	known atomic.Pointer[knownURLs] // replicaTarget.Known's set
 }
 
@@ -130,12 +141,15 @@ func (g *Gateway) initReplicas(reg prometheus.Registerer) error {
 	g.replicas = r
 	if r.cfg.enabled() {
 		r.peers = replica.NewPeers(r.cfg.LoadTTL)
-		r.node = &replica.Node{ID: r.cfg.ID, Peers: r.peers, Target: replicaTarget{g}}
+		r.node = &replica.Node{ID: r.cfg.ID, Peers: r.peers, Target: replicaTarget{g}, NoStagger: !*r.cfg.Stagger}
 	}
 	r.lag = prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "infergate", Name: "replica_lag_seconds",
 		Help:    "Replica exchange: from a peer's sending a message to this replica's applying it (the two wall clocks; history replayed at start left out).",
 		Buckets: []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5}})
-	cs := []prometheus.Collector{r.lag,
+	r.wait = prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "infergate", Name: "replica_stagger_seconds",
+		Help:    "Replica exchange: how long a routing decision waited for the replicas ranked before this one in a burst (replicas.stagger; decisions that did not wait are not observed).",
+		Buckets: []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05}})
+	cs := []prometheus.Collector{r.lag, r.wait,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Name: "replica_peers",
 			Help: "Replica exchange: peers heard from within replicas.load_ttl."}, func() float64 {
 			if r.peers == nil {
@@ -277,6 +291,29 @@ func (r *replicas) learnt(p *pool, i int, req *sched.Request, d sched.Decision) 
 	// first; a learn the queue drops is retired with the next one echoed.
 	r.node.Unseen.Sent(now.UnixNano(), clock(now), prompt, pending)
 	x.Publish(replica.AppendLearn(nil, r.cfg.ID, now.UnixNano(), p.model, p.endpoints[i].name, prompt, pending, req.Hashes))
+}
+
+// stagger waits before a routing decision of pool p for as long as this
+// replica's turn in a burst takes (replica.Node.Stagger: rank × 5/4 of
+// the exchange's measured delay while its decisions come in bursts, at
+// most replica.MaxStagger; nothing otherwise), or until ctx ends (the
+// request's next stage then sees it ended). P/D pools, whose picks
+// neither publish learns nor run Expect, do not wait.
+func (r *replicas) stagger(ctx context.Context, p *pool) {
+	if r == nil || r.node == nil || p.peers == nil || p.pd != nil {
+		return
+	}
+	d := r.node.Stagger(clock(time.Now()))
+	if d <= 0 {
+		return
+	}
+	r.wait.Observe(d.Seconds())
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	}
 }
 
 // expect prepares snapshot s for a pick: this replica's share of the

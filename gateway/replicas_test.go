@@ -7,8 +7,10 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/infergate/infergate/replica"
+	"github.com/infergate/infergate/sched"
 )
 
 func TestReplicasConfig(t *testing.T) {
@@ -18,7 +20,8 @@ func TestReplicasConfig(t *testing.T) {
 	}
 	on := ReplicasConfig{RedisURL: "redis://127.0.0.1:6379"}.withDefaults()
 	if on.Stream == "" || on.ID == "" || on.LoadInterval != 200*time.Millisecond || on.LoadTTL != replica.DefaultLoadTTL ||
-		on.MaxLen != 10000 || on.Queue != 4096 || on.Replay == nil || !*on.Replay || len(on.validate()) != 0 {
+		on.MaxLen != 10000 || on.Queue != 4096 || on.Replay == nil || !*on.Replay || on.Stagger == nil || !*on.Stagger ||
+		len(on.validate()) != 0 {
 		t.Fatalf("defaults: %+v %v", on, on.validate())
 	}
 	for name, c := range map[string]ReplicasConfig{
@@ -74,5 +77,63 @@ func TestReplicasRedisDown(t *testing.T) {
 	defer p.release(sp)
 	if e := (*sp)[0]; e.InFlight != 3 || e.InFlightTokens != 30 || e.PendingPrefillTokens != 20 {
 		t.Fatalf("snapshot %+v", e)
+	}
+}
+
+// TestReplicasStaggerWaits: a replica ranked 1 of 3 whose decisions come
+// in bursts waits its turn before a pick (observed in
+// infergate_replica_stagger_seconds), returns early when the request's
+// context ends, and does not wait with replicas.stagger false or for a
+// P/D pool.
+func TestReplicasStaggerWaits(t *testing.T) {
+	newReplicas := func(noStagger bool) (*replicas, *pool) {
+		peers := replica.NewPeers(time.Hour)
+		r := &replicas{node: &replica.Node{ID: "b", Peers: peers, NoStagger: noStagger},
+			wait: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "w"})}
+		now := clock(time.Now())
+		peers.Update("a", now, nil)
+		peers.Update("c", now, nil)
+		for i := range 40 { // bursts of 2 decisions, echoed 1 ms later
+			at := now - time.Duration(40-i)*time.Second
+			r.node.Unseen.Sent(int64(2*i), at, 100, 100)
+			r.node.Unseen.Sent(int64(2*i+1), at, 100, 100)
+			r.node.Unseen.Echo(int64(2*i+1), at+time.Millisecond)
+		}
+		return r, &pool{peers: peers}
+	}
+	count := func(h prometheus.Histogram) uint64 {
+		var m dto.Metric
+		if err := h.Write(&m); err != nil {
+			t.Fatal(err)
+		}
+		return m.GetHistogram().GetSampleCount()
+	}
+	waited := func(r *replicas, ctx context.Context, p *pool) {
+		done := make(chan struct{})
+		go func() { r.stagger(ctx, p); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			t.Fatal("stagger did not return")
+		}
+	}
+	r, p := newReplicas(false)
+	if d := r.node.Stagger(clock(time.Now())); d != 1250*time.Microsecond {
+		t.Fatalf("rank 1, 1 ms echoes: Stagger %v, want 1.25ms", d)
+	}
+	waited(r, context.Background(), p)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	waited(r, ctx, p)
+	if n := count(r.wait); n != 2 {
+		t.Fatalf("waits observed: %d, want 2", n)
+	}
+	waited(r, context.Background(), &pool{peers: p.peers, pdPool: pdPool{pd: &sched.PD{}}})
+	r, p = newReplicas(true)
+	waited(r, context.Background(), p)
+	var none *replicas
+	waited(none, context.Background(), p)
+	if n := count(r.wait); n != 0 {
+		t.Fatalf("waits observed with stagger off: %d", n)
 	}
 }

@@ -100,6 +100,7 @@ func (g *Gateway) serveRouted(w http.ResponseWriter, r *http.Request, x *exchang
 	if split {
 		defer g.endSplit(x, p)
 	}
+	g.replicas.stagger(r.Context(), p) // this replica's turn in a burst (replicas.go)
 	for attempt := 1; ; attempt++ {
 		if n := p.latest(); n != p {
 			// Slots keep their endpoint across reloads: what failed

@@ -4,6 +4,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -145,5 +146,19 @@ func TestSliceTargets(t *testing.T) {
 	}
 	if got, err := SliceTargets(nil, "grpc"); len(got) != 0 || err != nil {
 		t.Fatalf("no slices: %v %v", got, err)
+	}
+}
+
+func TestStatsCount(t *testing.T) {
+	var st Stats
+	a, b, c := Target{IP: "10.0.0.1", Port: 8000}, Target{IP: "10.0.0.2", Port: 8000}, Target{IP: "10.0.0.3", Port: 8000}
+	now := time.Unix(100, 0)
+	st.count(nil, []Target{a, b}, now)
+	st.count([]Target{a, b}, []Target{b, c, c}, now.Add(time.Second)) // c listed twice counts once
+	st.count([]Target{b, c, c}, nil, now.Add(2*time.Second))
+	if st.Added.Load() != 3 || st.Removed.Load() != 3 || st.Changes.Load() != 3 || st.Engines.Load() != 0 ||
+		st.LastChange.Load() != now.Add(2*time.Second).UnixNano() {
+		t.Fatalf("added %d removed %d changes %d engines %d last %d", st.Added.Load(), st.Removed.Load(), st.Changes.Load(),
+			st.Engines.Load(), st.LastChange.Load())
 	}
 }

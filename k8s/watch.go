@@ -80,6 +80,54 @@ type Watcher struct {
 	has      []cache.InformerSynced
 	// targets computes the targets from the informers' stores.
 	targets func() ([]Target, error)
+	stats   Stats
+}
+
+// Stats are a Watcher's counters, for metrics (cmd/infergate exports them
+// as infergate_discovery_*; k8s/README.md "Metrics"). Safe for concurrent
+// reads.
+type Stats struct {
+	// Added and Removed count the engines (host:port) that appeared in and
+	// left the lists reported; Changes counts the lists reported
+	// (OnChange calls, the first included).
+	Added, Removed, Changes atomic.Uint64
+	// WatchErrors counts the informers' failed lists and watches, each
+	// retried by client-go's reflector with backoff: a restarted watch.
+	WatchErrors atomic.Uint64
+	// Engines is the number of engines of the last list reported.
+	Engines atomic.Int64
+	// LastChange is when the last list was reported (Unix ns; 0 before
+	// the first).
+	LastChange atomic.Int64
+}
+
+// Stats returns w's counters.
+func (w *Watcher) Stats() *Stats { return &w.stats }
+
+// count records in st the list t reported after last (the engines, by
+// host:port, that appeared and left), at now.
+func (st *Stats) count(last, t []Target, now time.Time) {
+	before := make(map[string]struct{}, len(last))
+	for _, x := range last {
+		before[x.HostPort()] = struct{}{}
+	}
+	after := make(map[string]struct{}, len(t))
+	for _, x := range t {
+		after[x.HostPort()] = struct{}{}
+		if _, ok := before[x.HostPort()]; !ok {
+			before[x.HostPort()] = struct{}{} // a duplicate counts once
+			st.Added.Add(1)
+		}
+	}
+	st.Engines.Store(int64(len(after)))
+	for _, x := range last {
+		if _, ok := after[x.HostPort()]; !ok {
+			after[x.HostPort()] = struct{}{} // a duplicate counts once
+			st.Removed.Add(1)
+		}
+	}
+	st.Changes.Add(1)
+	st.LastChange.Store(now.UnixNano())
 }
 
 // RESTConfig returns the client configuration of kubeconfig: that file
@@ -209,6 +257,7 @@ func (w *Watcher) setup(inf cache.SharedIndexInformer, h cache.ResourceEventHand
 	}
 	w.has = append(w.has, reg.HasSynced)
 	return inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+		w.stats.WatchErrors.Add(1)
 		w.log.Warn("kubernetes discovery: list/watch failed; retrying", "watch", what, "err", err)
 	})
 }
@@ -268,6 +317,7 @@ func (w *Watcher) Run(ctx context.Context) error {
 		}
 		if first || !slices.Equal(t, last) {
 			w.log.Info("kubernetes discovery: engines", "count", len(t), "engines", names(t))
+			w.stats.count(last, t, time.Now())
 			w.opt.OnChange(slices.Clone(t))
 			last, first = t, false
 		}

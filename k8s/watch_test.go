@@ -205,6 +205,12 @@ func testWatchPool(t *testing.T, s *kubetest.Server) {
 	r.await(t, "pool created again", b0)
 	s.DeletePod(t, ns, "b")
 	r.await(t, "b deleted")
+	// Every list reported was counted, and what came and went.
+	if st := w.Stats(); st.Changes.Load() < 5 || st.Added.Load() == 0 || st.Removed.Load() == 0 || st.Engines.Load() != 0 ||
+		st.LastChange.Load() == 0 || st.WatchErrors.Load() != 0 {
+		t.Errorf("stats: changes %d added %d removed %d engines %d last %d watch errors %d", st.Changes.Load(), st.Added.Load(),
+			st.Removed.Load(), st.Engines.Load(), st.LastChange.Load(), st.WatchErrors.Load())
+	}
 }
 
 func testWatchSlices(t *testing.T, s *kubetest.Server) {
@@ -293,5 +299,8 @@ func testWatchErrors(t *testing.T, s *kubetest.Server) {
 	}
 	if w.Synced() {
 		t.Fatal("synced without rights")
+	}
+	if w.Stats().WatchErrors.Load() == 0 {
+		t.Fatal("refused lists not counted as watch errors")
 	}
 }

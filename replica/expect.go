@@ -69,6 +69,15 @@ type Unseen struct {
 	// of this replica's decisions (tokens; an exponentially weighted mean
 	// over about the last meanWeight decisions).
 	meanPrompt, meanPending float64
+	// last is when the latest decision was sent (the Sent clock; valid
+	// when sent); echo is the exchange's delay, from Sent to Echo (an
+	// exponentially weighted mean over about echoWeight echoes; 0 until
+	// the first echo); burst is the share of decisions sent within echo
+	// of the one before (over about burstWeight decisions). Stagger.
+	last  time.Duration
+	sent  bool
+	echo  time.Duration
+	burst float64
 }
 
 const (
@@ -77,6 +86,11 @@ const (
 	unseenCap = 1024
 	// meanWeight is the mean's window (decisions): 1/64 per decision.
 	meanWeight = 64
+	// echoWeight is the exchange delay's window (echoes): 1/8 per echo.
+	echoWeight = 8
+	// burstWeight is the burst share's window (decisions): 1/16 per
+	// decision, so that a replica staggers within a few bursts.
+	burstWeight = 16
 )
 
 // sentLearn is one decision in Unseen: its learn's timestamp (Msg.At)
@@ -98,6 +112,14 @@ func (u *Unseen) Sent(stamp int64, now time.Duration, prompt, pending int64) {
 	}
 	u.ring[(u.head+u.n)%unseenCap] = sentLearn{stamp: stamp, at: now}
 	u.n++
+	if u.echo > 0 {
+		x := 0.0
+		if u.sent && now-u.last < u.echo {
+			x = 1
+		}
+		u.burst += (x - u.burst) / burstWeight
+	}
+	u.last, u.sent = now, true
 	if u.meanPrompt == 0 && u.meanPending == 0 {
 		u.meanPrompt, u.meanPending = float64(prompt), float64(pending)
 		return
@@ -107,16 +129,29 @@ func (u *Unseen) Sent(stamp int64, now time.Duration, prompt, pending int64) {
 }
 
 // Echo retires the decisions sent up to stamp, the timestamp of one of
-// this replica's own learns read back from the exchange: a replica's
-// messages come back in the order it sent them, so the earlier ones were
-// delivered too, or lost (a learn the queue dropped is retired with the
-// next one echoed).
-func (u *Unseen) Echo(stamp int64) {
+// this replica's own learns read back from the exchange at now (the Sent
+// clock): a replica's messages come back in the order it sent them, so
+// the earlier ones were delivered too, or lost (a learn the queue dropped
+// is retired with the next one echoed). The time the echoed learn took
+// is a sample of the exchange's delay (Stagger's step).
+func (u *Unseen) Echo(stamp int64, now time.Duration) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
+	var at time.Duration
+	found := false
 	for u.n > 0 && u.ring[u.head].stamp <= stamp {
+		at, found = u.ring[u.head].at, true
 		u.head, u.n = (u.head+1)%unseenCap, u.n-1
 	}
+	if !found || now < at {
+		return
+	}
+	d := now - at
+	if u.echo == 0 {
+		u.echo = max(d, 1) // 0 means no sample yet
+		return
+	}
+	u.echo = max(1, u.echo+(d-u.echo)/echoWeight)
 }
 
 // Load is the decisions not yet echoed as of now (the Sent clock), each
@@ -158,7 +193,10 @@ func (n *Node) Expect(eps []sched.Endpoint, now time.Duration) {
 		eps[i].Preferred = mine[i]
 	}
 	u := n.Unseen.Load(now, n.Peers.ttl)
-	if u.InFlight == 0 {
+	if u.InFlight == 0 || n.staggered(live) {
+		// Staggered bursts: the peers ranked before this replica
+		// decided one exchange delay or more ago (seen), those after
+		// it will see its decisions (stagger.go): nothing to expect.
 		return
 	}
 	peers := int64(live - 1)

@@ -72,7 +72,7 @@ func TestUnseen(t *testing.T) {
 	if l.InFlightTokens < 3*1000 || l.InFlightTokens > 3*1100 || l.PendingPrefill < 3*800 || l.PendingPrefill > 3*900 {
 		t.Errorf("load %+v: want 3 × the mean decision (≈1030 prompt, ≈830 pending tokens)", l)
 	}
-	u.Echo(200) // its own learn of stamp 200 came back: 100 and 200 seen
+	u.Echo(200, 0) // its own learn of stamp 200 came back: 100 and 200 seen
 	if l := u.Load(3*ms, time.Second); l.InFlight != 1 {
 		t.Errorf("after echo of 200: %+v, want 1 unseen", l)
 	}
@@ -80,7 +80,7 @@ func TestUnseen(t *testing.T) {
 	if l := u.Load(3*ms+time.Second+ms/2, time.Second); l.InFlight != 1 {
 		t.Errorf("300 older than the max age: %+v, want only 400 left", l)
 	}
-	u.Echo(1 << 40)
+	u.Echo(1<<40, 0)
 	if l := u.Load(5*ms, time.Second); l.InFlight != 0 || l.InFlightTokens != 0 || l.PendingPrefill != 0 {
 		t.Errorf("all echoed: %+v", l)
 	}

@@ -271,8 +271,11 @@ type Node struct {
 	// back to it yet (Expect): the publisher calls Unseen.Sent with each
 	// learn it publishes, Apply retires them as they come back.
 	Unseen Unseen
-	shared atomic.Pointer[share] // Expect's share of the pool, cached
-	msg    Msg
+	// NoStagger turns off the staggered decisions of bursts (Stagger):
+	// every replica then decides at once, on Expect's estimate.
+	NoStagger bool
+	shared    atomic.Pointer[share] // Expect's share of the pool, cached
+	msg       Msg
 }
 
 // Apply decodes message b, received at now (the Peers clock), and applies
@@ -291,7 +294,7 @@ func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
 	if m.ID == n.ID {
 		n.Counts.Own.Add(1)
 		if m.Kind == KindLearn {
-			n.Unseen.Echo(m.At)
+			n.Unseen.Echo(m.At, now)
 		}
 		return m, nil
 	}

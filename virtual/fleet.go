@@ -72,6 +72,11 @@ type Config struct {
 	ReplicaDelay time.Duration
 	LoadInterval time.Duration
 	LoadTTL      time.Duration
+	// ReplicaNoStagger turns off the synced replicas' staggered decisions
+	// in bursts (replica.Node.Stagger: while a replica's decisions come in
+	// bursts, each waits rank × 5/4 of the exchange's delay, the time its
+	// own learns take to come back, before it decides; replicas.go).
+	ReplicaNoStagger bool
 	// KillAt, when positive, kills replica KillReplica at that time: the
 	// requests it holds (routed, not finished) end with ErrReplicaKilled
 	// and are aborted on their engines, as a gateway process's death
@@ -514,7 +519,7 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 	defer func() { f.reqs, f.res, f.shares, f.owner, f.open = nil, nil, nil, nil, nil }()
 
 	next := 0
-	for next < len(reqs) || f.heap.len() > 0 || (f.as != nil && len(f.as.held) > 0) {
+	for next < len(reqs) || f.heap.len() > 0 || len(f.rx.held) > 0 || (f.as != nil && len(f.as.held) > 0) {
 		t := never
 		if f.heap.len() > 0 {
 			t = f.engines[f.heap.top()].end
@@ -576,6 +581,7 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 		// 3. Send the split requests whose prefill ended now to their
 		// decode engines, then route the arrivals of this instant.
 		f.handOff(t)
+		f.release(t)
 		for next < len(reqs) && reqs[next].Arrival == t {
 			f.arrive(next, &reqs[next], t)
 			next++
@@ -628,7 +634,16 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 			return
 		}
 	}
-	rp := f.front(k)
+	var rp *rep
+	if f.rx.releasing {
+		rp = f.reps[f.owner[k]] // chosen at its arrival, then held
+	} else {
+		rp = f.front(k)
+		if h := rp.stagger(t); h > 0 {
+			f.rx.hold(k, t+h)
+			return
+		}
+	}
 	r.Replica = int(f.owner[k])
 	policy := rp.policy
 	tokens := vr.Tokens

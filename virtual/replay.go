@@ -70,6 +70,10 @@ type ReplayOptions struct {
 	LoadInterval  time.Duration
 	KillAtRequest int
 	KillReplica   int
+
+	// ReplicaNoStagger is Config.ReplicaNoStagger.
+	ReplicaNoStagger bool
+
 	// Autoscale scales the fleet (Config.Autoscale); Engines is then its
 	// most engines (default: the policy's Max).
 	Autoscale *Autoscale
@@ -162,6 +166,8 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 		KillAt:       killAt,
 		KillReplica:  opts.KillReplica,
 		Autoscale:    opts.Autoscale,
+
+		ReplicaNoStagger: opts.ReplicaNoStagger,
 	})
 	if err != nil {
 		return ReplayResult{}, fmt.Errorf("virtual: %w", err)

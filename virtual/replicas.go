@@ -2,6 +2,7 @@ package virtual
 
 import (
 	"errors"
+	"slices"
 	"strconv"
 	"time"
 
@@ -24,6 +25,12 @@ import (
 //   - a load report every LoadInterval (per endpoint: the replica's in
 //     flight, in-flight tokens, prefill backlog), which every other
 //     replica adds to its snapshot for LoadTTL.
+//
+// A replica whose decisions come in bursts holds each new arrival for
+// replica.Node.Stagger before deciding it (unless ReplicaNoStagger), as
+// the live gateway waits before its pick; a held request counts its wait
+// in its TTFT (its Arrival is unchanged) and fails with ErrReplicaKilled
+// if its replica is killed meanwhile.
 //
 // The engines' precise index, where a policy uses one, is shared: every
 // live replica subscribes to every engine's KV events and so holds the
@@ -56,8 +63,13 @@ type exchange struct {
 	nextLoad time.Duration
 	killAt   time.Duration // never when none or done
 	rr       int           // the front's round-robin counter
-	buf      []byte
-	entries  []replica.LoadEntry
+	// held are the requests their replica holds before deciding
+	// (replica.Node.Stagger), by release time then arrival; releasing is
+	// set while they are decided (arrive takes the replica chosen).
+	held      []heldReq
+	releasing bool
+	buf       []byte
+	entries   []replica.LoadEntry
 }
 
 // vmsg is a message in transit to replica to.
@@ -77,7 +89,53 @@ func (x *exchange) next() time.Duration {
 	if len(x.msgs) > 0 {
 		t = min(t, x.msgs[0].at)
 	}
+	if len(x.held) > 0 {
+		t = min(t, x.held[0].at)
+	}
 	return t
+}
+
+// heldReq is request k held by its replica until at.
+type heldReq struct {
+	at time.Duration
+	k  int
+}
+
+// hold queues request k until at, after the requests held until then.
+func (x *exchange) hold(k int, at time.Duration) {
+	i := len(x.held)
+	for i > 0 && x.held[i-1].at > at {
+		i--
+	}
+	x.held = slices.Insert(x.held, i, heldReq{at: at, k: k})
+}
+
+// stagger is how long rp holds a request arriving at t before deciding
+// it (replica.Node.Stagger; 0 without the exchange).
+func (rp *rep) stagger(t time.Duration) time.Duration {
+	if rp.node == nil {
+		return 0
+	}
+	return rp.node.Stagger(t)
+}
+
+// release decides the held requests due at t, in order; those of a
+// replica killed meanwhile fail with ErrReplicaKilled. It runs after the
+// exchange's messages due at t, so a decision released at t sees them.
+func (f *Fleet) release(t time.Duration) {
+	x := &f.rx
+	n := 0
+	for ; n < len(x.held) && x.held[n].at <= t; n++ {
+		k := x.held[n].k
+		if !f.reps[f.owner[k]].alive {
+			f.res[k].Err = ErrReplicaKilled
+			continue
+		}
+		x.releasing = true
+		f.arrive(k, &f.reqs[k], t)
+		x.releasing = false
+	}
+	x.held = x.held[:copy(x.held, x.held[n:])]
 }
 
 // target resolves learns for a virtual replica: one model, endpoints by
@@ -122,7 +180,7 @@ func (f *Fleet) newReplicas(snap []sched.Endpoint, pool sched.Pool) error {
 		rp.learner, _ = p.(sched.PeerLearner)
 		if cfg.ReplicaSync && n > 1 {
 			rp.node = &replica.Node{ID: rp.id, Peers: replica.NewPeers(cfg.LoadTTL),
-				Target: &target{model: cfg.Model, learner: rp.learner, slots: slots}}
+				Target: &target{model: cfg.Model, learner: rp.learner, slots: slots}, NoStagger: cfg.ReplicaNoStagger}
 		}
 		f.reps = append(f.reps, rp)
 	}

@@ -168,3 +168,118 @@ func TestReplicasBurst(t *testing.T) {
 		t.Errorf("unshared replicas did not herd (%d): the test no longer shows what sharing prevents", unshared)
 	}
 }
+
+// TestReplicasStagger: replicas whose decisions come in bursts take turns
+// (replica.Node.Stagger). In bursts of 6 cold requests on 6 idle-again
+// engines, three staggered replicas, once they have measured the exchange
+// and seen their bursts, send each burst where one gateway does: one per
+// engine; each decision of the replica ranked r waits r × 5/4 ms; one
+// replica and arrivals spread in time are unchanged.
+func TestReplicasStagger(t *testing.T) {
+	const nb, per = 30, 6
+	var recs []trace.Record
+	for burst := range nb {
+		for k := range per {
+			var ids []int64
+			for b := range 8 {
+				ids = append(ids, int64(burst*10_000+k*100+b))
+			}
+			recs = append(recs, trace.Record{Timestamp: time.Duration(burst) * 3 * time.Second,
+				InputLength: len(ids) * 512, OutputLength: 4, HashIDs: ids})
+		}
+	}
+	run := func(o ReplayOptions) ReplayResult {
+		o.Records, o.Engines = recs, per
+		r, err := Replay(context.Background(), o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	doubled := func(r ReplayResult, from int) int {
+		n := 0
+		for burst := from; burst < nb; burst++ {
+			seen := map[int]bool{}
+			for _, e := range r.Engine[burst*per : burst*per+per] {
+				if seen[e] {
+					n++
+				}
+				seen[e] = true
+			}
+		}
+		return n
+	}
+	sync := ReplayOptions{Replicas: 3, ReplicaSync: true, ReplicaDelay: time.Millisecond}
+	staggered := run(sync)
+	sync.ReplicaNoStagger = true
+	unstaggered := run(sync)
+	one := run(ReplayOptions{})
+	// The last 20 bursts: each replica has seen 10 of its bursts by then.
+	s, u, o := doubled(staggered, 10), doubled(unstaggered, 10), doubled(one, 10)
+	t.Logf("requests of a burst sent to an engine that already had one of it, last 20 bursts of 6: one gateway %d, staggered %d, unstaggered %d", o, s, u)
+	if o != 0 || s != 0 {
+		t.Errorf("doubled up: one gateway %d, three staggered replicas %d; want 0 and 0", o, s)
+	}
+	// The waits: TTFT over one gateway's by the replica's rank × 1.25 ms
+	// (replica-0 < replica-1 < replica-2 by id).
+	for k := 10 * per; k < nb*per; k++ {
+		want := time.Duration(staggered.Replica[k]) * 1250 * time.Microsecond
+		got := time.Duration((staggered.Records[k].TTFTMs - one.Records[k].TTFTMs) * float64(time.Millisecond))
+		if d := got - want; d < -time.Microsecond || d > time.Microsecond {
+			t.Errorf("request %d (replica %d): TTFT %.4f ms, one gateway's %.4f ms: waited %v, want %v",
+				k, staggered.Replica[k], staggered.Records[k].TTFTMs, one.Records[k].TTFTMs, got, want)
+			break
+		}
+	}
+	// Arrivals spread 1 s apart never wait.
+	for i := range recs {
+		recs[i].Timestamp = time.Duration(i) * time.Second
+	}
+	sync.ReplicaNoStagger = false
+	spread, unst := run(sync), func() ReplayResult { o := sync; o.ReplicaNoStagger = true; return run(o) }()
+	for k := range spread.Records {
+		if spread.Records[k].TTFTMs != unst.Records[k].TTFTMs || spread.Engine[k] != unst.Engine[k] {
+			t.Fatalf("spread arrivals: request %d staggered TTFT %.3f ms on %d, unstaggered %.3f ms on %d",
+				k, spread.Records[k].TTFTMs, spread.Engine[k], unst.Records[k].TTFTMs, unst.Engine[k])
+		}
+	}
+}
+
+// TestReplicasStaggerLoaded: bursts of 9 cold prompts of 1k to 8k tokens
+// a second on 8 busy engines, as on the Mooncake trace's whole-second
+// timestamps: three staggered replicas' TTFT p90 is nearer one gateway's
+// than unstaggered replicas', which herd within each burst.
+func TestReplicasStaggerLoaded(t *testing.T) {
+	const nb, per = 60, 9
+	var recs []trace.Record
+	x := uint64(1)
+	for burst := range nb {
+		for k := range per {
+			x = x*6364136223846793005 + 1442695040888963407
+			n := 2 + int(x>>33)%15 // 2..16 blocks of 512 tokens
+			ids := make([]int64, n)
+			for b := range ids {
+				ids[b] = int64(burst*100_000 + k*1000 + b)
+			}
+			recs = append(recs, trace.Record{Timestamp: time.Duration(burst) * time.Second,
+				InputLength: n * 512, OutputLength: 16, HashIDs: ids})
+		}
+	}
+	p90 := func(o ReplayOptions) float64 {
+		o.Records, o.Engines = recs, 8
+		r, err := Replay(context.Background(), o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r.Summary.TTFT.P90
+	}
+	sync := ReplayOptions{Replicas: 3, ReplicaSync: true, ReplicaDelay: time.Millisecond}
+	staggered := p90(sync)
+	sync.ReplicaNoStagger = true
+	unstaggered := p90(sync)
+	one := p90(ReplayOptions{})
+	t.Logf("TTFT p90: one gateway %.0f ms, 3 replicas staggered %.0f ms, unstaggered %.0f ms", one, staggered, unstaggered)
+	if staggered >= unstaggered {
+		t.Errorf("staggered replicas' TTFT p90 %.0f ms not below unstaggered %.0f ms", staggered, unstaggered)
+	}
+}

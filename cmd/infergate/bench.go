@@ -56,12 +56,13 @@ type benchFlags struct {
 	// [0]: aggregated only).
 	pd    []int
 	pdThr int
-	// replicas, replicaSync, replicaDelay and replicaKill are the gateway
+	// replicas, replicaSync, replicaDelay, replicaKill and replicaStagger are the gateway
 	// replica setups each policy runs with (--replicas etc., virtual time).
-	replicas     []int
-	replicaSync  []bool
-	replicaDelay []time.Duration
-	replicaKill  []bool
+	replicas       []int
+	replicaSync    []bool
+	replicaDelay   []time.Duration
+	replicaKill    []bool
+	replicaStagger []bool
 	// spread moves each arrival to a random instant within it after its
 	// timestamp (--spread; 0: as given).
 	spread time.Duration
@@ -147,6 +148,7 @@ func (fl *benchFlags) bind(f *pflag.FlagSet) {
 	f.IntSliceVar(&fl.replicas, "replicas", []int{1}, "with --compare --virtual: gateway replica counts each policy runs with, behind a round-robin (L4) front, each with its own index and load view, e.g. 1,3 (gateway/README.md \"Replicas\")")
 	f.BoolSliceVar(&fl.replicaSync, "replica-sync", []bool{true}, "with --replicas > 1: whether the replicas exchange what they learn and their load (true, false or both: true,false)")
 	f.DurationSliceVar(&fl.replicaDelay, "replica-delay", []time.Duration{5 * time.Millisecond}, "with --replica-sync: the exchange's delivery delay, one run per value, e.g. 1ms,10ms")
+	f.BoolSliceVar(&fl.replicaStagger, "replica-stagger", []bool{true}, "with --replica-sync: whether replicas whose decisions come in bursts take turns, each waiting rank × the exchange's measured delay before deciding (true, false or both; gateway/README.md \"Replicas\")")
 	f.BoolSliceVar(&fl.replicaKill, "replica-kill", []bool{false}, "with --replicas > 1: also (true) or only with (false,true / true) replica 1 killed when the middle request arrives: its requests in flight fail, the survivors take the rest")
 	f.DurationVar(&fl.spread, "spread", 0, "move each arrival to a uniformly random instant within this long after its timestamp (fixed seed; e.g. 1s for the Mooncake traces' whole-second timestamps, whose requests of one second otherwise all arrive at one instant)")
 	f.BoolVar(&fl.virtual, "virtual", false, "with --compare: run the same engine model and policies in virtual time (discrete events, no sleeping, no HTTP): seconds instead of minutes")
@@ -444,10 +446,11 @@ func (r *benchRun) compareVirtual(recs []trace.Record, rate float64) error {
 
 // replicaSetup is one gateway-replica setup of a virtual run.
 type replicaSetup struct {
-	n     int
-	sync  bool
-	delay time.Duration
-	kill  bool
+	n         int
+	sync      bool
+	delay     time.Duration
+	noStagger bool
+	kill      bool
 }
 
 // name is the setup's suffix of the run's name ("" for one replica).
@@ -458,6 +461,9 @@ func (rs replicaSetup) name() string {
 	s := fmt.Sprintf(" %dR unshared", rs.n)
 	if rs.sync {
 		s = fmt.Sprintf(" %dR shared %v", rs.n, rs.delay)
+		if rs.noStagger {
+			s += " unstaggered"
+		}
 	}
 	if rs.kill {
 		s += " kill"
@@ -479,9 +485,15 @@ func (fl *benchFlags) replicaSetups() []replicaSetup {
 			if !sync {
 				delays = delays[:min(len(delays), 1)]
 			}
+			staggers := fl.replicaStagger
+			if !sync {
+				staggers = []bool{true} // nothing to stagger on
+			}
 			for _, d := range delays {
-				for _, kill := range fl.replicaKill {
-					out = append(out, replicaSetup{n: n, sync: sync, delay: d, kill: kill})
+				for _, st := range staggers {
+					for _, kill := range fl.replicaKill {
+						out = append(out, replicaSetup{n: n, sync: sync, delay: d, noStagger: !st, kill: kill})
+					}
 				}
 			}
 		}
@@ -505,7 +517,7 @@ func (r *benchRun) runVirtual(recs []trace.Record, rate float64, p string, pd in
 		opts := virtual.ReplayOptions{Policy: p, Engines: fl.engines, TrackPrecise: true, Prefill: pd,
 			Engine: fl.tiers.engine(sim.Config{Profile: r.prof}), Remote: fl.tiers.remote, Records: recs, Requests: fl.requests,
 			Model: r.model, Routing: routing, Warmup: fl.warm.w, RateRPS: rate,
-			Replicas: rs.n, ReplicaSync: rs.sync, ReplicaDelay: rs.delay}
+			Replicas: rs.n, ReplicaSync: rs.sync, ReplicaDelay: rs.delay, ReplicaNoStagger: rs.noStagger}
 		if rs.kill {
 			n := len(recs)
 			if fl.requests > 0 {

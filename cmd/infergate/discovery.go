@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/k8s"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Kubernetes discovery for serve and epp (gateway README "Kubernetes
@@ -32,6 +34,7 @@ type reloader struct {
 	g    *gateway.Gateway
 	log  *slog.Logger
 	load func() (gateway.Config, error) // the file, flags and environment
+	reg  prometheus.Registerer          // discovery's metrics (nil: none)
 
 	mu      sync.Mutex
 	static  gateway.Config // as last applied
@@ -163,6 +166,9 @@ func (r *reloader) startDiscovery(ctx context.Context, cfg gateway.Config) (stop
 	if err != nil {
 		return nil, err
 	}
+	if err := registerDiscovery(r.reg, w); err != nil {
+		return nil, err
+	}
 	what := "InferencePool " + ns + "/" + k.InferencePool
 	if k.Service != "" {
 		what = "Service " + ns + "/" + k.Service
@@ -183,4 +189,41 @@ func (r *reloader) startDiscovery(ctx context.Context, cfg gateway.Config) (stop
 		<-done
 		r.close()
 	}, nil
+}
+
+// registerDiscovery exports w's counters on reg (nothing when nil) as
+// infergate_discovery_* (k8s/README.md "Metrics").
+func registerDiscovery(reg prometheus.Registerer, w *k8s.Watcher) error {
+	if reg == nil {
+		return nil
+	}
+	st := w.Stats()
+	counter := func(name, help string, f func() uint64) prometheus.Collector {
+		return prometheus.NewCounterFunc(prometheus.CounterOpts{Namespace: "infergate", Subsystem: "discovery", Name: name, Help: help},
+			func() float64 { return float64(f()) })
+	}
+	gauge := func(name, help string, f func() float64) prometheus.Collector {
+		return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Subsystem: "discovery", Name: name, Help: help}, f)
+	}
+	for _, c := range []prometheus.Collector{
+		counter("engines_added_total", "Kubernetes discovery: engines (host:port) that appeared in the discovered list.", st.Added.Load),
+		counter("engines_removed_total", "Kubernetes discovery: engines (host:port) that left the discovered list.", st.Removed.Load),
+		counter("changes_total", "Kubernetes discovery: discovered lists applied (the first after the informers synced included).", st.Changes.Load),
+		counter("watch_errors_total", "Kubernetes discovery: failed lists and watches of the informers, each retried by client-go with backoff (a restarted watch).", st.WatchErrors.Load),
+		gauge("engines", "Kubernetes discovery: engines in the last discovered list.", func() float64 { return float64(st.Engines.Load()) }),
+		gauge("synced", "Kubernetes discovery: 1 once the informers have synced (their first list), else 0.", func() float64 {
+			if w.Synced() {
+				return 1
+			}
+			return 0
+		}),
+		gauge("last_change_timestamp_seconds", "Kubernetes discovery: when the last discovered list was applied (Unix seconds; 0 before the first): time() minus it is the list's age.", func() float64 {
+			return float64(st.LastChange.Load()) / 1e9
+		}),
+	} {
+		if err := reg.Register(c); err != nil {
+			return fmt.Errorf("kubernetes discovery: register metrics: %w", err)
+		}
+	}
+	return nil
 }

@@ -34,6 +34,7 @@ type eppFlags struct {
 	poolModel        string
 	hooks            bool
 	maxBuffered      int64
+	maxStreams       int
 }
 
 // eppDefaultListen is epp's HTTP listener (metrics, /healthz, /readyz,
@@ -86,6 +87,7 @@ for an invalid body. See gateway/README.md "Endpoint picker".`,
 	f.StringVar(&fl.poolNS, "pool-namespace", "", "GIE alias: the InferencePool's namespace (discovery.kubernetes.namespace; default the kubeconfig's, in a pod its own)")
 	f.StringVar(&fl.poolModel, "pool-model", "", "the model the pool's engines serve (discovery.kubernetes.endpoint.model), for --pool-name without a discovery section")
 	f.BoolVar(&fl.hooks, "conformance-test-hooks", false, "Gateway API Inference Extension conformance hooks (test-epp-endpoint-selection, x-conformance-test-served-endpoint): test only")
+	f.IntVar(&fl.maxStreams, "max-streams", epp.DefaultMaxStreams, "ext_proc streams (requests through the proxy) open at once over all its connections; past it a new stream ends with RESOURCE_EXHAUSTED")
 	f.Int64Var(&fl.maxBuffered, "max-buffered-bytes", epp.DefaultMaxBufferedBytes, "request bytes (headers and bodies) all streams may hold at once; past it a request is answered 429")
 	return cmd
 }
@@ -188,7 +190,7 @@ func runEPP(cmd *cobra.Command, fl *eppFlags) error {
 	if cfg.Discovery.Kubernetes != nil {
 		g.HoldReadiness("kubernetes discovery: starting")
 	}
-	srv, err := epp.New(g, cfg.EPP, epp.Options{MaxBufferedBytes: fl.maxBuffered, Metrics: reg})
+	srv, err := epp.New(g, cfg.EPP, epp.Options{MaxBufferedBytes: fl.maxBuffered, MaxStreams: fl.maxStreams, Metrics: reg})
 	if err != nil {
 		return err
 	}
@@ -216,7 +218,7 @@ func runEPP(cmd *cobra.Command, fl *eppFlags) error {
 
 	ctx, stop := context.WithCancel(cmd.Context())
 	defer stop()
-	r := &reloader{g: g, log: log, load: load, static: cfg}
+	r := &reloader{g: g, log: log, load: load, static: cfg, reg: reg}
 	stopDiscovery, err := r.startDiscovery(ctx, cfg)
 	if err != nil {
 		return err

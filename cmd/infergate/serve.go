@@ -15,6 +15,8 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -346,7 +348,11 @@ func runGateway(cmd *cobra.Command, pprofAddr string, load func() (gateway.Confi
 	if err != nil {
 		return err
 	}
-	g, err := gateway.New(cmd.Context(), cfg, nil)
+	// The registry the gateway would make itself, kept for discovery's
+	// metrics (discovery.go).
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	g, err := gateway.New(cmd.Context(), cfg, reg)
 	if err != nil {
 		return err
 	}
@@ -357,7 +363,7 @@ func runGateway(cmd *cobra.Command, pprofAddr string, load func() (gateway.Confi
 	warnExposure(log, cfg.Listen, g)
 	ctx, stop := context.WithCancel(cmd.Context())
 	defer stop()
-	r := &reloader{g: g, log: log, load: load, static: cfg}
+	r := &reloader{g: g, log: log, load: load, static: cfg, reg: reg}
 	stopDiscovery, err := r.startDiscovery(ctx, cfg)
 	if err != nil {
 		return err
