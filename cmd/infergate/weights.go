@@ -23,7 +23,7 @@ type weightsFlags struct {
 }
 
 // weightsFlagNames are the flags that need --weights.
-var weightsFlagNames = []string{"artifact-dir", "artifact-budget", "artifact-from", "artifact-from-dir", "artifact-layout", "artifact-peer", "weights-no-verify"}
+var weightsFlagNames = []string{"artifact-dir", "artifact-budget", "artifact-from", "artifact-from-dir", "artifact-layout", "artifact-peer", "artifact-min-rate", "weights-no-verify"}
 
 func (w *weightsFlags) register(f *pflag.FlagSet, scope string) {
 	f.StringVar(&w.ref, "weights", "", scope+"the model (an artifact reference, e.g. local/llama-70b:1) whose weights the engine's start-up reads through the node's artifact cache: fetched from --artifact-from/--artifact-peer when missing (the start-up then modelled from the remote or peer tier), read and verified from the cache when present (page cache or NVMe tier, by residency); pinned while the engine runs (simserver README, \"Weights through the artifact cache\")")
@@ -34,6 +34,7 @@ func (w *weightsFlags) register(f *pflag.FlagSet, scope string) {
 	f.StringArrayVar(&w.cache.fromDir, "artifact-from-dir", nil, "with --weights, an origin folder in Ollama's layout (repeatable)")
 	f.StringVar(&w.cache.layout, "artifact-layout", "registry", "with --weights, the layout of the --artifact-from origins: registry or ollama-dir")
 	f.StringArrayVar(&w.cache.peers, "artifact-peer", nil, "with --weights, a peer node's cache (its infergate artifacts serve URL; repeatable)")
+	f.StringVar(&w.cache.minRate, "artifact-min-rate", "64KiB", `with --weights, abandon a fetch attempt that receives less than this many bytes a second (as infergate artifacts --min-rate; "0": no floor)`)
 	w.cache.concurrency, w.cache.attempts, w.cache.idle = 4, 5, 30*time.Second
 }
 
