@@ -367,3 +367,38 @@ func TestLoRAAdapterConfiguredAsModel(t *testing.T) {
 		t.Errorf("adapter picks of pool a: %v, want 1", v)
 	}
 }
+
+// TestModelListReorderIsNoChange: an engine (or a proxy in front of it)
+// that lists the same models and adapters in another order at each read
+// does not count as a change, so it cannot make the gateway rebuild its
+// state every models_refresh_interval (before: every reordered read was a
+// change and a full rebuild); an added, removed or re-parented adapter
+// still is.
+func TestModelListReorderIsNoChange(t *testing.T) {
+	parse := func(body string) *fleet.ModelList {
+		l, err := fleet.ParseModelList([]byte(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &l
+	}
+	ep := &endpoint{}
+	if _, changed := ep.setModels(parse(`{"data":[{"id":"m"},{"id":"a","parent":"m"},{"id":"b","parent":"m"}]}`)); !changed {
+		t.Fatal("the first list is a change")
+	}
+	for _, c := range []struct {
+		body    string
+		changed bool
+	}{
+		{`{"data":[{"id":"b","parent":"m"},{"id":"m"},{"id":"a","parent":"m"}]}`, false},
+		{`{"data":[{"id":"a","parent":"m"},{"id":"b","parent":"m"},{"id":"m"}]}`, false},
+		{`{"data":[{"id":"a","parent":"m"},{"id":"b","parent":"x"},{"id":"m"}]}`, true},
+		{`{"data":[{"id":"a","parent":"m"},{"id":"m"}]}`, true},
+		{`{"data":[{"id":"a","parent":"m"},{"id":"m"},{"id":"c","parent":"m"}]}`, true},
+		{`{"data":[{"id":"c","parent":"m"},{"id":"a","parent":"m"},{"id":"m"}]}`, false},
+	} {
+		if _, changed := ep.setModels(parse(c.body)); changed != c.changed {
+			t.Errorf("%s: changed %v, want %v", c.body, changed, c.changed)
+		}
+	}
+}
