@@ -169,7 +169,8 @@ func (g *Gateway) buildAdapters(st *state, cfg Config) {
 					names = append(names, m)
 				}
 			}
-			p.served[i] = names
+			slices.Sort(names) // searched by serves and sched's model filter
+			p.served[i] = slices.Compact(names)
 		}
 	}
 }
@@ -210,11 +211,16 @@ func (x *exchange) adapterOn(p *pool) string {
 	return p.adapter
 }
 
-// serves reports whether an endpoint whose served names are models (nil:
-// unknown, every name of its pool) can take a request for adapter ("":
-// the base model).
+// serves reports whether an endpoint whose served names are models
+// (sorted; nil: unknown, every name of its pool) can take a request for
+// adapter ("": the base model). A binary search: an engine may list 1,024
+// adapters and the pick path asks once per endpoint.
 func serves(models []string, adapter string) bool {
-	return adapter == "" || models == nil || slices.Contains(models, adapter)
+	if adapter == "" || models == nil {
+		return true
+	}
+	_, ok := slices.BinarySearch(models, adapter)
+	return ok
 }
 
 // modelsLoop reads ep's GET /v1/models every models_refresh_interval until
