@@ -1,12 +1,14 @@
 package gateway
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/infergate/infergate/fleet"
@@ -167,7 +169,8 @@ func (g *Gateway) buildAdapters(st *state, cfg Config) {
 					names = append(names, m)
 				}
 			}
-			p.served[i] = names
+			slices.Sort(names) // searched by serves and sched's model filter
+			p.served[i] = slices.Compact(names)
 		}
 	}
 }
@@ -208,11 +211,16 @@ func (x *exchange) adapterOn(p *pool) string {
 	return p.adapter
 }
 
-// serves reports whether an endpoint whose served names are models (nil:
-// unknown, every name of its pool) can take a request for adapter ("":
-// the base model).
+// serves reports whether an endpoint whose served names are models
+// (sorted; nil: unknown, every name of its pool) can take a request for
+// adapter ("": the base model). A binary search: an engine may list 1,024
+// adapters and the pick path asks once per endpoint.
 func serves(models []string, adapter string) bool {
-	return adapter == "" || models == nil || slices.Contains(models, adapter)
+	if adapter == "" || models == nil {
+		return true
+	}
+	_, ok := slices.BinarySearch(models, adapter)
+	return ok
 }
 
 // modelsLoop reads ep's GET /v1/models every models_refresh_interval until
@@ -251,10 +259,31 @@ func (g *Gateway) modelsLoop(ctx context.Context, ep *endpoint) {
 }
 
 // setModels stores l as ep's model list and returns the one it replaces
-// (nil: none) and whether l differs from it.
+// (nil: none) and whether l differs from it as a set: an engine (or a
+// proxy in front of it) that lists the same models in another order each
+// read changes nothing, and must not rebuild the state at every refresh.
 func (ep *endpoint) setModels(l *fleet.ModelList) (*fleet.ModelList, bool) {
 	old := ep.models.Swap(l)
-	return old, old == nil || !slices.Equal(old.IDs, l.IDs) || !slices.Equal(old.Adapters, l.Adapters)
+	return old, old == nil || !sameSet(old.IDs, l.IDs, strings.Compare) ||
+		!sameSet(old.Adapters, l.Adapters, func(a, b fleet.ListedAdapter) int {
+			return cmp.Or(strings.Compare(a.Name, b.Name), strings.Compare(a.Parent, b.Parent))
+		})
+}
+
+// sameSet reports whether a and b hold the same elements, in any order
+// (sorted copies compared: at most fleet.MaxListedModels each, once per
+// models_refresh_interval).
+func sameSet[T comparable](a, b []T, compare func(T, T) int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	if slices.Equal(a, b) {
+		return true
+	}
+	a, b = slices.Clone(a), slices.Clone(b)
+	slices.SortFunc(a, compare)
+	slices.SortFunc(b, compare)
+	return slices.Equal(a, b)
 }
 
 // adapterChanged asks the refresher for a rebuild (coalesced: one pending

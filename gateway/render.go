@@ -51,8 +51,9 @@ import (
 //     unreadable answer counts against the endpoint: it is not asked again
 //     for errorBackoff, doubling per failure in a row up to maxBackoff, so
 //     a stalled engine costs at most one timeout per backoff, not one per
-//     request. A 4xx other than the above (the engine refused this
-//     request) counts against nothing.
+//     request; so does an answer other than 200 below 400 (a redirect,
+//     which is not followed, or a 204). A 4xx other than the above (the
+//     engine refused this request) counts against nothing.
 //   - On any failure, or with no endpoint to ask, the request is routed on
 //     the gateway's own tokens (the model's tokenizers entry, else
 //     cl100k_base), counted in infergate_render_fallbacks_total by reason.
@@ -104,7 +105,7 @@ const (
 const (
 	renderOK          = "ok"
 	renderTimeout     = "timeout"
-	renderError       = "error"       // connection failure, 5xx, unreadable answer
+	renderError       = "error"       // connection failure, 5xx, 3xx, unreadable answer
 	renderUnsupported = "unsupported" // neither render nor /tokenize served
 	renderRejected    = "rejected"    // another 4xx: the engine refused the request
 	renderNoEndpoint  = "no_endpoint" // no ready endpoint, or all backing off
@@ -283,6 +284,11 @@ func (r *engineRender) call(parent, ctx context.Context, dst []uint32, ep *endpo
 		case errors.Is(err, errNoRoute) || status == http.StatusMethodNotAllowed:
 			result = renderUnsupported
 		case err != nil || status >= 500:
+			result = renderError
+		case status < 400 && status != http.StatusOK:
+			// A redirect (not followed: render.go's client) or another
+			// 1xx–3xx is the endpoint's doing, not a refusal of this
+			// request: it backs off like an unreadable answer.
 			result = renderError
 		case status != http.StatusOK:
 			result = renderRejected // e.g. a model the engine does not serve

@@ -490,3 +490,40 @@ func TestRenderHealthBounded(t *testing.T) {
 		t.Fatal("the state was not cleared past the bound")
 	}
 }
+
+// A render answered by a redirect (which the client does not follow) or
+// another non-200 status below 400 is the endpoint's doing, not a refusal
+// of the request: it backs off like an error instead of costing every
+// request a round trip (before: counted as rejected, asked once per
+// request).
+func TestEngineRenderRedirectBacksOff(t *testing.T) {
+	for _, status := range []int{http.StatusTemporaryRedirect, http.StatusMovedPermanently, http.StatusNoContent} {
+		t.Run(fmt.Sprint(status), func(t *testing.T) {
+			var n atomic.Int32
+			e := newRenderEngine(t, func(w http.ResponseWriter, r *http.Request, _ []byte) {
+				n.Add(1)
+				if status != http.StatusNoContent {
+					w.Header().Set("Location", "http://127.0.0.1:1/elsewhere")
+				}
+				w.WriteHeader(status)
+			})
+			g, url := startGateway(t, renderConfig(e))
+			g.render.backoff = time.Hour
+			p := waitReady(t, g, "m")
+			for i := range 3 {
+				if _, ok := g.engineTokens(context.Background(), nil,
+					chatExchange(t, fmt.Sprintf(`{"model":"m","messages":[{"role":"user","content":"%d"}]}`, i)), kindChat, p); ok {
+					t.Fatal("ids from a redirect")
+				}
+			}
+			if n.Load() != 1 {
+				t.Fatalf("an endpoint answering %d was asked %d times of 3: not backing off", status, n.Load())
+			}
+			m := scrape(t, testClient(t), url)
+			if m.value("infergate_render_requests_total", `result="error"`) != 1 ||
+				m.value("infergate_render_fallbacks_total", `model="m",reason="no_endpoint"`) != 2 {
+				t.Errorf("metrics:\n%s", strings.Join(m.grep("infergate_render"), "\n"))
+			}
+		})
+	}
+}

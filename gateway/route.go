@@ -341,7 +341,7 @@ type pool struct {
 	// adapter is the pool's model when its engines list that model as a
 	// LoRA adapter (an adapter configured as a model of its own), else "";
 	// served is, per slot, the model names the engine lists of those the
-	// pool serves (its model and adapters; nil: unknown, all of them), nil
+	// pool serves (its model and adapters, sorted; nil: unknown, all of them), nil
 	// when the pool has no adapters (adapters.go).
 	adapter string
 	served  [][]string

@@ -111,7 +111,7 @@ profiles:
 
 func TestFilters(t *testing.T) {
 	eps := []Endpoint{
-		{Ready: true, Models: []string{"m", "a1"}, Adapters: []string{"a1"}, MaxAdapters: 1, InFlight: 20},
+		{Ready: true, Models: []string{"a1", "m"}, Adapters: []string{"a1"}, MaxAdapters: 1, InFlight: 20},
 		{Ready: true, Models: nil, Adapters: []string{"a2"}, MaxAdapters: 1, InFlight: 5},
 		{Ready: true, Models: []string{"other"}, InFlight: 0},
 		{Ready: true, Adapters: nil, MaxAdapters: 2, InFlight: 9},

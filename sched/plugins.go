@@ -38,6 +38,13 @@ const (
 
 // ---- filters ----
 
+// inSorted reports whether the sorted names hold name: O(log n), no
+// allocation (Endpoint.Models).
+func inSorted(names []string, name string) bool {
+	_, ok := slices.BinarySearch(names, name)
+	return ok
+}
+
 // modelFilter keeps endpoints that serve the requested model (or adapter):
 // Endpoint.Models nil means "every model of the pool". Hard constraint.
 type modelFilter struct{}
@@ -51,7 +58,7 @@ func (modelFilter) Filter(c *Cycle, cands []int) []int {
 	}
 	out := cands[:0]
 	for _, i := range cands {
-		if m := c.Eps[i].Models; m == nil || slices.Contains(m, want) {
+		if m := c.Eps[i].Models; m == nil || inSorted(m, want) {
 			out = append(out, i)
 		}
 	}

@@ -42,8 +42,9 @@ type Endpoint struct {
 	// count (max_lora), 0 when unknown.
 	Adapters    []string
 	MaxAdapters int
-	// Models lists the model names (bases and adapters) the endpoint serves;
-	// nil means every model of its pool.
+	// Models lists the model names (bases and adapters) the endpoint serves,
+	// sorted (the model filter searches it: an engine may list 1,024
+	// adapters, fleet.MaxListedModels); nil means every model of its pool.
 	Models []string
 	// Role is the endpoint's part in a P/D pool (pd.go); RoleBoth outside one.
 	Role Role
