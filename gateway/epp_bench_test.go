@@ -16,10 +16,16 @@ import (
 
 // eppBenchConfig is a configuration of n endpoints that are never dialled
 // (no probe, no scrape, no start-up read), spread over models pools of
-// models m0, m1, … (endpoint i serves m<i mod models>).
+// models m0, m1, … (endpoint i serves m<i mod models>). Their health loops
+// tick at the production default (health_check_interval 5 s: 200 wake-ups
+// a second at 1,000 endpoints), not testConfig's 20 ms: at 1,000
+// endpoints that was 50,000 timer wake-ups a second, which no production
+// EPP runs, and which doubled BenchmarkEPPDecision's Pick p99 on a loaded
+// 2-core host (gateway/README.md "Performance", 2026-12-05).
 func eppBenchConfig(policy string, n, models int) Config {
 	cfg := testConfig(policy)
 	cfg.HealthCheckPath, cfg.ScrapeInterval = healthCheckOff, -1
+	cfg.HealthCheckInterval = DefaultHealthCheckInterval
 	for i := range n {
 		cfg.Endpoints = append(cfg.Endpoints, EndpointConfig{
 			URL:   fmt.Sprintf("http://10.%d.%d.%d:8000", i>>16&255, i>>8&255, i&255),

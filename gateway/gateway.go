@@ -28,7 +28,6 @@ import (
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/hftokenizer"
 	"github.com/infergate/infergate/prefix"
-	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/upstream"
 )
 
@@ -116,9 +115,9 @@ type Gateway struct {
 	// accesslog.go, tracing.go).
 	obs *observer
 
-	// settles are the policies whose queued learning the settler applies
-	// (learning.go).
-	settles chan sched.Settler
+	// settles are the pools whose policies' queued learning the settler
+	// applies, each at most once (learning.go).
+	settles chan *pool
 	// adapterRefresh asks for a rebuild of the state when an endpoint's
 	// model list changed (adapters.go; capacity 1).
 	adapterRefresh chan struct{}

@@ -11,13 +11,22 @@ import "github.com/infergate/infergate/sched"
 // BenchmarkEPPDecision and sched.BenchmarkDecision64x1M measure the pick
 // path (gateway/README.md "Performance").
 
-// settleBacklog is the most policies waiting for the settler.
+// settleBacklog is the most pools waiting for the settler. A pool waits
+// at most once (pool.settleQueued): picks that find their pool already
+// waiting add nothing, so the backlog fills only when more than this many
+// pools wait, not when the settler's thread misses a few milliseconds of
+// a core (a loaded host): until 2026-12-05 every pick queued its policy
+// again, 64 picks filled the channel, and the following picks settled on
+// their own goroutine (0.5–2% of BenchmarkEPPDecision's picks at load 6–8
+// on 2 cores, the Pick p99's tail). The index's own bound still applies:
+// a Learn that finds prefix.Index's queue full (256 learns) inserts on
+// the pick's goroutine (prefix/learn.go).
 const settleBacklog = 64
 
 // startSettler starts the goroutine that settles the policies' queued
 // learning until Close.
 func (g *Gateway) startSettler() {
-	g.settles = make(chan sched.Settler, settleBacklog)
+	g.settles = make(chan *pool, settleBacklog)
 	g.wg.Add(1)
 	go func() {
 		defer g.wg.Done()
@@ -25,28 +34,37 @@ func (g *Gateway) startSettler() {
 			select {
 			case <-g.loops.Done():
 				return
-			case s := <-g.settles:
-				s.Settle()
+			case p := <-g.settles:
+				// Cleared first: a learn queued from here on asks again.
+				p.settleQueued.Store(false)
+				p.settler().Settle()
 			}
 		}
 	}()
 }
 
-// settleLater hands p's queued learning, if any, to the settler (or
-// settles it here when the settler is behind or stopped).
-func (g *Gateway) settleLater(p *pool) {
-	var s sched.Settler
+// settler is p's policy's learning queue (nil: it learns at once).
+func (p *pool) settler() sched.Settler {
 	if p.pd != nil {
-		s = p.pd
-	} else if ps, ok := p.policy.(sched.Settler); ok {
-		s = ps
+		return p.pd
 	}
-	if s == nil || !s.Unsettled() {
+	s, _ := p.policy.(sched.Settler)
+	return s
+}
+
+// settleLater hands p's queued learning, if any, to the settler unless p
+// already waits for it (or settles it here when settleBacklog pools wait).
+// After Close a pool left waiting is settled by the index's own bound
+// only (prefix.Index.Learn inserts inline once its queue is full).
+func (g *Gateway) settleLater(p *pool) {
+	s := p.settler()
+	if s == nil || !s.Unsettled() || p.settleQueued.Load() || !p.settleQueued.CompareAndSwap(false, true) {
 		return
 	}
 	select {
-	case g.settles <- s:
+	case g.settles <- p:
 	default:
+		p.settleQueued.Store(false)
 		s.Settle()
 	}
 }

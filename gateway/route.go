@@ -326,6 +326,8 @@ type pool struct {
 	blockSize   int           // routing block size (tokens)
 	seed        uint64        // prefix.Seed(model + "\x00"): no cache salt
 	snapshots   sync.Pool     // *[]sched.Endpoint
+	// settleQueued: the pool waits in Gateway.settles (learning.go).
+	settleQueued atomic.Bool
 	// precise is the pool's index fed by its endpoints' KV events (nil
 	// unless every endpoint publishes them); precisePolicy: the policy
 	// scores with it, so its prediction is the policy's.
