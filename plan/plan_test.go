@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
 	"github.com/infergate/infergate/trace"
@@ -175,10 +176,14 @@ func TestRunErrors(t *testing.T) {
 }
 
 func TestRunRejectsOversizedPolicyUpFront(t *testing.T) {
+	// One engine more than the approximate index tracks (16,384 since it
+	// keeps groups of 64; 4,096 was over its limit of 64 before, and now
+	// simulates, with 24 GB of indexes under -race).
+	n := prefix.MaxIndexEndpoints + 1
 	start := time.Now()
-	_, err := Run(context.Background(), Options{Records: burstTrace(4, time.Second), Engines: []int{1, 4096},
+	_, err := Run(context.Background(), Options{Records: burstTrace(4, time.Second), Engines: []int{1, n},
 		Policies: []string{sched.LeastRequest, sched.Prefix}, SLO: mustSLO(t, "ttft_p90=1s")})
-	if err == nil || !strings.Contains(err.Error(), "policy prefix on 4096 engines") {
+	if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("policy prefix on %d engines", n)) {
 		t.Fatalf("err %v", err)
 	}
 	if d := time.Since(start); d > 2*time.Second {
