@@ -85,26 +85,8 @@ func (s *Server) handleChatRender(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, e)
 		return
 	}
-	maxTokens := req.MaxTokens
-	if req.MaxCompletionTokens != nil {
-		maxTokens = req.MaxCompletionTokens
-	}
-	toks, e := s.chatTokens(body, req.Messages, req.Tools)
+	g, e := s.chatGen(body, &req, nil)
 	if e != nil {
-		openai.WriteError(w, e)
-		return
-	}
-	g := genRequest{
-		chat:          true,
-		id:            s.newID("chatcmpl-"),
-		model:         req.Model,
-		tokens:        toks,
-		maxTokens:     orDefault(maxTokens, DefaultMaxTokens),
-		stream:        req.Stream,
-		streamOptions: req.StreamOptions,
-		cacheSalt:     req.CacheSalt,
-	}
-	if e := s.check(&g, req.N); e != nil {
 		openai.WriteError(w, e)
 		return
 	}

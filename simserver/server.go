@@ -735,14 +735,25 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, e)
 		return
 	}
+	g, e := s.chatGen(body, &req, pd)
+	if e != nil {
+		openai.WriteError(w, e)
+		return
+	}
+	s.serve(w, r, &g)
+}
+
+// chatGen tokenizes a decoded chat request (body: its JSON; pd: its P/D
+// fields, nil for none) and builds the generation it asks for, checked
+// (s.check): what the chat endpoint serves and its render endpoint answers.
+func (s *Server) chatGen(body []byte, req *openai.ChatRequest, pd *pdRequest) (genRequest, *openai.Error) {
 	maxTokens := req.MaxTokens
 	if req.MaxCompletionTokens != nil {
 		maxTokens = req.MaxCompletionTokens
 	}
 	toks, e := s.chatTokens(body, req.Messages, req.Tools)
 	if e != nil {
-		openai.WriteError(w, e)
-		return
+		return genRequest{}, e
 	}
 	g := genRequest{
 		chat:           true,
@@ -756,11 +767,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		cacheSalt:      req.CacheSalt,
 		pd:             pd,
 	}
-	if e := s.check(&g, req.N); e != nil {
-		openai.WriteError(w, e)
-		return
-	}
-	s.serve(w, r, &g)
+	return g, s.check(&g, req.N)
 }
 
 func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
