@@ -247,6 +247,11 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ meas
 		// timing out is then the benchmark's own CPU load, not the engine).
 		// Passive ejection on connection failures stays on.
 		HealthCheckPath: "-",
+		// For the same reason a loopback dial may wait for a core: on a
+		// host at load 26 (2 cores) dials to the in-process engines timed
+		// out after the default 5 s and round-robin lost 97 of 300
+		// requests. The fleet's lag report says when the host fell behind.
+		ConnectTimeout: time.Minute,
 	}, prometheus.NewRegistry())
 	if err != nil {
 		return measure.Summary{}, fmt.Errorf("start gateway: %w", err)
