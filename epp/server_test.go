@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"math/rand/v2"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -290,7 +289,7 @@ func TestClientGoesAway(t *testing.T) {
 	warm.routed(false)
 	warm.cancel()
 	waitFor(t, "the warm-up stream ended", func() bool { return tp.gauge(t, "infergate_epp_streams") == 0 })
-	before := runtime.NumGoroutine()
+	before := liveGoroutines()
 	for _, stage := range []string{"mid-body", "after-pick", "mid-answer"} {
 		s := tp.open(t)
 		s.headers("POST", "/v1/chat/completions", false, nil)
@@ -503,7 +502,7 @@ func TestManyStreams(t *testing.T) {
 	warm.routed(false)
 	warm.cancel()
 	waitFor(t, "the warm-up stream ended", func() bool { return tp.gauge(t, "infergate_epp_streams") == 0 })
-	before := runtime.NumGoroutine()
+	before := liveGoroutines()
 	const n = 2000
 	var wg sync.WaitGroup
 	var mu sync.Mutex

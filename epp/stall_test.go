@@ -1,7 +1,6 @@
 package epp
 
 import (
-	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -35,7 +34,7 @@ func TestStalledStreamsEnd(t *testing.T) {
 	warm.routed(false)
 	warm.cancel()
 	waitFor(t, "the warm-up stream ended", func() bool { return tp.gauge(t, "infergate_epp_streams") == 0 })
-	before := runtime.NumGoroutine()
+	before := liveGoroutines()
 
 	// end reads until the stream ends and returns its status (a bound on
 	// the wait, not a timing claim).
