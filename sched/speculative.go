@@ -19,9 +19,9 @@ import (
 // input) although the engine will take the shared part from its cache.
 // Measured on SGLang's shared-prefix workload (1,024 requests at t = 0, 8
 // engines, virtual time): every precise-prefix decision matched 0 blocks,
-// and the per-engine request counts spread from 96 to 144 (cache-aware: 128
-// each), TTFT p99 4.4–4.9 s against 3.9 s (sched/README.md, "precise-prefix's
-// tail").
+// and the per-engine request counts spread from 96 to 176 (cache-aware: 128
+// each), TTFT p99 4.4–5.4 s against 3.9 s (sched/README.md, "precise-prefix's
+// p99").
 //
 // A speculative overlay closes the gap: each decision's prompt counts as
 // held by the chosen endpoint for SpeculativeTTL after the decision, and
@@ -55,7 +55,8 @@ const (
 )
 
 // DefaultSpeculativeTTL is the built-in precise-prefix profile's
-// ProfileConfig.SpeculativeTTL (sched/README.md, "precise-prefix's tail").
+// ProfileConfig.SpeculativeTTL: llm-d's speculativeTTL default (sched/README.md,
+// "precise-prefix's p99", for 2 s against 10 s).
 const DefaultSpeculativeTTL = 2 * time.Second
 
 // specEntry is one decision's prompt on its endpoint.
