@@ -698,6 +698,10 @@ func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool,
 		sp := sched.Pool{Capacity: capacity}
 		if p.precise != nil {
 			sp.Precise = p.precise.On(prefix.MediumGPU)
+			// The monotonic clock, for profiles that age what they learn
+			// (sched.ProfileConfig.SpeculativeTTL).
+			start := time.Now()
+			sp.Now = func() time.Duration { return time.Since(start) }
 		}
 		sp.Tiers = p.tiers
 		if p.roles != nil { // a P/D pool: the decode profile is its policy

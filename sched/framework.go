@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/infergate/infergate/prefix"
 )
@@ -174,6 +175,11 @@ type Profile struct {
 	hashes   bool        // some plugin reads Request.Hashes
 	forget   []func(int)
 	approx   *prefix.Index // the approximate index, nil when no scorer uses it
+	// spec is the precise index with the recent decisions' prompts
+	// (speculative.go), nil unless the profile has a SpeculativeTTL and a
+	// precise-prefix scorer; specTTL is the profile's TTL.
+	spec    *speculative
+	specTTL time.Duration
 	// peerMatch is a peer scorer's own index (llm-d-prefix, sglang-tree;
 	// peers.go), the match source when the profile has no precise one;
 	// sglang is the sglang-tree scorer, which its picker reads.

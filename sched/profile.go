@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"time"
 
 	"github.com/infergate/infergate/prefix"
 )
@@ -43,6 +44,16 @@ type ProfileConfig struct {
 	// cost scorers, as llm-d and Dynamo weigh tiers; unset, hits are
 	// priced by their load time (tiers.go). Only pools with Tiers use it.
 	TierWeights map[string]float64 `yaml:"tier_weights"`
+	// SpeculativeTTL, for a profile with a precise-prefix scorer, counts
+	// each decision's prompt as held by the chosen endpoint in the precise
+	// index's match until this long after the decision (llm-d's
+	// speculative indexing; speculative.go): the index otherwise learns
+	// the blocks only from the engine's KV events, after the request's
+	// queueing and prefill. 0 (the default of a composed profile): off.
+	// The built-in precise-prefix profile sets DefaultSpeculativeTTL. Not
+	// applied on a pool with tiers (the tier split comes from the index's
+	// per-medium matches alone).
+	SpeculativeTTL time.Duration `yaml:"speculative_ttl"`
 }
 
 // ScorerConfig is one weighted scorer of a profile.
@@ -130,6 +141,9 @@ var builtinProfiles = map[string]ProfileConfig{
 		// precise index outweighs it, eviction included.
 		Scorers: precisePrefixScorers,
 		Picker:  PickerMaxScore,
+		// Until the events arrive, the decision's prompt counts as held by
+		// its endpoint in the precise match (speculative.go).
+		SpeculativeTTL: DefaultSpeculativeTTL,
 	},
 	LLMDTiered: {
 		Filters:     []string{FilterModel, FilterAdapterCapacity, FilterHotSpot},
@@ -184,6 +198,11 @@ type Pool struct {
 	// Tiers is what the pool's index knows of the tiers below the GPU, nil
 	// when the endpoints have none (or publish no events of them).
 	Tiers *Tiers
+	// Now is the pool's clock (monotonic; virtual time's in a simulated
+	// fleet), read by profiles with a SpeculativeTTL to age their entries.
+	// nil: entries never expire by time, only by being overwritten by
+	// later decisions (speculative.go, specSlots).
+	Now func() time.Duration
 }
 
 // ErrNoPrecise is returned by NewPolicy for a profile with a precise-prefix
@@ -319,6 +338,10 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint6
 	if len(pc.Scorers) == 0 && !scoreless(pc.Picker) {
 		return nil, where("no scorers")
 	}
+	if pc.SpeculativeTTL < 0 {
+		return nil, where("speculative_ttl %v must be >= 0", pc.SpeculativeTTL)
+	}
+	p.specTTL = pc.SpeculativeTTL
 	var precise, cost bool
 	for _, sc := range pc.Scorers {
 		if sc.Weight < 0 || sc.Weight != sc.Weight {
@@ -333,6 +356,8 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint6
 		cost = cost || sc.Type == ScorerCost || sc.Type == ScorerTTFT
 	}
 	switch {
+	case precise && p.spec != nil:
+		p.match = p.spec
 	case precise:
 		p.match = pool.Precise
 	case p.peerMatch != nil:
@@ -386,7 +411,16 @@ func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfi
 			return nil, ErrNoPrecise
 		}
 		p.hashes = true
-		return &preciseScorer{src: pool.Precise, minGain: pcfg.MinMatchGain}, nil
+		src := pool.Precise
+		if p.specTTL > 0 && pool.Tiers == nil {
+			if p.spec == nil {
+				p.spec = newSpeculative(pool.Precise, p.specTTL, pool.Now)
+				p.learners = append(p.learners, p.spec)
+				p.forget = append(p.forget, p.spec.forget)
+			}
+			src = p.spec
+		}
+		return &preciseScorer{src: src, minGain: pcfg.MinMatchGain}, nil
 	case ScorerQueue:
 		return queueScorer{}, nil
 	case ScorerKVUtilization:

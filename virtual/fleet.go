@@ -44,6 +44,14 @@ type Config struct {
 	// built from Routing that scores with the precise index. The routing
 	// block size must equal the engines'.
 	TrackPrecise bool
+	// KVEventDelay is how long after the end of a step the precise index
+	// applies the step's KV events (0: at the step's end). A live gateway
+	// hears them after the engine publishes them, the ZeroMQ hop and its
+	// subscriber's decoding: milliseconds on one quiet host, more across
+	// nodes or on a loaded one, and in a real-time bench at speedup S each
+	// wall-clock millisecond of it is S ms of engine time. The remote
+	// tier's events are not delayed.
+	KVEventDelay time.Duration
 	// ScrapeInterval is the period at which routing sees the engines' own
 	// load (Waiting, Running, KVUtil), as the live gateway scrapes each
 	// engine's /metrics (gateway.DefaultScrapeInterval, 1 s, when 0;
@@ -231,6 +239,11 @@ type Fleet struct {
 	// nextScrape is the time of the next metrics scrape (never: none).
 	nextScrape time.Duration
 
+	// kvq holds the steps' KV events waiting for their delivery
+	// (Config.KVEventDelay), in due order from kvHead.
+	kvq    []kvBatch
+	kvHead int
+
 	// P/D (Config.Prefill): the decisions, and the split requests whose
 	// prefill leg ended at the current instant (sent to D after the
 	// instant's deliveries).
@@ -354,6 +367,7 @@ func NewFleet(cfg Config) (*Fleet, error) {
 	}
 	var pd *sched.PD
 	var pool sched.Pool
+	var f *Fleet
 	policy := cfg.Policy
 	if policy == nil {
 		capacity := make([]int, cfg.Engines)
@@ -363,6 +377,10 @@ func NewFleet(cfg Config) (*Fleet, error) {
 		pool = sched.Pool{Capacity: capacity}
 		if precise != nil {
 			pool.Precise = precise.On(prefix.MediumGPU)
+			// The fleet's virtual clock, for profiles that age what they
+			// learn (sched.ProfileConfig.SpeculativeTTL); decisions are
+			// made at the arrival's time.
+			pool.Now = func() time.Duration { return f.now }
 			if eng.Tiers.Enabled() {
 				pool.Tiers = tierPool(precise, cfg.Engines, remote != nil, eng)
 			}
@@ -378,7 +396,7 @@ func NewFleet(cfg Config) (*Fleet, error) {
 			policy = pd.Decode()
 		}
 	}
-	f := &Fleet{
+	f = &Fleet{
 		cfg:        cfg,
 		nextScrape: never,
 		policy:     policy,
@@ -545,7 +563,12 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 				t, scrape = at, false
 			}
 		}
+		if f.kvHead < len(f.kvq) && f.kvq[f.kvHead].due < t {
+			t, scrape = f.kvq[f.kvHead].due, false
+		}
 		f.now = t
+		// 0. The KV events due now (Config.KVEventDelay).
+		f.applyDueKVEvents(t)
 		// 1. Deliver the steps ending now.
 		f.pending = f.pending[:0]
 		for f.heap.len() > 0 && f.engines[f.heap.top()].end == t {
@@ -553,7 +576,12 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 			ve := &f.engines[i]
 			ve.busy, ve.sleeping = false, false
 			if f.precise != nil {
-				f.applyKVEvents(int(i), ve)
+				if f.cfg.KVEventDelay > 0 {
+					f.queueKVEvents(int(i), ve, t+f.cfg.KVEventDelay)
+				} else {
+					f.applyKVEvents(int(i), ve.events)
+				}
+				ve.events = nil
 				if f.remote != nil {
 					f.applyRemoteEvents(ve)
 				}
@@ -878,11 +906,48 @@ func (f *Fleet) applyRemoteEvents(ve *engine) {
 	}
 }
 
+// kvBatch is a step's KV events waiting for their delivery.
+type kvBatch struct {
+	due    time.Duration
+	engine int
+	events []kvevent.Event // deep copies
+}
+
+// queueKVEvents keeps engine i's step events for delivery at due: copies,
+// since the engine reuses its buffers.
+func (f *Fleet) queueKVEvents(i int, ve *engine, due time.Duration) {
+	if len(ve.events) == 0 {
+		return
+	}
+	if f.kvHead == len(f.kvq) {
+		f.kvq, f.kvHead = f.kvq[:0], 0
+	}
+	evs := make([]kvevent.Event, len(ve.events))
+	for k, ev := range ve.events {
+		ev.BlockHashes = slices.Clone(ev.BlockHashes)
+		ev.TokenIDs = slices.Clone(ev.TokenIDs)
+		evs[k] = ev
+	}
+	f.kvq = append(f.kvq, kvBatch{due: due, engine: i, events: evs})
+}
+
+// applyDueKVEvents applies the queued KV events due by t, in the order
+// their steps ended.
+func (f *Fleet) applyDueKVEvents(t time.Duration) {
+	for f.kvHead < len(f.kvq) && f.kvq[f.kvHead].due <= t {
+		b := &f.kvq[f.kvHead]
+		f.applyKVEvents(b.engine, b.events)
+		*b = kvBatch{}
+		f.kvHead++
+	}
+}
+
 // applyKVEvents feeds engine i's step events to the precise index, at the
-// step's end, as the engine publishes them after the step.
-func (f *Fleet) applyKVEvents(i int, ve *engine) {
-	for k := range ve.events {
-		ev := &ve.events[k]
+// step's end, as the engine publishes them after the step (or
+// Config.KVEventDelay later).
+func (f *Fleet) applyKVEvents(i int, events []kvevent.Event) {
+	for k := range events {
+		ev := &events[k]
 		switch ev.Type {
 		case kvevent.BlockStored:
 			seed := f.seed
@@ -900,7 +965,6 @@ func (f *Fleet) applyKVEvents(i int, ve *engine) {
 			f.precise.Cleared(i)
 		}
 	}
-	ve.events = nil
 }
 
 // deliver hands the outputs of ve's step, ending at t, to their requests.

@@ -27,6 +27,8 @@ type ReplayOptions struct {
 	// (Summary.PrecisePredictedHitRate, PrecisePredictionMAE); it costs
 	// about a Match per request and the events' application.
 	TrackPrecise bool
+	// KVEventDelay delays the precise index's KV events (Config.KVEventDelay).
+	KVEventDelay time.Duration
 	// Engines is the number of simulated engines (default 4).
 	Engines int
 	// Engine is the engine model of every engine (zero: sim's defaults).
@@ -157,6 +159,7 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 		Routing:      routing,
 		SkipITL:      opts.SkipITL,
 		TrackPrecise: opts.TrackPrecise,
+		KVEventDelay: opts.KVEventDelay,
 		Remote:       opts.Remote,
 		Prefill:      opts.Prefill,
 		Replicas:     opts.Replicas,

@@ -51,6 +51,7 @@ type benchFlags struct {
 	rateList    string
 	concurrency int
 	maxLag      time.Duration
+	kvDelay     time.Duration
 	tiers       tierFlags
 	// pd lists the prefill-engine counts each policy runs with (--pd;
 	// [0]: aggregated only).
@@ -147,6 +148,7 @@ func (fl *benchFlags) bind(f *pflag.FlagSet) {
 	f.IntVar(&fl.pdThr, "pd-threshold", 0, "with --pd: the decider's non-cached-token threshold (0 = 2048, -1 = always split)")
 	f.IntSliceVar(&fl.replicas, "replicas", []int{1}, "with --compare --virtual: gateway replica counts each policy runs with, behind a round-robin (L4) front, each with its own index and load view, e.g. 1,3 (gateway/README.md \"Replicas\")")
 	f.BoolSliceVar(&fl.replicaSync, "replica-sync", []bool{true}, "with --replicas > 1: whether the replicas exchange what they learn and their load (true, false or both: true,false)")
+	f.DurationVar(&fl.kvDelay, "kv-event-delay", 0, "with --virtual: the precise index hears each step's KV events this long after the step ends (engine time; 0: at its end), as a live gateway hears them after the ZeroMQ hop")
 	f.DurationSliceVar(&fl.replicaDelay, "replica-delay", []time.Duration{5 * time.Millisecond}, "with --replica-sync: the exchange's delivery delay, one run per value, e.g. 1ms,10ms")
 	f.BoolSliceVar(&fl.replicaStagger, "replica-stagger", []bool{true}, "with --replica-sync: whether replicas whose decisions come in bursts take turns, each waiting rank × the exchange's measured delay before deciding (true, false or both; gateway/README.md \"Replicas\")")
 	f.BoolSliceVar(&fl.replicaKill, "replica-kill", []bool{false}, "with --replicas > 1: also (true) or only with (false,true / true) replica 1 killed when the middle request arrives: its requests in flight fail, the survivors take the rest")
@@ -207,6 +209,12 @@ func (fl *benchFlags) validate() ([]float64, error) {
 	}
 	if fl.spread < 0 {
 		return nil, fmt.Errorf("--spread %v: must not be negative", fl.spread)
+	}
+	switch {
+	case fl.kvDelay < 0:
+		return nil, fmt.Errorf("--kv-event-delay %v: must not be negative", fl.kvDelay)
+	case fl.kvDelay > 0 && !fl.virtual:
+		return nil, errors.New("--kv-event-delay runs in virtual time (--compare --virtual); a real-time fleet's events take the time they take")
 	}
 	for _, d := range fl.replicaDelay {
 		if d < 0 {
@@ -514,7 +522,7 @@ func (r *benchRun) runVirtual(recs []trace.Record, rate float64, p string, pd in
 		engines = bench.DefaultEngines
 	}
 	{
-		opts := virtual.ReplayOptions{Policy: p, Engines: fl.engines, TrackPrecise: true, Prefill: pd,
+		opts := virtual.ReplayOptions{Policy: p, Engines: fl.engines, TrackPrecise: true, KVEventDelay: fl.kvDelay, Prefill: pd,
 			Engine: fl.tiers.engine(sim.Config{Profile: r.prof}), Remote: fl.tiers.remote, Records: recs, Requests: fl.requests,
 			Model: r.model, Routing: routing, Warmup: fl.warm.w, RateRPS: rate,
 			Replicas: rs.n, ReplicaSync: rs.sync, ReplicaDelay: rs.delay, ReplicaNoStagger: rs.noStagger}

@@ -54,6 +54,8 @@ func TestBenchRateSweepWarmup(t *testing.T) {
 		{"--concurrency", "2", "--rate", "1"},
 		{"--rate", "0"},
 		{"--warmup", "-1"},
+		{"--kv-event-delay", "1s"},               // real time
+		{"--kv-event-delay", "-1s", "--virtual"}, // negative
 	} {
 		args := append([]string{"bench", "--compare", "prefix", "--workload", "shared-prefix", "--sp-groups", "1", "--sp-prompts-per-group", "2"}, bad...)
 		c := exec.Command(os.Args[0], args...)
