@@ -68,3 +68,26 @@ func (g *Gateway) settleLater(p *pool) {
 		s.Settle()
 	}
 }
+
+// learnFinished tells p's policy that endpoint slot i ended x's request
+// (sched.Finisher): with routing.prefix.learn_on_finish the approximate
+// index learns its prompt again, queued for the settler, as the engine's
+// LRU free queue takes a finished request's blocks. A pool that a reload
+// replaced since the pick is skipped (its slots may name other engines
+// now): a missed refresh, never a wrong block.
+func (g *Gateway) learnFinished(p *pool, i int, x *exchange) {
+	if len(x.sreq.Hashes) == 0 || p.next.Load() != nil {
+		return
+	}
+	var f sched.Finisher
+	if p.pd != nil {
+		f = p.pd
+	} else if pf, ok := p.policy.(sched.Finisher); ok {
+		f = pf
+	}
+	if f == nil || !f.LearnsOnFinish() {
+		return
+	}
+	f.Finished(i, x.sreq.Hashes)
+	g.settleLater(p)
+}

@@ -174,6 +174,9 @@ type Profile struct {
 	hashes   bool        // some plugin reads Request.Hashes
 	forget   []func(int)
 	approx   *prefix.Index // the approximate index, nil when no scorer uses it
+	// finishLearn: the approximate index learns a prompt again when its
+	// request ends (PrefixConfig.LearnOnFinish, Finished).
+	finishLearn bool
 	// peerMatch is a peer scorer's own index (llm-d-prefix, sglang-tree;
 	// peers.go), the match source when the profile has no precise one;
 	// sglang is the sglang-tree scorer, which its picker reads.
@@ -218,6 +221,20 @@ func (p *Profile) LearnPeer(i int, hashes []uint64) {
 		p.approx.Insert(i, hashes)
 	}
 }
+
+// Finished implements Finisher: with PrefixConfig.LearnOnFinish, the
+// approximate index learns hashes again for endpoint i, making them its
+// most recently used blocks, the prompt's head the freshest, as the
+// engine's free queue holds a finished request's blocks
+// (prefix.Index.Learn; applied by Settle).
+func (p *Profile) Finished(i int, hashes []uint64) {
+	if p.finishLearn && len(hashes) > 0 {
+		p.approx.Learn(i, hashes)
+	}
+}
+
+// LearnsOnFinish implements Finisher.
+func (p *Profile) LearnsOnFinish() bool { return p.finishLearn }
 
 // Settle implements Settler: the approximate index applies the learns
 // its decisions queued (prefix.Index.Settle).

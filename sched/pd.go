@@ -335,6 +335,26 @@ func prefillRate(ep *Endpoint) float64 {
 	return DefaultPrefillTokensPerSecond
 }
 
+// Finished implements Finisher for both profiles: endpoint i's cache is
+// the one both indexes model.
+func (pd *PD) Finished(i int, hashes []uint64) {
+	for _, p := range [2]Policy{pd.decode, pd.prefill} {
+		if f, ok := p.(Finisher); ok {
+			f.Finished(i, hashes)
+		}
+	}
+}
+
+// LearnsOnFinish implements Finisher: either profile does.
+func (pd *PD) LearnsOnFinish() bool {
+	for _, p := range [2]Policy{pd.decode, pd.prefill} {
+		if f, ok := p.(Finisher); ok && f.LearnsOnFinish() {
+			return true
+		}
+	}
+	return false
+}
+
 // Settle implements Settler for both profiles.
 func (pd *PD) Settle() {
 	for _, p := range [2]Policy{pd.decode, pd.prefill} {

@@ -376,6 +376,7 @@ func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfi
 			}
 			p.approx = ix
 			p.forget = append(p.forget, ix.Clear)
+			p.finishLearn = pcfg.learnOnFinish()
 		}
 		ps := &prefixScorer{ix: p.approx, minGain: pcfg.MinMatchGain}
 		p.learners = append(p.learners, ps)

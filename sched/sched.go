@@ -127,6 +127,24 @@ type Resizer interface {
 	SetCapacity(i, blocks int)
 }
 
+// Finisher is implemented by policies whose approximate prefix index
+// orders an endpoint's blocks by when requests ended there, as the engine's
+// LRU does (PrefixConfig.LearnOnFinish). The gateway calls Finished when
+// endpoint i (the slot Pick chose) ends a request the engine accepted —
+// its answer relayed, or the relay cut short — with the hashes the
+// request was routed with (Request.Hashes); the virtual fleet when the
+// engine emits the request's last token. Finished queues the update like
+// Pick's learning (Settler); the caller settles it. It does nothing when
+// LearnOnFinish is off or hashes is empty, reads hashes only during the
+// call, allocates nothing once the index's queue has grown, and is safe for
+// concurrent use with Pick. LearnsOnFinish reports whether Finished does
+// anything, so that a caller keeps a request's hashes until it ends only
+// then.
+type Finisher interface {
+	Finished(i int, hashes []uint64)
+	LearnsOnFinish() bool
+}
+
 // Settler is implemented by policies that learn from their decisions off
 // the pick path (the approximate prefix index of the prefix scorer): Pick
 // queues what the decision taught, counted by the policy's next decisions
