@@ -58,6 +58,9 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	}
 	defer x.share.Finish()
 	g.predict(x, p, i, d, rm)
+	// However the attempt ends, the engine no longer runs the request: the
+	// pin the pick took is released and the prompt touched (learning.go).
+	defer g.learnFinished(p, i, x)
 
 	body := x.upstreamBody()
 	strip := false
@@ -133,11 +136,6 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 			"The model server could not be reached.", "", openai.CodeUpstream)}
 	}
 	defer resp.Body.Close()
-	// The engine ran the request: when the relay ends, however it ends,
-	// the engine frees its blocks (learning.go).
-	if resp.StatusCode/100 == 2 {
-		defer g.learnFinished(p, i, x)
-	}
 	if !x.pd.readyAt.IsZero() && x.stream { // D's first byte after P's answer (a whole answer's headers come after its decode)
 		g.pdm.handoff.WithLabelValues(p.model).Observe(time.Since(x.pd.readyAt).Seconds())
 		x.pd.readyAt = time.Time{}

@@ -550,9 +550,7 @@ func (pk *Picked) Done() {
 		pk.g.count(nil, pk.rm, codeClientClosed)
 	}
 	if pk.p != nil {
-		if pk.resp.status/100 == 2 { // the engine ran it: it frees the request's blocks (learning.go)
-			pk.g.learnFinished(pk.p, pk.i, pk.x)
-		}
+		pk.g.learnFinished(pk.p, pk.i, pk.x) // the pick's pin released (learning.go)
 		pk.x.share.Finish()
 		pk.ep.releaseSlot()
 		pk.p.gate.release()

@@ -223,13 +223,24 @@ func (p *Profile) LearnPeer(i int, hashes []uint64) {
 }
 
 // Finished implements Finisher: with PrefixConfig.LearnOnFinish, the
-// approximate index learns hashes again for endpoint i, making them its
-// most recently used blocks, the prompt's head the freshest, as the
-// engine's free queue holds a finished request's blocks
-// (prefix.Index.Learn; applied by Settle).
+// approximate index releases the pin the pick took on hashes for endpoint
+// i (the prefix scorer's Learn is then prefix.Index.LearnPinned) and makes
+// them its most recently used blocks, the prompt's head the freshest, as
+// the engine's free queue takes a finished request's blocks
+// (prefix.Index.Release; applied by Settle).
 func (p *Profile) Finished(i int, hashes []uint64) {
 	if p.finishLearn && len(hashes) > 0 {
-		p.approx.Learn(i, hashes)
+		p.approx.Release(i, hashes)
+	}
+}
+
+// unpinned makes the prefix scorer's picks learn without pinning (P/D's
+// profiles); Finished then only touches.
+func (p *Profile) unpinned() {
+	for _, l := range p.learners {
+		if ps, ok := l.(*prefixScorer); ok {
+			ps.pin = false
+		}
 	}
 }
 

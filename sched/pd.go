@@ -200,7 +200,14 @@ func NewPD(cfg Config, pool Pool) (*PD, error) {
 		if name != "" {
 			c.Policy = name
 		}
-		return NewPolicy(c, pool)
+		pol, err := NewPolicy(c, pool)
+		if pr, ok := pol.(*Profile); ok {
+			// A split request's legs end on two engines along paths
+			// (the hand-off, D's retries) that do not each end a pick:
+			// its picks touch, never pin, and Finished only touches.
+			pr.unpinned()
+		}
+		return pol, err
 	}
 	d, err := build(pc.Decode)
 	if err != nil {

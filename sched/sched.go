@@ -128,11 +128,13 @@ type Resizer interface {
 }
 
 // Finisher is implemented by policies whose approximate prefix index
-// orders an endpoint's blocks by when requests ended there, as the engine's
-// LRU does (PrefixConfig.LearnOnFinish). The gateway calls Finished when
-// endpoint i (the slot Pick chose) ends a request the engine accepted —
-// its answer relayed, or the relay cut short — with the hashes the
-// request was routed with (Request.Hashes); the virtual fleet when the
+// evicts in the engine's order (PrefixConfig.LearnOnFinish): Pick pins the
+// prompt on the chosen endpoint and Finished releases the pin and touches
+// the prompt. Each Pick that chose endpoint i must be followed by exactly
+// one Finished(i, the request's Request.Hashes), whatever becomes of the
+// request: the gateway calls it when its attempt on i ends (answered,
+// failed or cut short), at an EPP pick's Done, and at once for a pick
+// whose endpoint had no breaker slot left; the virtual fleet when the
 // engine emits the request's last token. Finished queues the update like
 // Pick's learning (Settler); the caller settles it. It does nothing when
 // LearnOnFinish is off or hashes is empty, reads hashes only during the
