@@ -58,6 +58,9 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 	}
 	defer x.share.Finish()
 	g.predict(x, p, i, d, rm)
+	// However the attempt ends, the engine no longer runs the request: the
+	// pin the pick took is released and the prompt touched (learning.go).
+	defer g.learnFinished(p, i, x)
 
 	body := x.upstreamBody()
 	strip := false

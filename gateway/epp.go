@@ -550,6 +550,7 @@ func (pk *Picked) Done() {
 		pk.g.count(nil, pk.rm, codeClientClosed)
 	}
 	if pk.p != nil {
+		pk.g.learnFinished(pk.p, pk.i, pk.x) // the pick's pin released (learning.go)
 		pk.x.share.Finish()
 		pk.ep.releaseSlot()
 		pk.p.gate.release()

@@ -68,3 +68,40 @@ func (g *Gateway) settleLater(p *pool) {
 		s.Settle()
 	}
 }
+
+// learnFinished tells p's policy that endpoint slot i ended x's request
+// (sched.Finisher): with routing.prefix.learn_on_finish the approximate
+// index releases the pin the pick took on its prompt and touches it, queued
+// for the settler, as the engine's LRU free queue takes a finished
+// request's blocks. Every pick that attempt or an EPP pick's Done follows
+// calls it once, whatever the answer; a pick that took no slot is released
+// at once (releasePick). A pool that a reload replaced since the pick is
+// skipped (its slots may name other engines now): the pin is left, its
+// blocks only evicted last.
+func (g *Gateway) learnFinished(p *pool, i int, x *exchange) {
+	if p.next.Load() != nil {
+		return
+	}
+	if releasePick(p, i, &x.sreq) {
+		g.settleLater(p)
+	}
+}
+
+// releasePick calls p's Finisher, if it learns on finish, for req on slot
+// i, and reports whether it did.
+func releasePick(p *pool, i int, req *sched.Request) bool {
+	if len(req.Hashes) == 0 {
+		return false
+	}
+	var f sched.Finisher
+	if p.pd != nil {
+		f = p.pd
+	} else if pf, ok := p.policy.(sched.Finisher); ok {
+		f = pf
+	}
+	if f == nil || !f.LearnsOnFinish() {
+		return false
+	}
+	f.Finished(i, req.Hashes)
+	return true
+}

@@ -49,3 +49,75 @@ func TestSettlerAppliesLearning(t *testing.T) {
 		}
 	}
 }
+
+// TestLearnOnFinish: with routing.prefix.learn_on_finish a request's end
+// (its answer's 2xx status seen, then Done) makes its prompt the most
+// recent blocks of its endpoint in the approximate index, as the engine's
+// free queue does; so a prompt routed later but finished earlier is
+// evicted first. Without it, the prompt routed first is.
+func TestLearnOnFinish(t *testing.T) {
+	for _, on := range []bool{false, true} {
+		cfg := eppBenchConfig(sched.CacheAware, 2, 1)
+		for i := range cfg.Endpoints {
+			cfg.Endpoints[i].KVBlocks = 128 // 2 prompts of 64 blocks (16 tokens each)
+		}
+		cfg.Routing.Prefix.LearnOnFinish = &on
+		g, err := New(context.Background(), cfg, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := g.state.Load().pools["m0"]
+		s := p.policy.(sched.Settler)
+		settle := func() {
+			t.Helper()
+			for deadline := time.Now().Add(10 * time.Second); s.Unsettled(); time.Sleep(time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("the settler left learning queued for 10 s")
+				}
+			}
+		}
+		// i: the request, sharing its first 512 tokens with a (i = 0).
+		pick := func(i int) *Picked {
+			t.Helper()
+			shared := 512
+			if i == 0 {
+				shared = 1024
+			}
+			pk, ref := g.Pick(context.Background(), &PickRequest{Method: http.MethodPost, Path: pathCompletions,
+				Header: http.Header{}, Body: withModel(eppTokens(i, 0, shared, 1024), 0, 1)})
+			if ref != nil {
+				t.Fatalf("refused: %d %s", ref.Status, ref.Body)
+			}
+			settle()
+			return pk
+		}
+		end := func(pk *Picked) {
+			pk.ResponseHeaders(http.StatusOK, http.Header{})
+			pk.Done()
+			settle()
+		}
+		a := pick(0)
+		home := a.Destinations()[0]
+		for i := 1; i <= 2; i++ { // b and c fill a's endpoint
+			pk := pick(i)
+			if d := pk.Destinations()[0]; d != home {
+				t.Fatalf("learn_on_finish %v: request %d went to %s, a to %s", on, i, d, home)
+			}
+			end(pk)
+		}
+		end(a)       // a ends last
+		d := pick(3) // evicts 32 blocks: a's tail by routing order, b's by finish order
+		end(d)
+		again := pick(0)
+		want := 512
+		if on {
+			want = 1024
+		}
+		if got := again.x.predicted; again.Destinations()[0] != home || got != want {
+			t.Errorf("learn_on_finish %v: a again on %s (home %s), predicted %d cached tokens, want %d",
+				on, again.Destinations()[0], home, got, want)
+		}
+		end(again)
+		g.Close()
+	}
+}

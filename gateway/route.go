@@ -250,6 +250,7 @@ func (g *Gateway) pickExcluding(p *pool, req *sched.Request, excluded []bool) (i
 			markAdapterPick(p, req, &s[d.Endpoint])
 			return d.Endpoint, d
 		}
+		releasePick(p, d.Endpoint, req)
 		s[d.Endpoint].Ready = false // filled up since the snapshot
 	}
 	return -1, sched.Decision{Endpoint: -1}

@@ -465,7 +465,18 @@ func (ix *Index) Insert(e int, hashes []uint64) {
 }
 
 // insert is Insert without settling the queue.
-func (ix *Index) insert(e int, hashes []uint64) {
+func (ix *Index) insert(e int, hashes []uint64) { ix.insertOp(e, hashes, opTouch) }
+
+// insertOp applies one learn of hashes to e: op opTouch makes every block
+// the most recently used (a pinned block stays pinned), opPin adds a pin
+// (a pinned block leaves the LRU order: it is evicted only when e holds
+// nothing else), opRelease takes one away (a block left without pins, or
+// that had none, becomes the most recently used). Blocks go from last to
+// first. A block e lacks is added, evicting once e holds its capacity the
+// least recently used unpinned block or, when every block is pinned, the
+// block pinned longest ago (a request queued so long, or a pin whose
+// Release was missed): e never holds more than its capacity.
+func (ix *Index) insertOp(e int, hashes []uint64, op learnOp) {
 	if e < 0 || e >= ix.n || len(hashes) == 0 {
 		return
 	}
@@ -494,26 +505,34 @@ func (ix *Index) insert(e int, hashes []uint64) {
 		m := mix(h)
 		_, node := l.find(h, m)
 		if node >= 0 {
-			l.order.MoveFront(l.nodes, node)
+			l.touch(node, op)
 			if l.nodes[node].Val.dig != dig {
 				b.add(h, opConflict)
 			}
 			continue
 		}
 		if l.full() {
-			old := l.order.Tail()
+			old, from := l.order.Tail(), &l.order
+			if old < 0 {
+				old, from = l.pinned.Tail(), &l.pinned
+			}
 			ev := l.nodes[old].Val.hash
 			b.add(ev, opRemove)
-			l.order.Unlink(l.nodes, old)
+			from.Unlink(l.nodes, old)
 			l.remove(ev)
 			l.nodes[old].Val = blockEntry{hash: h, dig: dig}
 			l.put(m, old)
-			l.order.PushFront(l.nodes, old)
+			node = old
 		} else {
 			l.grow()
 			node = int32(len(l.nodes))
 			l.nodes = append(l.nodes, lru.Node[blockEntry]{Val: blockEntry{hash: h, dig: dig}})
 			l.put(m, node)
+		}
+		if op == opPin {
+			l.nodes[node].Val.pins = 1
+			l.pinned.PushFront(l.nodes, node)
+		} else {
 			l.order.PushFront(l.nodes, node)
 		}
 		b.add(h, dig)
@@ -895,19 +914,26 @@ func (b *opBatch) add(key, dig uint64) {
 type blockLRU struct {
 	cap   int32
 	nodes []lru.Node[blockEntry]
-	order lru.List[blockEntry] // most to least recently used
-	slots []uint64
-	shift uint // 64 - log2(len(slots))
+	order lru.List[blockEntry] // most to least recently used, unpinned nodes
+	// pinned holds the pinned nodes (LearnPinned), most to least recently
+	// pinned: evicted from only when order is empty.
+	pinned lru.List[blockEntry]
+	slots  []uint64
+	shift  uint // 64 - log2(len(slots))
 }
 
 type blockEntry struct {
 	hash uint64
 	dig  uint64 // prefix digest of the Insert that added it
+	// pins counts the LearnPinned not yet released; a pinned node is not
+	// in the order list.
+	pins int32
 }
 
 func (l *blockLRU) init(capacity int32) {
 	l.cap = capacity
 	l.order.Init()
+	l.pinned.Init()
 }
 
 // reset empties the set, keeping its memory for reuse.
@@ -915,9 +941,30 @@ func (l *blockLRU) reset() {
 	l.nodes = l.nodes[:0]
 	clear(l.slots)
 	l.order.Init()
+	l.pinned.Init()
 }
 
 func (l *blockLRU) full() bool { return int32(len(l.nodes)) == l.cap }
+
+// touch applies op to node i, which the LRU holds (insertOp).
+func (l *blockLRU) touch(i int32, op learnOp) {
+	v := &l.nodes[i].Val
+	switch {
+	case op == opPin:
+		if v.pins == 0 {
+			l.order.Unlink(l.nodes, i)
+			l.pinned.PushFront(l.nodes, i)
+		}
+		v.pins++
+	case v.pins == 0:
+		l.order.MoveFront(l.nodes, i)
+	case op == opRelease:
+		if v.pins--; v.pins == 0 {
+			l.pinned.Unlink(l.nodes, i)
+			l.order.PushFront(l.nodes, i)
+		}
+	}
+}
 
 // The slot table is Robin Hood hashed like ownerTable; a slot's home is its
 // top bits, as the tag is the mix's top 32 bits.

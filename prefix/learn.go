@@ -63,7 +63,17 @@ type learnArena struct {
 type queuedLearn struct {
 	e      int32
 	off, n int32
+	op     learnOp
 }
+
+// learnOp is what a queued learn does to its blocks (insertOp).
+type learnOp uint8
+
+const (
+	opTouch   learnOp = iota // Learn, Insert: most recently used
+	opPin                    // LearnPinned: held and not evictable until released
+	opRelease                // Release: one pin fewer; unpinned, most recently used
+)
 
 func (a *learnArena) reset() {
 	a.hashes = a.hashes[:0]
@@ -76,12 +86,33 @@ func (a *learnArena) reset() {
 // above). It copies hashes, so the caller may reuse them. An out-of-range e
 // or empty hashes are ignored. It allocates nothing once the queue's arenas
 // have grown to the load.
-func (ix *Index) Learn(e int, hashes []uint64) {
+func (ix *Index) Learn(e int, hashes []uint64) { ix.queue(e, hashes, opTouch) }
+
+// LearnPinned is Learn for a request that is to run on e: its blocks are
+// also pinned, as an engine pins a running request's blocks (vLLM's
+// block_pool.py keeps blocks with a reference out of its free queue), so
+// that e's LRU does not evict them until Release takes the pin away. Every
+// LearnPinned must be followed by one Release of the same hashes on e,
+// whatever becomes of the request; a pin never released only makes its
+// block the last to be evicted, and when every block of e is pinned the
+// one pinned longest ago goes first (e never holds more than its capacity).
+func (ix *Index) LearnPinned(e int, hashes []uint64) { ix.queue(e, hashes, opPin) }
+
+// Release ends a LearnPinned of the same hashes on e: each block loses a
+// pin, and the blocks are touched from the prompt's last to its first, so
+// that, unpinned, the prompt's head is the freshest, as vLLM frees a
+// finished request's blocks tail first to the recent end of its free queue
+// (block_pool.py free_blocks). A block without a pin is touched; one that
+// e no longer holds is inserted. Queued like Learn.
+func (ix *Index) Release(e int, hashes []uint64) { ix.queue(e, hashes, opRelease) }
+
+func (ix *Index) queue(e int, hashes []uint64, op learnOp) {
 	if e < 0 || e >= ix.n || len(hashes) == 0 {
 		return
 	}
 	if len(hashes) > maxQueuedBlocks {
-		ix.Insert(e, hashes) // settles the queue first: order kept
+		ix.Settle()
+		ix.insertOp(e, hashes, op) // after the queue: order kept
 		return
 	}
 	q := &ix.learn
@@ -90,7 +121,7 @@ func (ix *Index) Learn(e int, hashes []uint64) {
 	if len(a.hashes)+len(hashes) <= maxQueuedBlocks && len(a.learns) < maxQueuedLearns {
 		off := len(a.hashes)
 		a.hashes = append(a.hashes, hashes...)
-		a.learns = append(a.learns, queuedLearn{e: int32(e), off: int32(off), n: int32(len(hashes))})
+		a.learns = append(a.learns, queuedLearn{e: int32(e), off: int32(off), n: int32(len(hashes)), op: op})
 		q.queued.Add(1)
 		q.mu.Unlock()
 		return
@@ -99,7 +130,8 @@ func (ix *Index) Learn(e int, hashes []uint64) {
 	// Full: the settler is behind. Apply the queue and this learn here,
 	// once (retrying to queue could lose the race for the freed room to
 	// other callers again and again).
-	ix.Insert(e, hashes)
+	ix.Settle()
+	ix.insertOp(e, hashes, op)
 }
 
 // Queued returns the number of learns waiting for Settle.
@@ -123,7 +155,7 @@ func (ix *Index) Settle() {
 	a := q.applying
 	q.mu.Unlock()
 	for _, l := range a.learns {
-		ix.insert(int(l.e), a.hashes[l.off:l.off+l.n])
+		ix.insertOp(int(l.e), a.hashes[l.off:l.off+l.n], l.op)
 	}
 	q.mu.Lock()
 	q.applying.reset()

@@ -234,3 +234,52 @@ func TestLearnManyEndpoints(t *testing.T) {
 		t.Fatalf("Match allocates %.0f times", n)
 	}
 }
+
+// TestPinnedBlocksOutliveEviction: a pinned prompt is not evicted while
+// unpinned blocks remain, Release makes it the most recent, and when every
+// block is pinned the one pinned longest ago goes first, the LRU never
+// exceeding its capacity.
+func TestPinnedBlocksOutliveEviction(t *testing.T) {
+	seq := func(base uint64, n int) []uint64 {
+		h := make([]uint64, n)
+		for i := range h {
+			h[i] = base + uint64(i)
+		}
+		return h
+	}
+	a, b, c, d := seq(100, 4), seq(200, 4), seq(300, 4), seq(400, 4)
+	ix, err := NewIndex([]int{8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := make([]int, 1)
+	held := func(h []uint64) int { ix.Settle(); ix.Match(h, m); return m[0] }
+	ix.LearnPinned(0, a) // a runs
+	ix.Learn(0, b)
+	ix.Learn(0, c) // evicts b, not the older but pinned a
+	if held(a) != 4 || held(b) != 0 || held(c) != 4 {
+		t.Fatalf("after c: a %d b %d c %d blocks, want 4 0 4", held(a), held(b), held(c))
+	}
+	ix.Release(0, a) // a ends: the most recent
+	ix.Learn(0, d)   // evicts c
+	if held(a) != 4 || held(c) != 0 || held(d) != 4 {
+		t.Fatalf("after release: a %d c %d d %d blocks, want 4 0 4", held(a), held(c), held(d))
+	}
+	// Every block pinned: the longest-pinned go first (d's, then a's), tail first.
+	ix.LearnPinned(0, d)
+	ix.LearnPinned(0, a)
+	ix.LearnPinned(0, b) // evicts d's 4 blocks
+	if held(d) != 0 || held(a) != 4 || held(b) != 4 || ix.Len(0) != 8 {
+		t.Fatalf("all pinned: d %d a %d b %d, %d held, want 0 4 4, 8", held(d), held(a), held(b), ix.Len(0))
+	}
+	ix.LearnPinned(0, seq(500, 2)) // evicts a's last 2 blocks
+	if held(a) != 2 || ix.Len(0) != 8 {
+		t.Fatalf("a %d blocks, %d held, want 2, 8", held(a), ix.Len(0))
+	}
+	// A release of blocks no longer held inserts them; of unpinned ones touches.
+	ix.Release(0, d)
+	ix.Release(0, c)
+	if ix.Len(0) != 8 {
+		t.Fatalf("%d held, want 8", ix.Len(0))
+	}
+}

@@ -180,6 +180,9 @@ type Profile struct {
 	// precise-prefix scorer; specTTL is the profile's TTL.
 	spec    *speculative
 	specTTL time.Duration
+	// finishLearn: the approximate index learns a prompt again when its
+	// request ends (PrefixConfig.LearnOnFinish, Finished).
+	finishLearn bool
 	// peerMatch is a peer scorer's own index (llm-d-prefix, sglang-tree;
 	// peers.go), the match source when the profile has no precise one;
 	// sglang is the sglang-tree scorer, which its picker reads.
@@ -224,6 +227,31 @@ func (p *Profile) LearnPeer(i int, hashes []uint64) {
 		p.approx.Insert(i, hashes)
 	}
 }
+
+// Finished implements Finisher: with PrefixConfig.LearnOnFinish, the
+// approximate index releases the pin the pick took on hashes for endpoint
+// i (the prefix scorer's Learn is then prefix.Index.LearnPinned) and makes
+// them its most recently used blocks, the prompt's head the freshest, as
+// the engine's free queue takes a finished request's blocks
+// (prefix.Index.Release; applied by Settle).
+func (p *Profile) Finished(i int, hashes []uint64) {
+	if p.finishLearn && len(hashes) > 0 {
+		p.approx.Release(i, hashes)
+	}
+}
+
+// unpinned makes the prefix scorer's picks learn without pinning (P/D's
+// profiles); Finished then only touches.
+func (p *Profile) unpinned() {
+	for _, l := range p.learners {
+		if ps, ok := l.(*prefixScorer); ok {
+			ps.pin = false
+		}
+	}
+}
+
+// LearnsOnFinish implements Finisher.
+func (p *Profile) LearnsOnFinish() bool { return p.finishLearn }
 
 // Settle implements Settler: the approximate index applies the learns
 // its decisions queued (prefix.Index.Settle).

@@ -663,3 +663,46 @@ func TestIdleFleetSpreadsNewSessions(t *testing.T) {
 		}
 	}
 }
+
+// TestFinishedLearnsAgain: with prefix.learn_on_finish a finished prompt
+// becomes its endpoint's most recent blocks, so the next eviction takes a
+// prompt routed after it but not finished since, as the engine's LRU free
+// queue does; without it the index evicts by routing order.
+func TestFinishedLearnsAgain(t *testing.T) {
+	seq := func(base uint64) []uint64 { return []uint64{base + 1, base + 2, base + 3, base + 4} }
+	a, b, c := seq(100), seq(200), seq(300)
+	for _, on := range []bool{false, true} {
+		cfg := Config{Policy: CacheAware, Prefix: PrefixConfig{LearnOnFinish: &on}}
+		p := newProfileT(t, cfg, Pool{Capacity: []int{8, 8}})
+		if p.LearnsOnFinish() != on {
+			t.Fatalf("learn_on_finish %v: LearnsOnFinish %v", on, p.LearnsOnFinish())
+		}
+		p.approx.Insert(0, a) // routed first
+		p.approx.Insert(0, b) // routed second: the index is full
+		p.Finished(0, a)      // a ends after b was routed
+		p.Finished(1, nil)    // nothing to learn
+		p.Settle()
+		p.approx.Insert(0, c) // evicts the least recent 4 blocks
+		m := make([]int, 2)
+		p.approx.Match(a, m)
+		wantA := 0
+		if on {
+			wantA = 4
+		}
+		if m[0] != wantA || m[1] != 0 {
+			t.Fatalf("learn_on_finish %v: a matched %v, want [%d 0]", on, m, wantA)
+		}
+		p.approx.Match(b, m)
+		if want := 4 - wantA; m[0] != want {
+			t.Fatalf("learn_on_finish %v: b matched %d blocks on endpoint 0, want %d", on, m[0], want)
+		}
+	}
+	// A policy without an approximate index is no Finisher.
+	lr, err := NewPolicy(Config{Policy: LeastRequest}, Pool{Capacity: []int{8}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := lr.(Finisher); ok {
+		t.Fatalf("least-request (%T) is a Finisher", lr)
+	}
+}

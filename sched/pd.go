@@ -200,7 +200,14 @@ func NewPD(cfg Config, pool Pool) (*PD, error) {
 		if name != "" {
 			c.Policy = name
 		}
-		return NewPolicy(c, pool)
+		pol, err := NewPolicy(c, pool)
+		if pr, ok := pol.(*Profile); ok {
+			// A split request's legs end on two engines along paths
+			// (the hand-off, D's retries) that do not each end a pick:
+			// its picks touch, never pin, and Finished only touches.
+			pr.unpinned()
+		}
+		return pol, err
 	}
 	d, err := build(pc.Decode)
 	if err != nil {
@@ -333,6 +340,26 @@ func prefillRate(ep *Endpoint) float64 {
 		return r
 	}
 	return DefaultPrefillTokensPerSecond
+}
+
+// Finished implements Finisher for both profiles: endpoint i's cache is
+// the one both indexes model.
+func (pd *PD) Finished(i int, hashes []uint64) {
+	for _, p := range [2]Policy{pd.decode, pd.prefill} {
+		if f, ok := p.(Finisher); ok {
+			f.Finished(i, hashes)
+		}
+	}
+}
+
+// LearnsOnFinish implements Finisher: either profile does.
+func (pd *PD) LearnsOnFinish() bool {
+	for _, p := range [2]Policy{pd.decode, pd.prefill} {
+		if f, ok := p.(Finisher); ok && f.LearnsOnFinish() {
+			return true
+		}
+	}
+	return false
 }
 
 // Settle implements Settler for both profiles.

@@ -127,6 +127,7 @@ func (f hotSpotFilter) Filter(c *Cycle, cands []int) []int {
 type prefixScorer struct {
 	ix      *prefix.Index
 	minGain float64
+	pin     bool // learn_on_finish: a pick pins the prompt until Profile.Finished
 }
 
 func (*prefixScorer) Name() string { return ScorerPrefix }
@@ -138,7 +139,13 @@ func (s *prefixScorer) Score(c *Cycle, cands []int, scores []float64) {
 // Learn records the prompt's blocks as held by the chosen endpoint: queued
 // for Profile.Settle, and counted by the index's Match at once
 // (prefix/learn.go).
-func (s *prefixScorer) Learn(c *Cycle, chosen int) { s.ix.Learn(chosen, c.Req.Hashes) }
+func (s *prefixScorer) Learn(c *Cycle, chosen int) {
+	if s.pin {
+		s.ix.LearnPinned(chosen, c.Req.Hashes) // released by Profile.Finished
+		return
+	}
+	s.ix.Learn(chosen, c.Req.Hashes)
+}
 
 // preciseScorer: matched leading blocks / prompt blocks, from the index the
 // engines' KV events feed.

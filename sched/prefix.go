@@ -24,6 +24,30 @@ type PrefixConfig struct {
 	// one to be preferred (default 0.05). A shared system prompt that every
 	// endpoint holds gives no advantage, so such requests balance by load.
 	MinMatchGain float64 `yaml:"min_match_gain"`
+	// LearnOnFinish makes the approximate index (the prefix scorer's) evict
+	// in the engine's order: a pick pins the prompt on its endpoint
+	// (prefix.Index.LearnPinned) and the request's end (Finisher) releases
+	// it and touches it (prefix.Index.Release). A vLLM engine keeps a running
+	// request's blocks out of its LRU free queue and frees a finished one's
+	// tail first to the queue's recent end (vllm/v1/core/block_pool.py
+	// free_blocks, kv_cache_utils.py FreeKVCacheBlockQueue), so what it
+	// evicts next depends on what still runs and when the rest ended, not on
+	// when requests were routed. Without it the index orders each
+	// endpoint's blocks by routing time and forgets long prompts the engine
+	// still holds (sched/README.md "Eviction by finish time"). nil: the
+	// default, DefaultLearnOnFinish.
+	LearnOnFinish *bool `yaml:"learn_on_finish"`
+}
+
+// DefaultLearnOnFinish is PrefixConfig.LearnOnFinish's default.
+const DefaultLearnOnFinish = false
+
+// learnOnFinish is c's LearnOnFinish or its default.
+func (c PrefixConfig) learnOnFinish() bool {
+	if c.LearnOnFinish == nil {
+		return DefaultLearnOnFinish
+	}
+	return *c.LearnOnFinish
 }
 
 // DefaultMinMatchGain is PrefixConfig.MinMatchGain's default.

@@ -401,8 +401,9 @@ func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfi
 			}
 			p.approx = ix
 			p.forget = append(p.forget, ix.Clear)
+			p.finishLearn = pcfg.learnOnFinish()
 		}
-		ps := &prefixScorer{ix: p.approx, minGain: pcfg.MinMatchGain}
+		ps := &prefixScorer{ix: p.approx, minGain: pcfg.MinMatchGain, pin: p.finishLearn}
 		p.learners = append(p.learners, ps)
 		p.hashes = true
 		return ps, nil

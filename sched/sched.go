@@ -127,6 +127,26 @@ type Resizer interface {
 	SetCapacity(i, blocks int)
 }
 
+// Finisher is implemented by policies whose approximate prefix index
+// evicts in the engine's order (PrefixConfig.LearnOnFinish): Pick pins the
+// prompt on the chosen endpoint and Finished releases the pin and touches
+// the prompt. Each Pick that chose endpoint i must be followed by exactly
+// one Finished(i, the request's Request.Hashes), whatever becomes of the
+// request: the gateway calls it when its attempt on i ends (answered,
+// failed or cut short), at an EPP pick's Done, and at once for a pick
+// whose endpoint had no breaker slot left; the virtual fleet when the
+// engine emits the request's last token. Finished queues the update like
+// Pick's learning (Settler); the caller settles it. It does nothing when
+// LearnOnFinish is off or hashes is empty, reads hashes only during the
+// call, allocates nothing once the index's queue has grown, and is safe for
+// concurrent use with Pick. LearnsOnFinish reports whether Finished does
+// anything, so that a caller keeps a request's hashes until it ends only
+// then.
+type Finisher interface {
+	Finished(i int, hashes []uint64)
+	LearnsOnFinish() bool
+}
+
 // Settler is implemented by policies that learn from their decisions off
 // the pick path (the approximate prefix index of the prefix scorer): Pick
 // queues what the decision taught, counted by the policy's next decisions

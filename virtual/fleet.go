@@ -264,6 +264,11 @@ type Fleet struct {
 	hashes []uint64
 	req    sim.Request
 	sreq   sched.Request
+
+	// routed[k] is request k's routing hashes while it runs, kept when its
+	// policy learns on finish (sched.Finisher); spare the reusable slices.
+	routed [][]uint64
+	spare  [][]uint64
 }
 
 type engine struct {
@@ -532,9 +537,10 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 	f.reqs, f.res = reqs, make([]Result, len(reqs))
 	f.shares = make([]load.Share, len(reqs))
 	f.owner, f.open = make([]int32, len(reqs)), make([]bool, len(reqs))
+	f.routed = make([][]uint64, len(reqs))
 	f.base = f.nextID
 	f.nextID += len(reqs)
-	defer func() { f.reqs, f.res, f.shares, f.owner, f.open = nil, nil, nil, nil, nil }()
+	defer func() { f.reqs, f.res, f.shares, f.owner, f.open, f.routed = nil, nil, nil, nil, nil, nil }()
 
 	next := 0
 	for next < len(reqs) || f.heap.len() > 0 || len(f.rx.held) > 0 || (f.as != nil && len(f.as.held) > 0) {
@@ -716,6 +722,14 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		return
 	}
 	f.learnt(rp, d, t)
+	if fin := f.finisher(k); fin != nil && len(f.sreq.Hashes) > 0 {
+		h := f.spare
+		var keep []uint64
+		if n := len(h); n > 0 {
+			keep, f.spare = h[n-1][:0], h[:n-1]
+		}
+		f.routed[k] = append(keep, f.sreq.Hashes...)
+	}
 	if r.Prefill < 0 {
 		r.Engine = d.Endpoint
 	}
@@ -984,6 +998,7 @@ func (f *Fleet) deliver(i int, ve *engine, t time.Duration) {
 			r.PromptTokens, r.CachedTokens, r.TierTokens = o.PromptTokens, o.CachedTokens, o.TierTokens
 			f.shares[k].Finish()
 			f.ledger(k, i).Release()
+			f.finished(k, i, false) // P frees the prompt's blocks once D read them; the hand-off is at this instant
 			f.handoffs = append(f.handoffs, k)
 			continue
 		}
@@ -1010,9 +1025,43 @@ func (f *Fleet) deliver(i int, ve *engine, t time.Duration) {
 			f.shares[k].Finish()
 			f.ledger(k, i).Release()
 			f.open[k] = false
+			f.finished(k, i, true)
 		}
 	}
 	ve.outs = nil
+}
+
+// finisher is the policy that routed request k when it learns on finish
+// (sched.Finisher), else nil.
+func (f *Fleet) finisher(k int) sched.Finisher {
+	var p any = f.pd
+	if f.pd == nil {
+		p = f.reps[f.owner[k]].policy
+	}
+	if fin, ok := p.(sched.Finisher); ok && fin.LearnsOnFinish() {
+		return fin
+	}
+	return nil
+}
+
+// finished tells request k's policy that engine i ended it, as the
+// gateway does when its relay ends, and settles the learn at once (as
+// arrive settles a decision's); last: the request's last leg, whose hashes
+// are then released.
+func (f *Fleet) finished(k, i int, last bool) {
+	h := f.routed[k]
+	if h == nil {
+		return
+	}
+	fin := f.finisher(k)
+	fin.Finished(i, h)
+	if s, ok := fin.(sched.Settler); ok {
+		s.Settle()
+	}
+	if last {
+		f.routed[k] = nil
+		f.spare = append(f.spare, h)
+	}
 }
 
 // index parses the decimal request id given in arrive back to a result index.

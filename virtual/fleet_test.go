@@ -489,3 +489,69 @@ func TestVirtualSleepWake(t *testing.T) {
 		t.Fatalf("b waited %v behind a's load", res[1].TTFT())
 	}
 }
+
+// finishRecorder is a round-robin policy that records the fleet's
+// sched.Finisher calls.
+type finishRecorder struct {
+	sched.Policy
+	on    bool
+	calls map[string]int // engine and hashes of each call → count
+}
+
+func (r *finishRecorder) NeedsHashes() bool    { return true }
+func (r *finishRecorder) LearnsOnFinish() bool { return r.on }
+func (r *finishRecorder) Finished(i int, hashes []uint64) {
+	r.calls[finishKey(i, hashes)]++
+}
+
+func finishKey(i int, hashes []uint64) string {
+	b := strconv.AppendInt(nil, int64(i), 10)
+	for _, h := range hashes {
+		b = strconv.AppendUint(append(b, ' '), h, 16)
+	}
+	return string(b)
+}
+
+// TestFleetTellsFinisher: a policy that learns on finish hears of every
+// request once, when its engine ends it, with the engine and the hashes it
+// was routed with; one that does not hears of none.
+func TestFleetTellsFinisher(t *testing.T) {
+	cfg := sim.Config{Profile: sim.Llama8BH100(), NumBlocks: 2000}
+	reqs := virtualTrace(60, 3)
+	for _, on := range []bool{false, true} {
+		rr, err := sched.NewPolicy(sched.Config{Policy: sched.RoundRobin}, sched.Pool{Capacity: []int{1, 1, 1}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rec := &finishRecorder{Policy: rr, on: on, calls: map[string]int{}}
+		f, err := NewFleet(Config{Engines: 3, Engine: cfg, Policy: rec})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := f.Run(reqs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !on {
+			if len(rec.calls) != 0 {
+				t.Fatalf("learn on finish off: %d calls", len(rec.calls))
+			}
+			continue
+		}
+		want := map[string]int{}
+		for k := range reqs {
+			if got[k].Err != nil {
+				t.Fatalf("request %d: %v", k, got[k].Err)
+			}
+			want[finishKey(got[k].Engine, prefix.Hashes(nil, reqs[k].Tokens, f.BlockSize(), f.seed))]++
+		}
+		if len(rec.calls) != len(want) {
+			t.Fatalf("%d distinct finish calls, want %d", len(rec.calls), len(want))
+		}
+		for key, n := range want {
+			if rec.calls[key] != n {
+				t.Fatalf("finish call %.40s...: %d times, want %d", key, rec.calls[key], n)
+			}
+		}
+	}
+}
