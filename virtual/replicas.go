@@ -148,7 +148,7 @@ type target struct {
 
 func (t *target) Known(endpoint string) bool { _, ok := t.slots[endpoint]; return ok }
 
-func (t *target) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
+func (t *target) Resolve(model, endpoint string, _ sched.Role) (sched.PeerLearner, int, bool) {
 	i, ok := t.slots[endpoint]
 	return t.learner, i, ok && model == t.model
 }

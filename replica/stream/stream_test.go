@@ -23,7 +23,7 @@ type node struct {
 	learnt [][]uint64
 }
 
-func (n *node) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
+func (n *node) Resolve(model, endpoint string, _ sched.Role) (sched.PeerLearner, int, bool) {
 	return n, 0, model == "m" && endpoint == "http://e"
 }
 
