@@ -346,8 +346,8 @@ func NewFleet(cfg Config) (*Fleet, error) {
 	if cfg.Prefill > 0 && eng.Profile.KVTransferBandwidth <= 0 {
 		return nil, fmt.Errorf("sim: prefill engines need the profile's kv_transfer_bandwidth (%s has none)", eng.Profile.Name)
 	}
-	if cfg.Replicas > 1 && (cfg.Policy != nil || cfg.Prefill > 0) {
-		return nil, fmt.Errorf("sim: %d replicas need a policy built from Routing and no prefill engines", cfg.Replicas)
+	if cfg.Replicas > 1 && cfg.Policy != nil {
+		return nil, fmt.Errorf("sim: %d replicas need a policy built from Routing", cfg.Replicas)
 	}
 	if cfg.KillAt > 0 && (cfg.KillReplica < 0 || cfg.KillReplica >= max(cfg.Replicas, 1) || cfg.Replicas < 2) {
 		return nil, fmt.Errorf("sim: kill replica %d of %d: want one of 2 or more replicas", cfg.KillReplica, cfg.Replicas)
@@ -652,7 +652,7 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		tokens = f.prompt
 	}
 	f.sreq = sched.Request{Model: f.cfg.Model, Adapter: vr.Adapter}
-	if policy.NeedsHashes() || f.precise != nil || (f.pd != nil && f.pd.NeedsHashes()) {
+	if policy.NeedsHashes() || f.precise != nil || (rp.pd != nil && rp.pd.NeedsHashes()) {
 		f.hashes = prefix.Hashes(f.hashes[:0], tokens, f.blockSize, f.seedOf(vr.Adapter))
 		f.sreq.Hashes, f.sreq.PromptTokens = f.hashes, len(tokens)
 	}
@@ -660,8 +660,9 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	r.Prefill = -1
 	var d sched.Decision
 	var maxTokens int
-	if f.pd != nil {
-		pdd := f.pd.Pick(&f.sreq, rp.snap)
+	var pdd sched.PDDecision
+	if rp.pd != nil {
+		pdd = rp.pd.Pick(&f.sreq, rp.snap)
 		r.PDReason = pdd.Reason
 		if pdd.Split && pdd.Decode.Endpoint >= 0 {
 			// The prefill leg first: D (chosen now, as llm-d's
@@ -678,8 +679,8 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	// before anything else happens: virtual time decides as if it were
 	// applied inline, deterministically, whatever the live gateway's
 	// settler does.
-	if f.pd != nil {
-		f.pd.Settle()
+	if rp.pd != nil {
+		rp.pd.Settle()
 	} else if s, ok := policy.(sched.Settler); ok {
 		s.Settle()
 	}
@@ -687,7 +688,11 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		r.Engine, r.Err = -1, ErrNoEndpoint
 		return
 	}
-	f.learnt(rp, d, t)
+	if rp.pd != nil {
+		f.learntPD(rp, pdd, t)
+	} else {
+		f.learnt(rp, d, t)
+	}
 	if r.Prefill < 0 {
 		r.Engine = d.Endpoint
 	}

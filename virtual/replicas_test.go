@@ -64,6 +64,50 @@ func TestReplicasShareAffinity(t *testing.T) {
 	}
 }
 
+// TestReplicasPDShareAffinity: three replicas of a P/D fleet (2 prefill,
+// 2 decode engines) keep one gateway's hit rate when they exchange their
+// P/D picks (D's and P's learns: replica.KindLearnPD) and lose it when
+// they do not; a replica killed mid-replay fails only its own requests,
+// split ones included (their prefill legs are aborted with them).
+func TestReplicasPDShareAffinity(t *testing.T) {
+	pd := ReplayOptions{Prefill: 2}
+	pd.Routing.PD.Threshold = 1024
+	run := func(o ReplayOptions) ReplayResult {
+		o.Prefill, o.Routing = pd.Prefill, pd.Routing
+		return replay(t, o)
+	}
+	one := run(ReplayOptions{})
+	shared := run(ReplayOptions{Replicas: 3, ReplicaSync: true, ReplicaDelay: 5 * time.Millisecond})
+	unshared := run(ReplayOptions{Replicas: 3})
+	t.Logf("P/D hit rate: one %.3f, shared %.3f, unshared %.3f", one.Summary.HitRate, shared.Summary.HitRate, unshared.Summary.HitRate)
+	if one.Summary.HitRate < 0.3 {
+		t.Fatalf("one gateway's hit rate %.3f: the sessions' turns do not reuse their prefixes", one.Summary.HitRate)
+	}
+	if shared.Summary.HitRate < 0.95*one.Summary.HitRate {
+		t.Errorf("shared hit rate %.3f < 95%% of one replica's %.3f", shared.Summary.HitRate, one.Summary.HitRate)
+	}
+	if unshared.Summary.HitRate > shared.Summary.HitRate-0.05 {
+		t.Errorf("unshared hit rate %.3f not clearly below shared %.3f", unshared.Summary.HitRate, shared.Summary.HitRate)
+	}
+	mid := len(replicaRecords()) / 2
+	killed := run(ReplayOptions{Replicas: 3, ReplicaSync: true, ReplicaDelay: 5 * time.Millisecond, KillAtRequest: mid, KillReplica: 1})
+	failed := 0
+	for i, rec := range killed.Records {
+		switch {
+		case rec.Status == 502:
+			failed++
+			if killed.Replica[i] != 1 || i >= mid {
+				t.Errorf("request %d of replica %d failed with the kill", i, killed.Replica[i])
+			}
+		case rec.Status != 200:
+			t.Errorf("request %d: status %d %s", i, rec.Status, rec.Error)
+		}
+	}
+	if failed == 0 {
+		t.Error("no request was in flight on the killed replica")
+	}
+}
+
 // TestReplicaKill: a replica killed mid-replay fails exactly the requests
 // it held; the others are served and the survivors keep affinity.
 func TestReplicaKill(t *testing.T) {
@@ -115,7 +159,7 @@ func TestReplicasConfig(t *testing.T) {
 	for name, c := range map[string]Config{
 		"kill one":    {Engines: 2, Replicas: 1, KillAt: time.Second},
 		"kill beyond": {Engines: 2, Replicas: 2, KillAt: time.Second, KillReplica: 2},
-		"with pd":     {Engines: 2, Replicas: 2, Prefill: 1},
+		"given policy": {Engines: 2, Replicas: 2, Policy: mustPolicy(t)},
 	} {
 		if _, err := NewFleet(c); err == nil {
 			t.Errorf("%s: accepted", name)
