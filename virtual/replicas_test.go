@@ -157,8 +157,8 @@ func TestReplicaKill(t *testing.T) {
 
 func TestReplicasConfig(t *testing.T) {
 	for name, c := range map[string]Config{
-		"kill one":    {Engines: 2, Replicas: 1, KillAt: time.Second},
-		"kill beyond": {Engines: 2, Replicas: 2, KillAt: time.Second, KillReplica: 2},
+		"kill one":     {Engines: 2, Replicas: 1, KillAt: time.Second},
+		"kill beyond":  {Engines: 2, Replicas: 2, KillAt: time.Second, KillReplica: 2},
 		"given policy": {Engines: 2, Replicas: 2, Policy: mustPolicy(t)},
 	} {
 		if _, err := NewFleet(c); err == nil {
