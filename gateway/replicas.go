@@ -221,7 +221,7 @@ func (g *Gateway) startReplicas() error {
 		return nil
 	}
 	x, err := stream.Start(stream.Config{URL: r.cfg.RedisURL, Stream: r.cfg.Stream, MaxLen: r.cfg.MaxLen, Queue: r.cfg.Queue,
-		Replay: *r.cfg.Replay}, r.apply)
+		Replay: *r.cfg.Replay, Connected: r.connected}, r.apply)
 	if err != nil {
 		return err
 	}
@@ -242,6 +242,14 @@ func (g *Gateway) startReplicas() error {
 		}
 	}()
 	return nil
+}
+
+// connected seeds the exchange's delay before any learn has come back
+// (replica.Unseen.Seed): twice the Redis round trip measured at connect,
+// a learn's write and its read, so that the fleet's first burst is
+// staggered too.
+func (r *replicas) connected(rtt time.Duration) {
+	r.node.Unseen.Seed(2 * max(rtt, time.Microsecond))
 }
 
 // apply is the reader's handler: a peer's message applied (replayed

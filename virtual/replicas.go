@@ -198,6 +198,22 @@ func (f *Fleet) newReplicas(snap []sched.Endpoint, pool sched.Pool) error {
 		}
 		f.reps = append(f.reps, rp)
 	}
+	for _, rp := range f.reps {
+		if rp.node == nil {
+			continue
+		}
+		// Replicas up before the replay: live ones have heard each
+		// other's load reports before traffic comes, and each seeds the
+		// exchange's delay before its first echo (live, twice the Redis
+		// round trip measured at connect; here the modelled delay), so
+		// that a burst at the replay's first instant is staggered too.
+		for _, q := range f.reps {
+			if q != rp {
+				rp.node.Peers.Update(q.id, 0, nil)
+			}
+		}
+		rp.node.Unseen.Seed(cfg.ReplicaDelay)
+	}
 	if cfg.LoadInterval <= 0 {
 		cfg.LoadInterval = DefaultLoadInterval
 	}
