@@ -338,13 +338,14 @@ func (g *Gateway) pickRouted(w http.ResponseWriter, r *http.Request, x *exchange
 		i int
 		d sched.Decision
 	)
+	g.replicas.stagger(r.Context(), p) // this replica's turn in a burst (replicas.go)
 	if p.pd != nil {
 		// A P/D pool: the picker sends the request whole to a decode (or
 		// both-role) endpoint, as serve does when it does not split; the
 		// prefill hand-off is not the picker's (no x-prefiller-host-port).
 		i, d = g.pickWith(p, &x.sreq, excluded, p.pd.PickDecode)
+		g.learntPD(p, x, i, d.MatchedBlocks*p.blockSize, sched.RoleDecode, false)
 	} else {
-		g.replicas.stagger(r.Context(), p) // this replica's turn in a burst (replicas.go)
 		i, d = g.pickExcluding(p, &x.sreq, excluded)
 	}
 	gate.picked()

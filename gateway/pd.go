@@ -345,6 +345,7 @@ func (g *Gateway) pickSplit(r *http.Request, x *exchange, kind apiKind, p *pool,
 	}
 	g.pdm.decisions.WithLabelValues(p.model, outcome, reason).Inc()
 	x.obs.pdDecided(outcome, reason)
+	g.learntPD(p, x, di, dd.MatchedBlocks*p.blockSize, sched.RoleDecode, dec.Split) // to the other replicas (replicas.go)
 	if di < 0 || !dec.Split {
 		return di, dd
 	}
@@ -361,6 +362,7 @@ func (g *Gateway) pickDecodeRetry(r *http.Request, x *exchange, kind apiKind, p 
 	if i < 0 {
 		return i, d
 	}
+	g.learntPD(p, x, i, d.MatchedBlocks*p.blockSize, sched.RoleDecode, x.pd.split)
 	if x.pd.split || x.pd.fellBack {
 		g.pdm.retries.WithLabelValues(p.model, "decode").Inc()
 	}
@@ -436,6 +438,7 @@ func (g *Gateway) runFlow(r *http.Request, x *exchange, kind apiKind, p *pool, d
 // takePrefill takes P's breaker slot in slot pi, else picks another.
 func (g *Gateway) takePrefill(p *pool, x *exchange, di, pi int) int {
 	if p.endpoints[pi].tryAcquire(p.maxRequests) {
+		g.learntPD(p, x, pi, x.pd.pMatched, sched.RolePrefill, true)
 		return pi
 	}
 	return g.pickPrefill(p, x, di, nil)
@@ -449,6 +452,7 @@ func (g *Gateway) pickPrefill(p *pool, x *exchange, di int, ex []bool) int {
 	excl[di] = true
 	i, d := g.pickWith(p, &x.sreq, excl, p.pd.PickPrefill)
 	x.pd.pMatched = d.MatchedBlocks * p.blockSize
+	g.learntPD(p, x, i, x.pd.pMatched, sched.RolePrefill, true)
 	return i
 }
 

@@ -221,7 +221,7 @@ func (g *Gateway) startReplicas() error {
 		return nil
 	}
 	x, err := stream.Start(stream.Config{URL: r.cfg.RedisURL, Stream: r.cfg.Stream, MaxLen: r.cfg.MaxLen, Queue: r.cfg.Queue,
-		Replay: *r.cfg.Replay}, r.apply)
+		Replay: *r.cfg.Replay, Connected: r.connected}, r.apply)
 	if err != nil {
 		return err
 	}
@@ -242,6 +242,14 @@ func (g *Gateway) startReplicas() error {
 		}
 	}()
 	return nil
+}
+
+// connected seeds the exchange's delay before any learn has come back
+// (replica.Unseen.Seed): twice the Redis round trip measured at connect,
+// a learn's write and its read, so that the fleet's first burst is
+// staggered too.
+func (r *replicas) connected(rtt time.Duration) {
+	r.node.Unseen.Seed(2 * max(rtt, time.Microsecond))
 }
 
 // apply is the reader's handler: a peer's message applied (replayed
@@ -280,27 +288,56 @@ func (r *replicas) report(st *state) {
 // exchange delivers it back (replica.Unseen). It does not wait (a full
 // queue drops it).
 func (r *replicas) learnt(p *pool, i int, req *sched.Request, d sched.Decision) {
+	r.learntRole(p, i, req, sched.RoleBoth, int64(d.MatchedBlocks*p.blockSize), true)
+}
+
+// learntRole publishes the pick of endpoint i of pool p for req by the
+// profile of role (sched.RoleBoth: the pool's one policy; a P/D pool's
+// sched.RoleDecode or RolePrefill: replica.AppendLearnRole), matched of
+// its prompt tokens expected cached there (the pending prefill is the
+// rest, as load.Ledger.Send counts it). decision counts it in
+// replica.Unseen: once per request, so that a split request's two picks
+// do not look like a burst to Node.Stagger.
+func (r *replicas) learntRole(p *pool, i int, req *sched.Request, role sched.Role, matched int64, decision bool) {
 	x := r.x.Load()
 	if x == nil || req.PromptTokens <= 0 {
 		return
 	}
 	prompt := int64(req.PromptTokens)
-	pending := max(1, prompt-int64(d.MatchedBlocks*p.blockSize)) // as load.Ledger.Send counts it
+	pending := max(1, prompt-matched) // as load.Ledger.Send counts it
 	now := time.Now()
-	// Counted before it is queued, so that the reader cannot echo it
-	// first; a learn the queue drops is retired with the next one echoed.
-	r.node.Unseen.Sent(now.UnixNano(), clock(now), prompt, pending)
-	x.Publish(replica.AppendLearn(nil, r.cfg.ID, now.UnixNano(), p.model, p.endpoints[i].name, prompt, pending, req.Hashes))
+	if decision {
+		// Counted before it is queued, so that the reader cannot echo it
+		// first; a learn the queue drops is retired with the next one echoed.
+		r.node.Unseen.Sent(now.UnixNano(), clock(now), prompt, pending)
+	}
+	x.Publish(replica.AppendLearnRole(nil, r.cfg.ID, now.UnixNano(), p.model, p.endpoints[i].name, role, prompt, pending, req.Hashes))
+}
+
+// learntPD publishes a P/D pool's pick (pd.go) of slot i, matched of
+// the prompt's tokens expected cached there: D's (role sched.RoleDecode;
+// split: D reads the prompt's KV from P and prefills nothing, as attempt
+// accounts it), counted as the request's decision, or P's
+// (sched.RolePrefill: where the prompt's blocks are computed). A pool
+// without peers publishes nothing.
+func (g *Gateway) learntPD(p *pool, x *exchange, i, matched int, role sched.Role, split bool) {
+	if p.peers == nil || i < 0 {
+		return
+	}
+	if split && role == sched.RoleDecode {
+		matched = x.sreq.PromptTokens
+	}
+	g.replicas.learntRole(p, i, &x.sreq, role, int64(matched), role == sched.RoleDecode)
 }
 
 // stagger waits before a routing decision of pool p for as long as this
 // replica's turn in a burst takes (replica.Node.Stagger: rank × 5/4 of
 // the exchange's measured delay while its decisions come in bursts, at
 // most replica.MaxStagger; nothing otherwise), or until ctx ends (the
-// request's next stage then sees it ended). P/D pools, whose picks
-// neither publish learns nor run Expect, do not wait.
+// request's next stage then sees it ended). A P/D pool waits before its
+// first pick, D's then P's (pickSplit).
 func (r *replicas) stagger(ctx context.Context, p *pool) {
-	if r == nil || r.node == nil || p.peers == nil || p.pd != nil {
+	if r == nil || r.node == nil || p.peers == nil {
 		return
 	}
 	d := r.node.Stagger(clock(time.Now()))
@@ -349,7 +386,9 @@ func (t replicaTarget) Known(endpoint string) bool {
 	return ok
 }
 
-func (t replicaTarget) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
+// Resolve implements replica.Target: a P/D pool's prefill learns teach
+// its prefill profile, the others its decode profile (the pool's policy).
+func (t replicaTarget) Resolve(model, endpoint string, role sched.Role) (sched.PeerLearner, int, bool) {
 	st := t.g.state.Load()
 	if st == nil {
 		return nil, 0, false
@@ -360,10 +399,11 @@ func (t replicaTarget) Resolve(model, endpoint string) (sched.PeerLearner, int, 
 	}
 	for i, ep := range p.endpoints {
 		if ep != nil && ep.name == endpoint {
-			l, _ := p.policy.(sched.PeerLearner)
-			if p.pd != nil {
-				l = nil // a P/D pool's two profiles: not exchanged (README "Replicas")
+			pol := p.policy
+			if p.pd != nil && role == sched.RolePrefill {
+				pol = p.pd.Prefill()
 			}
+			l, _ := pol.(sched.PeerLearner)
 			return l, i, true
 		}
 	}

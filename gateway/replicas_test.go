@@ -83,8 +83,8 @@ func TestReplicasRedisDown(t *testing.T) {
 // TestReplicasStaggerWaits: a replica ranked 1 of 3 whose decisions come
 // in bursts waits its turn before a pick (observed in
 // infergate_replica_stagger_seconds), returns early when the request's
-// context ends, and does not wait with replicas.stagger false or for a
-// P/D pool.
+// context ends, waits as well for a P/D pool, and does not wait with
+// replicas.stagger false.
 func TestReplicasStaggerWaits(t *testing.T) {
 	newReplicas := func(noStagger bool) (*replicas, *pool) {
 		peers := replica.NewPeers(time.Hour)
@@ -128,7 +128,10 @@ func TestReplicasStaggerWaits(t *testing.T) {
 	if n := count(r.wait); n != 2 {
 		t.Fatalf("waits observed: %d, want 2", n)
 	}
-	waited(r, context.Background(), &pool{peers: p.peers, pdPool: pdPool{pd: &sched.PD{}}})
+	waited(r, context.Background(), &pool{peers: p.peers, pdPool: pdPool{pd: &sched.PD{}}}) // a P/D pool waits too
+	if n := count(r.wait); n != 3 {
+		t.Fatalf("waits observed: %d, want 3 (the P/D pool's)", n)
+	}
 	r, p = newReplicas(true)
 	waited(r, context.Background(), p)
 	var none *replicas

@@ -128,6 +128,28 @@ func (u *Unseen) Sent(stamp int64, now time.Duration, prompt, pending int64) {
 	u.meanPending += (float64(pending) - u.meanPending) / meanWeight
 }
 
+// Seed gives a fresh Unseen (no echo measured yet) an estimate d of the
+// exchange's delay, so that the fleet's first burst is staggered too
+// (Stagger needs a delay; on the shared-prefix workload's 1,024 requests
+// at one instant, the first burst is the whole run): live, twice the
+// Redis round trip the exchange measured at connect
+// (stream.Config.Connected: the learn's write, then the reader's read);
+// in virtual time the modelled delay. A fresh replica also starts as if
+// its decisions came in bursts: the share decays below staggerBurst within
+// about 20 decisions spread in time (at rank × 5/4 of d each, the price of
+// not knowing yet), and a burst that opens the run is staggered from its
+// first decision instead of from about its sixth. Echoes replace d as
+// they come (an exponentially weighted mean); a measured delay is never
+// overwritten.
+func (u *Unseen) Seed(d time.Duration) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.echo > 0 || d <= 0 {
+		return
+	}
+	u.echo, u.burst = d, 1
+}
+
 // Echo retires the decisions sent up to stamp, the timestamp of one of
 // this replica's own learns read back from the exchange at now (the Sent
 // clock): a replica's messages come back in the order it sent them, so

@@ -240,8 +240,14 @@ func Seed(seed uint64, id string) uint64 {
 // of model's pool (nil when it learns nothing: no approximate index) and
 // the slot of endpoint (its URL) in it; ok false when this replica has no
 // such pool or endpoint (the learn is then neither learnt nor credited).
+// role is Msg.Role: for a P/D pool (sched.PD) the profile whose pick the
+// learn was — the prefill profile's for RolePrefill, the decode profile's
+// for RoleDecode and for RoleBoth (a peer that serves the model whole:
+// its endpoint computed the prompt, as D does a request it keeps whole);
+// a pool without P/D learns every role alike (the endpoint holds the
+// prompt's blocks either way).
 type Target interface {
-	Resolve(model, endpoint string) (l sched.PeerLearner, slot int, ok bool)
+	Resolve(model, endpoint string, role sched.Role) (l sched.PeerLearner, slot int, ok bool)
 	// Known reports whether endpoint (a URL) is one of this replica's:
 	// load report entries for others are dropped.
 	Known(endpoint string) bool
@@ -300,7 +306,7 @@ func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
 	}
 	switch m.Kind {
 	case KindLearn:
-		l, slot, ok := n.Target.Resolve(m.Model, m.Endpoint)
+		l, slot, ok := n.Target.Resolve(m.Model, m.Endpoint, m.Role)
 		if !ok {
 			n.Counts.Unknown.Add(1)
 			return m, nil

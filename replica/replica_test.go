@@ -27,6 +27,34 @@ func TestLearnRoundTrip(t *testing.T) {
 	}
 }
 
+// TestLearnPDRoundTrip: a P/D profile's learn carries its role; RoleBoth
+// encodes as a plain learn, byte for byte.
+func TestLearnPDRoundTrip(t *testing.T) {
+	hashes := []uint64{3, 4}
+	for _, role := range []sched.Role{sched.RolePrefill, sched.RoleDecode} {
+		b := AppendLearnRole(nil, "gw-1", 9, "llama", "http://p:8000", role, 9000, 300, hashes)
+		if b[1] != byte(KindLearnPD) {
+			t.Fatalf("%v: kind byte %d", role, b[1])
+		}
+		var m Msg
+		if err := Decode(b, &m); err != nil {
+			t.Fatal(err)
+		}
+		if m.Kind != KindLearn || m.Role != role || m.Endpoint != "http://p:8000" || m.Prompt != 9000 || m.Pending != 300 || !slices.Equal(m.Hashes, hashes) {
+			t.Fatalf("%v: decoded %+v", role, m)
+		}
+		// Decode resets the role of the next message.
+		if err := Decode(AppendLearn(nil, "gw-1", 9, "llama", "http://p:8000", 1, 1, nil), &m); err != nil || m.Role != sched.RoleBoth {
+			t.Fatalf("plain learn after a P/D one: role %v, %v", m.Role, err)
+		}
+	}
+	plain := AppendLearn(nil, "a", 1, "m", "e", 5, 5, hashes)
+	if !bytes.Equal(AppendLearnRole(nil, "a", 1, "m", "e", sched.RoleBoth, 5, 5, hashes), plain) ||
+		!bytes.Equal(AppendLearnRole(nil, "a", 1, "m", "e", sched.Role(9), 5, 5, hashes), plain) {
+		t.Fatal("RoleBoth (or an unknown role) is not the plain learn")
+	}
+}
+
 func TestLoadRoundTrip(t *testing.T) {
 	in := []LoadEntry{{"http://a", Load{3, 4000, 1200}}, {"http://b", Load{0, 0, 0}}, {"http://c", Load{-1, maxCount + 7, 1}}}
 	b := AppendLoad(nil, "gw-2", 1e18, in)
@@ -68,6 +96,9 @@ func TestDecodeMalformed(t *testing.T) {
 		"no id":       AppendLearn(nil, "", 1, "m", "e", 0, 0, nil),
 		"too big":     make([]byte, MaxMessage+1),
 		"long string": append([]byte{Version, byte(KindLoad), 0xff, 0x01}, bytes.Repeat([]byte{'a'}, 255)...),
+		"no role":     {Version, byte(KindLearnPD), 1, 'a', 0},
+		"role both":   append([]byte{Version, byte(KindLearnPD), 1, 'a', 2, 0}, good[5:]...),
+		"role 3":      append([]byte{Version, byte(KindLearnPD), 1, 'a', 2, 3}, good[5:]...),
 	}
 	for name, b := range cases {
 		var m Msg
@@ -83,6 +114,8 @@ func FuzzDecode(f *testing.F) {
 	f.Add(AppendLearn(nil, "gw", 7, "m", "http://e", 100, 50, []uint64{1, 2, 3}))
 	f.Add(AppendLoad(nil, "gw", -7, []LoadEntry{{"http://e", Load{1, 2, 3}}}))
 	f.Add([]byte{Version, byte(KindLoad), 1, 'a', 0, 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Add(AppendLearnRole(nil, "gw", 7, "m", "http://p", sched.RolePrefill, 100, 50, []uint64{1, 2, 3}))
+	f.Add([]byte{Version, byte(KindLearnPD), 1, 'a', 0, 9})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var m Msg
 		if err := Decode(b, &m); err != nil {
@@ -94,7 +127,7 @@ func FuzzDecode(f *testing.F) {
 		var again []byte
 		switch m.Kind {
 		case KindLearn:
-			again = AppendLearn(nil, m.ID, m.At, m.Model, m.Endpoint, m.Prompt, m.Pending, m.Hashes)
+			again = AppendLearnRole(nil, m.ID, m.At, m.Model, m.Endpoint, m.Role, m.Prompt, m.Pending, m.Hashes)
 		case KindLoad:
 			again = AppendLoad(nil, m.ID, m.At, m.Loads)
 		}
@@ -102,7 +135,7 @@ func FuzzDecode(f *testing.F) {
 			// Varints have non-minimal encodings Uvarint accepts; the
 			// re-encoding must decode to the same message.
 			var m2 Msg
-			if err := Decode(again, &m2); err != nil || m2.ID != m.ID || m2.At != m.At || m2.Prompt != m.Prompt || m2.Pending != m.Pending || !slices.Equal(m2.Hashes, m.Hashes) || !slices.Equal(m2.Loads, m.Loads) {
+			if err := Decode(again, &m2); err != nil || m2.ID != m.ID || m2.At != m.At || m2.Role != m.Role || m2.Prompt != m.Prompt || m2.Pending != m.Pending || !slices.Equal(m2.Hashes, m.Hashes) || !slices.Equal(m2.Loads, m.Loads) {
 				t.Fatalf("re-encoding differs: %v %+v vs %+v", err, m2, m)
 			}
 		}
@@ -160,7 +193,7 @@ type target struct {
 
 func (t target) Known(endpoint string) bool { _, ok := t.slots[endpoint]; return ok }
 
-func (t target) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
+func (t target) Resolve(model, endpoint string, _ sched.Role) (sched.PeerLearner, int, bool) {
 	i, ok := t.slots[endpoint]
 	return t.l, i, ok && model == "m"
 }
@@ -288,5 +321,18 @@ func BenchmarkNodeApplyLearn(b *testing.B) {
 
 type polTarget struct{ l sched.PeerLearner }
 
-func (t polTarget) Resolve(string, string) (sched.PeerLearner, int, bool) { return t.l, 1, true }
-func (polTarget) Known(string) bool                                       { return true }
+func (t polTarget) Resolve(string, string, sched.Role) (sched.PeerLearner, int, bool) {
+	return t.l, 1, true
+}
+func (polTarget) Known(string) bool { return true }
+
+// TestDecodeRoleByte: the P/D learn's one extra byte, well formed, decodes
+// (the malformed cases above differ from it only in that byte).
+func TestDecodeRoleByte(t *testing.T) {
+	good := AppendLearn(nil, "a", 1, "m", "e", 0, 0, []uint64{1, 2})
+	b := append([]byte{Version, byte(KindLearnPD), 1, 'a', 2, byte(sched.RoleDecode)}, good[5:]...)
+	var m Msg
+	if err := Decode(b, &m); err != nil || m.Role != sched.RoleDecode || !slices.Equal(m.Hashes, []uint64{1, 2}) {
+		t.Fatalf("%v %+v", err, m)
+	}
+}

@@ -119,3 +119,49 @@ func BenchmarkStagger(b *testing.B) {
 		}
 	}
 }
+
+// TestStaggerSeeded: a seeded replica (Unseen.Seed) staggers its very
+// first decision, by the seeded delay; its own echoes then replace the
+// seed; decisions spread in time stop the waits within about 20; a seed
+// never overwrites a measured delay.
+func TestStaggerSeeded(t *testing.T) {
+	n := &Node{ID: "c", Peers: NewPeers(time.Second)}
+	n.Peers.Update("a", 0, nil)
+	n.Peers.Update("b", 0, nil)
+	if got := n.Stagger(0); got != 0 {
+		t.Fatalf("unseeded: waits %v", got)
+	}
+	n.Unseen.Seed(2 * time.Millisecond)
+	if got := n.Stagger(0); got != 5*time.Millisecond {
+		t.Fatalf("seeded 2ms, rank 2: waits %v, want 5ms", got)
+	}
+	n.Unseen.Sent(1, 0, 100, 100)
+	n.Unseen.Echo(1, 10*time.Millisecond) // a first measured echo: the mean moves 1/8 towards it
+	if got := n.Stagger(0); got != 2*(2*time.Millisecond+(8*time.Millisecond)/8)*5/4 {
+		t.Fatalf("after one 10ms echo: waits %v", got)
+	}
+	n.Unseen.Seed(time.Microsecond)
+	if got := n.Stagger(0); got != 7500*time.Microsecond {
+		t.Fatalf("a seed overwrote the measured delay: waits %v", got)
+	}
+	// Decisions a second apart: within ~20 no longer bursty.
+	waits := 0
+	for i := range 40 {
+		at := time.Duration(i+1) * time.Second
+		n.Peers.Update("a", at, nil)
+		n.Peers.Update("b", at, nil)
+		if n.Stagger(at) > 0 {
+			waits++
+		}
+		n.Unseen.Sent(int64(i+2), at, 100, 100)
+		n.Unseen.Echo(int64(i+2), at+time.Millisecond)
+	}
+	if waits == 0 || waits > 25 {
+		t.Fatalf("spread decisions waited %d times of 40: want the first ones only", waits)
+	}
+	lone := &Node{ID: "c", Peers: NewPeers(time.Second)}
+	lone.Unseen.Seed(time.Millisecond)
+	if got := lone.Stagger(0); got != 0 {
+		t.Fatalf("a lone seeded replica waits %v", got)
+	}
+}

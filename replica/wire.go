@@ -15,6 +15,8 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+
+	"github.com/infergate/infergate/sched"
 )
 
 // Wire format, version 1 (all integers unsigned LEB128 varints as
@@ -23,6 +25,7 @@ import (
 //
 //	message  = version(1 byte: 1) kind(1 byte) id(string) at(varint ns) body
 //	learn    = model(string) endpoint(string) prompt pending (uvarints) n(uvarint) n × hash(8 bytes, little endian)
+//	learn_pd = role(1 byte: 1 prefill, 2 decode) learn
 //	load     = n(uvarint) n × (endpoint(string) in_flight tokens prefill (uvarints))
 //
 // id is the sending replica's id, at its clock when it sent (ns; the wall
@@ -65,6 +68,9 @@ const (
 	KindLearn Kind = 1
 	// KindLoad: a replica's in-flight load per endpoint.
 	KindLoad Kind = 2
+	// KindLearnPD: a learn of one profile of a P/D pool (Msg.Role) on the
+	// wire; Decode returns it as KindLearn with Role set.
+	KindLearnPD Kind = 3
 )
 
 func (k Kind) String() string {
@@ -73,6 +79,8 @@ func (k Kind) String() string {
 		return "learn"
 	case KindLoad:
 		return "load"
+	case KindLearnPD:
+		return "learn_pd"
 	}
 	return fmt.Sprintf("kind(%d)", uint8(k))
 }
@@ -102,6 +110,9 @@ type Msg struct {
 	Model, Endpoint string
 	Prompt, Pending int64
 	Hashes          []uint64
+	// Role is the P/D profile whose pick a learn was (sched.RolePrefill or
+	// RoleDecode; RoleBoth: the pool's one policy).
+	Role sched.Role
 	// Load: the sender's load per endpoint.
 	Loads []LoadEntry
 }
@@ -112,9 +123,22 @@ type Msg struct {
 // their bound are cut to it, counts clamped to [0, 2^40] and hashes beyond
 // MaxHashes dropped (the tail: the index matches leading blocks).
 func AppendLearn(dst []byte, id string, at int64, model, endpoint string, prompt, pending int64, hashes []uint64) []byte {
+	return AppendLearnRole(dst, id, at, model, endpoint, sched.RoleBoth, prompt, pending, hashes)
+}
+
+// AppendLearnRole is AppendLearn for the pick of one profile of a P/D
+// pool, role (sched.RolePrefill: the prefill endpoint, where the prompt's
+// blocks are computed; sched.RoleDecode: the decode endpoint); RoleBoth,
+// or a role out of range, is AppendLearn's message.
+func AppendLearnRole(dst []byte, id string, at int64, model, endpoint string, role sched.Role, prompt, pending int64, hashes []uint64) []byte {
 	hashes = hashes[:min(len(hashes), MaxHashes)]
-	dst = slices.Grow(dst, 2+len(id)+len(model)+len(endpoint)+8*len(hashes)+7*binary.MaxVarintLen64) // one allocation
-	dst = appendHeader(dst, KindLearn, id, at)
+	dst = slices.Grow(dst, 3+len(id)+len(model)+len(endpoint)+8*len(hashes)+7*binary.MaxVarintLen64) // one allocation
+	if role == sched.RolePrefill || role == sched.RoleDecode {
+		dst = appendHeader(dst, KindLearnPD, id, at)
+		dst = append(dst, byte(role))
+	} else {
+		dst = appendHeader(dst, KindLearn, id, at)
+	}
 	dst = appendString(dst, model, MaxModel)
 	dst = appendString(dst, endpoint, MaxEndpoint)
 	dst = binary.AppendUvarint(dst, clampCount(prompt))
@@ -183,8 +207,18 @@ func decode(b []byte, m *Msg) error {
 	m.Kind = Kind(b[1])
 	m.ID = r.str(MaxID, "id")
 	m.At = r.varint("time")
-	m.Model, m.Endpoint, m.Prompt, m.Pending = "", "", 0, 0
+	m.Model, m.Endpoint, m.Prompt, m.Pending, m.Role = "", "", 0, 0, sched.RoleBoth
 	m.Hashes, m.Loads = m.Hashes[:0], m.Loads[:0]
+	if m.Kind == KindLearnPD {
+		b := r.take(1, "role")
+		switch {
+		case b == nil: // short: r.err is set
+		case sched.Role(b[0]) == sched.RolePrefill || sched.Role(b[0]) == sched.RoleDecode:
+			m.Kind, m.Role = KindLearn, sched.Role(b[0])
+		default:
+			r.fail("unknown role %d", b[0])
+		}
+	}
 	switch m.Kind {
 	case KindLearn:
 		m.Model = r.str(MaxModel, "model")

@@ -364,8 +364,8 @@ func NewFleet(cfg Config) (*Fleet, error) {
 	if cfg.Prefill > 0 && eng.Profile.KVTransferBandwidth <= 0 {
 		return nil, fmt.Errorf("sim: prefill engines need the profile's kv_transfer_bandwidth (%s has none)", eng.Profile.Name)
 	}
-	if cfg.Replicas > 1 && (cfg.Policy != nil || cfg.Prefill > 0) {
-		return nil, fmt.Errorf("sim: %d replicas need a policy built from Routing and no prefill engines", cfg.Replicas)
+	if cfg.Replicas > 1 && cfg.Policy != nil {
+		return nil, fmt.Errorf("sim: %d replicas need a policy built from Routing", cfg.Replicas)
 	}
 	if cfg.KillAt > 0 && (cfg.KillReplica < 0 || cfg.KillReplica >= max(cfg.Replicas, 1) || cfg.Replicas < 2) {
 		return nil, fmt.Errorf("sim: kill replica %d of %d: want one of 2 or more replicas", cfg.KillReplica, cfg.Replicas)
@@ -686,7 +686,7 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		tokens = f.prompt
 	}
 	f.sreq = sched.Request{Model: f.cfg.Model, Adapter: vr.Adapter}
-	if policy.NeedsHashes() || f.precise != nil || (f.pd != nil && f.pd.NeedsHashes()) {
+	if policy.NeedsHashes() || f.precise != nil || (rp.pd != nil && rp.pd.NeedsHashes()) {
 		f.hashes = prefix.Hashes(f.hashes[:0], tokens, f.blockSize, f.seedOf(vr.Adapter))
 		f.sreq.Hashes, f.sreq.PromptTokens = f.hashes, len(tokens)
 	}
@@ -694,8 +694,9 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	r.Prefill = -1
 	var d sched.Decision
 	var maxTokens int
-	if f.pd != nil {
-		pdd := f.pd.Pick(&f.sreq, rp.snap)
+	var pdd sched.PDDecision
+	if rp.pd != nil {
+		pdd = rp.pd.Pick(&f.sreq, rp.snap)
 		r.PDReason = pdd.Reason
 		if pdd.Split && pdd.Decode.Endpoint >= 0 {
 			// The prefill leg first: D (chosen now, as llm-d's
@@ -712,8 +713,8 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 	// before anything else happens: virtual time decides as if it were
 	// applied inline, deterministically, whatever the live gateway's
 	// settler does.
-	if f.pd != nil {
-		f.pd.Settle()
+	if rp.pd != nil {
+		rp.pd.Settle()
 	} else if s, ok := policy.(sched.Settler); ok {
 		s.Settle()
 	}
@@ -721,7 +722,11 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		r.Engine, r.Err = -1, ErrNoEndpoint
 		return
 	}
-	f.learnt(rp, d, t)
+	if rp.pd != nil {
+		f.learntPD(rp, pdd, t)
+	} else {
+		f.learnt(rp, d, t)
+	}
 	if fin := f.finisher(k); fin != nil && len(f.sreq.Hashes) > 0 {
 		h := f.spare
 		var keep []uint64
@@ -1034,9 +1039,10 @@ func (f *Fleet) deliver(i int, ve *engine, t time.Duration) {
 // finisher is the policy that routed request k when it learns on finish
 // (sched.Finisher), else nil.
 func (f *Fleet) finisher(k int) sched.Finisher {
-	var p any = f.pd
-	if f.pd == nil {
-		p = f.reps[f.owner[k]].policy
+	rp := f.reps[f.owner[k]]
+	var p any = rp.policy
+	if rp.pd != nil {
+		p = rp.pd
 	}
 	if fin, ok := p.(sched.Finisher); ok && fin.LearnsOnFinish() {
 		return fin

@@ -48,6 +48,7 @@ const DefaultLoadInterval = 200 * time.Millisecond
 type rep struct {
 	id      string
 	policy  sched.Policy
+	pd      *sched.PD         // its P/D decisions (Config.Prefill; policy is their decode profile)
 	learner sched.PeerLearner // policy's, nil when it learns nothing
 	ledgers []load.Ledger     // per engine: what this replica sent it
 	snap    []sched.Endpoint
@@ -139,18 +140,23 @@ func (f *Fleet) release(t time.Duration) {
 }
 
 // target resolves learns for a virtual replica: one model, endpoints by
-// their snapshot names.
+// their snapshot names; with P/D, prefill learns to the prefill profile
+// (as the gateway's replicaTarget).
 type target struct {
-	model   string
-	learner sched.PeerLearner
-	slots   map[string]int
+	model            string
+	learner, prefill sched.PeerLearner
+	slots            map[string]int
 }
 
 func (t *target) Known(endpoint string) bool { _, ok := t.slots[endpoint]; return ok }
 
-func (t *target) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
+func (t *target) Resolve(model, endpoint string, role sched.Role) (sched.PeerLearner, int, bool) {
 	i, ok := t.slots[endpoint]
-	return t.learner, i, ok && model == t.model
+	l := t.learner
+	if role == sched.RolePrefill && t.prefill != nil {
+		l = t.prefill
+	}
+	return l, i, ok && model == t.model
 }
 
 // newReplicas builds f's replicas over snapshot template snap; replica 0
@@ -163,7 +169,7 @@ func (f *Fleet) newReplicas(snap []sched.Endpoint, pool sched.Pool) error {
 		slots[snap[i].Name] = i
 	}
 	for r := range n {
-		p := f.policy
+		p, pd := f.policy, f.pd
 		if r > 0 {
 			// Each replica its own random streams (ReplicaSeed), as live
 			// replicas seed theirs with their ids: with one seed, decision
@@ -171,18 +177,42 @@ func (f *Fleet) newReplicas(snap []sched.Endpoint, pool sched.Pool) error {
 			routing := cfg.Routing
 			routing.Seed = replica.Seed(routing.Seed, "replica-"+strconv.Itoa(r))
 			var err error
-			if p, err = sched.NewPolicy(routing, pool); err != nil {
+			if pd != nil {
+				if pd, err = sched.NewPD(routing, pool); err != nil {
+					return err
+				}
+				p = pd.Decode()
+			} else if p, err = sched.NewPolicy(routing, pool); err != nil {
 				return err
 			}
 		}
-		rp := &rep{id: "replica-" + strconv.Itoa(r), policy: p, ledgers: make([]load.Ledger, len(snap)),
+		rp := &rep{id: "replica-" + strconv.Itoa(r), policy: p, pd: pd, ledgers: make([]load.Ledger, len(snap)),
 			snap: append([]sched.Endpoint(nil), snap...), alive: true}
 		rp.learner, _ = p.(sched.PeerLearner)
 		if cfg.ReplicaSync && n > 1 {
-			rp.node = &replica.Node{ID: rp.id, Peers: replica.NewPeers(cfg.LoadTTL),
-				Target: &target{model: cfg.Model, learner: rp.learner, slots: slots}, NoStagger: cfg.ReplicaNoStagger}
+			t := &target{model: cfg.Model, learner: rp.learner, slots: slots}
+			if pd != nil {
+				t.prefill, _ = pd.Prefill().(sched.PeerLearner)
+			}
+			rp.node = &replica.Node{ID: rp.id, Peers: replica.NewPeers(cfg.LoadTTL), Target: t, NoStagger: cfg.ReplicaNoStagger}
 		}
 		f.reps = append(f.reps, rp)
+	}
+	for _, rp := range f.reps {
+		if rp.node == nil {
+			continue
+		}
+		// Replicas up before the replay: live ones have heard each
+		// other's load reports before traffic comes, and each seeds the
+		// exchange's delay before its first echo (live, twice the Redis
+		// round trip measured at connect; here the modelled delay), so
+		// that a burst at the replay's first instant is staggered too.
+		for _, q := range f.reps {
+			if q != rp {
+				rp.node.Peers.Update(q.id, 0, nil)
+			}
+		}
+		rp.node.Unseen.Seed(cfg.ReplicaDelay)
 	}
 	if cfg.LoadInterval <= 0 {
 		cfg.LoadInterval = DefaultLoadInterval
@@ -223,7 +253,7 @@ func (rp *rep) fill(t time.Duration) {
 			rp.node.Peers.Add(rp.snap[i].Name, t, &rp.snap[i])
 		}
 	}
-	if rp.node != nil {
+	if rp.node != nil && rp.pd == nil { // P/D: no Expect, as the gateway's pickSplit
 		rp.node.Expect(rp.snap, t)
 	}
 }
@@ -239,6 +269,30 @@ func (f *Fleet) learnt(rp *rep, d sched.Decision, t time.Duration) {
 	b := replica.AppendLearn(nil, rp.id, int64(t), f.cfg.Model, rp.snap[d.Endpoint].Name, prompt, pending, f.sreq.Hashes)
 	rp.node.Unseen.Sent(int64(t), t, prompt, pending)
 	f.post(b, t)
+}
+
+// learntPD sends rp's P/D decision pdd for the prompt of f.sreq to its
+// peers, as the gateway's pickSplit and runFlow publish it: D's pick
+// (sched.RoleDecode; split: D reads the prompt from P and prefills
+// nothing), counted as the decision (replica.Unseen), then P's
+// (sched.RolePrefill) when split.
+func (f *Fleet) learntPD(rp *rep, pdd sched.PDDecision, t time.Duration) {
+	if !f.rx.on || len(f.sreq.Hashes) == 0 || pdd.Decode.Endpoint < 0 {
+		return
+	}
+	prompt := int64(f.sreq.PromptTokens)
+	split := pdd.Split && pdd.Prefill.Endpoint >= 0
+	matched := int64(pdd.Decode.MatchedBlocks * f.blockSize)
+	if split {
+		matched = prompt
+	}
+	pending := max(1, prompt-matched) // as load.Ledger.Send counts it
+	rp.node.Unseen.Sent(int64(t), t, prompt, pending)
+	f.post(replica.AppendLearnRole(nil, rp.id, int64(t), f.cfg.Model, rp.snap[pdd.Decode.Endpoint].Name, sched.RoleDecode, prompt, pending, f.sreq.Hashes), t)
+	if split {
+		pending = max(1, prompt-int64(pdd.Prefill.MatchedBlocks*f.blockSize))
+		f.post(replica.AppendLearnRole(nil, rp.id, int64(t), f.cfg.Model, rp.snap[pdd.Prefill.Endpoint].Name, sched.RolePrefill, prompt, pending, f.sreq.Hashes), t)
+	}
 }
 
 // post puts b in transit to every live replica, its sender included: a
@@ -305,6 +359,11 @@ func (f *Fleet) kill(r int) {
 		res.Err = ErrReplicaKilled
 		id := strconv.Itoa(f.base + k)
 		f.engines[res.Engine].e.Abort(id)
+		if res.Prefill >= 0 && res.Prefill != res.Engine {
+			// A split request: its prefill leg (or the KV P holds for D)
+			// ends too.
+			f.engines[res.Prefill].e.Abort(id)
+		}
 		f.shares[k].Finish()
 	}
 }

@@ -203,8 +203,6 @@ func (fl *benchFlags) validate() ([]float64, error) {
 			return nil, fmt.Errorf("--replicas %d: want at least 1", n)
 		case n > 1 && !fl.virtual:
 			return nil, errors.New("--replicas runs in virtual time (--compare --virtual); live replicas are infergate serve processes with a replicas section (gateway/README.md \"Replicas\")")
-		case n > 1 && slices.ContainsFunc(fl.pd, func(p int) bool { return p > 0 }):
-			return nil, errors.New("--replicas > 1 with --pd is not modelled")
 		}
 	}
 	if fl.spread < 0 {

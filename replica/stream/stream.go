@@ -70,6 +70,12 @@ type Config struct {
 	Replay bool
 	// Logger receives the rate-limited error logs (slog.Default()).
 	Logger *slog.Logger
+	// Connected, when set, is called once, on the reader's goroutine
+	// before its first read, with the round trip of a PING to the server
+	// (retried with the reads' backoff until one succeeds): the gateway
+	// seeds its estimate of the exchange's delay with it
+	// (replica.Unseen.Seed) before any learn has come back.
+	Connected func(rtt time.Duration)
 }
 
 // Handler receives each entry read: its bytes and whether it is from the
@@ -208,6 +214,19 @@ func (x *Exchange) read(ctx context.Context) {
 	last, replaying := "$", x.cfg.Replay
 	if replaying {
 		last = "0-0"
+	}
+	for x.cfg.Connected != nil && ctx.Err() == nil {
+		cctx, cancel := context.WithTimeout(ctx, x.cfg.Timeout)
+		t0 := time.Now()
+		err := x.c.Ping(cctx).Err()
+		rtt := time.Since(t0)
+		cancel()
+		if err == nil {
+			x.up.Store(true)
+			x.cfg.Connected(rtt)
+			break
+		}
+		backoff = x.fail(ctx, "ping", err, backoff)
 	}
 	for ctx.Err() == nil {
 		if last == "$" {

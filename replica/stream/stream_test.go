@@ -23,7 +23,7 @@ type node struct {
 	learnt [][]uint64
 }
 
-func (n *node) Resolve(model, endpoint string) (sched.PeerLearner, int, bool) {
+func (n *node) Resolve(model, endpoint string, _ sched.Role) (sched.PeerLearner, int, bool) {
 	return n, 0, model == "m" && endpoint == "http://e"
 }
 
@@ -188,5 +188,50 @@ func TestReplay(t *testing.T) {
 	defer mu.Unlock()
 	if replayed < 256 {
 		t.Errorf("%d entries marked replayed, want at least the first batch", replayed)
+	}
+}
+
+// TestConnected: the reader measures a PING's round trip once, before its
+// first read, retrying while Redis is down, and reports it (Connected).
+func TestConnected(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close() // nothing listens there until the server starts
+	rtts := make(chan time.Duration, 4)
+	a := newNode("a")
+	x, err := Start(Config{URL: "redis://" + addr, Stream: "t", Timeout: 500 * time.Millisecond,
+		Connected: func(d time.Duration) { rtts <- d }}, a.handler())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close()
+	eventually(t, "a failed ping", func() bool { return x.Counts.Errors.Load() > 0 })
+	select {
+	case d := <-rtts:
+		t.Fatalf("Connected(%v) with Redis down", d)
+	default:
+	}
+	_, port, _ := net.SplitHostPort(addr)
+	p, _ := strconv.Atoi(port)
+	redistest.Start(t, p)
+	select {
+	case d := <-rtts:
+		if d <= 0 {
+			t.Fatalf("round trip %v", d)
+		}
+	case <-time.After(redistest.Wait):
+		t.Fatal("Connected not called once Redis was up")
+	}
+	eventually(t, "up", x.Up)
+	eventually(t, "a reads after Connected", func() bool {
+		x.Publish(replica.AppendLearn(nil, "a", 1, "m", "http://e", 1, 1, []uint64{1}))
+		time.Sleep(50 * time.Millisecond)
+		return a.Counts.Own.Load() > 0
+	})
+	if len(rtts) != 0 {
+		t.Fatalf("Connected called %d more times", len(rtts))
 	}
 }
