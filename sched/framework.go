@@ -230,6 +230,14 @@ func (p *Profile) Settle() {
 // Unsettled implements Settler.
 func (p *Profile) Unsettled() bool { return p.approx != nil && p.approx.Queued() > 0 }
 
+// Queued implements Settler.
+func (p *Profile) Queued() int {
+	if p.approx == nil {
+		return 0
+	}
+	return p.approx.Queued()
+}
+
 // SetCapacity implements Resizer: the approximate index's bound for
 // endpoint i.
 func (p *Profile) SetCapacity(i, blocks int) {
