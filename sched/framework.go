@@ -84,6 +84,8 @@ type Cycle struct {
 	tierBlocks  [][NumTiers]int
 	tierScratch []int
 	tierDone    bool
+	// ties is the max-score picker's scratch (tieScratch).
+	ties []int
 	// The decision's random stream: n is its ordinal among the profile's
 	// decisions, seeded on the first draw.
 	n      uint64
@@ -125,6 +127,15 @@ func (c *Cycle) MatchedBy(src MatchSource) []int {
 		}
 	}
 	return c.other[:len(c.Eps)]
+}
+
+// tieScratch returns an empty slice with room for n indexes, the cycle's
+// own (valid until the decision ends).
+func (c *Cycle) tieScratch(n int) []int {
+	if cap(c.ties) < n {
+		c.ties = make([]int, 0, n)
+	}
+	return c.ties[:0]
 }
 
 // IntN returns a uniform int in [0, n) from the decision's random stream.
