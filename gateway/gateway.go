@@ -118,6 +118,8 @@ type Gateway struct {
 	// settles are the pools whose policies' queued learning the settler
 	// applies, each at most once (learning.go).
 	settles chan *pool
+	// settleNow ends the settler's wait early (capacity 1; learning.go).
+	settleNow chan struct{}
 	// adapterRefresh asks for a rebuild of the state when an endpoint's
 	// model list changed (adapters.go; capacity 1).
 	adapterRefresh chan struct{}

@@ -1,6 +1,10 @@
 package gateway
 
-import "github.com/infergate/infergate/sched"
+import (
+	"time"
+
+	"github.com/infergate/infergate/sched"
+)
 
 // The routing policies' learning off the pick path: a decision of a policy
 // with an approximate prefix index queues its update (sched.Settler,
@@ -23,21 +27,68 @@ import "github.com/infergate/infergate/sched"
 // the pick's goroutine (prefix/learn.go).
 const settleBacklog = 64
 
+// settleDelay is how long the settler lets a pool's learns gather after
+// the first one asks, and settleHurry the queued learns that end the wait
+// early. Learns wait in the index's queue, which its Match counts at once
+// (prefix/learn.go), so decisions are the same however late they settle;
+// what the wait saves is a wake-up of the settler per pick. Until
+// 2026-12-05 the settler settled as soon as a pick asked: at 1,000
+// endpoints every pick of BenchmarkEPPDecision woke it (a futex wake on
+// the pick's thread, 4 µs of its CPU at load 12 by pprof, and the
+// settler's thread competing for a core with the next pick), which is
+// what raised the benchmark's median after the settleQueued change
+// (gateway/README.md "Performance"). settleHurry keeps the queue far from
+// its bounds (prefix: 256 learns, 16,384 blocks; a Learn that finds it
+// full inserts on the pick's goroutine): 8 learns of prompts up to 2,048
+// blocks (32k tokens at 16 a block) fit.
+const (
+	settleDelay = time.Millisecond
+	settleHurry = 8
+)
+
 // startSettler starts the goroutine that settles the policies' queued
-// learning until Close.
+// learning until Close: woken by the first pool that asks, it waits up to
+// settleDelay (less when a pick finds settleHurry learns queued) unless
+// that many are queued already, then settles that pool and every other
+// pool that asked meanwhile. The wait is for a settler that keeps up: one
+// that finds the queue deep when it wakes (many concurrent picks on few
+// cores) settles at once, since every wait sends it back through the run
+// queue behind the picks (epp TestManyStreams, 2,000 streams on 2 cores:
+// 57 s with a wait on every wake, 25–30 s without).
 func (g *Gateway) startSettler() {
 	g.settles = make(chan *pool, settleBacklog)
+	g.settleNow = make(chan struct{}, 1)
 	g.wg.Add(1)
 	go func() {
 		defer g.wg.Done()
+		wait := time.NewTimer(settleDelay)
+		wait.Stop()
 		for {
+			var p *pool
 			select {
 			case <-g.loops.Done():
 				return
-			case p := <-g.settles:
+			case p = <-g.settles:
+			}
+			if p.settler().Queued() < settleHurry {
+				wait.Reset(settleDelay)
+				select {
+				case <-g.loops.Done():
+					return
+				case <-wait.C:
+				case <-g.settleNow:
+					wait.Stop()
+				}
+			}
+			for p != nil {
 				// Cleared first: a learn queued from here on asks again.
 				p.settleQueued.Store(false)
 				p.settler().Settle()
+				select {
+				case p = <-g.settles:
+				default:
+					p = nil
+				}
 			}
 		}
 	}()
@@ -53,12 +104,22 @@ func (p *pool) settler() sched.Settler {
 }
 
 // settleLater hands p's queued learning, if any, to the settler unless p
-// already waits for it (or settles it here when settleBacklog pools wait).
-// After Close a pool left waiting is settled by the index's own bound
-// only (prefix.Index.Learn inserts inline once its queue is full).
+// already waits for it (or settles it here when settleBacklog pools wait),
+// and hurries the settler when settleHurry learns are queued. After Close
+// a pool left waiting is settled by the index's own bound only
+// (prefix.Index.Learn inserts inline once its queue is full).
 func (g *Gateway) settleLater(p *pool) {
 	s := p.settler()
-	if s == nil || !s.Unsettled() || p.settleQueued.Load() || !p.settleQueued.CompareAndSwap(false, true) {
+	if s == nil || !s.Unsettled() {
+		return
+	}
+	if p.settleQueued.Load() || !p.settleQueued.CompareAndSwap(false, true) {
+		if s.Queued() >= settleHurry {
+			select {
+			case g.settleNow <- struct{}{}:
+			default:
+			}
+		}
 		return
 	}
 	select {

@@ -153,39 +153,22 @@ func (ix *Index) endpoint(e int) *endpoint {
 func (ix *Index) Match(hashes []uint64, matched []int) {
 	n := min(len(matched), ix.n)
 	// The queue first: a learn Settle applies after this read is in the
-	// index when match reads it, so none is missed by both.
-	var buf [MaxEndpoints]int
-	var qs *queuedScratch
-	queued := buf[:min(n, MaxEndpoints)]
-	if n > MaxEndpoints && ix.learn.queued.Load() != 0 {
-		qs = queuedPool.Get().(*queuedScratch)
-		queued = qs.grow(n)
+	// index when match reads it, so none is missed by both. The queue's
+	// answer is the few (endpoint, length) pairs it raises, not an array
+	// over every endpoint: until 2026-12-05 a Match of a pool of more than
+	// 64 endpoints with learns queued cleared and then maxed a pooled array
+	// of all of them (two passes over 1,000 at BenchmarkEPPDecision's
+	// scale), though a queued learn shares the prompt's prefix rarely.
+	var held [2 * maxQueuedLearns]heldPrefix
+	nh := 0
+	if len(hashes) > 0 {
+		nh = ix.learn.overlay(hashes, n, &held)
 	}
-	clear(queued)
-	overlaid := len(hashes) > 0 && len(queued) == n && ix.learn.overlay(hashes, queued)
 	ix.match(hashes, matched)
-	if overlaid {
-		for e := range matched[:n] {
-			matched[e] = max(matched[e], queued[e])
-		}
-	}
-	if qs != nil {
-		queuedPool.Put(qs)
+	for _, h := range held[:nh] {
+		matched[h.e] = max(matched[h.e], int(h.k))
 	}
 }
-
-// queuedScratch is Match's overlay array for more than MaxEndpoints
-// endpoints, pooled so that Match allocates nothing once warm.
-type queuedScratch struct{ v []int }
-
-func (q *queuedScratch) grow(n int) []int {
-	if cap(q.v) < n {
-		q.v = make([]int, n)
-	}
-	return q.v[:n]
-}
-
-var queuedPool = sync.Pool{New: func() any { return new(queuedScratch) }}
 
 // match is Match of the index alone.
 func (ix *Index) match(hashes []uint64, matched []int) {

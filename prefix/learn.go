@@ -163,26 +163,33 @@ func (ix *Index) Settle() {
 	q.mu.Unlock()
 }
 
-// overlay sets matched[e] (e < len(matched)) to the most leading blocks of
-// hashes that a queued learn of e holds, and reports whether any learn is
-// queued (false: matched untouched).
-func (q *learnQueue) overlay(hashes []uint64, matched []int) bool {
+// heldPrefix is one queued learn's answer to a Match: endpoint e holds at
+// least the query's first k blocks.
+type heldPrefix struct{ e, k int32 }
+
+// overlay writes into held, for every queued learn of an endpoint e < n
+// that shares a prefix with hashes, that endpoint and the prefix's length
+// in blocks, and returns how many it wrote (0 when nothing is queued). It
+// reads both arenas, so held needs room for twice maxQueuedLearns.
+func (q *learnQueue) overlay(hashes []uint64, n int, held *[2 * maxQueuedLearns]heldPrefix) int {
 	if q.queued.Load() == 0 {
-		return false
+		return 0
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	nh := 0
 	for _, a := range [2]*learnArena{&q.applying, &q.active} {
 		for _, l := range a.learns {
-			if int(l.e) >= len(matched) {
+			if int(l.e) >= n {
 				continue
 			}
-			if k := commonPrefix(hashes, a.hashes[l.off:l.off+l.n]); k > matched[l.e] {
-				matched[l.e] = k
+			if k := commonPrefix(hashes, a.hashes[l.off:l.off+l.n]); k > 0 && nh < len(held) {
+				held[nh] = heldPrefix{e: l.e, k: int32(k)}
+				nh++
 			}
 		}
 	}
-	return true
+	return nh
 }
 
 // commonPrefix returns the number of leading blocks two chained hash lists

@@ -85,6 +85,8 @@ type Cycle struct {
 	tierBlocks  [][NumTiers]int
 	tierScratch []int
 	tierDone    bool
+	// ties is the max-score picker's scratch (tieScratch).
+	ties []int
 	// The decision's random stream: n is its ordinal among the profile's
 	// decisions, seeded on the first draw.
 	n      uint64
@@ -126,6 +128,15 @@ func (c *Cycle) MatchedBy(src MatchSource) []int {
 		}
 	}
 	return c.other[:len(c.Eps)]
+}
+
+// tieScratch returns an empty slice with room for n indexes, the cycle's
+// own (valid until the decision ends).
+func (c *Cycle) tieScratch(n int) []int {
+	if cap(c.ties) < n {
+		c.ties = make([]int, 0, n)
+	}
+	return c.ties[:0]
 }
 
 // IntN returns a uniform int in [0, n) from the decision's random stream.
@@ -263,6 +274,14 @@ func (p *Profile) Settle() {
 
 // Unsettled implements Settler.
 func (p *Profile) Unsettled() bool { return p.approx != nil && p.approx.Queued() > 0 }
+
+// Queued implements Settler.
+func (p *Profile) Queued() int {
+	if p.approx == nil {
+		return 0
+	}
+	return p.approx.Queued()
+}
 
 // SetCapacity implements Resizer: the approximate index's bound for
 // endpoint i.

@@ -489,8 +489,12 @@ func BenchmarkDecision64x1M(b *testing.B) {
 // cost ×1, queue ×1, max-score), and cache-aware, whose approximate index
 // holds 1,000,000 blocks (1,000 per endpoint; 16 groups of owners tables,
 // prefix.Index) with every endpoint holding the prompt's first 2,000 tokens
-// and one endpoint all of it, as BenchmarkDecision64x1M. The precise index
-// still tracks at most prefix.MaxEndpoints (64) endpoints.
+// and one endpoint all of it, as BenchmarkDecision64x1M;
+// cache-aware/decide-one-holder decides 800-token prompts that one
+// endpoint each holds and no other any part of (the gateway's chats of
+// BenchmarkEPPDecision: the candidates' passes, not Match, are the cost).
+// The precise index still tracks at most prefix.MaxEndpoints (64)
+// endpoints.
 func BenchmarkDecision1000(b *testing.B) {
 	const n, perEndpoint = 1000, 1_000_000 / 1000
 	eps := ready(n)
@@ -521,12 +525,21 @@ func BenchmarkDecision1000(b *testing.B) {
 		})
 	}
 	var ix *prefix.Index // built by the first cache-aware case
+	// Sessions of their own (one endpoint holds each, nobody else any of
+	// it: BenchmarkEPPDecision's chats), the index's groups but the
+	// holder's answering with one lookup: the per-endpoint passes' cost.
+	own := make([]*Request, 64)
+	for i := range own {
+		own[i] = req(tokens(800, uint32(i+1)*7919+2_000_000_000))
+	}
 	for _, tc := range []struct {
 		name  string
 		learn learnMode
+		reqs  []*Request
 	}{
-		{"cache-aware/decide", learnOff},
-		{"cache-aware/pick", learnQueued},
+		{"cache-aware/decide", learnOff, reqs},
+		{"cache-aware/pick", learnQueued, reqs},
+		{"cache-aware/decide-one-holder", learnOff, own},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			if ix == nil {
@@ -543,6 +556,9 @@ func BenchmarkDecision1000(b *testing.B) {
 					}
 					ix.Insert(i*n/len(reqs), r.Hashes)
 				}
+				for i, r := range own {
+					ix.Insert((i*n/len(own)+7)%n, r.Hashes)
+				}
 				b.Logf("approximate index: %d blocks on endpoint 0, %d on endpoint %d", ix.Len(0), ix.Len(n-1), n-1)
 			}
 			p := newProfileT(b, Config{Policy: CacheAware}, Pool{Capacity: caps(n, perEndpoint)})
@@ -554,10 +570,11 @@ func BenchmarkDecision1000(b *testing.B) {
 			if tc.learn == learnOff {
 				p.learners = nil
 			}
+			want := min(125, len(tc.reqs[0].Hashes))
 			benchPicks(b, p, tc.learn, func(i int) {
-				r := reqs[i%len(reqs)]
-				if d := p.Pick(r, eps); d.MatchedBlocks < 125 {
-					b.Fatalf("request %d: matched %d blocks at endpoint %d", i%len(reqs), d.MatchedBlocks, d.Endpoint)
+				r := tc.reqs[i%len(tc.reqs)]
+				if d := p.Pick(r, eps); d.MatchedBlocks < want {
+					b.Fatalf("request %d: matched %d blocks at endpoint %d", i%len(tc.reqs), d.MatchedBlocks, d.Endpoint)
 				}
 			})
 			ix.Settle()

@@ -371,6 +371,17 @@ func (pd *PD) Settle() {
 	}
 }
 
+// Queued implements Settler: the learns both profiles hold queued.
+func (pd *PD) Queued() int {
+	n := 0
+	for _, p := range [2]Policy{pd.decode, pd.prefill} {
+		if s, ok := p.(Settler); ok {
+			n += s.Queued()
+		}
+	}
+	return n
+}
+
 // Unsettled implements Settler.
 func (pd *PD) Unsettled() bool {
 	for _, p := range [2]Policy{pd.decode, pd.prefill} {

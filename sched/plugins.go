@@ -406,13 +406,17 @@ func (s *costScorer) estimate(c *Cycle, cands []int, ttft []float64) {
 func (s *costScorer) estimateWork(c *Cycle, cands []int, ttft []float64, work, block, minGain float64) {
 	matched := c.Matched()
 	p := float64(c.Req.PromptTokens)
+	tb := c.TierBlocks()
+	if tb == nil && minGain == 0 {
+		s.estimatePlain(c, cands, ttft, matched, p, work, block)
+		return
+	}
 	// Per-endpoint rates only when every candidate has one: a fleet half
 	// learnt would compare learnt rates with the configured guess.
 	known := true
 	for _, i := range cands {
 		known = known && c.Eps[i].PrefillTokensPerSecond > 0
 	}
-	tb := c.TierBlocks()
 	rate := s.rate
 	// Pass 1: each candidate's hit (blocks, tier-credited), into ttft.
 	least := math.Inf(1)
@@ -449,6 +453,34 @@ func (s *costScorer) estimateWork(c *Cycle, cands []int, ttft []float64, work, b
 	}
 }
 
+// estimatePlain is estimateWork without tiers and minGain (the cost
+// scorer's case), the same TTFT to the bit in one pass over the
+// candidates when they have no prefill rate of their own (the gateway's
+// case: it passes none, load.Ledger.Fill) and two when every one has: the
+// pass prices with the configured rate while it finds whether every
+// candidate has its own, and a second prices with theirs if so
+// (estimateWork adds a load of 0.0, which changes nothing but a −0 the
+// positive own term rules out). Until
+// 2026-12-05 a pass for the rates' check, one for the hits and one for
+// the TTFT, each reading every candidate's 160-byte Endpoint.
+func (s *costScorer) estimatePlain(c *Cycle, cands []int, ttft []float64, matched []int, p, work, block float64) {
+	known, rate := true, s.rate
+	for k, i := range cands {
+		ep := &c.Eps[i]
+		known = known && ep.PrefillTokensPerSecond > 0
+		own := max(1, p-float64(s.blockSize)*float64(matched[i]))
+		ttft[k] = (float64(ep.PendingPrefillTokens) + (1+work+block*float64(ep.InFlight))*own) / rate
+	}
+	if !known {
+		return
+	}
+	for k, i := range cands {
+		ep := &c.Eps[i]
+		own := max(1, p-float64(s.blockSize)*float64(matched[i]))
+		ttft[k] = (float64(ep.PendingPrefillTokens) + (1+work+block*float64(ep.InFlight))*own) / ep.PrefillTokensPerSecond
+	}
+}
+
 // ---- pickers ----
 
 // maxScorePicker takes the highest total; totals within tol of the best
@@ -469,18 +501,22 @@ func (p maxScorePicker) Pick(c *Cycle, cands []int, total []float64) int {
 		top = max(top, t)
 	}
 	tol := max(p.tol, 1e-9)
-	pref := false
+	// The tied candidates, in order, into the cycle's scratch: one more
+	// pass over the totals, then the preference and the draws over the
+	// ties alone (until 2026-12-05 two more passes over every candidate;
+	// the ties and draws, hence the pick, are the same).
+	ties, pref := c.tieScratch(len(cands)), false
 	for k, t := range total {
-		if t >= top-tol && preferred(c, cands[k]) {
-			pref = true
-			break
+		if t >= top-tol {
+			ties = append(ties, k)
+			pref = pref || preferred(c, cands[k])
 		}
 	}
-	pick, ties := -1, 0
-	for k, t := range total {
-		if t >= top-tol && (!pref || preferred(c, cands[k])) {
-			ties++
-			if c.IntN(ties) == 0 {
+	pick, n := -1, 0
+	for _, k := range ties {
+		if !pref || preferred(c, cands[k]) {
+			n++
+			if c.IntN(n) == 0 {
 				pick = k
 			}
 		}

@@ -157,6 +157,8 @@ type Finisher interface {
 type Settler interface {
 	Settle()
 	Unsettled() bool
+	// Queued is the number of learns waiting for Settle.
+	Queued() int
 }
 
 // PeerLearner is implemented by policies whose scorers learn from
