@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"github.com/infergate/infergate/jsonscan"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -410,13 +411,13 @@ func renderKey(model string, kind apiKind, body []byte) uint64 {
 	_, _ = d.WriteString(model)
 	sep := [3]byte{0, byte(kind), 0}
 	_, _ = d.Write(sep[:])
-	it := members{s: jscan{b: body}}
-	for it.next() {
-		if !renderIgnored[string(it.key)] {
-			_, _ = d.Write(it.member)
+	_ = jsonscan.Object(body, maxRenderDepth, func(m jsonscan.Member) bool {
+		if !renderIgnored[string(m.Key)] {
+			_, _ = d.Write(m.Raw)
 			_, _ = d.Write(sep[:1])
 		}
-	}
+		return true
+	})
 	return d.Sum64()
 }
 
