@@ -20,6 +20,7 @@ import (
 	"github.com/infergate/infergate/e2e"
 	"github.com/infergate/infergate/gguf"
 	"github.com/infergate/infergate/internal/realpart"
+	"github.com/infergate/infergate/internal/throttle"
 )
 
 // BenchmarkOllamaStartup measures an Ollama engine's start-up — from asking
@@ -76,9 +77,7 @@ func BenchmarkOllamaStartup(b *testing.B) {
 	var throttledSrc artifact.Source
 	if mbps, _ := strconv.ParseFloat(os.Getenv("INFERGATE_ARTIFACT_BENCH_ORIGIN_MBPS"), 64); mbps > 0 {
 		fsrv := http.FileServer(http.Dir(store))
-		slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			fsrv.ServeHTTP(&throttled{ResponseWriter: w, bps: mbps * 1e6, t0: time.Now()}, r)
-		}))
+		slow := httptest.NewServer(throttle.Handler(fsrv, mbps*1e6))
 		defer slow.Close()
 		throttledSrc, _ = artifact.NewHTTP(slow.URL, artifact.LayoutOllamaDir, false)
 	}
@@ -271,37 +270,6 @@ func dropAll(b *testing.B) {
 		b.Fatalf("INFERGATE_ARTIFACT_BENCH_DROP_CACHES=1: %v (root only)", err)
 	}
 }
-
-// throttled limits a response's bytes to bps bytes/s from t0, sleeping
-// before each write that would exceed it (an origin's bandwidth).
-type throttled struct {
-	http.ResponseWriter
-	bps  float64
-	t0   time.Time
-	sent int64
-}
-
-func (t *throttled) Write(p []byte) (int, error) {
-	var n int
-	for len(p) > 0 {
-		k := min(len(p), 256<<10)
-		if ahead := time.Duration(float64(t.sent+int64(k))/t.bps*float64(time.Second)) - time.Since(t.t0); ahead > 0 {
-			time.Sleep(ahead)
-		}
-		w, err := t.ResponseWriter.Write(p[:k])
-		n += w
-		t.sent += int64(w)
-		if err != nil {
-			return n, err
-		}
-		p = p[k:]
-	}
-	return n, nil
-}
-
-// ReadFrom hides the writer's io.ReaderFrom (sendfile), so every byte
-// passes Write.
-func (t *throttled) ReadFrom(r io.Reader) (int64, error) { return io.Copy(struct{ io.Writer }{t}, r) }
 
 // readMBps reads a file sequentially and returns MB/s.
 func readMBps(b *testing.B, p string) float64 {

@@ -105,12 +105,14 @@ type Server struct {
 // Options configures a Server beyond the gateway's own configuration.
 type Options struct {
 	// MaxBufferedBytes bounds the request bytes, headers and bodies,
-	// held by all streams at once (bytes; 0: DefaultMaxBufferedBytes).
+	// held by all streams at once (bytes; 0: DefaultMaxBufferedBytes;
+	// negative: an error).
 	MaxBufferedBytes int64
 	// Metrics registers the picker's metrics (nil: none registered).
 	Metrics Registerer
 	// MaxStreams bounds the ext_proc streams open at once, over all the
-	// proxy's connections (0: DefaultMaxStreams); beyond it a new stream
+	// proxy's connections (0: DefaultMaxStreams, 16,384: there is no
+	// unbounded setting; negative: an error); beyond it a new stream
 	// ends at once with gRPC status RESOURCE_EXHAUSTED, which the proxy
 	// turns into an error for that request (or lets it through to its
 	// default cluster under ext_proc's failure_mode_allow). gRPC's own
@@ -128,22 +130,38 @@ const DefaultMaxBufferedBytes = 1 << 30
 // (MaxBufferedBytes bounds those), so 16,384 streams are ~100 MiB at most.
 const DefaultMaxStreams = 16384
 
+// Validate reports a negative bound (a flag's typo, which used to mean
+// the default silently).
+func (o Options) Validate() error {
+	if o.MaxStreams < 0 {
+		return fmt.Errorf("max streams %d: must be >= 0 (0: the default, %d)", o.MaxStreams, DefaultMaxStreams)
+	}
+	if o.MaxBufferedBytes < 0 {
+		return fmt.Errorf("max buffered bytes %d: must be >= 0 (0: the default, %d)", o.MaxBufferedBytes, DefaultMaxBufferedBytes)
+	}
+	return nil
+}
+
 // New returns the ext_proc service picking with g; cfg is g's epp section.
+// o's zero bounds take their defaults; a negative one is an error.
 func New(g *gateway.Gateway, cfg gateway.EPPConfig, o Options) (*Server, error) {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
 	var remove []string
 	if g.StripsClientPDParams() {
 		// llm-d's routing sidecar in front of an engine would prefill at
 		// the host:port it names, with the request's headers.
 		remove = []string{disagg.PrefillerHeader}
 	}
-	if o.MaxBufferedBytes <= 0 {
+	if o.MaxBufferedBytes == 0 {
 		o.MaxBufferedBytes = DefaultMaxBufferedBytes
 	}
 	m, err := newMetrics(o.Metrics)
 	if err != nil {
 		return nil, err
 	}
-	if o.MaxStreams <= 0 {
+	if o.MaxStreams == 0 {
 		o.MaxStreams = DefaultMaxStreams
 	}
 	return &Server{g: g, hooks: cfg.ConformanceTestHooks, maxBody: g.MaxBodyBytes(),

@@ -667,3 +667,16 @@ func TestMaxStreams(t *testing.T) {
 		t.Fatal("no destination after a stream ended")
 	}
 }
+
+// TestOptionsValidate: negative bounds are errors (New refuses them), zero
+// ones take their defaults.
+func TestOptionsValidate(t *testing.T) {
+	for _, o := range []Options{{MaxStreams: -1}, {MaxBufferedBytes: -1}} {
+		if err := o.Validate(); err == nil {
+			t.Errorf("%+v: no error", o)
+		}
+	}
+	if err := (Options{}).Validate(); err != nil {
+		t.Fatalf("zero options: %v", err)
+	}
+}

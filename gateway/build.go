@@ -388,6 +388,7 @@ func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config
 			return nil, fmt.Errorf("gateway: tokenizers[%q]: %w", model, err)
 		}
 		p.engineRender, p.renderTimeout = cfg.Render[model] == RenderEngine, cfg.RenderTimeout
+		p.renderMax = int32(cfg.RenderConcurrency)
 		if p.engineRender {
 			p.renderHits = g.render.lookups.WithLabelValues(model, "hit")
 			p.renderMisses = g.render.lookups.WithLabelValues(model, "miss")

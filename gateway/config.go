@@ -119,6 +119,12 @@ type Config struct {
 	// (default 200ms); past it the request is routed on the gateway's own
 	// tokens and the endpoint is not asked for a while.
 	RenderTimeout time.Duration `yaml:"render_timeout"`
+	// RenderConcurrency bounds, per render: engine pool, the render calls
+	// in flight at once (0: DefaultRenderConcurrency, 64): each may hold an
+	// answer of up to 16 MiB, so a pool's calls hold at most 1 GiB. A
+	// request past it is routed on the gateway's own tokens at once
+	// (fallback reason saturated).
+	RenderConcurrency int `yaml:"render_concurrency"`
 	// Aliases are model names served by configured models, each an ordered
 	// fallback list (alias.go): `fast: [llama-8b, llama-70b]`.
 	Aliases map[string][]string `yaml:"aliases"`
@@ -464,6 +470,9 @@ func (c Config) WithDefaults() Config {
 	if c.RenderTimeout == 0 {
 		c.RenderTimeout = DefaultRenderTimeout
 	}
+	if c.RenderConcurrency == 0 {
+		c.RenderConcurrency = DefaultRenderConcurrency
+	}
 	if c.Routing.Policy == "" {
 		c.Routing.Policy = DefaultPolicy
 	}
@@ -785,8 +794,8 @@ func (c Config) validateTokenizers() []error {
 	return errs
 }
 
-// validateRender checks render and render_timeout: each entry names a
-// model of the endpoints and a known mode.
+// validateRender checks render, render_timeout and render_concurrency:
+// each render entry names a model of the endpoints and a known mode.
 func (c Config) validateRender() []error {
 	var errs []error
 	perModel := map[string]int{}
@@ -804,6 +813,10 @@ func (c Config) validateRender() []error {
 	}
 	if c.RenderTimeout < 0 {
 		errs = append(errs, fmt.Errorf("render_timeout %v: must be >= 0", c.RenderTimeout))
+	}
+	if c.RenderConcurrency < 0 || c.RenderConcurrency > maxRenderConcurrency {
+		errs = append(errs, fmt.Errorf("render_concurrency %d: must be in [0, %d] (0: the default, %d)",
+			c.RenderConcurrency, maxRenderConcurrency, DefaultRenderConcurrency))
 	}
 	return errs
 }

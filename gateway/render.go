@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"github.com/infergate/infergate/jsonscan"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -52,8 +53,13 @@ import (
 //     for errorBackoff, doubling per failure in a row up to maxBackoff, so
 //     a stalled engine costs at most one timeout per backoff, not one per
 //     request; so does an answer other than 200 below 400 (a redirect,
-//     which is not followed, or a 204). A 4xx other than the above (the
-//     engine refused this request) counts against nothing.
+//     which is not followed, or a 204), and a 4xx that took over half of
+//     render_timeout (an endpoint that slow to refuse is too slow to
+//     answer in time). A quick 4xx other than the above (the engine
+//     refused this request) counts against nothing.
+//   - At most render_concurrency calls per pool are in flight (default
+//     64; each holds an answer of up to 16 MiB); a request past them is
+//     routed on the gateway's own tokens at once (reason saturated).
 //   - On any failure, or with no endpoint to ask, the request is routed on
 //     the gateway's own tokens (the model's tokenizers entry, else
 //     cl100k_base), counted in infergate_render_fallbacks_total by reason.
@@ -76,6 +82,13 @@ import (
 const (
 	// DefaultRenderTimeout bounds one engine render call (render_timeout).
 	DefaultRenderTimeout = 200 * time.Millisecond
+	// DefaultRenderConcurrency bounds a pool's render calls in flight
+	// (render_concurrency): 64 × MaxRenderResponseBytes is 1 GiB at worst
+	// (a 4,096-token prompt's answer is ~30 KB), and at a render's usual
+	// 1–50 ms, 64 calls serve 1,300–64,000 uncached requests a second.
+	DefaultRenderConcurrency = 64
+	// maxRenderConcurrency bounds render_concurrency (16 GiB of answers).
+	maxRenderConcurrency = 1024
 	// MaxRenderResponseBytes bounds the answer read (a 1M-token prompt's
 	// ids are about 7 MB of JSON).
 	MaxRenderResponseBytes = 16 << 20
@@ -105,11 +118,13 @@ const (
 const (
 	renderOK          = "ok"
 	renderTimeout     = "timeout"
-	renderError       = "error"       // connection failure, 5xx, 3xx, unreadable answer
-	renderUnsupported = "unsupported" // neither render nor /tokenize served
-	renderRejected    = "rejected"    // another 4xx: the engine refused the request
-	renderNoEndpoint  = "no_endpoint" // no ready endpoint, or all backing off
-	renderCanceled    = "canceled"    // the client went away during the call: nothing learnt of the endpoint
+	renderError       = "error"         // connection failure, 5xx, 3xx, unreadable answer
+	renderUnsupported = "unsupported"   // neither render nor /tokenize served
+	renderRejected    = "rejected"      // another 4xx: the engine refused the request
+	renderNoEndpoint  = "no_endpoint"   // no ready endpoint, or all backing off
+	renderSaturated   = "saturated"     // render_concurrency calls already in flight for the pool
+	renderSlowReject  = "rejected_slow" // a 4xx refusal that took over half of render_timeout: backs off
+	renderCanceled    = "canceled"      // the client went away during the call: nothing learnt of the endpoint
 )
 
 // Render APIs (infergate_render_requests_total's api).
@@ -134,6 +149,8 @@ type engineRender struct {
 	cache   renderCache
 	// backoff is errorBackoff (tests lengthen it).
 	backoff time.Duration
+	// clock times calls (time.Now; tests replace it).
+	clock func() time.Time
 
 	calls     *prometheus.CounterVec   // model, endpoint, api, result
 	latency   *prometheus.HistogramVec // model, api
@@ -160,13 +177,14 @@ func newEngineRender(reg prometheus.Registerer, transport http.RoundTripper) (*e
 			return http.ErrUseLastResponse
 		}},
 		backoff: errorBackoff,
+		clock:   time.Now,
 		calls: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "render_requests_total",
-			Help: "Engine render calls of render: engine pools, by model, endpoint, api (render, tokenize) and result (ok, timeout, error, unsupported, rejected, canceled)."},
+			Help: "Engine render calls of render: engine pools, by model, endpoint, api (render, tokenize) and result (ok, timeout, error, unsupported, rejected, rejected_slow, canceled)."},
 			[]string{"model", "endpoint", "api", "result"}),
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "infergate", Name: "render_duration_seconds",
 			Help: "Duration of engine render calls, answered or not (seconds).", Buckets: renderBuckets}, []string{"model", "api"}),
 		fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "render_fallbacks_total",
-			Help: "Requests of render: engine pools routed on the gateway's own tokens (the tokenizers entry, else cl100k_base), by model and reason (timeout, error, unsupported, rejected, no_endpoint, canceled)."},
+			Help: "Requests of render: engine pools routed on the gateway's own tokens (the tokenizers entry, else cl100k_base), by model and reason (timeout, error, unsupported, rejected, rejected_slow, no_endpoint, saturated, canceled)."},
 			[]string{"model", "reason"}),
 		lookups: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "infergate", Name: "render_cache_lookups_total",
 			Help: "Render answer cache lookups of render: engine pools, by model and result (hit, miss)."}, []string{"model", "result"}),
@@ -200,6 +218,16 @@ func (g *Gateway) engineTokens(ctx context.Context, dst []uint32, x *exchange, k
 		return ids, true
 	}
 	p.renderMisses.Inc()
+	// The pool's calls in flight are bounded (render_concurrency): each
+	// holds its answer, up to MaxRenderResponseBytes, until parsed.
+	if p.renderMax > 0 {
+		if p.renderInFlight.Add(1) > p.renderMax {
+			p.renderInFlight.Add(-1)
+			r.fallbacks.WithLabelValues(p.model, renderSaturated).Inc()
+			return dst, false
+		}
+		defer p.renderInFlight.Add(-1)
+	}
 	ep, h := r.pick(p, time.Now())
 	if ep == nil {
 		r.fallbacks.WithLabelValues(p.model, renderNoEndpoint).Inc()
@@ -208,7 +236,7 @@ func (g *Gateway) engineTokens(ctx context.Context, dst []uint32, x *exchange, k
 	callCtx, cancel := context.WithTimeout(ctx, p.renderTimeout)
 	defer cancel()
 	start := len(dst)
-	ids, reason := r.call(ctx, callCtx, dst, ep, h, p.model, kind, x, body)
+	ids, reason := r.call(ctx, callCtx, dst, ep, h, p.model, kind, x, body, p.renderTimeout)
 	if reason != renderOK {
 		r.fallbacks.WithLabelValues(p.model, reason).Inc()
 		return ids[:start], false
@@ -259,7 +287,7 @@ func (r *engineRender) healthOf(name string) *renderHealth {
 // ctx is the call's (render_timeout), parent the request's: a call cut
 // short because the client went away says nothing of the endpoint.
 func (r *engineRender) call(parent, ctx context.Context, dst []uint32, ep *endpoint, h *renderHealth, model string, kind apiKind,
-	x *exchange, body []byte) ([]uint32, string) {
+	x *exchange, body []byte, timeout time.Duration) ([]uint32, string) {
 	api := int(h.api.Load())
 	if api == apiNone {
 		api = apiRender // its unsupportedBackoff is over: try again
@@ -272,27 +300,11 @@ func (r *engineRender) call(parent, ctx context.Context, dst []uint32, ep *endpo
 		case kind == kindCompletion:
 			path = "/v1/completions/render"
 		}
-		t0 := time.Now()
+		t0 := r.clock()
 		ids, status, err := r.post(ctx, dst, ep, path, reqBody)
-		r.latency.WithLabelValues(model, renderAPINames[api]).Observe(time.Since(t0).Seconds())
-		result := renderOK
-		switch {
-		case err != nil && parent.Err() != nil:
-			result = renderCanceled
-		case err != nil && ctx.Err() != nil:
-			result = renderTimeout
-		case errors.Is(err, errNoRoute) || status == http.StatusMethodNotAllowed:
-			result = renderUnsupported
-		case err != nil || status >= 500:
-			result = renderError
-		case status < 400 && status != http.StatusOK:
-			// A redirect (not followed: render.go's client) or another
-			// 1xx–3xx is the endpoint's doing, not a refusal of this
-			// request: it backs off like an unreadable answer.
-			result = renderError
-		case status != http.StatusOK:
-			result = renderRejected // e.g. a model the engine does not serve
-		}
+		took := r.clock().Sub(t0)
+		r.latency.WithLabelValues(model, renderAPINames[api]).Observe(took.Seconds())
+		result := renderResult(err, parent.Err() != nil, ctx.Err() != nil, status, took, timeout)
 		r.calls.WithLabelValues(model, ep.name, renderAPINames[api], result).Inc()
 		switch result {
 		case renderOK:
@@ -306,13 +318,45 @@ func (r *engineRender) call(parent, ctx context.Context, dst []uint32, ep *endpo
 			}
 			h.api.Store(apiNone)
 			h.until.Store(time.Now().Add(unsupportedBackoff).UnixNano())
-		case renderTimeout, renderError:
+		case renderTimeout, renderError, renderSlowReject:
 			n := h.fails.Add(1)
 			d := r.backoff << min(n-1, 16)
 			h.until.Store(time.Now().Add(min(d, max(maxBackoff, r.backoff))).UnixNano())
 		}
 		return ids, result
 	}
+}
+
+// renderResult classifies one render call: err and status are post's,
+// canceled and timedOut whether the request's and the call's contexts
+// ended, took the call's duration (s) and timeout its render_timeout.
+func renderResult(err error, canceled, timedOut bool, status int, took, timeout time.Duration) string {
+	switch {
+	case err != nil && canceled:
+		return renderCanceled
+	case err != nil && timedOut:
+		return renderTimeout
+	case errors.Is(err, errNoRoute) || status == http.StatusMethodNotAllowed:
+		return renderUnsupported
+	case err != nil || status >= 500:
+		return renderError
+	case status < 400 && status != http.StatusOK:
+		// A redirect (not followed: render.go's client) or another
+		// 1xx–3xx is the endpoint's doing, not a refusal of this
+		// request: it backs off like an unreadable answer.
+		return renderError
+	case status != http.StatusOK && took > timeout/2:
+		// A refusal that used over half the call's budget: whatever it
+		// says of the request, the endpoint is too slow to answer within
+		// render_timeout reliably (its latency need only double, as under
+		// load, to time out), and the backoff exists to bound what render
+		// adds to a request, so it backs off as for a timeout. A quick
+		// refusal says the request is bad, not the endpoint.
+		return renderSlowReject
+	case status != http.StatusOK:
+		return renderRejected // e.g. a model the engine does not serve
+	}
+	return renderOK
 }
 
 // errNoRoute: the engine answered FastAPI's {"detail": "Not Found"} for a
@@ -410,13 +454,13 @@ func renderKey(model string, kind apiKind, body []byte) uint64 {
 	_, _ = d.WriteString(model)
 	sep := [3]byte{0, byte(kind), 0}
 	_, _ = d.Write(sep[:])
-	it := members{s: jscan{b: body}}
-	for it.next() {
-		if !renderIgnored[string(it.key)] {
-			_, _ = d.Write(it.member)
+	_ = jsonscan.Object(body, maxRenderDepth, func(m jsonscan.Member) bool {
+		if !renderIgnored[string(m.Key)] {
+			_, _ = d.Write(m.Raw)
 			_, _ = d.Write(sep[:1])
 		}
-	}
+		return true
+	})
 	return d.Sum64()
 }
 

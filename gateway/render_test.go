@@ -366,6 +366,16 @@ func TestRenderConfigErrors(t *testing.T) {
 			t.Errorf("%v %v: %v, want %q", tc.render, tc.timeout, err, tc.want)
 		}
 	}
+	for _, n := range []int{-1, maxRenderConcurrency + 1} {
+		cfg := testConfig(sched.CacheAware, e)
+		cfg.Render, cfg.RenderConcurrency = map[string]string{"m": RenderEngine}, n
+		if err := cfg.WithDefaults().Validate(); err == nil || !strings.Contains(err.Error(), "render_concurrency") {
+			t.Errorf("render_concurrency %d: %v", n, err)
+		}
+	}
+	if n := (Config{}).WithDefaults().RenderConcurrency; n != DefaultRenderConcurrency {
+		t.Errorf("render_concurrency defaults to %d", n)
+	}
 	cfg := testConfig(sched.CacheAware, e)
 	cfg.Render = map[string]string{"m": RenderGateway}
 	if err := cfg.WithDefaults().Validate(); err != nil {

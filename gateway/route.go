@@ -353,9 +353,12 @@ type pool struct {
 	// model by placement (nil without adapters).
 	loraPicks [numPlacements]prometheus.Counter
 	// engineRender: routing asks the endpoints for the ids (config render:
-	// engine; render.go), within renderTimeout a call.
-	engineRender  bool
-	renderTimeout time.Duration
+	// engine; render.go), within renderTimeout a call, at most renderMax
+	// calls at once (render_concurrency; renderInFlight counts them).
+	engineRender   bool
+	renderTimeout  time.Duration
+	renderMax      int32
+	renderInFlight atomic.Int32
 	// renderHits and renderMisses are the model's render cache lookups
 	// (infergate_render_cache_lookups_total), resolved at build.
 	renderHits, renderMisses prometheus.Counter

@@ -2,6 +2,7 @@ package hftokenizer
 
 import (
 	"sync"
+	"sync/atomic"
 )
 
 // bpe is the byte-level BPE model of a tokenizer.json (`"model": {"type":
@@ -186,9 +187,16 @@ func heapPop(h []uint64) ([]uint64, uint64) {
 
 // wordCache remembers the ids of recently merged pre-tokens, as Hugging Face
 // tokenizers' BPE cache does (tokenizers/src/utils/cache.rs, v0.21): words
-// of at most maxCachedWord bytes, and once a shard is full it takes no more
-// (no eviction, so a hit costs one read lock and one map lookup). Bounded:
-// at most cacheShards × cacheShardCap words.
+// of at most maxCachedWord bytes, in cacheShards shards of at most
+// cacheShardCap words (65,536 in all). Unlike tokenizers' cache, which takes
+// no more words once full (a gateway that runs for days would then keep the
+// first 65,536 words it met, however cold), a full shard evicts by CLOCK
+// (second chance; Corbató 1968, as in most page caches): every hit sets its
+// word's reference bit, and a new word replaces the first word the clock
+// hand finds without one, clearing the bits it passes. A word hit at least
+// once per turn of the hand stays; a flood of one-off words only replaces
+// words not hit since the hand last passed. A hit is a read lock, a map
+// lookup and, when the bit is not yet set, one atomic store: no allocation.
 type wordCache struct {
 	shards [cacheShards]cacheShard
 }
@@ -200,9 +208,20 @@ const (
 )
 
 type cacheShard struct {
-	mu sync.RWMutex
-	m  map[string][]uint32
-	_  [40]byte // keep shards on separate cache lines
+	mu    sync.RWMutex
+	m     map[string]int32 // word → index in slots
+	slots []cacheSlot      // at most cacheShardCap
+	hand  int              // the clock hand: the next slot to consider
+	_     [16]byte         // keep shards on separate cache lines
+}
+
+// cacheSlot is one cached word. word and ids are written under the shard's
+// write lock only, and never reused in place (a hit's caller reads ids
+// after the read lock is released); ref is set by hits under the read lock.
+type cacheSlot struct {
+	word string
+	ids  []uint32
+	ref  atomic.Bool
 }
 
 func shardOf(word string) int {
@@ -225,7 +244,15 @@ func (c *wordCache) get(word string) ([]uint32, bool) {
 	}
 	sh := &c.shards[shardOf(word)]
 	sh.mu.RLock()
-	ids, ok := sh.m[word]
+	i, ok := sh.m[word]
+	var ids []uint32
+	if ok {
+		sl := &sh.slots[i]
+		ids = sl.ids
+		if !sl.ref.Load() {
+			sl.ref.Store(true)
+		}
+	}
 	sh.mu.RUnlock()
 	return ids, ok
 }
@@ -236,13 +263,33 @@ func (c *wordCache) put(word string, ids []uint32) {
 	}
 	sh := &c.shards[shardOf(word)]
 	sh.mu.Lock()
+	defer sh.mu.Unlock()
 	if sh.m == nil {
-		sh.m = make(map[string][]uint32, 256)
+		sh.m = make(map[string]int32, 256)
 	}
-	if len(sh.m) < cacheShardCap {
-		if _, ok := sh.m[word]; !ok {
-			sh.m[string([]byte(word))] = append([]uint32(nil), ids...)
+	if _, ok := sh.m[word]; ok {
+		return
+	}
+	key, own := string([]byte(word)), append([]uint32(nil), ids...)
+	if len(sh.slots) < cacheShardCap {
+		sh.m[key] = int32(len(sh.slots))
+		sh.slots = append(sh.slots, cacheSlot{word: key, ids: own})
+		return
+	}
+	// Full: at most one turn clears every bit, so the second finds a slot.
+	for {
+		sl := &sh.slots[sh.hand]
+		i := sh.hand
+		if sh.hand++; sh.hand == len(sh.slots) {
+			sh.hand = 0
 		}
+		if sl.ref.Load() {
+			sl.ref.Store(false)
+			continue
+		}
+		delete(sh.m, sl.word)
+		sl.word, sl.ids = key, own
+		sh.m[key] = int32(i)
+		return
 	}
-	sh.mu.Unlock()
 }

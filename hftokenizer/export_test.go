@@ -7,7 +7,7 @@ func ResetWordCache(t *Tokenizer) {
 	for i := range t.model.cache.shards {
 		sh := &t.model.cache.shards[i]
 		sh.mu.Lock()
-		sh.m = nil
+		sh.m, sh.slots, sh.hand = nil, nil, 0
 		sh.mu.Unlock()
 	}
 }

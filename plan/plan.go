@@ -79,6 +79,11 @@ type Options struct {
 	// InfiniteHitRate): the pooled cache costs about one prefix-policy run
 	// per fleet size.
 	NoReferences bool
+	// MaxMemory bounds the sweep's estimated peak memory (bytes; 0:
+	// DefaultMaxMemory, half the machine's): a sweep estimated over it is
+	// refused before any run (memory.go: workers × (engines × each
+	// engine's KV block pool + the prefix index's blocks)).
+	MaxMemory int64
 	// Autoscale, when set, adds one autoscaled run per policy (an
 	// aggregated fleet of at most Autoscale.Policy.Max engines; autoscale.go)
 	// and compares each with the smallest static size meeting the SLO.
@@ -310,6 +315,9 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 			return Result{}, fmt.Errorf("plan: fleet size %d: must be at least 1", n)
 		}
 	}
+	if opts.MaxMemory < 0 {
+		return Result{}, fmt.Errorf("plan: memory limit %d bytes: must be >= 0 (0: the default)", opts.MaxMemory)
+	}
 	// Build each policy for the largest fleet up front, so that a policy
 	// that cannot take that many endpoints fails now, not mid-sweep.
 	largest := slices.Max(opts.Engines)
@@ -364,6 +372,13 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 	}
 	workers = min(workers, len(res.Rows))
 	res.Workers = workers
+	limit := opts.MaxMemory
+	if limit == 0 {
+		limit = DefaultMaxMemory()
+	}
+	if err := checkMemory(opts, recs, largest, workers, limit); err != nil {
+		return Result{}, err
+	}
 
 	start := time.Now()
 	var refs *refCache

@@ -3,7 +3,6 @@ package simserver
 import (
 	"context"
 	"fmt"
-	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/infergate/infergate/artifact"
 	"github.com/infergate/infergate/gguf"
+	"github.com/infergate/infergate/internal/throttle"
 )
 
 // BenchmarkStartupThroughCache measures the real part of a simulated
@@ -61,12 +61,7 @@ func BenchmarkStartupThroughCache(b *testing.B) {
 		b.Fatal(err)
 	}
 	fsrv := http.FileServer(http.Dir(dir))
-	origin := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if mbps > 0 {
-			w = &throttled{ResponseWriter: w, bps: mbps * 1e6, t0: time.Now()}
-		}
-		fsrv.ServeHTTP(w, r)
-	}))
+	origin := httptest.NewServer(throttle.Handler(fsrv, mbps*1e6))
 	defer origin.Close()
 	src, err := artifact.NewHTTP(origin.URL, artifact.LayoutOllamaDir, false)
 	if err != nil {
@@ -133,34 +128,3 @@ func BenchmarkStartupThroughCache(b *testing.B) {
 		b.ReportMetric(med["cold_modelled_s"]/med[w+"_modelled_s"], "modelled_cold/"+w)
 	}
 }
-
-// throttled limits a response's bytes to bps bytes/s (the origin's
-// bandwidth) from t0, sleeping before each write that would exceed it.
-type throttled struct {
-	http.ResponseWriter
-	bps  float64
-	t0   time.Time
-	sent int64
-}
-
-func (t *throttled) Write(p []byte) (int, error) {
-	var n int
-	for len(p) > 0 {
-		k := min(len(p), 256<<10)
-		if ahead := time.Duration(float64(t.sent+int64(k))/t.bps*float64(time.Second)) - time.Since(t.t0); ahead > 0 {
-			time.Sleep(ahead)
-		}
-		w, err := t.ResponseWriter.Write(p[:k])
-		n += w
-		t.sent += int64(w)
-		if err != nil {
-			return n, err
-		}
-		p = p[k:]
-	}
-	return n, nil
-}
-
-// ReadFrom hides the writer's io.ReaderFrom (sendfile), so every byte
-// passes Write.
-func (t *throttled) ReadFrom(r io.Reader) (int64, error) { return io.Copy(struct{ io.Writer }{t}, r) }

@@ -87,9 +87,14 @@ for an invalid body. See gateway/README.md "Endpoint picker".`,
 	f.StringVar(&fl.poolNS, "pool-namespace", "", "GIE alias: the InferencePool's namespace (discovery.kubernetes.namespace; default the kubeconfig's, in a pod its own)")
 	f.StringVar(&fl.poolModel, "pool-model", "", "the model the pool's engines serve (discovery.kubernetes.endpoint.model), for --pool-name without a discovery section")
 	f.BoolVar(&fl.hooks, "conformance-test-hooks", false, "Gateway API Inference Extension conformance hooks (test-epp-endpoint-selection, x-conformance-test-served-endpoint): test only")
-	f.IntVar(&fl.maxStreams, "max-streams", epp.DefaultMaxStreams, "ext_proc streams (requests through the proxy) open at once over all its connections; past it a new stream ends with RESOURCE_EXHAUSTED")
-	f.Int64Var(&fl.maxBuffered, "max-buffered-bytes", epp.DefaultMaxBufferedBytes, "request bytes (headers and bodies) all streams may hold at once; past it a request is answered 429")
+	f.IntVar(&fl.maxStreams, "max-streams", epp.DefaultMaxStreams, "ext_proc streams (requests through the proxy) open at once over all its connections; past it a new stream ends with RESOURCE_EXHAUSTED (0: the default; negative: refused)")
+	f.Int64Var(&fl.maxBuffered, "max-buffered-bytes", epp.DefaultMaxBufferedBytes, "request bytes (headers and bodies) all streams may hold at once; past it a request is answered 429 (0: the default; negative: refused)")
 	return cmd
+}
+
+// options are the ext_proc server's options from the flags.
+func (fl *eppFlags) options(reg prometheus.Registerer) epp.Options {
+	return epp.Options{MaxBufferedBytes: fl.maxBuffered, MaxStreams: fl.maxStreams, Metrics: reg}
 }
 
 // config is the gateway configuration with the epp flags applied.
@@ -171,6 +176,11 @@ func runEPP(cmd *cobra.Command, fl *eppFlags) error {
 	if err := checkPprofAddr(fl.pprofAddr); err != nil {
 		return err
 	}
+	// Before anything starts: epp.New would refuse them only after the
+	// gateway had begun probing its engines.
+	if err := fl.options(nil).Validate(); err != nil {
+		return fmt.Errorf("--max-streams/--max-buffered-bytes: %w", err)
+	}
 	log, err := setupLogging(cmd, &cfg.Log)
 	if err != nil {
 		return err
@@ -190,7 +200,7 @@ func runEPP(cmd *cobra.Command, fl *eppFlags) error {
 	if cfg.Discovery.Kubernetes != nil {
 		g.HoldReadiness("kubernetes discovery: starting")
 	}
-	srv, err := epp.New(g, cfg.EPP, epp.Options{MaxBufferedBytes: fl.maxBuffered, MaxStreams: fl.maxStreams, Metrics: reg})
+	srv, err := epp.New(g, cfg.EPP, fl.options(reg))
 	if err != nil {
 		return err
 	}

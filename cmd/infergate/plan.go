@@ -34,6 +34,7 @@ type planFlags struct {
 	cfgPath  string
 	outPath  string
 	workers  int
+	maxMemGB float64 // --max-memory-gib
 	seed     int64
 	htmlPath string
 	tiers    tierFlags
@@ -103,6 +104,7 @@ func (fl *planFlags) bind(f *pflag.FlagSet) {
 	f.StringVarP(&fl.cfgPath, "config", "c", "", "gateway YAML whose routing section tunes the policies")
 	f.StringVarP(&fl.outPath, "out", "o", "", "write the sweep and the recommendation as JSON to this file")
 	f.IntVar(&fl.workers, "workers", 0, "runs to simulate at once (0 = one per CPU)")
+	f.Float64Var(&fl.maxMemGB, "max-memory-gib", 0, "refuse a sweep whose estimated peak memory (workers × (engines × KV block pool + prefix index)) is over this many GiB (0 = half the machine's memory)")
 	f.StringVar(&fl.htmlPath, "html", "", "write a self-contained HTML report to this file: what produced it, the sweep table, and against fleet size each SLO target's value with its threshold line, goodput, and the hit rate with its references, the recommended point marked")
 	f.Int64Var(&fl.seed, "seed", 0, "seed of the engines' outputs, the policies' tie-breaking and the workload generators (added to each generator's seed: 0 keeps their defaults; a fixed trace such as mooncake is unchanged)")
 	f.StringVar(&fl.pd, "pd", "", "P/D splits to sweep at every fleet size: prefill-engine counts (0 = aggregated) and ranges, comma-separated, e.g. 0,2..6; 'all' = 0 to N-1")
@@ -307,11 +309,14 @@ func (fl *planFlags) options() (plan.Options, error) {
 		}
 	}
 	fl.wl.reseed(uint64(fl.seed))
+	if fl.maxMemGB < 0 || fl.maxMemGB > 1<<20 {
+		return plan.Options{}, fmt.Errorf("--max-memory-gib %g: want 0 (half the machine's memory) to %d", fl.maxMemGB, 1<<20)
+	}
 	recs, err := fl.wl.load()
 	if err != nil {
 		return plan.Options{}, err
 	}
-	return plan.Options{PD: pds, Autoscale: as,
+	return plan.Options{PD: pds, Autoscale: as, MaxMemory: int64(fl.maxMemGB * (1 << 30)),
 		Records: recs, Requests: fl.requests, Engines: sizes, Policies: pols,
 		Engine: fl.tiers.engine(sim.Config{Profile: prof, MaxNumBatchedTokens: fl.budget}), Remote: fl.tiers.remote, Model: model, Routing: routing, Seed: fl.seed,
 		SLO: slo, Workers: fl.workers, Warmup: fl.warm.w,
