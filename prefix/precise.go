@@ -3,6 +3,7 @@ package prefix
 import (
 	"fmt"
 	"math/bits"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -115,7 +116,8 @@ const preciseShards = 64
 // (16,384). A block held in k groups has an owners entry in each (16 bytes
 // of key and mask plus the map's overhead); Stored, Removed, Cleared and the
 // capacities touch their endpoint's group only; Match bisects each group
-// whose endpoints hold the prompt's first block, and costs one lookup for
+// whose endpoints hold the prompt's first block, cut first at the lengths
+// the first such group found (at most maxHints), and costs one lookup for
 // each of the others.
 //
 // Limits: request keys see only tokens and the root seed, so blocks that
@@ -836,28 +838,53 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 	if n == 0 || len(hashes) == 0 || m >= NumMedia {
 		return
 	}
+	if len(ix.groups) == 1 {
+		ix.groups[0].match(hashes, m, matched, nil)
+		return
+	}
+	// More than one group: the lengths the first group that holds the
+	// prompt's first block found (at most maxHints of them: a shared
+	// system prompt's end is usually every group's) are where the others
+	// are cut first, two lookups each, before they bisect what is left.
+	var hints [maxHints]int
+	nh := -1
 	for g := range ix.groups {
 		lo := g * MaxEndpoints
 		if lo >= n {
 			break
 		}
 		hi := min(n, lo+MaxEndpoints)
-		ix.groups[g].match(hashes, m, matched[lo:hi])
+		found := ix.groups[g].match(hashes, m, matched[lo:hi], hints[:max(nh, 0)])
+		if nh < 0 && found {
+			nh = 0
+			for _, k := range matched[lo:hi] {
+				if k > 0 && k < len(hashes) && !slices.Contains(hints[:nh], k) {
+					if nh == maxHints {
+						nh = 0 // too many lengths to be worth the lookups
+						break
+					}
+					hints[nh] = k
+					nh++
+				}
+			}
+		}
 	}
 }
 
 // match is Match of one group: matched has an entry, zeroed, for each of
 // the group's first len(matched) endpoints (at most 64; bit e of its masks
-// for matched[e]).
-func (g *preciseGroup) match(hashes []uint64, m Medium, matched []int) {
+// for matched[e]). The bisection cuts first at hints (lengths). It reports
+// whether an endpoint bisected holds the prompt's first block.
+func (g *preciseGroup) match(hashes []uint64, m Medium, matched []int, hints []int) (found bool) {
 	alive := ^uint64(0) >> (64 - len(matched))
 	holey := g.holey[m].Load() & alive
 	if closed := alive &^ holey; closed != 0 {
-		g.matchBisect(hashes, m, matched, closed)
+		found = g.matchBisect(hashes, m, matched, closed, hints)
 	}
 	if holey != 0 {
 		matchLinear(hashes, matched, holey, func(h uint64) uint64 { return g.lookup(m, h) })
 	}
+	return found
 }
 
 // MatchEndpoint returns the number of leading blocks of hashes endpoint e
@@ -872,7 +899,7 @@ func (ix *PreciseIndex) MatchEndpoint(hashes []uint64, m Medium, e int) int {
 	lo := g * MaxEndpoints
 	hi := min(len(ix.eps), lo+MaxEndpoints)
 	one := buf[:hi-lo]
-	ix.groups[g].match(hashes, m, one)
+	ix.groups[g].match(hashes, m, one, nil)
 	return one[e-lo]
 }
 
@@ -896,7 +923,7 @@ func (ix *PreciseIndex) MatchTiers(hashes []uint64, matched [][NumMedia]int) {
 			part := one[:hi-lo]
 			clear(part)
 			if len(hashes) > 0 {
-				ix.groups[g].match(hashes, m, part)
+				ix.groups[g].match(hashes, m, part, nil)
 			}
 			for e := range part {
 				matched[lo+e][m] = part[e]
@@ -927,12 +954,15 @@ func (g *preciseGroup) lookup(m Medium, h uint64) uint64 {
 
 // matchBisect is Match for endpoints (in set) whose blocks are
 // prefix-closed: it settles, by bisection, where each stops holding the
-// prompt. Masks read in between are clamped between their neighbours', which
-// only matters when updates run concurrently.
-func (g *preciseGroup) matchBisect(hashes []uint64, m Medium, matched []int, set uint64) {
+// prompt, after cutting the prompt at both sides of every hint (a length
+// L: blocks L-1 and L; hints must be distinct, in (0, len(hashes))). Masks
+// read in between are clamped between their neighbours', which only
+// matters when updates run concurrently. It reports whether an endpoint of
+// set holds the first block.
+func (g *preciseGroup) matchBisect(hashes []uint64, m Medium, matched []int, set uint64, hints []int) bool {
 	m0 := g.lookup(m, hashes[0]) & set
 	if m0 == 0 {
-		return
+		return false
 	}
 	last := len(hashes) - 1
 	mN := m0
@@ -946,9 +976,42 @@ func (g *preciseGroup) matchBisect(hashes []uint64, m Medium, matched []int, set
 		lo, hi   int
 		mlo, mhi uint64
 	}
-	var stack [64]span // depth ≤ log2(len(hashes)) + 1
+	var stack [64 + 2*maxHints]span // depth ≤ log2(len(hashes)) + 1, and the hints' spans
 	k := 0
 	lo, hi, mlo, mhi := 0, last, m0, mN
+	if len(hints) > 0 && m0 != mN {
+		// The cuts, in order: c_1 < c_2 < ... strictly inside (0, last),
+		// each one's mask clamped between its neighbours'. The spans
+		// between them go on the stack, the first is bisected now.
+		var cuts [2 * maxHints]int
+		nc := 0
+		for _, h := range hints {
+			for _, c := range [2]int{h - 1, h} {
+				if c > 0 && c < last && !slices.Contains(cuts[:nc], c) {
+					cuts[nc] = c
+					nc++
+				}
+			}
+		}
+		slices.Sort(cuts[:nc])
+		var masks [2 * maxHints]uint64
+		prev := m0
+		for i, c := range cuts[:nc] {
+			masks[i] = g.lookup(m, hashes[c])&prev | mN
+			prev = masks[i]
+		}
+		for i := nc - 1; i >= 0; i-- {
+			end, mend := last, mN
+			if i+1 < nc {
+				end, mend = cuts[i+1], masks[i+1]
+			}
+			stack[k] = span{cuts[i], end, masks[i], mend}
+			k++
+		}
+		if nc > 0 {
+			hi, mhi = cuts[0], masks[0]
+		}
+	}
 	for {
 		for mlo != mhi {
 			if hi == lo+1 {
@@ -964,7 +1027,7 @@ func (g *preciseGroup) matchBisect(hashes []uint64, m Medium, matched []int, set
 			hi, mhi = mid, mm
 		}
 		if k == 0 {
-			return
+			return true
 		}
 		k--
 		lo, hi, mlo, mhi = stack[k].lo, stack[k].hi, stack[k].mlo, stack[k].mhi

@@ -869,3 +869,52 @@ func benchPreciseMatch(b *testing.B, eps int) {
 		})
 	})
 }
+
+// TestPreciseMatchHintsAgainstModel: with more than one group, Match cuts
+// every group after the first holding the prompt at the lengths that group
+// found (at most maxHints), then bisects. Endpoints of 5 groups hold random
+// prefixes of one prompt, each group's lengths drawn from its own small
+// set (so the hints are right for some groups, wrong or partial for
+// others), some endpoints with a hole; every endpoint's match must be the
+// leading blocks it holds.
+func TestPreciseMatchHintsAgainstModel(t *testing.T) {
+	const n, blocks = 300, 100
+	rng := rand.New(rand.NewPCG(7, 8))
+	toks := seq(16*blocks, 1)
+	eng := preciseEngineKeys(toks, 0)
+	req := Hashes(nil, toks, 16, 0)
+	m := make([]int, n)
+	for round := range 40 {
+		ix, _ := NewPreciseIndex(n, 16)
+		want := make([]int, n)
+		for g := range 5 {
+			set := make([]int, 1+rng.IntN(6)) // 1-6 lengths: within or past maxHints
+			for i := range set {
+				set[i] = rng.IntN(blocks + 1)
+			}
+			for e := g * 64; e < min(n, (g+1)*64); e++ {
+				k := set[rng.IntN(len(set))]
+				if rng.IntN(4) == 0 {
+					k = rng.IntN(blocks + 1)
+				}
+				want[e] = k
+				if k > 0 {
+					preciseStore(t, ix, e, MediumGPU, eng[:k], 0, false, toks[:16*k], 0)
+				}
+				if k > 2 && rng.IntN(10) == 0 { // a hole: the endpoint is matched linearly
+					hole := rng.IntN(k - 1)
+					ix.Removed(e, MediumGPU, eng[hole:hole+1])
+					want[e] = hole
+				}
+			}
+		}
+		for _, q := range [][]uint64{req, req[:1+rng.IntN(blocks)]} {
+			ix.Match(q, MediumGPU, m)
+			for e := range n {
+				if w := min(want[e], len(q)); m[e] != w {
+					t.Fatalf("round %d, %d-block query: endpoint %d matched %d, holds %d", round, len(q), e, m[e], w)
+				}
+			}
+		}
+	}
+}
