@@ -541,8 +541,20 @@ func (p *pool) size(specOf func(*endpoint) *endpointSpec, st *state) (live []*en
 	return live, pcap, mcap
 }
 
-// storeSlot is the slot of the precise index a pool's kv_store takes.
-const storeSlot = prefix.MaxEndpoints - 1
+// storeSlot is the slot of precise index ix a pool's kv_store takes: its
+// last (63 while the index has one group of 64).
+func storeSlot(ix *prefix.PreciseIndex) int { return ix.Endpoints() - 1 }
+
+// preciseSlots is the size of a new precise index for n endpoint slots and
+// a kv_store (store): whole groups of prefix.MaxEndpoints (at least one),
+// one slot more for the store, so that endpoints added later take free
+// slots without a rebuild.
+func preciseSlots(n int, store bool) int {
+	if store {
+		n++
+	}
+	return max((n+prefix.MaxEndpoints-1)/prefix.MaxEndpoints*prefix.MaxEndpoints, prefix.MaxEndpoints)
+}
 
 // setMediumCapacities sets slot's per-medium bounds in ix (0: unbounded).
 func setMediumCapacities(ix *prefix.PreciseIndex, slot int, mcap *[prefix.NumMedia]int) {
@@ -560,17 +572,28 @@ func (p *pool) storeBlocks() int {
 }
 
 // buildPrecise gives p its precise prefix index: old's, its changed slots
-// forgotten or re-bounded through pl, unless the block size changed; else
-// a new one bounded by pcap and mcap. The kv_store's slot is bounded by
-// its blocks, and forgotten when the store's stream changes or goes.
+// forgotten or re-bounded through pl, unless the block size changed or the
+// pool outgrew it; else a new one of preciseSlots slots bounded by pcap and
+// mcap (a pool that outgrows its index — more endpoint slots than it has,
+// the kv_store's included — starts a larger one empty, as the policy's
+// approximate index does past its slots). The kv_store's slot, the last,
+// is bounded by its blocks, and forgotten when the store's stream changes
+// or goes.
 func (p *pool) buildPrecise(old *pool, pcap []int, mcap [][prefix.NumMedia]int, blockChanged bool, reslot func(int) bool, pl *plan) error {
 	n := len(p.endpoints)
-	if p.store != nil && n > storeSlot {
-		return fmt.Errorf("precise prefix index for model %q: %d endpoint slots, and its kv_store takes slot %d (at most %d endpoints; a restart renumbers the slots)",
-			p.model, n, storeSlot, storeSlot)
+	slots := preciseSlots(n, p.store != nil)
+	if slots > prefix.MaxIndexEndpoints {
+		what := fmt.Sprintf("%d endpoint slots", n)
+		if p.store != nil {
+			what += " and one for its kv_store"
+		}
+		return fmt.Errorf("precise prefix index for model %q: %s, at most %d in all", p.model, what, prefix.MaxIndexEndpoints)
 	}
-	if old != nil && old.precise != nil && !blockChanged {
+	fits := old != nil && old.precise != nil && n <= old.precise.Endpoints() &&
+		(p.store == nil || n <= storeSlot(old.precise))
+	if fits && !blockChanged {
 		p.precise = old.precise
+		ss := storeSlot(p.precise)
 		for i := range max(n, len(old.endpoints)) {
 			switch {
 			case i >= n || p.endpoints[i] == vacant:
@@ -583,20 +606,19 @@ func (p *pool) buildPrecise(old *pool, pcap []int, mcap [][prefix.NumMedia]int, 
 			}
 		}
 		switch {
-		case p.store == nil && old.store != nil:
-			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: storeSlot, forget: true, cap: 0})
+		case p.store == nil && old.store != nil && (ss >= n || p.endpoints[ss] == vacant):
+			// (An endpoint that took the store's slot had it forgotten
+			// and bounded above.)
+			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: ss, forget: true, cap: 0})
 		case p.store != nil && (old.store == nil || old.store.stream() != p.store.stream()):
-			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: storeSlot, forget: true, cap: p.store.Blocks})
+			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: ss, forget: true, cap: p.store.Blocks})
 		case p.store != nil && old.storeBlocks() != p.store.Blocks:
-			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: storeSlot, cap: p.store.Blocks})
+			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: ss, cap: p.store.Blocks})
 		}
 		return nil
 	}
-	if n > prefix.MaxEndpoints {
-		return fmt.Errorf("precise prefix index for model %q: %d endpoints, at most %d", p.model, n, prefix.MaxEndpoints)
-	}
 	var err error
-	if p.precise, err = prefix.NewPreciseIndex(prefix.MaxEndpoints, p.blockSize); err != nil {
+	if p.precise, err = prefix.NewPreciseIndex(slots, p.blockSize); err != nil {
 		return fmt.Errorf("precise prefix index for model %q: %w", p.model, err)
 	}
 	for i := range n {
@@ -606,7 +628,7 @@ func (p *pool) buildPrecise(old *pool, pcap []int, mcap [][prefix.NumMedia]int, 
 		}
 	}
 	if p.store != nil {
-		p.precise.SetCapacity(storeSlot, p.store.Blocks)
+		p.precise.SetCapacity(storeSlot(p.precise), p.store.Blocks)
 	}
 	return nil
 }
@@ -630,7 +652,7 @@ func (p *pool) buildTiers(specOf func(*endpoint) *endpointSpec) *sched.Tiers {
 	t := &sched.Tiers{Source: p.precise, Remote: -1,
 		LoadSeconds: make([][sched.NumTiers]float64, n), Latency: make([][sched.NumTiers]float64, n)}
 	if p.store != nil {
-		t.Remote = storeSlot
+		t.Remote = storeSlot(p.precise)
 	}
 	for i, ep := range p.endpoints {
 		if ep == vacant {
@@ -839,7 +861,7 @@ func (g *Gateway) buildStoreFeeds(st, prev *state, pl *plan) error {
 			}
 			pl.start = append(pl.start, func() { f.run(g) })
 		}
-		t := feedTarget{ix: p.precise, slot: storeSlot, model: model}
+		t := feedTarget{ix: p.precise, slot: storeSlot(p.precise), model: model}
 		var a *fleet.KVEventApplier
 		if f == old {
 			if as, ts := old.current(); len(ts) == 1 && ts[0] == t {

@@ -410,9 +410,10 @@ func (k *KVEventsConfig) offloadBlocks() int {
 // event stream, as infergate kvstore (or an LMCache remote with events)
 // publishes it — BlockStored with medium REMOTE, token ids and parents —
 // and its capacity and default load cost. Its blocks are held in the
-// pool's precise index as one reserved slot (the last of
-// prefix.MaxEndpoints), so a pool with a kv_store has at most
-// prefix.MaxEndpoints − 1 endpoints.
+// pool's precise index as one reserved slot (the index's last: 63 for a
+// pool of at most 63 endpoints, else the last of its groups of 64), so a
+// pool with a kv_store has at most prefix.MaxIndexEndpoints − 1
+// endpoints.
 type KVStoreConfig struct {
 	// Endpoint is the store's ZeroMQ PUB address, tcp://host:port.
 	Endpoint string `yaml:"endpoint"`
@@ -661,18 +662,16 @@ func (c Config) validateEndpoints() []error {
 }
 
 // slotLimit is the most endpoints a pool of routing's policy may have and
-// whether the policy keeps per-endpoint state (slots; reslotted): a policy
-// reading the precise index, prefix.MaxEndpoints (64: its owners masks);
-// any other stateful policy (the approximate index, a session table, the
-// peers' own indexes), prefix.MaxIndexEndpoints; round-robin,
-// least-request and random keep none (any number; reslotted renumbers
-// their slots past prefix.MaxEndpoints).
+// whether the policy keeps per-endpoint state (slots; reslotted): any
+// stateful policy (the approximate or the precise index, both in groups of
+// 64 up to prefix.MaxIndexEndpoints; a session table; the peers' own
+// indexes), prefix.MaxIndexEndpoints (a kv_store takes one more slot of
+// the precise index: validateKVStores); round-robin, least-request and
+// random keep none (any number; reslotted renumbers their slots past
+// prefix.MaxEndpoints).
 func slotLimit(routing sched.Config) (int, bool) {
-	switch {
-	case routing.Policy == sched.RoundRobin || routing.Policy == sched.LeastRequest || routing.Policy == sched.Random:
+	if routing.Policy == sched.RoundRobin || routing.Policy == sched.LeastRequest || routing.Policy == sched.Random {
 		return prefix.MaxEndpoints, false
-	case sched.UsesPrecise(routing):
-		return prefix.MaxEndpoints, true
 	}
 	return prefix.MaxIndexEndpoints, true
 }
@@ -822,8 +821,9 @@ func (c Config) validateRender() []error {
 }
 
 // validateKVStores checks kv_stores: each names a model of the endpoints,
-// all of whose endpoints publish KV events, at most prefix.MaxEndpoints −
-// 1 of them (the store takes the last slot of the index).
+// all of whose endpoints publish KV events, at most
+// prefix.MaxIndexEndpoints − 1 of them (the store takes the last slot of
+// the precise index).
 func (c Config) validateKVStores() []error {
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
@@ -843,8 +843,8 @@ func (c Config) validateKVStores() []error {
 			bad("%s: no endpoint serves the model", at)
 		case withEvents[model] != n:
 			bad("%s: needs kv_events on every endpoint of the model (the store's blocks go to its precise index)", at)
-		case n > prefix.MaxEndpoints-1:
-			bad("%s: the model has %d endpoints; with a kv_store at most %d (the store takes a slot of the precise index)", at, n, prefix.MaxEndpoints-1)
+		case n > prefix.MaxIndexEndpoints-1:
+			bad("%s: the model has %d endpoints; with a kv_store at most %d (the store takes a slot of the precise index)", at, n, prefix.MaxIndexEndpoints-1)
 		}
 		for _, a := range []struct{ key, v string }{{"endpoint", s.Endpoint}, {"replay_endpoint", s.ReplayEndpoint}} {
 			if (a.v != "" || a.key == "endpoint") && !strings.HasPrefix(a.v, "tcp://") {

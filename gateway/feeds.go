@@ -293,31 +293,26 @@ func (g *Gateway) PreciseIndex(model string) *prefix.PreciseIndex {
 }
 
 // preciseMatch returns the leading blocks of hashes the precise index says
-// endpoint e holds on its GPU (a full match over the pool; no allocation).
+// endpoint e holds on its GPU (a match over e's group of 64; no
+// allocation).
 func (p *pool) preciseMatch(hashes []uint64, e int) int {
-	var buf [prefix.MaxEndpoints]int
-	m := buf[:min(len(p.endpoints), prefix.MaxEndpoints)]
-	p.precise.Match(hashes, prefix.MediumGPU, m)
-	if e < 0 || e >= len(m) {
+	if e < 0 || e >= len(p.endpoints) {
 		return 0
 	}
-	return m[e]
+	return p.precise.MatchEndpoint(hashes, prefix.MediumGPU, e)
 }
 
 // preciseTiers is the blocks of hashes endpoint e would take from each
 // tier (sched.SplitTiers of the precise index's per-medium matches, the
 // remote tier's from the kv_store's slot) for a prompt of promptTokens.
 func (p *pool) preciseTiers(hashes []uint64, e, promptTokens int) [sched.NumTiers]int {
-	var buf [prefix.MaxEndpoints]int
 	var m [sched.NumTiers]int
 	for t := range m {
-		p.precise.Match(hashes, prefix.Medium(t), buf[:])
-		m[t] = buf[e]
-		if t == int(prefix.MediumRemote) {
-			m[t] = 0
-			if p.store != nil {
-				m[t] = buf[storeSlot]
-			}
+		switch {
+		case t != int(prefix.MediumRemote):
+			m[t] = p.precise.MatchEndpoint(hashes, prefix.Medium(t), e)
+		case p.store != nil:
+			m[t] = p.precise.MatchEndpoint(hashes, prefix.MediumRemote, storeSlot(p.precise))
 		}
 	}
 	maxBlocks := len(hashes)

@@ -21,9 +21,10 @@ package gateway
 //     index, its session table and the precise index keep what they hold
 //     for them; a removed endpoint's slot is forgotten and given to the
 //     next endpoint added (so a pool never needs more slots than it has
-//     had endpoints at once, and never more than prefix.MaxEndpoints for a
-//     policy with an index); the indexes are made with prefix.MaxEndpoints
-//     slots to begin with, so that adding endpoints never rebuilds them;
+//     had endpoints at once, and never more than prefix.MaxIndexEndpoints
+//     for a policy with an index); the indexes are made with whole groups
+//     of prefix.MaxEndpoints slots (at least one), so that adding
+//     endpoints rebuilds them (empty) only when the pool outgrows them;
 //   - a model's admission gate (queue, admitted requests) and retry
 //     budget;
 //   - a key's rate-limit buckets, by key name (limits changed in place:

@@ -317,7 +317,7 @@ type pool struct {
 	// (kv_events.tiers; 0: none).
 	mcap [][prefix.NumMedia]int
 	// store is the model's kv_store (nil: none), whose blocks the precise
-	// index holds in slot storeSlot; tiers what the policy is told of the
+	// index holds in its last slot (storeSlot); tiers what the policy is told of the
 	// tiers (nil: GPU only).
 	store *KVStoreConfig
 	tiers *sched.Tiers

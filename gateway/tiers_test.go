@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"encoding/json"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -89,13 +90,24 @@ kv_stores:
 	bad("store without events", func(c *Config) {
 		c.Endpoints = append(c.Endpoints, EndpointConfig{URL: "http://10.0.0.8:8000", Model: "m"})
 	}, "needs kv_events on every endpoint")
-	bad("64 endpoints", func(c *Config) {
-		for i := range prefix.MaxEndpoints - 1 {
+	// The precise index holds up to prefix.MaxIndexEndpoints slots in
+	// groups of 64, the store's included: 64 endpoints and a store pass
+	// (the store takes slot 127), one endpoint more than the index's
+	// largest size less the store does not.
+	grow := func(c *Config, n int) {
+		for i := range n - 1 {
 			e := c.Endpoints[0]
-			e.URL = "http://10.0.1." + string(rune('0'+i/10)) + string(rune('0'+i%10)) + ":8000"
+			e.URL = fmt.Sprintf("http://10.1.%d.%d:8000", i>>8, i&255)
 			c.Endpoints = append(c.Endpoints, e)
 		}
-	}, "with a kv_store at most 63")
+	}
+	c, _ := LoadConfig(path)
+	grow(&c, 64)
+	if err := c.WithDefaults().Validate(); err != nil {
+		t.Errorf("64 endpoints and a kv_store: %v", err)
+	}
+	bad("too many endpoints", func(c *Config) { grow(c, prefix.MaxIndexEndpoints) },
+		fmt.Sprintf("the model has %d endpoints; with a kv_store at most %d", prefix.MaxIndexEndpoints, prefix.MaxIndexEndpoints-1))
 }
 
 // tieredFleet is one simulated engine with a host tier of 4× its GPU
@@ -182,11 +194,11 @@ func TestTieredPoolOnSimFleet(t *testing.T) {
 	if got := ix.EndpointStats(0).MediumCapacity; got != want {
 		t.Fatalf("medium capacities %v, want %v", got, want)
 	}
-	if got := ix.EndpointStats(storeSlot).Capacity; got != f.Remote.Capacity() {
+	if got := ix.EndpointStats(storeSlot(ix)).Capacity; got != f.Remote.Capacity() {
 		t.Fatalf("store slot capacity %d, want %d", got, f.Remote.Capacity())
 	}
 	perBlock, _ := eng.LoadCost()
-	if p.tiers == nil || p.tiers.Remote != storeSlot || !near(p.tiers.LoadSeconds[0][prefix.MediumCPU], perBlock[sim.TierHost]) ||
+	if p.tiers == nil || p.tiers.Remote != storeSlot(ix) || !near(p.tiers.LoadSeconds[0][prefix.MediumCPU], perBlock[sim.TierHost]) ||
 		!near(p.tiers.LoadSeconds[0][prefix.MediumRemote], perBlock[sim.TierRemote]) {
 		t.Fatalf("tiers %+v", p.tiers)
 	}
@@ -201,8 +213,8 @@ func TestTieredPoolOnSimFleet(t *testing.T) {
 		chatCached(t, url, strings.Repeat(w+" is a word the assistant repeats. ", 60), "question "+string(rune('a'+i)))
 	}
 	syncFeeds(t, g, f)
-	if ix.Len(0, prefix.MediumCPU) == 0 || ix.Len(storeSlot, prefix.MediumRemote) == 0 {
-		t.Fatalf("index: %d CPU blocks, %d in the store", ix.Len(0, prefix.MediumCPU), ix.Len(storeSlot, prefix.MediumRemote))
+	if ix.Len(0, prefix.MediumCPU) == 0 || ix.Len(storeSlot(ix), prefix.MediumRemote) == 0 {
+		t.Fatalf("index: %d CPU blocks, %d in the store", ix.Len(0, prefix.MediumCPU), ix.Len(storeSlot(ix), prefix.MediumRemote))
 	}
 	rm := p.routes[0]
 	cpu0 := testutil.ToFloat64(rm.predictedTier[prefix.MediumCPU])
@@ -232,7 +244,7 @@ func TestReloadTiers(t *testing.T) {
 	feed := kvFeedOf(g, 0)
 	store := g.state.Load().stores["m"]
 	policy := g.state.Load().pools["m"].policy
-	if ix.Len(storeSlot, prefix.MediumRemote) == 0 {
+	if ix.Len(storeSlot(ix), prefix.MediumRemote) == 0 {
 		t.Fatal("no store blocks in the index")
 	}
 
@@ -267,13 +279,13 @@ func TestReloadTiers(t *testing.T) {
 	case <-time.After(time.Minute):
 		t.Fatal("the store's feed did not stop")
 	}
-	if n := ix.Len(storeSlot, prefix.MediumRemote); n != 0 || g.state.Load().pools["m"].tiers.Remote != -1 {
+	if n := ix.Len(storeSlot(ix), prefix.MediumRemote); n != 0 || g.state.Load().pools["m"].tiers.Remote != -1 {
 		t.Fatalf("store slot holds %d blocks after the store was removed", n)
 	}
 	// And comes back.
 	mustReload(t, g, cfg)
 	syncFeeds(t, g, f)
-	if ix.Len(storeSlot, prefix.MediumRemote) == 0 {
+	if ix.Len(storeSlot(ix), prefix.MediumRemote) == 0 {
 		t.Fatal("the store's blocks did not come back")
 	}
 }

@@ -25,6 +25,7 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/measure"
+	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/report"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/sim"
@@ -343,6 +344,16 @@ func Run(ctx context.Context, opts Options) (Result, error) {
 		}
 		if _, err := sched.NewPolicy(cfg, pool); err != nil {
 			return Result{}, fmt.Errorf("plan: policy %s on %d engines: %w", p, largest, err)
+		}
+		// The virtual fleet's precise index has a slot per engine and
+		// one for the remote store (virtual.NewFleet).
+		slots := largest
+		if !opts.Remote.IsZero() {
+			slots++
+		}
+		if sched.UsesPrecise(cfg) && slots > prefix.MaxIndexEndpoints {
+			return Result{}, fmt.Errorf("plan: policy %s on %d engines: the precise prefix index takes at most %d endpoints (%d needed)",
+				p, largest, prefix.MaxIndexEndpoints, slots)
 		}
 	}
 	for _, v := range opts.PD {

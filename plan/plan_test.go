@@ -191,6 +191,30 @@ func TestRunRejectsOversizedPolicyUpFront(t *testing.T) {
 	}
 }
 
+// TestRunRejectsOversizedPreciseUpFront: the precise index takes as many
+// endpoints as the approximate one (16,384, groups of 64), and a remote
+// store takes one more of its slots: precise-prefix on 16,384 engines with
+// a remote tier is refused before any run, on 16,383 it is not refused for
+// its size.
+func TestRunRejectsOversizedPreciseUpFront(t *testing.T) {
+	n := prefix.MaxIndexEndpoints
+	opts := Options{Records: burstTrace(4, time.Second), Engines: []int{1, n}, Remote: sim.TierSize{Multiple: 8},
+		Policies: []string{sched.PrecisePrefix}, SLO: mustSLO(t, "ttft_p90=1s")}
+	_, err := Run(context.Background(), opts)
+	want := fmt.Sprintf("policy precise-prefix on %d engines: the precise prefix index takes at most %d endpoints (%d needed)", n, n, n+1)
+	if err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("err %v, want %q", err, want)
+	}
+	// Without the remote tier the size passes the check (the run is
+	// cancelled before it simulates).
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	opts.Remote = sim.TierSize{}
+	if _, err := Run(ctx, opts); err != nil && strings.Contains(err.Error(), "precise prefix index") {
+		t.Fatalf("%d engines without a remote tier: %v", n, err)
+	}
+}
+
 // A P/D sweep: one row per split below each fleet size, labelled, with the
 // transfer times and per-GPU goodput; a split with as many prefill engines
 // as the fleet is skipped at that size.

@@ -3,6 +3,7 @@ package prefix
 import (
 	"fmt"
 	"math/bits"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -105,6 +106,20 @@ const preciseShards = 64
 // longer than a writer's update of one block; writers of one endpoint take
 // that endpoint's mutex first.
 //
+// # More than 64 endpoints
+//
+// A block's owners are a 64-bit mask, so endpoints are kept in groups of
+// MaxEndpoints (64), as in Index: endpoint e is bit e%64 of group e/64, and
+// every group has its own 64 shards of block tables. A pool of at most 64
+// endpoints is one group: the layout, the code path and the costs of the
+// index before groups. NewPreciseIndex takes up to MaxIndexEndpoints
+// (16,384). A block held in k groups has an owners entry in each (16 bytes
+// of key and mask plus the map's overhead); Stored, Removed, Cleared and the
+// capacities touch their endpoint's group only; Match bisects each group
+// whose endpoints hold the prompt's first block, cut first at the lengths
+// the first such group found (at most maxHints), and costs one lookup for
+// each of the others.
+//
 // Limits: request keys see only tokens and the root seed, so blocks that
 // differ only in a cache salt or in multimodal inputs (vLLM's extra_keys) are
 // one block to the index, and a prompt may be credited with blocks the
@@ -124,7 +139,7 @@ const preciseShards = 64
 // Safe for concurrent use.
 type PreciseIndex struct {
 	blockSize int
-	shards    [preciseShards]preciseShard
+	groups    []preciseGroup // endpoints 64g … 64g+63: groups[g]
 	eps       []preciseEndpoint
 
 	storedEvents, removedEvents, clears atomic.Uint64
@@ -133,10 +148,52 @@ type PreciseIndex struct {
 	blocks                              atomic.Int64
 }
 
+// preciseGroup is the block tables of up to MaxEndpoints endpoints:
+// endpoint e's bit is 1<<(e%64) in group e/64.
+type preciseGroup struct {
+	// holey[m] has the bit of every endpoint of the group with holes in
+	// medium m, or whose kids counts saturated there (Match scans them
+	// linearly): one load per group for Match instead of two per
+	// endpoint. Kept by syncHoley before every writer returns.
+	holey  [NumMedia]atomic.Uint64
+	_      [64 - 8*NumMedia%64]byte
+	shards [preciseShards]preciseShard
+}
+
 type preciseShard struct {
 	mu     sync.RWMutex
-	owners [NumMedia]map[uint64]uint64 // request key -> bitmask of endpoints
+	owners [NumMedia]map[uint64]uint64 // request key -> bitmask of the group's endpoints
 	_      [64]byte                    // keep hot shards off each other's cache lines
+}
+
+// owner is where an endpoint's bit lives: its group's block tables and its
+// bit in that group's masks.
+type owner struct {
+	g   *preciseGroup
+	bit uint64
+}
+
+// owner returns endpoint e's group and bit (0 <= e < len(ix.eps)).
+func (ix *PreciseIndex) owner(e int) owner {
+	return owner{g: &ix.groups[e/MaxEndpoints], bit: uint64(1) << (e % MaxEndpoints)}
+}
+
+// syncHoley brings ep's bit (o) in its group's holey masks up to date with
+// its hole counts and saturation. Every writer of ep calls it before
+// releasing ep.mu, so without concurrent writers Match sees every
+// endpoint's true state; with them, a Match may mix states (as it does
+// anyway). ep.mu is held.
+func syncHoley(ep *preciseEndpoint, o owner) {
+	for m := range ep.holes {
+		want := ep.holes[m].Load() != 0 || ep.saturated[m].Load()
+		if have := o.g.holey[m].Load()&o.bit != 0; want != have {
+			if want {
+				o.g.holey[m].Or(o.bit)
+			} else {
+				o.g.holey[m].And(^o.bit)
+			}
+		}
+	}
 }
 
 // mediaCounts counts blocks per medium (saturating at 65535).
@@ -258,20 +315,23 @@ type PreciseEndpointStats struct {
 }
 
 // NewPreciseIndex returns an empty index over endpoints endpoints (at most
-// MaxEndpoints) whose blocks are blockSize tokens long (the block size the
-// gateway hashes prompts with, which must equal the engines' block size).
-// Endpoints are unbounded until SetCapacity.
+// MaxIndexEndpoints, in groups of MaxEndpoints) whose blocks are blockSize
+// tokens long (the block size the gateway hashes prompts with, which must
+// equal the engines' block size). Endpoints are unbounded until SetCapacity.
 func NewPreciseIndex(endpoints, blockSize int) (*PreciseIndex, error) {
-	if endpoints < 0 || endpoints > MaxEndpoints {
-		return nil, fmt.Errorf("precise prefix index: %d endpoints, want 0 to %d", endpoints, MaxEndpoints)
+	if endpoints < 0 || endpoints > MaxIndexEndpoints {
+		return nil, fmt.Errorf("precise prefix index: %d endpoints, want 0 to %d", endpoints, MaxIndexEndpoints)
 	}
 	if blockSize <= 0 {
 		return nil, fmt.Errorf("precise prefix index: block size %d, want > 0", blockSize)
 	}
-	ix := &PreciseIndex{blockSize: blockSize, eps: make([]preciseEndpoint, endpoints)}
-	for i := range ix.shards {
-		for m := range ix.shards[i].owners {
-			ix.shards[i].owners[m] = make(map[uint64]uint64)
+	ix := &PreciseIndex{blockSize: blockSize, eps: make([]preciseEndpoint, endpoints),
+		groups: make([]preciseGroup, max(1, (endpoints+MaxEndpoints-1)/MaxEndpoints))}
+	for g := range ix.groups {
+		for i := range ix.groups[g].shards {
+			for m := range ix.groups[g].shards[i].owners {
+				ix.groups[g].shards[i].owners[m] = make(map[uint64]uint64)
+			}
 		}
 	}
 	for e := range ix.eps {
@@ -379,7 +439,11 @@ func (ix *PreciseIndex) Endpoints() int { return len(ix.eps) }
 // BlockSize returns the block size in tokens.
 func (ix *PreciseIndex) BlockSize() int { return ix.blockSize }
 
-func (ix *PreciseIndex) shard(req uint64) *preciseShard { return &ix.shards[req>>58] }
+// Groups returns the number of endpoint groups: endpoints 64g … 64g+63 are
+// group g (Owners).
+func (ix *PreciseIndex) Groups() int { return len(ix.groups) }
+
+func (g *preciseGroup) shard(req uint64) *preciseShard { return &g.shards[req>>58] }
 
 func (ix *PreciseIndex) check(e int, m Medium) error {
 	if e < 0 || e >= len(ix.eps) {
@@ -423,9 +487,10 @@ func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent ui
 		return fmt.Errorf("precise prefix index: %d tokens for %d blocks of %d", len(tokens), len(engineHashes), ix.blockSize)
 	}
 	ep := &ix.eps[e]
-	bit := uint64(1) << e
+	bit := ix.owner(e)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
+	defer syncHoley(ep, bit)
 	defer ix.evict(ep, bit)
 	ix.storedEvents.Add(1)
 	if tokenless {
@@ -470,7 +535,7 @@ func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent ui
 // resolve holds the blocks engineHashes, stored in medium m without
 // tokens, under the request keys ep knows them by (see Stored). ep.mu is
 // held.
-func (ix *PreciseIndex) resolve(ep *preciseEndpoint, bit uint64, m Medium, engineHashes []uint64) {
+func (ix *PreciseIndex) resolve(ep *preciseEndpoint, bit owner, m Medium, engineHashes []uint64) {
 	for _, h := range engineHashes {
 		if ent, ok := ep.eng[h]; ok {
 			ix.hold(ep, bit, m, h, ent.req, ep.held[ent.req].parent)
@@ -492,7 +557,7 @@ func (ix *PreciseIndex) resolve(ep *preciseEndpoint, bit uint64, m Medium, engin
 // hold records one block with engine key h and request key req, chained
 // from request key parentReq (rootParent: from a seed), as held by ep in
 // medium m. ep.mu is held.
-func (ix *PreciseIndex) hold(ep *preciseEndpoint, bit uint64, m Medium, h, req, parentReq uint64) {
+func (ix *PreciseIndex) hold(ep *preciseEndpoint, bit owner, m Medium, h, req, parentReq uint64) {
 	ent, ok := ep.eng[h]
 	if ok && ent.req != req {
 		// The engine reused an engine key for other tokens: trust the
@@ -534,7 +599,7 @@ func (ix *PreciseIndex) hold(ep *preciseEndpoint, bit uint64, m Medium, h, req, 
 	he.eng = h
 	ep.held[req] = he
 	if he.c[m] == 1 {
-		ix.setBit(m, req, bit)
+		setBit(m, req, bit)
 		ep.blocks[m]++
 		ix.blocks.Add(1)
 		ep.gained(m, req, &he)
@@ -569,9 +634,10 @@ func (ix *PreciseIndex) Removed(e int, m Medium, engineHashes []uint64) {
 		return
 	}
 	ep := &ix.eps[e]
-	bit := uint64(1) << e
+	bit := ix.owner(e)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
+	defer syncHoley(ep, bit)
 	for _, h := range engineHashes {
 		ent, ok := ep.eng[h]
 		if !ok || ent.n.get(m) == 0 {
@@ -596,11 +662,11 @@ func (ix *PreciseIndex) Removed(e int, m Medium, engineHashes []uint64) {
 
 // release takes n blocks of request key req in medium m away from ep,
 // clearing its bit when none is left. ep.mu is held.
-func (ix *PreciseIndex) release(ep *preciseEndpoint, bit uint64, m Medium, req uint64, n uint16) {
+func (ix *PreciseIndex) release(ep *preciseEndpoint, bit owner, m Medium, req uint64, n uint16) {
 	he := ep.held[req]
 	if he.c[m] <= n { // < only after saturation
 		if he.c[m] > 0 {
-			ix.clearBit(m, req, bit)
+			clearBit(m, req, bit)
 			ep.blocks[m]--
 			ix.blocks.Add(-1)
 			he.c[m] = 0
@@ -615,7 +681,7 @@ func (ix *PreciseIndex) release(ep *preciseEndpoint, bit uint64, m Medium, req u
 }
 
 // dropEngineKey forgets engine key h of ep and every block it held. ep.mu is held.
-func (ix *PreciseIndex) dropEngineKey(ep *preciseEndpoint, bit uint64, h uint64, ent engEntry) {
+func (ix *PreciseIndex) dropEngineKey(ep *preciseEndpoint, bit owner, h uint64, ent engEntry) {
 	ix.forgetEngineKey(ep, h, ent)
 	for m := range Medium(NumMedia) {
 		if n := ent.n.get(m); n > 0 {
@@ -626,7 +692,7 @@ func (ix *PreciseIndex) dropEngineKey(ep *preciseEndpoint, bit uint64, h uint64,
 
 // dropIn takes every block of engine key h (entry ent) away from ep in
 // medium m, and keeps what h holds in other media. ep.mu is held.
-func (ix *PreciseIndex) dropIn(ep *preciseEndpoint, bit uint64, m Medium, h uint64, ent engEntry) {
+func (ix *PreciseIndex) dropIn(ep *preciseEndpoint, bit owner, m Medium, h uint64, ent engEntry) {
 	n := ent.n.get(m)
 	ent.n = ent.n.set(m, 0)
 	ep.tierDrop(m, h)
@@ -662,14 +728,15 @@ func (ix *PreciseIndex) Cleared(e int) {
 		return
 	}
 	ep := &ix.eps[e]
-	bit := uint64(1) << e
+	bit := ix.owner(e)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
+	defer syncHoley(ep, bit)
 	var n int64
 	for req, h := range ep.held {
 		for m, k := range h.c {
 			if k > 0 {
-				ix.clearBit(Medium(m), req, bit)
+				clearBit(Medium(m), req, bit)
 				n++
 			}
 		}
@@ -690,9 +757,10 @@ func (ix *PreciseIndex) ClearedMedium(e int, m Medium) {
 		return
 	}
 	ep := &ix.eps[e]
-	bit := uint64(1) << e
+	bit := ix.owner(e)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
+	defer syncHoley(ep, bit)
 	for h, ent := range ep.eng {
 		if ent.n.get(m) > 0 {
 			ix.dropIn(ep, bit, m, h, ent)
@@ -720,17 +788,19 @@ func (ix *PreciseIndex) Forget(e int) {
 	ix.Cleared(e)
 }
 
-func (ix *PreciseIndex) setBit(m Medium, req, bit uint64) {
-	s := ix.shard(req)
+// setBit sets o's bit for request key req in medium m.
+func setBit(m Medium, req uint64, o owner) {
+	s := o.g.shard(req)
 	s.mu.Lock()
-	s.owners[m][req] |= bit
+	s.owners[m][req] |= o.bit
 	s.mu.Unlock()
 }
 
-func (ix *PreciseIndex) clearBit(m Medium, req, bit uint64) {
-	s := ix.shard(req)
+// clearBit clears o's bit for request key req in medium m.
+func clearBit(m Medium, req uint64, o owner) {
+	s := o.g.shard(req)
 	s.mu.Lock()
-	if v := s.owners[m][req] &^ bit; v == 0 {
+	if v := s.owners[m][req] &^ o.bit; v == 0 {
 		delete(s.owners[m], req)
 	} else {
 		s.owners[m][req] = v
@@ -755,6 +825,10 @@ func (ix *PreciseIndex) clearBit(m Medium, req, bit uint64) {
 // as the engine's own prefix lookup does. Each lookup takes one shard read
 // lock; under concurrent updates the result mixes states from before and
 // after them, as any unlocked read would.
+//
+// With more than 64 endpoints each group of 64 is matched on its own block
+// tables, as one index of at most 64 endpoints is: a group none of whose
+// endpoints holds the prompt's first block costs one lookup.
 func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 	n := min(len(matched), len(ix.eps))
 	matched = matched[:n]
@@ -764,19 +838,69 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 	if n == 0 || len(hashes) == 0 || m >= NumMedia {
 		return
 	}
-	alive := ^uint64(0) >> (64 - n)
-	var holey uint64
-	for e := range n {
-		if ix.eps[e].holes[m].Load() != 0 || ix.eps[e].saturated[m].Load() {
-			holey |= 1 << e
+	if len(ix.groups) == 1 {
+		ix.groups[0].match(hashes, m, matched, nil)
+		return
+	}
+	// More than one group: the lengths the first group that holds the
+	// prompt's first block found (at most maxHints of them: a shared
+	// system prompt's end is usually every group's) are where the others
+	// are cut first, two lookups each, before they bisect what is left.
+	var hints [maxHints]int
+	nh := -1
+	for g := range ix.groups {
+		lo := g * MaxEndpoints
+		if lo >= n {
+			break
+		}
+		hi := min(n, lo+MaxEndpoints)
+		found := ix.groups[g].match(hashes, m, matched[lo:hi], hints[:max(nh, 0)])
+		if nh < 0 && found {
+			nh = 0
+			for _, k := range matched[lo:hi] {
+				if k > 0 && k < len(hashes) && !slices.Contains(hints[:nh], k) {
+					if nh == maxHints {
+						nh = 0 // too many lengths to be worth the lookups
+						break
+					}
+					hints[nh] = k
+					nh++
+				}
+			}
 		}
 	}
+}
+
+// match is Match of one group: matched has an entry, zeroed, for each of
+// the group's first len(matched) endpoints (at most 64; bit e of its masks
+// for matched[e]). The bisection cuts first at hints (lengths). It reports
+// whether an endpoint bisected holds the prompt's first block.
+func (g *preciseGroup) match(hashes []uint64, m Medium, matched []int, hints []int) (found bool) {
+	alive := ^uint64(0) >> (64 - len(matched))
+	holey := g.holey[m].Load() & alive
 	if closed := alive &^ holey; closed != 0 {
-		ix.matchBisect(hashes, m, matched, closed)
+		found = g.matchBisect(hashes, m, matched, closed, hints)
 	}
 	if holey != 0 {
-		matchLinear(hashes, matched, holey, func(h uint64) uint64 { return ix.lookup(m, h) })
+		matchLinear(hashes, matched, holey, func(h uint64) uint64 { return g.lookup(m, h) })
 	}
+	return found
+}
+
+// MatchEndpoint returns the number of leading blocks of hashes endpoint e
+// holds in medium m: Match's matched[e], matching e's group of 64 only (0
+// for an out-of-range e or m). It allocates nothing.
+func (ix *PreciseIndex) MatchEndpoint(hashes []uint64, m Medium, e int) int {
+	if ix.check(e, m) != nil || len(hashes) == 0 {
+		return 0
+	}
+	var buf [MaxEndpoints]int
+	g := e / MaxEndpoints
+	lo := g * MaxEndpoints
+	hi := min(len(ix.eps), lo+MaxEndpoints)
+	one := buf[:hi-lo]
+	ix.groups[g].match(hashes, m, one, nil)
+	return one[e-lo]
 }
 
 // MatchTiers sets matched[e][m] to the number of leading blocks of hashes
@@ -784,31 +908,44 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 // len(matched) (extra entries are left alone): Match once per medium, for
 // scoring endpoints by what each tier holds. It allocates nothing. Cost:
 // NumMedia Matches; a medium no endpoint holds the prompt's first block in
-// costs one lookup (BenchmarkPreciseMatchTiers: 8 endpoints, a 1000-block
-// prompt in 4 media, a few µs).
+// costs one lookup per group (BenchmarkPreciseMatchTiers: 8 endpoints, a
+// 1000-block prompt in 4 media, a few µs).
 func (ix *PreciseIndex) MatchTiers(hashes []uint64, matched [][NumMedia]int) {
 	n := min(len(matched), len(ix.eps))
 	var one [MaxEndpoints]int
-	for m := range Medium(NumMedia) {
-		ix.Match(hashes, m, one[:n])
-		for e := range n {
-			matched[e][m] = one[e]
+	for g := range ix.groups {
+		lo := g * MaxEndpoints
+		if lo >= n {
+			break
+		}
+		hi := min(n, lo+MaxEndpoints)
+		for m := range Medium(NumMedia) {
+			part := one[:hi-lo]
+			clear(part)
+			if len(hashes) > 0 {
+				ix.groups[g].match(hashes, m, part, nil)
+			}
+			for e := range part {
+				matched[lo+e][m] = part[e]
+			}
 		}
 	}
 }
 
-// Owners returns the endpoints holding request key h in medium m, as a
-// bitmask (bit e for endpoint e): one shard read lock, no allocation.
-func (ix *PreciseIndex) Owners(h uint64, m Medium) uint64 {
-	if m >= NumMedia {
+// Owners returns the endpoints of group g (endpoints 64g … 64g+63; Groups)
+// holding request key h in medium m, as a bitmask (bit i for endpoint
+// 64g+i): one shard read lock, no allocation. 0 for an out-of-range g or
+// m.
+func (ix *PreciseIndex) Owners(h uint64, m Medium, g int) uint64 {
+	if m >= NumMedia || g < 0 || g >= len(ix.groups) {
 		return 0
 	}
-	return ix.lookup(m, h)
+	return ix.groups[g].lookup(m, h)
 }
 
 // lookup returns the owners of request key h in medium m.
-func (ix *PreciseIndex) lookup(m Medium, h uint64) uint64 {
-	s := ix.shard(h)
+func (g *preciseGroup) lookup(m Medium, h uint64) uint64 {
+	s := g.shard(h)
 	s.mu.RLock()
 	v := s.owners[m][h]
 	s.mu.RUnlock()
@@ -817,17 +954,20 @@ func (ix *PreciseIndex) lookup(m Medium, h uint64) uint64 {
 
 // matchBisect is Match for endpoints (in set) whose blocks are
 // prefix-closed: it settles, by bisection, where each stops holding the
-// prompt. Masks read in between are clamped between their neighbours', which
-// only matters when updates run concurrently.
-func (ix *PreciseIndex) matchBisect(hashes []uint64, m Medium, matched []int, set uint64) {
-	m0 := ix.lookup(m, hashes[0]) & set
+// prompt, after cutting the prompt at both sides of every hint (a length
+// L: blocks L-1 and L; hints must be distinct, in (0, len(hashes))). Masks
+// read in between are clamped between their neighbours', which only
+// matters when updates run concurrently. It reports whether an endpoint of
+// set holds the first block.
+func (g *preciseGroup) matchBisect(hashes []uint64, m Medium, matched []int, set uint64, hints []int) bool {
+	m0 := g.lookup(m, hashes[0]) & set
 	if m0 == 0 {
-		return
+		return false
 	}
 	last := len(hashes) - 1
 	mN := m0
 	if last > 0 {
-		mN = ix.lookup(m, hashes[last]) & m0
+		mN = g.lookup(m, hashes[last]) & m0
 	}
 	for s := mN; s != 0; s &= s - 1 {
 		matched[bits.TrailingZeros64(s)] = len(hashes)
@@ -836,9 +976,42 @@ func (ix *PreciseIndex) matchBisect(hashes []uint64, m Medium, matched []int, se
 		lo, hi   int
 		mlo, mhi uint64
 	}
-	var stack [64]span // depth ≤ log2(len(hashes)) + 1
+	var stack [64 + 2*maxHints]span // depth ≤ log2(len(hashes)) + 1, and the hints' spans
 	k := 0
 	lo, hi, mlo, mhi := 0, last, m0, mN
+	if len(hints) > 0 && m0 != mN {
+		// The cuts, in order: c_1 < c_2 < ... strictly inside (0, last),
+		// each one's mask clamped between its neighbours'. The spans
+		// between them go on the stack, the first is bisected now.
+		var cuts [2 * maxHints]int
+		nc := 0
+		for _, h := range hints {
+			for _, c := range [2]int{h - 1, h} {
+				if c > 0 && c < last && !slices.Contains(cuts[:nc], c) {
+					cuts[nc] = c
+					nc++
+				}
+			}
+		}
+		slices.Sort(cuts[:nc])
+		var masks [2 * maxHints]uint64
+		prev := m0
+		for i, c := range cuts[:nc] {
+			masks[i] = g.lookup(m, hashes[c])&prev | mN
+			prev = masks[i]
+		}
+		for i := nc - 1; i >= 0; i-- {
+			end, mend := last, mN
+			if i+1 < nc {
+				end, mend = cuts[i+1], masks[i+1]
+			}
+			stack[k] = span{cuts[i], end, masks[i], mend}
+			k++
+		}
+		if nc > 0 {
+			hi, mhi = cuts[0], masks[0]
+		}
+	}
 	for {
 		for mlo != mhi {
 			if hi == lo+1 {
@@ -848,13 +1021,13 @@ func (ix *PreciseIndex) matchBisect(hashes []uint64, m Medium, matched []int, se
 				break
 			}
 			mid := lo + (hi-lo)/2
-			mm := ix.lookup(m, hashes[mid])&mlo | mhi
+			mm := g.lookup(m, hashes[mid])&mlo | mhi
 			stack[k] = span{mid, hi, mm, mhi} // [mid, hi] after [lo, mid]
 			k++
 			hi, mhi = mid, mm
 		}
 		if k == 0 {
-			return
+			return true
 		}
 		k--
 		lo, hi, mlo, mhi = stack[k].lo, stack[k].hi, stack[k].mlo, stack[k].mhi

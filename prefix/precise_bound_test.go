@@ -2,8 +2,10 @@ package prefix
 
 import (
 	"fmt"
+	"math/bits"
 	"math/rand/v2"
 	"runtime"
+	"slices"
 	"testing"
 )
 
@@ -11,7 +13,17 @@ import (
 // table bits, holes and kids, eviction lists, capacity.
 func checkPrecise(t testing.TB, ix *PreciseIndex) {
 	t.Helper()
+	checkPreciseOf(t, ix, nil)
+}
+
+// checkPreciseOf is checkPrecise of endpoints eps only (nil: all), the
+// block tables and holey masks all the same: the others must be empty.
+func checkPreciseOf(t testing.TB, ix *PreciseIndex, eps []int) {
+	t.Helper()
 	for e := range ix.eps {
+		if eps != nil && !slices.Contains(eps, e) {
+			continue
+		}
 		ep := &ix.eps[e]
 		ep.mu.Lock()
 		err := ep.consistent(ix, e)
@@ -20,10 +32,52 @@ func checkPrecise(t testing.TB, ix *PreciseIndex) {
 			t.Fatalf("endpoint %d: %v", e, err)
 		}
 	}
+	if err := ix.ownersConsistent(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// ownersConsistent checks the block tables the other way round: every bit
+// set in group g's masks is an endpoint of g that holds the request key in
+// that medium (no bit past the last endpoint, none left behind by a
+// clear), and no entry has an empty mask; and every group's holey masks
+// are its endpoints' hole counts. No writer may run.
+func (ix *PreciseIndex) ownersConsistent() error {
+	for e := range ix.eps {
+		o := ix.owner(e)
+		for m := range ix.eps[e].holes {
+			want := ix.eps[e].holes[m].Load() != 0 || ix.eps[e].saturated[m].Load()
+			if have := o.g.holey[m].Load()&o.bit != 0; have != want {
+				return fmt.Errorf("endpoint %d medium %v: holey bit %v, holes %d, saturated %v", e, Medium(m), have,
+					ix.eps[e].holes[m].Load(), ix.eps[e].saturated[m].Load())
+			}
+		}
+	}
+	for g := range ix.groups {
+		for s := range ix.groups[g].shards {
+			for m, owners := range ix.groups[g].shards[s].owners {
+				for req, mask := range owners {
+					if mask == 0 {
+						return fmt.Errorf("group %d medium %v: request key %x with no owner", g, Medium(m), req)
+					}
+					for b := mask; b != 0; b &= b - 1 {
+						e := g*MaxEndpoints + bits.TrailingZeros64(b)
+						if e >= len(ix.eps) {
+							return fmt.Errorf("group %d medium %v: request key %x owned by endpoint %d of %d", g, Medium(m), req, e, len(ix.eps))
+						}
+						if ix.eps[e].held[req].c[m] == 0 {
+							return fmt.Errorf("endpoint %d medium %v: bit set for request key %x it does not hold", e, Medium(m), req)
+						}
+					}
+				}
+			}
+		}
+	}
+	return nil
 }
 
 func (ep *preciseEndpoint) consistent(ix *PreciseIndex, e int) error {
-	bit := uint64(1) << e
+	bit := ix.owner(e)
 	// Lists: every engine key and orphan has exactly one linked node.
 	linked := map[uint64]uint32{}
 	for _, l := range []uint32{leafList, innerList} {
@@ -86,7 +140,7 @@ func (ep *preciseEndpoint) consistent(ix *PreciseIndex, e int) error {
 			if he.c[m] != counts[req][m] {
 				return fmt.Errorf("medium %v: request key %x counts %d, engine keys %d", m, req, he.c[m], counts[req][m])
 			}
-			owned := ix.lookup(m, req)&bit != 0
+			owned := bit.g.lookup(m, req)&bit.bit != 0
 			if owned != (he.c[m] > 0) {
 				return fmt.Errorf("medium %v: request key %x count %d, bit %v", m, req, he.c[m], owned)
 			}
@@ -499,8 +553,12 @@ func BenchmarkPreciseStored(b *testing.B) {
 // parents, without tokens as an offloading connector sends them) in three
 // media, removals, routed prompts, clears of all media or one, capacity
 // changes overall and per medium — and checks the internal invariants after
-// each. The seeds are the attack shapes: a flood of stores far over
-// capacity, orphan chains, joins.
+// each, and every fuzzed endpoint's Match of a document against the
+// linear definition read from the owners masks. The index has 130
+// endpoints (three groups of 64); the ops go to endpoints 0 and 64 (the
+// first of two groups), then 63 and 129 (the last of a full group and of a
+// partial one), alternating every 4 ops. The seeds are the attack shapes: a
+// flood of stores far over capacity, orphan chains, joins.
 func FuzzPreciseIndex(f *testing.F) {
 	f.Add(seqBytes(0x00, 200))                  // a flood of rooted stores
 	f.Add(seqBytes(0x41, 200))                  // chained stores from unknown parents
@@ -513,13 +571,18 @@ func FuzzPreciseIndex(f *testing.F) {
 		docs[d] = preciseEngineKeys(toks[16*8*d:16*8*(d+1)], 0)
 		reqs[d] = Hashes(nil, toks[16*8*d:16*8*(d+1)], 16, 0)
 	}
+	fuzzEps := [4]int{0, 64, 63, 129}
 	f.Fuzz(func(t *testing.T, ops []byte) {
-		ix, _ := NewPreciseIndex(2, 16)
+		ix, _ := NewPreciseIndex(130, 16)
 		ix.SetCapacity(0, 5)
-		ix.SetCapacity(1, 12)
-		ix.SetMediumCapacity(1, MediumCPU, 4)
+		ix.SetCapacity(64, 12)
+		ix.SetMediumCapacity(64, MediumCPU, 4)
+		ix.SetCapacity(63, 7)
+		ix.SetCapacity(129, 12)
+		ix.SetMediumCapacity(129, MediumGPU, 6)
+		m := make([]int, 130)
 		for i, op := range ops {
-			e, d, from := int(op>>7), int(op>>3)&7, int(op&7)
+			e, d, from := fuzzEps[int(op>>7)+2*(i>>2&1)], int(op>>3)&7, int(op&7)
 			md := Medium(i / 2 % 3) // GPU, GPU, CPU, CPU, DISK, DISK, ...
 			switch {
 			case i%7 == 6:
@@ -548,7 +611,20 @@ func FuzzPreciseIndex(f *testing.F) {
 					t.Fatal(err)
 				}
 			}
-			checkPrecise(t, ix)
+			checkPreciseOf(t, ix, fuzzEps[:])
+			for md := range Medium(3) {
+				ix.Match(reqs[d], md, m)
+				for _, e := range fuzzEps {
+					o := ix.owner(e)
+					want := 0
+					for want < len(reqs[d]) && ix.Owners(reqs[d][want], md, e/MaxEndpoints)&o.bit != 0 {
+						want++
+					}
+					if m[e] != want || ix.MatchEndpoint(reqs[d], md, e) != want {
+						t.Fatalf("op %d: endpoint %d medium %v: match %d (alone %d), linear %d", i, e, md, m[e], ix.MatchEndpoint(reqs[d], md, e), want)
+					}
+				}
+			}
 		}
 	})
 }

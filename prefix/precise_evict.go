@@ -170,12 +170,14 @@ func (ix *PreciseIndex) SetCapacity(e int, blocks int) {
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	ep.capacity = max(0, blocks)
-	ix.evict(ep, uint64(1)<<e)
+	bit := ix.owner(e)
+	ix.evict(ep, bit)
+	syncHoley(ep, bit)
 }
 
 // evict brings ep down to its capacity in every medium, then overall.
 // ep.mu is held.
-func (ix *PreciseIndex) evict(ep *preciseEndpoint, bit uint64) {
+func (ix *PreciseIndex) evict(ep *preciseEndpoint, bit owner) {
 	for m := range Medium(NumMedia) {
 		ix.evictIn(ep, bit, m)
 	}
@@ -263,7 +265,9 @@ func (ix *PreciseIndex) SetMediumCapacity(e int, m Medium, blocks int) {
 		}
 	}
 	t.capacity = blocks
-	ix.evictIn(ep, uint64(1)<<e, m)
+	bit := ix.owner(e)
+	ix.evictIn(ep, bit, m)
+	syncHoley(ep, bit)
 }
 
 // tierAdd gives engine key h, just held in medium m, a node at the most
@@ -336,7 +340,7 @@ func (ep *preciseEndpoint) relistIn(m Medium, h uint64, toLeaf, lru bool) {
 }
 
 // evictIn brings ep down to its capacity in medium m. ep.mu is held.
-func (ix *PreciseIndex) evictIn(ep *preciseEndpoint, bit uint64, m Medium) {
+func (ix *PreciseIndex) evictIn(ep *preciseEndpoint, bit owner, m Medium) {
 	t := &ep.tiers[m]
 	leaf, inner := tierLists(m)
 	for t.capacity > 0 && len(t.nodes) > t.capacity {

@@ -117,7 +117,7 @@ func syntheticKey(req uint64) uint64 { return (req ^ 0x5a17c0de0f1a7e11) * 0x9e3
 // dropSynthetic drops the synthetic engine key of req in medium m, now
 // that a real one holds it there (it keeps what the synthetic key holds in
 // other media). ep.mu is held.
-func (ix *PreciseIndex) dropSynthetic(ep *preciseEndpoint, bit uint64, m Medium, req uint64) {
+func (ix *PreciseIndex) dropSynthetic(ep *preciseEndpoint, bit owner, m Medium, req uint64) {
 	s := syntheticKey(req)
 	if ent, ok := ep.eng[s]; ok && ent.req == req && ent.n.get(m) > 0 {
 		ix.dropIn(ep, bit, m, s, ent)
@@ -127,7 +127,7 @@ func (ix *PreciseIndex) dropSynthetic(ep *preciseEndpoint, bit uint64, m Medium,
 // storeOrphans keeps the blocks engineHashes, chained from engine key
 // parent, as orphans of ep in medium m. A block already held with a request
 // key is held again under it. ep.mu is held.
-func (ix *PreciseIndex) storeOrphans(ep *preciseEndpoint, bit uint64, m Medium, parent uint64, engineHashes []uint64) {
+func (ix *PreciseIndex) storeOrphans(ep *preciseEndpoint, bit owner, m Medium, parent uint64, engineHashes []uint64) {
 	ep.touch(parent)
 	prev := parent
 	for _, h := range engineHashes {
@@ -170,7 +170,7 @@ func (ep *preciseEndpoint) removeOrphan(m Medium, h uint64) bool {
 // parent engine key is unknown or an orphan (see the top of this file). On
 // success ep holds the prompt's blocks before the event, parent among them,
 // and join returns parent's request key. ep.mu is held.
-func (ix *PreciseIndex) join(ep *preciseEndpoint, bit uint64, m Medium, parent uint64, engineHashes []uint64, tokens []uint32) (uint64, bool) {
+func (ix *PreciseIndex) join(ep *preciseEndpoint, bit owner, m Medium, parent uint64, engineHashes []uint64, tokens []uint32) (uint64, bool) {
 	if len(engineHashes) == 0 {
 		return 0, false
 	}
@@ -223,7 +223,7 @@ func (ix *PreciseIndex) join(ep *preciseEndpoint, bit uint64, m Medium, parent u
 // their request keys, the engine key above it under its own, the blocks
 // before under synthetic keys. It reports false, changing nothing, when the
 // chain does not fit the prompt. ep.mu is held.
-func (ix *PreciseIndex) adopt(ep *preciseEndpoint, bit uint64, m Medium, parent uint64, prefix []uint64) bool {
+func (ix *PreciseIndex) adopt(ep *preciseEndpoint, bit owner, m Medium, parent uint64, prefix []uint64) bool {
 	j := len(prefix)
 	chain := ep.chain[:0]
 	key := parent

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"runtime"
+	"slices"
 	"sync"
 	"testing"
 )
@@ -156,13 +157,22 @@ func TestPreciseRemoveAndClear(t *testing.T) {
 	if fmt.Sprint(m) != "[0 0]" || ix.Stats().Blocks != 0 {
 		t.Fatalf("after forgetting 0: %v, %+v", m, ix.Stats())
 	}
-	for s := range ix.shards {
-		for md := range ix.shards[s].owners {
-			if len(ix.shards[s].owners[md]) != 0 {
-				t.Fatal("block table not empty after clearing every endpoint")
+	if d := ix.distinct(); d != 0 {
+		t.Fatalf("block tables hold %d entries after clearing every endpoint", d)
+	}
+}
+
+// distinct is the number of (group, medium, request key) owners entries.
+func (ix *PreciseIndex) distinct() int {
+	n := 0
+	for g := range ix.groups {
+		for s := range ix.groups[g].shards {
+			for md := range ix.groups[g].shards[s].owners {
+				n += len(ix.groups[g].shards[s].owners[md])
 			}
 		}
 	}
+	return n
 }
 
 func TestPreciseDuplicatesAndSharedRequestKeys(t *testing.T) {
@@ -273,8 +283,11 @@ func TestPreciseClearedMedium(t *testing.T) {
 }
 
 func TestPreciseBadConstruction(t *testing.T) {
-	if _, err := NewPreciseIndex(65, 16); err == nil {
-		t.Fatal("65 endpoints accepted")
+	if _, err := NewPreciseIndex(MaxIndexEndpoints+1, 16); err == nil {
+		t.Fatalf("%d endpoints accepted", MaxIndexEndpoints+1)
+	}
+	if _, err := NewPreciseIndex(-1, 16); err == nil {
+		t.Fatal("-1 endpoints accepted")
 	}
 	if _, err := NewPreciseIndex(1, 0); err == nil {
 		t.Fatal("block size 0 accepted")
@@ -300,13 +313,22 @@ func TestPreciseBadConstruction(t *testing.T) {
 // engine salts (so engine keys differ where request keys agree), and checks
 // every Match, Len and skip against a brute-force model that keeps, per
 // (endpoint, medium), the multiset of engine keys held and recomputes request
-// keys from each document's full token prefix.
+// keys from each document's full token prefix. The second case puts the 5
+// endpoints at the edges of three groups of 64 in an index of 130 (every
+// other endpoint must match nothing, and MatchEndpoint must agree).
 func TestPreciseAgainstModel(t *testing.T) {
+	t.Run("5", func(t *testing.T) { testPreciseAgainstModel(t, 5, []int{0, 1, 2, 3, 4}) })
+	t.Run("130", func(t *testing.T) { testPreciseAgainstModel(t, 130, []int{0, 63, 64, 127, 129}) })
+}
+
+// testPreciseAgainstModel is TestPreciseAgainstModel on an index of n
+// endpoints, the model's endpoint k being ids[k].
+func testPreciseAgainstModel(t *testing.T, n int, ids []int) {
 	const (
-		eps    = 5
 		media  = 2
 		blocks = 12
 	)
+	eps := len(ids)
 	rng := rand.New(rand.NewPCG(1, 2))
 	// Documents: three shared roots, each with a few tails.
 	type doc struct {
@@ -357,8 +379,8 @@ func TestPreciseAgainstModel(t *testing.T) {
 		}
 		return false
 	}
-	ix, _ := NewPreciseIndex(eps, 16)
-	m := make([]int, eps)
+	ix, _ := NewPreciseIndex(n, 16)
+	m := make([]int, n)
 	for step := range 20000 {
 		e, md := rng.IntN(eps), rng.IntN(media)
 		switch op := rng.IntN(100); {
@@ -374,7 +396,7 @@ func TestPreciseAgainstModel(t *testing.T) {
 			if from > 0 {
 				parent = d.eng[s][from-1]
 			}
-			err := ix.Stored(e, Medium(md), d.eng[s][from:to], parent, from > 0, d.toks[16*from:16*to], 9)
+			err := ix.Stored(ids[e], Medium(md), d.eng[s][from:to], parent, from > 0, d.toks[16*from:16*to], 9)
 			if err != nil {
 				t.Fatalf("step %d: %v", step, err)
 			}
@@ -412,7 +434,7 @@ func TestPreciseAgainstModel(t *testing.T) {
 			if rng.IntN(5) == 0 {
 				keys = append(keys, rng.Uint64())
 			}
-			ix.Removed(e, Medium(md), keys)
+			ix.Removed(ids[e], Medium(md), keys)
 			for _, h := range keys {
 				switch {
 				case held[e][md][h] > 0:
@@ -426,7 +448,7 @@ func TestPreciseAgainstModel(t *testing.T) {
 				}
 			}
 		case op < 95:
-			ix.Cleared(e)
+			ix.Cleared(ids[e])
 			for md := range media {
 				clear(held[e][md])
 				clear(orphans[e][md])
@@ -437,6 +459,12 @@ func TestPreciseAgainstModel(t *testing.T) {
 		q := d.req[:rng.IntN(blocks+1)]
 		for md := range media {
 			ix.Match(q, Medium(md), m)
+			matched := 0
+			for _, k := range m {
+				if k > 0 {
+					matched++
+				}
+			}
 			for e := range eps {
 				have := map[uint64]bool{}
 				for h := range held[e][md] {
@@ -446,11 +474,14 @@ func TestPreciseAgainstModel(t *testing.T) {
 				for want < len(q) && have[q[want]] {
 					want++
 				}
-				if m[e] != want {
-					t.Fatalf("step %d medium %d endpoint %d: match %d, model %d", step, md, e, m[e], want)
+				if got := m[ids[e]]; got != want || ix.MatchEndpoint(q, Medium(md), ids[e]) != want {
+					t.Fatalf("step %d medium %d endpoint %d: match %d (alone %d), model %d", step, md, ids[e], got, ix.MatchEndpoint(q, Medium(md), ids[e]), want)
 				}
-				if ix.Len(e, Medium(md)) != len(have) {
-					t.Fatalf("step %d: Len %d, model %d", step, ix.Len(e, Medium(md)), len(have))
+				if want > 0 {
+					matched--
+				}
+				if ix.Len(ids[e], Medium(md)) != len(have) {
+					t.Fatalf("step %d: Len %d, model %d", step, ix.Len(ids[e], Medium(md)), len(have))
 				}
 				holes := 0
 				for k := range have {
@@ -458,12 +489,15 @@ func TestPreciseAgainstModel(t *testing.T) {
 						holes++
 					}
 				}
-				if got := ix.eps[e].holes[md].Load(); got != int64(holes) {
+				if got := ix.eps[ids[e]].holes[md].Load(); got != int64(holes) {
 					t.Fatalf("step %d medium %d endpoint %d: %d holes counted, model %d", step, md, e, got, holes)
 				}
 				if holes == 0 && len(have) > 0 {
 					bisected++
 				}
+			}
+			if matched != 0 {
+				t.Fatalf("step %d medium %d: %d endpoints outside the model matched: %v", step, md, matched, m)
 			}
 		}
 	}
@@ -478,10 +512,19 @@ func TestPreciseAgainstModel(t *testing.T) {
 }
 
 // TestPreciseConcurrent runs one writer per endpoint (stores, evictions,
-// clears) against readers, then checks the final state; run with -race.
+// clears) against readers, then checks the final state; run with -race. The
+// second case has 130 endpoints (three groups), writers on 8 of them at
+// the groups' edges and readers matching all 130.
 func TestPreciseConcurrent(t *testing.T) {
-	const eps = 8
-	ix, _ := NewPreciseIndex(eps, 16)
+	t.Run("8", func(t *testing.T) { testPreciseConcurrent(t, 8, []int{0, 1, 2, 3, 4, 5, 6, 7}) })
+	t.Run("130", func(t *testing.T) { testPreciseConcurrent(t, 130, []int{0, 1, 63, 64, 65, 127, 128, 129}) })
+}
+
+// testPreciseConcurrent is TestPreciseConcurrent on an index of n
+// endpoints whose writers are ids.
+func testPreciseConcurrent(t *testing.T, n int, ids []int) {
+	eps := len(ids)
+	ix, _ := NewPreciseIndex(n, 16)
 	toks := seq(16*64, 1)
 	eng := preciseEngineKeys(toks, 0)
 	req := Hashes(nil, toks, 16, 0)
@@ -491,7 +534,7 @@ func TestPreciseConcurrent(t *testing.T) {
 		readers.Add(1)
 		go func() {
 			defer readers.Done()
-			m := make([]int, eps)
+			m := make([]int, n)
 			for {
 				select {
 				case <-stop:
@@ -509,11 +552,11 @@ func TestPreciseConcurrent(t *testing.T) {
 		}()
 	}
 	var writers sync.WaitGroup
-	for e := range eps {
+	for k, e := range ids {
 		writers.Add(1)
 		go func() {
 			defer writers.Done()
-			rng := rand.New(rand.NewPCG(uint64(e), 3))
+			rng := rand.New(rand.NewPCG(uint64(k), 3))
 			for range 300 {
 				ix.Cleared(e)
 				n := 1 + rng.IntN(len(eng))
@@ -523,9 +566,9 @@ func TestPreciseConcurrent(t *testing.T) {
 				}
 				ix.Removed(e, MediumGPU, eng[rng.IntN(n):n])
 			}
-			// Final state: endpoint e holds the first e+1 blocks.
+			// Final state: writer k holds the first k+1 blocks.
 			ix.Cleared(e)
-			if err := ix.Stored(e, MediumGPU, eng[:e+1], 0, false, toks[:16*(e+1)], 0); err != nil {
+			if err := ix.Stored(e, MediumGPU, eng[:k+1], 0, false, toks[:16*(k+1)], 0); err != nil {
 				t.Error(err)
 			}
 		}()
@@ -533,55 +576,183 @@ func TestPreciseConcurrent(t *testing.T) {
 	writers.Wait()
 	close(stop)
 	readers.Wait()
-	m := make([]int, eps)
+	m := make([]int, n)
 	ix.Match(req, MediumGPU, m)
-	for e := range eps {
-		if m[e] != e+1 || ix.Len(e, MediumGPU) != e+1 {
-			t.Fatalf("endpoint %d: match %d, len %d, want %d", e, m[e], ix.Len(e, MediumGPU), e+1)
+	for k, e := range ids {
+		if m[e] != k+1 || ix.Len(e, MediumGPU) != k+1 {
+			t.Fatalf("endpoint %d: match %d, len %d, want %d", e, m[e], ix.Len(e, MediumGPU), k+1)
 		}
 	}
-	if st := ix.Stats(); st.Blocks != eps*(eps+1)/2 {
+	if st := ix.Stats(); st.Blocks != int64(eps*(eps+1)/2) {
 		t.Fatalf("blocks %d", st.Blocks)
+	}
+	checkPrecise(t, ix)
+}
+
+// TestPreciseManyEndpoints: 1,000 endpoints (16 groups) sharing one
+// chained prompt, endpoint e holding its first 1+e%50 blocks on the GPU
+// and, for every third endpoint, its first 2+e%7 in CPU: matching every
+// endpoint and each alone, MatchTiers, removal of a block in the middle
+// (the endpoint is holey, matched linearly), Forget, ClearedMedium and
+// Cleared, each touching its endpoint's group only, and no owners entry
+// left once every endpoint is cleared.
+func TestPreciseManyEndpoints(t *testing.T) {
+	const n, blocks = 1000, 64
+	ix, err := NewPreciseIndex(n, 16)
+	if err != nil || ix.Groups() != 16 {
+		t.Fatalf("%v, %d groups", err, ix.Groups())
+	}
+	toks := seq(16*blocks, 1)
+	eng := preciseEngineKeys(toks, 0)
+	req := Hashes(nil, toks, 16, 0)
+	gpu := func(e int) int { return 1 + e%50 }
+	cpu := func(e int) int {
+		if e%3 != 0 {
+			return 0
+		}
+		return min(1+e%50, 2+e%7) // offloaded copies of GPU blocks
+	}
+	for e := range n {
+		preciseStore(t, ix, e, MediumGPU, eng[:gpu(e)], 0, false, toks[:16*gpu(e)], 0)
+		if c := cpu(e); c > 0 {
+			preciseStore(t, ix, e, MediumCPU, eng[:c], 0, false, nil, 0)
+		}
+	}
+	checkPrecise(t, ix)
+	want := make([]int, n)
+	for e := range want {
+		want[e] = gpu(e)
+	}
+	m := make([]int, n+3)
+	m[n], m[n+2] = -1, -1
+	tiers := make([][NumMedia]int, n)
+	check := func(what string) {
+		t.Helper()
+		ix.Match(req, MediumGPU, m)
+		ix.MatchTiers(req, tiers)
+		for e := range n {
+			if m[e] != want[e] || ix.MatchEndpoint(req, MediumGPU, e) != want[e] || tiers[e][MediumGPU] != want[e] {
+				t.Fatalf("%s: endpoint %d matched %d (alone %d, tiers %d), want %d", what, e, m[e], ix.MatchEndpoint(req, MediumGPU, e), tiers[e][MediumGPU], want[e])
+			}
+		}
+		if m[n] != -1 || m[n+2] != -1 {
+			t.Fatalf("%s: entries past the endpoints written: %v", what, m[n:])
+		}
+		checkPrecise(t, ix)
+	}
+	check("stored")
+	for e := range n {
+		if tiers[e][MediumCPU] != cpu(e) || tiers[e][MediumDisk] != 0 {
+			t.Fatalf("endpoint %d: tiers %v, want CPU %d", e, tiers[e], cpu(e))
+		}
+	}
+	if st := ix.Stats(); st.Blocks != int64(sumOf(n, gpu)+sumOf(n, cpu)) {
+		t.Fatalf("blocks %d, want %d", st.Blocks, sumOf(n, gpu)+sumOf(n, cpu))
+	}
+
+	// Endpoint 999 (bit 39 of group 15) loses block 5 of its 50: it holds
+	// the first 5 and a hole.
+	ix.Removed(999, MediumGPU, eng[5:6])
+	want[999] = 5
+	check("removed")
+	if ix.eps[999].holes[MediumGPU].Load() != 1 || ix.Len(999, MediumGPU) != 49 {
+		t.Fatalf("endpoint 999: %d holes, %d blocks", ix.eps[999].holes[MediumGPU].Load(), ix.Len(999, MediumGPU))
+	}
+	// Forget the first endpoint of group 1, Cleared the last of group 0,
+	// ClearedMedium(CPU) of one in group 7: nobody else changes.
+	ix.Forget(64)
+	ix.Cleared(63)
+	ix.ClearedMedium(450, MediumCPU)
+	want[64], want[63] = 0, 0
+	check("forgotten")
+	for e := range n {
+		wantCPU := cpu(e)
+		if e == 450 || e == 63 || e == 64 {
+			wantCPU = 0
+		}
+		if tiers[e][MediumCPU] != wantCPU {
+			t.Fatalf("endpoint %d: CPU %d, want %d", e, tiers[e][MediumCPU], wantCPU)
+		}
+	}
+	if ix.Len(450, MediumGPU) != gpu(450) {
+		t.Fatalf("ClearedMedium(CPU) took endpoint 450's GPU blocks: %d", ix.Len(450, MediumGPU))
+	}
+	// A prompt nobody holds, and one only the last endpoint holds.
+	other := seq(16*blocks, 50_000)
+	ix.Match(Hashes(nil, other, 16, 0), MediumGPU, m)
+	for e := range n {
+		if m[e] != 0 {
+			t.Fatalf("miss: endpoint %d matched %d", e, m[e])
+		}
+	}
+	preciseStore(t, ix, n-1, MediumGPU, preciseEngineKeys(other, 0), 0, false, other, 0)
+	ix.Match(Hashes(nil, other, 16, 0), MediumGPU, m)
+	if m[n-1] != blocks || slices.Max(m[:n-1]) != 0 {
+		t.Fatalf("last endpoint's prompt: %v", m[n-3:n])
+	}
+	for e := range n {
+		ix.Cleared(e)
+	}
+	if d, st := ix.distinct(), ix.Stats(); d != 0 || st.Blocks != 0 {
+		t.Fatalf("after clearing every endpoint: %d owners entries, %d blocks", d, st.Blocks)
 	}
 }
 
+func sumOf(n int, f func(int) int) int {
+	s := 0
+	for e := range n {
+		s += f(e)
+	}
+	return s
+}
+
 // TestPreciseIndexBytesPerBlock measures the heap cost per (endpoint, block)
-// entry and holds it to the bound stated in PreciseIndex's doc comment.
+// entry, 200,000 entries on one endpoint and spread over 64 and 1,000 (16
+// groups; each endpoint its own chains, so one holder per block), and holds
+// it to the bound stated in PreciseIndex's doc comment. The empty index's
+// own cost (block tables, endpoints) is counted too.
 func TestPreciseIndexBytesPerBlock(t *testing.T) {
 	const n = 200_000
 	toks := seq(n*16, 0)
 	eng := preciseEngineKeys(toks, 0)
-	var before, after runtime.MemStats
-	runtime.GC()
-	runtime.ReadMemStats(&before)
-	ix, _ := NewPreciseIndex(1, 16)
-	// Events of 50 blocks each, chained.
-	for i := 0; i < n; i += 50 {
-		var parent uint64
-		if i > 0 {
-			parent = eng[i-1]
+	for _, eps := range []int{1, 64, 1000} {
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		ix, _ := NewPreciseIndex(eps, 16)
+		// Events of 50 blocks each, chained within an endpoint's share.
+		per := n / eps / 50 * 50
+		for e := range eps {
+			for i := e * per; i < (e+1)*per; i += 50 {
+				var parent uint64
+				if i > e*per {
+					parent = eng[i-1]
+				}
+				preciseStore(t, ix, e, MediumGPU, eng[i:i+50], parent, i > e*per, toks[16*i:16*(i+50)], 0)
+			}
+			ix.eps[e].keys = nil // scratch, not per block
 		}
-		preciseStore(t, ix, 0, MediumGPU, eng[i:i+50], parent, i > 0, toks[16*i:16*(i+50)], 0)
+		runtime.GC()
+		runtime.ReadMemStats(&after)
+		held := int(ix.Stats().Blocks)
+		bytes := float64(after.HeapAlloc-before.HeapAlloc) / float64(held)
+		t.Logf("%d endpoints: %.1f bytes per indexed block (%d blocks)", eps, bytes, held)
+		if held != eps*per || bytes > 160 {
+			t.Fatalf("%d endpoints: %.1f bytes per indexed block (%d blocks), over the documented 160", eps, bytes, held)
+		}
+		runtime.KeepAlive(ix)
 	}
-	ix.eps[0].keys = nil // scratch, not per block
-	runtime.GC()
-	runtime.ReadMemStats(&after)
-	per := float64(after.HeapAlloc-before.HeapAlloc) / n
-	t.Logf("%.1f bytes per indexed block (%d blocks)", per, ix.Len(0, MediumGPU))
-	if per > 160 {
-		t.Fatalf("%.1f bytes per indexed block, over the documented 160", per)
-	}
-	runtime.KeepAlive(ix)
 	runtime.KeepAlive(toks)
 	runtime.KeepAlive(eng)
 }
 
-// preciseBenchFixture is a precise index of 64 endpoints and about 1M
-// distinct blocks, with 750-block (12k-token) prompts held as:
+// preciseBenchFixture is a precise index of 64 (or 1,000: 16 groups)
+// endpoints and about 1M distinct blocks, with 750-block (12k-token)
+// prompts held as:
 //   - typical: every endpoint holds its first 125 blocks (a shared system
 //     prompt), endpoints 1-3 hold 400, endpoint 0 all 750 (as in the
 //     approximate index's 64x1M benchmarks);
-//   - staggered: endpoint e holds the first 750·(e+1)/64 blocks;
+//   - staggered: endpoint e of N holds the first 750·(e+1)/N blocks;
 //   - full: every endpoint holds all 750 (no endpoint drops out: the scan
 //     runs to the end with 64 survivors, the worst case);
 //   - miss: held by none;
@@ -593,14 +764,20 @@ type preciseBenchFixture struct {
 }
 
 var (
-	preciseBenchOnce sync.Once
-	preciseBench     preciseBenchFixture
+	preciseBenchMu sync.Mutex
+	preciseBenches = map[int]*preciseBenchFixture{}
 )
 
-func preciseBenchIndex(b *testing.B) preciseBenchFixture {
-	preciseBenchOnce.Do(func() {
+// preciseBenchIndex returns the fixture of eps endpoints, built once.
+func preciseBenchIndex(b *testing.B, eps int) preciseBenchFixture {
+	preciseBenchMu.Lock()
+	defer preciseBenchMu.Unlock()
+	if f := preciseBenches[eps]; f != nil {
+		return *f
+	}
+	var preciseBench preciseBenchFixture
+	{
 		const (
-			eps     = 64
 			total   = 1_000_000
 			promptN = 750
 			chunk   = 250
@@ -642,30 +819,35 @@ func preciseBenchIndex(b *testing.B) preciseBenchFixture {
 			}
 		}
 		preciseBench.ix = ix
-	})
+	}
+	preciseBenches[eps] = &preciseBench
 	return preciseBench
 }
 
 // BenchmarkPreciseMatch64x1M matches 750-block prompts against 64 endpoints
 // and 1M blocks (see preciseBenchFixture), one goroutine, then "parallel"
 // (the staggered prompt from every P).
-func BenchmarkPreciseMatch64x1M(b *testing.B) {
-	f := preciseBenchIndex(b)
-	distinct := 0
-	for s := range f.ix.shards {
-		distinct += len(f.ix.shards[s].owners[MediumGPU])
-	}
+func BenchmarkPreciseMatch64x1M(b *testing.B) { benchPreciseMatch(b, 64) }
+
+// BenchmarkPreciseMatch1000x1M is BenchmarkPreciseMatch64x1M with 1,000
+// endpoints (16 groups of 64) holding the same 1M blocks.
+func BenchmarkPreciseMatch1000x1M(b *testing.B) { benchPreciseMatch(b, 1000) }
+
+func benchPreciseMatch(b *testing.B, eps int) {
+	f := preciseBenchIndex(b, eps)
+	distinct := f.ix.distinct()
 	b.Logf("%d distinct blocks, %d (endpoint, block) entries", distinct, f.ix.Stats().Blocks)
-	m := make([]int, 64)
+	m := make([]int, eps)
+	last := eps - 1
 	for _, c := range []struct {
 		name   string
 		prompt []uint64
 		check  func() bool
 	}{
-		{"typical", f.typical, func() bool { return m[0] == 750 && m[1] == 400 && m[63] == 125 }},
-		{"staggered", f.staggered, func() bool { return m[0] == 11 && m[63] == 750 }},
-		{"full", f.full, func() bool { return m[0] == 750 && m[63] == 750 }},
-		{"miss", f.miss, func() bool { return m[0] == 0 && m[63] == 0 }},
+		{"typical", f.typical, func() bool { return m[0] == 750 && m[1] == 400 && m[last] == 125 }},
+		{"staggered", f.staggered, func() bool { return m[0] == 750/eps && m[last] == 750 }},
+		{"full", f.full, func() bool { return m[0] == 750 && m[last] == 750 }},
+		{"miss", f.miss, func() bool { return m[0] == 0 && m[last] == 0 }},
 	} {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()
@@ -680,10 +862,59 @@ func BenchmarkPreciseMatch64x1M(b *testing.B) {
 	b.Run("parallel", func(b *testing.B) {
 		b.ReportAllocs()
 		b.RunParallel(func(pb *testing.PB) {
-			m := make([]int, 64)
+			m := make([]int, eps)
 			for pb.Next() {
 				f.ix.Match(f.staggered, MediumGPU, m)
 			}
 		})
 	})
+}
+
+// TestPreciseMatchHintsAgainstModel: with more than one group, Match cuts
+// every group after the first holding the prompt at the lengths that group
+// found (at most maxHints), then bisects. Endpoints of 5 groups hold random
+// prefixes of one prompt, each group's lengths drawn from its own small
+// set (so the hints are right for some groups, wrong or partial for
+// others), some endpoints with a hole; every endpoint's match must be the
+// leading blocks it holds.
+func TestPreciseMatchHintsAgainstModel(t *testing.T) {
+	const n, blocks = 300, 100
+	rng := rand.New(rand.NewPCG(7, 8))
+	toks := seq(16*blocks, 1)
+	eng := preciseEngineKeys(toks, 0)
+	req := Hashes(nil, toks, 16, 0)
+	m := make([]int, n)
+	for round := range 40 {
+		ix, _ := NewPreciseIndex(n, 16)
+		want := make([]int, n)
+		for g := range 5 {
+			set := make([]int, 1+rng.IntN(6)) // 1-6 lengths: within or past maxHints
+			for i := range set {
+				set[i] = rng.IntN(blocks + 1)
+			}
+			for e := g * 64; e < min(n, (g+1)*64); e++ {
+				k := set[rng.IntN(len(set))]
+				if rng.IntN(4) == 0 {
+					k = rng.IntN(blocks + 1)
+				}
+				want[e] = k
+				if k > 0 {
+					preciseStore(t, ix, e, MediumGPU, eng[:k], 0, false, toks[:16*k], 0)
+				}
+				if k > 2 && rng.IntN(10) == 0 { // a hole: the endpoint is matched linearly
+					hole := rng.IntN(k - 1)
+					ix.Removed(e, MediumGPU, eng[hole:hole+1])
+					want[e] = hole
+				}
+			}
+		}
+		for _, q := range [][]uint64{req, req[:1+rng.IntN(blocks)]} {
+			ix.Match(q, MediumGPU, m)
+			for e := range n {
+				if w := min(want[e], len(q)); m[e] != w {
+					t.Fatalf("round %d, %d-block query: endpoint %d matched %d, holds %d", round, len(q), e, m[e], w)
+				}
+			}
+		}
+	}
 }

@@ -42,11 +42,12 @@ const NumTiers = int(prefix.MediumRemote) + 1
 
 // TierSource answers per-medium prefix matches: matched[e] is the number of
 // leading blocks of hashes endpoint e holds in medium m, for every
-// e < len(matched); Owners is the endpoints holding one block in medium m
-// (bit e for endpoint e). *prefix.PreciseIndex implements it.
+// e < len(matched); Owners is the endpoints of group g (endpoints
+// 64g … 64g+63) holding one block in medium m (bit i for endpoint 64g+i).
+// *prefix.PreciseIndex implements it.
 type TierSource interface {
 	Match(hashes []uint64, m prefix.Medium, matched []int)
-	Owners(h uint64, m prefix.Medium) uint64
+	Owners(h uint64, m prefix.Medium, g int) uint64
 }
 
 // Tiers is what a policy is told about its pool's tiers (Pool.Tiers).
@@ -195,20 +196,30 @@ func (t *Tiers) Split(hashes []uint64, maxBlocks int, gpu []int, out [][NumTiers
 // later blocks after its first ones (which a faster tier may still hold).
 // Each step reads the block's owners in the lower media once for every
 // endpoint at that position; positions no endpoint is at are skipped, so
-// the work is the length of the extensions, not of the prompt.
+// the work is the length of the extensions, not of the prompt. Endpoints
+// are walked in groups of prefix.MaxEndpoints (the index's owners masks),
+// one group after the other.
 func (t *Tiers) extend(hashes []uint64, out [][NumTiers]int, maxBlocks int) {
-	var reach [64]int
+	for lo := 0; lo < len(out); lo += prefix.MaxEndpoints {
+		t.extendGroup(hashes, out[lo:min(len(out), lo+prefix.MaxEndpoints)], lo/prefix.MaxEndpoints, maxBlocks)
+	}
+}
+
+// extendGroup is extend for the endpoints of group g, out[i] being
+// endpoint 64g+i's.
+func (t *Tiers) extendGroup(hashes []uint64, out [][NumTiers]int, g, maxBlocks int) {
+	var reach [prefix.MaxEndpoints]int
 	var alive uint64
-	for e := range min(len(out), 64) {
+	for e := range out {
 		k := out[e][0] + out[e][1] + out[e][2] + out[e][3]
 		reach[e] = k
 		if k < maxBlocks && k < len(hashes) {
 			alive |= 1 << e
 		}
 	}
-	remoteBit := uint64(0)
-	if t.Remote >= 0 && t.Remote < 64 {
-		remoteBit = 1 << t.Remote
+	remoteBit, remoteGroup := uint64(0), 0
+	if t.Remote >= 0 {
+		remoteBit, remoteGroup = 1<<(t.Remote%prefix.MaxEndpoints), t.Remote/prefix.MaxEndpoints
 	}
 	for alive != 0 {
 		i := maxBlocks
@@ -219,8 +230,8 @@ func (t *Tiers) extend(hashes []uint64, out [][NumTiers]int, maxBlocks int) {
 			return
 		}
 		h := hashes[i]
-		cpu, disk := t.Source.Owners(h, prefix.MediumCPU), t.Source.Owners(h, prefix.MediumDisk)
-		remote := remoteBit != 0 && t.Source.Owners(h, prefix.MediumRemote)&remoteBit != 0
+		cpu, disk := t.Source.Owners(h, prefix.MediumCPU, g), t.Source.Owners(h, prefix.MediumDisk, g)
+		remote := remoteBit != 0 && t.Source.Owners(h, prefix.MediumRemote, remoteGroup)&remoteBit != 0
 		for s := alive; s != 0; s &= s - 1 {
 			e := bits.TrailingZeros64(s)
 			if reach[e] != i {

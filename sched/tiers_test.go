@@ -1,6 +1,7 @@
 package sched
 
 import (
+	"slices"
 	"testing"
 
 	"github.com/infergate/infergate/prefix"
@@ -154,5 +155,46 @@ func TestTiersSplitWalksHoles(t *testing.T) {
 	tr.Split(hashes, 7, []int{0}, out, nil)
 	if want := [NumTiers]int{0, 2, 0, 5}; out[0] != want {
 		t.Fatalf("capped split %v, want %v", out[0], want)
+	}
+}
+
+// TestTiersSplitWalksHolesOver64: the walk of TestTiersSplitWalksHoles in a
+// pool of 130 endpoints (three groups of 64 in the precise index), the
+// remote store in slot 130 (group 2): endpoints 0, 64 and 129 held blocks
+// 0-9 in host memory and lost 0-4, so each takes 0-4 from the store and
+// 5-9 from its host memory; every other endpoint takes 0-4 from the store
+// and stops.
+func TestTiersSplitWalksHolesOver64(t *testing.T) {
+	prompt := make([]uint32, 16*12+1)
+	for i := range prompt {
+		prompt[i] = uint32(3 * i)
+	}
+	hashes := prefix.Hashes(nil, prompt, 16, 0)
+	const n = 130
+	ix, err := prefix.NewPreciseIndex(n+1, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	holed := []int{0, 64, 129}
+	for _, e := range holed {
+		if err := ix.Stored(e, prefix.MediumCPU, hashes[:10], 0, false, prompt[:160], 0); err != nil {
+			t.Fatal(err)
+		}
+		ix.Removed(e, prefix.MediumCPU, hashes[:5])
+	}
+	if err := ix.Stored(n, prefix.MediumRemote, hashes[:5], 0, false, prompt[:80], 0); err != nil {
+		t.Fatal(err)
+	}
+	tr := &Tiers{Source: ix, Remote: n}
+	out := make([][NumTiers]int, n)
+	tr.Split(hashes, 12, make([]int, n), out, nil)
+	for e := range n {
+		want := [NumTiers]int{0, 0, 0, 5}
+		if slices.Contains(holed, e) {
+			want = [NumTiers]int{0, 5, 0, 5}
+		}
+		if out[e] != want {
+			t.Fatalf("endpoint %d: split %v, want %v", e, out[e], want)
+		}
 	}
 }
