@@ -10,13 +10,13 @@ import (
 	"github.com/infergate/infergate/internal/lru"
 )
 
-// MaxEndpoints is the number of endpoints one PreciseIndex can track (one
-// bit each in a 64-bit mask per block), and the size of an Index's endpoint
-// groups.
+// MaxEndpoints is the size of an endpoint group in both indexes (one bit
+// each in a 64-bit owner mask per block): an Index and a PreciseIndex keep
+// their endpoints in groups of MaxEndpoints, up to MaxIndexEndpoints.
 const MaxEndpoints = 64
 
-// MaxIndexEndpoints is the number of endpoints one Index can track: groups
-// of MaxEndpoints, each with its own owners table (see Index).
+// MaxIndexEndpoints is the number of endpoints one Index or PreciseIndex
+// can track: groups of MaxEndpoints, each with its own owners table.
 const MaxIndexEndpoints = 1 << 14
 
 // Index is the gateway's approximate prefix index: for every block hash it
