@@ -398,7 +398,8 @@ func TestUpPreciseChatOwnTokenizer(t *testing.T) {
 }
 
 // TestPreciseChatTokenizerMismatch is the control of
-// TestUpPreciseChatOwnTokenizer: the gateway (`serve`, precise-prefix)
+// TestUpPreciseChatOwnTokenizer: the gateway (`serve`, precise-prefix's
+// scorers without speculative entries)
 // tokenizes with Llama-3 as configured, but the engines tokenize with
 // cl100k. The same harness then sees prompt_tokens that are not Llama-3's,
 // and the precise index never matches a block of the engines' (nothing
@@ -421,7 +422,26 @@ func TestPreciseChatTokenizerMismatch(t *testing.T) {
 	defer f.Close()
 	pub, replay := f.KVEventEndpoints()
 	var cfg strings.Builder
-	fmt.Fprintf(&cfg, "listen: 127.0.0.1:0\nrouting: {policy: precise-prefix}\ntokenizers: {%q: %q}\nendpoints:\n", model, dir)
+	// precise-prefix's scorers without its speculative entries: those
+	// are the gateway's own recent decisions (a follow-up within 2 s of
+	// its turn matches them whatever the engines hash), and this control
+	// is about the engines' blocks.
+	fmt.Fprintf(&cfg, `listen: 127.0.0.1:0
+routing:
+  policy: events-only
+  profiles:
+    events-only:
+      filters: [model, adapter-capacity, hot-spot]
+      scorers:
+        - {type: precise-prefix, weight: 1.5}
+        - {type: prefix, weight: 0.5}
+        - {type: cost, weight: 1}
+        - {type: lora, weight: 0.5}
+      picker: max-score
+      speculative_ttl: 0s
+tokenizers: {%q: %q}
+endpoints:
+`, model, dir)
 	for i, u := range f.URLs {
 		fmt.Fprintf(&cfg, "  - {url: %q, model: %q, kind: sim, kv_events: {endpoint: %q, replay_endpoint: %q}}\n", u, model, pub[i], replay[i])
 	}
