@@ -64,13 +64,7 @@ func Object(b []byte, maxDepth int, member func(m Member) bool) error {
 		}
 		return true
 	})
-	switch {
-	case ok || stopped:
-		return nil
-	case s.deep:
-		return ErrDepth
-	}
-	return ErrSyntax
+	return s.walkErr(ok, stopped)
 }
 
 // Array walks the JSON array at the start of b (after whitespace), calling
@@ -95,6 +89,12 @@ func Array(b []byte, maxDepth int, elem func(v []byte) bool) error {
 		}
 		return true
 	})
+	return s.walkErr(ok, stopped)
+}
+
+// walkErr is a walk's error: none when it ended (ok) or its callback
+// stopped it, ErrDepth when it went too deep, else ErrSyntax.
+func (s *scanner) walkErr(ok, stopped bool) error {
 	switch {
 	case ok || stopped:
 		return nil
