@@ -3,6 +3,8 @@ package gateway
 import (
 	"context"
 	"net/http"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -236,5 +238,55 @@ func TestSettleHurries(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatal("the settler left learning queued for 10 s")
 		}
+	}
+}
+
+// finishRecorder is a pool's policy that records which slots its
+// Finisher is told of, and passes everything on.
+type finishRecorder struct {
+	sched.Policy
+	mu    sync.Mutex
+	slots []int
+}
+
+func (f *finishRecorder) LearnsOnFinish() bool { return f.Policy.(sched.Finisher).LearnsOnFinish() }
+
+func (f *finishRecorder) Finished(i int, hashes []uint64) {
+	f.mu.Lock()
+	f.slots = append(f.slots, i)
+	f.mu.Unlock()
+	f.Policy.(sched.Finisher).Finished(i, hashes)
+}
+
+// TestLearnOnFinishServedElsewhere: when the proxy reports that a fallback
+// served the request (Picked.Served), the pin the pick took on the picked
+// endpoint is released, and Done then releases the endpoint that served
+// it. Before, Done released only the serving endpoint's slot: the picked
+// endpoint's pin stayed for good, one per request sent to a fallback.
+func TestLearnOnFinishServedElsewhere(t *testing.T) {
+	on := true
+	cfg := eppBenchConfig(sched.CacheAware, 2, 1)
+	cfg.Routing.Prefix.LearnOnFinish = &on
+	g, err := New(context.Background(), cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	p := g.state.Load().pools["m0"]
+	rec := &finishRecorder{Policy: p.policy}
+	p.policy = rec
+	pk, ref := g.Pick(context.Background(), &PickRequest{Method: http.MethodPost, Path: pathCompletions,
+		Header: http.Header{}, Body: withModel(eppTokens(0, 0, 1024, 1024), 0, 1)})
+	if ref != nil {
+		t.Fatalf("refused: %d %s", ref.Status, ref.Body)
+	}
+	picked, other := pk.i, 1-pk.i
+	pk.Served(p.endpoints[other].addr)
+	pk.ResponseHeaders(http.StatusOK, http.Header{})
+	pk.Done()
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if !slices.Equal(rec.slots, []int{picked, other}) {
+		t.Fatalf("released slots %v, want the picked %d (its pin) then the serving %d", rec.slots, picked, other)
 	}
 }
