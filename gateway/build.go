@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/infergate/infergate/auth"
@@ -330,12 +331,16 @@ func (g *Gateway) buildPools(cfg Config, prev *state, st *state, specOf func(*en
 func (g *Gateway) buildPool(model string, eps []*endpoint, old *pool, cfg Config, routingChanged, blockChanged bool,
 	specOf func(*endpoint) *endpointSpec, st *state, pl *plan) (*pool, error) {
 	p := &pool{model: model, blockSize: cfg.Routing.Prefix.BlockSize, seed: prefix.Seed(model + "\x00"),
-		maxRequests: cfg.CircuitBreaker.MaxRequests, gate: g.newGate(model), budget: &retryBudget{}}
+		maxRequests: cfg.CircuitBreaker.MaxRequests, gate: g.newGate(model), budget: &retryBudget{},
+		renderInFlight: new(atomic.Int32)}
 	var forget []int
 	if old == nil {
 		p.endpoints = slices.Clone(eps)
 	} else {
-		p.gate, p.budget = old.gate, old.budget
+		// The calls in flight on old count against the new pool's
+		// render_concurrency: a fresh count per reload let each reload
+		// within render_timeout make render_concurrency more.
+		p.gate, p.budget, p.renderInFlight = old.gate, old.budget, old.renderInFlight
 		limit, _ := slotLimit(cfg.Routing)
 		p.endpoints, forget = reslotted(old.endpoints, eps, limit)
 	}

@@ -136,12 +136,21 @@ func (g *Gateway) settleLater(p *pool) {
 // for the settler, as the engine's LRU free queue takes a finished
 // request's blocks. Every pick that attempt or an EPP pick's Done follows
 // calls it once, whatever the answer; a pick that took no slot is released
-// at once (releasePick). A pool that a reload replaced since the pick is
-// skipped (its slots may name other engines now): the pin is left, its
-// blocks only evicted last.
+// at once (releasePick). When a reload replaced p since the pick, the pin
+// is released in the pool in force if that pool kept p's policy (routing
+// unchanged: the same index holds the pin) and slot i still names the same
+// endpoint; otherwise the pin went with the policy or with the slot (Forget
+// clears it), and releasing would teach another engine a prompt it never
+// ran. Skipping a kept policy's pin would leave it for ever: a reload
+// during in-flight requests pinned their blocks until the slot's next
+// reset, and enough reloads under load left every block of the endpoint
+// pinned, its LRU turned into first-pinned-first-out.
 func (g *Gateway) learnFinished(p *pool, i int, x *exchange) {
-	if p.next.Load() != nil {
-		return
+	if n := p.latest(); n != p {
+		if n.policy != p.policy || n.pd != p.pd || i >= len(n.endpoints) || n.endpoints[i] != p.endpoints[i] {
+			return
+		}
+		p = n
 	}
 	if releasePick(p, i, &x.sreq) {
 		g.settleLater(p)

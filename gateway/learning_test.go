@@ -3,6 +3,8 @@ package gateway
 import (
 	"context"
 	"net/http"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -122,6 +124,82 @@ func TestLearnOnFinish(t *testing.T) {
 	}
 }
 
+// TestLearnOnFinishAcrossReload: a reload that keeps the pool's policy
+// (routing unchanged) between a pick and its end must not leave the pick's
+// pin in the kept index. Before the fix the release was skipped for a
+// replaced pool, so a's blocks stayed pinned for good: when d later
+// overflowed the endpoint, b's and c's blocks were evicted instead of a's
+// tail (a ended first), and a was predicted whole (1,024 cached tokens)
+// where the engine, freeing by finish, holds 512.
+func TestLearnOnFinishAcrossReload(t *testing.T) {
+	on := true
+	cfg := eppBenchConfig(sched.CacheAware, 2, 1)
+	for i := range cfg.Endpoints {
+		cfg.Endpoints[i].KVBlocks = 128 // 2 prompts of 64 blocks (16 tokens each)
+	}
+	cfg.Routing.Prefix.LearnOnFinish = &on
+	g, err := New(context.Background(), cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	settle := func() {
+		t.Helper()
+		s := g.state.Load().pools["m0"].policy.(sched.Settler)
+		for deadline := time.Now().Add(10 * time.Second); s.Unsettled(); time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("the settler left learning queued for 10 s")
+			}
+		}
+	}
+	pick := func(i int) *Picked {
+		t.Helper()
+		shared := 512
+		if i == 0 {
+			shared = 1024
+		}
+		pk, ref := g.Pick(context.Background(), &PickRequest{Method: http.MethodPost, Path: pathCompletions,
+			Header: http.Header{}, Body: withModel(eppTokens(i, 0, shared, 1024), 0, 1)})
+		if ref != nil {
+			t.Fatalf("refused: %d %s", ref.Status, ref.Body)
+		}
+		settle()
+		return pk
+	}
+	end := func(pk *Picked) {
+		pk.ResponseHeaders(http.StatusOK, http.Header{})
+		pk.Done()
+		settle()
+	}
+	a := pick(0)
+	home := a.Destinations()[0]
+	old := g.state.Load().pools["m0"]
+	if err := g.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	now := g.state.Load().pools["m0"]
+	if now == old || now.policy != old.policy {
+		t.Fatalf("the reload did not replace the pool keeping its policy (replaced %v, policy kept %v)",
+			now != old, now.policy == old.policy)
+	}
+	end(a) // a ends first, after the reload
+	for i := 1; i <= 2; i++ {
+		pk := pick(i)
+		if d := pk.Destinations()[0]; d != home {
+			t.Fatalf("request %d went to %s, a to %s", i, d, home)
+		}
+		end(pk)
+	}
+	d := pick(3) // evicts 32 blocks: a's tail, the first to finish
+	end(d)
+	again := pick(0)
+	if got := again.x.predicted; again.Destinations()[0] != home || got != 512 {
+		t.Errorf("a again on %s (home %s), predicted %d cached tokens, want 512 (a's pin left by the reload: 1024)",
+			again.Destinations()[0], home, got)
+	}
+	end(again)
+}
+
 // TestSettleHurries: while a pool waits for the settler, picks that find
 // settleHurry learns queued ask the settler to end its wait (settleNow),
 // and those that find fewer do not.
@@ -160,5 +238,55 @@ func TestSettleHurries(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatal("the settler left learning queued for 10 s")
 		}
+	}
+}
+
+// finishRecorder is a pool's policy that records which slots its
+// Finisher is told of, and passes everything on.
+type finishRecorder struct {
+	sched.Policy
+	mu    sync.Mutex
+	slots []int
+}
+
+func (f *finishRecorder) LearnsOnFinish() bool { return f.Policy.(sched.Finisher).LearnsOnFinish() }
+
+func (f *finishRecorder) Finished(i int, hashes []uint64) {
+	f.mu.Lock()
+	f.slots = append(f.slots, i)
+	f.mu.Unlock()
+	f.Policy.(sched.Finisher).Finished(i, hashes)
+}
+
+// TestLearnOnFinishServedElsewhere: when the proxy reports that a fallback
+// served the request (Picked.Served), the pin the pick took on the picked
+// endpoint is released, and Done then releases the endpoint that served
+// it. Before, Done released only the serving endpoint's slot: the picked
+// endpoint's pin stayed for good, one per request sent to a fallback.
+func TestLearnOnFinishServedElsewhere(t *testing.T) {
+	on := true
+	cfg := eppBenchConfig(sched.CacheAware, 2, 1)
+	cfg.Routing.Prefix.LearnOnFinish = &on
+	g, err := New(context.Background(), cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	p := g.state.Load().pools["m0"]
+	rec := &finishRecorder{Policy: p.policy}
+	p.policy = rec
+	pk, ref := g.Pick(context.Background(), &PickRequest{Method: http.MethodPost, Path: pathCompletions,
+		Header: http.Header{}, Body: withModel(eppTokens(0, 0, 1024, 1024), 0, 1)})
+	if ref != nil {
+		t.Fatalf("refused: %d %s", ref.Status, ref.Body)
+	}
+	picked, other := pk.i, 1-pk.i
+	pk.Served(p.endpoints[other].addr)
+	pk.ResponseHeaders(http.StatusOK, http.Header{})
+	pk.Done()
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if !slices.Equal(rec.slots, []int{picked, other}) {
+		t.Fatalf("released slots %v, want the picked %d (its pin) then the serving %d", rec.slots, picked, other)
 	}
 }

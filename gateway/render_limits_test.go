@@ -154,3 +154,82 @@ func TestRenderResult(t *testing.T) {
 		}
 	}
 }
+
+// TestEngineRenderConcurrencyAcrossReload: render calls in flight on a
+// pool that a reload replaced count against the new pool's
+// render_concurrency (the model's calls share one count). Before, each
+// reload started a count from zero: with the old pool's calls still held,
+// the new pool made render_concurrency more, and every reload within
+// render_timeout let another render_concurrency answers of up to 16 MiB in.
+func TestEngineRenderConcurrencyAcrossReload(t *testing.T) {
+	release, started := make(chan struct{}), make(chan struct{}, 4)
+	var held sync.WaitGroup
+	e := newRenderEngine(t, func(w http.ResponseWriter, r *http.Request, _ []byte) {
+		held.Add(1)
+		defer held.Done()
+		started <- struct{}{}
+		select {
+		case <-release:
+			_, _ = io.WriteString(w, `{"token_ids":[1,2,3]}`)
+		case <-r.Context().Done():
+		}
+	})
+	released := false
+	defer func() {
+		if !released {
+			close(release)
+		}
+		held.Wait()
+	}()
+	cfg := renderConfig(e)
+	cfg.RenderConcurrency = 1
+	g, _ := startGateway(t, cfg)
+	p := waitReady(t, g, "m")
+	ctx := context.Background()
+	chat := func(i int) *exchange {
+		return chatExchange(t, fmt.Sprintf(`{"model":"m","messages":[{"role":"user","content":"q%d"}]}`, i))
+	}
+	first := make(chan bool, 1)
+	go func() {
+		_, ok := g.engineTokens(ctx, nil, chat(0), kindChat, p)
+		first <- ok
+	}()
+	select {
+	case <-started:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the render call did not reach the engine in 30s")
+	}
+	if err := g.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	n := g.state.Load().pools["m"]
+	if n == p {
+		t.Fatal("the reload kept the pool")
+	}
+	second := make(chan bool, 1)
+	go func() {
+		_, ok := g.engineTokens(ctx, nil, chat(1), kindChat, n)
+		second <- ok
+	}()
+	select {
+	case ok := <-second:
+		if ok || len(e.asked()) != 1 {
+			t.Fatalf("past the cap after a reload: ids %v, %d calls made", ok, len(e.asked()))
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("the new pool made a second call while the old pool's held the only slot (%d calls)", len(e.asked()))
+	}
+	close(release)
+	released = true
+	select {
+	case ok := <-first:
+		if !ok {
+			t.Fatal("the call within the cap failed")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the released call did not end in 30s")
+	}
+	if n := n.renderInFlight.Load(); n != 0 {
+		t.Fatalf("%d calls counted in flight after all ended", n)
+	}
+}

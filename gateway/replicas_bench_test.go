@@ -68,3 +68,28 @@ func BenchmarkReplicaReceive(b *testing.B) {
 		g.Close()
 	}
 }
+
+// BenchmarkReplicaResolve: a peer's learn of one block applied to a pool
+// of 64 or 16,384 endpoints (cache-aware's most), naming its last endpoint
+// or one it lacks (what a hostile writer to the stream chooses): the
+// slot's lookup must not grow with the pool.
+func BenchmarkReplicaResolve(b *testing.B) {
+	for _, n := range []int{64, 16384} {
+		cfg := eppBenchConfig(sched.CacheAware, n, 1)
+		cfg.Replicas = ReplicasConfig{RedisURL: "redis://127.0.0.1:1", ID: "gw-a"} // unreachable: apply is called directly
+		g, err := New(context.Background(), cfg, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		p := g.state.Load().pools["m0"]
+		for _, c := range []struct{ what, name string }{{"last", p.endpoints[n-1].name}, {"unknown", "http://unknown:1"}} {
+			learn := string(replica.AppendLearn(nil, "gw-b", time.Now().UnixNano(), "m0", c.name, 0, 0, []uint64{1}))
+			b.Run(c.what+"/endpoints="+strconv.Itoa(n), func(b *testing.B) {
+				for b.Loop() {
+					g.replicas.apply([]byte(learn), false)
+				}
+			})
+		}
+		g.Close()
+	}
+}

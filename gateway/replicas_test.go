@@ -140,3 +140,59 @@ func TestReplicasStaggerWaits(t *testing.T) {
 		t.Fatalf("waits observed with stagger off: %d", n)
 	}
 }
+
+// TestReplicaResolveSlots: a peer's learn resolves to the slot of its
+// endpoint in the model's pool, after a reload too, and never to a slot
+// whose endpoint the reload removed: that slot's stand-in has an empty
+// name, which a learn written to the stream may carry (before, the scan
+// of the pool's endpoints matched it).
+func TestReplicaResolveSlots(t *testing.T) {
+	cfg := eppBenchConfig(sched.CacheAware, 3, 1)
+	cfg.Replicas = ReplicasConfig{RedisURL: "redis://127.0.0.1:1", ID: "gw-a"} // unreachable: Resolve is called directly
+	g, err := New(context.Background(), cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	tg := replicaTarget{g}
+	names := make([]string, 3)
+	for i, ep := range g.state.Load().pools["m0"].endpoints {
+		names[i] = ep.name
+	}
+	for i, name := range names {
+		if l, slot, ok := tg.Resolve("m0", name, sched.RoleBoth); !ok || slot != i || l == nil {
+			t.Fatalf("%s: slot %d, ok %v, learner %v; want slot %d", name, slot, ok, l, i)
+		}
+	}
+	for _, c := range []struct{ model, name string }{{"m0", ""}, {"m0", "http://unknown:1"}, {"m1", names[0]}} {
+		if _, _, ok := tg.Resolve(c.model, c.name, sched.RoleBoth); ok {
+			t.Fatalf("model %q endpoint %q resolved", c.model, c.name)
+		}
+	}
+	cfg.Endpoints = cfg.Endpoints[1:] // slot 0's endpoint removed: a vacant slot
+	if err := g.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	p := g.state.Load().pools["m0"]
+	vacantSlot := -1
+	for i, ep := range p.endpoints {
+		if ep == vacant {
+			vacantSlot = i
+		}
+	}
+	if vacantSlot < 0 {
+		t.Fatal("the reload left no vacant slot")
+	}
+	if _, slot, ok := tg.Resolve("m0", "", sched.RoleBoth); ok {
+		t.Fatalf("an empty endpoint name resolved to slot %d (vacant: %d)", slot, vacantSlot)
+	}
+	if _, _, ok := tg.Resolve("m0", names[0], sched.RoleBoth); ok {
+		t.Fatalf("the removed %s still resolves", names[0])
+	}
+	for _, name := range names[1:] {
+		_, slot, ok := tg.Resolve("m0", name, sched.RoleBoth)
+		if !ok || p.endpoints[slot].name != name {
+			t.Fatalf("%s after the reload: slot %d, ok %v", name, slot, ok)
+		}
+	}
+}

@@ -358,7 +358,7 @@ type pool struct {
 	engineRender   bool
 	renderTimeout  time.Duration
 	renderMax      int32
-	renderInFlight atomic.Int32
+	renderInFlight *atomic.Int32 // the model's: shared by the pools reloads put in its place
 	// renderHits and renderMisses are the model's render cache lookups
 	// (infergate_render_cache_lookups_total), resolved at build.
 	renderHits, renderMisses prometheus.Counter

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
+	"math"
 	"os"
 	"strconv"
 
@@ -56,9 +57,31 @@ func memoryEstimate(opts Options, recs []trace.Record, largest, workers int) (to
 	for _, r := range recs {
 		blocks += int64((r.InputLength + cfg.BlockSize - 1) / cfg.BlockSize)
 	}
-	blocks = min(blocks, int64(largest)*int64(cfg.NumBlocks))
-	index = blocks * indexBytesPerBlock
-	return int64(workers) * (int64(largest)*perEngine + index), perEngine, index
+	blocks = min(blocks, satMul(int64(largest), int64(cfg.NumBlocks)))
+	index = satMul(blocks, indexBytesPerBlock)
+	return satMul(int64(workers), satAdd(satMul(int64(largest), perEngine), index)), perEngine, index
+}
+
+// satMul is a×b for a, b ≥ 0, math.MaxInt64 where it overflows: the
+// estimate of a profile with an absurd gpu_memory must stay over any limit
+// (a wrapped product, negative or small, passed the check and the sweep
+// then tried to allocate its 2^56-block pools).
+func satMul(a, b int64) int64 {
+	if a <= 0 || b <= 0 {
+		return 0
+	}
+	if a > math.MaxInt64/b {
+		return math.MaxInt64
+	}
+	return a * b
+}
+
+// satAdd is a+b for a, b ≥ 0, math.MaxInt64 where it overflows.
+func satAdd(a, b int64) int64 {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
 }
 
 // checkMemory refuses a sweep whose estimate is over limit.

@@ -49,3 +49,26 @@ func TestMemoryEstimate(t *testing.T) {
 		t.Fatal("no default limit")
 	}
 }
+
+// TestMemoryEstimateSaturates: an engine config whose block pools add up
+// past 2^63 bytes is over any limit. Before the estimate saturated, 16
+// engines of 2^56 blocks (80 bytes each: 2^64 × 5, wrapping to 16 KiB
+// each) were estimated at a few MiB and passed a 1 GiB limit, and the
+// sweep went on to allocate the pools; 2^62 blocks wrapped EngineBytes
+// itself.
+func TestMemoryEstimateSaturates(t *testing.T) {
+	recs := []trace.Record{{InputLength: 1 << 20}}
+	for _, c := range []struct{ blocks, engines, workers int }{
+		{1 << 56, 16, 1}, {1 << 56, 4096, 3}, {1 << 62, 1, 1}, {1<<63 - 1, 2, 2}, {1 << 40, MaxEngines, 1 << 20},
+	} {
+		opts := Options{Engine: sim.Config{NumBlocks: c.blocks, BlockSize: 16}}
+		if err := checkMemory(opts, recs, c.engines, c.workers, 1<<30); err == nil {
+			total, per, index := memoryEstimate(opts, recs, c.engines, c.workers)
+			t.Errorf("%d blocks × %d engines × %d workers passed 1 GiB: estimated %d bytes (%d per engine, index %d)",
+				c.blocks, c.engines, c.workers, total, per, index)
+		}
+	}
+	if got := sim.EngineBytes(sim.Config{NumBlocks: 1 << 62, BlockSize: 16}); got <= 0 {
+		t.Errorf("EngineBytes of 2^62 blocks: %d", got)
+	}
+}

@@ -309,7 +309,7 @@ func (fl *planFlags) options() (plan.Options, error) {
 		}
 	}
 	fl.wl.reseed(uint64(fl.seed))
-	if fl.maxMemGB < 0 || fl.maxMemGB > 1<<20 {
+	if !(fl.maxMemGB >= 0 && fl.maxMemGB <= 1<<20) { // NaN too
 		return plan.Options{}, fmt.Errorf("--max-memory-gib %g: want 0 (half the machine's memory) to %d", fl.maxMemGB, 1<<20)
 	}
 	recs, err := fl.wl.load()

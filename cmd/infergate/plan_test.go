@@ -109,6 +109,10 @@ func TestPlanBadInput(t *testing.T) {
 		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--max-num-batched-tokens", "-1"}, "--max-num-batched-tokens -1"},
 		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--autoscale", "min=1"}, "--autoscale: autoscale: max is required"},
 		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--autoscale", "max=4,hold=1s"}, "unknown key \"hold\""},
+		// NaN compares false with any bound: it reached the library as
+		// int64(NaN), MinInt64 on amd64 and 0 (the default) on arm64.
+		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--max-memory-gib", "NaN"}, "--max-memory-gib NaN"},
+		{[]string{"--trace", tr, "--slo", "ttft_p90=1s", "--max-memory-gib", "-1"}, "--max-memory-gib -1"},
 	} {
 		msg, err := runMain(append([]string{"plan"}, tc.args...)...)
 		if err == nil || !strings.Contains(msg, tc.want) {

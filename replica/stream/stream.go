@@ -72,7 +72,8 @@ type Config struct {
 	Logger *slog.Logger
 	// Connected, when set, is called once, on the reader's goroutine
 	// before its first read, with the round trip of a PING to the server
-	// (retried with the reads' backoff until one succeeds): the gateway
+	// (retried with the reads' backoff until the server answers it, an
+	// error reply included: a user whose ACL lacks PING): the gateway
 	// seeds its estimate of the exchange's delay with it
 	// (replica.Unseen.Seed) before any learn has come back.
 	Connected func(rtt time.Duration)
@@ -221,8 +222,12 @@ func (x *Exchange) read(ctx context.Context) {
 		err := x.c.Ping(cctx).Err()
 		rtt := time.Since(t0)
 		cancel()
-		if err == nil {
-			x.up.Store(true)
+		// An error reply (NOPERM from an ACL that grants the stream
+		// commands only, LOADING) is a round trip too: waiting for a
+		// PING that the server refuses would never start the reads.
+		var reply redis.Error
+		if err == nil || errors.As(err, &reply) {
+			x.up.Store(err == nil)
 			x.cfg.Connected(rtt)
 			break
 		}

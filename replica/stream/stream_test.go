@@ -235,3 +235,48 @@ func TestConnected(t *testing.T) {
 		t.Fatalf("Connected called %d more times", len(rtts))
 	}
 }
+
+// TestConnectedPingRefused: a Redis whose ACL grants the exchange's user
+// the stream commands but not PING (a least-privilege user, +@stream)
+// answers the PING with an error; that answer is a round trip all the
+// same, so Connected gets it and the reader starts. Before, the reader
+// retried the PING for ever and never read: the replica published its
+// learns but learnt none of its peers'.
+func TestConnectedPingRefused(t *testing.T) {
+	srv := redistest.Start(t, 0)
+	admin := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer admin.Close()
+	ctx := context.Background()
+	if err := admin.Do(ctx, "ACL", "SETUSER", "gw", "on", ">pw", "~*", "+@stream").Err(); err != nil {
+		t.Fatal(err)
+	}
+	url := "redis://gw:pw@" + srv.Addr
+	rtts := make(chan time.Duration, 4)
+	a, b := newNode("a"), newNode("b")
+	xa, err := Start(Config{URL: url, Stream: "t", Connected: func(d time.Duration) { rtts <- d }}, a.handler())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer xa.Close()
+	xb, err := Start(Config{URL: url, Stream: "t"}, b.handler())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer xb.Close()
+	select {
+	case d := <-rtts:
+		if d <= 0 {
+			t.Fatalf("round trip %v", d)
+		}
+	case <-time.After(redistest.Wait):
+		t.Fatalf("Connected not called: a PING refused by the ACL held the reader (%d errors)", xa.Counts.Errors.Load())
+	}
+	eventually(t, "a learns b's decisions", func() bool {
+		xb.Publish(replica.AppendLearn(nil, "b", 1, "m", "http://e", 1, 1, []uint64{1}))
+		time.Sleep(50 * time.Millisecond)
+		return a.Counts.Learns.Load() > 0
+	})
+	if len(rtts) != 0 {
+		t.Fatalf("Connected called %d more times", len(rtts))
+	}
+}
