@@ -3,6 +3,7 @@ package sched
 import (
 	"sync"
 	"time"
+	"unsafe"
 )
 
 // Speculative entries: the precise index's blind spot after a decision.
@@ -43,8 +44,20 @@ import (
 // common run only where they agree (block hashes are chained, so the
 // prompts agree on a leading run and differ after it). Per decision that is
 // specSlots comparisons plus log2(prompt blocks) per entry that shares the
-// prompt's first block; no allocation once each slot has held its longest
-// prompt.
+// prompt's first block.
+//
+// Memory is bounded by blocks, not by decisions: the entries' hashes live
+// in one arena of at most specArena hashes (2 MiB) per profile, each entry
+// an (offset, length) into it. The arena is written as a ring (an entry
+// that would cross its end starts at 0, the tail left unused), and an entry
+// whose hashes a later write has reached is dropped. With slots of their
+// own, 1,024 prompts of 4,096 blocks kept 32 MiB per profile for good.
+// While the last specSlots prompts total under specArena − specMaxBlocks
+// blocks (256 blocks, 4k tokens of 16, each on average) every slot stays
+// live and the decisions are those of per-slot storage; a burst of longer
+// prompts keeps the most recent ones that fit. The arena grows to the
+// blocks it has held and no further, so a decision allocates nothing once
+// it is full or once the ring has turned (TestSpeculativeAllocFree).
 
 // Bounds of the speculative overlay.
 const (
@@ -52,6 +65,8 @@ const (
 	specSlots = 1024
 	// specMaxBlocks bounds the blocks kept of one prompt (64k tokens of 16).
 	specMaxBlocks = 1 << 12
+	// specArena bounds the hashes the overlay keeps in all (256 Ki, 2 MiB).
+	specArena = 1 << 18
 )
 
 // DefaultSpeculativeTTL is the built-in precise-prefix profile's
@@ -62,9 +77,10 @@ const DefaultSpeculativeTTL = 2 * time.Second
 // specEntry is one decision's prompt on its endpoint.
 type specEntry struct {
 	endpoint int           // -1: empty
-	first    uint64        // hashes[0], kept inline for the scan
+	first    uint64        // the first hash, kept inline for the scan
 	at       time.Duration // when it was decided (Pool.Now)
-	hashes   []uint64      // the prompt's leading block hashes (owned)
+	pos      uint64        // where its hashes start in the arena, counted in hashes written since creation
+	n        int           // how many hashes it keeps (≤ specMaxBlocks)
 }
 
 // speculative is a MatchSource over src (the precise index) that also
@@ -78,6 +94,29 @@ type speculative struct {
 	mu      sync.Mutex
 	next    int
 	entries [specSlots]specEntry
+	// arena holds the entries' hashes: entry en's are
+	// arena[en.pos%specArena:][:en.n] while en.pos+specArena ≥ written.
+	arena   []uint64
+	written uint64 // hashes written (and skipped at a wrap) since creation
+}
+
+// live reports whether en's hashes are still in the arena. Callers hold mu.
+func (s *speculative) live(en *specEntry) bool {
+	return en.endpoint >= 0 && en.n > 0 && s.written <= en.pos+specArena
+}
+
+// hashes is en's block hashes in the arena (valid while live). Callers
+// hold mu.
+func (s *speculative) hashes(en *specEntry) []uint64 {
+	p := int(en.pos % specArena)
+	return s.arena[p : p+en.n]
+}
+
+// heldBytes is the memory the overlay's hashes and slots hold.
+func (s *speculative) heldBytes() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return cap(s.arena)*8 + int(unsafe.Sizeof(s.entries))
 }
 
 func newSpeculative(src MatchSource, ttl time.Duration, now func() time.Duration) *speculative {
@@ -105,13 +144,13 @@ func (s *speculative) Match(hashes []uint64, matched []int) {
 	for i := range s.entries {
 		en := &s.entries[i]
 		e := en.endpoint
-		if en.first != hashes[0] || e < 0 || e >= len(matched) || len(en.hashes) == 0 {
+		if en.first != hashes[0] || e >= len(matched) || !s.live(en) {
 			continue
 		}
 		if s.now != nil && t-en.at >= s.ttl {
 			continue
 		}
-		if n := commonRun(en.hashes, hashes, matched[e]); n > matched[e] {
+		if n := commonRun(s.hashes(en), hashes, matched[e]); n > matched[e] {
 			matched[e] = n
 		}
 	}
@@ -153,12 +192,35 @@ func (s *speculative) Learn(c *Cycle, chosen int) {
 	if s.now != nil {
 		t = s.now()
 	}
+	n := min(len(h), specMaxBlocks)
 	s.mu.Lock()
+	p := int(s.written % specArena)
+	if p+n > specArena { // wrap: the entry starts at 0, the tail unused
+		s.written += uint64(specArena - p)
+		p = 0
+	}
+	if p+n > len(s.arena) {
+		s.grow(p + n)
+	}
+	copy(s.arena[p:p+n], h)
 	en := &s.entries[s.next]
 	s.next = (s.next + 1) % specSlots
 	en.endpoint, en.first, en.at = chosen, h[0], t
-	en.hashes = append(en.hashes[:0], h[:min(len(h), specMaxBlocks)]...)
+	en.pos, en.n = s.written, n
+	s.written += uint64(n)
 	s.mu.Unlock()
+}
+
+// grow makes the arena at least n hashes long (n ≤ specArena), doubling
+// its capacity up to specArena. Callers hold mu.
+func (s *speculative) grow(n int) {
+	if n <= cap(s.arena) {
+		s.arena = s.arena[:n]
+		return
+	}
+	a := make([]uint64, n, min(max(2*cap(s.arena), n, 1024), specArena))
+	copy(a, s.arena)
+	s.arena = a
 }
 
 // forget drops the entries of endpoint e (it left rotation: its engine may
@@ -168,7 +230,7 @@ func (s *speculative) forget(e int) {
 	for i := range s.entries {
 		if s.entries[i].endpoint == e {
 			s.entries[i].endpoint = -1
-			s.entries[i].hashes = s.entries[i].hashes[:0]
+			s.entries[i].n = 0
 		}
 	}
 	s.mu.Unlock()

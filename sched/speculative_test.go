@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/infergate/infergate/prefix"
 	"gopkg.in/yaml.v3"
@@ -184,5 +185,53 @@ func TestSpeculativeAllocFree(t *testing.T) {
 	}
 	if n := testing.AllocsPerRun(50, func() { p.Pick(r, eps); p.Settle() }); n != 0 {
 		t.Fatalf("Pick and Settle allocate %.0f times", n)
+	}
+}
+
+// TestSpeculativeMemoryBound: the overlay's hashes are bounded by blocks,
+// not by decisions. After 3 × specSlots decisions on prompts of
+// specMaxBlocks blocks (64k tokens), per-slot storage held 1,024 × 4,096
+// hashes (32 MiB) for good; the arena holds at most specArena (2 MiB), keeps
+// the most recent prompts that fit whole, and drops the older ones rather
+// than match them against hashes a later prompt wrote over.
+func TestSpeculativeMemoryBound(t *testing.T) {
+	c := &clock{}
+	s := newSpeculative(fm(0, 0, 0, 0), time.Hour, c.now)
+	prompt := func(i int) []uint64 { // distinct prompts: no shared run
+		h := make([]uint64, specMaxBlocks)
+		for j := range h {
+			h[j] = uint64(i)<<32 | uint64(j+1)
+		}
+		return h
+	}
+	const picks = 3 * specSlots
+	for i := range picks {
+		s.Learn(&Cycle{Req: &Request{Hashes: prompt(i)}}, i%4)
+	}
+	bound := specArena*8 + int(unsafe.Sizeof(s.entries))
+	if got := s.heldBytes(); got > bound {
+		t.Fatalf("after %d picks of %d blocks: %d bytes held, bound %d", picks, specMaxBlocks, got, bound)
+	}
+	fit := specArena / specMaxBlocks // prompts the arena holds whole
+	m := make([]int, 4)
+	for i := picks - fit + 1; i < picks; i++ { // the newest fit−1 are live
+		s.Match(prompt(i), m)
+		if m[i%4] != specMaxBlocks {
+			t.Fatalf("prompt %d of the newest %d: matched %v, want %d on endpoint %d", i, fit, m, specMaxBlocks, i%4)
+		}
+	}
+	for _, i := range []int{0, specSlots, picks - 2*fit} { // written over
+		s.Match(prompt(i), m)
+		if m[i%4] != 0 {
+			t.Fatalf("prompt %d, written over: matched %v, want 0", i, m)
+		}
+	}
+	// A prompt shorter than the arena's free tail still lands whole; and
+	// one longer than specMaxBlocks keeps its first specMaxBlocks.
+	long := append(prompt(picks), prompt(picks+1)...)
+	s.Learn(&Cycle{Req: &Request{Hashes: long}}, 2)
+	s.Match(long, m)
+	if m[2] != specMaxBlocks {
+		t.Fatalf("long prompt: matched %v, want %d on endpoint 2", m, specMaxBlocks)
 	}
 }
