@@ -10,7 +10,10 @@ import (
 // bounded in depth (maxRenderDepth) and linear in the answer's size, which
 // the caller bounds (MaxRenderResponseBytes, 16 MiB) as it bounds the ids
 // kept (maxRenderIDs, 1 Mi); no value is decoded but the ids, and nothing
-// is allocated unless a key has escapes. Fuzzed against encoding/json
+// is allocated unless a key has escapes. The answer is one JSON value with
+// only whitespace after it, as encoding/json reads it: every element of an
+// array answer is validated, not only the one holding the ids, and bytes
+// after the value are refused. Fuzzed against encoding/json
 // (FuzzParseRenderIDs).
 
 // maxRenderDepth bounds the nesting the walks follow (a GenerateRequest's
@@ -39,21 +42,26 @@ var renderIDKeys = [...]string{"token_ids", "prompt_token_ids", "tokens"}
 // In an object the first of renderIDKeys present is read (a repeated key:
 // its last value, as encoding/json).
 func parseRenderIDs(dst []uint32, b []byte, limit int) ([]uint32, error) {
-	obj, err := renderIDsObject(b)
+	obj, top, err := renderIDsObject(b)
 	if err != nil {
 		return dst, err
 	}
 	var ids [len(renderIDKeys)][]byte
+	end := 1 // where the object's last member ends (after '{' if none)
 	err = jsonscan.Object(obj, maxRenderDepth, func(m jsonscan.Member) bool {
 		for k, name := range renderIDKeys {
 			if string(m.Key) == name {
 				ids[k] = m.Value
 			}
 		}
+		end = m.From + len(m.Value)
 		return true
 	})
 	if err != nil {
 		return dst, renderErr(err)
+	}
+	if top && !closesInput(obj, end, '}') {
+		return dst, errRenderJSON
 	}
 	for _, v := range ids {
 		if v != nil {
@@ -67,47 +75,73 @@ func parseRenderIDs(dst []uint32, b []byte, limit int) ([]uint32, error) {
 	return dst, errRenderNoIDs
 }
 
-// renderIDsObject returns the object of b that holds the ids: b itself,
-// the first element of an array b, or, when that first element is an array
-// (the older chat render's [conversation, engine_prompts] pair), the first
-// element of the second.
-func renderIDsObject(b []byte) ([]byte, error) {
+// renderIDsObject returns the object of b that holds the ids: b itself
+// (top: the caller checks that nothing follows it), the first element of an
+// array b, or, when that first element is an array (the older chat
+// render's [conversation, engine_prompts] pair), the first element of the
+// second. An array b is walked whole: its elements are validated and
+// nothing but whitespace may follow it.
+func renderIDsObject(b []byte) (obj []byte, top bool, err error) {
 	v := trimJSONSpace(b)
 	if len(v) > 0 && v[0] == '[' {
-		first, second, err := firstElements(v, maxRenderDepth)
+		first, second, err := firstElements(v, maxRenderDepth, true)
 		if err != nil {
-			return nil, err
+			return nil, false, err
 		}
 		switch {
 		case first != nil && first[0] == '{':
-			v = first
+			return first, false, nil
 		case first != nil && first[0] == '[' && second != nil && second[0] == '[':
-			if v, _, err = firstElements(second, maxRenderDepth-1); err != nil {
-				return nil, err
+			if v, _, err = firstElements(second, maxRenderDepth-1, false); err != nil {
+				return nil, false, err
 			}
-		default:
-			return nil, errRenderNoIDs
+			if len(v) > 0 && v[0] == '{' {
+				return v, false, nil
+			}
 		}
+		return nil, false, errRenderNoIDs
 	}
 	if len(v) == 0 || v[0] != '{' {
-		return nil, errRenderNoIDs
+		return nil, false, errRenderNoIDs
 	}
-	return v, nil
+	return v, true, nil
 }
 
 // firstElements returns the first element of the JSON array a and, when
-// that is an array, the second (nil where a has fewer); the rest of a is
-// not read.
-func firstElements(a []byte, maxDepth int) (first, second []byte, err error) {
+// that is an array, the second (nil where a has fewer). With whole, the
+// rest of a is walked too (validated) and nothing but whitespace may
+// follow a's close; without, the rest of a is not read.
+func firstElements(a []byte, maxDepth int, whole bool) (first, second []byte, err error) {
+	end := 1 // where a's last element walked ends (after '[' if none)
 	err = jsonscan.Array(a, maxDepth, func(e []byte) bool {
-		if first == nil {
+		end = cap(a) - cap(e) + len(e)
+		switch {
+		case first == nil:
 			first = e
-			return e[0] == '['
+			return whole || e[0] == '['
+		case second == nil:
+			second = e
+			return whole
 		}
-		second = e
-		return false
+		return true
 	})
+	if err == nil && whole && !closesInput(a, end, ']') {
+		err = jsonscan.ErrSyntax
+	}
 	return first, second, renderErr(err)
+}
+
+// closesInput reports whether b from offset i holds, after whitespace,
+// the byte close (none when 0) and then only whitespace.
+func closesInput(b []byte, i int, close byte) bool {
+	b = trimJSONSpace(b[i:])
+	if close != 0 {
+		if len(b) == 0 || b[0] != close {
+			return false
+		}
+		b = trimJSONSpace(b[1:])
+	}
+	return len(b) == 0
 }
 
 // renderErr maps a jsonscan walk's error to the render answer's.

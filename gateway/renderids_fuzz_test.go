@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"io"
 	"math"
 	"slices"
 	"testing"
@@ -17,6 +18,9 @@ func refRenderIDs(b []byte, limit int) (ids []uint32, err error, ok bool) {
 	d.UseNumber()
 	var v any
 	if d.Decode(&v) != nil {
+		return nil, nil, false
+	}
+	if _, err := d.Token(); err != io.EOF { // json.Unmarshal's rule: one value, then whitespace
 		return nil, nil, false
 	}
 	var obj map[string]any
@@ -87,6 +91,8 @@ func FuzzParseRenderIDs(f *testing.F) {
 		`{"tokens":[1],"token_ids":[2]}`, `{"token_ids":[1],"token_ids":[2,3]}`, `{"token\u005fids":[9]}`,
 		`{"token_ids":[1,-2]}`, `{"token_ids":[1.0]}`, `{"token_ids":[4294967296]}`, `{"token_ids":"1"}`,
 		`{"token_ids":[]}`, `[]`, `[[]]`, `{}`, `null`, `{"a":[[[[[[[[[[]]]]]]]]]],"token_ids":[7]}`, `{"token_ids":[1,]}`, ` `,
+		`{"token_ids":[1,2]} x`, "{\"token_ids\":[1]} \n\t", `{"token_ids":[1]}}`, `[{"token_ids":[1]}] [`, `[{"token_ids":[1]},}]`,
+		`[{"token_ids":[1]},{"token_ids":[2,x]}]`, `[[],[{"prompt_token_ids":[1]}],]`, `{} {}`, `null x`,
 	} {
 		f.Add([]byte(s))
 	}
@@ -101,7 +107,13 @@ func FuzzParseRenderIDs(f *testing.F) {
 			t.Fatalf("error %v with %d ids appended", err, len(got)-1)
 		}
 		want, werr, isJSON := refRenderIDs(b, limit)
-		if !isJSON || errors.Is(err, errRenderDepth) {
+		if !isJSON {
+			if err == nil {
+				t.Fatalf("%q is not JSON: got %v, want an error", b, got[1:])
+			}
+			return
+		}
+		if errors.Is(err, errRenderDepth) {
 			return
 		}
 		if (err == nil) != (werr == nil) || (err == nil && !slices.Equal(got[1:], want)) {
