@@ -68,36 +68,8 @@ func TestLearnOnFinish(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		p := g.state.Load().pools["m0"]
-		s := p.policy.(sched.Settler)
-		settle := func() {
-			t.Helper()
-			for deadline := time.Now().Add(10 * time.Second); s.Unsettled(); time.Sleep(time.Millisecond) {
-				if time.Now().After(deadline) {
-					t.Fatal("the settler left learning queued for 10 s")
-				}
-			}
-		}
-		// i: the request, sharing its first 512 tokens with a (i = 0).
-		pick := func(i int) *Picked {
-			t.Helper()
-			shared := 512
-			if i == 0 {
-				shared = 1024
-			}
-			pk, ref := g.Pick(context.Background(), &PickRequest{Method: http.MethodPost, Path: pathCompletions,
-				Header: http.Header{}, Body: withModel(eppTokens(i, 0, shared, 1024), 0, 1)})
-			if ref != nil {
-				t.Fatalf("refused: %d %s", ref.Status, ref.Body)
-			}
-			settle()
-			return pk
-		}
-		end := func(pk *Picked) {
-			pk.ResponseHeaders(http.StatusOK, http.Header{})
-			pk.Done()
-			settle()
-		}
+		h := finishHarness{t, g}
+		pick, end := h.pick, h.end
 		a := pick(0)
 		home := a.Destinations()[0]
 		for i := 1; i <= 2; i++ { // b and c fill a's endpoint
@@ -143,34 +115,8 @@ func TestLearnOnFinishAcrossReload(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer g.Close()
-	settle := func() {
-		t.Helper()
-		s := g.state.Load().pools["m0"].policy.(sched.Settler)
-		for deadline := time.Now().Add(10 * time.Second); s.Unsettled(); time.Sleep(time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatal("the settler left learning queued for 10 s")
-			}
-		}
-	}
-	pick := func(i int) *Picked {
-		t.Helper()
-		shared := 512
-		if i == 0 {
-			shared = 1024
-		}
-		pk, ref := g.Pick(context.Background(), &PickRequest{Method: http.MethodPost, Path: pathCompletions,
-			Header: http.Header{}, Body: withModel(eppTokens(i, 0, shared, 1024), 0, 1)})
-		if ref != nil {
-			t.Fatalf("refused: %d %s", ref.Status, ref.Body)
-		}
-		settle()
-		return pk
-	}
-	end := func(pk *Picked) {
-		pk.ResponseHeaders(http.StatusOK, http.Header{})
-		pk.Done()
-		settle()
-	}
+	h := finishHarness{t, g}
+	pick, end := h.pick, h.end
 	a := pick(0)
 	home := a.Destinations()[0]
 	old := g.state.Load().pools["m0"]
@@ -289,4 +235,43 @@ func TestLearnOnFinishServedElsewhere(t *testing.T) {
 	if !slices.Equal(rec.slots, []int{picked, other}) {
 		t.Fatalf("released slots %v, want the picked %d (its pin) then the serving %d", rec.slots, picked, other)
 	}
+}
+
+// finishHarness drives pool m0 of a learn_on_finish test gateway: pick(i)
+// routes request i (sharing its first 512 tokens with request 0, which has
+// 1,024 of its own) and waits for the settler, end answers 200 and ends it.
+type finishHarness struct {
+	t *testing.T
+	g *Gateway
+}
+
+func (h finishHarness) settle() {
+	h.t.Helper()
+	s := h.g.state.Load().pools["m0"].policy.(sched.Settler)
+	for deadline := time.Now().Add(10 * time.Second); s.Unsettled(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			h.t.Fatal("the settler left learning queued for 10 s")
+		}
+	}
+}
+
+func (h finishHarness) pick(i int) *Picked {
+	h.t.Helper()
+	shared := 512
+	if i == 0 {
+		shared = 1024
+	}
+	pk, ref := h.g.Pick(context.Background(), &PickRequest{Method: http.MethodPost, Path: pathCompletions,
+		Header: http.Header{}, Body: withModel(eppTokens(i, 0, shared, 1024), 0, 1)})
+	if ref != nil {
+		h.t.Fatalf("refused: %d %s", ref.Status, ref.Body)
+	}
+	h.settle()
+	return pk
+}
+
+func (h finishHarness) end(pk *Picked) {
+	pk.ResponseHeaders(http.StatusOK, http.Header{})
+	pk.Done()
+	h.settle()
 }
