@@ -225,6 +225,18 @@ endpoints:
 
 	// The engine stops; one request is admitted and waits for it, the next
 	// finds no room (429), then the first one's client gives up (499).
+	// The earlier requests' admission slots are released after their
+	// clients read the last byte (the gateway finishes its accounting
+	// first): wait for them to be free, or on a busy host the gauge's 1
+	// below can be rl-1's, the held request then finds no room and the
+	// "admission" request is admitted to the stopped engine and waits.
+	deadline := time.Now().Add(time.Minute)
+	for metricValue(t, base, "infergate_admission_in_flight_requests", `model="m"`) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the earlier requests still held admission slots after a minute")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 	if err := sim.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
@@ -234,7 +246,7 @@ endpoints:
 		code, _ := send(t, hctx, chatURL, "held", chat, auth(keyA)...)
 		held <- code
 	}()
-	deadline := time.Now().Add(time.Minute)
+	deadline = time.Now().Add(time.Minute)
 	for metricValue(t, base, "infergate_admission_in_flight_requests", `model="m"`) != 1 {
 		if time.Now().After(deadline) {
 			_ = sim.cmd.Process.Signal(syscall.SIGCONT)
