@@ -224,6 +224,8 @@ func WriteCells(w io.Writer, cells []Cell) error {
 	for _, c := range cells {
 		var err error
 		switch {
+		case c.Missing && c.Against == "":
+			_, err = fmt.Fprintf(w, "%-18s %-14s missing run\n", c.Case, c.Target)
 		case c.Missing:
 			_, err = fmt.Fprintf(w, "%-18s %-14s missing run (%s)\n", c.Case, c.Target, c.Against)
 		case strings.HasPrefix(c.Target, "hit"):

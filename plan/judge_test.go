@@ -141,6 +141,7 @@ func TestWriteCells(t *testing.T) {
 		{Case: Case{"long-tail", 1}, Target: "ttft_p99", Got: 19700, Want: 15900, Against: "dynamo"},
 		{Case: Case{"mooncake", 2}, Target: "hit>=sglang", Got: 0.1665, Want: 0.1755, Against: "sglang"},
 		{Case: Case{"rag", 0}, Target: "p90 8-32k", Against: "least-request", Missing: true},
+		{Case: Case{"rag", 1}, Target: "run", Missing: true},
 	}
 	if err := WriteCells(&b, cells); err != nil {
 		t.Fatal(err)
@@ -150,6 +151,7 @@ func TestWriteCells(t *testing.T) {
 		"long-tail s1       ttft_p99         19.700s  want <=   15.900s (dynamo)   -23.9%",
 		"mooncake s2        hit>=sglang       16.65%  want >=    17.55% (sglang)    -5.1%",
 		"rag s0             p90 8-32k      missing run (least-request)",
+		"rag s1             run            missing run\n",
 	} {
 		if !strings.Contains(got, want) {
 			t.Errorf("output lacks %q:\n%s", want, got)
