@@ -301,3 +301,80 @@ func BenchmarkPeerPick(b *testing.B) {
 		})
 	}
 }
+
+// The peer profiles run at their own defaults whatever routing.prefix's
+// learn_on_finish says: it belongs to the approximate index of the prefix
+// scorer, which no peer profile has (each keeps its own index: llm-d's
+// learns at every decision, SGLang's tree at every insert, Dynamo reads
+// the engines' events), so the reference rows of the policy table do not
+// move with it. cache-aware, which does learn on finish, is the control:
+// the same sequence of picks and ends decides differently there.
+func TestPeersIgnoreLearnOnFinish(t *testing.T) {
+	decide := func(name string, on bool) []int {
+		cfg := Config{Policy: name, Prefix: PrefixConfig{LearnOnFinish: &on}}
+		// Small caches, so that the order of eviction decides hits.
+		p, err := NewPolicy(cfg, Pool{Capacity: caps(4, 96), Precise: fm(0, 0, 0, 0)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		fin, _ := p.(Finisher)
+		if name != CacheAware && fin != nil && fin.LearnsOnFinish() {
+			t.Fatalf("%s learns on finish with learn_on_finish %v", name, on)
+		}
+		type running struct {
+			ep     int
+			hashes []uint64
+		}
+		var (
+			eps      = ready(4)
+			inFlight []running
+			out      []int
+			x        = uint64(1)
+		)
+		next := func(n int) int { // xorshift: the same sequence for every run
+			x ^= x << 13
+			x ^= x >> 7
+			x ^= x << 17
+			return int(x % uint64(n))
+		}
+		sessions := make([][]uint32, 12)
+		for s := range sessions {
+			sessions[s] = tokens(16*(4+next(24)), uint32(s+1)<<20)
+		}
+		for range 400 {
+			s := next(len(sessions))
+			sessions[s] = append(sessions[s], tokens(16*(1+next(8)), uint32(next(1<<30)))...)
+			if len(sessions[s]) > 16*64 { // a new session in its slot
+				sessions[s] = tokens(16*(4+next(24)), uint32(next(1<<30)))
+			}
+			r := req(sessions[s])
+			d := p.Pick(r, eps)
+			out = append(out, d.Endpoint)
+			eps[d.Endpoint].InFlight++
+			eps[d.Endpoint].InFlightTokens += r.PromptTokens
+			inFlight = append(inFlight, running{d.Endpoint, r.Hashes})
+			for len(inFlight) > 6 { // a random one of the oldest ends
+				k := next(3)
+				e := inFlight[k]
+				inFlight = append(inFlight[:k], inFlight[k+1:]...)
+				eps[e.ep].InFlight--
+				eps[e.ep].InFlightTokens -= len(e.hashes) * 16
+				if fin != nil && fin.LearnsOnFinish() {
+					fin.Finished(e.ep, e.hashes)
+				}
+			}
+			if st, ok := p.(Settler); ok {
+				st.Settle()
+			}
+		}
+		return out
+	}
+	for _, name := range []string{LLMD, SGLang, Dynamo} {
+		if off, on := decide(name, false), decide(name, true); !slices.Equal(off, on) {
+			t.Errorf("%s decides differently with learn_on_finish", name)
+		}
+	}
+	if off, on := decide(CacheAware, false), decide(CacheAware, true); slices.Equal(off, on) {
+		t.Error("control: cache-aware decides the same with and without learn_on_finish; the sequence does not exercise eviction")
+	}
+}

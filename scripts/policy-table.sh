@@ -18,6 +18,10 @@
 # requests continuing a session), agentic, rag and long-tail, the whole of shared-prefix and chat; the SLO
 # only decides plan's exit status, which is ignored here. Virtual time: the numbers do not depend on the
 # host's load. About 2-30 s per run on 2 shared cores; run several at once with disjoint SEEDS.
+#
+# `infergate plan judge` reads OUTDIR and prints every workload-seed cell where a candidate misses issue 19's
+# targets against the peers and least-request (plan/README.md, "Judging policies"), e.g.
+#   infergate plan judge --incumbent base/cache-aware base/cache-aware lof=lof/cache-aware
 set -euo pipefail
 out=${1:?usage: scripts/policy-table.sh OUTDIR POLICIES [CONFIG]}
 policies=${2:?usage: scripts/policy-table.sh OUTDIR POLICIES [CONFIG]}

@@ -86,6 +86,7 @@ overhead, and engines never fail.`,
 		RunE: func(cmd *cobra.Command, _ []string) error { return fl.run(cmd) },
 	}
 	fl.bind(cmd.Flags())
+	cmd.AddCommand(newPlanJudgeCmd())
 	return cmd
 }
 
