@@ -23,6 +23,7 @@ func artifacts(t *testing.T, args ...string) (string, error) {
 // as a peer into another, list, locate, find a corrupt blob, prefetch a
 // manifest file from a folder origin.
 func TestArtifactsCommands(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	a, b, c := t.TempDir(), t.TempDir(), t.TempDir()
 	files := t.TempDir()
 	w := filepath.Join(files, "model.gguf")

@@ -44,6 +44,7 @@ const discoveryCycles = 5
 // time from each API write to the change seen through the gateway is
 // logged (go test -v).
 func TestKubernetesDiscoveryEndToEnd(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	s := kubetest.Start(t, kubetest.Options{})
 	s.InstallInferencePoolCRD(t)
 	f, err := simserver.StartFleet(3, simserver.ServerConfig{Model: "m", TimeScale: 100})

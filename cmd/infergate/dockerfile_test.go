@@ -49,6 +49,7 @@ func dockerfile(t *testing.T) []string {
 // (environment, flags, package), gives a static binary (no ELF interpreter,
 // no shared libraries) that reports the version passed at link time.
 func TestDockerfile(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	if testing.Short() {
 		t.Skip("builds the binary; skipped with -short")
 	}

@@ -131,6 +131,7 @@ func envoyLike(t *testing.T, c extprocv3.ExternalProcessorClient, body []byte, s
 // added to the file is picked after SIGHUP (the gateway's reload path, which
 // discovery feeds too), SIGTERM ends it cleanly.
 func TestEPPEndToEnd(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	f, err := simserver.StartFleet(4, simserver.ServerConfig{Model: "m", TimeScale: 100})
 	if err != nil {
 		t.Fatal(err)

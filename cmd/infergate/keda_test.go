@@ -25,6 +25,7 @@ import (
 // (min 0) while idle; bad metadata is InvalidArgument; SIGTERM stops both
 // servers cleanly.
 func TestServeExternalScaler(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	addrRe := regexp.MustCompile(`addr=(http://[0-9.:]+)`)
 	s := start(t, "sim", "--listen", "127.0.0.1:0", "--time-scale", "100", "--model", "m")
 	engine := s.await(t, addrRe)

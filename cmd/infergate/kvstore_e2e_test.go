@@ -24,6 +24,7 @@ import (
 // say so (vllm:external_prefix_cache_hits_total), and so does the gateway's
 // per-tier prediction (infergate_prefix_predicted_tier_tokens_total).
 func TestServeKVStoreTiers(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	const model = "m"
 	kv := start(t, "kvstore", "--listen", "127.0.0.1:0", "--lm-listen", "", "--model", model, "--memory-bytes", "64GiB",
 		"--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0")

@@ -396,6 +396,7 @@ func attr(kvs []*commonpb.KeyValue, key string) string {
 // traceparent (with the client's tracestate); one without starts a trace;
 // the resource carries the configured service name.
 func TestServeTracing(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	recv := &otlpReceiver{}
 	collector := httptest.NewServer(recv)
 	defer collector.Close()
@@ -482,6 +483,7 @@ func TestServeTracing(t *testing.T) {
 // TestLogFlags: --log-format json makes every line JSON, --log-level warn
 // hides info lines, and a bad level or format is refused.
 func TestLogFlags(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	s := startLogged(t, "sim", "--listen", "127.0.0.1:0", "--log-format", "json", "--time-scale", "100")
 	s.await(t, jsonAddrRe)
 	s.stop(t)

@@ -29,6 +29,7 @@ import (
 // detokenize, an unknown /v1/ path relayed from the engine, and the alias
 // fast = [big, m] falling back to m once big's engine is killed.
 func TestPassthroughRealProcesses(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	addrRe := regexp.MustCompile(`addr=(http://[0-9.:]+)`)
 	args := []string{"serve", "--listen", "127.0.0.1:0", "--policy", "round-robin"}
 	for range 2 {

@@ -42,6 +42,7 @@ func runMain(args ...string) (string, error) {
 // meeting the SLO, the JSON has every run, and an impossible SLO exits
 // non-zero with "no fleet in range meets the SLO" (after writing the JSON).
 func TestPlan(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	tr := burstTraceFile(t)
 	out := filepath.Join(t.TempDir(), "plan.json")
 	msg, err := runMain("plan", "--trace", tr, "--engines", "1..16", "--policy", "prefix,least-request",

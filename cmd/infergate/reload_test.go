@@ -63,6 +63,7 @@ func until(t *testing.T, what string, cond func() bool) {
 // setting that needs a restart (kept, logged). No client request fails,
 // and every change takes effect.
 func TestServeReloadOnSIGHUP(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	addrRe := regexp.MustCompile(`addr=(http://[0-9.:]+)`)
 	sim := func() (*proc, string) {
 		s := start(t, "sim", "--listen", "127.0.0.1:0", "--time-scale", "100", "--model", "m")

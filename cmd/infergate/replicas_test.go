@@ -129,6 +129,7 @@ func replicaMetric(t *testing.T, base, name, sel string) float64 {
 // replica killed with a request in flight fails that request's connection,
 // and the survivors go on routing with affinity.
 func TestReplicasEndToEnd(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	srv := redistest.Start(t, 0)
 	addrRe := regexp.MustCompile(`addr=(http://[0-9.:]+)`)
 	var eps []string

@@ -22,6 +22,7 @@ import (
 // timeouts are short here so that the test is quick; what it asserts is
 // the outcome (every answer complete, the retries counted), not time.
 func TestStoppedEngineTimedOut(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	// Probes and scrapes off: the stopped engine stays in rotation, as it
 	// did for the attack until requests to it failed.
 	base := startWithStoppedEngine(t, "first_event_timeout: 2s\nresponse_header_timeout: 2s\nstream_idle_timeout: 2s\n"+

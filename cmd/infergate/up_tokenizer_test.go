@@ -337,6 +337,7 @@ func envInt(name string, def int) int {
 // INFERGATE_CHAT_TOKENIZERS (default llama3,cl100k) may add qwen3;
 // INFERGATE_CHAT_TOKEN_IDS=1 sends the same prompts as token ids.
 func TestUpPreciseChatOwnTokenizer(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	sessions, parallel := envInt("INFERGATE_CHAT_SESSIONS", 12), envInt("INFERGATE_CHAT_PARALLEL", 1)
 	names := strings.Split(os.Getenv("INFERGATE_CHAT_TOKENIZERS"), ",")
 	if os.Getenv("INFERGATE_CHAT_TOKENIZERS") == "" {
@@ -406,6 +407,7 @@ func TestUpPreciseChatOwnTokenizer(t *testing.T) {
 // predicted while they report hits), so the checks of the test above
 // fail.
 func TestPreciseChatTokenizerMismatch(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting: run two at a time (the package took 649 s in sequence at load 12, past go test's 10-minute default)
 	dir := tokrefDir("llama3")
 	if _, err := os.Stat(filepath.Join(dir, "tokenizer.json")); err != nil {
 		realpart.Missing(t, fmt.Errorf("%v (scripts/tokref.sh build fetches it)", err))
