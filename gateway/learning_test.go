@@ -150,7 +150,12 @@ func TestLearnOnFinishAcrossReload(t *testing.T) {
 // settleHurry learns queued ask the settler to end its wait (settleNow),
 // and those that find fewer do not.
 func TestSettleHurries(t *testing.T) {
-	g, err := New(context.Background(), eppBenchConfig(sched.CacheAware, 8, 1), nil)
+	// One learn per pick: without learn_on_finish (on, each Done would
+	// queue a second one, the pin's release).
+	cfg := eppBenchConfig(sched.CacheAware, 8, 1)
+	off := false
+	cfg.Routing.Prefix.LearnOnFinish = &off
+	g, err := New(context.Background(), cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
