@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"sync"
 	"testing"
 	"time"
 
@@ -34,6 +35,16 @@ func growPrompt(s, tokens int) []uint32 {
 // returns its address (the pick is done at once: no load left).
 func growPick(t *testing.T, g *Gateway, toks []uint32) string {
 	t.Helper()
+	pk, ref := g.Pick(context.Background(), &PickRequest{Method: http.MethodPost, Path: pathCompletions, Header: http.Header{}, Body: growBody(toks)})
+	if ref != nil {
+		t.Fatalf("refused: %d %s", ref.Status, ref.Body)
+	}
+	defer pk.Done()
+	return pk.Destinations()[0]
+}
+
+// growBody is a completion request of toks in model m0.
+func growBody(toks []uint32) []byte {
 	b := []byte(`{"model":"m0","max_tokens":8,"prompt":[`)
 	for k, v := range toks {
 		if k > 0 {
@@ -41,13 +52,7 @@ func growPick(t *testing.T, g *Gateway, toks []uint32) string {
 		}
 		b = fmt.Append(b, v)
 	}
-	b = append(b, "]}"...)
-	pk, ref := g.Pick(context.Background(), &PickRequest{Method: http.MethodPost, Path: pathCompletions, Header: http.Header{}, Body: b})
-	if ref != nil {
-		t.Fatalf("refused: %d %s", ref.Status, ref.Body)
-	}
-	defer pk.Done()
-	return pk.Destinations()[0]
+	return append(b, "]}"...)
 }
 
 // growAddr is the address of eppBenchConfig's endpoint i.
@@ -285,5 +290,85 @@ func TestReloadGrowMovesStore(t *testing.T) {
 	h3 := prefix.Hashes(nil, growPrompt(3, shared), prefix.DefaultBlockSize, prefix.Seed("m0\x00"))
 	if ix.MatchEndpoint(h3, prefix.MediumRemote, 127) != len(h3) || ix.MatchEndpoint(h3, prefix.MediumRemote, 63) != 0 {
 		t.Fatal("the store's events after the reload did not go to its new slot")
+	}
+}
+
+// TestReloadGrowUnderLoad (run with -race): picks and KV-event batches
+// flow while three reloads grow a precise-prefix pool from 64 to 65, 130
+// and 200 endpoints; afterwards a prompt stored at endpoint 10 before the
+// first reload still routes there.
+func TestReloadGrowUnderLoad(t *testing.T) {
+	const shared = 1024
+	dead := deadKVAddr(t)
+	config := func(n int) Config {
+		cfg := eppBenchConfig(sched.PrecisePrefix, n, 1)
+		for i := range cfg.Endpoints {
+			cfg.Endpoints[i].KVEvents = &KVEventsConfig{Endpoint: dead}
+		}
+		return cfg
+	}
+	g, err := New(context.Background(), config(64), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	waitKVStarted(t, g, nil)
+	storeKV(kvFeedOf(g, 10), 1, growPrompt(1, shared), "")
+	feeds := make([]*kvFeed, 64)
+	for i := range feeds {
+		feeds[i] = kvFeedOf(g, i)
+	}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { // picks of prompts nobody stored
+		defer wg.Done()
+		for k := 0; ; k++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			pk, ref := g.Pick(context.Background(), &PickRequest{Method: http.MethodPost, Path: pathCompletions,
+				Header: http.Header{}, Body: growBody(growPrompt(100+k%7, 600))})
+			if ref != nil {
+				t.Errorf("refused during the reloads: %d %s", ref.Status, ref.Body)
+				return
+			}
+			pk.Done()
+		}
+	}()
+	go func() { // events of the first 64 engines (not endpoint 10)
+		defer wg.Done()
+		for k := 0; ; k++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			e := k % 64
+			if e == 10 {
+				continue
+			}
+			if k%5 == 4 {
+				feeds[e].KVBatch(uint64(k), &kvevents.Batch{Events: []kvevents.Event{{Type: kvevents.AllBlocksCleared}}})
+				continue
+			}
+			storeKV(feeds[e], 200+k%11, growPrompt(200+k%11, 256), "")
+		}
+	}()
+	for _, n := range []int{65, 130, 200} {
+		if err := g.Reload(config(n)); err != nil {
+			t.Error(err)
+			break
+		}
+	}
+	close(stop)
+	wg.Wait()
+	if ix := g.PreciseIndex("m0"); ix.Endpoints() != 256 || ix.Groups() != 4 {
+		t.Fatalf("precise index of %d slots in %d groups", ix.Endpoints(), ix.Groups())
+	}
+	if got := growPick(t, g, growPrompt(1, shared+64)); got != growAddr(10) {
+		t.Fatalf("after growing to 200 endpoints under load the prompt stored at endpoint 10 routed to %s", got)
 	}
 }
