@@ -546,9 +546,11 @@ func (p *pool) size(specOf func(*endpoint) *endpointSpec, st *state) (live []*en
 	return live, pcap, mcap
 }
 
-// storeSlot is the slot of precise index ix a pool's kv_store takes: its
-// last (63 while the index has one group of 64).
-func storeSlot(ix *prefix.PreciseIndex) int { return ix.Endpoints() - 1 }
+// storeSlot is the slot of p's precise index its kv_store takes: the
+// last (63 while the index has one group of 64). It is p's, not the
+// index's: a reload that grows the index grows it before the pool is
+// published, while the pool in force still names its own last slot.
+func (p *pool) storeSlot() int { return p.preciseSlots - 1 }
 
 // preciseSlots is the size of a new precise index for n endpoint slots and
 // a kv_store (store): whole groups of prefix.MaxEndpoints (at least one),
@@ -576,14 +578,17 @@ func (p *pool) storeBlocks() int {
 	return p.store.Blocks
 }
 
-// buildPrecise gives p its precise prefix index: old's, its changed slots
-// forgotten or re-bounded through pl, unless the block size changed or the
-// pool outgrew it; else a new one of preciseSlots slots bounded by pcap and
-// mcap (a pool that outgrows its index — more endpoint slots than it has,
-// the kv_store's included — starts a larger one empty, as the policy's
-// approximate index does past its slots). The kv_store's slot, the last,
-// is bounded by its blocks, and forgotten when the store's stream changes
-// or goes.
+// buildPrecise gives p its precise prefix index: old's, unless the block
+// size changed, its changed slots forgotten or re-bounded through pl, and
+// grown in place (pl.grows) when the pool needs more slots than it has —
+// whole groups of prefix.MaxEndpoints, the kv_store's included — so that
+// the endpoints that stay keep what their engines' events said, whatever
+// the pool's size (until 2026-12-05 a pool that outgrew its index got a
+// new, empty one). Else a new one of preciseSlots slots bounded by pcap and
+// mcap. The kv_store's slot is the index's last, bounded by its blocks: it
+// moves to the new last slot when the index grows (the store's state with
+// it, prefix.PreciseIndex.Move, while its stream stays), and is forgotten
+// when the store's stream changes or goes.
 func (p *pool) buildPrecise(old *pool, pcap []int, mcap [][prefix.NumMedia]int, blockChanged bool, reslot func(int) bool, pl *plan) error {
 	n := len(p.endpoints)
 	slots := preciseSlots(n, p.store != nil)
@@ -594,11 +599,19 @@ func (p *pool) buildPrecise(old *pool, pcap []int, mcap [][prefix.NumMedia]int, 
 		}
 		return fmt.Errorf("precise prefix index for model %q: %s, at most %d in all", p.model, what, prefix.MaxIndexEndpoints)
 	}
-	fits := old != nil && old.precise != nil && n <= old.precise.Endpoints() &&
-		(p.store == nil || n <= storeSlot(old.precise))
-	if fits && !blockChanged {
+	if old != nil && old.precise != nil && !blockChanged {
 		p.precise = old.precise
-		ss := storeSlot(p.precise)
+		size := max(old.preciseSlots, slots)
+		p.preciseSlots = size
+		oldSS, ss := old.preciseSlots-1, size-1
+		move := ss != oldSS && old.store != nil && p.store != nil && old.store.stream() == p.store.stream()
+		if size > old.preciseSlots {
+			op := growOp{ix: p.precise, n: size, from: -1, model: p.model}
+			if move {
+				op.from, op.to, op.model = oldSS, ss, p.model
+			}
+			pl.grows = append(pl.grows, op)
+		}
 		for i := range max(n, len(old.endpoints)) {
 			switch {
 			case i >= n || p.endpoints[i] == vacant:
@@ -610,18 +623,20 @@ func (p *pool) buildPrecise(old *pool, pcap []int, mcap [][prefix.NumMedia]int, 
 				pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: i, forget: reslot(i), cap: pcap[i], mcap: &m})
 			}
 		}
+		// The old store's slot, when the store goes or does not move with
+		// it (an endpoint that took it had it forgotten and bounded above).
+		if old.store != nil && !move && (p.store == nil || ss != oldSS) && (oldSS >= n || p.endpoints[oldSS] == vacant) {
+			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: oldSS, forget: true, cap: 0})
+		}
 		switch {
-		case p.store == nil && old.store != nil && (ss >= n || p.endpoints[ss] == vacant):
-			// (An endpoint that took the store's slot had it forgotten
-			// and bounded above.)
-			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: ss, forget: true, cap: 0})
-		case p.store != nil && (old.store == nil || old.store.stream() != p.store.stream()):
+		case p.store != nil && !move && (old.store == nil || old.store.stream() != p.store.stream()):
 			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: ss, forget: true, cap: p.store.Blocks})
-		case p.store != nil && old.storeBlocks() != p.store.Blocks:
+		case p.store != nil && (move || old.storeBlocks() != p.store.Blocks):
 			pl.slots = append(pl.slots, slotOp{ix: p.precise, slot: ss, cap: p.store.Blocks})
 		}
 		return nil
 	}
+	p.preciseSlots = slots
 	var err error
 	if p.precise, err = prefix.NewPreciseIndex(slots, p.blockSize); err != nil {
 		return fmt.Errorf("precise prefix index for model %q: %w", p.model, err)
@@ -633,7 +648,7 @@ func (p *pool) buildPrecise(old *pool, pcap []int, mcap [][prefix.NumMedia]int, 
 		}
 	}
 	if p.store != nil {
-		p.precise.SetCapacity(storeSlot(p.precise), p.store.Blocks)
+		p.precise.SetCapacity(p.storeSlot(), p.store.Blocks)
 	}
 	return nil
 }
@@ -657,7 +672,7 @@ func (p *pool) buildTiers(specOf func(*endpoint) *endpointSpec) *sched.Tiers {
 	t := &sched.Tiers{Source: p.precise, Remote: -1,
 		LoadSeconds: make([][sched.NumTiers]float64, n), Latency: make([][sched.NumTiers]float64, n)}
 	if p.store != nil {
-		t.Remote = storeSlot(p.precise)
+		t.Remote = p.storeSlot()
 	}
 	for i, ep := range p.endpoints {
 		if ep == vacant {
@@ -705,19 +720,28 @@ func sameTiers(a, b *sched.Tiers) bool {
 
 // buildPolicy gives p its routing policy: old's, kept unless routing
 // changed or it scores with a precise index that is not the one it was
-// built with (its changed slots forgotten or resized through pl); else a
-// new one with n slots rounded up to a multiple of prefix.MaxEndpoints (at
-// least 64), so that endpoints added later take free ones without a
-// rebuild.
+// built with (its changed slots forgotten or resized through pl, and grown
+// in place through pl.grows when the pool has more slots than it:
+// sched.Grower); else a new one with n slots rounded up to a multiple of
+// prefix.MaxEndpoints (at least 64), so that endpoints added later take
+// free ones without growing it.
 func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool, reslot func(int) bool, pl *plan) error {
 	n := len(p.endpoints)
-	keep := old != nil && !routingChanged && n <= old.policySlots &&
+	// Whole groups of the approximate index (prefix.Index), so that
+	// endpoints added later take free slots without growing it.
+	slots := max((n+prefix.MaxEndpoints-1)/prefix.MaxEndpoints*prefix.MaxEndpoints, prefix.MaxEndpoints)
+	keep := old != nil && !routingChanged &&
 		(p.precise == old.precise || !sched.UsesPrecise(routing)) && sameTiers(p.tiers, old.tiers) &&
 		(p.roles != nil) == (old.pd != nil)
+	if keep && slots > old.policySlots {
+		_, keep = old.policy.(sched.Grower)
+		if old.pd != nil {
+			_, grows := old.pd.Prefill().(sched.Grower)
+			keep = keep && grows
+		}
+	}
 	if !keep {
-		// Whole groups of the approximate index (prefix.Index), so that
-		// endpoints added later take free slots without a rebuild.
-		p.policySlots = max((n+prefix.MaxEndpoints-1)/prefix.MaxEndpoints*prefix.MaxEndpoints, prefix.MaxEndpoints)
+		p.policySlots = slots
 		capacity := make([]int, p.policySlots)
 		for i := range capacity {
 			capacity[i] = 1
@@ -746,7 +770,13 @@ func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool,
 		}
 		return nil
 	}
-	p.policy, p.policySlots, p.pd = old.policy, old.policySlots, old.pd
+	p.policy, p.policySlots, p.pd = old.policy, max(old.policySlots, slots), old.pd
+	if p.policySlots > old.policySlots {
+		pl.grows = append(pl.grows, growOp{policy: p.policy.(sched.Grower), n: p.policySlots, from: -1, model: p.model})
+		if p.pd != nil {
+			pl.grows = append(pl.grows, growOp{policy: p.pd.Prefill().(sched.Grower), n: p.policySlots, from: -1, model: p.model})
+		}
+	}
 	p.slotOps(p.policy, old, reslot, pl)
 	if p.pd != nil {
 		p.slotOps(p.pd.Prefill(), old, reslot, pl)
@@ -866,7 +896,7 @@ func (g *Gateway) buildStoreFeeds(st, prev *state, pl *plan) error {
 			}
 			pl.start = append(pl.start, func() { f.run(g) })
 		}
-		t := feedTarget{ix: p.precise, slot: storeSlot(p.precise), model: model}
+		t := feedTarget{ix: p.precise, slot: p.storeSlot(), model: model}
 		var a *fleet.KVEventApplier
 		if f == old {
 			if as, ts := old.current(); len(ts) == 1 && ts[0] == t {

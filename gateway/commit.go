@@ -31,6 +31,13 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 		}
 	}
 
+	// Kept indexes and policies grow before the swap: the state in force
+	// names none of the new slots, and the new state's first pick finds
+	// them.
+	for _, op := range pl.grows {
+		g.grow(st, pl, op)
+	}
+
 	g.state.Store(st)
 	for old, p := range pl.succ {
 		old.next.Store(p)
@@ -193,4 +200,36 @@ func (g *Gateway) oldGates() []*admission {
 	g.gatesMu.Lock()
 	defer g.gatesMu.Unlock()
 	return slices.Clone(g.retired)
+}
+
+// grow applies op (commit, before the swap). A kv_store that moves does so
+// with its feed held: no batch is applied meanwhile, and the next goes to
+// the new slot (its applier is set here; the feed loop sets it again).
+func (g *Gateway) grow(st *state, pl *plan, op growOp) {
+	var err error
+	switch {
+	case op.policy != nil:
+		err = op.policy.Grow(op.n)
+	case op.from < 0:
+		err = op.ix.Grow(op.n)
+	default:
+		f := st.stores[op.model]
+		if f != nil {
+			f.mu.Lock()
+		}
+		if err = op.ix.Grow(op.n); err == nil {
+			err = op.ix.Move(op.from, op.to)
+		}
+		if f != nil {
+			if fs, ok := pl.feedSets[f]; ok {
+				f.appliers, f.targets = fs.appliers, fs.targets
+			}
+			f.mu.Unlock()
+		}
+	}
+	if err != nil {
+		// build checked the sizes (at most prefix.MaxIndexEndpoints):
+		// not reached.
+		slog.Error("gateway: growing an index at a reload failed", "model", op.model, "err", err)
+	}
 }

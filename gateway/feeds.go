@@ -312,7 +312,7 @@ func (p *pool) preciseTiers(hashes []uint64, e, promptTokens int) [sched.NumTier
 		case t != int(prefix.MediumRemote):
 			m[t] = p.precise.MatchEndpoint(hashes, prefix.Medium(t), e)
 		case p.store != nil:
-			m[t] = p.precise.MatchEndpoint(hashes, prefix.MediumRemote, storeSlot(p.precise))
+			m[t] = p.precise.MatchEndpoint(hashes, prefix.MediumRemote, p.storeSlot())
 		}
 	}
 	maxBlocks := len(hashes)

@@ -22,9 +22,13 @@ package gateway
 //     for them; a removed endpoint's slot is forgotten and given to the
 //     next endpoint added (so a pool never needs more slots than it has
 //     had endpoints at once, and never more than prefix.MaxIndexEndpoints
-//     for a policy with an index); the indexes are made with whole groups
-//     of prefix.MaxEndpoints slots (at least one), so that adding
-//     endpoints rebuilds them (empty) only when the pool outgrows them;
+//     for a policy with an index); the indexes have whole groups of
+//     prefix.MaxEndpoints slots (at least one), and a pool that outgrows
+//     them grows them in place by whole groups (growOp, before the swap):
+//     the endpoints that stay keep what the indexes hold for them, the
+//     new ones start empty, and the kv_store's slot, the precise index's
+//     last, moves to the new last with what it holds (README "Reload",
+//     "What a reload keeps of the indexes");
 //   - a model's admission gate (queue, admitted requests) and retry
 //     budget;
 //   - a key's rate-limit buckets, by key name (limits changed in place:
@@ -136,6 +140,7 @@ type plan struct {
 	feedSets map[*kvFeed]feedSet
 	detach   []*kvFeed
 	slots    []slotOp  // per-slot updates of kept policies and precise indexes
+	grows    []growOp  // kept policies and precise indexes to grow, before the swap
 	gates    []gateSet // admission gates to configure
 	// limits are the key limit changes; keysAdded, keysRemoved,
 	// keysChanged name the keys for the log.
@@ -170,6 +175,20 @@ type slotOp struct {
 	// mcap, when set, is the slot's new per-medium bounds (ix only;
 	// 0: unbounded).
 	mcap *[prefix.NumMedia]int
+}
+
+// growOp grows a kept precise index (ix non-nil) or policy (policy
+// non-nil) in place to n slots, before the state that uses them is
+// published (growing only adds slots the state in force does not name).
+// With from ≥ 0 (ix only) the kv_store of model's pool moves from slot
+// from, the old last, to to, the new last (prefix.PreciseIndex.Move), its
+// feed held meanwhile so that no batch lands on either slot.
+type growOp struct {
+	ix       *prefix.PreciseIndex
+	policy   sched.Grower
+	n        int
+	from, to int
+	model    string
 }
 
 // gateSet is an admission gate's configuration in the new state; early

@@ -321,7 +321,12 @@ type pool struct {
 	// tiers (nil: GPU only).
 	store *KVStoreConfig
 	tiers *sched.Tiers
-	// policySlots is the number of slots the policy was built for.
+	// preciseSlots is the number of slots of the precise index as this
+	// pool uses it (the index may have grown since, for the pool that
+	// replaces this one: storeSlot).
+	preciseSlots int
+	// policySlots is the number of slots the policy has (built for, or
+	// grown to: sched.Grower).
 	policySlots int
 	live        int           // endpoints that are not vacant
 	none        *routeMetrics // errors before an endpoint was picked

@@ -289,3 +289,7 @@ func TestReloadTiers(t *testing.T) {
 		t.Fatal("the store's blocks did not come back")
 	}
 }
+
+// storeSlot is the kv_store's slot of ix, its last, while no reload grows
+// it (pool.storeSlot).
+func storeSlot(ix *prefix.PreciseIndex) int { return ix.Endpoints() - 1 }

@@ -3,6 +3,7 @@ package prefix
 import (
 	"fmt"
 	"math/bits"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -105,20 +106,41 @@ const MaxIndexEndpoints = 1 << 14
 // Insert, Clear and SetCapacity touch only their endpoint's group, and
 // Match bisects every group whose owners hold the prompt's first block
 // (one lookup for the others) and verifies the digests of all groups in
-// one pass over the prompt (a pooled array of its prefix digests).
+// one pass over the prompt (a pooled array of its prefix digests). Grow
+// adds endpoints in place, keeping what the others hold.
 type Index struct {
-	groups []group // endpoints 64g … 64g+63 in groups[g]
-	n      int     // endpoints
+	// shape is the endpoints, in groups: endpoints 64g … 64g+63 in
+	// groups[g]. Grow replaces it whole under growMu; every call loads it
+	// once.
+	shape  atomic.Pointer[indexShape]
+	growMu sync.Mutex
 	// linear counts Matches that fell back to the linear scan.
 	linear atomic.Uint64
 	// learn queues Learn's updates for Settle (learn.go).
 	learn learnQueue
 }
 
-// group is up to MaxEndpoints endpoints of an Index and their owners table.
+// group is up to MaxEndpoints endpoints of an Index and their owners
+// table; the endpoints at or past the index's Endpoints() are untouched
+// until Grow initialises them.
 type group struct {
 	shards [numShards]ownerShard
-	eps    []endpoint
+	eps    [MaxEndpoints]endpoint
+}
+
+// indexShape is an Index's endpoints: n of them, in groups of MaxEndpoints
+// (the last possibly part full). Grow publishes a new shape sharing every
+// group of the old one, so a call that loaded the old shape works on the
+// same endpoints and owners tables as one that loads the new.
+type indexShape struct {
+	groups []*group
+	n      int
+}
+
+// endpoint returns endpoint e's group and state (0 <= e < s.n).
+func (s *indexShape) endpoint(e int) (*group, *endpoint) {
+	g := s.groups[e/MaxEndpoints]
+	return g, &g.eps[e%MaxEndpoints]
 }
 
 // NewIndex returns an index over len(capacity) endpoints, endpoint e holding
@@ -128,22 +150,64 @@ func NewIndex(capacity []int) (*Index, error) {
 	if len(capacity) > MaxIndexEndpoints {
 		return nil, fmt.Errorf("prefix index: %d endpoints, at most %d per pool", len(capacity), MaxIndexEndpoints)
 	}
-	ix := &Index{n: len(capacity), groups: make([]group, (len(capacity)+MaxEndpoints-1)/MaxEndpoints)}
-	for g := range ix.groups {
-		ix.groups[g].eps = make([]endpoint, min(MaxEndpoints, len(capacity)-g*MaxEndpoints))
+	s := &indexShape{n: len(capacity), groups: make([]*group, (len(capacity)+MaxEndpoints-1)/MaxEndpoints)}
+	for g := range s.groups {
+		s.groups[g] = new(group)
 	}
 	for e, c := range capacity {
-		ix.endpoint(e).lru.init(int32(min(max(c, 1), maxLRU)))
+		_, ep := s.endpoint(e)
+		ep.lru.init(int32(min(max(c, 1), maxLRU)))
 	}
+	ix := &Index{}
+	ix.shape.Store(s)
 	return ix, nil
 }
 
-// Endpoints returns the number of endpoints the index tracks.
-func (ix *Index) Endpoints() int { return ix.n }
+// Grow makes the index track endpoints endpoints (at most
+// MaxIndexEndpoints), in place: endpoints 0 … Endpoints()-1 keep what they
+// hold (blocks, pins, capacities), the new ones start empty, each holding
+// at most capacity blocks (0 or less means 1; SetCapacity changes it), as
+// NewIndex makes them. A count at most Endpoints() changes nothing; the
+// index never shrinks (Clear forgets a slot no endpoint uses).
+//
+// Grow allocates the new groups (owners shards and LRUs, empty) and
+// publishes the new group list with one atomic store: O(new groups),
+// whatever the index holds, and no lock Match or a writer takes
+// (BenchmarkIndexGrow). A call that loaded the old list runs on the same
+// groups and answers for the old count. Concurrent Grows are serialised.
+func (ix *Index) Grow(endpoints, capacity int) error {
+	if endpoints < 0 || endpoints > MaxIndexEndpoints {
+		return fmt.Errorf("prefix index: grow to %d endpoints, at most %d per pool", endpoints, MaxIndexEndpoints)
+	}
+	ix.growMu.Lock()
+	defer ix.growMu.Unlock()
+	old := ix.shape.Load()
+	if endpoints <= old.n {
+		return nil
+	}
+	s := &indexShape{n: endpoints, groups: slices.Clone(old.groups)}
+	for len(s.groups)*MaxEndpoints < endpoints {
+		s.groups = append(s.groups, new(group))
+	}
+	c := int32(min(max(capacity, 1), maxLRU))
+	for e := old.n; e < endpoints; e++ {
+		_, ep := s.endpoint(e) // not yet reachable by any call
+		ep.lru.init(c)
+	}
+	ix.shape.Store(s)
+	return nil
+}
 
-// endpoint returns endpoint e's state (0 <= e < ix.n).
-func (ix *Index) endpoint(e int) *endpoint {
-	return &ix.groups[e/MaxEndpoints].eps[e%MaxEndpoints]
+// Endpoints returns the number of endpoints the index tracks.
+func (ix *Index) Endpoints() int { return ix.shape.Load().n }
+
+// endpoint returns endpoint e's group and state, nil for an out-of-range e.
+func (ix *Index) endpoint(e int) (*group, *endpoint) {
+	s := ix.shape.Load()
+	if e < 0 || e >= s.n {
+		return nil, nil
+	}
+	return s.endpoint(e)
 }
 
 // Match sets matched[e] to the number of leading blocks of hashes that
@@ -151,7 +215,8 @@ func (ix *Index) endpoint(e int) *endpoint {
 // are left alone), learns queued for Settle included (learn.go). It does
 // not change recency. It allocates nothing.
 func (ix *Index) Match(hashes []uint64, matched []int) {
-	n := min(len(matched), ix.n)
+	s := ix.shape.Load()
+	n := min(len(matched), s.n)
 	// The queue first: a learn Settle applies after this read is in the
 	// index when match reads it, so none is missed by both. The queue's
 	// answer is the few (endpoint, length) pairs it raises, not an array
@@ -164,15 +229,15 @@ func (ix *Index) Match(hashes []uint64, matched []int) {
 	if len(hashes) > 0 {
 		nh = ix.learn.overlay(hashes, n, &held)
 	}
-	ix.match(hashes, matched)
+	ix.match(s, hashes, matched)
 	for _, h := range held[:nh] {
 		matched[h.e] = max(matched[h.e], int(h.k))
 	}
 }
 
-// match is Match of the index alone.
-func (ix *Index) match(hashes []uint64, matched []int) {
-	n := min(len(matched), ix.n)
+// match is Match of the index alone, of shape sh.
+func (ix *Index) match(sh *indexShape, hashes []uint64, matched []int) {
+	n := min(len(matched), sh.n)
 	matched = matched[:n]
 	for e := range matched {
 		matched[e] = 0
@@ -180,9 +245,9 @@ func (ix *Index) match(hashes []uint64, matched []int) {
 	if n == 0 || len(hashes) == 0 {
 		return
 	}
-	if len(ix.groups) == 1 {
+	if len(sh.groups) == 1 {
 		// At most 64 endpoints: one group, verified with one running sum.
-		g := &ix.groups[0]
+		g := sh.groups[0]
 		s := bisection{hashes: hashes, matched: matched}
 		if g.bisect(&s) && !s.verify() {
 			ix.linear.Add(1)
@@ -193,13 +258,13 @@ func (ix *Index) match(hashes []uint64, matched []int) {
 	var d *prefixDigests
 	var hints [maxHints]int
 	nh := 0
-	for gi := range ix.groups {
+	for gi := range sh.groups {
 		lo := gi * MaxEndpoints
 		if lo >= n {
 			break
 		}
 		hi := min(n, lo+MaxEndpoints)
-		g := &ix.groups[gi]
+		g := sh.groups[gi]
 		s := bisection{hashes: hashes, matched: matched[lo:hi], hints: hints[:nh]}
 		if !g.bisect(&s) {
 			continue
@@ -460,15 +525,14 @@ func (ix *Index) insert(e int, hashes []uint64) { ix.insertOp(e, hashes, opTouch
 // block pinned longest ago (a request queued so long, or a pin whose
 // Release was missed): e never holds more than its capacity.
 func (ix *Index) insertOp(e int, hashes []uint64, op learnOp) {
-	if e < 0 || e >= ix.n || len(hashes) == 0 {
+	g, ep := ix.endpoint(e)
+	if ep == nil || len(hashes) == 0 {
 		return
 	}
 	var sum uint64 // digest of hashes[:i+1]
 	for _, h := range hashes {
 		sum += digestMix(h)
 	}
-	g := &ix.groups[e/MaxEndpoints]
-	ep := &g.eps[e%MaxEndpoints]
 	bit := uint64(1) << (e % MaxEndpoints)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
@@ -527,12 +591,11 @@ func (ix *Index) insertOp(e int, hashes []uint64, op learnOp) {
 // restarted or its cache was reset), queued learns included. An
 // out-of-range e is ignored.
 func (ix *Index) Clear(e int) {
-	if e < 0 || e >= ix.n {
+	g, ep := ix.endpoint(e)
+	if ep == nil {
 		return
 	}
 	ix.Settle()
-	g := &ix.groups[e/MaxEndpoints]
-	ep := &g.eps[e%MaxEndpoints]
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	g.clearLocked(ep, uint64(1)<<(e%MaxEndpoints))
@@ -562,13 +625,12 @@ func (g *group) clearLocked(ep *endpoint, bit uint64) {
 // forgets all of it (Clear), which is always safe for a cache index (a
 // missed prefix hit, never a wrong one). An out-of-range e is ignored.
 func (ix *Index) SetCapacity(e, capacity int) {
-	if e < 0 || e >= ix.n {
+	g, ep := ix.endpoint(e)
+	if ep == nil {
 		return
 	}
 	c := int32(min(max(capacity, 1), maxLRU))
 	ix.Settle()
-	g := &ix.groups[e/MaxEndpoints]
-	ep := &g.eps[e%MaxEndpoints]
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	if int32(len(ep.lru.nodes)) > c {
@@ -580,11 +642,11 @@ func (ix *Index) SetCapacity(e, capacity int) {
 // Len returns the number of blocks endpoint e is believed to hold, once
 // the queued learns are applied (it settles them).
 func (ix *Index) Len(e int) int {
-	if e < 0 || e >= ix.n {
+	_, ep := ix.endpoint(e)
+	if ep == nil {
 		return 0
 	}
 	ix.Settle()
-	ep := ix.endpoint(e)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	return len(ep.lru.nodes)
@@ -594,9 +656,9 @@ func (ix *Index) Len(e int) int {
 // least one endpoint, a block counted once per group that holds it.
 func (ix *Index) distinct() int {
 	n := 0
-	for g := range ix.groups {
-		for i := range ix.groups[g].shards {
-			sh := &ix.groups[g].shards[i]
+	for _, g := range ix.shape.Load().groups {
+		for i := range g.shards {
+			sh := &g.shards[i]
 			sh.mu.RLock()
 			n += sh.n
 			sh.mu.RUnlock()

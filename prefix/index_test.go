@@ -560,7 +560,7 @@ func TestIndexConcurrent(t *testing.T) {
 	for _, p := range prompts {
 		ix.Match(p, m)
 		clear(lin)
-		matchLinear(p, lin, 1<<len(caps)-1, ix.groups[0].owners)
+		matchLinear(p, lin, 1<<len(caps)-1, ix.shape.Load().groups[0].owners)
 		if !slices.Equal(m, lin) {
 			t.Fatalf("after the writers stopped: match %v, linear %v", m, lin)
 		}

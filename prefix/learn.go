@@ -107,7 +107,7 @@ func (ix *Index) LearnPinned(e int, hashes []uint64) { ix.queue(e, hashes, opPin
 func (ix *Index) Release(e int, hashes []uint64) { ix.queue(e, hashes, opRelease) }
 
 func (ix *Index) queue(e int, hashes []uint64, op learnOp) {
-	if e < 0 || e >= ix.n || len(hashes) == 0 {
+	if e < 0 || e >= ix.Endpoints() || len(hashes) == 0 {
 		return
 	}
 	if len(hashes) > maxQueuedBlocks {

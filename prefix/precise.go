@@ -118,7 +118,8 @@ const preciseShards = 64
 // capacities touch their endpoint's group only; Match bisects each group
 // whose endpoints hold the prompt's first block, cut first at the lengths
 // the first such group found (at most maxHints), and costs one lookup for
-// each of the others.
+// each of the others. Grow adds endpoints in place and Move hands one
+// endpoint's state to another (precise_grow.go).
 //
 // Limits: request keys see only tokens and the root seed, so blocks that
 // differ only in a cache salt or in multimodal inputs (vLLM's extra_keys) are
@@ -139,8 +140,11 @@ const preciseShards = 64
 // Safe for concurrent use.
 type PreciseIndex struct {
 	blockSize int
-	groups    []preciseGroup // endpoints 64g … 64g+63: groups[g]
-	eps       []preciseEndpoint
+	// shape is the endpoints, in groups: endpoints 64g … 64g+63 are
+	// groups[g]. Grow replaces it whole under growMu; readers and writers
+	// load it once per call.
+	shape  atomic.Pointer[preciseShape]
+	growMu sync.Mutex
 
 	storedEvents, removedEvents, clears atomic.Uint64
 	unknownParents, unknownRemovals     atomic.Uint64
@@ -158,6 +162,37 @@ type preciseGroup struct {
 	holey  [NumMedia]atomic.Uint64
 	_      [64 - 8*NumMedia%64]byte
 	shards [preciseShards]preciseShard
+	// eps are the group's endpoints; those at or past the index's
+	// Endpoints() are untouched (nil maps) until Grow resets them.
+	eps [MaxEndpoints]preciseEndpoint
+}
+
+// preciseShape is a PreciseIndex's endpoints: n of them, in groups of
+// MaxEndpoints (the last possibly part full). Grow publishes a new shape
+// that shares every group of the old one (copy on write of the slice, not
+// of the groups), so a call that loaded the old shape works on the same
+// endpoints and block tables as one that loads the new.
+type preciseShape struct {
+	groups []*preciseGroup
+	n      int
+}
+
+// endpoint returns endpoint e's state and where its bit lives (0 <= e < s.n).
+func (s *preciseShape) endpoint(e int) (*preciseEndpoint, owner) {
+	g := s.groups[e/MaxEndpoints]
+	return &g.eps[e%MaxEndpoints], owner{g: g, bit: uint64(1) << (e % MaxEndpoints)}
+}
+
+// newPreciseGroup returns a group with empty block tables and its
+// endpoints not yet reset.
+func newPreciseGroup() *preciseGroup {
+	g := new(preciseGroup)
+	for i := range g.shards {
+		for m := range g.shards[i].owners {
+			g.shards[i].owners[m] = make(map[uint64]uint64)
+		}
+	}
+	return g
 }
 
 type preciseShard struct {
@@ -173,10 +208,25 @@ type owner struct {
 	bit uint64
 }
 
-// owner returns endpoint e's group and bit (0 <= e < len(ix.eps)).
-func (ix *PreciseIndex) owner(e int) owner {
-	return owner{g: &ix.groups[e/MaxEndpoints], bit: uint64(1) << (e % MaxEndpoints)}
+// at returns endpoint e's state and owner bit, ok false for an
+// out-of-range e.
+func (ix *PreciseIndex) at(e int) (ep *preciseEndpoint, o owner, ok bool) {
+	s := ix.shape.Load()
+	if e < 0 || e >= s.n {
+		return nil, owner{}, false
+	}
+	ep, o = s.endpoint(e)
+	return ep, o, true
 }
+
+// endpoint returns endpoint e's state (0 <= e < Endpoints()).
+func (ix *PreciseIndex) endpoint(e int) *preciseEndpoint {
+	ep, _ := ix.shape.Load().endpoint(e)
+	return ep
+}
+
+// group returns group g (0 <= g < Groups()).
+func (ix *PreciseIndex) group(g int) *preciseGroup { return ix.shape.Load().groups[g] }
 
 // syncHoley brings ep's bit (o) in its group's holey masks up to date with
 // its hole counts and saturation. Every writer of ep calls it before
@@ -325,18 +375,16 @@ func NewPreciseIndex(endpoints, blockSize int) (*PreciseIndex, error) {
 	if blockSize <= 0 {
 		return nil, fmt.Errorf("precise prefix index: block size %d, want > 0", blockSize)
 	}
-	ix := &PreciseIndex{blockSize: blockSize, eps: make([]preciseEndpoint, endpoints),
-		groups: make([]preciseGroup, max(1, (endpoints+MaxEndpoints-1)/MaxEndpoints))}
-	for g := range ix.groups {
-		for i := range ix.groups[g].shards {
-			for m := range ix.groups[g].shards[i].owners {
-				ix.groups[g].shards[i].owners[m] = make(map[uint64]uint64)
-			}
-		}
+	ix := &PreciseIndex{blockSize: blockSize}
+	s := &preciseShape{n: endpoints, groups: make([]*preciseGroup, max(1, (endpoints+MaxEndpoints-1)/MaxEndpoints))}
+	for g := range s.groups {
+		s.groups[g] = newPreciseGroup()
 	}
-	for e := range ix.eps {
-		ix.eps[e].reset()
+	for e := range endpoints {
+		ep, _ := s.endpoint(e)
+		ep.reset()
 	}
+	ix.shape.Store(s)
 	return ix, nil
 }
 
@@ -434,20 +482,20 @@ func (ep *preciseEndpoint) put(req uint64, h heldEntry) {
 }
 
 // Endpoints returns the number of endpoints the index tracks.
-func (ix *PreciseIndex) Endpoints() int { return len(ix.eps) }
+func (ix *PreciseIndex) Endpoints() int { return ix.shape.Load().n }
 
 // BlockSize returns the block size in tokens.
 func (ix *PreciseIndex) BlockSize() int { return ix.blockSize }
 
 // Groups returns the number of endpoint groups: endpoints 64g … 64g+63 are
 // group g (Owners).
-func (ix *PreciseIndex) Groups() int { return len(ix.groups) }
+func (ix *PreciseIndex) Groups() int { return len(ix.shape.Load().groups) }
 
 func (g *preciseGroup) shard(req uint64) *preciseShard { return &g.shards[req>>58] }
 
 func (ix *PreciseIndex) check(e int, m Medium) error {
-	if e < 0 || e >= len(ix.eps) {
-		return fmt.Errorf("precise prefix index: endpoint %d out of range [0, %d)", e, len(ix.eps))
+	if n := ix.Endpoints(); e < 0 || e >= n {
+		return fmt.Errorf("precise prefix index: endpoint %d out of range [0, %d)", e, n)
 	}
 	if m >= NumMedia {
 		return fmt.Errorf("precise prefix index: unknown medium %d", m)
@@ -486,8 +534,7 @@ func (ix *PreciseIndex) Stored(e int, m Medium, engineHashes []uint64, parent ui
 	if !tokenless && len(tokens) != len(engineHashes)*ix.blockSize {
 		return fmt.Errorf("precise prefix index: %d tokens for %d blocks of %d", len(tokens), len(engineHashes), ix.blockSize)
 	}
-	ep := &ix.eps[e]
-	bit := ix.owner(e)
+	ep, bit, _ := ix.at(e)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	defer syncHoley(ep, bit)
@@ -633,8 +680,7 @@ func (ix *PreciseIndex) Removed(e int, m Medium, engineHashes []uint64) {
 	if ix.check(e, m) != nil {
 		return
 	}
-	ep := &ix.eps[e]
-	bit := ix.owner(e)
+	ep, bit, _ := ix.at(e)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	defer syncHoley(ep, bit)
@@ -724,14 +770,20 @@ func (ix *PreciseIndex) forgetEngineKey(ep *preciseEndpoint, h uint64, ent engEn
 // Cleared records an AllBlocksCleared event of endpoint e: it holds nothing,
 // in any medium. An out-of-range e is ignored.
 func (ix *PreciseIndex) Cleared(e int) {
-	if e < 0 || e >= len(ix.eps) {
+	ep, bit, ok := ix.at(e)
+	if !ok {
 		return
 	}
-	ep := &ix.eps[e]
-	bit := ix.owner(e)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	defer syncHoley(ep, bit)
+	ix.clearLocked(ep, bit)
+	ix.clears.Add(1)
+}
+
+// clearLocked forgets every block and orphan of ep (owner bit). ep.mu is
+// held; the caller syncs the holey masks.
+func (ix *PreciseIndex) clearLocked(ep *preciseEndpoint, bit owner) {
 	var n int64
 	for req, h := range ep.held {
 		for m, k := range h.c {
@@ -744,7 +796,6 @@ func (ix *PreciseIndex) Cleared(e int) {
 	ix.blocks.Add(-n)
 	ep.orphansDropped.Add(uint64(len(ep.orphans)))
 	ep.reset()
-	ix.clears.Add(1)
 }
 
 // ClearedMedium records a TierBlocksCleared event of endpoint e (vLLM with
@@ -756,8 +807,7 @@ func (ix *PreciseIndex) ClearedMedium(e int, m Medium) {
 	if ix.check(e, m) != nil {
 		return
 	}
-	ep := &ix.eps[e]
-	bit := ix.owner(e)
+	ep, bit, _ := ix.at(e)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	defer syncHoley(ep, bit)
@@ -782,8 +832,8 @@ func (ix *PreciseIndex) ClearedMedium(e int, m Medium) {
 // stale state is not. It is Cleared under another name (the prompts routed
 // to e are forgotten too).
 func (ix *PreciseIndex) Forget(e int) {
-	if e >= 0 && e < len(ix.eps) {
-		ix.eps[e].forgetRouted()
+	if ep, _, ok := ix.at(e); ok {
+		ep.forgetRouted()
 	}
 	ix.Cleared(e)
 }
@@ -830,7 +880,8 @@ func clearBit(m Medium, req uint64, o owner) {
 // tables, as one index of at most 64 endpoints is: a group none of whose
 // endpoints holds the prompt's first block costs one lookup.
 func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
-	n := min(len(matched), len(ix.eps))
+	s := ix.shape.Load()
+	n := min(len(matched), s.n)
 	matched = matched[:n]
 	for e := range matched {
 		matched[e] = 0
@@ -838,8 +889,8 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 	if n == 0 || len(hashes) == 0 || m >= NumMedia {
 		return
 	}
-	if len(ix.groups) == 1 {
-		ix.groups[0].match(hashes, m, matched, nil)
+	if len(s.groups) == 1 {
+		s.groups[0].match(hashes, m, matched, nil)
 		return
 	}
 	// More than one group: the lengths the first group that holds the
@@ -848,13 +899,13 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 	// are cut first, two lookups each, before they bisect what is left.
 	var hints [maxHints]int
 	nh := -1
-	for g := range ix.groups {
+	for g := range s.groups {
 		lo := g * MaxEndpoints
 		if lo >= n {
 			break
 		}
 		hi := min(n, lo+MaxEndpoints)
-		found := ix.groups[g].match(hashes, m, matched[lo:hi], hints[:max(nh, 0)])
+		found := s.groups[g].match(hashes, m, matched[lo:hi], hints[:max(nh, 0)])
 		if nh < 0 && found {
 			nh = 0
 			for _, k := range matched[lo:hi] {
@@ -895,11 +946,12 @@ func (ix *PreciseIndex) MatchEndpoint(hashes []uint64, m Medium, e int) int {
 		return 0
 	}
 	var buf [MaxEndpoints]int
+	s := ix.shape.Load()
 	g := e / MaxEndpoints
 	lo := g * MaxEndpoints
-	hi := min(len(ix.eps), lo+MaxEndpoints)
+	hi := min(s.n, lo+MaxEndpoints)
 	one := buf[:hi-lo]
-	ix.groups[g].match(hashes, m, one, nil)
+	s.groups[g].match(hashes, m, one, nil)
 	return one[e-lo]
 }
 
@@ -911,9 +963,10 @@ func (ix *PreciseIndex) MatchEndpoint(hashes []uint64, m Medium, e int) int {
 // costs one lookup per group (BenchmarkPreciseMatchTiers: 8 endpoints, a
 // 1000-block prompt in 4 media, a few µs).
 func (ix *PreciseIndex) MatchTiers(hashes []uint64, matched [][NumMedia]int) {
-	n := min(len(matched), len(ix.eps))
+	s := ix.shape.Load()
+	n := min(len(matched), s.n)
 	var one [MaxEndpoints]int
-	for g := range ix.groups {
+	for g := range s.groups {
 		lo := g * MaxEndpoints
 		if lo >= n {
 			break
@@ -923,7 +976,7 @@ func (ix *PreciseIndex) MatchTiers(hashes []uint64, matched [][NumMedia]int) {
 			part := one[:hi-lo]
 			clear(part)
 			if len(hashes) > 0 {
-				ix.groups[g].match(hashes, m, part, nil)
+				s.groups[g].match(hashes, m, part, nil)
 			}
 			for e := range part {
 				matched[lo+e][m] = part[e]
@@ -937,10 +990,11 @@ func (ix *PreciseIndex) MatchTiers(hashes []uint64, matched [][NumMedia]int) {
 // 64g+i): one shard read lock, no allocation. 0 for an out-of-range g or
 // m.
 func (ix *PreciseIndex) Owners(h uint64, m Medium, g int) uint64 {
-	if m >= NumMedia || g < 0 || g >= len(ix.groups) {
+	s := ix.shape.Load()
+	if m >= NumMedia || g < 0 || g >= len(s.groups) {
 		return 0
 	}
-	return ix.groups[g].lookup(m, h)
+	return s.groups[g].lookup(m, h)
 }
 
 // lookup returns the owners of request key h in medium m.
@@ -1040,7 +1094,7 @@ func (ix *PreciseIndex) Len(e int, m Medium) int {
 	if ix.check(e, m) != nil {
 		return 0
 	}
-	ep := &ix.eps[e]
+	ep := ix.endpoint(e)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	return ep.blocks[m]
@@ -1062,10 +1116,10 @@ func (ix *PreciseIndex) Stats() PreciseStats {
 // EndpointStats returns endpoint e's counters and sizes (zero for an
 // out-of-range e).
 func (ix *PreciseIndex) EndpointStats(e int) PreciseEndpointStats {
-	if e < 0 || e >= len(ix.eps) {
+	ep, _, ok := ix.at(e)
+	if !ok {
 		return PreciseEndpointStats{}
 	}
-	ep := &ix.eps[e]
 	ep.mu.Lock()
 	st := PreciseEndpointStats{EngineKeys: len(ep.eng), Orphans: len(ep.orphans), Capacity: ep.capacity}
 	for m := range ep.tiers {

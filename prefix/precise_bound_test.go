@@ -20,11 +20,11 @@ func checkPrecise(t testing.TB, ix *PreciseIndex) {
 // block tables and holey masks all the same: the others must be empty.
 func checkPreciseOf(t testing.TB, ix *PreciseIndex, eps []int) {
 	t.Helper()
-	for e := range ix.eps {
+	for e := range ix.Endpoints() {
 		if eps != nil && !slices.Contains(eps, e) {
 			continue
 		}
-		ep := &ix.eps[e]
+		ep := ix.endpoint(e)
 		ep.mu.Lock()
 		err := ep.consistent(ix, e)
 		ep.mu.Unlock()
@@ -43,29 +43,29 @@ func checkPreciseOf(t testing.TB, ix *PreciseIndex, eps []int) {
 // clear), and no entry has an empty mask; and every group's holey masks
 // are its endpoints' hole counts. No writer may run.
 func (ix *PreciseIndex) ownersConsistent() error {
-	for e := range ix.eps {
+	for e := range ix.Endpoints() {
 		o := ix.owner(e)
-		for m := range ix.eps[e].holes {
-			want := ix.eps[e].holes[m].Load() != 0 || ix.eps[e].saturated[m].Load()
+		for m := range ix.endpoint(e).holes {
+			want := ix.endpoint(e).holes[m].Load() != 0 || ix.endpoint(e).saturated[m].Load()
 			if have := o.g.holey[m].Load()&o.bit != 0; have != want {
 				return fmt.Errorf("endpoint %d medium %v: holey bit %v, holes %d, saturated %v", e, Medium(m), have,
-					ix.eps[e].holes[m].Load(), ix.eps[e].saturated[m].Load())
+					ix.endpoint(e).holes[m].Load(), ix.endpoint(e).saturated[m].Load())
 			}
 		}
 	}
-	for g := range ix.groups {
-		for s := range ix.groups[g].shards {
-			for m, owners := range ix.groups[g].shards[s].owners {
+	for g := range ix.Groups() {
+		for s := range ix.group(g).shards {
+			for m, owners := range ix.group(g).shards[s].owners {
 				for req, mask := range owners {
 					if mask == 0 {
 						return fmt.Errorf("group %d medium %v: request key %x with no owner", g, Medium(m), req)
 					}
 					for b := mask; b != 0; b &= b - 1 {
 						e := g*MaxEndpoints + bits.TrailingZeros64(b)
-						if e >= len(ix.eps) {
-							return fmt.Errorf("group %d medium %v: request key %x owned by endpoint %d of %d", g, Medium(m), req, e, len(ix.eps))
+						if e >= ix.Endpoints() {
+							return fmt.Errorf("group %d medium %v: request key %x owned by endpoint %d of %d", g, Medium(m), req, e, ix.Endpoints())
 						}
-						if ix.eps[e].held[req].c[m] == 0 {
+						if ix.endpoint(e).held[req].c[m] == 0 {
 							return fmt.Errorf("endpoint %d medium %v: bit set for request key %x it does not hold", e, Medium(m), req)
 						}
 					}
@@ -271,7 +271,7 @@ func TestPreciseCapacityFlood(t *testing.T) {
 		preciseStore(t, ix, 0, MediumGPU, eng, parent, i%1000 != 0, toks, 0)
 		parent = eng[len(eng)-1]
 	}
-	ix.eps[0].keys = nil
+	ix.endpoint(0).keys = nil
 	runtime.GC()
 	runtime.ReadMemStats(&after)
 	grew := int64(after.HeapAlloc) - int64(before.HeapAlloc)
@@ -285,7 +285,7 @@ func TestPreciseCapacityFlood(t *testing.T) {
 	}
 	// Leaves went first: the newest whole chains are intact (prefix-closed,
 	// no hole), the held blocks are the last ones announced.
-	if h := ix.eps[0].holes[MediumGPU].Load(); h != 0 {
+	if h := ix.endpoint(0).holes[MediumGPU].Load(); h != 0 {
 		t.Fatalf("%d holes after evicting leaves first", h)
 	}
 	checkPrecise(t, ix)
@@ -396,8 +396,8 @@ func TestPreciseBoundAgainstModel(t *testing.T) {
 		case op < 95:
 			ix.SetCapacity(e, rng.IntN(3*blocks))
 		}
-		for e := range ix.eps {
-			ep := &ix.eps[e]
+		for e := range ix.Endpoints() {
+			ep := ix.endpoint(e)
 			ep.mu.Lock()
 			err := ep.consistent(ix, e)
 			ep.mu.Unlock()
@@ -464,7 +464,7 @@ func TestPreciseJoinAfterRestart(t *testing.T) {
 	}
 	// Real events for the blocks held under synthetic keys replace them.
 	preciseStore(t, ix, 1, MediumGPU, eng[:93], 0, false, conv[:16*93], seed)
-	ep := &ix.eps[1]
+	ep := ix.endpoint(1)
 	if ep.synthetic != 0 {
 		t.Fatalf("%d synthetic keys left after the real events", ep.synthetic)
 	}
@@ -494,8 +494,8 @@ func TestPreciseJoinOrphanChain(t *testing.T) {
 	m := make([]int, 1)
 	ix.Match(req, MediumGPU, m)
 	st := ix.EndpointStats(0)
-	if m[0] != 40 || st.Orphans != 0 || st.Joined != 1 || ix.eps[0].synthetic != 9 {
-		t.Fatalf("matched %d, %+v, %d synthetic", m[0], st, ix.eps[0].synthetic)
+	if m[0] != 40 || st.Orphans != 0 || st.Joined != 1 || ix.endpoint(0).synthetic != 9 {
+		t.Fatalf("matched %d, %+v, %d synthetic", m[0], st, ix.endpoint(0).synthetic)
 	}
 	// The joined orphans kept their engine keys: the engine's removals work.
 	ix.Removed(0, MediumGPU, eng[15:16])
@@ -557,8 +557,11 @@ func BenchmarkPreciseStored(b *testing.B) {
 // linear definition read from the owners masks. The index has 130
 // endpoints (three groups of 64); the ops go to endpoints 0 and 64 (the
 // first of two groups), then 63 and 129 (the last of a full group and of a
-// partial one), alternating every 4 ops. The seeds are the attack shapes: a
-// flood of stores far over capacity, orphan chains, joins.
+// partial one), alternating every 4 ops. The index is made with 64 and
+// grown to 100, then 130 (a new group, then more of the last one: Grow),
+// and every 17th op moves an endpoint's state to another fuzzed endpoint
+// (Move, as the gateway moves a kv_store's slot). The seeds are the attack
+// shapes: a flood of stores far over capacity, orphan chains, joins.
 func FuzzPreciseIndex(f *testing.F) {
 	f.Add(seqBytes(0x00, 200))                  // a flood of rooted stores
 	f.Add(seqBytes(0x41, 200))                  // chained stores from unknown parents
@@ -573,7 +576,12 @@ func FuzzPreciseIndex(f *testing.F) {
 	}
 	fuzzEps := [4]int{0, 64, 63, 129}
 	f.Fuzz(func(t *testing.T, ops []byte) {
-		ix, _ := NewPreciseIndex(130, 16)
+		ix, _ := NewPreciseIndex(64, 16)
+		for _, n := range []int{100, 130} {
+			if err := ix.Grow(n); err != nil {
+				t.Fatal(err)
+			}
+		}
 		ix.SetCapacity(0, 5)
 		ix.SetCapacity(64, 12)
 		ix.SetMediumCapacity(64, MediumCPU, 4)
@@ -585,6 +593,11 @@ func FuzzPreciseIndex(f *testing.F) {
 			e, d, from := fuzzEps[int(op>>7)+2*(i>>2&1)], int(op>>3)&7, int(op&7)
 			md := Medium(i / 2 % 3) // GPU, GPU, CPU, CPU, DISK, DISK, ...
 			switch {
+			case i%17 == 16:
+				to := fuzzEps[(slices.Index(fuzzEps[:], e)+1+int(op&1))%len(fuzzEps)]
+				if err := ix.Move(e, to); err != nil {
+					t.Fatal(err)
+				}
 			case i%7 == 6:
 				ix.Removed(e, Medium(op&1), docs[d][from:min(8, from+2)])
 			case op&0x60 == 0x60 && i%5 == 4:
@@ -635,4 +648,10 @@ func seqBytes(b byte, n int) []byte {
 		out[i] = b + byte(i)
 	}
 	return out
+}
+
+// owner returns endpoint e's group and bit (0 <= e < Endpoints()).
+func (ix *PreciseIndex) owner(e int) owner {
+	_, o, _ := ix.at(e)
+	return o
 }

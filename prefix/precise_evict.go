@@ -163,14 +163,13 @@ func (ep *preciseEndpoint) touch(h uint64) {
 // blocks of the index's block size; 0 removes the bound. Blocks beyond it
 // are evicted now and whenever a Stored call adds more.
 func (ix *PreciseIndex) SetCapacity(e int, blocks int) {
-	if e < 0 || e >= len(ix.eps) {
+	ep, bit, ok := ix.at(e)
+	if !ok {
 		return
 	}
-	ep := &ix.eps[e]
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	ep.capacity = max(0, blocks)
-	bit := ix.owner(e)
 	ix.evict(ep, bit)
 	syncHoley(ep, bit)
 }
@@ -240,7 +239,7 @@ func (ix *PreciseIndex) SetMediumCapacity(e int, m Medium, blocks int) {
 	if ix.check(e, m) != nil {
 		return
 	}
-	ep := &ix.eps[e]
+	ep, bit, _ := ix.at(e)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	t := &ep.tiers[m]
@@ -265,7 +264,6 @@ func (ix *PreciseIndex) SetMediumCapacity(e int, m Medium, blocks int) {
 		}
 	}
 	t.capacity = blocks
-	bit := ix.owner(e)
 	ix.evictIn(ep, bit, m)
 	syncHoley(ep, bit)
 }

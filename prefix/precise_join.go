@@ -99,10 +99,11 @@ func (ep *preciseEndpoint) forgetRouted() {
 // only when a prompt is longer than any the slot held before. Safe for
 // concurrent use; it does not wait for event application.
 func (ix *PreciseIndex) Routed(e int, hashes []uint64) {
-	if e < 0 || e >= len(ix.eps) || len(hashes) < 2 {
+	ep, _, ok := ix.at(e)
+	if !ok || len(hashes) < 2 {
 		return
 	}
-	r := &ix.eps[e].routed
+	r := &ep.routed
 	r.mu.Lock()
 	r.next = (r.next + 1) % routedSlots
 	r.bufs[r.next] = append(r.bufs[r.next][:0], hashes[:min(len(hashes), maxRoutedBlocks)]...)

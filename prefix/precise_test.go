@@ -165,10 +165,10 @@ func TestPreciseRemoveAndClear(t *testing.T) {
 // distinct is the number of (group, medium, request key) owners entries.
 func (ix *PreciseIndex) distinct() int {
 	n := 0
-	for g := range ix.groups {
-		for s := range ix.groups[g].shards {
-			for md := range ix.groups[g].shards[s].owners {
-				n += len(ix.groups[g].shards[s].owners[md])
+	for g := range ix.Groups() {
+		for s := range ix.group(g).shards {
+			for md := range ix.group(g).shards[s].owners {
+				n += len(ix.group(g).shards[s].owners[md])
 			}
 		}
 	}
@@ -199,8 +199,8 @@ func TestPreciseDuplicatesAndSharedRequestKeys(t *testing.T) {
 	check(1)
 	ix.Removed(0, MediumGPU, b[:1])
 	check(0)
-	if ix.Len(0, MediumGPU) != 0 || len(ix.eps[0].eng) != 0 || len(ix.eps[0].held) != 0 {
-		t.Fatalf("state left: %d engine keys, %d request keys", len(ix.eps[0].eng), len(ix.eps[0].held))
+	if ix.Len(0, MediumGPU) != 0 || len(ix.endpoint(0).eng) != 0 || len(ix.endpoint(0).held) != 0 {
+		t.Fatalf("state left: %d engine keys, %d request keys", len(ix.endpoint(0).eng), len(ix.endpoint(0).held))
 	}
 }
 
@@ -489,7 +489,7 @@ func testPreciseAgainstModel(t *testing.T, n int, ids []int) {
 						holes++
 					}
 				}
-				if got := ix.eps[ids[e]].holes[md].Load(); got != int64(holes) {
+				if got := ix.endpoint(ids[e]).holes[md].Load(); got != int64(holes) {
 					t.Fatalf("step %d medium %d endpoint %d: %d holes counted, model %d", step, md, e, got, holes)
 				}
 				if holes == 0 && len(have) > 0 {
@@ -655,8 +655,8 @@ func TestPreciseManyEndpoints(t *testing.T) {
 	ix.Removed(999, MediumGPU, eng[5:6])
 	want[999] = 5
 	check("removed")
-	if ix.eps[999].holes[MediumGPU].Load() != 1 || ix.Len(999, MediumGPU) != 49 {
-		t.Fatalf("endpoint 999: %d holes, %d blocks", ix.eps[999].holes[MediumGPU].Load(), ix.Len(999, MediumGPU))
+	if ix.endpoint(999).holes[MediumGPU].Load() != 1 || ix.Len(999, MediumGPU) != 49 {
+		t.Fatalf("endpoint 999: %d holes, %d blocks", ix.endpoint(999).holes[MediumGPU].Load(), ix.Len(999, MediumGPU))
 	}
 	// Forget the first endpoint of group 1, Cleared the last of group 0,
 	// ClearedMedium(CPU) of one in group 7: nobody else changes.
@@ -730,7 +730,7 @@ func TestPreciseIndexBytesPerBlock(t *testing.T) {
 				}
 				preciseStore(t, ix, e, MediumGPU, eng[i:i+50], parent, i > e*per, toks[16*i:16*(i+50)], 0)
 			}
-			ix.eps[e].keys = nil // scratch, not per block
+			ix.endpoint(e).keys = nil // scratch, not per block
 		}
 		runtime.GC()
 		runtime.ReadMemStats(&after)

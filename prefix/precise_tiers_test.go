@@ -254,7 +254,7 @@ func TestPreciseMediumCapacityLeavesFirst(t *testing.T) {
 			t.Fatalf("conversation %d matches %d blocks on the GPU", c, got)
 		}
 	}
-	if h := ix.eps[0].holes[MediumCPU].Load(); h != 0 {
+	if h := ix.endpoint(0).holes[MediumCPU].Load(); h != 0 {
 		t.Fatalf("%d holes in CPU after evicting leaves first", h)
 	}
 	checkPrecise(t, ix)
@@ -476,7 +476,7 @@ func TestPreciseTiersAgainstModel(t *testing.T) {
 						holes++
 					}
 				}
-				if got := ix.eps[e].holes[md].Load(); got != int64(holes) {
+				if got := ix.endpoint(e).holes[md].Load(); got != int64(holes) {
 					t.Fatalf("step %d endpoint %d medium %v: %d holes, model %d", step, e, Medium(md), got, holes)
 				}
 				if holes == 0 && len(have) > 0 && md != int(MediumGPU) {
@@ -573,8 +573,8 @@ func TestPreciseTierBoundsRandom(t *testing.T) {
 		default:
 			ix.SetMediumCapacity(e, md, rng.IntN(2*blocks))
 		}
-		for e := range ix.eps {
-			ep := &ix.eps[e]
+		for e := range ix.Endpoints() {
+			ep := ix.endpoint(e)
 			ep.mu.Lock()
 			err := ep.consistent(ix, e)
 			for m := range Medium(NumMedia) {

@@ -185,7 +185,8 @@ type Profile struct {
 	match    MatchSource // source of Cycle.Matched; nil: none
 	hashes   bool        // some plugin reads Request.Hashes
 	forget   []func(int)
-	approx   *prefix.Index // the approximate index, nil when no scorer uses it
+	grow     []func(int) error // Grow's, one per index of the profile
+	approx   *prefix.Index     // the approximate index, nil when no scorer uses it
 	// spec is the precise index with the recent decisions' prompts
 	// (speculative.go), nil unless the profile has a SpeculativeTTL and a
 	// precise-prefix scorer; specTTL is the profile's TTL.
@@ -228,6 +229,17 @@ func (p *Profile) Forget(i int) {
 	for _, f := range p.forget {
 		f(i)
 	}
+}
+
+// Grow implements Grower: the profile's indexes (the approximate index,
+// a peer scorer's) take n slots, keeping what they hold.
+func (p *Profile) Grow(n int) error {
+	for _, g := range p.grow {
+		if err := g(n); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // LearnPeer implements PeerLearner: the approximate index (when the

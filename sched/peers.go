@@ -417,13 +417,19 @@ func newSGLangTree(cfg SGLangConfig, routingBlock, endpoints int) (*sglangTree, 
 	}
 	capacity := make([]int, endpoints)
 	for i := range capacity {
-		capacity[i] = max(1, cfg.MaxTreeSize/(sglangCharsPerToken*routingBlock))
+		capacity[i] = sglangCapacity(cfg, routingBlock)
 	}
 	ix, err := prefix.NewIndex(capacity)
 	if err != nil {
 		return nil, err
 	}
 	return &sglangTree{ix: ix}, nil
+}
+
+// sglangCapacity is a worker's bound in the sglang-tree index, in routing
+// blocks: MaxTreeSize characters at sglangCharsPerToken (cfg defaulted).
+func sglangCapacity(cfg SGLangConfig, routingBlock int) int {
+	return max(1, cfg.MaxTreeSize/(sglangCharsPerToken*routingBlock))
 }
 
 // sglangPicker is SGLang router's cache_aware select_worker
@@ -591,6 +597,8 @@ func (p *Profile) newPeerScorer(name string, cfg Config, pool Pool, pcfg PrefixC
 		p.peerMatch = s
 		p.learners = append(p.learners, s)
 		p.forget = append(p.forget, s.ix.Clear)
+		perServer := cfg.LLMD.withDefaults().LRUCapacityPerServer
+		p.grow = append(p.grow, func(n int) error { return s.ix.Grow(n, perServer) })
 		p.hashes = true
 		return s, nil
 	case ScorerNoHitLRU:
@@ -613,6 +621,8 @@ func (p *Profile) newPeerScorer(name string, cfg Config, pool Pool, pcfg PrefixC
 		p.peerMatch, p.sglang = t.ix, t
 		p.learners = append(p.learners, t)
 		p.forget = append(p.forget, t.ix.Clear)
+		perWorker := sglangCapacity(cfg.SGLang.withDefaults(), pcfg.BlockSize)
+		p.grow = append(p.grow, func(n int) error { return t.ix.Grow(n, perWorker) })
 		p.hashes = true
 		return t, nil
 	}

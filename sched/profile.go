@@ -259,6 +259,9 @@ func (s stateless) Name() string                               { return s.p.Name
 func (s stateless) NeedsHashes() bool                          { return s.p.NeedsHashes() }
 func (s stateless) Pick(req *Request, eps []Endpoint) Decision { return s.p.Pick(req, eps) }
 
+// Grow implements Grower: nothing is kept per slot.
+func (stateless) Grow(int) error { return nil }
+
 // Validate checks cfg without a pool: the policy name, every profile of
 // cfg.Profiles and the tuning sections.
 func Validate(cfg Config) error {
@@ -401,6 +404,7 @@ func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfi
 			}
 			p.approx = ix
 			p.forget = append(p.forget, ix.Clear)
+			p.grow = append(p.grow, func(n int) error { return ix.Grow(n, 1) })
 			p.finishLearn = pcfg.learnOnFinish()
 		}
 		ps := &prefixScorer{ix: p.approx, minGain: pcfg.MinMatchGain, pin: p.finishLearn}

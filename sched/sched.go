@@ -127,6 +127,23 @@ type Resizer interface {
 	SetCapacity(i, blocks int)
 }
 
+// Grower is implemented by policies whose per-endpoint state can take more
+// endpoint slots in place, keeping what it learnt of the slots it has
+// (the prefix scorer's approximate index and the peers' indexes grow,
+// prefix.Index.Grow; the session table, the speculative entries and the
+// no-hit LRU name slots and need nothing). Grow(n) makes the policy one
+// for n slots, as if Pool.Capacity had n entries, the new ones bounded at
+// 1 block (the peers' indexes: their configured bound) until SetCapacity;
+// n at most the slots it has changes nothing. The gateway grows a kept
+// policy when a reload or a discovery change gives its pool more slots,
+// before any Pick sees the new endpoints. Safe for concurrent use with
+// Pick: the picks that started before it returns match the slots they
+// had. Errors only past prefix.MaxIndexEndpoints. A policy without
+// per-endpoint state implements it as a no-op.
+type Grower interface {
+	Grow(n int) error
+}
+
 // Finisher is implemented by policies whose approximate prefix index
 // evicts in the engine's order (PrefixConfig.LearnOnFinish): Pick pins the
 // prompt on the chosen endpoint and Finished releases the pin and touches
