@@ -126,7 +126,7 @@ func (x *exchange) requestIDValue(id string) []string {
 
 func (g *Gateway) putExchange(x *exchange) {
 	x.chat = openai.ChatRequest{}
-	x.comp = openai.CompletionRequest{}
+	x.comp.Reset(maxPooledBuffer / 4) // its token-id prompt's buffer kept for the next request
 	x.sreq = sched.Request{}
 	x.model, x.salt, x.user = "", "", ""
 	x.share = load.Share{}
