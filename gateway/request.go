@@ -42,7 +42,10 @@ const numPathKinds = int(kindDetokenize) + 1
 type exchange struct {
 	// hb writes heartbeats to a streaming request held while its pool
 	// has no ready endpoint (coldstart.go; zero otherwise).
-	hb      heartbeat
+	hb heartbeat
+	// rec records the endpoint picker's refusal of this request
+	// (Gateway.Pick), reset with the exchange.
+	rec     eppRecorder
 	body    []byte // the client's request body
 	upBody  []byte // the body sent upstream when it differs from body
 	chat    openai.ChatRequest
@@ -155,6 +158,7 @@ func (g *Gateway) putExchange(x *exchange) {
 		x.errBody = nil
 	}
 	x.edge = exchangeEdge{}
+	x.rec = eppRecorder{} // a refusal's header and body are the Refusal's
 	x.obs, x.keyUse = nil, nil
 	clear(x.upHeader) // the client's header values
 	x.reqID[0] = ""
