@@ -59,6 +59,7 @@ type exchange struct {
 	// stripped holds a chunk less the usage member the gateway asked for.
 	stripped []byte
 	segs     []string // a chat's rendered segments (openai.AppendChatSegments)
+	segBuf   []byte   // their bytes (openai.AppendChatSegmentsIn)
 	toks     []uint32 // a chat's routing tokens
 
 	// er reads the engine's SSE stream through fr; reset per stream, so its
@@ -139,6 +140,9 @@ func (g *Gateway) putExchange(x *exchange) {
 	}
 	clear(x.segs) // do not keep the request's text alive in the pool
 	x.segs = x.segs[:0]
+	if cap(x.segBuf) > maxPooledBuffer {
+		x.segBuf = nil
+	}
 	if cap(x.toks) > maxPooledBuffer/4 {
 		x.toks = nil
 	}
@@ -534,7 +538,9 @@ func (x *exchange) promptTokens(kind apiKind, p *pool, exact bool) []uint32 {
 	case kind == kindChat:
 		// Message by message, through the segment cache: a conversation's
 		// system prompt and earlier turns are tokenized once, not per turn.
-		x.segs = openai.AppendChatSegments(x.segs[:0], x.chat.Tools, x.chat.Messages)
+		// The segments share x.segBuf (no string per message), which
+		// nothing keeps past this call.
+		x.segBuf, x.segs = openai.AppendChatSegmentsIn(x.segBuf, x.segs[:0], x.chat.Tools, x.chat.Messages)
 		x.toks, _ = p.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
 		return x.toks
 	case kind == kindResponses:
