@@ -120,8 +120,9 @@ type Picked struct {
 	rm    *routeMetrics
 	start time.Time
 	// dests are the destinations: the pick first, then the fallbacks
-	// (ip:port).
+	// (ip:port); in dest when there are none.
 	dests []string
+	dest  [1]string
 	body  []byte
 	// changed: body differs from the request's.
 	changed bool
@@ -149,14 +150,20 @@ func (pk *Picked) BodyChanged() bool { return pk.changed }
 
 // eppRecorder records the gateway's answer to a request it refuses (the
 // request path's own errors: g.fail, failNoEndpoint, admitQueued), so that
-// the picker answers them as they are.
+// the picker answers them as they are. Its zero value is ready; the header
+// is made on first use (a pick that is not refused makes none).
 type eppRecorder struct {
 	h      http.Header
 	status int
 	body   []byte
 }
 
-func (w *eppRecorder) Header() http.Header { return w.h }
+func (w *eppRecorder) Header() http.Header {
+	if w.h == nil {
+		w.h = http.Header{}
+	}
+	return w.h
+}
 func (w *eppRecorder) WriteHeader(code int) {
 	if w.status == 0 {
 		w.status = code
@@ -174,16 +181,16 @@ func (w *eppRecorder) Write(b []byte) (int, error) {
 // (its context ended) and did not answer is a 499 with no body.
 func (w *eppRecorder) refusal() *Refusal {
 	if w.status == 0 {
-		return &Refusal{Status: codeClientClosed, Header: w.h}
+		return &Refusal{Status: codeClientClosed, Header: w.Header()}
 	}
-	return &Refusal{Status: w.status, Header: w.h, Body: w.body}
+	return &Refusal{Status: w.status, Header: w.Header(), Body: w.body}
 }
 
 // Refuse returns the OpenAI error e as a Refusal, counted in the gateway's
 // metrics under model "unknown" (the picker's own refusals: a body over
 // max_body_bytes).
 func (g *Gateway) Refuse(e *openai.Error) *Refusal {
-	w := &eppRecorder{h: http.Header{}}
+	w := &eppRecorder{}
 	g.fail(w, g.unknown, e)
 	return w.refusal()
 }
@@ -249,17 +256,18 @@ func (g *Gateway) Pick(ctx context.Context, req *PickRequest) (*Picked, *Refusal
 		start = time.Now()
 	}
 	st := g.state.Load()
-	w := &eppRecorder{h: http.Header{}}
 	if req.Body == nil {
-		return g.pickBodiless(st, req, w, start)
+		return g.pickBodiless(st, req, &eppRecorder{}, start)
 	}
 	kind, ok := eppKind(req.Method, req.Path)
 	if !ok {
+		w := &eppRecorder{}
 		g.fail(w, g.unknown, openai.NewError(http.StatusNotFound,
 			fmt.Sprintf("Invalid URL (%s %s)", req.Method, truncate(req.Path, maxPassPath)), "", "not_found"))
 		return nil, w.refusal()
 	}
 	if int64(len(req.Body)) > g.cfg.MaxBodyBytes {
+		w := &eppRecorder{}
 		g.fail(w, g.unknown, openai.NewError(http.StatusRequestEntityTooLarge,
 			fmt.Sprintf("Request body is larger than the limit of %d bytes.", g.cfg.MaxBodyBytes), "", openai.CodeRequestTooLarge))
 		return nil, w.refusal()
@@ -273,12 +281,14 @@ func (g *Gateway) Pick(ctx context.Context, req *PickRequest) (*Picked, *Refusal
 	x.body = req.Body
 	g.metrics.api[kind].Inc()
 	pk := &Picked{g: g, x: x, start: start}
+	w := &x.rec // no allocation for a pick that is not refused
 	refuse := func(rm *routeMetrics, e *openai.Error) (*Picked, *Refusal) {
 		if e != nil {
 			g.fail(w, rm, e)
 		}
+		ref := w.refusal() // before x, which holds w, goes back to the pool
 		pk.release()
-		return nil, w.refusal()
+		return nil, ref
 	}
 	verr := x.decode(kind)
 	targets := st.targets[x.model]
@@ -378,7 +388,7 @@ func (g *Gateway) pickRouted(w http.ResponseWriter, r *http.Request, x *exchange
 		}
 	}
 	pk.body, pk.changed = body, pk.strip || x.pass.sendBody != nil
-	pk.dests = append(pk.dests, ep.addr)
+	pk.dests = append(pk.dest[:0], ep.addr)
 	pk.dests = g.appendFallbacks(pk.dests, p, excluded, i)
 	return true
 }

@@ -362,11 +362,12 @@ func (r *replicas) expect(s []sched.Endpoint) { r.node.Expect(s, clock(time.Now(
 // replicaTarget resolves peers' learns in the configuration in force.
 type replicaTarget struct{ g *Gateway }
 
-// knownURLs is the set of a state's endpoint URLs, and each pool's slots
-// by endpoint URL (Resolve's lookup).
+// knownURLs is a state's endpoint URLs (each to the endpoint's own
+// string: Intern's table), and each pool's slots by endpoint URL
+// (Resolve's lookup).
 type knownURLs struct {
 	st    *state
-	urls  map[string]struct{}
+	urls  map[string]string
 	slots map[string]map[string]int // model → endpoint URL → slot
 }
 
@@ -378,10 +379,10 @@ func (t replicaTarget) known() *knownURLs {
 	if k != nil && k.st == st {
 		return k
 	}
-	k = &knownURLs{st: st, urls: map[string]struct{}{}, slots: map[string]map[string]int{}}
+	k = &knownURLs{st: st, urls: map[string]string{}, slots: map[string]map[string]int{}}
 	if st != nil {
 		for _, ep := range st.endpoints {
-			k.urls[ep.name] = struct{}{}
+			k.urls[ep.name] = ep.name
 		}
 		for model, p := range st.pools {
 			m := make(map[string]int, len(p.endpoints))
@@ -400,11 +401,13 @@ func (t replicaTarget) known() *knownURLs {
 	return k
 }
 
-// Known implements replica.Target: endpoint is configured now. The set is
-// rebuilt when a reload published a new state.
-func (t replicaTarget) Known(endpoint string) bool {
-	_, ok := t.known().urls[endpoint]
-	return ok
+// Intern implements replica.Target: the endpoint of URL url configured
+// now, by its own string (a peer's load report then decodes without a
+// string per endpoint). The table is rebuilt when a reload published a
+// new state; a URL it lacks is not kept anywhere.
+func (t replicaTarget) Intern(url []byte) (string, bool) {
+	s, ok := t.known().urls[string(url)]
+	return s, ok
 }
 
 // Resolve implements replica.Target: a P/D pool's prefill learns teach

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -194,5 +195,60 @@ func TestReplicaResolveSlots(t *testing.T) {
 		if !ok || p.endpoints[slot].name != name {
 			t.Fatalf("%s after the reload: slot %d, ok %v", name, slot, ok)
 		}
+	}
+}
+
+// TestReplicaLoadReportInterned: a peer's load report of every endpoint of
+// a 1,000-endpoint configuration is applied with this replica's own
+// strings of the URLs and allocates O(1), not one string per endpoint and
+// a map per report (1,007 allocations before); entries for URLs this
+// replica lacks (a hostile or differently configured peer) are dropped
+// and kept nowhere; after a reload, a removed endpoint's URL is unknown.
+func TestReplicaLoadReportInterned(t *testing.T) {
+	const n = 1000
+	cfg := eppBenchConfig(sched.CacheAware, n, 1)
+	cfg.Replicas = ReplicasConfig{RedisURL: "redis://127.0.0.1:1", ID: "gw-a"} // unreachable: apply is called directly
+	g, err := New(context.Background(), cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	p := g.state.Load().pools["m0"]
+	entries := make([]replica.LoadEntry, 0, n+100)
+	for i := range n {
+		entries = append(entries, replica.LoadEntry{Endpoint: p.endpoints[i].name, Load: replica.Load{InFlight: int64(i%7 + 1), InFlightTokens: int64(i), PendingPrefill: 1}})
+	}
+	for i := range 100 {
+		entries = append(entries, replica.LoadEntry{Endpoint: "http://unknown-" + strconv.Itoa(i) + ":1", Load: replica.Load{InFlight: 9}})
+	}
+	msg := replica.AppendLoad(nil, "gw-b", time.Now().UnixNano(), entries)
+	r := g.replicas
+	r.apply(msg, false)
+	if a := testing.AllocsPerRun(20, func() { r.apply(msg, false) }); a > 2 {
+		t.Errorf("a load report of %d endpoints allocates %v times, want O(1)", n, a)
+	}
+	now := clock(time.Now())
+	for i := range n {
+		if got := r.peers.Sum(p.endpoints[i].name, now); got != entries[i].Load {
+			t.Fatalf("endpoint %d: peer's load %+v, want %+v", i, got, entries[i].Load)
+		}
+	}
+	if got := r.peers.Sum("http://unknown-0:1", now); got != (replica.Load{}) {
+		t.Fatalf("an unknown endpoint's load kept: %+v", got)
+	}
+	removed := p.endpoints[0].name
+	cfg.Endpoints = cfg.Endpoints[1:]
+	if err := g.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := (replicaTarget{g}).Intern([]byte(removed)); ok {
+		t.Fatalf("%s interned after the reload removed it", removed)
+	}
+	r.apply(replica.AppendLoad(nil, "gw-b", time.Now().UnixNano(), entries), false)
+	if got := r.peers.Sum(removed, clock(time.Now())); got != (replica.Load{}) {
+		t.Fatalf("the removed endpoint's load kept: %+v", got)
+	}
+	if got := r.peers.Sum(p.endpoints[1].name, clock(time.Now())); got != entries[1].Load {
+		t.Fatalf("endpoint 1 after the reload: %+v", got)
 	}
 }

@@ -42,7 +42,10 @@ const numPathKinds = int(kindDetokenize) + 1
 type exchange struct {
 	// hb writes heartbeats to a streaming request held while its pool
 	// has no ready endpoint (coldstart.go; zero otherwise).
-	hb      heartbeat
+	hb heartbeat
+	// rec records the endpoint picker's refusal of this request
+	// (Gateway.Pick), reset with the exchange.
+	rec     eppRecorder
 	body    []byte // the client's request body
 	upBody  []byte // the body sent upstream when it differs from body
 	chat    openai.ChatRequest
@@ -56,6 +59,7 @@ type exchange struct {
 	// stripped holds a chunk less the usage member the gateway asked for.
 	stripped []byte
 	segs     []string // a chat's rendered segments (openai.AppendChatSegments)
+	segBuf   []byte   // their bytes (openai.AppendChatSegmentsIn)
 	toks     []uint32 // a chat's routing tokens
 
 	// er reads the engine's SSE stream through fr; reset per stream, so its
@@ -126,7 +130,7 @@ func (x *exchange) requestIDValue(id string) []string {
 
 func (g *Gateway) putExchange(x *exchange) {
 	x.chat = openai.ChatRequest{}
-	x.comp = openai.CompletionRequest{}
+	x.comp.Reset(maxPooledBuffer / 4) // its token-id prompt's buffer kept for the next request
 	x.sreq = sched.Request{}
 	x.model, x.salt, x.user = "", "", ""
 	x.share = load.Share{}
@@ -136,6 +140,9 @@ func (g *Gateway) putExchange(x *exchange) {
 	}
 	clear(x.segs) // do not keep the request's text alive in the pool
 	x.segs = x.segs[:0]
+	if cap(x.segBuf) > maxPooledBuffer {
+		x.segBuf = nil
+	}
 	if cap(x.toks) > maxPooledBuffer/4 {
 		x.toks = nil
 	}
@@ -155,6 +162,7 @@ func (g *Gateway) putExchange(x *exchange) {
 		x.errBody = nil
 	}
 	x.edge = exchangeEdge{}
+	x.rec = eppRecorder{} // a refusal's header and body are the Refusal's
 	x.obs, x.keyUse = nil, nil
 	clear(x.upHeader) // the client's header values
 	x.reqID[0] = ""
@@ -530,7 +538,9 @@ func (x *exchange) promptTokens(kind apiKind, p *pool, exact bool) []uint32 {
 	case kind == kindChat:
 		// Message by message, through the segment cache: a conversation's
 		// system prompt and earlier turns are tokenized once, not per turn.
-		x.segs = openai.AppendChatSegments(x.segs[:0], x.chat.Tools, x.chat.Messages)
+		// The segments share x.segBuf (no string per message), which
+		// nothing keeps past this call.
+		x.segBuf, x.segs = openai.AppendChatSegmentsIn(x.segBuf, x.segs[:0], x.chat.Tools, x.chat.Messages)
 		x.toks, _ = p.segments.AppendTokens(x.toks[:0], x.segs, maxRoutingTextBytes)
 		return x.toks
 	case kind == kindResponses:

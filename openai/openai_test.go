@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -618,5 +619,42 @@ func TestDecodeErrorMessages(t *testing.T) {
 		if e == nil || !strings.HasPrefix(e.Message, want) {
 			t.Errorf("%s: error %v, want %q", body, e, want)
 		}
+	}
+}
+
+// TestAppendChatSegmentsIn: the segments rendered into one buffer are
+// AppendChatSegments', with and without tools or tool calls, into a
+// buffer reused from a longer and a shorter chat; a chat without tools
+// makes no string of its own once the buffer is large enough.
+func TestAppendChatSegmentsIn(t *testing.T) {
+	long := strings.Repeat("You are a helpful assistant. ", 80)
+	chats := [][]Message{
+		{{Role: "system", Content: Content{Text: long}}, {Role: "user", Content: Content{Text: "Hi"}}},
+		{{Role: "user", Content: Content{Text: "é ∑ \x00 <|eot_id|>"}}},
+		{{Role: "system", Content: Content{Text: "Be brief."}}, {Role: "user", Content: Content{Text: "Hi"}},
+			{Role: "assistant", Content: Content{Text: "Hello"}, ToolCalls: json.RawMessage(`[ {"id": "1"} ]`)}},
+		{{Role: "assistant", Content: Content{Null: true}}},
+		nil,
+	}
+	tools := json.RawMessage(`[{"type": "function", "function":{"name":"f"}}]`)
+	var buf []byte
+	var segs []string
+	for round := range 2 {
+		for i, msgs := range chats {
+			for _, tl := range []json.RawMessage{nil, tools} {
+				want := AppendChatSegments(nil, tl, msgs)
+				buf, segs = AppendChatSegmentsIn(buf, segs[:0], tl, msgs)
+				if !slices.Equal(segs, want) {
+					t.Fatalf("round %d chat %d tools %v:\n%q\nwant\n%q", round, i, tl != nil, segs, want)
+				}
+			}
+		}
+	}
+	if raceEnabled {
+		return
+	}
+	buf, _ = AppendChatSegmentsIn(buf, segs[:0], nil, chats[0])
+	if n := testing.AllocsPerRun(50, func() { buf, segs = AppendChatSegmentsIn(buf, segs[:0], nil, chats[0]) }); n != 0 {
+		t.Errorf("a chat's segments into a reused buffer allocate %v times", n)
 	}
 }

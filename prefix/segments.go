@@ -2,6 +2,7 @@ package prefix
 
 import (
 	"container/list"
+	"strings"
 	"sync"
 
 	"github.com/cespare/xxhash/v2"
@@ -146,7 +147,7 @@ func (c *SegmentCache) shortTokens(s string) []uint32 {
 		return nil
 	}
 	c.mu.Lock()
-	slot.text, slot.ids = s, ids
+	slot.text, slot.ids = strings.Clone(s), ids // s may be on the caller's reused buffer (openai.AppendChatSegmentsIn)
 	c.mu.Unlock()
 	return ids
 }

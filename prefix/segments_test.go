@@ -3,6 +3,7 @@ package prefix
 import (
 	"strings"
 	"testing"
+	"unsafe"
 )
 
 func TestSegmentCache(t *testing.T) {
@@ -101,5 +102,41 @@ func TestSegmentCacheShort(t *testing.T) {
 	c.segmentTokens(s)
 	if n := testing.AllocsPerRun(100, func() { c.segmentTokens(s) }); n != 0 {
 		t.Fatalf("a short segment's hit allocates %.0f times", n)
+	}
+}
+
+// TestSegmentCacheCopiesShortSegments: a segment passed on a buffer the
+// caller reuses (openai.AppendChatSegmentsIn) is not kept: the short
+// table stores its own copy, so the buffer's next contents do not change
+// what the segment's text finds.
+func TestSegmentCacheCopiesShortSegments(t *testing.T) {
+	tok, err := NewTokenizer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := NewSegmentCache(tok, 2000)
+	buf := []byte("<|start_header_id|>user<|end_header_id|>\n\nhello there<|eot_id|>")
+	seg := unsafe.String(&buf[0], len(buf))
+	want := tok.Encode(string(buf))
+	if got, _ := c.AppendTokens(nil, []string{seg}, 0); !equalIDs(got, want) {
+		t.Fatal("first tokenization differs")
+	}
+	other := "<|start_header_id|>user<|end_header_id|>\n\nworld again<|eot_id|>"
+	if copy(buf, other) != len(other) || len(other) != len(buf) { // the caller's next request
+		t.Fatal("test texts of different lengths")
+	}
+	if got, _ := c.AppendTokens(nil, []string{"<|start_header_id|>user<|end_header_id|>\n\nhello there<|eot_id|>"}, 0); !equalIDs(got, want) {
+		t.Fatal("the cached segment changed with the caller's buffer")
+	}
+	if got, _ := c.AppendTokens(nil, []string{seg}, 0); !equalIDs(got, tok.Encode(other)) {
+		t.Fatal("the buffer's new text tokenized as the old")
+	}
+	// A stale text on the buffer would answer a later segment that hashes
+	// to its slot and reads the same there: no slot may point into it.
+	for i := range c.short {
+		if p := unsafe.StringData(c.short[i].text); p != nil && uintptr(unsafe.Pointer(p)) >= uintptr(unsafe.Pointer(&buf[0])) &&
+			uintptr(unsafe.Pointer(p)) < uintptr(unsafe.Pointer(&buf[0]))+uintptr(len(buf)) {
+			t.Fatalf("short slot %d keeps the caller's buffer", i)
+		}
 	}
 }

@@ -191,7 +191,14 @@ type target struct {
 	slots map[string]int
 }
 
-func (t target) Known(endpoint string) bool { _, ok := t.slots[endpoint]; return ok }
+func (t target) Intern(url []byte) (string, bool) {
+	for s := range t.slots {
+		if s == string(url) {
+			return s, true
+		}
+	}
+	return "", false
+}
 
 func (t target) Resolve(model, endpoint string, _ sched.Role) (sched.PeerLearner, int, bool) {
 	i, ok := t.slots[endpoint]
@@ -324,7 +331,7 @@ type polTarget struct{ l sched.PeerLearner }
 func (t polTarget) Resolve(string, string, sched.Role) (sched.PeerLearner, int, bool) {
 	return t.l, 1, true
 }
-func (polTarget) Known(string) bool { return true }
+func (polTarget) Intern(url []byte) (string, bool) { return string(url), true }
 
 // TestDecodeRoleByte: the P/D learn's one extra byte, well formed, decodes
 // (the malformed cases above differ from it only in that byte).

@@ -115,6 +115,33 @@ type Msg struct {
 	Role sched.Role
 	// Load: the sender's load per endpoint.
 	Loads []LoadEntry
+	// recent is the ids and models decoded into this Msg lately (their
+	// strings reused).
+	recent recentStrings
+}
+
+// recentStrings keeps the last few strings a Msg decoded for replica ids
+// and models, so that a reader decoding every message into one Msg
+// allocates a peer's id or a model's name once, not once per message (a
+// fleet has a few replicas and models). Bounded: 8 strings of at most
+// MaxModel bytes.
+type recentStrings struct {
+	s    [8]string
+	next uint8
+}
+
+// get returns a string equal to b: a kept one, or a new one kept in place
+// of the oldest.
+func (c *recentStrings) get(b []byte) string {
+	for _, s := range &c.s {
+		if s == string(b) { // compared without a conversion's allocation
+			return s
+		}
+	}
+	s := string(b)
+	c.s[c.next%uint8(len(c.s))] = s
+	c.next++
+	return s
 }
 
 // AppendLearn appends a learn message to dst: replica id routed a prompt
@@ -183,17 +210,30 @@ func appendString(dst []byte, s string, limit int) []byte {
 // ErrMalformed wraps every decoding error.
 var ErrMalformed = errors.New("replica: malformed message")
 
-// Decode parses b into m, reusing m's slices. It never panics and
-// allocates at most what b's length justifies (strings, hashes and entries
-// are bounded by the bytes present); an error wraps ErrMalformed.
-func Decode(b []byte, m *Msg) error {
-	if err := decode(b, m); err != nil {
+// Decode parses b into m, reusing m's slices (and its strings of the
+// sender's id and the model when the last few messages decoded into m had
+// them). It never panics and allocates at most what b's length justifies
+// (strings, hashes and entries are bounded by the bytes present); an
+// error wraps ErrMalformed.
+func Decode(b []byte, m *Msg) error { return decodeInterned(b, m, nil) }
+
+// decodeInterned is Decode with the endpoint URLs interned by names (nil:
+// none): a URL names knows is names' own string, no allocation; a load
+// entry of a URL it does not know is left out of m.Loads (the receiver
+// keeps no load of an endpoint it lacks), a learn's is allocated as
+// Decode does (Target.Resolve then finds no slot for it). So a load
+// report of known endpoints, decoded into a reused Msg, allocates
+// nothing, whatever its size, and one of unknown URLs allocates nothing
+// either: a hostile peer cannot make the reader allocate per entry nor
+// keep what it names.
+func decodeInterned(b []byte, m *Msg, names Interner) error {
+	if err := decode(b, m, names); err != nil {
 		return fmt.Errorf("%w: %v", ErrMalformed, err)
 	}
 	return nil
 }
 
-func decode(b []byte, m *Msg) error {
+func decode(b []byte, m *Msg, names Interner) error {
 	if len(b) > MaxMessage {
 		return fmt.Errorf("%d bytes, at most %d", len(b), MaxMessage)
 	}
@@ -205,7 +245,7 @@ func decode(b []byte, m *Msg) error {
 	}
 	r := reader{b: b[2:]}
 	m.Kind = Kind(b[1])
-	m.ID = r.str(MaxID, "id")
+	m.ID = m.recent.get(r.bytes(MaxID, "id"))
 	m.At = r.varint("time")
 	m.Model, m.Endpoint, m.Prompt, m.Pending, m.Role = "", "", 0, 0, sched.RoleBoth
 	m.Hashes, m.Loads = m.Hashes[:0], m.Loads[:0]
@@ -221,8 +261,8 @@ func decode(b []byte, m *Msg) error {
 	}
 	switch m.Kind {
 	case KindLearn:
-		m.Model = r.str(MaxModel, "model")
-		m.Endpoint = r.str(MaxEndpoint, "endpoint")
+		m.Model = m.recent.get(r.bytes(MaxModel, "model"))
+		m.Endpoint = intern(names, r.bytes(MaxEndpoint, "endpoint"))
 		m.Prompt = r.load("prompt")
 		m.Pending = r.load("pending")
 		n := r.count(MaxHashes, 8, "hashes")
@@ -239,11 +279,19 @@ func decode(b []byte, m *Msg) error {
 				break
 			}
 			var e LoadEntry
-			e.Endpoint = r.str(MaxEndpoint, "endpoint")
+			url := r.bytes(MaxEndpoint, "endpoint")
+			known := true
+			if names != nil {
+				e.Endpoint, known = names.Intern(url)
+			} else {
+				e.Endpoint = string(url)
+			}
 			e.InFlight = r.load("in_flight")
 			e.InFlightTokens = r.load("tokens")
 			e.PendingPrefill = r.load("prefill")
-			m.Loads = append(m.Loads, e)
+			if known && r.err == nil {
+				m.Loads = append(m.Loads, e)
+			}
 		}
 	default:
 		return fmt.Errorf("unknown kind %d", uint8(m.Kind))
@@ -313,13 +361,32 @@ func (r *reader) take(n int, what string) []byte {
 	return v
 }
 
-func (r *reader) str(limit int, what string) string {
+// bytes reads a string of at most limit bytes; the slice is b's.
+func (r *reader) bytes(limit int, what string) []byte {
 	n := r.uvarint(what)
 	if n > uint64(limit) {
 		r.fail("%s of %d bytes, at most %d", what, n, limit)
-		return ""
+		return nil
 	}
-	return string(r.take(int(n), what))
+	return r.take(int(n), what)
+}
+
+// Interner interns endpoint URLs (Node.Apply's decoding; Target).
+type Interner interface {
+	// Intern returns the receiver's own string equal to url, without
+	// allocating, when url is one of its endpoints; ok false otherwise.
+	Intern(url []byte) (s string, ok bool)
+}
+
+// intern is url as names' string, or a new one when names does not know
+// it (or is nil).
+func intern(names Interner, url []byte) string {
+	if names != nil {
+		if s, ok := names.Intern(url); ok {
+			return s
+		}
+	}
+	return string(url)
 }
 
 // count reads a count of at most limit items of at least size bytes each

@@ -146,9 +146,16 @@ type target struct {
 	model            string
 	learner, prefill sched.PeerLearner
 	slots            map[string]int
+	names            []string // by slot: Intern's strings
 }
 
-func (t *target) Known(endpoint string) bool { _, ok := t.slots[endpoint]; return ok }
+func (t *target) Intern(url []byte) (string, bool) {
+	i, ok := t.slots[string(url)]
+	if !ok {
+		return "", false
+	}
+	return t.names[i], true
+}
 
 func (t *target) Resolve(model, endpoint string, role sched.Role) (sched.PeerLearner, int, bool) {
 	i, ok := t.slots[endpoint]
@@ -165,8 +172,10 @@ func (f *Fleet) newReplicas(snap []sched.Endpoint, pool sched.Pool) error {
 	cfg := &f.cfg
 	n := max(cfg.Replicas, 1)
 	slots := make(map[string]int, len(snap))
+	names := make([]string, len(snap))
 	for i := range snap {
 		slots[snap[i].Name] = i
+		names[i] = snap[i].Name
 	}
 	for r := range n {
 		p, pd := f.policy, f.pd
@@ -190,7 +199,7 @@ func (f *Fleet) newReplicas(snap []sched.Endpoint, pool sched.Pool) error {
 			snap: append([]sched.Endpoint(nil), snap...), alive: true}
 		rp.learner, _ = p.(sched.PeerLearner)
 		if cfg.ReplicaSync && n > 1 {
-			t := &target{model: cfg.Model, learner: rp.learner, slots: slots}
+			t := &target{model: cfg.Model, learner: rp.learner, slots: slots, names: names}
 			if pd != nil {
 				t.prefill, _ = pd.Prefill().(sched.PeerLearner)
 			}

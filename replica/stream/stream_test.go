@@ -27,7 +27,7 @@ func (n *node) Resolve(model, endpoint string, _ sched.Role) (sched.PeerLearner,
 	return n, 0, model == "m" && endpoint == "http://e"
 }
 
-func (n *node) Known(endpoint string) bool { return endpoint == "http://e" }
+func (n *node) Intern(url []byte) (string, bool) { return "http://e", string(url) == "http://e" }
 
 func (n *node) LearnPeer(_ int, h []uint64) {
 	n.mu.Lock()
