@@ -90,7 +90,14 @@ latency, end-to-end latency, prompt and cached tokens.
 
 --target URL replays against an OpenAI-compatible endpoint that accepts token-id
 prompts and ignore_eos (vLLM, SGLang, infergate sim or a gateway in front of
-them); the URL may end in /v1. --compare POLICIES
+them); the URL may end in /v1. Several comma-separated URLs (gateway
+replicas) are dealt the requests round robin, request i to URL i mod n, as
+an L4 front balancing per request (a refused connect goes to the next URL);
+--kill-pid PID SIGKILLs one of them (--kill-target, its position) just
+before the middle request is sent, and a table says how each URL's requests
+ended (scripts/replicas-live.sh runs the whole case). --fleet URLs names the
+infergate sim engines behind a --target, whose step lag is then scraped and
+judged as --compare's. --compare POLICIES
 starts, for each policy, a fresh simulated fleet of --engines engines running
 --speedup times faster than real time (so the engines see the trace's real
 load) behind a fresh gateway, replays the same requests and prints one table.
@@ -228,7 +235,7 @@ func (fl *benchFlags) validate() ([]float64, error) {
 		case n < 1:
 			return nil, fmt.Errorf("--replicas %d: want at least 1", n)
 		case n > 1 && !fl.virtual:
-			return nil, errors.New("--replicas runs in virtual time (--compare --virtual); live replicas are infergate serve processes with a replicas section (gateway/README.md \"Replicas\")")
+			return nil, errors.New("--replicas runs in virtual time (--compare --virtual); live replicas are infergate serve processes with a replicas section, replayed with --target URL1,URL2,... (scripts/replicas-live.sh; gateway/README.md \"Replicas\")")
 		}
 	}
 	if fl.spread < 0 {
