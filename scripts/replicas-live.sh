@@ -129,5 +129,13 @@ fi
 echo "replicas=$REPLICAS shared=$SHARED kill=$KILL engines=$ENGINES speedup=$SPEEDUP policy=$POLICY seed=$SEED; load: $(uptime | sed 's/.*load average: //')"
 rc=0
 "$bin" "${args[@]}" "$@" || rc=$?
+# The replicas' own metrics (the exchange, the stagger's waits), kept with
+# OUT: a killed replica has none.
+for i in "${!targets[@]}"; do curl -s --max-time 10 "${targets[$i]}/metrics" >"$WORK/gw$i.metrics" || true; done
+if [[ -n $redis ]]; then
+	for i in "${!targets[@]}"; do
+		awk -v i="$i" '/^infergate_replica_stagger_seconds_(sum|count)/{printf "replica %s %s %s\n", i, $1, $2}' "$WORK/gw$i.metrics"
+	done
+fi
 echo "load after: $(uptime | sed 's/.*load average: //')"
 exit $rc
