@@ -714,7 +714,9 @@ func (r *benchRun) finish(cmd *cobra.Command, prov *measure.Provenance, started 
 
 // writeTargetRun prints how each target's requests ended and, after a
 // kill, which failed and how: on the killed target, those in flight at
-// the kill (sent before it) and those sent after it; on the others (the
+// the kill (dealt before the middle request) and those dealt from it on
+// (goroutines of one instant race to send, so by index, not by time); on
+// the others (the
 // survivors), any failure at all, which the kill should not cause.
 func (r *benchRun) writeTargetRun(w io.Writer, tr targetRun) error {
 	fmt.Fprintf(w, "\nper target (%s):\n", tr.label)
@@ -750,7 +752,7 @@ func (r *benchRun) writeTargetRun(w io.Writer, tr targetRun) error {
 	}
 	fmt.Fprintf(w, "killed pid %d (target %d, %s) just before request %d was sent\n", r.fl.killPID, r.fl.killTarget, killed, tr.killAt)
 	fmt.Fprintf(w, "  in flight on it at the kill, ended with an explicit error: %d %s\n", len(held), indexList(held))
-	fmt.Fprintf(w, "  sent to it after the kill on a kept-alive connection, ended with an explicit error: %d %s\n", len(after), indexList(after))
+	fmt.Fprintf(w, "  dealt to it from the middle request on (on a kept-alive connection to the dead process, or already in flight when they share the kill's instant), ended with an explicit error: %d %s\n", len(after), indexList(after))
 	_, err := fmt.Fprintf(w, "  failed elsewhere or hung (lost; want 0): %d %s (hung: %d)\n", len(survivors), indexList(survivors), hung)
 	return err
 }
