@@ -716,8 +716,8 @@ func (r *benchRun) finish(cmd *cobra.Command, prov *measure.Provenance, started 
 // kill, which failed and how: on the killed target, those in flight at
 // the kill (dealt before the middle request) and those dealt from it on
 // (goroutines of one instant race to send, so by index, not by time); on
-// the others (the
-// survivors), any failure at all, which the kill should not cause.
+// the others (the survivors), any failure at all, which the kill should
+// not cause.
 func (r *benchRun) writeTargetRun(w io.Writer, tr targetRun) error {
 	fmt.Fprintf(w, "\nper target (%s):\n", tr.label)
 	if err := bench.WriteTargetOutcomes(w, tr.outcomes); err != nil {
