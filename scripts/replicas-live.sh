@@ -20,7 +20,8 @@
 # Environment (defaults): REPLICAS (3), SHARED (1), KILL (0), ENGINES (8),
 # SPEEDUP (2), POLICY (cache-aware), SEED (1: routing.seed; a replica's seed is
 # mixed with its id when shared, and SEED+i when unshared, as replicas
-# configured alike but started apart would), LOAD_INTERVAL (200ms), INFERGATE
+# configured alike but started apart would), LOAD_INTERVAL (200ms), STAGGER
+# (true: replicas.stagger), INFERGATE
 # (a built binary; default: go build into $WORK), OUT (a folder kept for the
 # logs, records and JSON report; default: a temp dir removed at exit).
 # Arguments are passed to `infergate bench` (workload, --requests, --records,
@@ -35,6 +36,7 @@ SPEEDUP=${SPEEDUP:-2}
 POLICY=${POLICY:-cache-aware}
 SEED=${SEED:-1}
 LOAD_INTERVAL=${LOAD_INTERVAL:-200ms}
+STAGGER=${STAGGER:-true}
 MODEL=m
 
 WORK=$(mktemp -d)
@@ -99,7 +101,7 @@ for i in $(seq 0 $((REPLICAS - 1))); do
 		echo "health_check_path: \"-\""
 		echo "connect_timeout: 1m"
 		echo "routing: {policy: $POLICY, seed: $seed, prefix: {block_size: 16}}"
-		[[ -n $redis ]] && echo "replicas: {redis_url: \"$redis\", stream: live, id: gw-$i, load_interval: $LOAD_INTERVAL}"
+		[[ -n $redis ]] && echo "replicas: {redis_url: \"$redis\", stream: live, id: gw-$i, load_interval: $LOAD_INTERVAL, stagger: $STAGGER}"
 		echo "endpoints:"
 		for e in "${engines[@]}"; do echo "  - {url: \"$e\", model: $MODEL, kind: sim}"; done
 	} >"$cfg"
