@@ -30,6 +30,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/infergate/infergate/measure"
@@ -42,6 +43,19 @@ type ReplayOptions struct {
 	// Target is the base URL of an OpenAI-compatible server, such as
 	// "http://127.0.0.1:8000"; requests go to Target + "/v1/completions".
 	Target string
+	// Targets, if it has two or more URLs, replaces Target: request i (in
+	// record order) goes to Targets[i mod len(Targets)], as an L4 front
+	// that deals every request (not every connection) round robin to a
+	// set of gateway replicas; measure.Record.Target names the one taken.
+	// A per-connection balancer differs only when requests share
+	// keep-alive connections: it pins each connection's requests to one
+	// replica, so the deal depends on the client's connection reuse.
+	Targets []string
+	// OnSend, if set, is called with a request's index just before it is
+	// sent (in the request's goroutine; calls for different requests may
+	// run concurrently): a hook to act at a given request, such as
+	// killing a replica when the middle one is sent.
+	OnSend func(i int)
 	// Model is the "model" field of every request.
 	Model string
 	// Records are the requests to replay, in arrival order.
@@ -146,9 +160,20 @@ func CompletionsURL(target string) (string, error) {
 // are dropped, in-flight ones are cancelled (and recorded as errors), and the
 // records of the requests sent are returned with ctx's error.
 func Replay(ctx context.Context, opts ReplayOptions) ([]measure.Record, error) {
-	endpoint, err := CompletionsURL(opts.Target)
-	if err != nil {
-		return nil, err
+	targets := opts.Targets
+	if len(targets) < 2 {
+		targets = []string{opts.Target}
+		if len(opts.Targets) == 1 {
+			targets = opts.Targets
+		}
+	}
+	endpoints := make([]string, len(targets))
+	for k, t := range targets {
+		e, err := CompletionsURL(t)
+		if err != nil {
+			return nil, err
+		}
+		endpoints[k] = e
 	}
 	speedup, scale := opts.Speedup, opts.TimeScale
 	if speedup == 0 {
@@ -201,11 +226,28 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]measure.Record, error) {
 		if opts.OutputTokens > 0 {
 			rec.OutputLength = opts.OutputTokens
 		}
-		r, ok := send(ctx, client, endpoint, modelJSON, opts, rec, start, due, scale)
+		k := i % len(endpoints)
+		r, ok := send(ctx, client, endpoints[k], modelJSON, opts, i, rec, start, due, scale)
 		if !ok {
 			return // ctx ended before it was due
 		}
+		// A target that refuses the connection got nothing: the front
+		// takes the next one, as an L4 balancer's connect retry (or its
+		// health check) does. The wait counts in the request's latency.
+		for try := 1; try < len(endpoints) && r.Status == 0 && refused(r.Error); try++ {
+			k = (i + try) % len(endpoints)
+			first, lag := r.ArrivalMs, r.SendLagMs
+			r, _ = send(ctx, client, endpoints[k], modelJSON, opts, -1, rec, start, time.Time{}, scale)
+			if r.TTFTMs > 0 {
+				r.TTFTMs += r.ArrivalMs - first
+			}
+			r.E2EMs += r.ArrivalMs - first
+			r.ArrivalMs, r.SendLagMs = first, lag
+		}
 		r.Index, r.Policy = i, opts.Label
+		if len(endpoints) > 1 {
+			r.Target = measure.RedactText(targets[k])
+		}
 		if r.Error != "" {
 			// Errors name the URL; a credential in it stays out of reports.
 			r.Error = measure.RedactText(r.Error)
@@ -242,6 +284,12 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]measure.Record, error) {
 		}
 	}
 	return out, err
+}
+
+// refused reports whether a request's error is a refused connection
+// (nothing was sent): connect(2)'s ECONNREFUSED as net/http words it.
+func refused(err string) bool {
+	return strings.Contains(err, syscall.ECONNREFUSED.Error())
 }
 
 // sendFunc sends record i at due (the zero Time: at once, unscheduled)
@@ -282,7 +330,7 @@ dispatch:
 
 // send builds one request, sends it at due (zero: at once) and measures
 // it. It reports false, sending nothing, when ctx ends before due.
-func send(ctx context.Context, client *http.Client, endpoint string, modelJSON []byte, opts ReplayOptions, rec trace.Record, start, due time.Time, scale float64) (measure.Record, bool) {
+func send(ctx context.Context, client *http.Client, endpoint string, modelJSON []byte, opts ReplayOptions, i int, rec trace.Record, start, due time.Time, scale float64) (measure.Record, bool) {
 	ms := func(d time.Duration) float64 { return d.Seconds() * 1000 * scale }
 
 	body := requestBody(modelJSON, rec)
@@ -306,6 +354,9 @@ func send(ctx context.Context, client *http.Client, endpoint string, modelJSON [
 	}
 	if ctx.Err() != nil && !due.IsZero() {
 		return measure.Record{}, false
+	}
+	if opts.OnSend != nil && i >= 0 {
+		opts.OnSend(i)
 	}
 	return measureStream(client, req, rec, start, due, ms), true
 }

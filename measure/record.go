@@ -77,6 +77,10 @@ type Record struct {
 	// Warmup is true for a warm-up request (see Warmup): sent, but left out
 	// of the Summary, the HTML report and goodput.
 	Warmup bool `json:"warmup,omitempty"`
+	// Target is the base URL the request was sent to when a replay deals
+	// requests over several targets (bench.ReplayOptions.Targets); "" with
+	// one target.
+	Target string `json:"target,omitempty"`
 	// PD is the request's P/D hand-off in a fleet with prefill and decode
 	// engines (nil outside one).
 	PD *PDLeg `json:"pd,omitempty"`

@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -64,6 +66,12 @@ type benchFlags struct {
 	replicaDelay   []time.Duration
 	replicaKill    []bool
 	replicaStagger []bool
+	// killPID, killTarget: --kill-pid, --kill-target (a live replica
+	// killed when the middle request is sent); fleet: --fleet, engines
+	// whose step lag is scraped after a --target replay.
+	killPID    int
+	killTarget int
+	fleet      []string
 	// spread moves each arrival to a random instant within it after its
 	// timestamp (--spread; 0: as given).
 	spread time.Duration
@@ -82,7 +90,14 @@ latency, end-to-end latency, prompt and cached tokens.
 
 --target URL replays against an OpenAI-compatible endpoint that accepts token-id
 prompts and ignore_eos (vLLM, SGLang, infergate sim or a gateway in front of
-them); the URL may end in /v1. --compare POLICIES
+them); the URL may end in /v1. Several comma-separated URLs (gateway
+replicas) are dealt the requests round robin, request i to URL i mod n, as
+an L4 front balancing per request (a refused connect goes to the next URL);
+--kill-pid PID SIGKILLs one of them (--kill-target, its position) just
+before the middle request is sent, and a table says how each URL's requests
+ended (scripts/replicas-live.sh runs the whole case). --fleet URLs names the
+infergate sim engines behind a --target, whose step lag is then scraped and
+judged as --compare's. --compare POLICIES
 starts, for each policy, a fresh simulated fleet of --engines engines running
 --speedup times faster than real time (so the engines see the trace's real
 load) behind a fresh gateway, replays the same requests and prints one table.
@@ -132,7 +147,10 @@ have no lag.`,
 
 // bind registers bench's flags on f.
 func (fl *benchFlags) bind(f *pflag.FlagSet) {
-	f.StringVar(&fl.target, "target", "", "base URL of an OpenAI-compatible endpoint to replay against")
+	f.StringVar(&fl.target, "target", "", "base URL of an OpenAI-compatible endpoint to replay against; several, comma-separated (gateway replicas), are dealt the requests round robin, request i to URL i mod n, as an L4 front that balances per request")
+	f.IntVar(&fl.killPID, "kill-pid", 0, "with several --target URLs: send SIGKILL to this process (a gateway replica) just before the middle request is sent, and report how each target's requests ended")
+	f.IntVar(&fl.killTarget, "kill-target", 1, "with --kill-pid: the position (0-based) in --target of the URL that process serves, whose failures are attributed to the kill")
+	f.StringSliceVar(&fl.fleet, "fleet", nil, "with --target: base URLs of the infergate sim engines behind it; after the replay their infergate_sim_step_lag_seconds histograms give the fleet's lag (column \"lag p99 ms\", --max-lag), as --compare measures its own fleet's")
 	f.StringVar(&fl.compare, "compare", "", "comma-separated routing policies to compare on fresh simulated fleets ("+strings.Join(sched.Names(), ",")+")")
 	f.IntVar(&fl.engines, "engines", 8, "simulated engines per fleet (--compare)")
 	fl.wl.register(f)
@@ -172,6 +190,21 @@ func (fl *benchFlags) validate() ([]float64, error) {
 	if err := fl.warm.w.Validate(); err != nil {
 		return nil, err
 	}
+	targets := fl.targets()
+	switch {
+	case fl.killPID < 0:
+		return nil, fmt.Errorf("--kill-pid %d: want a process id", fl.killPID)
+	case fl.killPID > 0 && len(targets) < 2:
+		return nil, errors.New("--kill-pid needs several --target URLs (replicas), one of them served by that process")
+	case fl.killPID > 0 && (fl.killTarget < 0 || fl.killTarget >= len(targets)):
+		return nil, fmt.Errorf("--kill-target %d: want 0 to %d (a position in --target)", fl.killTarget, len(targets)-1)
+	case fl.killPID > 0 && fl.concurrency > 0:
+		return nil, errors.New("--kill-pid runs open loop (drop --concurrency)")
+	case len(fl.fleet) > 0 && fl.target == "":
+		return nil, errors.New("--fleet goes with --target (--compare measures its own fleet's lag)")
+	case len(targets) > 1 && fl.concurrency > 0 && fl.wl.kind == workloadChat:
+		return nil, errors.New("several --target URLs deal requests in record order; a session-aware closed loop (--concurrency with --workload chat) is not dealt")
+	}
 	if fl.concurrency < 0 {
 		return nil, fmt.Errorf("--concurrency %d: must not be negative", fl.concurrency)
 	}
@@ -202,7 +235,7 @@ func (fl *benchFlags) validate() ([]float64, error) {
 		case n < 1:
 			return nil, fmt.Errorf("--replicas %d: want at least 1", n)
 		case n > 1 && !fl.virtual:
-			return nil, errors.New("--replicas runs in virtual time (--compare --virtual); live replicas are infergate serve processes with a replicas section (gateway/README.md \"Replicas\")")
+			return nil, errors.New("--replicas runs in virtual time (--compare --virtual); live replicas are infergate serve processes with a replicas section, replayed with --target URL1,URL2,... (scripts/replicas-live.sh; gateway/README.md \"Replicas\")")
 		}
 	}
 	if fl.spread < 0 {
@@ -228,6 +261,18 @@ func (fl *benchFlags) validate() ([]float64, error) {
 	return rates, nil
 }
 
+// targets is --target split at commas (nil when not given).
+func (fl *benchFlags) targets() []string {
+	if fl.target == "" {
+		return nil
+	}
+	ts := strings.Split(fl.target, ",")
+	for k := range ts {
+		ts[k] = strings.TrimSpace(ts[k])
+	}
+	return ts
+}
+
 // benchRun is one bench command under way: its flags, what they resolve to
 // and what the runs have produced so far.
 type benchRun struct {
@@ -250,6 +295,21 @@ type benchRun struct {
 	refs     *measure.References
 	report   report.Report
 	htmlRuns []report.HTMLRun // only with --html
+	// outcomes are each --target URL's outcomes per run when there are
+	// several, printed after the table.
+	outcomes []targetRun
+}
+
+// targetRun is one --target replay's outcomes per target URL, and the
+// kill (--kill-pid) if there was one.
+type targetRun struct {
+	label    string
+	outcomes []bench.TargetOutcome
+	recs     []measure.Record
+	// killAt is the index of the request before which the process was
+	// killed (-1: no kill), killErr why it could not be.
+	killAt  int
+	killErr error
 }
 
 // run is bench's RunE: validate, load the workload, resolve the mode's
@@ -415,9 +475,29 @@ func (r *benchRun) addHTML(run report.HTMLRun) {
 // closed loop (--concurrency).
 func (r *benchRun) replayTarget(recs []trace.Record, rate float64) error {
 	fl := r.fl
+	targets := fl.targets()
 	opts := bench.ReplayOptions{Target: fl.target, Model: r.model, Records: recs, Requests: fl.requests,
 		Speedup: fl.speedup, TimeScale: fl.timeScale, Label: "target", Progress: os.Stderr,
 		Warmup: fl.warm.w, Concurrency: fl.concurrency, Sessions: r.sessions}
+	if len(targets) > 1 {
+		opts.Target, opts.Targets = "", targets
+	}
+	tr := targetRun{label: measure.RedactValue(fl.target), killAt: -1}
+	if fl.killPID > 0 {
+		n := len(recs)
+		if fl.requests > 0 && fl.requests < n {
+			n = fl.requests
+		}
+		tr.killAt = n / 2
+		pid := fl.killPID
+		opts.OnSend = func(i int) {
+			if i == tr.killAt {
+				// Only request killAt's goroutine writes killErr, before
+				// Replay returns.
+				tr.killErr = syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}
+	}
 	if r.recOut != nil {
 		opts.Output = r.recOut
 	}
@@ -428,7 +508,19 @@ func (r *benchRun) replayTarget(recs []trace.Record, rate float64) error {
 	s := measure.Summarize(measure.RedactValue(fl.target), rs)
 	s.RateRPS = rate
 	r.refs.Apply(&s, rs)
+	if len(fl.fleet) > 0 {
+		ctx, cancel := context.WithTimeout(r.ctx, 30*time.Second)
+		s.FleetLag, err = bench.ScrapeStepLag(ctx, http.DefaultClient, fl.fleet)
+		cancel()
+		if err != nil {
+			return err
+		}
+	}
 	s.CheckLag(fl.maxLag)
+	if len(targets) > 1 {
+		tr.outcomes, tr.recs = bench.TargetOutcomes(targets, rs), rs
+		r.outcomes = append(r.outcomes, tr)
+	}
 	r.report.Runs = append(r.report.Runs, s)
 	r.addHTML(report.HTMLRun{Summary: s, Records: rs})
 	return nil
@@ -588,6 +680,11 @@ func (r *benchRun) finish(cmd *cobra.Command, prov *measure.Provenance, started 
 	if err := res.WriteTable(cmd.OutOrStdout()); err != nil {
 		return err
 	}
+	for _, tr := range r.outcomes {
+		if err := r.writeTargetRun(cmd.OutOrStdout(), tr); err != nil {
+			return err
+		}
+	}
 	behind, err := res.WriteLagWarnings(cmd.ErrOrStderr())
 	if err != nil {
 		return err
@@ -613,6 +710,62 @@ func (r *benchRun) finish(cmd *cobra.Command, prov *measure.Provenance, started 
 			behind, len(res.Runs), r.fl.maxLag)
 	}
 	return nil
+}
+
+// writeTargetRun prints how each target's requests ended and, after a
+// kill, which failed and how: on the killed target, those in flight at
+// the kill (dealt before the middle request) and those dealt from it on
+// (goroutines of one instant race to send, so by index, not by time); on
+// the others (the survivors), any failure at all, which the kill should
+// not cause.
+func (r *benchRun) writeTargetRun(w io.Writer, tr targetRun) error {
+	fmt.Fprintf(w, "\nper target (%s):\n", tr.label)
+	if err := bench.WriteTargetOutcomes(w, tr.outcomes); err != nil {
+		return err
+	}
+	if tr.killAt < 0 {
+		return nil
+	}
+	if tr.killErr != nil {
+		_, err := fmt.Fprintf(w, "kill of pid %d before request %d failed: %v\n", r.fl.killPID, tr.killAt, tr.killErr)
+		return err
+	}
+	killed := tr.outcomes[r.fl.killTarget].Target
+	var held, after, survivors []int
+	var hung int
+	for _, rec := range tr.recs {
+		if rec.Error == "" {
+			continue
+		}
+		o := bench.TargetOutcomes([]string{rec.Target}, []measure.Record{rec})[0]
+		switch {
+		case o.Cancelled > 0:
+			hung++
+			survivors = append(survivors, rec.Index)
+		case rec.Target != killed:
+			survivors = append(survivors, rec.Index)
+		case rec.Index < tr.killAt:
+			held = append(held, rec.Index)
+		default:
+			after = append(after, rec.Index)
+		}
+	}
+	fmt.Fprintf(w, "killed pid %d (target %d, %s) just before request %d was sent\n", r.fl.killPID, r.fl.killTarget, killed, tr.killAt)
+	fmt.Fprintf(w, "  in flight on it at the kill, ended with an explicit error: %d %s\n", len(held), indexList(held))
+	fmt.Fprintf(w, "  dealt to it from the middle request on (on a kept-alive connection to the dead process, or already in flight when they share the kill's instant), ended with an explicit error: %d %s\n", len(after), indexList(after))
+	_, err := fmt.Fprintf(w, "  failed elsewhere or hung (lost; want 0): %d %s (hung: %d)\n", len(survivors), indexList(survivors), hung)
+	return err
+}
+
+// indexList shows up to 20 request indices.
+func indexList(xs []int) string {
+	if len(xs) == 0 {
+		return ""
+	}
+	if len(xs) > 20 {
+		return fmt.Sprint(xs[:20]) + "..."
+	}
+	return fmt.Sprint(xs)
 }
 
 // writeOutputs writes the report as JSON (--out) and as HTML (--html).

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# replicas-live.sh: issue 17's HA figures on live processes. Starts one
+# simulated fleet of `infergate sim` engines running --time-scale SPEEDUP,
+# a redis-server on loopback (shared runs only; no persistence, its files in
+# a temp dir, as internal/redistest starts it), REPLICAS `infergate serve`
+# processes in front of the fleet (with a `replicas` section: shared; without:
+# unshared), and replays a workload with `infergate bench --target`, the
+# requests dealt round robin per request over the replicas (an L4 front that
+# balances per request and retries a refused connect on the next replica).
+# With KILL=1 the replica at position 1 is sent SIGKILL just before the middle
+# request is sent, and bench reports which requests failed and how. bench
+# scrapes the engines' infergate_sim_step_lag_seconds after the replay: a run
+# whose fleet lag p99 exceeds --max-lag (100 ms of engine time by default) is
+# marked BEHIND and bench exits 1 (its latencies measure the host, not the
+# modelled hardware).
+#
+#   REPLICAS=3 SHARED=1 KILL=0 SPEEDUP=2 scripts/replicas-live.sh --requests 1000
+#   REPLICAS=1 scripts/replicas-live.sh --workload shared-prefix
+#
+# Environment (defaults): REPLICAS (3), SHARED (1), KILL (0), ENGINES (8),
+# SPEEDUP (2), POLICY (cache-aware), SEED (1: routing.seed; a replica's seed is
+# mixed with its id when shared, and SEED+i when unshared, as replicas
+# configured alike but started apart would), LOAD_INTERVAL (200ms), STAGGER
+# (true: replicas.stagger), INFERGATE
+# (a built binary; default: go build into $WORK), OUT (a folder kept for the
+# logs, records and JSON report; default: a temp dir removed at exit).
+# Arguments are passed to `infergate bench` (workload, --requests, --records,
+# --out, --max-lag ...).
+set -euo pipefail
+
+REPLICAS=${REPLICAS:-3}
+SHARED=${SHARED:-1}
+KILL=${KILL:-0}
+ENGINES=${ENGINES:-8}
+SPEEDUP=${SPEEDUP:-2}
+POLICY=${POLICY:-cache-aware}
+SEED=${SEED:-1}
+LOAD_INTERVAL=${LOAD_INTERVAL:-200ms}
+STAGGER=${STAGGER:-true}
+MODEL=m
+
+WORK=$(mktemp -d)
+OUT=${OUT:-}
+pids=()
+cleanup() {
+	for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+	for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+	if [[ -n $OUT ]]; then mkdir -p "$OUT" && cp -r "$WORK"/. "$OUT"/; fi
+	rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+bin=${INFERGATE:-}
+if [[ -z $bin ]]; then
+	bin=$WORK/infergate
+	(cd "$root" && go build -o "$bin" ./cmd/infergate)
+fi
+
+# await LOG: the first http://host:port a process logs as addr=... (60 s).
+await() {
+	local log=$1 addr=""
+	for _ in $(seq 600); do
+		addr=$(grep -o 'addr=http://[0-9.:]*' "$log" 2>/dev/null | head -1 | cut -d= -f2 || true)
+		[[ -n $addr ]] && { echo "$addr"; return; }
+		sleep 0.1
+	done
+	echo "no address in $log:" >&2
+	cat "$log" >&2
+	exit 1
+}
+
+engines=()
+for i in $(seq 0 $((ENGINES - 1))); do
+	"$bin" sim --listen 127.0.0.1:0 --time-scale "$SPEEDUP" --model "$MODEL" \
+		>"$WORK/sim$i.log" 2>&1 &
+	pids+=($!)
+done
+for i in $(seq 0 $((ENGINES - 1))); do engines+=("$(await "$WORK/sim$i.log")"); done
+
+redis=""
+if [[ $SHARED == 1 && $REPLICAS -gt 1 ]]; then
+	port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+	redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" \
+		--daemonize no --logfile "$WORK/redis.log" &
+	pids+=($!)
+	for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+	redis=redis://127.0.0.1:$port
+fi
+
+targets=()
+gwpids=()
+for i in $(seq 0 $((REPLICAS - 1))); do
+	seed=$SEED
+	[[ -z $redis ]] && seed=$((SEED + i))
+	cfg=$WORK/gw$i.yaml
+	{
+		echo "listen: 127.0.0.1:0"
+		# As bench --compare's gateway: no active probes of a loopback fleet
+		# (a probe timing out measures the host's load), a long connect.
+		echo "health_check_path: \"-\""
+		echo "connect_timeout: 1m"
+		echo "routing: {policy: $POLICY, seed: $seed, prefix: {block_size: 16}}"
+		[[ -n $redis ]] && echo "replicas: {redis_url: \"$redis\", stream: live, id: gw-$i, load_interval: $LOAD_INTERVAL, stagger: $STAGGER}"
+		echo "endpoints:"
+		for e in "${engines[@]}"; do echo "  - {url: \"$e\", model: $MODEL, kind: sim}"; done
+	} >"$cfg"
+	"$bin" serve -c "$cfg" --access-log=false >"$WORK/gw$i.log" 2>&1 &
+	pids+=($!)
+	gwpids+=($!)
+done
+for i in $(seq 0 $((REPLICAS - 1))); do targets+=("$(await "$WORK/gw$i.log")"); done
+
+if [[ -n $redis ]]; then
+	# Every replica hears the others before the replay (30 s).
+	for t in "${targets[@]}"; do
+		for _ in $(seq 300); do
+			n=$(curl -s "$t/metrics" | awk '/^infergate_replica_peers /{print $2}')
+			[[ ${n:-0} == "$((REPLICAS - 1))" ]] && break
+			sleep 0.1
+		done
+	done
+fi
+
+args=(bench --target "$(IFS=,; echo "${targets[*]}")" --time-scale "$SPEEDUP" --speedup "$SPEEDUP"
+	--model "$MODEL" --fleet "$(IFS=,; echo "${engines[*]}")")
+if [[ $KILL == 1 ]]; then
+	[[ $REPLICAS -ge 2 ]] || { echo "KILL=1 needs REPLICAS >= 2" >&2; exit 2; }
+	args+=(--kill-pid "${gwpids[1]}" --kill-target 1)
+fi
+echo "replicas=$REPLICAS shared=$SHARED kill=$KILL engines=$ENGINES speedup=$SPEEDUP policy=$POLICY seed=$SEED; load: $(uptime | sed 's/.*load average: //')"
+rc=0
+"$bin" "${args[@]}" "$@" || rc=$?
+# The replicas' own metrics (the exchange, the stagger's waits), kept with
+# OUT: a killed replica has none.
+for i in "${!targets[@]}"; do curl -s --max-time 10 "${targets[$i]}/metrics" >"$WORK/gw$i.metrics" || true; done
+if [[ -n $redis ]]; then
+	for i in "${!targets[@]}"; do
+		awk -v i="$i" '/^infergate_replica_stagger_seconds_(sum|count)/{printf "replica %s %s %s\n", i, $1, $2}' "$WORK/gw$i.metrics"
+	done
+fi
+echo "load after: $(uptime | sed 's/.*load average: //')"
+exit $rc
