@@ -28,6 +28,7 @@ import (
 // after its 200), never a survivor's. Nothing here is timed: how many
 // requests the kill catches in flight depends on the host and is logged.
 func TestReplicasKillLive(t *testing.T) {
+	t.Parallel() // real processes, mostly waiting (see TestReplicasEndToEnd)
 	srv := redistest.Start(t, 0)
 	addrRe := regexp.MustCompile(`addr=(http://[0-9.:]+)`)
 	const scale = 20 // the engines' time scale and the replay's speedup
