@@ -498,8 +498,16 @@ func reslotted(olds, eps []*endpoint, limit int) (slots []*endpoint, forget []in
 	}
 	if len(slots) > limit {
 		// Only a policy without per-slot state serves this many
-		// (Validate): the slots may be renumbered.
+		// (Validate): the slots may be renumbered. A renumbered slot
+		// names another endpoint than before: forgotten too, or the
+		// precise index (fed by every endpoint's KV events whatever
+		// the policy) would credit one endpoint's blocks to another.
 		slots = slices.DeleteFunc(slots, func(ep *endpoint) bool { return ep == vacant })
+		for i, ep := range slots {
+			if i >= len(olds) || olds[i] != ep {
+				forget = append(forget, i)
+			}
+		}
 	}
 	slices.Sort(forget)
 	return slots, slices.Compact(forget)
