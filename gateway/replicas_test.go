@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"math"
 	"strconv"
 	"strings"
 	"testing"
@@ -224,8 +225,17 @@ func TestReplicaLoadReportInterned(t *testing.T) {
 	msg := replica.AppendLoad(nil, "gw-b", time.Now().UnixNano(), entries)
 	r := g.replicas
 	r.apply(msg, false)
-	if a := testing.AllocsPerRun(20, func() { r.apply(msg, false) }); a > 2 {
-		t.Errorf("a load report of %d endpoints allocates %v times, want O(1)", n, a)
+	// AllocsPerRun counts the whole process's allocations, the gateway's
+	// own goroutines' included (its Redis client redialling the
+	// unreachable address: 12 a run once in CI on a busy host), so the
+	// least of five trials is taken, against a bound that tells O(1) (2:
+	// BenchmarkReplicaReceive) from one per endpoint (1,007 before).
+	least := math.Inf(1)
+	for range 5 {
+		least = min(least, testing.AllocsPerRun(100, func() { r.apply(msg, false) }))
+	}
+	if least > 10 {
+		t.Errorf("a load report of %d endpoints allocates %v times, want O(1)", n, least)
 	}
 	now := clock(time.Now())
 	for i := range n {
