@@ -27,7 +27,7 @@ func TestFlatPromptHostile(t *testing.T) {
 		`{"model":"m","prompt":[1]}x`, `{"model":"m","prompt":[1]}}`, `{"model":"m","prompt":[1]}{}`,
 		`{"model":"m","prompt":[1],"x":"]"}`, `{"model":"m","prompt":[1,"]"]}`,
 		`{"model":"m","prompt":[1,null]}`, `{"model":"m","prompt":[1,true]}`,
-		`{"model":"m","prompt":[1` , `{"model":"m","prompt":[`, `{"model":"m","prompt":`, `{"model":"m","prompt"`,
+		`{"model":"m","prompt":[1`, `{"model":"m","prompt":[`, `{"model":"m","prompt":`, `{"model":"m","prompt"`,
 		`{"model":"m","prompt":[1]`, `{"model":"m","prompt":[1],`, `{"model":"m","prompt":[1] `,
 		"\xef\xbb\xbf{\"model\":\"m\",\"prompt\":[1]}",
 		"{\"model\":\"m\",\"prompt\":[1\v]}", "{\"model\":\"m\",\"prompt\":[1\f]}", "{\"model\":\"m\",\"prompt\":[1\u00a0]}",
