@@ -27,6 +27,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -194,6 +195,12 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]measure.Record, error) {
 		e, err := CompletionsURL(t)
 		if err != nil {
 			return nil, err
+		}
+		// A URL given twice ("h:8000", "h:8000/v1/") would be dealt twice
+		// the requests, and TargetOutcomes would count them all under one
+		// position, the other showing none sent: refused.
+		if j := slices.Index(endpoints[:k], e); j >= 0 {
+			return nil, fmt.Errorf("bench: targets %d and %d (%q) are the same endpoint; give each replica's URL once", j, k, measure.RedactText(t))
 		}
 		endpoints[k] = e
 	}
