@@ -745,7 +745,7 @@ func (r *benchRun) writeTargetRun(w io.Writer, tr targetRun) error {
 		}
 		o := bench.TargetOutcomes([]string{rec.Target}, []measure.Record{rec})[0]
 		switch {
-		case o.Cancelled > 0:
+		case o.Cancelled > 0 || o.Stalled > 0: // no explicit error: hung
 			hung++
 			survivors = append(survivors, rec.Index)
 		case rec.Target != killed:
