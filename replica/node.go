@@ -230,11 +230,21 @@ func (p *Peers) Routed(id, url string, now time.Duration, prompt, pending int64)
 	ps, ok := p.peer(id, now)
 	if ok {
 		c := p.cell(ps, url)
-		c.inFlight.Add(1)
-		c.tokens.Add(prompt)
-		c.prefil.Add(pending)
+		// Saturating at the wire's bound on a count (maxCount, 2^40): a
+		// peer that sends learns and never a load report would otherwise
+		// grow a cell without bound, 2^40 tokens a learn, and wrap
+		// int64 after 2^23 learns into a negative load that draws every
+		// pick (the cells' only writers hold p.mu).
+		saturate(&c.inFlight, 1)
+		saturate(&c.tokens, prompt)
+		saturate(&c.prefil, pending)
 	}
 	return ok
+}
+
+// saturate adds d (≥ 0) to v, at most to maxCount. Called with p.mu held.
+func saturate(v *atomic.Int64, d int64) {
+	v.Store(min(v.Load()+min(max(d, 0), maxCount), maxCount))
 }
 
 // Add adds to e's load fields (InFlight, InFlightTokens,

@@ -116,3 +116,22 @@ func TestPeersViewMatchesCells(t *testing.T) {
 		}
 	}
 }
+
+// TestRoutedSaturates: a peer that sends learns of the largest prompt the
+// wire carries (2^40 tokens) and never a load report credits an endpoint
+// at most that many tokens in flight, never a sum that grows without
+// bound (and wraps negative after 2^23 learns, drawing every pick).
+func TestRoutedSaturates(t *testing.T) {
+	p := NewPeers(time.Hour)
+	url := endpointURL(0)
+	for range 4 {
+		p.Routed("evil", url, 0, maxCount, maxCount)
+	}
+	if got := p.Sum(url, 0); got.InFlight != 4 || got.InFlightTokens != maxCount || got.PendingPrefill != maxCount {
+		t.Fatalf("after 4 learns of %d tokens: %+v, want 4 in flight and %d tokens, %d pending", int64(maxCount), got, int64(maxCount), int64(maxCount))
+	}
+	p.Update("evil", 0, []LoadEntry{{Endpoint: url, Load: Load{1, 2, 3}}})
+	if got := p.Sum(url, 0); got != (Load{1, 2, 3}) {
+		t.Fatalf("a report after them: %+v", got)
+	}
+}
