@@ -196,9 +196,16 @@ func (fl *benchFlags) validate() ([]float64, error) {
 		return nil, err
 	}
 	targets := fl.targets()
+	if k := slices.Index(targets, ""); k >= 0 {
+		return nil, fmt.Errorf("--target %q: URL %d of %d is empty", fl.target, k, len(targets))
+	}
 	switch {
 	case fl.killPID < 0:
 		return nil, fmt.Errorf("--kill-pid %d: want a process id", fl.killPID)
+	case fl.killPID > 0 && (fl.killPID == 1 || fl.killPID == os.Getpid() || fl.killPID == os.Getppid()):
+		// SIGKILL of bench itself (or of the shell that waits for it)
+		// loses every output; of init, the host.
+		return nil, fmt.Errorf("--kill-pid %d is init, bench itself or its parent: want a gateway replica's process id", fl.killPID)
 	case fl.killPID > 0 && len(targets) < 2:
 		return nil, errors.New("--kill-pid needs several --target URLs (replicas), one of them served by that process")
 	case fl.killPID > 0 && (fl.killTarget < 0 || fl.killTarget >= len(targets)):
