@@ -27,9 +27,11 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -101,7 +103,28 @@ type ReplayOptions struct {
 	// plus ThinkTime/Speedup. Records are numbered session-major (session 0's
 	// turns, then session 1's, ...); Requests limits the turns in that order.
 	Sessions []trace.Session
+	// HeaderTimeout bounds the wait for a request's response header and
+	// IdleTimeout a stream's silence after it (wall time; 0:
+	// DefaultHeaderTimeout, DefaultIdleTimeout; negative: unbounded): a
+	// target that accepts a request and never answers, or stops
+	// mid-stream, fails that request (an error naming the bound, counted
+	// as TargetOutcome.Stalled) instead of holding Replay, and bench,
+	// until its context ends.
+	HeaderTimeout, IdleTimeout time.Duration
 }
+
+// DefaultHeaderTimeout and DefaultIdleTimeout are Replay's bounds on a
+// target's silence: the gateway's own defaults for its engines
+// (gateway.DefaultResponseHeaderTimeout, whose admission queue may hold
+// a request that long before answering, and DefaultStreamIdleTimeout).
+const (
+	DefaultHeaderTimeout = 10 * time.Minute
+	DefaultIdleTimeout   = time.Minute
+)
+
+// errStalled is the cause a request's context is cancelled with when its
+// target stays silent past a bound (stallBound).
+var errStalled = errors.New("target stalled")
 
 // maxErrorBody bounds how much of an error response is read (bytes).
 const maxErrorBody = 64 << 10
@@ -172,6 +195,12 @@ func Replay(ctx context.Context, opts ReplayOptions) ([]measure.Record, error) {
 		e, err := CompletionsURL(t)
 		if err != nil {
 			return nil, err
+		}
+		// A URL given twice ("h:8000", "h:8000/v1/") would be dealt twice
+		// the requests, and TargetOutcomes would count them all under one
+		// position, the other showing none sent: refused.
+		if j := slices.Index(endpoints[:k], e); j >= 0 {
+			return nil, fmt.Errorf("bench: targets %d and %d (%q) are the same endpoint; give each replica's URL once", j, k, measure.RedactText(t))
 		}
 		endpoints[k] = e
 	}
@@ -334,6 +363,8 @@ func send(ctx context.Context, client *http.Client, endpoint string, modelJSON [
 	ms := func(d time.Duration) float64 { return d.Seconds() * 1000 * scale }
 
 	body := requestBody(modelJSON, rec)
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, endpoint, bytes.NewReader(body))
 	if err != nil {
 		return measure.Record{Error: err.Error()}, true
@@ -358,12 +389,75 @@ func send(ctx context.Context, client *http.Client, endpoint string, modelJSON [
 	if opts.OnSend != nil && i >= 0 {
 		opts.OnSend(i)
 	}
-	return measureStream(client, req, rec, start, due, ms), true
+	w := newStallBound(opts, cancel)
+	defer w.stop()
+	r := measureStream(client, req, rec, start, due, ms, w)
+	if w.fired.Load() && r.Error != "" {
+		r.Error = w.message()
+	}
+	return r, true
+}
+
+// stallBound cancels a request (its context, with errStalled) when its
+// target is silent past a bound: header until the response header
+// arrives, then idle between reads of the body.
+type stallBound struct {
+	header, idle time.Duration
+	t            *time.Timer // nil: unbounded
+	headerSeen   atomic.Bool
+	fired        atomic.Bool
+}
+
+func newStallBound(opts ReplayOptions, cancel context.CancelCauseFunc) *stallBound {
+	w := &stallBound{header: opts.HeaderTimeout, idle: opts.IdleTimeout}
+	if w.header == 0 {
+		w.header = DefaultHeaderTimeout
+	}
+	if w.idle == 0 {
+		w.idle = DefaultIdleTimeout
+	}
+	if w.header > 0 {
+		w.t = time.AfterFunc(w.header, func() {
+			w.fired.Store(true)
+			cancel(errStalled)
+		})
+	}
+	return w
+}
+
+// headerArrived switches the bound from the header's to the stream's.
+func (w *stallBound) headerArrived() {
+	w.headerSeen.Store(true)
+	w.read()
+}
+
+// read restarts the idle bound (a read returned data).
+func (w *stallBound) read() {
+	if w.t == nil || w.idle <= 0 {
+		w.stop()
+		return
+	}
+	w.t.Reset(w.idle)
+}
+
+func (w *stallBound) stop() {
+	if w.t != nil {
+		w.t.Stop()
+	}
+}
+
+// message is the failed request's error once the bound fired.
+func (w *stallBound) message() string {
+	if w.headerSeen.Load() {
+		return fmt.Sprintf("%v: stream silent for %v (bench's idle bound)", errStalled, w.idle)
+	}
+	return fmt.Sprintf("%v: no response header within %v (bench's header bound)", errStalled, w.header)
 }
 
 // measureStream sends req (due at due; zero: unscheduled) and measures its
 // response; ms converts wall durations to engine milliseconds.
-func measureStream(client *http.Client, req *http.Request, rec trace.Record, start, due time.Time, ms func(time.Duration) float64) measure.Record {
+// w bounds the target's silence.
+func measureStream(client *http.Client, req *http.Request, rec trace.Record, start, due time.Time, ms func(time.Duration) float64, w *stallBound) measure.Record {
 	t0 := time.Now()
 	r := measure.Record{ArrivalMs: ms(t0.Sub(start))}
 	if !due.IsZero() {
@@ -380,13 +474,14 @@ func measureStream(client *http.Client, req *http.Request, rec trace.Record, sta
 		return fail(err)
 	}
 	defer resp.Body.Close()
+	w.headerArrived()
 	r.Status = resp.StatusCode
 	if resp.StatusCode != http.StatusOK {
 		return fail(statusError(resp))
 	}
 
 	var (
-		clock   = &readClock{r: resp.Body}
+		clock   = &readClock{r: resp.Body, w: w}
 		er      = openai.NewEventReader(clock, 0)
 		chunk   openai.StreamChunk
 		usage   *openai.Usage
@@ -515,8 +610,9 @@ func errorMessage(b []byte) (string, bool) {
 // (openai.EventReader reads only when its buffer holds no complete line).
 type readClock struct {
 	r     io.Reader
-	reads int       // reads that returned data
-	at    time.Time // when the latest of them returned
+	w     *stallBound // told of each read (nil: none)
+	reads int         // reads that returned data
+	at    time.Time   // when the latest of them returned
 }
 
 func (c *readClock) Read(p []byte) (int, error) {
@@ -524,6 +620,9 @@ func (c *readClock) Read(p []byte) (int, error) {
 	if n > 0 {
 		c.reads++
 		c.at = time.Now()
+		if c.w != nil {
+			c.w.read()
+		}
 	}
 	return n, err
 }

@@ -35,6 +35,10 @@ type TargetOutcome struct {
 	// Cancelled: still unanswered when the replay's context ended (a
 	// request that hung); counted apart from the three explicit kinds.
 	Cancelled int `json:"cancelled"`
+	// Stalled: no response header, or a stream silent, past Replay's
+	// bounds (ReplayOptions.HeaderTimeout, IdleTimeout): a target that
+	// hung while the replay went on.
+	Stalled int `json:"stalled"`
 	// FirstError is the first failure's message, "" when none failed.
 	FirstError string `json:"first_error,omitempty"`
 }
@@ -67,6 +71,8 @@ func TargetOutcomes(targets []string, recs []measure.Record) []TargetOutcome {
 		case r.Error == "":
 			o.OK++
 			continue
+		case strings.HasPrefix(r.Error, errStalled.Error()):
+			o.Stalled++
 		case strings.Contains(r.Error, context.Canceled.Error()) || strings.Contains(r.Error, context.DeadlineExceeded.Error()):
 			o.Cancelled++
 		case r.Status == 0:
@@ -85,11 +91,11 @@ func TargetOutcomes(targets []string, recs []measure.Record) []TargetOutcome {
 
 // WriteTargetOutcomes prints outcomes as a table, one line per target.
 func WriteTargetOutcomes(w io.Writer, outcomes []TargetOutcome) error {
-	if _, err := fmt.Fprintf(w, "%-28s %6s %6s %8s %6s %6s %9s\n", "target", "sent", "ok", "no-resp", "broken", "status", "cancelled"); err != nil {
+	if _, err := fmt.Fprintf(w, "%-28s %6s %6s %8s %6s %6s %9s %7s\n", "target", "sent", "ok", "no-resp", "broken", "status", "cancelled", "stalled"); err != nil {
 		return err
 	}
 	for _, o := range outcomes {
-		if _, err := fmt.Fprintf(w, "%-28s %6d %6d %8d %6d %6d %9d\n", o.Target, o.Sent, o.OK, o.NoResponse, o.Broken, o.Status, o.Cancelled); err != nil {
+		if _, err := fmt.Fprintf(w, "%-28s %6d %6d %8d %6d %6d %9d %7d\n", o.Target, o.Sent, o.OK, o.NoResponse, o.Broken, o.Status, o.Cancelled, o.Stalled); err != nil {
 			return err
 		}
 	}

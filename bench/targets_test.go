@@ -140,3 +140,29 @@ infergate_sim_step_lag_seconds_count %d
 		t.Error("a page without the histogram: no error")
 	}
 }
+
+// TestReplayDuplicateTargets: a URL given twice, in any of the forms
+// CompletionsURL accepts, is refused before any request is sent (it was
+// dealt twice the requests, and TargetOutcomes showed one of its
+// positions with all of them, the other with none).
+func TestReplayDuplicateTargets(t *testing.T) {
+	e := &fakeEngine{}
+	s := httptest.NewServer(e)
+	defer s.Close()
+	other := httptest.NewServer(&fakeEngine{})
+	defer other.Close()
+	recs := []trace.Record{{InputLength: 16, OutputLength: 2, HashIDs: []int64{1}}}
+	for _, targets := range [][]string{
+		{s.URL, s.URL},
+		{s.URL, other.URL, s.URL + "/v1/"},
+		{s.URL + "/", other.URL, s.URL + "/v1"},
+	} {
+		_, err := Replay(context.Background(), ReplayOptions{Targets: targets, Model: "m", Records: recs, APIKey: "k"})
+		if err == nil || !strings.Contains(err.Error(), "same endpoint") {
+			t.Errorf("%q: err %v, want the duplicate refused", targets, err)
+		}
+	}
+	if len(e.reqs) != 0 {
+		t.Fatalf("%d requests sent", len(e.reqs))
+	}
+}

@@ -72,6 +72,9 @@ type benchFlags struct {
 	killPID    int
 	killTarget int
 	fleet      []string
+	// headerTimeout, idleTimeout: --header-timeout, --idle-timeout (a
+	// --target's silence bounds, bench.ReplayOptions).
+	headerTimeout, idleTimeout time.Duration
 	// spread moves each arrival to a random instant within it after its
 	// timestamp (--spread; 0: as given).
 	spread time.Duration
@@ -150,6 +153,8 @@ func (fl *benchFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.target, "target", "", "base URL of an OpenAI-compatible endpoint to replay against; several, comma-separated (gateway replicas), are dealt the requests round robin, request i to URL i mod n, as an L4 front that balances per request")
 	f.IntVar(&fl.killPID, "kill-pid", 0, "with several --target URLs: send SIGKILL to this process (a gateway replica) just before the middle request is sent, and report how each target's requests ended")
 	f.IntVar(&fl.killTarget, "kill-target", 1, "with --kill-pid: the position (0-based) in --target of the URL that process serves, whose failures are attributed to the kill")
+	f.DurationVar(&fl.headerTimeout, "header-timeout", bench.DefaultHeaderTimeout, "with --target: fail a request (counted \"stalled\") whose response header has not arrived after this long (negative: wait forever)")
+	f.DurationVar(&fl.idleTimeout, "idle-timeout", bench.DefaultIdleTimeout, "with --target: fail a request (counted \"stalled\") whose stream has been silent this long (negative: wait forever)")
 	f.StringSliceVar(&fl.fleet, "fleet", nil, "with --target: base URLs of the infergate sim engines behind it; after the replay their infergate_sim_step_lag_seconds histograms give the fleet's lag (column \"lag p99 ms\", --max-lag), as --compare measures its own fleet's")
 	f.StringVar(&fl.compare, "compare", "", "comma-separated routing policies to compare on fresh simulated fleets ("+strings.Join(sched.Names(), ",")+")")
 	f.IntVar(&fl.engines, "engines", 8, "simulated engines per fleet (--compare)")
@@ -191,9 +196,16 @@ func (fl *benchFlags) validate() ([]float64, error) {
 		return nil, err
 	}
 	targets := fl.targets()
+	if k := slices.Index(targets, ""); k >= 0 {
+		return nil, fmt.Errorf("--target %q: URL %d of %d is empty", fl.target, k, len(targets))
+	}
 	switch {
 	case fl.killPID < 0:
 		return nil, fmt.Errorf("--kill-pid %d: want a process id", fl.killPID)
+	case fl.killPID > 0 && (fl.killPID == 1 || fl.killPID == os.Getpid() || fl.killPID == os.Getppid()):
+		// SIGKILL of bench itself (or of the shell that waits for it)
+		// loses every output; of init, the host.
+		return nil, fmt.Errorf("--kill-pid %d is init, bench itself or its parent: want a gateway replica's process id", fl.killPID)
 	case fl.killPID > 0 && len(targets) < 2:
 		return nil, errors.New("--kill-pid needs several --target URLs (replicas), one of them served by that process")
 	case fl.killPID > 0 && (fl.killTarget < 0 || fl.killTarget >= len(targets)):
@@ -478,7 +490,8 @@ func (r *benchRun) replayTarget(recs []trace.Record, rate float64) error {
 	targets := fl.targets()
 	opts := bench.ReplayOptions{Target: fl.target, Model: r.model, Records: recs, Requests: fl.requests,
 		Speedup: fl.speedup, TimeScale: fl.timeScale, Label: "target", Progress: os.Stderr,
-		Warmup: fl.warm.w, Concurrency: fl.concurrency, Sessions: r.sessions}
+		Warmup: fl.warm.w, Concurrency: fl.concurrency, Sessions: r.sessions,
+		HeaderTimeout: fl.headerTimeout, IdleTimeout: fl.idleTimeout}
 	if len(targets) > 1 {
 		opts.Target, opts.Targets = "", targets
 	}
@@ -739,7 +752,7 @@ func (r *benchRun) writeTargetRun(w io.Writer, tr targetRun) error {
 		}
 		o := bench.TargetOutcomes([]string{rec.Target}, []measure.Record{rec})[0]
 		switch {
-		case o.Cancelled > 0:
+		case o.Cancelled > 0 || o.Stalled > 0: // no explicit error: hung
 			hung++
 			survivors = append(survivors, rec.Index)
 		case rec.Target != killed:

@@ -139,6 +139,12 @@ func TestBenchKillFlags(t *testing.T) {
 		{benchFlags{target: "http://a,http://b", killPID: -1}, "--kill-pid -1"},
 		{benchFlags{target: "http://a,http://b", killPID: 7, killTarget: 0, concurrency: 2}, "open loop"},
 		{benchFlags{compare: "prefix", fleet: []string{"http://e"}}, "--fleet goes with --target"},
+		{benchFlags{target: "http://a,http://b", killPID: os.Getpid(), killTarget: 1}, "bench itself"},
+		{benchFlags{target: "http://a,http://b", killPID: os.Getppid(), killTarget: 1}, "bench itself"},
+		{benchFlags{target: "http://a,http://b", killPID: 1, killTarget: 1}, "init"},
+		{benchFlags{target: "http://a,,http://b"}, "URL 1 of 3 is empty"},
+		{benchFlags{target: "http://a, "}, "URL 1 of 2 is empty"},
+		{benchFlags{target: ","}, "URL 0 of 2 is empty"},
 	} {
 		_, err := c.fl.validate()
 		switch {
