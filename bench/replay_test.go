@@ -179,8 +179,12 @@ func TestReplay(t *testing.T) {
 			t.Errorf("record %d sent at %v ms, before its timestamp %v ms", i, r.ArrivalMs, want)
 		}
 	}
-	if got[0].CachedTokens != 0 || got[1].CachedTokens+got[2].CachedTokens != 1024 {
-		t.Errorf("cached tokens %d %d %d, want 0 and 512 for each later request", got[0].CachedTokens, got[1].CachedTokens, got[2].CachedTokens)
+	// The server caches by arrival: the first request to reach it (record 0,
+	// unless a busy host delayed its dial past record 1's 10 ms) has
+	// nothing cached, the two others 512 tokens each.
+	cached := []int{got[0].CachedTokens, got[1].CachedTokens, got[2].CachedTokens}
+	if slices.Sort(cached); !slices.Equal(cached, []int{0, 512, 512}) {
+		t.Errorf("cached tokens %d %d %d, want 0 for the first to arrive and 512 for each later one", got[0].CachedTokens, got[1].CachedTokens, got[2].CachedTokens)
 	}
 
 	// Per-request JSONL, in record order.
