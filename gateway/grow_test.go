@@ -70,6 +70,16 @@ func deadKVAddr(t *testing.T) string {
 	return "tcp://" + l.Addr().String()
 }
 
+// preciseKVConfig is a precise-prefix pool of n endpoints (growAddr's
+// addresses) whose KV subscriptions all go to dead (deadKVAddr).
+func preciseKVConfig(n int, dead string) Config {
+	cfg := eppBenchConfig(sched.PrecisePrefix, n, 1)
+	for i := range cfg.Endpoints {
+		cfg.Endpoints[i].KVEvents = &KVEventsConfig{Endpoint: dead}
+	}
+	return cfg
+}
+
 // waitKVStarted waits until the KV subscription of every endpoint of g
 // (and of feed extra, if any) has started (reset its appliers once); what
 // is fed after that stays.
@@ -300,13 +310,7 @@ func TestReloadGrowMovesStore(t *testing.T) {
 func TestReloadGrowUnderLoad(t *testing.T) {
 	const shared = 1024
 	dead := deadKVAddr(t)
-	config := func(n int) Config {
-		cfg := eppBenchConfig(sched.PrecisePrefix, n, 1)
-		for i := range cfg.Endpoints {
-			cfg.Endpoints[i].KVEvents = &KVEventsConfig{Endpoint: dead}
-		}
-		return cfg
-	}
+	config := func(n int) Config { return preciseKVConfig(n, dead) }
 	g, err := New(context.Background(), config(64), nil)
 	if err != nil {
 		t.Fatal(err)

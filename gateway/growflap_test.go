@@ -8,7 +8,6 @@ import (
 
 	"github.com/infergate/infergate/kvevents"
 	"github.com/infergate/infergate/prefix"
-	"github.com/infergate/infergate/sched"
 )
 
 // TestReloadShrinkGrowUnderLoad (run with -race): picks and KV-event
@@ -22,13 +21,7 @@ import (
 func TestReloadShrinkGrowUnderLoad(t *testing.T) {
 	const shared = 1024
 	dead := deadKVAddr(t)
-	config := func(n int) Config {
-		cfg := eppBenchConfig(sched.PrecisePrefix, n, 1)
-		for i := range cfg.Endpoints {
-			cfg.Endpoints[i].KVEvents = &KVEventsConfig{Endpoint: dead}
-		}
-		return cfg
-	}
+	config := func(n int) Config { return preciseKVConfig(n, dead) }
 	g, err := New(context.Background(), config(64), nil)
 	if err != nil {
 		t.Fatal(err)
