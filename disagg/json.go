@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/infergate/infergate/internal/jsonvalue"
 	"github.com/infergate/infergate/openai"
 )
 
@@ -52,11 +53,11 @@ func checkObject(body []byte) error {
 // accepted, in order. The walk is iterative: strings are skipped quote to
 // quote, nested values by counting brackets outside strings.
 func members(body []byte, dst []member) ([]member, error) {
-	i := skipWS(body, 0)
+	i := jsonvalue.SkipSpace(body, 0)
 	if i >= len(body) || body[i] != '{' {
 		return nil, errNotObject
 	}
-	i = skipWS(body, i+1)
+	i = jsonvalue.SkipSpace(body, i+1)
 	if i < len(body) && body[i] == '}' {
 		return dst, nil
 	}
@@ -65,27 +66,28 @@ func members(body []byte, dst []member) ([]member, error) {
 			return nil, errNotObject
 		}
 		k0 := i
-		end, esc := skipString(body, i)
-		if end < 0 {
+		end := jsonvalue.StringEnd(body, i) + 1
+		if end <= 0 {
 			return nil, errNotObject
 		}
+		esc := bytes.IndexByte(body[k0+1:end-1], '\\') >= 0
 		key := string(body[k0+1 : end-1])
 		if esc {
 			if err := json.Unmarshal(body[k0:end], &key); err != nil {
 				return nil, err
 			}
 		}
-		i = skipWS(body, end)
+		i = jsonvalue.SkipSpace(body, end)
 		if i >= len(body) || body[i] != ':' {
 			return nil, errNotObject
 		}
-		v0 := skipWS(body, i+1)
-		v1 := skipValue(body, v0)
+		v0 := jsonvalue.SkipSpace(body, i+1)
+		v1 := jsonvalue.Skip(body, v0)
 		if v1 < 0 {
 			return nil, errNotObject
 		}
 		dst = append(dst, member{key: key, k0: k0, v0: v0, v1: v1})
-		i = skipWS(body, v1)
+		i = jsonvalue.SkipSpace(body, v1)
 		if i >= len(body) {
 			return nil, errNotObject
 		}
@@ -95,72 +97,9 @@ func members(body []byte, dst []member) ([]member, error) {
 		if body[i] != ',' {
 			return nil, errNotObject
 		}
-		i = skipWS(body, i+1)
+		i = jsonvalue.SkipSpace(body, i+1)
 	}
 	return nil, errNotObject
-}
-
-func skipWS(b []byte, i int) int {
-	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
-		i++
-	}
-	return i
-}
-
-// skipString returns the index after the string starting at b[i] (a
-// quote) and whether it holds an escape; -1 when it does not end.
-func skipString(b []byte, i int) (int, bool) {
-	esc := false
-	for j := i + 1; j < len(b); j++ {
-		switch b[j] {
-		case '\\':
-			esc = true
-			j++
-		case '"':
-			return j + 1, esc
-		}
-	}
-	return -1, esc
-}
-
-// skipValue returns the index after the value starting at b[i], -1 when
-// it breaks off.
-func skipValue(b []byte, i int) int {
-	if i >= len(b) {
-		return -1
-	}
-	switch b[i] {
-	case '"':
-		end, _ := skipString(b, i)
-		return end
-	case '{', '[':
-		depth := 0
-		for j := i; j < len(b); j++ {
-			switch b[j] {
-			case '"':
-				end, _ := skipString(b, j)
-				if end < 0 {
-					return -1
-				}
-				j = end - 1
-			case '{', '[':
-				depth++
-			case '}', ']':
-				if depth--; depth == 0 {
-					return j + 1
-				}
-			}
-		}
-		return -1
-	}
-	j := i
-	for j < len(b) && b[j] != ',' && b[j] != '}' && b[j] != ']' && b[j] != ' ' && b[j] != '\t' && b[j] != '\n' && b[j] != '\r' {
-		j++
-	}
-	if j == i {
-		return -1
-	}
-	return j
 }
 
 // field is a top-level member to set: its key and raw JSON value.

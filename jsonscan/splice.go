@@ -1,6 +1,10 @@
 package jsonscan
 
-import "encoding/json"
+import (
+	"encoding/json"
+
+	"github.com/infergate/infergate/internal/jsonvalue"
+)
 
 // SpliceModel appends to dst the JSON object body with the value of its
 // top-level "model" member replaced by model (a JSON string), every other
@@ -68,7 +72,8 @@ func ModelSpan(body []byte) (from, to int, ok bool) {
 }
 
 // skipValue moves s past the value at s.i: a string, number or literal by
-// the scanner, an object or array by counting brackets outside strings.
+// the scanner, an object or array by counting brackets outside strings
+// (jsonvalue.Skip; the body was validated by openai.Decode).
 func skipValue(s *scanner) bool {
 	if s.i >= len(s.b) {
 		return false
@@ -76,23 +81,10 @@ func skipValue(s *scanner) bool {
 	if c := s.b[s.i]; c != '{' && c != '[' {
 		return s.skip(1)
 	}
-	depth := 0
-	for s.i < len(s.b) {
-		switch s.b[s.i] {
-		case '"':
-			if _, _, ok := s.str(); !ok {
-				return false
-			}
-			continue
-		case '{', '[':
-			depth++
-		case '}', ']':
-			if depth--; depth == 0 {
-				s.i++
-				return true
-			}
-		}
-		s.i++
+	j := jsonvalue.Skip(s.b, s.i)
+	if j < 0 {
+		return false
 	}
-	return false
+	s.i = j
+	return true
 }

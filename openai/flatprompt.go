@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"sync"
 
+	"github.com/infergate/infergate/internal/jsonvalue"
 	segjson "github.com/segmentio/encoding/json"
 )
 
@@ -85,11 +86,11 @@ func (r *CompletionRequest) decodeFlatPrompt(body []byte) (rest []byte, ok bool)
 // level is not a well-formed object of members; the values other than
 // the prompt are skipped, not validated (segmentio reads them).
 func flatPromptMember(b []byte) (from, to, arrFrom, arrTo int, ok bool) {
-	i := skipJSONSpace(b, 0)
+	i := jsonvalue.SkipSpace(b, 0)
 	if i == len(b) || b[i] != '{' {
 		return 0, 0, 0, 0, false
 	}
-	i = skipJSONSpace(b, i+1)
+	i = jsonvalue.SkipSpace(b, i+1)
 	found, prevComma := false, -1
 	for {
 		if i >= len(b) || b[i] != '"' {
@@ -103,17 +104,17 @@ func flatPromptMember(b []byte) (from, to, arrFrom, arrTo int, ok bool) {
 			return 0, 0, 0, 0, false // an escape may spell "prompt"
 		}
 		isPrompt := string(b[start+1:end]) == "prompt"
-		if i = skipJSONSpace(b, end+1); i >= len(b) || b[i] != ':' {
+		if i = jsonvalue.SkipSpace(b, end+1); i >= len(b) || b[i] != ':' {
 			return 0, 0, 0, 0, false
 		}
-		if i = skipJSONSpace(b, i+1); i >= len(b) {
+		if i = jsonvalue.SkipSpace(b, i+1); i >= len(b) {
 			return 0, 0, 0, 0, false
 		}
 		if isPrompt {
 			if found || b[i] != '[' {
 				return 0, 0, 0, 0, false
 			}
-			if k := skipJSONSpace(b, i+1); k >= len(b) || b[k] < '0' || b[k] > '9' {
+			if k := jsonvalue.SkipSpace(b, i+1); k >= len(b) || b[k] < '0' || b[k] > '9' {
 				return 0, 0, 0, 0, false
 			}
 			j := bytes.IndexByte(b[i:], ']')
@@ -126,10 +127,10 @@ func flatPromptMember(b []byte) (from, to, arrFrom, arrTo int, ok bool) {
 				from = prevComma // the last member: its comma before it goes
 			}
 			i = arrTo
-		} else if i = skipJSONValue(b, i); i < 0 {
+		} else if i = jsonvalue.Skip(b, i); i < 0 {
 			return 0, 0, 0, 0, false
 		}
-		i = skipJSONSpace(b, i)
+		i = jsonvalue.SkipSpace(b, i)
 		if i >= len(b) {
 			return 0, 0, 0, 0, false
 		}
@@ -139,56 +140,11 @@ func flatPromptMember(b []byte) (from, to, arrFrom, arrTo int, ok bool) {
 				from, to = start, i+1 // not the last: its comma after it goes
 			}
 			prevComma = i
-			i = skipJSONSpace(b, i+1)
+			i = jsonvalue.SkipSpace(b, i+1)
 		case '}':
 			return from, to, arrFrom, arrTo, found
 		default:
 			return 0, 0, 0, 0, false
 		}
 	}
-}
-
-// skipJSONValue returns the index after the value starting at b[i] — a
-// string, an object or array (brackets counted, strings skipped), or a
-// scalar (up to whitespace or a delimiter) — or -1 when it does not end.
-// It does not validate the value. Linear, without recursion.
-func skipJSONValue(b []byte, i int) int {
-	switch b[i] {
-	case '"':
-		if e := stringEnd(b, i); e >= 0 {
-			return e + 1
-		}
-		return -1
-	case '{', '[':
-		depth := 0
-		for j := i; j < len(b); j++ {
-			switch b[j] {
-			case '"':
-				e := stringEnd(b, j)
-				if e < 0 {
-					return -1
-				}
-				j = e
-			case '{', '[':
-				depth++
-			case '}', ']':
-				if depth--; depth == 0 {
-					return j + 1
-				}
-			}
-		}
-		return -1
-	}
-	j := i
-	for j < len(b) {
-		switch b[j] {
-		case ' ', '\t', '\n', '\r', ',', '}', ']', '"', '{', '[', ':':
-			if j == i {
-				return -1
-			}
-			return j
-		}
-		j++
-	}
-	return -1
 }

@@ -3,6 +3,8 @@ package openai
 import (
 	"bytes"
 	"errors"
+
+	"github.com/infergate/infergate/internal/jsonvalue"
 )
 
 // Nesting and element bounds. A JSON body is attacker-controlled on both
@@ -41,7 +43,7 @@ func TooDeep(b []byte) bool {
 	for i := 0; i < len(b); i++ {
 		switch b[i] {
 		case '"':
-			end := stringEnd(b, i)
+			end := jsonvalue.StringEnd(b, i)
 			if end < 0 {
 				return false // unterminated: no decoder reads past it
 			}
@@ -55,29 +57,6 @@ func TooDeep(b []byte) bool {
 		}
 	}
 	return false
-}
-
-// stringEnd returns the index of the quote that closes the string whose
-// opening quote is at b[open], or -1 when it is not closed. A quote is
-// escaped when an odd run of backslashes precedes it; each run is counted
-// once, so the scan is linear.
-func stringEnd(b []byte, open int) int {
-	i := open + 1
-	for {
-		j := bytes.IndexByte(b[i:], '"')
-		if j < 0 {
-			return -1
-		}
-		q := i + j
-		k := q - 1
-		for k > open && b[k] == '\\' {
-			k--
-		}
-		if (q-1-k)%2 == 0 {
-			return q
-		}
-		i = q + 1
-	}
 }
 
 // errElements is eachElement's answer to a value that is not a
@@ -102,7 +81,7 @@ func eachElement(b []byte, fn func(i int, elem []byte) error) error {
 		if i < len(body) {
 			switch body[i] {
 			case '"':
-				end := stringEnd(body, i)
+				end := jsonvalue.StringEnd(body, i)
 				if end < 0 {
 					return errElements
 				}

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/infergate/infergate/internal/jsonvalue"
 	segjson "github.com/segmentio/encoding/json"
 )
 
@@ -398,7 +399,7 @@ func appendTokenIDs(dst []uint32, b []byte) ([]uint32, error) {
 	if want := len(body)/6 + 1; cap(ids) < want {
 		ids = make([]uint32, 0, want)
 	}
-	i := skipJSONSpace(body, 0)
+	i := jsonvalue.SkipSpace(body, 0)
 	if i == len(body) {
 		return nil, errors.New("token-id array must not be empty")
 	}
@@ -429,7 +430,7 @@ func appendTokenIDs(dst []uint32, b []byte) ([]uint32, error) {
 		if i < len(body) && body[i] == ',' { // the common case: no space
 			i++
 		} else {
-			if i = skipJSONSpace(body, i); i == len(body) {
+			if i = jsonvalue.SkipSpace(body, i); i == len(body) {
 				return ids, nil
 			}
 			if body[i] != ',' {
@@ -437,17 +438,8 @@ func appendTokenIDs(dst []uint32, b []byte) ([]uint32, error) {
 			}
 			i++
 		}
-		i = skipJSONSpace(body, i)
+		i = jsonvalue.SkipSpace(body, i)
 	}
-}
-
-// skipJSONSpace returns the index of the first byte of b from i on that
-// is not JSON whitespace (len(b) when none).
-func skipJSONSpace(b []byte, i int) int {
-	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
-		i++
-	}
-	return i
 }
 
 // Reset zeroes r for the next decode into it, but keeps the buffer of its
