@@ -437,21 +437,24 @@ func BenchmarkDecision64x1M(b *testing.B) {
 	eps := ready(n)
 	for i := range eps {
 		eps[i].InFlight = i % 5
+		eps[i].InFlightTokens = (i % 11) * 3000
 		eps[i].PendingPrefillTokens = (i % 7) * 1000
 	}
 	for _, tc := range []struct {
 		name, policy string
 		tiered       bool
 		learn        learnMode
+		batch        bool // routing.cost.batch priced (batch70B)
 	}{
-		{"cache-aware/decide", CacheAware, false, learnOff},
-		{"cache-aware/pick", CacheAware, false, learnQueued},
-		{"cache-aware/pick+settle", CacheAware, false, learnInline},
-		{"cache-aware-ttft/decide", CacheAwareTTFT, false, learnOff},
-		{"cache-aware-ttft/pick", CacheAwareTTFT, false, learnQueued},
-		{"precise-prefix/decide", PrecisePrefix, false, learnOff},
-		{"precise-prefix/pick", PrecisePrefix, false, learnQueued},
-		{"precise-prefix/tiered", PrecisePrefix, true, learnOff},
+		{"cache-aware/decide", CacheAware, false, learnOff, false},
+		{"cache-aware/decide-batch", CacheAware, false, learnOff, true},
+		{"cache-aware/pick", CacheAware, false, learnQueued, false},
+		{"cache-aware/pick+settle", CacheAware, false, learnInline, false},
+		{"cache-aware-ttft/decide", CacheAwareTTFT, false, learnOff, false},
+		{"cache-aware-ttft/pick", CacheAwareTTFT, false, learnQueued, false},
+		{"precise-prefix/decide", PrecisePrefix, false, learnOff, false},
+		{"precise-prefix/pick", PrecisePrefix, false, learnQueued, false},
+		{"precise-prefix/tiered", PrecisePrefix, true, learnOff, false},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			pool := Pool{Capacity: caps(n, perEndpoint), Precise: px.On(prefix.MediumGPU)}
@@ -463,7 +466,11 @@ func BenchmarkDecision64x1M(b *testing.B) {
 				}
 				pool.Tiers = t
 			}
-			p := newProfileT(b, Config{Policy: tc.policy}, pool)
+			cfg := Config{Policy: tc.policy}
+			if tc.batch {
+				cfg = batch70B(cfg)
+			}
+			p := newProfileT(b, cfg, pool)
 			// Share the filled index with the approximate scorer (the
 			// cost scorer reads cache-aware's through p.match).
 			for _, ws := range p.scorers {

@@ -355,8 +355,11 @@ func (loraScorer) Score(c *Cycle, cands []int, scores []float64) {
 type CostConfig struct {
 	// PrefillTokensPerSecond is the prefill throughput assumed for endpoints
 	// that report none (default 10,000 tokens/s). Only ratios between
-	// endpoints matter for the score, so in a homogeneous fleet it cancels.
+	// endpoints matter for the score, so in a homogeneous fleet it cancels
+	// (unless Batch is on: its step time is in seconds).
 	PrefillTokensPerSecond float64 `yaml:"prefill_tokens_per_second"`
+	// Batch prices the batch a request joins (batch.go); off by default.
+	Batch BatchConfig `yaml:"batch"`
 }
 
 // DefaultPrefillTokensPerSecond is CostConfig.PrefillTokensPerSecond's default.
@@ -375,6 +378,10 @@ const DefaultPrefillTokensPerSecond = 10_000
 type costScorer struct {
 	rate      float64
 	blockSize int
+	// batch, when on, replaces the estimate by the step-time model's
+	// (batch.go): the step in progress, the memory floor of each step and
+	// the decodes riding in it.
+	batch batchModel
 }
 
 func (*costScorer) Name() string { return ScorerCost }
@@ -449,8 +456,22 @@ func (s *costScorer) estimateWork(c *Cycle, cands []int, ttft []float64, work, b
 			hit = least
 		}
 		own := max(1, p-float64(s.blockSize)*hit)
-		ttft[k] = (float64(ep.PendingPrefillTokens)+(1+work+block*float64(ep.InFlight))*own)/rate + load
+		ttft[k] = s.seconds(ep, own, rate, work, block) + load
 	}
+}
+
+// seconds is one candidate's estimate without its tiers' load time: the
+// backlog and its own uncached prefill (own tokens) at rate, the prefill
+// counted 1 + work + block·InFlight times; with the batch priced, the
+// step-time model's TTFT plus (work + block·InFlight) times the work its
+// tokens add (batchModel).
+func (s *costScorer) seconds(ep *Endpoint, own, rate, work, block float64) float64 {
+	if !s.batch.on() {
+		return (float64(ep.PendingPrefillTokens) + (1+work+block*float64(ep.InFlight))*own) / rate
+	}
+	n := float64(ep.InFlight)
+	t, w := s.batch.estimate(float64(ep.PendingPrefillTokens), own, n, float64(ep.InFlightTokens), rate)
+	return t + (work+block*n)*w
 }
 
 // estimatePlain is estimateWork without tiers and minGain (the cost
@@ -464,6 +485,10 @@ func (s *costScorer) estimateWork(c *Cycle, cands []int, ttft []float64, work, b
 // 2026-12-05 a pass for the rates' check, one for the hits and one for
 // the TTFT, each reading every candidate's 160-byte Endpoint.
 func (s *costScorer) estimatePlain(c *Cycle, cands []int, ttft []float64, matched []int, p, work, block float64) {
+	if s.batch.on() {
+		s.estimateBatch(c, cands, ttft, matched, p, work, block)
+		return
+	}
 	known, rate := true, s.rate
 	for k, i := range cands {
 		ep := &c.Eps[i]
@@ -478,6 +503,22 @@ func (s *costScorer) estimatePlain(c *Cycle, cands []int, ttft []float64, matche
 		ep := &c.Eps[i]
 		own := max(1, p-float64(s.blockSize)*float64(matched[i]))
 		ttft[k] = (float64(ep.PendingPrefillTokens) + (1+work+block*float64(ep.InFlight))*own) / ep.PrefillTokensPerSecond
+	}
+}
+
+// estimateBatch is estimatePlain with the batch priced (seconds).
+func (s *costScorer) estimateBatch(c *Cycle, cands []int, ttft []float64, matched []int, p, work, block float64) {
+	known := true
+	for _, i := range cands {
+		known = known && c.Eps[i].PrefillTokensPerSecond > 0
+	}
+	rate := s.rate
+	for k, i := range cands {
+		ep := &c.Eps[i]
+		if known {
+			rate = ep.PrefillTokensPerSecond
+		}
+		ttft[k] = s.seconds(ep, max(1, p-float64(s.blockSize)*float64(matched[i])), rate, work, block)
 	}
 }
 

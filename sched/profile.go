@@ -458,7 +458,11 @@ func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfi
 		if rate < 0 || rate != rate {
 			return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", rate)
 		}
-		return &costScorer{rate: rate, blockSize: pcfg.BlockSize}, nil
+		batch, err := newBatchModel(cfg.Cost.Batch)
+		if err != nil {
+			return nil, err
+		}
+		return &costScorer{rate: rate, blockSize: pcfg.BlockSize, batch: batch}, nil
 	}
 	return nil, fmt.Errorf("unknown scorer %q (want prefix, precise-prefix, queue, kv-utilization, in-flight-tokens, session, lora, cost, ttft, %s)", name, peerPluginsScorer)
 }

@@ -99,7 +99,11 @@ func newTTFTScorer(cfg Config, pcfg PrefixConfig) (*ttftScorer, error) {
 	if !(block >= 0) || math.IsInf(block, 0) {
 		return nil, fmt.Errorf("ttft.block_weight %g must be >= 0 and finite", block)
 	}
-	return &ttftScorer{cost: &costScorer{rate: rate, blockSize: pcfg.BlockSize}, work: work, block: block, minGain: pcfg.MinMatchGain}, nil
+	batch, err := newBatchModel(cfg.Cost.Batch)
+	if err != nil {
+		return nil, err
+	}
+	return &ttftScorer{cost: &costScorer{rate: rate, blockSize: pcfg.BlockSize, batch: batch}, work: work, block: block, minGain: pcfg.MinMatchGain}, nil
 }
 
 func (*ttftScorer) Name() string { return ScorerTTFT }

@@ -55,7 +55,11 @@ func newTTFTBound(cfg Config, pcfg PrefixConfig) (Filter, error) {
 	if !(rate > 0) {
 		return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", rate)
 	}
-	return ttftBoundFilter{cost: &costScorer{rate: rate, blockSize: pcfg.BlockSize}, slack: slack}, nil
+	batch, err := newBatchModel(cfg.Cost.Batch)
+	if err != nil {
+		return nil, err
+	}
+	return ttftBoundFilter{cost: &costScorer{rate: rate, blockSize: pcfg.BlockSize, batch: batch}, slack: slack}, nil
 }
 
 func (ttftBoundFilter) Name() string { return FilterTTFTBound }
