@@ -868,7 +868,7 @@ func (g *Gateway) buildKVFeeds(st, prev *state, specOf func(*endpoint) *endpoint
 				as[k] = fleet.NewKVEventApplier(t.ix, t.slot, fleet.KVSeeds(t.model))
 			}
 		}
-		pl.feedSets[f] = feedSet{appliers: as, targets: ts}
+		pl.feedSets[f] = feedSet{appliers: as, targets: ts, changed: f != old || !slices.Equal(ts, oldTs)}
 		fe := st.feeds[ep]
 		fe.kv = f
 		st.feeds[ep] = fe
@@ -911,10 +911,11 @@ func (g *Gateway) buildStoreFeeds(st, prev *state, pl *plan) error {
 				a = as[0]
 			}
 		}
-		if a == nil {
+		changed := a == nil
+		if changed {
 			a = fleet.NewStoreEventApplier(t.ix, t.slot, fleet.KVSeeds(model))
 		}
-		pl.feedSets[f] = feedSet{appliers: []*fleet.KVEventApplier{a}, targets: []feedTarget{t}}
+		pl.feedSets[f] = feedSet{appliers: []*fleet.KVEventApplier{a}, targets: []feedTarget{t}, changed: changed}
 		st.stores[model] = f
 	}
 	for model, old := range prev.stores {

@@ -28,7 +28,10 @@ package gateway
 //     the endpoints that stay keep what the indexes hold for them, the
 //     new ones start empty, and the kv_store's slot, the precise index's
 //     last, moves to the new last with what it holds (README "Reload",
-//     "What a reload keeps of the indexes");
+//     "What a reload keeps of the indexes"); a slot changes hands with the
+//     KV feeds whose appliers change held (commit), so the leaving
+//     engine's events all land before its forget and the arriving one's
+//     after it;
 //   - a model's admission gate (queue, admitted requests) and retry
 //     budget;
 //   - a key's rate-limit buckets, by key name (limits changed in place:
@@ -157,10 +160,35 @@ type plan struct {
 	aliasesChanged bool
 }
 
-// feedSet is a KV feed's appliers and their targets.
+// feedSet is a KV feed's appliers and their targets; changed when they
+// are not the feed's in force (a new feed, or a kept one that gains or
+// loses a target).
 type feedSet struct {
 	appliers []*fleet.KVEventApplier
 	targets  []feedTarget
+	changed  bool
+}
+
+// heldFeeds are the KV feeds commit holds while slots change hands: those
+// it detaches and those whose appliers change, each once.
+func (pl *plan) heldFeeds() []*kvFeed {
+	var held []*kvFeed
+	seen := map[*kvFeed]bool{}
+	hold := func(f *kvFeed) {
+		if !seen[f] {
+			seen[f] = true
+			held = append(held, f)
+		}
+	}
+	for _, f := range pl.detach {
+		hold(f)
+	}
+	for f, fs := range pl.feedSets {
+		if fs.changed {
+			hold(f)
+		}
+	}
+	return held
 }
 
 // slotOp updates slot of a kept policy (policy non-nil) or precise index
