@@ -37,6 +37,11 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 	for _, op := range pl.grows {
 		g.grow(st, pl, op)
 	}
+	// Then kept policies learn their pools' tiers: the prices of the new
+	// slots, the kv_store's slot where it just moved.
+	for _, op := range pl.tiers {
+		op.policy.SetTiers(op.tiers)
+	}
 
 	g.state.Store(st)
 	for old, p := range pl.succ {

@@ -50,8 +50,9 @@ package gateway
 // A change of routing builds new policies (their learnt state starts
 // empty); the precise index is kept unless routing.prefix.block_size
 // changed. A change of an endpoint's kv_events.tiers or of a kv_stores
-// entry re-bounds the index's slots and rebuilds the pool's policy (its
-// tier prices changed); the KV feeds stay unless their stream changed. An
+// entry re-bounds the index's slots and tells the kept policy the pool's
+// new tier prices (tierOp; a pool that gains or loses its tiers gets a new
+// policy); the KV feeds stay unless their stream changed. An
 // endpoint no longer configured is drained: it gets no new
 // pick, its requests in flight finish, and its health loop and feeds stop
 // after the last of them (at most response_header_timeout later).
@@ -144,6 +145,7 @@ type plan struct {
 	detach   []*kvFeed
 	slots    []slotOp  // per-slot updates of kept policies and precise indexes
 	grows    []growOp  // kept policies and precise indexes to grow, before the swap
+	tiers    []tierOp  // kept policies told their pool's tiers, after the grows, before the swap
 	gates    []gateSet // admission gates to configure
 	// limits are the key limit changes; keysAdded, keysRemoved,
 	// keysChanged name the keys for the log.
@@ -217,6 +219,12 @@ type growOp struct {
 	n        int
 	from, to int
 	model    string
+}
+
+// tierOp tells a kept policy its pool's new tiers (sched.TierSetter).
+type tierOp struct {
+	policy sched.TierSetter
+	tiers  *sched.Tiers
 }
 
 // gateSet is an admission gate's configuration in the new state; early
