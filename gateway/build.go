@@ -717,6 +717,14 @@ func (p *pool) buildTiers(specOf func(*endpoint) *endpointSpec) *sched.Tiers {
 	return t
 }
 
+// tiersOf is p's tiers (nil for a nil pool).
+func (p *pool) tiersOf() *sched.Tiers {
+	if p == nil {
+		return nil
+	}
+	return p.tiers
+}
+
 // sameTiers reports whether a and b tell a policy the same.
 func sameTiers(a, b *sched.Tiers) bool {
 	if a == nil || b == nil {
@@ -727,25 +735,38 @@ func sameTiers(a, b *sched.Tiers) bool {
 }
 
 // buildPolicy gives p its routing policy: old's, kept unless routing
-// changed or it scores with a precise index that is not the one it was
-// built with (its changed slots forgotten or resized through pl, and grown
-// in place through pl.grows when the pool has more slots than it:
-// sched.Grower); else a new one with n slots rounded up to a multiple of
+// changed, it scores with a precise index that is not the one it was
+// built with, or the pool gained or lost its tiers (its changed slots
+// forgotten or resized through pl, grown in place through pl.grows when
+// the pool has more slots than it: sched.Grower, and told the pool's
+// tiers through pl.tiers when they changed — an endpoint joined or left,
+// the kv_store's slot moved, a tier's prices changed: sched.TierSetter);
+// else a new one with n slots rounded up to a multiple of
 // prefix.MaxEndpoints (at least 64), so that endpoints added later take
-// free ones without growing it.
+// free ones without growing it. Until 2026-12-05 a pool with tiers got a
+// new policy at every change of its endpoint count (its approximate
+// index, pins and sessions lost).
 func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool, reslot func(int) bool, pl *plan) error {
 	n := len(p.endpoints)
 	// Whole groups of the approximate index (prefix.Index), so that
 	// endpoints added later take free slots without growing it.
 	slots := max((n+prefix.MaxEndpoints-1)/prefix.MaxEndpoints*prefix.MaxEndpoints, prefix.MaxEndpoints)
 	keep := old != nil && !routingChanged &&
-		(p.precise == old.precise || !sched.UsesPrecise(routing)) && sameTiers(p.tiers, old.tiers) &&
+		(p.precise == old.precise || !sched.UsesPrecise(routing)) && (p.tiers == nil) == (old.tiers == nil) &&
 		(p.roles != nil) == (old.pd != nil)
 	if keep && slots > old.policySlots {
 		_, keep = old.policy.(sched.Grower)
 		if old.pd != nil {
 			_, grows := old.pd.Prefill().(sched.Grower)
 			keep = keep && grows
+		}
+	}
+	retier := !sameTiers(p.tiers, old.tiersOf())
+	if keep && retier {
+		_, keep = old.policy.(sched.TierSetter)
+		if old.pd != nil {
+			_, sets := old.pd.Prefill().(sched.TierSetter)
+			keep = keep && sets
 		}
 	}
 	if !keep {
@@ -779,6 +800,12 @@ func (p *pool) buildPolicy(old *pool, routing sched.Config, routingChanged bool,
 		return nil
 	}
 	p.policy, p.policySlots, p.pd = old.policy, max(old.policySlots, slots), old.pd
+	if retier {
+		pl.tiers = append(pl.tiers, tierOp{policy: p.policy.(sched.TierSetter), tiers: p.tiers})
+		if p.pd != nil {
+			pl.tiers = append(pl.tiers, tierOp{policy: p.pd.Prefill().(sched.TierSetter), tiers: p.tiers})
+		}
+	}
 	if p.policySlots > old.policySlots {
 		pl.grows = append(pl.grows, growOp{policy: p.policy.(sched.Grower), n: p.policySlots, from: -1, model: p.model})
 		if p.pd != nil {
@@ -868,7 +895,7 @@ func (g *Gateway) buildKVFeeds(st, prev *state, specOf func(*endpoint) *endpoint
 				as[k] = fleet.NewKVEventApplier(t.ix, t.slot, fleet.KVSeeds(t.model))
 			}
 		}
-		pl.feedSets[f] = feedSet{appliers: as, targets: ts}
+		pl.feedSets[f] = feedSet{appliers: as, targets: ts, changed: f != old || !slices.Equal(ts, oldTs)}
 		fe := st.feeds[ep]
 		fe.kv = f
 		st.feeds[ep] = fe
@@ -911,10 +938,11 @@ func (g *Gateway) buildStoreFeeds(st, prev *state, pl *plan) error {
 				a = as[0]
 			}
 		}
-		if a == nil {
+		changed := a == nil
+		if changed {
 			a = fleet.NewStoreEventApplier(t.ix, t.slot, fleet.KVSeeds(model))
 		}
-		pl.feedSets[f] = feedSet{appliers: []*fleet.KVEventApplier{a}, targets: []feedTarget{t}}
+		pl.feedSets[f] = feedSet{appliers: []*fleet.KVEventApplier{a}, targets: []feedTarget{t}, changed: changed}
 		st.stores[model] = f
 	}
 	for model, old := range prev.stores {

@@ -37,6 +37,11 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 	for _, op := range pl.grows {
 		g.grow(st, pl, op)
 	}
+	// Then kept policies learn their pools' tiers: the prices of the new
+	// slots, the kv_store's slot where it just moved.
+	for _, op := range pl.tiers {
+		op.policy.SetTiers(op.tiers)
+	}
 
 	g.state.Store(st)
 	for old, p := range pl.succ {
@@ -60,13 +65,26 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 	}
 	g.setHooks(st)
 	g.setAdapterGauge(st, prev)
-	// The feeds' appliers change before the slots they leave are
-	// forgotten: setAppliers waits for a batch in progress.
+	// Slots change hands with every KV feed whose appliers change held
+	// (handover): no batch or reset of theirs runs from before their
+	// appliers change until the slots are forgotten and bounded, so a
+	// leaving engine's events all happen before its slot's forget, and an
+	// arriving engine's — a new feed's (started below) or a kept feed's
+	// given a new slot — all after it.
+	held := pl.heldFeeds()
+	for _, f := range held {
+		f.mu.Lock()
+	}
 	for _, f := range pl.detach {
-		f.setAppliers(nil, nil)
+		f.appliers, f.targets = nil, nil
 	}
 	for f, fs := range pl.feedSets {
-		f.setAppliers(fs.appliers, fs.targets)
+		if fs.changed {
+			f.appliers, f.targets = fs.appliers, fs.targets
+		}
+	}
+	if g.slotsHook != nil {
+		g.slotsHook()
 	}
 	for _, op := range pl.slots {
 		switch {
@@ -86,6 +104,9 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 				r.SetCapacity(op.slot, op.cap)
 			}
 		}
+	}
+	for _, f := range held {
+		f.mu.Unlock()
 	}
 
 	// Credentials refused eject (a new endpoint before it serves), new

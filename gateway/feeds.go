@@ -113,12 +113,17 @@ type kvFeed struct {
 	cfg  KVEventsConfig // what it subscribes to (streamOf), to tell at a reload whether it changed
 	sub  *kvevents.Subscriber
 
-	// mu is held while a batch or a reset is applied, so that a reload's
-	// setAppliers returns only once no event is still going to the
-	// appliers it removed (a pool's slot another engine may take next).
+	// mu is held while a batch, a reset or onDown's forget is applied,
+	// and by a reload's commit while it changes the appliers and hands
+	// slots over (commit.go): every write of the feed to a slot is then
+	// before the slot's forget or after it, never across.
 	mu       sync.Mutex
 	appliers []*fleet.KVEventApplier
 	targets  []feedTarget // of each applier
+
+	// forgetHook, set by tests (nil otherwise), is called by onDown with
+	// the appliers it forgets in hand, before it forgets them.
+	forgetHook func()
 }
 
 // feedTarget is where an applier puts a stream's blocks: endpoint slot of
@@ -157,14 +162,6 @@ func (f *kvFeed) run(g *Gateway) {
 	})
 }
 
-// setAppliers replaces the appliers the stream feeds (at a reload); once
-// it returns, no event goes to the ones it removed.
-func (f *kvFeed) setAppliers(as []*fleet.KVEventApplier, ts []feedTarget) {
-	f.mu.Lock()
-	f.appliers, f.targets = as, ts
-	f.mu.Unlock()
-}
-
 // current returns the appliers and their targets.
 func (f *kvFeed) current() ([]*fleet.KVEventApplier, []feedTarget) {
 	f.mu.Lock()
@@ -196,12 +193,20 @@ func (f *kvFeed) KVReset(r kvevents.ResetReason) {
 // once and its stream resynchronised (kvevents.Subscriber.Resync). An
 // engine that restarted in place publishes nothing until it serves, so
 // without this the first requests after its return would be routed on the
-// blocks of its previous life.
+// blocks of its previous life. The forget holds the feed's lock, as a
+// batch does: a hook that runs after a reload detached the feed (a removed
+// endpoint going down while its slot is given to another) forgets nothing.
+// Until 2026-12-05 it read the appliers, then forgot without the lock, and
+// such a forget could erase the new endpoint's first events.
 func (f *kvFeed) onDown() {
-	as, _ := f.current()
-	for _, a := range as {
+	f.mu.Lock()
+	if f.forgetHook != nil {
+		f.forgetHook()
+	}
+	for _, a := range f.appliers {
 		a.Forget()
 	}
+	f.mu.Unlock()
 	f.sub.Resync()
 }
 

@@ -45,6 +45,10 @@ type Gateway struct {
 	// counts them.
 	reloadMu sync.Mutex
 	reloads  *reloadMetrics
+	// slotsHook, set by tests before a reload (nil otherwise), is called
+	// by commit while slots change hands: the KV feeds' new appliers set,
+	// the slots they take not yet forgotten, the feeds held (commit.go).
+	slotsHook func()
 	// readinessHold, when set, is why the gateway reports not ready
 	// (HoldReadiness: discovery not synced yet).
 	readinessHold readinessHoldPtr

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -240,6 +241,101 @@ func TestReloadGrowKeepsApproximate(t *testing.T) {
 	}
 }
 
+// policyTiers is the tiers policy prices (sched.Profile.Tiers).
+func policyTiers(t *testing.T, policy sched.Policy) *sched.Tiers {
+	t.Helper()
+	pt, ok := policy.(interface{ Tiers() *sched.Tiers })
+	if !ok {
+		t.Fatalf("policy %T tells no tiers", policy)
+	}
+	return pt.Tiers()
+}
+
+// TestReloadTieredKeepsPolicy: a cache-aware pool of 8 endpoints with KV
+// tiers (kv_events.tiers: a priced CPU tier) routes 6 prompts; a pod
+// joins, then one leaves, then an endpoint's CPU bandwidth changes: after
+// each reload every prompt still goes where it went (those of the endpoint
+// that left aside), the policy is the same object, and it prices the
+// pool's new tiers (one entry per slot, the changed price). Until
+// 2026-12-05 the policy of a pool with tiers was rebuilt at every change
+// of its endpoint count or prices (sched.Tiers changed length), and its
+// approximate index, pins and sessions were lost: routing went cold.
+func TestReloadTieredKeepsPolicy(t *testing.T) {
+	dead := deadKVAddr(t)
+	tiered := func(n int) Config {
+		cfg := eppBenchConfig(sched.CacheAware, n, 1)
+		for i := range cfg.Endpoints {
+			cfg.Endpoints[i].KVEvents = &KVEventsConfig{Endpoint: dead, Tiers: &KVTiersConfig{BlockBytes: 5242880,
+				CPU: &KVTierConfig{Blocks: 4000, Bandwidth: 200e9, Latency: 100 * time.Microsecond}}}
+		}
+		return cfg
+	}
+	cfg := tiered(8)
+	g, err := New(context.Background(), cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	p := g.state.Load().pools["m0"]
+	policy := p.policy
+	if p.tiers == nil || policyTiers(t, policy) != p.tiers {
+		t.Fatal("the pool has no tiers, or its policy prices others")
+	}
+	homes := make([]string, 6)
+	for s := range homes {
+		homes[s] = growPick(t, g, growPrompt(s, 1100))
+	}
+	check := func(stage string, gone string, ask int) {
+		t.Helper()
+		// In reverse order: a new policy would repeat the old one's draws
+		// in the same order (TestReloadGrowKeepsApproximate).
+		for s := len(homes) - 1; s >= 0; s-- {
+			if homes[s] == gone {
+				continue
+			}
+			if got := growPick(t, g, growPrompt(s, 1100+ask)); got != homes[s] {
+				t.Fatalf("%s: prompt %d routed to %s, before to %s", stage, s, got, homes[s])
+			}
+		}
+		p := g.state.Load().pools["m0"]
+		if p.policy != policy {
+			t.Fatalf("%s: the policy was rebuilt", stage)
+		}
+		if got := policyTiers(t, policy); got != p.tiers || len(got.LoadSeconds) != len(p.endpoints) {
+			t.Fatalf("%s: the policy prices %d slots, the pool has %d", stage, len(got.LoadSeconds), len(p.endpoints))
+		}
+	}
+
+	joined := tiered(9)
+	if err := g.Reload(joined); err != nil {
+		t.Fatal(err)
+	}
+	check("a pod joined", "", 16)
+
+	left := joined
+	left.Endpoints = append(append([]EndpointConfig(nil), joined.Endpoints[:3]...), joined.Endpoints[4:]...)
+	if err := g.Reload(left); err != nil {
+		t.Fatal(err)
+	}
+	check("a pod left", growAddr(3), 32)
+
+	priced := left
+	priced.Endpoints = slices.Clone(left.Endpoints)
+	kv := *priced.Endpoints[0].KVEvents
+	tiers := *kv.Tiers
+	cpu := *tiers.CPU
+	cpu.Bandwidth = 100e9
+	tiers.CPU, kv.Tiers = &cpu, &tiers
+	priced.Endpoints[0].KVEvents = &kv
+	if err := g.Reload(priced); err != nil {
+		t.Fatal(err)
+	}
+	check("a price changed", growAddr(3), 48)
+	if got := policyTiers(t, policy).LoadSeconds[0][prefix.MediumCPU]; got != 5242880/100e9 {
+		t.Fatalf("the policy prices a CPU block of endpoint 0 at %g s, want %g", got, 5242880/100e9)
+	}
+}
+
 // TestReloadGrowMovesStore: a precise pool of 63 endpoints with a kv_store
 // (slot 63, the index's last); a reload adds a 64th endpoint, which takes
 // slot 63: the index grows to 128 slots and the store's blocks move to
@@ -260,6 +356,7 @@ func TestReloadGrowMovesStore(t *testing.T) {
 	defer g.Close()
 	ix := g.PreciseIndex("m0")
 	store := g.state.Load().stores["m0"]
+	policy := g.state.Load().pools["m0"].policy
 	waitKVStarted(t, g, store)
 	storeKV(store, 1, growPrompt(1, shared), "REMOTE")
 	storeKV(kvFeedOf(g, 5), 2, growPrompt(2, shared), "")
@@ -283,6 +380,11 @@ func TestReloadGrowMovesStore(t *testing.T) {
 	}
 	if g.PreciseIndex("m0") != ix || ix.Endpoints() != 128 || p.storeSlot() != 127 || p.tiers == nil || p.tiers.Remote != 127 {
 		t.Fatalf("after the reload: index kept %v, %d slots, store slot %d", g.PreciseIndex("m0") == ix, ix.Endpoints(), p.storeSlot())
+	}
+	// The policy is kept (its approximate index with it) and prices the
+	// store's new slot.
+	if p.policy != policy || policyTiers(t, policy).Remote != 127 {
+		t.Fatalf("after the reload: policy kept %v, its store slot %d", p.policy == policy, policyTiers(t, p.policy).Remote)
 	}
 	if ix.EndpointStats(127).Capacity != 1000 || ix.EndpointStats(63).Capacity != p.pcap[63] {
 		t.Fatalf("capacities: store %d, slot 63 %d (want %d)", ix.EndpointStats(127).Capacity, ix.EndpointStats(63).Capacity, p.pcap[63])

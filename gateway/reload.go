@@ -28,7 +28,10 @@ package gateway
 //     the endpoints that stay keep what the indexes hold for them, the
 //     new ones start empty, and the kv_store's slot, the precise index's
 //     last, moves to the new last with what it holds (README "Reload",
-//     "What a reload keeps of the indexes");
+//     "What a reload keeps of the indexes"); a slot changes hands with the
+//     KV feeds whose appliers change held (commit), so the leaving
+//     engine's events all land before its forget and the arriving one's
+//     after it;
 //   - a model's admission gate (queue, admitted requests) and retry
 //     budget;
 //   - a key's rate-limit buckets, by key name (limits changed in place:
@@ -47,8 +50,9 @@ package gateway
 // A change of routing builds new policies (their learnt state starts
 // empty); the precise index is kept unless routing.prefix.block_size
 // changed. A change of an endpoint's kv_events.tiers or of a kv_stores
-// entry re-bounds the index's slots and rebuilds the pool's policy (its
-// tier prices changed); the KV feeds stay unless their stream changed. An
+// entry re-bounds the index's slots and tells the kept policy the pool's
+// new tier prices (tierOp; a pool that gains or loses its tiers gets a new
+// policy); the KV feeds stay unless their stream changed. An
 // endpoint no longer configured is drained: it gets no new
 // pick, its requests in flight finish, and its health loop and feeds stop
 // after the last of them (at most response_header_timeout later).
@@ -141,6 +145,7 @@ type plan struct {
 	detach   []*kvFeed
 	slots    []slotOp  // per-slot updates of kept policies and precise indexes
 	grows    []growOp  // kept policies and precise indexes to grow, before the swap
+	tiers    []tierOp  // kept policies told their pool's tiers, after the grows, before the swap
 	gates    []gateSet // admission gates to configure
 	// limits are the key limit changes; keysAdded, keysRemoved,
 	// keysChanged name the keys for the log.
@@ -157,10 +162,35 @@ type plan struct {
 	aliasesChanged bool
 }
 
-// feedSet is a KV feed's appliers and their targets.
+// feedSet is a KV feed's appliers and their targets; changed when they
+// are not the feed's in force (a new feed, or a kept one that gains or
+// loses a target).
 type feedSet struct {
 	appliers []*fleet.KVEventApplier
 	targets  []feedTarget
+	changed  bool
+}
+
+// heldFeeds are the KV feeds commit holds while slots change hands: those
+// it detaches and those whose appliers change, each once.
+func (pl *plan) heldFeeds() []*kvFeed {
+	var held []*kvFeed
+	seen := map[*kvFeed]bool{}
+	hold := func(f *kvFeed) {
+		if !seen[f] {
+			seen[f] = true
+			held = append(held, f)
+		}
+	}
+	for _, f := range pl.detach {
+		hold(f)
+	}
+	for f, fs := range pl.feedSets {
+		if fs.changed {
+			hold(f)
+		}
+	}
+	return held
 }
 
 // slotOp updates slot of a kept policy (policy non-nil) or precise index
@@ -189,6 +219,12 @@ type growOp struct {
 	n        int
 	from, to int
 	model    string
+}
+
+// tierOp tells a kept policy its pool's new tiers (sched.TierSetter).
+type tierOp struct {
+	policy sched.TierSetter
+	tiers  *sched.Tiers
 }
 
 // gateSet is an admission gate's configuration in the new state; early

@@ -231,9 +231,11 @@ func TestTieredPoolOnSimFleet(t *testing.T) {
 func near(a, b float64) bool { return a > 0 && (a-b)/b < 1e-9 && (b-a)/b < 1e-9 }
 
 // TestReloadTiers: reloads that change an endpoint's tiers re-bound its
-// slot and rebuild the policy's tier prices, keeping the KV feed (and
-// what the index learnt); removing the kv_store stops its feed and forgets
-// its slot; adding it back subscribes again.
+// slot and tell the kept policy the new tier prices, keeping the KV feed
+// (and what the index learnt); removing the kv_store stops its feed,
+// forgets its slot and tells the policy there is no remote tier; adding
+// it back subscribes again and prices it again. (Until 2026-12-05 a price
+// change rebuilt the policy: TestReloadTieredKeepsPolicy.)
 func TestReloadTiers(t *testing.T) {
 	f, eng := tieredFleet(t)
 	cfg := tieredConfig(f, eng)
@@ -265,7 +267,7 @@ func TestReloadTiers(t *testing.T) {
 		t.Fatal("a tier change replaced a feed or the index")
 	}
 	perBlock, _ := eng.LoadCost()
-	if p.policy == policy || !near(p.tiers.LoadSeconds[0][prefix.MediumCPU], 2*perBlock[sim.TierHost]) {
+	if p.policy != policy || policyTiers(t, policy) != p.tiers || !near(p.tiers.LoadSeconds[0][prefix.MediumCPU], 2*perBlock[sim.TierHost]) {
 		t.Fatalf("policy kept %v, CPU load %v", p.policy == policy, p.tiers.LoadSeconds[0][prefix.MediumCPU])
 	}
 
@@ -282,11 +284,17 @@ func TestReloadTiers(t *testing.T) {
 	if n := ix.Len(storeSlot(ix), prefix.MediumRemote); n != 0 || g.state.Load().pools["m"].tiers.Remote != -1 {
 		t.Fatalf("store slot holds %d blocks after the store was removed", n)
 	}
+	if p := g.state.Load().pools["m"]; p.policy != policy || policyTiers(t, policy).Remote != -1 {
+		t.Fatalf("without the store: policy kept %v, it prices a store at slot %d", p.policy == policy, policyTiers(t, p.policy).Remote)
+	}
 	// And comes back.
 	mustReload(t, g, cfg)
 	syncFeeds(t, g, f)
 	if ix.Len(storeSlot(ix), prefix.MediumRemote) == 0 {
 		t.Fatal("the store's blocks did not come back")
+	}
+	if p := g.state.Load().pools["m"]; p.policy != policy || policyTiers(t, policy).Remote != storeSlot(ix) {
+		t.Fatalf("with the store back: policy kept %v, it prices a store at slot %d", p.policy == policy, policyTiers(t, p.policy).Remote)
 	}
 }
 

@@ -81,10 +81,13 @@ type Cycle struct {
 	cands    []int
 	total    []float64
 	scores   []float64
-	// Per-endpoint tier split (TierBlocks), valid once tierDone.
+	// Per-endpoint tier split (TierBlocks), valid once tierDone; tiers
+	// the profile's tiers for the decision, valid once tiersLoaded.
 	tierBlocks  [][NumTiers]int
 	tierScratch []int
 	tierDone    bool
+	tiers       *Tiers
+	tiersLoaded bool
 	// ties is the max-score picker's scratch (tieScratch).
 	ties []int
 	// The decision's random stream: n is its ordinal among the profile's
@@ -200,10 +203,11 @@ type Profile struct {
 	// sglang is the sglang-tree scorer, which its picker reads.
 	peerMatch MatchSource
 	sglang    *sglangTree
-	// tiers is the pool's tiers (nil: GPU only); tierWeights the profile's
-	// fixed tier credits (nil: priced from tiers' load costs); blockSize the
-	// routing block size (tokens).
-	tiers       *Tiers
+	// tiers is the pool's tiers (nil: GPU only; replaced whole by
+	// SetTiers, read once per decision: Cycle.poolTiers); tierWeights the
+	// profile's fixed tier credits (nil: priced from tiers' load costs);
+	// blockSize the routing block size (tokens).
+	tiers       atomic.Pointer[Tiers]
 	tierWeights *TierWeights
 	blockSize   int
 	rate        float64 // the cost scorer's configured prefill rate (tokens/s)
@@ -230,6 +234,13 @@ func (p *Profile) Forget(i int) {
 		f(i)
 	}
 }
+
+// SetTiers implements TierSetter: the decisions that start after it price
+// tiers by t.
+func (p *Profile) SetTiers(t *Tiers) { p.tiers.Store(t) }
+
+// Tiers returns the tiers the profile's decisions price (nil: none).
+func (p *Profile) Tiers() *Tiers { return p.tiers.Load() }
 
 // Grow implements Grower: the profile's indexes (the approximate index,
 // a peer scorer's) take n slots, keeping what they hold.
@@ -322,9 +333,9 @@ func (p *Profile) Pick(req *Request, eps []Endpoint) Decision {
 		c.matched = make([]int, n)
 		c.other = make([]int, n)
 	}
-	c.Req, c.Eps, c.matchedDone, c.otherSrc, c.tierDone = req, eps, false, nil, false
+	c.Req, c.Eps, c.matchedDone, c.otherSrc, c.tierDone, c.tiersLoaded = req, eps, false, nil, false, false
 	c.n, c.seeded = p.decisions.Add(1)-1, false
-	defer func() { c.Req, c.Eps, c.otherSrc = nil, nil, nil }()
+	defer func() { c.Req, c.Eps, c.otherSrc, c.tiers = nil, nil, nil, nil }()
 
 	cands := c.cands[:0]
 	for i := range eps {

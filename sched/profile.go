@@ -262,6 +262,12 @@ func (s stateless) Pick(req *Request, eps []Endpoint) Decision { return s.p.Pick
 // Grow implements Grower: nothing is kept per slot.
 func (stateless) Grow(int) error { return nil }
 
+// SetTiers implements TierSetter.
+func (s stateless) SetTiers(t *Tiers) { s.p.SetTiers(t) }
+
+// Tiers returns the tiers the profile's decisions price (nil: none).
+func (s stateless) Tiers() *Tiers { return s.p.Tiers() }
+
 // Validate checks cfg without a pool: the policy name, every profile of
 // cfg.Profiles and the tuning sections.
 func Validate(cfg Config) error {
@@ -318,7 +324,8 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint6
 	if err != nil {
 		return nil, err
 	}
-	p := &Profile{name: name, seed: seed, tiers: pool.Tiers, blockSize: pcfg.BlockSize, rate: cfg.Cost.PrefillTokensPerSecond}
+	p := &Profile{name: name, seed: seed, blockSize: pcfg.BlockSize, rate: cfg.Cost.PrefillTokensPerSecond}
+	p.tiers.Store(pool.Tiers)
 	if p.rate <= 0 {
 		p.rate = DefaultPrefillTokensPerSecond
 	}

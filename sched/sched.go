@@ -144,6 +144,20 @@ type Grower interface {
 	Grow(n int) error
 }
 
+// TierSetter is implemented by policies that price KV tiers (Pool.Tiers):
+// SetTiers tells them the pool's tiers again — each slot's load costs,
+// the remote store's slot — keeping everything they learnt. The gateway
+// calls it when a reload changes a kept policy's pool (an endpoint joins
+// or leaves, a kv_store's slot moves as the index grows, an endpoint's
+// kv_events.tiers prices change), before the pool is published. t is
+// nil exactly when the policy was built with nil Tiers (a pool that gains
+// or loses its tiers gets a new policy: a profile's speculative entries
+// are made only without tiers). Safe for concurrent use with Pick: a
+// decision prices by the tiers in force when it first reads them.
+type TierSetter interface {
+	SetTiers(t *Tiers)
+}
+
 // Finisher is implemented by policies whose approximate prefix index
 // evicts in the engine's order (PrefixConfig.LearnOnFinish): Pick pins the
 // prompt on the chosen endpoint and Finished releases the pin and touches

@@ -115,12 +115,21 @@ func parseTierWeights(m map[string]float64) (*TierWeights, error) {
 	return &w, nil
 }
 
+// poolTiers is the profile's tiers for the decision: read once, so that
+// a SetTiers meanwhile (a reload) changes none of its prices midway.
+func (c *Cycle) poolTiers() *Tiers {
+	if !c.tiersLoaded {
+		c.tiers, c.tiersLoaded = c.p.tiers.Load(), true
+	}
+	return c.tiers
+}
+
 // TierBlocks returns, for every endpoint of c.Eps, the prompt blocks it
 // would take from each tier (Tiers.Split, the GPU's part being the
 // profile's own Matched), or nil when the pool has no Tiers. Computed once
 // per decision; valid until the decision ends.
 func (c *Cycle) TierBlocks() [][NumTiers]int {
-	t := c.p.tiers
+	t := c.poolTiers()
 	if t == nil || t.Source == nil {
 		return nil
 	}
@@ -274,7 +283,7 @@ func (c *Cycle) tierCredit(e int, n [NumTiers]int, rate float64) float64 {
 		if n[t] == 0 {
 			continue
 		}
-		ld := c.p.tiers.LoadSeconds
+		ld := c.poolTiers().LoadSeconds
 		w := 1.0
 		if e < len(ld) {
 			w = max(0, 1-ld[e][t]/perBlock)
@@ -296,7 +305,7 @@ func (c *Cycle) rate(i int) float64 {
 // loadSeconds is the estimated time endpoint e spends loading its
 // lower-tier blocks n (0 with fixed tier weights, which price no loads).
 func (c *Cycle) loadSeconds(e int, n [NumTiers]int) float64 {
-	t := c.p.tiers
+	t := c.poolTiers()
 	if c.p.tierWeights != nil || t == nil || e >= len(t.LoadSeconds) {
 		return 0
 	}

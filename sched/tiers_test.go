@@ -2,6 +2,7 @@ package sched
 
 import (
 	"slices"
+	"sync"
 	"testing"
 
 	"github.com/infergate/infergate/prefix"
@@ -115,6 +116,72 @@ func TestCostScorerPricesTiers(t *testing.T) {
 	if s1[1] != s2[1] || !(s1[1] < 1 && s1[2] < s1[1]) {
 		t.Fatalf("fixed weights %v then %v", s1, s2)
 	}
+}
+
+// TestSetTiers: a profile told new tiers (a gateway reload: an endpoint
+// joined, a price changed) prices its next decisions by them, keeping what
+// it learnt; SetTiers is safe under concurrent picks (run with -race).
+func TestSetTiers(t *testing.T) {
+	prompt := make([]uint32, 16*20+1)
+	for i := range prompt {
+		prompt[i] = uint32(i)
+	}
+	hashes := prefix.Hashes(nil, prompt, 16, 0)
+	// Endpoint 0 holds the prompt in host memory; endpoint 1 nothing, but
+	// the remote store (slot 2) holds it for anyone.
+	ix := tierIndex(t, 2, prompt, map[[2]int]int{{0, int(prefix.MediumCPU)}: 20, {2, int(prefix.MediumRemote)}: 20})
+	tiers := func(hostSecondsPerBlock float64) *Tiers {
+		tr := &Tiers{Source: ix, Remote: 2, LoadSeconds: make([][NumTiers]float64, 2), Latency: make([][NumTiers]float64, 2)}
+		for e := range 2 {
+			tr.LoadSeconds[e] = [NumTiers]float64{0, hostSecondsPerBlock, 0.002, 0.001}
+		}
+		return tr
+	}
+	cheap, slow := tiers(0.0001), tiers(1)
+	cfg := Config{Policy: "t", Profiles: map[string]ProfileConfig{"t": {Scorers: []ScorerConfig{
+		{Type: ScorerCost, Weight: 1}, {Type: ScorerPrecisePrefix, Weight: 0}}}}}
+	p := newProfileT(t, cfg, Pool{Capacity: caps(2, 1000), Precise: ix.On(prefix.MediumGPU), Tiers: cheap})
+	eps := []Endpoint{{Ready: true, PendingPrefillTokens: 1000}, {Ready: true, PendingPrefillTokens: 1000}}
+	req := &Request{Hashes: hashes, PromptTokens: len(prompt)}
+	if d := p.Pick(req, eps); d.Endpoint != 0 || d.TierBlocks[prefix.MediumCPU] != 20 {
+		t.Fatalf("a cheap host tier: %+v", d)
+	}
+	// A host tier slower than recomputing: the remote store's copy wins.
+	p.SetTiers(slow)
+	if p.Tiers() != slow {
+		t.Fatal("Tiers is not what SetTiers told")
+	}
+	if d := p.Pick(req, eps); d.Endpoint != 1 || d.TierBlocks[prefix.MediumRemote] != 20 {
+		t.Fatalf("a slow host tier: %+v", d)
+	}
+	// Without a remote tier (the store removed) endpoint 1 has nothing.
+	noStore := *slow
+	noStore.Remote = -1
+	p.SetTiers(&noStore)
+	if d := p.Pick(req, eps); d.TierBlocks[prefix.MediumRemote] != 0 {
+		t.Fatalf("without the store: %+v", d)
+	}
+
+	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	wg.Go(func() {
+		for k := 0; ; k++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			p.SetTiers([]*Tiers{cheap, slow}[k%2])
+		}
+	})
+	for range 2000 {
+		if d := p.Pick(req, eps); d.Endpoint < 0 || d.Endpoint > 1 {
+			t.Errorf("picked %d", d.Endpoint)
+			break
+		}
+	}
+	close(stop)
+	wg.Wait()
 }
 
 // TestTiersSplitWalksHoles: a tier that lost a prompt's first blocks but
