@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"os"
 	"strconv"
 	"strings"
@@ -45,7 +46,13 @@ type exchange struct {
 	hb heartbeat
 	// rec records the endpoint picker's refusal of this request
 	// (Gateway.Pick), reset with the exchange.
-	rec     eppRecorder
+	rec eppRecorder
+	// pickReq is the endpoint picker's view of the request as the
+	// request path reads it (Gateway.Pick; its URL in pickURL), kept
+	// here so that a pick allocates no http.Request; reset with the
+	// exchange.
+	pickReq http.Request
+	pickURL url.URL
 	body    []byte // the client's request body
 	upBody  []byte // the body sent upstream when it differs from body
 	chat    openai.ChatRequest
@@ -162,7 +169,8 @@ func (g *Gateway) putExchange(x *exchange) {
 		x.errBody = nil
 	}
 	x.edge = exchangeEdge{}
-	x.rec = eppRecorder{} // a refusal's header and body are the Refusal's
+	x.rec = eppRecorder{}                            // a refusal's header and body are the Refusal's
+	x.pickReq, x.pickURL = http.Request{}, url.URL{} // the picker's context and header
 	x.obs, x.keyUse = nil, nil
 	clear(x.upHeader) // the client's header values
 	x.reqID[0] = ""
