@@ -125,9 +125,14 @@ func (g *Gateway) getExchange() *exchange {
 		return x
 	}
 	x := &exchange{copyBuf: make([]byte, 32<<10)}
+	x.chat.Reset(0, true)
 	x.pd.reset()
 	return x
 }
+
+// maxPooledMessages is the most chat messages whose buffer (104 bytes a
+// message) an exchange keeps between requests.
+const maxPooledMessages = 1024
 
 // requestIDValue returns id as a one-element header value held by x.
 func (x *exchange) requestIDValue(id string) []string {
@@ -136,7 +141,10 @@ func (x *exchange) requestIDValue(id string) []string {
 }
 
 func (g *Gateway) putExchange(x *exchange) {
-	x.chat = openai.ChatRequest{}
+	// The messages' buffer kept; the next chat's contents borrowed from
+	// its body (x.body, or the picker's PickRequest.Body), which outlives
+	// x.chat: read only while the exchange is in use, never kept.
+	x.chat.Reset(maxPooledMessages, true)
 	x.comp.Reset(maxPooledBuffer / 4) // its token-id prompt's buffer kept for the next request
 	x.sreq = sched.Request{}
 	x.model, x.salt, x.user = "", "", ""
