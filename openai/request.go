@@ -77,10 +77,14 @@ func (m *Messages) unmarshal(b []byte, borrow bool) error {
 		msgs = append(msgs, Message{})
 		msg := &msgs[len(msgs)-1]
 		var v any = msg
+		flags := exactKeys
 		if borrow {
-			v = (*borrowedMessage)(unsafe.Pointer(msg)) // the same layout (TestBorrowedLayout)
+			// The same layout (TestBorrowedLayout); its strings (role,
+			// name, tool_call_id) that need no unescaping are views of
+			// b too, as segmentio's DontCopyString leaves them.
+			v, flags = (*borrowedMessage)(unsafe.Pointer(msg)), exactKeys|segjson.DontCopyString
 		}
-		if err := unmarshalElement(e, v); err != nil {
+		if err := unmarshalElementWith(e, v, flags); err != nil {
 			return err
 		}
 		if !roles[msg.Role] {
@@ -234,9 +238,10 @@ func (e *valueError) Error() string { return e.msg }
 // gateway (model access, token limits, streaming) and another by the engine.
 const exactKeys = segjson.DontMatchCaseInsensitiveStructFields
 
-// unmarshalExact decodes b (one JSON value) into v with exact key matching.
-func unmarshalExact(b []byte, v any) error {
-	rest, err := segjson.Parse(b, v, exactKeys)
+// unmarshalExact decodes b (one JSON value) into v with segmentio's
+// flags (exactKeys at least: exact key matching).
+func unmarshalExact(b []byte, v any, flags segjson.ParseFlags) error {
+	rest, err := segjson.Parse(b, v, flags)
 	if err == nil && len(bytes.TrimLeft(rest, " \t\r\n")) > 0 {
 		err = errTrailing
 	}
@@ -246,8 +251,11 @@ func unmarshalExact(b []byte, v any) error {
 // unmarshalElement decodes one array element b into v with exact key
 // matching; on failure the error is encoding/json's (segmentio's name less,
 // and quote raw input), as Decode's.
-func unmarshalElement(b []byte, v any) error {
-	err := unmarshalExact(b, v)
+func unmarshalElement(b []byte, v any) error { return unmarshalElementWith(b, v, exactKeys) }
+
+// unmarshalElementWith is unmarshalElement with segmentio's flags.
+func unmarshalElementWith(b []byte, v any, flags segjson.ParseFlags) error {
+	err := unmarshalExact(b, v, flags)
 	if err != nil {
 		if serr := json.Unmarshal(b, v); serr != nil {
 			err = serr
@@ -290,13 +298,15 @@ type ChatRequest struct {
 
 // Reset zeroes r for the next decode into it, keeping the buffer of its
 // messages when it holds at most maxMessages (their contents cleared).
-// With borrow, that decode (Decode) leaves each message content that is
-// a JSON string needing no unescaping (plainString) as a view of the body,
-// not a copy: the body must then stay unchanged, and nothing may keep a
-// content, while r is in use. The gateway's pooled request state uses it
+// With borrow, that decode (Decode) leaves each message's content, role,
+// name and tool_call_id that is a JSON string needing no unescaping
+// (plainString) as a view of the body, not a copy: the body must then
+// stay unchanged, and nothing may keep such a string, while r is in use. The gateway's pooled request state uses it
 // (a chat's contents were copied per request only to be tokenized and
 // hashed: 2 KB and two allocations of the endpoint picker's decision for
-// a 400-token system prompt, gateway/README.md "EPP decision cost").
+// a 400-token system prompt, and a tiny one per role, gateway/README.md
+// "EPP decision cost"). The request's other strings (model, user, ...)
+// are copies.
 func (r *ChatRequest) Reset(maxMessages int, borrow bool) {
 	msgs := r.Messages[:0]
 	if cap(msgs) > maxMessages {
