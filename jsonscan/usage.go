@@ -13,7 +13,7 @@ import (
 // deeper than openai.MaxDepth is not read). The common shapes are read by
 // ScanUsage without encoding/json: the standard decoder's ten allocations
 // per answer were half of what the endpoint picker's decision allocated
-// for a chat (gateway/README.md "EPP decision cost"); anything ScanUsage
+// for a chat (gateway/README.md "Endpoint picker"); anything ScanUsage
 // is not sure about goes through ParseUsage, whose answer ScanUsage
 // reproduces exactly (FuzzScanUsage checks it).
 func Usage(data []byte) *openai.Usage {

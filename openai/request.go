@@ -305,7 +305,7 @@ type ChatRequest struct {
 // (a chat's contents were copied per request only to be tokenized and
 // hashed: 2 KB and two allocations of the endpoint picker's decision for
 // a 400-token system prompt, and a tiny one per role, gateway/README.md
-// "EPP decision cost"). The request's other strings (model, user, ...)
+// "Endpoint picker"). The request's other strings (model, user, ...)
 // are copies.
 func (r *ChatRequest) Reset(maxMessages int, borrow bool) {
 	msgs := r.Messages[:0]

@@ -50,7 +50,7 @@ const shortSlots = 1024
 // in buffers of the slot's own that the next segment to take the slot
 // reuses: a miss allocates nothing once the slot's buffers have grown
 // (two allocations per distinct user turn before, a tenth of a chat's
-// pick: gateway/README.md "EPP decision cost"). They are read and written
+// pick: gateway/README.md "Endpoint picker"). They are read and written
 // under the cache's mutex only: a hit copies the ids out.
 type shortSegment struct {
 	text []byte
