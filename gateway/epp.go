@@ -272,11 +272,15 @@ func (g *Gateway) Pick(ctx context.Context, req *PickRequest) (*Picked, *Refusal
 			fmt.Sprintf("Request body is larger than the limit of %d bytes.", g.cfg.MaxBodyBytes), "", openai.CodeRequestTooLarge))
 		return nil, w.refusal()
 	}
-	r := (&http.Request{Method: req.Method, URL: &url.URL{Path: req.Path}, Header: req.Header}).WithContext(ctx)
+	x := g.getExchange()
+	// The request as the request path reads it, in the exchange: the
+	// literal and WithContext's copy (inlined) stay on the stack.
+	x.pickURL = url.URL{Path: req.Path}
+	x.pickReq = *(&http.Request{Method: req.Method, URL: &x.pickURL, Header: req.Header}).WithContext(ctx)
+	r := &x.pickReq
 	if r.Header == nil {
 		r.Header = http.Header{}
 	}
-	x := g.getExchange()
 	x.pass.kind = kind
 	x.body = req.Body
 	g.metrics.api[kind].Inc()

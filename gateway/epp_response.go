@@ -2,7 +2,6 @@ package gateway
 
 import (
 	"bytes"
-	"encoding/json"
 	"net/http"
 	"time"
 
@@ -122,16 +121,14 @@ func (pk *Picked) holdBody(chunk []byte) {
 // as relayBody reads it.
 func (pk *Picked) finishBody() {
 	r, x := &pk.resp, pk.x
-	var u struct {
-		Usage *openai.Usage `json:"usage"`
-	}
+	var usage *openai.Usage
 	if !r.pass && r.status/100 == 2 {
 		switch k := x.pass.kind; {
 		case k.responsesAPI():
-			_, u.Usage = responseBody(x.capture)
+			_, usage = responseBody(x.capture)
 		case !k.generates():
-		case !openai.TooDeep(x.capture):
-			_ = json.Unmarshal(x.capture, &u)
+		default:
+			usage = jsonscan.Usage(x.capture)
 		}
 	}
 	pk.g.hold.release(&r.held)
@@ -139,7 +136,7 @@ func (pk *Picked) finishBody() {
 		pk.ep.outlierSuccess()
 	}
 	pk.finished = true
-	pk.g.finish(pk.rm, x, r.status, u.Usage, pk.start)
+	pk.g.finish(pk.rm, x, r.status, usage, pk.start)
 }
 
 // streamBody appends chunk to the pending events and returns the complete

@@ -169,8 +169,8 @@ func (g *Gateway) relayBody(w http.ResponseWriter, r *http.Request, resp *http.R
 				x.pass.respID = id // learnt by attempt
 			}
 		case !k.generates(): // the tokenizer's answers carry no usage
-		case !openai.TooDeep(x.capture):
-			_ = json.Unmarshal(x.capture, &u)
+		default:
+			u.Usage = jsonscan.Usage(x.capture)
 		}
 	}
 	g.finish(rm, x, resp.StatusCode, u.Usage, start)

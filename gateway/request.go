@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"os"
 	"strconv"
 	"strings"
@@ -45,7 +46,13 @@ type exchange struct {
 	hb heartbeat
 	// rec records the endpoint picker's refusal of this request
 	// (Gateway.Pick), reset with the exchange.
-	rec     eppRecorder
+	rec eppRecorder
+	// pickReq is the endpoint picker's view of the request as the
+	// request path reads it (Gateway.Pick; its URL in pickURL), kept
+	// here so that a pick allocates no http.Request; reset with the
+	// exchange.
+	pickReq http.Request
+	pickURL url.URL
 	body    []byte // the client's request body
 	upBody  []byte // the body sent upstream when it differs from body
 	chat    openai.ChatRequest
@@ -118,9 +125,14 @@ func (g *Gateway) getExchange() *exchange {
 		return x
 	}
 	x := &exchange{copyBuf: make([]byte, 32<<10)}
+	x.chat.Reset(0, true)
 	x.pd.reset()
 	return x
 }
+
+// maxPooledMessages is the most chat messages whose buffer (104 bytes a
+// message) an exchange keeps between requests.
+const maxPooledMessages = 1024
 
 // requestIDValue returns id as a one-element header value held by x.
 func (x *exchange) requestIDValue(id string) []string {
@@ -129,7 +141,10 @@ func (x *exchange) requestIDValue(id string) []string {
 }
 
 func (g *Gateway) putExchange(x *exchange) {
-	x.chat = openai.ChatRequest{}
+	// The messages' buffer kept; the next chat's contents borrowed from
+	// its body (x.body, or the picker's PickRequest.Body), which outlives
+	// x.chat: read only while the exchange is in use, never kept.
+	x.chat.Reset(maxPooledMessages, true)
 	x.comp.Reset(maxPooledBuffer / 4) // its token-id prompt's buffer kept for the next request
 	x.sreq = sched.Request{}
 	x.model, x.salt, x.user = "", "", ""
@@ -162,7 +177,8 @@ func (g *Gateway) putExchange(x *exchange) {
 		x.errBody = nil
 	}
 	x.edge = exchangeEdge{}
-	x.rec = eppRecorder{} // a refusal's header and body are the Refusal's
+	x.rec = eppRecorder{}                            // a refusal's header and body are the Refusal's
+	x.pickReq, x.pickURL = http.Request{}, url.URL{} // the picker's context and header
 	x.obs, x.keyUse = nil, nil
 	clear(x.upHeader) // the client's header values
 	x.reqID[0] = ""

@@ -3,6 +3,7 @@ package openai
 import (
 	"bytes"
 	"sync"
+	"unsafe"
 
 	"github.com/infergate/infergate/internal/jsonvalue"
 	segjson "github.com/segmentio/encoding/json"
@@ -37,6 +38,11 @@ func parse(body []byte, v any, fast bool) (rest []byte, err error) {
 		if rest, ok := r.decodeFlatPrompt(body); ok {
 			return rest, nil
 		}
+	}
+	if r, ok := v.(*ChatRequest); ok && r.borrow {
+		// The same decode, contents borrowed (ChatRequest.Reset); a
+		// failure is decoded again into v by decode, as ever.
+		return segjson.Parse(body, (*chatRequestBorrowing)(unsafe.Pointer(r)), exactKeys)
 	}
 	return segjson.Parse(body, v, exactKeys)
 }

@@ -218,7 +218,7 @@ func (c *refContent) UnmarshalJSON(b []byte) error {
 			Type string  `json:"type"`
 			Text *string `json:"text"`
 		}
-		if err := unmarshalExact(b, &parts); err != nil {
+		if err := unmarshalExact(b, &parts, exactKeys); err != nil {
 			return err
 		}
 		var sb strings.Builder
@@ -287,7 +287,7 @@ func FuzzElementDecoders(f *testing.F) {
 		var got Messages
 		gotErr := got.UnmarshalJSON(b)
 		var ref []refMessage
-		refErr := unmarshalExact(b, &ref)
+		refErr := unmarshalExact(b, &ref, exactKeys)
 		for _, m := range ref {
 			if refErr == nil && !roles[m.Role] {
 				refErr = errors.New("role")

@@ -10,6 +10,7 @@ import (
 	"reflect"
 	"strings"
 	"unicode/utf8"
+	"unsafe"
 
 	"github.com/infergate/infergate/internal/jsonvalue"
 	segjson "github.com/segmentio/encoding/json"
@@ -46,7 +47,12 @@ type Messages []Message
 const minMessageBytes = len(`{"role":"assistant"}`)
 
 // UnmarshalJSON decodes an array of message objects (null: none).
-func (m *Messages) UnmarshalJSON(b []byte) error {
+func (m *Messages) UnmarshalJSON(b []byte) error { return m.unmarshal(b, false) }
+
+// unmarshal is UnmarshalJSON; with borrow, each message is decoded as a
+// borrowedMessage (contents as views of b). The slice's capacity is
+// reused when it holds the messages (ChatRequest.Reset keeps it).
+func (m *Messages) unmarshal(b []byte, borrow bool) error {
 	b = bytes.TrimSpace(b)
 	if string(b) == "null" {
 		*m = nil
@@ -60,14 +66,25 @@ func (m *Messages) UnmarshalJSON(b []byte) error {
 	if err != nil {
 		return err
 	}
-	msgs := make([]Message, 0, min(n, len(b)/minMessageBytes+1))
+	msgs := (*m)[:0]
+	if want := min(n, len(b)/minMessageBytes+1); cap(msgs) < want {
+		msgs = make([]Message, 0, want)
+	}
 	err = eachElement(b, func(i int, e []byte) error {
 		if e[0] != '{' {
 			return &valueError{param: fmt.Sprintf("messages[%d]", i), msg: fmt.Sprintf("messages[%d] must be an object, not %s", i, jsonValueKind(e))}
 		}
 		msgs = append(msgs, Message{})
 		msg := &msgs[len(msgs)-1]
-		if err := unmarshalElement(e, msg); err != nil {
+		var v any = msg
+		flags := exactKeys
+		if borrow {
+			// The same layout (TestBorrowedLayout); its strings (role,
+			// name, tool_call_id) that need no unescaping are views of
+			// b too, as segmentio's DontCopyString leaves them.
+			v, flags = (*borrowedMessage)(unsafe.Pointer(msg)), exactKeys|segjson.DontCopyString
+		}
+		if err := unmarshalElementWith(e, v, flags); err != nil {
 			return err
 		}
 		if !roles[msg.Role] {
@@ -115,7 +132,11 @@ type Content struct {
 
 // UnmarshalJSON accepts a string, null, or an array of {"type","text",...}
 // parts.
-func (c *Content) UnmarshalJSON(b []byte) error {
+func (c *Content) UnmarshalJSON(b []byte) error { return c.unmarshal(b, false) }
+
+// unmarshal is UnmarshalJSON; with borrow, a string that needs no
+// decoding is a view of b, not a copy.
+func (c *Content) unmarshal(b []byte, borrow bool) error {
 	b = bytes.TrimSpace(b)
 	switch {
 	case len(b) == 0 || string(b) == "null":
@@ -123,8 +144,12 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 		return nil
 	case b[0] == '"':
 		*c = Content{given: true}
-		if s, ok := plainString(b); ok {
-			c.Text = s
+		if in, ok := plainBytes(b); ok {
+			if borrow {
+				c.Text = unsafe.String(unsafe.SliceData(in), len(in))
+			} else {
+				c.Text = string(in)
+			}
 			return nil
 		}
 		return json.Unmarshal(b, &c.Text)
@@ -176,19 +201,27 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 // prompt: ~10 µs of the endpoint picker's decision, gateway/README.md
 // "Endpoint picker").
 func plainString(b []byte) (string, bool) {
+	if in, ok := plainBytes(b); ok {
+		return string(in), true
+	}
+	return "", false
+}
+
+// plainBytes is plainString's text as the bytes of b between its quotes.
+func plainBytes(b []byte) ([]byte, bool) {
 	if len(b) < 2 || b[0] != '"' || b[len(b)-1] != '"' {
-		return "", false
+		return nil, false
 	}
 	in := b[1 : len(b)-1]
 	for _, ch := range in {
 		if ch < 0x20 || ch == '"' || ch == '\\' {
-			return "", false
+			return nil, false
 		}
 	}
 	if !utf8.Valid(in) {
-		return "", false
+		return nil, false
 	}
-	return string(in), true
+	return in, true
 }
 
 // valueError is a request value that is valid JSON but not allowed (a token
@@ -205,9 +238,10 @@ func (e *valueError) Error() string { return e.msg }
 // gateway (model access, token limits, streaming) and another by the engine.
 const exactKeys = segjson.DontMatchCaseInsensitiveStructFields
 
-// unmarshalExact decodes b (one JSON value) into v with exact key matching.
-func unmarshalExact(b []byte, v any) error {
-	rest, err := segjson.Parse(b, v, exactKeys)
+// unmarshalExact decodes b (one JSON value) into v with segmentio's
+// flags (exactKeys at least: exact key matching).
+func unmarshalExact(b []byte, v any, flags segjson.ParseFlags) error {
+	rest, err := segjson.Parse(b, v, flags)
 	if err == nil && len(bytes.TrimLeft(rest, " \t\r\n")) > 0 {
 		err = errTrailing
 	}
@@ -217,8 +251,11 @@ func unmarshalExact(b []byte, v any) error {
 // unmarshalElement decodes one array element b into v with exact key
 // matching; on failure the error is encoding/json's (segmentio's name less,
 // and quote raw input), as Decode's.
-func unmarshalElement(b []byte, v any) error {
-	err := unmarshalExact(b, v)
+func unmarshalElement(b []byte, v any) error { return unmarshalElementWith(b, v, exactKeys) }
+
+// unmarshalElementWith is unmarshalElement with segmentio's flags.
+func unmarshalElementWith(b []byte, v any, flags segjson.ParseFlags) error {
+	err := unmarshalExact(b, v, flags)
 	if err != nil {
 		if serr := json.Unmarshal(b, v); serr != nil {
 			err = serr
@@ -253,7 +290,70 @@ type ChatRequest struct {
 	// Tools is the "tools" array, kept raw: it is rendered into the prompt
 	// (see RenderChat) and passed through to the engine untouched.
 	Tools json.RawMessage `json:"tools,omitempty"`
+
+	// borrow: the next Decode into r leaves the messages' plain string
+	// contents as views of the body (Reset).
+	borrow bool
 }
+
+// Reset zeroes r for the next decode into it, keeping the buffer of its
+// messages when it holds at most maxMessages (their contents cleared).
+// With borrow, that decode (Decode) leaves each message's content, role,
+// name and tool_call_id that is a JSON string needing no unescaping
+// (plainString) as a view of the body, not a copy: the body must then
+// stay unchanged, and nothing may keep such a string, while r is in use. The gateway's pooled request state uses it
+// (a chat's contents were copied per request only to be tokenized and
+// hashed: 2 KB and two allocations of the endpoint picker's decision for
+// a 400-token system prompt, and a tiny one per role, gateway/README.md
+// "Endpoint picker"). The request's other strings (model, user, ...)
+// are copies.
+func (r *ChatRequest) Reset(maxMessages int, borrow bool) {
+	msgs := r.Messages[:0]
+	if cap(msgs) > maxMessages {
+		msgs = nil
+	}
+	clear(msgs[:cap(msgs)])
+	*r = ChatRequest{Messages: msgs, borrow: borrow}
+}
+
+// chatRequestBorrowing is ChatRequest as Decode reads it with borrow: the
+// same fields, names, tags and layout (TestBorrowedLayout), its messages
+// decoded as borrowedMessages.
+type chatRequestBorrowing struct {
+	Model               string           `json:"model"`
+	Messages            borrowedMessages `json:"messages"`
+	Stream              bool             `json:"stream,omitempty"`
+	StreamOptions       *StreamOptions   `json:"stream_options,omitempty"`
+	MaxTokens           *int             `json:"max_tokens,omitempty"`
+	MaxCompletionTokens *int             `json:"max_completion_tokens,omitempty"`
+	N                   *int             `json:"n,omitempty"`
+	Temperature         *float64         `json:"temperature,omitempty"`
+	TopP                *float64         `json:"top_p,omitempty"`
+	User                string           `json:"user,omitempty"`
+	IgnoreEOS           bool             `json:"ignore_eos,omitempty"`
+	CacheSalt           string           `json:"cache_salt,omitempty"`
+	Tools               json.RawMessage  `json:"tools,omitempty"`
+	borrow              bool
+}
+
+// borrowedMessages is Messages decoded with borrowed contents.
+type borrowedMessages []Message
+
+func (m *borrowedMessages) UnmarshalJSON(b []byte) error { return (*Messages)(m).unmarshal(b, true) }
+
+// borrowedMessage is Message (the same layout) with a borrowedContent.
+type borrowedMessage struct {
+	Role       string          `json:"role"`
+	Content    borrowedContent `json:"content"`
+	Name       string          `json:"name,omitempty"`
+	ToolCalls  json.RawMessage `json:"tool_calls,omitempty"`
+	ToolCallID string          `json:"tool_call_id,omitempty"`
+}
+
+// borrowedContent is Content decoded as a view of the body when it can be.
+type borrowedContent Content
+
+func (c *borrowedContent) UnmarshalJSON(b []byte) error { return (*Content)(c).unmarshal(b, true) }
 
 // Prompt renders the request's tools and messages as one prompt string
 // (RenderChat).

@@ -46,11 +46,11 @@ func (c *SegmentCache) AppendExact(dst []uint32, text string, maxBytes int) ([]u
 		if text[i-1] != '\n' || !startsPiece(text[i:]) {
 			continue
 		}
-		dst = append(dst, c.segmentTokens(text[start:i])...)
+		dst = c.appendSegment(dst, text[start:i])
 		start = i
 	}
 	if start < len(text) {
-		dst = append(dst, c.segmentTokens(text[start:])...)
+		dst = c.appendSegment(dst, text[start:])
 	}
 	return dst, cut
 }

@@ -2,7 +2,6 @@ package prefix
 
 import (
 	"container/list"
-	"strings"
 	"sync"
 
 	"github.com/cespare/xxhash/v2"
@@ -47,9 +46,14 @@ type SegmentCache struct {
 // shortSlots is the size of the short segments' table (a power of two).
 const shortSlots = 1024
 
-// shortSegment is a short segment's text and ids (nil ids: an empty slot).
+// shortSegment is a short segment's text and ids (no ids: an empty slot),
+// in buffers of the slot's own that the next segment to take the slot
+// reuses: a miss allocates nothing once the slot's buffers have grown
+// (two allocations per distinct user turn before, a tenth of a chat's
+// pick: gateway/README.md "Endpoint picker"). They are read and written
+// under the cache's mutex only: a hit copies the ids out.
 type shortSegment struct {
-	text string
+	text []byte
 	ids  []uint32
 }
 
@@ -83,16 +87,23 @@ func (c *SegmentCache) AppendTokens(dst []uint32, segs []string, maxBytes int) (
 			return append(dst, ids...), true
 		}
 		used += len(s)
-		dst = append(dst, c.segmentTokens(s)...)
+		dst = c.appendSegment(dst, s)
 	}
 	return dst, false
 }
 
-// segmentTokens returns the ids of s (shared with the cache: not to be modified).
-func (c *SegmentCache) segmentTokens(s string) []uint32 {
+// appendSegment appends the ids of s to dst, through the short segments'
+// table or the cache.
+func (c *SegmentCache) appendSegment(dst []uint32, s string) []uint32 {
 	if len(s) < MinCachedSegment {
-		return c.shortTokens(s)
+		return c.appendShort(dst, s)
 	}
+	return append(dst, c.segmentTokens(s)...)
+}
+
+// segmentTokens returns the ids of s, of at least MinCachedSegment bytes
+// (shared with the cache: not to be modified).
+func (c *SegmentCache) segmentTokens(s string) []uint32 {
 	key := xxhash.Sum64String(s)
 	c.mu.Lock()
 	if e, ok := c.entries[key]; ok {
@@ -128,28 +139,31 @@ func (c *SegmentCache) segmentTokens(s string) []uint32 {
 	return ids
 }
 
-// shortTokens is segmentTokens for a segment shorter than
+// appendShort is appendSegment for a segment shorter than
 // MinCachedSegment, through the direct-mapped table.
-func (c *SegmentCache) shortTokens(s string) []uint32 {
+func (c *SegmentCache) appendShort(dst []uint32, s string) []uint32 {
 	if s == "" {
-		return nil
+		return dst
 	}
 	slot := &c.short[xxhash.Sum64String(s)&(shortSlots-1)]
 	c.mu.Lock()
-	if slot.ids != nil && slot.text == s {
-		ids := slot.ids
+	if len(slot.ids) > 0 && string(slot.text) == s {
+		dst = append(dst, slot.ids...)
 		c.mu.Unlock()
-		return ids
+		return dst
 	}
 	c.mu.Unlock()
-	ids := c.tok.Encode(s)
-	if ids == nil {
-		return nil
+	n := len(dst)
+	dst = c.tok.Append(dst, s)
+	if len(dst) == n {
+		return dst
 	}
 	c.mu.Lock()
-	slot.text, slot.ids = strings.Clone(s), ids // s may be on the caller's reused buffer (openai.AppendChatSegmentsIn)
+	// s may be on the caller's reused buffer (openai.AppendChatSegmentsIn):
+	// copied into the slot's own.
+	slot.text, slot.ids = append(slot.text[:0], s...), append(slot.ids[:0], dst[n:]...)
 	c.mu.Unlock()
-	return ids
+	return dst
 }
 
 // Stats returns the cache's hits and misses (segments of at least

@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 	"unsafe"
+
+	"github.com/cespare/xxhash/v2"
 )
 
 func TestSegmentCache(t *testing.T) {
@@ -85,7 +87,7 @@ func TestSegmentCacheShort(t *testing.T) {
 	segs := []string{"<|begin_of_text|>", "<|start_header_id|>assistant<|end_header_id|>\n\n", "short", "é and ü", ""}
 	for range 2 {
 		for _, s := range segs {
-			if got, want := c.segmentTokens(s), tok.Encode(s); !equalIDs(got, want) {
+			if got, want := c.appendSegment(nil, s), tok.Encode(s); !equalIDs(got, want) {
 				t.Fatalf("%q: %v, tokenizer %v", s, got, want)
 			}
 		}
@@ -94,14 +96,33 @@ func TestSegmentCacheShort(t *testing.T) {
 	// the tokenizer's.
 	for i := range 3 * shortSlots {
 		s := "turn " + strings.Repeat("x", i%7) + string(rune('a'+i%26)) + strings.Repeat("y", i/26%40)
-		if got, want := c.segmentTokens(s), tok.Encode(s); !equalIDs(got, want) {
+		if got, want := c.appendSegment([]uint32{7}, s), append([]uint32{7}, tok.Encode(s)...); !equalIDs(got, want) {
 			t.Fatalf("%q: %v, tokenizer %v", s, got, want)
 		}
 	}
 	s := "<|begin_of_text|>"
-	c.segmentTokens(s)
-	if n := testing.AllocsPerRun(100, func() { c.segmentTokens(s) }); n != 0 {
+	dst := c.appendSegment(make([]uint32, 0, 64), s)
+	if n := testing.AllocsPerRun(100, func() { dst = c.appendSegment(dst[:0], s) }); n != 0 {
 		t.Fatalf("a short segment's hit allocates %.0f times", n)
+	}
+	// A miss into a slot whose buffers have grown allocates only what
+	// the tokenizer does.
+	slot := func(s string) uint64 { return xxhash.Sum64String(s) & (shortSlots - 1) }
+	a, b := "turn aaaa", "turn b"
+	for slot(b) != slot(a) {
+		b += "b"
+	}
+	dst = c.appendSegment(dst[:0], a)
+	dst = c.appendSegment(dst[:0], b)
+	next := []string{a, b}
+	i := 0
+	miss := testing.AllocsPerRun(100, func() { i++; dst = c.appendSegment(dst[:0], next[i%2]) })
+	tokOnly := testing.AllocsPerRun(100, func() { i++; dst = tok.Append(dst[:0], next[i%2]) })
+	if miss > tokOnly {
+		t.Fatalf("a short segment's miss allocates %.0f times, its tokenization %.0f", miss, tokOnly)
+	}
+	if got, want := c.appendSegment(nil, a), tok.Encode(a); !equalIDs(got, want) {
+		t.Fatalf("%q after its slot's reuse: %v, tokenizer %v", a, got, want)
 	}
 }
 
@@ -134,7 +155,7 @@ func TestSegmentCacheCopiesShortSegments(t *testing.T) {
 	// A stale text on the buffer would answer a later segment that hashes
 	// to its slot and reads the same there: no slot may point into it.
 	for i := range c.short {
-		if p := unsafe.StringData(c.short[i].text); p != nil && uintptr(unsafe.Pointer(p)) >= uintptr(unsafe.Pointer(&buf[0])) &&
+		if p := unsafe.SliceData(c.short[i].text); p != nil && uintptr(unsafe.Pointer(p)) >= uintptr(unsafe.Pointer(&buf[0])) &&
 			uintptr(unsafe.Pointer(p)) < uintptr(unsafe.Pointer(&buf[0]))+uintptr(len(buf)) {
 			t.Fatalf("short slot %d keeps the caller's buffer", i)
 		}
