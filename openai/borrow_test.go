@@ -143,3 +143,44 @@ func TestDecodeBorrowsContents(t *testing.T) {
 		t.Fatal("Reset kept a buffer over maxMessages")
 	}
 }
+
+// TestBorrowedRestSurvivesBody: after a borrowing decode, scribbling over
+// the body (a pooled buffer reused, the picker's caller reusing its
+// buffer) changes only the borrowed strings (the messages' plain roles,
+// contents, names, tool_call_ids): the model, user, salt, tools, tool
+// calls, escaped and part contents are the ordinary decode's.
+func TestBorrowedRestSurvivesBody(t *testing.T) {
+	src := `{"model":"mod","user":"usr","cache_salt":"salt","tools":[{"type":"function","function":{"name":"f"}}],` +
+		`"messages":[{"role":"system","content":"plain"},{"role":"user","content":"esc\u00e9\n","name":"nm"},` +
+		`{"role":"assistant","content":null,"tool_calls":[{"id":"1","type":"function"}]},` +
+		`{"role":"tool","content":"r","tool_call_id":"1"},` +
+		`{"role":"user","content":[{"type":"text","text":"p1"},{"type":"text","text":"p2"}]}]}`
+	var plain ChatRequest
+	if e := Decode([]byte(src), &plain); e != nil {
+		t.Fatal(e)
+	}
+	body := []byte(src)
+	var r ChatRequest
+	r.Reset(64, true)
+	if e := Decode(body, &r); e != nil {
+		t.Fatal(e)
+	}
+	for i := range body {
+		body[i] = 'X'
+	}
+	if r.Model != plain.Model || r.User != plain.User || r.CacheSalt != plain.CacheSalt ||
+		string(r.Tools) != string(plain.Tools) || len(r.Messages) != len(plain.Messages) {
+		t.Fatalf("the request's own fields changed with the body: %+v", r)
+	}
+	for i, m := range r.Messages {
+		p := plain.Messages[i]
+		if string(m.ToolCalls) != string(p.ToolCalls) {
+			t.Fatalf("messages[%d].tool_calls changed with the body: %q", i, m.ToolCalls)
+		}
+		if i == 1 || i == 4 { // escaped, parts: copies
+			if m.Content.Text != p.Content.Text || m.Content.Text == "" {
+				t.Fatalf("messages[%d] copied content changed with the body: %q", i, m.Content.Text)
+			}
+		}
+	}
+}
