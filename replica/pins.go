@@ -66,6 +66,7 @@ type pinTable struct {
 	order  []*pinEntry // by pinning time; done entries skipped
 	head   int
 	hashes int                      // hashes held by the live entries
+	live   int                      // entries not done
 	heard  map[string]time.Duration // peers with pins: last heard from
 	spare  [][]uint64
 	// expired is when Expire last ran.
@@ -118,6 +119,7 @@ func (n *Node) pin(id string, l sched.PeerLearner, slot int, hashes []uint64, no
 	t.byKey[e.key] = append(t.byKey[e.key], e)
 	t.order = append(t.order, e)
 	t.hashes += len(hashes)
+	t.live++
 	f.LearnPeerPinned(slot, e.hashes)
 	return true
 }
@@ -154,6 +156,7 @@ func (n *Node) release(e *pinEntry) {
 	e.done = true
 	e.key.l.ReleasePeer(e.key.slot, e.hashes)
 	t.hashes -= len(e.hashes)
+	t.live--
 	t.spare = append(t.spare, e.hashes)
 	e.hashes = nil
 }
@@ -193,13 +196,24 @@ func (n *Node) drop(e *pinEntry) {
 }
 
 // compact drops the done entries at the front of order and, when most of
-// it is done, the rest (called with mu held).
+// it is done (a long request's pin ahead of many ended ones), the rest, so
+// that order holds O(live pins) entries (called with mu held).
 func (t *pinTable) compact() {
 	for t.head < len(t.order) && t.order[t.head].done {
 		t.order[t.head] = nil
 		t.head++
 	}
-	if t.head > 64 && t.head*2 > len(t.order) {
+	if len(t.order)-t.head > 2*t.live+64 {
+		k := 0
+		for _, e := range t.order[t.head:] {
+			if !e.done {
+				t.order[k] = e
+				k++
+			}
+		}
+		clear(t.order[k:])
+		t.order, t.head = t.order[:k], 0
+	} else if t.head > 64 && t.head*2 > len(t.order) {
 		t.order = t.order[:copy(t.order, t.order[t.head:])]
 		t.head = 0
 	}

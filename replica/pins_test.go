@@ -246,3 +246,22 @@ func BenchmarkAppendFinish(b *testing.B) {
 		_ = AppendFinish(nil, "gw-1", 1, "meta-llama/Llama-3.1-70B-Instruct", "http://10.0.0.1:8000", hashes)
 	}
 }
+
+// TestPeerPinsCompact: a long request's pin ahead of many that ended
+// does not keep their entries: the table holds O(live pins).
+func TestPeerPinsCompact(t *testing.T) {
+	rec := &finRec{pins: true}
+	n := &Node{ID: "a", Peers: NewPeers(time.Hour), Target: finTarget{rec}}
+	applyAll(t, n, 0, AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, []uint64{1})) // never ends
+	for k := range 10_000 {
+		h := []uint64{2, uint64(k + 3)}
+		applyAll(t, n, 0, AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, h), AppendFinish(nil, "b", 0, "m", "http://e1", h))
+		rec.ops = rec.ops[:0]
+	}
+	if p, _ := n.Pinned(); p != 1 {
+		t.Fatalf("%d pins, want the long one", p)
+	}
+	if got := len(n.pins.order) - n.pins.head; got > 2+64 {
+		t.Fatalf("%d entries kept for 1 live pin", got)
+	}
+}
