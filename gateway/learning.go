@@ -146,6 +146,9 @@ func (g *Gateway) settleLater(p *pool) {
 // reset, and enough reloads under load left every block of the endpoint
 // pinned, its LRU turned into first-pinned-first-out.
 func (g *Gateway) learnFinished(p *pool, i int, x *exchange) {
+	if g.replicas != nil {
+		g.replicas.finished(p, i, &x.sreq) // the peers' pins (replicas.go), whatever this replica's reload did
+	}
 	if n := p.latest(); n != p {
 		if n.policy != p.policy || n.pd != p.pd || i >= len(n.endpoints) || n.endpoints[i] != p.endpoints[i] {
 			return

@@ -44,6 +44,12 @@ type ReplicasConfig struct {
 	// replica's load vanishes after it.
 	LoadInterval time.Duration `yaml:"load_interval"`
 	LoadTTL      time.Duration `yaml:"load_ttl"`
+	// PinTTL bounds how long a peer's pin (routing.prefix.learn_on_finish:
+	// a peer's learn pins its prompt until the peer's finish) waits for
+	// its finish before this replica releases it (10m,
+	// replica.DefaultPinTTL): a dropped finish. A silent peer's pins are
+	// released after LoadTTL.
+	PinTTL time.Duration `yaml:"pin_ttl"`
 	// MaxLen trims the stream to about this many entries (10000).
 	MaxLen int64 `yaml:"max_len"`
 	// Queue bounds the messages waiting to be written (4096); beyond it
@@ -78,6 +84,9 @@ func (c ReplicasConfig) withDefaults() ReplicasConfig {
 	}
 	if c.LoadTTL == 0 {
 		c.LoadTTL = replica.DefaultLoadTTL
+	}
+	if c.PinTTL == 0 {
+		c.PinTTL = replica.DefaultPinTTL
 	}
 	if c.MaxLen == 0 {
 		c.MaxLen = stream.DefaultMaxLen
@@ -114,6 +123,9 @@ func (c ReplicasConfig) validate() []error {
 	if c.LoadTTL < 2*c.LoadInterval {
 		bad("load_ttl %v: must be at least twice load_interval (%v), or one late report drops a live peer's load", c.LoadTTL, c.LoadInterval)
 	}
+	if c.PinTTL < c.LoadTTL {
+		bad("pin_ttl %v: must be at least load_ttl (%v)", c.PinTTL, c.LoadTTL)
+	}
 	if c.MaxLen < 100 {
 		bad("max_len %d: must be at least 100", c.MaxLen)
 	}
@@ -141,7 +153,8 @@ func (g *Gateway) initReplicas(reg prometheus.Registerer) error {
 	g.replicas = r
 	if r.cfg.enabled() {
 		r.peers = replica.NewPeers(r.cfg.LoadTTL)
-		r.node = &replica.Node{ID: r.cfg.ID, Peers: r.peers, Target: replicaTarget{g}, NoStagger: !*r.cfg.Stagger}
+		r.node = &replica.Node{ID: r.cfg.ID, Peers: r.peers, Target: replicaTarget{g}, NoStagger: !*r.cfg.Stagger,
+			PinTTL: r.cfg.PinTTL}
 	}
 	r.lag = prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "infergate", Name: "replica_lag_seconds",
 		Help:    "Replica exchange: from a peer's sending a message to this replica's applying it (the two wall clocks; history replayed at start left out).",
@@ -167,7 +180,7 @@ func (g *Gateway) initReplicas(reg prometheus.Registerer) error {
 	}
 	count := func(outcome string, f func(*replica.Counts, *stream.Counts) uint64) {
 		cs = append(cs, prometheus.NewCounterFunc(prometheus.CounterOpts{Namespace: "infergate", Name: "replica_messages_total",
-			Help:        "Replica exchange messages by outcome: published, dropped (queue full or write failed), learn and load (peers' applied), own (skipped), unknown (a pool or endpoint this replica lacks), malformed (refused), peers_full, not_message (an entry without the message field).",
+			Help:        "Replica exchange messages by outcome: published, dropped (queue full or write failed), learn, load and finish (peers' applied), own (skipped), unknown (a pool or endpoint this replica lacks), malformed (refused), peers_full, not_message (an entry without the message field).",
 			ConstLabels: prometheus.Labels{"outcome": outcome}}, func() float64 {
 			var nc *replica.Counts
 			if r.node != nil {
@@ -201,10 +214,18 @@ func (g *Gateway) initReplicas(reg prometheus.Registerer) error {
 	count("not_message", xs(func(s *stream.Counts) uint64 { return s.NotBytes.Load() }))
 	count("learn", node(func(n *replica.Counts) uint64 { return n.Learns.Load() }))
 	count("load", node(func(n *replica.Counts) uint64 { return n.Loads.Load() }))
+	count("finish", node(func(n *replica.Counts) uint64 { return n.Finishes.Load() }))
 	count("own", node(func(n *replica.Counts) uint64 { return n.Own.Load() }))
 	count("unknown", node(func(n *replica.Counts) uint64 { return n.Unknown.Load() }))
 	count("malformed", node(func(n *replica.Counts) uint64 { return n.Malformed.Load() }))
 	count("peers_full", node(func(n *replica.Counts) uint64 { return n.PeersFull.Load() }))
+	cs = append(cs, prometheus.NewCounterFunc(prometheus.CounterOpts{Namespace: "infergate", Name: "replica_pins_expired_total",
+		Help: "Replica exchange: peers' pins (routing.prefix.learn_on_finish) released without their finish: the peer fell silent for replicas.load_ttl, the pin outlived replicas.pin_ttl, or the table of pins was full."}, func() float64 {
+		if r.node == nil {
+			return 0
+		}
+		return float64(r.node.Counts.PinsExpired.Load())
+	}))
 	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
 			return fmt.Errorf("gateway: register replica metrics: %w", err)
@@ -238,6 +259,7 @@ func (g *Gateway) startReplicas() error {
 				return
 			case <-t.C:
 				r.report(g.state.Load())
+				r.node.Expire(clock(time.Now())) // peers' pins whose finish never came
 			}
 		}
 	}()
@@ -312,6 +334,28 @@ func (r *replicas) learntRole(p *pool, i int, req *sched.Request, role sched.Rol
 		r.node.Unseen.Sent(now.UnixNano(), clock(now), prompt, pending)
 	}
 	x.Publish(replica.AppendLearnRole(nil, r.cfg.ID, now.UnixNano(), p.model, p.endpoints[i].name, role, prompt, pending, req.Hashes))
+}
+
+// finished publishes the end of a request of pool p on slot i (every
+// attempt's, learnFinished): peers whose index learns on finish release
+// the pin its learn took there and touch the prompt (replica.AppendFinish,
+// sched.PeerFinisher). Only when p's policy learns on finish and the
+// request's learn was published (hashes, prompt tokens); it does not wait.
+func (r *replicas) finished(p *pool, i int, req *sched.Request) {
+	x := r.x.Load()
+	if x == nil || p.peers == nil || req.PromptTokens <= 0 || len(req.Hashes) == 0 || i < 0 || i >= len(p.endpoints) {
+		return
+	}
+	var f sched.Finisher
+	if p.pd != nil {
+		f = p.pd
+	} else if pf, ok := p.policy.(sched.Finisher); ok {
+		f = pf
+	}
+	if f == nil || !f.LearnsOnFinish() {
+		return
+	}
+	x.Publish(replica.AppendFinish(nil, r.cfg.ID, time.Now().UnixNano(), p.model, p.endpoints[i].name, req.Hashes))
 }
 
 // learntPD publishes a P/D pool's pick (pd.go) of slot i, matched of

@@ -23,7 +23,7 @@ func TestReplicasConfig(t *testing.T) {
 	on := ReplicasConfig{RedisURL: "redis://127.0.0.1:6379"}.withDefaults()
 	if on.Stream == "" || on.ID == "" || on.LoadInterval != 200*time.Millisecond || on.LoadTTL != replica.DefaultLoadTTL ||
 		on.MaxLen != 10000 || on.Queue != 4096 || on.Replay == nil || !*on.Replay || on.Stagger == nil || !*on.Stagger ||
-		len(on.validate()) != 0 {
+		on.PinTTL != replica.DefaultPinTTL || len(on.validate()) != 0 {
 		t.Fatalf("defaults: %+v %v", on, on.validate())
 	}
 	for name, c := range map[string]ReplicasConfig{
@@ -33,6 +33,7 @@ func TestReplicasConfig(t *testing.T) {
 		"ttl":      {RedisURL: "redis://x:1", LoadInterval: time.Second, LoadTTL: time.Second},
 		"max_len":  {RedisURL: "redis://x:1", MaxLen: 5},
 		"queue":    {RedisURL: "redis://x:1", Queue: -1},
+		"pin_ttl":  {RedisURL: "redis://x:1", PinTTL: 500 * time.Millisecond},
 	} {
 		errs := c.withDefaults().validate()
 		if len(errs) != 1 || !strings.Contains(errs[0].Error(), "replicas.") {

@@ -335,11 +335,14 @@ type Target interface {
 
 // Counts are a Node's message counters (monotonic).
 type Counts struct {
-	// Applied learn and load messages; Own: this replica's, skipped;
+	// Applied learn, load and finish messages; Own: this replica's, skipped;
 	// Unknown: learns for a pool or endpoint this replica does not have;
 	// Malformed: refused by Decode; PeersFull: loads of a peer beyond
 	// MaxPeers.
-	Learns, Loads, Own, Unknown, Malformed, PeersFull atomic.Uint64
+	Learns, Loads, Finishes, Own, Unknown, Malformed, PeersFull atomic.Uint64
+	// PinsExpired counts peers' pins released without their finish (the
+	// peer fell silent, the pin outlived PinTTL, or the table was full).
+	PinsExpired atomic.Uint64
 }
 
 // Node is one replica's side of the exchange: it applies its peers'
@@ -360,16 +363,21 @@ type Node struct {
 	// NoStagger turns off the staggered decisions of bursts (Stagger):
 	// every replica then decides at once, on Expect's estimate.
 	NoStagger bool
-	shared    atomic.Pointer[share] // Expect's share of the pool, cached
-	msg       Msg
+	// PinTTL bounds how long a peer's pin waits for its finish (Expire;
+	// DefaultPinTTL when 0).
+	PinTTL time.Duration
+	shared atomic.Pointer[share] // Expect's share of the pool, cached
+	msg    Msg
+	pins   pinTable
 }
 
 // Apply decodes message b, received at now (the Peers clock), and applies
 // it unless it is this replica's own (whose learn retires its decision
 // from Unseen): a learn teaches the resolved
 // policy's approximate index (sched.PeerLearner) and credits the sender
-// with the request in Peers (Routed), a load replaces the sender's entry
-// in Peers. It returns the decoded message (valid until the
+// with the request in Peers (Routed), a finish touches the prompt in the
+// indexes that learn on finish (sched.PeerFinisher), a load replaces the
+// sender's entry in Peers. It returns the decoded message (valid until the
 // next Apply) and an error wrapping ErrMalformed for a bad one.
 func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
 	m := &n.msg
@@ -384,6 +392,7 @@ func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
 		}
 		return m, nil
 	}
+	n.heardFrom(m.ID, now)
 	switch m.Kind {
 	case KindLearn:
 		l, slot, ok := n.Target.Resolve(m.Model, m.Endpoint, m.Role)
@@ -391,13 +400,15 @@ func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
 			n.Counts.Unknown.Add(1)
 			return m, nil
 		}
-		if l != nil {
+		if l != nil && !n.pin(m.ID, l, slot, m.Hashes, now) {
 			l.LearnPeer(slot, m.Hashes)
 		}
 		n.Counts.Learns.Add(1)
 		if m.Prompt > 0 && !n.Peers.Routed(m.ID, m.Endpoint, now, m.Prompt, m.Pending) {
 			n.Counts.PeersFull.Add(1)
 		}
+	case KindFinish:
+		n.finish(m)
 	case KindLoad:
 		// m.Loads holds only this replica's endpoints (decodeInterned).
 		if !n.Peers.Update(m.ID, now, m.Loads) {
@@ -407,4 +418,32 @@ func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
 		n.Counts.Loads.Add(1)
 	}
 	return m, nil
+}
+
+// finish applies a peer's finish: the pool's profiles that learn on
+// finish release the pin its learn took here (pins.go) or, without one,
+// touch its prompt on the endpoint (sched.PeerFinisher); the decode
+// profile and, for a P/D pool, the prefill profile too, as the sender's
+// sched.PD.Finished releases it in both (one engine's cache, which both
+// indexes model). The sender's load is left to its next report.
+func (n *Node) finish(m *Msg) {
+	d, slot, ok := n.Target.Resolve(m.Model, m.Endpoint, sched.RoleDecode)
+	if !ok {
+		n.Counts.Unknown.Add(1)
+		return
+	}
+	p, pslot, pok := n.Target.Resolve(m.Model, m.Endpoint, sched.RolePrefill)
+	if f, ok := d.(sched.PeerFinisher); ok {
+		n.finishOne(m, f, slot)
+	}
+	if f, ok := p.(sched.PeerFinisher); ok && pok && (d == nil || p != d) {
+		n.finishOne(m, f, pslot)
+	}
+	n.Counts.Finishes.Add(1)
+}
+
+func (n *Node) finishOne(m *Msg, f sched.PeerFinisher, slot int) {
+	if !f.PinsPeers() || !n.unpin(m.ID, f, slot, m.Hashes) {
+		f.FinishPeer(slot, m.Hashes)
+	}
 }

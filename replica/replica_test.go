@@ -116,6 +116,8 @@ func FuzzDecode(f *testing.F) {
 	f.Add([]byte{Version, byte(KindLoad), 1, 'a', 0, 0xff, 0xff, 0xff, 0xff, 0x0f})
 	f.Add(AppendLearnRole(nil, "gw", 7, "m", "http://p", sched.RolePrefill, 100, 50, []uint64{1, 2, 3}))
 	f.Add([]byte{Version, byte(KindLearnPD), 1, 'a', 0, 9})
+	f.Add(AppendFinish(nil, "gw", 7, "m", "http://e", []uint64{1, 2, 3}))
+	f.Add([]byte{Version, byte(KindFinish), 1, 'a', 0, 1, 'm', 1, 'e', 0xff, 0xff, 0x03})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var m Msg
 		if err := Decode(b, &m); err != nil {
@@ -130,6 +132,11 @@ func FuzzDecode(f *testing.F) {
 			again = AppendLearnRole(nil, m.ID, m.At, m.Model, m.Endpoint, m.Role, m.Prompt, m.Pending, m.Hashes)
 		case KindLoad:
 			again = AppendLoad(nil, m.ID, m.At, m.Loads)
+		case KindFinish:
+			again = AppendFinish(nil, m.ID, m.At, m.Model, m.Endpoint, m.Hashes)
+			if m.Prompt != 0 || m.Pending != 0 || len(m.Loads) != 0 {
+				t.Fatalf("finish with learn or load fields: %+v", m)
+			}
 		}
 		if !bytes.Equal(again, b) {
 			// Varints have non-minimal encodings Uvarint accepts; the

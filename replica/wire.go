@@ -27,6 +27,7 @@ import (
 //	learn    = model(string) endpoint(string) prompt pending (uvarints) n(uvarint) n × hash(8 bytes, little endian)
 //	learn_pd = role(1 byte: 1 prefill, 2 decode) learn
 //	load     = n(uvarint) n × (endpoint(string) in_flight tokens prefill (uvarints))
+//	finish   = model(string) endpoint(string) n(uvarint) n × hash(8 bytes, little endian)
 //
 // id is the sending replica's id, at its clock when it sent (ns; the wall
 // clock's Unix time live, simulated time in virtual time), endpoint the
@@ -36,7 +37,15 @@ import (
 // was not expected to find cached (its part of the endpoint's prefill
 // backlog, load.Ledger.Send), hashes the prompt's chained block hashes (prefix.Hashes
 // under the pool's seed: every replica of one configuration computes the
-// same). Every size is bounded (the Max constants) and a message must end
+// same). A finish (kind 4, since 2026-12-05) says that a request the
+// sender routed to endpoint ended there (answered, failed or cut short):
+// the engine released the prompt's blocks, which peers that evict in the
+// engine's order touch (sched.PeerFinisher; routing.prefix.learn_on_finish).
+// It carries the prompt's hashes again rather than naming the learn, so
+// that it needs no state on the receiver and stays correct when a learn or
+// a finish is dropped or a replica restarts between the two. A replica
+// older than kind 4 counts a finish as malformed and skips it (its index
+// then orders peers' prompts by routing time, as before). Every size is bounded (the Max constants) and a message must end
 // exactly where its body does: a hostile or corrupt stream entry is an
 // error, never a panic nor an allocation beyond len(message).
 const (
@@ -71,6 +80,9 @@ const (
 	// KindLearnPD: a learn of one profile of a P/D pool (Msg.Role) on the
 	// wire; Decode returns it as KindLearn with Role set.
 	KindLearnPD Kind = 3
+	// KindFinish: a request a replica routed to an endpoint ended there
+	// (Msg.Model, Endpoint, Hashes; AppendFinish).
+	KindFinish Kind = 4
 )
 
 func (k Kind) String() string {
@@ -81,6 +93,8 @@ func (k Kind) String() string {
 		return "load"
 	case KindLearnPD:
 		return "learn_pd"
+	case KindFinish:
+		return "finish"
 	}
 	return fmt.Sprintf("kind(%d)", uint8(k))
 }
@@ -106,7 +120,7 @@ type Msg struct {
 	At int64
 	// Learn: the pool's model, the endpoint's URL, the prompt's tokens,
 	// those of them the endpoint was expected to prefill, and its block
-	// hashes.
+	// hashes. Finish: the model, the endpoint's URL and the hashes.
 	Model, Endpoint string
 	Prompt, Pending int64
 	Hashes          []uint64
@@ -170,6 +184,24 @@ func AppendLearnRole(dst []byte, id string, at int64, model, endpoint string, ro
 	dst = appendString(dst, endpoint, MaxEndpoint)
 	dst = binary.AppendUvarint(dst, clampCount(prompt))
 	dst = binary.AppendUvarint(dst, clampCount(pending))
+	return appendHashes(dst, hashes)
+}
+
+// AppendFinish appends a finish message to dst: a request of model's pool
+// that replica id routed to endpoint, with a prompt of these block hashes,
+// ended there at time at (ns). Strings longer than their bound are cut to
+// it and hashes beyond MaxHashes dropped, as AppendLearn's.
+func AppendFinish(dst []byte, id string, at int64, model, endpoint string, hashes []uint64) []byte {
+	hashes = hashes[:min(len(hashes), MaxHashes)]
+	dst = slices.Grow(dst, 2+len(id)+len(model)+len(endpoint)+8*len(hashes)+5*binary.MaxVarintLen64) // one allocation
+	dst = appendHeader(dst, KindFinish, id, at)
+	dst = appendString(dst, model, MaxModel)
+	dst = appendString(dst, endpoint, MaxEndpoint)
+	return appendHashes(dst, hashes)
+}
+
+// appendHashes appends n then n hashes, 8 bytes each, little endian.
+func appendHashes(dst []byte, hashes []uint64) []byte {
 	dst = binary.AppendUvarint(dst, uint64(len(hashes)))
 	for _, h := range hashes {
 		dst = binary.LittleEndian.AppendUint64(dst, h)
@@ -260,11 +292,13 @@ func decode(b []byte, m *Msg, names Interner) error {
 		}
 	}
 	switch m.Kind {
-	case KindLearn:
+	case KindLearn, KindFinish:
 		m.Model = m.recent.get(r.bytes(MaxModel, "model"))
 		m.Endpoint = intern(names, r.bytes(MaxEndpoint, "endpoint"))
-		m.Prompt = r.load("prompt")
-		m.Pending = r.load("pending")
+		if m.Kind == KindLearn {
+			m.Prompt = r.load("prompt")
+			m.Pending = r.load("pending")
+		}
 		n := r.count(MaxHashes, 8, "hashes")
 		for range n {
 			if r.err != nil {

@@ -262,6 +262,51 @@ func (p *Profile) LearnPeer(i int, hashes []uint64) {
 	}
 }
 
+// PinsPeers implements PeerFinisher: LearnOnFinish with a prefix scorer
+// that pins its picks (not a P/D profile's, which only touch).
+func (p *Profile) PinsPeers() bool {
+	if !p.finishLearn || p.approx == nil {
+		return false
+	}
+	for _, l := range p.learners {
+		if ps, ok := l.(*prefixScorer); ok && ps.pin {
+			return true
+		}
+	}
+	return false
+}
+
+// LearnPeerPinned implements PeerFinisher: a peer's pick pins hashes on
+// endpoint i (prefix.Index.LearnPinned, applied at once), as this
+// replica's own picks do, until ReleasePeer.
+func (p *Profile) LearnPeerPinned(i int, hashes []uint64) {
+	if p.finishLearn && p.approx != nil {
+		p.approx.LearnPinned(i, hashes)
+		p.approx.Settle()
+	}
+}
+
+// ReleasePeer implements PeerFinisher: the end of a peer's pick that
+// LearnPeerPinned pinned (prefix.Index.Release, applied at once).
+func (p *Profile) ReleasePeer(i int, hashes []uint64) {
+	if p.finishLearn && p.approx != nil {
+		p.approx.Release(i, hashes)
+		p.approx.Settle()
+	}
+}
+
+// FinishPeer implements PeerFinisher: the approximate index touches
+// hashes on endpoint i, tail to head so that the head is the freshest,
+// inserting the blocks it no longer holds (prefix.Index.Insert, applied at
+// once). Not Release: no pin of the peer's is there to take (its learn
+// went unpinned or was never applied here), and a block this replica's
+// own running request pinned (a shared system prompt) keeps its pin.
+func (p *Profile) FinishPeer(i int, hashes []uint64) {
+	if p.finishLearn && p.approx != nil {
+		p.approx.Insert(i, hashes)
+	}
+}
+
 // Finished implements Finisher: with PrefixConfig.LearnOnFinish, the
 // approximate index releases the pin the pick took on hashes for endpoint
 // i (the prefix scorer's Learn is then prefix.Index.LearnPinned) and makes

@@ -730,3 +730,67 @@ func TestFinishedLearnsAgain(t *testing.T) {
 		t.Fatalf("least-request (%T) is a Finisher", lr)
 	}
 }
+
+// TestPeerFinisher: a profile that pins its own picks (learn_on_finish,
+// the default) pins a peer's learn until ReleasePeer; with learn_on_finish
+// off, and for P/D profiles (which never pin), PinsPeers is false.
+func TestPeerFinisher(t *testing.T) {
+	off := false
+	for name, c := range map[string]struct {
+		cfg  Config
+		pd   bool
+		want bool
+	}{
+		"default":     {Config{Policy: CacheAware}, false, true},
+		"off":         {Config{Policy: CacheAware, Prefix: PrefixConfig{LearnOnFinish: &off}}, false, false},
+		"pd":          {Config{Policy: CacheAware}, true, false},
+		"round-robin": {Config{Policy: RoundRobin}, false, false},
+	} {
+		var p Policy
+		var err error
+		if c.pd {
+			var pd *PD
+			pd, err = NewPD(c.cfg, Pool{Capacity: []int{100, 100}})
+			if err == nil {
+				p = pd.Decode()
+			}
+		} else {
+			p, err = NewPolicy(c.cfg, Pool{Capacity: []int{100, 100}})
+		}
+		if err != nil {
+			t.Fatal(name, err)
+		}
+		f, ok := p.(PeerFinisher)
+		if got := ok && f.PinsPeers(); got != c.want {
+			t.Errorf("%s: PinsPeers %v, want %v", name, got, c.want)
+		}
+	}
+	// Pinned: a peer's prompt survives 2× the endpoint's capacity of later
+	// prompts until ReleasePeer, then is evicted as usual.
+	p, _ := NewPolicy(Config{Policy: CacheAware}, Pool{Capacity: []int{64, 64}})
+	pr := p.(*Profile)
+	a := seqHashes(1, 32)
+	for _, release := range []bool{false, true} {
+		pr.approx.Clear(0)
+		pr.LearnPeerPinned(0, a)
+		if release {
+			pr.ReleasePeer(0, a)
+		}
+		for k := range 4 {
+			pr.FinishPeer(0, seqHashes(k+2, 32))
+		}
+		got := make([]int, 2)
+		pr.approx.Match(a, got)
+		if want := map[bool]int{false: 32, true: 0}[release]; got[0] != want {
+			t.Errorf("released %v: %d blocks held, want %d", release, got[0], want)
+		}
+	}
+}
+
+func seqHashes(seed, n int) []uint64 {
+	h := make([]uint64, n)
+	for i := range h {
+		h[i] = uint64(seed)<<32 | uint64(i+1)
+	}
+	return h
+}

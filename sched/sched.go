@@ -204,6 +204,28 @@ type PeerLearner interface {
 	LearnPeer(i int, hashes []uint64)
 }
 
+// PeerFinisher is implemented by policies that learn from their peers'
+// decisions (PeerLearner) and evict in the engine's order
+// (PrefixConfig.LearnOnFinish), so that replicas share the finish-time
+// learning too (package replica's finish messages). PinsPeers reports
+// whether the policy pins its own picks (LearnOnFinish on a profile that
+// pins: not a P/D profile); a peer's learn is then LearnPeerPinned and its
+// finish ReleasePeer of the same hashes, which must follow each
+// LearnPeerPinned exactly once (package replica keeps the pairs and
+// releases those whose finish never came: the peer died, a message was
+// dropped). FinishPeer is a finish without a pin of its own: the prompt is
+// touched, the head freshest, and a pinned block keeps its pins (this
+// replica's running requests'). Each applies the update before it
+// returns, as LearnPeer does; each is a no-op when LearnOnFinish is off;
+// out-of-range i and empty hashes are ignored. Safe for concurrent use
+// with Pick.
+type PeerFinisher interface {
+	PinsPeers() bool
+	LearnPeerPinned(i int, hashes []uint64)
+	ReleasePeer(i int, hashes []uint64)
+	FinishPeer(i int, hashes []uint64)
+}
+
 // DefaultPolicy is the policy of a configuration that names none, in the
 // gateway, bench and plan alike: cache-aware, the best measured on the
 // Mooncake conversation trace (README.md "Evaluation": in real time the one

@@ -1003,7 +1003,7 @@ func (f *Fleet) deliver(i int, ve *engine, t time.Duration) {
 			r.PromptTokens, r.CachedTokens, r.TierTokens = o.PromptTokens, o.CachedTokens, o.TierTokens
 			f.shares[k].Finish()
 			f.ledger(k, i).Release()
-			f.finished(k, i, false) // P frees the prompt's blocks once D read them; the hand-off is at this instant
+			f.finished(k, i, false, t) // P frees the prompt's blocks once D read them; the hand-off is at this instant
 			f.handoffs = append(f.handoffs, k)
 			continue
 		}
@@ -1030,7 +1030,7 @@ func (f *Fleet) deliver(i int, ve *engine, t time.Duration) {
 			f.shares[k].Finish()
 			f.ledger(k, i).Release()
 			f.open[k] = false
-			f.finished(k, i, true)
+			f.finished(k, i, true, t)
 		}
 	}
 	ve.outs = nil
@@ -1054,7 +1054,7 @@ func (f *Fleet) finisher(k int) sched.Finisher {
 // gateway does when its relay ends, and settles the learn at once (as
 // arrive settles a decision's); last: the request's last leg, whose hashes
 // are then released.
-func (f *Fleet) finished(k, i int, last bool) {
+func (f *Fleet) finished(k, i int, last bool, t time.Duration) {
 	h := f.routed[k]
 	if h == nil {
 		return
@@ -1064,6 +1064,7 @@ func (f *Fleet) finished(k, i int, last bool) {
 	if s, ok := fin.(sched.Settler); ok {
 		s.Settle()
 	}
+	f.finishedPeers(k, i, h, t)
 	if last {
 		f.routed[k] = nil
 		f.spare = append(f.spare, h)

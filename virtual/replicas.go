@@ -22,6 +22,11 @@ import (
 //   - a learn per routing decision (endpoint name, the prompt's block
 //     hashes), which every other replica's policy learns as if it had
 //     routed the prompt (sched.PeerLearner);
+//   - a finish per request that ended on an engine (its prompt's block
+//     hashes), which every other replica's policy that learns on finish
+//     releases (the pin its learn took) or touches (sched.PeerFinisher),
+//     as the engine frees its blocks; a killed replica's pins are released
+//     by its peers once it is silent for LoadTTL (replica.Node.Expire);
 //   - a load report every LoadInterval (per endpoint: the replica's in
 //     flight, in-flight tokens, prefill backlog), which every other
 //     replica adds to its snapshot for LoadTTL.
@@ -304,6 +309,18 @@ func (f *Fleet) learntPD(rp *rep, pdd sched.PDDecision, t time.Duration) {
 	}
 }
 
+// finishedPeers sends the end of request k on engine i, whose prompt has
+// hashes h, to its replica's peers (replica.AppendFinish), as the
+// gateway's learnFinished publishes it: they touch the prompt as the
+// engine's free queue takes its blocks (sched.PeerFinisher).
+func (f *Fleet) finishedPeers(k, i int, h []uint64, t time.Duration) {
+	if !f.rx.on {
+		return
+	}
+	rp := f.reps[f.owner[k]]
+	f.post(replica.AppendFinish(nil, rp.id, int64(t), f.cfg.Model, rp.snap[i].Name, h), t)
+}
+
 // post puts b in transit to every live replica, its sender included: a
 // Redis stream returns a replica's own entries to its reader, which tells
 // it that its peers have read them too (replica.Unseen).
@@ -337,6 +354,7 @@ func (f *Fleet) exchange(t time.Duration) {
 				if !rp.alive {
 					continue
 				}
+				rp.node.Expire(t) // peers' pins whose finish never came (a killed replica's)
 				x.entries = x.entries[:0]
 				for i := range rp.ledgers {
 					l := &rp.ledgers[i]

@@ -382,3 +382,69 @@ func TestReplicasFirstBurst(t *testing.T) {
 		}
 	}
 }
+
+// TestReplicasShareFinish: with learn_on_finish (the default) every
+// request's end reaches the other replicas (replica.KindFinish), each
+// peer's learn is pinned until its finish comes, and none is left pinned
+// when the replay ends; a killed replica's requests in flight never
+// finish, and the survivors release their pins once it is silent for
+// LoadTTL.
+func TestReplicasShareFinish(t *testing.T) {
+	recs := replicaRecords()
+	reqs := make([]Request, len(recs))
+	for i := range recs {
+		reqs[i] = Request{Arrival: recs[i].Timestamp, Prompt: recs[i].Tokens, MaxTokens: 8}
+	}
+	for _, kill := range []bool{false, true} {
+		cfg := Config{Engines: 4, Replicas: 3, ReplicaSync: true, ReplicaDelay: 5 * time.Millisecond}
+		if kill {
+			cfg.KillAt, cfg.KillReplica = recs[len(recs)/2].Timestamp, 1
+		}
+		f, err := NewFleet(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := f.Run(reqs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Run returns with the last requests' end: their finishes are
+		// still in transit, delivered here as the live exchange would.
+		if n := len(f.rx.msgs); n > 0 {
+			f.exchange(f.rx.msgs[n-1].at)
+		}
+		ended := make([]uint64, len(f.reps)) // requests each replica saw end
+		for _, r := range res {
+			if r.Err == nil {
+				ended[r.Replica]++
+			}
+		}
+		for i, rp := range f.reps {
+			if !rp.alive {
+				continue
+			}
+			var want uint64
+			for j := range f.reps {
+				if j != i {
+					want += ended[j]
+				}
+			}
+			c := &rp.node.Counts
+			pins, hashes := rp.node.Pinned()
+			t.Logf("kill %v, replica %d: %d finishes applied (peers ended %d), %d pins of %d hashes left, %d expired",
+				kill, i, c.Finishes.Load(), want, pins, hashes, c.PinsExpired.Load())
+			if c.Finishes.Load() != want {
+				t.Errorf("kill %v, replica %d: %d peers' finishes applied, want %d", kill, i, c.Finishes.Load(), want)
+			}
+			if pins != 0 {
+				t.Errorf("kill %v, replica %d: %d peers' pins left at the end", kill, i, pins)
+			}
+			if kill && c.PinsExpired.Load() == 0 {
+				t.Errorf("replica %d: the killed replica's pins were not released", i)
+			}
+			if !kill && c.PinsExpired.Load() != 0 {
+				t.Errorf("replica %d: %d pins released without their finish", i, c.PinsExpired.Load())
+			}
+		}
+	}
+}

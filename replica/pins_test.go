@@ -1,0 +1,267 @@
+package replica
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/infergate/infergate/sched"
+)
+
+func TestFinishRoundTrip(t *testing.T) {
+	hashes := []uint64{1, 2, 1 << 63, 0xdeadbeef}
+	b := AppendFinish(nil, "gw-1", -5, "llama", "http://10.0.0.1:8000", hashes)
+	var m Msg
+	if err := Decode(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	if m.Kind != KindFinish || m.ID != "gw-1" || m.At != -5 || m.Model != "llama" || m.Endpoint != "http://10.0.0.1:8000" || m.Prompt != 0 || !slices.Equal(m.Hashes, hashes) {
+		t.Fatalf("decoded %+v", m)
+	}
+	// The learn's 72 bytes less its two counts (prompt, pending: 2 + 2).
+	if len(b) != 68 {
+		t.Errorf("finish of 4 hashes is %d bytes, want 68", len(b))
+	}
+	for _, bad := range [][]byte{b[:len(b)-1], append(slices.Clone(b), 0)} {
+		if err := Decode(bad, &m); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%d bytes: %v, want ErrMalformed", len(bad), err)
+		}
+	}
+	// A learn decoded after a finish has its counts again, and the other
+	// way round a finish has none.
+	if err := Decode(AppendLearn(nil, "a", 1, "m", "e", 7, 3, nil), &m); err != nil || m.Prompt != 7 {
+		t.Fatal(err, m.Prompt)
+	}
+	if err := Decode(b, &m); err != nil || m.Prompt != 0 || m.Pending != 0 {
+		t.Fatal(err, m.Prompt, m.Pending)
+	}
+}
+
+// finRec records a PeerFinisher's calls in order.
+type finRec struct {
+	pins bool
+	ops  []string
+}
+
+func (r *finRec) LearnPeer(i int, h []uint64)       { r.op("learn ", i, h) }
+func (r *finRec) PinsPeers() bool                   { return r.pins }
+func (r *finRec) LearnPeerPinned(i int, h []uint64) { r.op("pin ", i, h) }
+func (r *finRec) ReleasePeer(i int, h []uint64)     { r.op("release ", i, h) }
+func (r *finRec) FinishPeer(i int, h []uint64)      { r.op("touch ", i, h) }
+
+func (r *finRec) op(what string, i int, h []uint64) {
+	if len(h) > 8 {
+		r.ops = append(r.ops, fmt.Sprint(what, i, " n=", len(h), " last=", h[len(h)-1]))
+		return
+	}
+	r.ops = append(r.ops, fmt.Sprint(what, i, " ", h))
+}
+
+type finTarget struct{ l *finRec }
+
+func (t finTarget) Resolve(model, endpoint string, _ sched.Role) (sched.PeerLearner, int, bool) {
+	if model != "m" || endpoint != "http://e1" {
+		return nil, 0, false
+	}
+	return t.l, 1, true
+}
+func (finTarget) Intern(url []byte) (string, bool) { return string(url), true }
+
+func applyAll(t *testing.T, n *Node, now time.Duration, msgs ...[]byte) {
+	t.Helper()
+	for _, b := range msgs {
+		if _, err := n.Apply(b, now); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestPeerFinishPairs: a peer's learn pins, its finish releases that pin
+// once; a finish without a pin here (its learn never came, or a second
+// finish) only touches; identical prompts in flight pin and release
+// twice; this replica's own messages do nothing.
+func TestPeerFinishPairs(t *testing.T) {
+	rec := &finRec{pins: true}
+	n := &Node{ID: "a", Peers: NewPeers(time.Second), Target: finTarget{rec}}
+	h := []uint64{5, 6}
+	learn := AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, h)
+	fin := AppendFinish(nil, "b", 0, "m", "http://e1", h)
+	applyAll(t, n, 0, learn, learn, fin, fin, fin,
+		AppendFinish(nil, "b", 0, "m", "http://e1", []uint64{5, 7}), // another prompt: no pin of its own
+		AppendLearn(nil, "a", 0, "m", "http://e1", 32, 32, h),       // own
+		AppendFinish(nil, "a", 0, "m", "http://e1", h),
+		AppendFinish(nil, "b", 0, "m", "http://e9", h)) // unknown endpoint
+	want := []string{"pin 1 [5 6]", "pin 1 [5 6]", "release 1 [5 6]", "release 1 [5 6]", "touch 1 [5 6]", "touch 1 [5 7]"}
+	if !slices.Equal(rec.ops, want) {
+		t.Fatalf("ops %q, want %q", rec.ops, want)
+	}
+	if p, hs := n.Pinned(); p != 0 || hs != 0 {
+		t.Fatalf("%d pins of %d hashes left", p, hs)
+	}
+	c := &n.Counts
+	if c.Finishes.Load() != 4 || c.Own.Load() != 2 || c.Unknown.Load() != 1 || c.PinsExpired.Load() != 0 {
+		t.Fatalf("finishes %d own %d unknown %d expired %d", c.Finishes.Load(), c.Own.Load(), c.Unknown.Load(), c.PinsExpired.Load())
+	}
+
+	// A policy that does not pin (learn_on_finish off, a P/D profile)
+	// learns and touches.
+	rec2 := &finRec{}
+	n2 := &Node{ID: "a", Peers: NewPeers(time.Second), Target: finTarget{rec2}}
+	applyAll(t, n2, 0, learn, fin)
+	if want := []string{"learn 1 [5 6]", "touch 1 [5 6]"}; !slices.Equal(rec2.ops, want) {
+		t.Fatalf("unpinned ops %q, want %q", rec2.ops, want)
+	}
+}
+
+// TestPeerPinsExpire: pins whose finish never comes are released by the
+// node: a peer's once it is silent for the load TTL (killed), a live
+// peer's once they outlive PinTTL (a dropped finish); a finish after that
+// only touches.
+func TestPeerPinsExpire(t *testing.T) {
+	rec := &finRec{pins: true}
+	n := &Node{ID: "a", Peers: NewPeers(time.Second), Target: finTarget{rec}, PinTTL: 10 * time.Second}
+	applyAll(t, n, 0, AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, []uint64{1}))
+	applyAll(t, n, 0, AppendLearn(nil, "c", 0, "m", "http://e1", 32, 32, []uint64{2}))
+	// c keeps reporting, b falls silent.
+	for at := 250 * time.Millisecond; at <= 1500*time.Millisecond; at += 250 * time.Millisecond {
+		applyAll(t, n, at, AppendLoad(nil, "c", 0, nil))
+		n.Expire(at)
+	}
+	if want := []string{"pin 1 [1]", "pin 1 [2]", "release 1 [1]"}; !slices.Equal(rec.ops, want) {
+		t.Fatalf("after b fell silent: ops %q, want %q", rec.ops, want)
+	}
+	if p, hs := n.Pinned(); p != 1 || hs != 1 {
+		t.Fatalf("%d pins of %d hashes, want c's one", p, hs)
+	}
+	// c's pin outlives PinTTL: released as c's messages come, without a
+	// call to Expire.
+	for at := 2 * time.Second; at <= 11*time.Second; at += 250 * time.Millisecond {
+		applyAll(t, n, at, AppendLoad(nil, "c", 0, nil))
+	}
+	if want := []string{"pin 1 [1]", "pin 1 [2]", "release 1 [1]", "release 1 [2]"}; !slices.Equal(rec.ops, want) {
+		t.Fatalf("after PinTTL: ops %q, want %q", rec.ops, want)
+	}
+	if got := n.Counts.PinsExpired.Load(); got != 2 {
+		t.Fatalf("%d pins expired, want 2", got)
+	}
+	applyAll(t, n, 11*time.Second, AppendFinish(nil, "c", 0, "m", "http://e1", []uint64{2}))
+	if got := rec.ops[len(rec.ops)-1]; got != "touch 1 [2]" {
+		t.Fatalf("a finish after its pin expired: %q, want a touch", got)
+	}
+}
+
+// TestPeerPinsBounded: at most MaxPinnedHashes hashes stay pinned; the
+// oldest pin is released first.
+func TestPeerPinsBounded(t *testing.T) {
+	rec := &finRec{pins: true}
+	n := &Node{ID: "a", Peers: NewPeers(time.Second), Target: finTarget{rec}}
+	big := make([]uint64, MaxHashes) // the longest learn
+	fit := MaxPinnedHashes / MaxHashes
+	for k := range fit + 1 {
+		big[len(big)-1] = uint64(k) // distinct prompts
+		applyAll(t, n, 0, AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, big))
+	}
+	if p, hs := n.Pinned(); p != fit || hs != MaxPinnedHashes {
+		t.Fatalf("%d pins of %d hashes, want %d of %d", p, hs, fit, MaxPinnedHashes)
+	}
+	if want := "release 1 n=65536 last=0"; rec.ops[fit] != want {
+		t.Fatalf("op %d: %q, want the oldest pin's release %q", fit, rec.ops[fit], want)
+	}
+	if got := n.Counts.PinsExpired.Load(); got != 1 {
+		t.Fatalf("%d expired, want 1", got)
+	}
+}
+
+// TestPeerPinHoldsPrompt: with the real cache-aware index, a peer's
+// running request's prompt survives later prompts that overflow the
+// endpoint's capacity, as the engine keeps a running request's blocks;
+// once the peer's finish came it is evicted by later prompts as usual.
+func TestPeerPinHoldsPrompt(t *testing.T) {
+	blocks := func(seed, n int) []uint64 {
+		h := make([]uint64, n)
+		for i := range h {
+			h[i] = uint64(seed)<<32 | uint64(i+1)
+		}
+		return h
+	}
+	run := func(finishFirst bool) int {
+		pol, err := sched.NewPolicy(sched.Config{}, sched.Pool{Capacity: []int{64, 64}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		l := pol.(sched.PeerLearner)
+		n := &Node{ID: "a", Peers: NewPeers(time.Second), Target: polTarget{l}}
+		a := blocks(1, 32)
+		applyAll(t, n, 0, AppendLearn(nil, "b", 0, "m", "http://e", 512, 512, a))
+		if finishFirst {
+			applyAll(t, n, 0, AppendFinish(nil, "b", 0, "m", "http://e", a))
+		}
+		for k := range 4 { // 4 × 32 other blocks, each ended: 2 × the capacity
+			h := blocks(k+2, 32)
+			applyAll(t, n, 0, AppendLearn(nil, "c", 0, "m", "http://e", 512, 512, h), AppendFinish(nil, "c", 0, "m", "http://e", h))
+		}
+		eps := []sched.Endpoint{{Ready: true}, {Ready: true}}
+		return pol.Pick(&sched.Request{Hashes: a, PromptTokens: 32 * 16}, eps).MatchedBlocks
+	}
+	if got := run(false); got != 32 {
+		t.Fatalf("running peer request's prompt: %d blocks matched, want 32 (pinned)", got)
+	}
+	if got := run(true); got != 0 {
+		t.Fatalf("ended peer request's prompt: %d blocks matched, want 0 (evicted)", got)
+	}
+}
+
+// BenchmarkNodeApplyFinish: a peer's learn and its finish (857 blocks,
+// the Mooncake mean) applied to a cache-aware policy that learns on
+// finish: pinned, then released.
+func BenchmarkNodeApplyFinish(b *testing.B) {
+	pol, _ := sched.NewPolicy(sched.Config{}, sched.Pool{Capacity: []int{100000, 100000}})
+	n := &Node{ID: "a", Peers: NewPeers(time.Hour), Target: polTarget{pol.(sched.PeerLearner)}}
+	hashes := make([]uint64, 857)
+	for i := range hashes {
+		hashes[i] = uint64(i) * 0x9e3779b97f4a7c15
+	}
+	learn := AppendLearn(nil, "b", 1, "m", "http://e", 13720, 9000, hashes)
+	fin := AppendFinish(nil, "b", 1, "m", "http://e", hashes)
+	b.SetBytes(int64(len(fin)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := n.Apply(learn, 0); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := n.Apply(fin, 0); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkAppendFinish: the cost of a request's finish message (857
+// blocks), on the request's end.
+func BenchmarkAppendFinish(b *testing.B) {
+	hashes := make([]uint64, 857)
+	b.ReportAllocs()
+	for b.Loop() {
+		_ = AppendFinish(nil, "gw-1", 1, "meta-llama/Llama-3.1-70B-Instruct", "http://10.0.0.1:8000", hashes)
+	}
+}
+
+// TestPeerPinsCompact: a long request's pin ahead of many that ended
+// does not keep their entries: the table holds O(live pins).
+func TestPeerPinsCompact(t *testing.T) {
+	rec := &finRec{pins: true}
+	n := &Node{ID: "a", Peers: NewPeers(time.Hour), Target: finTarget{rec}}
+	applyAll(t, n, 0, AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, []uint64{1})) // never ends
+	for k := range 10_000 {
+		h := []uint64{2, uint64(k + 3)}
+		applyAll(t, n, 0, AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, h), AppendFinish(nil, "b", 0, "m", "http://e1", h))
+		rec.ops = rec.ops[:0]
+	}
+	if p, _ := n.Pinned(); p != 1 {
+		t.Fatalf("%d pins, want the long one", p)
+	}
+	if got := len(n.pins.order) - n.pins.head; got > 2+64 {
+		t.Fatalf("%d entries kept for 1 live pin", got)
+	}
+}
