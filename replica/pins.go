@@ -26,8 +26,8 @@ import (
 // releases them itself when the peer falls silent (load_ttl after it was
 // last heard from, as its load) or when a pin is older than the pin TTL
 // (replicas.pin_ttl; a live peer's lost finish), and at most
-// MaxPinnedHashes hashes are kept pinned (beyond it the oldest pin is
-// released first). A finish whose pin is not found (its learn dropped, or
+// MaxPinnedHashes hashes in at most MaxPins pins are kept pinned (beyond
+// either the oldest pin is released first). A finish whose pin is not found (its learn dropped, or
 // read before this replica started) touches the prompt without a release,
 // so it can never take away a pin of someone else's.
 
@@ -41,6 +41,15 @@ const DefaultPinTTL = 10 * time.Minute
 // bytes each: 8 MiB), about 1,200 Mooncake prompts of the mean length in
 // flight on the peers.
 const MaxPinnedHashes = 1 << 20
+
+// MaxPins bounds the peers' pins a node keeps (beyond it the oldest pin is
+// released first). MaxPinnedHashes alone let a flood of one-block prompts
+// (a hostile or broken peer's learns, never finished) keep a million pins
+// of about 244 bytes of table each (heap measured after 200,000 such
+// learns: +46 MB), 30 times what the hashes' bound says; at MaxPins the
+// table holds about 16 MB besides the hashes. 65,536 requests in flight on
+// a pool's peers is far beyond what a fleet runs.
+const MaxPins = 1 << 16
 
 type pinKey struct {
 	peer string
@@ -107,7 +116,7 @@ func (n *Node) pin(id string, l sched.PeerLearner, slot int, hashes []uint64, no
 		return false
 	}
 	t.heard[id] = now
-	for t.hashes+len(hashes) > MaxPinnedHashes && t.head < len(t.order) {
+	for (t.hashes+len(hashes) > MaxPinnedHashes || t.live >= MaxPins) && t.head < len(t.order) {
 		n.expireFront()
 	}
 	var h []uint64

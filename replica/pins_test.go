@@ -265,3 +265,34 @@ func TestPeerPinsCompact(t *testing.T) {
 		t.Fatalf("%d entries kept for 1 live pin", got)
 	}
 }
+
+// TestPeerPinsCountBounded: a flood of one-block learns that never finish
+// (a hostile or broken peer) keeps at most MaxPins pins, the oldest
+// released first: MaxPinnedHashes alone let a million such pins (about
+// 244 bytes of table each) stay.
+func TestPeerPinsCountBounded(t *testing.T) {
+	rec := &finRec{pins: true}
+	n := &Node{ID: "a", Peers: NewPeers(time.Hour), Target: finTarget{rec}}
+	const extra = 16
+	var b []byte
+	for k := range MaxPins + extra {
+		b = AppendLearn(b[:0], "b", 0, "m", "http://e1", 32, 32, []uint64{uint64(k)})
+		if _, err := n.Apply(b, 0); err != nil {
+			t.Fatal(err)
+		}
+		if k == MaxPins {
+			if want := "release 1 [0]"; rec.ops[len(rec.ops)-2] != want {
+				t.Fatalf("pin %d: op %q, want the oldest pin's release %q", k, rec.ops[len(rec.ops)-2], want)
+			}
+		}
+		if len(rec.ops) > 4 {
+			rec.ops = rec.ops[:0]
+		}
+	}
+	if p, hs := n.Pinned(); p != MaxPins || hs != MaxPins {
+		t.Fatalf("%d pins of %d hashes, want %d", p, hs, MaxPins)
+	}
+	if got := n.Counts.PinsExpired.Load(); got != extra {
+		t.Fatalf("%d expired, want %d", got, extra)
+	}
+}
