@@ -149,7 +149,7 @@ func (g *Gateway) initReplicas(reg prometheus.Registerer) error {
 		Help:    "Replica exchange: from a peer's sending a message to this replica's applying it (the two wall clocks; history replayed at start left out).",
 		Buckets: []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5}})
 	r.wait = prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "infergate", Name: "replica_stagger_seconds",
-		Help:    "Replica exchange: how long a routing decision waited for the replicas ranked before this one in a burst (replicas.stagger; decisions that did not wait are not observed), by what released it: learns (the learns of every replica ranked before applied), deadline, canceled (the request ended).",
+		Help:    "Replica exchange: how long a routing decision waited for the replicas ranked before this one in a burst (replicas.stagger; decisions not staggered are not observed), by what released it: learns (the learns of every replica ranked before applied; 0 when they already were), deadline, canceled (the request ended).",
 		Buckets: []float64{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05}}, []string{"release"})
 	cs := []prometheus.Collector{r.lag, r.wait,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Name: "replica_peers",
