@@ -274,3 +274,49 @@ func BenchmarkStaggerDue(b *testing.B) {
 		}
 	}
 }
+
+// TestStaggerDeadlineTail: a turn's deadline is made of the 90th
+// percentile of the last 32 echoes (nearest rank), not their mean: 4 slow
+// echoes of 32 (12.5%) set it, 3 (9.4%) do not; the window forgets older
+// echoes; the since-window and the burst test keep the mean.
+func TestStaggerDeadlineTail(t *testing.T) {
+	const ms = time.Millisecond
+	deadline := func(slow int) (Turn, time.Duration) {
+		n := &Node{ID: "b", Peers: NewPeers(time.Hour)}
+		n.Peers.Update("a", 0, nil)
+		n.Peers.Update("c", 0, nil)
+		stamp := int64(0)
+		for i := range 64 { // bursts of 2, one echo each
+			at := time.Duration(i) * time.Second
+			d := ms
+			if i >= 32 && i%8 == 0 && (i-32)/8 < slow {
+				d = 20 * ms // slow echoes among the last 32
+			}
+			if i < 32 && i%4 == 0 {
+				d = 40 * ms // older ones, out of the window
+			}
+			stamp++
+			n.Unseen.Sent(stamp, at, 100, 100)
+			stamp++
+			n.Unseen.Sent(stamp, at, 100, 100)
+			n.Unseen.Echo(stamp, at+d)
+		}
+		now := 100 * time.Second
+		turn, ok := n.Turn(now)
+		if !ok {
+			t.Fatalf("%d slow echoes: not staggered", slow)
+		}
+		return turn, now
+	}
+	turn, now := deadline(4)
+	if got := turn.Deadline - now; got != 25*ms {
+		t.Errorf("4 echoes of 20 ms in the last 32: deadline %v after arrival, want 25ms (5/4 of the 90th percentile)", got)
+	}
+	if mean := now - turn.Since; mean >= 20*ms || mean <= ms {
+		t.Errorf("since-window %v: want the echoes' mean, between 1 and 20 ms", mean)
+	}
+	turn, now = deadline(3)
+	if got := turn.Deadline - now; got != 1250*time.Microsecond {
+		t.Errorf("3 echoes of 20 ms in the last 32: deadline %v after arrival, want 1.25ms", got)
+	}
+}
