@@ -59,9 +59,10 @@ type ReplicasConfig struct {
 	// index (default true).
 	Replay *bool `yaml:"replay"`
 	// Stagger makes this replica, while its decisions come in bursts,
-	// wait rank × 5/4 of the exchange's measured delay before each
-	// decision, so that replicas take turns in a burst instead of herding
-	// (replica.Node.Stagger; default true).
+	// wait before each decision for the learns of the replicas ranked
+	// before it (at most rank × 5/4 of the exchange's measured delay), so
+	// that replicas take turns in a burst instead of herding
+	// (replica.Node.Turn; default true).
 	Stagger *bool `yaml:"stagger"`
 }
 
@@ -142,8 +143,9 @@ type replicas struct {
 	peers *replica.Peers
 	x     atomic.Pointer[stream.Exchange]
 	lag   prometheus.Histogram
-	wait  prometheus.Histogram      // staggered decisions' waits
+	wait  *prometheus.HistogramVec  // staggered decisions' waits, by release
 	known atomic.Pointer[knownURLs] // replicaTarget.Known's set
+	turns turns                     // staggered decisions waiting (stagger)
 }
 
 // initReplicas registers the exchange's metrics (always, zero when off)
@@ -159,9 +161,9 @@ func (g *Gateway) initReplicas(reg prometheus.Registerer) error {
 	r.lag = prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "infergate", Name: "replica_lag_seconds",
 		Help:    "Replica exchange: from a peer's sending a message to this replica's applying it (the two wall clocks; history replayed at start left out).",
 		Buckets: []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5}})
-	r.wait = prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "infergate", Name: "replica_stagger_seconds",
-		Help:    "Replica exchange: how long a routing decision waited for the replicas ranked before this one in a burst (replicas.stagger; decisions that did not wait are not observed).",
-		Buckets: []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05}})
+	r.wait = prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "infergate", Name: "replica_stagger_seconds",
+		Help:    "Replica exchange: how long a routing decision waited for the replicas ranked before this one in a burst (replicas.stagger; decisions not staggered are not observed), by what released it: learns (the learns of every replica ranked before applied; 0 when they already were), deadline, canceled (the request ended).",
+		Buckets: []float64{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05}}, []string{"release"})
 	cs := []prometheus.Collector{r.lag, r.wait,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Name: "replica_peers",
 			Help: "Replica exchange: peers heard from within replicas.load_ttl."}, func() float64 {
@@ -285,6 +287,9 @@ func (r *replicas) apply(b []byte, replayed bool) {
 	}
 	now := time.Now()
 	m, err := r.node.Apply(b, clock(now))
+	if err == nil && m.Kind == replica.KindLearn && m.ID != r.node.ID {
+		r.turns.wake() // a staggered decision's turn may have come
+	}
 	if err != nil || replayed || m.ID == r.node.ID {
 		return
 	}
@@ -374,27 +379,96 @@ func (g *Gateway) learntPD(p *pool, x *exchange, i, matched int, role sched.Role
 	g.replicas.learntRole(p, i, &x.sreq, role, int64(matched), role == sched.RoleDecode)
 }
 
-// stagger waits before a routing decision of pool p for as long as this
-// replica's turn in a burst takes (replica.Node.Stagger: rank × 5/4 of
-// the exchange's measured delay while its decisions come in bursts, at
-// most replica.MaxStagger; nothing otherwise), or until ctx ends (the
-// request's next stage then sees it ended). A P/D pool waits before its
-// first pick, D's then P's (pickSplit).
+// stagger waits before a routing decision of pool p for this replica's
+// turn in a burst (replica.Node.Turn and Due): until the learns of the
+// replicas ranked before it have been applied, their deadline (at most
+// rank × 5/4 of the exchange's measured delay, replica.MaxStagger), or
+// the end of ctx (the request's next stage then sees it ended); nothing
+// while its decisions do not come in bursts. It checks Due at each peer's
+// learn the reader applies (turns), on the request's own goroutine: no
+// polling, no goroutine of its own. A P/D pool waits before its first
+// pick, D's then P's (pickSplit). The wait is observed in
+// infergate_replica_stagger_seconds by what ended it.
 func (r *replicas) stagger(ctx context.Context, p *pool) {
 	if r == nil || r.node == nil || p.peers == nil {
 		return
 	}
-	d := r.node.Stagger(clock(time.Now()))
-	if d <= 0 {
+	start := time.Now()
+	turn, ok := r.node.Turn(clock(start))
+	if !ok {
 		return
 	}
-	r.wait.Observe(d.Seconds())
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-	case <-ctx.Done():
+	release := r.turns.wait(ctx, r.node, turn, turn.Deadline-clock(start))
+	r.wait.WithLabelValues(release).Observe(time.Since(start).Seconds())
+}
+
+// turns wakes staggered decisions when the reader applies a peer's learn:
+// a channel closed and replaced at each learn while decisions wait (a
+// broadcast to every waiter, which then checks replica.Node.Due), left
+// alone otherwise. The zero value is ready.
+type turns struct {
+	waiting atomic.Int64
+	ch      atomic.Pointer[chan struct{}]
+	// timer, when set (tests), replaces time.NewTimer for the deadline;
+	// it is started after the first check of Due found the turn not come.
+	timer func(time.Duration) (c <-chan time.Time, stop func() bool)
+}
+
+// wake tells the decisions waiting that a peer's learn was applied
+// (called by the reader after Node.Apply). Without a waiter it does
+// nothing: a waiter that comes after the learn was applied sees it in Due
+// (Node.Apply stores it before wake loads waiting; the waiter adds itself
+// before it checks Due: one of the two sees the other).
+func (w *turns) wake() {
+	if w.waiting.Load() == 0 {
+		return
 	}
+	next := make(chan struct{})
+	if old := w.ch.Swap(&next); old != nil {
+		close(*old)
+	}
+}
+
+// wait blocks until node.Due releases turn ("learns"), its deadline, d
+// from now, passes ("deadline"), or ctx ends ("canceled"), and returns
+// which.
+func (w *turns) wait(ctx context.Context, node *replica.Node, turn replica.Turn, d time.Duration) string {
+	w.waiting.Add(1)
+	defer w.waiting.Add(-1)
+	if w.ch.Load() == nil {
+		c := make(chan struct{})
+		w.ch.CompareAndSwap(nil, &c)
+	}
+	var deadline <-chan time.Time
+	for {
+		// The channel before Due: a learn applied after this load closes
+		// it, one applied before is seen by Due.
+		woken := w.ch.Load()
+		if node.Due(turn, clock(time.Now())) == replica.Learnt {
+			return "learns"
+		}
+		if deadline == nil {
+			var stop func() bool
+			deadline, stop = w.start(d)
+			defer stop()
+		}
+		select {
+		case <-*woken:
+		case <-deadline:
+			return "deadline"
+		case <-ctx.Done():
+			return "canceled"
+		}
+	}
+}
+
+// start starts the deadline's timer.
+func (w *turns) start(d time.Duration) (<-chan time.Time, func() bool) {
+	if w.timer != nil {
+		return w.timer(d)
+	}
+	t := time.NewTimer(d)
+	return t.C, t.Stop
 }
 
 // expect prepares snapshot s for a pick: this replica's share of the

@@ -5,6 +5,7 @@ import (
 	"math"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -85,33 +86,17 @@ func TestReplicasRedisDown(t *testing.T) {
 
 // TestReplicasStaggerWaits: a replica ranked 1 of 3 whose decisions come
 // in bursts waits its turn before a pick (observed in
-// infergate_replica_stagger_seconds), returns early when the request's
+// infergate_replica_stagger_seconds), at most its deadline without a
+// learn of the replica ranked before it, returns early when the request's
 // context ends, waits as well for a P/D pool, and does not wait with
 // replicas.stagger false.
 func TestReplicasStaggerWaits(t *testing.T) {
-	newReplicas := func(noStagger bool) (*replicas, *pool) {
-		peers := replica.NewPeers(time.Hour)
-		r := &replicas{node: &replica.Node{ID: "b", Peers: peers, NoStagger: noStagger},
-			wait: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "w"})}
-		now := clock(time.Now())
-		peers.Update("a", now, nil)
-		peers.Update("c", now, nil)
-		for i := range 40 { // bursts of 2 decisions, echoed 1 ms later
-			at := now - time.Duration(40-i)*time.Second
-			r.node.Unseen.Sent(int64(2*i), at, 100, 100)
-			r.node.Unseen.Sent(int64(2*i+1), at, 100, 100)
-			r.node.Unseen.Echo(int64(2*i+1), at+time.Millisecond)
-		}
-		return r, &pool{peers: peers}
-	}
-	count := func(h prometheus.Histogram) uint64 {
-		var m dto.Metric
-		if err := h.Write(&m); err != nil {
-			t.Fatal(err)
-		}
-		return m.GetHistogram().GetSampleCount()
+	r, p := staggeredReplicas(false)
+	if d := r.node.Stagger(clock(time.Now())); d != 1250*time.Microsecond {
+		t.Fatalf("rank 1, 1 ms echoes: Stagger %v, want 1.25ms", d)
 	}
 	waited := func(r *replicas, ctx context.Context, p *pool) {
+		t.Helper()
 		done := make(chan struct{})
 		go func() { r.stagger(ctx, p); close(done) }()
 		select {
@@ -120,28 +105,172 @@ func TestReplicasStaggerWaits(t *testing.T) {
 			t.Fatal("stagger did not return")
 		}
 	}
-	r, p := newReplicas(false)
-	if d := r.node.Stagger(clock(time.Now())); d != 1250*time.Microsecond {
-		t.Fatalf("rank 1, 1 ms echoes: Stagger %v, want 1.25ms", d)
+	waited(r, context.Background(), p) // no learn of a: the deadline
+	if n := staggerCount(t, r, "deadline"); n != 1 {
+		t.Fatalf("waits released by the deadline: %d, want 1", n)
 	}
-	waited(r, context.Background(), p)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	waited(r, ctx, p)
-	if n := count(r.wait); n != 2 {
+	if n := staggerCount(t, r, ""); n != 2 {
 		t.Fatalf("waits observed: %d, want 2", n)
 	}
 	waited(r, context.Background(), &pool{peers: p.peers, pdPool: pdPool{pd: &sched.PD{}}}) // a P/D pool waits too
-	if n := count(r.wait); n != 3 {
+	if n := staggerCount(t, r, ""); n != 3 {
 		t.Fatalf("waits observed: %d, want 3 (the P/D pool's)", n)
 	}
-	r, p = newReplicas(true)
+	r, p = staggeredReplicas(true)
 	waited(r, context.Background(), p)
 	var none *replicas
 	waited(none, context.Background(), p)
-	if n := count(r.wait); n != 0 {
+	if n := staggerCount(t, r, ""); n != 0 {
 		t.Fatalf("waits observed with stagger off: %d", n)
 	}
+}
+
+// TestReplicasStaggerWake: a staggered decision (replica "b", ranked 1
+// of a, b, c) is released by the learn of the replica ranked before it
+// as the reader applies it (replicas.apply), before its deadline; by the
+// deadline without one (a learn of c, ranked after it, does not release
+// it); by the end of its request. The deadline's timer is the test's
+// (turns.timer), started once the decision found its turn not come: no
+// timed assertion. Each wait ends on the request's goroutine, stops its
+// timer and leaves no waiter behind.
+func TestReplicasStaggerWake(t *testing.T) {
+	var r *replicas
+	var p *pool
+	started := make(chan chan time.Time, 1)
+	var stops atomic.Int64 // the deadline timers stopped
+	fresh := func() {
+		r, p = staggeredReplicas(false)
+		r.turns.timer = func(time.Duration) (<-chan time.Time, func() bool) {
+			c := make(chan time.Time, 1)
+			started <- c
+			return c, func() bool { stops.Add(1); return true }
+		}
+	}
+	learn := func(id string) []byte {
+		return replica.AppendLearn(nil, id, time.Now().UnixNano(), "m", "http://e0", 16, 16, []uint64{1})
+	}
+	within := func(what string, c <-chan struct{}) {
+		t.Helper()
+		select {
+		case <-c:
+		case <-time.After(30 * time.Second):
+			t.Fatal(what)
+		}
+	}
+	// wait starts a decision and returns, once it waits, its deadline's
+	// channel and a channel closed when it is taken.
+	wait := func(ctx context.Context) (chan time.Time, chan struct{}) {
+		t.Helper()
+		done := make(chan struct{})
+		go func() { r.stagger(ctx, p); close(done) }()
+		select {
+		case c := <-started:
+			return c, done
+		case <-done:
+			t.Fatal("the decision did not wait")
+		case <-time.After(30 * time.Second):
+			t.Fatal("the decision never waited")
+		}
+		return nil, nil
+	}
+	ended := func(what, release string, want uint64, done ...chan struct{}) {
+		t.Helper()
+		for _, d := range done {
+			within(what+": a decision was not taken", d)
+		}
+		// A wait stops its timer before it returns.
+		if n := stops.Swap(0); n != int64(len(done)) {
+			t.Fatalf("%s: %d deadline timers stopped, want %d", what, n, len(done))
+		}
+		if n := staggerCount(t, r, release); n != want {
+			t.Fatalf("%s: %d waits released by %s, want %d", what, n, release, want)
+		}
+		if n := r.turns.waiting.Load(); n != 0 {
+			t.Fatalf("%s: %d waiters left", what, n)
+		}
+	}
+
+	// a's learn releases b's decision before its deadline.
+	fresh()
+	_, done := wait(context.Background())
+	r.apply(learn("a"), false)
+	ended("a's learn", "learns", 1, done)
+
+	// Without a's learn (c's, ranked after b, does not count), the
+	// deadline does.
+	fresh()
+	deadline, done := wait(context.Background())
+	r.apply(learn("c"), false)
+	deadline <- time.Now()
+	ended("the deadline", "deadline", 1, done)
+	if n := staggerCount(t, r, "learns"); n != 0 {
+		t.Fatalf("c's learn released %d decisions of b", n)
+	}
+
+	// The request ends while its decision waits.
+	ctx, cancel := context.WithCancel(context.Background())
+	_, done = wait(ctx)
+	cancel()
+	ended("the request's end", "canceled", 1, done)
+
+	// Several decisions wait at once: one learn of a releases them all.
+	var dones []chan struct{}
+	for range 3 {
+		_, d := wait(context.Background())
+		dones = append(dones, d)
+	}
+	r.apply(learn("a"), false)
+	ended("three decisions, one learn", "learns", 3, dones...)
+}
+
+// staggeredReplicas returns a replica "b" ranked 1 of a, b, c (peers
+// heard from now, for an hour) whose decisions come in bursts echoed
+// after 1 ms, and a pool exchanging with them; noStagger as
+// replicas.stagger false.
+func staggeredReplicas(noStagger bool) (*replicas, *pool) {
+	peers := replica.NewPeers(time.Hour)
+	r := &replicas{node: &replica.Node{ID: "b", Peers: peers, Target: anyTarget{}, NoStagger: noStagger},
+		lag:  prometheus.NewHistogram(prometheus.HistogramOpts{Name: "lag"}),
+		wait: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "w"}, []string{"release"})}
+	now := clock(time.Now())
+	peers.Update("a", now, nil)
+	peers.Update("c", now, nil)
+	for i := range 40 { // bursts of 2 decisions, echoed 1 ms later
+		at := now - time.Duration(40-i)*time.Second
+		r.node.Unseen.Sent(int64(2*i), at, 100, 100)
+		r.node.Unseen.Sent(int64(2*i+1), at, 100, 100)
+		r.node.Unseen.Echo(int64(2*i+1), at+time.Millisecond)
+	}
+	return r, &pool{peers: peers}
+}
+
+// anyTarget resolves every learn to no pool (counted unknown).
+type anyTarget struct{}
+
+func (anyTarget) Intern(url []byte) (string, bool) { return string(url), true }
+func (anyTarget) Resolve(string, string, sched.Role) (sched.PeerLearner, int, bool) {
+	return nil, 0, false
+}
+
+// staggerCount is the waits observed in r's infergate_replica_stagger_seconds
+// released by release ("": all).
+func staggerCount(t *testing.T, r *replicas, release string) uint64 {
+	t.Helper()
+	var n uint64
+	for _, l := range []string{"learns", "deadline", "canceled"} {
+		if release != "" && l != release {
+			continue
+		}
+		var m dto.Metric
+		if err := r.wait.WithLabelValues(l).(prometheus.Histogram).Write(&m); err != nil {
+			t.Fatal(err)
+		}
+		n += m.GetHistogram().GetSampleCount()
+	}
+	return n
 }
 
 // TestReplicaResolveSlots: a peer's learn resolves to the slot of its

@@ -78,6 +78,13 @@ type Unseen struct {
 	sent  bool
 	echo  time.Duration
 	burst float64
+	// echoes are the last echo samples (a ring of tailWindow, ne
+	// recorded in all); tail is their 90th percentile (nearest rank),
+	// recomputed at each echo, 0 before tailMin samples: the turn's
+	// deadline (Node.Turn).
+	echoes [tailWindow]time.Duration
+	ne     int
+	tail   time.Duration
 }
 
 const (
@@ -91,6 +98,9 @@ const (
 	// burstWeight is the burst share's window (decisions): 1/16 per
 	// decision, so that a replica staggers within a few bursts.
 	burstWeight = 16
+	// tailWindow is the echoes the deadline's 90th percentile is taken
+	// over; tailMin the fewest it is taken from (the mean before).
+	tailWindow, tailMin = 32, 8
 )
 
 // sentLearn is one decision in Unseen: its learn's timestamp (Msg.At)
@@ -169,6 +179,15 @@ func (u *Unseen) Echo(stamp int64, now time.Duration) {
 		return
 	}
 	d := now - at
+	u.echoes[u.ne%tailWindow] = d
+	u.ne++
+	if n := min(u.ne, tailWindow); n >= tailMin {
+		var a [tailWindow]time.Duration
+		s := a[:n]
+		copy(s, u.echoes[:n])
+		slices.Sort(s)
+		u.tail = s[(n*9+9)/10-1] // nearest rank: the ⌈0.9 n⌉-th
+	}
 	if u.echo == 0 {
 		u.echo = max(d, 1) // 0 means no sample yet
 		return

@@ -1,6 +1,7 @@
 package replica
 
 import (
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -44,6 +45,9 @@ type peerState struct {
 	id    string
 	at    atomic.Int64 // when last heard from (ns of the caller's clock)
 	cells map[string]*cell
+	// learnt is when a learn of the peer was last applied (ns of the
+	// caller's clock; math.MinInt64 before the first): Node.Due.
+	learnt atomic.Int64
 	// reports counts the peer's load reports (Update), which mark the
 	// cells they name with it. Guarded by Peers.mu.
 	reports uint64
@@ -103,6 +107,7 @@ func (p *Peers) peer(id string, now time.Duration) (ps *peerState, ok bool) {
 	if ps = p.peers[id]; ps == nil {
 		if len(p.peers) < MaxPeers {
 			ps = &peerState{id: id, cells: map[string]*cell{}}
+			ps.learnt.Store(math.MinInt64)
 			p.peers[id] = ps
 			changed = true
 		}
@@ -240,6 +245,30 @@ func (p *Peers) Routed(id, url string, now time.Duration, prompt, pending int64)
 		saturate(&c.prefil, pending)
 	}
 	return ok
+}
+
+// Learnt records that a learn of replica id was applied at now (a
+// staggered decision's turn: Node.Due); false: id is beyond MaxPeers.
+func (p *Peers) Learnt(id string, now time.Duration) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ps, ok := p.peer(id, now)
+	if ok {
+		ps.learnt.Store(int64(now))
+	}
+	return ok
+}
+
+// learntSince reports whether every peer heard from within TTL of now
+// whose id is below self has had a learn applied at or after since
+// (Learnt). It takes no lock and allocates nothing.
+func (p *Peers) learntSince(self string, since, now time.Duration) bool {
+	for _, ps := range p.view.Load().peers {
+		if ps.id < self && now-time.Duration(ps.at.Load()) <= p.ttl && ps.learnt.Load() < int64(since) {
+			return false
+		}
+	}
+	return true
 }
 
 // saturate adds d (≥ 0) to v, at most to maxCount. Called with p.mu held.
@@ -395,6 +424,9 @@ func (n *Node) Apply(b []byte, now time.Duration) (*Msg, error) {
 	n.heardFrom(m.ID, now)
 	switch m.Kind {
 	case KindLearn:
+		// Any learn of the peer, of a pool this replica has or not: a
+		// decision of it that a staggered one waits for (Node.Due).
+		n.Peers.Learnt(m.ID, now)
 		l, slot, ok := n.Target.Resolve(m.Model, m.Endpoint, m.Role)
 		if !ok {
 			n.Counts.Unknown.Add(1)

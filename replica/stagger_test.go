@@ -165,3 +165,158 @@ func TestStaggerSeeded(t *testing.T) {
 		t.Fatalf("a lone seeded replica waits %v", got)
 	}
 }
+
+// TestStaggerTurn: a staggered decision's turn comes when every live
+// replica ranked before it has had a learn applied (Node.Apply) since one
+// exchange delay before the decision arrived, or at its deadline: learns
+// of replicas ranked after it, of dead replicas, or from before the
+// window do not count; load reports are not learns.
+func TestStaggerTurn(t *testing.T) {
+	const ms = time.Millisecond
+	learn := func(n *Node, id string, at time.Duration) {
+		t.Helper()
+		if _, err := n.Apply(AppendLearn(nil, id, 0, "m", "http://e0", 16, 16, []uint64{1}), at); err != nil {
+			t.Fatal(err)
+		}
+	}
+	newNode := func(id string) (*Node, time.Duration) {
+		n := &Node{ID: id, Peers: NewPeers(time.Second), Target: target{&recorder{got: map[int][][]uint64{}}, map[string]int{"http://e0": 0}}}
+		return n, bursts(n, []string{"a", "b", "d"}, 10, 3, ms) // echoes of 1 ms
+	}
+
+	// c, ranked 2 of a, b, c, d: waits for a and b.
+	n, now := newNode("c")
+	turn, ok := n.Turn(now)
+	if !ok || turn.Since != now-ms || turn.Deadline != now+2500*time.Microsecond {
+		t.Fatalf("turn %+v %v, want since now-1ms, deadline now+2.5ms", turn, ok)
+	}
+	if got := n.Stagger(now); got != 2500*time.Microsecond {
+		t.Fatalf("Stagger %v, want the deadline's 2.5ms", got)
+	}
+	if got := n.Due(turn, now); got != Waiting {
+		t.Fatalf("at arrival: %v", got)
+	}
+	learn(n, "a", now-ms-1) // before the window: an earlier burst's
+	learn(n, "d", now+100*time.Microsecond)
+	if got := n.Due(turn, now+100*time.Microsecond); got != Waiting {
+		t.Fatalf("an old learn of a and d's (ranked after): %v", got)
+	}
+	learn(n, "a", now+200*time.Microsecond)
+	if got := n.Due(turn, now+200*time.Microsecond); got != Waiting {
+		t.Fatalf("a's learn, not b's: %v", got)
+	}
+	if _, err := n.Apply(AppendLoad(nil, "b", 0, nil), now+300*time.Microsecond); err != nil {
+		t.Fatal(err)
+	}
+	if got := n.Due(turn, now+300*time.Microsecond); got != Waiting {
+		t.Fatalf("b's load report taken for a learn: %v", got)
+	}
+	learn(n, "b", now+1100*time.Microsecond)
+	if got := n.Due(turn, now+1100*time.Microsecond); got != Learnt {
+		t.Fatalf("a's and b's learns applied: %v, want learns", got)
+	}
+
+	// Nothing from b: the deadline.
+	n, now = newNode("c")
+	turn, _ = n.Turn(now)
+	learn(n, "a", now+200*time.Microsecond)
+	if got := n.Due(turn, turn.Deadline-1); got != Waiting {
+		t.Fatalf("just before the deadline: %v", got)
+	}
+	if got := n.Due(turn, turn.Deadline); got != Deadline {
+		t.Fatalf("at the deadline: %v, want deadline", got)
+	}
+
+	// Learns applied within one delay before the arrival count (a burst
+	// that reached the peers a little earlier): b, ranked 1, waits for a.
+	n, now = newNode("b")
+	learn(n, "a", now-ms)
+	turn, _ = n.Turn(now)
+	if got := n.Due(turn, now); got != Learnt {
+		t.Fatalf("a's learn one delay before the arrival: %v, want learns", got)
+	}
+
+	// A replica ranked before that went silent for the TTL is not waited
+	// for (nor ranked before: c's rank falls to 1).
+	n, now = newNode("c")
+	later := now + 1500*time.Millisecond
+	n.Peers.Update("b", later, nil)
+	n.Peers.Update("d", later, nil)
+	turn, _ = n.Turn(later)
+	if turn.Deadline != later+1250*time.Microsecond {
+		t.Fatalf("a dead: deadline %v after arrival, want 1.25ms", turn.Deadline-later)
+	}
+	learn(n, "b", later+ms)
+	if got := n.Due(turn, later+ms); got != Learnt {
+		t.Fatalf("a dead, b's learn applied: %v, want learns", got)
+	}
+}
+
+func TestStaggerDueAllocs(t *testing.T) {
+	n := &Node{ID: "c", Peers: NewPeers(time.Second)}
+	now := bursts(n, []string{"a", "b", "d"}, 10, 3, time.Millisecond)
+	turn, _ := n.Turn(now)
+	if a := testing.AllocsPerRun(100, func() { _, _ = n.Turn(now); _ = n.Due(turn, now) }); a != 0 {
+		t.Errorf("Turn and Due allocate %v times", a)
+	}
+}
+
+// BenchmarkStaggerDue is a waiting decision's check at each learn the
+// reader applies: a replica ranked 2 of 4.
+func BenchmarkStaggerDue(b *testing.B) {
+	n := &Node{ID: "c", Peers: NewPeers(time.Second)}
+	now := bursts(n, []string{"a", "b", "d"}, 10, 3, time.Millisecond)
+	turn, _ := n.Turn(now)
+	b.ReportAllocs()
+	for b.Loop() {
+		if n.Due(turn, now) != Waiting {
+			b.Fatal("due")
+		}
+	}
+}
+
+// TestStaggerDeadlineTail: a turn's deadline is made of the 90th
+// percentile of the last 32 echoes (nearest rank), not their mean: 4 slow
+// echoes of 32 (12.5%) set it, 3 (9.4%) do not; the window forgets older
+// echoes; the since-window and the burst test keep the mean.
+func TestStaggerDeadlineTail(t *testing.T) {
+	const ms = time.Millisecond
+	deadline := func(slow int) (Turn, time.Duration) {
+		n := &Node{ID: "b", Peers: NewPeers(time.Hour)}
+		n.Peers.Update("a", 0, nil)
+		n.Peers.Update("c", 0, nil)
+		stamp := int64(0)
+		for i := range 64 { // bursts of 2, one echo each
+			at := time.Duration(i) * time.Second
+			d := ms
+			if i >= 32 && i%8 == 0 && (i-32)/8 < slow {
+				d = 20 * ms // slow echoes among the last 32
+			}
+			if i < 32 && i%4 == 0 {
+				d = 40 * ms // older ones, out of the window
+			}
+			stamp++
+			n.Unseen.Sent(stamp, at, 100, 100)
+			stamp++
+			n.Unseen.Sent(stamp, at, 100, 100)
+			n.Unseen.Echo(stamp, at+d)
+		}
+		now := 100 * time.Second
+		turn, ok := n.Turn(now)
+		if !ok {
+			t.Fatalf("%d slow echoes: not staggered", slow)
+		}
+		return turn, now
+	}
+	turn, now := deadline(4)
+	if got := turn.Deadline - now; got != 25*ms {
+		t.Errorf("4 echoes of 20 ms in the last 32: deadline %v after arrival, want 25ms (5/4 of the 90th percentile)", got)
+	}
+	if mean := now - turn.Since; mean >= 20*ms || mean <= ms {
+		t.Errorf("since-window %v: want the echoes' mean, between 1 and 20 ms", mean)
+	}
+	turn, now = deadline(3)
+	if got := turn.Deadline - now; got != 1250*time.Microsecond {
+		t.Errorf("3 echoes of 20 ms in the last 32: deadline %v after arrival, want 1.25ms", got)
+	}
+}

@@ -475,6 +475,10 @@ func (f *Fleet) Policy() sched.Policy { return f.policy }
 // ReplicaPolicy returns replica r's routing policy (r 0 is Policy's).
 func (f *Fleet) ReplicaPolicy(r int) sched.Policy { return f.reps[r].policy }
 
+// ReplicaStagger is replica r's staggered decisions so far (Config.Replicas,
+// ReplicaSync; zero otherwise).
+func (f *Fleet) ReplicaStagger(r int) StaggerStats { return f.reps[r].stagger }
+
 // Now is the simulated time of the last event processed: after Run, when the
 // last request finished (or the last arrival, if later).
 func (f *Fleet) Now() time.Duration { return f.now }
@@ -673,8 +677,8 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 		rp = f.reps[f.owner[k]] // chosen at its arrival, then held
 	} else {
 		rp = f.front(k)
-		if h := rp.stagger(t); h > 0 {
-			f.rx.hold(k, t+h)
+		if turn, ok := rp.wait(t); ok {
+			f.rx.hold(k, t, turn)
 			return
 		}
 	}

@@ -91,6 +91,10 @@ type ReplayResult struct {
 	Engine []int
 	// Replica is the gateway replica that routed each record.
 	Replica []int
+	// Stagger is each replica's staggered decisions (ReplicaSync; nil
+	// otherwise): released by the learns of the replicas ranked before it
+	// or by their deadline, and their wait.
+	Stagger []StaggerStats
 	// KilledAt is the arrival (ms) of the first record after a replica
 	// kill (ReplayOptions.KillAtRequest); 0 without one.
 	KilledAt float64
@@ -200,6 +204,11 @@ func Replay(ctx context.Context, opts ReplayOptions) (ReplayResult, error) {
 		Replica: make([]int, len(res)),
 		Stats:   fleet.Stats(),
 		Wall:    wall,
+	}
+	if opts.ReplicaSync && opts.Replicas > 1 {
+		for r := range opts.Replicas {
+			run.Stagger = append(run.Stagger, fleet.ReplicaStagger(r))
+		}
 	}
 	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 	if killAt > 0 {

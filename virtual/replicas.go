@@ -31,11 +31,13 @@ import (
 //     flight, in-flight tokens, prefill backlog), which every other
 //     replica adds to its snapshot for LoadTTL.
 //
-// A replica whose decisions come in bursts holds each new arrival for
-// replica.Node.Stagger before deciding it (unless ReplicaNoStagger), as
-// the live gateway waits before its pick; a held request counts its wait
-// in its TTFT (its Arrival is unchanged) and fails with ErrReplicaKilled
-// if its replica is killed meanwhile.
+// A replica whose decisions come in bursts holds each new arrival for its
+// turn (replica.Node.Turn; unless ReplicaNoStagger), as the live gateway
+// waits before its pick: until the delivery that brings it the learns of
+// the replicas ranked before it (replica.Node.Due), at most until the
+// turn's deadline. A held request counts its wait in its TTFT (its
+// Arrival is unchanged) and fails with ErrReplicaKilled if its replica is
+// killed meanwhile.
 //
 // The engines' precise index, where a policy uses one, is shared: every
 // live replica subscribes to every engine's KV events and so holds the
@@ -59,6 +61,15 @@ type rep struct {
 	snap    []sched.Endpoint
 	node    *replica.Node // nil without ReplicaSync
 	alive   bool
+	stagger StaggerStats // its decisions' turns (ReplayResult.Stagger)
+}
+
+// StaggerStats counts a replica's staggered decisions (replica.Node.Turn):
+// those released by the learns of the replicas ranked before it and by
+// their deadline, and their total wait (virtual time).
+type StaggerStats struct {
+	Learns, Deadline int
+	Wait             time.Duration
 }
 
 // exchange is the replicas' messages in transit and the exchange's
@@ -70,8 +81,8 @@ type exchange struct {
 	killAt   time.Duration // never when none or done
 	rr       int           // the front's round-robin counter
 	// held are the requests their replica holds before deciding
-	// (replica.Node.Stagger), by release time then arrival; releasing is
-	// set while they are decided (arrive takes the replica chosen).
+	// (replica.Node.Turn), by deadline then arrival; releasing is set
+	// while they are decided (arrive takes the replica chosen).
 	held      []heldReq
 	releasing bool
 	buf       []byte
@@ -101,47 +112,78 @@ func (x *exchange) next() time.Duration {
 	return t
 }
 
-// heldReq is request k held by its replica until at.
+// heldReq is request k, arrived at from, held by its replica for turn
+// (at most until at, the turn's deadline).
 type heldReq struct {
-	at time.Duration
-	k  int
+	at, from time.Duration
+	k        int
+	turn     replica.Turn
 }
 
-// hold queues request k until at, after the requests held until then.
-func (x *exchange) hold(k int, at time.Duration) {
+// hold queues request k, arrived at from, for turn, after the requests
+// whose deadline is no later.
+func (x *exchange) hold(k int, from time.Duration, turn replica.Turn) {
 	i := len(x.held)
-	for i > 0 && x.held[i-1].at > at {
+	for i > 0 && x.held[i-1].at > turn.Deadline {
 		i--
 	}
-	x.held = slices.Insert(x.held, i, heldReq{at: at, k: k})
+	x.held = slices.Insert(x.held, i, heldReq{at: turn.Deadline, from: from, k: k, turn: turn})
 }
 
-// stagger is how long rp holds a request arriving at t before deciding
-// it (replica.Node.Stagger; 0 without the exchange).
-func (rp *rep) stagger(t time.Duration) time.Duration {
+// wait reports whether rp holds a request arriving at t for its turn
+// (replica.Node.Turn, not yet Due: the learns of the replicas ranked
+// before it not delivered yet), and the turn; false without the exchange.
+func (rp *rep) wait(t time.Duration) (replica.Turn, bool) {
 	if rp.node == nil {
-		return 0
+		return replica.Turn{}, false
 	}
-	return rp.node.Stagger(t)
+	turn, ok := rp.node.Turn(t)
+	if !ok {
+		return turn, false
+	}
+	if rp.node.Due(turn, t) == replica.Learnt {
+		rp.stagger.Learns++
+		return turn, false
+	}
+	return turn, true
 }
 
-// release decides the held requests due at t, in order; those of a
-// replica killed meanwhile fail with ErrReplicaKilled. It runs after the
-// exchange's messages due at t, so a decision released at t sees them.
+// release decides the held requests whose turn has come at t
+// (replica.Node.Due: the learns of the replicas ranked before them
+// delivered, or their deadline), in order of deadline then arrival; those
+// of a replica killed meanwhile fail with ErrReplicaKilled. It runs after
+// the exchange's messages due at t, so a decision released at t sees
+// them.
 func (f *Fleet) release(t time.Duration) {
 	x := &f.rx
-	n := 0
-	for ; n < len(x.held) && x.held[n].at <= t; n++ {
-		k := x.held[n].k
-		if !f.reps[f.owner[k]].alive {
-			f.res[k].Err = ErrReplicaKilled
+	if len(x.held) == 0 {
+		return
+	}
+	kept := 0
+	for n := 0; n < len(x.held); n++ {
+		h := x.held[n]
+		rp := f.reps[f.owner[h.k]]
+		if !rp.alive {
+			f.res[h.k].Err = ErrReplicaKilled
 			continue
 		}
+		why := rp.node.Due(h.turn, t)
+		if why == replica.Waiting {
+			x.held[kept] = h
+			kept++
+			continue
+		}
+		if why == replica.Learnt {
+			rp.stagger.Learns++
+		} else {
+			rp.stagger.Deadline++
+		}
+		rp.stagger.Wait += t - h.from
 		x.releasing = true
-		f.arrive(k, &f.reqs[k], t)
+		f.arrive(h.k, &f.reqs[h.k], t)
 		x.releasing = false
 	}
-	x.held = x.held[:copy(x.held, x.held[n:])]
+	x.held = x.held[:kept]
 }
 
 // target resolves learns for a virtual replica: one model, endpoints by

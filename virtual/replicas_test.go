@@ -2,6 +2,7 @@ package virtual
 
 import (
 	"context"
+	"math"
 	"testing"
 	"time"
 
@@ -217,9 +218,11 @@ func TestReplicasBurst(t *testing.T) {
 // (replica.Node.Stagger). In bursts of 6 cold requests on 6 idle-again
 // engines, three staggered replicas, once they have measured the exchange
 // and seen their bursts, send each burst where one gateway does: one per
-// engine; each decision of the replica ranked r waits r × 5/4 ms; one
-// replica and arrivals spread in time are unchanged (but for the first
-// decisions of each replica, which start as if bursty).
+// engine; each decision of the replica ranked r waits for the learns of
+// the replica ranked r−1, r deliveries of 1 ms (replica.Node.Due), never
+// its deadline; one replica and arrivals spread in time are unchanged
+// (but for the first decisions of each replica, which start as if
+// bursty).
 func TestReplicasStagger(t *testing.T) {
 	const nb, per = 30, 6
 	var recs []trace.Record
@@ -265,16 +268,20 @@ func TestReplicasStagger(t *testing.T) {
 	if o != 0 || s != 0 {
 		t.Errorf("doubled up: one gateway %d, three staggered replicas %d; want 0 and 0", o, s)
 	}
-	// The waits: TTFT over one gateway's by the replica's rank × 1.25 ms
-	// (replica-0 < replica-1 < replica-2 by id).
+	// The waits: TTFT over one gateway's by the replica's rank × 1 ms
+	// (replica-0 < replica-1 < replica-2 by id), the deliveries.
 	for k := 10 * per; k < nb*per; k++ {
-		want := time.Duration(staggered.Replica[k]) * 1250 * time.Microsecond
+		want := time.Duration(staggered.Replica[k]) * time.Millisecond
 		got := time.Duration((staggered.Records[k].TTFTMs - one.Records[k].TTFTMs) * float64(time.Millisecond))
 		if d := got - want; d < -time.Microsecond || d > time.Microsecond {
 			t.Errorf("request %d (replica %d): TTFT %.4f ms, one gateway's %.4f ms: waited %v, want %v",
 				k, staggered.Replica[k], staggered.Records[k].TTFTMs, one.Records[k].TTFTMs, got, want)
 			break
 		}
+	}
+	if st := staggered.Stagger; len(st) != 3 || st[0] != (StaggerStats{}) || st[1].Deadline != 0 || st[2].Deadline != 0 ||
+		st[1].Learns != nb*2 || st[2].Learns != nb*2 || st[1].Wait != nb*2*time.Millisecond || st[2].Wait != nb*2*2*time.Millisecond {
+		t.Errorf("turns per replica %+v: want replica 1's and 2's %d decisions released by learns after 1 and 2 ms each", st, nb*2)
 	}
 	// Arrivals spread 1 s apart stop waiting within each replica's first
 	// 30 decisions (a replica starts as if bursty: replica.Unseen.Seed),
@@ -286,7 +293,7 @@ func TestReplicasStagger(t *testing.T) {
 	spread, unst := run(sync), func() ReplayResult { o := sync; o.ReplicaNoStagger = true; return run(o) }()
 	for k := range spread.Records {
 		waited := spread.Records[k].TTFTMs - unst.Records[k].TTFTMs
-		if k < 90 && spread.Engine[k] == unst.Engine[k] && waited >= 0 && waited <= float64(spread.Replica[k])*1.25+1e-6 {
+		if k < 90 && spread.Engine[k] == unst.Engine[k] && waited >= 0 && waited <= float64(spread.Replica[k])*1.25+1e-6 { // at most the deadline
 			continue
 		}
 		if spread.Records[k].TTFTMs != unst.Records[k].TTFTMs || spread.Engine[k] != unst.Engine[k] {
@@ -339,7 +346,7 @@ func TestReplicasStaggerLoaded(t *testing.T) {
 // twelve cold prompts for six engines at once — and three staggered
 // replicas take turns in it from their first decision (the exchange's
 // delay seeded, peers known before traffic: replica.Unseen.Seed): the
-// replica ranked r waits r × 5/4 of the delay, and no engine gets a third
+// replica ranked r waits r deliveries of the learns, and no engine gets a third
 // request while another has fewer than two, as with one gateway.
 func TestReplicasFirstBurst(t *testing.T) {
 	var recs []trace.Record
@@ -376,7 +383,7 @@ func TestReplicasFirstBurst(t *testing.T) {
 	// Requests 1 and 2 are replicas 1's and 2's first decisions: each
 	// waited its rank's turn before it was decided.
 	for k := 1; k <= 2; k++ {
-		want := float64(staggered.Replica[k]) * 1.25
+		want := float64(staggered.Replica[k]) * 1.0
 		if got := staggered.Records[k].TTFTMs - one.Records[k].TTFTMs; staggered.Replica[k] != k || got < want-1e-6 {
 			t.Errorf("request %d (replica %d): TTFT %.4f ms over one gateway's, want at least %.2f ms (its turn)", k, staggered.Replica[k], got, want)
 		}
@@ -446,5 +453,69 @@ func TestReplicasShareFinish(t *testing.T) {
 				t.Errorf("replica %d: %d pins released without their finish", i, c.PinsExpired.Load())
 			}
 		}
+	}
+}
+
+// TestReplicasStaggerDeadline: a replica ranked before this one that has
+// nothing in a burst costs the turn's deadline (rank × 5/4 of the delay),
+// as before turns ended at learns. Bursts of 6 and 2 cold requests
+// alternate, dealt round robin: each 2-burst leaves one replica out, and
+// the decisions that wait for it are released by the deadline; the
+// others by the learns. Each burst is still sent where one gateway sends
+// it.
+func TestReplicasStaggerDeadline(t *testing.T) {
+	var recs []trace.Record
+	for burst := range 40 {
+		n := 6
+		if burst%2 == 1 {
+			n = 2
+		}
+		for k := range n {
+			var ids []int64
+			for b := range 8 {
+				ids = append(ids, int64(burst*10_000+k*100+b))
+			}
+			recs = append(recs, trace.Record{Timestamp: time.Duration(burst) * 3 * time.Second,
+				InputLength: len(ids) * 512, OutputLength: 4, HashIDs: ids})
+		}
+	}
+	r, err := Replay(context.Background(), ReplayOptions{Records: recs, Engines: 6, Replicas: 3, ReplicaSync: true, ReplicaDelay: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := r.Stagger
+	t.Logf("turns per replica: %+v", st)
+	if len(st) != 3 || st[0] != (StaggerStats{}) {
+		t.Fatalf("turns %+v: replica 0 waits", st)
+	}
+	if st[1].Deadline == 0 || st[2].Deadline == 0 || st[1].Learns <= st[1].Deadline || st[2].Learns <= st[2].Deadline {
+		t.Errorf("turns %+v: want some decisions of replicas 1 and 2 released by the deadline, most by learns", st)
+	}
+	// In a 2-burst without replica 0 (dealt to 1 and 2) both decisions
+	// wait for replica 0 until their deadlines, 1.25 and 2.5 ms (replica
+	// 1's learn reaches replica 2 at 2.25 ms, but replica 0's never
+	// comes): TTFTs over one gateway's, which sends each request of a
+	// burst to an idle engine as they do.
+	one, err := Replay(context.Background(), ReplayOptions{Records: recs, Engines: 6})
+	if err != nil {
+		t.Fatal(err)
+	}
+	start, seen := 0, 0
+	for burst := range 40 {
+		n := 6 - 4*(burst%2)
+		k := start
+		start += n
+		if n != 2 || burst < 10 || r.Replica[k] != 1 {
+			continue
+		}
+		seen++
+		for i, want := range []float64{1.25, 2.5} {
+			if got := r.Records[k+i].TTFTMs - one.Records[k+i].TTFTMs; math.Abs(got-want) > 1e-6 {
+				t.Errorf("burst %d, request %d (replica %d): waited %.4f ms, want %.2f", burst, k+i, r.Replica[k+i], got, want)
+			}
+		}
+	}
+	if seen == 0 {
+		t.Fatal("no 2-burst left replica 0 out: the test no longer shows the deadline")
 	}
 }

@@ -660,6 +660,7 @@ func (r *benchRun) runVirtual(recs []trace.Record, rate float64, p string, pd in
 			}
 		}
 		fmt.Fprintf(os.Stderr, "%s: %d requests in virtual time, %s wall\n", run.Summary.Policy, len(run.Records), run.Wall.Round(time.Millisecond))
+		printStagger(os.Stderr, name, run.Stagger)
 		r.refs.Apply(&run.Summary, run.Records)
 		r.report.Runs = append(r.report.Runs, run.Summary)
 		r.addHTML(report.HTMLRun{Summary: run.Summary, Records: run.Records, Engine: run.Engine})
@@ -836,6 +837,26 @@ func describeBench(prov *measure.Provenance, wl *workloadFlags, recs []trace.Rec
 	var err error
 	prov.Workload, err = wl.describe(replayed, total)
 	return err
+}
+
+// printStagger reports, for synced replicas, each replica's staggered
+// decisions (virtual.StaggerStats): how many the learns of the replicas
+// ranked before it released and how many their deadline did, and the mean
+// wait, as the live gateway's infergate_replica_stagger_seconds counts
+// them.
+func printStagger(w io.Writer, name string, st []virtual.StaggerStats) {
+	if len(st) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "%s: staggered decisions per replica (released by learns / by deadline, mean wait ms):", name)
+	for r, s := range st {
+		mean := 0.0
+		if n := s.Learns + s.Deadline; n > 0 {
+			mean = float64(s.Wait) / float64(n) / float64(time.Millisecond)
+		}
+		fmt.Fprintf(w, " r%d %d/%d %.3f", r, s.Learns, s.Deadline, mean)
+	}
+	fmt.Fprintln(w)
 }
 
 // printAfterMidpoint reports, for --replica-kill, the requests that failed
