@@ -159,7 +159,14 @@ type preciseGroup struct {
 	// medium m, or whose kids counts saturated there (Match scans them
 	// linearly): one load per group for Match instead of two per
 	// endpoint. Kept by syncHoley before every writer returns.
-	holey  [NumMedia]atomic.Uint64
+	holey [NumMedia]atomic.Uint64
+	_     [64 - 8*NumMedia%64]byte
+	// bits[m] counts the (endpoint, request key) bits set in the group's
+	// owner tables of medium m, kept exact by setBit, clearBit and
+	// moveBits under the shard's lock (raised before a bit is set, lowered
+	// after it is cleared), so that a Match or Owners of a medium the group
+	// holds nothing in costs one atomic load instead of a shard lookup.
+	bits   [NumMedia]atomic.Int64
 	_      [64 - 8*NumMedia%64]byte
 	shards [preciseShards]preciseShard
 	// eps are the group's endpoints; those at or past the index's
@@ -842,7 +849,10 @@ func (ix *PreciseIndex) Forget(e int) {
 func setBit(m Medium, req uint64, o owner) {
 	s := o.g.shard(req)
 	s.mu.Lock()
-	s.owners[m][req] |= o.bit
+	if v := s.owners[m][req]; v&o.bit == 0 {
+		o.g.bits[m].Add(1)
+		s.owners[m][req] = v | o.bit
+	}
 	s.mu.Unlock()
 }
 
@@ -850,10 +860,13 @@ func setBit(m Medium, req uint64, o owner) {
 func clearBit(m Medium, req uint64, o owner) {
 	s := o.g.shard(req)
 	s.mu.Lock()
-	if v := s.owners[m][req] &^ o.bit; v == 0 {
-		delete(s.owners[m], req)
-	} else {
-		s.owners[m][req] = v
+	if v, ok := s.owners[m][req]; ok && v&o.bit != 0 {
+		if v &^= o.bit; v == 0 {
+			delete(s.owners[m], req)
+		} else {
+			s.owners[m][req] = v
+		}
+		o.g.bits[m].Add(-1)
 	}
 	s.mu.Unlock()
 }
@@ -927,6 +940,9 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 // for matched[e]). The bisection cuts first at hints (lengths). It reports
 // whether an endpoint bisected holds the prompt's first block.
 func (g *preciseGroup) match(hashes []uint64, m Medium, matched []int, hints []int) (found bool) {
+	if g.bits[m].Load() == 0 {
+		return false // the group holds nothing in m
+	}
 	alive := ^uint64(0) >> (64 - len(matched))
 	holey := g.holey[m].Load() & alive
 	if closed := alive &^ holey; closed != 0 {
@@ -994,7 +1010,24 @@ func (ix *PreciseIndex) Owners(h uint64, m Medium, g int) uint64 {
 	if m >= NumMedia || g < 0 || g >= len(s.groups) {
 		return 0
 	}
+	if s.groups[g].bits[m].Load() == 0 {
+		return 0
+	}
 	return s.groups[g].lookup(m, h)
+}
+
+// Holey returns the endpoints of group g (bit i for endpoint 64g+i) whose
+// blocks in medium m are not known to be prefix-closed: they hold a block
+// whose parent they do not hold there, a kids count saturated, or a Move
+// is under way. The others hold, for any prompt, exactly its first Match
+// blocks in m and none after: a block past them is held only by an
+// endpoint of Holey. One atomic load; 0 for an out-of-range g or m.
+func (ix *PreciseIndex) Holey(m Medium, g int) uint64 {
+	s := ix.shape.Load()
+	if m >= NumMedia || g < 0 || g >= len(s.groups) {
+		return 0
+	}
+	return s.groups[g].holey[m].Load()
 }
 
 // lookup returns the owners of request key h in medium m.

@@ -40,8 +40,9 @@ func checkPreciseOf(t testing.TB, ix *PreciseIndex, eps []int) {
 // ownersConsistent checks the block tables the other way round: every bit
 // set in group g's masks is an endpoint of g that holds the request key in
 // that medium (no bit past the last endpoint, none left behind by a
-// clear), and no entry has an empty mask; and every group's holey masks
-// are its endpoints' hole counts. No writer may run.
+// clear), and no entry has an empty mask; every group's bit counts are
+// the bits its masks have set; and every group's holey masks are its
+// endpoints' hole counts. No writer may run.
 func (ix *PreciseIndex) ownersConsistent() error {
 	for e := range ix.Endpoints() {
 		o := ix.owner(e)
@@ -54,9 +55,11 @@ func (ix *PreciseIndex) ownersConsistent() error {
 		}
 	}
 	for g := range ix.Groups() {
+		var set [NumMedia]int64
 		for s := range ix.group(g).shards {
 			for m, owners := range ix.group(g).shards[s].owners {
 				for req, mask := range owners {
+					set[m] += int64(bits.OnesCount64(mask))
 					if mask == 0 {
 						return fmt.Errorf("group %d medium %v: request key %x with no owner", g, Medium(m), req)
 					}
@@ -70,6 +73,11 @@ func (ix *PreciseIndex) ownersConsistent() error {
 						}
 					}
 				}
+			}
+		}
+		for m := range set {
+			if have := ix.group(g).bits[m].Load(); have != set[m] {
+				return fmt.Errorf("group %d medium %v: bit count %d, %d bits set", g, Medium(m), have, set[m])
 			}
 		}
 	}
