@@ -174,22 +174,23 @@ func (c *Cycle) TierBlocks() [][NumTiers]int {
 // is reused and returned. No allocation once scratch is large enough.
 func (t *Tiers) Split(hashes []uint64, maxBlocks int, gpu []int, out [][NumTiers]int, scratch []int) []int {
 	n := len(out)
-	if cap(scratch) < n {
-		scratch = make([]int, n)
+	if cap(scratch) < 2*n {
+		scratch = make([]int, 2*n)
 	}
-	m := scratch[:n]
+	cpu, disk := scratch[:n], scratch[n:2*n]
+	clear(scratch[:2*n]) // Match leaves entries past the index's endpoints alone
 	remote := 0
 	if t.Remote >= 0 {
 		remote = t.Source.MatchEndpoint(hashes, prefix.MediumRemote, t.Remote)
 	}
-	t.Source.Match(hashes, prefix.MediumCPU, m)
+	t.Source.Match(hashes, prefix.MediumCPU, cpu)
+	t.Source.Match(hashes, prefix.MediumDisk, disk)
 	for e := range n {
-		out[e] = [NumTiers]int{gpu[e], m[e], 0, remote}
-	}
-	t.Source.Match(hashes, prefix.MediumDisk, m)
-	for e := range n {
-		out[e][prefix.MediumDisk] = m[e]
-		out[e] = SplitTiers(out[e], maxBlocks)
+		if cpu[e]|disk[e]|remote == 0 { // the GPU's part only: SplitTiers' answer
+			out[e] = [NumTiers]int{max(0, min(gpu[e], maxBlocks))}
+			continue
+		}
+		out[e] = SplitTiers([NumTiers]int{gpu[e], cpu[e], disk[e], remote}, maxBlocks)
 	}
 	t.extend(hashes, out, maxBlocks)
 	return scratch
