@@ -971,6 +971,91 @@ func (ix *PreciseIndex) MatchEndpoint(hashes []uint64, m Medium, e int) int {
 	return one[e-lo]
 }
 
+// MatchPast is Match for a caller that needs only the blocks past a floor
+// per endpoint (sched.Tiers.Split: a lower tier's blocks past the GPU's):
+// for every e < len(matched) (len(from) >= len(matched)), matched[e] is
+// the number of leading blocks of hashes endpoint e holds in medium m when
+// that number exceeds from[e], and some number at most from[e] otherwise.
+// An endpoint whose blocks are prefix-closed holds more than from[e]
+// leading blocks exactly when it holds block from[e], so per group the
+// endpoints of each distinct floor cost one lookup there, and those that
+// hold it a bisection of the rest of the prompt; Match's bisection from
+// the first block re-proves the prefix the floor already stands for. A
+// group with more than maxHints distinct floors among its prefix-closed
+// endpoints, and its holey endpoints, are matched as Match does. It
+// allocates nothing.
+func (ix *PreciseIndex) MatchPast(hashes []uint64, m Medium, from, matched []int) {
+	s := ix.shape.Load()
+	n := min(len(matched), s.n)
+	matched = matched[:n]
+	clear(matched)
+	if n == 0 || len(hashes) == 0 || m >= NumMedia {
+		return
+	}
+	for g := range s.groups {
+		lo := g * MaxEndpoints
+		if lo >= n {
+			break
+		}
+		hi := min(n, lo+MaxEndpoints)
+		s.groups[g].matchPast(hashes, m, from[lo:hi], matched[lo:hi])
+	}
+}
+
+// matchPast is MatchPast of one group: matched has an entry, zeroed, for
+// each of the group's first len(matched) endpoints, from their floors.
+func (g *preciseGroup) matchPast(hashes []uint64, m Medium, from, matched []int) {
+	if g.bits[m].Load() == 0 {
+		return
+	}
+	alive := ^uint64(0) >> (64 - len(matched))
+	holey := g.holey[m].Load() & alive
+	closed := alive &^ holey
+	var floors [maxHints]int
+	var sets [maxHints]uint64
+	nf := 0
+	for s := closed; s != 0; s &= s - 1 {
+		e := bits.TrailingZeros64(s)
+		f := min(max(from[e], 0), len(hashes))
+		i := slices.Index(floors[:nf], f)
+		if i < 0 {
+			if nf == maxHints { // no pattern: bisect from the first block
+				nf = -1
+				break
+			}
+			i = nf
+			floors[i] = f
+			nf++
+		}
+		sets[i] |= 1 << e
+	}
+	if nf < 0 {
+		if closed != 0 {
+			g.matchBisect(hashes, m, matched, closed, nil)
+		}
+	} else {
+		for i, f := range floors[:nf] {
+			switch {
+			case f >= len(hashes): // nothing past the prompt: 0 stands
+			case f == 0:
+				g.matchBisect(hashes, m, matched, sets[i], nil)
+			default:
+				past := g.lookup(m, hashes[f]) & sets[i]
+				if past == 0 {
+					continue
+				}
+				g.matchBisect(hashes[f:], m, matched, past, nil)
+				for s := past; s != 0; s &= s - 1 {
+					matched[bits.TrailingZeros64(s)] += f
+				}
+			}
+		}
+	}
+	if holey != 0 {
+		matchLinear(hashes, matched, holey, func(h uint64) uint64 { return g.lookup(m, h) })
+	}
+}
+
 // MatchTiers sets matched[e][m] to the number of leading blocks of hashes
 // endpoint e holds in medium m, for every medium and every e <
 // len(matched) (extra entries are left alone): Match once per medium, for

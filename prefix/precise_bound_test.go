@@ -596,7 +596,7 @@ func FuzzPreciseIndex(f *testing.F) {
 		ix.SetCapacity(63, 7)
 		ix.SetCapacity(129, 12)
 		ix.SetMediumCapacity(129, MediumGPU, 6)
-		m := make([]int, 130)
+		m, floor, past := make([]int, 130), make([]int, 130), make([]int, 130)
 		for i, op := range ops {
 			e, d, from := fuzzEps[int(op>>7)+2*(i>>2&1)], int(op>>3)&7, int(op&7)
 			md := Medium(i / 2 % 3) // GPU, GPU, CPU, CPU, DISK, DISK, ...
@@ -643,6 +643,17 @@ func FuzzPreciseIndex(f *testing.F) {
 					}
 					if m[e] != want || ix.MatchEndpoint(reqs[d], md, e) != want {
 						t.Fatalf("op %d: endpoint %d medium %v: match %d (alone %d), linear %d", i, e, md, m[e], ix.MatchEndpoint(reqs[d], md, e), want)
+					}
+				}
+				// MatchPast: exact past each endpoint's floor, at most the
+				// floor below it (floors from the op, up to the whole prompt).
+				for k, e := range fuzzEps {
+					floor[e] = (int(op) + 3*k + i) % (len(reqs[d]) + 2)
+				}
+				ix.MatchPast(reqs[d], md, floor, past)
+				for _, e := range fuzzEps {
+					if (m[e] > floor[e] && past[e] != m[e]) || (m[e] <= floor[e] && past[e] > floor[e]) {
+						t.Fatalf("op %d: endpoint %d medium %v: match %d, past floor %d %d", i, e, md, m[e], floor[e], past[e])
 					}
 				}
 			}

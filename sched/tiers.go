@@ -43,7 +43,8 @@ const NumTiers = int(prefix.MediumRemote) + 1
 // TierSource answers per-medium prefix matches: matched[e] is the number of
 // leading blocks of hashes endpoint e holds in medium m, for every
 // e < len(matched); MatchEndpoint is that number for endpoint e alone
-// (matching e's group only); Owners is the endpoints of group g (endpoints
+// (matching e's group only); MatchPast is Match exact only past a floor
+// per endpoint (at most the floor below it); Owners is the endpoints of group g (endpoints
 // 64g … 64g+63) holding one block in medium m (bit i for endpoint 64g+i);
 // Holey is the endpoints of group g whose blocks in m may not be
 // prefix-closed (the others hold no block of a prompt past their Match).
@@ -51,6 +52,7 @@ const NumTiers = int(prefix.MediumRemote) + 1
 type TierSource interface {
 	Match(hashes []uint64, m prefix.Medium, matched []int)
 	MatchEndpoint(hashes []uint64, m prefix.Medium, e int) int
+	MatchPast(hashes []uint64, m prefix.Medium, from, matched []int)
 	Owners(h uint64, m prefix.Medium, g int) uint64
 	Holey(m prefix.Medium, g int) uint64
 }
@@ -165,9 +167,10 @@ func (c *Cycle) TierBlocks() [][NumTiers]int {
 // tier holding the next one (its host memory, its disk, the remote store),
 // up to the first block none holds and at most maxBlocks in all — the
 // engine's own lookup (sim/tiers.go). It starts from SplitTiers of the
-// per-medium leading matches (a bisecting Match of the pool per lower
-// medium, the remote store's alone: a group that holds nothing in a medium
-// costs one atomic load, a pool without a remote tier no remote match) and
+// per-medium leading matches (host memory's past the GPU's: MatchPast; a
+// bisecting Match of the pool for disk; the remote store's alone; a group
+// that holds nothing in a medium costs one atomic load, a pool without a
+// remote tier no remote match) and
 // walks on from there (extend), so the total is the engine's; within the
 // leading prefixes a slower tier may be credited with blocks a faster one
 // also holds past a hole (the load time is then an upper bound). scratch
@@ -183,7 +186,9 @@ func (t *Tiers) Split(hashes []uint64, maxBlocks int, gpu []int, out [][NumTiers
 	if t.Remote >= 0 {
 		remote = t.Source.MatchEndpoint(hashes, prefix.MediumRemote, t.Remote)
 	}
-	t.Source.Match(hashes, prefix.MediumCPU, cpu)
+	// Host memory's blocks count past the GPU's only (SplitTiers): an
+	// endpoint's host match is needed where it exceeds its GPU match.
+	t.Source.MatchPast(hashes, prefix.MediumCPU, gpu, cpu)
 	t.Source.Match(hashes, prefix.MediumDisk, disk)
 	for e := range n {
 		if cpu[e]|disk[e]|remote == 0 { // the GPU's part only: SplitTiers' answer
