@@ -12,13 +12,17 @@ import (
 // endpoints (commit 973bfe9): a full Match of the pool per lower medium,
 // the remote store's included, and extend's walk for every endpoint below
 // its cap. The equivalence tests hold the fast Split to it.
-func splitReference(t *Tiers, hashes []uint64, maxBlocks int, gpu []int, out [][NumTiers]int) {
+// scratch is reused and returned.
+func splitReference(t *Tiers, hashes []uint64, maxBlocks int, gpu []int, out [][NumTiers]int, scratch []int) []int {
 	n := len(out)
 	width := n
 	if t.Remote >= n {
 		width = t.Remote + 1
 	}
-	m := make([]int, width)
+	if cap(scratch) < width {
+		scratch = make([]int, width)
+	}
+	m := scratch[:width]
 	for md := prefix.MediumCPU; int(md) < NumTiers; md++ {
 		t.Source.Match(hashes, md, m)
 		remote := 0
@@ -87,6 +91,7 @@ func splitReference(t *Tiers, hashes []uint64, maxBlocks int, gpu []int, out [][
 			}
 		}
 	}
+	return scratch
 }
 
 // tierOpsPool is the pool of the Split equivalence tests: 130 endpoints
@@ -186,7 +191,7 @@ func checkSplitEquivalent(t testing.TB, ops []byte) {
 			ix.Match(h, prefix.MediumGPU, gpu)
 			for _, maxBlocks := range []int{0, 1, 9, tierOpsBlocks - 1, tierOpsBlocks} {
 				scratch = tr.Split(h, maxBlocks, gpu, got, scratch)
-				splitReference(tr, h, maxBlocks, gpu, want)
+				splitReference(tr, h, maxBlocks, gpu, want, nil)
 				for e := range got {
 					if got[e] != want[e] {
 						t.Fatalf("remote %d prompt %d cap %d endpoint %d: split %v, reference %v", remote, p, maxBlocks, e, got[e], want[e])
