@@ -300,6 +300,9 @@ func (c *Cycle) tierCredit(e int, n [NumTiers]int, rate float64) float64 {
 		return s
 	}
 	s := float64(n[prefix.MediumGPU])
+	if n[prefix.MediumCPU]|n[prefix.MediumDisk]|n[prefix.MediumRemote] == 0 {
+		return s // the GPU's blocks only: no price to work out
+	}
 	perBlock := float64(c.p.blockSize) / rate // prefill seconds a block costs
 	for t := 1; t < NumTiers; t++ {
 		if n[t] == 0 {
