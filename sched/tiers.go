@@ -330,6 +330,9 @@ func (c *Cycle) rate(i int) float64 {
 // loadSeconds is the estimated time endpoint e spends loading its
 // lower-tier blocks n (0 with fixed tier weights, which price no loads).
 func (c *Cycle) loadSeconds(e int, n [NumTiers]int) float64 {
+	if n[prefix.MediumCPU]|n[prefix.MediumDisk]|n[prefix.MediumRemote] == 0 {
+		return 0 // nothing to load
+	}
 	t := c.poolTiers()
 	if c.p.tierWeights != nil || t == nil || e >= len(t.LoadSeconds) {
 		return 0
