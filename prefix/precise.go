@@ -159,7 +159,14 @@ type preciseGroup struct {
 	// medium m, or whose kids counts saturated there (Match scans them
 	// linearly): one load per group for Match instead of two per
 	// endpoint. Kept by syncHoley before every writer returns.
-	holey  [NumMedia]atomic.Uint64
+	holey [NumMedia]atomic.Uint64
+	_     [64 - 8*NumMedia%64]byte
+	// bits[m] counts the (endpoint, request key) bits set in the group's
+	// owner tables of medium m, kept exact by setBit, clearBit and
+	// moveBits under the shard's lock (raised before a bit is set, lowered
+	// after it is cleared), so that a Match or Owners of a medium the group
+	// holds nothing in costs one atomic load instead of a shard lookup.
+	bits   [NumMedia]atomic.Int64
 	_      [64 - 8*NumMedia%64]byte
 	shards [preciseShards]preciseShard
 	// eps are the group's endpoints; those at or past the index's
@@ -842,7 +849,10 @@ func (ix *PreciseIndex) Forget(e int) {
 func setBit(m Medium, req uint64, o owner) {
 	s := o.g.shard(req)
 	s.mu.Lock()
-	s.owners[m][req] |= o.bit
+	if v := s.owners[m][req]; v&o.bit == 0 {
+		o.g.bits[m].Add(1)
+		s.owners[m][req] = v | o.bit
+	}
 	s.mu.Unlock()
 }
 
@@ -850,10 +860,13 @@ func setBit(m Medium, req uint64, o owner) {
 func clearBit(m Medium, req uint64, o owner) {
 	s := o.g.shard(req)
 	s.mu.Lock()
-	if v := s.owners[m][req] &^ o.bit; v == 0 {
-		delete(s.owners[m], req)
-	} else {
-		s.owners[m][req] = v
+	if v, ok := s.owners[m][req]; ok && v&o.bit != 0 {
+		if v &^= o.bit; v == 0 {
+			delete(s.owners[m], req)
+		} else {
+			s.owners[m][req] = v
+		}
+		o.g.bits[m].Add(-1)
 	}
 	s.mu.Unlock()
 }
@@ -927,6 +940,9 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 // for matched[e]). The bisection cuts first at hints (lengths). It reports
 // whether an endpoint bisected holds the prompt's first block.
 func (g *preciseGroup) match(hashes []uint64, m Medium, matched []int, hints []int) (found bool) {
+	if g.bits[m].Load() == 0 {
+		return false // the group holds nothing in m
+	}
 	alive := ^uint64(0) >> (64 - len(matched))
 	holey := g.holey[m].Load() & alive
 	if closed := alive &^ holey; closed != 0 {
@@ -953,6 +969,91 @@ func (ix *PreciseIndex) MatchEndpoint(hashes []uint64, m Medium, e int) int {
 	one := buf[:hi-lo]
 	s.groups[g].match(hashes, m, one, nil)
 	return one[e-lo]
+}
+
+// MatchPast is Match for a caller that needs only the blocks past a floor
+// per endpoint (sched.Tiers.Split: a lower tier's blocks past the GPU's):
+// for every e < len(matched) (len(from) >= len(matched)), matched[e] is
+// the number of leading blocks of hashes endpoint e holds in medium m when
+// that number exceeds from[e], and some number at most from[e] otherwise.
+// An endpoint whose blocks are prefix-closed holds more than from[e]
+// leading blocks exactly when it holds block from[e], so per group the
+// endpoints of each distinct floor cost one lookup there, and those that
+// hold it a bisection of the rest of the prompt; Match's bisection from
+// the first block re-proves the prefix the floor already stands for. A
+// group with more than maxHints distinct floors among its prefix-closed
+// endpoints, and its holey endpoints, are matched as Match does. It
+// allocates nothing.
+func (ix *PreciseIndex) MatchPast(hashes []uint64, m Medium, from, matched []int) {
+	s := ix.shape.Load()
+	n := min(len(matched), s.n)
+	matched = matched[:n]
+	clear(matched)
+	if n == 0 || len(hashes) == 0 || m >= NumMedia {
+		return
+	}
+	for g := range s.groups {
+		lo := g * MaxEndpoints
+		if lo >= n {
+			break
+		}
+		hi := min(n, lo+MaxEndpoints)
+		s.groups[g].matchPast(hashes, m, from[lo:hi], matched[lo:hi])
+	}
+}
+
+// matchPast is MatchPast of one group: matched has an entry, zeroed, for
+// each of the group's first len(matched) endpoints, from their floors.
+func (g *preciseGroup) matchPast(hashes []uint64, m Medium, from, matched []int) {
+	if g.bits[m].Load() == 0 {
+		return
+	}
+	alive := ^uint64(0) >> (64 - len(matched))
+	holey := g.holey[m].Load() & alive
+	closed := alive &^ holey
+	var floors [maxHints]int
+	var sets [maxHints]uint64
+	nf := 0
+	for s := closed; s != 0; s &= s - 1 {
+		e := bits.TrailingZeros64(s)
+		f := min(max(from[e], 0), len(hashes))
+		i := slices.Index(floors[:nf], f)
+		if i < 0 {
+			if nf == maxHints { // no pattern: bisect from the first block
+				nf = -1
+				break
+			}
+			i = nf
+			floors[i] = f
+			nf++
+		}
+		sets[i] |= 1 << e
+	}
+	if nf < 0 {
+		if closed != 0 {
+			g.matchBisect(hashes, m, matched, closed, nil)
+		}
+	} else {
+		for i, f := range floors[:nf] {
+			switch {
+			case f >= len(hashes): // nothing past the prompt: 0 stands
+			case f == 0:
+				g.matchBisect(hashes, m, matched, sets[i], nil)
+			default:
+				past := g.lookup(m, hashes[f]) & sets[i]
+				if past == 0 {
+					continue
+				}
+				g.matchBisect(hashes[f:], m, matched, past, nil)
+				for s := past; s != 0; s &= s - 1 {
+					matched[bits.TrailingZeros64(s)] += f
+				}
+			}
+		}
+	}
+	if holey != 0 {
+		matchLinear(hashes, matched, holey, func(h uint64) uint64 { return g.lookup(m, h) })
+	}
 }
 
 // MatchTiers sets matched[e][m] to the number of leading blocks of hashes
@@ -994,7 +1095,24 @@ func (ix *PreciseIndex) Owners(h uint64, m Medium, g int) uint64 {
 	if m >= NumMedia || g < 0 || g >= len(s.groups) {
 		return 0
 	}
+	if s.groups[g].bits[m].Load() == 0 {
+		return 0
+	}
 	return s.groups[g].lookup(m, h)
+}
+
+// Holey returns the endpoints of group g (bit i for endpoint 64g+i) whose
+// blocks in medium m are not known to be prefix-closed: they hold a block
+// whose parent they do not hold there, a kids count saturated, or a Move
+// is under way. The others hold, for any prompt, exactly its first Match
+// blocks in m and none after: a block past them is held only by an
+// endpoint of Holey. One atomic load; 0 for an out-of-range g or m.
+func (ix *PreciseIndex) Holey(m Medium, g int) uint64 {
+	s := ix.shape.Load()
+	if m >= NumMedia || g < 0 || g >= len(s.groups) {
+		return 0
+	}
+	return s.groups[g].holey[m].Load()
 }
 
 // lookup returns the owners of request key h in medium m.

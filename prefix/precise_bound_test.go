@@ -40,8 +40,9 @@ func checkPreciseOf(t testing.TB, ix *PreciseIndex, eps []int) {
 // ownersConsistent checks the block tables the other way round: every bit
 // set in group g's masks is an endpoint of g that holds the request key in
 // that medium (no bit past the last endpoint, none left behind by a
-// clear), and no entry has an empty mask; and every group's holey masks
-// are its endpoints' hole counts. No writer may run.
+// clear), and no entry has an empty mask; every group's bit counts are
+// the bits its masks have set; and every group's holey masks are its
+// endpoints' hole counts. No writer may run.
 func (ix *PreciseIndex) ownersConsistent() error {
 	for e := range ix.Endpoints() {
 		o := ix.owner(e)
@@ -54,9 +55,11 @@ func (ix *PreciseIndex) ownersConsistent() error {
 		}
 	}
 	for g := range ix.Groups() {
+		var set [NumMedia]int64
 		for s := range ix.group(g).shards {
 			for m, owners := range ix.group(g).shards[s].owners {
 				for req, mask := range owners {
+					set[m] += int64(bits.OnesCount64(mask))
 					if mask == 0 {
 						return fmt.Errorf("group %d medium %v: request key %x with no owner", g, Medium(m), req)
 					}
@@ -70,6 +73,11 @@ func (ix *PreciseIndex) ownersConsistent() error {
 						}
 					}
 				}
+			}
+		}
+		for m := range set {
+			if have := ix.group(g).bits[m].Load(); have != set[m] {
+				return fmt.Errorf("group %d medium %v: bit count %d, %d bits set", g, Medium(m), have, set[m])
 			}
 		}
 	}
@@ -588,7 +596,7 @@ func FuzzPreciseIndex(f *testing.F) {
 		ix.SetCapacity(63, 7)
 		ix.SetCapacity(129, 12)
 		ix.SetMediumCapacity(129, MediumGPU, 6)
-		m := make([]int, 130)
+		m, floor, past := make([]int, 130), make([]int, 130), make([]int, 130)
 		for i, op := range ops {
 			e, d, from := fuzzEps[int(op>>7)+2*(i>>2&1)], int(op>>3)&7, int(op&7)
 			md := Medium(i / 2 % 3) // GPU, GPU, CPU, CPU, DISK, DISK, ...
@@ -635,6 +643,17 @@ func FuzzPreciseIndex(f *testing.F) {
 					}
 					if m[e] != want || ix.MatchEndpoint(reqs[d], md, e) != want {
 						t.Fatalf("op %d: endpoint %d medium %v: match %d (alone %d), linear %d", i, e, md, m[e], ix.MatchEndpoint(reqs[d], md, e), want)
+					}
+				}
+				// MatchPast: exact past each endpoint's floor, at most the
+				// floor below it (floors from the op, up to the whole prompt).
+				for k, e := range fuzzEps {
+					floor[e] = (int(op) + 3*k + i) % (len(reqs[d]) + 2)
+				}
+				ix.MatchPast(reqs[d], md, floor, past)
+				for _, e := range fuzzEps {
+					if (m[e] > floor[e] && past[e] != m[e]) || (m[e] <= floor[e] && past[e] > floor[e]) {
+						t.Fatalf("op %d: endpoint %d medium %v: match %d, past floor %d %d", i, e, md, m[e], floor[e], past[e])
 					}
 				}
 			}

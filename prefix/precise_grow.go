@@ -157,19 +157,27 @@ func moveBits(src *preciseEndpoint, from, to owner) {
 			for len(keys) > 0 {
 				run := keys[:min(len(keys), moveRun)]
 				keys = keys[len(run):]
+				// The groups' bit counts rise before bits are set and
+				// fall after they are cleared (preciseGroup.bits).
 				d := &to.g.shards[sh]
 				d.mu.Lock()
 				for _, req := range run {
-					d.owners[m][req] |= to.bit
+					if v := d.owners[m][req]; v&to.bit == 0 {
+						to.g.bits[m].Add(1)
+						d.owners[m][req] = v | to.bit
+					}
 				}
 				d.mu.Unlock()
 				o := &from.g.shards[sh]
 				o.mu.Lock()
 				for _, req := range run {
-					if v := o.owners[m][req] &^ from.bit; v == 0 {
-						delete(o.owners[m], req)
-					} else {
-						o.owners[m][req] = v
+					if v, ok := o.owners[m][req]; ok && v&from.bit != 0 {
+						if v &^= from.bit; v == 0 {
+							delete(o.owners[m], req)
+						} else {
+							o.owners[m][req] = v
+						}
+						from.g.bits[m].Add(-1)
 					}
 				}
 				o.mu.Unlock()

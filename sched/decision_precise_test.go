@@ -98,4 +98,34 @@ func BenchmarkDecisionPrecise1000x1M(b *testing.B) {
 			ix.Settle()
 		})
 	}
+	// The tiered pick's Tiers.Split alone (host memory past the GPU's
+	// match, no disk, no remote tier), and splitReference, the full
+	// computation it replaced, on the same index and GPU matches.
+	gpu := make([][]int, len(reqs))
+	for i, r := range reqs {
+		gpu[i] = make([]int, n)
+		px.Match(r.Hashes, prefix.MediumGPU, gpu[i])
+	}
+	tr := &Tiers{Source: px, Remote: -1}
+	for _, sc := range []struct {
+		name  string
+		split func(hashes []uint64, maxBlocks int, gpu []int, out [][NumTiers]int, scratch []int) []int
+	}{
+		{"tiers-split", tr.Split},
+		{"tiers-split-full", func(h []uint64, mb int, g []int, out [][NumTiers]int, s []int) []int {
+			return splitReference(tr, h, mb, g, out, s)
+		}},
+	} {
+		b.Run(sc.name, func(b *testing.B) {
+			out := make([][NumTiers]int, n)
+			var scratch []int
+			benchDecisions(b, nil, func(i int) {
+				r := reqs[i%len(reqs)]
+				scratch = sc.split(r.Hashes, len(r.Hashes)-1, gpu[i%len(reqs)], out, scratch)
+				if k := out[(owner(i%len(reqs))+1)%n][prefix.MediumCPU]; k != len(r.Hashes)-1-125 {
+					b.Fatalf("request %d: host memory of the owner's neighbour supplies %d blocks", i%len(reqs), k)
+				}
+			})
+		})
+	}
 }

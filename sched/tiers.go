@@ -42,12 +42,19 @@ const NumTiers = int(prefix.MediumRemote) + 1
 
 // TierSource answers per-medium prefix matches: matched[e] is the number of
 // leading blocks of hashes endpoint e holds in medium m, for every
-// e < len(matched); Owners is the endpoints of group g (endpoints
-// 64g … 64g+63) holding one block in medium m (bit i for endpoint 64g+i).
+// e < len(matched); MatchEndpoint is that number for endpoint e alone
+// (matching e's group only); MatchPast is Match exact only past a floor
+// per endpoint (at most the floor below it); Owners is the endpoints of group g (endpoints
+// 64g … 64g+63) holding one block in medium m (bit i for endpoint 64g+i);
+// Holey is the endpoints of group g whose blocks in m may not be
+// prefix-closed (the others hold no block of a prompt past their Match).
 // *prefix.PreciseIndex implements it.
 type TierSource interface {
 	Match(hashes []uint64, m prefix.Medium, matched []int)
+	MatchEndpoint(hashes []uint64, m prefix.Medium, e int) int
+	MatchPast(hashes []uint64, m prefix.Medium, from, matched []int)
 	Owners(h uint64, m prefix.Medium, g int) uint64
+	Holey(m prefix.Medium, g int) uint64
 }
 
 // Tiers is what a policy is told about its pool's tiers (Pool.Tiers).
@@ -160,38 +167,35 @@ func (c *Cycle) TierBlocks() [][NumTiers]int {
 // tier holding the next one (its host memory, its disk, the remote store),
 // up to the first block none holds and at most maxBlocks in all — the
 // engine's own lookup (sim/tiers.go). It starts from SplitTiers of the
-// per-medium leading matches (a bisecting Match per medium) and walks on
-// from there (extend), so the total is the engine's; within the leading
-// prefixes a slower tier may be credited with blocks a faster one also
-// holds past a hole (the load time is then an upper bound). scratch is
-// reused and returned. No allocation once scratch is large enough.
+// per-medium leading matches (host memory's past the GPU's: MatchPast; a
+// bisecting Match of the pool for disk; the remote store's alone; a group
+// that holds nothing in a medium costs one atomic load, a pool without a
+// remote tier no remote match) and
+// walks on from there (extend), so the total is the engine's; within the
+// leading prefixes a slower tier may be credited with blocks a faster one
+// also holds past a hole (the load time is then an upper bound). scratch
+// is reused and returned. No allocation once scratch is large enough.
 func (t *Tiers) Split(hashes []uint64, maxBlocks int, gpu []int, out [][NumTiers]int, scratch []int) []int {
 	n := len(out)
-	width := n
-	if t.Remote >= n {
-		width = t.Remote + 1
+	if cap(scratch) < 2*n {
+		scratch = make([]int, 2*n)
 	}
-	if cap(scratch) < width {
-		scratch = make([]int, width)
+	cpu, disk := scratch[:n], scratch[n:2*n]
+	clear(scratch[:2*n]) // Match leaves entries past the index's endpoints alone
+	remote := 0
+	if t.Remote >= 0 {
+		remote = t.Source.MatchEndpoint(hashes, prefix.MediumRemote, t.Remote)
 	}
-	m := scratch[:width]
-	for md := prefix.MediumCPU; int(md) < NumTiers; md++ {
-		t.Source.Match(hashes, md, m)
-		remote := 0
-		if t.Remote >= 0 && t.Remote < width {
-			remote = m[t.Remote]
-		}
-		for e := range n {
-			if md == prefix.MediumRemote {
-				out[e][md] = remote
-			} else {
-				out[e][md] = m[e]
-			}
-		}
-	}
+	// Host memory's blocks count past the GPU's only (SplitTiers): an
+	// endpoint's host match is needed where it exceeds its GPU match.
+	t.Source.MatchPast(hashes, prefix.MediumCPU, gpu, cpu)
+	t.Source.Match(hashes, prefix.MediumDisk, disk)
 	for e := range n {
-		out[e][prefix.MediumGPU] = gpu[e]
-		out[e] = SplitTiers(out[e], maxBlocks)
+		if cpu[e]|disk[e]|remote == 0 { // the GPU's part only: SplitTiers' answer
+			out[e] = [NumTiers]int{max(0, min(gpu[e], maxBlocks))}
+			continue
+		}
+		out[e] = SplitTiers([NumTiers]int{gpu[e], cpu[e], disk[e], remote}, maxBlocks)
 	}
 	t.extend(hashes, out, maxBlocks)
 	return scratch
@@ -208,15 +212,32 @@ func (t *Tiers) Split(hashes []uint64, maxBlocks int, gpu []int, out [][NumTiers
 // the work is the length of the extensions, not of the prompt. Endpoints
 // are walked in groups of prefix.MaxEndpoints (the index's owners masks),
 // one group after the other.
+//
+// Only endpoints holey in a lower medium (TierSource.Holey), or all when
+// the remote store is, can go on: one prefix-closed in host memory, disk
+// and the store's view holds no block there past its leading match, and
+// its reach (below maxBlocks) is the largest of those matches, so the walk
+// would stop it at its first step.
 func (t *Tiers) extend(hashes []uint64, out [][NumTiers]int, maxBlocks int) {
+	remoteHoley := false
+	if t.Remote >= 0 {
+		remoteHoley = t.Source.Holey(prefix.MediumRemote, t.Remote/prefix.MaxEndpoints)&(1<<(t.Remote%prefix.MaxEndpoints)) != 0
+	}
 	for lo := 0; lo < len(out); lo += prefix.MaxEndpoints {
-		t.extendGroup(hashes, out[lo:min(len(out), lo+prefix.MaxEndpoints)], lo/prefix.MaxEndpoints, maxBlocks)
+		g := lo / prefix.MaxEndpoints
+		may := ^uint64(0)
+		if !remoteHoley {
+			may = t.Source.Holey(prefix.MediumCPU, g) | t.Source.Holey(prefix.MediumDisk, g)
+		}
+		if may != 0 {
+			t.extendGroup(hashes, out[lo:min(len(out), lo+prefix.MaxEndpoints)], g, maxBlocks, may)
+		}
 	}
 }
 
 // extendGroup is extend for the endpoints of group g, out[i] being
-// endpoint 64g+i's.
-func (t *Tiers) extendGroup(hashes []uint64, out [][NumTiers]int, g, maxBlocks int) {
+// endpoint 64g+i's, those of may (bit i for out[i]) only.
+func (t *Tiers) extendGroup(hashes []uint64, out [][NumTiers]int, g, maxBlocks int, may uint64) {
 	var reach [prefix.MaxEndpoints]int
 	var alive uint64
 	for e := range out {
@@ -226,6 +247,7 @@ func (t *Tiers) extendGroup(hashes []uint64, out [][NumTiers]int, g, maxBlocks i
 			alive |= 1 << e
 		}
 	}
+	alive &= may
 	remoteBit, remoteGroup := uint64(0), 0
 	if t.Remote >= 0 {
 		remoteBit, remoteGroup = 1<<(t.Remote%prefix.MaxEndpoints), t.Remote/prefix.MaxEndpoints
@@ -278,6 +300,9 @@ func (c *Cycle) tierCredit(e int, n [NumTiers]int, rate float64) float64 {
 		return s
 	}
 	s := float64(n[prefix.MediumGPU])
+	if n[prefix.MediumCPU]|n[prefix.MediumDisk]|n[prefix.MediumRemote] == 0 {
+		return s // the GPU's blocks only: no price to work out
+	}
 	perBlock := float64(c.p.blockSize) / rate // prefill seconds a block costs
 	for t := 1; t < NumTiers; t++ {
 		if n[t] == 0 {
@@ -305,6 +330,9 @@ func (c *Cycle) rate(i int) float64 {
 // loadSeconds is the estimated time endpoint e spends loading its
 // lower-tier blocks n (0 with fixed tier weights, which price no loads).
 func (c *Cycle) loadSeconds(e int, n [NumTiers]int) float64 {
+	if n[prefix.MediumCPU]|n[prefix.MediumDisk]|n[prefix.MediumRemote] == 0 {
+		return 0 // nothing to load
+	}
 	t := c.poolTiers()
 	if c.p.tierWeights != nil || t == nil || e >= len(t.LoadSeconds) {
 		return 0
