@@ -148,6 +148,20 @@ func (x *exchange) tokenEstimate(kind apiKind, maxModelLen int) (est, asked floa
 	return est, est
 }
 
+// usedTokens is what u reports used: its total, else prompt plus
+// completion, each negative count read as 0 and the sum saturating at
+// math.MaxInt (an engine's huge counts must not wrap into a refund).
+func usedTokens(u *openai.Usage) int {
+	if u.TotalTokens > 0 {
+		return u.TotalTokens
+	}
+	p, c := max(u.PromptTokens, 0), max(u.CompletionTokens, 0)
+	if p > math.MaxInt-c {
+		return math.MaxInt
+	}
+	return p + c
+}
+
 // settleTokens charges the difference between a request's reported usage
 // and what admission charged (a refund when it used less). Without usage
 // (a failed or canceled request) the admission charge stands. Idempotent.
@@ -156,10 +170,6 @@ func (x *exchange) settleTokens(u *openai.Usage) {
 	if kl == nil || u == nil {
 		return
 	}
-	used := u.TotalTokens
-	if used <= 0 {
-		used = u.PromptTokens + u.CompletionTokens
-	}
-	kl.Settle(used, x.edge.reserved) // a no-op without a token limit
+	kl.Settle(usedTokens(u), x.edge.reserved) // a no-op without a token limit
 	x.edge.limits, x.edge.reserved = nil, 0
 }
