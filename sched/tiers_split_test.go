@@ -1,7 +1,6 @@
 package sched
 
 import (
-	"math/bits"
 	"math/rand/v2"
 	"testing"
 
@@ -11,7 +10,8 @@ import (
 // splitReference is Tiers.Split as it was before it skipped media and
 // endpoints (commit 973bfe9): a full Match of the pool per lower medium,
 // the remote store's included, and extend's walk for every endpoint below
-// its cap. The equivalence tests hold the fast Split to it.
+// its cap (extendGroup with every endpoint allowed). The equivalence
+// tests hold the fast Split to it.
 // scratch is reused and returned.
 func splitReference(t *Tiers, hashes []uint64, maxBlocks int, gpu []int, out [][NumTiers]int, scratch []int) []int {
 	n := len(out)
@@ -41,55 +41,10 @@ func splitReference(t *Tiers, hashes []uint64, maxBlocks int, gpu []int, out [][
 		out[e][prefix.MediumGPU] = gpu[e]
 		out[e] = SplitTiers(out[e], maxBlocks)
 	}
+	// extend's walk for every endpoint (no pruning mask): the walk
+	// itself is unchanged, what Split skips around it is under test.
 	for lo := 0; lo < n; lo += prefix.MaxEndpoints {
-		grp := out[lo:min(n, lo+prefix.MaxEndpoints)]
-		g := lo / prefix.MaxEndpoints
-		var reach [prefix.MaxEndpoints]int
-		var alive uint64
-		for e := range grp {
-			reach[e] = grp[e][0] + grp[e][1] + grp[e][2] + grp[e][3]
-			if reach[e] < maxBlocks && reach[e] < len(hashes) {
-				alive |= 1 << e
-			}
-		}
-		remoteBit, remoteGroup := uint64(0), 0
-		if t.Remote >= 0 {
-			remoteBit, remoteGroup = 1<<(t.Remote%prefix.MaxEndpoints), t.Remote/prefix.MaxEndpoints
-		}
-		for alive != 0 {
-			i := maxBlocks
-			for s := alive; s != 0; s &= s - 1 {
-				i = min(i, reach[bits.TrailingZeros64(s)])
-			}
-			if i >= maxBlocks || i >= len(hashes) {
-				break
-			}
-			h := hashes[i]
-			cpu, disk := t.Source.Owners(h, prefix.MediumCPU, g), t.Source.Owners(h, prefix.MediumDisk, g)
-			remote := remoteBit != 0 && t.Source.Owners(h, prefix.MediumRemote, remoteGroup)&remoteBit != 0
-			for s := alive; s != 0; s &= s - 1 {
-				e := bits.TrailingZeros64(s)
-				if reach[e] != i {
-					continue
-				}
-				bit := uint64(1) << e
-				switch {
-				case cpu&bit != 0:
-					grp[e][prefix.MediumCPU]++
-				case disk&bit != 0:
-					grp[e][prefix.MediumDisk]++
-				case remote:
-					grp[e][prefix.MediumRemote]++
-				default:
-					alive &^= bit
-					continue
-				}
-				reach[e]++
-				if reach[e] >= maxBlocks || reach[e] >= len(hashes) {
-					alive &^= bit
-				}
-			}
-		}
+		t.extendGroup(hashes, out[lo:min(n, lo+prefix.MaxEndpoints)], lo/prefix.MaxEndpoints, maxBlocks, ^uint64(0))
 	}
 	return scratch
 }
