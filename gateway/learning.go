@@ -166,6 +166,17 @@ func releasePick(p *pool, i int, req *sched.Request) bool {
 	if len(req.Hashes) == 0 {
 		return false
 	}
+	f := finisher(p)
+	if f == nil {
+		return false
+	}
+	f.Finished(i, req.Hashes)
+	return true
+}
+
+// finisher is p's Finisher (its P/D profiles', else its policy's) when
+// it learns on finish, nil otherwise.
+func finisher(p *pool) sched.Finisher {
 	var f sched.Finisher
 	if p.pd != nil {
 		f = p.pd
@@ -173,8 +184,7 @@ func releasePick(p *pool, i int, req *sched.Request) bool {
 		f = pf
 	}
 	if f == nil || !f.LearnsOnFinish() {
-		return false
+		return nil
 	}
-	f.Finished(i, req.Hashes)
-	return true
+	return f
 }

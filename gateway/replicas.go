@@ -351,13 +351,7 @@ func (r *replicas) finished(p *pool, i int, req *sched.Request) {
 	if x == nil || p.peers == nil || req.PromptTokens <= 0 || len(req.Hashes) == 0 || i < 0 || i >= len(p.endpoints) {
 		return
 	}
-	var f sched.Finisher
-	if p.pd != nil {
-		f = p.pd
-	} else if pf, ok := p.policy.(sched.Finisher); ok {
-		f = pf
-	}
-	if f == nil || !f.LearnsOnFinish() {
+	if finisher(p) == nil {
 		return
 	}
 	x.Publish(replica.AppendFinish(nil, r.cfg.ID, time.Now().UnixNano(), p.model, p.endpoints[i].name, req.Hashes))
