@@ -143,11 +143,11 @@ func (n *Node) Turn(now time.Duration) (Turn, bool) {
 	if live == 1 || rank == 0 {
 		return Turn{}, false
 	}
-	step, bursty := n.Unseen.bursty()
+	step, deadline, bursty := n.Unseen.turnSteps()
 	if !bursty {
 		return Turn{}, false
 	}
-	wait := min(MaxStagger, time.Duration(rank)*n.Unseen.deadlineStep(step)*staggerNum/staggerDen)
+	wait := min(MaxStagger, time.Duration(rank)*deadline*staggerNum/staggerDen)
 	return Turn{Since: now - step, Deadline: now + wait}, true
 }
 
@@ -185,14 +185,16 @@ func (u *Unseen) bursty() (time.Duration, bool) {
 	return u.echo, u.echo > 0 && u.burst >= staggerBurst
 }
 
-// deadlineStep is the exchange's delay a turn's deadline is made of: the
-// 90th percentile of the last echoes (Unseen.tail), mean until there are
-// enough of them (a seeded replica: Seed).
-func (u *Unseen) deadlineStep(mean time.Duration) time.Duration {
+// turnSteps returns, under one lock, what Turn needs: bursty's delay
+// and answer, and the exchange's delay a turn's deadline is made of: the
+// 90th percentile of the last echoes (Unseen.tail), the mean until there
+// are enough of them (a seeded replica: Seed).
+func (u *Unseen) turnSteps() (mean, deadline time.Duration, bursty bool) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
+	mean, deadline = u.echo, u.echo
 	if u.tail > 0 {
-		return u.tail
+		deadline = u.tail
 	}
-	return mean
+	return mean, deadline, u.echo > 0 && u.burst >= staggerBurst
 }
