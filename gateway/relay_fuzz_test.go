@@ -59,7 +59,8 @@ var relaySeeds = []string{
 // fuzzer's choosing and checks what the client gets: a 200 stream ends
 // with [DONE] after at least one event and never shows an error event
 // before an output event (unless more than maxHeldBeforeOutput bytes of
-// chunks without output came first); anything else is an OpenAI error of
+// chunks without output came first, counted as written: event lines
+// included); anything else is an OpenAI error of
 // status 502 or 504.
 func FuzzStreamRelay(f *testing.F) {
 	for _, s := range relaySeeds {
@@ -116,7 +117,9 @@ func FuzzStreamRelay(f *testing.F) {
 				t.Fatalf("an error event before any output in a 200 stream %q for %q", got, body)
 			}
 			output = output || chunk.HasOutput()
-			before += len(data) + len("data: \n\n")
+			// Held bytes as the gateway counts them: as written, with
+			// any event: line and a data: prefix per line.
+			before += len(appendEvent(nil, er.Event(), data))
 		}
 	})
 }
