@@ -108,6 +108,8 @@ func (g *Gateway) commit(st *state, pl *plan, prev *state) {
 	for _, f := range held {
 		f.mu.Unlock()
 	}
+	// The peers' pins go with the policies and slots they were taken on.
+	g.replicas.dropPins(st, pl)
 
 	// Credentials refused eject (a new endpoint before it serves), new
 	// ones accepted end an ejection the old ones caused.
@@ -152,9 +154,15 @@ func (g *Gateway) setHooks(st *state) {
 			gates[ep] = append(gates[ep], p.gate)
 			if forgets {
 				hooks[ep] = append(hooks[ep], func() { f.Forget(i) })
+				if fin, ok := f.(sched.PeerFinisher); ok && g.replicas != nil {
+					hooks[ep] = append(hooks[ep], func() { g.replicas.dropSlot(fin, i) })
+				}
 			}
 			if pf != nil {
 				hooks[ep] = append(hooks[ep], func() { pf.Forget(i) })
+				if fin, ok := pf.(sched.PeerFinisher); ok && g.replicas != nil {
+					hooks[ep] = append(hooks[ep], func() { g.replicas.dropSlot(fin, i) })
+				}
 			}
 		}
 	}

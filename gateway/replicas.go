@@ -228,6 +228,13 @@ func (g *Gateway) initReplicas(reg prometheus.Registerer) error {
 		}
 		return float64(r.node.Counts.PinsExpired.Load())
 	}))
+	cs = append(cs, prometheus.NewCounterFunc(prometheus.CounterOpts{Namespace: "infergate", Name: "replica_pins_dropped_total",
+		Help: "Replica exchange: peers' pins dropped unreleased because a reload replaced their policy or their endpoint's slot was forgotten (reload, ejection)."}, func() float64 {
+		if r.node == nil {
+			return 0
+		}
+		return float64(r.node.Counts.PinsDropped.Load())
+	}))
 	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
 			return fmt.Errorf("gateway: register replica metrics: %w", err)
@@ -371,6 +378,47 @@ func (g *Gateway) learntPD(p *pool, x *exchange, i, matched int, role sched.Role
 		matched = x.sreq.PromptTokens
 	}
 	g.replicas.learntRole(p, i, &x.sreq, role, int64(matched), role == sched.RoleDecode)
+}
+
+// dropPins drops the peers' pins that st no longer holds (replica.Node.
+// DropPins): those of a policy st does not route with (replaced or its
+// pool gone) and those of the slots pl forgot. Called by commit after the
+// forgets.
+func (r *replicas) dropPins(st *state, pl *plan) {
+	if r == nil || r.node == nil {
+		return
+	}
+	inForce := map[sched.PeerFinisher]bool{}
+	for _, p := range st.pools {
+		if f, ok := p.policy.(sched.PeerFinisher); ok {
+			inForce[f] = true
+		}
+		if p.pd != nil {
+			if f, ok := p.pd.Prefill().(sched.PeerFinisher); ok {
+				inForce[f] = true
+			}
+		}
+	}
+	type slotOf struct {
+		f    sched.PeerFinisher
+		slot int
+	}
+	forgot := map[slotOf]bool{}
+	for _, op := range pl.slots {
+		if f, ok := op.policy.(sched.PeerFinisher); ok && op.forget {
+			forgot[slotOf{f, op.slot}] = true
+		}
+	}
+	r.node.DropPins(func(f sched.PeerFinisher, slot int) bool { return inForce[f] && !forgot[slotOf{f, slot}] })
+}
+
+// dropSlot drops the peers' pins on slot i of f, whose forget (an
+// ejection) cleared the slot's pins.
+func (r *replicas) dropSlot(f sched.PeerFinisher, i int) {
+	if r == nil || r.node == nil {
+		return
+	}
+	r.node.DropPins(func(g sched.PeerFinisher, slot int) bool { return g != f || slot != i })
 }
 
 // stagger waits before a routing decision of pool p for this replica's

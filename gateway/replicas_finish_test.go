@@ -8,6 +8,8 @@ import (
 
 	"github.com/infergate/infergate/fleet"
 	"github.com/infergate/infergate/internal/redistest"
+	"github.com/infergate/infergate/replica"
+	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/simserver"
 )
 
@@ -58,5 +60,75 @@ func TestReplicasShareFinish(t *testing.T) {
 	}
 	if u := b.Counts.Unknown.Load(); u != 0 {
 		t.Fatalf("%d messages unknown", u)
+	}
+}
+
+// TestReplicaPinsFollowReload: the peers' pins this replica holds go with
+// what they were taken on. A removed endpoint's slot is forgotten and its
+// pins dropped (a later finish there only touches); an ejected endpoint's
+// likewise; a reload that replaces the policy drops all of them, so the
+// old policy's index is not kept alive by the pin table; the others stay
+// until their finish.
+func TestReplicaPinsFollowReload(t *testing.T) {
+	cfg := eppBenchConfig(sched.CacheAware, 4, 1)
+	cfg.Replicas = ReplicasConfig{RedisURL: "redis://127.0.0.1:1", ID: "gw-a"} // unreachable: messages applied directly
+	g, err := New(context.Background(), cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	n := g.replicas.node
+	names := make([]string, 4)
+	for i, ep := range g.state.Load().pools["m0"].endpoints {
+		names[i] = ep.name
+	}
+	learn := func(name string, h uint64) {
+		t.Helper()
+		if _, err := n.Apply(replica.AppendLearn(nil, "gw-b", 0, "m0", name, 32, 32, []uint64{h, h + 1}), 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, name := range names {
+		learn(name, uint64(10*i))
+	}
+	if p, _ := n.Pinned(); p != 4 {
+		t.Fatalf("%d pins, want 4", p)
+	}
+
+	cfg.Endpoints = cfg.Endpoints[1:] // slot 0's endpoint removed
+	if err := g.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if p, hs := n.Pinned(); p != 3 || hs != 6 || n.Counts.PinsDropped.Load() != 1 {
+		t.Fatalf("after the removal: %d pins of %d hashes, %d dropped; want 3 of 6, 1", p, hs, n.Counts.PinsDropped.Load())
+	}
+
+	st := g.state.Load()
+	var ejected *endpoint
+	for _, ep := range st.pools["m0"].endpoints {
+		if ep.name == names[1] {
+			ejected = ep
+		}
+	}
+	ejected.setReady(true)
+	ejected.setReady(false) // its onDown hooks: the slot forgotten
+	if p, _ := n.Pinned(); p != 2 || n.Counts.PinsDropped.Load() != 2 {
+		t.Fatalf("after the ejection: %d pins, %d dropped; want 2, 2", p, n.Counts.PinsDropped.Load())
+	}
+
+	cfg.Routing.Seed++ // routing changed: a new policy
+	if err := g.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if p, hs := n.Pinned(); p != 0 || hs != 0 || n.Counts.PinsDropped.Load() != 4 {
+		t.Fatalf("after the new policy: %d pins of %d hashes, %d dropped; want 0, 4", p, hs, n.Counts.PinsDropped.Load())
+	}
+	if e := n.Counts.PinsExpired.Load(); e != 0 {
+		t.Fatalf("%d pins released by expiry", e)
+	}
+	// The new policy pins again.
+	learn(names[2], 100)
+	if p, _ := n.Pinned(); p != 1 {
+		t.Fatalf("%d pins on the new policy, want 1", p)
 	}
 }

@@ -372,6 +372,9 @@ type Counts struct {
 	// PinsExpired counts peers' pins released without their finish (the
 	// peer fell silent, the pin outlived PinTTL, or the table was full).
 	PinsExpired atomic.Uint64
+	// PinsDropped counts peers' pins dropped unreleased (DropPins): their
+	// policy replaced by a reload, or their slot forgotten.
+	PinsDropped atomic.Uint64
 }
 
 // Node is one replica's side of the exchange: it applies its peers'

@@ -293,3 +293,46 @@ func (n *Node) Pinned() (pins, hashes int) {
 	}
 	return pins, t.hashes
 }
+
+// DropPins drops, without releasing them, the peers' pins for which keep
+// reports false, and returns how many it dropped. The gateway calls it when
+// a pin's release would reach the wrong state: the policy that holds it was
+// replaced by a reload (releasing there is pointless, and the pin table
+// would keep the old policy's whole index alive until the pin TTL), or its
+// slot was forgotten (the forget cleared the slot's pins; a later release
+// there would take away a pin of the slot's next engine or of a relearnt
+// prompt). O(pins held); reloads and ejections only.
+func (n *Node) DropPins(keep func(f sched.PeerFinisher, slot int) bool) int {
+	t := &n.pins
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	dropped := 0
+	for i := t.head; i < len(t.order); i++ {
+		e := t.order[i]
+		if e.done || keep(e.key.l, e.key.slot) {
+			continue
+		}
+		es := t.byKey[e.key]
+		for j, x := range es {
+			if x == e {
+				es = append(es[:j:j], es[j+1:]...)
+				break
+			}
+		}
+		if len(es) == 0 {
+			delete(t.byKey, e.key)
+		} else {
+			t.byKey[e.key] = es
+		}
+		e.done = true
+		e.key.l = nil // the policy is not kept alive by a dropped pin
+		t.hashes -= len(e.hashes)
+		t.live--
+		t.spare = append(t.spare, e.hashes)
+		e.hashes = nil
+		dropped++
+	}
+	t.compact()
+	n.Counts.PinsDropped.Add(uint64(dropped))
+	return dropped
+}

@@ -296,3 +296,59 @@ func TestPeerPinsCountBounded(t *testing.T) {
 		t.Fatalf("%d expired, want %d", got, extra)
 	}
 }
+
+// slotsTarget resolves http://e1 and http://e2 of model m to slots 1 and 2
+// of one recorder.
+type slotsTarget struct{ l *finRec }
+
+func (t slotsTarget) Resolve(model, endpoint string, _ sched.Role) (sched.PeerLearner, int, bool) {
+	switch {
+	case model != "m":
+		return nil, 0, false
+	case endpoint == "http://e1":
+		return t.l, 1, true
+	case endpoint == "http://e2":
+		return t.l, 2, true
+	}
+	return nil, 0, false
+}
+func (slotsTarget) Intern(url []byte) (string, bool) { return string(url), true }
+
+// TestDropPins: pins dropped because their slot was forgotten (or their
+// policy replaced) are never released, neither by their finish, which
+// only touches, nor by expiry; the others are untouched.
+func TestDropPins(t *testing.T) {
+	rec := &finRec{pins: true}
+	n := &Node{ID: "a", Peers: NewPeers(time.Second), Target: slotsTarget{rec}, PinTTL: 10 * time.Second}
+	applyAll(t, n, 0,
+		AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, []uint64{1}),
+		AppendLearn(nil, "b", 0, "m", "http://e2", 32, 32, []uint64{2}),
+		AppendLearn(nil, "c", 0, "m", "http://e1", 32, 32, []uint64{3, 4}))
+	if got := n.DropPins(func(f sched.PeerFinisher, slot int) bool { return f != rec || slot != 1 }); got != 2 {
+		t.Fatalf("dropped %d pins, want slot 1's 2", got)
+	}
+	if p, hs := n.Pinned(); p != 1 || hs != 1 {
+		t.Fatalf("%d pins of %d hashes left, want slot 2's one", p, hs)
+	}
+	applyAll(t, n, 0,
+		AppendFinish(nil, "b", 0, "m", "http://e1", []uint64{1}),
+		AppendFinish(nil, "c", 0, "m", "http://e1", []uint64{3, 4}),
+		AppendFinish(nil, "b", 0, "m", "http://e2", []uint64{2}))
+	want := []string{"pin 1 [1]", "pin 2 [2]", "pin 1 [3 4]", "touch 1 [1]", "touch 1 [3 4]", "release 2 [2]"}
+	if !slices.Equal(rec.ops, want) {
+		t.Fatalf("ops %q, want %q", rec.ops, want)
+	}
+	// Nothing left to expire, and a drop of everything finds nothing.
+	if got := n.Expire(time.Hour); got != 0 {
+		t.Fatalf("%d pins expired after the drop", got)
+	}
+	if got := n.DropPins(func(sched.PeerFinisher, int) bool { return false }); got != 0 {
+		t.Fatalf("dropped %d more", got)
+	}
+	if n.Counts.PinsDropped.Load() != 2 || n.Counts.PinsExpired.Load() != 0 {
+		t.Fatalf("dropped %d expired %d", n.Counts.PinsDropped.Load(), n.Counts.PinsExpired.Load())
+	}
+	if p, hs := n.Pinned(); p != 0 || hs != 0 {
+		t.Fatalf("%d pins of %d hashes left", p, hs)
+	}
+}
