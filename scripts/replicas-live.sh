@@ -21,7 +21,9 @@
 # SPEEDUP (2), POLICY (cache-aware), SEED (1: routing.seed; a replica's seed is
 # mixed with its id when shared, and SEED+i when unshared, as replicas
 # configured alike but started apart would), LOAD_INTERVAL (200ms), STAGGER
-# (true: replicas.stagger), INFERGATE
+# (true: replicas.stagger), SIM_CPUS and GW_CPUS (unset: a taskset
+# --cpu-list for the engines, and for the replicas, redis and bench, to keep
+# the fleet's steps off the cores the gateways contend for), INFERGATE
 # (a built binary; default: go build into $WORK), OUT (a folder kept for the
 # logs, records and JSON report; default: a temp dir removed at exit).
 # Arguments are passed to `infergate bench` (workload, --requests, --records,
@@ -38,6 +40,13 @@ SEED=${SEED:-1}
 LOAD_INTERVAL=${LOAD_INTERVAL:-200ms}
 STAGGER=${STAGGER:-true}
 MODEL=m
+SIM_CPUS=${SIM_CPUS:-}
+GW_CPUS=${GW_CPUS:-}
+# Command prefixes pinning to SIM_CPUS / GW_CPUS when set (taskset execs
+# the command: $! stays the process's own pid).
+pin_sim=() pin_gw=()
+if [[ -n $SIM_CPUS ]]; then pin_sim=(taskset --cpu-list "$SIM_CPUS"); fi
+if [[ -n $GW_CPUS ]]; then pin_gw=(taskset --cpu-list "$GW_CPUS"); fi
 
 WORK=$(mktemp -d)
 OUT=${OUT:-}
@@ -72,7 +81,7 @@ await() {
 
 engines=()
 for i in $(seq 0 $((ENGINES - 1))); do
-	"$bin" sim --listen 127.0.0.1:0 --time-scale "$SPEEDUP" --model "$MODEL" \
+	"${pin_sim[@]}" "$bin" sim --listen 127.0.0.1:0 --time-scale "$SPEEDUP" --model "$MODEL" \
 		>"$WORK/sim$i.log" 2>&1 &
 	pids+=($!)
 done
@@ -81,7 +90,7 @@ for i in $(seq 0 $((ENGINES - 1))); do engines+=("$(await "$WORK/sim$i.log")"); 
 redis=""
 if [[ $SHARED == 1 && $REPLICAS -gt 1 ]]; then
 	port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-	redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" \
+	"${pin_gw[@]}" redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" \
 		--daemonize no --logfile "$WORK/redis.log" &
 	pids+=($!)
 	for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
@@ -105,7 +114,7 @@ for i in $(seq 0 $((REPLICAS - 1))); do
 		echo "endpoints:"
 		for e in "${engines[@]}"; do echo "  - {url: \"$e\", model: $MODEL, kind: sim}"; done
 	} >"$cfg"
-	"$bin" serve -c "$cfg" --access-log=false >"$WORK/gw$i.log" 2>&1 &
+	"${pin_gw[@]}" "$bin" serve -c "$cfg" --access-log=false >"$WORK/gw$i.log" 2>&1 &
 	pids+=($!)
 	gwpids+=($!)
 done
@@ -130,7 +139,7 @@ if [[ $KILL == 1 ]]; then
 fi
 echo "replicas=$REPLICAS shared=$SHARED kill=$KILL engines=$ENGINES speedup=$SPEEDUP policy=$POLICY seed=$SEED; load: $(uptime | sed 's/.*load average: //')"
 rc=0
-"$bin" "${args[@]}" "$@" || rc=$?
+"${pin_gw[@]}" "$bin" "${args[@]}" "$@" || rc=$?
 # The replicas' own metrics (the exchange, the stagger's waits), kept with
 # OUT: a killed replica has none.
 for i in "${!targets[@]}"; do curl -s --max-time 10 "${targets[$i]}/metrics" >"$WORK/gw$i.metrics" || true; done
