@@ -38,10 +38,12 @@ const (
 // compareMooncake runs the end-to-end comparison: the first e2eRequests
 // Mooncake requests through four simulated engines behind the gateway,
 // once with prefix-aware routing and once round-robin, in real time. It
-// checks what the host's speed cannot change — every request answered,
+// checks what the host's speed cannot change — every request recorded,
 // records for all, plausible measurements, cached tokens within the trace's
 // ceiling, lags measured, no goroutine left — and returns the report and
-// the per-request records.
+// the per-request records. A run that fell behind its time scale
+// (measure.Summary.Behind) may time requests out: its errors are logged,
+// not judged.
 func compareMooncake(t *testing.T) (report.Report, []trace.Record, []byte) {
 	t.Helper()
 	recs := mooncakeWindow(t)
@@ -76,8 +78,17 @@ func compareMooncake(t *testing.T) (report.Report, []trace.Record, []byte) {
 		t.Fatalf("runs %q, %q", px.Policy, rr.Policy)
 	}
 	for _, s := range rep.Runs {
-		if s.Requests != e2eRequests || s.Errors != 0 {
-			t.Errorf("%s: %d requests, %d errors; want %d, 0", s.Policy, s.Requests, s.Errors, e2eRequests)
+		switch {
+		case s.Requests != e2eRequests:
+			t.Errorf("%s: %d requests, want %d", s.Policy, s.Requests, e2eRequests)
+		case s.Errors != 0 && s.Behind:
+			// A fleet that fell behind its time scale runs its requests
+			// past the wall-clock timeouts (a CI host at load 25 ran
+			// this 8.5 s replay in 260 s, fleet lag p99 48 min of
+			// engine time): reported, as the lag is, not judged.
+			t.Logf("%s: %d errors on a host that fell behind its time scale (not judged); first: %s", s.Policy, s.Errors, s.FirstError)
+		case s.Errors != 0:
+			t.Errorf("%s: %d errors, want 0; first: %s", s.Policy, s.Errors, s.FirstError)
 		}
 		if u := s.MeanEngineUtilization; u == nil || *u <= 0 || *u > 1 {
 			t.Errorf("%s: utilisation %v, want in (0, 1]", s.Policy, u)
