@@ -61,7 +61,9 @@ var relaySeeds = []string{
 // before an output event (unless more than maxHeldBeforeOutput bytes of
 // chunks without output came first, counted as written: event lines and
 // any CR the engine left at a data line's end included); anything else is
-// an OpenAI error of status 502 or 504.
+// an OpenAI error of status 502 or 504. An event nested deeper than
+// openai.MaxDepth is one the gateway does not read (jsonscan.ParseChat):
+// neither an error nor output to it.
 func FuzzStreamRelay(f *testing.F) {
 	for _, s := range relaySeeds {
 		f.Add([]byte(s), uint8(0), false)
@@ -121,7 +123,9 @@ func FuzzStreamRelay(f *testing.F) {
 				break // [DONE]
 			}
 			chunk.Reset()
-			_ = json.Unmarshal(data, &chunk)
+			if !openai.TooDeep(data) {
+				_ = json.Unmarshal(data, &chunk)
+			}
 			if chunk.IsError() && !output && before <= maxHeldBeforeOutput {
 				t.Fatalf("an error event before any output in a 200 stream %q for %q", got, body)
 			}
