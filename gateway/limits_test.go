@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -344,6 +345,18 @@ func TestBodyBufferGrowsWithBody(t *testing.T) {
 		}
 		if cap(x.body) > bound {
 			t.Errorf("%d bytes (declared %d): buffer of %d bytes, want at most %d", tc.n, declared, cap(x.body), bound)
+		}
+	}
+	// max_body_bytes near MaxInt64 (validation asks only that it be
+	// positive) and a client declaring as much: the buffer stays small
+	// (before, make of the declared length panicked or, at 1 TiB, the
+	// runtime died out of memory: not recoverable).
+	for _, declared := range []int64{math.MaxInt64, 1 << 40} {
+		x := &exchange{}
+		r := httptest.NewRequest(http.MethodPost, pathChat, strings.NewReader("{"))
+		r.ContentLength = declared
+		if e := x.readBody(httptest.NewRecorder(), r, math.MaxInt64, time.Minute); e != nil || string(x.body) != "{" || cap(x.body) > bodyGrowMin {
+			t.Errorf("declared %d under an unbounded limit: %v, %q in a buffer of %d bytes", declared, e, x.body, cap(x.body))
 		}
 	}
 	// Over the limit, chunked: still 413.

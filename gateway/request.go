@@ -384,8 +384,8 @@ const bodyGrowMin = 64 << 10
 // (TestBodyBufferGrowsWithBody).
 func growBodyBuffer(buf []byte, declared int64) []byte {
 	n := max(2*cap(buf), bodyGrowMin)
-	if declared >= 0 && int64(n) > declared+1 {
-		n = int(declared + 1)
+	if declared >= 0 && declared < int64(n) {
+		n = int(declared) + 1 // declared < n: no overflow
 	}
 	if n <= cap(buf) {
 		n = cap(buf) + bodyGrowMin // more than declared arrived (not from net/http)
