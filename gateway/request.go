@@ -329,15 +329,10 @@ func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64,
 		return tooLarge()
 	}
 	buf := x.body[:0]
-	if n := int(r.ContentLength); n > 0 && cap(buf) < n {
-		buf = make([]byte, 0, n)
-	} else if cap(buf) == 0 {
-		buf = make([]byte, 0, 4<<10)
-	}
 	rd := http.MaxBytesReader(w, r.Body, limit)
 	for {
 		if len(buf) == cap(buf) {
-			buf = append(buf, 0)[:len(buf)]
+			buf = growBodyBuffer(buf, r.ContentLength)
 		}
 		n, err := rd.Read(buf[len(buf):cap(buf)])
 		buf = buf[:len(buf)+n]
@@ -371,6 +366,33 @@ func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64,
 		_ = http.NewResponseController(w).SetReadDeadline(time.Time{}) // the response may stream for long
 	}
 	return nil
+}
+
+// bodyGrowMin is the least a request body's buffer grows by (bytes): a
+// body of up to 64 KiB, most chat requests, is read into one allocation.
+const bodyGrowMin = 64 << 10
+
+// growBodyBuffer returns buf with room for more of a body whose client declared
+// declared bytes (Content-Length; -1 when chunked): its capacity doubled, at
+// least bodyGrowMin, never past the declared length plus the one byte a
+// read needs to see the end. Growing with what arrived, not with what the
+// header promises, bounds a body's buffer to twice the bytes the client has
+// sent (or 64 KiB): a buffer of the declared size at once let a client hold
+// 16 MiB (max_body_bytes) with a 100-byte header block and no body for
+// body_read_timeout, and 400 such connections took infergate up from 240 MB
+// to 3 GB RSS, 15 GB of heap, with the CPU spent zeroing it
+// (TestBodyBufferGrowsWithBody).
+func growBodyBuffer(buf []byte, declared int64) []byte {
+	n := max(2*cap(buf), bodyGrowMin)
+	if declared >= 0 && declared < int64(n) {
+		n = int(declared) + 1 // declared < n: no overflow
+	}
+	if n <= cap(buf) {
+		n = cap(buf) + bodyGrowMin // more than declared arrived (not from net/http)
+	}
+	grown := make([]byte, len(buf), n)
+	copy(grown, buf)
+	return grown
 }
 
 // encodedAs returns the first coding other than identity that the
