@@ -24,6 +24,14 @@ type Balance struct {
 	Abs int `yaml:"abs"`
 	// Rel is the load ratio (default 3.0, ≥ 1).
 	Rel float64 `yaml:"rel"`
+	// KeepFastest makes the hot-spot filter keep an overloaded candidate
+	// whose estimated TTFT for this request (the cost scorer's: prefill
+	// backlog plus the request's uncached part, at the prefill rate) is
+	// lower than every other candidate's that is not overloaded: the filter
+	// then moves a request only to an endpoint the load estimate itself
+	// expects to serve it no later. The
+	// prefix rule ignores it. Default false.
+	KeepFastest bool `yaml:"keep_fastest"`
 }
 
 // HotSpotConfig is the deprecated name of Balance (YAML routing.hot_spot).
@@ -59,7 +67,7 @@ func (cfg Config) balance() (Balance, error) {
 		{"hot_spot.rel", cfg.HotSpot.Rel},
 		{"prefix.balance_rel_threshold", cfg.Prefix.BalanceRelThreshold},
 	}
-	b := Balance{Abs: DefaultBalanceAbs, Rel: DefaultBalanceRel}
+	b := Balance{Abs: DefaultBalanceAbs, Rel: DefaultBalanceRel, KeepFastest: cfg.Balance.KeepFastest || cfg.HotSpot.KeepFastest}
 	var errA, errR error
 	b.Abs, errA = resolve(abs, b.Abs)
 	b.Rel, errR = resolve(rel, b.Rel)

@@ -16,15 +16,16 @@ func TestBalance(t *testing.T) {
 		dep  int // deprecation warnings
 		err  string
 	}{
-		{"default", Config{}, Balance{32, 3}, 0, ""},
-		{"balance", Config{Balance: Balance{Abs: 5, Rel: 1.5}}, Balance{5, 1.5}, 0, ""},
-		{"hot-spot", Config{HotSpot: HotSpotConfig{Abs: 4}}, Balance{4, 3}, 1, ""},
-		{"prefix", Config{Prefix: PrefixConfig{BalanceAbsThreshold: 12, BalanceRelThreshold: 2}}, Balance{12, 2}, 1, ""},
-		{"same", Config{Balance: Balance{Abs: 12}, Prefix: PrefixConfig{BalanceAbsThreshold: 12}}, Balance{12, 3}, 1, ""},
-		{"mixed", Config{HotSpot: HotSpotConfig{Rel: 2}, Prefix: PrefixConfig{BalanceAbsThreshold: 12}}, Balance{12, 2}, 2, ""},
+		{"default", Config{}, Balance{Abs: 32, Rel: 3}, 0, ""},
+		{"balance", Config{Balance: Balance{Abs: 5, Rel: 1.5}}, Balance{Abs: 5, Rel: 1.5}, 0, ""},
+		{"hot-spot", Config{HotSpot: HotSpotConfig{Abs: 4}}, Balance{Abs: 4, Rel: 3}, 1, ""},
+		{"prefix", Config{Prefix: PrefixConfig{BalanceAbsThreshold: 12, BalanceRelThreshold: 2}}, Balance{Abs: 12, Rel: 2}, 1, ""},
+		{"same", Config{Balance: Balance{Abs: 12}, Prefix: PrefixConfig{BalanceAbsThreshold: 12}}, Balance{Abs: 12, Rel: 3}, 1, ""},
+		{"mixed", Config{HotSpot: HotSpotConfig{Rel: 2}, Prefix: PrefixConfig{BalanceAbsThreshold: 12}}, Balance{Abs: 12, Rel: 2}, 2, ""},
 		{"disagree", Config{Balance: Balance{Abs: 8}, HotSpot: HotSpotConfig{Abs: 9}}, Balance{}, 1, "routing.balance.abs 8 and routing.hot_spot.abs 9 disagree"},
 		{"negative", Config{Balance: Balance{Abs: -1}}, Balance{}, 0, "routing.balance.abs -1"},
 		{"rel", Config{Balance: Balance{Rel: 0.5}}, Balance{}, 0, "routing.balance.rel 0.5"},
+		{"keep-fastest", Config{Balance: Balance{KeepFastest: true}}, Balance{Abs: 32, Rel: 3, KeepFastest: true}, 0, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if n := len(tc.cfg.Deprecated()); n != tc.dep {
@@ -60,5 +61,50 @@ func TestBalance(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// keep_fastest: the hot-spot filter keeps an overloaded candidate only while
+// its estimated TTFT is below every other candidate's that is not
+// overloaded; a tie, or a backlog that makes it slower, moves the request
+// (the rag workload's warm followers, sched/README.md "The rag and agentic
+// cells").
+func TestHotSpotKeepFastest(t *testing.T) {
+	cfg := func(keep bool) Config {
+		return Config{Policy: "h", Balance: Balance{Abs: 2, Rel: 1.5, KeepFastest: keep}, Profiles: map[string]ProfileConfig{"h": {
+			Filters: []string{FilterHotSpot},
+			Scorers: []ScorerConfig{{Type: ScorerPrecisePrefix, Weight: 0}, {Type: ScorerCost, Weight: 1}},
+		}}}
+	}
+	// A 12,800-token document (800 blocks) and a short question: endpoint 0
+	// holds the document and has 10 requests in flight, the others none.
+	doc := req(tokens(12_900, 1))
+	pool := Pool{Capacity: caps(3, 100000), Precise: fm(800, 0, 0)}
+	eps := ready(3)
+	eps[0].InFlight = 10
+	if d := newProfileT(t, cfg(false), pool).Pick(doc, eps); d.Endpoint == 0 {
+		t.Fatalf("without keep_fastest the hot endpoint stayed: %+v", d)
+	}
+	p := newProfileT(t, cfg(true), pool)
+	if d := p.Pick(doc, eps); d.Endpoint != 0 {
+		t.Fatalf("warm follower: %+v, want its hot home (100 tokens to prefill against 12,900)", d)
+	}
+	// Its home busy with 20,000 tokens of another prefill: elsewhere is sooner.
+	eps[0].PendingPrefillTokens = 20_000
+	if d := p.Pick(doc, eps); d.Endpoint == 0 {
+		t.Fatalf("warm follower behind 20,000 tokens: %+v, want an endpoint that is not hot", d)
+	}
+	// A cold prompt: every estimate equal, the tie moves it.
+	eps[0].PendingPrefillTokens = 0
+	cold := Pool{Capacity: caps(3, 100000), Precise: fm(0, 0, 0)}
+	for range 20 {
+		if d := newProfileT(t, cfg(true), cold).Pick(doc, eps); d.Endpoint == 0 {
+			t.Fatalf("cold prompt on a tie: %+v, want an endpoint that is not hot", d)
+		}
+	}
+	// The filter never empties the set and leaves a cool fleet alone.
+	c := &Cycle{p: p, Req: doc, Eps: ready(3), matched: make([]int, 3), other: make([]int, 3)}
+	if got := p.filters[0].Filter(c, []int{0, 1, 2}); !equalInts(got, []int{0, 1, 2}) {
+		t.Fatalf("no endpoint hot: %v, want all", got)
 	}
 }

@@ -445,16 +445,18 @@ func BenchmarkDecision64x1M(b *testing.B) {
 		tiered       bool
 		learn        learnMode
 		batch        bool // routing.cost.batch priced (batch70B)
+		keep         bool // routing.balance.keep_fastest, every 8th endpoint hot
 	}{
-		{"cache-aware/decide", CacheAware, false, learnOff, false},
-		{"cache-aware/decide-batch", CacheAware, false, learnOff, true},
-		{"cache-aware/pick", CacheAware, false, learnQueued, false},
-		{"cache-aware/pick+settle", CacheAware, false, learnInline, false},
-		{"cache-aware-ttft/decide", CacheAwareTTFT, false, learnOff, false},
-		{"cache-aware-ttft/pick", CacheAwareTTFT, false, learnQueued, false},
-		{"precise-prefix/decide", PrecisePrefix, false, learnOff, false},
-		{"precise-prefix/pick", PrecisePrefix, false, learnQueued, false},
-		{"precise-prefix/tiered", PrecisePrefix, true, learnOff, false},
+		{"cache-aware/decide", CacheAware, false, learnOff, false, false},
+		{"cache-aware/decide-batch", CacheAware, false, learnOff, true, false},
+		{"cache-aware/decide-keep-fastest", CacheAware, false, learnOff, false, true},
+		{"cache-aware/pick", CacheAware, false, learnQueued, false, false},
+		{"cache-aware/pick+settle", CacheAware, false, learnInline, false, false},
+		{"cache-aware-ttft/decide", CacheAwareTTFT, false, learnOff, false, false},
+		{"cache-aware-ttft/pick", CacheAwareTTFT, false, learnQueued, false, false},
+		{"precise-prefix/decide", PrecisePrefix, false, learnOff, false, false},
+		{"precise-prefix/pick", PrecisePrefix, false, learnQueued, false, false},
+		{"precise-prefix/tiered", PrecisePrefix, true, learnOff, false, false},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			pool := Pool{Capacity: caps(n, perEndpoint), Precise: px.On(prefix.MediumGPU)}
@@ -469,6 +471,15 @@ func BenchmarkDecision64x1M(b *testing.B) {
 			cfg := Config{Policy: tc.policy}
 			if tc.batch {
 				cfg = batch70B(cfg)
+			}
+			eps := eps
+			if tc.keep {
+				// Hot endpoints make the filter price every candidate.
+				cfg.Balance.KeepFastest = true
+				eps = slices.Clone(eps)
+				for e := 0; e < n; e += 8 {
+					eps[e].InFlight = 40
+				}
 			}
 			p := newProfileT(b, cfg, pool)
 			// Share the filled index with the approximate scorer (the

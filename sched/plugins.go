@@ -1,6 +1,7 @@
 package sched
 
 import (
+	"fmt"
 	"math"
 	"slices"
 	"sync"
@@ -101,18 +102,70 @@ func (adapterCapacityFilter) Filter(c *Cycle, cands []int) []int {
 
 // hotSpotFilter removes hot endpoints: those overloaded (Balance) against
 // the least-loaded candidate, which is never hot, so the set never empties.
-type hotSpotFilter struct{ cfg Balance }
+// With Balance.KeepFastest (cost non-nil) an overloaded candidate whose
+// estimated TTFT (costScorer.estimate, s) is lower than every candidate's
+// that is not overloaded stays: moving the request elsewhere could only
+// make it later by the estimate (a tie moves it),
+// e.g. a warm follower whose 12k-token document the hot endpoint holds,
+// sent to recompute it behind nothing (sched/README.md, "The rag and
+// agentic cells").
+type hotSpotFilter struct {
+	cfg  Balance
+	cost *costScorer
+}
 
 func (hotSpotFilter) Name() string { return FilterHotSpot }
+
+// newHotSpotKeepFastest is the hot-spot filter with Balance.KeepFastest,
+// its estimate the cost scorer's with the routing configuration's rate and
+// batch model.
+func newHotSpotKeepFastest(cfg Config, pcfg PrefixConfig, b Balance) (Filter, error) {
+	rate := cfg.Cost.PrefillTokensPerSecond
+	if rate == 0 {
+		rate = DefaultPrefillTokensPerSecond
+	}
+	if !(rate > 0) {
+		return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", rate)
+	}
+	batch, err := newBatchModel(cfg.Cost.Batch)
+	if err != nil {
+		return nil, err
+	}
+	return hotSpotFilter{cfg: b, cost: &costScorer{rate: rate, blockSize: pcfg.BlockSize, batch: batch}}, nil
+}
 
 func (f hotSpotFilter) Filter(c *Cycle, cands []int) []int {
 	least := math.MaxInt
 	for _, i := range cands {
 		least = min(least, c.Eps[i].InFlight)
 	}
-	out := cands[:0]
+	if f.cost == nil {
+		out := cands[:0]
+		for _, i := range cands {
+			if !f.cfg.overloaded(c.Eps[i].InFlight, least) {
+				out = append(out, i)
+			}
+		}
+		return out
+	}
+	hot := false
 	for _, i := range cands {
+		hot = hot || f.cfg.overloaded(c.Eps[i].InFlight, least)
+	}
+	if !hot {
+		return cands
+	}
+	ttft := c.scores[:len(cands)] // scratch: scores are written after the filters
+	f.cost.estimate(c, cands, ttft)
+	cool := math.Inf(1) // the lowest estimate of a candidate that is not hot
+	for k, i := range cands {
 		if !f.cfg.overloaded(c.Eps[i].InFlight, least) {
+			cool = min(cool, ttft[k])
+		}
+	}
+	out := cands[:0]
+	for k, i := range cands {
+		if !f.cfg.overloaded(c.Eps[i].InFlight, least) || ttft[k] < cool {
 			out = append(out, i)
 		}
 	}

@@ -337,6 +337,9 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint6
 	}
 	for _, fname := range pc.Filters {
 		f, err := newFilter(fname, balance)
+		if fname == FilterHotSpot && balance.KeepFastest {
+			f, err = newHotSpotKeepFastest(cfg, pcfg, balance)
+		}
 		if fname == FilterTTFTBound {
 			f, err = newTTFTBound(cfg, pcfg)
 		}
