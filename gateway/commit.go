@@ -143,6 +143,7 @@ func (g *Gateway) setHooks(st *state) {
 	for _, model := range slices.Sorted(maps.Keys(st.pools)) {
 		p := st.pools[model]
 		f, forgets := p.policy.(sched.Forgetter)
+		peers := g.replicas != nil && g.replicas.node != nil // peers' pins to drop with a forgotten slot
 		var pf sched.Forgetter
 		if p.pd != nil {
 			pf, _ = p.pd.Prefill().(sched.Forgetter)
@@ -154,13 +155,13 @@ func (g *Gateway) setHooks(st *state) {
 			gates[ep] = append(gates[ep], p.gate)
 			if forgets {
 				hooks[ep] = append(hooks[ep], func() { f.Forget(i) })
-				if fin, ok := f.(sched.PeerFinisher); ok && g.replicas != nil {
+				if fin, ok := f.(sched.PeerFinisher); ok && peers {
 					hooks[ep] = append(hooks[ep], func() { g.replicas.dropSlot(fin, i) })
 				}
 			}
 			if pf != nil {
 				hooks[ep] = append(hooks[ep], func() { pf.Forget(i) })
-				if fin, ok := pf.(sched.PeerFinisher); ok && g.replicas != nil {
+				if fin, ok := pf.(sched.PeerFinisher); ok && peers {
 					hooks[ep] = append(hooks[ep], func() { g.replicas.dropSlot(fin, i) })
 				}
 			}
