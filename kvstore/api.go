@@ -130,10 +130,11 @@ type APIConfig struct {
 	// MaxBodyBytes bounds a request body (base64 payloads included).
 	MaxBodyBytes int64
 	// MaxBodyBytesTotal bounds the bodies held in memory at once, being
-	// read or served (a request is charged its Content-Length, or
-	// MaxBodyBytes without one); one more waits up to InflightWait, then
-	// gets 503. Bodies are read whole before a serving slot is taken, so a
-	// slow sender holds only the bytes it announced.
+	// read or served (a request is charged the bytes it has sent, as they
+	// arrive); a read that finds it full waits
+	// up to InflightWait, then the request gets 503. Bodies are read whole
+	// before a serving slot is taken, so a slow sender holds only the bytes
+	// it sent, neither a slot nor the length it announced.
 	MaxBodyBytesTotal int64
 	// MaxBlocks bounds the blocks, hashes or keys of one request.
 	MaxBlocks int
@@ -281,6 +282,10 @@ func (a *API) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 // readBody reads r's body whole into memory within the byte budget
 // (MaxBodyBytesTotal) and gives it back to r; release returns the budget.
+// The budget is charged as the bytes arrive (budgetReader), not for the
+// Content-Length announced: charged up front, four connections announcing
+// 128 MiB and sending nothing held the whole 512 MiB, and every other
+// writer got 503 until the server's read timeout cut them.
 func (a *API) readBody(w http.ResponseWriter, r *http.Request) (release func(), ok bool) {
 	n := a.cfg.MaxBodyBytes
 	if r.ContentLength >= 0 {
@@ -290,28 +295,65 @@ func (a *API) readBody(w http.ResponseWriter, r *http.Request) (release func(), 
 		}
 		n = r.ContentLength
 	}
-	ctx, cancel := context.WithTimeout(r.Context(), a.cfg.InflightWait)
-	err := a.bodies.Acquire(ctx, n)
-	cancel()
-	if err != nil {
-		w.Header().Set("Retry-After", "1")
-		apiError(w, http.StatusServiceUnavailable, "busy: too many request bodies in memory")
-		return nil, false
+	br := &budgetReader{r: r.Body, sem: a.bodies, ctx: r.Context(), wait: a.cfg.InflightWait}
+	release = func() {
+		if br.held > 0 {
+			a.bodies.Release(br.held)
+			br.held = 0
+		}
 	}
-	release = func() { a.bodies.Release(n) }
-	b, err := io.ReadAll(http.MaxBytesReader(w, r.Body, n))
+	b, err := io.ReadAll(http.MaxBytesReader(w, io.NopCloser(br), n))
 	if err != nil {
 		release()
 		var mb *http.MaxBytesError
-		if errors.As(err, &mb) {
+		switch {
+		case errors.Is(err, errBodyBudget):
+			w.Header().Set("Retry-After", "1")
+			apiError(w, http.StatusServiceUnavailable, "busy: too many request bodies in memory")
+		case errors.As(err, &mb):
 			apiError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body over %d bytes", n))
-		} else {
+		default:
 			apiError(w, http.StatusBadRequest, "reading the body: "+err.Error())
 		}
 		return nil, false
 	}
 	r.Body = io.NopCloser(bytes.NewReader(b))
 	return release, true
+}
+
+// errBodyBudget is budgetReader's error when the body budget stayed full
+// for the wait.
+var errBodyBudget = errors.New("kvstore: request bodies' budget full")
+
+// budgetReaderStep is the most budgetReader reads at once.
+const budgetReaderStep = 64 << 10
+
+// budgetReader charges sem for the bytes read through it, after each read
+// of at most budgetReaderStep (waiting at most wait for them), so that a
+// sender blocked mid-body holds no budget for bytes it has not sent; held
+// is what it has charged. io.ReadAll holds at most twice what it read, so
+// the budget bounds the memory of the bodies being read within a factor of
+// two.
+type budgetReader struct {
+	r    io.Reader
+	sem  *semaphore.Weighted
+	ctx  context.Context
+	wait time.Duration
+	held int64
+}
+
+func (b *budgetReader) Read(p []byte) (int, error) {
+	n, err := b.r.Read(p[:min(len(p), budgetReaderStep)])
+	if n > 0 && !b.sem.TryAcquire(int64(n)) {
+		ctx, cancel := context.WithTimeout(b.ctx, b.wait)
+		aerr := b.sem.Acquire(ctx, int64(n))
+		cancel()
+		if aerr != nil {
+			return 0, errBodyBudget
+		}
+	}
+	b.held += int64(n)
+	return n, err
 }
 
 // decode reads r's JSON body into v, bounded.

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -199,5 +200,51 @@ func TestAPIBounds(t *testing.T) {
 	}
 	if n, err := newTestClient(t, svc).Lookup(context.Background(), "m", "", []uint64{1}); err != nil || n != 0 {
 		t.Fatalf("lookup beside slow senders: %d %v", n, err)
+	}
+}
+
+// TestAPIBodyBudgetChargedAsSent: the bodies' budget is charged for the
+// bytes a request has sent, not for the Content-Length it announced.
+// Charged up front, two connections announcing the whole budget and
+// sending one byte made every other writer wait InflightWait and get 503
+// (an attack run's finding: four connections of 128 MiB held the default
+// 512 MiB). A body that does exceed the budget still gets 503.
+func TestAPIBodyBudgetChargedAsSent(t *testing.T) {
+	const budget = 1 << 20
+	svc := startService(t, ServiceConfig{Store: Config{MemoryBytes: 1 << 20},
+		API: APIConfig{MaxBodyBytes: budget, MaxBodyBytesTotal: budget, InflightWait: 50 * time.Millisecond}})
+	for range 2 {
+		c, err := net.DialTimeout("tcp", svc.Addr().String(), wait)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.Write([]byte("POST /v1/blocks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+			strconv.Itoa(budget) + "\r\n\r\n{"))
+	}
+	cl := newTestClient(t, svc)
+	for i := range 3 {
+		if _, err := cl.Put(context.Background(), "m", "", []Block{{Hash: uint64(i + 1), Size: 5}}); err != nil {
+			t.Fatalf("put %d beside two senders that announced the whole budget: %v", i, err)
+		}
+	}
+	// A third connection sends the whole budget and stalls before its end:
+	// it holds what it sent, and a put then finds the budget full.
+	c, err := net.DialTimeout("tcp", svc.Addr().String(), wait)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.Write([]byte("POST /v1/blocks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+		strconv.Itoa(budget) + "\r\n\r\n" + strings.Repeat(" ", budget-8)))
+	for deadline := time.Now().Add(wait); ; {
+		_, err := cl.Put(context.Background(), "m", "", []Block{{Hash: 99, Size: 5}})
+		if err != nil && strings.Contains(err.Error(), "503") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a put while a sender holds the budget: %v, want 503", err)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
