@@ -297,6 +297,10 @@ func TestStalledEndpointEjected(t *testing.T) {
 	// Every request held there fails at once: let all of them retry (the
 	// default budget, 20% of those in flight, answers the rest 504).
 	cfg.Retry.BudgetPercent = 100
+	// The stalled engine answers its headers at once and is caught by
+	// first_event_timeout; the healthy ones' headers get a minute, not
+	// stallTimeout, which a loaded host (load 20) once exceeded (a 504).
+	cfg.ResponseHeaderTimeout = time.Minute
 	g, url := startGateway(t, cfg)
 	c := testClient(t)
 	ctx, cancel := contextWithCancel(t)
