@@ -64,6 +64,12 @@ type ReplicasConfig struct {
 	// that replicas take turns in a burst instead of herding
 	// (replica.Node.Turn; default true).
 	Stagger *bool `yaml:"stagger"`
+	// FinishHashes makes this replica's finishes carry the prompt's block
+	// hashes (wire kind 4, replica.AppendFinish) instead of naming their
+	// learn (kind 5, replica.AppendFinishRef; default false): for a fleet
+	// upgraded from replicas that know kind 4 and not kind 5, which count
+	// a finish_ref malformed and release the pin only at pin_ttl.
+	FinishHashes bool `yaml:"finish_hashes"`
 }
 
 // enabled reports whether the exchange is on.
@@ -182,7 +188,7 @@ func (g *Gateway) initReplicas(reg prometheus.Registerer) error {
 	}
 	count := func(outcome string, f func(*replica.Counts, *stream.Counts) uint64) {
 		cs = append(cs, prometheus.NewCounterFunc(prometheus.CounterOpts{Namespace: "infergate", Name: "replica_messages_total",
-			Help:        "Replica exchange messages by outcome: published, dropped (queue full or write failed), learn, load and finish (peers' applied), own (skipped), unknown (a pool or endpoint this replica lacks), malformed (refused), peers_full, not_message (an entry without the message field).",
+			Help:        "Replica exchange messages by outcome: published, dropped (queue full or write failed), learn, load and finish (peers' applied), finish_unmatched (of those finishes, ones that named their learn and found no pin of it here: nothing touched), own (skipped), unknown (a pool or endpoint this replica lacks), malformed (refused), peers_full, not_message (an entry without the message field).",
 			ConstLabels: prometheus.Labels{"outcome": outcome}}, func() float64 {
 			var nc *replica.Counts
 			if r.node != nil {
@@ -217,6 +223,7 @@ func (g *Gateway) initReplicas(reg prometheus.Registerer) error {
 	count("learn", node(func(n *replica.Counts) uint64 { return n.Learns.Load() }))
 	count("load", node(func(n *replica.Counts) uint64 { return n.Loads.Load() }))
 	count("finish", node(func(n *replica.Counts) uint64 { return n.Finishes.Load() }))
+	count("finish_unmatched", node(func(n *replica.Counts) uint64 { return n.FinishesUnmatched.Load() }))
 	count("own", node(func(n *replica.Counts) uint64 { return n.Own.Load() }))
 	count("unknown", node(func(n *replica.Counts) uint64 { return n.Unknown.Load() }))
 	count("malformed", node(func(n *replica.Counts) uint64 { return n.Malformed.Load() }))
@@ -350,9 +357,14 @@ func (r *replicas) learntRole(p *pool, i int, req *sched.Request, role sched.Rol
 
 // finished publishes the end of a request of pool p on slot i (every
 // attempt's, learnFinished): peers whose index learns on finish release
-// the pin its learn took there and touch the prompt (replica.AppendFinish,
-// sched.PeerFinisher). Only when p's policy learns on finish and the
-// request's learn was published (hashes, prompt tokens); it does not wait.
+// the pin its learn took there and touch the prompt (sched.PeerFinisher).
+// A plain pool's finish names its learn (replica.AppendFinishRef: ~40
+// bytes; peers touch with the hashes their pin kept), a P/D pool's, whose
+// profiles touch without pins, carries the hashes (replica.AppendFinish),
+// and so does every finish with replicas.finish_hashes (a fleet upgraded
+// from replicas that know kind 4 but not kind 5). Only when p's policy
+// learns on finish and the request's learn was published (hashes, prompt
+// tokens); it does not wait.
 func (r *replicas) finished(p *pool, i int, req *sched.Request) {
 	x := r.x.Load()
 	if x == nil || p.peers == nil || req.PromptTokens <= 0 || len(req.Hashes) == 0 || i < 0 || i >= len(p.endpoints) {
@@ -361,7 +373,11 @@ func (r *replicas) finished(p *pool, i int, req *sched.Request) {
 	if finisher(p) == nil {
 		return
 	}
-	x.Publish(replica.AppendFinish(nil, r.cfg.ID, time.Now().UnixNano(), p.model, p.endpoints[i].name, req.Hashes))
+	appendFinish := replica.AppendFinishRef
+	if p.pd != nil || r.cfg.FinishHashes {
+		appendFinish = replica.AppendFinish
+	}
+	x.Publish(appendFinish(nil, r.cfg.ID, time.Now().UnixNano(), p.model, p.endpoints[i].name, req.Hashes))
 }
 
 // learntPD publishes a P/D pool's pick (pd.go) of slot i, matched of

@@ -11,6 +11,7 @@ import (
 	"github.com/infergate/infergate/replica"
 	"github.com/infergate/infergate/sched"
 	"github.com/infergate/infergate/simserver"
+	"github.com/redis/go-redis/v9"
 )
 
 // TestReplicasShareFinish: two serve replicas of one cache-aware pool
@@ -18,7 +19,9 @@ import (
 // replica A serves publishes its learn and, when its attempt ends, its
 // finish; replica B pins each learn in its approximate index and releases
 // it at the finish: once A's requests are answered B has applied every
-// finish and holds none of A's pins.
+// finish and holds none of A's pins. A's finishes name their learn (wire
+// kind 5, finish_ref) and each found its pin on B; B, configured with
+// replicas.finish_hashes, sends its finish with the hashes (kind 4).
 func TestReplicasShareFinish(t *testing.T) {
 	srv := redistest.Start(t, 0)
 	f, err := simserver.StartFleet(2, simserver.ServerConfig{Model: "m", TimeScale: 1000})
@@ -34,7 +37,7 @@ func TestReplicasShareFinish(t *testing.T) {
 	gws := make([]string, 2)
 	for i, id := range []string{"gw-a", "gw-b"} {
 		c := cfg
-		c.Replicas = ReplicasConfig{RedisURL: srv.URL(), Stream: "finish", ID: id}
+		c.Replicas = ReplicasConfig{RedisURL: srv.URL(), Stream: "finish", ID: id, FinishHashes: id == "gw-b"}
 		gs[i], gws[i] = startGateway(t, c)
 	}
 	waitFor(t, "both exchanges up", func() bool {
@@ -60,6 +63,41 @@ func TestReplicasShareFinish(t *testing.T) {
 	}
 	if u := b.Counts.Unknown.Load(); u != 0 {
 		t.Fatalf("%d messages unknown", u)
+	}
+	if u := b.Counts.FinishesUnmatched.Load(); u != 0 {
+		t.Fatalf("%d of A's finishes found no pin", u)
+	}
+	// One request through B: A applies its finish of kind 4.
+	if a, err := chat(context.Background(), c, gws[1], pdSimPrompt("finb", 20, false)); err != nil || a.status != 200 || a.errMsg != "" {
+		t.Fatalf("request via B: %+v %v", a, err)
+	}
+	waitFor(t, "A applied B's finish", func() bool { return gs[0].replicas.node.Counts.Finishes.Load() == 1 })
+	if p, _ := gs[0].replicas.node.Pinned(); p != 0 || gs[0].replicas.node.Counts.FinishesUnmatched.Load() != 0 {
+		t.Fatalf("A holds %d of B's pins, %d unmatched", p, gs[0].replicas.node.Counts.FinishesUnmatched.Load())
+	}
+	opt, err := redis.ParseURL(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc := redis.NewClient(opt)
+	defer rc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	es, err := rc.XRange(ctx, "finish", "-", "+").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[string]int{}
+	for _, e := range es {
+		v, _ := e.Values["m"].(string)
+		var m replica.Msg
+		if err := replica.Decode([]byte(v), &m); err != nil || m.Kind != replica.KindFinish {
+			continue
+		}
+		kinds[fmt.Sprint(m.ID, " kind ", v[1], " hashes ", len(m.Hashes) > 0)]++
+	}
+	if want := map[string]int{"gw-a kind 5 hashes false": n, "gw-b kind 4 hashes true": 1}; fmt.Sprint(kinds) != fmt.Sprint(want) {
+		t.Fatalf("finishes on the stream %v, want %v", kinds, want)
 	}
 }
 

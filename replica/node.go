@@ -375,6 +375,13 @@ type Counts struct {
 	// PinsDropped counts peers' pins dropped unreleased (DropPins): their
 	// policy replaced by a reload, or their slot forgotten.
 	PinsDropped atomic.Uint64
+	// FinishesUnmatched counts finish_ref messages (a finish naming its
+	// learn, no hashes; counted in Finishes too) whose pin a profile that
+	// learns on finish did not hold, nor its hashes among the pins expired
+	// lately: the learn lost or read before this replica started, its pin
+	// expired long before or never taken (a P/D profile): nothing was
+	// touched.
+	FinishesUnmatched atomic.Uint64
 }
 
 // Node is one replica's side of the exchange: it applies its peers'
@@ -468,17 +475,36 @@ func (n *Node) finish(m *Msg) {
 		return
 	}
 	p, pslot, pok := n.Target.Resolve(m.Model, m.Endpoint, sched.RolePrefill)
+	matched := true
 	if f, ok := d.(sched.PeerFinisher); ok {
-		n.finishOne(m, f, slot)
+		matched = n.finishOne(m, f, slot)
 	}
 	if f, ok := p.(sched.PeerFinisher); ok && pok && (d == nil || p != d) {
-		n.finishOne(m, f, pslot)
+		matched = n.finishOne(m, f, pslot) && matched
 	}
 	n.Counts.Finishes.Add(1)
+	if !matched {
+		n.Counts.FinishesUnmatched.Add(1)
+	}
 }
 
-func (n *Node) finishOne(m *Msg, f sched.PeerFinisher, slot int) {
-	if !f.PinsPeers() || !n.unpin(m.ID, f, slot, m.Hashes) {
-		f.FinishPeer(slot, m.Hashes)
+// finishOne applies finish m to f's slot: the pin its learn took released
+// (the prompt touched with the pin's hashes) or, without a pin, the
+// prompt touched with the finish's own hashes; false for a finish_ref
+// (no hashes) whose pin is not held here, which has nothing to touch.
+func (n *Node) finishOne(m *Msg, f sched.PeerFinisher, slot int) bool {
+	last, blocks := m.Last, m.Blocks
+	if len(m.Hashes) > 0 {
+		last, blocks = m.Hashes[len(m.Hashes)-1], len(m.Hashes)
 	}
+	if f.PinsPeers() && n.unpin(m.ID, f, slot, last, blocks) {
+		return true
+	}
+	if len(m.Hashes) == 0 {
+		// A finish_ref: the hashes of its pin if it expired before the
+		// finish came (pins.go, ended pins).
+		return m.Blocks == 0 || n.touchEnded(m.ID, f, slot, last, blocks)
+	}
+	f.FinishPeer(slot, m.Hashes)
+	return true
 }

@@ -29,7 +29,9 @@ import (
 // MaxPinnedHashes hashes in at most MaxPins pins are kept pinned (beyond
 // either the oldest pin is released first). A finish whose pin is not found (its learn dropped, or
 // read before this replica started) touches the prompt without a release,
-// so it can never take away a pin of someone else's.
+// so it can never take away a pin of someone else's; a finish_ref (the
+// learn named, no hashes) whose pin is not found has nothing to touch with
+// and is counted (Counts.FinishesUnmatched).
 
 // DefaultPinTTL is how long a peer's pin may wait for its finish before the
 // node releases it (replicas.pin_ttl): longer than the requests a gateway
@@ -50,6 +52,20 @@ const MaxPinnedHashes = 1 << 20
 // table holds about 16 MB besides the hashes. 65,536 requests in flight on
 // a pool's peers is far beyond what a fleet runs.
 const MaxPins = 1 << 16
+
+// Ended pins: a pin released without its finish (expired: its peer was
+// silent for the load TTL, it outlived the pin TTL, or the table was
+// full) keeps its hashes here, so that a finish_ref that comes after all
+// (the peer was only slow: a stalled process, a loaded host) still touches
+// the prompt as a finish with hashes would; the oldest are forgotten
+// beyond maxEndedHashes hashes (2 MiB) or maxEnded pins. Live, on the 2-core
+// host at load ~28, 12–37% of the peers' finishes came after their pin had
+// expired as its peer's messages were held up for over a second
+// (gateway/README.md "Replicas").
+const (
+	maxEndedHashes = 1 << 18
+	maxEnded       = 4096
+)
 
 type pinKey struct {
 	peer string
@@ -78,6 +94,13 @@ type pinTable struct {
 	live   int                      // entries not done
 	heard  map[string]time.Duration // peers with pins: last heard from
 	spare  [][]uint64
+	// ended holds the hashes of pins expired without their finish, by key,
+	// endedOrder their keys in expiry order from endedHead (a key whose
+	// entry a finish took is skipped), endedHashes their hashes.
+	ended       map[pinKey][]uint64
+	endedOrder  []pinKey
+	endedHead   int
+	endedHashes int
 	// expired is when Expire last ran.
 	expired time.Duration
 }
@@ -133,16 +156,17 @@ func (n *Node) pin(id string, l sched.PeerLearner, slot int, hashes []uint64, no
 	return true
 }
 
-// unpin releases the pin of peer id's prompt hashes on slot of f, if the
-// table holds one, and reports whether it did.
-func (n *Node) unpin(id string, f sched.PeerFinisher, slot int, hashes []uint64) bool {
-	if len(hashes) == 0 {
+// unpin releases the pin of peer id's prompt of blocks hashes, the last
+// one last, on slot of f, if the table holds one, and reports whether it
+// did (a finish's hashes, or a finish_ref's name of them: the same key).
+func (n *Node) unpin(id string, f sched.PeerFinisher, slot int, last uint64, blocks int) bool {
+	if blocks <= 0 {
 		return false
 	}
 	t := &n.pins
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	k := pinKey{peer: id, l: f, slot: slot, last: hashes[len(hashes)-1], n: len(hashes)}
+	k := pinKey{peer: id, l: f, slot: slot, last: last, n: blocks}
 	es := t.byKey[k]
 	if len(es) == 0 {
 		return false
@@ -160,14 +184,75 @@ func (n *Node) unpin(id string, f sched.PeerFinisher, slot int, hashes []uint64)
 
 // release releases e's pin (called with mu held; e is still in byKey
 // unless the caller removed it).
-func (n *Node) release(e *pinEntry) {
+func (n *Node) release(e *pinEntry) { n.releaseTo(e, false) }
+
+// releaseTo releases e's pin and, with keep, keeps its hashes among the
+// ended pins for a finish_ref that may still come (called with mu held).
+func (n *Node) releaseTo(e *pinEntry, keep bool) {
 	t := &n.pins
 	e.done = true
 	e.key.l.ReleasePeer(e.key.slot, e.hashes)
 	t.hashes -= len(e.hashes)
 	t.live--
-	t.spare = append(t.spare, e.hashes)
+	if keep {
+		t.keepEnded(e.key, e.hashes)
+	} else {
+		t.spare = append(t.spare, e.hashes)
+	}
 	e.hashes = nil
+}
+
+// keepEnded keeps h, the hashes of k's pin expired without its finish,
+// forgetting the oldest ended pins beyond the bounds (called with mu held).
+func (t *pinTable) keepEnded(k pinKey, h []uint64) {
+	if _, ok := t.ended[k]; ok || len(h) > maxEndedHashes {
+		t.spare = append(t.spare, h) // the same prompt already kept: one finish touches it
+		return
+	}
+	for (t.endedHashes+len(h) > maxEndedHashes || len(t.ended) >= maxEnded) && t.endedHead < len(t.endedOrder) {
+		old := t.endedOrder[t.endedHead]
+		t.endedOrder[t.endedHead] = pinKey{}
+		t.endedHead++
+		t.forgetEnded(old)
+	}
+	if t.ended == nil {
+		t.ended = map[pinKey][]uint64{}
+	}
+	t.ended[k] = h
+	t.endedHashes += len(h)
+	if t.endedHead > 64 && 2*t.endedHead > len(t.endedOrder) {
+		n := copy(t.endedOrder, t.endedOrder[t.endedHead:])
+		clear(t.endedOrder[n:])
+		t.endedOrder, t.endedHead = t.endedOrder[:n], 0
+	}
+	t.endedOrder = append(t.endedOrder, k)
+}
+
+// forgetEnded drops k's ended hashes, if kept (called with mu held).
+func (t *pinTable) forgetEnded(k pinKey) {
+	if h, ok := t.ended[k]; ok {
+		delete(t.ended, k)
+		t.endedHashes -= len(h)
+		t.spare = append(t.spare, h)
+	}
+}
+
+// touchEnded touches, on slot of f, the prompt of peer id's pin of
+// blocks hashes ending in last that expired before its finish came, if
+// its hashes are still kept, and reports whether it did (a finish_ref's
+// fallback: FinishPeer with the hashes the pin kept).
+func (n *Node) touchEnded(id string, f sched.PeerFinisher, slot int, last uint64, blocks int) bool {
+	t := &n.pins
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	k := pinKey{peer: id, l: f, slot: slot, last: last, n: blocks}
+	h, ok := t.ended[k]
+	if !ok {
+		return false
+	}
+	f.FinishPeer(slot, h)
+	t.forgetEnded(k)
+	return true
 }
 
 // expireFront releases the oldest live pin, its finish never seen
@@ -186,7 +271,8 @@ func (n *Node) expireFront() {
 	n.Counts.PinsExpired.Add(1)
 }
 
-// drop removes e from byKey and releases it (called with mu held).
+// drop removes e from byKey and releases it, its finish never seen: its
+// hashes are kept among the ended pins (called with mu held).
 func (n *Node) drop(e *pinEntry) {
 	t := &n.pins
 	es := t.byKey[e.key]
@@ -201,7 +287,7 @@ func (n *Node) drop(e *pinEntry) {
 	} else {
 		t.byKey[e.key] = es
 	}
-	n.release(e)
+	n.releaseTo(e, true)
 }
 
 // compact drops the done entries at the front of order and, when most of
@@ -331,6 +417,12 @@ func (n *Node) DropPins(keep func(f sched.PeerFinisher, slot int) bool) int {
 		t.spare = append(t.spare, e.hashes)
 		e.hashes = nil
 		dropped++
+	}
+	for i := t.endedHead; i < len(t.endedOrder); i++ {
+		if k := t.endedOrder[i]; k.l != nil && !keep(k.l, k.slot) {
+			t.forgetEnded(k)
+			t.endedOrder[i] = pinKey{} // nor kept alive here: skipped when reached
+		}
 	}
 	t.compact()
 	n.Counts.PinsDropped.Add(uint64(dropped))

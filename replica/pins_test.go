@@ -39,6 +39,145 @@ func TestFinishRoundTrip(t *testing.T) {
 	}
 }
 
+// TestFinishRefRoundTrip: a finish_ref names its learn in a few bytes
+// whatever the prompt's length (the count and last hash after the learn's
+// MaxHashes cut), decodes as a finish without hashes, and is malformed
+// with no blocks, too many, truncated or trailing bytes. A decoder that
+// knows kinds 1–4 only (main before it) refuses kind 5 as an unknown kind.
+func TestFinishRefRoundTrip(t *testing.T) {
+	hashes := make([]uint64, MaxHashes+10)
+	for i := range hashes {
+		hashes[i] = uint64(i) * 0x9e3779b97f4a7c15
+	}
+	b := AppendFinishRef(nil, "gw-1", -5, "llama", "http://10.0.0.1:8000", hashes)
+	var m Msg
+	if err := Decode(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	if m.Kind != KindFinish || m.ID != "gw-1" || m.At != -5 || m.Model != "llama" || m.Endpoint != "http://10.0.0.1:8000" ||
+		len(m.Hashes) != 0 || m.Blocks != MaxHashes || m.Last != hashes[MaxHashes-1] {
+		t.Fatalf("decoded %+v", m)
+	}
+	if b[1] != byte(KindFinishRef) || len(b) > 60 {
+		t.Errorf("kind %d, %d bytes; want kind 5 in at most 60 bytes", b[1], len(b))
+	}
+	// Its name is the pin's key of the learn: a learn decoded from the same
+	// hashes ends in the same hash, with as many.
+	var l Msg
+	if err := Decode(AppendLearn(nil, "gw-1", 1, "llama", "e", 1, 1, hashes), &l); err != nil || len(l.Hashes) != m.Blocks || l.Hashes[len(l.Hashes)-1] != m.Last {
+		t.Fatalf("learn of %d hashes does not match the ref %d, %x: %v", len(l.Hashes), m.Blocks, m.Last, err)
+	}
+	// A message decoded after it has no name.
+	if err := Decode(AppendFinish(nil, "a", 1, "m", "e", []uint64{4}), &m); err != nil || m.Blocks != 0 || m.Last != 0 {
+		t.Fatal(err, m.Blocks, m.Last)
+	}
+	bad := map[string][]byte{
+		"truncated": b[:len(b)-1],
+		"trailing":  append(slices.Clone(b), 0),
+		"no blocks": appendFinishRef(nil, "a", 1, "m", "e", 0, 7),
+		"too many":  appendFinishRef(nil, "a", 1, "m", "e", MaxHashes+1, 7),
+		"no last":   appendFinishRef(nil, "a", 1, "m", "e", 3, 7)[:13],
+		"empty id":  appendFinishRef(nil, "", 1, "m", "e", 3, 7),
+	}
+	for name, c := range bad {
+		if err := Decode(c, &m); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%s: %v, want ErrMalformed", name, err)
+		}
+	}
+	// An old decoder's view: the kind byte is one it never knew.
+	if k := Kind(b[1]); k == KindLearn || k == KindLoad || k == KindLearnPD || k == KindFinish {
+		t.Fatalf("finish_ref reuses kind %d", k)
+	}
+}
+
+// TestPeerFinishRef: a finish_ref releases the pin its learn took, with
+// the hashes the pin kept (the prompt touched as a finish's); one whose
+// pin is not held here (a second finish, a learn never received, a
+// profile that does not pin) touches nothing and is counted unmatched.
+func TestPeerFinishRef(t *testing.T) {
+	rec := &finRec{pins: true}
+	n := &Node{ID: "a", Peers: NewPeers(time.Second), Target: finTarget{rec}}
+	h := []uint64{5, 6}
+	learn := AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, h)
+	ref := AppendFinishRef(nil, "b", 0, "m", "http://e1", h)
+	applyAll(t, n, 0, learn, ref, ref,
+		AppendFinishRef(nil, "b", 0, "m", "http://e1", []uint64{5, 7}), // another prompt: no pin
+		AppendFinishRef(nil, "c", 0, "m", "http://e1", h),              // another peer's: no pin
+		AppendFinishRef(nil, "a", 0, "m", "http://e1", h),              // own
+		AppendFinishRef(nil, "b", 0, "m", "http://e9", h))              // unknown endpoint
+	if want := []string{"pin 1 [5 6]", "release 1 [5 6]"}; !slices.Equal(rec.ops, want) {
+		t.Fatalf("ops %q, want %q", rec.ops, want)
+	}
+	c := &n.Counts
+	if c.Finishes.Load() != 4 || c.FinishesUnmatched.Load() != 3 || c.Own.Load() != 1 || c.Unknown.Load() != 1 {
+		t.Fatalf("finishes %d unmatched %d own %d unknown %d", c.Finishes.Load(), c.FinishesUnmatched.Load(), c.Own.Load(), c.Unknown.Load())
+	}
+	if p, hs := n.Pinned(); p != 0 || hs != 0 {
+		t.Fatalf("%d pins of %d hashes left", p, hs)
+	}
+	// A full finish matches the same pin, and a finish_ref the pin a full
+	// learn took: the two finishes are interchangeable on the receiver.
+	rec.ops = nil
+	applyAll(t, n, 0, learn, learn, AppendFinish(nil, "b", 0, "m", "http://e1", h), ref)
+	if want := []string{"pin 1 [5 6]", "pin 1 [5 6]", "release 1 [5 6]", "release 1 [5 6]"}; !slices.Equal(rec.ops, want) {
+		t.Fatalf("mixed ops %q, want %q", rec.ops, want)
+	}
+
+	// A profile that does not pin learns, and has nothing to touch with.
+	rec2 := &finRec{}
+	n2 := &Node{ID: "a", Peers: NewPeers(time.Second), Target: finTarget{rec2}}
+	applyAll(t, n2, 0, learn, ref)
+	if want := []string{"learn 1 [5 6]"}; !slices.Equal(rec2.ops, want) {
+		t.Fatalf("unpinned ops %q, want %q", rec2.ops, want)
+	}
+	if n2.Counts.FinishesUnmatched.Load() != 1 {
+		t.Fatalf("unmatched %d, want 1", n2.Counts.FinishesUnmatched.Load())
+	}
+}
+
+// TestFinishRefAfterExpiry: a pin expired before its finish_ref came (the
+// peer silent for the load TTL: a stalled process) keeps its hashes, and
+// the finish_ref touches the prompt with them, as a finish with hashes
+// would; once, and not after DropPins forgot the slot. Ended pins are
+// bounded.
+func TestFinishRefAfterExpiry(t *testing.T) {
+	rec := &finRec{pins: true}
+	n := &Node{ID: "a", Peers: NewPeers(time.Second), Target: finTarget{rec}}
+	h := []uint64{5, 6}
+	applyAll(t, n, 0, AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, h))
+	if got := n.Expire(2 * time.Second); got != 1 {
+		t.Fatalf("expired %d pins, want 1", got)
+	}
+	ref := AppendFinishRef(nil, "b", 0, "m", "http://e1", h)
+	applyAll(t, n, 2*time.Second, ref, ref)
+	if want := []string{"pin 1 [5 6]", "release 1 [5 6]", "touch 1 [5 6]"}; !slices.Equal(rec.ops, want) {
+		t.Fatalf("ops %q, want %q", rec.ops, want)
+	}
+	if u := n.Counts.FinishesUnmatched.Load(); u != 1 {
+		t.Fatalf("unmatched %d, want 1 (the second finish)", u)
+	}
+	// DropPins forgets the ended pins of what it drops.
+	rec.ops = nil
+	applyAll(t, n, 3*time.Second, AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, h))
+	n.Expire(5 * time.Second)
+	n.DropPins(func(sched.PeerFinisher, int) bool { return false })
+	applyAll(t, n, 5*time.Second, ref)
+	if want := []string{"pin 1 [5 6]", "release 1 [5 6]"}; !slices.Equal(rec.ops, want) {
+		t.Fatalf("after DropPins: ops %q, want %q", rec.ops, want)
+	}
+	// Bounded: many expired pins keep at most maxEnded of them.
+	for i := range maxEnded + 100 {
+		applyAll(t, n, 6*time.Second, AppendLearn(nil, "b", 0, "m", "http://e1", 32, 32, []uint64{1 << 40, uint64(i)}))
+	}
+	n.Expire(8 * time.Second)
+	n.pins.mu.Lock()
+	kept, hashes := len(n.pins.ended), n.pins.endedHashes
+	n.pins.mu.Unlock()
+	if kept != maxEnded || hashes != 2*maxEnded {
+		t.Fatalf("%d ended pins of %d hashes kept, want %d of %d", kept, hashes, maxEnded, 2*maxEnded)
+	}
+}
+
 // finRec records a PeerFinisher's calls in order.
 type finRec struct {
 	pins bool
@@ -224,8 +363,16 @@ func BenchmarkNodeApplyFinish(b *testing.B) {
 		hashes[i] = uint64(i) * 0x9e3779b97f4a7c15
 	}
 	learn := AppendLearn(nil, "b", 1, "m", "http://e", 13720, 9000, hashes)
-	fin := AppendFinish(nil, "b", 1, "m", "http://e", hashes)
-	b.SetBytes(int64(len(fin)))
+	for _, c := range []struct {
+		name string
+		fin  []byte
+	}{{"hashes", AppendFinish(nil, "b", 1, "m", "http://e", hashes)}, {"ref", AppendFinishRef(nil, "b", 1, "m", "http://e", hashes)}} {
+		b.Run(c.name, func(b *testing.B) { benchApplyFinish(b, n, learn, c.fin) })
+	}
+}
+
+func benchApplyFinish(b *testing.B, n *Node, learn, fin []byte) {
+	b.SetBytes(int64(len(learn) + len(fin)))
 	b.ReportAllocs()
 	for b.Loop() {
 		if _, err := n.Apply(learn, 0); err != nil {
@@ -241,9 +388,16 @@ func BenchmarkNodeApplyFinish(b *testing.B) {
 // blocks), on the request's end.
 func BenchmarkAppendFinish(b *testing.B) {
 	hashes := make([]uint64, 857)
-	b.ReportAllocs()
-	for b.Loop() {
-		_ = AppendFinish(nil, "gw-1", 1, "meta-llama/Llama-3.1-70B-Instruct", "http://10.0.0.1:8000", hashes)
+	for _, c := range []struct {
+		name string
+		f    func(dst []byte, id string, at int64, model, endpoint string, hashes []uint64) []byte
+	}{{"hashes", AppendFinish}, {"ref", AppendFinishRef}} {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				_ = c.f(nil, "gw-1", 1, "meta-llama/Llama-3.1-70B-Instruct", "http://10.0.0.1:8000", hashes)
+			}
+		})
 	}
 }
 

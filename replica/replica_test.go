@@ -118,6 +118,8 @@ func FuzzDecode(f *testing.F) {
 	f.Add([]byte{Version, byte(KindLearnPD), 1, 'a', 0, 9})
 	f.Add(AppendFinish(nil, "gw", 7, "m", "http://e", []uint64{1, 2, 3}))
 	f.Add([]byte{Version, byte(KindFinish), 1, 'a', 0, 1, 'm', 1, 'e', 0xff, 0xff, 0x03})
+	f.Add(AppendFinishRef(nil, "gw", 7, "m", "http://e", []uint64{1, 2, 3}))
+	f.Add([]byte{Version, byte(KindFinishRef), 1, 'a', 0, 1, 'm', 1, 'e', 0, 1, 2, 3, 4, 5, 6, 7, 8})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var m Msg
 		if err := Decode(b, &m); err != nil {
@@ -134,15 +136,24 @@ func FuzzDecode(f *testing.F) {
 			again = AppendLoad(nil, m.ID, m.At, m.Loads)
 		case KindFinish:
 			again = AppendFinish(nil, m.ID, m.At, m.Model, m.Endpoint, m.Hashes)
+			if m.Blocks > 0 { // a finish_ref
+				if len(m.Hashes) != 0 || m.Blocks > MaxHashes || b[1] != byte(KindFinishRef) {
+					t.Fatalf("finish_ref of %d blocks with %d hashes, kind %d", m.Blocks, len(m.Hashes), b[1])
+				}
+				again = appendFinishRef(nil, m.ID, m.At, m.Model, m.Endpoint, m.Blocks, m.Last)
+			}
 			if m.Prompt != 0 || m.Pending != 0 || len(m.Loads) != 0 {
 				t.Fatalf("finish with learn or load fields: %+v", m)
 			}
+		}
+		if m.Kind != KindFinish && (m.Blocks != 0 || m.Last != 0) {
+			t.Fatalf("%s with a finish_ref's name: %+v", m.Kind, m)
 		}
 		if !bytes.Equal(again, b) {
 			// Varints have non-minimal encodings Uvarint accepts; the
 			// re-encoding must decode to the same message.
 			var m2 Msg
-			if err := Decode(again, &m2); err != nil || m2.ID != m.ID || m2.At != m.At || m2.Role != m.Role || m2.Prompt != m.Prompt || m2.Pending != m.Pending || !slices.Equal(m2.Hashes, m.Hashes) || !slices.Equal(m2.Loads, m.Loads) {
+			if err := Decode(again, &m2); err != nil || m2.ID != m.ID || m2.At != m.At || m2.Blocks != m.Blocks || m2.Last != m.Last || m2.Role != m.Role || m2.Prompt != m.Prompt || m2.Pending != m.Pending || !slices.Equal(m2.Hashes, m.Hashes) || !slices.Equal(m2.Loads, m.Loads) {
 				t.Fatalf("re-encoding differs: %v %+v vs %+v", err, m2, m)
 			}
 		}

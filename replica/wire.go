@@ -28,6 +28,7 @@ import (
 //	learn_pd = role(1 byte: 1 prefill, 2 decode) learn
 //	load     = n(uvarint) n × (endpoint(string) in_flight tokens prefill (uvarints))
 //	finish   = model(string) endpoint(string) n(uvarint) n × hash(8 bytes, little endian)
+//	finish_ref = model(string) endpoint(string) n(uvarint, 1..MaxHashes) last(8 bytes, little endian)
 //
 // id is the sending replica's id, at its clock when it sent (ns; the wall
 // clock's Unix time live, simulated time in virtual time), endpoint the
@@ -45,7 +46,20 @@ import (
 // that it needs no state on the receiver and stays correct when a learn or
 // a finish is dropped or a replica restarts between the two. A replica
 // older than kind 4 counts a finish as malformed and skips it (its index
-// then orders peers' prompts by routing time, as before). Every size is bounded (the Max constants) and a message must end
+// then orders peers' prompts by routing time, as before). A finish_ref
+// (kind 5, since 2026-12-05; AppendFinishRef) is a finish that names the
+// learn it ends instead of repeating its hashes: the prompt's block count
+// and last chained hash (which names the whole chain, prefix.Hashes), about
+// 40 bytes instead of 8 per block (6.9 KB for the Mooncake mean prompt). A
+// receiver releases the pin that learn took (the pin table's key is that
+// name: peer, endpoint, last hash, count) and touches the prompt with the
+// hashes the pin kept; a receiver that holds no such pin (the learn lost,
+// read before it started, or its pin expired, or a profile that never
+// pins) has nothing to touch with and only counts it
+// (Counts.FinishesUnmatched): the cost of halving the stream's bytes is the
+// touch of a request whose learn was lost, which the index then orders by
+// its learn's time, or not at all. A replica older than kind 5 counts a
+// finish_ref as malformed and skips it. Every size is bounded (the Max constants) and a message must end
 // exactly where its body does: a hostile or corrupt stream entry is an
 // error, never a panic nor an allocation beyond len(message).
 const (
@@ -83,6 +97,10 @@ const (
 	// KindFinish: a request a replica routed to an endpoint ended there
 	// (Msg.Model, Endpoint, Hashes; AppendFinish).
 	KindFinish Kind = 4
+	// KindFinishRef: a finish that names its learn (Msg.Model, Endpoint,
+	// Blocks, Last; AppendFinishRef) instead of carrying its hashes;
+	// Decode returns it as KindFinish with Hashes empty and Blocks > 0.
+	KindFinishRef Kind = 5
 )
 
 func (k Kind) String() string {
@@ -95,6 +113,8 @@ func (k Kind) String() string {
 		return "learn_pd"
 	case KindFinish:
 		return "finish"
+	case KindFinishRef:
+		return "finish_ref"
 	}
 	return fmt.Sprintf("kind(%d)", uint8(k))
 }
@@ -124,6 +144,11 @@ type Msg struct {
 	Model, Endpoint string
 	Prompt, Pending int64
 	Hashes          []uint64
+	// Blocks and Last name a finish_ref's learn (KindFinish with Blocks >
+	// 0 and Hashes empty): the prompt's block count and its last chained
+	// block hash. Zero for every other message.
+	Blocks int
+	Last   uint64
 	// Role is the P/D profile whose pick a learn was (sched.RolePrefill or
 	// RoleDecode; RoleBoth: the pool's one policy).
 	Role sched.Role
@@ -198,6 +223,33 @@ func AppendFinish(dst []byte, id string, at int64, model, endpoint string, hashe
 	dst = appendString(dst, model, MaxModel)
 	dst = appendString(dst, endpoint, MaxEndpoint)
 	return appendHashes(dst, hashes)
+}
+
+// AppendFinishRef appends a finish_ref message to dst: the finish of the
+// request whose learn carried these hashes (the same slice: its length
+// and last hash after AppendLearn's MaxHashes cut name that learn), which
+// replica id routed to endpoint of model's pool and which ended there at
+// time at (ns). About 40 bytes whatever the prompt's length; with no
+// hashes it is AppendFinish's message (nothing to name). Peers release the
+// pin the learn took with the hashes they kept (Node.Apply); see the wire
+// format above for a peer that kept none.
+func AppendFinishRef(dst []byte, id string, at int64, model, endpoint string, hashes []uint64) []byte {
+	hashes = hashes[:min(len(hashes), MaxHashes)]
+	if len(hashes) == 0 {
+		return AppendFinish(dst, id, at, model, endpoint, nil)
+	}
+	return appendFinishRef(dst, id, at, model, endpoint, len(hashes), hashes[len(hashes)-1])
+}
+
+// appendFinishRef appends a finish_ref of a prompt of blocks (1 to
+// MaxHashes) hashes whose last is last.
+func appendFinishRef(dst []byte, id string, at int64, model, endpoint string, blocks int, last uint64) []byte {
+	dst = slices.Grow(dst, 2+len(id)+len(model)+len(endpoint)+8+5*binary.MaxVarintLen64) // one allocation
+	dst = appendHeader(dst, KindFinishRef, id, at)
+	dst = appendString(dst, model, MaxModel)
+	dst = appendString(dst, endpoint, MaxEndpoint)
+	dst = binary.AppendUvarint(dst, uint64(blocks))
+	return binary.LittleEndian.AppendUint64(dst, last)
 }
 
 // appendHashes appends n then n hashes, 8 bytes each, little endian.
@@ -280,6 +332,7 @@ func decode(b []byte, m *Msg, names Interner) error {
 	m.ID = m.recent.get(r.bytes(MaxID, "id"))
 	m.At = r.varint("time")
 	m.Model, m.Endpoint, m.Prompt, m.Pending, m.Role = "", "", 0, 0, sched.RoleBoth
+	m.Blocks, m.Last = 0, 0
 	m.Hashes, m.Loads = m.Hashes[:0], m.Loads[:0]
 	if m.Kind == KindLearnPD {
 		b := r.take(1, "role")
@@ -305,6 +358,17 @@ func decode(b []byte, m *Msg, names Interner) error {
 				break
 			}
 			m.Hashes = append(m.Hashes, binary.LittleEndian.Uint64(r.take(8, "hash")))
+		}
+	case KindFinishRef:
+		m.Kind = KindFinish
+		m.Model = m.recent.get(r.bytes(MaxModel, "model"))
+		m.Endpoint = intern(names, r.bytes(MaxEndpoint, "endpoint"))
+		n := r.uvarint("blocks")
+		if r.err == nil && (n == 0 || n > MaxHashes) {
+			r.fail("finish_ref of %d blocks, want 1 to %d", n, MaxHashes)
+		}
+		if last := r.take(8, "last hash"); r.err == nil {
+			m.Blocks, m.Last = int(n), binary.LittleEndian.Uint64(last)
 		}
 	case KindLoad:
 		n := r.count(MaxLoadEntries, 4, "load entries") // an entry takes at least 4 bytes

@@ -25,7 +25,12 @@
 # --cpu-list for the engines, and for the replicas, redis and bench, to keep
 # the fleet's steps off the cores the gateways contend for), INFERGATE
 # (a built binary; default: go build into $WORK), OUT (a folder kept for the
-# logs, records and JSON report; default: a temp dir removed at exit).
+# logs, records and JSON report; default: a temp dir removed at exit),
+# PROFILE (unset: seconds of CPU profile of every replica, taken with --pprof
+# from 5 s into the replay, kept as gwI.cpu.pprof). After the replay the script
+# prints each process's CPU seconds spent during it (utime + stime from
+# /proc/PID/stat): every replica, redis-server and the engines together,
+# and redis's bytes in and out over the run (INFO stats).
 # Arguments are passed to `infergate bench` (workload, --requests, --records,
 # --out, --max-lag ...).
 set -euo pipefail
@@ -70,7 +75,7 @@ fi
 await() {
 	local log=$1 addr=""
 	for _ in $(seq 600); do
-		addr=$(grep -o 'addr=http://[0-9.:]*' "$log" 2>/dev/null | head -1 | cut -d= -f2 || true)
+		addr=$(grep -v 'pprof listening' "$log" 2>/dev/null | grep -o 'addr=http://[0-9.:]*' | head -1 | cut -d= -f2 || true)
 		[[ -n $addr ]] && { echo "$addr"; return; }
 		sleep 0.1
 	done
@@ -99,6 +104,7 @@ fi
 
 targets=()
 gwpids=()
+pports=()
 for i in $(seq 0 $((REPLICAS - 1))); do
 	seed=$SEED
 	[[ -z $redis ]] && seed=$((SEED + i))
@@ -114,7 +120,12 @@ for i in $(seq 0 $((REPLICAS - 1))); do
 		echo "endpoints:"
 		for e in "${engines[@]}"; do echo "  - {url: \"$e\", model: $MODEL, kind: sim}"; done
 	} >"$cfg"
-	"${pin_gw[@]}" "$bin" serve -c "$cfg" --access-log=false >"$WORK/gw$i.log" 2>&1 &
+	pprof=()
+	if [[ -n ${PROFILE:-} ]]; then
+		pports[$i]=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+		pprof=(--pprof "127.0.0.1:${pports[$i]}")
+	fi
+	"${pin_gw[@]}" "$bin" serve -c "$cfg" --access-log=false "${pprof[@]}" >"$WORK/gw$i.log" 2>&1 &
 	pids+=($!)
 	gwpids+=($!)
 done
@@ -138,8 +149,38 @@ if [[ $KILL == 1 ]]; then
 	args+=(--kill-pid "${gwpids[1]}" --kill-target 1)
 fi
 echo "replicas=$REPLICAS shared=$SHARED kill=$KILL engines=$ENGINES speedup=$SPEEDUP policy=$POLICY seed=$SEED; load: $(uptime | sed 's/.*load average: //')"
+# cpu PID: its CPU seconds so far (utime + stime, /proc/PID/stat fields 14
+# and 15, in clock ticks); 0 for a process gone.
+tck=$(getconf CLK_TCK)
+cpu() { awk -v t="$tck" '{sub(/^.*\) /, ""); printf "%.2f", ($12 + $13) / t}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+cpu0=()
+for p in "${pids[@]}"; do cpu0+=("$(cpu "$p")"); done
+profpids=()
+if [[ -n ${PROFILE:-} ]]; then
+	for i in "${!pports[@]}"; do
+		(sleep 5 && curl -s --max-time $((PROFILE + 30)) -o "$WORK/gw$i.cpu.pprof" \
+			"http://127.0.0.1:${pports[$i]}/debug/pprof/profile?seconds=$PROFILE") &
+		profpids+=($!)
+	done
+fi
 rc=0
 "${pin_gw[@]}" "$bin" "${args[@]}" "$@" || rc=$?
+for p in "${profpids[@]}"; do wait "$p" || true; done
+sims=0
+for k in "${!pids[@]}"; do
+	d=$(awk -v a="${cpu0[$k]}" -v b="$(cpu "${pids[$k]}")" 'BEGIN{printf "%.2f", b - a}')
+	if [[ $k -lt $ENGINES ]]; then sims=$(awk -v a="$sims" -v b="$d" 'BEGIN{printf "%.2f", a + b}'); continue; fi
+	name=redis
+	for g in "${!gwpids[@]}"; do [[ ${gwpids[$g]} == "${pids[$k]}" ]] && name=replica$g; done
+	echo "cpu seconds during the replay: $name $d"
+done
+echo "cpu seconds during the replay: engines $sims"
+if [[ -n $redis ]]; then
+	# The stream's traffic over the whole run (XADDs in, XREADs out) and
+	# its entries: bytes per request = in / requests.
+	redis-cli -p "$port" info stats | tr -d '\r' | awk -F: '/^total_net_(input|output)_bytes/{printf "redis %s %s\n", $1, $2}'
+	echo "redis stream entries: $(redis-cli -p "$port" xlen live | tr -d '\r')"
+fi
 # The replicas' own metrics (the exchange, the stagger's waits), kept with
 # OUT: a killed replica has none.
 for i in "${!targets[@]}"; do curl -s --max-time 10 "${targets[$i]}/metrics" >"$WORK/gw$i.metrics" || true; done

@@ -352,15 +352,21 @@ func (f *Fleet) learntPD(rp *rep, pdd sched.PDDecision, t time.Duration) {
 }
 
 // finishedPeers sends the end of request k on engine i, whose prompt has
-// hashes h, to its replica's peers (replica.AppendFinish), as the
-// gateway's learnFinished publishes it: they touch the prompt as the
-// engine's free queue takes its blocks (sched.PeerFinisher).
+// hashes h, to its replica's peers, as the gateway's learnFinished
+// publishes it: they release the pin its learn took and touch the prompt
+// as the engine's free queue takes its blocks (sched.PeerFinisher). A
+// plain pool names the learn (replica.AppendFinishRef), a P/D pool, whose
+// profiles never pin, sends the hashes (replica.AppendFinish).
 func (f *Fleet) finishedPeers(k, i int, h []uint64, t time.Duration) {
 	if !f.rx.on {
 		return
 	}
 	rp := f.reps[f.owner[k]]
-	f.post(replica.AppendFinish(nil, rp.id, int64(t), f.cfg.Model, rp.snap[i].Name, h), t)
+	appendFinish := replica.AppendFinishRef
+	if rp.pd != nil {
+		appendFinish = replica.AppendFinish
+	}
+	f.post(appendFinish(nil, rp.id, int64(t), f.cfg.Model, rp.snap[i].Name, h), t)
 }
 
 // post puts b in transit to every live replica, its sender included: a
