@@ -18,6 +18,10 @@ import (
 func TestSessionAffinity(t *testing.T) {
 	engines := []*fakeEngine{newFakeEngine(t, "e0"), newFakeEngine(t, "e1"), newFakeEngine(t, "e2"), newFakeEngine(t, "e3")}
 	cfg := testConfig("sticky", engines...)
+	// No health probes: one that timed out on a loaded host (load 13)
+	// took a home out of rotation, its sessions forgotten with it, and
+	// moved a session mid-test.
+	cfg.HealthCheckPath = healthCheckOff
 	cfg.Routing.Profiles = map[string]sched.ProfileConfig{"sticky": {
 		Scorers: []sched.ScorerConfig{{Type: sched.ScorerSession, Weight: 1}},
 	}}
