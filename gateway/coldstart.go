@@ -443,11 +443,12 @@ func (c *committedStream) end() {
 		return
 	}
 	body := bytes.TrimSpace(c.buf)
-	var probe struct {
-		Error json.RawMessage `json:"error"`
-	}
+	// A map, not a struct: encoding/json matches a struct's field names
+	// case-insensitively, and a body of {"erroR":{}} was relayed as if it
+	// held the "error" member clients look for.
+	var probe map[string]json.RawMessage
 	var compact bytes.Buffer
-	if json.Unmarshal(body, &probe) != nil || len(probe.Error) == 0 || json.Compact(&compact, body) != nil {
+	if json.Unmarshal(body, &probe) != nil || len(probe["error"]) == 0 || json.Compact(&compact, body) != nil {
 		e := openai.NewError(http.StatusBadGateway, "the engine answered status "+strconv.Itoa(c.status)+": "+string(body), "", openai.CodeUpstream)
 		body, _ = json.Marshal(openai.ErrorResponse{Error: e})
 	} else {
