@@ -120,18 +120,11 @@ func (hotSpotFilter) Name() string { return FilterHotSpot }
 // its estimate the cost scorer's with the routing configuration's rate and
 // batch model.
 func newHotSpotKeepFastest(cfg Config, pcfg PrefixConfig, b Balance) (Filter, error) {
-	rate := cfg.Cost.PrefillTokensPerSecond
-	if rate == 0 {
-		rate = DefaultPrefillTokensPerSecond
-	}
-	if !(rate > 0) {
-		return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", rate)
-	}
-	batch, err := newBatchModel(cfg.Cost.Batch)
+	cost, err := newCostScorer(cfg, pcfg)
 	if err != nil {
 		return nil, err
 	}
-	return hotSpotFilter{cfg: b, cost: &costScorer{rate: rate, blockSize: pcfg.BlockSize, batch: batch}}, nil
+	return hotSpotFilter{cfg: b, cost: cost}, nil
 }
 
 func (f hotSpotFilter) Filter(c *Cycle, cands []int) []int {
@@ -435,6 +428,26 @@ type costScorer struct {
 	// (batch.go): the step in progress, the memory floor of each step and
 	// the decodes riding in it.
 	batch batchModel
+}
+
+// newCostScorer is the cost scorer of the routing configuration: its
+// prefill rate (cost.prefill_tokens_per_second, tokens/s; 0 takes
+// DefaultPrefillTokensPerSecond) and batch model (cost.batch), blocks of
+// pcfg.BlockSize tokens. The cost scorer, the ttft scorer and the filters
+// that price TTFT (ttft-bound, hot-spot's keep_fastest) share it.
+func newCostScorer(cfg Config, pcfg PrefixConfig) (*costScorer, error) {
+	rate := cfg.Cost.PrefillTokensPerSecond
+	if rate == 0 {
+		rate = DefaultPrefillTokensPerSecond
+	}
+	if !(rate > 0) {
+		return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", rate)
+	}
+	batch, err := newBatchModel(cfg.Cost.Batch)
+	if err != nil {
+		return nil, err
+	}
+	return &costScorer{rate: rate, blockSize: pcfg.BlockSize, batch: batch}, nil
 }
 
 func (*costScorer) Name() string { return ScorerCost }

@@ -461,18 +461,7 @@ func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfi
 	case ScorerTTFT:
 		return newTTFTScorer(cfg, pcfg)
 	case ScorerCost:
-		rate := cfg.Cost.PrefillTokensPerSecond
-		if rate == 0 {
-			rate = DefaultPrefillTokensPerSecond
-		}
-		if rate < 0 || rate != rate {
-			return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", rate)
-		}
-		batch, err := newBatchModel(cfg.Cost.Batch)
-		if err != nil {
-			return nil, err
-		}
-		return &costScorer{rate: rate, blockSize: pcfg.BlockSize, batch: batch}, nil
+		return newCostScorer(cfg, pcfg)
 	}
 	return nil, fmt.Errorf("unknown scorer %q (want prefix, precise-prefix, queue, kv-utilization, in-flight-tokens, session, lora, cost, ttft, %s)", name, peerPluginsScorer)
 }

@@ -85,12 +85,12 @@ func newTTFTScorer(cfg Config, pcfg PrefixConfig) (*ttftScorer, error) {
 	if !(work >= 0) || math.IsInf(work, 0) {
 		return nil, fmt.Errorf("ttft.work_weight %g must be >= 0 and finite", work)
 	}
-	rate := cfg.Cost.PrefillTokensPerSecond
-	if rate == 0 {
-		rate = DefaultPrefillTokensPerSecond
+	cost, err := newCostScorer(cfg, pcfg)
+	if err != nil {
+		return nil, err
 	}
-	if !(rate > 0) || math.IsInf(rate, 0) {
-		return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", rate)
+	if math.IsInf(cost.rate, 0) {
+		return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", cost.rate)
 	}
 	block := DefaultTTFTBlockWeight
 	if b := cfg.TTFT.BlockWeight; b != nil {
@@ -99,11 +99,7 @@ func newTTFTScorer(cfg Config, pcfg PrefixConfig) (*ttftScorer, error) {
 	if !(block >= 0) || math.IsInf(block, 0) {
 		return nil, fmt.Errorf("ttft.block_weight %g must be >= 0 and finite", block)
 	}
-	batch, err := newBatchModel(cfg.Cost.Batch)
-	if err != nil {
-		return nil, err
-	}
-	return &ttftScorer{cost: &costScorer{rate: rate, blockSize: pcfg.BlockSize, batch: batch}, work: work, block: block, minGain: pcfg.MinMatchGain}, nil
+	return &ttftScorer{cost: cost, work: work, block: block, minGain: pcfg.MinMatchGain}, nil
 }
 
 func (*ttftScorer) Name() string { return ScorerTTFT }

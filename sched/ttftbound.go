@@ -48,18 +48,11 @@ func newTTFTBound(cfg Config, pcfg PrefixConfig) (Filter, error) {
 	if !(slack >= 0) || math.IsInf(slack, 0) {
 		return nil, fmt.Errorf("ttft_bound.slack %g must be >= 0 and finite", slack)
 	}
-	rate := cfg.Cost.PrefillTokensPerSecond
-	if rate == 0 {
-		rate = DefaultPrefillTokensPerSecond
-	}
-	if !(rate > 0) {
-		return nil, fmt.Errorf("cost.prefill_tokens_per_second %g must be > 0", rate)
-	}
-	batch, err := newBatchModel(cfg.Cost.Batch)
+	cost, err := newCostScorer(cfg, pcfg)
 	if err != nil {
 		return nil, err
 	}
-	return ttftBoundFilter{cost: &costScorer{rate: rate, blockSize: pcfg.BlockSize, batch: batch}, slack: slack}, nil
+	return ttftBoundFilter{cost: cost, slack: slack}, nil
 }
 
 func (ttftBoundFilter) Name() string { return FilterTTFTBound }
