@@ -190,16 +190,39 @@ func (n *Node) release(e *pinEntry) { n.releaseTo(e, false) }
 // ended pins for a finish_ref that may still come (called with mu held).
 func (n *Node) releaseTo(e *pinEntry, keep bool) {
 	t := &n.pins
-	e.done = true
 	e.key.l.ReleasePeer(e.key.slot, e.hashes)
+	if h := t.retire(e); keep {
+		t.keepEnded(e.key, h)
+	} else {
+		t.spare = append(t.spare, h)
+	}
+}
+
+// retire marks e done, takes its hashes out of the count and returns them
+// (called with mu held).
+func (t *pinTable) retire(e *pinEntry) []uint64 {
+	e.done = true
 	t.hashes -= len(e.hashes)
 	t.live--
-	if keep {
-		t.keepEnded(e.key, e.hashes)
-	} else {
-		t.spare = append(t.spare, e.hashes)
-	}
+	h := e.hashes
 	e.hashes = nil
+	return h
+}
+
+// unlink removes e from byKey (called with mu held).
+func (t *pinTable) unlink(e *pinEntry) {
+	es := t.byKey[e.key]
+	for i, x := range es {
+		if x == e {
+			es = append(es[:i:i], es[i+1:]...)
+			break
+		}
+	}
+	if len(es) == 0 {
+		delete(t.byKey, e.key)
+	} else {
+		t.byKey[e.key] = es
+	}
 }
 
 // keepEnded keeps h, the hashes of k's pin expired without its finish,
@@ -274,19 +297,7 @@ func (n *Node) expireFront() {
 // drop removes e from byKey and releases it, its finish never seen: its
 // hashes are kept among the ended pins (called with mu held).
 func (n *Node) drop(e *pinEntry) {
-	t := &n.pins
-	es := t.byKey[e.key]
-	for i, x := range es {
-		if x == e {
-			es = append(es[:i:i], es[i+1:]...)
-			break
-		}
-	}
-	if len(es) == 0 {
-		delete(t.byKey, e.key)
-	} else {
-		t.byKey[e.key] = es
-	}
+	n.pins.unlink(e)
 	n.releaseTo(e, true)
 }
 
@@ -398,24 +409,9 @@ func (n *Node) DropPins(keep func(f sched.PeerFinisher, slot int) bool) int {
 		if e.done || keep(e.key.l, e.key.slot) {
 			continue
 		}
-		es := t.byKey[e.key]
-		for j, x := range es {
-			if x == e {
-				es = append(es[:j:j], es[j+1:]...)
-				break
-			}
-		}
-		if len(es) == 0 {
-			delete(t.byKey, e.key)
-		} else {
-			t.byKey[e.key] = es
-		}
-		e.done = true
+		t.unlink(e)
+		t.spare = append(t.spare, t.retire(e))
 		e.key.l = nil // the policy is not kept alive by a dropped pin
-		t.hashes -= len(e.hashes)
-		t.live--
-		t.spare = append(t.spare, e.hashes)
-		e.hashes = nil
 		dropped++
 	}
 	for i := t.endedHead; i < len(t.endedOrder); i++ {
