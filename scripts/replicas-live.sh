@@ -26,6 +26,7 @@
 # the fleet's steps off the cores the gateways contend for), INFERGATE
 # (a built binary; default: go build into $WORK), OUT (a folder kept for the
 # logs, records and JSON report; default: a temp dir removed at exit),
+# SCRAPE_INTERVAL (unset: the gateway's scrape_interval, 1s),
 # PROFILE (unset: seconds of CPU profile of every replica, taken with --pprof
 # from 5 s into the replay, kept as gwI.cpu.pprof). After the replay the script
 # prints each process's CPU seconds spent during it (utime + stime from
@@ -115,6 +116,7 @@ for i in $(seq 0 $((REPLICAS - 1))); do
 		# (a probe timing out measures the host's load), a long connect.
 		echo "health_check_path: \"-\""
 		echo "connect_timeout: 1m"
+		[[ -n ${SCRAPE_INTERVAL:-} ]] && echo "scrape_interval: $SCRAPE_INTERVAL"
 		echo "routing: {policy: $POLICY, seed: $seed, prefix: {block_size: 16}}"
 		[[ -n $redis ]] && echo "replicas: {redis_url: \"$redis\", stream: live, id: gw-$i, load_interval: $LOAD_INTERVAL, stagger: $STAGGER}"
 		echo "endpoints:"
