@@ -212,10 +212,15 @@ func (s *preciseScorer) Score(c *Cycle, cands []int, scores []float64) {
 	// GPU's from the precise index.
 	gpu := c.MatchedBy(s.src)
 	least := math.Inf(1)
+	priced := c.p.tierWeights == nil
 	for k, i := range cands {
 		n := tb[i]
 		n[0] = min(gpu[i], n[0]+n[1]+n[2]+n[3]) // the precise GPU match, under the split's reach
-		scores[k] = c.tierCredit(i, n)
+		if priced && n[1]|n[2]|n[3] == 0 {
+			scores[k] = float64(n[0]) // tierCredit's: the GPU's blocks only, no price to work out
+		} else {
+			scores[k] = c.tierCredit(i, n)
+		}
 		least = min(least, scores[k])
 	}
 	total := float64(len(c.Req.Hashes))
@@ -539,26 +544,42 @@ func (s *costScorer) tierHit(c *Cycle, i int, matched []int, tb [][NumTiers]int)
 // over the candidates when they have no prefill rate of their own and
 // two when every one has, as estimatePlain: the pass prices with the
 // configured rate while it finds whether every candidate has its own.
-// An endpoint whose split is the GPU's alone costs no tier pricing
-// (tierCredit, loadSeconds). Until 2026-12-06 it was estimateWork's
+// An endpoint whose split is the GPU's alone is priced inline, as
+// estimatePlain prices a match (no tier credit, no load time: its
+// estimate adds a load of 0.0, which changes nothing but a −0 the
+// positive own term rules out). Until 2026-12-06 it was estimateWork's
 // general path: a pass for the rates' check, one for the hits and one for
 // the TTFT, each over every candidate (at 1,000 endpoints about a fifth
 // of the tiered precise pick, BenchmarkDecisionPrecise1000x1M).
 func (s *costScorer) estimateTiers(c *Cycle, cands []int, ttft []float64, tb [][NumTiers]int, p, work, block float64) {
+	if s.tierPass(c, cands, ttft, tb, p, work, block, false) {
+		s.tierPass(c, cands, ttft, tb, p, work, block, true)
+	}
+}
+
+// tierPass is one pass of estimateTiers, at the configured rate or, with
+// own, at each candidate's; it reports whether every candidate has a
+// prefill rate of its own.
+func (s *costScorer) tierPass(c *Cycle, cands []int, ttft []float64, tb [][NumTiers]int, p, work, block float64, own bool) (known bool) {
 	priced := c.p.tierWeights == nil
-	known := true
+	plain := priced && !s.batch.on()
+	b := float64(s.blockSize)
+	known = true
 	for k, i := range cands {
 		ep := &c.Eps[i]
 		known = known && ep.PrefillTokensPerSecond > 0
-		ttft[k] = s.tierSeconds(c, ep, i, tb[i], priced, p, s.rate, work, block)
+		rate := s.rate
+		if own {
+			rate = ep.PrefillTokensPerSecond
+		}
+		n := tb[i]
+		if plain && n[1]|n[2]|n[3] == 0 { // seconds' formula, its GPU hit only
+			ttft[k] = (float64(ep.PendingPrefillTokens) + (1+work+block*float64(ep.InFlight))*max(1, p-b*float64(n[0]))) / rate
+			continue
+		}
+		ttft[k] = s.tierSeconds(c, ep, i, n, priced, p, rate, work, block)
 	}
-	if !known {
-		return
-	}
-	for k, i := range cands {
-		ep := &c.Eps[i]
-		ttft[k] = s.tierSeconds(c, ep, i, tb[i], priced, p, ep.PrefillTokensPerSecond, work, block)
-	}
+	return known
 }
 
 // tierSeconds is estimateTiers' TTFT of endpoint i (ep) with tier split n
@@ -566,11 +587,14 @@ func (s *costScorer) estimateTiers(c *Cycle, cands []int, ttft []float64, tb [][
 // the load time of its lower-tier part.
 func (s *costScorer) tierSeconds(c *Cycle, ep *Endpoint, i int, n [NumTiers]int, priced bool, p, rate, work, block float64) float64 {
 	var hit, load float64
-	if priced {
+	switch {
+	case !priced:
+		hit = c.tierCredit(i, n)
+	case n[1]|n[2]|n[3] == 0:
+		hit = float64(n[0]) // the GPU's blocks only: nothing to load (loadSeconds' 0)
+	default:
 		hit = float64(n[0] + n[1] + n[2] + n[3])
 		load = c.loadSeconds(i, n)
-	} else {
-		hit = c.tierCredit(i, n)
 	}
 	return s.seconds(ep, max(1, p-float64(s.blockSize)*hit), rate, work, block) + load
 }
