@@ -903,25 +903,29 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 		return
 	}
 	if len(s.groups) == 1 {
-		s.groups[0].match(hashes, m, matched, nil)
+		s.groups[0].match(hashes, m, matched, nil, false)
 		return
 	}
 	// More than one group: the lengths the first group that holds the
 	// prompt's first block found (at most maxHints of them: a shared
 	// system prompt's end is usually every group's) are where the others
-	// are cut first, two lookups each, before they bisect what is left.
+	// are cut first, before they bisect what is left. When every endpoint
+	// of that group held the first block (lead: a prefix the pool shares),
+	// the others read the cuts before the prompt's ends: two lookups for a
+	// group whose endpoints all stop at the hint, against four (matchBisect).
 	var hints [maxHints]int
-	nh := -1
+	nh, lead := -1, false
 	for g := range s.groups {
 		lo := g * MaxEndpoints
 		if lo >= n {
 			break
 		}
 		hi := min(n, lo+MaxEndpoints)
-		found := s.groups[g].match(hashes, m, matched[lo:hi], hints[:max(nh, 0)])
+		found := s.groups[g].match(hashes, m, matched[lo:hi], hints[:max(nh, 0)], lead)
 		if nh < 0 && found {
-			nh = 0
+			nh, lead = 0, true
 			for _, k := range matched[lo:hi] {
+				lead = lead && k > 0
 				if k > 0 && k < len(hashes) && !slices.Contains(hints[:nh], k) {
 					if nh == maxHints {
 						nh = 0 // too many lengths to be worth the lookups
@@ -931,22 +935,24 @@ func (ix *PreciseIndex) Match(hashes []uint64, m Medium, matched []int) {
 					nh++
 				}
 			}
+			lead = lead && nh > 0
 		}
 	}
 }
 
 // match is Match of one group: matched has an entry, zeroed, for each of
 // the group's first len(matched) endpoints (at most 64; bit e of its masks
-// for matched[e]). The bisection cuts first at hints (lengths). It reports
-// whether an endpoint bisected holds the prompt's first block.
-func (g *preciseGroup) match(hashes []uint64, m Medium, matched []int, hints []int) (found bool) {
+// for matched[e]). The bisection cuts first at hints (lengths), read
+// before the prompt's ends when lead (matchBisect). It reports whether an
+// endpoint bisected holds the prompt's first block.
+func (g *preciseGroup) match(hashes []uint64, m Medium, matched []int, hints []int, lead bool) (found bool) {
 	if g.bits[m].Load() == 0 {
 		return false // the group holds nothing in m
 	}
 	alive := ^uint64(0) >> (64 - len(matched))
 	holey := g.holey[m].Load() & alive
 	if closed := alive &^ holey; closed != 0 {
-		found = g.matchBisect(hashes, m, matched, closed, hints)
+		found = g.matchBisect(hashes, m, matched, closed, hints, lead)
 	}
 	if holey != 0 {
 		matchLinear(hashes, matched, holey, func(h uint64) uint64 { return g.lookup(m, h) })
@@ -967,7 +973,7 @@ func (ix *PreciseIndex) MatchEndpoint(hashes []uint64, m Medium, e int) int {
 	lo := g * MaxEndpoints
 	hi := min(s.n, lo+MaxEndpoints)
 	one := buf[:hi-lo]
-	s.groups[g].match(hashes, m, one, nil)
+	s.groups[g].match(hashes, m, one, nil, false)
 	return one[e-lo]
 }
 
@@ -1031,20 +1037,20 @@ func (g *preciseGroup) matchPast(hashes []uint64, m Medium, from, matched []int)
 	}
 	if nf < 0 {
 		if closed != 0 {
-			g.matchBisect(hashes, m, matched, closed, nil)
+			g.matchBisect(hashes, m, matched, closed, nil, false)
 		}
 	} else {
 		for i, f := range floors[:nf] {
 			switch {
 			case f >= len(hashes): // nothing past the prompt: 0 stands
 			case f == 0:
-				g.matchBisect(hashes, m, matched, sets[i], nil)
+				g.matchBisect(hashes, m, matched, sets[i], nil, false)
 			default:
 				past := g.lookup(m, hashes[f]) & sets[i]
 				if past == 0 {
 					continue
 				}
-				g.matchBisect(hashes[f:], m, matched, past, nil)
+				g.matchBisect(hashes[f:], m, matched, past, nil, false)
 				for s := past; s != 0; s &= s - 1 {
 					matched[bits.TrailingZeros64(s)] += f
 				}
@@ -1077,7 +1083,7 @@ func (ix *PreciseIndex) MatchTiers(hashes []uint64, matched [][NumMedia]int) {
 			part := one[:hi-lo]
 			clear(part)
 			if len(hashes) > 0 {
-				s.groups[g].match(hashes, m, part, nil)
+				s.groups[g].match(hashes, m, part, nil, false)
 			}
 			for e := range part {
 				matched[lo+e][m] = part[e]
@@ -1131,15 +1137,70 @@ func (g *preciseGroup) lookup(m Medium, h uint64) uint64 {
 // read in between are clamped between their neighbours', which only
 // matters when updates run concurrently. It reports whether an endpoint of
 // set holds the first block.
-func (g *preciseGroup) matchBisect(hashes []uint64, m Medium, matched []int, set uint64, hints []int) bool {
-	m0 := g.lookup(m, hashes[0]) & set
-	if m0 == 0 {
-		return false
-	}
+//
+// The prompt's first and last blocks are read first, and the cuts only
+// when some endpoint holds the one and not the other; with lead (the
+// hints are a prefix every endpoint of an earlier group held) the cuts
+// are read first, in order, and the first block only when the first cut
+// is not held by all of set, the last only when the last cut is held by
+// some: a prefix-closed endpoint holds every block before one it holds and
+// none after one it lacks, so the answer is the same (Match: a pool
+// sharing a system prompt then costs two lookups a group, not four).
+func (g *preciseGroup) matchBisect(hashes []uint64, m Medium, matched []int, set uint64, hints []int, lead bool) bool {
 	last := len(hashes) - 1
-	mN := m0
-	if last > 0 {
-		mN = g.lookup(m, hashes[last]) & m0
+	// The cuts, in order: c_1 < c_2 < ... strictly inside (0, last).
+	var cuts [2 * maxHints]int
+	nc := 0
+	for _, h := range hints {
+		for _, c := range [2]int{h - 1, h} {
+			if c > 0 && c < last && !slices.Contains(cuts[:nc], c) {
+				cuts[nc] = c
+				nc++
+			}
+		}
+	}
+	slices.Sort(cuts[:nc])
+	// masks[i] is the mask at cuts[i], clamped between its neighbours'.
+	var masks [2 * maxHints]uint64
+	var m0, mN uint64
+	if lead && nc > 0 {
+		prev := set
+		for i, c := range cuts[:nc] {
+			if prev != 0 {
+				prev &= g.lookup(m, hashes[c])
+			}
+			masks[i] = prev
+		}
+		m0 = masks[0]
+		if m0 != set {
+			m0 |= g.lookup(m, hashes[0]) & set
+		}
+		if m0 == 0 {
+			return false
+		}
+		if masks[nc-1] != 0 {
+			mN = g.lookup(m, hashes[last]) & masks[nc-1]
+		}
+		for i := range masks[:nc] {
+			masks[i] |= mN
+		}
+	} else {
+		m0 = g.lookup(m, hashes[0]) & set
+		if m0 == 0 {
+			return false
+		}
+		mN = m0
+		if last > 0 {
+			mN = g.lookup(m, hashes[last]) & m0
+		}
+		if m0 == mN {
+			nc = 0 // every endpoint holding the first block holds the prompt
+		}
+		prev := m0
+		for i, c := range cuts[:nc] {
+			masks[i] = g.lookup(m, hashes[c])&prev | mN
+			prev = masks[i]
+		}
 	}
 	for s := mN; s != 0; s &= s - 1 {
 		matched[bits.TrailingZeros64(s)] = len(hashes)
@@ -1151,38 +1212,18 @@ func (g *preciseGroup) matchBisect(hashes []uint64, m Medium, matched []int, set
 	var stack [64 + 2*maxHints]span // depth ≤ log2(len(hashes)) + 1, and the hints' spans
 	k := 0
 	lo, hi, mlo, mhi := 0, last, m0, mN
-	if len(hints) > 0 && m0 != mN {
-		// The cuts, in order: c_1 < c_2 < ... strictly inside (0, last),
-		// each one's mask clamped between its neighbours'. The spans
-		// between them go on the stack, the first is bisected now.
-		var cuts [2 * maxHints]int
-		nc := 0
-		for _, h := range hints {
-			for _, c := range [2]int{h - 1, h} {
-				if c > 0 && c < last && !slices.Contains(cuts[:nc], c) {
-					cuts[nc] = c
-					nc++
-				}
-			}
+	// The spans between the cuts go on the stack, the first is bisected
+	// now.
+	for i := nc - 1; i >= 0; i-- {
+		end, mend := last, mN
+		if i+1 < nc {
+			end, mend = cuts[i+1], masks[i+1]
 		}
-		slices.Sort(cuts[:nc])
-		var masks [2 * maxHints]uint64
-		prev := m0
-		for i, c := range cuts[:nc] {
-			masks[i] = g.lookup(m, hashes[c])&prev | mN
-			prev = masks[i]
-		}
-		for i := nc - 1; i >= 0; i-- {
-			end, mend := last, mN
-			if i+1 < nc {
-				end, mend = cuts[i+1], masks[i+1]
-			}
-			stack[k] = span{cuts[i], end, masks[i], mend}
-			k++
-		}
-		if nc > 0 {
-			hi, mhi = cuts[0], masks[0]
-		}
+		stack[k] = span{cuts[i], end, masks[i], mend}
+		k++
+	}
+	if nc > 0 {
+		hi, mhi = cuts[0], masks[0]
 	}
 	for {
 		for mlo != mhi {

@@ -876,7 +876,9 @@ func benchPreciseMatch(b *testing.B, eps int) {
 // prefixes of one prompt, each group's lengths drawn from its own small
 // set (so the hints are right for some groups, wrong or partial for
 // others), some endpoints with a hole; every endpoint's match must be the
-// leading blocks it holds.
+// leading blocks it holds. In odd rounds every endpoint holds a shared
+// prefix too (a system prompt), so that the first group's hints are a
+// lead (matchBisect reads the cuts first) in most of them.
 func TestPreciseMatchHintsAgainstModel(t *testing.T) {
 	const n, blocks = 300, 100
 	rng := rand.New(rand.NewPCG(7, 8))
@@ -884,9 +886,14 @@ func TestPreciseMatchHintsAgainstModel(t *testing.T) {
 	eng := preciseEngineKeys(toks, 0)
 	req := Hashes(nil, toks, 16, 0)
 	m := make([]int, n)
-	for round := range 40 {
+	leads := 0
+	for round := range 80 {
 		ix, _ := NewPreciseIndex(n, 16)
 		want := make([]int, n)
+		shared := 0
+		if round%2 == 1 {
+			shared = 1 + rng.IntN(blocks/2)
+		}
 		for g := range 5 {
 			set := make([]int, 1+rng.IntN(6)) // 1-6 lengths: within or past maxHints
 			for i := range set {
@@ -897,6 +904,7 @@ func TestPreciseMatchHintsAgainstModel(t *testing.T) {
 				if rng.IntN(4) == 0 {
 					k = rng.IntN(blocks + 1)
 				}
+				k = max(k, shared)
 				want[e] = k
 				if k > 0 {
 					preciseStore(t, ix, e, MediumGPU, eng[:k], 0, false, toks[:16*k], 0)
@@ -909,6 +917,9 @@ func TestPreciseMatchHintsAgainstModel(t *testing.T) {
 			}
 		}
 		for _, q := range [][]uint64{req, req[:1+rng.IntN(blocks)]} {
+			if leadOf(want, len(q)) {
+				leads++
+			}
 			ix.Match(q, MediumGPU, m)
 			for e := range n {
 				if w := min(want[e], len(q)); m[e] != w {
@@ -917,4 +928,22 @@ func TestPreciseMatchHintsAgainstModel(t *testing.T) {
 			}
 		}
 	}
+	if leads < 40 {
+		t.Fatalf("%d queries had a lead: the cuts-first reading is barely tested", leads)
+	}
+}
+
+// leadOf reports whether Match of a q-block query over endpoints holding
+// want[e] leading blocks reads its later groups' cuts first: every endpoint
+// of the first group holding the first block holds it, and some stops
+// inside the query (a hint).
+func leadOf(want []int, q int) bool {
+	for lo := 0; lo < len(want); lo += MaxEndpoints {
+		grp := want[lo:min(len(want), lo+MaxEndpoints)]
+		if !slices.ContainsFunc(grp, func(k int) bool { return k > 0 }) {
+			continue
+		}
+		return !slices.Contains(grp, 0) && slices.ContainsFunc(grp, func(k int) bool { return k < q })
+	}
+	return false
 }

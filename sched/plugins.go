@@ -212,10 +212,15 @@ func (s *preciseScorer) Score(c *Cycle, cands []int, scores []float64) {
 	// GPU's from the precise index.
 	gpu := c.MatchedBy(s.src)
 	least := math.Inf(1)
+	priced := c.p.tierWeights == nil
 	for k, i := range cands {
 		n := tb[i]
 		n[0] = min(gpu[i], n[0]+n[1]+n[2]+n[3]) // the precise GPU match, under the split's reach
-		scores[k] = c.tierCredit(i, n, c.rate(i))
+		if priced && n[1]|n[2]|n[3] == 0 {
+			scores[k] = float64(n[0]) // tierCredit's: the GPU's blocks only, no price to work out
+		} else {
+			scores[k] = c.tierCredit(i, n)
+		}
 		least = min(least, scores[k])
 	}
 	total := float64(len(c.Req.Hashes))
@@ -480,8 +485,12 @@ func (s *costScorer) estimateWork(c *Cycle, cands []int, ttft []float64, work, b
 	matched := c.Matched()
 	p := float64(c.Req.PromptTokens)
 	tb := c.TierBlocks()
-	if tb == nil && minGain == 0 {
-		s.estimatePlain(c, cands, ttft, matched, p, work, block)
+	if minGain == 0 {
+		if tb == nil {
+			s.estimatePlain(c, cands, ttft, matched, p, work, block)
+		} else {
+			s.estimateTiers(c, cands, ttft, tb, p, work, block)
+		}
 		return
 	}
 	// Per-endpoint rates only when every candidate has one: a fleet half
@@ -494,19 +503,8 @@ func (s *costScorer) estimateWork(c *Cycle, cands []int, ttft []float64, work, b
 	// Pass 1: each candidate's hit (blocks, tier-credited), into ttft.
 	least := math.Inf(1)
 	for k, i := range cands {
-		if known {
-			rate = c.Eps[i].PrefillTokensPerSecond
-		}
-		hit := float64(matched[i])
-		switch {
-		case tb != nil && c.p.tierWeights != nil:
-			hit = c.tierCredit(i, tb[i], rate) // fixed credits, no load time
-		case tb != nil:
-			n := tb[i]
-			hit = float64(n[0] + n[1] + n[2] + n[3])
-		}
-		ttft[k] = hit
-		least = min(least, hit)
+		ttft[k] = s.tierHit(c, i, matched, tb)
+		least = min(least, ttft[k])
 	}
 	floor := minGain * float64(len(c.Req.Hashes))
 	for k, i := range cands {
@@ -524,6 +522,81 @@ func (s *costScorer) estimateWork(c *Cycle, cands []int, ttft []float64, work, b
 		own := max(1, p-float64(s.blockSize)*hit)
 		ttft[k] = s.seconds(ep, own, rate, work, block) + load
 	}
+}
+
+// tierHit is candidate i's hit in blocks for the estimate: its matched
+// blocks without tiers (tb nil), the fixed tier credits of the profile's
+// tier_weights, else every block its tier split supplies (the lower
+// tiers' priced by their load time instead, loadSeconds).
+func (s *costScorer) tierHit(c *Cycle, i int, matched []int, tb [][NumTiers]int) float64 {
+	switch {
+	case tb == nil:
+		return float64(matched[i])
+	case c.p.tierWeights != nil:
+		return c.tierCredit(i, tb[i]) // fixed credits, no load time
+	}
+	n := tb[i]
+	return float64(n[0] + n[1] + n[2] + n[3])
+}
+
+// estimateTiers is estimateWork with tiers and without minGain (the cost
+// scorer's case with Pool.Tiers), the same TTFT to the bit in one pass
+// over the candidates when they have no prefill rate of their own and
+// two when every one has, as estimatePlain: the pass prices with the
+// configured rate while it finds whether every candidate has its own.
+// An endpoint whose split is the GPU's alone is priced inline, as
+// estimatePlain prices a match (no tier credit, no load time: its
+// estimate adds a load of 0.0, which changes nothing but a −0 the
+// positive own term rules out). Until 2026-12-06 it was estimateWork's
+// general path: a pass for the rates' check, one for the hits and one for
+// the TTFT, each over every candidate (at 1,000 endpoints about a fifth
+// of the tiered precise pick, BenchmarkDecisionPrecise1000x1M).
+func (s *costScorer) estimateTiers(c *Cycle, cands []int, ttft []float64, tb [][NumTiers]int, p, work, block float64) {
+	if s.tierPass(c, cands, ttft, tb, p, work, block, false) {
+		s.tierPass(c, cands, ttft, tb, p, work, block, true)
+	}
+}
+
+// tierPass is one pass of estimateTiers, at the configured rate or, with
+// own, at each candidate's; it reports whether every candidate has a
+// prefill rate of its own.
+func (s *costScorer) tierPass(c *Cycle, cands []int, ttft []float64, tb [][NumTiers]int, p, work, block float64, own bool) (known bool) {
+	priced := c.p.tierWeights == nil
+	plain := priced && !s.batch.on()
+	b := float64(s.blockSize)
+	known = true
+	for k, i := range cands {
+		ep := &c.Eps[i]
+		known = known && ep.PrefillTokensPerSecond > 0
+		rate := s.rate
+		if own {
+			rate = ep.PrefillTokensPerSecond
+		}
+		n := tb[i]
+		if plain && n[1]|n[2]|n[3] == 0 { // seconds' formula, its GPU hit only
+			ttft[k] = (float64(ep.PendingPrefillTokens) + (1+work+block*float64(ep.InFlight))*max(1, p-b*float64(n[0]))) / rate
+			continue
+		}
+		ttft[k] = s.tierSeconds(c, ep, i, n, priced, p, rate, work, block)
+	}
+	return known
+}
+
+// tierSeconds is estimateTiers' TTFT of endpoint i (ep) with tier split n
+// at prefill rate (tokens/s): seconds of its uncached part plus, priced,
+// the load time of its lower-tier part.
+func (s *costScorer) tierSeconds(c *Cycle, ep *Endpoint, i int, n [NumTiers]int, priced bool, p, rate, work, block float64) float64 {
+	var hit, load float64
+	switch {
+	case !priced:
+		hit = c.tierCredit(i, n)
+	case n[1]|n[2]|n[3] == 0:
+		hit = float64(n[0]) // the GPU's blocks only: nothing to load (loadSeconds' 0)
+	default:
+		hit = float64(n[0] + n[1] + n[2] + n[3])
+		load = c.loadSeconds(i, n)
+	}
+	return s.seconds(ep, max(1, p-float64(s.blockSize)*hit), rate, work, block) + load
 }
 
 // seconds is one candidate's estimate without its tiers' load time: the

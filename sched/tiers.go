@@ -290,8 +290,9 @@ func (t *Tiers) extendGroup(hashes []uint64, out [][NumTiers]int, g, maxBlocks i
 
 // tierCredit is the matched blocks endpoint e is credited with from its
 // tier split n: Σ_t w_t · n_t with the profile's fixed weights, or priced
-// weights (Tiers) at prefill rate (tokens/s) when the profile has none.
-func (c *Cycle) tierCredit(e int, n [NumTiers]int, rate float64) float64 {
+// weights (Tiers) at e's prefill rate (Cycle.rate, tokens/s, read only
+// when n has a lower-tier block) when the profile has none.
+func (c *Cycle) tierCredit(e int, n [NumTiers]int) float64 {
 	if w := c.p.tierWeights; w != nil {
 		s := 0.0
 		for t, k := range n {
@@ -303,7 +304,7 @@ func (c *Cycle) tierCredit(e int, n [NumTiers]int, rate float64) float64 {
 	if n[prefix.MediumCPU]|n[prefix.MediumDisk]|n[prefix.MediumRemote] == 0 {
 		return s // the GPU's blocks only: no price to work out
 	}
-	perBlock := float64(c.p.blockSize) / rate // prefill seconds a block costs
+	perBlock := float64(c.p.blockSize) / c.rate(e) // prefill seconds a block costs
 	for t := 1; t < NumTiers; t++ {
 		if n[t] == 0 {
 			continue
