@@ -18,6 +18,7 @@ type metrics struct {
 	decide         prometheus.Observer
 	panics         prometheus.Counter
 	protocolErrors prometheus.Counter
+	timeouts       *prometheus.CounterVec
 }
 
 // decideBuckets are the decision's durations (seconds): 10 µs to 10 s (a
@@ -38,13 +39,16 @@ func newMetrics(reg Registerer) (*metrics, error) {
 		protocolErrors: prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_epp_protocol_errors_total",
 			Help: "ext_proc streams ended for a message out of order or unknown."}),
 	}
+	m.timeouts = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "infergate_epp_stream_timeouts_total",
+		Help: "ext_proc streams ended for a wait: send (the proxy read no response within write_timeout), answer (no message of the answer within response_header_timeout, first_event_timeout or stream_idle_timeout, as serve bounds the engine; counted 504), end (the stream not ended within stream_idle_timeout of the answer's end)."},
+		[]string{"wait"})
 	h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: "infergate_epp_decision_seconds",
 		Help: "Time from the request's end of body to its pick (admission queueing included).", Buckets: decideBuckets})
 	m.decide = h
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.streams, m.refused, m.decisions, h, m.panics, m.protocolErrors} {
+	for _, c := range []prometheus.Collector{m.streams, m.refused, m.decisions, h, m.panics, m.protocolErrors, m.timeouts} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("epp: register metrics: %w", err)
 		}

@@ -210,6 +210,11 @@ func (g *Gateway) StripsClientPDParams() bool { return g.cfg.PD.ClientParams != 
 // for its request to be routed.
 func (g *Gateway) BodyReadTimeout() time.Duration { return g.cfg.BodyReadTimeout }
 
+// WriteTimeout bounds one write of an answer to a client (write_timeout;
+// negative: none); the endpoint picker bounds with it a send to the proxy
+// that the proxy does not read.
+func (g *Gateway) WriteTimeout() time.Duration { return g.cfg.WriteTimeout }
+
 // eppKind is the API of a request to path: the routes the gateway serves
 // (route, routePassthrough) that are sent to an engine with a body.
 func eppKind(method, path string) (apiKind, bool) {
@@ -556,6 +561,37 @@ func (pk *Picked) Served(addr string) {
 		}
 		return
 	}
+}
+
+// AnswerTimeout bounds the wait for the proxy's next message about the
+// answer, as serve bounds the same wait on the engine: before the response
+// headers response_header_timeout (a non-streaming completion's headers
+// come when it is done), an event stream before its first output event
+// first_event_timeout (queueing and prefill), otherwise, and once the
+// answer has ended (only the stream's end is awaited),
+// stream_idle_timeout.
+func (pk *Picked) AnswerTimeout() time.Duration {
+	c := &pk.g.cfg
+	switch r := &pk.resp; {
+	case pk.finished || pk.p == nil:
+		return c.StreamIdleTimeout
+	case !r.headers:
+		return c.ResponseHeaderTimeout
+	case r.sse && !r.pass && r.last.IsZero():
+		return c.FirstEventTimeout
+	}
+	return c.StreamIdleTimeout
+}
+
+// Expire ends a request whose answer stopped arriving (AnswerTimeout
+// passed): counted 504, as serve counts an engine's silence, and released
+// as Done releases it.
+func (pk *Picked) Expire() {
+	if !pk.done && !pk.finished && pk.p != nil {
+		pk.finished = true
+		pk.g.count(nil, pk.rm, http.StatusGatewayTimeout)
+	}
+	pk.Done()
 }
 
 // Done ends the request: one whose answer did not end (the stream went
