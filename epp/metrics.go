@@ -30,7 +30,7 @@ func newMetrics(reg Registerer) (*metrics, error) {
 		streams: prometheus.NewGauge(prometheus.GaugeOpts{Name: "infergate_epp_streams",
 			Help: "ext_proc streams open (one per request through the proxy)."}),
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "infergate_epp_decisions_total",
-			Help: "Endpoint picker decisions by result: picked, or the status of the immediate response (400, 404, 408: the body not received within body_read_timeout, 413, 429, 503, 499: the stream went away while queued), too_large, buffer_full, timeout (no request headers within body_read_timeout)."},
+			Help: "Endpoint picker decisions by result: picked, or the status of the immediate response (400, 404, 408: the body not received within body_read_timeout, 413, 415: an encoded body, 429, 431: headers over max_header_bytes, 503, 499: the stream went away while queued), too_large, buffer_full, timeout (no request headers within body_read_timeout)."},
 			[]string{"result"}),
 		refused: prometheus.NewCounter(prometheus.CounterOpts{Name: "infergate_epp_streams_refused_total",
 			Help: "ext_proc streams refused with RESOURCE_EXHAUSTED: --max-streams were open already."}),

@@ -102,7 +102,10 @@ type Server struct {
 	// writeTimeout bounds one batch of sends the proxy does not read
 	// (write_timeout; <= 0: none).
 	writeTimeout time.Duration
-	m            *metrics
+	// maxHeader bounds a request's headers (max_header_bytes, counted as
+	// Gateway.RefuseHeaders counts them); over it: 431.
+	maxHeader int
+	m         *metrics
 }
 
 // Options configures a Server beyond the gateway's own configuration.
@@ -168,7 +171,7 @@ func New(g *gateway.Gateway, cfg gateway.EPPConfig, o Options) (*Server, error) 
 		o.MaxStreams = DefaultMaxStreams
 	}
 	return &Server{g: g, hooks: cfg.ConformanceTestHooks, maxBody: g.MaxBodyBytes(),
-		bodyTimeout: g.BodyReadTimeout(), writeTimeout: g.WriteTimeout(), remove: remove, budget: o.MaxBufferedBytes, maxStreams: int64(o.MaxStreams), m: m}, nil
+		bodyTimeout: g.BodyReadTimeout(), writeTimeout: g.WriteTimeout(), maxHeader: g.MaxHeaderBytes(), remove: remove, budget: o.MaxBufferedBytes, maxStreams: int64(o.MaxStreams), m: m}, nil
 }
 
 // Register registers the service on gs.
@@ -466,11 +469,18 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) ([]*extprocv3.Proces
 // without body is picked at once.
 func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3.HttpHeaders) []*extprocv3.ProcessingResponse {
 	x.start = time.Now()
-	x.header = make(http.Header, len(h.GetHeaders().GetHeaders()))
+	x.phase = phaseBody
 	size := 0
 	for _, hv := range h.GetHeaders().GetHeaders() {
+		size += len(hv.GetKey()) + len(headerValue(hv)) + 4
+	}
+	if size > x.s.maxHeader { // before a map of them is made
+		x.s.m.decisions.WithLabelValues("431").Inc()
+		return x.immediate(x.s.g.RefuseHeaders(size, nil))
+	}
+	x.header = make(http.Header, len(h.GetHeaders().GetHeaders()))
+	for _, hv := range h.GetHeaders().GetHeaders() {
 		k, v := hv.GetKey(), headerValue(hv)
-		size += len(k) + len(v)
 		switch k {
 		case ":method":
 			x.method = v
@@ -485,7 +495,10 @@ func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3
 	if i := strings.IndexByte(x.path, '?'); i >= 0 {
 		x.path = x.path[:i]
 	}
-	x.phase = phaseBody
+	if r := x.s.g.RefuseHeaders(size, x.header); r != nil { // a Content-Encoding: 415 before any body is held
+		x.s.m.decisions.WithLabelValues(strconv.Itoa(r.Status)).Inc()
+		return x.immediate(r)
+	}
 	if out := x.reserve(int64(size)); out != nil {
 		return out // the headers, held until the stream ends, count as its body does
 	}

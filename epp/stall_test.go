@@ -132,6 +132,7 @@ func TestHeadersInBufferBudget(t *testing.T) {
 	urls := startEngines(t, 1)
 	cfg := testConfig(sched.Prefix, urls...)
 	cfg.BodyReadTimeout = 2 * time.Second // the failure's bound, not a timing claim
+	cfg.MaxHeaderBytes = 2 << 20          // the budget's refusal, not max_header_bytes' (TestHeaderLimits)
 	tp := startPicker(t, cfg, Options{MaxBufferedBytes: 1 << 20})
 	pad := strings.Repeat("p", 600<<10)
 	first := tp.open(t)
@@ -352,4 +353,61 @@ func TestRoutedStreamWaitsBounded(t *testing.T) {
 		return tp.inFlight(t) == 0 && tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
 	})
 	requireGoroutinesBack(t, before, 2)
+}
+
+// TestHeaderLimits: a request's headers are refused as serve refuses them,
+// at the request-headers phase, before any of them or its body is held:
+// 431 request_header_too_large over max_header_bytes (counted as an
+// HTTP/1.1 header block: name, value and 4 bytes a field), 415 for a
+// Content-Encoding. (The attack: 20 streams each sending 400,000 one-byte
+// headers in a 3.95 MB message were charged 1.6 MB each in the buffer
+// budget and took the picker from 110 MB to 2.19 GB RSS; a gzip body was
+// answered 400 "not valid UTF-8" after being buffered whole.)
+func TestHeaderLimits(t *testing.T) {
+	urls := startEngines(t, 1)
+	cfg := testConfig(sched.Prefix, urls...)
+	cfg.MaxHeaderBytes = 4096
+	tp := startPicker(t, cfg, Options{})
+	var kv []string
+	for range 700 { // 700 × (1 + 1 + 4) = 4,200 bytes with the pseudo-headers
+		kv = append(kv, "a", "b")
+	}
+	s := tp.open(t)
+	s.headers("POST", "/v1/chat/completions", false, nil, kv...)
+	if code, body := s.immediate(); code != 431 || !strings.Contains(body, `"code":"request_header_too_large"`) {
+		t.Fatalf("700 headers: %d %s, want 431 request_header_too_large", code, body)
+	}
+	if b := tp.srv.Buffered(); b != 0 {
+		t.Fatalf("%d bytes buffered for refused headers", b)
+	}
+	s.cancel()
+
+	s = tp.open(t) // within the limit
+	s.headers("POST", "/v1/chat/completions", false, nil, kv[:1000]...)
+	s.body(chatBody(100, "within"), true)
+	s.routed(true)
+	s.cancel()
+
+	for _, ce := range []string{"gzip", "identity, br"} {
+		s = tp.open(t)
+		s.headers("POST", "/v1/chat/completions", false, nil, "content-encoding", ce)
+		if code, body := s.immediate(); code != 415 || !strings.Contains(body, "Content-Encoding") {
+			t.Fatalf("content-encoding %s: %d %s, want 415", ce, code, body)
+		}
+		s.cancel()
+	}
+	s = tp.open(t) // identity is no encoding
+	s.headers("POST", "/v1/chat/completions", false, nil, "content-encoding", "identity")
+	s.body(chatBody(100, "identity"), true)
+	s.routed(true)
+	s.cancel()
+	if n := tp.counter(t, "infergate_epp_decisions_total", "result", "431"); n != 1 {
+		t.Fatalf("%v decisions 431, want 1", n)
+	}
+	if n := tp.counter(t, "infergate_epp_decisions_total", "result", "415"); n != 2 {
+		t.Fatalf("%v decisions 415, want 2", n)
+	}
+	waitFor(t, "every stream released", func() bool {
+		return tp.inFlight(t) == 0 && tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
+	})
 }
