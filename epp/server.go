@@ -132,8 +132,9 @@ type Options struct {
 const DefaultMaxBufferedBytes = 1 << 30
 
 // DefaultMaxStreams is Options.MaxStreams's default: each open stream
-// costs two goroutines (a few KiB of stacks) besides the bytes it buffers
-// (MaxBufferedBytes bounds those), so 16,384 streams are ~100 MiB at most.
+// costs three goroutines (Process, serve, receive: a few KiB of stacks)
+// besides the bytes it buffers (MaxBufferedBytes bounds those), so 16,384
+// streams are ~150 MiB at most.
 const DefaultMaxStreams = 16384
 
 // Validate reports a negative bound (a flag's typo, which used to mean
