@@ -99,7 +99,13 @@ type Server struct {
 	// refused with ResourceExhausted.
 	open       atomic.Int64
 	maxStreams int64
-	m          *metrics
+	// writeTimeout bounds one batch of sends the proxy does not read
+	// (write_timeout; <= 0: none).
+	writeTimeout time.Duration
+	// maxHeader bounds a request's headers (max_header_bytes, counted as
+	// Gateway.RefuseHeaders counts them); over it: 431.
+	maxHeader int
+	m         *metrics
 }
 
 // Options configures a Server beyond the gateway's own configuration.
@@ -126,8 +132,9 @@ type Options struct {
 const DefaultMaxBufferedBytes = 1 << 30
 
 // DefaultMaxStreams is Options.MaxStreams's default: each open stream
-// costs two goroutines (a few KiB of stacks) besides the bytes it buffers
-// (MaxBufferedBytes bounds those), so 16,384 streams are ~100 MiB at most.
+// costs three goroutines (Process, serve, receive: a few KiB of stacks)
+// besides the bytes it buffers (MaxBufferedBytes bounds those), so 16,384
+// streams are ~150 MiB at most.
 const DefaultMaxStreams = 16384
 
 // Validate reports a negative bound (a flag's typo, which used to mean
@@ -165,7 +172,7 @@ func New(g *gateway.Gateway, cfg gateway.EPPConfig, o Options) (*Server, error) 
 		o.MaxStreams = DefaultMaxStreams
 	}
 	return &Server{g: g, hooks: cfg.ConformanceTestHooks, maxBody: g.MaxBodyBytes(),
-		bodyTimeout: g.BodyReadTimeout(), remove: remove, budget: o.MaxBufferedBytes, maxStreams: int64(o.MaxStreams), m: m}, nil
+		bodyTimeout: g.BodyReadTimeout(), writeTimeout: g.WriteTimeout(), maxHeader: g.MaxHeaderBytes(), remove: remove, budget: o.MaxBufferedBytes, maxStreams: int64(o.MaxStreams), m: m}, nil
 }
 
 // Register registers the service on gs.
@@ -175,15 +182,36 @@ func (s *Server) Register(gs *grpc.Server) { extprocv3.RegisterExternalProcessor
 func (s *Server) Buffered() int64 { return s.buffered.Load() }
 
 // Process implements ExternalProcessorServer: one request's phases, in the
-// order Envoy sends them.
-func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err error) {
+// order Envoy sends them. The stream is served on a goroutine of its own
+// (serve) so that a send the proxy does not read can be abandoned: past
+// write_timeout (the gateway's bound on one write to a client) Process
+// returns DeadlineExceeded, which ends the stream and with it the blocked
+// Send; serve then releases what the stream held.
+func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 	if n := s.open.Add(1); n > s.maxStreams {
 		s.open.Add(-1)
 		s.m.refused.Inc()
 		return status.Errorf(codes.ResourceExhausted, "epp: %d ext_proc streams open already (--max-streams)", s.maxStreams)
 	}
-	defer s.open.Add(-1)
-	x := &exchange{s: s, ctx: stream.Context()}
+	w := newSendWatch(s.writeTimeout)
+	done := make(chan error, 1)
+	go func() {
+		defer s.open.Add(-1)
+		done <- s.serve(stream, w)
+	}()
+	select {
+	case err := <-done:
+		w.stop()
+		return err
+	case <-w.stuck:
+		s.m.timeouts.WithLabelValues("send").Inc()
+		return status.Errorf(codes.DeadlineExceeded, "epp: the proxy read no response for %s (write_timeout)", s.writeTimeout)
+	}
+}
+
+// serve runs one stream's exchange until it ends.
+func (s *Server) serve(stream extprocv3.ExternalProcessor_ProcessServer, w *sendWatch) (err error) {
+	x := &exchange{s: s, ctx: stream.Context(), w: w}
 	s.m.streams.Inc()
 	defer func() {
 		if v := recover(); v != nil {
@@ -195,8 +223,10 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 		s.m.streams.Dec()
 	}()
 	// The messages are received on a goroutine of their own, so that a
-	// stream that stalls before its request is routed can be ended: it
-	// has s.bodyTimeout from its start (serve's body_read_timeout).
+	// stream that stalls can be ended: before its request is routed it has
+	// s.bodyTimeout from its start (serve's body_read_timeout); once routed,
+	// each wait for the proxy's next message is bounded as serve bounds
+	// the engine's answer (Picked.AnswerTimeout).
 	in := make(chan received, 1)
 	go receive(stream, in)
 	stall := time.NewTimer(s.bodyTimeout)
@@ -219,12 +249,10 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 		}
 		out, herr := x.handle(req)
 		if x.phase == phaseRouted {
-			stall.Stop() // the answer takes what it takes: the proxy's timeouts
+			stall.Reset(x.picked.AnswerTimeout())
 		}
-		for _, r := range out {
-			if serr := stream.Send(r); serr != nil {
-				return nil
-			}
+		if !x.send(stream, out) {
+			return nil
 		}
 		if herr != nil {
 			s.m.protocolErrors.Inc()
@@ -232,6 +260,60 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 		}
 	}
 }
+
+// send sends out in order, each Send watched by x.w; false when the stream
+// failed (the proxy went away, or Process gave up on a stalled send).
+func (x *exchange) send(stream extprocv3.ExternalProcessor_ProcessServer, out []*extprocv3.ProcessingResponse) bool {
+	if len(out) == 0 {
+		return true
+	}
+	x.w.arm()
+	defer x.w.disarm()
+	for _, r := range out {
+		if err := stream.Send(r); err != nil {
+			return false
+		}
+	}
+	return true
+}
+
+// sendWatch bounds a stream's sends: armed around them, it signals stuck
+// once they have taken d (d <= 0: never). grpc's Send blocks while the
+// proxy's HTTP/2 flow-control window is full and only the end of the
+// stream ends that wait.
+type sendWatch struct {
+	t     *time.Timer
+	d     time.Duration
+	stuck chan struct{} // a value once a send took d
+}
+
+func newSendWatch(d time.Duration) *sendWatch {
+	w := &sendWatch{d: d, stuck: make(chan struct{}, 1)}
+	if d > 0 {
+		w.t = time.AfterFunc(d, func() {
+			select {
+			case w.stuck <- struct{}{}:
+			default:
+			}
+		})
+		w.t.Stop()
+	}
+	return w
+}
+
+func (w *sendWatch) arm() {
+	if w.t != nil {
+		w.t.Reset(w.d)
+	}
+}
+
+func (w *sendWatch) disarm() {
+	if w.t != nil {
+		w.t.Stop()
+	}
+}
+
+func (w *sendWatch) stop() { w.disarm() }
 
 // received is one stream.Recv's result.
 type received struct {
@@ -255,11 +337,14 @@ func receive(stream extprocv3.ExternalProcessor_ProcessServer, in chan<- receive
 	}
 }
 
-// stalled ends a stream whose request was not routed within
-// s.bodyTimeout: one whose body was awaited is answered 408 as serve
-// answers a body not received in time; one without headers ends with
-// DeadlineExceeded; one already answered (an immediate response the
-// proxy kept the stream open after) just ends.
+// stalled ends a stream that waited too long for the proxy's next
+// message. Before its request was routed (s.bodyTimeout from its start):
+// one whose body was awaited is answered 408 as serve answers a body not
+// received in time; one without headers ends with DeadlineExceeded; one
+// already answered (an immediate response the proxy kept the stream open
+// after) just ends. A routed one whose answer stopped arriving
+// (Picked.AnswerTimeout) ends with DeadlineExceeded, the request counted
+// 504; one whose answer had ended just ends.
 func (x *exchange) stalled(stream extprocv3.ExternalProcessor_ProcessServer) error {
 	switch x.phase {
 	case phaseHeaders:
@@ -267,12 +352,17 @@ func (x *exchange) stalled(stream extprocv3.ExternalProcessor_ProcessServer) err
 		return status.Errorf(codes.DeadlineExceeded, "epp: no request headers within %s", x.s.bodyTimeout)
 	case phaseBody:
 		x.s.m.decisions.WithLabelValues("408").Inc()
-		for _, r := range x.immediate(x.s.g.Refuse(openai.NewError(http.StatusRequestTimeout,
-			fmt.Sprintf("The request body was not received within %s.", x.s.bodyTimeout), "", "request_timeout"))) {
-			if err := stream.Send(r); err != nil {
-				break
-			}
+		x.send(stream, x.immediate(x.s.g.Refuse(openai.NewError(http.StatusRequestTimeout,
+			fmt.Sprintf("The request body was not received within %s.", x.s.bodyTimeout), "", "request_timeout"))))
+	case phaseRouted:
+		d := x.picked.AnswerTimeout()
+		if x.respDone {
+			x.s.m.timeouts.WithLabelValues("end").Inc()
+			return nil
 		}
+		x.s.m.timeouts.WithLabelValues("answer").Inc()
+		x.picked.Expire()
+		return status.Errorf(codes.DeadlineExceeded, "epp: no message of the answer for %s", d)
 	}
 	return nil
 }
@@ -291,6 +381,7 @@ const (
 type exchange struct {
 	s      *Server
 	ctx    context.Context
+	w      *sendWatch
 	phase  phase
 	start  time.Time
 	method string
@@ -379,11 +470,18 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) ([]*extprocv3.Proces
 // without body is picked at once.
 func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3.HttpHeaders) []*extprocv3.ProcessingResponse {
 	x.start = time.Now()
-	x.header = make(http.Header, len(h.GetHeaders().GetHeaders()))
+	x.phase = phaseBody
 	size := 0
 	for _, hv := range h.GetHeaders().GetHeaders() {
+		size += len(hv.GetKey()) + len(headerValue(hv)) + 4
+	}
+	if size > x.s.maxHeader { // before a map of them is made
+		x.s.m.decisions.WithLabelValues("431").Inc()
+		return x.immediate(x.s.g.RefuseHeaders(size, nil))
+	}
+	x.header = make(http.Header, len(h.GetHeaders().GetHeaders()))
+	for _, hv := range h.GetHeaders().GetHeaders() {
 		k, v := hv.GetKey(), headerValue(hv)
-		size += len(k) + len(v)
 		switch k {
 		case ":method":
 			x.method = v
@@ -398,7 +496,10 @@ func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3
 	if i := strings.IndexByte(x.path, '?'); i >= 0 {
 		x.path = x.path[:i]
 	}
-	x.phase = phaseBody
+	if r := x.s.g.RefuseHeaders(size, x.header); r != nil { // a Content-Encoding: 415 before any body is held
+		x.s.m.decisions.WithLabelValues(strconv.Itoa(r.Status)).Inc()
+		return x.immediate(r)
+	}
 	if out := x.reserve(int64(size)); out != nil {
 		return out // the headers, held until the stream ends, count as its body does
 	}

@@ -1,12 +1,17 @@
 package epp
 
 import (
+	"context"
+	"io"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/infergate/infergate/gateway"
@@ -127,6 +132,7 @@ func TestHeadersInBufferBudget(t *testing.T) {
 	urls := startEngines(t, 1)
 	cfg := testConfig(sched.Prefix, urls...)
 	cfg.BodyReadTimeout = 2 * time.Second // the failure's bound, not a timing claim
+	cfg.MaxHeaderBytes = 2 << 20          // the budget's refusal, not max_header_bytes' (TestHeaderLimits)
 	tp := startPicker(t, cfg, Options{MaxBufferedBytes: 1 << 20})
 	pad := strings.Repeat("p", 600<<10)
 	first := tp.open(t)
@@ -197,4 +203,211 @@ func TestClientPrefillerHeaderRemoved(t *testing.T) {
 			t.Fatalf("%s: x-prefiller-host-port removed %v (answer %v)", mode, removed, r)
 		}
 	}
+}
+
+// counter is the value of the metric family name's sample whose labels
+// include all of want (name=value pairs) in tp's registry.
+func (tp *testPicker) counter(t testing.TB, name string, want ...string) float64 {
+	t.Helper()
+	mfs, err := tp.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metric:
+		for _, m := range mf.GetMetric() {
+			for i := 0; i+1 < len(want); i += 2 {
+				found := false
+				for _, l := range m.GetLabel() {
+					found = found || (l.GetName() == want[i] && l.GetValue() == want[i+1])
+				}
+				if !found {
+					continue metric
+				}
+			}
+			sum += m.GetCounter().GetValue()
+		}
+	}
+	return sum
+}
+
+// TestUnreadSendEnds: a proxy that stops reading the picker's responses
+// (its HTTP/2 flow-control window full) blocked the stream's Send for
+// good, with its admission slot, its load share and its buffered body
+// (the attack: 50 streams sending 3 MB bodies and never reading held 50
+// requests in flight and 976 MB RSS for as long as the client liked).
+// Now the stream ends with DeadlineExceeded once one send has waited
+// write_timeout, and releases all it held.
+func TestUnreadSendEnds(t *testing.T) {
+	urls := startEngines(t, 1)
+	cfg := testConfig(sched.Prefix, urls...)
+	cfg.WriteTimeout = 100 * time.Millisecond
+	tp := startPicker(t, cfg, Options{})
+	before := liveGoroutines()
+	// A client whose windows never grow (no BDP estimation): 64 KiB unread
+	// fill them.
+	conn, err := grpc.NewClient(tp.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithInitialWindowSize(64<<10), grpc.WithInitialConnWindowSize(64<<10))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ps, err := extprocv3.NewExternalProcessorClient(conn).Process(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &stream{t: t, s: ps, cancel: cancel}
+	s.headers("POST", "/v1/chat/completions", false, nil)
+	s.body(chatBody(1<<20, "unread"), true, 60000, 120000, 500000)
+	waitFor(t, "the stalled send given up", func() bool {
+		return tp.counter(t, "infergate_epp_stream_timeouts_total", "wait", "send") == 1
+	})
+	waitFor(t, "the stream released", func() bool {
+		return tp.inFlight(t) == 0 && tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
+	})
+	// What the client had buffered, then the end of the stream.
+	var rerr error
+	for rerr == nil {
+		_, rerr = ps.Recv()
+	}
+	if status.Code(rerr) != codes.DeadlineExceeded && status.Code(rerr) != codes.Internal {
+		t.Fatalf("the stream ended with %v", rerr) // Internal: RST_STREAM before the status got through
+	}
+	cancel()
+	conn.Close()
+	requireGoroutinesBack(t, before, 2)
+}
+
+// TestRoutedStreamWaitsBounded: once its request is routed, a stream's
+// wait for the proxy's next message is bounded as serve bounds the
+// engine's answer: response_header_timeout for the response headers,
+// stream_idle_timeout between the answer's messages and for the stream's
+// end after the answer. Before, a routed stream the proxy left silent was
+// held forever with its admission slot, its load share and its body (the
+// attack: 200 routed streams left open).
+func TestRoutedStreamWaitsBounded(t *testing.T) {
+	urls := startEngines(t, 1)
+	cfg := testConfig(sched.Prefix, urls...)
+	cfg.ResponseHeaderTimeout = 150 * time.Millisecond
+	cfg.StreamIdleTimeout = 150 * time.Millisecond
+	tp := startPicker(t, cfg, Options{})
+	warm := tp.open(t) // the connection's own goroutines, before the count
+	warm.headers("GET", "/v1/models", true, nil)
+	warm.routed(false)
+	warm.cancel()
+	waitFor(t, "the warm-up stream ended", func() bool { return tp.gauge(t, "infergate_epp_streams") == 0 })
+	before := liveGoroutines()
+	endsWith := func(what string, s *stream, want codes.Code) {
+		t.Helper()
+		var err error
+		for err == nil {
+			_, err = s.s.Recv()
+		}
+		if got := status.Code(err); got != want && !(want == codes.OK && err == io.EOF) {
+			t.Fatalf("%s: the stream ended with %v, want %v", what, err, want)
+		}
+	}
+	routed := func(seed string) *stream {
+		s := tp.open(t)
+		s.headers("POST", "/v1/chat/completions", false, nil)
+		s.body(chatBody(100, seed), true)
+		s.routed(true)
+		return s
+	}
+
+	s := routed("no answer")
+	endsWith("no response headers", s, codes.DeadlineExceeded)
+
+	s = routed("answer stops")
+	s.responseHeaders("200", "application/json", "", false)
+	s.recv()
+	s.responseBody([]byte(`{"id":"x","choices":[`), false)
+	s.recv()
+	endsWith("answer stalled", s, codes.DeadlineExceeded)
+	if n := tp.counter(t, "infergate_requests_total", "code", "504"); n != 2 {
+		t.Fatalf("%v requests counted 504, want 2", n)
+	}
+	if n := tp.counter(t, "infergate_epp_stream_timeouts_total", "wait", "answer"); n != 2 {
+		t.Fatalf("%v answer timeouts, want 2", n)
+	}
+
+	s = routed("answered, kept open")
+	s.responseHeaders("200", "application/json", "", false)
+	s.recv()
+	s.responseBody([]byte(`{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}`), true)
+	s.recv()
+	endsWith("answered", s, codes.OK)
+	if n := tp.counter(t, "infergate_epp_stream_timeouts_total", "wait", "end"); n != 1 {
+		t.Fatalf("%v end timeouts, want 1", n)
+	}
+	if n := tp.counter(t, "infergate_requests_total", "code", "200"); n != 1 {
+		t.Fatalf("%v requests counted 200, want 1", n)
+	}
+	waitFor(t, "every stream released", func() bool {
+		return tp.inFlight(t) == 0 && tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
+	})
+	requireGoroutinesBack(t, before, 2)
+}
+
+// TestHeaderLimits: a request's headers are refused as serve refuses them,
+// at the request-headers phase, before any of them or its body is held:
+// 431 request_header_too_large over max_header_bytes (counted as an
+// HTTP/1.1 header block: name, value and 4 bytes a field), 415 for a
+// Content-Encoding. (The attack: 20 streams each sending 400,000 one-byte
+// headers in a 3.95 MB message were charged 1.6 MB each in the buffer
+// budget and took the picker from 110 MB to 2.19 GB RSS; a gzip body was
+// answered 400 "not valid UTF-8" after being buffered whole.)
+func TestHeaderLimits(t *testing.T) {
+	urls := startEngines(t, 1)
+	cfg := testConfig(sched.Prefix, urls...)
+	cfg.MaxHeaderBytes = 4096
+	tp := startPicker(t, cfg, Options{})
+	var kv []string
+	for range 700 { // 700 × (1 + 1 + 4) = 4,200 bytes with the pseudo-headers
+		kv = append(kv, "a", "b")
+	}
+	s := tp.open(t)
+	s.headers("POST", "/v1/chat/completions", false, nil, kv...)
+	if code, body := s.immediate(); code != 431 || !strings.Contains(body, `"code":"request_header_too_large"`) {
+		t.Fatalf("700 headers: %d %s, want 431 request_header_too_large", code, body)
+	}
+	if b := tp.srv.Buffered(); b != 0 {
+		t.Fatalf("%d bytes buffered for refused headers", b)
+	}
+	s.cancel()
+
+	s = tp.open(t) // within the limit
+	s.headers("POST", "/v1/chat/completions", false, nil, kv[:1000]...)
+	s.body(chatBody(100, "within"), true)
+	s.routed(true)
+	s.cancel()
+
+	for _, ce := range []string{"gzip", "identity, br"} {
+		s = tp.open(t)
+		s.headers("POST", "/v1/chat/completions", false, nil, "content-encoding", ce)
+		if code, body := s.immediate(); code != 415 || !strings.Contains(body, "Content-Encoding") {
+			t.Fatalf("content-encoding %s: %d %s, want 415", ce, code, body)
+		}
+		s.cancel()
+	}
+	s = tp.open(t) // identity is no encoding
+	s.headers("POST", "/v1/chat/completions", false, nil, "content-encoding", "identity")
+	s.body(chatBody(100, "identity"), true)
+	s.routed(true)
+	s.cancel()
+	if n := tp.counter(t, "infergate_epp_decisions_total", "result", "431"); n != 1 {
+		t.Fatalf("%v decisions 431, want 1", n)
+	}
+	if n := tp.counter(t, "infergate_epp_decisions_total", "result", "415"); n != 2 {
+		t.Fatalf("%v decisions 415, want 2", n)
+	}
+	waitFor(t, "every stream released", func() bool {
+		return tp.inFlight(t) == 0 && tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
+	})
 }

@@ -199,6 +199,10 @@ func (g *Gateway) Refuse(e *openai.Error) *Refusal {
 // (max_body_bytes).
 func (g *Gateway) MaxBodyBytes() int64 { return g.cfg.MaxBodyBytes }
 
+// MaxHeaderBytes is the largest request header block the gateway accepts
+// (max_header_bytes; Gateway.RefuseHeaders counts it).
+func (g *Gateway) MaxHeaderBytes() int { return g.cfg.MaxHeaderBytes }
+
 // StripsClientPDParams reports whether a client's own P/D hand-off fields
 // are removed before an engine sees them (pd.client_params strip): the
 // endpoint picker then has the proxy remove the client's
@@ -209,6 +213,32 @@ func (g *Gateway) StripsClientPDParams() bool { return g.cfg.PD.ClientParams != 
 // (body_read_timeout); the endpoint picker bounds with it a stream's wait
 // for its request to be routed.
 func (g *Gateway) BodyReadTimeout() time.Duration { return g.cfg.BodyReadTimeout }
+
+// WriteTimeout bounds one write of an answer to a client (write_timeout;
+// negative: none); the endpoint picker bounds with it a send to the proxy
+// that the proxy does not read.
+func (g *Gateway) WriteTimeout() time.Duration { return g.cfg.WriteTimeout }
+
+// RefuseHeaders returns serve's answer to a request refused for its
+// headers alone, or nil: 431 when they are n bytes (counted as headerBytes
+// counts an HTTP/1.1 header block: each field's name, value and 4 bytes of
+// ": " and CRLF) over max_header_bytes, 415 when h names a Content-Encoding
+// (the body is not decoded; readBody's check). Counted under model
+// "unknown".
+func (g *Gateway) RefuseHeaders(n int, h http.Header) *Refusal {
+	var e *openai.Error
+	if n > g.cfg.MaxHeaderBytes {
+		e = openai.NewError(http.StatusRequestHeaderFieldsTooLarge,
+			fmt.Sprintf("Request headers are %d bytes, over the limit of %d bytes.", n, g.cfg.MaxHeaderBytes), "", codeHeaderTooLarge)
+	} else if ce := encodedAs(h); ce != "" {
+		e = openai.NewError(http.StatusUnsupportedMediaType,
+			fmt.Sprintf("Content-Encoding %q is not supported; send the JSON body uncompressed.", truncate(ce, 64)), "", openai.CodeInvalidJSON)
+	}
+	if e == nil {
+		return nil
+	}
+	return g.Refuse(e)
+}
 
 // eppKind is the API of a request to path: the routes the gateway serves
 // (route, routePassthrough) that are sent to an engine with a body.
@@ -556,6 +586,37 @@ func (pk *Picked) Served(addr string) {
 		}
 		return
 	}
+}
+
+// AnswerTimeout bounds the wait for the proxy's next message about the
+// answer, as serve bounds the same wait on the engine: before the response
+// headers response_header_timeout (a non-streaming completion's headers
+// come when it is done), an event stream before its first output event
+// first_event_timeout (queueing and prefill), otherwise, and once the
+// answer has ended (only the stream's end is awaited),
+// stream_idle_timeout.
+func (pk *Picked) AnswerTimeout() time.Duration {
+	c := &pk.g.cfg
+	switch r := &pk.resp; {
+	case pk.finished || pk.p == nil:
+		return c.StreamIdleTimeout
+	case !r.headers:
+		return c.ResponseHeaderTimeout
+	case r.sse && !r.pass && r.last.IsZero():
+		return c.FirstEventTimeout
+	}
+	return c.StreamIdleTimeout
+}
+
+// Expire ends a request whose answer stopped arriving (AnswerTimeout
+// passed): counted 504, as serve counts an engine's silence, and released
+// as Done releases it.
+func (pk *Picked) Expire() {
+	if !pk.done && !pk.finished && pk.p != nil {
+		pk.finished = true
+		pk.g.count(nil, pk.rm, http.StatusGatewayTimeout)
+	}
+	pk.Done()
 }
 
 // Done ends the request: one whose answer did not end (the stream went
