@@ -252,6 +252,9 @@ func compareOne(ctx context.Context, opts CompareOptions, policy string) (_ meas
 		// out after the default 5 s and round-robin lost 97 of 300
 		// requests. The fleet's lag report says when the host fell behind.
 		ConnectTimeout: time.Minute,
+		// The records name the engine that served each request
+		// (measure.Record.Endpoint); the fleet's addresses are loopback.
+		ObservabilityConfig: gateway.ObservabilityConfig{ResponseHeaders: gateway.ResponseHeadersConfig{Endpoint: true}},
 	}, prometheus.NewRegistry())
 	if err != nil {
 		return measure.Summary{}, fmt.Errorf("start gateway: %w", err)

@@ -342,5 +342,21 @@ func TestCompareSmall(t *testing.T) {
 	if n := strings.Count(out.String(), "\n"); n != 12 {
 		t.Errorf("%d per-request records, want 12", n)
 	}
+	// Each record names the engine that served it (the gateway's
+	// X-Infergate-Endpoint); round-robin spreads them over both.
+	served := map[string]map[string]int{}
+	for _, l := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		var r measure.Record
+		if err := json.Unmarshal([]byte(l), &r); err != nil || !strings.HasPrefix(r.Endpoint, "http://127.0.0.1:") {
+			t.Fatalf("record %s: endpoint %q (%v)", l, r.Endpoint, err)
+		}
+		if served[r.Policy] == nil {
+			served[r.Policy] = map[string]int{}
+		}
+		served[r.Policy][r.Endpoint]++
+	}
+	if rr := served[sched.RoundRobin]; len(rr) != 2 {
+		t.Errorf("round-robin records name %v, want both engines", rr)
+	}
 	checkGoroutines(t, goroutines)
 }

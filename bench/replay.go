@@ -35,6 +35,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/trace"
@@ -476,6 +477,7 @@ func measureStream(client *http.Client, req *http.Request, rec trace.Record, sta
 	defer resp.Body.Close()
 	w.headerArrived()
 	r.Status = resp.StatusCode
+	r.Endpoint = measure.RedactText(resp.Header.Get(gateway.EndpointHeader))
 	if resp.StatusCode != http.StatusOK {
 		return fail(statusError(resp))
 	}

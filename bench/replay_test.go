@@ -13,9 +13,11 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/measure"
 	"github.com/infergate/infergate/trace"
 )
@@ -201,6 +203,48 @@ func TestReplay(t *testing.T) {
 	// A buffer is not a terminal: one summary line.
 	if p := prog.String(); !strings.HasPrefix(p, "fake: 3 requests, 0 errors") || strings.Count(p, "\n") != 1 {
 		t.Errorf("progress output %q", p)
+	}
+}
+
+// TestReplayRecordsEndpoint: a record names the endpoint the gateway says
+// served it (X-Infergate-Endpoint), failed answers included; without the
+// header the record has no "endpoint" key, as before the field existed.
+func TestReplayRecordsEndpoint(t *testing.T) {
+	f := &fakeEngine{}
+	var n atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch n.Add(1) {
+		case 1:
+			w.Header().Set(gateway.EndpointHeader, "http://10.0.0.7:8000")
+			f.ServeHTTP(w, r)
+		case 2:
+			w.Header().Set(gateway.EndpointHeader, "http://10.0.0.8:8000")
+			http.Error(w, `{"error":{"message":"overloaded"}}`, http.StatusServiceUnavailable)
+		default:
+			f.ServeHTTP(w, r)
+		}
+	}))
+	defer srv.Close()
+	var out bytes.Buffer
+	got, err := Replay(context.Background(), ReplayOptions{Target: srv.URL, Model: "m", Records: testRecords(), Speedup: 1000, Concurrency: 1, APIKey: "k", Output: &out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"http://10.0.0.7:8000", "http://10.0.0.8:8000", ""}
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	if len(got) != 3 || len(lines) != 3 {
+		t.Fatalf("%d records, %d lines", len(got), len(lines))
+	}
+	if got[0].Status != http.StatusOK {
+		t.Errorf("record 0: %+v", got[0])
+	}
+	for i, r := range got {
+		if r.Endpoint != want[i] {
+			t.Errorf("record %d (status %d): endpoint %q, want %q", i, r.Status, r.Endpoint, want[i])
+		}
+		if has := strings.Contains(lines[i], `"endpoint":`); has != (want[i] != "") {
+			t.Errorf("JSONL line %d: %s", i, lines[i])
+		}
 	}
 }
 

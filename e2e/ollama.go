@@ -38,6 +38,7 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/gguf"
+	"github.com/infergate/infergate/internal/childproc"
 	"github.com/infergate/infergate/internal/realpart"
 )
 
@@ -284,7 +285,7 @@ func startOnce(ctx context.Context, binary string, opts Options) (*Instance, err
 	cmd.Stdout, cmd.Stderr = logw, logw
 	// Own process group, so Stop reaches the runner subprocesses too; die
 	// with the test process.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = childproc.Group()
 	start := time.Now()
 	if err := cmd.Start(); err != nil {
 		inst.logFile.Close()

@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/internal/childproc"
 	"github.com/infergate/infergate/internal/realpart"
 )
 
@@ -101,7 +102,7 @@ func StartProcess(name, bin string, args, env []string, dir string) (*Process, e
 	cmd.Env, cmd.Dir = env, dir
 	p := &Process{Name: name, cmd: cmd, out: &tailBuffer{max: 1 << 20}, exited: make(chan struct{})}
 	cmd.Stdout, cmd.Stderr = p.out, p.out
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = childproc.Group()
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("e2e: start %s: %w", name, err)
 	}
@@ -354,7 +355,7 @@ func Chromium(ctx context.Context, bin, dir, pageURL string, budget time.Duratio
 	run := func(extra ...string) (string, error) {
 		cmd := exec.CommandContext(ctx, bin, append(append(args, extra...), pageURL)...)
 		cmd.Env = append(cleanEnv(), "HOME="+dir) // nothing read from or written to the real home
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+		cmd.SysProcAttr = childproc.Group()
 		cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
 		var stdout, stderr tailBuffer
 		stdout.max, stderr.max = 16<<20, 64<<10

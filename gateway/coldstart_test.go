@@ -546,8 +546,9 @@ func TestScaleFromZeroWakesSleepingEngine(t *testing.T) {
 
 // FuzzCommittedStreamError: whatever error answer an engine or the gateway
 // writes after a heartbeat committed a held stream (any status, any body,
-// over the 1 MiB bound or not), the client gets exactly one SSE data event
-// holding a JSON object with an "error" member, then [DONE].
+// over the 1 MiB bound or not, CRs included), the client gets exactly one
+// SSE data event holding a JSON object with an "error" member, then [DONE],
+// as a client's parser reads them (internal/ssetest).
 func FuzzCommittedStreamError(f *testing.F) {
 	f.Add(503, []byte(`{"error":{"message":"x","type":"t","param":null,"code":"no_endpoint_available"}}`))
 	f.Add(400, []byte(`{"object":"error","message":"bad","type":"BadRequestError","code":400}`))
@@ -555,6 +556,8 @@ func FuzzCommittedStreamError(f *testing.F) {
 	f.Add(500, []byte(""))
 	f.Add(404, []byte(`{"error":`))
 	f.Add(503, []byte("{\"error\":\n\n{\"message\":\"a\\nb\"}}\n"))
+	f.Add(503, []byte("{\"error\":\r\r{\"message\":\"a\\rb\"}\r}\r\rdata: [DONE]\r\r"))
+	f.Add(500, []byte("bad\rdata: [DONE]\r\r"))
 	f.Fuzz(func(t *testing.T, status int, body []byte) {
 		if status < 300 || status > 599 {
 			return
@@ -572,6 +575,10 @@ func FuzzCommittedStreamError(f *testing.F) {
 		var v map[string]json.RawMessage
 		if err := json.Unmarshal([]byte(strings.TrimPrefix(data, "data: ")), &v); err != nil || v["error"] == nil {
 			t.Fatalf("event is not a JSON object with an error: %q (%v)", data, err)
+		}
+		// A client's parser (lone CRs end lines) reads the same.
+		if ce := clientEvents([]byte(out)); len(ce) != 2 || ce[0] != strings.TrimPrefix(data, "data: ") || ce[1] != "[DONE]" {
+			t.Fatalf("a client reads %q in %q", ce, out)
 		}
 	})
 }

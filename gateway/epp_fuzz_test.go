@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"net/http"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 )
@@ -33,7 +35,9 @@ func eppFuzzGateway(t *testing.T) *Gateway {
 // ResponseBody: the SSE event splitter, the usage reading, the usage-only
 // chunk's stripping, a whole answer's held prefix): no panic; a stream the
 // gateway does not edit (the client asked for usage) and every whole
-// answer are passed on byte for byte; the request's slot is released.
+// answer are passed on byte for byte; the gateway sees [DONE] when a
+// client's parser does (internal/ssetest: lone CRs end lines); the
+// request's slot is released.
 func FuzzEPPResponseBody(f *testing.F) {
 	chunk := `data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"}}]}` + "\n\n"
 	usage := `data: {"id":"c","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}` + "\n\n"
@@ -42,6 +46,9 @@ func FuzzEPPResponseBody(f *testing.F) {
 	f.Add([]byte("data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":{\"prompt_tokens\":1}}\r\n\r\nevent: x\ndata: y\n\n:c\n\n"), []byte{7, 7}, true, true, "text/event-stream")
 	f.Add([]byte(`{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}`), []byte{10}, false, false, "application/json")
 	f.Add([]byte("data: "+string(bytes.Repeat([]byte("a"), 300))+"\n"), []byte{1, 2, 3}, true, false, "text/event-stream")
+	f.Add([]byte(crStream), []byte{byte(strings.Index(crStream, "\r\r") + 1)}, true, false, "text/event-stream")
+	f.Add([]byte(strings.ReplaceAll(chunk+usage, "\n", "\r")+"data: [DONE]\r\r"), []byte{40, 40, 40}, true, true, "text/event-stream")
+	f.Add([]byte("\xEF\xBB\xBF"+usage+"data: [DONE]\r\n\r"), []byte{1, 1, 1}, true, true, "text/event-stream")
 	f.Fuzz(func(t *testing.T, answer, cuts []byte, stream, strip bool, contentType string) {
 		g := eppFuzzGateway(t)
 		body := `{"model":"m0","messages":[{"role":"user","content":"hi"}]}`
@@ -68,6 +75,13 @@ func FuzzEPPResponseBody(f *testing.F) {
 			prev = at
 		}
 		out = append(out, pk.ResponseBody(answer[prev:], true)...)
+		if r := &pk.resp; r.sse && !r.pass {
+			// Each event the splitter read is the one a client reads
+			// there: [DONE] is seen by both or neither.
+			if client := slices.Contains(clientEvents(out), "[DONE]"); client != r.sawDone {
+				t.Fatalf("%q: [DONE] seen by the gateway %v, by a client %v", out, r.sawDone, client)
+			}
+		}
 		pk.Done()
 		if !(stream && strip) && !bytes.Equal(out, answer) {
 			t.Fatalf("passed on %q, want %q", out, answer)

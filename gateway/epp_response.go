@@ -35,6 +35,12 @@ type eppResponse struct {
 	streamErr    bool
 	chunks       bool
 	sawDone      bool // the [DONE] event
+	// skipLF: the last line scanned ended at a CR that was the last byte
+	// received; a LF that comes next is part of that line end (CRLF).
+	skipLF bool
+	// midStream: an event was read; the next is read as the rest of the
+	// stream (openai.EventReader.Continue), not its start.
+	midStream bool
 }
 
 // reset empties r for another request, keeping its buffers within bounds.
@@ -140,7 +146,10 @@ func (pk *Picked) finishBody() {
 }
 
 // streamBody appends chunk to the pending events and returns the complete
-// ones, read (usage, errors, output timing) and filtered.
+// ones, read (usage, errors, output timing) and filtered. An event ends at
+// its first empty line, lines ending at LF, CRLF or a lone CR as for the
+// client's parser (openai.LineEnd), so that each event passed on is the one
+// event the gateway read.
 func (pk *Picked) streamBody(chunk []byte) []byte {
 	r, x, g := &pk.resp, pk.x, pk.g
 	out := r.out[:0]
@@ -151,16 +160,21 @@ func (pk *Picked) streamBody(chunk []byte) []byte {
 	r.pending = append(r.pending, chunk...)
 	now := time.Now()
 	for {
-		nl := bytes.IndexByte(r.pending[r.pos:], '\n')
-		if nl < 0 {
+		rest := r.pending[r.pos:]
+		if r.skipLF && len(rest) > 0 {
+			r.skipLF = false
+			if rest[0] == '\n' { // the CRLF of the line before
+				r.pos++
+				continue
+			}
+		}
+		end, next, cr := openai.LineEnd(rest)
+		if end < 0 {
 			break
 		}
-		lineStart, lineEnd := r.pos, r.pos+nl
-		r.pos = lineEnd + 1
-		if lineEnd > lineStart && r.pending[lineEnd-1] == '\r' {
-			lineEnd--
-		}
-		if lineEnd > lineStart {
+		r.pos += next
+		r.skipLF = cr
+		if end > 0 {
 			continue
 		}
 		block := r.pending[r.evStart:r.pos]
@@ -190,11 +204,15 @@ const sseSlack = 4 << 10
 func (pk *Picked) streamEvent(out, block []byte, now time.Time) []byte {
 	r, x := &pk.resp, pk.x
 	r.br.Reset(block)
-	if x.er == nil {
+	switch {
+	case x.er == nil:
 		x.er = openai.NewEventReader(&r.br, 0)
-	} else {
+	case r.midStream:
+		x.er.Continue(&r.br)
+	default:
 		x.er.Reset(&r.br)
 	}
+	r.midStream = true
 	er := x.er
 	er.SetLimit(x.eventLimit(pk.g))
 	data, err := er.Next()

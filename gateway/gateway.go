@@ -88,7 +88,8 @@ type Gateway struct {
 	unknown *routeMetrics // model "unknown", no endpoint
 	res     *resilienceMetrics
 	pdm     *pdMetrics   // P/D (pd.go)
-	hold    *holdBudget  // bytes of non-streaming answers held (hold.go)
+	hold    *byteBudget  // bytes of non-streaming answers held (hold.go)
+	bodies  *byteBudget  // bytes of request bodies being read (bodybudget.go)
 	cold    *holdMetrics // scale from zero: requests held while no endpoint is ready (coldstart.go)
 	// render is the engine render client of render: engine pools (render.go).
 	render *engineRender
@@ -212,6 +213,9 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	}
 	g.affinity = newResponseAffinity(cfg.Responses.AffinityMaxEntries)
 	if err := g.initHold(reg); err != nil {
+		return fail(err)
+	}
+	if err := g.initBodyBudget(reg); err != nil {
 		return fail(err)
 	}
 	if err := g.initEdge(reg); err != nil {

@@ -15,12 +15,14 @@ import (
 // more (683 MB measured).
 const DefaultMaxHeldResponseBytes = 256 << 20
 
-// holdBudget counts the bytes of non-streaming answers held by relayBody,
-// gateway-wide; an answer that would take it over its limit is relayed
-// from there on as it arrives (its held part first), so it is no longer
-// retry-safe. A buffer grown for an answer counts with its capacity
-// (holdMore).
-type holdBudget struct {
+// byteBudget counts bytes held gateway-wide against a limit, without
+// waiting: g.hold the non-streaming answers held by relayBody (an answer
+// that would take it over its limit is relayed from there on as it
+// arrives, its held part first, so it is no longer retry-safe; a buffer
+// grown for an answer counts with its capacity, holdMore), g.bodies the
+// request bodies being read (bodybudget.go). overflows counts the times a
+// reservation did not fit.
+type byteBudget struct {
 	limit     int64 // bytes; ≤ 0: nothing is held
 	held      atomic.Int64
 	overflows prometheus.Counter
@@ -28,7 +30,7 @@ type holdBudget struct {
 
 // reserve takes n bytes from the budget; false, taking nothing, when they
 // do not fit.
-func (h *holdBudget) reserve(n int64) bool {
+func (h *byteBudget) reserve(n int64) bool {
 	for {
 		cur := h.held.Load()
 		if cur+n > h.limit {
@@ -41,7 +43,7 @@ func (h *holdBudget) reserve(n int64) bool {
 }
 
 // release gives back *n reserved bytes and zeroes *n.
-func (h *holdBudget) release(n *int64) {
+func (h *byteBudget) release(n *int64) {
 	if *n != 0 {
 		h.held.Add(-*n)
 		*n = 0
@@ -76,7 +78,7 @@ func (g *Gateway) holdMore(x *exchange, n int, held *int64) bool {
 
 // initHold sets up the hold budget and registers its metrics.
 func (g *Gateway) initHold(reg prometheus.Registerer) error {
-	g.hold = &holdBudget{limit: g.cfg.MaxHeldResponseBytes,
+	g.hold = &byteBudget{limit: g.cfg.MaxHeldResponseBytes,
 		overflows: prometheus.NewCounter(prometheus.CounterOpts{Namespace: "infergate", Name: "response_hold_overflows_total",
 			Help: "Non-streaming answers relayed before their end because max_held_response_bytes was held (not retry-safe)."})}
 	held := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Name: "response_held_bytes",

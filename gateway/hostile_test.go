@@ -184,7 +184,7 @@ func TestHoldBudget(t *testing.T) {
 }
 
 func TestHoldBudgetReserve(t *testing.T) {
-	h := &holdBudget{limit: 100}
+	h := &byteBudget{limit: 100}
 	if !h.reserve(60) || h.reserve(41) || !h.reserve(40) || h.reserve(1) {
 		t.Fatalf("reservations against 100: held %d", h.held.Load())
 	}
@@ -193,7 +193,7 @@ func TestHoldBudgetReserve(t *testing.T) {
 	if n != 0 || h.held.Load() != 40 {
 		t.Fatalf("after release: held %d, n %d", h.held.Load(), n)
 	}
-	if none := (&holdBudget{limit: -1}); none.reserve(1) {
+	if none := (&byteBudget{limit: -1}); none.reserve(1) {
 		t.Error("a negative budget holds")
 	}
 }

@@ -310,7 +310,7 @@ func TestBodyBufferGrowsWithBody(t *testing.T) {
 		x := &exchange{}
 		r := httptest.NewRequest(http.MethodPost, pathChat, bytes.NewReader(body))
 		r.ContentLength = declared
-		return x, x.readBody(httptest.NewRecorder(), r, limit, time.Minute)
+		return x, x.readBody(httptest.NewRecorder(), r, limit, time.Minute, unboundedBodies())
 	}
 	// Declared near the limit, one byte sent (the reader ends early, as a
 	// client that stops sending does until the deadline).
@@ -347,15 +347,15 @@ func TestBodyBufferGrowsWithBody(t *testing.T) {
 			t.Errorf("%d bytes (declared %d): buffer of %d bytes, want at most %d", tc.n, declared, cap(x.body), bound)
 		}
 	}
-	// max_body_bytes near MaxInt64 (validation asks only that it be
-	// positive) and a client declaring as much: the buffer stays small
+	// A limit near MaxInt64 (validation now refuses it as max_body_bytes, but
+	// readBody must not trust it) and a client declaring as much: the buffer stays small
 	// (before, make of the declared length panicked or, at 1 TiB, the
 	// runtime died out of memory: not recoverable).
 	for _, declared := range []int64{math.MaxInt64, 1 << 40} {
 		x := &exchange{}
 		r := httptest.NewRequest(http.MethodPost, pathChat, strings.NewReader("{"))
 		r.ContentLength = declared
-		if e := x.readBody(httptest.NewRecorder(), r, math.MaxInt64, time.Minute); e != nil || string(x.body) != "{" || cap(x.body) > bodyGrowMin {
+		if e := x.readBody(httptest.NewRecorder(), r, math.MaxInt64, time.Minute, unboundedBodies()); e != nil || string(x.body) != "{" || cap(x.body) > bodyGrowMin {
 			t.Errorf("declared %d under an unbounded limit: %v, %q in a buffer of %d bytes", declared, e, x.body, cap(x.body))
 		}
 	}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 
@@ -53,14 +54,22 @@ var relaySeeds = []string{
 	roleChunk + `data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":"stop"}]}` + "\n\ndata: [DONE]\n\n",
 	strings.Repeat(emptyChunk, 500) + "data: [DONE]\n\n",
 	strings.Repeat("data: {}\n\n", 8000) + "data: [DONE]\n\n",
+	// Lone CRs end lines (WHATWG HTML §9.2.5): events and [DONE] that a
+	// client reads, whatever the gateway's reader thinks.
+	crStream,
+	strings.ReplaceAll(roleChunk+tokenChunk, "\n", "\r") + "data: [DONE]\r\r",
+	tokenChunk + "data: {\"choices\":[]}\r\rdata: [DONE]\r\n\r\n",
+	"\xEF\xBB\xBF" + tokenChunk + "data: [DONE]\r\r",
+	tokenChunk + "data: x\r\r\n" + `data: {"error":{"message":"e"}}` + "\r\rdata: [DONE]\n\r",
 }
 
 // FuzzStreamRelay drives relayStream with an engine answer of the
 // fuzzer's choosing and checks what the client gets: a 200 stream ends
-// with [DONE] after at least one event and never shows an error event
-// before an output event (unless more than maxHeldBeforeOutput bytes of
-// chunks without output came first, counted as written: event lines and
-// any CR the engine left at a data line's end included); anything else is
+// with [DONE] after at least one event, each event the gateway wrote is
+// the one event a client's parser reads there (internal/ssetest; so the
+// client reads [DONE] last and only there), and it never shows an error
+// event before an output event (unless more than maxHeldBeforeOutput bytes
+// of chunks without output came first, counted as written); anything else is
 // an OpenAI error of status 502 or 504. An event nested deeper than
 // openai.MaxDepth is one the gateway does not read (jsonscan.ParseChat):
 // neither an error nor output to it.
@@ -105,10 +114,13 @@ func FuzzStreamRelay(f *testing.F) {
 		if !bytes.HasSuffix(got, []byte("data: [DONE]\n\n")) || len(got) == len("data: [DONE]\n\n") {
 			t.Fatalf("200 stream %q for %q", got, body)
 		}
+		// The client reads [DONE] once, at the end.
+		evs := clientEvents(got)
+		if i := slices.Index(evs, "[DONE]"); i != len(evs)-1 {
+			t.Fatalf("a client reads [DONE] as event %d of %d in %q for %q", i, len(evs), got, body)
+		}
 		// The gateway writes each event as appendEvent does: it ends at
 		// its first blank line ("\n\n"), which is how many bytes it held.
-		// (Read back, a data line's trailing CR is gone: the engine's
-		// "data: x\r\r\n" is held as "x\r", written as "data: x\r\n".)
 		var chunk openai.StreamChunk
 		output, before := false, 0
 		for rest := got; len(rest) > 0; {
@@ -119,6 +131,9 @@ func FuzzStreamRelay(f *testing.F) {
 			written := rest[:n]
 			rest = rest[n:]
 			data, err := openai.NewEventReader(bytes.NewReader(written), 0).Next()
+			if ce := clientEvents(written); len(ce) != 1 || (err == nil && ce[0] != string(data)) {
+				t.Fatalf("the gateway wrote %q (read as %q), a client reads %q, in %q for %q", written, data, ce, got, body)
+			}
 			if err != nil {
 				break // [DONE]
 			}

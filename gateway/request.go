@@ -217,7 +217,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	g.metrics.api[kind].Inc()
 	g.trackRequest(w, x, key)
 
-	if e := x.readBody(w, r, g.cfg.MaxBodyBytes, g.cfg.BodyReadTimeout); e != nil {
+	if e := x.readBody(w, r, g.cfg.MaxBodyBytes, g.cfg.BodyReadTimeout, g.bodies); e != nil {
 		if e.Status == codeClientClosed {
 			g.count(w, g.unknown, codeClientClosed) // no answer to write
 			return
@@ -311,8 +311,10 @@ func (g *Gateway) requestID(r *http.Request) string {
 // affected). A client that abandons the request before its body arrived
 // (its context ends: an HTTP/2 stream reset; or the connection ends before
 // the declared length) gets an error of status codeClientClosed, which is
-// accounted, not written.
-func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) *openai.Error {
+// accounted, not written. The bytes read are charged to budget as they
+// arrive and given back when readBody returns (bodybudget.go); one that
+// does not fit gets 503 overloaded with Retry-After.
+func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration, budget *byteBudget) *openai.Error {
 	if ce := encodedAs(r.Header); ce != "" {
 		closeConnection(w, r) // the body is not read
 		return openai.NewError(http.StatusUnsupportedMediaType,
@@ -330,11 +332,24 @@ func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64,
 	}
 	buf := x.body[:0]
 	rd := http.MaxBytesReader(w, r.Body, limit)
+	var charged int64 // in budget, given back when the read ends however it ends
+	defer budget.release(&charged)
 	for {
 		if len(buf) == cap(buf) {
 			buf = growBodyBuffer(buf, r.ContentLength)
 		}
 		n, err := rd.Read(buf[len(buf):cap(buf)])
+		if n > 0 {
+			if !budget.reserve(int64(n)) {
+				budget.overflows.Inc()
+				x.body = buf
+				closeConnection(w, r) // the rest of the body is not read
+				w.Header().Set("Retry-After", "1")
+				return openai.NewError(http.StatusServiceUnavailable,
+					"The gateway is reading too many request bodies at once (max_body_bytes_in_flight); retry later.", "", codeBodyBudget)
+			}
+			charged += int64(n)
+		}
 		buf = buf[:len(buf)+n]
 		if err == io.EOF {
 			break

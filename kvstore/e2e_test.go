@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/internal/childproc"
 	"github.com/infergate/infergate/kvevents"
 )
 
@@ -69,7 +70,7 @@ func TestKVStoreProcess(t *testing.T) {
 		"--memory-bytes", "4MiB", "--disk-dir", filepath.Join(dir, "disk"), "--disk-bytes", "16MiB",
 		"--redis", "redis://"+redisAddr+"/0")
 	cmd.Stdout, cmd.Stderr = &out, &out
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = childproc.Group()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}

@@ -81,6 +81,13 @@ type Record struct {
 	// requests over several targets (bench.ReplayOptions.Targets); "" with
 	// one target.
 	Target string `json:"target,omitempty"`
+	// Endpoint is the endpoint that answered, as the gateway names it in
+	// its X-Infergate-Endpoint response header (the engine's normalized
+	// base URL; the last one tried after retries); "" when the target does
+	// not send the header (a gateway without response_headers.endpoint, an
+	// engine, a request without an answer). bench.Compare's gateway sends
+	// it.
+	Endpoint string `json:"endpoint,omitempty"`
 	// PD is the request's P/D hand-off in a fleet with prefill and decode
 	// engines (nil outside one).
 	PD *PDLeg `json:"pd,omitempty"`

@@ -11,6 +11,9 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"testing/iotest"
+
+	"github.com/infergate/infergate/internal/ssetest"
 )
 
 func TestPromptShapes(t *testing.T) {
@@ -330,21 +333,94 @@ func FuzzChatRequest(f *testing.F) {
 	})
 }
 
+// readAll reads every event of r with a limit of max bytes: the events
+// up to [DONE] (as the reference parser gives them), whether [DONE] was
+// read, and the error that ended the reading.
+func readAll(r io.Reader, max int) ([]ssetest.Event, bool, error) {
+	er := NewEventReader(r, max)
+	var got []ssetest.Event
+	for {
+		d, err := er.Next()
+		if err != nil {
+			return got, er.Done(), err
+		}
+		got = append(got, ssetest.Event{Data: string(d), Type: string(er.Event())})
+	}
+}
+
+// clientView is what an EventSource client dispatches of stream up to
+// [DONE], and whether it saw [DONE].
+func clientView(stream []byte) ([]ssetest.Event, bool) {
+	evs := ssetest.Events(stream)
+	for i, e := range evs {
+		if e.Data == "[DONE]" {
+			return evs[:i], true
+		}
+	}
+	return evs, false
+}
+
+// TestEventReaderLineEnds: a lone CR ends a line as LF and CRLF do
+// (WHATWG HTML §9.2.5), also when a CRLF is split across reads, and a
+// leading byte order mark is ignored. Before, lone CRs were kept inside
+// the line: "data: a\r\rdata: [DONE]\r\r\n\n" was one event whose data
+// held the "[DONE]" a client reads as the end of the stream.
+func TestEventReaderLineEnds(t *testing.T) {
+	for _, in := range []string{
+		"data: a\r\rdata: [DONE]\r\r\n\n",
+		"data: a\r\rdata: b\r\n\r\ndata: c\n\r\n",
+		"event: x\rdata: a\rdata: b\r\r: c\r\revent: y\r\n\rdata: z\r\r",
+		"\xEF\xBB\xBFdata: a\r\r\xEF\xBB\xBFdata: b\r\r",
+		"data: a\r\r\r\n\n\rdata: b\n\r",
+		"data: " + strings.Repeat("x", 40<<10) + "\rdata: y\r\r" + strings.Repeat(":", 16<<10-1) + "\r\ndata: z\r\r",
+	} {
+		want, wantDone := clientView([]byte(in))
+		for _, r := range []io.Reader{strings.NewReader(in), iotest.OneByteReader(strings.NewReader(in)), iotest.HalfReader(strings.NewReader(in))} {
+			got, done, err := readAll(r, 0)
+			if err != io.EOF || done != wantDone || !slices.Equal(got, want) {
+				t.Errorf("%q: %+v done=%v (%v), want %+v done=%v", in, got, done, err, want, wantDone)
+			}
+		}
+	}
+}
+
+// FuzzEventReader: the reader terminates within its limit, and with a
+// limit the input cannot reach it dispatches exactly the events a
+// client's parser does (internal/ssetest, the WHATWG steps), up to [DONE],
+// however the stream is split across reads.
 func FuzzEventReader(f *testing.F) {
 	f.Add([]byte("data: {}\n\ndata: [DONE]\n\n"))
 	f.Add([]byte("data: a\r\ndata: b\r\n\r\n:c\n\n"))
+	f.Add([]byte("data: a\r\rdata: [DONE]\r\r\n\n"))
+	f.Add([]byte("event: x\rdata: a\rdata: b\r\r: c\r\revent: y\r\n\rdata: z\r\r"))
+	f.Add([]byte("\xEF\xBB\xBFdata: a\r\r\xEF\xBB\xBFdata: b\r\r"))
+	f.Add([]byte("data\n\ndata:\r\revent\rdata:x\r\n\r\n"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		er := NewEventReader(strings.NewReader(string(b)), 256)
+		ended := false
 		for i := 0; i < len(b)+2; i++ {
 			d, err := er.Next()
 			if err != nil {
-				return
+				ended = true
+				break
 			}
 			if len(d) > len(b) {
 				t.Fatalf("event longer than input")
 			}
 		}
-		t.Fatalf("reader did not terminate")
+		if !ended {
+			t.Fatalf("reader did not terminate")
+		}
+		want, wantDone := clientView(b)
+		for _, r := range []io.Reader{bytes.NewReader(b), iotest.OneByteReader(bytes.NewReader(b))} {
+			got, done, err := readAll(r, len(b)+2)
+			if err != io.EOF && err != io.ErrUnexpectedEOF {
+				t.Fatalf("%q: %v", b, err)
+			}
+			if done != wantDone || !slices.Equal(got, want) {
+				t.Fatalf("%q: read %+v done=%v, a client reads %+v done=%v", b, got, done, want, wantDone)
+			}
+		}
 	})
 }
 
@@ -656,5 +732,25 @@ func TestAppendChatSegmentsIn(t *testing.T) {
 	buf, _ = AppendChatSegmentsIn(buf, segs[:0], nil, chats[0])
 	if n := testing.AllocsPerRun(50, func() { buf, segs = AppendChatSegmentsIn(buf, segs[:0], nil, chats[0]) }); n != 0 {
 		t.Errorf("a chat's segments into a reused buffer allocate %v times", n)
+	}
+}
+
+// BenchmarkEventReader reads a 1000-token chat stream (vLLM's chunks, LF
+// line ends) as the relay does: bytes per second of stream.
+func BenchmarkEventReader(b *testing.B) {
+	chunk := `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" word"},"logprobs":null,"finish_reason":null}]}` + "\n\n"
+	stream := []byte(strings.Repeat(chunk, 1000) + "data: [DONE]\n\n")
+	r := bytes.NewReader(stream)
+	er := NewEventReader(r, 0)
+	b.SetBytes(int64(len(stream)))
+	b.ReportAllocs()
+	for b.Loop() {
+		r.Reset(stream)
+		er.Reset(r)
+		for {
+			if _, err := er.Next(); err != nil {
+				break
+			}
+		}
 	}
 }

@@ -17,7 +17,8 @@ const MaxEventBytes = 1 << 20
 var ErrEventTooLarge = errors.New("sse: event line too large")
 
 // EventReader reads the "data:" payloads of a Server-Sent Events stream
-// (WHATWG HTML §9.2) as OpenAI-compatible servers send them. Comment lines
+// (WHATWG HTML §9.2) as OpenAI-compatible servers send them. Lines end at
+// LF, CRLF or a lone CR, as in a client's parser. Comment lines
 // (":"), "id:" and "retry:" fields are skipped; an event's "event:" field
 // (the Responses API's event type) is kept for Event; multi-line data is
 // joined with "\n". The "[DONE]" sentinel is reported by Done.
@@ -27,6 +28,40 @@ type EventReader struct {
 	data  []byte
 	event []byte
 	done  bool
+	// skipLF: the previous line ended at a CR that was the last byte
+	// buffered; a LF read next belongs to it (CRLF).
+	skipLF bool
+	// start: no line read yet; a UTF-8 byte order mark before the first
+	// is dropped (WHATWG: "One leading U+FEFF BYTE ORDER MARK character
+	// must be ignored if any are present").
+	start bool
+}
+
+// bom is the UTF-8 byte order mark.
+var bom = []byte("\xEF\xBB\xBF")
+
+// LineEnd finds the end of the first line in b by the SSE rule (WHATWG
+// HTML §9.2.5: LF, CRLF or a lone CR ends a line). end is the line's length
+// (-1 when b holds no line end), next where the following line starts in
+// b, and cr reports a CR that is b's last byte: a LF that comes after it
+// is part of the same line end and must be skipped by the caller.
+func LineEnd(b []byte) (end, next int, cr bool) {
+	end = -1
+	lf := bytes.IndexByte(b, '\n')
+	upto := b
+	if lf >= 0 {
+		upto, end, next = b[:lf], lf, lf+1
+	}
+	if c := bytes.IndexByte(upto, '\r'); c >= 0 {
+		end, next = c, c+1
+		switch {
+		case c+1 == lf:
+			next = lf + 1 // CRLF
+		case c+1 == len(b):
+			cr = true
+		}
+	}
+	return end, next, cr
 }
 
 // NewEventReader returns a reader over r with a line limit of max bytes
@@ -35,7 +70,7 @@ func NewEventReader(r io.Reader, max int) *EventReader {
 	if max <= 0 {
 		max = MaxEventBytes
 	}
-	return &EventReader{r: bufio.NewReaderSize(r, 16<<10), max: max}
+	return &EventReader{r: bufio.NewReaderSize(r, 16<<10), max: max, start: true}
 }
 
 // Next returns the next event's data. The slice is valid until the next call.
@@ -96,7 +131,17 @@ func (er *EventReader) Next() ([]byte, error) {
 func (er *EventReader) Reset(r io.Reader) {
 	er.r.Reset(r)
 	er.data, er.event = er.data[:0], er.event[:0]
-	er.done = false
+	er.done, er.skipLF, er.start = false, false, true
+}
+
+// Continue makes er read r as the rest of the stream it was reading from
+// where its last event ended: as Reset, but a byte order mark at r's start
+// is not the stream's (it is part of the first line, as for a client) and a
+// LF at r's start ends the previous line if that ended at a CR.
+func (er *EventReader) Continue(r io.Reader) {
+	skip := er.skipLF
+	er.Reset(r)
+	er.skipLF, er.start = skip, false
 }
 
 // Event returns the "event:" field of the event Next last returned (empty
@@ -120,29 +165,66 @@ func (er *EventReader) Buffered() int { return cap(er.data) }
 // Done reports whether the [DONE] sentinel was read.
 func (er *EventReader) Done() bool { return er.done }
 
-// readLine returns one line without its terminator (LF or CRLF).
+// readLine returns one line without its terminator: LF, CRLF or a lone CR
+// (WHATWG HTML §9.2.5, "Parsing an event stream": each ends a line, as a
+// client's EventSource parser reads them). A CR that is the last byte
+// buffered ends its line at once, without waiting for the next byte: a LF
+// that then comes first is the same line end and is skipped (skipLF).
+// A line over the limit is ErrEventTooLarge; a stream that ends inside a
+// line io.ErrUnexpectedEOF.
 func (er *EventReader) readLine() ([]byte, error) {
-	line, err := er.r.ReadSlice('\n')
-	if err == bufio.ErrBufferFull {
-		buf := append([]byte(nil), line...)
-		for err == bufio.ErrBufferFull {
-			if len(buf) > er.max {
+	var long []byte // a line longer than the buffer, copied
+	need := 1       // bytes to have buffered before looking for a line end
+	from := 0       // buffered bytes already scanned: no line end in them
+	for {
+		if er.r.Buffered() < need {
+			// Peek moves a partial line to the buffer's front and fills
+			// the rest (no copy of ours while the line fits).
+			if _, err := er.r.Peek(need); err != nil {
+				if err == io.EOF && (len(long) > 0 || er.r.Buffered() > 0) {
+					return nil, io.ErrUnexpectedEOF
+				}
+				return nil, err
+			}
+		}
+		buf, _ := er.r.Peek(er.r.Buffered())
+		if er.skipLF {
+			er.skipLF = false
+			if buf[0] == '\n' {
+				_, _ = er.r.Discard(1)
+				continue
+			}
+		}
+		end, next, cr := LineEnd(buf[from:])
+		if end < 0 {
+			if len(long)+len(buf) > er.max {
 				return nil, fmt.Errorf("%w (over %d bytes)", ErrEventTooLarge, er.max)
 			}
-			line, err = er.r.ReadSlice('\n')
-			buf = append(buf, line...)
+			if len(buf) < er.r.Size() {
+				need, from = len(buf)+1, len(buf)
+				continue
+			}
+			long = append(long, buf...)
+			_, _ = er.r.Discard(len(buf))
+			need, from = 1, 0
+			continue
 		}
-		line = buf
-	}
-	if len(line) > er.max {
-		return nil, fmt.Errorf("%w (over %d bytes)", ErrEventTooLarge, er.max)
-	}
-	if err != nil {
-		if err == io.EOF && len(line) > 0 {
-			return nil, io.ErrUnexpectedEOF
+		end, next = end+from, next+from
+		er.skipLF = cr
+		line := buf[:end]
+		if long != nil {
+			line = append(long, line...)
 		}
-		return nil, err
+		if er.start {
+			er.start = false
+			line = bytes.TrimPrefix(line, bom)
+		}
+		if len(line) >= er.max {
+			return nil, fmt.Errorf("%w (over %d bytes)", ErrEventTooLarge, er.max)
+		}
+		// line is valid until the next read: Discard only moves the
+		// read position.
+		_, _ = er.r.Discard(next)
+		return line, nil
 	}
-	line = bytes.TrimSuffix(line[:len(line)-1], []byte("\r"))
-	return line, nil
 }

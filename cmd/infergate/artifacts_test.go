@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/json"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -13,7 +12,7 @@ import (
 // artifacts runs `infergate artifacts args...` to completion.
 func artifacts(t *testing.T, args ...string) (string, error) {
 	t.Helper()
-	c := exec.Command(os.Args[0], append([]string{"artifacts"}, args...)...)
+	c := infergateCommand(append([]string{"artifacts"}, args...)...)
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	out, err := c.CombinedOutput()
 	return string(out), err

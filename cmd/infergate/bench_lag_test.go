@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/json"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -20,7 +19,7 @@ func TestBenchRefusesLaggingRun(t *testing.T) {
 	args := []string{"bench", "--compare", "prefix", "--engines", "1", "--workload", "shared-prefix",
 		"--sp-groups", "1", "--sp-prompts-per-group", "4", "--sp-system-tokens", "256", "--sp-question-tokens", "16",
 		"--sp-output-tokens", "4", "--speedup", "1000000", "--out", out}
-	c := exec.Command(os.Args[0], args...)
+	c := infergateCommand(args...)
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	msg, err := c.CombinedOutput()
 	if err == nil {
@@ -49,7 +48,7 @@ func TestBenchRefusesLaggingRun(t *testing.T) {
 		t.Errorf("run %+v: want 4 requests, behind, margin 100 ms, fleet lag p99 over it", r)
 	}
 
-	c = exec.Command(os.Args[0], append(args, "--max-lag", "1000000h")...)
+	c = infergateCommand(append(args, "--max-lag", "1000000h")...)
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	if msg, err := c.CombinedOutput(); err != nil || strings.Contains(string(msg), "BEHIND") {
 		t.Errorf("--max-lag 1000000h: %v\n%s", err, msg)

@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/json"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -15,7 +14,7 @@ import (
 func TestBenchRateSweepWarmup(t *testing.T) {
 	dir := t.TempDir()
 	out, recs := filepath.Join(dir, "r.json"), filepath.Join(dir, "r.jsonl")
-	c := exec.Command(os.Args[0], "bench", "--compare", "prefix,round-robin", "--virtual", "--engines", "2", "--workload", "shared-prefix",
+	c := infergateCommand("bench", "--compare", "prefix,round-robin", "--virtual", "--engines", "2", "--workload", "shared-prefix",
 		"--sp-groups", "2", "--sp-prompts-per-group", "6", "--sp-system-tokens", "1024", "--sp-question-tokens", "64", "--sp-output-tokens", "8",
 		"--rate", "2,20", "--warmup", "4", "--out", out, "--records", recs)
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
@@ -58,7 +57,7 @@ func TestBenchRateSweepWarmup(t *testing.T) {
 		{"--kv-event-delay", "-1s", "--virtual"}, // negative
 	} {
 		args := append([]string{"bench", "--compare", "prefix", "--workload", "shared-prefix", "--sp-groups", "1", "--sp-prompts-per-group", "2"}, bad...)
-		c := exec.Command(os.Args[0], args...)
+		c := infergateCommand(args...)
 		c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 		if msg, err := c.CombinedOutput(); err == nil {
 			t.Errorf("%v accepted:\n%s", bad, msg)

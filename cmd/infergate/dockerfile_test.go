@@ -9,6 +9,8 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/infergate/infergate/internal/childproc"
 )
 
 // dockerfile returns the repository's Dockerfile instructions, one string
@@ -96,6 +98,7 @@ func TestDockerfile(t *testing.T) {
 	bin := filepath.Join(t.TempDir(), "infergate")
 	args = append(args, "-o", bin, m[4])
 	c := exec.Command("go", args...)
+	c.SysProcAttr = childproc.Attr()
 	c.Dir = filepath.Join("..", "..")
 	c.Env = append(os.Environ(), env...)
 	if out, err := c.CombinedOutput(); err != nil {

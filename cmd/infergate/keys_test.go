@@ -15,7 +15,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -156,7 +155,7 @@ func TestServeWarnsWhenExposed(t *testing.T) {
 	p.stop(t)
 
 	for _, args := range [][]string{{"serve", "--endpoint", eng.URL + "=m"}, {"up", "--listen", "127.0.0.1:0"}} {
-		cmd := exec.Command(os.Args[0], append(args, "--pprof", "0.0.0.0:6060")...)
+		cmd := infergateCommand(append(args, "--pprof", "0.0.0.0:6060")...)
 		cmd.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 		if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "loopback only") {
 			t.Errorf("%s --pprof on a non-loopback address: %v %s", args[0], err, out)

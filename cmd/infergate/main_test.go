@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/infergate/infergate/internal/childproc"
 )
 
 // TestMain lets the test binary act as the infergate binary, so the tests
@@ -41,11 +43,23 @@ func start(t *testing.T, args ...string) *proc {
 	return startEnv(t, nil, args...)
 }
 
+// infergateCommand is the command that runs this test binary as the
+// infergate CLI with args (TestMain runs main under INFERGATE_TEST_MAIN,
+// which the caller sets): a child killed with the test binary, even when
+// that dies without cleanups (go test's -timeout, a panic), so that no
+// serve, up or artifacts serve outlives it holding ports and CPU
+// (internal/childproc).
+func infergateCommand(args ...string) *exec.Cmd {
+	c := exec.Command(os.Args[0], args...)
+	c.SysProcAttr = childproc.Attr()
+	return c
+}
+
 // startEnv starts infergate with env ("NAME=value") added to the test's
 // environment.
 func startEnv(t *testing.T, env []string, args ...string) *proc {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], args...)
+	cmd := infergateCommand(args...)
 	cmd.Env = append(append(os.Environ(), "INFERGATE_TEST_MAIN=1"), env...)
 	pr, pw := io.Pipe()
 	all := &syncBuffer{}
@@ -206,7 +220,7 @@ func TestServeSimBench(t *testing.T) {
 	out := filepath.Join(dir, "r.json")
 	// This checks routing, not latency: the client's send lag (×100 in
 	// engine time) is accepted whatever the host's load.
-	b := exec.Command(os.Args[0], "bench", "--target", base, "--model", "m", "--trace", tr, "--speedup", "10", "--time-scale", "100",
+	b := infergateCommand("bench", "--target", base, "--model", "m", "--trace", tr, "--speedup", "10", "--time-scale", "100",
 		"--max-lag", "1000000h", "--out", out)
 	b.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	if msg, err := b.CombinedOutput(); err != nil {
@@ -235,19 +249,19 @@ func TestServeSimBench(t *testing.T) {
 
 func TestHelpAndVersion(t *testing.T) {
 	for _, sub := range []string{"up", "serve", "sim", "bench", "version"} {
-		c := exec.Command(os.Args[0], sub, "--help")
+		c := infergateCommand(sub, "--help")
 		c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 		msg, err := c.CombinedOutput()
 		if err != nil || !strings.Contains(string(msg), "Usage:") {
 			t.Errorf("%s --help: %v\n%s", sub, err, msg)
 		}
 	}
-	c := exec.Command(os.Args[0], "version")
+	c := infergateCommand("version")
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	if msg, err := c.CombinedOutput(); err != nil || !strings.HasPrefix(string(msg), "infergate ") {
 		t.Errorf("version: %v %s", err, msg)
 	}
-	c = exec.Command(os.Args[0], "serve")
+	c = infergateCommand("serve")
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	if msg, err := c.CombinedOutput(); err == nil || !strings.Contains(string(msg), "no endpoints") {
 		t.Errorf("serve without endpoints should fail clearly: %v %s", err, msg)
@@ -274,7 +288,7 @@ func TestBenchCompareVirtual(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := filepath.Join(dir, "r.json")
-	c := exec.Command(os.Args[0], "bench", "--compare", "round-robin,prefix", "--virtual", "--engines", "4", "--trace", tr, "--out", out)
+	c := infergateCommand("bench", "--compare", "round-robin,prefix", "--virtual", "--engines", "4", "--trace", tr, "--out", out)
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	if msg, err := c.CombinedOutput(); err != nil {
 		t.Fatalf("bench: %v\n%s", err, msg)
@@ -301,7 +315,7 @@ func TestBenchCompareVirtual(t *testing.T) {
 // so most prompt tokens hit under prefix routing.
 func TestBenchWorkloads(t *testing.T) {
 	out := filepath.Join(t.TempDir(), "r.json")
-	c := exec.Command(os.Args[0], "bench", "--compare", "prefix", "--virtual", "--engines", "2", "--workload", "shared-prefix",
+	c := infergateCommand("bench", "--compare", "prefix", "--virtual", "--engines", "2", "--workload", "shared-prefix",
 		"--sp-groups", "4", "--sp-prompts-per-group", "8", "--sp-system-tokens", "2048", "--sp-question-tokens", "128", "--sp-rate", "5", "--out", out)
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	if msg, err := c.CombinedOutput(); err != nil {
@@ -321,7 +335,7 @@ func TestBenchWorkloads(t *testing.T) {
 	if r := rep.Runs[0]; r.Requests != 32 || r.Errors != 0 || r.HitRate < 0.7 {
 		t.Fatalf("shared-prefix run %+v: want 32 requests, 0 errors, hit rate >= 0.7", r)
 	}
-	c = exec.Command(os.Args[0], "bench", "--compare", "prefix", "--virtual", "--workload", "nope")
+	c = infergateCommand("bench", "--compare", "prefix", "--virtual", "--workload", "nope")
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	if msg, err := c.CombinedOutput(); err == nil || !strings.Contains(string(msg), "--workload") {
 		t.Fatalf("unknown workload: %v %s", err, msg)
@@ -346,7 +360,7 @@ func TestBenchReuseWorkloadsAndPeers(t *testing.T) {
 			out := filepath.Join(t.TempDir(), "r.json")
 			args := append([]string{"bench", "--compare", "cache-aware,llm-d,sglang,dynamo", "--virtual", "--engines", "2",
 				"--workload", tc.workload, "--out", out}, tc.args...)
-			c := exec.Command(os.Args[0], args...)
+			c := infergateCommand(args...)
 			c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 			msg, err := c.CombinedOutput()
 			if err != nil {

@@ -11,7 +11,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -39,7 +38,7 @@ type loggedProc struct {
 // line channel drops lines once 1024 wait).
 func startLogged(t *testing.T, args ...string) *loggedProc {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], args...)
+	cmd := infergateCommand(args...)
 	cmd.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	pr, pw := io.Pipe()
 	all := &syncBuffer{}

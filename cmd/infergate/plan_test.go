@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -32,7 +31,7 @@ func burstTraceFile(t *testing.T) string {
 }
 
 func runMain(args ...string) (string, error) {
-	c := exec.Command(os.Args[0], args...)
+	c := infergateCommand(args...)
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	out, err := c.CombinedOutput()
 	return string(out), err

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/internal/childproc"
 	"github.com/infergate/infergate/sched"
 )
 
@@ -278,6 +279,7 @@ func TestShutdownGraceFlags(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second) // were the flag ignored, it would serve
 	defer cancel()
 	c := exec.CommandContext(ctx, os.Args[0], "serve", "--endpoint", engine+"=m", "--listen", "127.0.0.1:0", "--shutdown-grace", "-1s")
+	c.SysProcAttr = childproc.Attr()
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	if msg, err := c.CombinedOutput(); err == nil || !strings.Contains(string(msg), "shutdown_grace") {
 		t.Errorf("a negative grace: %v %s", err, msg)

@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"os"
-	"os/exec"
 	"regexp"
 	"strings"
 	"testing"
@@ -70,7 +69,7 @@ func TestUpPDFlags(t *testing.T) {
 		{[]string{"--pd", "1:1", "--pd-decode-budget", "-1"}, "--pd-decode-budget -1"},
 		{[]string{"--pd-decode-budget", "384"}, "needs --pd"},
 	} {
-		c := exec.Command(os.Args[0], append([]string{"up", "--listen", "127.0.0.1:0"}, tc.args...)...)
+		c := infergateCommand(append([]string{"up", "--listen", "127.0.0.1:0"}, tc.args...)...)
 		c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 		out, err := c.CombinedOutput()
 		if err == nil || !strings.Contains(string(out), tc.want) {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
 	"regexp"
 	"strconv"
 	"strings"
@@ -147,7 +146,7 @@ func TestUpElasticFlags(t *testing.T) {
 		{[]string{"--engines", "0..2", "--policy", "precise-prefix"}, "KV events"},
 		{[]string{"--engines", "0..2", "--pd", "1:1"}, "give one"},
 	} {
-		c := exec.Command(os.Args[0], append([]string{"up", "--listen", "127.0.0.1:0"}, tc.args...)...)
+		c := infergateCommand(append([]string{"up", "--listen", "127.0.0.1:0"}, tc.args...)...)
 		c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 		out, err := c.CombinedOutput()
 		if err == nil || !strings.Contains(string(out), tc.want) {

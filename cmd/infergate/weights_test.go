@@ -2,7 +2,6 @@ package main
 
 import (
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -33,7 +32,7 @@ func TestSimWeightsThroughCache(t *testing.T) {
 	warm.await(t, regexp.MustCompile(`engine ready.*source=(page_cache|nvme) .*fetched_bytes=0 .*read_bytes=320\d\d\d`))
 	warm.stop(t)
 
-	c := exec.Command(os.Args[0], "sim", "--listen", "127.0.0.1:0", "--artifact-dir", node)
+	c := infergateCommand("sim", "--listen", "127.0.0.1:0", "--artifact-dir", node)
 	c.Env = append(os.Environ(), "INFERGATE_TEST_MAIN=1")
 	if out, err := c.CombinedOutput(); err == nil || !strings.Contains(string(out), "--artifact-dir needs --weights") {
 		t.Fatalf("--artifact-dir without --weights: %v %s", err, out)

@@ -89,6 +89,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
+	"github.com/infergate/infergate/internal/childproc"
 	"github.com/infergate/infergate/internal/realpart"
 )
 
@@ -512,7 +513,7 @@ func startProc(bin string, args []string, logPath string, mirror io.Writer) (*pr
 		w := io.MultiWriter(f, mirror)
 		cmd.Stdout, cmd.Stderr = w, w
 	}
-	cmd.SysProcAttr = sysProcAttr()
+	cmd.SysProcAttr = childproc.Attr() // killed with the test binary
 	if err := cmd.Start(); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("kubetest: start %s: %w", bin, err)

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/infergate/infergate/internal/childproc"
 	"github.com/infergate/infergate/internal/realpart"
 )
 
@@ -59,7 +60,7 @@ func Start(t testing.TB, port int) *Server {
 		}
 		cmd := exec.Command(bin, "--port", strconv.Itoa(p), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
 			"--dir", dir, "--daemonize", "no", "--logfile", filepath.Join(dir, "redis.log"))
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+		cmd.SysProcAttr = childproc.Group()
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}

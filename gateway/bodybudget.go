@@ -1,0 +1,41 @@
+package gateway
+
+import (
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// The request body budget (max_body_bytes_in_flight): the bytes of request
+// bodies being read, all requests together. max_body_bytes bounds one
+// body, body_read_timeout how long it may take; neither bounds how many
+// are read at once, and N clients that each sent part of a large body and
+// stalled held N × what they sent (each buffer up to twice that: it
+// doubles as bytes arrive). The bytes are charged as they arrive, not for
+// the Content-Length announced (charged up front, a few clients announcing
+// 16 MiB and sending nothing held the whole budget: kvstore's
+// TestAPIBodyBudgetChargedAsSent measured it there), and given back when
+// the read ends: whole, refused, timed out or abandoned. A read that
+// would take the total past the limit is refused at once, never waited
+// for: 503 (the gateway's memory is short, not this client's rate, which
+// is what a 429 says) with Retry-After: 1 and code "overloaded", and the
+// connection is closed (the rest of the body is not read).
+
+// codeBodyBudget is the OpenAI error code of a body refused by the budget.
+const codeBodyBudget = "overloaded"
+
+// initBodyBudget sets up g.bodies and registers its metrics.
+func (g *Gateway) initBodyBudget(reg prometheus.Registerer) error {
+	g.bodies = &byteBudget{limit: g.cfg.MaxBodyBytesInFlight,
+		overflows: prometheus.NewCounter(prometheus.CounterOpts{Namespace: "infergate", Name: "request_body_budget_refusals_total",
+			Help: "Requests refused (503) because the request bodies being read held max_body_bytes_in_flight."})}
+	inFlight := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Name: "request_body_bytes_in_flight",
+		Help: "Bytes of request bodies being read, all requests together (bounded by max_body_bytes_in_flight)."},
+		func() float64 { return float64(g.bodies.held.Load()) })
+	for _, c := range []prometheus.Collector{g.bodies.overflows, inFlight} {
+		if err := reg.Register(c); err != nil {
+			return fmt.Errorf("gateway: register metrics: %w", err)
+		}
+	}
+	return nil
+}
