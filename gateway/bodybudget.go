@@ -1,10 +1,6 @@
 package gateway
 
-import (
-	"fmt"
-
-	"github.com/prometheus/client_golang/prometheus"
-)
+import "github.com/prometheus/client_golang/prometheus"
 
 // The request body budget (max_body_bytes_in_flight): the bytes of request
 // bodies being read, all requests together. max_body_bytes bounds one
@@ -25,17 +21,9 @@ import (
 const codeBodyBudget = "overloaded"
 
 // initBodyBudget sets up g.bodies and registers its metrics.
-func (g *Gateway) initBodyBudget(reg prometheus.Registerer) error {
-	g.bodies = &byteBudget{limit: g.cfg.MaxBodyBytesInFlight,
-		overflows: prometheus.NewCounter(prometheus.CounterOpts{Namespace: "infergate", Name: "request_body_budget_refusals_total",
-			Help: "Requests refused (503) because the request bodies being read held max_body_bytes_in_flight."})}
-	inFlight := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Name: "request_body_bytes_in_flight",
-		Help: "Bytes of request bodies being read, all requests together (bounded by max_body_bytes_in_flight)."},
-		func() float64 { return float64(g.bodies.held.Load()) })
-	for _, c := range []prometheus.Collector{g.bodies.overflows, inFlight} {
-		if err := reg.Register(c); err != nil {
-			return fmt.Errorf("gateway: register metrics: %w", err)
-		}
-	}
-	return nil
+func (g *Gateway) initBodyBudget(reg prometheus.Registerer) (err error) {
+	g.bodies, err = newByteBudget(reg, g.cfg.MaxBodyBytesInFlight,
+		"request_body_budget_refusals_total", "Requests refused (503) because the request bodies being read held max_body_bytes_in_flight.",
+		"request_body_bytes_in_flight", "Bytes of request bodies being read, all requests together (bounded by max_body_bytes_in_flight).")
+	return err
 }

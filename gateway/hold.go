@@ -77,17 +77,25 @@ func (g *Gateway) holdMore(x *exchange, n int, held *int64) bool {
 }
 
 // initHold sets up the hold budget and registers its metrics.
-func (g *Gateway) initHold(reg prometheus.Registerer) error {
-	g.hold = &byteBudget{limit: g.cfg.MaxHeldResponseBytes,
-		overflows: prometheus.NewCounter(prometheus.CounterOpts{Namespace: "infergate", Name: "response_hold_overflows_total",
-			Help: "Non-streaming answers relayed before their end because max_held_response_bytes was held (not retry-safe)."})}
-	held := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Name: "response_held_bytes",
-		Help: "Bytes of non-streaming answers held until their end, all requests together (bounded by max_held_response_bytes)."},
-		func() float64 { return float64(g.hold.held.Load()) })
-	for _, c := range []prometheus.Collector{g.hold.overflows, held} {
+func (g *Gateway) initHold(reg prometheus.Registerer) (err error) {
+	g.hold, err = newByteBudget(reg, g.cfg.MaxHeldResponseBytes,
+		"response_hold_overflows_total", "Non-streaming answers relayed before their end because max_held_response_bytes was held (not retry-safe).",
+		"response_held_bytes", "Bytes of non-streaming answers held until their end, all requests together (bounded by max_held_response_bytes).")
+	return err
+}
+
+// newByteBudget returns a byteBudget of limit bytes with its metrics
+// registered on reg: a counter of its overflows and a gauge of the bytes
+// held (names without the infergate_ prefix).
+func newByteBudget(reg prometheus.Registerer, limit int64, overflowsName, overflowsHelp, heldName, heldHelp string) (*byteBudget, error) {
+	b := &byteBudget{limit: limit,
+		overflows: prometheus.NewCounter(prometheus.CounterOpts{Namespace: "infergate", Name: overflowsName, Help: overflowsHelp})}
+	held := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "infergate", Name: heldName, Help: heldHelp},
+		func() float64 { return float64(b.held.Load()) })
+	for _, c := range []prometheus.Collector{b.overflows, held} {
 		if err := reg.Register(c); err != nil {
-			return fmt.Errorf("gateway: register metrics: %w", err)
+			return nil, fmt.Errorf("gateway: register metrics: %w", err)
 		}
 	}
-	return nil
+	return b, nil
 }
