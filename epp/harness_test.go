@@ -115,8 +115,9 @@ func startPicker(t testing.TB, cfg gateway.Config, o Options) *testPicker {
 	return tp
 }
 
-// gauge sums the samples of the metric family name in tp's registry.
-func (tp *testPicker) gauge(t testing.TB, name string) float64 {
+// gauge sums the samples of the metric family name in tp's registry
+// whose labels include all of want (name=value pairs).
+func (tp *testPicker) gauge(t testing.TB, name string, want ...string) float64 {
 	t.Helper()
 	mfs, err := tp.reg.Gather()
 	if err != nil {
@@ -127,7 +128,17 @@ func (tp *testPicker) gauge(t testing.TB, name string) float64 {
 		if mf.GetName() != name {
 			continue
 		}
+	metric:
 		for _, m := range mf.GetMetric() {
+			for i := 0; i+1 < len(want); i += 2 {
+				found := false
+				for _, l := range m.GetLabel() {
+					found = found || (l.GetName() == want[i] && l.GetValue() == want[i+1])
+				}
+				if !found {
+					continue metric
+				}
+			}
 			switch {
 			case m.Gauge != nil:
 				sum += m.GetGauge().GetValue()

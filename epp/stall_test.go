@@ -205,36 +205,6 @@ func TestClientPrefillerHeaderRemoved(t *testing.T) {
 	}
 }
 
-// counter is the value of the metric family name's sample whose labels
-// include all of want (name=value pairs) in tp's registry.
-func (tp *testPicker) counter(t testing.TB, name string, want ...string) float64 {
-	t.Helper()
-	mfs, err := tp.reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	sum := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	metric:
-		for _, m := range mf.GetMetric() {
-			for i := 0; i+1 < len(want); i += 2 {
-				found := false
-				for _, l := range m.GetLabel() {
-					found = found || (l.GetName() == want[i] && l.GetValue() == want[i+1])
-				}
-				if !found {
-					continue metric
-				}
-			}
-			sum += m.GetCounter().GetValue()
-		}
-	}
-	return sum
-}
-
 // TestUnreadSendEnds: a proxy that stops reading the picker's responses
 // (its HTTP/2 flow-control window full) blocked the stream's Send for
 // good, with its admission slot, its load share and its buffered body
@@ -266,7 +236,7 @@ func TestUnreadSendEnds(t *testing.T) {
 	s.headers("POST", "/v1/chat/completions", false, nil)
 	s.body(chatBody(1<<20, "unread"), true, 60000, 120000, 500000)
 	waitFor(t, "the stalled send given up", func() bool {
-		return tp.counter(t, "infergate_epp_stream_timeouts_total", "wait", "send") == 1
+		return tp.gauge(t, "infergate_epp_stream_timeouts_total", "wait", "send") == 1
 	})
 	waitFor(t, "the stream released", func() bool {
 		return tp.inFlight(t) == 0 && tp.srv.Buffered() == 0 && tp.gauge(t, "infergate_epp_streams") == 0
@@ -330,10 +300,10 @@ func TestRoutedStreamWaitsBounded(t *testing.T) {
 	s.responseBody([]byte(`{"id":"x","choices":[`), false)
 	s.recv()
 	endsWith("answer stalled", s, codes.DeadlineExceeded)
-	if n := tp.counter(t, "infergate_requests_total", "code", "504"); n != 2 {
+	if n := tp.gauge(t, "infergate_requests_total", "code", "504"); n != 2 {
 		t.Fatalf("%v requests counted 504, want 2", n)
 	}
-	if n := tp.counter(t, "infergate_epp_stream_timeouts_total", "wait", "answer"); n != 2 {
+	if n := tp.gauge(t, "infergate_epp_stream_timeouts_total", "wait", "answer"); n != 2 {
 		t.Fatalf("%v answer timeouts, want 2", n)
 	}
 
@@ -343,10 +313,10 @@ func TestRoutedStreamWaitsBounded(t *testing.T) {
 	s.responseBody([]byte(`{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}`), true)
 	s.recv()
 	endsWith("answered", s, codes.OK)
-	if n := tp.counter(t, "infergate_epp_stream_timeouts_total", "wait", "end"); n != 1 {
+	if n := tp.gauge(t, "infergate_epp_stream_timeouts_total", "wait", "end"); n != 1 {
 		t.Fatalf("%v end timeouts, want 1", n)
 	}
-	if n := tp.counter(t, "infergate_requests_total", "code", "200"); n != 1 {
+	if n := tp.gauge(t, "infergate_requests_total", "code", "200"); n != 1 {
 		t.Fatalf("%v requests counted 200, want 1", n)
 	}
 	waitFor(t, "every stream released", func() bool {
@@ -401,10 +371,10 @@ func TestHeaderLimits(t *testing.T) {
 	s.body(chatBody(100, "identity"), true)
 	s.routed(true)
 	s.cancel()
-	if n := tp.counter(t, "infergate_epp_decisions_total", "result", "431"); n != 1 {
+	if n := tp.gauge(t, "infergate_epp_decisions_total", "result", "431"); n != 1 {
 		t.Fatalf("%v decisions 431, want 1", n)
 	}
-	if n := tp.counter(t, "infergate_epp_decisions_total", "result", "415"); n != 2 {
+	if n := tp.gauge(t, "infergate_epp_decisions_total", "result", "415"); n != 2 {
 		t.Fatalf("%v decisions 415, want 2", n)
 	}
 	waitFor(t, "every stream released", func() bool {
