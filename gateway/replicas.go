@@ -60,7 +60,7 @@ type ReplicasConfig struct {
 	Replay *bool `yaml:"replay"`
 	// Stagger makes this replica, while its decisions come in bursts,
 	// wait before each decision for the learns of the replicas ranked
-	// before it (at most rank × 5/4 of the exchange's measured delay), so
+	// before it (at most rank × 3 of the exchange's measured delay), so
 	// that replicas take turns in a burst instead of herding
 	// (replica.Node.Turn; default true).
 	Stagger *bool `yaml:"stagger"`
@@ -440,7 +440,7 @@ func (r *replicas) dropSlot(f sched.PeerFinisher, i int) {
 // stagger waits before a routing decision of pool p for this replica's
 // turn in a burst (replica.Node.Turn and Due): until the learns of the
 // replicas ranked before it have been applied, their deadline (at most
-// rank × 5/4 of the exchange's measured delay, replica.MaxStagger), or
+// rank × 3 of the exchange's measured delay, replica.MaxStagger), or
 // the end of ctx (the request's next stage then sees it ended); nothing
 // while its decisions do not come in bursts. It checks Due at each peer's
 // learn the reader applies (turns), on the request's own goroutine: no

@@ -92,8 +92,8 @@ func TestReplicasRedisDown(t *testing.T) {
 // replicas.stagger false.
 func TestReplicasStaggerWaits(t *testing.T) {
 	r, p := staggeredReplicas(false)
-	if d := r.node.Stagger(clock(time.Now())); d != 1250*time.Microsecond {
-		t.Fatalf("rank 1, 1 ms echoes: Stagger %v, want 1.25ms", d)
+	if d := r.node.Stagger(clock(time.Now())); d != 3*time.Millisecond {
+		t.Fatalf("rank 1, 1 ms echoes: Stagger %v, want 3ms", d)
 	}
 	waited := func(r *replicas, ctx context.Context, p *pool) {
 		t.Helper()
@@ -130,7 +130,8 @@ func TestReplicasStaggerWaits(t *testing.T) {
 
 // TestReplicasStaggerWake: a staggered decision (replica "b", ranked 1
 // of a, b, c) is released by the learn of the replica ranked before it
-// as the reader applies it (replicas.apply), before its deadline; by the
+// as the reader applies it (replicas.apply) one exchange delay or more
+// after the decision arrived, before its deadline; by the
 // deadline without one (a learn of c, ranked after it, does not release
 // it); by the end of its request. The deadline's timer is the test's
 // (turns.timer), started once the decision found its turn not come: no
@@ -193,9 +194,13 @@ func TestReplicasStaggerWake(t *testing.T) {
 		}
 	}
 
-	// a's learn releases b's decision before its deadline.
+	// a's learn releases b's decision before its deadline: one applied
+	// at least one exchange delay (1 ms here) after the decision arrived
+	// (replica.Turn; sleeping never ends early, so this is no timed
+	// assertion).
 	fresh()
 	_, done := wait(context.Background())
+	time.Sleep(2 * time.Millisecond)
 	r.apply(learn("a"), false)
 	ended("a's learn", "learns", 1, done)
 
@@ -222,6 +227,7 @@ func TestReplicasStaggerWake(t *testing.T) {
 		_, d := wait(context.Background())
 		dones = append(dones, d)
 	}
+	time.Sleep(2 * time.Millisecond)
 	r.apply(learn("a"), false)
 	ended("three decisions, one learn", "learns", 3, dones...)
 }

@@ -146,7 +146,7 @@ func (u *Unseen) Sent(stamp int64, now time.Duration, prompt, pending int64) {
 // (stream.Config.Connected: the learn's write, then the reader's read);
 // in virtual time the modelled delay. A fresh replica also starts as if
 // its decisions came in bursts: the share decays below staggerBurst within
-// about 20 decisions spread in time (at rank × 5/4 of d each, the price of
+// about 20 decisions spread in time (at most rank × 3 of d each, the price of
 // not knowing yet), and a burst that opens the run is staggered from its
 // first decision instead of from about its sixth. Echoes replace d as
 // they come (an exponentially weighted mean); a measured delay is never

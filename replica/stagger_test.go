@@ -38,9 +38,10 @@ func TestStagger(t *testing.T) {
 		want  time.Duration
 	}{
 		{"a", []string{"b", "c"}, time.Millisecond, 0},
-		{"b", []string{"a", "c"}, time.Millisecond, 1250 * time.Microsecond},
-		{"c", []string{"a", "b"}, time.Millisecond, 2500 * time.Microsecond},
-		{"c", []string{"a", "b"}, 10 * time.Millisecond, 25 * time.Millisecond},
+		{"b", []string{"a", "c"}, time.Millisecond, 3 * time.Millisecond},
+		{"c", []string{"a", "b"}, time.Millisecond, 6 * time.Millisecond},
+		{"c", []string{"a", "b"}, 5 * time.Millisecond, 30 * time.Millisecond},
+		{"c", []string{"a", "b"}, 10 * time.Millisecond, MaxStagger},
 		{"c", []string{"a", "b"}, 100 * time.Millisecond, MaxStagger},
 	} {
 		n := &Node{ID: c.id, Peers: NewPeers(time.Second)}
@@ -75,8 +76,8 @@ func TestStagger(t *testing.T) {
 	}
 	// One dead peer: c's rank falls to 1.
 	n.Peers.Update("b", now+1500*time.Millisecond, nil)
-	if got := n.Stagger(now + 1500*time.Millisecond); got != 1250*time.Microsecond {
-		t.Errorf("a dead: waits %v, want 1.25ms", got)
+	if got := n.Stagger(now + 1500*time.Millisecond); got != 3*time.Millisecond {
+		t.Errorf("a dead: waits %v, want 3ms", got)
 	}
 }
 
@@ -132,16 +133,16 @@ func TestStaggerSeeded(t *testing.T) {
 		t.Fatalf("unseeded: waits %v", got)
 	}
 	n.Unseen.Seed(2 * time.Millisecond)
-	if got := n.Stagger(0); got != 5*time.Millisecond {
-		t.Fatalf("seeded 2ms, rank 2: waits %v, want 5ms", got)
+	if got := n.Stagger(0); got != 12*time.Millisecond {
+		t.Fatalf("seeded 2ms, rank 2: waits %v, want 12ms", got)
 	}
 	n.Unseen.Sent(1, 0, 100, 100)
 	n.Unseen.Echo(1, 10*time.Millisecond) // a first measured echo: the mean moves 1/8 towards it
-	if got := n.Stagger(0); got != 2*(2*time.Millisecond+(8*time.Millisecond)/8)*5/4 {
+	if got := n.Stagger(0); got != 2*(2*time.Millisecond+(8*time.Millisecond)/8)*3 {
 		t.Fatalf("after one 10ms echo: waits %v", got)
 	}
 	n.Unseen.Seed(time.Microsecond)
-	if got := n.Stagger(0); got != 7500*time.Microsecond {
+	if got := n.Stagger(0); got != 18*time.Millisecond {
 		t.Fatalf("a seed overwrote the measured delay: waits %v", got)
 	}
 	// Decisions a second apart: within ~20 no longer bursty.
@@ -187,11 +188,11 @@ func TestStaggerTurn(t *testing.T) {
 	// c, ranked 2 of a, b, c, d: waits for a and b.
 	n, now := newNode("c")
 	turn, ok := n.Turn(now)
-	if !ok || turn.Since != now-ms || turn.Deadline != now+2500*time.Microsecond {
-		t.Fatalf("turn %+v %v, want since now-1ms, deadline now+2.5ms", turn, ok)
+	if !ok || turn.Since != now+ms || turn.Deadline != now+6*ms {
+		t.Fatalf("turn %+v %v, want since now+1ms, deadline now+6ms", turn, ok)
 	}
-	if got := n.Stagger(now); got != 2500*time.Microsecond {
-		t.Fatalf("Stagger %v, want the deadline's 2.5ms", got)
+	if got := n.Stagger(now); got != 6*ms {
+		t.Fatalf("Stagger %v, want the deadline's 6ms", got)
 	}
 	if got := n.Due(turn, now); got != Waiting {
 		t.Fatalf("at arrival: %v", got)
@@ -202,18 +203,23 @@ func TestStaggerTurn(t *testing.T) {
 		t.Fatalf("an old learn of a and d's (ranked after): %v", got)
 	}
 	learn(n, "a", now+200*time.Microsecond)
-	if got := n.Due(turn, now+200*time.Microsecond); got != Waiting {
+	learn(n, "b", now+300*time.Microsecond)
+	if got := n.Due(turn, now+300*time.Microsecond); got != Waiting {
+		t.Fatalf("a's and b's learns sent before c's decision arrived (applied within a delay of it): %v", got)
+	}
+	learn(n, "a", now+ms)
+	if got := n.Due(turn, now+ms); got != Waiting {
 		t.Fatalf("a's learn, not b's: %v", got)
 	}
-	if _, err := n.Apply(AppendLoad(nil, "b", 0, nil), now+300*time.Microsecond); err != nil {
+	if _, err := n.Apply(AppendLoad(nil, "b", 0, nil), now+1050*time.Microsecond); err != nil {
 		t.Fatal(err)
 	}
-	if got := n.Due(turn, now+300*time.Microsecond); got != Waiting {
+	if got := n.Due(turn, now+1050*time.Microsecond); got != Waiting {
 		t.Fatalf("b's load report taken for a learn: %v", got)
 	}
 	learn(n, "b", now+1100*time.Microsecond)
 	if got := n.Due(turn, now+1100*time.Microsecond); got != Learnt {
-		t.Fatalf("a's and b's learns applied: %v, want learns", got)
+		t.Fatalf("a's and b's learns applied a delay after the arrival: %v, want learns", got)
 	}
 
 	// Nothing from b: the deadline.
@@ -227,13 +233,18 @@ func TestStaggerTurn(t *testing.T) {
 		t.Fatalf("at the deadline: %v, want deadline", got)
 	}
 
-	// Learns applied within one delay before the arrival count (a burst
-	// that reached the peers a little earlier): b, ranked 1, waits for a.
+	// A learn applied before the arrival does not count, however
+	// recent: a's decisions since are not in it (b, ranked 1, waits for
+	// a); one a delay after the arrival does.
 	n, now = newNode("b")
-	learn(n, "a", now-ms)
+	learn(n, "a", now)
 	turn, _ = n.Turn(now)
-	if got := n.Due(turn, now); got != Learnt {
-		t.Fatalf("a's learn one delay before the arrival: %v, want learns", got)
+	if got := n.Due(turn, now); got != Waiting {
+		t.Fatalf("a's learn applied at the arrival: %v, want waiting", got)
+	}
+	learn(n, "a", now+ms)
+	if got := n.Due(turn, now+ms); got != Learnt {
+		t.Fatalf("a's learn one delay after the arrival: %v, want learns", got)
 	}
 
 	// A replica ranked before that went silent for the TTL is not waited
@@ -243,8 +254,8 @@ func TestStaggerTurn(t *testing.T) {
 	n.Peers.Update("b", later, nil)
 	n.Peers.Update("d", later, nil)
 	turn, _ = n.Turn(later)
-	if turn.Deadline != later+1250*time.Microsecond {
-		t.Fatalf("a dead: deadline %v after arrival, want 1.25ms", turn.Deadline-later)
+	if turn.Deadline != later+3*ms {
+		t.Fatalf("a dead: deadline %v after arrival, want 3ms", turn.Deadline-later)
 	}
 	learn(n, "b", later+ms)
 	if got := n.Due(turn, later+ms); got != Learnt {
@@ -309,14 +320,14 @@ func TestStaggerDeadlineTail(t *testing.T) {
 		return turn, now
 	}
 	turn, now := deadline(4)
-	if got := turn.Deadline - now; got != 25*ms {
-		t.Errorf("4 echoes of 20 ms in the last 32: deadline %v after arrival, want 25ms (5/4 of the 90th percentile)", got)
+	if got := turn.Deadline - now; got != MaxStagger {
+		t.Errorf("4 echoes of 20 ms in the last 32: deadline %v after arrival, want MaxStagger (3 × the 90th percentile, 60ms, capped)", got)
 	}
-	if mean := now - turn.Since; mean >= 20*ms || mean <= ms {
+	if mean := turn.Since - now; mean >= 20*ms || mean <= ms {
 		t.Errorf("since-window %v: want the echoes' mean, between 1 and 20 ms", mean)
 	}
 	turn, now = deadline(3)
-	if got := turn.Deadline - now; got != 1250*time.Microsecond {
-		t.Errorf("3 echoes of 20 ms in the last 32: deadline %v after arrival, want 1.25ms", got)
+	if got := turn.Deadline - now; got != 3*ms {
+		t.Errorf("3 echoes of 20 ms in the last 32: deadline %v after arrival, want 3ms", got)
 	}
 }

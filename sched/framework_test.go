@@ -238,6 +238,32 @@ func TestPickers(t *testing.T) {
 	}
 }
 
+// TestMaxScorePickerPreferred: a Preferred endpoint (a replica's share)
+// within PreferredTolerance of the best total is taken instead of it;
+// one further off is not; without Preferred endpoints the best wins.
+func TestMaxScorePickerPreferred(t *testing.T) {
+	p := newProfileT(t, only("x", ScorerConfig{Type: ScorerQueue, Weight: 1}), Pool{Capacity: caps(4, 10)})
+	eps := make([]Endpoint, 4)
+	c := &Cycle{p: p, Eps: eps}
+	cands := []int{0, 1, 2, 3}
+	pick := func(total ...float64) int { return maxScorePicker{tol: DefaultTieTolerance}.Pick(c, cands, total) }
+	if k := pick(1, 0.9, 0.5, 0.2); k != 0 {
+		t.Fatalf("no preference: picked %d, want the best (0)", k)
+	}
+	eps[1].Preferred, eps[3].Preferred = true, true
+	for range 100 {
+		if k := pick(1, 1-PreferredTolerance+0.01, 0.5, 0.2); k != 1 {
+			t.Fatalf("preferred 1 within the margin: picked %d, want 1", k)
+		}
+		if k := pick(1, 1-PreferredTolerance-0.01, 0.5, 0.2); k != 0 {
+			t.Fatalf("preferred 1 beyond the margin: picked %d, want the best (0)", k)
+		}
+		if k := pick(0.5, 1, 0.2, 0.9); k != 1 {
+			t.Fatalf("preferred 1 best: picked %d", k)
+		}
+	}
+}
+
 func TestProfileNoReady(t *testing.T) {
 	for _, name := range []string{PowerOfTwo, CacheAware} {
 		p := newProfileT(t, Config{Policy: name}, Pool{Capacity: caps(3, 10)})

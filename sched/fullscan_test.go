@@ -9,8 +9,9 @@ import (
 )
 
 // The max-score picker and the cost scorer as they were until 2026-12-05,
-// a pass over every candidate per step: the references the current ones
-// must match to the bit (TestMaxScorePickerMatchesFullScan,
+// a pass over every candidate per step (the picker with the Preferred
+// endpoints' margin, PreferredTolerance, since 2026-12-06): the
+// references the current ones must match to the bit (TestMaxScorePickerMatchesFullScan,
 // TestCostScorerMatchesFullScan).
 
 func fullScanMaxScorePick(tol float64, c *Cycle, cands []int, total []float64) int {
@@ -22,16 +23,21 @@ func fullScanMaxScorePick(tol float64, c *Cycle, cands []int, total []float64) i
 		top = max(top, t)
 	}
 	tol = max(tol, 1e-9)
-	pref := false
+	margin := max(tol, PreferredTolerance)
+	topPref := math.Inf(-1)
 	for k, t := range total {
-		if t >= top-tol && preferred(c, cands[k]) {
-			pref = true
-			break
+		if t >= top-margin && preferred(c, cands[k]) {
+			topPref = max(topPref, t)
 		}
+	}
+	pref := !math.IsInf(topPref, -1)
+	lo := top - tol
+	if pref {
+		lo = max(topPref-tol, top-margin)
 	}
 	pick, ties := -1, 0
 	for k, t := range total {
-		if t >= top-tol && (!pref || preferred(c, cands[k])) {
+		if t >= lo && (!pref || preferred(c, cands[k])) {
 			ties++
 			if c.IntN(ties) == 0 {
 				pick = k

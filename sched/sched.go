@@ -50,7 +50,8 @@ type Endpoint struct {
 	Role Role
 	// Preferred marks the endpoints a gateway replica takes first among
 	// candidates its picker counts as tied (the max-score picker's totals
-	// within the tie tolerance, least-request's equal loads): its share of
+	// within the tie tolerance, or within PreferredTolerance of the best
+	// for a Preferred one; least-request's equal loads): its share of
 	// the pool (replica.Node.Expect), so that replicas deciding on one view
 	// at one instant spread over the ties instead of drawing from the same
 	// set. False everywhere without replicas: ties are then broken among

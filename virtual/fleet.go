@@ -82,7 +82,8 @@ type Config struct {
 	LoadTTL      time.Duration
 	// ReplicaNoStagger turns off the synced replicas' staggered decisions
 	// in bursts (replica.Node.Stagger: while a replica's decisions come in
-	// bursts, each waits rank × 5/4 of the exchange's delay, the time its
+	// bursts, each waits for the learns of the replicas ranked before it,
+	// at most rank × 3 of the exchange's delay, the time its
 	// own learns take to come back, before it decides; replicas.go).
 	ReplicaNoStagger bool
 	// KillAt, when positive, kills replica KillReplica at that time: the
