@@ -96,10 +96,10 @@ const (
 	// turn now waits about one delay for the learn it needs where it
 	// waited none, so a replica ranked before whose learn came late (a
 	// turn released by its own deadline) released the next rank's turn
-	// by deadline too: at 5/4 the new turn lost its gain at 1 ms of
-	// spread (virtual time, Mooncake, six seeds: +8.2% to +8.6% TTFT p90
-	// against one gateway); at 3, +8.6% at 1 ms and +7.2% where 5/4 had
-	// +22% (2 ms); at 5, no better (+8.2%, +7.4%).
+	// by deadline too. Virtual time, Mooncake, six seeds, TTFT p90 of
+	// three replicas against one at 1 and 2 ms of spread: the old turn
+	// +8.2% and +22.3%; the new one at 5/4 +11.0% and +16.3%, at 3 +8.6%
+	// and +7.2%, at 5 no better (+8.2%, +7.4%).
 	staggerNum, staggerDen = 3, 1
 )
 
