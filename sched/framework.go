@@ -255,10 +255,15 @@ func (p *Profile) Grow(n int) error {
 
 // LearnPeer implements PeerLearner: the approximate index (when the
 // profile has one) learns that endpoint i holds hashes, as the prefix
-// scorer's Learn does for the profile's own decisions.
+// scorer's Learn does for the profile's own decisions, and the precise
+// match's speculative entries (when it has them) count them as held by i
+// until the TTL or the engine's KV events, as this replica's own picks.
 func (p *Profile) LearnPeer(i int, hashes []uint64) {
 	if p.approx != nil {
 		p.approx.Insert(i, hashes)
+	}
+	if p.spec != nil {
+		p.spec.hold(i, hashes)
 	}
 }
 

@@ -183,9 +183,13 @@ func commonRun(a, b []uint64, floor int) int {
 
 // Learn implements Learner: the decision's prompt counts as held by the
 // chosen endpoint from now until the TTL.
-func (s *speculative) Learn(c *Cycle, chosen int) {
-	h := c.Req.Hashes
-	if len(h) == 0 {
+func (s *speculative) Learn(c *Cycle, chosen int) { s.hold(chosen, c.Req.Hashes) }
+
+// hold counts prompt h (its block hashes, the first specMaxBlocks kept) as
+// held by endpoint chosen from now until the TTL: this profile's decision
+// (Learn) or a peer replica's (Profile.LearnPeer).
+func (s *speculative) hold(chosen int, h []uint64) {
+	if len(h) == 0 || chosen < 0 {
 		return
 	}
 	var t time.Duration

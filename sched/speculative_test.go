@@ -235,3 +235,58 @@ func TestSpeculativeMemoryBound(t *testing.T) {
 		t.Fatalf("long prompt: matched %v, want %d on endpoint 2", m, specMaxBlocks)
 	}
 }
+
+// TestPrecisePrefixScorers: the built-in precise-prefix scores with the
+// precise index alone (×2) where its match has speculative entries, and
+// keeps the approximate index at ×0.5 beside the precise ×1.5 on a pool
+// with tiers, which has none; a profile of the same name in the
+// configuration is taken as written.
+func TestPrecisePrefixScorers(t *testing.T) {
+	weights := func(p *Profile) map[string]float64 {
+		w := map[string]float64{}
+		for _, s := range p.scorers {
+			w[s.Scorer.Name()] = s.Weight
+		}
+		return w
+	}
+	p := newProfileT(t, Config{Policy: PrecisePrefix}, Pool{Capacity: caps(2, 100), Precise: fm(0, 0)})
+	if w := weights(p); p.approx != nil || p.spec == nil || w[ScorerPrecisePrefix] != 2 || len(w) != 3 {
+		t.Fatalf("without tiers: approximate index %v, speculative %v, scorers %v", p.approx != nil, p.spec != nil, w)
+	}
+	ix, err := prefix.NewPreciseIndex(2, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &Tiers{Source: ix, Remote: -1, LoadSeconds: make([][NumTiers]float64, 2), Latency: make([][NumTiers]float64, 2)}
+	p = newProfileT(t, Config{Policy: PrecisePrefix}, Pool{Capacity: caps(2, 100), Precise: ix.On(prefix.MediumGPU), Tiers: tr})
+	if w := weights(p); p.approx == nil || p.spec != nil || w[ScorerPrecisePrefix] != 1.5 || w[ScorerPrefix] != 0.5 {
+		t.Fatalf("with tiers: approximate index %v, speculative %v, scorers %v", p.approx != nil, p.spec != nil, w)
+	}
+	own := Config{Policy: PrecisePrefix, Profiles: map[string]ProfileConfig{PrecisePrefix: {
+		Scorers: []ScorerConfig{{Type: ScorerPrecisePrefix, Weight: 1}, {Type: ScorerPrefix, Weight: 1}}}}}
+	p = newProfileT(t, own, Pool{Capacity: caps(2, 100), Precise: ix.On(prefix.MediumGPU), Tiers: tr})
+	if w := weights(p); w[ScorerPrecisePrefix] != 1 || w[ScorerPrefix] != 1 {
+		t.Fatalf("configured profile: scorers %v", w)
+	}
+}
+
+// TestSpeculativePeerLearn: a peer replica's decision (Profile.LearnPeer)
+// counts in the precise match like this replica's own until the TTL, so
+// that a follow-up routed here before the engine's KV events finds the
+// peer's endpoint.
+func TestSpeculativePeerLearn(t *testing.T) {
+	c := &clock{}
+	p := specProfile(t, Config{Policy: PrecisePrefix}, c)
+	eps := ready(4)
+	system := tokens(1600, 0) // 100 blocks
+	p.LearnPeer(2, req(append(system, tokens(160, 1_000_000)...)).Hashes)
+	if d := p.Pick(req(append(system, tokens(160, 2_000_000)...)), eps); d.Endpoint != 2 || d.MatchedBlocks != 100 {
+		t.Fatalf("after a peer's decision on endpoint 2: %+v, want endpoint 2 with 100 blocks", d)
+	}
+	c.t += 2 * DefaultSpeculativeTTL
+	p.LearnPeer(1, nil) // no prompt: nothing held
+	p.LearnPeer(-1, req(system).Hashes)
+	if d := p.Pick(req(append(system, tokens(160, 3_000_000)...)), eps); d.MatchedBlocks != 0 {
+		t.Fatalf("past the TTL: %+v, want no precise match", d)
+	}
+}
