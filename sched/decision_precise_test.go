@@ -8,7 +8,8 @@ import (
 
 // BenchmarkDecisionPrecise1000x1M is BenchmarkDecision64x1M's precise-prefix
 // cases among 1,000 endpoints: the precise index (16 groups of 64) and the
-// approximate one (its prefix ×0.5 scorer) each hold 1,000,000 blocks,
+// approximate one (the tiered profile's prefix ×0.5 scorer; precise-prefix
+// without tiers has none since 2026-12-06) each hold 1,000,000 blocks,
 // 1,000 per endpoint in distinct 750-block prompts, every endpoint the
 // prompt's first 2,000 tokens (125 blocks), one endpoint all of it, and for
 // tiered the next endpoint a copy in host memory. Load varies as in

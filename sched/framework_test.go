@@ -424,7 +424,9 @@ func TestProfileAllocFree(t *testing.T) {
 // (the precise-prefix profile's prefix ×0.5 scorer learns, and the
 // benchmark switched off learning for cache-aware only): its 24–39 µs and
 // 390–2,600 B/op were that index's Insert and growth, not the precise
-// index's lookup.
+// index's lookup. Since 2026-12-06 precise-prefix without tiers has no
+// approximate index at all (its speculative entries bridge the events'
+// lag); the tiered case keeps it.
 func BenchmarkDecision64x1M(b *testing.B) {
 	const n, perEndpoint = 64, 1_000_000 / 64
 	ix, _ := prefix.NewIndex(caps(n, perEndpoint))
