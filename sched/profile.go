@@ -186,13 +186,13 @@ var builtinProfiles = map[string]ProfileConfig{
 // index outweighs it, eviction included. Without tiers the speculative
 // entries do that (PrecisePrefix's own scorers): with them, and without the
 // approximate index, the precise profile's decisions differ only on the
-// Mooncake trace, where the approximate index's stale beliefs (evicted
-// blocks it still counts) pulled requests to former homes: 16.8% → 17.7%
-// hit rate, TTFT p90 6.43 → 6.26 s, p99 24.2 → 22.3 s (virtual time,
-// `bench --virtual --compare precise-prefix --engines 8 --requests 2000
-// --workload mooncake`, the same with --kv-event-delay 50ms and 500ms);
-// agentic, rag and long-tail unchanged (sched/README.md, "precise-prefix
-// without the approximate index").
+// Mooncake trace (agentic, rag and long-tail identical in virtual time,
+// also with --kv-event-delay 50ms and 500ms), where over routing seeds 0–5
+// hit rate and TTFT p90/p99 stay within the seeds' spread (hit mean 16.93
+// → 16.98%, p99 mean 23.2 → 22.5 s; seed 0: 16.8 → 17.7%, where the
+// approximate index's stale beliefs, blocks the engine had evicted, pulled
+// follow-ups to a former home), and a decision among 1,000 endpoints costs
+// half (sched/README.md, "precise-prefix without the approximate index").
 var precisePrefixScorers = []ScorerConfig{
 	{Type: ScorerPrecisePrefix, Weight: 1.5},
 	{Type: ScorerPrefix, Weight: 0.5},
