@@ -65,6 +65,51 @@ func TestReplicasShareAffinity(t *testing.T) {
 	}
 }
 
+// TestReplicasSharePreciseAffinity: precise-prefix replicas whose
+// engines' KV events come late (10 s after their steps) keep a single
+// gateway's hit rate when they exchange their picks: a peer's pick counts
+// as held in the precise match until the TTL (sched.Profile.LearnPeer into
+// the speculative entries; the profile has no approximate index since
+// 2026-12-06), as their own picks do; without the exchange each replica
+// sees only its own.
+func TestReplicasSharePreciseAffinity(t *testing.T) {
+	// Sessions whose turns come 500 ms apart (inside the 2 s TTL), dealt
+	// round robin over the replicas.
+	var recs []trace.Record
+	const sessions, turns = 5, 6
+	for turn := range turns {
+		for s := range sessions {
+			var ids []int64
+			for b := 0; b <= 8*(turn+1); b++ {
+				ids = append(ids, int64(s*1000+b))
+			}
+			recs = append(recs, trace.Record{Timestamp: time.Duration(len(recs)) * 100 * time.Millisecond,
+				InputLength: len(ids) * 512, OutputLength: 8, HashIDs: ids})
+		}
+	}
+	run := func(o ReplayOptions) ReplayResult {
+		o.Records, o.Engines, o.Policy, o.TrackPrecise, o.KVEventDelay = recs, 4, "precise-prefix", true, 10*time.Second
+		r, err := Replay(context.Background(), o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	one := run(ReplayOptions{})
+	shared := run(ReplayOptions{Replicas: 3, ReplicaSync: true, ReplicaDelay: 5 * time.Millisecond})
+	unshared := run(ReplayOptions{Replicas: 3})
+	t.Logf("hit rate: one %.3f, shared %.3f, unshared %.3f", one.Summary.HitRate, shared.Summary.HitRate, unshared.Summary.HitRate)
+	if one.Summary.HitRate < 0.5 {
+		t.Fatalf("one replica's hit rate %.3f: the speculative entries do not bridge the events' delay", one.Summary.HitRate)
+	}
+	if shared.Summary.HitRate < 0.95*one.Summary.HitRate {
+		t.Errorf("shared hit rate %.3f < 95%% of one replica's %.3f", shared.Summary.HitRate, one.Summary.HitRate)
+	}
+	if unshared.Summary.HitRate > shared.Summary.HitRate-0.05 {
+		t.Errorf("unshared hit rate %.3f not clearly below shared %.3f", unshared.Summary.HitRate, shared.Summary.HitRate)
+	}
+}
+
 // TestReplicasPDShareAffinity: three replicas of a P/D fleet (2 prefill,
 // 2 decode engines) keep one gateway's hit rate when they exchange their
 // P/D picks (D's and P's learns: replica.KindLearnPD) and lose it when
