@@ -22,7 +22,8 @@ import (
 // endpoint's URL, the prompt's tokens and expected prefill, its block
 // hashes) and its per-endpoint load every load_interval; it applies its
 // peers' (package replica's Node.Apply, the code virtual time runs): their
-// learns teach its policy's approximate index (sched.PeerLearner) and
+// learns teach its policy's approximate index and speculative entries
+// (sched.PeerLearner) and
 // count on its view of the endpoint's load until the peer's next report,
 // which replaces them; peers' loads add to its snapshot (pool.snapshot)
 // until load_ttl after they were last heard from. The engines' KV events

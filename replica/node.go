@@ -413,7 +413,8 @@ type Node struct {
 // Apply decodes message b, received at now (the Peers clock), and applies
 // it unless it is this replica's own (whose learn retires its decision
 // from Unseen): a learn teaches the resolved
-// policy's approximate index (sched.PeerLearner) and credits the sender
+// policy's approximate index and speculative entries (sched.PeerLearner)
+// and credits the sender
 // with the request in Peers (Routed), a finish touches the prompt in the
 // indexes that learn on finish (sched.PeerFinisher), a load replaces the
 // sender's entry in Peers. It returns the decoded message (valid until the

@@ -194,11 +194,13 @@ type Settler interface {
 }
 
 // PeerLearner is implemented by policies whose scorers learn from
-// routing decisions (the approximate prefix index of the prefix scorer):
-// LearnPeer records that another gateway replica sent endpoint i a prompt
-// of these chained block hashes (prefix.Hashes, the pool's block size and
-// seed), as if this replica had routed it, so that replicas behind one L4
-// balancer share what their approximate indexes learn (package replica).
+// routing decisions (the approximate prefix index of the prefix scorer,
+// the precise-prefix scorer's speculative entries): LearnPeer records that
+// another gateway replica sent endpoint i a prompt of these chained block
+// hashes (prefix.Hashes, the pool's block size and seed), as if this
+// replica had routed it, so that replicas behind one L4 balancer share
+// what their approximate indexes and speculative entries learn (package
+// replica).
 // Out-of-range i and empty hashes are ignored. Safe for concurrent use with
 // Pick.
 type PeerLearner interface {

@@ -187,7 +187,12 @@ func (s *speculative) Learn(c *Cycle, chosen int) { s.hold(chosen, c.Req.Hashes)
 
 // hold counts prompt h (its block hashes, the first specMaxBlocks kept) as
 // held by endpoint chosen from now until the TTL: this profile's decision
-// (Learn) or a peer replica's (Profile.LearnPeer).
+// (Learn) or a peer replica's (Profile.LearnPeer; its TTL counts from when
+// it is heard). Peers' picks share the one ring with this replica's: with
+// R replicas it turns over R times as fast, and entries are written over
+// before the TTL once the fleet's picks of one TTL exceed specSlots or
+// their prompts specArena (about 300 prompts of ~860 blocks, ~150 picks/s
+// at a 2 s TTL); the match then falls back to the index's for them.
 func (s *speculative) hold(chosen int, h []uint64) {
 	if len(h) == 0 || chosen < 0 {
 		return

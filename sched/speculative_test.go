@@ -284,8 +284,12 @@ func TestSpeculativePeerLearn(t *testing.T) {
 		t.Fatalf("after a peer's decision on endpoint 2: %+v, want endpoint 2 with 100 blocks", d)
 	}
 	c.t += 2 * DefaultSpeculativeTTL
+	next, written := p.spec.next, p.spec.written
 	p.LearnPeer(1, nil) // no prompt: nothing held
 	p.LearnPeer(-1, req(system).Hashes)
+	if p.spec.next != next || p.spec.written != written {
+		t.Fatalf("an empty prompt or a negative endpoint took a slot: next %d → %d, written %d → %d", next, p.spec.next, written, p.spec.written)
+	}
 	if d := p.Pick(req(append(system, tokens(160, 3_000_000)...)), eps); d.MatchedBlocks != 0 {
 		t.Fatalf("past the TTL: %+v, want no precise match", d)
 	}

@@ -13,7 +13,8 @@ import (
 
 // Gateway replicas in virtual time (Config.Replicas): N gateways behind a
 // round-robin (L4) front, each with its own policy — its own approximate
-// prefix index and session table — and its own load ledgers, all in front
+// prefix index, speculative entries and session table — and its own load
+// ledgers, all in front
 // of the same engines. With Config.ReplicaSync they exchange the messages
 // of package replica, encoded and applied by the code the live gateway
 // runs (replica.AppendLearn, AppendLoad, Node.Apply), each delivered

@@ -424,10 +424,11 @@ func TestPreciseChatTokenizerMismatch(t *testing.T) {
 	defer f.Close()
 	pub, replay := f.KVEventEndpoints()
 	var cfg strings.Builder
-	// precise-prefix's scorers without its speculative entries: those
-	// are the gateway's own recent decisions (a follow-up within 2 s of
-	// its turn matches them whatever the engines hash), and this control
-	// is about the engines' blocks.
+	// precise-prefix's tiered composition (until 2026-12-06 also its
+	// untiered one) without speculative entries: those are the gateway's
+	// own recent decisions (a follow-up within 2 s of its turn matches them
+	// whatever the engines hash), and this control is about the engines'
+	// blocks.
 	fmt.Fprintf(&cfg, `listen: 127.0.0.1:0
 routing:
   policy: events-only
