@@ -296,6 +296,35 @@ func TestReloadTiers(t *testing.T) {
 	if p := g.state.Load().pools["m"]; p.policy != policy || policyTiers(t, policy).Remote != storeSlot(ix) {
 		t.Fatalf("with the store back: policy kept %v, it prices a store at slot %d", p.policy == policy, policyTiers(t, p.policy).Remote)
 	}
+
+	// The tiers go (kv_events without tiers, no store): a new policy,
+	// untiered, whose precise-prefix scores with the precise index and its
+	// speculative entries alone — no approximate index, so nothing learns
+	// on finish — and come back: a new tiered one with the approximate
+	// index again (sched.NewPolicy picks the composition by the pool's
+	// tiers, so a kept policy must never change sides).
+	approx := func(p sched.Policy) bool {
+		l, ok := p.(interface{ LearnsOnFinish() bool })
+		return ok && l.LearnsOnFinish()
+	}
+	if !approx(policy) {
+		t.Fatal("the tiered precise-prefix policy has no approximate index")
+	}
+	untiered := cfg
+	untiered.KVStores = nil
+	ep := cfg.Endpoints[0]
+	kvNo := *ep.KVEvents
+	kvNo.Tiers = nil
+	ep.KVEvents = &kvNo
+	untiered.Endpoints = []EndpointConfig{ep}
+	mustReload(t, g, untiered)
+	if p := g.state.Load().pools["m"]; p.policy == policy || policyTiers(t, p.policy) != nil || approx(p.policy) {
+		t.Fatalf("without tiers: policy kept %v, tiers %v, approximate index %v", p.policy == policy, policyTiers(t, p.policy) != nil, approx(p.policy))
+	}
+	mustReload(t, g, cfg)
+	if p := g.state.Load().pools["m"]; policyTiers(t, p.policy) == nil || !approx(p.policy) {
+		t.Fatalf("with tiers again: tiers %v, approximate index %v", policyTiers(t, p.policy) != nil, approx(p.policy))
+	}
 }
 
 // storeSlot is the kv_store's slot of ix, its last, while no reload grows
