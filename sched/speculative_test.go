@@ -294,3 +294,29 @@ func TestSpeculativePeerLearn(t *testing.T) {
 		t.Fatalf("past the TTL: %+v, want no precise match", d)
 	}
 }
+
+// TestSpeculativePeerLearnConcurrent: peers' learns (the replica exchange's
+// goroutine) and picks (request goroutines) on one precise-prefix profile
+// at once; run under -race, as CI does.
+func TestSpeculativePeerLearnConcurrent(t *testing.T) {
+	c := &clock{}
+	p := specProfile(t, Config{Policy: PrecisePrefix}, c)
+	system := tokens(1600, 0)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := range 500 {
+			p.LearnPeer(i%4, req(append(system, tokens(160, uint32(i+1)*10_000)...)).Hashes)
+		}
+	}()
+	eps := ready(4)
+	for i := range 500 {
+		if d := p.Pick(req(append(system, tokens(160, uint32(i+1)*20_000_000)...)), eps); d.Endpoint < 0 {
+			t.Fatalf("pick %d: no endpoint", i)
+		}
+	}
+	<-done
+	if d := p.Pick(req(append(system, tokens(160, 3)...)), eps); d.MatchedBlocks < 100 {
+		t.Fatalf("after the peers' learns: %+v, want the system prompt's 100 blocks matched", d)
+	}
+}
