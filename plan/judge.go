@@ -177,6 +177,45 @@ func Judge(candidate Runs, refs map[string]Runs, baselineName string, baseline R
 	return out
 }
 
+// Standing is one candidate's place in a League: its cells, judged with
+// every other candidate as a reference profile, and how many it lost.
+type Standing struct {
+	Label string
+	Cells []Cell
+	Lost  int
+}
+
+// League judges each candidate of cands (runs by label) with all the
+// others as its reference profiles and baseline as the baseline (Judge),
+// and returns the standings ordered by lost cells, fewest first (ties by
+// label). It answers issue 19's "the default is the best on that table"
+// when no candidate wins every cell: each is held to the same targets
+// against the same rivals, itself excluded, so a policy that is a
+// reference of the others is not favoured by tying with itself (as a peer
+// judged with Judge against a set of references that contains it is).
+// With every run present all candidates are judged on the same number of
+// cells.
+func League(cands map[string]Runs, baselineName string, baseline Runs, cases []Case, t Targets) []Standing {
+	out := make([]Standing, 0, len(cands))
+	for label, runs := range cands {
+		refs := make(map[string]Runs, len(cands)-1)
+		for other, r := range cands {
+			if other != label {
+				refs[other] = r
+			}
+		}
+		cells := Judge(runs, refs, baselineName, baseline, cases, t)
+		out = append(out, Standing{Label: label, Cells: cells, Lost: len(Lost(cells))})
+	}
+	slices.SortFunc(out, func(a, b Standing) int {
+		if a.Lost != b.Lost {
+			return a.Lost - b.Lost
+		}
+		return strings.Compare(a.Label, b.Label)
+	})
+	return out
+}
+
 // Lost returns the cells of cells that are not won.
 func Lost(cells []Cell) []Cell {
 	var out []Cell

@@ -2,6 +2,7 @@ package plan
 
 import (
 	"bytes"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -156,5 +157,39 @@ func TestWriteCells(t *testing.T) {
 		if !strings.Contains(got, want) {
 			t.Errorf("output lacks %q:\n%s", want, got)
 		}
+	}
+}
+
+// TestLeague: each candidate is judged against the others, never itself,
+// and the standings are ordered by cells lost.
+func TestLeague(t *testing.T) {
+	c0 := Case{"mooncake", 0}
+	cands := map[string]Runs{
+		"a": {c0: judgeSummary(0.170, 0.169, 2000, 8000, 23000)},  // loses hit>=b, p99 to c
+		"b": {c0: judgeSummary(0.175, 0.169, 2400, 14000, 29000)}, // loses p50, p90, p99
+		"c": {c0: judgeSummary(0.090, 0.169, 3100, 8600, 22000)},  // wins p99 alone
+	}
+	base := Runs{c0: judgeSummary(0.055, 0.169, 4400, 18600, 36500)}
+	st := League(cands, "least-request", base, []Case{c0}, DefaultTargets)
+	var got []string
+	for _, s := range st {
+		got = append(got, fmt.Sprintf("%s:%d/%d", s.Label, s.Lost, len(s.Cells)))
+		for _, c := range s.Cells {
+			if c.Target == "hit>="+s.Label || c.Against == s.Label {
+				t.Errorf("%s judged against itself: %+v", s.Label, c)
+			}
+		}
+	}
+	// hit/pooled, two rivals' hit rates, three percentiles: 6 cells each.
+	if want := "a:2/6 b:3/6 c:5/6"; strings.Join(got, " ") != want {
+		t.Fatalf("standings %v, want %s", got, want)
+	}
+	m := cellsByTarget(st[0].Cells)
+	if c := m["mooncake s0 ttft_p99"]; c.Won || c.Against != "c" {
+		t.Errorf("a's p99 cell %+v, want lost against c", c)
+	}
+	// Judged with itself among its references, b would tie its own hit rate.
+	if m := cellsByTarget(Judge(cands["b"], cands, "least-request", base, []Case{c0}, DefaultTargets)); !m["mooncake s0 hit>=b"].Won {
+		t.Error("Judge against a set holding the candidate: its own hit cell is not a tie")
 	}
 }

@@ -26,6 +26,9 @@ type planJudgeFlags struct {
 	seeds      string
 	targets    plan.Targets
 	all        bool
+	league     bool
+	// referencesSet: --references was given (an error with --league).
+	referencesSet bool
 }
 
 // policyTableWorkloads are scripts/policy-table.sh's workloads, issue 19's
@@ -54,12 +57,22 @@ told apart. The references and the baseline are read from --refs (default: the f
 candidate's DIR). A run that is missing counts as a lost cell. With --incumbent, each
 other candidate is also compared with it cell by cell: the cells it gains and those it
 gives up, the adoption rule of sched/README.md ("strictly more cells won, none given
-up"). Exits 1 when any candidate loses a cell.`,
+up").
+
+With --league, each candidate is judged with all the other candidates as its reference
+profiles instead of --references (never against itself: a peer judged against a set
+of references that holds it ties its own cells), and the candidates are ranked by
+cells lost: which policy is best on the table when none wins every cell. The baseline
+is read from --refs as without it. Exits 1 when any candidate loses a cell.`,
 		Example: `  scripts/policy-table.sh base least-request,llm-d,sglang,dynamo,cache-aware
   scripts/policy-table.sh lof cache-aware lof.yaml
-  infergate plan judge --incumbent base/cache-aware base/cache-aware lof=lof/cache-aware`,
+  infergate plan judge --incumbent base/cache-aware base/cache-aware lof=lof/cache-aware
+  infergate plan judge --league base/cache-aware base/precise-prefix base/llm-d base/sglang base/dynamo`,
 		Args: cobra.MinimumNArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error { return fl.run(cmd.OutOrStdout(), args) },
+		RunE: func(cmd *cobra.Command, args []string) error {
+			fl.referencesSet = cmd.Flags().Changed("references")
+			return fl.run(cmd.OutOrStdout(), args)
+		},
 	}
 	f := cmd.Flags()
 	f.StringVar(&fl.refsDir, "refs", "", "directory of the references' and the baseline's runs (default: the first candidate's)")
@@ -73,6 +86,7 @@ up"). Exits 1 when any candidate loses a cell.`,
 	f.Float64Var(&fl.targets.HitTolerance, "hit-tolerance", 0, "hit-rate shortfall against a reference still counted as equal (fraction of prompt tokens; 0: strict)")
 	f.Float64Var(&fl.targets.TTFTTolerance, "ttft-tolerance", 0, "TTFT excess over the best reference still counted as equal (fraction; 0: strict)")
 	f.BoolVar(&fl.all, "all", false, "print every cell, won ones too")
+	f.BoolVar(&fl.league, "league", false, "judge each candidate against all the others (not --references) and rank them by cells lost")
 	return cmd
 }
 
@@ -170,6 +184,9 @@ func (fl *planJudgeFlags) run(out io.Writer, args []string) error {
 	if refsDir == "" {
 		refsDir = cands[0].dir
 	}
+	if fl.league {
+		return fl.runLeague(out, cands, refsDir, cases)
+	}
 	refs := map[string]plan.Runs{}
 	for _, name := range strings.Split(fl.references, ",") {
 		if name = strings.TrimSpace(name); name == "" {
@@ -231,6 +248,51 @@ func (fl *planJudgeFlags) run(out io.Writer, args []string) error {
 				}
 			}
 		}
+	}
+	if lostAny {
+		return errJudgeLost
+	}
+	return nil
+}
+
+// runLeague is run with --league: every candidate judged against the
+// others (plan.League), its lost cells (every cell with --all) and then
+// the ranking.
+func (fl *planJudgeFlags) runLeague(out io.Writer, cands []judgeCandidate, refsDir string, cases []plan.Case) error {
+	switch {
+	case fl.incumbent != "":
+		return errors.New("--league ranks the candidates; --incumbent compares them with one: give one of the two")
+	case fl.referencesSet:
+		return errors.New("--league takes the other candidates as the references: --references does not apply")
+	case len(cands) < 2:
+		return errors.New("--league needs at least two candidates")
+	}
+	baseline, err := loadPolicyRuns(refsDir, fl.baseline, cases)
+	if err != nil {
+		return err
+	}
+	runs := make(map[string]plan.Runs, len(cands))
+	for _, c := range cands {
+		if runs[c.label], err = loadPolicyRuns(c.dir, c.policy, cases); err != nil {
+			return err
+		}
+	}
+	standings := plan.League(runs, fl.baseline, baseline, cases, fl.targets)
+	lostAny := false
+	for _, s := range standings {
+		lostAny = lostAny || s.Lost > 0
+		fmt.Fprintf(out, "== %s: %d of %d cells lost (%d cases; against the other candidates)\n", s.Label, s.Lost, len(s.Cells), len(cases))
+		show := plan.Lost(s.Cells)
+		if fl.all {
+			show = s.Cells
+		}
+		if err := plan.WriteCells(out, show); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(out, "== league (each candidate against the others; baseline %s):\n", fl.baseline)
+	for i, s := range standings {
+		fmt.Fprintf(out, "%2d. %-28s %4d of %d cells lost\n", i+1, s.Label, s.Lost, len(s.Cells))
 	}
 	if lostAny {
 		return errJudgeLost

@@ -115,3 +115,43 @@ func TestPlanJudgeBadInput(t *testing.T) {
 		}
 	}
 }
+
+// TestPlanJudgeLeague: with --league the peers are judged against each
+// other and the candidate, never themselves, and ranked by cells lost.
+func TestPlanJudgeLeague(t *testing.T) {
+	base := filepath.Join(t.TempDir(), "base")
+	writeTableRun(t, base, "mooncake", 0, "least-request", 0.05, 4000, 18000, 36000)
+	writeTableRun(t, base, "mooncake", 0, "sglang", 0.165, 2400, 14000, 29000)     // loses p50, p90, p99 to cache-aware / dynamo
+	writeTableRun(t, base, "mooncake", 0, "dynamo", 0.09, 3100, 8600, 22000)       // loses hit/pooled, both hits, p50, p90
+	writeTableRun(t, base, "mooncake", 0, "cache-aware", 0.162, 2000, 6600, 24000) // loses hit>=sglang, p99
+	args := []string{"plan", "judge", "--league", "--workloads", "mooncake", "--seeds", "0"}
+	for _, p := range []string{"sglang", "dynamo", "cache-aware"} {
+		args = append(args, p+"="+filepath.Join(base, p))
+	}
+	out, err := runRoot(t, "", args...)
+	if !errors.Is(err, errJudgeLost) {
+		t.Fatalf("err %v, want errJudgeLost; output:\n%s", err, out)
+	}
+	// hit/pooled, 2 rivals' hits, 3 percentiles, 1 bucket: 7 cells each.
+	for _, want := range []string{
+		"== cache-aware: 2 of 7 cells lost (1 cases; against the other candidates)",
+		"mooncake s0        hit>=sglang       16.20%  want >=    16.50% (sglang)",
+		" 1. cache-aware                     2 of 7 cells lost\n 2. sglang                          3 of 7 cells lost\n 3. dynamo                          5 of 7 cells lost\n",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	// sglang's section (up to dynamo's): its cells against the others only.
+	if i, j := strings.Index(out, "== sglang"), strings.Index(out, "== dynamo"); i < 0 || j < i || strings.Contains(out[i:j], "(sglang)") {
+		t.Errorf("sglang's section missing or judged against itself:\n%s", out)
+	}
+	for _, extra := range [][]string{{"--incumbent", "sglang"}, {"--references", "llm-d"}} {
+		if _, err := runRoot(t, "", append(append([]string{}, args...), extra...)...); err == nil || errors.Is(err, errJudgeLost) {
+			t.Errorf("--league with %v: err %v, want an input error", extra, err)
+		}
+	}
+	if _, err := runRoot(t, "", "plan", "judge", "--league", filepath.Join(base, "sglang")); err == nil || errors.Is(err, errJudgeLost) {
+		t.Errorf("--league with one candidate: err %v, want an input error", err)
+	}
+}
