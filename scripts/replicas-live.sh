@@ -18,7 +18,10 @@
 #   REPLICAS=1 scripts/replicas-live.sh --workload shared-prefix
 #
 # Environment (defaults): REPLICAS (3), SHARED (1), KILL (0), ENGINES (8),
-# SPEEDUP (2), POLICY (cache-aware), SEED (1: routing.seed; a replica's seed is
+# SPEEDUP (2), POLICY (cache-aware), KV_EVENTS (1 when POLICY reads the
+# engines' KV events: precise-prefix, dynamo, tiered ones; else 0: every
+# engine publishes vLLM's ZeroMQ KV events on a loopback port of its own,
+# --kv-events-config, and each replica subscribes, kv_events.endpoint), SEED (1: routing.seed; a replica's seed is
 # mixed with its id when shared, and SEED+i when unshared, as replicas
 # configured alike but started apart would), LOAD_INTERVAL (200ms), STAGGER
 # (true: replicas.stagger), SIM_CPUS and GW_CPUS (unset: a taskset
@@ -46,6 +49,10 @@ SEED=${SEED:-1}
 LOAD_INTERVAL=${LOAD_INTERVAL:-200ms}
 STAGGER=${STAGGER:-true}
 MODEL=m
+case $POLICY in
+precise-prefix | dynamo | llm-d-tiered | dynamo-tiered | tiered-cost) KV_EVENTS=${KV_EVENTS:-1} ;;
+*) KV_EVENTS=${KV_EVENTS:-0} ;;
+esac
 SIM_CPUS=${SIM_CPUS:-}
 GW_CPUS=${GW_CPUS:-}
 # Command prefixes pinning to SIM_CPUS / GW_CPUS when set (taskset execs
@@ -85,9 +92,17 @@ await() {
 	exit 1
 }
 
+freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
 engines=()
+kvports=()
 for i in $(seq 0 $((ENGINES - 1))); do
-	"${pin_sim[@]}" "$bin" sim --listen 127.0.0.1:0 --time-scale "$SPEEDUP" --model "$MODEL" \
+	kv=()
+	if [[ $KV_EVENTS == 1 ]]; then
+		kvports[$i]=$(freeport)
+		kv=(--kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://127.0.0.1:${kvports[$i]}\",\"bind\":true}")
+	fi
+	"${pin_sim[@]}" "$bin" sim --listen 127.0.0.1:0 --time-scale "$SPEEDUP" --model "$MODEL" "${kv[@]}" \
 		>"$WORK/sim$i.log" 2>&1 &
 	pids+=($!)
 done
@@ -95,7 +110,7 @@ for i in $(seq 0 $((ENGINES - 1))); do engines+=("$(await "$WORK/sim$i.log")"); 
 
 redis=""
 if [[ $SHARED == 1 && $REPLICAS -gt 1 ]]; then
-	port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+	port=$(freeport)
 	"${pin_gw[@]}" redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" \
 		--daemonize no --logfile "$WORK/redis.log" &
 	pids+=($!)
@@ -120,11 +135,17 @@ for i in $(seq 0 $((REPLICAS - 1))); do
 		echo "routing: {policy: $POLICY, seed: $seed, prefix: {block_size: 16}}"
 		[[ -n $redis ]] && echo "replicas: {redis_url: \"$redis\", stream: live, id: gw-$i, load_interval: $LOAD_INTERVAL, stagger: $STAGGER}"
 		echo "endpoints:"
-		for e in "${engines[@]}"; do echo "  - {url: \"$e\", model: $MODEL, kind: sim}"; done
+		for k in "${!engines[@]}"; do
+			if [[ $KV_EVENTS == 1 ]]; then
+				echo "  - {url: \"${engines[$k]}\", model: $MODEL, kind: sim, kv_events: {endpoint: \"tcp://127.0.0.1:${kvports[$k]}\"}}"
+			else
+				echo "  - {url: \"${engines[$k]}\", model: $MODEL, kind: sim}"
+			fi
+		done
 	} >"$cfg"
 	pprof=()
 	if [[ -n ${PROFILE:-} ]]; then
-		pports[$i]=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+		pports[$i]=$(freeport)
 		pprof=(--pprof "127.0.0.1:${pports[$i]}")
 	fi
 	"${pin_gw[@]}" "$bin" serve -c "$cfg" --access-log=false "${pprof[@]}" >"$WORK/gw$i.log" 2>&1 &
@@ -150,7 +171,7 @@ if [[ $KILL == 1 ]]; then
 	[[ $REPLICAS -ge 2 ]] || { echo "KILL=1 needs REPLICAS >= 2" >&2; exit 2; }
 	args+=(--kill-pid "${gwpids[1]}" --kill-target 1)
 fi
-echo "replicas=$REPLICAS shared=$SHARED kill=$KILL engines=$ENGINES speedup=$SPEEDUP policy=$POLICY seed=$SEED; load: $(uptime | sed 's/.*load average: //')"
+echo "replicas=$REPLICAS shared=$SHARED kill=$KILL engines=$ENGINES speedup=$SPEEDUP policy=$POLICY kv_events=$KV_EVENTS seed=$SEED; load: $(uptime | sed 's/.*load average: //')"
 # cpu PID: its CPU seconds so far (utime + stime, /proc/PID/stat fields 14
 # and 15, in clock ticks); 0 for a process gone.
 tck=$(getconf CLK_TCK)
