@@ -304,6 +304,14 @@ func TestDashboardRoutes(t *testing.T) {
 	if resp, _ := send(t, c, http.MethodHead, url+pathDashboard, ""); resp.StatusCode != 200 {
 		t.Errorf("HEAD /dashboard: %d", resp.StatusCode)
 	}
+	// /dashboard/ (a trailing slash typed or pasted) redirects to the page.
+	noFollow := &http.Client{Transport: c.Transport, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	if resp, _ := send(t, noFollow, http.MethodGet, url+pathDashboard+"/", ""); resp.StatusCode != http.StatusMovedPermanently || resp.Header.Get("Location") != "../dashboard" {
+		t.Errorf("GET /dashboard/: %d Location %q, want 301 to ../dashboard", resp.StatusCode, resp.Header.Get("Location"))
+	}
+	if resp, _ := send(t, c, http.MethodGet, url+pathDashboard+"/", ""); resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/html") {
+		t.Errorf("GET /dashboard/ followed: %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
 	if resp, _ := send(t, c, http.MethodPost, url+pathDashboardState, "{}"); resp.StatusCode != 405 || resp.Header.Get("Allow") != "GET, HEAD" {
 		t.Errorf("POST state: %d %q", resp.StatusCode, resp.Header.Get("Allow"))
 	}

@@ -71,6 +71,14 @@ func (g *Gateway) route(w http.ResponseWriter, r *http.Request) {
 		if g.allow(w, r, http.MethodGet) {
 			g.serveDashboardState(w)
 		}
+	case pathDashboard + "/":
+		// The page's links are relative to /dashboard (state.json, metrics):
+		// from /dashboard/ they would miss, so send the browser there,
+		// relatively, which keeps a reverse proxy's path prefix.
+		if g.allow(w, r, http.MethodGet) {
+			w.Header().Set("Location", "../dashboard")
+			w.WriteHeader(http.StatusMovedPermanently)
+		}
 	case pathHealthz:
 		if g.allow(w, r, http.MethodGet) {
 			writeJSON(w, http.StatusOK, []byte(`{"status":"ok"}`))

@@ -13,6 +13,7 @@
 #   INFERGATE  the binary (default: built once into OUTDIR/.bin from this checkout)
 #   SEEDS      routing and engine seeds (default "0 1 2")
 #   WORKLOADS  (default "mooncake azure shared-prefix chat agentic rag long-tail")
+#   ENGINES    engines of the fleet (default 8; the table's size: another size belongs in another OUTDIR)
 #
 # 8 engines of the default profile, 2,000 requests of mooncake, azure (2,048-token system prompt, half the
 # requests continuing a session), agentic, rag and long-tail, the whole of shared-prefix and chat; the SLO
@@ -40,7 +41,7 @@ for seed in ${SEEDS:-0 1 2}; do
 		for p in ${policies//,/ }; do
 			f=$out/$w-s$seed-$p.json
 			[[ -s $f ]] && continue
-			args=(plan --engines 8 --policy "$p" --slo ttft_p90=8s --seed "$seed" --workload "$w")
+			args=(plan --engines "${ENGINES:-8}" --policy "$p" --slo ttft_p90=8s --seed "$seed" --workload "$w")
 			case $w in
 			mooncake | agentic | rag | long-tail) args+=(--requests 2000) ;;
 			azure) args+=(--requests 2000 --azure-system-tokens 2048 --azure-session-prob 0.5) ;;

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -83,7 +84,7 @@ Scale from zero: --engines MIN..MAX (e.g. 0..8) keeps MAX engine addresses
 and runs MIN engines. A request to a pool with no ready engine is held
 (gateway scale_from_zero: --hold-ttl, bounded), the gateway's wake-up hook
 starts one engine, which answers /health 503 for its modelled cold start
-(sim/startup.go: image pull unless --image-cached, weights read from
+(sim/startup.go: an image pull with --image-cached=false, weights read from
 --startup-source, warm-up; scaled by --time-scale), and the held requests
 are dispatched the moment it is ready. From then on the gateway's
 autoscaling policy for the pool (package autoscale, the one plan
@@ -98,7 +99,7 @@ MAX, and the pool scales down to the most it wanted over the down window
   infergate up --pd 1:3 --pd-connector mooncake --pd-threshold 1024
   infergate up --engines 0..8 --time-scale 20 --idle-timeout 30s
   infergate up --engines 0..8 --time-scale 20 --autoscale target=4,down_window=30s,rate_window=10s
-  infergate keys new alice >> keys.txt && infergate up --keys-file keys.txt`,
+  infergate keys new alice | tail -1 >> keys.txt && infergate up --keys-file keys.txt   # keys new prints the key, then its entry`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return fl.run(cmd) },
 	}
@@ -124,7 +125,7 @@ func (fl *upFlags) bind(f *pflag.FlagSet) {
 	f.StringVar(&fl.pd, "pd", "", "disaggregated prefill/decode: P:D runs P prefill and D decode engines (e.g. 1:3) instead of --engines")
 	f.StringVar(&fl.pdConnector, "pd-connector", string(disagg.NIXL), "with --pd, the P→D hand-off protocol: nixl, mooncake or sglang")
 	f.StringVar(&fl.pdBusy, "pd-busy", "", "with --pd, how a prefill engine is judged busy (routing.pd.prefill_busy): queue (default) or cost (its backlog's wait against the decode engine's own prefill: then the decode engine prefills)")
-	f.IntVar(&fl.pdBudget, "pd-decode-budget", 0, "with --pd, the decode engines' token budget per step (sim pd.decode_max_num_batched_tokens; 0: --max-num-batched-tokens)")
+	f.IntVar(&fl.pdBudget, "pd-decode-budget", 0, "with --pd, the decode engines' token budget per step (sim pd.decode_max_num_batched_tokens; 0: the engines' own, 8192 by default)")
 	f.IntVar(&fl.pdThreshold, "pd-threshold", 0, fmt.Sprintf("with --pd, split prompts with at least this many uncached tokens (routing.pd.threshold; 0: %d, -1: always split)", sched.DefaultPDThreshold))
 }
 
@@ -341,6 +342,11 @@ func (fl *upFlags) run(cmd *cobra.Command) error {
 			fmt.Fprintf(out, "  dashboard: %s/dashboard   metrics: %s/metrics   health: %s/healthz\n\n", base, base, base)
 			fmt.Fprintf(out, "Try:\n  curl -s %s/v1/chat/completions -H 'Content-Type: application/json' \\\n"+
 				"    -d '{\"model\": %q, \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'\n\n", base, model)
+			if fl.keys != "" {
+				// Under `go run` the pid a shell knows is the go tool's, not
+				// this process's: a SIGHUP to it kills go run, not a reload.
+				fmt.Fprintf(out, "Keys: edit %s, then kill -HUP %d to reload it.\n", fl.keys, os.Getpid())
+			}
 			fmt.Fprintf(out, "Press Ctrl-C to stop.\n")
 		}
 	})
