@@ -519,8 +519,9 @@ func (ix *Index) insert(e int, hashes []uint64) { ix.insertOp(e, hashes, opTouch
 // the most recently used (a pinned block stays pinned), opPin adds a pin
 // (a pinned block leaves the LRU order: it is evicted only when e holds
 // nothing else), opRelease takes one away (a block left without pins, or
-// that had none, becomes the most recently used). Blocks go from last to
-// first. A block e lacks is added, evicting once e holds its capacity the
+// that had none, becomes the most recently used), opUnpin is opRelease when
+// the prompt's last block is pinned on e and nothing otherwise (Unpin).
+// Blocks go from last to first. A block e lacks is added, evicting once e holds its capacity the
 // least recently used unpinned block or, when every block is pinned, the
 // block pinned longest ago (a request queued so long, or a pin whose
 // Release was missed): e never holds more than its capacity.
@@ -536,9 +537,16 @@ func (ix *Index) insertOp(e int, hashes []uint64, op learnOp) {
 	bit := uint64(1) << (e % MaxEndpoints)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
+	l := &ep.lru
+	if op == opUnpin {
+		last := hashes[len(hashes)-1]
+		if _, node := l.find(last, mix(last)); node < 0 || l.nodes[node].Val.pins == 0 {
+			return // not pinned: Unpin changes nothing
+		}
+		op = opRelease
+	}
 	b := batchPool.Get().(*opBatch)
 	defer batchPool.Put(b)
-	l := &ep.lru
 	for i := len(hashes) - 1; i >= 0; i-- {
 		if b.n > len(b.ops)-2 {
 			g.flush(b, bit)
@@ -637,6 +645,18 @@ func (ix *Index) SetCapacity(e, capacity int) {
 		g.clearLocked(ep, uint64(1)<<(e%MaxEndpoints))
 	}
 	ep.lru.cap = c
+}
+
+// Capacity returns the most blocks endpoint e holds (NewIndex's
+// capacity[e], or SetCapacity's), 0 for an out-of-range e.
+func (ix *Index) Capacity(e int) int {
+	_, ep := ix.endpoint(e)
+	if ep == nil {
+		return 0
+	}
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	return int(ep.lru.cap)
 }
 
 // Len returns the number of blocks endpoint e is believed to hold, once

@@ -73,6 +73,7 @@ const (
 	opTouch   learnOp = iota // Learn, Insert: most recently used
 	opPin                    // LearnPinned: held and not evictable until released
 	opRelease                // Release: one pin fewer; unpinned, most recently used
+	opUnpin                  // Unpin: Release if the prompt's last block is pinned, else nothing
 )
 
 func (a *learnArena) reset() {
@@ -105,6 +106,18 @@ func (ix *Index) LearnPinned(e int, hashes []uint64) { ix.queue(e, hashes, opPin
 // (block_pool.py free_blocks). A block without a pin is touched; one that
 // e no longer holds is inserted. Queued like Learn.
 func (ix *Index) Release(e int, hashes []uint64) { ix.queue(e, hashes, opRelease) }
+
+// Unpin is Release for a prompt that may not have been pinned: when its
+// last block is pinned on e when the queue is applied, it is Release;
+// when that block is unpinned or gone (the pick learnt the prompt with
+// Learn, not LearnPinned, or its pin was released or evicted) nothing
+// changes: a request that was not pinned leaves no pin to take, and its
+// end does not make its prompt the freshest (sched's learn_on_finish pins
+// only a request its engine can hold, and a vLLM engine whose running
+// requests fill its KV cache evicts a finished request's blocks from its
+// free queue at once, for the waiting ones). Queued like Learn; Match does
+// not count a queued Unpin as held (a pinned prompt already is).
+func (ix *Index) Unpin(e int, hashes []uint64) { ix.queue(e, hashes, opUnpin) }
 
 func (ix *Index) queue(e int, hashes []uint64, op learnOp) {
 	if e < 0 || e >= ix.Endpoints() || len(hashes) == 0 {
@@ -180,7 +193,7 @@ func (q *learnQueue) overlay(hashes []uint64, n int, held *[2 * maxQueuedLearns]
 	nh := 0
 	for _, a := range [2]*learnArena{&q.applying, &q.active} {
 		for _, l := range a.learns {
-			if int(l.e) >= n {
+			if int(l.e) >= n || l.op == opUnpin {
 				continue
 			}
 			if k := commonPrefix(hashes, a.hashes[l.off:l.off+l.n]); k > 0 && nh < len(held) {

@@ -283,3 +283,48 @@ func TestPinnedBlocksOutliveEviction(t *testing.T) {
 		t.Fatalf("%d held, want 8", ix.Len(0))
 	}
 }
+
+// TestUnpin: Unpin is Release for a prompt whose last block is pinned,
+// and changes nothing for one that is not (learnt with Learn, or gone):
+// no touch, no insertion; a queued Unpin is not counted as held by Match.
+func TestUnpin(t *testing.T) {
+	seq := func(base uint64, n int) []uint64 {
+		h := make([]uint64, n)
+		for i := range h {
+			h[i] = base + uint64(i)
+		}
+		return h
+	}
+	a, b, c, d := seq(100, 4), seq(200, 4), seq(300, 4), seq(400, 4)
+	ix, err := NewIndex([]int{8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := make([]int, 1)
+	held := func(h []uint64) int { ix.Settle(); ix.Match(h, m); return m[0] }
+	ix.LearnPinned(0, a)
+	ix.Learn(0, b) // unpinned, and younger than a
+	ix.Unpin(0, b) // not pinned: not made the freshest
+	ix.Unpin(0, a) // a ends: released, the freshest
+	ix.Learn(0, c) // evicts b, the least recent
+	if held(a) != 4 || held(b) != 0 || held(c) != 4 {
+		t.Fatalf("a %d b %d c %d blocks, want 4 0 4", held(a), held(b), held(c))
+	}
+	ix.Unpin(0, a) // already released: nothing
+	ix.Unpin(0, b) // gone: not inserted again
+	ix.Unpin(0, d) // never learnt: not inserted
+	ix.Match(d, m) // queued, not yet applied: not counted as held
+	if m[0] != 0 {
+		t.Fatalf("a queued Unpin of d counted as %d held blocks", m[0])
+	}
+	if held(b) != 0 || held(d) != 0 || ix.Len(0) != 8 {
+		t.Fatalf("b %d d %d blocks, %d held, want 0 0 8", held(b), held(d), ix.Len(0))
+	}
+	ix.Learn(0, d) // evicts a: Unpin of a released one did not touch it
+	if held(a) != 0 || held(c) != 4 {
+		t.Fatalf("a %d c %d, want 0 4", held(a), held(c))
+	}
+	if ix.Capacity(0) != 8 || ix.Capacity(1) != 0 || ix.Capacity(-1) != 0 {
+		t.Fatalf("Capacity %d %d %d, want 8 0 0", ix.Capacity(0), ix.Capacity(1), ix.Capacity(-1))
+	}
+}

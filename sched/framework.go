@@ -316,12 +316,20 @@ func (p *Profile) FinishPeer(i int, hashes []uint64) {
 // approximate index releases the pin the pick took on hashes for endpoint
 // i (the prefix scorer's Learn is then prefix.Index.LearnPinned) and makes
 // them its most recently used blocks, the prompt's head the freshest, as
-// the engine's free queue takes a finished request's blocks
-// (prefix.Index.Release; applied by Settle).
+// the engine's free queue takes a finished request's blocks; a pick that
+// did not pin (its endpoint could not hold it running: prefixScorer.runs)
+// changes nothing at its end (prefix.Index.Unpin). A P/D profile's picks
+// never pin: their ends touch the prompt (prefix.Index.Release). Applied
+// by Settle.
 func (p *Profile) Finished(i int, hashes []uint64) {
-	if p.finishLearn && len(hashes) > 0 {
-		p.approx.Release(i, hashes)
+	if !p.finishLearn || len(hashes) == 0 {
+		return
 	}
+	if p.PinsPeers() {
+		p.approx.Unpin(i, hashes)
+		return
+	}
+	p.approx.Release(i, hashes)
 }
 
 // unpinned makes the prefix scorer's picks learn without pinning (P/D's

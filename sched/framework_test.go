@@ -751,7 +751,11 @@ func TestFinishedLearnsAgain(t *testing.T) {
 		if p.LearnsOnFinish() != on {
 			t.Fatalf("learn_on_finish %v: LearnsOnFinish %v", on, p.LearnsOnFinish())
 		}
-		p.approx.Insert(0, a) // routed first
+		if on {
+			p.approx.LearnPinned(0, a) // routed first, and running
+		} else {
+			p.approx.Insert(0, a) // routed first
+		}
 		p.approx.Insert(0, b) // routed second: the index is full
 		p.Finished(0, a)      // a ends after b was routed
 		p.Finished(1, nil)    // nothing to learn
@@ -778,6 +782,54 @@ func TestFinishedLearnsAgain(t *testing.T) {
 	}
 	if _, ok := lr.(Finisher); ok {
 		t.Fatalf("least-request (%T) is a Finisher", lr)
+	}
+}
+
+// TestPinsOnlyWhatRuns: with learn_on_finish a pick pins its prompt only
+// when the endpoint's KV cache holds it beside every prompt in flight
+// there (prefixScorer.runs); a pick past that bound learns unpinned, as
+// without learn_on_finish, and its end changes nothing (prefix.Index.Unpin):
+// the engine would not hold its prompt running, nor keep it once done.
+func TestPinsOnlyWhatRuns(t *testing.T) {
+	r := req(tokens(64, 1)) // 4 blocks of 16
+	other := func(k uint32) []uint64 { return prefix.Hashes(nil, tokens(64, 1000*k), 16, 0) }
+	for _, c := range []struct {
+		inFlight int // tokens already in flight on the endpoint
+		pinned   bool
+	}{
+		{0, true},
+		{64, true},    // 64 + 64 = the 128-token capacity: fits
+		{65, false},   // one token over
+		{1000, false}, // an engine far behind
+	} {
+		p := newProfileT(t, Config{Policy: CacheAware}, Pool{Capacity: []int{8}}) // 8 blocks: 128 tokens
+		eps := ready(1)
+		eps[0].InFlightTokens = c.inFlight
+		if d := p.Pick(r, eps); d.Endpoint != 0 {
+			t.Fatalf("picked %d", d.Endpoint)
+		}
+		p.Settle()
+		// Two other prompts fill the index: a pinned prompt outlives them.
+		p.approx.Insert(0, other(1))
+		p.approx.Insert(0, other(2))
+		m := make([]int, 1)
+		p.approx.Match(r.Hashes, m)
+		if want := map[bool]int{true: 4, false: 0}[c.pinned]; m[0] != want {
+			t.Fatalf("in flight %d: the pick's prompt matched %d blocks after two others, want %d (pinned %v)", c.inFlight, m[0], want, c.pinned)
+		}
+		// Its end: released and the freshest when it was pinned; nothing
+		// (not learnt again) when it was not.
+		p.Finished(0, r.Hashes)
+		p.Settle()
+		p.approx.Match(r.Hashes, m)
+		if want := map[bool]int{true: 4, false: 0}[c.pinned]; m[0] != want {
+			t.Fatalf("in flight %d: after the end matched %d, want %d", c.inFlight, m[0], want)
+		}
+		p.approx.Insert(0, other(3)) // evicts the least recent unpinned prompt
+		p.approx.Match(r.Hashes, m)
+		if want := map[bool]int{true: 4, false: 0}[c.pinned]; m[0] != want {
+			t.Fatalf("in flight %d: after a third prompt matched %d, want %d (released as the freshest)", c.inFlight, m[0], want)
+		}
 	}
 }
 

@@ -174,6 +174,9 @@ type prefixScorer struct {
 	ix      *prefix.Index
 	minGain float64
 	pin     bool // learn_on_finish: a pick pins the prompt until Profile.Finished
+	// blockSize is the index's block size (tokens): its capacity in
+	// tokens for the pin's load rule (Learn).
+	blockSize int
 }
 
 func (*prefixScorer) Name() string { return ScorerPrefix }
@@ -184,13 +187,37 @@ func (s *prefixScorer) Score(c *Cycle, cands []int, scores []float64) {
 
 // Learn records the prompt's blocks as held by the chosen endpoint: queued
 // for Profile.Settle, and counted by the index's Match at once
-// (prefix/learn.go).
+// (prefix/learn.go). With learn_on_finish the prompt is pinned until the
+// request ends (Profile.Finished) when the endpoint can hold it running
+// (runs), else learnt unpinned, as without learn_on_finish.
 func (s *prefixScorer) Learn(c *Cycle, chosen int) {
-	if s.pin {
+	if s.pin && s.runs(c, chosen) {
 		s.ix.LearnPinned(chosen, c.Req.Hashes) // released by Profile.Finished
 		return
 	}
 	s.ix.Learn(chosen, c.Req.Hashes)
+}
+
+// runs reports whether endpoint i's KV cache holds the prompts of every
+// request in flight there and this one's: InFlightTokens + PromptTokens ≤
+// the index's capacity of i in tokens. A vLLM engine keeps a running
+// request's blocks out of its free queue (the pin) but a waiting request
+// holds none (vllm/v1/core/sched/scheduler.py allocates a request's blocks
+// when it schedules it, and preempts running ones when they no longer
+// fit), so past that bound the request waits or is preempted, and a pin
+// would keep its prompt in the index while the engine's free queue, given
+// to the running, holds little. An endpoint whose load is not accounted
+// (InFlightTokens 0) pins as before.
+//
+// Measured in virtual time (sched/README.md, "Pins under overload"): on 4
+// engines, which cannot keep up with the workloads (Mooncake's TTFT p50
+// 4.5 minutes), 84% of agentic's picks go unpinned and the default gains
+// 29 of issue 19's cells over seeds 0–4 for 3 given up; on 6 engines 2
+// gained; on 16, and on 8 in seeds 0–2, the same cells (on 8, 0.6–1.3% of
+// Mooncake's picks unpinned, in its bursts); on 8 in seeds 3–4, 2.3–2.6%
+// unpinned give up 2 cells (hit −0.3 to −0.6 points).
+func (s *prefixScorer) runs(c *Cycle, i int) bool {
+	return c.Eps[i].InFlightTokens+c.Req.PromptTokens <= s.ix.Capacity(i)*s.blockSize
 }
 
 // preciseScorer: matched leading blocks / prompt blocks, from the index the

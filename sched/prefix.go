@@ -34,8 +34,12 @@ type PrefixConfig struct {
 	// evicts next depends on what still runs and when the rest ended, not on
 	// when requests were routed. Without it the index orders each
 	// endpoint's blocks by routing time and forgets long prompts the engine
-	// still holds (sched/README.md "Eviction by finish time"). nil: the
-	// default, DefaultLearnOnFinish.
+	// still holds (sched/README.md "Eviction by finish time"). A pick pins
+	// only when its endpoint's KV cache holds every prompt in flight there
+	// and this one; past that a request waits in the engine, holding no
+	// blocks, so it is learnt unpinned and its end changes nothing
+	// (prefixScorer.runs, prefix.Index.Unpin; sched/README.md "Pins under
+	// overload"). nil: the default, DefaultLearnOnFinish.
 	LearnOnFinish *bool `yaml:"learn_on_finish"`
 }
 

@@ -441,7 +441,7 @@ func (p *Profile) newScorer(name string, cfg Config, pool Pool, pcfg PrefixConfi
 			p.grow = append(p.grow, func(n int) error { return ix.Grow(n, 1) })
 			p.finishLearn = pcfg.learnOnFinish()
 		}
-		ps := &prefixScorer{ix: p.approx, minGain: pcfg.MinMatchGain, pin: p.finishLearn}
+		ps := &prefixScorer{ix: p.approx, minGain: pcfg.MinMatchGain, pin: p.finishLearn, blockSize: pcfg.BlockSize}
 		p.learners = append(p.learners, ps)
 		p.hashes = true
 		return ps, nil
