@@ -157,6 +157,7 @@ func NewIndex(capacity []int) (*Index, error) {
 	for e, c := range capacity {
 		_, ep := s.endpoint(e)
 		ep.lru.init(int32(min(max(c, 1), maxLRU)))
+		ep.capacity.Store(ep.lru.cap)
 	}
 	ix := &Index{}
 	ix.shape.Store(s)
@@ -193,6 +194,7 @@ func (ix *Index) Grow(endpoints, capacity int) error {
 	for e := old.n; e < endpoints; e++ {
 		_, ep := s.endpoint(e) // not yet reachable by any call
 		ep.lru.init(c)
+		ep.capacity.Store(c)
 	}
 	ix.shape.Store(s)
 	return nil
@@ -645,18 +647,18 @@ func (ix *Index) SetCapacity(e, capacity int) {
 		g.clearLocked(ep, uint64(1)<<(e%MaxEndpoints))
 	}
 	ep.lru.cap = c
+	ep.capacity.Store(c)
 }
 
 // Capacity returns the most blocks endpoint e holds (NewIndex's
-// capacity[e], or SetCapacity's), 0 for an out-of-range e.
+// capacity[e], or SetCapacity's), 0 for an out-of-range e. It takes no
+// lock: an atomic read, safe on the pick path while Settle applies learns.
 func (ix *Index) Capacity(e int) int {
 	_, ep := ix.endpoint(e)
 	if ep == nil {
 		return 0
 	}
-	ep.mu.Lock()
-	defer ep.mu.Unlock()
-	return int(ep.lru.cap)
+	return int(ep.capacity.Load())
 }
 
 // Len returns the number of blocks endpoint e is believed to hold, once
@@ -943,6 +945,10 @@ type endpoint struct {
 type endpointState struct {
 	mu  sync.Mutex
 	lru blockLRU
+	// capacity is lru.cap, written with it (under mu) and read without
+	// mu by Capacity: the pick path asks it, and must not wait for mu,
+	// which Settle holds while it applies a long learn.
+	capacity atomic.Int32
 }
 
 // opBatch queues owner updates of one endpoint for flush. Inserts and

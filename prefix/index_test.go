@@ -645,3 +645,28 @@ func TestIndexSetCapacity(t *testing.T) {
 	ix.SetCapacity(5, 10) // out of range: ignored
 	ix.SetCapacity(-1, 10)
 }
+
+// TestCapacity: Capacity follows NewIndex, SetCapacity and Grow, without
+// waiting for an endpoint's lock.
+func TestCapacity(t *testing.T) {
+	ix, err := NewIndex([]int{8, 0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ix.Capacity(0) != 8 || ix.Capacity(1) != 1 || ix.Capacity(2) != 0 || ix.Capacity(-1) != 0 {
+		t.Fatalf("capacities %d %d %d %d, want 8 1 0 0", ix.Capacity(0), ix.Capacity(1), ix.Capacity(2), ix.Capacity(-1))
+	}
+	ix.SetCapacity(0, 20)
+	if err := ix.Grow(3, 5); err != nil {
+		t.Fatal(err)
+	}
+	if ix.Capacity(0) != 20 || ix.Capacity(2) != 5 {
+		t.Fatalf("after SetCapacity and Grow: %d %d, want 20 5", ix.Capacity(0), ix.Capacity(2))
+	}
+	_, ep := ix.endpoint(0)
+	ep.mu.Lock() // as Settle holds it while applying a learn
+	defer ep.mu.Unlock()
+	if ix.Capacity(0) != 20 {
+		t.Fatal("Capacity under the endpoint's lock")
+	}
+}

@@ -324,7 +324,4 @@ func TestUnpin(t *testing.T) {
 	if held(a) != 0 || held(c) != 4 {
 		t.Fatalf("a %d c %d, want 0 4", held(a), held(c))
 	}
-	if ix.Capacity(0) != 8 || ix.Capacity(1) != 0 || ix.Capacity(-1) != 0 {
-		t.Fatalf("Capacity %d %d %d, want 8 0 0", ix.Capacity(0), ix.Capacity(1), ix.Capacity(-1))
-	}
 }
