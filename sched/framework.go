@@ -283,7 +283,10 @@ func (p *Profile) PinsPeers() bool {
 
 // LearnPeerPinned implements PeerFinisher: a peer's pick pins hashes on
 // endpoint i (prefix.Index.LearnPinned, applied at once), as this
-// replica's own picks do, until ReleasePeer.
+// replica's own picks do, until ReleasePeer. Whatever the endpoint's load:
+// the peer's message does not say whether its own pick pinned
+// (prefixScorer.runs), so an overfull endpoint's peer picks stay pinned
+// here until their finish.
 func (p *Profile) LearnPeerPinned(i int, hashes []uint64) {
 	if p.finishLearn && p.approx != nil {
 		p.approx.LearnPinned(i, hashes)
