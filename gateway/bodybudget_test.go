@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -141,4 +142,81 @@ func TestBodyBudgetConfig(t *testing.T) {
 	if c := (Config{}).WithDefaults(); c.MaxBodyBytesInFlight != DefaultMaxBodyBytesInFlight || c.MaxBodyBytesInFlight < MaxMaxBodyBytes {
 		t.Errorf("default max_body_bytes_in_flight %d", c.MaxBodyBytesInFlight)
 	}
+	// max_body_bytes_held must hold one largest body too.
+	for held, ok := range map[int64]bool{0: true, 1 << 20: true, 1<<20 - 1: false} {
+		cfg := testConfig(sched.RoundRobin)
+		cfg.Endpoints = []EndpointConfig{{URL: "http://10.0.0.1:8000", Model: "m", KVBlocks: 1000}}
+		cfg.MaxBodyBytes, cfg.MaxBodyBytesHeld = 1<<20, held
+		cfg = cfg.WithDefaults()
+		if err := cfg.Validate(); (err == nil) != ok {
+			t.Errorf("max_body_bytes_held %d: %v, want ok %v", held, err, ok)
+		}
+	}
+	if c := (Config{}).WithDefaults(); c.MaxBodyBytesHeld != DefaultMaxBodyBytesHeld || c.MaxBodyBytesHeld < MaxMaxBodyBytes {
+		t.Errorf("default max_body_bytes_held %d", c.MaxBodyBytesHeld)
+	}
+}
+
+// TestBodyHeldBudget: the bodies of requests in progress (read whole, not
+// yet answered) share max_body_bytes_held. Requests parked at a stalled
+// engine hold their bodies; the next body past the budget is refused once
+// read, with 503 overloaded and Retry-After, counted; the bodies are given
+// back when the requests end, and a body fits again. Before, admission
+// counted requests only: 16 bodies of 15 MB parked at a stalled engine
+// held 2.5 GB.
+func TestBodyHeldBudget(t *testing.T) {
+	const (
+		size  = 60 << 10 // each request's body
+		limit = 200 << 10
+	)
+	e := &heldEngine{maxModelLen: 4096, arrived: make(chan struct{}, 8), release: make(chan struct{})}
+	eng := httptest.NewServer(e)
+	defer eng.Close()
+	cfg := testConfig(sched.RoundRobin)
+	cfg.HealthCheckPath = healthCheckOff
+	cfg.Endpoints = []EndpointConfig{{URL: eng.URL, Model: "m", KVBlocks: 1000, MaxModelLen: 4096}}
+	cfg.MaxBodyBytes = 64 << 10
+	cfg.MaxBodyBytesHeld = limit
+	g, url := startGateway(t, cfg)
+	c := testClient(t)
+	body := func() string {
+		head := `{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10],"stream":true,"user":"`
+		return head + strings.Repeat("u", size-len(head)-2) + `"}`
+	}()
+	if len(body) != size {
+		t.Fatalf("body of %d bytes", len(body))
+	}
+	var wg sync.WaitGroup
+	for range 3 { // 180 KiB held: fits 200
+		wg.Go(func() {
+			if r, b := post(t, c, url+pathCompletions, body); r.StatusCode != http.StatusOK {
+				t.Errorf("a parked request: %d %s", r.StatusCode, b)
+			}
+		})
+	}
+	for range 3 {
+		<-e.arrived
+	}
+	if v := g.held.held.Load(); v != 3*size {
+		t.Fatalf("held %d bytes with three requests parked, want %d", v, 3*size)
+	}
+	r, b := post(t, c, url+pathCompletions, body)
+	if r.StatusCode != http.StatusServiceUnavailable || r.Header.Get("Retry-After") != "1" || !strings.Contains(string(b), codeBodyBudget) {
+		t.Errorf("over the held budget: %d, Retry-After %q, %s", r.StatusCode, r.Header.Get("Retry-After"), b)
+	}
+	m := scrape(t, c, url)
+	if v := m.value("infergate_request_body_held_refusals_total", ""); v != 1 {
+		t.Errorf("held refusals_total %v, want 1", v)
+	}
+	if v := m.value("infergate_request_body_bytes_held", ""); v != 3*size {
+		t.Errorf("request_body_bytes_held %v, want %d", v, 3*size)
+	}
+	close(e.release)
+	wg.Wait()
+	waitFor(t, "the held bodies given back", func() bool { return g.held.held.Load() == 0 })
+	go func() { <-e.arrived }()
+	if r, b := post(t, c, url+pathCompletions, body); r.StatusCode != http.StatusOK {
+		t.Errorf("after the parked requests ended: %d %s", r.StatusCode, b)
+	}
+	waitFor(t, "the budget back to 0", func() bool { return g.held.held.Load() == 0 })
 }

@@ -40,6 +40,12 @@ const (
 	// default bodies (16 MiB) fit it at once, or 13,000 chat requests of
 	// 20 KiB.
 	DefaultMaxBodyBytesInFlight = 256 << 20
+	// DefaultMaxBodyBytesHeld bounds the request bodies held by requests
+	// in progress, from the end of their read to the request's end, all
+	// together (1 GiB; bodybudget.go): 64 largest default bodies, or
+	// 52,000 chat requests of 20 KiB — more than 1,024 requests in flight
+	// and as many queued on each of 25 endpoints.
+	DefaultMaxBodyBytesHeld = 1 << 30
 )
 
 // Defaults of Config and EndpointConfig (see README.md for the rationale).
@@ -173,6 +179,12 @@ type Config struct {
 	// total past it is refused with 503 overloaded and Retry-After: 1
 	// (bodybudget.go).
 	MaxBodyBytesInFlight int64 `yaml:"max_body_bytes_in_flight"`
+	// MaxBodyBytesHeld bounds the bytes of request bodies held by
+	// requests in progress (read whole, not yet answered), all requests
+	// together (bytes, default 1 GiB; at least max_body_bytes). A body
+	// that would take the total past it is refused once read, before it is
+	// decoded, with 503 overloaded and Retry-After: 1 (bodybudget.go).
+	MaxBodyBytesHeld int64 `yaml:"max_body_bytes_held"`
 	// MaxHeldResponseBytes bounds the bytes of non-streaming answers held
 	// until their end (for retries and usage), all requests together
 	// (default 256 MiB; negative: none is held). Beyond it an answer is
@@ -511,6 +523,9 @@ func (c Config) WithDefaults() Config {
 	if c.MaxBodyBytesInFlight == 0 {
 		c.MaxBodyBytesInFlight = DefaultMaxBodyBytesInFlight
 	}
+	if c.MaxBodyBytesHeld == 0 {
+		c.MaxBodyBytesHeld = DefaultMaxBodyBytesHeld
+	}
 	if c.BodyReadTimeout == 0 {
 		c.BodyReadTimeout = DefaultBodyReadTimeout
 	}
@@ -594,6 +609,10 @@ func (c Config) Validate() error {
 	if c.MaxBodyBytesInFlight < c.MaxBodyBytes {
 		bad("max_body_bytes_in_flight %d: must be at least max_body_bytes (%d), or one largest body can never be read",
 			c.MaxBodyBytesInFlight, c.MaxBodyBytes)
+	}
+	if c.MaxBodyBytesHeld < c.MaxBodyBytes {
+		bad("max_body_bytes_held %d: must be at least max_body_bytes (%d), or one largest body can never be served",
+			c.MaxBodyBytesHeld, c.MaxBodyBytes)
 	}
 	if err := c.EPP.Validate(); err != nil {
 		errs = append(errs, err)

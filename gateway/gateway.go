@@ -90,6 +90,7 @@ type Gateway struct {
 	pdm     *pdMetrics   // P/D (pd.go)
 	hold    *byteBudget  // bytes of non-streaming answers held (hold.go)
 	bodies  *byteBudget  // bytes of request bodies being read (bodybudget.go)
+	held    *byteBudget  // bytes of request bodies held by requests in progress (bodybudget.go)
 	cold    *holdMetrics // scale from zero: requests held while no endpoint is ready (coldstart.go)
 	// render is the engine render client of render: engine pools (render.go).
 	render *engineRender

@@ -310,7 +310,7 @@ func TestBodyBufferGrowsWithBody(t *testing.T) {
 		x := &exchange{}
 		r := httptest.NewRequest(http.MethodPost, pathChat, bytes.NewReader(body))
 		r.ContentLength = declared
-		return x, x.readBody(httptest.NewRecorder(), r, limit, time.Minute, unboundedBodies())
+		return x, x.readBody(httptest.NewRecorder(), r, limit, time.Minute, unboundedBodies(), unboundedBodies())
 	}
 	// Declared near the limit, one byte sent (the reader ends early, as a
 	// client that stops sending does until the deadline).
@@ -355,7 +355,7 @@ func TestBodyBufferGrowsWithBody(t *testing.T) {
 		x := &exchange{}
 		r := httptest.NewRequest(http.MethodPost, pathChat, strings.NewReader("{"))
 		r.ContentLength = declared
-		if e := x.readBody(httptest.NewRecorder(), r, math.MaxInt64, time.Minute, unboundedBodies()); e != nil || string(x.body) != "{" || cap(x.body) > bodyGrowMin {
+		if e := x.readBody(httptest.NewRecorder(), r, math.MaxInt64, time.Minute, unboundedBodies(), unboundedBodies()); e != nil || string(x.body) != "{" || cap(x.body) > bodyGrowMin {
 			t.Errorf("declared %d under an unbounded limit: %v, %q in a buffer of %d bytes", declared, e, x.body, cap(x.body))
 		}
 	}

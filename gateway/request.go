@@ -54,15 +54,18 @@ type exchange struct {
 	pickReq http.Request
 	pickURL url.URL
 	body    []byte // the client's request body
-	upBody  []byte // the body sent upstream when it differs from body
-	chat    openai.ChatRequest
-	comp    openai.CompletionRequest
-	sreq    sched.Request
-	hashes  []uint64
-	chunk   openai.StreamChunk
-	out     []byte // one SSE event being written
-	capture []byte // non-streaming response prefix, for usage
-	copyBuf []byte // relay buffer
+	// bodyHeld is body's bytes reserved in the held-body budget
+	// (max_body_bytes_held) from the end of its read to putExchange.
+	bodyHeld int64
+	upBody   []byte // the body sent upstream when it differs from body
+	chat     openai.ChatRequest
+	comp     openai.CompletionRequest
+	sreq     sched.Request
+	hashes   []uint64
+	chunk    openai.StreamChunk
+	out      []byte // one SSE event being written
+	capture  []byte // non-streaming response prefix, for usage
+	copyBuf  []byte // relay buffer
 	// stripped holds a chunk less the usage member the gateway asked for.
 	stripped []byte
 	segs     []string // a chat's rendered segments (openai.AppendChatSegments)
@@ -141,6 +144,9 @@ func (x *exchange) requestIDValue(id string) []string {
 }
 
 func (g *Gateway) putExchange(x *exchange) {
+	if x.bodyHeld != 0 {
+		g.held.release(&x.bodyHeld)
+	}
 	// The messages' buffer kept; the next chat's contents borrowed from
 	// its body (x.body, or the picker's PickRequest.Body), which outlives
 	// x.chat: read only while the exchange is in use, never kept.
@@ -217,7 +223,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind ap
 	g.metrics.api[kind].Inc()
 	g.trackRequest(w, x, key)
 
-	if e := x.readBody(w, r, g.cfg.MaxBodyBytes, g.cfg.BodyReadTimeout, g.bodies); e != nil {
+	if e := x.readBody(w, r, g.cfg.MaxBodyBytes, g.cfg.BodyReadTimeout, g.bodies, g.held); e != nil {
 		if e.Status == codeClientClosed {
 			g.count(w, g.unknown, codeClientClosed) // no answer to write
 			return
@@ -314,7 +320,7 @@ func (g *Gateway) requestID(r *http.Request) string {
 // accounted, not written. The bytes read are charged to budget as they
 // arrive and given back when readBody returns (bodybudget.go); one that
 // does not fit gets 503 overloaded with Retry-After.
-func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration, budget *byteBudget) *openai.Error {
+func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration, budget, held *byteBudget) *openai.Error {
 	if ce := encodedAs(r.Header); ce != "" {
 		closeConnection(w, r) // the body is not read
 		return openai.NewError(http.StatusUnsupportedMediaType,
@@ -377,6 +383,17 @@ func (x *exchange) readBody(w http.ResponseWriter, r *http.Request, limit int64,
 		}
 	}
 	x.body = buf
+	if n := int64(len(buf)); n > 0 {
+		// Held from here to the request's end (putExchange): the body,
+		// and what is decoded from it, live as long as the request.
+		if !held.reserve(n) {
+			held.overflows.Inc()
+			w.Header().Set("Retry-After", "1")
+			return openai.NewError(http.StatusServiceUnavailable,
+				"The gateway holds too many request bodies in progress (max_body_bytes_held); retry later.", "", codeBodyBudget)
+		}
+		x.bodyHeld = n
+	}
 	if deadline {
 		_ = http.NewResponseController(w).SetReadDeadline(time.Time{}) // the response may stream for long
 	}
