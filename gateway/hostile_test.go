@@ -1,8 +1,10 @@
 package gateway
 
 import (
+	"encoding/json"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -195,5 +197,44 @@ func TestHoldBudgetReserve(t *testing.T) {
 	}
 	if none := (&byteBudget{limit: -1}); none.reserve(1) {
 		t.Error("a negative budget holds")
+	}
+}
+
+// TestEngineInvalidStatus: an engine whose status line carries a code
+// outside 100-599 ("HTTP/1.1 000", "050", "600", "999": http.ReadResponse
+// takes any three digits) is answered 502 upstream_error in OpenAI's
+// shape. A code below 100 made the handler panic in WriteHeader (the
+// client got an empty reply), one above 599 was relayed to the client.
+func TestEngineInvalidStatus(t *testing.T) {
+	for _, code := range []string{"000", "050", "600", "999"} {
+		t.Run(code, func(t *testing.T) {
+			eng := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.Copy(io.Discard, r.Body)
+				c, bw, err := http.NewResponseController(w).Hijack()
+				if err != nil {
+					return
+				}
+				defer c.Close()
+				_, _ = bw.WriteString("HTTP/1.1 " + code + " Odd\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+				_ = bw.Flush()
+			}))
+			t.Cleanup(eng.Close)
+			cfg := resilienceConfig(sched.RoundRobin, eng.URL)
+			cfg.Retry.MaxAttempts = 1
+			_, url := startGateway(t, cfg)
+			for _, stream := range []string{"false", "true"} {
+				resp, body := post(t, http.DefaultClient, url+pathChat,
+					`{"model":"m","stream":`+stream+`,"messages":[{"role":"user","content":"hi"}]}`)
+				if resp.StatusCode != http.StatusBadGateway {
+					t.Fatalf("stream %s: status %d, want 502; body %s", stream, resp.StatusCode, body)
+				}
+				var e struct {
+					Error struct{ Code string } `json:"error"`
+				}
+				if err := json.Unmarshal(body, &e); err != nil || e.Error.Code != openai.CodeUpstream {
+					t.Fatalf("stream %s: body %s, want an upstream_error", stream, body)
+				}
+			}
+		})
 	}
 }

@@ -312,7 +312,10 @@ func (u *Client) send(ctx context.Context, pc *upConn, req *http.Request, by tim
 		if resp, err = http.ReadResponse(pc.br, req); err != nil {
 			return fail(err)
 		}
-		if resp.StatusCode >= 200 || resp.StatusCode < 100 {
+		if !ValidStatus(resp.StatusCode) {
+			return fail(fmt.Errorf("upstream answered an invalid status code %d", resp.StatusCode))
+		}
+		if resp.StatusCode >= 200 {
 			break
 		}
 		if resp.StatusCode == http.StatusSwitchingProtocols {
@@ -329,6 +332,13 @@ func (u *Client) send(ctx context.Context, pc *upConn, req *http.Request, by tim
 	return resp, nil
 }
 
+// ValidStatus reports whether code is an HTTP status code (100 to 599, RFC
+// 9110 section 15). http.ReadResponse and net/http's HTTP/2 client accept
+// any three digits (000 to 999) or any integer: an engine's status outside
+// the range must not reach the client (net/http's server panics at
+// WriteHeader of a code below 100) nor be taken for a 5xx.
+func ValidStatus(code int) bool { return code >= 100 && code <= 599 }
+
 // earlyAnswerWait bounds the wait for an answer after a failed write.
 const earlyAnswerWait = time.Second
 
@@ -341,7 +351,7 @@ func earlyAnswer(ctx context.Context, pc *upConn, req *http.Request) *http.Respo
 	pc.lr.n = MaxHeaderBytes
 	pc.setReadDeadline(ctx, time.Now().Add(earlyAnswerWait))
 	resp, err := http.ReadResponse(pc.br, req)
-	if err != nil || resp.StatusCode < 200 {
+	if err != nil || resp.StatusCode < 200 || !ValidStatus(resp.StatusCode) {
 		return nil
 	}
 	pc.lr.n = math.MaxInt64
@@ -599,6 +609,12 @@ func (u *Client) watchedRoundTrip(req *http.Request, by time.Time, w *Wait) (*ht
 			return nil, ErrTimeout
 		}
 		return nil, err
+	}
+	if !ValidStatus(resp.StatusCode) {
+		wb.timer.Stop()
+		_ = resp.Body.Close()
+		cancel()
+		return nil, fmt.Errorf("upstream answered an invalid status code %d", resp.StatusCode)
 	}
 	if wb.expired.Load() && parent.Err() == nil {
 		// The deadline canceled the request and the answer raced the

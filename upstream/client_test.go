@@ -597,6 +597,13 @@ func TestUpstreamHostileAnswers(t *testing.T) {
 		{"switching-protocols", "HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n", true, ""},
 		{"early-hints-then-200", "HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", false, "ok"},
 		{"close-delimited", "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil-eof", false, "until-eof"},
+		// http.ReadResponse takes any three digits: a status below 100
+		// made the gateway's WriteHeader panic, one above 599 was relayed.
+		{"status-000", "HTTP/1.1 000 Zero\r\nContent-Length: 2\r\n\r\n{}", true, ""},
+		{"status-050", "HTTP/1.1 050 Low\r\nContent-Length: 2\r\n\r\n{}", true, ""},
+		{"status-600", "HTTP/1.1 600 High\r\nContent-Length: 2\r\n\r\n{}", true, ""},
+		{"status-999", "HTTP/1.1 999 High\r\nContent-Length: 2\r\n\r\n{}", true, ""},
+		{"early-hints-then-000", "HTTP/1.1 103 Early Hints\r\n\r\nHTTP/1.1 000 Zero\r\nContent-Length: 2\r\n\r\n{}", true, ""},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -622,6 +629,34 @@ func TestUpstreamHostileAnswers(t *testing.T) {
 			}
 			if n := idleCount(u); n != 0 && resp.Close {
 				t.Fatalf("a connection the engine closes was kept (%d idle)", n)
+			}
+		})
+	}
+}
+
+// The fallback transport (net/http's) accepts the same invalid status
+// codes; RoundTripBy refuses them there too.
+func TestUpstreamFallbackInvalidStatus(t *testing.T) {
+	for _, code := range []string{"000", "099", "600", "999"} {
+		t.Run(code, func(t *testing.T) {
+			url := rawServer(t, func(c net.Conn) {
+				if readRawRequest(bufio.NewReader(c)) != nil {
+					io.WriteString(c, "HTTP/1.1 "+code+" Odd\r\nContent-Length: 2\r\n\r\n{}")
+				}
+			})
+			cfg := upstreamTestConfig()
+			cfg.AllFallback = true
+			tr := &http.Transport{}
+			t.Cleanup(tr.CloseIdleConnections)
+			u := New(cfg, tr)
+			t.Cleanup(u.CloseIdleConnections)
+			resp, err := u.RoundTripBy(postTo(t, context.Background(), url, "{}"), time.Now().Add(5*time.Second), nil)
+			if err == nil {
+				resp.Body.Close()
+				t.Fatalf("status %d answered without an error", resp.StatusCode)
+			}
+			if !strings.Contains(err.Error(), "invalid status code") {
+				t.Fatalf("err %v, want an invalid status code", err)
 			}
 		})
 	}
