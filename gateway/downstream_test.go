@@ -272,6 +272,48 @@ func TestAbandonedBodyCounted499(t *testing.T) {
 	}
 }
 
+// TestHeaderTooLargeKeepsHTTP2Connection: over HTTP/2, a request whose
+// headers are over max_header_bytes (but within what net/http reads, twice
+// it) is answered the OpenAI-format 431 on its own stream, and the shared
+// connection stays open for the requests after it. checkEdge set
+// Connection: close for every protocol, which net/http's HTTP/2 server
+// takes as a GOAWAY: one client's oversized header cost every other stream
+// multiplexed on the connection (a proxy's, say) a new connection.
+func TestHeaderTooLargeKeepsHTTP2Connection(t *testing.T) {
+	e := newFakeEngine(t, "e0")
+	cfg := resilienceConfig(sched.RoundRobin, e.URL())
+	cfg.MaxHeaderBytes = 4096
+	url, c := h2Gateway(t, cfg, nil)
+	for i, big := range []bool{false, true, false, true, false} {
+		reused := false
+		trace := &httptrace.ClientTrace{GotConn: func(ci httptrace.GotConnInfo) { reused = ci.Reused }}
+		req, _ := http.NewRequestWithContext(httptrace.WithClientTrace(context.Background(), trace), http.MethodPost, url+pathChat, strings.NewReader(chatBody))
+		req.Header.Set("Content-Type", "application/json")
+		if big {
+			req.Header.Set("X-Big", strings.Repeat("a", 5000))
+		}
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		want := http.StatusOK
+		if big {
+			want = http.StatusRequestHeaderFieldsTooLarge
+		}
+		if resp.ProtoMajor != 2 || resp.StatusCode != want {
+			t.Fatalf("request %d: HTTP/%d %d, want HTTP/2 %d; body %s", i, resp.ProtoMajor, resp.StatusCode, want, body)
+		}
+		if big && !strings.Contains(string(body), codeHeaderTooLarge) {
+			t.Fatalf("request %d: body %s, want an OpenAI error %s", i, body, codeHeaderTooLarge)
+		}
+		if i > 0 && !reused {
+			t.Errorf("request %d opened a new connection: the 431 before closed the shared one", i)
+		}
+	}
+}
+
 // TestRefusalKeepsHTTP2Connection: over HTTP/2, a request refused before
 // its body is read (no key, unknown path) does not close the client's
 // shared connection: net/http takes a handler's Connection: close as a

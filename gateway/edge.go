@@ -183,7 +183,7 @@ const codeHeaderTooLarge = "request_header_too_large"
 // has answered.
 func (g *Gateway) checkEdge(w http.ResponseWriter, r *http.Request, st *state) (*principal, bool) {
 	if n := headerBytes(r); n > g.cfg.MaxHeaderBytes {
-		w.Header().Set("Connection", "close")
+		closeConnection(w, r) // HTTP/1.x only: over HTTP/2 it would GOAWAY the shared connection
 		openai.WriteError(w, openai.NewError(http.StatusRequestHeaderFieldsTooLarge,
 			fmt.Sprintf("Request headers are %d bytes, over the limit of %d bytes.", n, g.cfg.MaxHeaderBytes), "", codeHeaderTooLarge))
 		if proxiedPath(r.URL.Path) {
