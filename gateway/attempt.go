@@ -153,6 +153,13 @@ func (g *Gateway) attempt(w http.ResponseWriter, r *http.Request, x *exchange, k
 		code int
 	)
 	switch {
+	case resp.StatusCode/100 == 3:
+		// A redirect (never followed) or another 3xx is the endpoint's
+		// doing, not an answer to the request (render.go backs off on it
+		// too): relayed, the client got a 3xx without its Location
+		// (dropDownstream) where it expects an answer or an error.
+		f = &failure{reason: reasonBadResponse, rm: rm, err: openai.NewError(http.StatusBadGateway,
+			fmt.Sprintf("The model server answered %d, not an answer to the request.", resp.StatusCode), "", openai.CodeUpstream)}
 	case resp.StatusCode/100 != 2:
 		ep.outlierSuccess() // the engine answered: a client error is not its failure
 		g.relayError(w, r, resp, rm)

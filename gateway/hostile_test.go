@@ -238,3 +238,47 @@ func TestEngineInvalidStatus(t *testing.T) {
 		})
 	}
 }
+
+// TestEngineRedirectNotRelayed: an engine's 3xx (with an OpenAI-shaped
+// JSON body or none) is not relayed: the client got the 3xx itself, its
+// Location dropped, instead of an answer or an error. It is a failure of
+// the endpoint: 502 upstream_error when no retry is left.
+func TestEngineRedirectNotRelayed(t *testing.T) {
+	for _, tc := range []struct {
+		status int
+		body   string
+	}{
+		{http.StatusFound, `{"error":{"message":"moved","type":"x","code":"moved"}}`},
+		{http.StatusTemporaryRedirect, ""},
+		{http.StatusNotModified, ""},
+	} {
+		eng := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Location", "http://elsewhere.example/")
+			if tc.body != "" {
+				w.Header().Set("Content-Type", "application/json")
+			}
+			w.WriteHeader(tc.status)
+			_, _ = io.WriteString(w, tc.body)
+		}))
+		cfg := resilienceConfig(sched.RoundRobin, eng.URL)
+		cfg.Retry.MaxAttempts = 1
+		_, url := startGateway(t, cfg)
+		for _, stream := range []string{"false", "true"} {
+			resp, body := post(t, http.DefaultClient, url+pathChat,
+				`{"model":"m","stream":`+stream+`,"messages":[{"role":"user","content":"hi"}]}`)
+			if resp.StatusCode != http.StatusBadGateway || resp.Header.Get("Location") != "" {
+				t.Errorf("engine %d, stream %s: status %d (Location %q), want 502; body %s",
+					tc.status, stream, resp.StatusCode, resp.Header.Get("Location"), body)
+				continue
+			}
+			var e struct {
+				Error struct{ Code string } `json:"error"`
+			}
+			if err := json.Unmarshal(body, &e); err != nil || e.Error.Code != openai.CodeUpstream {
+				t.Errorf("engine %d, stream %s: body %s, want an upstream_error", tc.status, stream, body)
+			}
+		}
+		eng.Close()
+	}
+}
