@@ -143,6 +143,14 @@ func (pc *upConn) setReadDeadline(ctx context.Context, t time.Time) {
 	}
 }
 
+// setWriteDeadline is setReadDeadline for writes.
+func (pc *upConn) setWriteDeadline(ctx context.Context, t time.Time) {
+	_ = pc.c.SetWriteDeadline(t)
+	if ctx.Err() != nil {
+		_ = pc.c.SetDeadline(aLongTimeAgo)
+	}
+}
+
 // limitedConnReader reads from a connection, at most n bytes (the response
 // header budget while headers are read; unlimited for the body).
 type limitedConnReader struct {
@@ -273,6 +281,18 @@ func (u *Client) send(ctx context.Context, pc *upConn, req *http.Request, by tim
 		pc.c.Close()
 		return nil, err
 	}
+	// The header deadline (the earlier of by and response_header_timeout)
+	// bounds the request's write too: an engine that stops reading (its
+	// socket buffers full of a large body) while its health checks pass
+	// held the request, and its client, for ever.
+	headerBy := by
+	if u.headerTimeout > 0 {
+		if t := time.Now().Add(u.headerTimeout); by.IsZero() || t.Before(by) {
+			headerBy = t
+		}
+	}
+	pc.setWriteDeadline(ctx, headerBy)
+	w.repoison() // an abort that landed since arm
 	if err := writeRequest(pc.bw, req); err != nil {
 		var fe bodyFramingError
 		switch {
@@ -295,15 +315,10 @@ func (u *Client) send(ctx context.Context, pc *upConn, req *http.Request, by tim
 		}
 		return fail(err)
 	}
+	pc.setWriteDeadline(ctx, time.Time{}) // the connection's next request sets its own
 	pc.lr.n = MaxHeaderBytes
 	// The header deadline is always set: a pooled connection may carry the
 	// deadline its previous body was read under.
-	headerBy := by
-	if u.headerTimeout > 0 {
-		if t := time.Now().Add(u.headerTimeout); by.IsZero() || t.Before(by) {
-			headerBy = t
-		}
-	}
 	pc.setReadDeadline(ctx, headerBy)
 	w.repoison() // an abort that landed during the write
 	var resp *http.Response
@@ -587,10 +602,19 @@ func (u *Client) watchedRoundTrip(req *http.Request, by time.Time, w *Wait) (*ht
 	ctx, cancel := context.WithCancel(parent)
 	wb := &watchedBody{cancel: cancel}
 	wb.timer = time.AfterFunc(time.Hour, wb.expire)
-	if by.IsZero() {
-		wb.timer.Stop() // the transport's response_header_timeout alone
+	// The header deadline bounds the request's write too (send): net/http's
+	// ResponseHeaderTimeout starts only once the body is written, so an
+	// engine that stopped reading held the request for ever.
+	headerBy := by
+	if u.headerTimeout > 0 {
+		if t := time.Now().Add(u.headerTimeout); by.IsZero() || t.Before(by) {
+			headerBy = t
+		}
+	}
+	if headerBy.IsZero() {
+		wb.timer.Stop()
 	} else {
-		wb.timer.Reset(time.Until(by))
+		wb.timer.Reset(time.Until(headerBy))
 	}
 	w.arm(nil, cancel)
 	resp, err := u.fallback.RoundTrip(req.WithContext(ctx))
@@ -620,6 +644,17 @@ func (u *Client) watchedRoundTrip(req *http.Request, by time.Time, w *Wait) (*ht
 		// The deadline canceled the request and the answer raced the
 		// cancel (net/http's HTTP/2 client can return either): the engine
 		// answered late, typically because the cancel ended its handler.
+		_ = resp.Body.Close()
+		cancel()
+		return nil, ErrTimeout
+	}
+	switch {
+	case by.IsZero():
+		wb.timer.Stop() // the body's reads are unbounded until the caller sets a deadline
+	case !headerBy.Equal(by):
+		wb.timer.Reset(time.Until(by)) // the body's: by
+	}
+	if wb.expired.Load() && parent.Err() == nil { // the header deadline raced the answer
 		_ = resp.Body.Close()
 		cancel()
 		return nil, ErrTimeout

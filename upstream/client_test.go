@@ -518,6 +518,85 @@ func TestUpstreamResponseHeaderTimeout(t *testing.T) {
 	}
 }
 
+// zeros is an endless reader of zero bytes.
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
+
+// stalledReader is an engine that reads a request's headers and then
+// nothing more, neither its body nor anything after: a large body fills the
+// socket buffers and the write blocks. It returns the engine's URL.
+func stalledReader(t *testing.T) string {
+	done := make(chan struct{})
+	url := rawServer(t, func(c net.Conn) {
+		br := bufio.NewReaderSize(c, 64)
+		for {
+			line, err := br.ReadString('\n')
+			if err != nil || line == "\r\n" {
+				break
+			}
+		}
+		<-done
+	})
+	t.Cleanup(func() { close(done) }) // before rawServer's cleanup waits for serve
+	return url
+}
+
+// bigPost is a POST of n zero bytes to url.
+func bigPost(t *testing.T, url string, n int64) *http.Request {
+	req, err := http.NewRequest(http.MethodPost, url, io.NopCloser(io.LimitReader(zeros{}, n)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.ContentLength = n
+	return req
+}
+
+// TestUpstreamWriteBounded: response_header_timeout (or the round trip's
+// deadline, the earlier) bounds the request's write too. An engine that
+// stopped reading a large body held the round trip, and so the client's
+// request, for ever: the write had no deadline and the header deadline was
+// set only after it. The same through the fallback transport, whose
+// ResponseHeaderTimeout starts once the body is written.
+func TestUpstreamWriteBounded(t *testing.T) {
+	const body = 256 << 20 // far more than loopback's socket buffers
+	for _, fallback := range []bool{false, true} {
+		for _, stream := range []bool{false, true} {
+			t.Run(fmt.Sprintf("fallback=%v,by=%v", fallback, stream), func(t *testing.T) {
+				url := stalledReader(t)
+				cfg := upstreamTestConfig()
+				cfg.ResponseHeaderTimeout = 200 * time.Millisecond
+				var by time.Time
+				if stream { // a stream's first-event deadline, the earlier
+					cfg.ResponseHeaderTimeout = time.Hour
+					by = time.Now().Add(200 * time.Millisecond)
+				}
+				cfg.AllFallback = fallback
+				tr := &http.Transport{}
+				t.Cleanup(tr.CloseIdleConnections)
+				u := New(cfg, tr)
+				t.Cleanup(u.CloseIdleConnections)
+				errc := make(chan error, 1)
+				go func() {
+					resp, err := u.RoundTripBy(bigPost(t, url, body), by, nil)
+					if err == nil {
+						resp.Body.Close()
+					}
+					errc <- err
+				}()
+				select {
+				case err := <-errc:
+					if err == nil || !IsResponseTimeout(err) {
+						t.Fatalf("err %v, want a response timeout", err)
+					}
+				case <-time.After(30 * time.Second):
+					t.Fatal("the write to an engine that reads nothing is not bounded")
+				}
+			})
+		}
+	}
+}
+
 // The header timeout bounds the headers only: a body may take longer.
 func TestUpstreamHeaderTimeoutSparesTheBody(t *testing.T) {
 	s, _ := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
