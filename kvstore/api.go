@@ -258,11 +258,15 @@ func (a *API) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if r.Method != http.MethodGet && r.Method != http.MethodDelete {
-		release, ok := a.readBody(w, r)
+		body, release, ok := a.readBody(w, r)
 		if !ok {
 			return
 		}
 		defer release()
+		if overElems(body, a.cfg.MaxBlocks) {
+			apiError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("a list of over %d blocks, hashes or keys; at most %d a request", a.cfg.MaxBlocks, a.cfg.MaxBlocks))
+			return
+		}
 	}
 	t := time.NewTimer(a.cfg.InflightWait)
 	select {
@@ -286,12 +290,12 @@ func (a *API) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // Content-Length announced: charged up front, four connections announcing
 // 128 MiB and sending nothing held the whole 512 MiB, and every other
 // writer got 503 until the server's read timeout cut them.
-func (a *API) readBody(w http.ResponseWriter, r *http.Request) (release func(), ok bool) {
+func (a *API) readBody(w http.ResponseWriter, r *http.Request) (body []byte, release func(), ok bool) {
 	n := a.cfg.MaxBodyBytes
 	if r.ContentLength >= 0 {
 		if r.ContentLength > a.cfg.MaxBodyBytes {
 			apiError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body over %d bytes", a.cfg.MaxBodyBytes))
-			return nil, false
+			return nil, nil, false
 		}
 		n = r.ContentLength
 	}
@@ -315,10 +319,54 @@ func (a *API) readBody(w http.ResponseWriter, r *http.Request) (release func(), 
 		default:
 			apiError(w, http.StatusBadRequest, "reading the body: "+err.Error())
 		}
-		return nil, false
+		return nil, nil, false
 	}
 	r.Body = io.NopCloser(bytes.NewReader(b))
-	return release, true
+	return b, release, true
+}
+
+// overElems reports whether a JSON object body has a member whose value
+// has more than limit elements (the blocks, hashes or keys), counted in
+// the raw bytes before anything is decoded: a body of empty elements
+// ({"blocks":[{},{},…]}: 3 bytes each) was decoded into structs many times
+// their size before len(req.Blocks) was checked (one 120 MiB put grew the
+// process past 16 GB). Values nested deeper (token_ids, shape) are not
+// counted here (TokenIDs bounds its own). b need not be valid JSON: the
+// decoder judges that.
+func overElems(b []byte, limit int) bool {
+	depth, commas := 0, 0
+	inStr, esc := false, false
+	for _, c := range b {
+		if inStr {
+			switch {
+			case esc:
+				esc = false
+			case c == '\\':
+				esc = true
+			case c == '"':
+				inStr = false
+			}
+			continue
+		}
+		switch c {
+		case '"':
+			inStr = true
+		case '{', '[':
+			depth++
+			if depth == 2 {
+				commas = 0
+			}
+		case '}', ']':
+			depth--
+		case ',':
+			if depth == 2 {
+				if commas++; commas >= limit { // commas+1 elements
+					return true
+				}
+			}
+		}
+	}
+	return false
 }
 
 // errBodyBudget is budgetReader's error when the body budget stayed full

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -246,5 +247,63 @@ func TestAPIBodyBudgetChargedAsSent(t *testing.T) {
 			t.Fatalf("a put while a sender holds the budget: %v, want 503", err)
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestAPIListsCountedBeforeDecoding: a body of many empty elements is
+// refused 413 before it is decoded. An attack run's finding: a 120 MiB
+// put of {"blocks":[{},{},…]} (3 bytes a block) was decoded into 42
+// million Block structs before len(req.Blocks) was checked, and the
+// process grew past 16 GB; hashes and keys grew likewise.
+func TestAPIListsCountedBeforeDecoding(t *testing.T) {
+	svc := startService(t, ServiceConfig{Store: Config{MemoryBytes: 1 << 20},
+		API: APIConfig{MaxBlocks: 8, MaxBodyBytes: 8 << 20}})
+	base := "http://" + svc.Addr().String()
+	const n = 1 << 20 // elements: 3 MiB of body
+	for _, c := range []struct{ path, head, elem string }{
+		{"/v1/blocks", `{"model":"m","blocks":[`, `{}`},
+		{"/v1/lookup", `{"model":"m","hashes":[`, `0`},
+		{"/v1/lookup", `{"keys":[`, `""`},
+		{"/v1/delete", `{"model":"m","hashes":[`, `0`},
+	} {
+		var b strings.Builder
+		b.WriteString(c.head)
+		for i := range n {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			b.WriteString(c.elem)
+		}
+		b.WriteString(`]}`)
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		resp, err := http.Post(base+c.path, "application/json", strings.NewReader(b.String()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		msg, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		runtime.ReadMemStats(&after)
+		if resp.StatusCode != 413 || !strings.Contains(string(msg), "at most 8 a request") {
+			t.Errorf("%s %s…: %d %s, want 413", c.path, c.head, resp.StatusCode, msg)
+		}
+		// The body itself (3 MiB, read whole), its copy in the request,
+		// and slack; decoded, the blocks alone were ~170 MiB.
+		if grew := after.TotalAlloc - before.TotalAlloc; grew > 64<<20 {
+			t.Errorf("%s %s…: %d MiB allocated for a %d KiB body", c.path, c.head, grew>>20, b.Len()>>10)
+		}
+	}
+	// Within the bound, and commas inside strings and deeper arrays are
+	// not elements: served.
+	cl := newTestClient(t, svc)
+	blocks := make([]Block, 8)
+	for i := range blocks {
+		blocks[i] = Block{Key: "k,,,,,,,,,,,,,,,,,,,,,," + strconv.Itoa(i), Size: 5, TokenIDs: []uint32{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}}
+	}
+	if res, err := cl.Put(context.Background(), "m", "", blocks); err != nil || res.Stored != 8 {
+		t.Fatalf("put of 8 blocks: %+v %v", res, err)
+	}
+	if n, err := cl.Lookup(context.Background(), "m", "", []uint64{1, 2, 3, 4, 5, 6, 7, 8}); err != nil || n != 0 {
+		t.Fatalf("lookup of 8 hashes: %d %v", n, err)
 	}
 }
