@@ -6,10 +6,11 @@ import (
 	"fmt"
 	"maps"
 	"net/http"
-	"os"
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/infergate/infergate/internal/boundedfile"
 )
 
 // Principal is an authenticated client: one per key name, whatever the
@@ -74,7 +75,7 @@ func (c LimitChange) Apply(now time.Time) { c.limits.setLimits(c.rpm, c.tpm, now
 func Load(a Config, prev *Keyring) (kr *Keyring, changes []LimitChange, err error) {
 	keys := slices.Clone(a.Keys)
 	if a.KeysFile != "" {
-		data, err := os.ReadFile(a.KeysFile)
+		data, err := boundedfile.Read(a.KeysFile, maxKeysFile) // ParseKeys's bound, before a byte past it is read
 		if err != nil {
 			return nil, nil, fmt.Errorf("auth.keys_file: %w", err)
 		}

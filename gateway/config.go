@@ -18,6 +18,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/infergate/infergate/fleet"
+	"github.com/infergate/infergate/internal/boundedfile"
 	"github.com/infergate/infergate/prefix"
 	"github.com/infergate/infergate/sched"
 )
@@ -479,11 +480,16 @@ func (c KVStoreConfig) stream() KVEventsConfig {
 	return KVEventsConfig{Endpoint: c.Endpoint, ReplayEndpoint: c.ReplayEndpoint, Topic: c.Topic, MaxMessageBytes: c.MaxMessageBytes}
 }
 
-// LoadConfig reads a YAML configuration file. Unknown keys are an error;
+// MaxConfigBytes bounds a configuration file (bytes): LoadConfig reads at
+// most this much and refuses a larger file (one replaced by a link to
+// /dev/zero was read without end, at start or at a SIGHUP reload).
+const MaxConfigBytes = 16 << 20
+
+// LoadConfig reads a YAML configuration file (at most MaxConfigBytes). Unknown keys are an error;
 // deprecated ones are logged as warnings (sched.Config.Deprecated). The
 // result is not defaulted or validated; New does both.
 func LoadConfig(path string) (Config, error) {
-	data, err := os.ReadFile(path)
+	data, err := boundedfile.Read(path, MaxConfigBytes)
 	if err != nil {
 		return Config{}, fmt.Errorf("load gateway config: %w", err)
 	}
