@@ -394,9 +394,9 @@ type exchange struct {
 	body      []byte
 	held      int64 // of the headers and body, reserved in s.buffered
 	picked    *gateway.Picked
-	// respDone: the answer's end was observed.
-	respDone bool
-	served   string
+	// respHeaders: the answer's headers were observed; respDone: its end.
+	respHeaders, respDone bool
+	served                string
 }
 
 // end releases what the stream holds.
@@ -449,6 +449,15 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) ([]*extprocv3.Proces
 		if x.phase != phaseRouted {
 			return nil, status.Error(codes.InvalidArgument, "epp: response headers before the request was routed")
 		}
+		if x.respHeaders {
+			// Envoy sends them once. A second served endpoint moved the
+			// request's accounting again (Picked.Served), each move and the
+			// end unpinning the prompt on the slot left: the pick's pin was
+			// already released at the first move, so the later unpins took
+			// pins that other requests of the same prompt held.
+			return nil, status.Error(codes.InvalidArgument, "epp: response headers twice")
+		}
+		x.respHeaders = true
 		return x.responseHeaders(req, r.ResponseHeaders), nil
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		if x.phase != phaseRouted {

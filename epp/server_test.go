@@ -434,6 +434,14 @@ func TestProtocolErrors(t *testing.T) {
 		},
 		"empty":                  func(s *stream) { s.send(&extprocv3.ProcessingRequest{}) },
 		"response-body-unrouted": func(s *stream) { s.responseBody([]byte("x"), true) },
+		"response-headers-twice": func(s *stream) {
+			s.headers("POST", "/v1/completions", false, nil)
+			s.body([]byte(`{"model":"m","prompt":"twice"}`), true)
+			s.routed(true)
+			s.responseHeaders("200", "application/json", "", false)
+			s.recv()
+			s.responseHeaders("200", "application/json", "", false)
+		},
 	} {
 		s := tp.open(t)
 		send(s)
@@ -441,6 +449,7 @@ func TestProtocolErrors(t *testing.T) {
 			t.Errorf("%s: no error", name)
 		}
 	}
+	waitFor(t, "in-flight back to 0", func() bool { return tp.inFlight(t) == 0 })
 	s := tp.open(t)
 	s.headers("POST", "/v1/completions", false, nil)
 	s.body([]byte(`{"model":"m","prompt":"hello"}`), true)
