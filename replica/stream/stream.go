@@ -24,6 +24,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -249,6 +250,14 @@ func (x *Exchange) read(ctx context.Context) {
 		case errors.Is(err, redis.Nil): // BLOCK timed out: nothing new
 			x.up.Store(true)
 			replaying, backoff = false, 0
+			if x.behind(ctx, last) {
+				// The stream was deleted and made anew (by a DEL, a FLUSHDB,
+				// a server that lost it) below where this reader was: its
+				// entries are all new, read from its start as a replay.
+				x.cfg.Logger.Warn("replica exchange: the stream's newest entry is older than the last one read; the stream was recreated, reading it from its start",
+					"stream", x.cfg.Stream, "last", last)
+				last, replaying = "0-0", true
+			}
 			continue
 		case err != nil:
 			backoff = x.fail(ctx, "read", err, backoff)
@@ -274,6 +283,43 @@ func (x *Exchange) read(ctx context.Context) {
 			replaying = false // caught up
 		}
 	}
+}
+
+// behind reports whether the stream's newest entry (none: "0-0") is below
+// last, an id this reader read: the stream was recreated, and an XREAD
+// after last would wait for good for an entry above an id that the new
+// stream reaches only in its own time (never, after an entry of a far
+// future id such as 99999999999999-0). false when Redis fails to tell.
+func (x *Exchange) behind(ctx context.Context, last string) bool {
+	newest, err := x.anchor(ctx)
+	if err != nil {
+		return false
+	}
+	return idLess(newest, last)
+}
+
+// idLess compares two stream ids, ms-seq; false when either is not one.
+func idLess(a, b string) bool {
+	am, as, ok := parseID(a)
+	if !ok {
+		return false
+	}
+	bm, bs, ok := parseID(b)
+	if !ok {
+		return false
+	}
+	return am < bm || (am == bm && as < bs)
+}
+
+func parseID(id string) (ms, seq uint64, ok bool) {
+	m, sq, found := strings.Cut(id, "-")
+	if !found {
+		return 0, 0, false
+	}
+	var err1, err2 error
+	ms, err1 = strconv.ParseUint(m, 10, 64)
+	seq, err2 = strconv.ParseUint(sq, 10, 64)
+	return ms, seq, err1 == nil && err2 == nil
 }
 
 // anchor returns the id of the stream's newest entry ("0-0" when it is

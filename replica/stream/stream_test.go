@@ -280,3 +280,39 @@ func TestConnectedPingRefused(t *testing.T) {
 		t.Fatalf("Connected called %d more times", len(rtts))
 	}
 }
+
+// TestStreamRecreated: a reader that read an entry of a far-future id
+// (99999999999999-0, written by hand or a hostile client) and then saw the
+// stream deleted and written anew with the server's ids reads the new
+// stream; it waited for an id above the old one for good before, the
+// replicas routing alone while Redis was up.
+func TestStreamRecreated(t *testing.T) {
+	srv := redistest.Start(t, 0)
+	a, b := newNode("a"), newNode("b")
+	xa, err := Start(Config{URL: srv.URL(), Stream: "t", Block: 50 * time.Millisecond}, a.handler())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer xa.Close()
+	xb, err := Start(Config{URL: srv.URL(), Stream: "t", Block: 50 * time.Millisecond}, b.handler())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer xb.Close()
+	eventually(t, "both readers up", func() bool { return xa.Up() && xb.Up() })
+	c := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer c.Close()
+	ctx := context.Background()
+	if err := c.XAdd(ctx, &redis.XAddArgs{Stream: "t", ID: "99999999999999-0", Values: []any{field, "x"}}).Err(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the far-future entry read", func() bool { return b.Counts.Malformed.Load() == 1 })
+	if err := c.Del(ctx, "t").Err(); err != nil {
+		t.Fatal(err)
+	}
+	xa.Publish(replica.AppendLearn(nil, "a", 1, "m", "http://e", 100, 60, []uint64{1, 2, 3}))
+	eventually(t, "b learns a's decision on the new stream", func() bool { return b.Counts.Learns.Load() == 1 })
+	if !idLess("1-2", "2-0") || !idLess("5-1", "5-2") || idLess("5-2", "5-2") || idLess("0-0", "x") || idLess("9", "10-0") {
+		t.Error("idLess")
+	}
+}
