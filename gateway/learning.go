@@ -134,7 +134,8 @@ func (g *Gateway) settleLater(p *pool) {
 // (sched.Finisher): with routing.prefix.learn_on_finish the approximate
 // index releases the pin the pick took on its prompt and touches it, queued
 // for the settler, as the engine's LRU free queue takes a finished
-// request's blocks. Every pick that attempt or an EPP pick's Done follows
+// request's blocks (a pick that did not pin, its endpoint overfull, leaves
+// the index as it is). Every pick that attempt or an EPP pick's Done follows
 // calls it once, whatever the answer; a pick that took no slot is released
 // at once (releasePick). When a reload replaced p since the pick, the pin
 // is released in the pool in force if that pool kept p's policy (routing

@@ -523,10 +523,11 @@ func (ix *Index) insert(e int, hashes []uint64) { ix.insertOp(e, hashes, opTouch
 // nothing else), opRelease takes one away (a block left without pins, or
 // that had none, becomes the most recently used), opUnpin is opRelease when
 // the prompt's last block is pinned on e and nothing otherwise (Unpin).
-// Blocks go from last to first. A block e lacks is added, evicting once e holds its capacity the
-// least recently used unpinned block or, when every block is pinned, the
-// block pinned longest ago (a request queued so long, or a pin whose
-// Release was missed): e never holds more than its capacity.
+// Blocks go from last to first. A block e lacks is added, evicting once e
+// holds its capacity the least recently used unpinned block or, when every
+// block is pinned, the block pinned longest ago (a request queued so long,
+// or a pin whose Release was missed): e never holds more than its
+// capacity.
 func (ix *Index) insertOp(e int, hashes []uint64, op learnOp) {
 	g, ep := ix.endpoint(e)
 	if ep == nil || len(hashes) == 0 {

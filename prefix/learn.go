@@ -93,10 +93,17 @@ func (ix *Index) Learn(e int, hashes []uint64) { ix.queue(e, hashes, opTouch) }
 // also pinned, as an engine pins a running request's blocks (vLLM's
 // block_pool.py keeps blocks with a reference out of its free queue), so
 // that e's LRU does not evict them until Release takes the pin away. Every
-// LearnPinned must be followed by one Release of the same hashes on e,
-// whatever becomes of the request; a pin never released only makes its
-// block the last to be evicted, and when every block of e is pinned the
-// one pinned longest ago goes first (e never holds more than its capacity).
+// LearnPinned must be followed by one Release (or Unpin) of the same
+// hashes on e, whatever becomes of the request; a pin never released only
+// makes its block the last to be evicted, and when every block of e is
+// pinned the one pinned longest ago goes first (e never holds more than
+// its capacity). An Unpin finds the pin by the prompt's last block: when
+// that block was evicted so (every block pinned, the prompt's tail pinned
+// longest ago), the prompt's other pins stay until they are the longest
+// pinned in turn; and a prompt learnt unpinned whose hashes equal a pinned
+// one's (a request whose tokens differ only past the last full block)
+// takes that pin at its Unpin. Both need every block of e pinned or an
+// unpinned twin; a per-request record of the pin would remove them.
 func (ix *Index) LearnPinned(e int, hashes []uint64) { ix.queue(e, hashes, opPin) }
 
 // Release ends a LearnPinned of the same hashes on e: each block loses a

@@ -161,10 +161,14 @@ type TierSetter interface {
 
 // Finisher is implemented by policies whose approximate prefix index
 // evicts in the engine's order (PrefixConfig.LearnOnFinish): Pick pins the
-// prompt on the chosen endpoint and Finished releases the pin and touches
-// the prompt. Each Pick that chose endpoint i must be followed by exactly
-// one Finished(i, the request's Request.Hashes), whatever becomes of the
-// request: the gateway calls it when its attempt on i ends (answered,
+// prompt on the chosen endpoint when the endpoint can hold it running
+// (else learns it unpinned) and Finished releases the pin and touches the
+// prompt, or does nothing for a pick that did not pin (prefix.Index.Unpin;
+// a P/D profile's, which never pins, touches). Each Pick that chose
+// endpoint i must be followed by exactly one Finished(i, the request's
+// Request.Hashes), whatever becomes of the request (an EPP request the
+// proxy served elsewhere: one on the picked endpoint when it moves, one
+// on the one that served it at its end): the gateway calls it when its attempt on i ends (answered,
 // failed or cut short), at an EPP pick's Done, and at once for a pick
 // whose endpoint had no breaker slot left; the virtual fleet when the
 // engine emits the request's last token. Finished queues the update like

@@ -276,6 +276,14 @@ func (fl *planJudgeFlags) runLeague(out io.Writer, cands []judgeCandidate, refsD
 		if runs[c.label], err = loadPolicyRuns(c.dir, c.policy, cases); err != nil {
 			return err
 		}
+		// A candidate without a case is no rival: it would lose one cell
+		// there and take every other candidate's cells against it (a typo
+		// in a DIR or POLICY ranked first).
+		for _, k := range cases {
+			if _, ok := runs[c.label][k]; !ok {
+				return fmt.Errorf("--league: %s has no run of %s (%s)", c.label, k, filepath.Join(c.dir, fmt.Sprintf("%s-s%d-%s.json", k.Workload, k.Seed, c.policy)))
+			}
+		}
 	}
 	standings := plan.League(runs, fl.baseline, baseline, cases, fl.targets)
 	lostAny := false

@@ -154,4 +154,8 @@ func TestPlanJudgeLeague(t *testing.T) {
 	if _, err := runRoot(t, "", "plan", "judge", "--league", filepath.Join(base, "sglang")); err == nil || errors.Is(err, errJudgeLost) {
 		t.Errorf("--league with one candidate: err %v, want an input error", err)
 	}
+	// A candidate without runs (a typo) is refused, not ranked first.
+	if _, err := runRoot(t, "", append(append([]string{}, args...), "typo="+filepath.Join(base, "sglangg"))...); err == nil || errors.Is(err, errJudgeLost) || !strings.Contains(err.Error(), "typo has no run") {
+		t.Errorf("--league with a candidate without runs: err %v, want an input error naming it", err)
+	}
 }
