@@ -571,13 +571,14 @@ func (pk *Picked) Served(addr string) {
 		pk.ep.releaseSlot()
 		// The pick pinned the prompt on slot pk.i (learn_on_finish): the
 		// request will not run there, so the pin goes now, and Done calls
-		// Finished on slot j, which holds no pin of it (since 2026-12-06 an
-		// end without a pin changes nothing, prefix.Index.Unpin: slot j's
-		// approximate index does not learn a fallback's prompt; its peers'
-		// do, by the shared finish). Left, the pin stayed for good: every
-		// request the proxy sent to a fallback pinned its prompt on the
-		// endpoint it did not use.
+		// Finished on slot j with no pin of it (Request.Pinned cleared: an
+		// end without a pin changes nothing, so slot j's approximate index
+		// does not learn a fallback's prompt; its peers' do, by the shared
+		// finish). Left, the pin stayed for good: every request the proxy
+		// sent to a fallback pinned its prompt on the endpoint it did not
+		// use.
 		pk.g.learnFinished(p, pk.i, x)
+		x.sreq.Pinned = false
 		ep.ledger.TryAcquire(int(^uint(0) >> 1)) // the engine has it, whatever its limit
 		if x.sreq.PromptTokens > 0 {
 			ep.ledger.Send(&x.share, x.sreq.PromptTokens, 0, clock(time.Now()))

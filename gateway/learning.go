@@ -171,7 +171,7 @@ func releasePick(p *pool, i int, req *sched.Request) bool {
 	if f == nil {
 		return false
 	}
-	f.Finished(i, req.Hashes)
+	f.Finished(i, req.Hashes, req.Pinned)
 	return true
 }
 

@@ -200,13 +200,15 @@ type finishRecorder struct {
 	slots []int
 }
 
+var _ sched.Finisher = (*finishRecorder)(nil) // a signature change must not make it silently no Finisher
+
 func (f *finishRecorder) LearnsOnFinish() bool { return f.Policy.(sched.Finisher).LearnsOnFinish() }
 
-func (f *finishRecorder) Finished(i int, hashes []uint64) {
+func (f *finishRecorder) Finished(i int, hashes []uint64, pinned bool) {
 	f.mu.Lock()
 	f.slots = append(f.slots, i)
 	f.mu.Unlock()
-	f.Policy.(sched.Finisher).Finished(i, hashes)
+	f.Policy.(sched.Finisher).Finished(i, hashes, pinned)
 }
 
 // TestLearnOnFinishServedElsewhere: when the proxy reports that a fallback

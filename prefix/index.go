@@ -521,9 +521,8 @@ func (ix *Index) insert(e int, hashes []uint64) { ix.insertOp(e, hashes, opTouch
 // the most recently used (a pinned block stays pinned), opPin adds a pin
 // (a pinned block leaves the LRU order: it is evicted only when e holds
 // nothing else), opRelease takes one away (a block left without pins, or
-// that had none, becomes the most recently used), opUnpin is opRelease when
-// the prompt's last block is pinned on e and nothing otherwise (Unpin).
-// Blocks go from last to first. A block e lacks is added, evicting once e
+// that had none, becomes the most recently used). Blocks go from last to
+// first. A block e lacks is added, evicting once e
 // holds its capacity the least recently used unpinned block or, when every
 // block is pinned, the block pinned longest ago (a request queued so long,
 // or a pin whose Release was missed): e never holds more than its
@@ -540,16 +539,9 @@ func (ix *Index) insertOp(e int, hashes []uint64, op learnOp) {
 	bit := uint64(1) << (e % MaxEndpoints)
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
-	l := &ep.lru
-	if op == opUnpin {
-		last := hashes[len(hashes)-1]
-		if _, node := l.find(last, mix(last)); node < 0 || l.nodes[node].Val.pins == 0 {
-			return // not pinned: Unpin changes nothing
-		}
-		op = opRelease
-	}
 	b := batchPool.Get().(*opBatch)
 	defer batchPool.Put(b)
+	l := &ep.lru
 	for i := len(hashes) - 1; i >= 0; i-- {
 		if b.n > len(b.ops)-2 {
 			g.flush(b, bit)

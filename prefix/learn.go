@@ -73,7 +73,6 @@ const (
 	opTouch   learnOp = iota // Learn, Insert: most recently used
 	opPin                    // LearnPinned: held and not evictable until released
 	opRelease                // Release: one pin fewer; unpinned, most recently used
-	opUnpin                  // Unpin: Release if the prompt's last block is pinned, else nothing
 )
 
 func (a *learnArena) reset() {
@@ -93,17 +92,14 @@ func (ix *Index) Learn(e int, hashes []uint64) { ix.queue(e, hashes, opTouch) }
 // also pinned, as an engine pins a running request's blocks (vLLM's
 // block_pool.py keeps blocks with a reference out of its free queue), so
 // that e's LRU does not evict them until Release takes the pin away. Every
-// LearnPinned must be followed by one Release (or Unpin) of the same
-// hashes on e, whatever becomes of the request; a pin never released only
-// makes its block the last to be evicted, and when every block of e is
-// pinned the one pinned longest ago goes first (e never holds more than
-// its capacity). An Unpin finds the pin by the prompt's last block: when
-// that block was evicted so (every block pinned, the prompt's tail pinned
-// longest ago), the prompt's other pins stay until they are the longest
-// pinned in turn; and a prompt learnt unpinned whose hashes equal a pinned
-// one's (a request whose tokens differ only past the last full block)
-// takes that pin at its Unpin. Both need every block of e pinned or an
-// unpinned twin; a per-request record of the pin would remove them.
+// LearnPinned must be followed by one Release of the same hashes on e,
+// whatever becomes of the request; a pin never released only makes its
+// block the last to be evicted, and when every block of e is pinned the
+// one pinned longest ago goes first (e never holds more than its
+// capacity). On an index whose picks pin, only a request that pinned may
+// Release (sched's Request.Pinned records it): a Release for a prompt
+// learnt unpinned would take a pin another running request holds on a
+// shared block.
 func (ix *Index) LearnPinned(e int, hashes []uint64) { ix.queue(e, hashes, opPin) }
 
 // Release ends a LearnPinned of the same hashes on e: each block loses a
@@ -113,18 +109,6 @@ func (ix *Index) LearnPinned(e int, hashes []uint64) { ix.queue(e, hashes, opPin
 // (block_pool.py free_blocks). A block without a pin is touched; one that
 // e no longer holds is inserted. Queued like Learn.
 func (ix *Index) Release(e int, hashes []uint64) { ix.queue(e, hashes, opRelease) }
-
-// Unpin is Release for a prompt that may not have been pinned: when its
-// last block is pinned on e when the queue is applied, it is Release;
-// when that block is unpinned or gone (the pick learnt the prompt with
-// Learn, not LearnPinned, or its pin was released or evicted) nothing
-// changes: a request that was not pinned leaves no pin to take, and its
-// end does not make its prompt the freshest (sched's learn_on_finish pins
-// only a request its engine can hold, and a vLLM engine whose running
-// requests fill its KV cache evicts a finished request's blocks from its
-// free queue at once, for the waiting ones). Queued like Learn; Match does
-// not count a queued Unpin as held (a pinned prompt already is).
-func (ix *Index) Unpin(e int, hashes []uint64) { ix.queue(e, hashes, opUnpin) }
 
 func (ix *Index) queue(e int, hashes []uint64, op learnOp) {
 	if e < 0 || e >= ix.Endpoints() || len(hashes) == 0 {
@@ -200,7 +184,7 @@ func (q *learnQueue) overlay(hashes []uint64, n int, held *[2 * maxQueuedLearns]
 	nh := 0
 	for _, a := range [2]*learnArena{&q.applying, &q.active} {
 		for _, l := range a.learns {
-			if int(l.e) >= n || l.op == opUnpin {
+			if int(l.e) >= n {
 				continue
 			}
 			if k := commonPrefix(hashes, a.hashes[l.off:l.off+l.n]); k > 0 && nh < len(held) {

@@ -320,16 +320,17 @@ func (p *Profile) FinishPeer(i int, hashes []uint64) {
 // i (the prefix scorer's Learn is then prefix.Index.LearnPinned) and makes
 // them its most recently used blocks, the prompt's head the freshest, as
 // the engine's free queue takes a finished request's blocks; a pick that
-// did not pin (its endpoint could not hold it running: prefixScorer.runs)
-// changes nothing at its end (prefix.Index.Unpin). A P/D profile's picks
+// did not pin (pinned false: its endpoint could not hold it running,
+// prefixScorer.runs) changes nothing at its end — an overfull engine gives
+// a finished request's blocks to the waiting ones at once, and its prompt
+// may share blocks another running request pinned. A P/D profile's picks
 // never pin: their ends touch the prompt (prefix.Index.Release). Applied
 // by Settle.
-func (p *Profile) Finished(i int, hashes []uint64) {
+func (p *Profile) Finished(i int, hashes []uint64, pinned bool) {
 	if !p.finishLearn || len(hashes) == 0 {
 		return
 	}
-	if p.PinsPeers() {
-		p.approx.Unpin(i, hashes)
+	if p.PinsPeers() && !pinned {
 		return
 	}
 	p.approx.Release(i, hashes)
@@ -381,6 +382,7 @@ func (p *Profile) SetCapacity(i, blocks int) {
 // are a function of the policy's seed and the decision's ordinal (the
 // number of Picks before it) only.
 func (p *Profile) Pick(req *Request, eps []Endpoint) Decision {
+	req.Pinned = false // set by the prefix scorer's Learn when it pins
 	c, _ := p.cycles.Get().(*Cycle)
 	if c == nil {
 		c = &Cycle{p: p}

@@ -756,9 +756,9 @@ func TestFinishedLearnsAgain(t *testing.T) {
 		} else {
 			p.approx.Insert(0, a) // routed first
 		}
-		p.approx.Insert(0, b) // routed second: the index is full
-		p.Finished(0, a)      // a ends after b was routed
-		p.Finished(1, nil)    // nothing to learn
+		p.approx.Insert(0, b)    // routed second: the index is full
+		p.Finished(0, a, on)     // a ends after b was routed
+		p.Finished(1, nil, true) // nothing to learn
 		p.Settle()
 		p.approx.Insert(0, c) // evicts the least recent 4 blocks
 		m := make([]int, 2)
@@ -787,9 +787,10 @@ func TestFinishedLearnsAgain(t *testing.T) {
 
 // TestPinsOnlyWhatRuns: with learn_on_finish a pick pins its prompt only
 // when the endpoint's KV cache holds it beside every prompt in flight
-// there (prefixScorer.runs); a pick past that bound learns unpinned, as
-// without learn_on_finish, and its end changes nothing (prefix.Index.Unpin):
-// the engine would not hold its prompt running, nor keep it once done.
+// there (prefixScorer.runs), and says so in Request.Pinned; a pick past
+// that bound learns unpinned, as without learn_on_finish, and its end
+// changes nothing: the engine would not hold its prompt running, nor keep
+// it once done.
 func TestPinsOnlyWhatRuns(t *testing.T) {
 	r := req(tokens(64, 1)) // 4 blocks of 16
 	other := func(k uint32) []uint64 { return prefix.Hashes(nil, tokens(64, 1000*k), 16, 0) }
@@ -805,8 +806,12 @@ func TestPinsOnlyWhatRuns(t *testing.T) {
 		p := newProfileT(t, Config{Policy: CacheAware}, Pool{Capacity: []int{8}}) // 8 blocks: 128 tokens
 		eps := ready(1)
 		eps[0].InFlightTokens = c.inFlight
+		r.Pinned = !c.pinned // the pick sets it either way
 		if d := p.Pick(r, eps); d.Endpoint != 0 {
 			t.Fatalf("picked %d", d.Endpoint)
+		}
+		if r.Pinned != c.pinned {
+			t.Fatalf("in flight %d: Request.Pinned %v, want %v", c.inFlight, r.Pinned, c.pinned)
 		}
 		p.Settle()
 		// Two other prompts fill the index: a pinned prompt outlives them.
@@ -819,7 +824,7 @@ func TestPinsOnlyWhatRuns(t *testing.T) {
 		}
 		// Its end: released and the freshest when it was pinned; nothing
 		// (not learnt again) when it was not.
-		p.Finished(0, r.Hashes)
+		p.Finished(0, r.Hashes, r.Pinned)
 		p.Settle()
 		p.approx.Match(r.Hashes, m)
 		if want := map[bool]int{true: 4, false: 0}[c.pinned]; m[0] != want {
@@ -830,6 +835,53 @@ func TestPinsOnlyWhatRuns(t *testing.T) {
 		if want := map[bool]int{true: 4, false: 0}[c.pinned]; m[0] != want {
 			t.Fatalf("in flight %d: after a third prompt matched %d, want %d (released as the freshest)", c.inFlight, m[0], want)
 		}
+	}
+}
+
+// TestUnpinnedEndKeepsOthersPins: a request learnt unpinned (its endpoint
+// overfull) whose prompt hashes equal a running pinned request's (tokens
+// that differ only past the last full block) ends without taking that
+// pin; and a pinned request whose prompt's tail was evicted while every
+// block was pinned releases the rest of its pins at its end. Both went
+// wrong when the end found the pin by the prompt's last block (a review
+// of 2026-12-06).
+func TestUnpinnedEndKeepsOthersPins(t *testing.T) {
+	a := req(tokens(64, 1))
+	p := newProfileT(t, Config{Policy: CacheAware}, Pool{Capacity: []int{8}}) // 128 tokens
+	eps := ready(1)
+	p.Pick(a, eps)                        // runs: pinned
+	twin := req(append(tokens(64, 1), 7)) // the same 4 full blocks, one token more
+	eps[0].InFlightTokens = 100           // overfull now: learnt unpinned
+	p.Pick(twin, eps)
+	if !a.Pinned || twin.Pinned {
+		t.Fatalf("Pinned %v %v, want true false", a.Pinned, twin.Pinned)
+	}
+	p.Finished(0, twin.Hashes, twin.Pinned) // the twin ends first
+	p.Settle()
+	other := func(k uint32) []uint64 { return prefix.Hashes(nil, tokens(64, 1000*k), 16, 0) }
+	p.approx.Insert(0, other(1))
+	p.approx.Insert(0, other(2)) // evicts an unpinned prompt, not a's
+	m := make([]int, 1)
+	if p.approx.Match(a.Hashes, m); m[0] != 4 {
+		t.Fatalf("a's prompt matched %d blocks while it runs, want 4 (its pin kept)", m[0])
+	}
+
+	// Every block pinned: a's tail goes first; its end releases the rest.
+	p2 := newProfileT(t, Config{Policy: CacheAware}, Pool{Capacity: []int{4}}) // 64 tokens
+	b, c := req(tokens(32, 1)), req(tokens(32, 500))
+	p2.Pick(b, ready(1))
+	p2.Pick(c, ready(1))
+	p2.Settle()
+	p2.approx.LearnPinned(0, other(3)[:1]) // one more pinned block: b's tail evicted
+	p2.Settle()
+	p2.Finished(0, b.Hashes, b.Pinned)
+	p2.Finished(0, c.Hashes, c.Pinned)
+	p2.Settle()
+	for k := uint32(4); k < 8; k++ {
+		p2.approx.Insert(0, other(k)) // four unpinned prompts: every released block goes
+	}
+	if p2.approx.Match(b.Hashes, m); m[0] != 0 {
+		t.Fatalf("b's prompt still holds %d blocks after four others: a pin leaked", m[0])
 	}
 }
 

@@ -344,10 +344,10 @@ func prefillRate(ep *Endpoint) float64 {
 
 // Finished implements Finisher for both profiles: endpoint i's cache is
 // the one both indexes model.
-func (pd *PD) Finished(i int, hashes []uint64) {
+func (pd *PD) Finished(i int, hashes []uint64, pinned bool) {
 	for _, p := range [2]Policy{pd.decode, pd.prefill} {
 		if f, ok := p.(Finisher); ok {
-			f.Finished(i, hashes)
+			f.Finished(i, hashes, pinned)
 		}
 	}
 }

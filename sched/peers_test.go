@@ -324,6 +324,7 @@ func TestPeersIgnoreLearnOnFinish(t *testing.T) {
 		type running struct {
 			ep     int
 			hashes []uint64
+			pinned bool
 		}
 		var (
 			eps      = ready(4)
@@ -352,7 +353,7 @@ func TestPeersIgnoreLearnOnFinish(t *testing.T) {
 			out = append(out, d.Endpoint)
 			eps[d.Endpoint].InFlight++
 			eps[d.Endpoint].InFlightTokens += r.PromptTokens
-			inFlight = append(inFlight, running{d.Endpoint, r.Hashes})
+			inFlight = append(inFlight, running{d.Endpoint, r.Hashes, r.Pinned})
 			for len(inFlight) > 6 { // a random one of the oldest ends
 				k := next(3)
 				e := inFlight[k]
@@ -360,7 +361,7 @@ func TestPeersIgnoreLearnOnFinish(t *testing.T) {
 				eps[e.ep].InFlight--
 				eps[e.ep].InFlightTokens -= len(e.hashes) * 16
 				if fin != nil && fin.LearnsOnFinish() {
-					fin.Finished(e.ep, e.hashes)
+					fin.Finished(e.ep, e.hashes, e.pinned)
 				}
 			}
 			if st, ok := p.(Settler); ok {

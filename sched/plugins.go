@@ -189,9 +189,11 @@ func (s *prefixScorer) Score(c *Cycle, cands []int, scores []float64) {
 // for Profile.Settle, and counted by the index's Match at once
 // (prefix/learn.go). With learn_on_finish the prompt is pinned until the
 // request ends (Profile.Finished) when the endpoint can hold it running
-// (runs), else learnt unpinned, as without learn_on_finish.
+// (runs), else learnt unpinned, as without learn_on_finish; Request.Pinned
+// records which, for the request's end.
 func (s *prefixScorer) Learn(c *Cycle, chosen int) {
-	if s.pin && s.runs(c, chosen) {
+	c.Req.Pinned = s.pin && s.runs(c, chosen)
+	if c.Req.Pinned {
 		s.ix.LearnPinned(chosen, c.Req.Hashes) // released by Profile.Finished
 		return
 	}

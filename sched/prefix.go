@@ -38,7 +38,7 @@ type PrefixConfig struct {
 	// only when its endpoint's KV cache holds every prompt in flight there
 	// and this one; past that a request waits in the engine, holding no
 	// blocks, so it is learnt unpinned and its end changes nothing
-	// (prefixScorer.runs, prefix.Index.Unpin; sched/README.md "Pins under
+	// (prefixScorer.runs, Request.Pinned; sched/README.md "Pins under
 	// overload"). nil: the default, DefaultLearnOnFinish.
 	LearnOnFinish *bool `yaml:"learn_on_finish"`
 }

@@ -79,6 +79,12 @@ type Request struct {
 	// its picks): only endpoints of that role or RoleBoth are candidates.
 	// RoleBoth, the zero value, puts no constraint.
 	Role Role
+	// Pinned is set by a pick whose learn_on_finish pinned the prompt on
+	// the chosen endpoint (the prefix scorer's Learn; false otherwise, the
+	// endpoint overfull or the policy not pinning): the request's end
+	// passes it to Finisher.Finished, which releases only a pin the pick
+	// took.
+	Pinned bool
 }
 
 // Decision is a policy's pick.
@@ -162,13 +168,14 @@ type TierSetter interface {
 // Finisher is implemented by policies whose approximate prefix index
 // evicts in the engine's order (PrefixConfig.LearnOnFinish): Pick pins the
 // prompt on the chosen endpoint when the endpoint can hold it running
-// (else learns it unpinned) and Finished releases the pin and touches the
-// prompt, or does nothing for a pick that did not pin (prefix.Index.Unpin;
-// a P/D profile's, which never pins, touches). Each Pick that chose
-// endpoint i must be followed by exactly one Finished(i, the request's
-// Request.Hashes), whatever becomes of the request (an EPP request the
-// proxy served elsewhere: one on the picked endpoint when it moves, one
-// on the one that served it at its end): the gateway calls it when its attempt on i ends (answered,
+// (else learns it unpinned) and says so in Request.Pinned, and Finished
+// with pinned true releases the pin and touches the prompt, with pinned
+// false does nothing (a P/D profile's, which never pins, touches). Each
+// Pick that chose endpoint i must be followed by exactly one Finished(i,
+// the request's Request.Hashes, its Request.Pinned), whatever becomes of
+// the request (an EPP request the proxy served elsewhere: one on the
+// picked endpoint when it moves, one on the one that served it, pinned
+// false, at its end): the gateway calls it when its attempt on i ends (answered,
 // failed or cut short), at an EPP pick's Done, and at once for a pick
 // whose endpoint had no breaker slot left; the virtual fleet when the
 // engine emits the request's last token. Finished queues the update like
@@ -179,7 +186,7 @@ type TierSetter interface {
 // anything, so that a caller keeps a request's hashes until it ends only
 // then.
 type Finisher interface {
-	Finished(i int, hashes []uint64)
+	Finished(i int, hashes []uint64, pinned bool)
 	LearnsOnFinish() bool
 }
 

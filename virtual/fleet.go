@@ -269,6 +269,7 @@ type Fleet struct {
 	// routed[k] is request k's routing hashes while it runs, kept when its
 	// policy learns on finish (sched.Finisher); spare the reusable slices.
 	routed [][]uint64
+	pinned []bool // per request: its pick pinned its prompt (sched.Request.Pinned)
 	spare  [][]uint64
 }
 
@@ -542,10 +543,10 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 	f.reqs, f.res = reqs, make([]Result, len(reqs))
 	f.shares = make([]load.Share, len(reqs))
 	f.owner, f.open = make([]int32, len(reqs)), make([]bool, len(reqs))
-	f.routed = make([][]uint64, len(reqs))
+	f.routed, f.pinned = make([][]uint64, len(reqs)), make([]bool, len(reqs))
 	f.base = f.nextID
 	f.nextID += len(reqs)
-	defer func() { f.reqs, f.res, f.shares, f.owner, f.open, f.routed = nil, nil, nil, nil, nil, nil }()
+	defer func() { f.reqs, f.res, f.shares, f.owner, f.open, f.routed, f.pinned = nil, nil, nil, nil, nil, nil, nil }()
 
 	next := 0
 	for next < len(reqs) || f.heap.len() > 0 || len(f.rx.held) > 0 || (f.as != nil && len(f.as.held) > 0) {
@@ -739,6 +740,7 @@ func (f *Fleet) arrive(k int, vr *Request, t time.Duration) {
 			keep, f.spare = h[n-1][:0], h[:n-1]
 		}
 		f.routed[k] = append(keep, f.sreq.Hashes...)
+		f.pinned[k] = f.sreq.Pinned
 	}
 	if r.Prefill < 0 {
 		r.Engine = d.Endpoint
@@ -1065,7 +1067,7 @@ func (f *Fleet) finished(k, i int, last bool, t time.Duration) {
 		return
 	}
 	fin := f.finisher(k)
-	fin.Finished(i, h)
+	fin.Finished(i, h, f.pinned[k])
 	if s, ok := fin.(sched.Settler); ok {
 		s.Settle()
 	}

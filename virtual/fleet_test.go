@@ -498,9 +498,11 @@ type finishRecorder struct {
 	calls map[string]int // engine and hashes of each call → count
 }
 
+var _ sched.Finisher = (*finishRecorder)(nil) // a signature change must not make it silently no Finisher
+
 func (r *finishRecorder) NeedsHashes() bool    { return true }
 func (r *finishRecorder) LearnsOnFinish() bool { return r.on }
-func (r *finishRecorder) Finished(i int, hashes []uint64) {
+func (r *finishRecorder) Finished(i int, hashes []uint64, _ bool) {
 	r.calls[finishKey(i, hashes)]++
 }
 
