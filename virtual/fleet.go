@@ -546,7 +546,9 @@ func (f *Fleet) Run(reqs []Request) ([]Result, error) {
 	f.routed, f.pinned = make([][]uint64, len(reqs)), make([]bool, len(reqs))
 	f.base = f.nextID
 	f.nextID += len(reqs)
-	defer func() { f.reqs, f.res, f.shares, f.owner, f.open, f.routed, f.pinned = nil, nil, nil, nil, nil, nil, nil }()
+	defer func() {
+		f.reqs, f.res, f.shares, f.owner, f.open, f.routed, f.pinned = nil, nil, nil, nil, nil, nil, nil
+	}()
 
 	next := 0
 	for next < len(reqs) || f.heap.len() > 0 || len(f.rx.held) > 0 || (f.as != nil && len(f.as.held) > 0) {
