@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sync/semaphore"
+
+	"github.com/infergate/infergate/jsonscan"
 )
 
 // The native API: HTTP/1.1 and JSON, for engines (the simulated engines
@@ -325,49 +327,32 @@ func (a *API) readBody(w http.ResponseWriter, r *http.Request) (body []byte, rel
 	return b, release, true
 }
 
-// overElems reports whether a JSON object body has a member whose value
-// has more than limit elements (the blocks, hashes or keys), counted in
-// the raw bytes before anything is decoded: a body of empty elements
-// ({"blocks":[{},{},…]}: 3 bytes each) was decoded into structs many times
-// their size before len(req.Blocks) was checked (one 120 MiB put grew the
-// process past 16 GB). Values nested deeper (token_ids, shape) are not
-// counted here (TokenIDs bounds its own). b need not be valid JSON: the
-// decoder judges that.
+// overElems reports whether a JSON object body has a member that is an
+// array of more than limit elements (the blocks, hashes or keys), counted
+// in the raw bytes before anything is decoded (jsonscan's walks: linear,
+// allocation-free): a body of empty elements ({"blocks":[{},{},…]}: 3
+// bytes each) was decoded into structs many times their size before
+// len(req.Blocks) was checked (one 120 MiB put grew the process past 16
+// GB). Arrays nested deeper (token_ids) are not counted here (TokenIDs
+// bounds its own). A body that is not valid JSON, or nests past
+// maxBodyDepth, is left to the decoder, which refuses it.
 func overElems(b []byte, limit int) bool {
-	depth, commas := 0, 0
-	inStr, esc := false, false
-	for _, c := range b {
-		if inStr {
-			switch {
-			case esc:
-				esc = false
-			case c == '\\':
-				esc = true
-			case c == '"':
-				inStr = false
-			}
-			continue
+	over := false
+	_ = jsonscan.Object(b, maxBodyDepth, func(m jsonscan.Member) bool {
+		if len(m.Value) == 0 || m.Value[0] != '[' {
+			return true
 		}
-		switch c {
-		case '"':
-			inStr = true
-		case '{', '[':
-			depth++
-			if depth == 2 {
-				commas = 0
-			}
-		case '}', ']':
-			depth--
-		case ',':
-			if depth == 2 {
-				if commas++; commas >= limit { // commas+1 elements
-					return true
-				}
-			}
-		}
-	}
-	return false
+		n := 0
+		_ = jsonscan.Array(m.Value, maxBodyDepth, func([]byte) bool { n++; return n <= limit })
+		over = n > limit
+		return !over
+	})
+	return over
 }
+
+// maxBodyDepth bounds the nesting overElems walks (a request nests 4
+// deep: the body, its list, an element, its token ids).
+const maxBodyDepth = 32
 
 // errBodyBudget is budgetReader's error when the body budget stayed full
 // for the wait.
