@@ -281,16 +281,10 @@ func (u *Client) send(ctx context.Context, pc *upConn, req *http.Request, by tim
 		pc.c.Close()
 		return nil, err
 	}
-	// The header deadline (the earlier of by and response_header_timeout)
-	// bounds the request's write too: an engine that stops reading (its
-	// socket buffers full of a large body) while its health checks pass
-	// held the request, and its client, for ever.
-	headerBy := by
-	if u.headerTimeout > 0 {
-		if t := time.Now().Add(u.headerTimeout); by.IsZero() || t.Before(by) {
-			headerBy = t
-		}
-	}
+	// The header deadline bounds the request's write too: an engine that
+	// stops reading (its socket buffers full of a large body) while its
+	// health checks pass held the request, and its client, for ever.
+	headerBy := u.headerDeadline(by)
 	pc.setWriteDeadline(ctx, headerBy)
 	w.repoison() // an abort that landed since arm
 	if err := writeRequest(pc.bw, req); err != nil {
@@ -345,6 +339,18 @@ func (u *Client) send(ctx context.Context, pc *upConn, req *http.Request, by tim
 	}
 	resp.Body = &upBody{u: u, pc: pc, ctx: ctx, body: resp.Body, stop: stop, close: resp.Close || req.Close}
 	return resp, nil
+}
+
+// headerDeadline is the deadline of a request's write and its answer's
+// headers: the earlier of by (zero: none) and response_header_timeout from
+// now (zero when neither is set).
+func (u *Client) headerDeadline(by time.Time) time.Time {
+	if u.headerTimeout > 0 {
+		if t := time.Now().Add(u.headerTimeout); by.IsZero() || t.Before(by) {
+			return t
+		}
+	}
+	return by
 }
 
 // ValidStatus reports whether code is an HTTP status code (100 to 599, RFC
@@ -605,12 +611,7 @@ func (u *Client) watchedRoundTrip(req *http.Request, by time.Time, w *Wait) (*ht
 	// The header deadline bounds the request's write too (send): net/http's
 	// ResponseHeaderTimeout starts only once the body is written, so an
 	// engine that stopped reading held the request for ever.
-	headerBy := by
-	if u.headerTimeout > 0 {
-		if t := time.Now().Add(u.headerTimeout); by.IsZero() || t.Before(by) {
-			headerBy = t
-		}
-	}
+	headerBy := u.headerDeadline(by)
 	if headerBy.IsZero() {
 		wb.timer.Stop()
 	} else {
