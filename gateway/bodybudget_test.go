@@ -194,8 +194,12 @@ func TestBodyHeldBudget(t *testing.T) {
 			}
 		})
 	}
-	for range 3 {
-		<-e.arrived
+	for i := range 3 {
+		select {
+		case <-e.arrived:
+		case <-time.After(30 * time.Second): // a request refused never arrives
+			t.Fatalf("%d of 3 requests reached the engine", i)
+		}
 	}
 	if v := g.held.held.Load(); v != 3*size {
 		t.Fatalf("held %d bytes with three requests parked, want %d", v, 3*size)
