@@ -63,7 +63,12 @@ With --league, each candidate is judged with all the other candidates as its ref
 profiles instead of --references (never against itself: a peer judged against a set
 of references that holds it ties its own cells), and the candidates are ranked by
 cells lost: which policy is best on the table when none wins every cell. The baseline
-is read from --refs as without it. Exits 1 when any candidate loses a cell.`,
+is read from --refs as without it. A cell counts the same lost by 0.1% or by a factor
+of three, so the ranking is followed by each candidate's margins (plan.Margins): its
+mean rank over every case and metric (hit rate, TTFT p50/p90/p99, each bucket's p90)
+and the geometric mean of its ratio to the table's best there ("excess": 4% is 4%
+worse than the best on average), overall and per metric. Exits 1 when any candidate
+loses a cell.`,
 		Example: `  scripts/policy-table.sh base least-request,llm-d,sglang,dynamo,cache-aware
   scripts/policy-table.sh lof cache-aware lof.yaml
   infergate plan judge --incumbent base/cache-aware base/cache-aware lof=lof/cache-aware
@@ -302,10 +307,31 @@ func (fl *planJudgeFlags) runLeague(out io.Writer, cands []judgeCandidate, refsD
 	for i, s := range standings {
 		fmt.Fprintf(out, "%2d. %-28s %4d of %d cells lost\n", i+1, s.Label, s.Lost, len(s.Cells))
 	}
+	writeMargins(out, plan.Margins(runs, baseline, cases))
 	if lostAny {
 		return errJudgeLost
 	}
 	return nil
+}
+
+// writeMargins writes plan.Margins as a table, smallest excess first.
+func writeMargins(out io.Writer, ms []plan.Margin) {
+	if len(ms) == 0 {
+		return
+	}
+	fmt.Fprintf(out, "== margins (%d cells each: every case's hit rate, TTFT p50/p90/p99 and bucket p90s; excess: geometric mean of the ratio to the best, minus 1):\n", ms[0].Cells)
+	fmt.Fprintf(out, "    %-28s %9s %6s %7s %7s %7s %7s %7s %7s\n", "candidate", "mean rank", "best", "excess", "hit", "p50", "p90", "p99", "buckets")
+	pct := func(v float64, ok bool) string {
+		if !ok {
+			return "–"
+		}
+		return fmt.Sprintf("%.1f%%", 100*v)
+	}
+	for i, m := range ms {
+		col := func(k string) string { v, ok := m.ByMetric[k]; return pct(v, ok) }
+		fmt.Fprintf(out, "%2d. %-28s %9.2f %6d %7s %7s %7s %7s %7s %7s\n", i+1, m.Label, m.MeanRank, m.Best, pct(m.Excess, true),
+			col("hit"), col("ttft_p50"), col("ttft_p90"), col("ttft_p99"), col("p90 buckets"))
+	}
 }
 
 // errJudgeLost is plan judge's error when a candidate lost a cell.

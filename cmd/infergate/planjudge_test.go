@@ -137,6 +137,14 @@ func TestPlanJudgeLeague(t *testing.T) {
 		"== cache-aware: 2 of 7 cells lost (1 cases; against the other candidates)",
 		"mooncake s0        hit>=sglang       16.20%  want >=    16.50% (sglang)",
 		" 1. cache-aware                     2 of 7 cells lost\n 2. sglang                          3 of 7 cells lost\n 3. dynamo                          5 of 7 cells lost\n",
+		// Margins, by hand: cache-aware's ratios to the best 0.165/0.162
+		// (hit), 1, 1, 24/22 (p99), 1 (bucket): excess (1.0185·1.0909)^(1/5)
+		// − 1 = 2.1%, ranks 2, 1, 1, 2, 1; dynamo's 1.833, 1.55, 1.303, 1,
+		// 1.303: 37.0%; sglang's 1, 1.2, 2.121, 1.318, 2.121: 48.1%.
+		"== margins (5 cells each",
+		" 1. cache-aware                       1.40      3    2.1%    1.9%    0.0%    0.0%    9.1%    0.0%\n",
+		" 2. dynamo                            2.20      1   37.0%   83.3%   55.0%   30.3%    0.0%   30.3%\n",
+		" 3. sglang                            2.40      1   48.1%    0.0%   20.0%  112.1%   31.8%  112.1%\n",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("output lacks %q:\n%s", want, out)
