@@ -276,6 +276,14 @@ func (fl *planJudgeFlags) runLeague(out io.Writer, cands []judgeCandidate, refsD
 	if err != nil {
 		return err
 	}
+	// Without the baseline's run a case's bucket cells are lost by every
+	// candidate and its TTFT cells judged without it: a --refs that names
+	// the wrong directory (by default the first candidate's), not a result.
+	for _, k := range cases {
+		if _, ok := baseline[k]; !ok {
+			return fmt.Errorf("--league: the baseline %s has no run of %s (%s): give --refs the directory that holds it", fl.baseline, k, filepath.Join(refsDir, fmt.Sprintf("%s-s%d-%s.json", k.Workload, k.Seed, fl.baseline)))
+		}
+	}
 	runs := make(map[string]plan.Runs, len(cands))
 	for _, c := range cands {
 		if runs[c.label], err = loadPolicyRuns(c.dir, c.policy, cases); err != nil {

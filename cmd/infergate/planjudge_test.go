@@ -162,6 +162,13 @@ func TestPlanJudgeLeague(t *testing.T) {
 	if _, err := runRoot(t, "", "plan", "judge", "--league", filepath.Join(base, "sglang")); err == nil || errors.Is(err, errJudgeLost) {
 		t.Errorf("--league with one candidate: err %v, want an input error", err)
 	}
+	// A --refs without the baseline's runs (by default the first
+	// candidate's directory) is refused, not judged without it.
+	other := filepath.Join(filepath.Dir(base), "other")
+	writeTableRun(t, other, "mooncake", 0, "sglang", 0.165, 2400, 14000, 29000)
+	if _, err := runRoot(t, "", "plan", "judge", "--league", "--workloads", "mooncake", "--seeds", "0", filepath.Join(other, "sglang"), filepath.Join(base, "dynamo")); err == nil || errors.Is(err, errJudgeLost) || !strings.Contains(err.Error(), "the baseline least-request has no run of mooncake s0") {
+		t.Errorf("--league with --refs lacking the baseline: err %v, want an input error naming it", err)
+	}
 	// A candidate without runs (a typo) is refused, not ranked first.
 	if _, err := runRoot(t, "", append(append([]string{}, args...), "typo="+filepath.Join(base, "sglangg"))...); err == nil || errors.Is(err, errJudgeLost) || !strings.Contains(err.Error(), "typo has no run") {
 		t.Errorf("--league with a candidate without runs: err %v, want an input error naming it", err)
