@@ -9,6 +9,7 @@ import (
 // aliases (hot_spot, prefix.balance_*_threshold) set it field by field, and
 // two that disagree are refused.
 func TestBalance(t *testing.T) {
+	on, off, off2 := true, false, false
 	for _, tc := range []struct {
 		name string
 		cfg  Config
@@ -25,7 +26,11 @@ func TestBalance(t *testing.T) {
 		{"disagree", Config{Balance: Balance{Abs: 8}, HotSpot: HotSpotConfig{Abs: 9}}, Balance{}, 1, "routing.balance.abs 8 and routing.hot_spot.abs 9 disagree"},
 		{"negative", Config{Balance: Balance{Abs: -1}}, Balance{}, 0, "routing.balance.abs -1"},
 		{"rel", Config{Balance: Balance{Rel: 0.5}}, Balance{}, 0, "routing.balance.rel 0.5"},
-		{"keep-fastest", Config{Balance: Balance{KeepFastest: true}}, Balance{Abs: 32, Rel: 3, KeepFastest: true}, 0, ""},
+		{"keep-fastest-off", Config{Balance: Balance{KeepFastest: &off}}, Balance{Abs: 32, Rel: 3, KeepFastest: &off}, 0, ""},
+		{"keep-fastest-on", Config{Balance: Balance{KeepFastest: &on}}, Balance{Abs: 32, Rel: 3, KeepFastest: &on}, 0, ""},
+		{"keep-fastest-hot-spot", Config{HotSpot: HotSpotConfig{KeepFastest: &off}}, Balance{Abs: 32, Rel: 3, KeepFastest: &off}, 1, ""},
+		{"keep-fastest-same", Config{Balance: Balance{KeepFastest: &off}, HotSpot: HotSpotConfig{KeepFastest: &off2}}, Balance{Abs: 32, Rel: 3, KeepFastest: &off}, 1, ""},
+		{"keep-fastest-disagree", Config{Balance: Balance{KeepFastest: &on}, HotSpot: HotSpotConfig{KeepFastest: &off}}, Balance{}, 1, "routing.balance.keep_fastest true and routing.hot_spot.keep_fastest false disagree"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if n := len(tc.cfg.Deprecated()); n != tc.dep {
@@ -55,8 +60,13 @@ func TestBalance(t *testing.T) {
 						t.Errorf("prefix rule balance %+v", got)
 					}
 				case CacheAware:
-					if got := p.filters[2].(hotSpotFilter).cfg; got != tc.want {
+					f := p.filters[2].(hotSpotFilter)
+					if got := f.cfg; got != tc.want {
 						t.Errorf("hot-spot balance %+v", got)
+					}
+					// keep_fastest on unless set off: the filter then prices.
+					if keep := tc.want.KeepFastest == nil || *tc.want.KeepFastest; (f.cost != nil) != keep {
+						t.Errorf("hot-spot filter pricing %v, want %v (keep_fastest)", f.cost != nil, keep)
 					}
 				}
 			}
@@ -71,7 +81,7 @@ func TestBalance(t *testing.T) {
 // cells").
 func TestHotSpotKeepFastest(t *testing.T) {
 	cfg := func(keep bool) Config {
-		return Config{Policy: "h", Balance: Balance{Abs: 2, Rel: 1.5, KeepFastest: keep}, Profiles: map[string]ProfileConfig{"h": {
+		return Config{Policy: "h", Balance: Balance{Abs: 2, Rel: 1.5, KeepFastest: &keep}, Profiles: map[string]ProfileConfig{"h": {
 			Filters: []string{FilterHotSpot},
 			Scorers: []ScorerConfig{{Type: ScorerPrecisePrefix, Weight: 0}, {Type: ScorerCost, Weight: 1}},
 		}}}

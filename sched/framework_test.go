@@ -502,8 +502,8 @@ func BenchmarkDecision64x1M(b *testing.B) {
 			}
 			eps := eps
 			if tc.keep {
-				// Hot endpoints make the filter price every candidate.
-				cfg.Balance.KeepFastest = true
+				// Hot endpoints make the filter (keep_fastest, the
+				// default) price every candidate.
 				eps = slices.Clone(eps)
 				for e := 0; e < n; e += 8 {
 					eps[e].InFlight = 40

@@ -361,7 +361,7 @@ func newProfile(name string, pc ProfileConfig, cfg Config, pool Pool, seed uint6
 	}
 	for _, fname := range pc.Filters {
 		f, err := newFilter(fname, balance)
-		if fname == FilterHotSpot && balance.KeepFastest {
+		if fname == FilterHotSpot && balance.keepFastest() {
 			f, err = newHotSpotKeepFastest(cfg, pcfg, balance)
 		}
 		if fname == FilterTTFTBound {
