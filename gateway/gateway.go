@@ -49,6 +49,9 @@ type Gateway struct {
 	// by commit while slots change hands: the KV feeds' new appliers set,
 	// the slots they take not yet forgotten, the feeds held (commit.go).
 	slotsHook func()
+	// probeWaitHook, set by tests (nil otherwise), is called by every
+	// health loop with each wait it schedules (health.go probeWait).
+	probeWaitHook atomic.Pointer[func(ep *endpoint, now time.Time, wait time.Duration)]
 	// readinessHold, when set, is why the gateway reports not ready
 	// (HoldReadiness: discovery not synced yet).
 	readinessHold readinessHoldPtr
@@ -72,7 +75,11 @@ type Gateway struct {
 	// prober makes the health checks and the discovery reads (fleet.Prober,
 	// on transport).
 	prober fleet.Prober
-	up     *upstream.Client
+	// phaseSeed spreads the endpoints' periodic reads over their periods
+	// (fleet.PhaseOffset; fleet.HostSeed, set in New): health probes,
+	// metrics scrapes, model-list reads.
+	phaseSeed uint64
+	up        *upstream.Client
 	// rt sends upstream requests (up, or a fake in benchmarks).
 	rt http.RoundTripper
 
@@ -175,6 +182,7 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	g.transport = newTransport(cfg)
 	g.up = upstream.New(upstreamOptions(cfg), g.transport)
 	g.prober = fleet.Prober{Transport: g.transport, Timeout: cfg.HealthCheckTimeout}
+	g.phaseSeed = fleet.HostSeed()
 	g.rt = g.up
 	g.retryAfter = strconv.Itoa(max(1, int(math.Ceil(cfg.HealthCheckInterval.Seconds()))))
 	var idb [6]byte
