@@ -157,8 +157,10 @@ type Gateway struct {
 // and process collectors; /metrics serves reg when it is a
 // prometheus.Gatherer, else the default gatherer). For endpoints with
 // kv_blocks 0 it reads the engine's /metrics, and it probes every endpoint
-// once before returning, so New takes up to HealthCheckTimeout; ctx bounds
-// those start-up reads and probes (canceled, New returns its error).
+// once before returning, maxDiscoveryProbes at a time (build.go): an engine
+// that does not answer holds New for one HealthCheckTimeout, its first
+// unanswered read ending its reads; ctx bounds those start-up reads and
+// probes (canceled, New returns its error).
 // Endpoints that are down at start join when their health check first
 // succeeds. A failed New has released everything it started (Close is its
 // one cleanup path). Reload applies a new configuration to the running

@@ -95,14 +95,28 @@ func (g *Gateway) checkAwake(ctx context.Context, ep *endpoint, spec *endpointSp
 // probe takes it out of rotation, a successful one restores it unless an
 // ejection is still running. path healthCheckOff skips the probe.
 func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
-	var err error
 	spec := ep.spec.Load()
+	g.noteHealth(ctx, ep, spec, g.probeHealth(ctx, ep, spec))
+}
+
+// probeHealth is one health check of ep under spec (its health path and
+// credentials): the probe (none with path healthCheckOff), then the sleep
+// state (checkAwake).
+func (g *Gateway) probeHealth(ctx context.Context, ep *endpoint, spec *endpointSpec) error {
+	var err error
 	if spec.healthPath != healthCheckOff {
 		err = g.prober.Health(ctx, ep.name, ep.base+spec.healthPath, spec.header)
 	}
 	if err == nil {
 		err = g.checkAwake(ctx, ep, spec)
 	}
+	return err
+}
+
+// noteHealth updates ep's readiness with the outcome err of a health check
+// made under spec, unless the gateway is shutting down (ctx done) or a
+// reload replaced ep's spec meanwhile.
+func (g *Gateway) noteHealth(ctx context.Context, ep *endpoint, spec *endpointSpec, err error) {
 	ok := err == nil
 	if ctx.Err() != nil {
 		return // shutting down: leave the state as it was
