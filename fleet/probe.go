@@ -61,7 +61,7 @@ func (p Prober) get(ctx context.Context, url string, header http.Header, what st
 	}
 	resp, err := p.Transport.RoundTrip(req)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", what, err)
+		return nil, unanswered{fmt.Errorf("%s: %w", what, err)}
 	}
 	if IsAuthRefusal(resp.StatusCode) || !ok(resp.StatusCode) {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // keep the connection reusable
@@ -72,6 +72,24 @@ func (p Prober) get(ctx context.Context, url string, header http.Header, what st
 		return nil, fmt.Errorf("%s: status %d", what, resp.StatusCode)
 	}
 	return resp, nil
+}
+
+// unanswered is the error of a read that got no HTTP answer: the
+// connection refused or reset, or no response headers within the timeout
+// (a black-holed or stopped engine).
+type unanswered struct{ err error }
+
+func (e unanswered) Error() string { return e.err.Error() }
+func (e unanswered) Unwrap() error { return e.err }
+
+// Unanswered reports whether err is a Prober read's that got no HTTP answer
+// from the engine (refused, reset, or no response headers within Timeout):
+// the reads after it would fare no better, and whoever makes several in a
+// row stops there, so that an engine that does not answer costs one
+// Timeout, not one per read. An HTTP status, even 5xx, is an answer.
+func Unanswered(err error) bool {
+	var u unanswered
+	return errors.As(err, &u)
 }
 
 func is2xx(status int) bool { return status/100 == 2 }

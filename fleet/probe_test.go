@@ -158,3 +158,43 @@ func TestProber(t *testing.T) {
 		t.Errorf("max_model_len without the key: %v", err)
 	}
 }
+
+// TestUnanswered: a read that got no HTTP answer — the connection refused,
+// no headers within Timeout — is Unanswered; one answered with a status
+// (503, 401) or a page that does not parse is not.
+func TestUnanswered(t *testing.T) {
+	hole := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() }))
+	defer hole.Close()
+	status := func(code int) *httptest.Server {
+		return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(code) }))
+	}
+	down, locked, garbage := status(http.StatusServiceUnavailable), status(http.StatusUnauthorized), status(http.StatusOK)
+	defer down.Close()
+	defer locked.Close()
+	defer garbage.Close()
+	refused := httptest.NewServer(http.NotFoundHandler())
+	refusedURL := refused.URL
+	refused.Close() // nothing listens there now
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	p := Prober{Transport: tr, Timeout: 100 * time.Millisecond}
+	for _, c := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"refused", p.Health(context.Background(), "e", refusedURL+"/health", nil), true},
+		{"no answer within the timeout", p.Health(context.Background(), "e", hole.URL+"/health", nil), true},
+		{"503", p.Health(context.Background(), "e", down.URL+"/health", nil), false},
+		{"401", p.Health(context.Background(), "e", locked.URL+"/health", nil), false},
+		{"no cache config on the page", func() error { _, err := p.CacheConfig(context.Background(), garbage.URL, nil); return err }(), false},
+		{"no error", nil, false},
+	} {
+		if c.want && c.err == nil {
+			t.Fatalf("%s: no error", c.name)
+		}
+		if got := Unanswered(c.err); got != c.want {
+			t.Errorf("%s (%v): Unanswered %v, want %v", c.name, c.err, got, c.want)
+		}
+	}
+}

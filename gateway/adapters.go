@@ -224,7 +224,8 @@ func serves(models []string, adapter string) bool {
 }
 
 // modelsLoop reads ep's GET /v1/models every models_refresh_interval until
-// ctx is done; a list whose adapters or ids differ from the last one
+// ctx is done, at the endpoint's phase (the first read half an interval to
+// one and a half after the start); a list whose adapters or ids differ from the last one
 // (an adapter loaded, unloaded, or first seen) is stored and the state
 // rebuilt (adapterChanged). A failed read keeps what was known: an engine
 // that is down is out of rotation anyway.
@@ -232,7 +233,14 @@ func (g *Gateway) modelsLoop(ctx context.Context, ep *endpoint) {
 	if g.cfg.ModelsRefreshInterval < 0 {
 		return
 	}
-	t := time.NewTimer(g.cfg.ModelsRefreshInterval)
+	// At the endpoint's phase (fleet.PhaseOffset), as its health checks
+	// are: a fleet added at once is not read at once every interval. The
+	// first at least half an interval after the start (the list was read
+	// when the endpoint was added).
+	every := g.cfg.ModelsRefreshInterval
+	offset := fleet.PhaseOffset(g.phaseSeed, "models", ep.name, every)
+	now := time.Now()
+	t := time.NewTimer(fleet.NextPhase(now, now, offset, every))
 	defer t.Stop()
 	for {
 		select {
@@ -240,10 +248,11 @@ func (g *Gateway) modelsLoop(ctx context.Context, ep *endpoint) {
 			return
 		case <-t.C:
 		}
+		began := time.Now()
 		spec := ep.spec.Load()
 		l, err := g.prober.ModelList(ctx, ep.base, spec.header)
 		if err != nil {
-			t.Reset(g.cfg.ModelsRefreshInterval)
+			t.Reset(fleet.NextPhase(time.Now(), began, offset, every))
 			continue
 		}
 		// A change matters when adapters are listed, were, or are
@@ -254,7 +263,7 @@ func (g *Gateway) modelsLoop(ctx context.Context, ep *endpoint) {
 			slog.Info("gateway: endpoint's model list changed", "endpoint", ep.name, "models", len(l.IDs), "adapters", len(l.Adapters))
 			g.adapterChanged()
 		}
-		t.Reset(g.cfg.ModelsRefreshInterval)
+		t.Reset(fleet.NextPhase(time.Now(), began, offset, every))
 	}
 }
 

@@ -79,7 +79,8 @@ func (g *Gateway) build(ctx context.Context, cfg Config, prev *state) (*state, *
 // buildEndpoints makes st's endpoints, one per URL (the first entry's
 // settings, the largest max_model_len): those prev has are kept, their
 // spec remade in pl when their configuration or credentials changed; new
-// ones are probed and their capacity discovered, concurrently. It records
+// ones are probed and their capacity discovered, maxDiscoveryProbes at a
+// time. It records
 // in pl the endpoints added, changed and removed, and returns the spec of
 // an endpoint as the new state will have it.
 func (g *Gateway) buildEndpoints(ctx context.Context, cfg Config, prev *state, st *state, pl *plan) (func(*endpoint) *endpointSpec, error) {
@@ -127,11 +128,25 @@ func (g *Gateway) buildEndpoints(ctx context.Context, cfg Config, prev *state, s
 		}
 		st.endpoints = append(st.endpoints, ep)
 	}
+	// At most maxDiscoveryProbes endpoints at once, each read after read
+	// on one connection: a reload of thousands of engines opens at most
+	// maxDiscoveryProbes connections and starts as many goroutines, and
+	// an engine that does not answer holds one worker for one
+	// health_check_timeout (its first read; fleet.Unanswered stops the
+	// rest) while the others go on.
 	var mu sync.Mutex
 	var wg sync.WaitGroup
+	workers := make(chan struct{}, maxDiscoveryProbes)
 	for _, j := range jobs {
+		workers <- struct{}{} // freed within a health_check_timeout: the first read unanswered ends the job
 		wg.Go(func() {
-			spec, cc, checked := g.makeSpec(ctx, j.ep, want[j.ep.name], j.header, j.old)
+			defer func() { <-workers }()
+			spec := g.baseSpec(j.ep, want[j.ep.name], j.header)
+			var health error
+			if j.old == nil {
+				health = g.probeHealth(ctx, j.ep, spec) // a new endpoint's first health check
+			}
+			cc, checked := g.discover(ctx, j.ep, spec, want[j.ep.name], j.old, health)
 			mu.Lock()
 			if checked {
 				pl.creds[j.ep] = cc
@@ -142,7 +157,7 @@ func (g *Gateway) buildEndpoints(ctx context.Context, cfg Config, prev *state, s
 			mu.Unlock()
 			if j.old == nil {
 				j.ep.spec.Store(spec) // a new endpoint: nobody else sees it yet
-				g.checkHealth(ctx, j.ep)
+				g.noteHealth(ctx, j.ep, spec, health)
 			}
 		})
 	}
@@ -179,16 +194,21 @@ func newEndpoint(base string) (*endpoint, error) {
 	return ep, nil
 }
 
-// makeSpec is the spec of ep's configuration w with header (its
-// credentials and configured headers: endpointHeader): capacity and context
-// length discovered from the engine where w has 0, unless old (the spec in
-// force) has them discovered already. The engine's reads are sent with
-// header; cc is what they told of it, checked false when nothing did: a
-// new endpoint's discovery reads (401/403: refused), and, when the
-// credentials changed, GET /v1/models (which vLLM's --api-key guards) and
-// the discovery reads again, sent with the new ones.
-func (g *Gateway) makeSpec(ctx context.Context, ep *endpoint, w *EndpointConfig, header http.Header, old *endpointSpec) (s *endpointSpec, cc credentialsCheck, checked bool) {
-	s = &endpointSpec{cfg: *w, kvBlocks: w.KVBlocks, blockSize: w.BlockSize, maxModelLen: w.MaxModelLen,
+// maxDiscoveryProbes bounds the endpoints a build probes at once (New's,
+// a reload's new endpoints and those whose configuration or credentials
+// changed), each with one read in flight (health, then KV capacity, then
+// the model list): 64 connections. A build of 1,000 new endpoints runs
+// ⌈1000/64⌉ = 16 waves of three round trips, and an engine that does not
+// answer holds one worker for one health_check_timeout
+// (gateway/README.md, "Health").
+const maxDiscoveryProbes = 64
+
+// baseSpec is the spec of ep's configuration w with header (its
+// credentials and configured headers: endpointHeader) before discovery:
+// the configured capacity and context length (0: to discover), the health
+// path and the metrics page.
+func (g *Gateway) baseSpec(ep *endpoint, w *EndpointConfig, header http.Header) *endpointSpec {
+	s := &endpointSpec{cfg: *w, kvBlocks: w.KVBlocks, blockSize: w.BlockSize, maxModelLen: w.MaxModelLen,
 		kind: w.Kind, healthPath: g.cfg.HealthCheckPath, kvEvents: w.KVEvents, header: header}
 	if s.healthPath == "" {
 		s.healthPath = w.Kind.Info().HealthPath
@@ -198,9 +218,25 @@ func (g *Gateway) makeSpec(ctx context.Context, ep *endpoint, w *EndpointConfig,
 	} else if mp != "" {
 		s.metricsURL = ep.base + mp
 	}
+	return s
+}
+
+// discover completes s (baseSpec of ep's configuration w, not yet
+// published): capacity and context length discovered from the engine where
+// w has 0, unless old (the spec in force) has them discovered already. The
+// engine's reads are sent with s.header, one after the other, and stop at
+// the first the engine does not answer (fleet.Unanswered; prior is the
+// error of the read made just before, the health probe of a new endpoint):
+// the defaults stay; cc is what they told of the credentials, checked false when
+// nothing did: a new endpoint's discovery reads (401/403: refused), and,
+// when the credentials changed, GET /v1/models (which vLLM's --api-key
+// guards) and the discovery reads again, sent with the new ones.
+func (g *Gateway) discover(ctx context.Context, ep *endpoint, s *endpointSpec, w *EndpointConfig, old *endpointSpec, prior error) (cc credentialsCheck, checked bool) {
+	header := s.header
 	// With new credentials the reads are made again (those of the old
 	// ones may have been refused), a failed one keeping what was known.
 	newCreds := old != nil && !sameHeader(old.header, header)
+	err := prior // the last read's
 	if w.KVBlocks == 0 {
 		reuse := old != nil && old.cfg.KVBlocks == 0 && old.cfg.BlockSize == w.BlockSize
 		if reuse {
@@ -208,9 +244,9 @@ func (g *Gateway) makeSpec(ctx context.Context, ep *endpoint, w *EndpointConfig,
 		} else {
 			s.kvBlocks = DefaultKVBlocks
 		}
-		if !reuse || newCreds {
-			c, err := g.prober.CacheConfig(ctx, ep.base, header)
-			if err == nil {
+		if (!reuse || newCreds) && !fleet.Unanswered(err) {
+			var c fleet.CacheConfig
+			if c, err = g.prober.CacheConfig(ctx, ep.base, header); err == nil {
 				s.kvBlocks, s.blockSize = c.NumGPUBlocks, c.BlockSize
 			}
 			cc.note(err)
@@ -224,7 +260,7 @@ func (g *Gateway) makeSpec(ctx context.Context, ep *endpoint, w *EndpointConfig,
 	case w.MaxModelLen == 0:
 		s.maxModelLen = DefaultMaxModelLen
 	}
-	if (w.MaxModelLen == 0 && !reuse) || newCreds {
+	if ((w.MaxModelLen == 0 && !reuse) || newCreds) && !fleet.Unanswered(err) {
 		// GET /v1/models, which vLLM's --api-key guards: the check of new
 		// credentials even when max_model_len is configured. A new
 		// endpoint's list also tells its LoRA adapters (adapters.go;
@@ -250,7 +286,7 @@ func (g *Gateway) makeSpec(ctx context.Context, ep *endpoint, w *EndpointConfig,
 	if cc.refused != 0 {
 		cc.accepted = false
 	}
-	return s, cc, checked
+	return cc, checked
 }
 
 // buildScrapes gives every endpoint of st its metrics scrape: prev's,

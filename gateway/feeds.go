@@ -59,8 +59,11 @@ func (g *Gateway) newScrapeFeed(ep *endpoint, spec *endpointSpec) (*scrapeFeed, 
 		return nil, nil
 	}
 	from := scrapeOf(ep, spec)
+	// At the endpoint's phase after the first scrape: a fleet added at
+	// once is not scraped at once every scrape_interval.
 	s, err := fleet.NewScraper([]fleet.Target{from},
-		fleet.ScrapeConfig{Interval: g.cfg.ScrapeInterval, Timeout: min(g.cfg.ScrapeInterval, g.cfg.HealthCheckTimeout)})
+		fleet.ScrapeConfig{Interval: g.cfg.ScrapeInterval, Timeout: min(g.cfg.ScrapeInterval, g.cfg.HealthCheckTimeout),
+			Phase: fleet.PhaseOffset(g.phaseSeed, "scrape", ep.name, g.cfg.ScrapeInterval)})
 	if err != nil {
 		return nil, fmt.Errorf("gateway: %w", err)
 	}

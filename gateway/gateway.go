@@ -49,6 +49,9 @@ type Gateway struct {
 	// by commit while slots change hands: the KV feeds' new appliers set,
 	// the slots they take not yet forgotten, the feeds held (commit.go).
 	slotsHook func()
+	// probeWaitHook, set by tests (nil otherwise), is called by every
+	// health loop with each wait it schedules (health.go probeWait).
+	probeWaitHook atomic.Pointer[func(ep *endpoint, now time.Time, wait time.Duration)]
 	// readinessHold, when set, is why the gateway reports not ready
 	// (HoldReadiness: discovery not synced yet).
 	readinessHold readinessHoldPtr
@@ -72,7 +75,11 @@ type Gateway struct {
 	// prober makes the health checks and the discovery reads (fleet.Prober,
 	// on transport).
 	prober fleet.Prober
-	up     *upstream.Client
+	// phaseSeed spreads the endpoints' periodic reads over their periods
+	// (fleet.PhaseOffset; fleet.HostSeed, set in New): health probes,
+	// metrics scrapes, model-list reads.
+	phaseSeed uint64
+	up        *upstream.Client
 	// rt sends upstream requests (up, or a fake in benchmarks).
 	rt http.RoundTripper
 
@@ -150,8 +157,10 @@ type Gateway struct {
 // and process collectors; /metrics serves reg when it is a
 // prometheus.Gatherer, else the default gatherer). For endpoints with
 // kv_blocks 0 it reads the engine's /metrics, and it probes every endpoint
-// once before returning, so New takes up to HealthCheckTimeout; ctx bounds
-// those start-up reads and probes (canceled, New returns its error).
+// once before returning, maxDiscoveryProbes at a time (build.go): an engine
+// that does not answer holds New for one HealthCheckTimeout, its first
+// unanswered read ending its reads; ctx bounds those start-up reads and
+// probes (canceled, New returns its error).
 // Endpoints that are down at start join when their health check first
 // succeeds. A failed New has released everything it started (Close is its
 // one cleanup path). Reload applies a new configuration to the running
@@ -175,6 +184,7 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	g.transport = newTransport(cfg)
 	g.up = upstream.New(upstreamOptions(cfg), g.transport)
 	g.prober = fleet.Prober{Transport: g.transport, Timeout: cfg.HealthCheckTimeout}
+	g.phaseSeed = fleet.HostSeed()
 	g.rt = g.up
 	g.retryAfter = strconv.Itoa(max(1, int(math.Ceil(cfg.HealthCheckInterval.Seconds()))))
 	var idb [6]byte

@@ -5,15 +5,20 @@ import (
 	"errors"
 	"log/slog"
 	"time"
+
+	"github.com/infergate/infergate/fleet"
 )
 
-// healthLoop checks ep every interval until ctx is done; every
+// healthLoop checks ep every health_check_interval until ctx is done, at
+// the endpoint's phase (probePhase: the loops of a pool built or reloaded
+// at one moment do not all probe in the same instant); every
 // scale_from_zero.probe_interval instead while ep is not ready and a pool
-// it serves holds requests, and at once when one begins to
-// (coldstart.go), so a held request is dispatched within that interval of
-// the endpoint's readiness.
+// it serves holds requests, and at once when one begins to (coldstart.go),
+// so a held request is dispatched within that interval of the endpoint's
+// readiness.
 func (g *Gateway) healthLoop(ctx context.Context, ep *endpoint) {
-	t := time.NewTimer(g.cfg.HealthCheckInterval)
+	offset := g.probePhase(ep)
+	t := time.NewTimer(g.probeWait(ep, time.Now(), time.Time{}, offset))
 	defer t.Stop()
 	for {
 		select {
@@ -27,15 +32,36 @@ func (g *Gateway) healthLoop(ctx context.Context, ep *endpoint) {
 		}
 		began := time.Now()
 		g.checkHealth(ctx, ep)
-		next := g.cfg.HealthCheckInterval
-		if d, held := ep.holding(); held && !ep.ready.Load() {
-			// A fixed cadence from each probe's start: a probe slowed by a
-			// loaded host or a slow engine does not stretch the period, so
-			// readiness is seen within d (plus one probe's round trip).
-			next = max(min(next, d)-time.Since(began), 0)
-		}
-		t.Reset(next)
+		t.Reset(g.probeWait(ep, time.Now(), began, offset))
 	}
+}
+
+// probePhase is ep's health-check phase: its offset within
+// health_check_interval (fleet.PhaseOffset of its name, seeded per
+// gateway replica), in [0, interval).
+func (g *Gateway) probePhase(ep *endpoint) time.Duration {
+	return fleet.PhaseOffset(g.phaseSeed, "health", ep.name, g.cfg.HealthCheckInterval)
+}
+
+// probeWait is how long ep's health loop waits at now, after a probe that
+// began at began (zero: before the loop's first), for its next probe: to
+// the endpoint's next phase instant at least half an interval after began
+// (fleet.NextPhase), so consecutive probes start exactly one interval apart and an endpoint
+// that fails is seen within health_check_interval plus the failing probe's
+// health_check_timeout; while ep is not ready and a pool it serves holds
+// requests, scale_from_zero.probe_interval d from the last probe's start.
+func (g *Gateway) probeWait(ep *endpoint, now, began time.Time, offset time.Duration) time.Duration {
+	next := fleet.NextPhase(now, began, offset, g.cfg.HealthCheckInterval)
+	if d, held := ep.holding(); held && !ep.ready.Load() && !began.IsZero() {
+		// A fixed cadence from each probe's start: a probe slowed by a
+		// loaded host or a slow engine does not stretch the period, so
+		// readiness is seen within d (plus one probe's round trip).
+		next = max(min(g.cfg.HealthCheckInterval, d)-now.Sub(began), 0)
+	}
+	if h := g.probeWaitHook.Load(); h != nil {
+		(*h)(ep, now, next)
+	}
+	return next
 }
 
 // errAsleep fails the health check of an engine in vLLM's sleep mode.
@@ -69,14 +95,28 @@ func (g *Gateway) checkAwake(ctx context.Context, ep *endpoint, spec *endpointSp
 // probe takes it out of rotation, a successful one restores it unless an
 // ejection is still running. path healthCheckOff skips the probe.
 func (g *Gateway) checkHealth(ctx context.Context, ep *endpoint) {
-	var err error
 	spec := ep.spec.Load()
+	g.noteHealth(ctx, ep, spec, g.probeHealth(ctx, ep, spec))
+}
+
+// probeHealth is one health check of ep under spec (its health path and
+// credentials): the probe (none with path healthCheckOff), then the sleep
+// state (checkAwake).
+func (g *Gateway) probeHealth(ctx context.Context, ep *endpoint, spec *endpointSpec) error {
+	var err error
 	if spec.healthPath != healthCheckOff {
 		err = g.prober.Health(ctx, ep.name, ep.base+spec.healthPath, spec.header)
 	}
 	if err == nil {
 		err = g.checkAwake(ctx, ep, spec)
 	}
+	return err
+}
+
+// noteHealth updates ep's readiness with the outcome err of a health check
+// made under spec, unless the gateway is shutting down (ctx done) or a
+// reload replaced ep's spec meanwhile.
+func (g *Gateway) noteHealth(ctx context.Context, ep *endpoint, spec *endpointSpec, err error) {
 	ok := err == nil
 	if ctx.Err() != nil {
 		return // shutting down: leave the state as it was
