@@ -296,7 +296,9 @@ func sameSet[T comparable](a, b []T, compare func(T, T) int) bool {
 }
 
 // adapterChanged asks the refresher for a rebuild (coalesced: one pending
-// at most).
+// at most). Also asked by an endpoint's first passed health check when its
+// engine did not answer the reads of its KV capacity or context length
+// when it was added (health.go): the rebuild reads them.
 func (g *Gateway) adapterChanged() {
 	select {
 	case g.adapterRefresh <- struct{}{}:
@@ -322,9 +324,10 @@ func (g *Gateway) runAdapterRefresh() {
 }
 
 // refreshAdapters rebuilds the state from the configuration in force, so
-// that the adapters the endpoints now list are routed (build reuses
-// everything else: no endpoint is probed again, pools keep their indexes,
-// policies and queues). It is a reload of the same configuration, not
+// that the adapters the endpoints now list are routed and the capacities
+// engines did not answer for are read (build reuses everything else: no
+// other endpoint is probed again, pools keep their indexes, policies and
+// queues). It is a reload of the same configuration, not
 // counted as one; API keys are read again like at any reload.
 func (g *Gateway) refreshAdapters() error {
 	g.reloadMu.Lock()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"maps"
 	"net/http"
 	"net/url"
@@ -125,6 +126,10 @@ func (g *Gateway) buildEndpoints(ctx context.Context, cfg Config, prev *state, s
 		case !reflect.DeepEqual(ep.spec.Load().cfg, *want[base]) || !sameHeader(ep.spec.Load().header, hdr):
 			jobs = append(jobs, job{ep: ep, header: hdr, old: ep.spec.Load()})
 			pl.changed = append(pl.changed, base)
+		case ep.spec.Load().kvUnread || ep.spec.Load().lenUnread:
+			// Its engine did not answer these reads when it was added:
+			// read again (discover), its configuration unchanged.
+			jobs = append(jobs, job{ep: ep, header: hdr, old: ep.spec.Load()})
 		}
 		st.endpoints = append(st.endpoints, ep)
 	}
@@ -238,27 +243,29 @@ func (g *Gateway) discover(ctx context.Context, ep *endpoint, s *endpointSpec, w
 	newCreds := old != nil && !sameHeader(old.header, header)
 	err := prior // the last read's
 	if w.KVBlocks == 0 {
-		reuse := old != nil && old.cfg.KVBlocks == 0 && old.cfg.BlockSize == w.BlockSize
+		// Values the engine did not answer for are read again (kvUnread).
+		reuse := old != nil && old.cfg.KVBlocks == 0 && old.cfg.BlockSize == w.BlockSize && !old.kvUnread
 		if reuse {
 			s.kvBlocks, s.blockSize = old.kvBlocks, old.blockSize
 		} else {
-			s.kvBlocks = DefaultKVBlocks
+			s.kvBlocks, s.kvUnread = DefaultKVBlocks, true
 		}
 		if (!reuse || newCreds) && !fleet.Unanswered(err) {
 			var c fleet.CacheConfig
 			if c, err = g.prober.CacheConfig(ctx, ep.base, header); err == nil {
 				s.kvBlocks, s.blockSize = c.NumGPUBlocks, c.BlockSize
 			}
+			s.kvUnread = s.kvUnread && fleet.Unanswered(err)
 			cc.note(err)
 			checked = true
 		}
 	}
-	reuse := w.MaxModelLen == 0 && old != nil && old.cfg.MaxModelLen == 0
+	reuse := w.MaxModelLen == 0 && old != nil && old.cfg.MaxModelLen == 0 && !old.lenUnread
 	switch {
 	case reuse:
 		s.maxModelLen = old.maxModelLen
 	case w.MaxModelLen == 0:
-		s.maxModelLen = DefaultMaxModelLen
+		s.maxModelLen, s.lenUnread = DefaultMaxModelLen, true
 	}
 	if ((w.MaxModelLen == 0 && !reuse) || newCreds) && !fleet.Unanswered(err) {
 		// GET /v1/models, which vLLM's --api-key guards: the check of new
@@ -279,12 +286,17 @@ func (g *Gateway) discover(ctx context.Context, ep *endpoint, s *endpointSpec, w
 		if err == nil && w.MaxModelLen == 0 {
 			s.maxModelLen = n
 		}
+		s.lenUnread = s.lenUnread && fleet.Unanswered(err)
 		cc.note(err)
 		cc.accepted = newCreds && err == nil
 		checked = true
 	}
 	if cc.refused != 0 {
 		cc.accepted = false
+	}
+	if old != nil && (old.kvUnread && !s.kvUnread || old.lenUnread && !s.lenUnread) {
+		slog.Info("gateway: endpoint answered the reads it did not answer when added", "endpoint", ep.name,
+			"kv_blocks", s.kvBlocks, "block_size", s.blockSize, "max_model_len", s.maxModelLen)
 	}
 	return cc, checked
 }

@@ -63,7 +63,11 @@ type endpoint struct {
 	// the attempts waiting for its response headers, aborted when
 	// probeFailures reaches health_check_abort_after (upstream/wait.go).
 	probeFailures atomic.Int64
-	waits         upstream.Waits
+	// rediscoveredAt is when a passed health check last asked for the
+	// reads its engine did not answer when added (UnixNano; health.go,
+	// at most once per rediscoverEvery).
+	rediscoveredAt atomic.Int64
+	waits          upstream.Waits
 	// authFailing is set by the engine's first refusal of the gateway's
 	// credentials and cleared by a request that succeeds (or a reload that
 	// changes them), so a wrong key is logged once per run of refusals.
@@ -103,6 +107,14 @@ type endpointSpec struct {
 	// maxModelLen is the engine's context length (tokens; configured,
 	// discovered from GET /v1/models, or DefaultMaxModelLen).
 	maxModelLen int
+	// kvUnread and lenUnread: kvBlocks and maxModelLen are the defaults
+	// because the engine did not answer their reads (fleet.Unanswered; a
+	// new endpoint whose engine was down or still loading its model), not
+	// because it has no such page. A rebuild reads them again
+	// (Gateway.discover), and the endpoint's first passed health check
+	// asks for one (rediscoverAsked; health.go).
+	kvUnread, lenUnread bool
+	rediscoverAsked     atomic.Bool
 
 	kind       fleet.Kind
 	healthPath string // GET path probed; healthCheckOff: none

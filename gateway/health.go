@@ -64,6 +64,11 @@ func (g *Gateway) probeWait(ep *endpoint, now, began time.Time, offset time.Dura
 	return next
 }
 
+// rediscoverEvery bounds how often an endpoint's passed health checks ask
+// for the reads its engine did not answer when it was added: each such
+// rebuild holds the reload lock up to one health_check_timeout.
+const rediscoverEvery = 30 * time.Second
+
 // errAsleep fails the health check of an engine in vLLM's sleep mode.
 var errAsleep = errors.New("the engine is asleep (vLLM sleep mode: vllm:engine_sleep_state awake 0, /is_sleeping true)")
 
@@ -129,6 +134,19 @@ func (g *Gateway) noteHealth(ctx context.Context, ep *endpoint, spec *endpointSp
 	}
 	if ok {
 		ep.probeFailures.Store(0)
+		if now := time.Now().UnixNano(); (spec.kvUnread || spec.lenUnread) && spec.healthPath != healthCheckOff &&
+			now-ep.rediscoveredAt.Load() >= int64(rediscoverEvery) && spec.rediscoverAsked.CompareAndSwap(false, true) {
+			// The engine answers now (its health check, not one that is
+			// off): read what it did not tell when it
+			// was added (its KV capacity, its context length), so that
+			// routing's index and the context check are its own, not
+			// the defaults (a rebuild of the configuration in force,
+			// coalesced; once per spec and at most once per
+			// rediscoverEvery for an engine that answers its health
+			// check and keeps not answering those reads).
+			ep.rediscoveredAt.Store(now)
+			g.adapterChanged()
+		}
 	} else if n := ep.probeFailures.Add(1); g.cfg.HealthCheckAbortAfter > 0 && n >= int64(g.cfg.HealthCheckAbortAfter) {
 		if a := ep.waits.AbortAll(); a > 0 {
 			slog.Warn("gateway: endpoint failed its health checks; requests waiting for its answer aborted and retried elsewhere",
