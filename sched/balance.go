@@ -137,7 +137,7 @@ func resolve[T comparable](s []setting[T], def T) (T, error) {
 func (cfg Config) Deprecated() []string {
 	var out []string
 	if cfg.HotSpot != (Balance{}) {
-		out = append(out, "routing.hot_spot is deprecated: write routing.balance {abs, rel}, the one balance test of the hot-spot filter and the prefix rule")
+		out = append(out, "routing.hot_spot is deprecated: write routing.balance {abs, rel, keep_fastest}, the one balance test of the hot-spot filter and the prefix rule")
 	}
 	if cfg.Prefix.BalanceAbsThreshold != 0 || cfg.Prefix.BalanceRelThreshold != 0 {
 		out = append(out, "routing.prefix.balance_abs_threshold and balance_rel_threshold are deprecated: write routing.balance {abs, rel}, the one balance test of the hot-spot filter and the prefix rule (which now applies to both)")
