@@ -17,7 +17,7 @@ import (
 // policy with the best hit rate and tails three times longer can rank
 // first: on the 8-engine table of 2026-12-06 (sched/README.md, "The table
 // at the close of issue 19") the `prefix` rule, Mooncake TTFT p90 14.7 s
-// against 6.2–6.4 s, loses 68 of 277 cells to `cache-aware`'s 76 once
+// against 6.2–6.4 s, loses 67 of 277 cells to `cache-aware`'s 76 once
 // `cache-aware-ttft` and `precise-prefix` are rivals too. Margins reads the
 // same runs by magnitude:
 //
@@ -32,8 +32,9 @@ import (
 // so 0.04 is "4% worse than the best of the table, on the geometric
 // average of every cell". A value of 0 (a hit rate of 0, a latency of 0)
 // is read as 1e-6 of its unit (a fraction of prompt tokens; ms) so that a
-// ratio stays finite. A (case, metric) that any candidate lacks is left
-// out for all, so every candidate is measured on the same cells.
+// ratio stays finite. A (case, metric) that any candidate lacks, or whose
+// value is NaN for any candidate, is left out for all, so every candidate
+// is measured on the same cells.
 
 // Margin is one candidate's distance from the best of a table.
 type Margin struct {
@@ -59,6 +60,9 @@ const marginFloor = 1e-6
 // Judge) and returns the candidates ordered by Excess, smallest first
 // (ties by label).
 func Margins(cands map[string]Runs, baseline Runs, cases []Case) []Margin {
+	if len(cands) == 0 {
+		return nil
+	}
 	labels := slices.Sorted(func(yield func(string) bool) {
 		for k := range cands {
 			if !yield(k) {
@@ -83,7 +87,7 @@ func Margins(cands map[string]Runs, baseline Runs, cases []Case) []Margin {
 				return
 			}
 			v, ok := of(s)
-			if !ok {
+			if !ok || math.IsNaN(v) {
 				return
 			}
 			vals[i] = max(v, marginFloor)

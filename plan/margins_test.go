@@ -74,3 +74,26 @@ func TestMarginsTwins(t *testing.T) {
 		}
 	}
 }
+
+// TestMarginsEdges: no candidates is no margins (not a panic), and a NaN
+// (a Summary built in code; JSON has none) leaves its cell out for every
+// candidate instead of making every excess NaN.
+func TestMarginsEdges(t *testing.T) {
+	c0 := Case{"mooncake", 0}
+	base := Runs{c0: judgeSummary(0.055, 0.169, 4400, 18600, 36500, 16000)}
+	if m := Margins(nil, base, []Case{c0}); m != nil {
+		t.Errorf("no candidates: %+v, want nil", m)
+	}
+	cands := map[string]Runs{
+		"a": {c0: judgeSummary(0.170, 0.169, 2000, 6300, 20100, 3000)},
+		"b": {c0: judgeSummary(0.170, 0.169, 2000, math.NaN(), 20100, 3000)},
+	}
+	for _, g := range Margins(cands, base, []Case{c0}) {
+		if g.Cells != 4 || g.Excess != 0 || g.MeanRank != 1 {
+			t.Errorf("%s: %+v, want 4 cells (p90 left out), excess 0, mean rank 1", g.Label, g)
+		}
+		if _, ok := g.ByMetric["ttft_p90"]; ok {
+			t.Errorf("%s: p90 measured with a NaN", g.Label)
+		}
+	}
+}
