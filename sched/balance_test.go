@@ -46,7 +46,7 @@ func TestBalance(t *testing.T) {
 				}
 				return
 			}
-			if err != nil || b != tc.want {
+			if err != nil || !sameBalance(b, tc.want) {
 				t.Fatalf("balance %+v, %v; want %+v", b, err, tc.want)
 			}
 			// Both users of the test get the same one.
@@ -56,12 +56,12 @@ func TestBalance(t *testing.T) {
 				p := newProfileT(t, c, Pool{Capacity: caps(2, 10)})
 				switch name {
 				case Prefix:
-					if got := p.picker.(prefixRulePicker).balance; got != tc.want {
+					if got := p.picker.(prefixRulePicker).balance; !sameBalance(got, tc.want) {
 						t.Errorf("prefix rule balance %+v", got)
 					}
 				case CacheAware:
 					f := p.filters[2].(hotSpotFilter)
-					if got := f.cfg; got != tc.want {
+					if got := f.cfg; !sameBalance(got, tc.want) {
 						t.Errorf("hot-spot balance %+v", got)
 					}
 					// keep_fastest on unless set off: the filter then prices.
@@ -72,6 +72,12 @@ func TestBalance(t *testing.T) {
 			}
 		})
 	}
+}
+
+// sameBalance compares two balance tests by value (KeepFastest is a
+// pointer: set or not, and what it says).
+func sameBalance(a, b Balance) bool {
+	return a.Abs == b.Abs && a.Rel == b.Rel && (a.KeepFastest == nil) == (b.KeepFastest == nil) && a.keepFastest() == b.keepFastest()
 }
 
 // keep_fastest: the hot-spot filter keeps an overloaded candidate only while

@@ -473,18 +473,20 @@ func BenchmarkDecision64x1M(b *testing.B) {
 		tiered       bool
 		learn        learnMode
 		batch        bool // routing.cost.batch priced (batch70B)
-		keep         bool // routing.balance.keep_fastest, every 8th endpoint hot
+		keep         bool // every 8th endpoint hot (routing.balance.keep_fastest, the default, prices them)
+		off          bool // routing.balance.keep_fastest: false (the filter before 2026-12-06)
 	}{
-		{"cache-aware/decide", CacheAware, false, learnOff, false, false},
-		{"cache-aware/decide-batch", CacheAware, false, learnOff, true, false},
-		{"cache-aware/decide-keep-fastest", CacheAware, false, learnOff, false, true},
-		{"cache-aware/pick", CacheAware, false, learnQueued, false, false},
-		{"cache-aware/pick+settle", CacheAware, false, learnInline, false, false},
-		{"cache-aware-ttft/decide", CacheAwareTTFT, false, learnOff, false, false},
-		{"cache-aware-ttft/pick", CacheAwareTTFT, false, learnQueued, false, false},
-		{"precise-prefix/decide", PrecisePrefix, false, learnOff, false, false},
-		{"precise-prefix/pick", PrecisePrefix, false, learnQueued, false, false},
-		{"precise-prefix/tiered", PrecisePrefix, true, learnOff, false, false},
+		{"cache-aware/decide", CacheAware, false, learnOff, false, false, false},
+		{"cache-aware/decide-batch", CacheAware, false, learnOff, true, false, false},
+		{"cache-aware/decide-keep-fastest", CacheAware, false, learnOff, false, true, false},
+		{"cache-aware/decide-hot-no-keep", CacheAware, false, learnOff, false, true, true},
+		{"cache-aware/pick", CacheAware, false, learnQueued, false, false, false},
+		{"cache-aware/pick+settle", CacheAware, false, learnInline, false, false, false},
+		{"cache-aware-ttft/decide", CacheAwareTTFT, false, learnOff, false, false, false},
+		{"cache-aware-ttft/pick", CacheAwareTTFT, false, learnQueued, false, false, false},
+		{"precise-prefix/decide", PrecisePrefix, false, learnOff, false, false, false},
+		{"precise-prefix/pick", PrecisePrefix, false, learnQueued, false, false, false},
+		{"precise-prefix/tiered", PrecisePrefix, true, learnOff, false, false, false},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			pool := Pool{Capacity: caps(n, perEndpoint), Precise: px.On(prefix.MediumGPU)}
@@ -504,6 +506,10 @@ func BenchmarkDecision64x1M(b *testing.B) {
 			if tc.keep {
 				// Hot endpoints make the filter (keep_fastest, the
 				// default) price every candidate.
+				if tc.off {
+					off := false
+					cfg.Balance.KeepFastest = &off
+				}
 				eps = slices.Clone(eps)
 				for e := 0; e < n; e += 8 {
 					eps[e].InFlight = 40
