@@ -78,8 +78,9 @@ type Watcher struct {
 	// channel is closed.
 	shutdown func()
 	has      []cache.InformerSynced
-	// targets computes the targets from the informers' stores.
-	targets func() ([]Target, error)
+	// targets computes the targets from the informers' stores, and what
+	// it left out.
+	targets func() ([]Target, Skipped, error)
 	stats   Stats
 }
 
@@ -96,6 +97,10 @@ type Stats struct {
 	WatchErrors atomic.Uint64
 	// Engines is the number of engines of the last list reported.
 	Engines atomic.Int64
+	// Skipped is the number of pods or endpoints the last recomputation
+	// left out although offered as engines (Skipped: an address that
+	// cannot be an engine's, an active-ports annotation over 1 KiB).
+	Skipped atomic.Int64
 	// LastChange is when the last list was reported (Unix ns; 0 before
 	// the first).
 	LastChange atomic.Int64
@@ -188,11 +193,14 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 				o.LabelSelector = discoveryv1.LabelServiceName + "=" + src.Service
 			}))
 		inf := f.Discovery().V1().EndpointSlices().Informer()
+		if err := inf.SetTransform(slimSlice); err != nil {
+			return nil, fmt.Errorf("k8s: %w", err)
+		}
 		if err := w.setup(inf, handler, "EndpointSlices of Service "+src.Namespace+"/"+src.Service); err != nil {
 			return nil, err
 		}
 		w.start, w.shutdown = f.Start, f.Shutdown
-		w.targets = func() ([]Target, error) {
+		w.targets = func() ([]Target, Skipped, error) {
 			var eps []*discoveryv1.EndpointSlice
 			for _, o := range inf.GetStore().List() {
 				if s, ok := o.(*discoveryv1.EndpointSlice); ok {
@@ -223,7 +231,7 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 	}
 	w.start = func(stop <-chan struct{}) { pf.Start(stop); f.Start(stop) }
 	w.shutdown = func() { pf.Shutdown(); f.Shutdown() }
-	w.targets = func() ([]Target, error) {
+	w.targets = func() ([]Target, Skipped, error) {
 		var pool *unstructured.Unstructured
 		for _, o := range poolInf.GetStore().List() {
 			if u, ok := o.(*unstructured.Unstructured); ok && u.GetName() == src.InferencePool {
@@ -231,11 +239,11 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 			}
 		}
 		if pool == nil {
-			return nil, fmt.Errorf("InferencePool %s/%s: not found", src.Namespace, src.InferencePool)
+			return nil, Skipped{}, fmt.Errorf("InferencePool %s/%s: not found", src.Namespace, src.InferencePool)
 		}
 		p, err := ParsePool(pool)
 		if err != nil {
-			return nil, err
+			return nil, Skipped{}, err
 		}
 		var pods []*corev1.Pod
 		for _, o := range podInf.GetStore().List() {
@@ -243,7 +251,8 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 				pods = append(pods, pod)
 			}
 		}
-		return PoolTargets(p, pods), nil
+		t, skipped := PoolTargets(p, pods)
+		return t, skipped, nil
 	}
 	return w, nil
 }
@@ -260,21 +269,6 @@ func (w *Watcher) setup(inf cache.SharedIndexInformer, h cache.ResourceEventHand
 		w.stats.WatchErrors.Add(1)
 		w.log.Warn("kubernetes discovery: list/watch failed; retrying", "watch", what, "err", err)
 	})
-}
-
-// slimPod keeps of a pod what discovery reads (name, labels, annotations,
-// deletion timestamp, pod IP, conditions), so that the informer's cache of
-// a namespace's pods holds a few hundred bytes a pod, not their specs.
-func slimPod(o any) (any, error) {
-	pod, ok := o.(*corev1.Pod)
-	if !ok {
-		return o, nil // a DeletedFinalStateUnknown tombstone
-	}
-	return &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: pod.Name, Namespace: pod.Namespace, UID: pod.UID, ResourceVersion: pod.ResourceVersion,
-			Labels: pod.Labels, Annotations: pod.Annotations, DeletionTimestamp: pod.DeletionTimestamp},
-		Status: corev1.PodStatus{PodIP: pod.Status.PodIP, Conditions: pod.Status.Conditions},
-	}, nil
 }
 
 // poke tells Run that something changed (never blocks).
@@ -303,9 +297,19 @@ func (w *Watcher) Run(ctx context.Context) error {
 	}
 	w.synced.Store(true)
 	var last []Target
+	var lastSkipped []string
 	first, lastErr := true, ""
 	for {
-		t, err := w.targets()
+		t, skipped, err := w.targets()
+		w.stats.Skipped.Store(int64(skipped.N))
+		// Skipped pods are logged when the first of them change, not at
+		// every event (their count is a gauge).
+		if !slices.Equal(skipped.Examples, lastSkipped) {
+			if skipped.N > 0 {
+				w.log.Warn("kubernetes discovery: offered as engines but left out", "count", skipped.N, "first", skipped.Examples)
+			}
+			lastSkipped = skipped.Examples
+		}
 		// An error is logged when it appears or changes, not at every
 		// event of a busy namespace.
 		switch {

@@ -3,6 +3,7 @@ package k8s
 import (
 	"context"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -205,6 +206,23 @@ func testWatchPool(t *testing.T, s *kubetest.Server) {
 	r.await(t, "pool created again", b0)
 	s.DeletePod(t, ns, "b")
 	r.await(t, "b deleted")
+
+	// A pod carrying 100 KiB of another tool's annotation is read as any
+	// (the cache keeps the active-ports annotation alone); a ready pod
+	// whose IP the pod API accepts but no engine can have (0.0.0.0 would
+	// reach the gateway's own host) is left out and counted.
+	s.CreatePod(t, ns, "d", map[string]string{"app": "other"}, 8000)
+	patch("d", `{"metadata":{"annotations":{"example.com/blob":"`+strings.Repeat("x", 100<<10)+`"}}}`)
+	s.SetPodReady(t, ns, "d", "10.0.0.4", true)
+	r.await(t, "d ready", Target{"10.0.0.4", 8000, "pod/d"})
+	s.CreatePod(t, ns, "e", map[string]string{"app": "other"}, 8000)
+	s.SetPodReady(t, ns, "e", "0.0.0.0", true)
+	s.DeletePod(t, ns, "d")
+	r.await(t, "d deleted, e unspecified")
+	if n := w.Stats().Skipped.Load(); n != 1 {
+		t.Fatalf("skipped %d, want e", n)
+	}
+	s.DeletePod(t, ns, "e")
 	// Every list reported was counted, and what came and went.
 	if st := w.Stats(); st.Changes.Load() < 5 || st.Added.Load() == 0 || st.Removed.Load() == 0 || st.Engines.Load() != 0 ||
 		st.LastChange.Load() == 0 || st.WatchErrors.Load() != 0 {

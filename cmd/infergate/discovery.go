@@ -211,6 +211,8 @@ func registerDiscovery(reg prometheus.Registerer, w *k8s.Watcher) error {
 		counter("changes_total", "Kubernetes discovery: discovered lists applied (the first after the informers synced included).", st.Changes.Load),
 		counter("watch_errors_total", "Kubernetes discovery: failed lists and watches of the informers, each retried by client-go with backoff (a restarted watch).", st.WatchErrors.Load),
 		gauge("engines", "Kubernetes discovery: engines in the last discovered list.", func() float64 { return float64(st.Engines.Load()) }),
+		gauge("skipped", "Kubernetes discovery: pods or EndpointSlice endpoints offered as engines but left out at the last recomputation (an address no engine can have, an active-ports annotation over 1 KiB; logged).",
+			func() float64 { return float64(st.Skipped.Load()) }),
 		gauge("synced", "Kubernetes discovery: 1 once the informers have synced (their first list), else 0.", func() float64 {
 			if w.Synced() {
 				return 1
