@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"slices"
 	"sync/atomic"
 	"time"
@@ -82,6 +83,8 @@ type Watcher struct {
 	// it left out.
 	targets func() ([]Target, Skipped, error)
 	stats   Stats
+	// lastUnreachableLog is when unanswered last logged (Unix ns).
+	lastUnreachableLog atomic.Int64
 }
 
 // Stats are a Watcher's counters, for metrics (cmd/infergate exports them
@@ -95,6 +98,12 @@ type Stats struct {
 	// WatchErrors counts the informers' failed lists and watches, each
 	// retried by client-go's reflector with backoff: a restarted watch.
 	WatchErrors atomic.Uint64
+	// Unreachable counts the watcher's requests to the API server that
+	// got no answer (connection refused or reset, TLS failure, timeout),
+	// its own cancellations aside. client-go's reflector retries a watch
+	// whose connection is refused without reporting it (WatchErrors stays
+	// flat while the API server is down): this counts those.
+	Unreachable atomic.Uint64
 	// Engines is the number of engines of the last list reported.
 	Engines atomic.Int64
 	// Skipped is the number of pods or endpoints the last recomputation
@@ -178,6 +187,7 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 	}
 	cfg = rest.CopyConfig(cfg)
 	cfg.UserAgent = "infergate-discovery"
+	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return &unanswered{next: rt, w: w} })
 	cs, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("k8s: %w", err)
@@ -270,6 +280,31 @@ func (w *Watcher) setup(inf cache.SharedIndexInformer, h cache.ResourceEventHand
 		w.log.Warn("kubernetes discovery: list/watch failed; retrying", "watch", what, "err", err)
 	})
 }
+
+// unanswered counts (Stats.Unreachable) and logs, at most every
+// unsyncedWarning, the requests of a Watcher that got no answer from the
+// API server.
+type unanswered struct {
+	next http.RoundTripper
+	w    *Watcher
+}
+
+func (u *unanswered) RoundTrip(req *http.Request) (*http.Response, error) {
+	resp, err := u.next.RoundTrip(req)
+	if err != nil && req.Context().Err() == nil {
+		u.w.stats.Unreachable.Add(1)
+		now := time.Now().UnixNano()
+		if last := u.w.lastUnreachableLog.Load(); now-last >= int64(unsyncedWarning) && u.w.lastUnreachableLog.CompareAndSwap(last, now) {
+			u.w.log.Warn("kubernetes discovery: the API server did not answer; client-go retries (the engines last listed stay)",
+				"source", u.w.src, "err", err)
+		}
+	}
+	return resp, err
+}
+
+// WrappedRoundTripper returns the wrapped transport (client-go's
+// utilnet.RoundTripperWrapper).
+func (u *unanswered) WrappedRoundTripper() http.RoundTripper { return u.next }
 
 // poke tells Run that something changed (never blocks).
 func (w *Watcher) poke() {
