@@ -254,7 +254,9 @@ var errNoPort = errors.New("no such port")
 // endpoint name (its pod, else hostname, else address), then address; an
 // address listed twice (an endpoint moving between slices) is listed once.
 // An endpoint whose address engineIP refuses (the API server refuses them
-// too; a watch may carry what another writer made) is counted in Skipped.
+// too; a watch may carry what another writer made), or whose slice's port
+// is out of 1..65535 (the API server accepts port 0), is counted in
+// Skipped.
 // A port no slice has is an error beside what was found.
 func SliceTargets(eps []*discoveryv1.EndpointSlice, port string) ([]Target, Skipped, error) {
 	var out []Target
@@ -273,6 +275,10 @@ func SliceTargets(eps []*discoveryv1.EndpointSlice, port string) ([]Target, Skip
 		for _, e := range s.Endpoints {
 			c := e.Conditions
 			if len(e.Addresses) == 0 || (c.Ready != nil && !*c.Ready) || (c.Terminating != nil && *c.Terminating) {
+				continue
+			}
+			if p < 1 || p > 65535 {
+				skipped.add("EndpointSlice %s: port %d", s.Name, p)
 				continue
 			}
 			ip, err := engineIP(e.Addresses[0])
@@ -304,7 +310,7 @@ func SliceTargets(eps []*discoveryv1.EndpointSlice, port string) ([]Target, Skip
 }
 
 // slicePort is the number of the port named or numbered want among ports
-// ("" = the first).
+// ("" = the first), which may be out of 1..65535 (the API accepts 0).
 func slicePort(ports []discoveryv1.EndpointPort, want string) (int, bool) {
 	for _, p := range ports {
 		if p.Port == nil {
@@ -316,7 +322,7 @@ func slicePort(ports []discoveryv1.EndpointPort, want string) (int, bool) {
 			name = *p.Name
 		}
 		if want == "" || want == name || want == strconv.Itoa(n) {
-			return n, n >= 1 && n <= 65535
+			return n, true
 		}
 	}
 	return 0, false

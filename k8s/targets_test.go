@@ -179,6 +179,15 @@ func TestSliceTargets(t *testing.T) {
 	if got, _, err := SliceTargets(nil, "grpc"); len(got) != 0 || err != nil {
 		t.Fatalf("no slices: %v %v", got, err)
 	}
+	// A slice whose port is 0 (the API server accepts it): its ready
+	// endpoints are skipped and counted, not dropped silently.
+	zero := []*discoveryv1.EndpointSlice{{ObjectMeta: metav1.ObjectMeta{Name: "z"}, AddressType: discoveryv1.AddressTypeIPv4,
+		Ports: []discoveryv1.EndpointPort{{Name: name("http"), Port: port(0)}}, Endpoints: []discoveryv1.Endpoint{ep("10.0.0.1", nil, nil, "a"), ep("10.0.0.2", &no, nil, "b")}}}
+	for _, p := range []string{"", "http"} {
+		if got, skipped, err := SliceTargets(zero, p); len(got) != 0 || err != nil || skipped.N != 1 || skipped.Examples[0] != "EndpointSlice z: port 0" {
+			t.Fatalf("port 0 (%q): %v %+v %v", p, got, skipped, err)
+		}
+	}
 }
 
 func TestStatsCount(t *testing.T) {
