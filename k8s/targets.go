@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"slices"
 	"strconv"
 	"strings"
@@ -56,10 +57,65 @@ const ActivePortsAnnotation = "inference.networking.k8s.io/active-ports"
 // watch may carry).
 const (
 	maxTargetPorts = 8
-	// maxActivePorts bounds the entries of the active-ports annotation
-	// read (the annotation can name at most every target port).
+	// maxActivePortsBytes bounds the active-ports annotation read (it
+	// can name at most the 8 target ports: 47 bytes); a longer one is
+	// read as no port, and the pod reported as skipped.
 	maxActivePortsBytes = 1024
+	// maxSkippedExamples is how many skipped pods or endpoints Skipped
+	// describes (it counts them all).
+	maxSkippedExamples = 3
 )
+
+// Skipped is what a list of targets left out that the source offered as
+// engines: a selected, ready pod (a ready, not terminating EndpointSlice
+// endpoint) whose address cannot be an engine's (engineIP), or a pod
+// whose active-ports annotation is over maxActivePortsBytes. N counts
+// them; Examples describes the first maxSkippedExamples, in the list's
+// order (pod name; slice then endpoint), for a log line.
+type Skipped struct {
+	N        int
+	Examples []string
+}
+
+// add counts one more skipped pod or endpoint, described as format says.
+func (s *Skipped) add(format string, args ...any) {
+	s.N++
+	if len(s.Examples) < maxSkippedExamples {
+		s.Examples = append(s.Examples, fmt.Sprintf(format, args...))
+	}
+}
+
+// engineIP returns ip in canonical form (RFC 5952 for IPv6: two spellings
+// of one address are one engine) if an engine may be reached at it, else
+// why not. Refused, as the EndpointSlice API refuses them
+// (k8s.io/kubernetes pkg/apis/discovery/validation, validateEndpointAddress)
+// but the pod API does not (kube-apiserver v1.37 accepts these in a pod's
+// status.podIP): not an IP, a zone, the unspecified address (0.0.0.0 and ::
+// reach the gateway's own host), multicast, the limited broadcast
+// 255.255.255.255, link-local unicast (169.254.0.0/16 holds cloud metadata
+// services, 169.254.169.254), an IPv4-mapped IPv6 address. Loopback is
+// accepted (an engine beside the gateway in tests and on one host; the
+// EndpointSlice API refuses it itself).
+func engineIP(ip string) (string, error) {
+	a, err := netip.ParseAddr(ip)
+	switch {
+	case err != nil:
+		return "", errors.New("not an IP address")
+	case a.Zone() != "":
+		return "", errors.New("an IPv6 zone")
+	case a.IsUnspecified():
+		return "", errors.New("unspecified")
+	case a.IsMulticast():
+		return "", errors.New("multicast")
+	case a == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
+		return "", errors.New("the limited broadcast address")
+	case a.IsLinkLocalUnicast():
+		return "", errors.New("link-local")
+	case a.Is4In6():
+		return "", errors.New("IPv4-mapped IPv6")
+	}
+	return a.String(), nil
+}
 
 // Pool is what discovery reads of an InferencePool: spec.selector.matchLabels
 // and spec.targetPorts[].number.
@@ -126,15 +182,16 @@ func PodReady(pod *corev1.Pod) bool {
 // activePorts returns the ports of targetPorts a pod serves: all of them
 // without the active-ports annotation, else those the annotation lists
 // (GIE extractActivePorts: entries that are not numbers, or not target
-// ports, are ignored; an annotation longer than 1 KiB is read as empty).
-func activePorts(pod *corev1.Pod, targetPorts []int) []int {
+// ports, are ignored). An annotation longer than maxActivePortsBytes is
+// read as empty, and oversize is true.
+func activePorts(pod *corev1.Pod, targetPorts []int) (ports []int, oversize bool) {
 	a, ok := pod.Annotations[ActivePortsAnnotation]
 	if !ok {
-		return targetPorts
+		return targetPorts, false
 	}
 	var out []int
 	if len(a) > maxActivePortsBytes {
-		return nil
+		return nil, true
 	}
 	for s := range strings.SplitSeq(a, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))
@@ -142,35 +199,48 @@ func activePorts(pod *corev1.Pod, targetPorts []int) []int {
 			out = append(out, n)
 		}
 	}
-	return out
+	return out, false
 }
 
 // PoolTargets returns the targets of pool among pods: one per ready pod
 // (PodReady) whose labels match the selector and active target port, in
 // the order of pod name then targetPorts; an address (IP and port) twice
-// (two pods with one IP, hostNetwork) is listed once.
-func PoolTargets(pool Pool, pods []*corev1.Pod) []Target {
+// (two pods with one IP, hostNetwork) is listed once. A selected, ready
+// pod whose IP engineIP refuses, or whose active-ports annotation is over
+// maxActivePortsBytes, is left out and counted in Skipped.
+func PoolTargets(pool Pool, pods []*corev1.Pod) ([]Target, Skipped) {
 	sel := labels.SelectorFromSet(pool.Selector)
 	pods = slices.Clone(pods)
 	slices.SortFunc(pods, func(a, b *corev1.Pod) int { return cmp.Compare(a.Name, b.Name) })
 	var out []Target
+	var skipped Skipped
 	seen := map[string]bool{}
 	for _, pod := range pods {
 		if !sel.Matches(labels.Set(pod.Labels)) || !PodReady(pod) {
 			continue
 		}
+		ip, err := engineIP(pod.Status.PodIP)
+		if err != nil {
+			skipped.add("pod/%s: pod IP %.64q: %v", pod.Name, pod.Status.PodIP, err)
+			continue
+		}
+		active, oversize := activePorts(pod, pool.TargetPorts)
+		if oversize {
+			skipped.add("pod/%s: annotation %s over %d bytes: read as no port", pod.Name, ActivePortsAnnotation, maxActivePortsBytes)
+			continue
+		}
 		for _, port := range pool.TargetPorts {
-			if !slices.Contains(activePorts(pod, pool.TargetPorts), port) {
+			if !slices.Contains(active, port) {
 				continue
 			}
-			t := Target{IP: pod.Status.PodIP, Port: port, Name: "pod/" + pod.Name}
+			t := Target{IP: ip, Port: port, Name: "pod/" + pod.Name}
 			if !seen[t.HostPort()] {
 				seen[t.HostPort()] = true
 				out = append(out, t)
 			}
 		}
 	}
-	return out
+	return out, skipped
 }
 
 // errNoPort is SliceTargets' error for a port the Service does not have.
@@ -183,9 +253,14 @@ var errNoPort = errors.New("no such port")
 // (the API's addresses are fungible); FQDN slices are skipped. Order:
 // endpoint name (its pod, else hostname, else address), then address; an
 // address listed twice (an endpoint moving between slices) is listed once.
+// An endpoint whose address engineIP refuses (the API server refuses them
+// too; a watch may carry what another writer made), or whose slice's port
+// is out of 1..65535 (the API server accepts port 0), is counted in
+// Skipped.
 // A port no slice has is an error beside what was found.
-func SliceTargets(eps []*discoveryv1.EndpointSlice, port string) ([]Target, error) {
+func SliceTargets(eps []*discoveryv1.EndpointSlice, port string) ([]Target, Skipped, error) {
 	var out []Target
+	var skipped Skipped
 	seen := map[string]bool{}
 	found := false
 	for _, s := range eps {
@@ -202,14 +277,23 @@ func SliceTargets(eps []*discoveryv1.EndpointSlice, port string) ([]Target, erro
 			if len(e.Addresses) == 0 || (c.Ready != nil && !*c.Ready) || (c.Terminating != nil && *c.Terminating) {
 				continue
 			}
-			t := Target{IP: e.Addresses[0], Port: p, Name: e.Addresses[0]}
+			if p < 1 || p > 65535 {
+				skipped.add("EndpointSlice %s: port %d", s.Name, p)
+				continue
+			}
+			ip, err := engineIP(e.Addresses[0])
+			if err != nil {
+				skipped.add("EndpointSlice %s: address %.64q: %v", s.Name, e.Addresses[0], err)
+				continue
+			}
+			t := Target{IP: ip, Port: p, Name: ip}
 			switch {
 			case e.TargetRef != nil && e.TargetRef.Kind == "Pod":
 				t.Name = "pod/" + e.TargetRef.Name
 			case e.Hostname != nil:
 				t.Name = *e.Hostname
 			}
-			if net.ParseIP(t.IP) == nil || seen[t.HostPort()] {
+			if seen[t.HostPort()] {
 				continue
 			}
 			seen[t.HostPort()] = true
@@ -220,13 +304,13 @@ func SliceTargets(eps []*discoveryv1.EndpointSlice, port string) ([]Target, erro
 		return cmp.Or(cmp.Compare(a.Name, b.Name), cmp.Compare(a.IP, b.IP), cmp.Compare(a.Port, b.Port))
 	})
 	if !found && len(eps) > 0 && port != "" {
-		return out, fmt.Errorf("port %q: %w in the Service's EndpointSlices", port, errNoPort)
+		return out, skipped, fmt.Errorf("port %q: %w in the Service's EndpointSlices", port, errNoPort)
 	}
-	return out, nil
+	return out, skipped, nil
 }
 
 // slicePort is the number of the port named or numbered want among ports
-// ("" = the first).
+// ("" = the first), which may be out of 1..65535 (the API accepts 0).
 func slicePort(ports []discoveryv1.EndpointPort, want string) (int, bool) {
 	for _, p := range ports {
 		if p.Port == nil {
@@ -238,7 +322,7 @@ func slicePort(ports []discoveryv1.EndpointPort, want string) (int, bool) {
 			name = *p.Name
 		}
 		if want == "" || want == name || want == strconv.Itoa(n) {
-			return n, n >= 1 && n <= 65535
+			return n, true
 		}
 	}
 	return 0, false

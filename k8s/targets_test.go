@@ -1,6 +1,7 @@
 package k8s
 
 import (
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -44,7 +45,10 @@ func TestPoolTargets(t *testing.T) {
 		pod("i", "10.0.0.9", true, func(p *corev1.Pod) { p.Annotations = map[string]string{ActivePortsAnnotation: ""} }),
 		pod("j", "10.0.0.1", true), // the same IP as a: listed once
 	}
-	got := PoolTargets(pool, pods)
+	got, skipped := PoolTargets(pool, pods)
+	if skipped.N != 0 {
+		t.Fatalf("skipped: %+v", skipped)
+	}
 	want := []Target{
 		{"10.0.0.1", 8000, "pod/a"}, {"10.0.0.1", 8001, "pod/a"},
 		{"10.0.0.3", 8000, "pod/c"}, {"10.0.0.3", 8001, "pod/c"},
@@ -55,15 +59,40 @@ func TestPoolTargets(t *testing.T) {
 	}
 	// A selector change selects other pods.
 	pool.Selector = map[string]string{"app": "x"}
-	if got := PoolTargets(pool, pods); !slices.Equal(got, []Target{{"10.0.0.6", 8000, "pod/f"}, {"10.0.0.6", 8001, "pod/f"}}) {
+	if got, _ := PoolTargets(pool, pods); !slices.Equal(got, []Target{{"10.0.0.6", 8000, "pod/f"}, {"10.0.0.6", 8001, "pod/f"}}) {
 		t.Fatalf("selector app=x: %v", got)
 	}
-	// An annotation too long to read is read as no port.
+	// An annotation too long to read is read as no port, and the pod
+	// counted as skipped.
 	long := pod("k", "10.0.0.10", true, func(p *corev1.Pod) {
 		p.Annotations = map[string]string{ActivePortsAnnotation: strings.Repeat("8000,", 300)}
 	})
-	if got := PoolTargets(Pool{Selector: map[string]string{"app": "vllm"}, TargetPorts: []int{8000}}, []*corev1.Pod{long}); len(got) != 0 {
-		t.Fatalf("long annotation: %v", got)
+	if got, skipped := PoolTargets(Pool{Selector: map[string]string{"app": "vllm"}, TargetPorts: []int{8000}}, []*corev1.Pod{long}); len(got) != 0 ||
+		skipped.N != 1 || !strings.Contains(skipped.Examples[0], "pod/k: annotation "+ActivePortsAnnotation+" over 1024 bytes") {
+		t.Fatalf("long annotation: %v %+v", got, skipped)
+	}
+}
+
+// TestPoolTargetsPodIPs: pod IPs that kube-apiserver v1.37 accepts in a
+// pod's status but that cannot be an engine's (the unspecified address
+// reaches the gateway's own host, link-local holds cloud metadata
+// services) are skipped and counted; an IPv6 address is canonical, so two
+// spellings of one are one engine; loopback is kept.
+func TestPoolTargetsPodIPs(t *testing.T) {
+	pool := Pool{Selector: map[string]string{"app": "vllm"}, TargetPorts: []int{8000}}
+	var pods []*corev1.Pod
+	for i, ip := range []string{"0.0.0.0", "::", "169.254.169.254", "fe80::1", "224.0.0.1", "ff02::1", "255.255.255.255",
+		"not-an-ip", "10.0.0.1 ", "fe80::1%eth0", "::ffff:10.0.0.1", "2001:db8::0001", "2001:db8::1", "127.0.0.1", "10.0.0.1"} {
+		pods = append(pods, pod(fmt.Sprintf("p%02d", i), ip, true))
+	}
+	got, skipped := PoolTargets(pool, pods)
+	want := []Target{{"2001:db8::1", 8000, "pod/p11"}, {"127.0.0.1", 8000, "pod/p13"}, {"10.0.0.1", 8000, "pod/p14"}}
+	if !slices.Equal(got, want) {
+		t.Fatalf("got  %v\nwant %v", got, want)
+	}
+	if skipped.N != 11 || !slices.Equal(skipped.Examples, []string{`pod/p00: pod IP "0.0.0.0": unspecified`, `pod/p01: pod IP "::": unspecified`,
+		`pod/p02: pod IP "169.254.169.254": link-local`}) {
+		t.Fatalf("skipped: %+v", skipped)
 	}
 }
 
@@ -130,22 +159,34 @@ func TestSliceTargets(t *testing.T) {
 		slice(discoveryv1.AddressTypeIPv4, ports, ep("10.0.0.2", &yes, nil, "b")), // moving between slices
 		slice(discoveryv1.AddressTypeFQDN, ports, ep("x.example", &yes, nil, "")),
 	}
-	got, err := SliceTargets(eps, "http")
+	got, skipped, err := SliceTargets(eps, "http")
 	want := []Target{{"10.0.0.1", 8000, "pod/a"}, {"10.0.0.2", 8000, "pod/b"}, {"fd00::1", 8000, "pod/f"}}
 	if err != nil || !slices.Equal(got, want) {
 		t.Fatalf("http: %v %v\nwant %v", got, err, want)
 	}
-	if got, _ := SliceTargets(eps, "9000"); len(got) != 3 || got[0].Port != 9000 {
+	if skipped.N != 1 || !slices.Equal(skipped.Examples, []string{`EndpointSlice : address "not-an-ip": not an IP address`}) {
+		t.Fatalf("skipped: %+v", skipped)
+	}
+	if got, _, _ := SliceTargets(eps, "9000"); len(got) != 3 || got[0].Port != 9000 {
 		t.Fatalf("9000: %v", got)
 	}
-	if got, _ := SliceTargets(eps, ""); len(got) != 3 || got[0].Port != 9000 {
+	if got, _, _ := SliceTargets(eps, ""); len(got) != 3 || got[0].Port != 9000 {
 		t.Fatalf("first port: %v", got)
 	}
-	if got, err := SliceTargets(eps, "grpc"); len(got) != 0 || err == nil {
+	if got, _, err := SliceTargets(eps, "grpc"); len(got) != 0 || err == nil {
 		t.Fatalf("no such port: %v %v", got, err)
 	}
-	if got, err := SliceTargets(nil, "grpc"); len(got) != 0 || err != nil {
+	if got, _, err := SliceTargets(nil, "grpc"); len(got) != 0 || err != nil {
 		t.Fatalf("no slices: %v %v", got, err)
+	}
+	// A slice whose port is 0 (the API server accepts it): its ready
+	// endpoints are skipped and counted, not dropped silently.
+	zero := []*discoveryv1.EndpointSlice{{ObjectMeta: metav1.ObjectMeta{Name: "z"}, AddressType: discoveryv1.AddressTypeIPv4,
+		Ports: []discoveryv1.EndpointPort{{Name: name("http"), Port: port(0)}}, Endpoints: []discoveryv1.Endpoint{ep("10.0.0.1", nil, nil, "a"), ep("10.0.0.2", &no, nil, "b")}}}
+	for _, p := range []string{"", "http"} {
+		if got, skipped, err := SliceTargets(zero, p); len(got) != 0 || err != nil || skipped.N != 1 || skipped.Examples[0] != "EndpointSlice z: port 0" {
+			t.Fatalf("port 0 (%q): %v %+v %v", p, got, skipped, err)
+		}
 	}
 }
 

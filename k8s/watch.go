@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"slices"
 	"sync/atomic"
 	"time"
@@ -78,9 +79,12 @@ type Watcher struct {
 	// channel is closed.
 	shutdown func()
 	has      []cache.InformerSynced
-	// targets computes the targets from the informers' stores.
-	targets func() ([]Target, error)
+	// targets computes the targets from the informers' stores, and what
+	// it left out.
+	targets func() ([]Target, Skipped, error)
 	stats   Stats
+	// lastUnreachableLog is when unanswered last logged (Unix ns).
+	lastUnreachableLog atomic.Int64
 }
 
 // Stats are a Watcher's counters, for metrics (cmd/infergate exports them
@@ -94,8 +98,18 @@ type Stats struct {
 	// WatchErrors counts the informers' failed lists and watches, each
 	// retried by client-go's reflector with backoff: a restarted watch.
 	WatchErrors atomic.Uint64
+	// Unreachable counts the watcher's requests to the API server that
+	// got no answer (connection refused or reset, TLS failure, timeout),
+	// its own cancellations aside. client-go's reflector retries a watch
+	// whose connection is refused without reporting it (WatchErrors stays
+	// flat while the API server is down): this counts those.
+	Unreachable atomic.Uint64
 	// Engines is the number of engines of the last list reported.
 	Engines atomic.Int64
+	// Skipped is the number of pods or endpoints the last recomputation
+	// left out although offered as engines (Skipped: an address that
+	// cannot be an engine's, an active-ports annotation over 1 KiB).
+	Skipped atomic.Int64
 	// LastChange is when the last list was reported (Unix ns; 0 before
 	// the first).
 	LastChange atomic.Int64
@@ -173,6 +187,7 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 	}
 	cfg = rest.CopyConfig(cfg)
 	cfg.UserAgent = "infergate-discovery"
+	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return &unanswered{next: rt, w: w} })
 	cs, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("k8s: %w", err)
@@ -188,11 +203,14 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 				o.LabelSelector = discoveryv1.LabelServiceName + "=" + src.Service
 			}))
 		inf := f.Discovery().V1().EndpointSlices().Informer()
+		if err := inf.SetTransform(slimSlice); err != nil {
+			return nil, fmt.Errorf("k8s: %w", err)
+		}
 		if err := w.setup(inf, handler, "EndpointSlices of Service "+src.Namespace+"/"+src.Service); err != nil {
 			return nil, err
 		}
 		w.start, w.shutdown = f.Start, f.Shutdown
-		w.targets = func() ([]Target, error) {
+		w.targets = func() ([]Target, Skipped, error) {
 			var eps []*discoveryv1.EndpointSlice
 			for _, o := range inf.GetStore().List() {
 				if s, ok := o.(*discoveryv1.EndpointSlice); ok {
@@ -223,7 +241,7 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 	}
 	w.start = func(stop <-chan struct{}) { pf.Start(stop); f.Start(stop) }
 	w.shutdown = func() { pf.Shutdown(); f.Shutdown() }
-	w.targets = func() ([]Target, error) {
+	w.targets = func() ([]Target, Skipped, error) {
 		var pool *unstructured.Unstructured
 		for _, o := range poolInf.GetStore().List() {
 			if u, ok := o.(*unstructured.Unstructured); ok && u.GetName() == src.InferencePool {
@@ -231,11 +249,11 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 			}
 		}
 		if pool == nil {
-			return nil, fmt.Errorf("InferencePool %s/%s: not found", src.Namespace, src.InferencePool)
+			return nil, Skipped{}, fmt.Errorf("InferencePool %s/%s: not found", src.Namespace, src.InferencePool)
 		}
 		p, err := ParsePool(pool)
 		if err != nil {
-			return nil, err
+			return nil, Skipped{}, err
 		}
 		var pods []*corev1.Pod
 		for _, o := range podInf.GetStore().List() {
@@ -243,7 +261,8 @@ func NewWatcher(cfg *rest.Config, src Source, opt Options) (*Watcher, error) {
 				pods = append(pods, pod)
 			}
 		}
-		return PoolTargets(p, pods), nil
+		t, skipped := PoolTargets(p, pods)
+		return t, skipped, nil
 	}
 	return w, nil
 }
@@ -262,20 +281,30 @@ func (w *Watcher) setup(inf cache.SharedIndexInformer, h cache.ResourceEventHand
 	})
 }
 
-// slimPod keeps of a pod what discovery reads (name, labels, annotations,
-// deletion timestamp, pod IP, conditions), so that the informer's cache of
-// a namespace's pods holds a few hundred bytes a pod, not their specs.
-func slimPod(o any) (any, error) {
-	pod, ok := o.(*corev1.Pod)
-	if !ok {
-		return o, nil // a DeletedFinalStateUnknown tombstone
-	}
-	return &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: pod.Name, Namespace: pod.Namespace, UID: pod.UID, ResourceVersion: pod.ResourceVersion,
-			Labels: pod.Labels, Annotations: pod.Annotations, DeletionTimestamp: pod.DeletionTimestamp},
-		Status: corev1.PodStatus{PodIP: pod.Status.PodIP, Conditions: pod.Status.Conditions},
-	}, nil
+// unanswered counts (Stats.Unreachable) and logs, at most every
+// unsyncedWarning, the requests of a Watcher that got no answer from the
+// API server.
+type unanswered struct {
+	next http.RoundTripper
+	w    *Watcher
 }
+
+func (u *unanswered) RoundTrip(req *http.Request) (*http.Response, error) {
+	resp, err := u.next.RoundTrip(req)
+	if err != nil && req.Context().Err() == nil {
+		u.w.stats.Unreachable.Add(1)
+		now := time.Now().UnixNano()
+		if last := u.w.lastUnreachableLog.Load(); now-last >= int64(unsyncedWarning) && u.w.lastUnreachableLog.CompareAndSwap(last, now) {
+			u.w.log.Warn("kubernetes discovery: the API server did not answer; client-go retries (the engines last listed stay)",
+				"source", u.w.src, "err", err)
+		}
+	}
+	return resp, err
+}
+
+// WrappedRoundTripper returns the wrapped transport (client-go's
+// utilnet.RoundTripperWrapper).
+func (u *unanswered) WrappedRoundTripper() http.RoundTripper { return u.next }
 
 // poke tells Run that something changed (never blocks).
 func (w *Watcher) poke() {
@@ -303,9 +332,19 @@ func (w *Watcher) Run(ctx context.Context) error {
 	}
 	w.synced.Store(true)
 	var last []Target
+	var lastSkipped []string
 	first, lastErr := true, ""
 	for {
-		t, err := w.targets()
+		t, skipped, err := w.targets()
+		w.stats.Skipped.Store(int64(skipped.N))
+		// Skipped pods are logged when the first of them change, not at
+		// every event (their count is a gauge).
+		if !slices.Equal(skipped.Examples, lastSkipped) {
+			if skipped.N > 0 {
+				w.log.Warn("kubernetes discovery: offered as engines but left out", "count", skipped.N, "first", skipped.Examples)
+			}
+			lastSkipped = skipped.Examples
+		}
 		// An error is logged when it appears or changes, not at every
 		// event of a busy namespace.
 		switch {

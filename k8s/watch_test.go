@@ -3,15 +3,20 @@ package k8s
 import (
 	"context"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
 
 	"github.com/infergate/infergate/internal/kubetest"
 )
@@ -59,11 +64,25 @@ func (r *reports) await(t *testing.T, what string, want ...Target) {
 	}
 }
 
+// count is how many reports were made.
+func (r *reports) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.all)
+}
+
 // watch runs a watcher of src until the test ends.
 func watch(t *testing.T, s *kubetest.Server, src Source) (*Watcher, *reports) {
 	t.Helper()
+	return watchAs(t, s.Config, src)
+}
+
+// watchAs runs a watcher of src with the client configuration cfg until
+// the test ends.
+func watchAs(t *testing.T, cfg *rest.Config, src Source) (*Watcher, *reports) {
+	t.Helper()
 	r := newReports()
-	w, err := NewWatcher(s.Config, src, Options{OnChange: r.add})
+	w, err := NewWatcher(cfg, src, Options{OnChange: r.add})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,6 +114,8 @@ func TestWatch(t *testing.T) {
 	t.Run("InferencePool", func(t *testing.T) { testWatchPool(t, s) })
 	t.Run("EndpointSlices", func(t *testing.T) { testWatchSlices(t, s) })
 	t.Run("Errors", func(t *testing.T) { testWatchErrors(t, s) })
+	// Last: it kills the API server and deletes the CRD.
+	t.Run("Interrupted", func(t *testing.T) { testWatchInterrupted(t, s) })
 }
 
 func poolObject(ns, name string, selector map[string]string, ports ...int64) *unstructured.Unstructured {
@@ -205,6 +226,23 @@ func testWatchPool(t *testing.T, s *kubetest.Server) {
 	r.await(t, "pool created again", b0)
 	s.DeletePod(t, ns, "b")
 	r.await(t, "b deleted")
+
+	// A pod carrying 100 KiB of another tool's annotation is read as any
+	// (the cache keeps the active-ports annotation alone); a ready pod
+	// whose IP the pod API accepts but no engine can have (0.0.0.0 would
+	// reach the gateway's own host) is left out and counted.
+	s.CreatePod(t, ns, "d", map[string]string{"app": "other"}, 8000)
+	patch("d", `{"metadata":{"annotations":{"example.com/blob":"`+strings.Repeat("x", 100<<10)+`"}}}`)
+	s.SetPodReady(t, ns, "d", "10.0.0.4", true)
+	r.await(t, "d ready", Target{"10.0.0.4", 8000, "pod/d"})
+	s.CreatePod(t, ns, "e", map[string]string{"app": "other"}, 8000)
+	s.SetPodReady(t, ns, "e", "0.0.0.0", true)
+	s.DeletePod(t, ns, "d")
+	r.await(t, "d deleted, e unspecified")
+	if n := w.Stats().Skipped.Load(); n != 1 {
+		t.Fatalf("skipped %d, want e", n)
+	}
+	s.DeletePod(t, ns, "e")
 	// Every list reported was counted, and what came and went.
 	if st := w.Stats(); st.Changes.Load() < 5 || st.Added.Load() == 0 || st.Removed.Load() == 0 || st.Engines.Load() != 0 ||
 		st.LastChange.Load() == 0 || st.WatchErrors.Load() != 0 {
@@ -303,4 +341,110 @@ func testWatchErrors(t *testing.T, s *kubetest.Server) {
 	if w.Stats().WatchErrors.Load() == 0 {
 		t.Fatal("refused lists not counted as watch errors")
 	}
+}
+
+// waitFor polls cond every 10 ms until it holds, failing after a minute (a
+// generous bound: the reflectors' retry back-off is 30 s at most).
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// testWatchInterrupted: the API server killed mid-watch and started again,
+// the watcher's RoleBinding removed and restored, the CRD deleted while
+// watched, the pool created again with another selector. While a source
+// cannot be read the last list is kept (no report, failures counted as
+// watch errors); once it can, the watcher catches up.
+func testWatchInterrupted(t *testing.T, s *kubetest.Server) {
+	ctx := context.Background()
+	ns := s.Namespace(t, "intr")
+	pools := s.Dynamic().Resource(InferencePoolGVR).Namespace(ns)
+	if _, err := pools.Create(ctx, poolObject(ns, "llama", map[string]string{"app": "vllm"}, 8000), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	vllm := map[string]string{"app": "vllm"}
+	s.CreatePod(t, ns, "a", vllm, 8000)
+	s.SetPodReady(t, ns, "a", "10.0.0.1", true)
+	// A second watcher as a ServiceAccount with the chart's rights.
+	user := "system:serviceaccount:" + ns + ":discovery"
+	rbac := s.Clientset().RbacV1()
+	role := &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: "discovery"}, Rules: []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{InferencePoolGVR.Group}, Resources: []string{"inferencepools"}, Verbs: []string{"get", "list", "watch"}}}}
+	binding := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "discovery"},
+		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: user}},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "discovery"}}
+	if _, err := rbac.Roles(ns).Create(ctx, role, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rbac.RoleBindings(ns).Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := rest.CopyConfig(s.Config)
+	cfg.Impersonate.UserName = user
+	src := Source{Namespace: ns, InferencePool: "llama"}
+	w, r := watch(t, s, src)
+	limited, rl := watchAs(t, cfg, src)
+	a0, b0 := Target{"10.0.0.1", 8000, "pod/a"}, Target{"10.0.0.2", 8000, "pod/b"}
+	r.await(t, "a ready", a0)
+	rl.await(t, "a ready (ServiceAccount)", a0)
+
+	// The binding removed (a watch already open goes on: a request is
+	// authorized when it starts), then the API server killed: the lists
+	// are kept, nothing reported while it is down.
+	if err := rbac.RoleBindings(ns).Delete(ctx, "discovery", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	n, unreachable := r.count(), w.Stats().Unreachable.Load()
+	if err := s.KillAPIServer(); err != nil {
+		t.Fatal(err)
+	}
+	// client-go retries a refused watch without reporting it as failed:
+	// the watcher's transport counts it.
+	waitFor(t, "a request unanswered after the kill", func() bool { return w.Stats().Unreachable.Load() > unreachable })
+	if r.count() != n || !w.Synced() {
+		t.Fatalf("the API server down: %d reports after %d, synced %v", r.count(), n, w.Synced())
+	}
+	if err := s.StartAPIServer(ctx); err != nil {
+		t.Fatal(err)
+	}
+	refused := limited.Stats().WatchErrors.Load()
+	s.CreatePod(t, ns, "b", vllm, 8000)
+	s.SetPodReady(t, ns, "b", "10.0.0.2", true)
+	r.await(t, "b ready after the restart", a0, b0)
+	// The ServiceAccount's lists are refused now: its last list stays.
+	waitFor(t, "a refused list after the restart", func() bool { return limited.Stats().WatchErrors.Load() > refused })
+	rl.await(t, "the ServiceAccount's list kept", a0)
+	binding.ResourceVersion = ""
+	if _, err := rbac.RoleBindings(ns).Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	rl.await(t, "b ready once the binding is back (ServiceAccount)", a0, b0)
+
+	// The CRD deleted: the pool goes with it, and so do the engines; the
+	// pool's watch fails until the CRD is back.
+	crds := s.Dynamic().Resource(schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"})
+	crd := InferencePoolGVR.Resource + "." + InferencePoolGVR.Group
+	if err := crds.Delete(ctx, crd, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	r.await(t, "the CRD deleted")
+	waitFor(t, "the CRD gone", func() bool {
+		_, err := crds.Get(ctx, crd, metav1.GetOptions{})
+		return apierrors.IsNotFound(err)
+	})
+	waitFor(t, "a failed watch of the missing CRD", func() bool { return w.Stats().WatchErrors.Load() > 0 })
+	s.InstallInferencePoolCRD(t)
+	s.CreatePod(t, ns, "c", map[string]string{"app": "x"}, 8000)
+	s.SetPodReady(t, ns, "c", "10.0.0.3", true)
+	if _, err := pools.Create(ctx, poolObject(ns, "llama", map[string]string{"app": "x"}, 8000), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	r.await(t, "the pool created again, selecting c", Target{"10.0.0.3", 8000, "pod/c"})
 }

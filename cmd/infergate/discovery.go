@@ -210,7 +210,10 @@ func registerDiscovery(reg prometheus.Registerer, w *k8s.Watcher) error {
 		counter("engines_removed_total", "Kubernetes discovery: engines (host:port) that left the discovered list.", st.Removed.Load),
 		counter("changes_total", "Kubernetes discovery: discovered lists applied (the first after the informers synced included).", st.Changes.Load),
 		counter("watch_errors_total", "Kubernetes discovery: failed lists and watches of the informers, each retried by client-go with backoff (a restarted watch).", st.WatchErrors.Load),
+		counter("api_unreachable_total", "Kubernetes discovery: requests to the API server that got no answer (connection refused or reset, TLS failure, timeout); client-go retries a refused watch without counting it in watch_errors_total.", st.Unreachable.Load),
 		gauge("engines", "Kubernetes discovery: engines in the last discovered list.", func() float64 { return float64(st.Engines.Load()) }),
+		gauge("skipped", "Kubernetes discovery: pods or EndpointSlice endpoints offered as engines but left out at the last recomputation (an address no engine can have, an active-ports annotation over 1 KiB; logged).",
+			func() float64 { return float64(st.Skipped.Load()) }),
 		gauge("synced", "Kubernetes discovery: 1 once the informers have synced (their first list), else 0.", func() float64 {
 			if w.Synced() {
 				return 1

@@ -190,6 +190,7 @@ type Server struct {
 	opts      Options
 	apiserver *proc
 	etcd      *proc
+	restarts  int // StartAPIServer calls (its log files' numbers)
 	stopOnce  sync.Once
 	stopErr   error
 
@@ -433,7 +434,50 @@ func (s *Server) startAPIServer(ctx context.Context, bin string, attempt int) er
 	if err != nil {
 		return err
 	}
-	port := strconv.Itoa(ports[0])
+	return s.startAPIServerAt(ctx, bin, strconv.Itoa(ports[0]), fmt.Sprintf("kube-apiserver-%d.log", attempt))
+}
+
+// KillAPIServer kills kube-apiserver with SIGKILL (a crash, an OOM kill:
+// its clients' connections break, their watches end) and waits for it to
+// exit, within Options.StopTimeout; etcd and its data stay. StartAPIServer
+// starts it again. Not safe for concurrent use with itself, StartAPIServer
+// or Stop.
+func (s *Server) KillAPIServer() error {
+	p := s.apiserver
+	if p == nil {
+		return errors.New("kubetest: kube-apiserver is not running")
+	}
+	_ = p.cmd.Process.Kill()
+	select {
+	case <-p.done:
+	case <-time.After(s.opts.StopTimeout):
+		return fmt.Errorf("kubetest: kube-apiserver (pid %d) did not exit after SIGKILL", p.cmd.Process.Pid)
+	}
+	s.apiserver = nil
+	return nil
+}
+
+// StartAPIServer starts kube-apiserver again after KillAPIServer, at the
+// same URL (clients' configurations stay valid), and returns when its
+// /readyz answers ok, within Options.StartTimeout and ctx. It fails when
+// another process took the port meanwhile.
+func (s *Server) StartAPIServer(ctx context.Context) error {
+	if s.apiserver != nil {
+		return errors.New("kubetest: kube-apiserver is running")
+	}
+	bin, _, err := Binaries()
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.opts.StartTimeout)
+	defer cancel()
+	s.restarts++
+	return s.startAPIServerAt(ctx, bin, strings.TrimPrefix(s.URL, "https://127.0.0.1:"), fmt.Sprintf("kube-apiserver-restart-%d.log", s.restarts))
+}
+
+// startAPIServerAt starts kube-apiserver on port, logging to logName in
+// Dir, and waits for its /readyz.
+func (s *Server) startAPIServerAt(ctx context.Context, bin, port, logName string) error {
 	s.URL = "https://127.0.0.1:" + port
 	s.Config.Host = s.URL
 	if err := s.writeKubeconfig(); err != nil {
@@ -465,7 +509,7 @@ func (s *Server) startAPIServer(ctx context.Context, bin string, attempt int) er
 		"--v=0",
 	}
 	args = append(args, s.opts.APIServerFlags...)
-	p, err := startProc(bin, args, s.path(fmt.Sprintf("kube-apiserver-%d.log", attempt)), s.opts.Logs)
+	p, err := startProc(bin, args, s.path(logName), s.opts.Logs)
 	if err != nil {
 		return err
 	}
