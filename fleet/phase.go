@@ -2,6 +2,7 @@ package fleet
 
 import (
 	"hash/fnv"
+	"math"
 	"os"
 	"time"
 )
@@ -55,9 +56,18 @@ func PhaseOffset(seed uint64, kind, name string, period time.Duration) time.Dura
 // instants it covered). period must be positive; offset is taken modulo it.
 func UntilPhase(now time.Time, offset, period time.Duration) time.Duration {
 	p := int64(period)
-	next := (int64(offset)%p - now.UnixNano()%p + 2*p) % p // in [0, p)
-	if next == 0 {
-		next = p
+	// Both residues in [0, p), their difference in (−p, p): no sum of
+	// periods that could overflow for a period past 2⁶² ns.
+	o, n := int64(offset)%p, now.UnixNano()%p
+	if o < 0 {
+		o += p
+	}
+	if n < 0 {
+		n += p
+	}
+	next := o - n
+	if next <= 0 {
+		next += p
 	}
 	return time.Duration(next)
 }
@@ -73,5 +83,9 @@ func NextPhase(now, last time.Time, offset, period time.Duration) time.Duration 
 	if half := last.Add(period / 2); !last.IsZero() && half.After(now) {
 		from = half
 	}
-	return from.Sub(now) + UntilPhase(from, offset, period)
+	d, u := from.Sub(now), UntilPhase(from, offset, period)
+	if d > math.MaxInt64-u { // a period past 6·10¹⁸ ns: the longest wait, not an overflow
+		return math.MaxInt64
+	}
+	return d + u
 }

@@ -3,6 +3,7 @@ package fleet
 import (
 	"context"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
@@ -28,6 +29,10 @@ func TestUntilPhase(t *testing.T) {
 		{now: 14, offset: -2, period: 5, want: 4}, // -2 ≡ 3
 		{now: -1, offset: 0, period: 5, want: 1},
 		{now: -7, offset: 1, period: 5, want: 3},
+		// A period past 2⁶² ns (the longest durations YAML takes): no
+		// overflow to a negative wait.
+		{now: 10, offset: 0, period: math.MaxInt64, want: math.MaxInt64 - 10},
+		{now: 10, offset: math.MaxInt64 - 1, period: math.MaxInt64, want: math.MaxInt64 - 11},
 	} {
 		if got := UntilPhase(time.Unix(0, c.now), c.offset, c.period); got != c.want {
 			t.Errorf("UntilPhase(%d, %d, %d) = %d, want %d", c.now, c.offset, c.period, got, c.want)
@@ -170,5 +175,16 @@ func TestNextPhase(t *testing.T) {
 		if got := NextPhase(c.now, c.last, offset, period); got != c.want {
 			t.Errorf("%s: %v, want %v", c.name, got, c.want)
 		}
+	}
+	// The longest period a duration holds: half of it plus up to one more
+	// would overflow; the wait is the longest, not negative.
+	now := time.Unix(0, 10)
+	if got := NextPhase(now, now, 0, math.MaxInt64); got != math.MaxInt64-10 {
+		t.Errorf("period MaxInt64, offset 0: %v, want MaxInt64 − 10 ns", got)
+	}
+	// The phase exactly half a period after the last run: the next one is
+	// a period and a half away, past what a duration holds.
+	if got := NextPhase(now, now, 10+math.MaxInt64/2, math.MaxInt64); got != math.MaxInt64 {
+		t.Errorf("period MaxInt64, 1.5 periods away: %v, want MaxInt64", got)
 	}
 }
