@@ -23,6 +23,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/infergate/infergate/gateway"
+	"github.com/infergate/infergate/internal/polltest"
 )
 
 // TestMain silences the gateway's warnings unless -v.
@@ -322,18 +323,8 @@ func (s *stream) immediate() (int, string) {
 	return int(ir.GetStatus().GetCode()), string(ir.GetBody())
 }
 
-// waitFor polls cond until it holds (a minute at most: a bound, not a
-// timing claim).
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(time.Minute)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
+// waitFor waits until cond holds (polltest.Until: a minute at most).
+var waitFor = polltest.Until
 
 // requireGoroutinesBack fails unless the goroutine count (liveGoroutines)
 // returns to at most before+slack (polling; the bound, not the time, is

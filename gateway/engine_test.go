@@ -16,6 +16,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/infergate/infergate/internal/polltest"
 )
 
 // engineMode selects how a fakeEngine answers completions.
@@ -292,20 +294,8 @@ func post(t testing.TB, c *http.Client, url, body string, hdr ...string) (*http.
 	return resp, b
 }
 
-// waitFor polls cond every 5 ms until it holds or 5 s pass.
-//
-// The deadline is a generous upper bound (a minute), never a timing claim:
-// on a loaded machine a scrape or a health probe can take seconds.
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(time.Minute)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
+// waitFor waits until cond holds (polltest.Until: a minute at most).
+var waitFor = polltest.Until
 
 // closedURL returns the URL of a loopback port nothing listens on.
 func closedURL(t testing.TB) string {

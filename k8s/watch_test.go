@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/infergate/infergate/internal/kubetest"
+	"github.com/infergate/infergate/internal/polltest"
 )
 
 // reports collects a Watcher's OnChange calls.
@@ -343,18 +344,8 @@ func testWatchErrors(t *testing.T, s *kubetest.Server) {
 	}
 }
 
-// waitFor polls cond every 10 ms until it holds, failing after a minute (a
-// generous bound: the reflectors' retry back-off is 30 s at most).
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(time.Minute)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
+// waitFor waits until cond holds (polltest.Until: a minute at most).
+var waitFor = polltest.Until
 
 // testWatchInterrupted: the API server killed mid-watch and started again,
 // the watcher's RoleBinding removed and restored, the CRD deleted while

@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/infergate/infergate/internal/polltest"
 )
 
 // ---------------------------------------------------------------------------
@@ -134,15 +136,8 @@ func zmtpSkipFrame(r io.Reader) error {
 	return err
 }
 
-// waitFor polls cond (generous upper bound; no timing is asserted).
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(2 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-	}
-}
+// waitFor waits until cond holds (polltest.Until: a minute at most).
+var waitFor = polltest.Until
 
 // kvBackoffs records the backoffs a subscriber waits.
 type kvBackoffs struct {

@@ -12,10 +12,10 @@ import (
 	"runtime"
 	"strings"
 	"testing"
-	"time"
 
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/infergate/infergate/internal/polltest"
 	"github.com/infergate/infergate/openai"
 	"github.com/infergate/infergate/sim"
 )
@@ -285,17 +285,8 @@ func TestErrors(t *testing.T) {
 	}
 }
 
-// waitFor polls cond until it holds, failing after a generous wall-clock bound
-// (the test asserts the state is reached, not how fast).
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
+// waitFor waits until cond holds (polltest.Until: a minute at most).
+var waitFor = polltest.Until
 
 func TestClientCancelAborts(t *testing.T) {
 	s, ts := newTestServer(t, ServerConfig{TimeScale: 1}) // ~20 ms per token: 1000 tokens outlast the test

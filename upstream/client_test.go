@@ -15,6 +15,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/infergate/infergate/internal/polltest"
 )
 
 // upstreamTestConfig is the upstream client's configuration in these tests.
@@ -922,14 +924,5 @@ func TestUpstreamRoundTripBy(t *testing.T) {
 	_ = dl.SetReadDeadline(time.Time{}) // the connection is broken now: no effect, no panic
 }
 
-// waitFor polls cond until it holds (a minute at most: a loaded machine).
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(time.Minute)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
+// waitFor waits until cond holds (polltest.Until: a minute at most).
+var waitFor = polltest.Until

@@ -28,6 +28,7 @@ import (
 
 	"github.com/infergate/infergate/gateway"
 	"github.com/infergate/infergate/internal/kubetest"
+	"github.com/infergate/infergate/internal/polltest"
 	"github.com/infergate/infergate/k8s"
 	"github.com/infergate/infergate/simserver"
 )
@@ -343,18 +344,8 @@ func hostIPv4(t *testing.T) string {
 	return ""
 }
 
-// waitUntil polls cond every 10 ms until it holds, failing after a minute
-// (a generous bound on a loaded machine, not a timing claim).
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(time.Minute)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
+// waitUntil waits until cond holds (polltest.Until: a minute at most).
+var waitUntil = polltest.Until
 
 // TestReloaderMerged: the discovered engines are appended to the static
 // endpoints from the template, an engine the file lists already for the
