@@ -153,7 +153,9 @@ func TestReloadBlackholedEngine(t *testing.T) {
 	base := newFakeEngine(t, "a")
 	ge := newGatedEngines(t, 0, 3*(n-1), "e0")
 	close(ge.open) // the live engines answer at once
-	const timeout = 500 * time.Millisecond
+	// Long enough that no live engine's read times out on a busy machine
+	// (which would skip its other reads); the black-holed one costs it once.
+	const timeout = 5 * time.Second
 	g, err := New(context.Background(), discoveryConfig(base.URL(), ge, 0, timeout), nil)
 	if err != nil {
 		t.Fatal(err)
