@@ -3,7 +3,6 @@ package gateway
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -56,7 +55,7 @@ import (
 // still scores residency, pool.adapter). GET /v1/models lists the adapters
 // with their parent. When an endpoint's list changes (an adapter loaded or
 // unloaded), the state is rebuilt from the configuration in force, as a
-// reload with nothing changed would (refreshAdapters): pools, indexes and
+// reload with nothing changed would (rebuildInForce): pools, indexes and
 // queues are kept.
 
 // maxAdapterNames bounds the adapters configured per base model.
@@ -227,7 +226,7 @@ func serves(models []string, adapter string) bool {
 // ctx is done, at the endpoint's phase (the first read half an interval to
 // one and a half after the start); a list whose adapters or ids differ from the last one
 // (an adapter loaded, unloaded, or first seen) is stored and the state
-// rebuilt (adapterChanged). A failed read keeps what was known: an engine
+// rebuilt (rebuildSoon). A failed read keeps what was known: an engine
 // that is down is out of rotation anyway.
 func (g *Gateway) modelsLoop(ctx context.Context, ep *endpoint) {
 	if g.cfg.ModelsRefreshInterval < 0 {
@@ -261,7 +260,7 @@ func (g *Gateway) modelsLoop(ctx context.Context, ep *endpoint) {
 		if old, changed := ep.setModels(&l); changed &&
 			(len(l.Adapters) > 0 || (old != nil && len(old.Adapters) > 0) || len(g.state.Load().cfg.Adapters) > 0) {
 			slog.Info("gateway: endpoint's model list changed", "endpoint", ep.name, "models", len(l.IDs), "adapters", len(l.Adapters))
-			g.adapterChanged()
+			g.rebuildSoon()
 		}
 		t.Reset(fleet.NextPhase(time.Now(), began, offset, every))
 	}
@@ -293,61 +292,6 @@ func sameSet[T comparable](a, b []T, compare func(T, T) int) bool {
 	slices.SortFunc(a, compare)
 	slices.SortFunc(b, compare)
 	return slices.Equal(a, b)
-}
-
-// adapterChanged asks the refresher for a rebuild (coalesced: one pending
-// at most). Also asked by an endpoint's first passed health check when its
-// engine did not answer the reads of its KV capacity or context length
-// when it was added (health.go): the rebuild reads them.
-func (g *Gateway) adapterChanged() {
-	select {
-	case g.adapterRefresh <- struct{}{}:
-	default:
-	}
-}
-
-// runAdapterRefresh rebuilds the state each time an endpoint's model list
-// changed, until the gateway closes.
-func (g *Gateway) runAdapterRefresh() {
-	g.wg.Go(func() {
-		for {
-			select {
-			case <-g.loops.Done():
-				return
-			case <-g.adapterRefresh:
-			}
-			if err := g.refreshAdapters(); err != nil {
-				slog.Warn("gateway: LoRA adapters not updated; the state in force stays", "err", err)
-			}
-		}
-	})
-}
-
-// refreshAdapters rebuilds the state from the configuration in force, so
-// that the adapters the endpoints now list are routed and the capacities
-// engines did not answer for are read (build reuses everything else: no
-// other endpoint is probed again, pools keep their indexes, policies and
-// queues). It is a reload of the same configuration, not
-// counted as one; API keys are read again like at any reload.
-func (g *Gateway) refreshAdapters() error {
-	g.reloadMu.Lock()
-	defer g.reloadMu.Unlock()
-	switch {
-	case g.loops.Err() != nil:
-		return errors.New("gateway: closed")
-	case g.draining.Load():
-		return nil // shutting down: nothing new is routed
-	}
-	prev := g.state.Load()
-	st, pl, err := g.build(g.loops, prev.cfg, prev)
-	if err != nil {
-		return err
-	}
-	g.commit(st, pl, prev)
-	if !maps.Equal(prev.adapters, st.adapters) {
-		slog.Info("gateway: LoRA adapters updated", "adapters", len(st.adapters))
-	}
-	return nil
 }
 
 // Placements of an adapter's pick (infergate_lora_picks_total's label).

@@ -133,9 +133,9 @@ type Gateway struct {
 	settles chan *pool
 	// settleNow ends the settler's wait early (capacity 1; learning.go).
 	settleNow chan struct{}
-	// adapterRefresh asks for a rebuild of the state when an endpoint's
-	// model list changed (adapters.go; capacity 1).
-	adapterRefresh chan struct{}
+	// rebuildReq asks for a rebuild of the state from the configuration
+	// in force (reload.go rebuildSoon; capacity 1).
+	rebuildReq chan struct{}
 
 	// loops is the parent context of every endpoint's health loop and
 	// feeds; stop (Close) ends them all, wg waits for them.
@@ -192,7 +192,7 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	g.reqIDPrefix = "ig-" + hex.EncodeToString(idb[:]) + "-"
 	g.loops, g.stop = context.WithCancel(context.Background())
 	g.startSettler()
-	g.adapterRefresh = make(chan struct{}, 1)
+	g.rebuildReq = make(chan struct{}, 1)
 	fail := func(err error) (*Gateway, error) {
 		g.Close() // the one cleanup path, whatever was started
 		return nil, err
@@ -263,7 +263,7 @@ func New(ctx context.Context, cfg Config, reg prometheus.Registerer) (*Gateway, 
 	}
 	g.commit(st, plan, nil)
 	g.reloadMu.Unlock()
-	g.runAdapterRefresh()
+	g.runRebuilds()
 	if err := g.startReplicas(); err != nil {
 		return fail(err)
 	}

@@ -145,7 +145,7 @@ func (g *Gateway) noteHealth(ctx context.Context, ep *endpoint, spec *endpointSp
 			// rediscoverEvery for an engine that answers its health
 			// check and keeps not answering those reads).
 			ep.rediscoveredAt.Store(now)
-			g.adapterChanged()
+			g.rebuildSoon()
 		}
 	} else if n := ep.probeFailures.Add(1); g.cfg.HealthCheckAbortAfter > 0 && n >= int64(g.cfg.HealthCheckAbortAfter) {
 		if a := ep.waits.AbortAll(); a > 0 {

@@ -69,6 +69,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"reflect"
 	"strings"
 	"time"
@@ -373,4 +374,60 @@ func keepUnreloadable(cfg *Config, old Config) []string {
 	}
 	walk(reflect.ValueOf(cfg).Elem(), reflect.ValueOf(old))
 	return kept
+}
+
+// rebuildSoon asks the rebuilder for a rebuild of the state from the
+// configuration in force (coalesced: one pending at most): when an
+// endpoint's model list changed (adapters.go), and at an endpoint's first
+// passed health check when its engine did not answer the reads of its KV
+// capacity or context length when it was added (health.go).
+func (g *Gateway) rebuildSoon() {
+	select {
+	case g.rebuildReq <- struct{}{}:
+	default:
+	}
+}
+
+// runRebuilds rebuilds the state each time rebuildSoon asked, until the
+// gateway closes.
+func (g *Gateway) runRebuilds() {
+	g.wg.Go(func() {
+		for {
+			select {
+			case <-g.loops.Done():
+				return
+			case <-g.rebuildReq:
+			}
+			if err := g.rebuildInForce(); err != nil {
+				slog.Warn("gateway: state not rebuilt (LoRA adapters, engines' capacities); the state in force stays", "err", err)
+			}
+		}
+	})
+}
+
+// rebuildInForce rebuilds the state from the configuration in force, so
+// that the adapters the endpoints now list are routed and the capacities
+// engines did not answer for are read (build reuses everything else: no
+// other endpoint is probed again, pools keep their indexes, policies and
+// queues). It is a reload of the same configuration, not
+// counted as one; API keys are read again like at any reload.
+func (g *Gateway) rebuildInForce() error {
+	g.reloadMu.Lock()
+	defer g.reloadMu.Unlock()
+	switch {
+	case g.loops.Err() != nil:
+		return errors.New("gateway: closed")
+	case g.draining.Load():
+		return nil // shutting down: nothing new is routed
+	}
+	prev := g.state.Load()
+	st, pl, err := g.build(g.loops, prev.cfg, prev)
+	if err != nil {
+		return err
+	}
+	g.commit(st, pl, prev)
+	if !maps.Equal(prev.adapters, st.adapters) {
+		slog.Info("gateway: LoRA adapters updated", "adapters", len(st.adapters))
+	}
+	return nil
 }
