@@ -568,8 +568,7 @@ type ScrapeConfig struct {
 	// PhaseOffset makes one from a name, as Prometheus offsets each
 	// target's scrapes), so that scrapers started together (the gateway's,
 	// one per endpoint) do not scrape together every Interval; taken
-	// modulo Interval. 0: none, the rounds follow the first every
-	// Interval (a ticker).
+	// modulo Interval (0: the instants that are multiples of Interval).
 	Phase time.Duration
 	// Client sends the GETs. Default: a client of the Scraper's own with
 	// keep-alive connections, closed when Run returns, that follows no
@@ -673,26 +672,12 @@ func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastR
 // Len returns the number of endpoints.
 func (s *Scraper) Len() int { return len(s.eps) }
 
-// Run scrapes every endpoint at once, then every Interval (at Phase, when
-// set), until ctx is done; it returns when the round in progress has
-// ended. Rounds that would overlap are skipped. Run starts no goroutine
-// that outlives it.
+// Run scrapes every endpoint at once, then every Interval at Phase, until
+// ctx is done; it returns when the round in progress has ended. Rounds
+// that would overlap are skipped. Run starts no goroutine that outlives it.
 func (s *Scraper) Run(ctx context.Context) {
 	if s.ownsHTTP {
 		defer s.cfg.Client.CloseIdleConnections()
-	}
-	if s.cfg.Phase == 0 {
-		t := time.NewTicker(s.cfg.Interval)
-		defer t.Stop()
-		for ctx.Err() == nil {
-			s.ScrapeOnce(ctx)
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
-		}
-		return
 	}
 	if ctx.Err() != nil {
 		return
