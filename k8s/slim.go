@@ -63,7 +63,7 @@ func slimSlice(o any) (any, error) {
 	for i, e := range s.Endpoints {
 		se := discoveryv1.Endpoint{Conditions: e.Conditions, Hostname: e.Hostname}
 		if len(e.Addresses) > 0 {
-			se.Addresses = e.Addresses[:1:1]
+			se.Addresses = []string{e.Addresses[0]} // a copy: [:1:1] would keep the decoded array of every address
 		}
 		if e.TargetRef != nil {
 			se.TargetRef = &corev1.ObjectReference{Kind: e.TargetRef.Kind, Name: e.TargetRef.Name}
